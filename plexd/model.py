@@ -1,0 +1,284 @@
+"""Wire types of the control-plane protocol (plexd-protocol.md §1, §4), parsed with precise errors.
+
+Parsing follows Go's lenient decoding where the protocol relies on it (unknown keys ignored, key match
+case-insensitive, ``null`` for a list means empty) but refuses a value of the wrong type, naming the field.
+Semantic checks (is this a valid WireGuard key? a valid CIDR?) are not done here: the desired-state builder
+checks each peer on its own so one bad peer never blocks the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexd.errors import WireFormatError
+
+JSON = Any
+
+
+def _fields(obj: JSON, path: str) -> dict[str, JSON]:
+    if not isinstance(obj, dict):
+        raise WireFormatError(path, f"must be a JSON object, got {_kind(obj)}")
+    return {str(k).lower(): v for k, v in obj.items()}
+
+
+def _kind(value: JSON) -> str:
+    if value is None:
+        return "null"
+    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _str(f: dict[str, JSON], key: str, path: str, default: str = "") -> str:
+    value = f.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise WireFormatError(_join(path, key), f"must be a string, got {_kind(value)}")
+    return value
+
+
+def _int(f: dict[str, JSON], key: str, path: str, default: int = 0) -> int:
+    value = f.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
+        raise WireFormatError(_join(path, key), f"must be an integer, got {_kind(value)} {value!r}")
+    return int(value)
+
+
+def _list(f: dict[str, JSON], key: str, path: str) -> list[JSON]:
+    value = f.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise WireFormatError(_join(path, key), f"must be an array, got {_kind(value)}")
+    return value
+
+
+def _str_map(f: dict[str, JSON], key: str, path: str) -> dict[str, str] | None:
+    value = f.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise WireFormatError(_join(path, key), f"must be an object, got {_kind(value)}")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise WireFormatError(f"{_join(path, key)}.{k}", f"must be a string, got {_kind(v)}")
+    return dict(value)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+@dataclass(frozen=True)
+class Peer:
+    id: str
+    public_key: str
+    mesh_ip: str
+    endpoint: str = ""
+    allowed_ips: tuple[str, ...] = ()
+    psk: str = ""
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str = "peer") -> Peer:
+        f = _fields(obj, path)
+        ips = _list(f, "allowed_ips", path)
+        for i, ip in enumerate(ips):
+            if not isinstance(ip, str):
+                raise WireFormatError(f"{path}.allowed_ips[{i}]", f"must be a string, got {_kind(ip)}")
+        return cls(
+            id=_str(f, "id", path),
+            public_key=_str(f, "public_key", path),
+            mesh_ip=_str(f, "mesh_ip", path),
+            endpoint=_str(f, "endpoint", path),
+            allowed_ips=tuple(ips),
+            psk=_str(f, "psk", path),
+        )
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {
+            "id": self.id,
+            "public_key": self.public_key,
+            "mesh_ip": self.mesh_ip,
+            "endpoint": self.endpoint,
+            "allowed_ips": list(self.allowed_ips),
+            "psk": self.psk,
+        }
+
+
+@dataclass(frozen=True)
+class PolicyRule:
+    src: str
+    dst: str
+    port: int = 0
+    protocol: str = ""
+    action: str = "allow"
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str) -> PolicyRule:
+        f = _fields(obj, path)
+        return cls(
+            src=_str(f, "src", path),
+            dst=_str(f, "dst", path),
+            port=_int(f, "port", path),
+            protocol=_str(f, "protocol", path),
+            action=_str(f, "action", path),
+        )
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {"src": self.src, "dst": self.dst, "port": self.port, "protocol": self.protocol,
+                "action": self.action}
+
+
+@dataclass(frozen=True)
+class Policy:
+    id: str
+    rules: tuple[PolicyRule, ...] = ()
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str) -> Policy:
+        f = _fields(obj, path)
+        rules = tuple(
+            PolicyRule.from_wire(r, f"{path}.rules[{i}]") for i, r in enumerate(_list(f, "rules", path))
+        )
+        return cls(id=_str(f, "id", path), rules=rules)
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {"id": self.id, "rules": [r.to_wire() for r in self.rules]}
+
+
+@dataclass(frozen=True)
+class SigningKeys:
+    current: str
+    previous: str = ""
+    transition_expires: str = ""  # RFC 3339, "" when absent
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str = "signing_keys") -> SigningKeys:
+        f = _fields(obj, path)
+        return cls(
+            current=_str(f, "current", path),
+            previous=_str(f, "previous", path),
+            transition_expires=_str(f, "transition_expires", path),
+        )
+
+    def to_wire(self) -> dict[str, JSON]:
+        out: dict[str, JSON] = {"current": self.current}
+        if self.previous:
+            out["previous"] = self.previous
+        if self.transition_expires:
+            out["transition_expires"] = self.transition_expires
+        return out
+
+
+@dataclass(frozen=True)
+class DataEntry:
+    key: str
+    content_type: str
+    payload: JSON
+    version: int
+    updated_at: str
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str) -> DataEntry:
+        f = _fields(obj, path)
+        return cls(
+            key=_str(f, "key", path),
+            content_type=_str(f, "content_type", path),
+            payload=f.get("payload"),
+            version=_int(f, "version", path),
+            updated_at=_str(f, "updated_at", path, "0001-01-01T00:00:00Z"),
+        )
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {"key": self.key, "content_type": self.content_type, "payload": self.payload,
+                "version": self.version, "updated_at": self.updated_at}
+
+
+@dataclass(frozen=True)
+class SecretRef:
+    key: str
+    version: int
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str) -> SecretRef:
+        f = _fields(obj, path)
+        return cls(key=_str(f, "key", path), version=_int(f, "version", path))
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {"key": self.key, "version": self.version}
+
+
+@dataclass(frozen=True)
+class State:
+    """``GET /v1/nodes/{id}/state`` (§4.1). Bridge/relay/access/ingress/site-to-site configs are kept raw."""
+
+    peers: tuple[Peer, ...] = ()
+    policies: tuple[Policy, ...] = ()
+    signing_keys: SigningKeys | None = None
+    metadata: dict[str, str] | None = None
+    data: tuple[DataEntry, ...] = ()
+    secret_refs: tuple[SecretRef, ...] = ()
+    extra: dict[str, JSON] = field(default_factory=dict)
+
+    _EXTRA_KEYS = ("bridge_config", "relay_config", "user_access_config", "ingress_config", "site_to_site_config")
+
+    @classmethod
+    def from_wire(cls, obj: JSON, path: str = "") -> State:
+        f = _fields(obj, path or "state")
+        keys = f.get("signing_keys")
+        return cls(
+            peers=tuple(Peer.from_wire(p, _join(path, f"peers[{i}]")) for i, p in enumerate(_list(f, "peers", path))),
+            policies=tuple(
+                Policy.from_wire(p, _join(path, f"policies[{i}]")) for i, p in enumerate(_list(f, "policies", path))
+            ),
+            signing_keys=None if keys is None else SigningKeys.from_wire(keys, _join(path, "signing_keys")),
+            metadata=_str_map(f, "metadata", path),
+            data=tuple(DataEntry.from_wire(d, _join(path, f"data[{i}]")) for i, d in enumerate(_list(f, "data", path))),
+            secret_refs=tuple(
+                SecretRef.from_wire(s, _join(path, f"secret_refs[{i}]"))
+                for i, s in enumerate(_list(f, "secret_refs", path))
+            ),
+            extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
+        )
+
+    def to_wire(self) -> dict[str, JSON]:
+        out: dict[str, JSON] = {
+            "peers": [p.to_wire() for p in self.peers],
+            "policies": [p.to_wire() for p in self.policies],
+            "data": [d.to_wire() for d in self.data],
+            "secret_refs": [s.to_wire() for s in self.secret_refs],
+        }
+        if self.signing_keys is not None:
+            out["signing_keys"] = self.signing_keys.to_wire()
+        if self.metadata is not None:
+            out["metadata"] = self.metadata
+        out.update(self.extra)
+        return out
+
+
+@dataclass(frozen=True)
+class RegisterResponse:
+    node_id: str
+    mesh_ip: str
+    signing_public_key: str
+    node_secret_key: str
+    peers: tuple[Peer, ...] = ()
+
+    @classmethod
+    def from_wire(cls, obj: JSON) -> RegisterResponse:
+        f = _fields(obj, "register response")
+        resp = cls(
+            node_id=_str(f, "node_id", ""),
+            mesh_ip=_str(f, "mesh_ip", ""),
+            signing_public_key=_str(f, "signing_public_key", ""),
+            node_secret_key=_str(f, "node_secret_key", ""),
+            peers=tuple(Peer.from_wire(p, f"peers[{i}]") for i, p in enumerate(_list(f, "peers", ""))),
+        )
+        for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
+            if not getattr(resp, name):
+                raise WireFormatError(name, "missing from the register response")
+        return resp
