@@ -1,0 +1,36 @@
+"""Exponential backoff with uniform ±jitter (1 s x2 → 60 s, ±25 % by default), shared by every retry loop."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+
+class Backoff:
+    def __init__(
+        self,
+        base: float = 1.0,
+        cap: float = 60.0,
+        factor: float = 2.0,
+        jitter: float = 0.25,
+        rand: Callable[[], float] = random.random,
+    ) -> None:
+        if not (0 < base <= cap) or factor < 1 or not (0 <= jitter < 1):
+            raise ValueError("backoff needs 0 < base <= cap, factor >= 1, 0 <= jitter < 1")
+        self.base, self.cap, self.factor, self.jitter = base, cap, factor, jitter
+        self._rand = rand
+        self._current = base
+
+    @property
+    def current(self) -> float:
+        """The un-jittered delay the next `next_delay()` is based on."""
+        return self._current
+
+    def next_delay(self) -> float:
+        """Return the jittered delay for this attempt and grow the base for the next one."""
+        delay = self._current * (1 + self.jitter * (2 * self._rand() - 1))
+        self._current = min(self._current * self.factor, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        self._current = self.base
