@@ -1,0 +1,47 @@
+"""Wire types: lenient where Go is lenient, precise errors where a value has the wrong type."""
+
+import pytest
+
+from plexd.errors import WireFormatError
+from plexd.model import Peer, RegisterResponse, State
+
+
+def test_state_accepts_nulls_and_unknown_keys():
+    state = State.from_wire({"peers": None, "policies": None, "data": None, "secret_refs": None, "future": 1})
+    assert state.peers == () and state.policies == () and state.signing_keys is None
+
+
+def test_state_round_trip():
+    wire = {
+        "peers": [{"id": "n1", "public_key": "k", "mesh_ip": "10.100.0.2", "endpoint": "1.2.3.4:51820",
+                   "allowed_ips": ["10.100.0.2/32"], "psk": ""}],
+        "policies": [{"id": "p", "rules": [{"src": "*", "dst": "*", "port": 0, "protocol": "", "action": "allow"}]}],
+        "data": [{"key": "k", "content_type": "text/plain", "payload": "x", "version": 2,
+                  "updated_at": "2025-01-15T10:30:00Z"}],
+        "secret_refs": [{"key": "s", "version": 1}],
+        "signing_keys": {"current": "c"},
+        "metadata": {"env": "prod"},
+    }
+    assert State.from_wire(wire).to_wire() == wire
+
+
+def test_keys_match_case_insensitively():
+    assert Peer.from_wire({"ID": "n1", "Public_Key": "k", "mesh_ip": "m"}).public_key == "k"
+
+
+@pytest.mark.parametrize(
+    ("wire", "path"),
+    [({"peers": [{"id": 1}]}, "peers[0].id"), ({"peers": {}}, "peers"),
+     ({"peers": [{"allowed_ips": [1]}]}, "peers[0].allowed_ips[0]"),
+     ({"policies": [{"rules": [{"port": "443"}]}]}, "policies[0].rules[0].port"),
+     ({"metadata": {"a": True}}, "metadata.a"), ({"data": [{"version": 1.5}]}, "data[0].version")],
+)
+def test_wrong_types_name_the_field(wire, path):
+    with pytest.raises(WireFormatError) as info:
+        State.from_wire(wire)
+    assert info.value.path == path
+
+
+def test_register_response_requires_identity_fields():
+    with pytest.raises(WireFormatError, match="node_secret_key"):
+        RegisterResponse.from_wire({"node_id": "n", "mesh_ip": "m", "signing_public_key": "s"})
