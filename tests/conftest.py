@@ -22,11 +22,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "/tests/e2e/" in str(item.fspath) or item.get_closest_marker("root"):
             item.add_marker(pytest.mark.root)
-            if not IS_ROOT:
-                if IN_CI:
-                    item.add_marker(pytest.mark.xfail(reason="CI must run as root", strict=True, run=False))
-                else:
-                    item.add_marker(pytest.mark.skip(reason="needs root and network namespaces"))
+            # In CI a non-root run lets the test run and fail on its own: never a silent skip there.
+            if not IS_ROOT and not IN_CI:
+                item.add_marker(pytest.mark.skip(reason="needs root and network namespaces"))
 
 
 def _netns() -> set[str]:
