@@ -1,0 +1,333 @@
+"""The lifecycle of ``plexd up``: start → register → services (one TaskGroup) → shutdown.
+
+    start        data_dir writable, binary checksum, hook scan                      (Agent.start)
+    register     reuse the stored identity, or register with the bootstrap token    (Agent.register)
+    services     every long-running part is a coroutine `fn(agent)` in one asyncio.TaskGroup  (Agent.serve)
+    shutdown     SIGINT/SIGTERM set `stop_event` → "drain" callbacks → services cancelled → POST /deregister
+                 (when shutdown.deregister) → "teardown" callbacks, last registered first     (Agent.shutdown)
+
+Adding a service takes a few lines in `install_services` below::
+
+    async def heartbeat_service(agent: Agent) -> None:
+        while not agent.stopping:
+            resp = await agent.authed(lambda: agent.client.heartbeat(agent.identity.node_id, build(agent)))
+            ...
+            await agent.sleep(agent.config.heartbeat.interval)   # returns early when the agent stops
+
+    agent.add_service("heartbeat", heartbeat_service)
+    agent.on_shutdown("tear down plexd0", teardown_fn)            # async fn(agent); phase="drain" runs earlier
+
+What a service can use: ``agent.config`` (frozen `plexd.config.Config`), ``agent.identity`` (`plexd.identity
+.Identity`; may be replaced after a re-registration, so read it each time), ``agent.client``
+(`ControlPlaneClient`, bearer already set), ``agent.clock``, ``agent.store`` (`IdentityStore`),
+``agent.binary_checksum``, ``agent.hooks`` (`HookScan`), ``agent.builtin_actions`` (append dicts of the §1.8
+shape before services start), ``agent.capabilities()``, ``agent.announce_capabilities()`` (re-scan hooks and PUT),
+``agent.authed(call)`` (runs a client call; on a 401 re-authenticates once via the registrar and retries),
+``agent.reauthenticate()``, ``agent.sleep(s)``, ``agent.stop_event`` / ``agent.stopping``, ``agent.uptime()``.
+
+A service that returns is simply done; one that raises stops the agent (exit status 1, error logged), so a bug
+never leaves a half-working daemon behind: systemd restarts it. READY=1 goes to systemd (``NOTIFY_SOCKET``) once
+every service has been started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+from plexd import __version__
+from plexd.backoff import Backoff
+from plexd.clock import Clock
+from plexd.config import Config
+from plexd.controlplane.client import ControlPlaneClient
+from plexd.controlplane.errors import AuthError, ControlPlaneError
+from plexd.errors import PlexdError
+from plexd.identity import Identity, IdentityStore
+from plexd.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
+from plexd.registrar import Registrar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Service = Callable[["Agent"], Awaitable[None]]
+ShutdownStep = Callable[["Agent"], Awaitable[None]]
+
+DEREGISTER_TIMEOUT = 10.0
+
+
+class Agent:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        clock: Clock | None = None,
+        stop_event: asyncio.Event | None = None,
+        client: ControlPlaneClient | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock or Clock()
+        self.stop_event = stop_event or asyncio.Event()
+        self.client = client or ControlPlaneClient(
+            config.api.url or "http://unconfigured.invalid",
+            ca_file=config.api.tls.ca_file,
+            insecure_skip_verify=config.api.tls.insecure_skip_verify,
+        )
+        self.store = IdentityStore(config.data_dir)
+        self.registrar = Registrar(config, self.client, self.store, clock=self.clock,
+                                   capabilities=self.capabilities)
+        self.identity: Identity | None = None
+        self.registered_now = False
+        self.binary_checksum = ""
+        self.hooks = HookScan()
+        self.builtin_actions: list[dict[str, Any]] = []
+        self.failed = False
+        self._started_at = self.clock.monotonic()
+        self._services: list[tuple[str, Service]] = []
+        self._shutdown_steps: list[tuple[str, str, ShutdownStep]] = []
+        self._reauth_lock = asyncio.Lock()
+
+    async def __aenter__(self) -> Agent:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.client.aclose()
+
+    # -- extension API --------------------------------------------------------------------------------------------
+
+    def add_service(self, name: str, service: Service) -> None:
+        """Run `service(agent)` as a task of the agent's TaskGroup once registered."""
+        self._services.append((name, service))
+
+    def on_shutdown(self, name: str, step: ShutdownStep, *, phase: str = "teardown") -> None:
+        """Run `step(agent)` at shutdown: phase "drain" while services still run (finish work in flight),
+        phase "teardown" after they are cancelled and the node deregistered (last added runs first)."""
+        if phase not in ("drain", "teardown"):
+            raise ValueError(f"unknown shutdown phase {phase!r}")
+        self._shutdown_steps.append((phase, name, step))
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_event.is_set()
+
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep on the agent's clock; return early (True) when the agent is stopping."""
+        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
+        stopper = asyncio.ensure_future(self.stop_event.wait())
+        try:
+            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in (sleeper, stopper):
+                fut.cancel()
+        return self.stopping
+
+    def uptime(self) -> float:
+        return self.clock.monotonic() - self._started_at
+
+    def capabilities(self) -> dict[str, Any]:
+        return capabilities_document(__version__, self.binary_checksum, self.hooks.hooks, self.builtin_actions)
+
+    async def authed(self, call: Callable[[], Awaitable[T]]) -> T:
+        """Run a control-plane call; on 401 re-authenticate once (PROJECT-DECISIONS.md) and retry it."""
+        try:
+            return await call()
+        except AuthError:
+            refused = self.client.token
+            await self.reauthenticate(refused)
+            return await call()
+
+    async def reauthenticate(self, refused_token: str | None = None) -> Identity:
+        """Recover from a 401. Concurrent callers share one recovery: whoever comes second sees the new token."""
+        async with self._reauth_lock:
+            if refused_token is not None and self.client.token != refused_token and self.identity is not None:
+                return self.identity
+            self.identity = await self.registrar.recover(self.identity)
+            return self.identity
+
+    async def announce_capabilities(self, *, rescan: bool = True) -> None:
+        """Re-scan hooks (when asked) and ``PUT /capabilities``; raises ControlPlaneError on failure."""
+        if rescan:
+            self.hooks = await asyncio.to_thread(scan_hooks, self.config.hooks.dir)
+        assert self.identity is not None
+        await self.authed(lambda: self.client.put_capabilities(self.identity.node_id, self.capabilities()))
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start stage of the seed: data_dir usable, binary checksum, hook scan."""
+        await asyncio.to_thread(self.store.ensure_writable)
+        self.binary_checksum = await asyncio.to_thread(binary_checksum)
+        self.hooks = await asyncio.to_thread(scan_hooks, self.config.hooks.dir)
+        log.info("starting plexd %s", __version__, extra={"binary_checksum": self.binary_checksum,
+                                                          "hooks": [h.name for h in self.hooks.hooks],
+                                                          "refused_hooks": [h.name for h in self.hooks.refused]})
+
+    async def register(self) -> Identity:
+        self.identity, self.registered_now = await self.registrar.ensure_registered()
+        return self.identity
+
+    async def until_stopped(self, aw: Awaitable[T]) -> T | None:
+        """Await `aw` unless the agent is told to stop first (then cancel it and return None)."""
+        task = asyncio.ensure_future(aw)
+        stopper = asyncio.ensure_future(self.stop_event.wait())
+        try:
+            await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+
+    async def serve(self) -> None:
+        """Run every service in one TaskGroup until the stop event; then drain and cancel them."""
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(self._guard(name, svc), name=f"plexd:{name}") for name, svc in self._services]
+            notify_systemd("READY=1", f"STATUS=running as node {self.identity.node_id if self.identity else '?'}")
+            log.info("running", extra={"services": [name for name, _ in self._services]})
+            await self.stop_event.wait()
+            notify_systemd("STOPPING=1")
+            await self._run_steps("drain")
+            for task in tasks:
+                task.cancel()
+
+    async def _guard(self, name: str, service: Service) -> None:
+        try:
+            await service(self)
+        except asyncio.CancelledError:
+            raise
+        except PlexdError as exc:
+            log.error("service %s failed: %s", name, exc, extra={"service": name})
+            self._fail()
+        except Exception:
+            log.exception("service %s crashed", name, extra={"service": name})
+            self._fail()
+
+    def _fail(self) -> None:
+        self.failed = True
+        self.stop_event.set()
+
+    async def shutdown(self) -> None:
+        """After `serve`: deregister (when configured), then teardown steps, last registered first."""
+        if self.config.shutdown.deregister and self.identity is not None and not self.failed:
+            try:
+                async with asyncio.timeout(DEREGISTER_TIMEOUT):
+                    await self.client.deregister(self.identity.node_id)
+                log.info("deregistered", extra={"node_id": self.identity.node_id})
+            except (ControlPlaneError, TimeoutError) as exc:
+                log.warning("could not deregister: %s", exc, extra={"node_id": self.identity.node_id})
+        await self._run_steps("teardown", reverse=True)
+
+    async def _run_steps(self, phase: str, *, reverse: bool = False) -> None:
+        steps = [(n, s) for p, n, s in self._shutdown_steps if p == phase]
+        for name, step in reversed(steps) if reverse else steps:
+            try:
+                await step(self)
+            except Exception:
+                log.exception("shutdown step %s failed", name, extra={"phase": phase})
+
+    async def run(self) -> int:
+        """The whole lifecycle; returns the process exit status."""
+        await self.start()
+        notify_systemd("STATUS=registering" if not self.store.load().identity else "STATUS=starting")
+        if await self.until_stopped(self.register()) is None:
+            log.info("stopped before registration finished")
+            return 0
+        install_services(self)
+        await self.serve()
+        await self.shutdown()
+        return 1 if self.failed else 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# EXTENSION POINT: the services of later lifecycle stages are added here, in the order of the seed.
+
+
+def install_services(agent: Agent) -> None:
+    # Configure tunnels (mesh engineer): e.g. agent.add_service("converge", converge_service)
+    #                                      agent.on_shutdown("mesh teardown", teardown_mesh)
+    # NAT discovery: agent.add_service("nat", nat_service)
+    # Connected (events engineer): heartbeat, SSE events, reconciler, hook watcher, actions, node API
+    if not agent.registered_now:
+        # A fresh registration carried the capabilities; a reused identity announces them, since the code or
+        # the hooks may have changed while plexd was stopped. A 401 here re-registers (Agent.authed).
+        agent.add_service("capabilities", announce_capabilities_service)
+
+
+async def announce_capabilities_service(agent: Agent) -> None:
+    """PUT /capabilities once, retrying with backoff until it is delivered (offline start keeps retrying)."""
+    backoff = Backoff(base=agent.config.sse.backoff_base, cap=agent.config.sse.backoff_max,
+                      jitter=agent.config.sse.jitter)
+    while not agent.stopping:
+        try:
+            await agent.announce_capabilities(rescan=False)
+            log.info("capabilities announced", extra={"hooks": len(agent.hooks.hooks)})
+            return
+        except ControlPlaneError as exc:
+            delay = backoff.next_delay()
+            log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
+        except PlexdError as exc:  # re-registration impossible (no token): keep running, say why, retry later
+            delay = backoff.cap
+            log.error("%s", exc)
+        await agent.sleep(delay)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Process plumbing
+
+
+def notify_systemd(*lines: str) -> None:
+    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET; silently nothing outside systemd."""
+    target = os.environ.get("NOTIFY_SOCKET")
+    if not target:
+        return
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto("\n".join(lines).encode(), target)
+    except OSError as exc:
+        log.debug("sd_notify failed: %s", exc)
+
+
+@contextlib.contextmanager
+def _signal_handlers(stop_event: asyncio.Event) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, _on_signal, sig, stop_event)
+            installed.append(sig)
+        except (ValueError, RuntimeError, NotImplementedError):
+            pass  # not the main thread (tests): the caller owns stop_event
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+
+
+def _on_signal(sig: signal.Signals, stop_event: asyncio.Event) -> None:
+    log.info("received %s, shutting down", sig.name)
+    stop_event.set()
+
+
+async def run(
+    config: Config,
+    *,
+    clock: Clock | None = None,
+    stop_event: asyncio.Event | None = None,
+    client: ControlPlaneClient | None = None,
+) -> int:
+    """``plexd up``: run the lifecycle until SIGINT/SIGTERM (or `stop_event`); return the exit status."""
+    config.require_api()
+    async with Agent(config, clock=clock, stop_event=stop_event, client=client) as agent:
+        with _signal_handlers(agent.stop_event):
+            return await agent.run()

@@ -1,0 +1,333 @@
+"""``plexd`` command line. Argument parsing only: each command is one function that calls into the package.
+
+Start-up time matters for a CLI, so this module imports nothing heavy at the top: each command imports what it
+needs inside its function (httpx, PyNaCl, yaml and asyncio stay out of ``plexd --help``).
+
+Adding a command (mesh: ``plexd peers``; events: ``plexd reconcile --once``)::
+
+    def _add_peers(sub: argparse._SubParsersAction) -> None:
+        p = sub.add_parser("peers", parents=[_GLOBALS, _JSON], help="...", description="...")
+        p.set_defaults(func=cmd_peers)
+
+    def cmd_peers(args: argparse.Namespace, config: Config) -> int:
+        ...   # print; return the exit status; raise PlexdError for a user error (one line, exit 1)
+
+and append ``_add_peers`` to `COMMANDS`. `args.json` is set when the parser has the `_JSON` parent; `config` is
+the effective configuration (file → env → flags) already loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from plexd import __version__
+from plexd.errors import PlexdError
+
+if TYPE_CHECKING:
+    from plexd.config import Config
+
+EXIT_USER_ERROR = 1
+EXIT_USAGE = 2
+
+_DESCRIPTION = """\
+plexd joins this machine to an encrypted WireGuard mesh run by a control plane.
+
+First time:   plexd join --api https://cp.example.com --token-file /path/to/token
+Then:         plexd up        (or: systemctl enable --now plexd)
+Check:        plexd status
+
+Settings come from /etc/plexd/config.yaml (or --config / $PLEXD_CONFIG), then PLEXD_* environment
+variables, then the flags below. 'plexd config show' prints every setting and where it came from."""
+
+
+def _global_flags(defaults: Any) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False, argument_default=defaults)
+    g = p.add_argument_group("global options")
+    g.add_argument("--config", metavar="FILE", help="config file (default /etc/plexd/config.yaml, or $PLEXD_CONFIG)")
+    g.add_argument("--api", metavar="URL", help="control plane address, e.g. https://cp.example.com")
+    g.add_argument("--mode", choices=("node", "bridge"), help="run as a mesh node (default) or a bridge")
+    g.add_argument("--log-level", dest="log_level", choices=("debug", "info", "warning", "error"),
+                   help="log verbosity (default info)")
+    g.add_argument("--data-dir", dest="data_dir", metavar="DIR",
+                   help="where the identity and state live (default /var/lib/plexd)")
+    return p
+
+
+# Global flags are accepted before or after the command (`plexd --api X up` and `plexd up --api X`). On the
+# sub-commands they default to SUPPRESS so they never overwrite a value given before the command.
+_ROOT_GLOBALS = _global_flags(None)
+_GLOBALS = _global_flags(argparse.SUPPRESS)
+_JSON = argparse.ArgumentParser(add_help=False)
+_JSON.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# join
+
+
+def _add_join(sub: Any) -> None:
+    p = sub.add_parser(
+        "join", parents=[_GLOBALS, _JSON], help="register this machine with the control plane",
+        description="Register this machine with the control plane using a one-time bootstrap token, and store "
+        "its identity in data_dir. The token is taken from --token-file, --token-env, token.value, "
+        "token.file (/etc/plexd/bootstrap-token), $PLEXD_BOOTSTRAP_TOKEN, or asked for on a terminal. "
+        "A token file is deleted once used. Running join again on a registered machine does nothing.",
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--token-file", metavar="FILE", help="read the bootstrap token from FILE")
+    src.add_argument("--token-env", metavar="VAR", help="read the bootstrap token from environment variable VAR")
+    p.set_defaults(func=cmd_join)
+
+
+def cmd_join(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from plexd.controlplane.client import ControlPlaneClient
+    from plexd.log import setup_logging
+    from plexd.registrar import Registrar
+
+    setup_logging(config.log_level if config.source_of("log_level") != "default" else "warning")
+    config.require_api()
+    prompt = _prompt_token if sys.stdin.isatty() and not (args.token_file or args.token_env) else None
+
+    async def join() -> tuple[Any, bool]:
+        async with ControlPlaneClient(config.api.url, ca_file=config.api.tls.ca_file,
+                                      insecure_skip_verify=config.api.tls.insecure_skip_verify) as client:
+            registrar = Registrar(config, client, capabilities=_join_capabilities(config))
+            return await registrar.ensure_registered(token_file=args.token_file, token_env=args.token_env,
+                                                     prompt=prompt)
+
+    identity, fresh = asyncio.run(join())
+    if args.json:
+        _print_json({"node_id": identity.node_id, "mesh_ip": identity.mesh_ip, "registered_now": fresh,
+                     "data_dir": config.data_dir, "control_plane": config.api.url})
+    elif fresh:
+        print(f"registered as node {identity.node_id} with mesh IP {identity.mesh_ip} "
+              f"(identity saved in {config.data_dir}); start the daemon with 'plexd up'")
+    else:
+        print(f"already registered as node {identity.node_id} with mesh IP {identity.mesh_ip}; nothing to do")
+    return 0
+
+
+def _join_capabilities(config: Config) -> Callable[[], dict[str, Any]]:
+    def build() -> dict[str, Any]:
+        from plexd.integrity import binary_checksum, capabilities_document, scan_hooks
+
+        return capabilities_document(__version__, binary_checksum(), scan_hooks(config.hooks.dir).hooks)
+
+    return build
+
+
+def _prompt_token() -> str:
+    import getpass
+
+    try:
+        return getpass.getpass("Bootstrap token (input hidden): ")
+    except (EOFError, KeyboardInterrupt):
+        print(file=sys.stderr)
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# up
+
+
+def _add_up(sub: Any) -> None:
+    p = sub.add_parser(
+        "up", parents=[_GLOBALS], help="run the daemon in the foreground",
+        description="Run plexd: check its own code and hooks, register (or reuse the stored identity), then "
+        "keep the node connected until SIGINT or SIGTERM. Logs go to stderr (JSON lines unless a terminal).",
+    )
+    p.set_defaults(func=cmd_up)
+
+
+def cmd_up(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from plexd import agent
+    from plexd.log import setup_logging
+
+    setup_logging(config.log_level)
+    config.require_api()
+    return asyncio.run(agent.run(config))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# status
+
+
+def _add_status(sub: Any) -> None:
+    p = sub.add_parser("status", parents=[_GLOBALS, _JSON], help="show whether this node is registered",
+                       description="Show the node id, mesh IP and control plane from the stored identity. "
+                       "Reads local files only; works without the daemon or the network.")
+    p.set_defaults(func=cmd_status)
+
+
+def status_document(config: Config) -> dict[str, Any]:
+    """What `plexd status` reports; later stages add keys (peers, daemon state)."""
+    from plexd.identity import IdentityStore
+
+    loaded = IdentityStore(config.data_dir).load()
+    ident = loaded.identity
+    return {
+        "registered": ident is not None,
+        "node_id": ident.node_id if ident else "",
+        "mesh_ip": ident.mesh_ip if ident else "",
+        "control_plane": config.api.url,
+        "data_dir": config.data_dir,
+        "identity_problem": loaded.problem,
+    }
+
+
+def cmd_status(args: argparse.Namespace, config: Config) -> int:
+    doc = status_document(config)
+    if args.json:
+        _print_json(doc)
+        return 0
+    if doc["registered"]:
+        print(f"registered:     yes\nnode id:        {doc['node_id']}\nmesh IP:        {doc['mesh_ip']}")
+    elif doc["identity_problem"]:
+        print(f"registered:     no (stored identity unusable: {doc['identity_problem']}; run 'plexd join')")
+    else:
+        print("registered:     no (run 'plexd join')")
+    print(f"control plane:  {doc['control_plane'] or '(not configured)'}\ndata dir:       {doc['data_dir']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# config show
+
+
+def _add_config(sub: Any) -> None:
+    p = sub.add_parser("config", parents=[_GLOBALS], help="inspect the configuration",
+                       description="Inspect the effective configuration.")
+    csub = p.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    show = csub.add_parser("show", parents=[_GLOBALS, _JSON], help="print every setting and where it came from",
+                           description="Print the effective value of every setting and its source: default, "
+                           "the config file, a PLEXD_* environment variable, or a flag. Secrets are hidden.")
+    show.set_defaults(func=cmd_config_show)
+
+
+def cmd_config_show(args: argparse.Namespace, config: Config) -> int:
+    from plexd.config import display_value
+
+    rows = [(key, display_value(key, value), source) for key, value, source in config.items()]
+    if args.json:
+        _print_json({key: {"value": _jsonable(value), "source": source} for key, value, source in rows})
+        return 0
+    print(f"# config file: {config.config_file or '(none, defaults)'}")
+    width = max(len(key) for key, _, _ in rows)
+    for key, value, source in rows:
+        shown = json.dumps(_jsonable(value)) if not isinstance(value, str) or value == "" else value
+        print(f"{key:<{width}}  {shown}  ({source})")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# deregister
+
+
+def _add_deregister(sub: Any) -> None:
+    p = sub.add_parser("deregister", parents=[_GLOBALS, _JSON], help="remove this node from the mesh",
+                       description="Tell the control plane this node is leaving (POST deregister with the stored "
+                       "identity). With --purge also delete data_dir (keys, identity, state), the bootstrap token "
+                       "file, and disable the systemd unit when systemd runs. Stop a running 'plexd up' first.")
+    p.add_argument("--purge", action="store_true", help="also delete all local plexd data")
+    p.set_defaults(func=cmd_deregister)
+
+
+def cmd_deregister(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+    import shutil
+    import subprocess
+
+    from plexd.controlplane.client import ControlPlaneClient
+    from plexd.identity import IdentityStore
+
+    config.require_api()
+    loaded = IdentityStore(config.data_dir).load()
+    if loaded.identity is None:
+        why = f"stored identity unusable: {loaded.problem}" if loaded.problem else f"no identity in {config.data_dir}"
+        raise PlexdError(f"this node is not registered ({why}); nothing to deregister")
+    ident = loaded.identity
+
+    async def deregister() -> None:
+        async with ControlPlaneClient(config.api.url, token=ident.node_secret_key, ca_file=config.api.tls.ca_file,
+                                      insecure_skip_verify=config.api.tls.insecure_skip_verify) as client:
+            await client.deregister(ident.node_id)
+
+    asyncio.run(deregister())
+    out: dict[str, Any] = {"node_id": ident.node_id, "deregistered": True, "purged": False}
+    if not args.json:
+        print(f"node {ident.node_id} deregistered")
+    if args.purge:
+        shutil.rmtree(config.data_dir, ignore_errors=True)
+        try:
+            os.unlink(config.token.file)
+        except OSError:
+            pass
+        if os.path.isdir("/run/systemd/system"):  # systemd is PID 1
+            subprocess.run(["systemctl", "disable", "plexd.service"], check=False, capture_output=True)
+        out["purged"] = True
+        if not args.json:
+            print(f"local data purged ({config.data_dir})")
+    if args.json:
+        _print_json(out)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# plumbing
+
+COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="plexd", description=_DESCRIPTION, parents=[_ROOT_GLOBALS],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"plexd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _print_json(doc: Any) -> None:
+    print(json.dumps(doc, indent=2, ensure_ascii=False))
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        from plexd import config as config_mod
+
+        flags = {name: getattr(args, name, None) for name in config_mod.FLAG_KEYS}
+        config = config_mod.load(getattr(args, "config", None), flags=flags)
+        return int(args.func(args, config) or 0)
+    except PlexdError as exc:
+        print(f"plexd: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("plexd: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `plexd config show | head`: the reader went away; that is not an error worth a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

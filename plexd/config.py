@@ -1,0 +1,467 @@
+"""plexd configuration: defaults, then the YAML file, then ``PLEXD_*`` environment variables, then flags.
+
+File: ``--config PATH``, else ``$PLEXD_CONFIG``, else ``/etc/plexd/config.yaml`` (a missing default file just
+means "all defaults"; a missing file you named is an error). Keys are the snake_case keys of the Go agent's
+README (PROJECT-DECISIONS.md, Config row)::
+
+    api: https://cp.example.com           # or the long form:
+    api:
+      url: https://cp.example.com
+      tls: {ca_file: /etc/plexd/ca.pem, insecure_skip_verify: false}
+    mode: node                            # node | bridge
+    log_level: info                       # debug | info | warning | error
+    data_dir: /var/lib/plexd
+    mesh: {interface: plexd0, listen_port: 51820, mtu: 1420, userspace_implementation: wireguard-go,
+           backend: auto}                 # auto | kernel | userspace
+    token: {value: "", file: /etc/plexd/bootstrap-token, env: PLEXD_BOOTSTRAP_TOKEN, use_metadata: false,
+            metadata_url: "http://169.254.169.254"}
+    registration: {hostname: "", metadata: {}, max_wait: 5m}
+    reconcile: {interval: 60s}
+    heartbeat: {interval: 30s}
+    sse: {backoff_base: 1s, backoff_max: 60s, jitter: 0.25, idle_timeout: 90s, polling_after: 5m}
+    shutdown: {deregister: true, drain: 30s}
+    nat_traversal: {enabled: true, stun_servers: [], refresh_interval: 60s}
+    actions: {enabled: true, max_concurrent: 5, timeout: 10m}
+    hooks: {dir: /etc/plexd/hooks.d}
+    node_api: {socket_path: /var/run/plexd/api.sock, http_enabled: false, http_listen: "127.0.0.1:9100",
+               http_token_file: ""}
+    policy: {enabled: true}
+
+Durations use Go syntax (``30s``, ``1m30s``, ``150ms``) and are stored as float seconds.
+
+Environment: every key has a variable named ``PLEXD_`` + the dotted path with ``.`` → ``_``, upper-cased
+(``mesh.listen_port`` → ``PLEXD_MESH_LISTEN_PORT``); ``PLEXD_API`` is short for ``PLEXD_API_URL``. Booleans
+accept true/false/1/0/yes/no/on/off, lists are comma-separated, ``registration.metadata`` is ``k=v,k2=v2``.
+Unknown ``PLEXD_*`` variables are ignored (hooks and tokens use that prefix too).
+
+Flags: ``--api``, ``--mode``, ``--log-level``, ``--data-dir`` (passed to `load` as ``flags``).
+
+The result is a frozen `Config` tree. Every leaf remembers where its value came from (`Config.source_of`), which
+``plexd config show`` prints. Errors are `ConfigError` with one line naming the key, the value and the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexd.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = "/etc/plexd/config.yaml"
+
+
+def _f(default: Any, kind: str = "", **rules: Any) -> Any:
+    """A leaf field: `kind` is how values are parsed (str, int, bool, float, duration, list, map, url), `rules`
+    are checks (choices, min, max)."""
+    return field(default=default, metadata={"kind": kind or type(default).__name__, **rules})
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    ca_file: str = _f("")
+    insecure_skip_verify: bool = _f(False)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    url: str = _f("", "url")
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    interface: str = _f("plexd0", "ifname")
+    listen_port: int = _f(51820, min=1, max=65535)
+    mtu: int = _f(1420, min=576, max=65535)
+    userspace_implementation: str = _f("wireguard-go")
+    backend: str = _f("auto", choices=("auto", "kernel", "userspace"))
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    value: str = _f("", secret=True)
+    file: str = _f("/etc/plexd/bootstrap-token")
+    env: str = _f("PLEXD_BOOTSTRAP_TOKEN")
+    use_metadata: bool = _f(False)
+    metadata_url: str = _f("http://169.254.169.254", "url")
+
+
+@dataclass(frozen=True)
+class RegistrationConfig:
+    hostname: str = _f("")
+    metadata: dict[str, str] = field(default_factory=dict, metadata={"kind": "map"})
+    max_wait: float = _f(300.0, "duration", min=1)
+
+
+@dataclass(frozen=True)
+class ReconcileConfig:
+    interval: float = _f(60.0, "duration", min=1)
+
+
+@dataclass(frozen=True)
+class HeartbeatConfig:
+    interval: float = _f(30.0, "duration", min=1)
+
+
+@dataclass(frozen=True)
+class SseConfig:
+    backoff_base: float = _f(1.0, "duration", min=0.001)
+    backoff_max: float = _f(60.0, "duration", min=0.001)
+    jitter: float = _f(0.25, min=0.0, max=0.99)
+    idle_timeout: float = _f(90.0, "duration", min=1)
+    polling_after: float = _f(300.0, "duration", min=0)
+
+
+@dataclass(frozen=True)
+class ShutdownConfig:
+    deregister: bool = _f(True)
+    drain: float = _f(30.0, "duration", min=0)
+
+
+@dataclass(frozen=True)
+class NatTraversalConfig:
+    enabled: bool = _f(True)
+    stun_servers: tuple[str, ...] = _f((), "list")
+    refresh_interval: float = _f(60.0, "duration", min=10)
+
+
+@dataclass(frozen=True)
+class ActionsConfig:
+    enabled: bool = _f(True)
+    max_concurrent: int = _f(5, min=1, max=1000)
+    timeout: float = _f(600.0, "duration", min=10)
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    dir: str = _f("/etc/plexd/hooks.d")
+
+
+@dataclass(frozen=True)
+class NodeApiConfig:
+    socket_path: str = _f("/var/run/plexd/api.sock")
+    http_enabled: bool = _f(False)
+    http_listen: str = _f("127.0.0.1:9100")
+    http_token_file: str = _f("")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    enabled: bool = _f(True)
+
+
+@dataclass(frozen=True)
+class Config:
+    api: ApiConfig = field(default_factory=ApiConfig)
+    mode: str = _f("node", choices=("node", "bridge"))
+    log_level: str = _f("info", choices=("debug", "info", "warning", "warn", "error"))
+    data_dir: str = _f("/var/lib/plexd", "path")
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    token: TokenConfig = field(default_factory=TokenConfig)
+    registration: RegistrationConfig = field(default_factory=RegistrationConfig)
+    reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    sse: SseConfig = field(default_factory=SseConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    nat_traversal: NatTraversalConfig = field(default_factory=NatTraversalConfig)
+    actions: ActionsConfig = field(default_factory=ActionsConfig)
+    hooks: HooksConfig = field(default_factory=HooksConfig)
+    node_api: NodeApiConfig = field(default_factory=NodeApiConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Where each leaf came from ("default", "file /etc/plexd/config.yaml", "env PLEXD_API", "flag --api").
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    config_file: str | None = field(default=None, compare=False)
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, "default")
+
+    def get(self, key: str) -> Any:
+        node: Any = self
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    def require_api(self) -> str:
+        """The control-plane URL, or a ConfigError saying how to set it."""
+        if not self.api.url:
+            raise ConfigError("no control plane configured: set api in the config file, PLEXD_API, or --api URL")
+        return self.api.url
+
+    def items(self) -> list[tuple[str, Any, str]]:
+        """Every leaf as (dotted key, value, source), in schema order."""
+        return [(key, self.get(key), self.source_of(key)) for key in _LEAVES]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Schema walking
+
+_META_FIELDS = ("sources", "config_file")
+
+
+def _leaves(cls: type, prefix: str = "") -> dict[str, dataclasses.Field[Any]]:
+    out: dict[str, dataclasses.Field[Any]] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in _META_FIELDS:
+            continue
+        path = f"{prefix}{f.name}"
+        sub = _GROUPS.get(path)
+        if sub is not None:
+            out.update(_leaves(sub, path + "."))
+        else:
+            out[path] = f
+    return out
+
+
+_GROUPS: dict[str, type] = {
+    "api": ApiConfig, "api.tls": TlsConfig, "mesh": MeshConfig, "token": TokenConfig,
+    "registration": RegistrationConfig, "reconcile": ReconcileConfig, "heartbeat": HeartbeatConfig,
+    "sse": SseConfig, "shutdown": ShutdownConfig, "nat_traversal": NatTraversalConfig, "actions": ActionsConfig,
+    "hooks": HooksConfig, "node_api": NodeApiConfig, "policy": PolicyConfig,
+}
+_LEAVES = _leaves(Config)
+ENV_NAMES: dict[str, str] = {"PLEXD_" + key.replace(".", "_").upper(): key for key in _LEAVES}
+ENV_NAMES["PLEXD_API"] = "api.url"
+FLAG_KEYS = {"api": "api.url", "mode": "mode", "log_level": "log_level", "data_dir": "data_dir"}
+
+
+def is_secret(key: str) -> bool:
+    return bool(_LEAVES[key].metadata.get("secret"))
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    import difflib  # only on the error path: keeps CLI start-up lean
+
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.5)
+    if not close:
+        # A misspelt last part of a dotted key ("mesh.interfce") is closest to a sibling's last part.
+        tail = key.rsplit(".", 1)[-1]
+        tails = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        hit = difflib.get_close_matches(tail, list(tails), n=1, cutoff=0.6)
+        close = [tails[hit[0]]] if hit else []
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _flatten_file(doc: Any, where: str) -> dict[str, Any]:
+    """YAML document → {dotted leaf key: raw value}. Refuses unknown keys and non-mappings where groups go."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        group = prefix.rstrip(".") or "the top level"
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where}: {group} must be a mapping of keys, got {_kind(node)} {node!r}")
+        for raw_key, value in node.items():
+            key = f"{prefix}{raw_key}"
+            if prefix == "" and raw_key == "api" and isinstance(value, str):
+                out["api.url"] = value  # the short form `api: https://...`
+                continue
+            if key in _GROUPS:
+                if value is not None:
+                    walk(value, key + ".")
+            elif key in _LEAVES:
+                if value is not None:  # `key:` with nothing after it keeps the default
+                    out[key] = value
+            else:
+                siblings = [k for k in (*_LEAVES, *_GROUPS) if k.startswith(prefix) and k != prefix.rstrip(".")]
+                raise ConfigError(f"{where}: unknown config key '{key}'{_suggest(key, siblings)}")
+
+    if doc is None:
+        return out
+    walk(doc, "")
+    return out
+
+
+def _kind(value: Any) -> str:
+    return {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "a mapping"}.get(type(value), type(value).__name__)
+
+
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
+
+
+def _convert(key: str, raw: Any, origin: str) -> Any:
+    """Turn a raw value (typed YAML, or a string from env/flags) into the field's type, or raise naming it all."""
+    f = _LEAVES[key]
+    kind = f.metadata["kind"]
+    from_text = isinstance(raw, str) and not origin.startswith("file")
+    shown = "<hidden>" if f.metadata.get("secret") else repr(raw)
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"{key}: {shown} from {origin} is not {expected}")
+
+    if kind == "bool":
+        if isinstance(raw, bool):
+            value: Any = raw
+        elif from_text and raw.strip().lower() in _TRUE | _FALSE:
+            value = raw.strip().lower() in _TRUE
+        else:
+            raise bad("a boolean (true or false)")
+    elif kind == "int":
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            value = raw
+        elif from_text and raw.strip().lstrip("-").isdigit():
+            value = int(raw.strip())
+        else:
+            raise bad("a whole number")
+    elif kind == "float":
+        try:
+            if isinstance(raw, bool) or not isinstance(raw, int | float | str) or (isinstance(raw, str)
+                                                                                 and not from_text):
+                raise ValueError
+            value = float(raw)
+        except ValueError:
+            raise bad("a number") from None
+    elif kind == "duration":
+        from plexd.gojson import parse_duration
+
+        if not isinstance(raw, str):
+            raise ConfigError(f"{key}: {raw!r} from {origin} is not a duration; write it with a unit, "
+                              f"e.g. '{raw}s' (Go syntax: 30s, 1m30s, 150ms)")
+        try:
+            value = parse_duration(raw.strip())
+        except ValueError:
+            raise ConfigError(f"{key}: {raw!r} from {origin} is not a valid duration "
+                              "(Go syntax: 30s, 1m30s, 150ms)") from None
+    elif kind == "list":
+        if from_text:
+            value = tuple(part.strip() for part in raw.split(",") if part.strip())
+        elif isinstance(raw, list) and all(isinstance(x, str) for x in raw):
+            value = tuple(raw)
+        else:
+            raise bad("a list of strings")
+    elif kind == "map":
+        if from_text:
+            value = {}
+            for part in filter(None, (p.strip() for p in raw.split(","))):
+                k, sep, v = part.partition("=")
+                if not sep or not k.strip():
+                    raise bad("a list of key=value pairs separated by commas")
+                value[k.strip()] = v.strip()
+        elif isinstance(raw, dict) and all(isinstance(v, str | int | float) and not isinstance(v, bool)
+                                           for v in raw.values()):
+            value = {str(k): str(v) for k, v in raw.items()}
+        else:
+            raise bad("a mapping of string keys to string values")
+    else:  # str, url, path, ifname
+        if isinstance(raw, bool) or not isinstance(raw, str | int | float):
+            raise bad("a string")
+        value = str(raw).strip() if kind in ("url", "path", "ifname") else str(raw)
+    _check(key, value, shown, origin, f)
+    return value
+
+
+def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[Any]) -> None:
+    rules = f.metadata
+    kind = rules["kind"]
+    where = f"{key}: {shown} from {origin}"
+    choices = rules.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{where} is not one of {', '.join(c for c in choices if c != 'warn')}")
+    if "min" in rules and value < rules["min"]:
+        unit = "s" if kind == "duration" else ""
+        raise ConfigError(f"{where} is too small (minimum {rules['min']}{unit})")
+    if "max" in rules and value > rules["max"]:
+        raise ConfigError(f"{where} is too large (maximum {rules['max']})")
+    if kind == "url" and value:
+        scheme, sep, rest = value.partition("://")
+        if not sep or scheme.lower() not in ("http", "https") or not rest.strip("/"):
+            raise ConfigError(f"{where} is not an http:// or https:// URL")
+    if kind == "ifname" and not (0 < len(value) <= 15 and "/" not in value and not any(c.isspace() for c in value)):
+        raise ConfigError(f"{where} is not a valid interface name (1-15 characters, no '/' or spaces)")
+    if kind == "path" and not value:
+        raise ConfigError(f"{where} must not be empty")
+
+
+def _read_file(path: str, explicit: bool) -> tuple[dict[str, Any], str | None]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        if explicit:
+            raise ConfigError(f"config file {path} does not exist") from None
+        return {}, None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        errno_txt = f" (errno {exc.errno})" if isinstance(exc, OSError) and exc.errno else ""
+        raise ConfigError(f"cannot read config file {path}: {reason}{errno_txt}") from None
+    import yaml  # lazily: only when there is a file to parse
+
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" line {mark.line + 1} column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {path}:{at} is not valid YAML: {problem}") from None
+    return _flatten_file(doc, path), path
+
+
+def load(
+    path: str | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the effective configuration. `path` is ``--config``; `flags` maps flag names (api, mode, log_level,
+    data_dir) to values, None meaning "not given"."""
+    env = os.environ if env is None else env
+    explicit = path is not None or bool(env.get("PLEXD_CONFIG"))
+    file_path = path or env.get("PLEXD_CONFIG") or DEFAULT_CONFIG_PATH
+    raw_file, used_file = _read_file(file_path, explicit)
+
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for key, raw in raw_file.items():
+        values[key] = _convert(key, raw, f"file {file_path}")
+        sources[key] = f"file {file_path}"
+    # PLEXD_API and PLEXD_API_URL both name api.url; the longer, more specific one wins.
+    for name in sorted(ENV_NAMES, key=len):
+        if name in env:
+            key = ENV_NAMES[name]
+            values[key] = _convert(key, env[name], f"env {name}")
+            sources[key] = f"env {name}"
+    for flag, value in (flags or {}).items():
+        if value is None:
+            continue
+        key = FLAG_KEYS[flag]
+        origin = f"flag --{flag.replace('_', '-')}"
+        values[key] = _convert(key, value, origin)
+        sources[key] = origin
+    if values.get("sse.backoff_base", 1.0) > values.get("sse.backoff_max", 60.0):
+        raise ConfigError(f"sse.backoff_base ({sources.get('sse.backoff_base', 'default')}) is larger than "
+                          f"sse.backoff_max ({sources.get('sse.backoff_max', 'default')})")
+    return _build(Config, "", values, sources, used_file)
+
+
+def _build(cls: type, prefix: str, values: dict[str, Any], sources: dict[str, str], used_file: str | None) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in _META_FIELDS:
+            continue
+        path = f"{prefix}{f.name}"
+        if path in _GROUPS:
+            kwargs[f.name] = _build(_GROUPS[path], path + ".", values, sources, used_file)
+        elif path in values:
+            kwargs[f.name] = values[path]
+    if cls is Config:
+        kwargs["sources"] = dict(sources)
+        kwargs["config_file"] = used_file
+    return cls(**kwargs)
+
+
+def display_value(key: str, value: Any) -> Any:
+    """A value as `plexd config show` prints it: durations in Go syntax, secrets as a fingerprint."""
+    if is_secret(key):
+        if not value:
+            return ""
+        from plexd.log import fingerprint
+
+        return f"<hidden {fingerprint(value)}>"
+    if _LEAVES[key].metadata["kind"] == "duration":
+        from plexd.gojson import format_duration
+
+        return format_duration(value)
+    return value

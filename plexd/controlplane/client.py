@@ -1,0 +1,576 @@
+"""HTTP client for the control plane: every endpoint of plexd-protocol.md §1.2, byte-compatible with the Go agent.
+
+Usage::
+
+    async with ControlPlaneClient("https://cp.example", token=bootstrap_token) as cp:
+        resp = await cp.register(RegisterRequest(token=..., public_key=..., hostname=...))
+        cp.set_token(resp.node_secret_key)          # bearer switching: bootstrap token → node secret
+        state = await cp.fetch_state(resp.node_id)  # plexd.model.State
+
+Transport rules (§1.1): ``User-Agent: plexd/<version>``, ``Accept: application/json``, ``Accept-Encoding: gzip``,
+``Content-Type: application/json`` only when a body is sent, request bodies larger than 1024 bytes gzipped with
+``Content-Encoding: gzip``, response bodies capped at 10 MiB. Connect timeout 10 s; every normal call has a 30 s
+total deadline. Path parameters are escaped like Go's ``url.PathEscape`` (``/`` → ``%2F``). TLS is verified by
+default (``ca_file`` adds a trust root; ``insecure_skip_verify`` is for labs only); minimum TLS 1.2.
+
+Errors are the typed exceptions of `plexd.controlplane.errors` (transient / auth / retry-after / permanent);
+``Retry-After`` is read as integer seconds or an HTTP-date.
+
+For the SSE stream (events engineer): ``async with cp.open_event_stream(node_id, last_event_id, read_timeout=90)
+as response:`` yields the open, status-checked ``httpx.Response`` (headers ``Accept: text/event-stream``,
+``Cache-Control: no-cache``, ``Last-Event-ID`` when given). There is no total deadline on the body; the
+optional `read_timeout` makes httpx raise ``httpx.ReadTimeout`` after that many idle seconds (the 90 s watchdog).
+Parse it with ``httpx_sse.EventSource(response).aiter_sse()`` or by hand. A non-2xx status raises the typed error
+before the body is read.
+
+Request bodies with a fixed [C] shape have builders here (`RegisterRequest`, `HeartbeatRequest`, ...); the
+open-ended ones (drift, results, metrics, logs, audit, capabilities) take a ready JSON-able dict/list from the
+service that owns them and are sent as-is with Go escaping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import ssl
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from plexd import __version__
+from plexd.controlplane.errors import (
+    AuthError,
+    BadResponseError,
+    ControlPlaneError,
+    PermanentError,
+    RetryAfterError,
+    TransientError,
+)
+from plexd.errors import WireFormatError
+from plexd.gojson import format_time, go_marshal
+from plexd.model import Peer, RegisterResponse, State
+
+GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
+MAX_RESPONSE_BYTES = 10 * 1024 * 1024  # decompressed response cap (§1.1)
+MAX_ERROR_BYTES = 4096  # the Go agent keeps the first 4 KiB of an error body
+CONNECT_TIMEOUT = 10.0
+REQUEST_TIMEOUT = 30.0
+
+JSON = Any
+
+
+def path_escape(value: str) -> str:
+    """Escape one path segment like Go's url.PathEscape: everything but unreserved characters, ``/`` included."""
+    return quote(value, safe="")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Request bodies with a fixed wire shape
+
+
+@dataclass(frozen=True)
+class RegisterRequest:
+    """``POST /v1/register`` (§1.3). `metadata` and `capabilities` are omitted when empty (omitempty)."""
+
+    token: str
+    public_key: str
+    hostname: str
+    metadata: Mapping[str, str] | None = None
+    capabilities: Mapping[str, JSON] | None = None
+
+    def to_wire(self) -> dict[str, JSON]:
+        out: dict[str, JSON] = {"token": self.token, "public_key": self.public_key, "hostname": self.hostname}
+        if self.metadata:
+            out["metadata"] = dict(self.metadata)
+        if self.capabilities:
+            out["capabilities"] = dict(self.capabilities)
+        return out
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    interface: str
+    peer_count: int
+    listen_port: int
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {"interface": self.interface, "peer_count": self.peer_count, "listen_port": self.listen_port}
+
+
+@dataclass(frozen=True)
+class NatInfo:
+    public_endpoint: str
+    type: str  # none | full_cone | symmetric | unknown — note: "type" here, "nat_type" in the endpoint report
+
+    def to_wire(self) -> dict[str, JSON]:
+        return {"public_endpoint": self.public_endpoint, "type": self.type}
+
+
+@dataclass(frozen=True)
+class HeartbeatRequest:
+    """``POST /v1/nodes/{id}/heartbeat`` (§1.4): `uptime` a Go duration string, `binary_checksum` bare hex.
+
+    `extra` carries the optional bridge/user_access/ingress/site_to_site objects verbatim (omitted when absent).
+    """
+
+    node_id: str
+    timestamp: datetime
+    status: str
+    uptime: str
+    binary_checksum: str
+    mesh: MeshInfo | None = None
+    nat: NatInfo | None = None
+    extra: Mapping[str, JSON] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, JSON]:
+        out: dict[str, JSON] = {
+            "node_id": self.node_id,
+            "timestamp": format_time(self.timestamp),
+            "status": self.status,
+            "uptime": self.uptime,
+            "binary_checksum": self.binary_checksum,
+        }
+        if self.mesh is not None:
+            out["mesh"] = self.mesh.to_wire()
+        if self.nat is not None:
+            out["nat"] = self.nat.to_wire()
+        for key in ("bridge", "user_access", "ingress", "site_to_site"):
+            if self.extra.get(key) is not None:
+                out[key] = self.extra[key]
+        return out
+
+
+@dataclass(frozen=True)
+class HeartbeatResponse:
+    reconcile: bool = False
+    rotate_keys: bool = False
+
+
+@dataclass(frozen=True)
+class PeerEndpoint:
+    peer_id: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class SecretResponse:
+    key: str
+    ciphertext: str
+    nonce: str
+    version: int
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The client
+
+
+class ControlPlaneClient:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str = "",
+        ca_file: str = "",
+        insecure_skip_verify: bool = False,
+        user_agent: str = f"plexd/{__version__}",
+        request_timeout: float = REQUEST_TIMEOUT,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+        now: Any = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self.user_agent = user_agent
+        self.request_timeout = request_timeout
+        self._now = now or (lambda: datetime.now(UTC))  # for HTTP-date Retry-After
+        self._http = httpx.AsyncClient(
+            verify=_tls_context(ca_file, insecure_skip_verify),
+            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
+            transport=transport,
+            follow_redirects=False,
+        )
+
+    # -- lifecycle and auth -------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> ControlPlaneClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    @property
+    def token(self) -> str:
+        return self._token
+
+    def set_token(self, token: str) -> None:
+        """Switch the bearer: the bootstrap token before registration, the node secret after it."""
+        self._token = token
+
+    def _headers(self, token: str | None = None) -> dict[str, str]:
+        headers = {"User-Agent": self.user_agent, "Accept": "application/json", "Accept-Encoding": "gzip"}
+        bearer = self._token if token is None else token
+        if bearer:
+            headers["Authorization"] = f"Bearer {bearer}"
+        return headers
+
+    # -- the transport core -------------------------------------------------------------------------------------
+
+    async def _call(
+        self, method: str, path: str, body: JSON = None, *, has_body: bool = False, token: str | None = None,
+        what: str = "",
+    ) -> bytes:
+        """Send one request and return the (decompressed, capped) response body of a 2xx; raise typed errors."""
+        what = what or f"{method} {path}"
+        headers = self._headers(token)
+        content: bytes | None = None
+        if has_body:
+            content = go_marshal(body).encode()
+            headers["Content-Type"] = "application/json"
+            if len(content) > GZIP_THRESHOLD:
+                content = gzip.compress(content)
+                headers["Content-Encoding"] = "gzip"
+        url = self.base_url + path
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                request = self._http.build_request(method, url, headers=headers, content=content)
+                response = await self._http.send(request, stream=True)
+                try:
+                    data = await _read_capped(response, what)
+                finally:
+                    await response.aclose()
+        except TimeoutError:
+            raise TransientError(f"{what} to {self.base_url}",
+                                 message=f"no complete answer within {self.request_timeout:g}s") from None
+        except httpx.TransportError as exc:
+            raise TransientError(f"{what} to {self.base_url}", message=_describe_transport(exc)) from None
+        if not 200 <= response.status_code < 300:
+            raise self._status_error(what, response.status_code, data, response.headers)
+        return data
+
+    def _status_error(self, what: str, status: int, body: bytes, headers: httpx.Headers) -> ControlPlaneError:
+        message = _error_message(body[:MAX_ERROR_BYTES])
+        if status == 401:
+            return AuthError(what, status, message)
+        if status == 429:
+            return RetryAfterError(what, status, message, parse_retry_after(headers.get("Retry-After"), self._now()))
+        if status in (403, 404):
+            return PermanentError(what, status, message)
+        return TransientError(what, status, message)
+
+    async def _json(self, method: str, path: str, body: JSON = None, *, has_body: bool = False,
+                    token: str | None = None, what: str = "") -> JSON:
+        what = what or f"{method} {path}"
+        data = await self._call(method, path, body, has_body=has_body, token=token, what=what)
+        if not data.strip():
+            raise BadResponseError(what, 200, "empty response body (expected a JSON object)")
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise BadResponseError(what, 200, f"response is not JSON: {exc}") from None
+
+    # -- §1.2 endpoints -------------------------------------------------------------------------------------------
+
+    async def register(self, request: RegisterRequest, *, token: str | None = None) -> RegisterResponse:
+        """#1 ``POST /v1/register``. The bearer is `token` if given (the bootstrap token, or the node secret for a
+        re-registration), else the client's current token."""
+        what = "registration (POST /v1/register)"
+        doc = await self._json("POST", "/v1/register", request.to_wire(), has_body=True, token=token, what=what)
+        return _typed(what, RegisterResponse.from_wire, doc)
+
+    async def heartbeat(self, node_id: str, request: HeartbeatRequest | Mapping[str, JSON]) -> HeartbeatResponse:
+        """#3 ``POST /v1/nodes/{id}/heartbeat``."""
+        body = request.to_wire() if isinstance(request, HeartbeatRequest) else dict(request)
+        what = "heartbeat"
+        doc = await self._json("POST", f"/v1/nodes/{path_escape(node_id)}/heartbeat", body, has_body=True, what=what)
+        if not isinstance(doc, dict):
+            raise BadResponseError(what, 200, "response is not a JSON object")
+        f = {str(k).lower(): v for k, v in doc.items()}
+        for key in ("reconcile", "rotate_keys"):
+            if f.get(key) is not None and not isinstance(f[key], bool):
+                raise BadResponseError(what, 200, f"{key} must be a boolean")
+        return HeartbeatResponse(reconcile=bool(f.get("reconcile")), rotate_keys=bool(f.get("rotate_keys")))
+
+    async def deregister(self, node_id: str) -> None:
+        """#4 ``POST /v1/nodes/{id}/deregister`` with no body (and so no Content-Type)."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/deregister", what="deregister")
+
+    async def rotate_keys(self, node_id: str, new_public_key: str) -> list[Peer]:
+        """#5 ``POST /v1/keys/rotate`` → the updated peers."""
+        what = "key rotation (POST /v1/keys/rotate)"
+        doc = await self._json("POST", "/v1/keys/rotate", {"node_id": node_id, "new_public_key": new_public_key},
+                               has_body=True, what=what)
+        return _typed(what, _peer_list, doc, "updated_peers")
+
+    async def put_capabilities(self, node_id: str, capabilities: Mapping[str, JSON]) -> None:
+        """#6 ``PUT /v1/nodes/{id}/capabilities`` (body from `plexd.integrity.capabilities_document`)."""
+        await self._call("PUT", f"/v1/nodes/{path_escape(node_id)}/capabilities", dict(capabilities),
+                         has_body=True, what="capabilities announcement")
+
+    async def report_endpoint(self, node_id: str, public_endpoint: str, nat_type: str) -> list[PeerEndpoint]:
+        """#7 ``PUT /v1/nodes/{id}/endpoint`` → the NAT-discovered endpoints of peers."""
+        what = "endpoint report"
+        doc = await self._json("PUT", f"/v1/nodes/{path_escape(node_id)}/endpoint",
+                               {"public_endpoint": public_endpoint, "nat_type": nat_type}, has_body=True, what=what)
+        return _typed(what, _peer_endpoints, doc)
+
+    async def fetch_state(self, node_id: str) -> State:
+        """#8 ``GET /v1/nodes/{id}/state``."""
+        what = "state fetch"
+        doc = await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/state", what=what)
+        return _typed(what, State.from_wire, doc)
+
+    async def fetch_state_raw(self, node_id: str) -> JSON:
+        """#8 as parsed JSON, for callers that validate each item on its own (one bad peer must not block all)."""
+        return await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/state", what="state fetch")
+
+    async def report_drift(self, node_id: str, report: Mapping[str, JSON]) -> None:
+        """#9 ``POST /v1/nodes/{id}/drift``: ``{"timestamp": ..., "corrections": [{"type","detail"}...]}``."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/drift", dict(report), has_body=True,
+                         what="drift report")
+
+    async def fetch_secret(self, node_id: str, key: str) -> SecretResponse:
+        """#10 ``GET /v1/nodes/{id}/secrets/{key}``."""
+        what = f"secret fetch ({key})"
+        doc = await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/secrets/{path_escape(key)}", what=what)
+        return _typed(what, _secret, doc)
+
+    async def sync_reports(self, node_id: str, entries: Sequence[Mapping[str, JSON]], deleted: Sequence[str]) -> None:
+        """#11 ``POST /v1/nodes/{id}/report``: both keys always present, ``null`` when empty (§1.12)."""
+        body = {"entries": [dict(e) for e in entries] or None, "deleted": list(deleted) or None}
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/report", body, has_body=True,
+                         what="report sync")
+
+    async def ack_execution(self, node_id: str, execution_id: str, status: str, reason: str = "") -> None:
+        """#12 ``POST .../executions/{eid}/ack``: status ``accepted`` or ``rejected``; reason always present."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/executions/{path_escape(execution_id)}/ack",
+                         {"execution_id": execution_id, "status": status, "reason": reason}, has_body=True,
+                         what="execution ack")
+
+    async def report_result(self, node_id: str, execution_id: str, result: Mapping[str, JSON]) -> None:
+        """#13 ``POST .../executions/{eid}/result`` (body shape §1.13, built by the action dispatcher)."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/executions/{path_escape(execution_id)}/result",
+                         dict(result), has_body=True, what="execution result")
+
+    async def send_metrics(self, node_id: str, points: Sequence[Mapping[str, JSON]]) -> None:
+        """#14 ``POST /v1/nodes/{id}/metrics``: a JSON array."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/metrics", [dict(p) for p in points],
+                         has_body=True, what="metrics batch")
+
+    async def send_logs(self, node_id: str, entries: Sequence[Mapping[str, JSON]]) -> None:
+        """#15 ``POST /v1/nodes/{id}/logs``: a JSON array."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/logs", [dict(e) for e in entries],
+                         has_body=True, what="logs batch")
+
+    async def send_audit(self, node_id: str, entries: Sequence[Mapping[str, JSON]]) -> None:
+        """#16 ``POST /v1/nodes/{id}/audit``: a JSON array."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/audit", [dict(e) for e in entries],
+                         has_body=True, what="audit batch")
+
+    @contextlib.asynccontextmanager
+    async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[httpx.Response]:
+        """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes)."""
+        path = f"/v1/artifacts/plexd/{path_escape(version)}/{path_escape(os_name)}/{path_escape(arch)}"
+        async with self._stream("GET", path, self._headers(), "artifact download", read_timeout=None) as response:
+            yield response
+
+    async def tunnel_ready(self, node_id: str, session_id: str, listen_addr: str, timestamp: datetime) -> None:
+        """#18 ``POST .../tunnels/{sid}/ready``."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/tunnels/{path_escape(session_id)}/ready",
+                         {"listen_addr": listen_addr, "timestamp": format_time(timestamp)}, has_body=True,
+                         what="tunnel ready report")
+
+    async def tunnel_closed(self, node_id: str, session_id: str, reason: str, duration: str,
+                            timestamp: datetime) -> None:
+        """#19 ``POST .../tunnels/{sid}/closed``: reason ``revoked|expired|shutdown``, duration a Go string."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/tunnels/{path_escape(session_id)}/closed",
+                         {"reason": reason, "duration": duration, "timestamp": format_time(timestamp)},
+                         has_body=True, what="tunnel closed report")
+
+    async def report_integrity_violation(
+        self, node_id: str, *, kind: str, path: str, expected_checksum: str, actual_checksum: str, detail: str,
+        timestamp: datetime,
+    ) -> None:
+        """#20 ``POST /v1/nodes/{id}/integrity/violations``; `kind` is ``hook`` or ``binary``, timestamp in UTC."""
+        body = {"type": kind, "path": path, "expected_checksum": expected_checksum,
+                "actual_checksum": actual_checksum, "detail": detail, "timestamp": format_time(timestamp)}
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/integrity/violations", body, has_body=True,
+                         what="integrity violation report")
+
+    async def ping(self) -> None:
+        """#21 ``GET /v1/ping``: a cheap reachability check."""
+        await self._call("GET", "/v1/ping", what="ping")
+
+    @contextlib.asynccontextmanager
+    async def open_event_stream(
+        self, node_id: str, last_event_id: str = "", *, read_timeout: float | None = None
+    ) -> AsyncIterator[httpx.Response]:
+        """#2 ``GET /v1/nodes/{id}/events``: yields the open SSE response; see the module docstring."""
+        headers = self._headers()
+        headers["Accept"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        if last_event_id:
+            headers["Last-Event-ID"] = last_event_id
+        async with self._stream("GET", f"/v1/nodes/{path_escape(node_id)}/events", headers, "event stream",
+                                read_timeout=read_timeout) as response:
+            yield response
+
+    @contextlib.asynccontextmanager
+    async def _stream(self, method: str, path: str, headers: dict[str, str], what: str,
+                      read_timeout: float | None) -> AsyncIterator[httpx.Response]:
+        """A streamed request with a connect deadline but no total deadline on the body."""
+        timeout = httpx.Timeout(connect=self._http.timeout.connect, read=read_timeout, write=self.request_timeout,
+                                pool=self.request_timeout)
+        request = self._http.build_request(method, self.base_url + path, headers=headers, timeout=timeout)
+        try:
+            response = await self._http.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise TransientError(f"{what} to {self.base_url}", message=_describe_transport(exc)) from None
+        try:
+            if not 200 <= response.status_code < 300:
+                try:
+                    async with asyncio.timeout(self.request_timeout):
+                        body = await _read_capped(response, what, MAX_ERROR_BYTES)
+                except (TimeoutError, httpx.HTTPError, ControlPlaneError):
+                    body = b""
+                raise self._status_error(what, response.status_code, body, response.headers)
+            yield response
+        finally:
+            await response.aclose()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
+    if insecure:
+        return False
+    if not ca_file:
+        return True  # httpx's default context (certifi), with verification
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        from plexd.errors import ConfigError
+
+        raise ConfigError(f"api.tls.ca_file: cannot load CA certificates from {ca_file}: {exc}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+async def _read_capped(response: httpx.Response, what: str, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            if limit == MAX_RESPONSE_BYTES:
+                raise BadResponseError(what, response.status_code, f"response larger than {limit} bytes")
+            chunks.append(chunk)
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _error_message(body: bytes) -> str:
+    """The server's short reason: the ``error`` field of a JSON error body, else the text itself."""
+    text = body.decode("utf-8", errors="replace").strip()
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return text
+    if isinstance(doc, dict):
+        for key in ("error", "message"):
+            if isinstance(doc.get(key), str):
+                return doc[key]
+    return text
+
+
+def _describe_transport(exc: httpx.TransportError) -> str:
+    """'cannot connect: [Errno 111] Connection refused' rather than httpx's class name."""
+    kind = {
+        httpx.ConnectTimeout: "connect timed out",
+        httpx.ConnectError: "cannot connect",
+        httpx.ReadTimeout: "read timed out",
+        httpx.WriteTimeout: "write timed out",
+        httpx.PoolTimeout: "connection pool timed out",
+        httpx.RemoteProtocolError: "protocol error",
+        httpx.ReadError: "read error",
+        httpx.WriteError: "write error",
+    }.get(type(exc), type(exc).__name__)
+    detail = str(exc).strip()
+    return f"{kind}: {detail}" if detail else kind
+
+
+def parse_retry_after(value: str | None, now: datetime) -> float | None:
+    """``Retry-After`` as integer seconds or an HTTP-date → seconds from `now` (never negative); None if absent
+    or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(int(value))
+    from email.utils import parsedate_to_datetime
+
+    try:
+        when = parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, (when - now).total_seconds())
+
+
+def _typed(what: str, parse: Any, doc: JSON, *args: Any) -> Any:
+    try:
+        return parse(doc, *args)
+    except WireFormatError as exc:
+        raise BadResponseError(what, 200, str(exc)) from None
+
+
+def _peer_list(doc: JSON, key: str) -> list[Peer]:
+    if not isinstance(doc, dict):
+        raise WireFormatError("", "response must be a JSON object")
+    f = {str(k).lower(): v for k, v in doc.items()}
+    items = f.get(key) or []
+    if not isinstance(items, list):
+        raise WireFormatError(key, "must be an array")
+    return [Peer.from_wire(p, f"{key}[{i}]") for i, p in enumerate(items)]
+
+
+def _peer_endpoints(doc: JSON) -> list[PeerEndpoint]:
+    if not isinstance(doc, dict):
+        raise WireFormatError("", "response must be a JSON object")
+    f = {str(k).lower(): v for k, v in doc.items()}
+    items = f.get("peer_endpoints") or []
+    if not isinstance(items, list):
+        raise WireFormatError("peer_endpoints", "must be an array")
+    out = []
+    for i, item in enumerate(items):
+        g = {str(k).lower(): v for k, v in item.items()} if isinstance(item, dict) else None
+        if g is None or not isinstance(g.get("peer_id", ""), str) or not isinstance(g.get("endpoint", ""), str):
+            raise WireFormatError(f"peer_endpoints[{i}]", "must be an object with string peer_id and endpoint")
+        out.append(PeerEndpoint(peer_id=g.get("peer_id", ""), endpoint=g.get("endpoint", "")))
+    return out
+
+
+def _secret(doc: JSON) -> SecretResponse:
+    if not isinstance(doc, dict):
+        raise WireFormatError("", "response must be a JSON object")
+    f = {str(k).lower(): v for k, v in doc.items()}
+    for key in ("key", "ciphertext", "nonce"):
+        if not isinstance(f.get(key, ""), str):
+            raise WireFormatError(key, "must be a string")
+    version = f.get("version", 0)
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise WireFormatError("version", "must be an integer")
+    return SecretResponse(key=f.get("key", ""), ciphertext=f.get("ciphertext", ""), nonce=f.get("nonce", ""),
+                          version=version)

@@ -1,0 +1,259 @@
+"""The node's identity in ``data_dir`` (plexd-protocol.md §5.2, §5.4), with the Go agent's file names and formats.
+
+    identity.json        0600  {"node_id","mesh_ip","signing_public_key"}, 2-space indent, no trailing newline
+    private_key          0600  std base64 of the 32-byte clamped X25519 private key, no newline
+    node_secret_key      0600  the raw node secret string from the register response
+    signing_public_key   0600  the control plane's Ed25519 public key, std base64 (wins over the JSON field)
+
+``data_dir`` is created 0700. Every file is written as ``.tmp-<name>`` with its final mode, fsynced, renamed over
+the target, and the directory fsynced. ``identity.json`` is written last: it is the commit marker, so a crash
+mid-save leaves "not registered" rather than a mix of old and new files. A save that fails removes what it
+wrote. Loading trims whitespace; an identity that cannot be used is reported as `IdentityLoad.problem` and
+treated as absent (the caller says so and registers afresh).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from plexd.errors import PlexdError
+
+log = logging.getLogger(__name__)
+
+IDENTITY_FILE = "identity.json"
+PRIVATE_KEY_FILE = "private_key"
+NODE_SECRET_FILE = "node_secret_key"
+SIGNING_KEY_FILE = "signing_public_key"
+IDENTITY_FILES = (PRIVATE_KEY_FILE, NODE_SECRET_FILE, SIGNING_KEY_FILE, IDENTITY_FILE)  # write order
+
+
+class DataDirError(PlexdError):
+    """data_dir cannot be created or written."""
+
+
+def generate_private_key() -> bytes:
+    """32 CSPRNG bytes, clamped as WireGuard does (§5.2)."""
+    key = bytearray(os.urandom(32))
+    key[0] &= 0xF8
+    key[31] &= 0x7F
+    key[31] |= 0x40
+    return bytes(key)
+
+
+def public_key_of(private_key: bytes) -> bytes:
+    from nacl.public import PrivateKey  # lazily: PyNaCl costs start-up time the CLI's read commands don't need
+
+    return bytes(PrivateKey(private_key).public_key)
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def decode_key(text: str, what: str) -> bytes:
+    """Std base64 of exactly 32 bytes, or ValueError naming `what`."""
+    try:
+        raw = base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{what} is not valid base64") from None
+    if len(raw) != 32:
+        raise ValueError(f"{what} decodes to {len(raw)} bytes, expected 32")
+    return raw
+
+
+@dataclass(frozen=True)
+class Identity:
+    node_id: str
+    mesh_ip: str
+    signing_public_key: str
+    node_secret_key: str
+    private_key: bytes
+
+    @property
+    def public_key(self) -> str:
+        """The WireGuard public key, std base64 (44 chars)."""
+        return b64(public_key_of(self.private_key))
+
+    @property
+    def private_key_b64(self) -> str:
+        return b64(self.private_key)
+
+    def __repr__(self) -> str:  # never print the private key or the node secret
+        return f"Identity(node_id={self.node_id!r}, mesh_ip={self.mesh_ip!r})"
+
+
+@dataclass(frozen=True)
+class IdentityLoad:
+    """What `IdentityStore.load` found: an identity, or None with `problem` saying why ('' = never registered)."""
+
+    identity: Identity | None
+    problem: str = ""
+
+
+class IdentityStore:
+    def __init__(self, data_dir: str | os.PathLike[str]) -> None:
+        self.data_dir = Path(data_dir)
+
+    def path(self, name: str) -> Path:
+        return self.data_dir / name
+
+    # -- directory ---------------------------------------------------------------------------------------------
+
+    def ensure_writable(self) -> None:
+        """Create data_dir 0700 if needed and prove we can write into it, before anything irreversible (a token
+        is single-use: registering and then failing to save would burn it)."""
+        d = self.data_dir
+        try:
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if d.stat().st_uid == os.geteuid():
+                os.chmod(d, 0o700)  # it holds private keys
+            probe = d / ".tmp-write-probe"
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.write(fd, b"x")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            probe.unlink()
+        except OSError as exc:
+            raise DataDirError(
+                f"data_dir {d} is not writable: {exc.strerror or exc} (errno {exc.errno}); "
+                "fix its permissions or point data_dir (--data-dir, PLEXD_DATA_DIR) at a writable directory"
+            ) from None
+
+    # -- load ----------------------------------------------------------------------------------------------------
+
+    def load(self) -> IdentityLoad:
+        self._remove_temp_files()
+        try:
+            text = self.path(IDENTITY_FILE).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return IdentityLoad(None)
+        except (OSError, UnicodeDecodeError) as exc:
+            return IdentityLoad(None, f"{IDENTITY_FILE}: cannot read: {getattr(exc, 'strerror', None) or exc}")
+        try:
+            doc = json.loads(text)
+        except ValueError as exc:
+            return IdentityLoad(None, f"{IDENTITY_FILE}: not valid JSON ({exc})")
+        if not isinstance(doc, dict):
+            return IdentityLoad(None, f"{IDENTITY_FILE}: not a JSON object")
+        node_id, mesh_ip = doc.get("node_id"), doc.get("mesh_ip")
+        if not isinstance(node_id, str) or not node_id.strip():
+            return IdentityLoad(None, f"{IDENTITY_FILE}: node_id is missing or empty")
+        if not isinstance(mesh_ip, str) or not mesh_ip.strip():
+            return IdentityLoad(None, f"{IDENTITY_FILE}: mesh_ip is missing or empty")
+        try:
+            private_key = decode_key(self._read(PRIVATE_KEY_FILE), PRIVATE_KEY_FILE)
+            secret = self._read(NODE_SECRET_FILE)
+            if not secret:
+                return IdentityLoad(None, f"{NODE_SECRET_FILE} is empty")
+            signing = self._signing_key(doc)
+            decode_key(signing, SIGNING_KEY_FILE)
+        except (OSError, ValueError) as exc:
+            return IdentityLoad(None, str(exc))
+        return IdentityLoad(Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key))
+
+    def _read(self, name: str) -> str:
+        try:
+            return self.path(name).read_text(encoding="utf-8").strip()
+        except FileNotFoundError:
+            raise ValueError(f"{name} is missing") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{name}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+
+    def _signing_key(self, doc: dict[str, object]) -> str:
+        field = doc.get("signing_public_key")
+        field = field.strip() if isinstance(field, str) else ""
+        try:
+            on_disk = self._read(SIGNING_KEY_FILE)
+        except ValueError:
+            if field:
+                return field
+            raise
+        if field and on_disk != field:
+            # The file is updated on key rotation; the JSON copy may lag behind. The file wins (§5.4).
+            log.warning("signing_public_key file differs from identity.json; using the file",
+                        extra={"component": "identity"})
+        return on_disk
+
+    # -- save ----------------------------------------------------------------------------------------------------
+
+    def save(self, identity: Identity) -> None:
+        """Write all four files atomically (identity.json last). On failure, remove what this call wrote."""
+        self.ensure_writable()
+        doc = {"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
+               "signing_public_key": identity.signing_public_key}
+        contents = {
+            PRIVATE_KEY_FILE: identity.private_key_b64,
+            NODE_SECRET_FILE: identity.node_secret_key,
+            SIGNING_KEY_FILE: identity.signing_public_key,
+            IDENTITY_FILE: json.dumps(doc, indent=2, ensure_ascii=False),
+        }
+        written: list[str] = []
+        try:
+            # Retract the commit marker first: if we die mid-save the old identity.json must not pair with a new key.
+            with contextlib.suppress(FileNotFoundError):
+                self.path(IDENTITY_FILE).unlink()
+            for name in IDENTITY_FILES:
+                write_atomic(self.path(name), contents[name].encode())
+                written.append(name)
+        except OSError as exc:
+            for name in written:
+                with contextlib.suppress(OSError):
+                    self.path(name).unlink()
+            self._remove_temp_files()
+            raise DataDirError(f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} "
+                               f"(errno {exc.errno}); nothing was kept") from None
+
+    def write_signing_key(self, key_b64: str) -> None:
+        """Persist a rotated signing key (the file wins over identity.json on load)."""
+        decode_key(key_b64, "signing key")
+        write_atomic(self.path(SIGNING_KEY_FILE), key_b64.encode())
+
+    def remove(self) -> None:
+        for name in IDENTITY_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                self.path(name).unlink()
+
+    def _remove_temp_files(self) -> None:
+        """Leftovers of a save interrupted by a crash are never valid: drop them."""
+        with contextlib.suppress(OSError):
+            for entry in self.data_dir.iterdir():
+                if entry.name.startswith(".tmp-") and entry.name[5:] in IDENTITY_FILES:
+                    entry.unlink()
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write `data` to `path` via ``.tmp-<name>`` (created with `mode`), fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)  # O_CREAT honours the umask and keeps an existing file's mode
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,217 @@
+"""Integrity of what plexd runs: its own code ("binary" checksum), hook scripts, and the capabilities document.
+
+Binary checksum (DESIGN.md §5): a Python program has no single binary, so the checksum is SHA-256 over the
+installed ``plexd`` package: for every file under the package directory (``__pycache__`` directories and
+``.pyc`` files excluded), one line ``<relative posix path> NUL <hex sha256 of the file>`` followed by ``\\n``,
+lines sorted by path. Running from a single-file zipapp, it is the SHA-256 of that file. Same code, same
+checksum, on every machine. Bare lowercase hex, as the Go agent reports it.
+
+Hooks (PROJECT-DECISIONS.md, Hooks row; plexd-protocol.md §7.1): every executable regular file directly in
+``hooks.dir``; name = file name; optional sidecar ``<file>.json`` with description, parameters, timeout,
+sandbox (a malformed sidecar is ignored with a warning). A hook must be owned by root and not writable by group
+or other, and the directory itself likewise, otherwise it is refused with a logged reason: whoever can write it
+could make plexd run anything as root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 1 << 16
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """Lowercase hex SHA-256 of a file, streamed."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def package_root() -> Path:
+    import plexd
+
+    return Path(plexd.__file__).resolve().parent
+
+
+def binary_checksum(root: str | os.PathLike[str] | None = None) -> str:
+    """The checksum of the running plexd code (see the module docstring)."""
+    root = Path(root) if root is not None else package_root()
+    # Inside a zipapp the package directory is a path into the archive: hash the archive itself.
+    for parent in (root, *root.parents):
+        if parent.is_file():
+            return sha256_file(parent)
+    lines = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        for name in filenames:
+            if name.endswith(".pyc"):
+                continue
+            path = Path(dirpath, name)
+            lines.append(f"{path.relative_to(root).as_posix()}\0{sha256_file(path)}\n")
+    lines.sort()
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Hooks
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str
+    path: str
+    checksum: str
+    description: str = ""
+    parameters: tuple[dict[str, Any], ...] | None = None
+    timeout: str = ""
+    sandbox: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        """The capabilities entry of §1.8 (``source`` is always ``local`` for discovered hooks)."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "source": "local",
+            "checksum": self.checksum,
+            "parameters": None if self.parameters is None else [dict(p) for p in self.parameters],
+            "timeout": self.timeout,
+            "sandbox": self.sandbox,
+        }
+
+
+@dataclass(frozen=True)
+class RefusedHook:
+    name: str
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class HookScan:
+    hooks: tuple[Hook, ...] = ()
+    refused: tuple[RefusedHook, ...] = ()
+    warnings: tuple[str, ...] = field(default=())
+
+    def find(self, name: str) -> Hook | None:
+        return next((h for h in self.hooks if h.name == name), None)
+
+
+def _unsafe(st: os.stat_result, what: str) -> str:
+    """Why a file or directory with this stat must not be trusted, or ''."""
+    if st.st_uid != 0:
+        return f"{what} is owned by uid {st.st_uid}, not root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{what} is writable by group or other (mode {stat.S_IMODE(st.st_mode):04o})"
+    return ""
+
+
+def scan_hooks(directory: str | os.PathLike[str]) -> HookScan:
+    """Discover hooks in `directory` (non-recursive), sorted by name. Never raises for a bad hook: it is refused
+    or its sidecar ignored, with the reason logged and returned."""
+    directory = Path(directory)
+    try:
+        dir_stat = directory.stat()
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        log.debug("hooks directory %s does not exist: no hooks", directory)
+        return HookScan()
+    except OSError as exc:
+        log.warning("cannot read hooks directory %s: %s", directory, exc.strerror, extra={"component": "hooks"})
+        return HookScan(warnings=(f"cannot read hooks directory {directory}: {exc.strerror}",))
+
+    hooks: list[Hook] = []
+    refused: list[RefusedHook] = []
+    warnings: list[str] = []
+    dir_problem = _unsafe(dir_stat, f"hooks directory {directory}")
+    for name in names:
+        path = directory / name
+        if name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            st = path.stat()  # follows symlinks: the target is what would run
+        except OSError:
+            continue  # dangling symlink or vanished meanwhile
+        if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+            continue
+        # The directory check covers swapping a symlink; the stat above checked the file it points to.
+        problem = dir_problem or _unsafe(st, "file")
+        if problem:
+            log.warning("hook %s refused: %s", name, problem, extra={"component": "hooks", "hook": name})
+            refused.append(RefusedHook(name, str(path), problem))
+            continue
+        try:
+            checksum = sha256_file(path)
+        except OSError as exc:
+            refused.append(RefusedHook(name, str(path), f"cannot read: {exc.strerror}"))
+            continue
+        sidecar, warning = _read_sidecar(Path(f"{path}.json"))
+        if warning:
+            log.warning("hook %s: %s", name, warning, extra={"component": "hooks", "hook": name})
+            warnings.append(f"{name}: {warning}")
+        hooks.append(Hook(name=name, path=str(path), checksum=checksum, **sidecar))
+    return HookScan(tuple(hooks), tuple(refused), tuple(warnings))
+
+
+def _read_sidecar(path: Path) -> tuple[dict[str, Any], str]:
+    """Sidecar fields for `Hook`, and a warning when the sidecar exists but cannot be used (then no fields)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}, ""
+    except (OSError, ValueError) as exc:
+        return {}, f"sidecar {path.name} ignored: {exc}"
+    if not isinstance(doc, dict):
+        return {}, f"sidecar {path.name} ignored: not a JSON object"
+    out: dict[str, Any] = {}
+    for key in ("description", "timeout", "sandbox"):
+        value = doc.get(key, "")
+        if not isinstance(value, str):
+            return {}, f"sidecar {path.name} ignored: {key} must be a string"
+        out[key] = value
+    if out["timeout"]:
+        from plexd.gojson import parse_duration
+
+        try:
+            parse_duration(out["timeout"])
+        except ValueError:
+            return {}, f"sidecar {path.name} ignored: timeout {out['timeout']!r} is not a Go duration"
+    params = doc.get("parameters")
+    if params is not None:
+        if not isinstance(params, list):
+            return {}, f"sidecar {path.name} ignored: parameters must be a list"
+        clean = []
+        for i, p in enumerate(params):
+            if not isinstance(p, dict) or not isinstance(p.get("name"), str) or not p["name"]:
+                return {}, f"sidecar {path.name} ignored: parameters[{i}] needs a string name"
+            clean.append({"name": p["name"], "type": str(p.get("type", "string")),
+                          "required": bool(p.get("required", False)), "description": str(p.get("description", ""))})
+        out["parameters"] = tuple(clean)
+    return out, ""
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capabilities (§1.8)
+
+
+def capabilities_document(
+    version: str, checksum: str, hooks: Sequence[Hook], builtin_actions: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """``{"binary":{"version","checksum"},"builtin_actions":[...]|null,"hooks":[...]|null}`` — empty lists are
+    ``null`` as the Go agent's nil slices are."""
+    return {
+        "binary": {"version": version, "checksum": checksum},
+        "builtin_actions": [dict(a) for a in builtin_actions] or None,
+        "hooks": [h.to_wire() for h in hooks] or None,
+    }

@@ -1,0 +1,82 @@
+"""Logging setup: JSON lines when stderr is not a terminal (journald, files, tests), a readable line on a TTY.
+
+Modules log through ``logging.getLogger(__name__)`` and pass structured fields with ``extra={...}``; the JSON
+formatter emits them as keys, the human formatter appends them as ``key=value``. Secrets never go into a log:
+log ``fingerprint(secret)`` instead, a short tag that lets two log lines be matched without revealing the value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import sys
+import time
+from typing import IO, Any
+
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
+          "error": logging.ERROR}
+
+# Attributes every LogRecord has; anything else on a record came from `extra=` and is a structured field.
+_STANDARD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime",
+                                                                                       "taskName"}
+
+
+def fingerprint(secret: str | bytes) -> str:
+    """A short, non-reversible tag for a secret (``fp:1a2b3c4d``): first 8 hex digits of its SHA-256.
+
+    Eight hex digits cannot be inverted to a high-entropy token or key, yet tell two different secrets apart.
+    """
+    data = secret.encode() if isinstance(secret, str) else secret
+    if not data:
+        return "fp:empty"
+    return "fp:" + hashlib.sha256(data).hexdigest()[:8]
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if k not in _STANDARD_ATTRS and not k.startswith("_")}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts (RFC 3339 UTC), level, logger, msg, then the structured fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+        out: dict[str, Any] = {"ts": ts, "level": record.levelname.lower(), "logger": record.name,
+                               "msg": record.getMessage()}
+        for key, value in _fields(record).items():
+            out.setdefault(key, value)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+class HumanFormatter(logging.Formatter):
+    """``12:00:01 INFO  plexd.agent: registered node_id=n_1`` for people watching a terminal."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%H:%M:%S", time.localtime(record.created))
+        line = f"{ts} {record.levelname:<5} {record.name}: {record.getMessage()}"
+        fields = _fields(record)
+        if fields:
+            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(level: str = "info", stream: IO[str] | None = None, *, json_lines: bool | None = None) -> None:
+    """Route the root logger to `stream` (stderr) at `level`; JSON unless the stream is a terminal."""
+    stream = stream if stream is not None else sys.stderr
+    if json_lines is None:
+        json_lines = not (hasattr(stream, "isatty") and stream.isatty())
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter() if json_lines else HumanFormatter())
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(LEVELS.get(level.lower(), logging.INFO))
+    # httpx logs every request at INFO, with full URLs; keep that for debug runs only.
+    logging.getLogger("httpx").setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
+    logging.getLogger("httpcore").setLevel(logging.WARNING)

@@ -1,0 +1,346 @@
+"""Registration: find the bootstrap token, register with retries, persist the identity (plexd-protocol.md §5).
+
+Token sources, first non-empty wins (§5.1): ``token.value`` → ``token.file`` (missing file skipped; any other
+read error is fatal) → the environment variable named by ``token.env`` → the metadata service (only when
+``token.use_metadata``). Values are whitespace-trimmed; the winning value must be ≤ 512 bytes of printable ASCII
+(0x20–0x7E) or registration stops (no falling through to the next source).
+
+`Registrar.ensure_registered` reuses a valid identity without a request; a corrupt one is reported and replaced
+by a fresh registration. ``POST /v1/register`` is retried with `plexd.backoff.Backoff` (1 s ×2 → 60 s, ±25 %) on
+network errors, 5xx and unlisted statuses, waits ``Retry-After`` on 429, and gives up after
+``registration.max_wait``. 400/401/403/404/409 stop at once with a message saying what the operator should do.
+After success the token file is deleted when the token came from it.
+
+`Registrar.recover` is the 401 path (PROJECT-DECISIONS.md, Re-registration row): reload the identity from disk;
+re-register with the node secret as bearer, the same public key and an empty token; if that is refused and a
+bootstrap token is available, register afresh. The identity is never deleted on a 401.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from plexd.backoff import Backoff
+from plexd.clock import Clock
+from plexd.config import Config
+from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
+from plexd.controlplane.errors import (
+    AuthError,
+    BadResponseError,
+    ControlPlaneError,
+    PermanentError,
+    RetryAfterError,
+)
+from plexd.errors import PlexdError
+from plexd.gojson import format_duration
+from plexd.identity import Identity, IdentityStore, b64, decode_key, generate_private_key, public_key_of
+from plexd.log import fingerprint
+
+log = logging.getLogger(__name__)
+
+MAX_TOKEN_BYTES = 512
+METADATA_TIMEOUT = 2.0
+
+
+class TokenError(PlexdError):
+    """No usable bootstrap token."""
+
+
+class RegistrationError(PlexdError):
+    """The control plane refused the registration, or could not be reached in time."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class BootstrapToken:
+    value: str
+    source: str  # "config", "file", "env", "metadata", "prompt"
+    where: str = ""  # the file path or variable name, for messages
+
+    def __repr__(self) -> str:
+        return f"BootstrapToken(source={self.source!r}, where={self.where!r}, {fingerprint(self.value)})"
+
+
+def validate_token(value: str, origin: str) -> str:
+    value = value.strip()
+    raw = value.encode("utf-8", errors="surrogateescape")
+    if len(raw) > MAX_TOKEN_BYTES:
+        raise TokenError(f"bootstrap token from {origin} is {len(raw)} bytes long; the limit is {MAX_TOKEN_BYTES} "
+                         "(was the wrong file given?)")
+    bad = next((i for i, b in enumerate(raw) if not 0x20 <= b <= 0x7E), None)
+    if bad is not None:
+        raise TokenError(f"bootstrap token from {origin} contains a non-printable or non-ASCII byte "
+                         f"(0x{raw[bad]:02x} at offset {bad}); copy the token again")
+    return value
+
+
+def read_token_file(path: str) -> str | None:
+    """The file's content, None if it does not exist; other errors name the path and errno."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(64 * 1024)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise TokenError(f"cannot read bootstrap token file {path}: {exc.strerror or exc} (errno {exc.errno})") \
+            from None
+    return data.decode("utf-8", errors="surrogateescape")
+
+
+async def _metadata_token(base_url: str) -> str | None:
+    """IMDS flow of §5.1: session token (IMDSv2) if the service gives one, then the plexd token. Any failure
+    means "source unavailable"."""
+    import httpx
+
+    base = base_url.rstrip("/")
+    try:
+        async with httpx.AsyncClient(timeout=METADATA_TIMEOUT) as http:
+            headers = {}
+            try:
+                r = await http.put(f"{base}/latest/api/token",
+                                   headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+                if r.status_code == 200 and r.text.strip():
+                    headers["X-aws-ec2-metadata-token"] = r.text.strip()
+            except httpx.HTTPError:
+                pass  # IMDSv1 fallback: ask without a session token
+            r = await http.get(f"{base}/plexd/bootstrap-token", headers=headers)
+            if r.status_code != 200:
+                log.info("metadata service has no bootstrap token (HTTP %d)", r.status_code)
+                return None
+            return r.text
+    except httpx.HTTPError as exc:
+        log.info("metadata service at %s unavailable: %s", base, exc)
+        return None
+
+
+async def resolve_token(
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    *,
+    token_file: str | None = None,
+    token_env: str | None = None,
+) -> BootstrapToken | None:
+    """The first non-empty token source, validated; None when every source is empty. `token_file` and
+    `token_env` (from ``plexd join``) replace the configured file and variable."""
+    env = os.environ if env is None else env
+    t = config.token
+    if t.value.strip():
+        return BootstrapToken(validate_token(t.value, "token.value"), "config", "token.value")
+    path = token_file or t.file
+    if path:
+        content = read_token_file(path)
+        if token_file and content is None:
+            raise TokenError(f"bootstrap token file {path} does not exist")
+        if content is not None and content.strip():
+            return BootstrapToken(validate_token(content, f"file {path}"), "file", path)
+        if token_file:
+            raise TokenError(f"bootstrap token file {path} is empty")
+    var = token_env or t.env
+    if var:
+        value = env.get(var, "")
+        if value.strip():
+            return BootstrapToken(validate_token(value, f"environment variable {var}"), "env", var)
+        if token_env:
+            raise TokenError(f"environment variable {var} is not set or empty")
+    if t.use_metadata:
+        value = await _metadata_token(t.metadata_url)
+        if value and value.strip():
+            return BootstrapToken(validate_token(value, f"metadata service {t.metadata_url}"), "metadata",
+                                  t.metadata_url)
+    return None
+
+
+def no_token_message(config: Config) -> str:
+    return (f"no bootstrap token: write it to {config.token.file}, set {config.token.env}, or run "
+            "'plexd join --token-file FILE' (ask the control-plane admin for a token)")
+
+
+def refusal_message(status: int, server_message: str, *, api: str, hostname: str, reregister: bool = False) -> str:
+    """What a refused registration means for the operator (§1.3 statuses)."""
+    said = f" (server said: {server_message})" if server_message else ""
+    if status == 400:
+        return (f"the control plane rejected the registration request as malformed (HTTP 400){said}; "
+                "check registration.hostname and registration.metadata, and that plexd matches the control plane")
+    if status == 401:
+        if reregister:
+            return f"the control plane no longer accepts this node's secret (HTTP 401){said}"
+        return (f"bootstrap token refused (HTTP 401){said}: it is unknown, expired or already used — "
+                "create a new token and run 'plexd join' again")
+    if status == 403:
+        return (f"registration forbidden (HTTP 403){said}: this token may not register nodes here; "
+                "check the token with the control-plane admin")
+    if status == 404:
+        return (f"{api}/v1/register does not exist (HTTP 404){said}: check that api points at a plexd "
+                "control plane")
+    if status == 409:
+        return (f"a node named {hostname!r} is already registered (HTTP 409){said}; set registration.hostname "
+                "to another name or deregister the old node")
+    return f"registration refused (HTTP {status}){said}"
+
+
+_FATAL = (400, 401, 403, 404, 409)
+
+
+class Registrar:
+    def __init__(
+        self,
+        config: Config,
+        client: ControlPlaneClient,
+        store: IdentityStore | None = None,
+        *,
+        clock: Clock | None = None,
+        capabilities: Callable[[], Mapping[str, Any] | None] | None = None,
+        env: Mapping[str, str] | None = None,
+        rand: Callable[[], float] = random.random,
+        hostname: Callable[[], str] = socket.gethostname,
+    ) -> None:
+        self.config = config
+        self.client = client
+        self.store = store or IdentityStore(config.data_dir)
+        self.clock = clock or Clock()
+        self._capabilities = capabilities or (lambda: None)
+        self._env = os.environ if env is None else env
+        self._rand = rand
+        self._hostname = hostname
+
+    def hostname(self) -> str:
+        return self.config.registration.hostname or self._hostname()
+
+    async def ensure_registered(
+        self, *, token_file: str | None = None, token_env: str | None = None,
+        prompt: Callable[[], str] | None = None,
+    ) -> tuple[Identity, bool]:
+        """The node's identity and whether it was registered just now. Reuses a valid identity on disk."""
+        loaded = self.store.load()
+        if loaded.identity is not None:
+            self.client.set_token(loaded.identity.node_secret_key)
+            log.info("using the stored identity", extra={"node_id": loaded.identity.node_id,
+                                                          "mesh_ip": loaded.identity.mesh_ip})
+            return loaded.identity, False
+        if loaded.problem:
+            log.warning("stored identity in %s is unusable (%s); treating the node as not registered",
+                        self.store.data_dir, loaded.problem, extra={"component": "identity"})
+        token = await resolve_token(self.config, self._env, token_file=token_file, token_env=token_env)
+        if token is None and prompt is not None:
+            value = prompt()
+            if value.strip():
+                token = BootstrapToken(validate_token(value, "the prompt"), "prompt")
+        if token is None:
+            raise TokenError(no_token_message(self.config))
+        return await self.register(token), True
+
+    async def register(self, token: BootstrapToken, private_key: bytes | None = None) -> Identity:
+        """A fresh registration with `token` (a new keypair unless `private_key` is given)."""
+        self.config.require_api()
+        self.store.ensure_writable()  # before the token is spent
+        private_key = private_key or generate_private_key()
+        request = RegisterRequest(
+            token=token.value,
+            public_key=b64(public_key_of(private_key)),
+            hostname=self.hostname(),
+            metadata=self.config.registration.metadata or None,
+            capabilities=self._capabilities(),
+        )
+        log.info("registering with the control plane", extra={"api": self.client.base_url,
+                                                               "token": fingerprint(token.value),
+                                                               "token_source": token.source})
+        identity = await self._post(request, bearer=token.value, private_key=private_key, reregister=False)
+        if token.source == "file":
+            try:
+                os.unlink(token.where)
+                log.info("deleted the used bootstrap token file %s", token.where)
+            except OSError as exc:
+                log.warning("could not delete the used bootstrap token file %s: %s", token.where, exc.strerror)
+        return identity
+
+    async def reregister(self, identity: Identity) -> Identity:
+        """Re-register a known node: node secret as bearer, the same public key, an empty token."""
+        self.store.ensure_writable()
+        request = RegisterRequest(token="", public_key=identity.public_key, hostname=self.hostname(),
+                                  metadata=self.config.registration.metadata or None,
+                                  capabilities=self._capabilities())
+        log.info("re-registering with the stored identity", extra={"node_id": identity.node_id})
+        return await self._post(request, bearer=identity.node_secret_key, private_key=identity.private_key,
+                                reregister=True)
+
+    async def recover(self, current: Identity | None) -> Identity:
+        """After a 401: adopt a newer identity from disk, else re-register, else register afresh with a token."""
+        loaded = self.store.load()
+        if loaded.identity is not None and current is not None and (
+            loaded.identity.node_secret_key != current.node_secret_key or loaded.identity.node_id != current.node_id
+        ):
+            log.info("identity on disk changed; using it", extra={"node_id": loaded.identity.node_id})
+            self.client.set_token(loaded.identity.node_secret_key)
+            return loaded.identity
+        base = loaded.identity or current
+        if base is not None:
+            try:
+                return await self.reregister(base)
+            except RegistrationError as exc:
+                if exc.status not in _FATAL:
+                    raise
+                log.warning("re-registration refused: %s", exc, extra={"node_id": base.node_id})
+                refused = exc
+        else:
+            refused = None
+        token = await resolve_token(self.config, self._env)
+        if token is None:
+            why = f"{refused}; " if refused else ""
+            raise RegistrationError(f"{why}{no_token_message(self.config)}", getattr(refused, "status", 0))
+        return await self.register(token)
+
+    async def _post(self, request: RegisterRequest, *, bearer: str, private_key: bytes, reregister: bool) -> Identity:
+        api = self.client.base_url
+        max_wait = self.config.registration.max_wait
+        backoff = Backoff(base=1.0, cap=60.0, jitter=0.25, rand=self._rand)
+        started = self.clock.monotonic()
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                resp = await self.client.register(request, token=bearer)
+                decode_key(resp.signing_public_key, "signing_public_key in the register response")
+                break
+            except ValueError as exc:
+                # Checked before saving (the Go agent saves first, and then every restart fails).
+                raise RegistrationError(f"the control plane at {api} sent an unusable identity: {exc}") from None
+            except (AuthError, PermanentError) as exc:
+                raise RegistrationError(refusal_message(exc.status, exc.message, api=api, hostname=request.hostname,
+                                                        reregister=reregister), exc.status) from None
+            except RetryAfterError as exc:
+                delay = exc.retry_after if exc.retry_after is not None else backoff.current
+                last: ControlPlaneError = exc
+            except ControlPlaneError as exc:
+                if exc.status in _FATAL and not isinstance(exc, BadResponseError):
+                    raise RegistrationError(refusal_message(exc.status, exc.message, api=api,
+                                                            hostname=request.hostname, reregister=reregister),
+                                            exc.status) from None
+                delay = backoff.next_delay()
+                last = exc
+            elapsed = self.clock.monotonic() - started
+            if elapsed + delay > max_wait:
+                raise RegistrationError(
+                    f"could not register with the control plane at {api} within "
+                    f"{format_duration(max_wait)} ({attempts} attempts); last error: {last}. "
+                    "Check that the address is right and reachable, or raise registration.max_wait"
+                ) from None
+            log.warning("registration attempt %d failed: %s; retrying in %.1fs", attempts, last, delay,
+                        extra={"component": "registrar"})
+            await self.clock.sleep(delay)
+        identity = Identity(node_id=resp.node_id, mesh_ip=resp.mesh_ip, signing_public_key=resp.signing_public_key,
+                            node_secret_key=resp.node_secret_key, private_key=private_key)
+        self.store.save(identity)
+        self.client.set_token(identity.node_secret_key)
+        log.info("registered", extra={"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
+                                      "node_secret": fingerprint(identity.node_secret_key)})
+        return identity
+
