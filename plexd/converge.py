@@ -1,0 +1,200 @@
+"""The one code path that touches the mesh: observe the live machine, diff, apply the minimal changes.
+
+`await converger.converge(desired)` is the whole API for callers (startup, the periodic reconciler, event
+handlers). It never raises for things the machine or the control plane can cause: failures are logged with the
+peer or setting they concern and returned in `ConvergeResult.errors`, so the daemon keeps running and the next
+converge tries again (level-triggered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from plexd.clock import Clock
+from plexd.desired import DesiredState, split_endpoint
+from plexd.errors import PlexdError
+from plexd.mesh.links import LinkOp, Links
+from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
+from plexd.plan import (
+    Change,
+    InterfaceMissing,
+    LinkChange,
+    Observed,
+    PeerChange,
+    UserspaceProcessGone,
+    device_update,
+    diff,
+    link_ops,
+)
+
+log = logging.getLogger(__name__)
+
+RESOLVE_TIMEOUT = 3.0
+
+
+@dataclass(frozen=True)
+class ConvergeResult:
+    """What one converge did. `changes` lists only what was applied successfully (or planned, when dry_run)."""
+
+    changes: tuple[Change, ...] = ()
+    errors: tuple[str, ...] = ()
+    skipped_peers: tuple[tuple[str, str], ...] = ()  # (peer id, reason): invalid peers left out
+    dry_run: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def corrections(self) -> list[dict[str, str]]:
+        """The drift-report `corrections` list (`[{"type", "detail"}]`, never None)."""
+        return [c.correction() for c in self.changes]
+
+
+class Converger:
+    """Owns one WireGuard device and its link. One converge at a time."""
+
+    def __init__(self, wireguard: WireGuardBackend, links: Links, *, clock: Clock | None = None) -> None:
+        self.wireguard = wireguard
+        self.links = links
+        self.clock = clock or Clock()
+        self._lock = asyncio.Lock()
+        self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
+        self.last_result: ConvergeResult | None = None
+
+    async def observe(self) -> Observed:
+        link = await self.links.observe()
+        device = await self.wireguard.observe()
+        return Observed(device=device, link=link, process_gone=self.wireguard.process_gone(),
+                        peer_names=dict(self._names))
+
+    async def converge(self, desired: DesiredState, *, dry_run: bool = False) -> ConvergeResult:
+        async with self._lock:
+            try:
+                result = await self._converge(desired, dry_run)
+            except PlexdError as e:
+                log.error("converge failed: %s", e)
+                result = ConvergeResult(errors=(str(e),), skipped_peers=desired.rejected, dry_run=dry_run)
+            self.last_result = result
+            return result
+
+    async def _converge(self, desired: DesiredState, dry_run: bool) -> ConvergeResult:
+        errors: list[str] = []
+        for pid, reason in desired.rejected:
+            log.warning("peer %s skipped: %s", pid, reason, extra={"peer": pid})
+        for pid, peer in desired.peers.items():
+            self._names[peer.public_key] = pid
+        desired, resolve_errors = await self._resolve_endpoints(desired)
+        errors.extend(resolve_errors)
+
+        observed = await self.observe()
+        if observed.link is not None and not observed.link.is_wireguard:
+            raise WireGuardError(
+                f"interface {desired.interface} already exists and is a {observed.link.kind or 'non-WireGuard'} "
+                "link, not WireGuard: delete it or set mesh.interface to another name"
+            )
+        changes = diff(desired, observed, self.clock.now().timestamp())
+        if dry_run or not changes:
+            return ConvergeResult(tuple(changes), tuple(errors), desired.rejected, dry_run)
+
+        applied: list[Change] = []
+        if isinstance(changes[0], InterfaceMissing | UserspaceProcessGone):
+            await self.wireguard.ensure_device()  # PlexdError (missing binary, ...) ends this converge
+            applied.append(changes[0])
+            log.info("%s", changes[0].detail, extra={"interface": desired.interface})
+
+        failed_keys, device_errors = await self._apply_device(changes)
+        errors.extend(device_errors)
+        device_ok = not device_errors
+        for c in changes:
+            if isinstance(c, InterfaceMissing | UserspaceProcessGone | LinkChange):
+                continue
+            if isinstance(c, PeerChange):
+                if c.public_key not in failed_keys:
+                    applied.append(c)
+            elif device_ok:
+                applied.append(c)
+
+        ops = link_ops(changes)
+        failures = await self.links.apply(ops)
+        failed_ops: set[LinkOp] = set()
+        for op, why in failures:
+            msg = f"interface {desired.interface}: {op.action} {op.value if op.value is not None else ''}: {why}"
+            log.error("%s", msg, extra={"interface": desired.interface})
+            errors.append(msg)
+            failed_ops.add(op)
+        applied.extend(c for c in changes if isinstance(c, LinkChange) and c.link_op() not in failed_ops)
+
+        for c in applied:
+            log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+        return ConvergeResult(tuple(applied), tuple(errors), desired.rejected, False)
+
+    async def _apply_device(self, changes: Sequence[Change]) -> tuple[set[str], list[str]]:
+        """Send all device changes in one transaction; if refused, retry piece by piece to name the culprit."""
+        update = device_update(changes)
+        if update.is_empty():
+            return set(), []
+        try:
+            await self.wireguard.apply(update)
+            return set(), []
+        except WireGuardError as first:
+            if len(update.peers) <= 1 and (update.private_key is None and update.listen_port is None):
+                pieces = [update]
+            else:
+                head = DeviceUpdate(private_key=update.private_key, listen_port=update.listen_port)
+                pieces = ([head] if not head.is_empty() else []) + [DeviceUpdate(peers=(p,)) for p in update.peers]
+            log.debug("batched set refused (%s); retrying %d pieces", first, len(pieces))
+        failed: set[str] = set()
+        errors: list[str] = []
+        for piece in pieces:
+            try:
+                await self.wireguard.apply(piece)
+            except WireGuardError as e:
+                if piece.peers:
+                    key = piece.peers[0].public_key
+                    failed.add(key)
+                    pid = self._names.get(key, key_fingerprint(key))
+                    msg = f"peer {pid}: {e}"
+                    log.error("%s", msg, extra={"peer": pid})
+                else:
+                    msg = str(e)
+                    log.error("%s", msg)
+                    failed.add("")
+                errors.append(msg)
+        return failed, errors
+
+    async def _resolve_endpoints(self, desired: DesiredState) -> tuple[DesiredState, list[str]]:
+        """WireGuard takes IP endpoints only (as `wg` does, resolve host names first)."""
+        errors: list[str] = []
+        loop = asyncio.get_running_loop()
+        for pid, peer in list(desired.peers.items()):
+            if not peer.endpoint:
+                continue
+            host, port = split_endpoint(peer.endpoint)
+            try:
+                ipaddress.ip_address(host)
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=2), RESOLVE_TIMEOUT)
+                ip = infos[0][4][0]
+                endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            except (OSError, TimeoutError, IndexError) as e:
+                msg = f"peer {pid}: cannot resolve endpoint {peer.endpoint}: {e or 'timeout'}"
+                log.warning("%s; configuring it without an endpoint", msg, extra={"peer": pid})
+                errors.append(msg)
+                endpoint = ""
+            desired = replace(desired, peers={**desired.peers, pid: replace(peer, endpoint=endpoint)})
+        return desired, errors
+
+    async def teardown(self) -> None:
+        """Remove the device (and its link): shutdown with deregistration."""
+        await self.wireguard.delete_device()
+        try:
+            await self.links.delete_link()
+        except PlexdError as e:
+            log.warning("%s", e)

@@ -1,0 +1,258 @@
+"""A network-namespace lab: a bridge in the root namespace and N nodes, each in its own namespace.
+
+Used by `plexd-devplane demo` and, as a pytest fixture, by the e2e tests. Every node has a veth to the bridge and
+an address on a private test subnet (10.231.X.0/24, X picked free at random), and a private socket directory
+that commands run through `LabNode.wrap()` see as `/run/wireguard` (environment.md §2: `ip netns exec` already
+unshares the mount namespace, so the bind mount never shows on the host). Names are `px<tag>...` and unique per
+lab, so labs can run side by side.
+
+Teardown is guaranteed and ordered (environment.md §9): processes first (wireguard-go keeps a deleted namespace
+alive), then links, then namespaces, then files. A kept lab writes a state file so `Lab.down_from_state()`
+(`plexd-devplane demo --down`) can remove it later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from plexd.errors import PlexdError
+
+_BIND_RUN_WIREGUARD = 'mkdir -p /run/wireguard && mount --bind "$0" /run/wireguard && exec "$@"'
+DEFAULT_STATE_FILE = "/run/plexd-lab.json"
+
+
+class LabError(PlexdError):
+    """The lab could not be built or removed."""
+
+
+def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and res.returncode != 0:
+        raise LabError(f"{' '.join(args)} failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
+    return res
+
+
+@dataclass
+class LabNode:
+    name: str
+    netns: str
+    address: str  # underlay address on the lab subnet
+    veth: str  # host side
+    sock_dir: str  # host path seen inside the node as /run/wireguard
+
+    def wrap(self, cmd: Sequence[str]) -> list[str]:
+        """`cmd` run inside the node's namespace with its private /run/wireguard; exec keeps the pid."""
+        return ["ip", "netns", "exec", self.netns, "sh", "-c", _BIND_RUN_WIREGUARD, self.sock_dir, *cmd]
+
+
+@dataclass
+class Lab:
+    tag: str = field(default_factory=lambda: secrets.token_hex(3)[:5])
+    workdir: str = ""
+    subnet: str = ""
+    nodes: list[LabNode] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+    state_file: str | None = None
+    _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    _up: bool = False
+
+    @property
+    def bridge(self) -> str:
+        return f"px{self.tag}br"
+
+    @property
+    def bridge_address(self) -> str:
+        return str(ipaddress.ip_network(self.subnet)[1])
+
+    # -- building -------------------------------------------------------------------------------------------
+
+    def up(self, nodes: int = 0) -> Lab:
+        try:
+            self.workdir = self.workdir or tempfile.mkdtemp(prefix=f"px{self.tag}-")
+            self.subnet = self.subnet or _free_subnet()
+            self._up = True
+            self._save()
+            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            self._save()
+            _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge])
+            _run(["ip", "link", "set", self.bridge, "up"])
+            for _ in range(nodes):
+                self.add_node()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def add_node(self) -> LabNode:
+        i = len(self.nodes) + 1
+        node = LabNode(name=f"node{i}", netns=f"px{self.tag}n{i}",
+                       address=str(ipaddress.ip_network(self.subnet)[10 + i]), veth=f"px{self.tag}h{i}",
+                       sock_dir=os.path.join(self.workdir, f"run-wireguard-{i}"))
+        os.makedirs(node.sock_dir, mode=0o700, exist_ok=True)
+        self.nodes.append(node)
+        self._save()
+        peer = f"px{self.tag}p{i}"
+        _run(["ip", "netns", "add", node.netns])
+        _run(["ip", "link", "add", node.veth, "type", "veth", "peer", "name", peer])
+        _run(["ip", "link", "set", peer, "netns", node.netns])
+        _run(["ip", "link", "set", node.veth, "master", self.bridge, "up"])
+        ns = ["ip", "-n", node.netns]
+        _run([*ns, "link", "set", peer, "name", "eth0"])
+        _run([*ns, "addr", "add", f"{node.address}/24", "dev", "eth0"])
+        _run([*ns, "link", "set", "eth0", "up"])
+        _run([*ns, "link", "set", "lo", "up"])
+        return node
+
+    def spawn(self, cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+        """Start a process the lab will stop at teardown (its own session, so we can signal its group)."""
+        popen_kwargs.setdefault("start_new_session", True)
+        popen_kwargs.setdefault("stdin", subprocess.DEVNULL)
+        proc = subprocess.Popen(list(cmd), **popen_kwargs)
+        self._procs.append(proc)
+        self.pids.append(proc.pid)
+        self._save()
+        return proc
+
+    def exec(self, node: LabNode, cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a short command in the node (with its private /run/wireguard) and return its output."""
+        return _run(node.wrap(cmd), check=check)
+
+    # -- teardown -------------------------------------------------------------------------------------------
+
+    def down(self) -> None:
+        """Remove everything, in order, tolerating parts that are already gone."""
+        if not self._up and not self.nodes:
+            return
+        procs = list(self._procs)
+        for p in procs:
+            _signal_group(p.pid, signal.SIGTERM)
+        _wait_all(procs, 5.0)
+        for p in procs:
+            if p.poll() is None:
+                _signal_group(p.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(2)
+        for pid in self.pids:  # pids from a state file (no Popen): best effort
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if _alive(pid):
+                    os.killpg(pid, signal.SIGKILL)
+        # Anything still living in a node namespace (e.g. a wireguard-go started by a killed daemon).
+        for node in self.nodes:
+            _kill_netns_pids(node.netns)
+        for node in self.nodes:
+            _run(["ip", "link", "del", node.veth], check=False)
+        _run(["ip", "link", "del", self.bridge], check=False)
+        for node in self.nodes:
+            _run(["ip", "netns", "del", node.netns], check=False)
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        if self.state_file:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.state_file)
+        self._procs.clear()
+        self._up = False
+
+    def leaks(self) -> list[str]:
+        """What of this lab still exists (for tests' leak checks)."""
+        found = []
+        netns = _run(["ip", "netns", "list"], check=False).stdout
+        found += [f"netns {n.split()[0]}" for n in netns.splitlines() if n.startswith(f"px{self.tag}")]
+        links = _run(["ip", "-o", "link", "show"], check=False).stdout
+        found += [f"link {line.split(':')[1].strip().split('@')[0]}" for line in links.splitlines()
+                  if f"px{self.tag}" in line]
+        found += [f"process {pid}" for pid in self.pids if _alive(pid)]
+        if self.workdir and os.path.exists(self.workdir):
+            found.append(f"directory {self.workdir}")
+        return found
+
+    def __enter__(self) -> Lab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    # -- state file -----------------------------------------------------------------------------------------
+
+    def _save(self) -> None:
+        if not self.state_file:
+            return
+        data = {"tag": self.tag, "workdir": self.workdir, "subnet": self.subnet, "pids": self.pids,
+                "nodes": [asdict(n) for n in self.nodes]}
+        tmp = self.state_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, self.state_file)
+
+    @classmethod
+    def down_from_state(cls, state_file: str = DEFAULT_STATE_FILE) -> bool:
+        """Remove a kept lab described by `state_file`. False when there is none."""
+        try:
+            with open(state_file) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError) as e:
+            raise LabError(f"cannot read lab state {state_file}: {e}") from None
+        lab = cls(tag=data["tag"], workdir=data.get("workdir", ""), subnet=data.get("subnet", ""),
+                  nodes=[LabNode(**n) for n in data.get("nodes", [])], pids=list(data.get("pids", [])),
+                  state_file=state_file, _up=True)
+        lab.down()
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _wait_all(procs: Sequence[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(0.0, deadline - time.monotonic()))
+
+
+def _kill_netns_pids(netns: str) -> None:
+    def pids() -> list[int]:
+        out = _run(["ip", "netns", "pids", netns], check=False).stdout
+        return [int(p) for p in out.split() if p.isdigit()]
+
+    for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)):
+        current = pids()
+        if not current:
+            return
+        for pid in current:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(_alive(p) for p in current):
+            time.sleep(0.02)
+
+
+def _free_subnet() -> str:
+    used = _run(["ip", "-o", "addr", "show"], check=False).stdout
+    for _ in range(100):
+        octet = secrets.randbelow(254) + 1
+        net = f"10.231.{octet}.0/24"
+        if f"10.231.{octet}." not in used:
+            return net
+    raise LabError("no free 10.231.X.0/24 lab subnet")

@@ -1,0 +1,182 @@
+"""The userspace WireGuard backend: runs wireguard-go (or boringtun) in the foreground and configures it over UAPI.
+
+Like `wg-quick` with `WG_QUICK_USERSPACE_IMPLEMENTATION`, plexd starts the implementation itself when the kernel
+has no WireGuard. It runs with `-f` so its pid is ours (without it wireguard-go daemonizes and the pid is lost).
+Supervision is level-triggered: when the process dies, `observe()` returns None and `process_gone()` is True;
+the next converge calls `ensure_device()`, which starts a new process, and then re-applies the whole
+configuration because the fresh device is empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import shutil
+import signal
+from collections.abc import Callable, Mapping, Sequence
+
+from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, WireGuardError, check_interface_name
+from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 5.0
+STOP_TIMEOUT = 5.0
+
+
+class UserspaceBackend:
+    """`WireGuardBackend` over UAPI, owning the userspace process.
+
+    `launch_prefix` is prepended to the command line, e.g. `ip netns exec NS sh -c '... exec "$@"' sh` in the lab;
+    it must `exec` so the pid we hold stays the implementation's pid. `socket_dir` is where this process (not
+    the child) finds `<if>.sock`.
+    """
+
+    def __init__(
+        self,
+        interface: str,
+        *,
+        implementation: str = "wireguard-go",
+        socket_dir: str = DEFAULT_SOCKET_DIR,
+        launch_prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        start_timeout: float = START_TIMEOUT,
+        on_exit: Callable[[int], None] | None = None,
+    ) -> None:
+        self.interface = interface
+        self.implementation = implementation
+        self.launch_prefix = tuple(launch_prefix)
+        self.env = dict(env or {})
+        self.start_timeout = start_timeout
+        self.on_exit = on_exit
+        self.uapi = UapiClient(interface, socket_dir)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._output: collections.deque[str] = collections.deque(maxlen=20)
+        self._reader: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.restarts = 0
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
+
+    def process_gone(self) -> bool:
+        return self._proc is not None and self._proc.returncode is not None and not self._stopping
+
+    async def observe(self) -> DeviceConfig | None:
+        try:
+            return await self.uapi.get()
+        except UapiUnavailable:
+            return None
+
+    async def apply(self, update: DeviceUpdate) -> None:
+        await self.uapi.set(update)
+
+    async def _socket_answers(self) -> bool:
+        try:
+            await self.uapi.get()
+            return True
+        except UapiUnavailable:
+            return False
+
+    def _binary(self) -> str:
+        impl = self.implementation
+        path = impl if os.sep in impl else shutil.which(impl)
+        if not path or not os.access(path, os.X_OK):
+            raise WireGuardError(
+                f"the kernel has no WireGuard and the userspace implementation {impl!r} was not found or is not "
+                "executable: install wireguard-go (apt-get install wireguard-go) or set mesh.userspace_implementation"
+            )
+        return path
+
+    async def ensure_device(self) -> bool:
+        check_interface_name(self.interface)
+        if await self._socket_answers():
+            return False
+        was_running = self._proc is not None
+        if self._proc is not None and self._proc.returncode is None:
+            # Alive but not answering: give it a moment (it may be starting), then replace it.
+            if await self._wait_for_socket(self.start_timeout):
+                return False
+            log.warning("userspace WireGuard for %s does not answer on %s; restarting it", self.interface,
+                        self.uapi.path)
+            await self._stop_process()
+        binary = self._binary()
+        env = {**os.environ, **self.env, "WG_PROCESS_FOREGROUND": "1"}
+        env.setdefault("LOG_LEVEL", "error")
+        cmd = [*self.launch_prefix, binary, "-f", self.interface]
+        self._output.clear()
+        self._stopping = False
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
+        except OSError as e:
+            raise WireGuardError(f"cannot start {binary} for {self.interface}: {e}") from None
+        if was_running:
+            self.restarts += 1
+        self._reader = asyncio.create_task(self._pump_output(self._proc), name=f"wg-output-{self.interface}")
+        log.info("started %s for %s (pid %d)", os.path.basename(binary), self.interface, self._proc.pid,
+                 extra={"interface": self.interface, "pid": self._proc.pid})
+        if not await self._wait_for_socket(self.start_timeout):
+            rc = self._proc.returncode
+            output = " | ".join(self._output) or "no output"
+            await self._stop_process()
+            state = f"exited with status {rc}" if rc is not None else f"did not open {self.uapi.path}"
+            raise WireGuardError(f"{os.path.basename(binary)} for {self.interface} {state}: {output}")
+        return True
+
+    async def _wait_for_socket(self, timeout: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while loop.time() < deadline:
+            if self._proc is not None and self._proc.returncode is not None:
+                await asyncio.sleep(0.05)  # let the output pump catch the last lines
+                return False
+            if await self._socket_answers():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    async def _pump_output(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stdout is not None
+        while line := await proc.stdout.readline():
+            text = line.decode(errors="replace").rstrip()
+            self._output.append(text)
+            log.info("%s: %s", self.interface, text, extra={"interface": self.interface, "pid": proc.pid})
+        rc = await proc.wait()
+        if not self._stopping:
+            log.warning("userspace WireGuard for %s (pid %d) exited with status %s; the next converge restarts it",
+                        self.interface, proc.pid, rc, extra={"interface": self.interface, "pid": proc.pid})
+            if self.on_exit is not None:
+                self.on_exit(rc)
+
+    async def _stop_process(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        self._stopping = True
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(self._reader, 1.0)
+            self._reader = None
+
+    async def delete_device(self) -> None:
+        """Stop our process (SIGTERM: wireguard-go removes its TUN and socket and exits 0)."""
+        await self._stop_process()
+
+    async def close(self) -> None:
+        await self._stop_process()

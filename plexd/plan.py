@@ -1,0 +1,559 @@
+"""The pure diff: `diff(desired, observed, now) -> list[Change]`.
+
+No I/O here. `observed` is a snapshot of the live machine (WireGuard device + mesh link) taken just before; each
+`Change` is both an instruction for the apply step (`device_update()` / `link_ops()`) and a drift-report line
+(`correction_type`, `detail`). Details never contain key material beyond a public-key fingerprint.
+
+Correction types. The peer ones are the Go agent's names (plexd-protocol.md §4.4); the others are ours:
+
+    peer_added            a desired peer was missing from the device
+    peer_removed          the device had a peer that is not desired
+    peer_updated          a peer's public key / endpoint / allowed IPs / preshared key / keepalive differed
+    interface_created     the WireGuard interface did not exist
+    userspace_restarted   the userspace WireGuard process (wireguard-go) had died
+    private_key_updated   the device's private key was not the node's
+    listen_port_updated   the device listened on another port
+    address_added         the mesh address was missing from the interface
+    address_removed       the interface had an address that is not the mesh address
+    mtu_updated           the interface MTU differed from mesh.mtu
+    link_up               the interface was down
+    route_added           a route for a peer's allowed IPs via the interface was missing
+    route_removed         the interface had a route for something no peer is allowed
+
+Details read `<object>: <what> <live> != <desired>`, e.g. `peer n_x: endpoint 1.2.3.4:51820 != 5.6.7.8:51820`.
+
+Rules: a peer's endpoint is left alone while its latest handshake is younger than `ROAMING_WINDOW` seconds
+(it roamed; innernet's rule), and an empty desired endpoint never clears a learned one. Default routes (`/0`) in a
+peer's allowed IPs are not installed (that needs policy routing, as wg-quick does, and would cut the underlay).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+from plexd.desired import DesiredState, split_endpoint
+from plexd.mesh.links import LinkOp, LinkState
+from plexd.mesh.wireguard import (
+    DeviceConfig,
+    DeviceUpdate,
+    PeerConfig,
+    PeerUpdate,
+    clamp_private_key,
+    key_fingerprint,
+)
+
+ROAMING_WINDOW = 180.0
+
+
+# --- observed and target ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The live machine. `device` None: no WireGuard device. `link` None: no interface.
+
+    `peer_names` maps public keys to peer ids so details can name peers that are no longer desired; it is a
+    label table only, never something we diff against.
+    """
+
+    device: DeviceConfig | None
+    link: LinkState | None
+    process_gone: bool = False
+    peer_names: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The desired state translated into device and link terms."""
+
+    interface: str
+    device: DeviceConfig
+    peer_ids: Mapping[str, str]  # public key -> peer id
+    addresses: frozenset[str]
+    mtu: int
+    routes: frozenset[str]
+
+
+def normalize_endpoint(endpoint: str) -> str:
+    """Render an IP endpoint the way WireGuard prints it (`1.2.3.4:5`, `[fd00::1]:5`); host names unchanged."""
+    if not endpoint:
+        return ""
+    host, port = split_endpoint(endpoint)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return endpoint
+    return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+
+
+def _cidr(text: str) -> str:
+    return str(ipaddress.ip_network(text, strict=False))
+
+
+def target(desired: DesiredState) -> Target:
+    peers: dict[str, PeerConfig] = {}
+    ids: dict[str, str] = {}
+    routes: set[str] = set()
+    for pid, p in desired.peers.items():
+        allowed = frozenset(_cidr(ip) for ip in p.allowed_ips) if p.allowed_ips else frozenset({_cidr(p.mesh_ip)})
+        peers[p.public_key] = PeerConfig(public_key=p.public_key, endpoint=normalize_endpoint(p.endpoint),
+                                         allowed_ips=allowed, psk=p.psk,
+                                         persistent_keepalive=desired.persistent_keepalive)
+        ids[p.public_key] = pid
+        routes.update(a for a in allowed if ipaddress.ip_network(a).prefixlen > 0)
+    addresses = {f"{ipaddress.ip_address(desired.mesh_ip)}/{32 if ':' not in desired.mesh_ip else 128}"}
+    if desired.mesh_ip6:
+        addresses.add(f"{ipaddress.ip_address(desired.mesh_ip6)}/128")
+    # our own addresses are local routes already; a peer claiming them would be a conflict, not a route
+    routes -= {a for a in addresses}
+    return Target(interface=desired.interface,
+                  device=DeviceConfig(private_key=clamp_private_key(desired.private_key),
+                                       listen_port=desired.listen_port, peers=peers),
+                  peer_ids=ids, addresses=frozenset(addresses), mtu=desired.mtu, routes=frozenset(routes))
+
+
+# --- changes ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Change:
+    correction_type: ClassVar[str] = ""
+
+    @property
+    def detail(self) -> str:  # pragma: no cover - every subclass overrides
+        raise NotImplementedError
+
+    def correction(self) -> dict[str, str]:
+        return {"type": self.correction_type, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class DeviceChange(Change):
+    """A change applied through the WireGuard backend."""
+
+
+@dataclass(frozen=True)
+class PeerChange(DeviceChange):
+    peer_id: str
+    public_key: str
+
+    def peer_update(self) -> Sequence[PeerUpdate]:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class LinkChange(Change):
+    interface: str
+
+    def link_op(self) -> LinkOp:  # pragma: no cover
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class InterfaceMissing(DeviceChange):
+    correction_type: ClassVar[str] = "interface_created"
+    interface: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: missing, created"
+
+
+@dataclass(frozen=True)
+class UserspaceProcessGone(DeviceChange):
+    correction_type: ClassVar[str] = "userspace_restarted"
+    interface: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: userspace WireGuard process was not running, restarted"
+
+
+@dataclass(frozen=True)
+class PrivateKeyWrong(DeviceChange):
+    correction_type: ClassVar[str] = "private_key_updated"
+    interface: str
+    private_key: str = field(repr=False)
+    live_public: str = ""
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: private key was not the node's"
+
+
+@dataclass(frozen=True)
+class ListenPortWrong(DeviceChange):
+    correction_type: ClassVar[str] = "listen_port_updated"
+    interface: str
+    want: int
+    have: int
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: listen port {self.have} != {self.want}"
+
+
+def _full(peer: PeerConfig) -> PeerUpdate:
+    return PeerUpdate(public_key=peer.public_key, endpoint=peer.endpoint or None, allowed_ips=peer.allowed_ips,
+                      psk=peer.psk or None, persistent_keepalive=peer.persistent_keepalive)
+
+
+@dataclass(frozen=True)
+class PeerAdded(PeerChange):
+    correction_type: ClassVar[str] = "peer_added"
+    peer: PeerConfig
+
+    @property
+    def detail(self) -> str:
+        return f"peer {self.peer_id}: missing from the device"
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (_full(self.peer),)
+
+
+@dataclass(frozen=True)
+class PeerRemoved(PeerChange):
+    correction_type: ClassVar[str] = "peer_removed"
+
+    @property
+    def detail(self) -> str:
+        return f"peer {self.peer_id}: on the device but not desired"
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (PeerUpdate(public_key=self.public_key, remove=True),)
+
+
+@dataclass(frozen=True)
+class PeerKeyChanged(PeerChange):
+    """The peer's public key changed: WireGuard cannot rename a peer, so remove the old one and add the new."""
+
+    correction_type: ClassVar[str] = "peer_updated"
+    old_key: str
+    peer: PeerConfig
+
+    @property
+    def detail(self) -> str:
+        return f"peer {self.peer_id}: public key {key_fingerprint(self.old_key)} != {key_fingerprint(self.public_key)}"
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (PeerUpdate(public_key=self.old_key, remove=True), _full(self.peer))
+
+
+@dataclass(frozen=True)
+class PeerEndpointChanged(PeerChange):
+    correction_type: ClassVar[str] = "peer_updated"
+    want: str
+    have: str
+
+    @property
+    def detail(self) -> str:
+        return f"peer {self.peer_id}: endpoint {self.have or '(none)'} != {self.want}"
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (PeerUpdate(public_key=self.public_key, update_only=True, endpoint=self.want),)
+
+
+@dataclass(frozen=True)
+class PeerAllowedIpsChanged(PeerChange):
+    correction_type: ClassVar[str] = "peer_updated"
+    want: frozenset[str]
+    have: frozenset[str]
+
+    @property
+    def detail(self) -> str:
+        return (f"peer {self.peer_id}: allowed IPs {','.join(sorted(self.have)) or '(none)'} != "
+                f"{','.join(sorted(self.want)) or '(none)'}")
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (PeerUpdate(public_key=self.public_key, update_only=True, allowed_ips=self.want),)
+
+
+@dataclass(frozen=True)
+class PeerPskChanged(PeerChange):
+    correction_type: ClassVar[str] = "peer_updated"
+    want: str = field(repr=False)
+
+    @property
+    def detail(self) -> str:
+        return f"peer {self.peer_id}: preshared key differs"
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (PeerUpdate(public_key=self.public_key, update_only=True, psk=self.want),)
+
+
+@dataclass(frozen=True)
+class PeerKeepaliveChanged(PeerChange):
+    correction_type: ClassVar[str] = "peer_updated"
+    want: int
+    have: int
+
+    @property
+    def detail(self) -> str:
+        return f"peer {self.peer_id}: persistent keepalive {self.have} != {self.want}"
+
+    def peer_update(self) -> Sequence[PeerUpdate]:
+        return (PeerUpdate(public_key=self.public_key, update_only=True, persistent_keepalive=self.want),)
+
+
+@dataclass(frozen=True)
+class AddressMissing(LinkChange):
+    correction_type: ClassVar[str] = "address_added"
+    address: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: address {self.address} missing"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("addr_add", self.address)
+
+
+@dataclass(frozen=True)
+class AddressExtra(LinkChange):
+    correction_type: ClassVar[str] = "address_removed"
+    address: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: unexpected address {self.address}"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("addr_del", self.address)
+
+
+@dataclass(frozen=True)
+class MtuWrong(LinkChange):
+    correction_type: ClassVar[str] = "mtu_updated"
+    want: int
+    have: int
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: mtu {self.have} != {self.want}"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("mtu", self.want)
+
+
+@dataclass(frozen=True)
+class LinkDown(LinkChange):
+    correction_type: ClassVar[str] = "link_up"
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: link was down"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("up")
+
+
+@dataclass(frozen=True)
+class RouteMissing(LinkChange):
+    correction_type: ClassVar[str] = "route_added"
+    destination: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: route {self.destination} missing"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("route_add", self.destination)
+
+
+@dataclass(frozen=True)
+class RouteExtra(LinkChange):
+    correction_type: ClassVar[str] = "route_removed"
+    destination: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: unexpected route {self.destination}"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("route_del", self.destination)
+
+
+# --- the diff -----------------------------------------------------------------------------------------------
+
+_EMPTY_LINK = LinkState(index=0, kind="", mtu=0, up=False)
+
+
+def diff(desired: DesiredState, observed: Observed, now: float) -> list[Change]:
+    """Everything that must change for the live machine to match `desired`, in apply order.
+
+    `now` is Unix seconds (for the roaming window).
+    """
+    t = target(desired)
+    changes: list[Change] = []
+    dev = observed.device
+    link = observed.link
+    if dev is None:
+        # A fresh device starts empty and its TUN link starts bare: plan everything from scratch.
+        changes.append(UserspaceProcessGone(t.interface) if observed.process_gone else InterfaceMissing(t.interface))
+        dev = DeviceConfig()
+        link = None
+    changes.extend(_device_fields(t, dev))
+    changes.extend(_peers(t, dev, observed.peer_names, now))
+    changes.extend(_link(t, link or _EMPTY_LINK))
+    return changes
+
+
+def _device_fields(t: Target, dev: DeviceConfig) -> Iterable[Change]:
+    if t.device.private_key and dev.private_key != t.device.private_key:
+        yield PrivateKeyWrong(t.interface, t.device.private_key)
+    if t.device.listen_port and dev.listen_port != t.device.listen_port:
+        yield ListenPortWrong(t.interface, t.device.listen_port, dev.listen_port)
+
+
+def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -> Iterable[Change]:
+    want, live = t.device.peers, dev.peers
+    extra = [k for k in live if k not in want]
+    missing = {k for k in want if k not in live}
+    key_by_id = {pid: key for key, pid in t.peer_ids.items()}
+    renamed: dict[str, str] = {}  # new key -> old key
+    for old in extra:
+        new = key_by_id.get(names.get(old, ""))
+        if new in missing and new not in renamed:
+            renamed[new] = old
+    renamed_old = set(renamed.values())
+
+    def name(key: str) -> str:
+        return t.peer_ids.get(key) or names.get(key) or key_fingerprint(key)
+
+    removed = sorted((k for k in extra if k not in renamed_old), key=name)
+    yield from (PeerRemoved(name(k), k) for k in removed)
+    for key in sorted(renamed, key=name):
+        yield PeerKeyChanged(name(key), key, renamed[key], want[key])
+    for key in sorted((k for k in want if k in live), key=name):
+        yield from _peer_fields(name(key), want[key], live[key], now)
+    for key in sorted((k for k in missing if k not in renamed), key=name):
+        yield PeerAdded(name(key), key, want[key])
+
+
+def _peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float) -> Iterable[PeerChange]:
+    roaming = h.last_handshake > 0 and now - h.last_handshake < ROAMING_WINDOW
+    if w.endpoint and w.endpoint != h.endpoint and not roaming:
+        yield PeerEndpointChanged(pid, w.public_key, w.endpoint, h.endpoint)
+    if w.allowed_ips != h.allowed_ips:
+        yield PeerAllowedIpsChanged(pid, w.public_key, w.allowed_ips, h.allowed_ips)
+    if w.psk != h.psk:
+        yield PeerPskChanged(pid, w.public_key, w.psk)
+    if w.persistent_keepalive != h.persistent_keepalive:
+        yield PeerKeepaliveChanged(pid, w.public_key, w.persistent_keepalive, h.persistent_keepalive)
+
+
+def _link(t: Target, link: LinkState) -> Iterable[Change]:
+    if t.mtu and link.mtu != t.mtu:
+        yield MtuWrong(t.interface, t.mtu, link.mtu)
+    if not link.up:
+        yield LinkDown(t.interface)
+    for a in sorted(link.addresses - t.addresses):
+        yield AddressExtra(t.interface, a)
+    for a in sorted(t.addresses - link.addresses):
+        yield AddressMissing(t.interface, a)
+    for r in sorted(link.routes - t.routes):
+        yield RouteExtra(t.interface, r)
+    for r in sorted(t.routes - link.routes):
+        yield RouteMissing(t.interface, r)
+
+
+# --- turning changes into operations -----------------------------------------------------------------------
+
+
+def device_update(changes: Iterable[Change]) -> DeviceUpdate:
+    """One UAPI/netlink transaction for every device change: only changed peers appear, removals first.
+
+    Field updates of one peer are merged into one `update_only` peer block.
+    """
+    private_key: str | None = None
+    listen_port: int | None = None
+    removals: list[PeerUpdate] = []
+    merged: dict[str, PeerUpdate] = {}
+    for c in changes:
+        if isinstance(c, PrivateKeyWrong):
+            private_key = c.private_key
+        elif isinstance(c, ListenPortWrong):
+            listen_port = c.want
+        elif isinstance(c, PeerChange):
+            for u in c.peer_update():
+                if u.remove:
+                    removals.append(u)
+                elif u.public_key in merged:
+                    merged[u.public_key] = _merge(merged[u.public_key], u)
+                else:
+                    merged[u.public_key] = u
+    return DeviceUpdate(private_key=private_key, listen_port=listen_port, peers=(*removals, *merged.values()))
+
+
+def _merge(a: PeerUpdate, b: PeerUpdate) -> PeerUpdate:
+    return replace(
+        a,
+        update_only=a.update_only and b.update_only,
+        endpoint=b.endpoint if b.endpoint is not None else a.endpoint,
+        allowed_ips=b.allowed_ips if b.allowed_ips is not None else a.allowed_ips,
+        psk=b.psk if b.psk is not None else a.psk,
+        persistent_keepalive=b.persistent_keepalive if b.persistent_keepalive is not None else a.persistent_keepalive,
+    )
+
+
+def link_ops(changes: Iterable[Change]) -> list[LinkOp]:
+    """Link operations in a safe order: MTU, up, addresses, then routes (routes need an up link)."""
+    order = {"mtu": 0, "up": 1, "addr_del": 2, "addr_add": 3, "route_del": 4, "route_add": 5}
+    ops = [c.link_op() for c in changes if isinstance(c, LinkChange)]
+    return sorted(ops, key=lambda op: order[op.action])
+
+
+# --- simulation (for tests and dry runs): what the machine looks like after the changes --------------------
+
+
+def simulate(observed: Observed, changes: Iterable[Change]) -> Observed:
+    """Apply `changes` to a snapshot the way the device and the kernel would. Pure."""
+    changes = list(changes)
+    dev = observed.device
+    link = observed.link
+    if any(isinstance(c, InterfaceMissing | UserspaceProcessGone) for c in changes):
+        dev, link = DeviceConfig(), _EMPTY_LINK
+    assert dev is not None
+    link = link or _EMPTY_LINK
+    update = device_update(changes)
+    peers = dict(dev.peers)
+    for u in update.peers:
+        if u.remove:
+            peers.pop(u.public_key, None)
+            continue
+        cur = peers.get(u.public_key)
+        if cur is None:
+            if u.update_only:
+                continue
+            cur = PeerConfig(public_key=u.public_key)
+        peers[u.public_key] = replace(
+            cur,
+            endpoint=u.endpoint if u.endpoint is not None else cur.endpoint,
+            allowed_ips=u.allowed_ips if u.allowed_ips is not None else cur.allowed_ips,
+            psk=u.psk if u.psk is not None else cur.psk,
+            persistent_keepalive=(u.persistent_keepalive if u.persistent_keepalive is not None
+                                  else cur.persistent_keepalive),
+        )
+    dev = replace(dev, peers=peers,
+                  private_key=update.private_key if update.private_key is not None else dev.private_key,
+                  listen_port=update.listen_port if update.listen_port is not None else dev.listen_port)
+    addresses, routes, mtu, up = set(link.addresses), set(link.routes), link.mtu, link.up
+    for op in link_ops(changes):
+        if op.action == "mtu":
+            mtu = int(op.value or 0)
+        elif op.action == "up":
+            up = True
+        elif op.action == "addr_add":
+            addresses.add(str(op.value))
+        elif op.action == "addr_del":
+            addresses.discard(str(op.value))
+        elif op.action == "route_add":
+            routes.add(str(op.value))
+        elif op.action == "route_del":
+            routes.discard(str(op.value))
+    link = replace(link, mtu=mtu, up=up, addresses=frozenset(addresses), routes=frozenset(routes),
+                   kind=link.kind or "tun")
+    return replace(observed, device=dev, link=link, process_gone=False)

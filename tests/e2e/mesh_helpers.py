@@ -1,0 +1,54 @@
+"""Shared helpers for the mesh e2e tests (lab nodes driven from the test process)."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+
+from nacl.public import PrivateKey
+
+from plexd.converge import Converger
+from plexd.desired import DesiredState
+from plexd.lab import Lab, LabNode
+from plexd.mesh.links import Links
+from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.model import Peer
+
+
+def keypair() -> tuple[str, str]:
+    k = PrivateKey.generate()
+    return base64.b64encode(bytes(k)).decode(), base64.b64encode(bytes(k.public_key)).decode()
+
+
+@dataclass
+class MeshNode:
+    """One lab node driven by a Converger in the test process (wireguard-go runs inside the node)."""
+
+    lab_node: LabNode
+    node_id: str
+    private_key: str
+    public_key: str
+    mesh_ip: str
+    backend: UserspaceBackend
+    converger: Converger
+
+    def desired(self, others: list[MeshNode], **kw) -> DesiredState:
+        d = DesiredState.initial(interface="wg0", listen_port=51820, mtu=1420, private_key=self.private_key,
+                                 mesh_ip=self.mesh_ip, **kw)
+        return d.with_peers([o.as_peer() for o in others])
+
+    def as_peer(self) -> Peer:
+        return Peer(id=self.node_id, public_key=self.public_key, mesh_ip=self.mesh_ip,
+                    endpoint=f"{self.lab_node.address}:51820", allowed_ips=(f"{self.mesh_ip}/32",))
+
+    def wg_dump(self, lab: Lab) -> list[list[str]]:
+        out = lab.exec(self.lab_node, ["wg", "show", "wg0", "dump"]).stdout
+        return [line.split("\t") for line in out.splitlines()]
+
+
+def mesh_node(lab: Lab, index: int) -> MeshNode:
+    node = lab.nodes[index - 1] if index <= len(lab.nodes) else lab.add_node()
+    priv, pub = keypair()
+    backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
+    return MeshNode(node, f"n_{index}", priv, pub, f"10.100.0.{index}", backend,
+                    Converger(backend, Links("wg0", netns=node.netns)))

@@ -1,0 +1,67 @@
+"""The desired model: peer validation, immutable updates, and the JSON mirror without the private key."""
+
+from __future__ import annotations
+
+import base64
+
+from nacl.public import PrivateKey
+
+from plexd.desired import DesiredState, public_key_of
+from plexd.model import Peer, SigningKeys, State
+
+PRIV = base64.b64encode(bytes([7]) * 32).decode()
+OWN = public_key_of(PRIV)
+K = [base64.b64encode(bytes(PrivateKey(bytes([i]) * 32).public_key)).decode() for i in range(1, 5)]
+
+
+def base() -> DesiredState:
+    return DesiredState.initial(interface="wg0", listen_port=51820, mtu=1420, private_key=PRIV, mesh_ip="10.100.0.1")
+
+
+def peer(i: int, **kw) -> Peer:
+    args = {"id": f"n_{i}", "public_key": K[i], "mesh_ip": f"10.100.0.{i + 2}", "endpoint": f"10.0.0.{i}:51820",
+            "allowed_ips": (f"10.100.0.{i + 2}/32",)}
+    args.update(kw)
+    return Peer(**args)
+
+
+def test_invalid_peers_are_rejected_with_a_reason_and_the_rest_kept() -> None:
+    d = base().with_state(State(peers=(
+        peer(0),
+        peer(1, public_key="not-a-key"),
+        peer(2, allowed_ips=("10.1.2.300/32",)),
+        peer(3, endpoint="10.0.0.1"),
+        Peer(id="n_self", public_key=OWN, mesh_ip="10.100.0.9"),
+        Peer(id="n_dup", public_key=K[0], mesh_ip="10.100.0.10"),
+    )))
+    assert list(d.peers) == ["n_0"]
+    reasons = dict(d.rejected)
+    assert "not base64 of 32 bytes" in reasons["n_1"]
+    assert "'10.1.2.300/32' is not a CIDR" in reasons["n_2"]
+    assert "is not host:port" in reasons["n_3"]
+    assert reasons["n_self"] == "public key is this node's own key"
+    assert reasons["n_dup"] == "public key is already used by peer n_0"
+
+
+def test_with_and_without_peer_are_immutable_updates() -> None:
+    d0 = base()
+    d1 = d0.with_peer(peer(0))
+    assert d0.peers == {} and d1.peers["n_0"] == peer(0)
+    d2 = d1.with_peer(peer(0, public_key="bad"))  # an invalid update takes the peer out and says why
+    assert "n_0" not in d2.peers and d2.rejected[0][0] == "n_0"
+    d3 = d2.with_peer(peer(0))
+    assert d3.peers["n_0"] == peer(0) and d3.rejected == ()
+    d4 = d3.with_peer_endpoint("n_0", "[fd00::5]:1")
+    assert d4.peers["n_0"].endpoint == "[fd00::5]:1" and d3.peers["n_0"].endpoint == "10.0.0.0:51820"
+    assert d4.with_peer_endpoint("n_missing", "1.2.3.4:5") is d4
+    assert "n_0" not in d4.without_peer("n_0").peers
+
+
+def test_json_mirror_round_trips_without_the_private_key() -> None:
+    d = base().with_state(State(peers=(peer(0), peer(1)), signing_keys=SigningKeys(current="abc"),
+                                metadata={"env": "prod"}))
+    doc = d.to_json()
+    assert PRIV not in repr(doc) and PRIV not in repr(d)
+    back = DesiredState.from_json(doc, private_key=PRIV)
+    assert back == d
+    assert DesiredState.from_json(doc).private_key == ""

@@ -1,0 +1,250 @@
+"""The pure diff: property tests (hypothesis) and named cases. No I/O."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nacl.public import PrivateKey
+
+from plexd.desired import DesiredState
+from plexd.mesh.links import LinkState
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig, clamp_private_key
+from plexd.model import Peer
+from plexd.plan import (
+    ROAMING_WINDOW,
+    AddressExtra,
+    AddressMissing,
+    InterfaceMissing,
+    LinkDown,
+    MtuWrong,
+    Observed,
+    PeerAdded,
+    PeerAllowedIpsChanged,
+    PeerEndpointChanged,
+    PeerKeepaliveChanged,
+    PeerKeyChanged,
+    PeerPskChanged,
+    PeerRemoved,
+    RouteExtra,
+    RouteMissing,
+    UserspaceProcessGone,
+    device_update,
+    diff,
+    link_ops,
+    simulate,
+    target,
+)
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+KEYS = [_b64(bytes(PrivateKey(bytes([i + 1]) * 32).public_key)) for i in range(8)]
+PRIVATE = [_b64(bytes([0x40 + i]) * 32) for i in range(3)]
+NOW = 1_800_000_000.0
+ENDPOINTS = ["", "10.0.0.1:51820", "10.0.0.2:51821", "[fd00::1]:51820"]
+CIDRS = ["10.100.0.1/32", "10.100.0.2/32", "10.100.1.0/24", "fd00::2/128", "192.168.5.0/24"]
+ADDRS = ["10.100.9.9/32", "10.100.9.8/32", "fd10::9/128"]
+
+
+def state(peers=(), *, mesh_ip="10.100.9.9", mesh_ip6=None, keepalive=25) -> DesiredState:
+    d = DesiredState.initial(interface="wg0", listen_port=51820, mtu=1420, private_key=PRIVATE[0], mesh_ip=mesh_ip,
+                             mesh_ip6=mesh_ip6, persistent_keepalive=keepalive)
+    return d.with_peers(peers)
+
+
+def converged(d: DesiredState) -> Observed:
+    t = target(d)
+    return Observed(device=t.device, link=LinkState(index=3, kind="tun", mtu=t.mtu, up=True, addresses=t.addresses,
+                                                    routes=t.routes))
+
+
+# --- strategies ---------------------------------------------------------------------------------------------
+
+peer_st = st.builds(
+    lambda i, k, ep, ips, psk: Peer(id=f"n_{i}", public_key=KEYS[k], mesh_ip=f"10.100.0.{i + 1}", endpoint=ep,
+                                    allowed_ips=tuple(ips), psk=psk),
+    st.integers(0, 7), st.integers(0, 7), st.sampled_from(ENDPOINTS), st.lists(st.sampled_from(CIDRS), max_size=3),
+    st.sampled_from(["", KEYS[7]]),
+)
+desired_st = st.builds(lambda peers, v6, ka: state(peers, mesh_ip6=v6, keepalive=ka),
+                       st.lists(peer_st, max_size=6), st.sampled_from([None, "fd10::9"]), st.sampled_from([0, 25]))
+live_peer_st = st.builds(
+    lambda k, ep, ips, psk, ka, hs: PeerConfig(public_key=KEYS[k], endpoint=ep, allowed_ips=frozenset(ips), psk=psk,
+                                               persistent_keepalive=ka, last_handshake=hs),
+    st.integers(0, 7), st.sampled_from(ENDPOINTS), st.sets(st.sampled_from(CIDRS), max_size=3),
+    st.sampled_from(["", KEYS[7]]), st.sampled_from([0, 25]),
+    st.sampled_from([0.0, NOW - 10, NOW - ROAMING_WINDOW - 1]),
+)
+device_st = st.one_of(st.none(), st.builds(
+    lambda pk, port, peers: DeviceConfig(private_key=pk, listen_port=port, peers={p.public_key: p for p in peers}),
+    st.sampled_from(["", clamp_private_key(PRIVATE[0]), clamp_private_key(PRIVATE[1])]),
+    st.sampled_from([0, 51820, 40000]), st.lists(live_peer_st, max_size=6)))
+link_st = st.one_of(st.none(), st.builds(
+    lambda mtu, up, addrs, routes: LinkState(index=3, kind="tun", mtu=mtu, up=up, addresses=frozenset(addrs),
+                                             routes=frozenset(routes)),
+    st.sampled_from([1420, 1500]), st.booleans(), st.sets(st.sampled_from(ADDRS)), st.sets(st.sampled_from(CIDRS))))
+observed_st = st.builds(
+    lambda dev, link, gone, names: Observed(device=dev, link=link if dev is not None else None, process_gone=gone,
+                                            peer_names={KEYS[k]: f"n_{i}" for k, i in names.items()}),
+    device_st, link_st, st.booleans(), st.dictionaries(st.integers(0, 7), st.integers(0, 7), max_size=4))
+
+
+# --- properties ---------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=400, deadline=None)
+@given(desired_st, observed_st)
+def test_applying_the_plan_converges(d: DesiredState, obs: Observed) -> None:
+    after = simulate(obs, diff(d, obs, NOW))
+    assert diff(d, after, NOW) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(desired_st, observed_st)
+def test_applying_the_plan_yields_the_desired_state_when_nothing_roams(d: DesiredState, obs: Observed) -> None:
+    later = NOW + 10 * ROAMING_WINDOW  # every handshake is old: no endpoint is protected
+    after = simulate(obs, diff(d, obs, later))
+    t = target(d)
+    assert after.device is not None and after.link is not None
+    assert after.device.private_key == t.device.private_key
+    assert after.device.listen_port == t.device.listen_port
+    # endpoints: a desired "" leaves whatever was learned; everything else must match exactly
+    for key, want in t.device.peers.items():
+        got = after.device.peers[key]
+        assert replace(got, endpoint=want.endpoint if not want.endpoint else got.endpoint) == want
+    assert set(after.device.peers) == set(t.device.peers)
+    assert (after.link.addresses, after.link.routes, after.link.mtu, after.link.up) == (
+        t.addresses, t.routes, t.mtu, True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(desired_st)
+def test_diff_of_a_converged_machine_is_empty(d: DesiredState) -> None:
+    assert diff(d, converged(d), NOW) == []
+
+
+@settings(max_examples=300, deadline=None)
+@given(desired_st, observed_st)
+def test_only_changed_peers_are_written(d: DesiredState, obs: Observed) -> None:
+    changes = diff(d, obs, NOW)
+    written = {u.public_key for u in device_update(changes).peers}
+    live = obs.device.peers if obs.device is not None else {}
+    want = target(d).device.peers
+    unchanged = {k for k in want if k in live and want[k] == live[k]}
+    assert not written & unchanged
+    for c in changes:
+        assert c.correction_type and c.detail
+
+
+# --- cases --------------------------------------------------------------------------------------------------
+
+PA = Peer(id="n_a", public_key=KEYS[1], mesh_ip="10.100.0.2", endpoint="10.0.0.2:51820", allowed_ips=("10.100.0.2/32",))
+PB = Peer(id="n_b", public_key=KEYS[2], mesh_ip="10.100.0.3", endpoint="10.0.0.3:51820", allowed_ips=())
+
+
+def test_fresh_device_plans_everything_in_order() -> None:
+    d = state([PA, PB])
+    changes = diff(d, Observed(device=None, link=None), NOW)
+    assert isinstance(changes[0], InterfaceMissing)
+    kinds = [type(c).__name__ for c in changes]
+    assert kinds.count("PeerAdded") == 2
+    assert {c.correction_type for c in changes} >= {"interface_created", "peer_added", "address_added", "route_added",
+                                                    "mtu_updated", "link_up", "private_key_updated",
+                                                    "listen_port_updated"}
+    # a peer without allowed IPs gets its mesh IP
+    assert target(d).device.peers[KEYS[2]].allowed_ips == frozenset({"10.100.0.3/32"})
+    assert [op.action for op in link_ops(changes)] == ["mtu", "up", "addr_add", "route_add", "route_add"]
+
+
+def test_process_gone_is_named_as_such() -> None:
+    changes = diff(state([PA]), Observed(device=None, link=None, process_gone=True), NOW)
+    assert isinstance(changes[0], UserspaceProcessGone)
+    assert changes[0].correction() == {"type": "userspace_restarted",
+                                       "detail": "interface wg0: userspace WireGuard process was not running, "
+                                                 "restarted"}
+
+
+def test_endpoint_detail_and_roaming_window() -> None:
+    d = state([PA])
+    obs = converged(d)
+    moved = replace(obs.device.peers[KEYS[1]], endpoint="5.6.7.8:51820", last_handshake=0)
+    obs = replace(obs, device=replace(obs.device, peers={KEYS[1]: moved}))
+    (c,) = diff(d, obs, NOW)
+    assert isinstance(c, PeerEndpointChanged)
+    assert c.correction() == {"type": "peer_updated", "detail": "peer n_a: endpoint 5.6.7.8:51820 != 10.0.0.2:51820"}
+    # a recent handshake means the peer roamed: leave the endpoint alone
+    roamed = replace(moved, last_handshake=NOW - ROAMING_WINDOW + 1)
+    assert diff(d, replace(obs, device=replace(obs.device, peers={KEYS[1]: roamed})), NOW) == []
+    stale = replace(moved, last_handshake=NOW - ROAMING_WINDOW - 1)
+    assert len(diff(d, replace(obs, device=replace(obs.device, peers={KEYS[1]: stale})), NOW)) == 1
+
+
+def test_field_changes_of_one_peer_are_one_update_only_block() -> None:
+    d = state([replace(PA, psk=KEYS[7])])
+    obs = converged(state([PA], keepalive=0))
+    changes = diff(d, obs, NOW)
+    assert {type(c) for c in changes} == {PeerPskChanged, PeerKeepaliveChanged}
+    (u,) = device_update(changes).peers
+    assert u.update_only and u.psk == KEYS[7] and u.persistent_keepalive == 25 and u.endpoint is None
+    assert "preshared key differs" in changes[0].detail + changes[1].detail
+    assert KEYS[7] not in repr(changes)  # key material never in reprs or details
+
+
+def test_allowed_ips_change_replaces_the_set() -> None:
+    d = state([replace(PA, allowed_ips=("10.100.0.2/32", "10.100.5.0/24"))])
+    changes = diff(d, converged(state([PA])), NOW)
+    assert any(isinstance(c, PeerAllowedIpsChanged) for c in changes)
+    assert RouteMissing("wg0", "10.100.5.0/24") in changes
+    (u,) = device_update(changes).peers
+    assert u.allowed_ips == frozenset({"10.100.0.2/32", "10.100.5.0/24"})
+
+
+def test_public_key_change_removes_and_re_adds() -> None:
+    old = state([PA])
+    new = state([replace(PA, public_key=KEYS[3])])
+    obs = replace(converged(old), peer_names={KEYS[1]: "n_a"})
+    (c,) = diff(new, obs, NOW)
+    assert isinstance(c, PeerKeyChanged) and c.correction_type == "peer_updated"
+    assert c.detail.startswith("peer n_a: public key ")
+    ups = device_update([c]).peers
+    assert ups[0].remove and ups[0].public_key == KEYS[1]
+    assert not ups[1].remove and ups[1].public_key == KEYS[3] and not ups[1].update_only
+    # without the name table it is an honest remove + add
+    kinds = {type(x) for x in diff(new, converged(old), NOW)}
+    assert kinds == {PeerRemoved, PeerAdded}
+
+
+def test_extra_peer_named_by_label_or_fingerprint() -> None:
+    d = state([PA])
+    obs = converged(state([PA, PB]))
+    c, route = diff(d, obs, NOW)
+    assert route == RouteExtra("wg0", "10.100.0.3/32")
+    assert isinstance(c, PeerRemoved) and c.detail == f"peer {KEYS[2][:8]}…: on the device but not desired"
+    c, _ = diff(d, replace(obs, peer_names={KEYS[2]: "n_b"}), NOW)
+    assert c.correction() == {"type": "peer_removed", "detail": "peer n_b: on the device but not desired"}
+
+
+def test_link_drift() -> None:
+    d = state([PA], mesh_ip6="fd10::9")
+    obs = converged(d)
+    link = replace(obs.link, mtu=1500, up=False, addresses=frozenset({"10.100.9.9/32", "10.1.1.1/24"}),
+                   routes=obs.link.routes | {"10.9.0.0/16"})
+    changes = diff(d, replace(obs, link=link), NOW)
+    assert set(changes) == {MtuWrong("wg0", 1420, 1500), LinkDown("wg0"), AddressExtra("wg0", "10.1.1.1/24"),
+                            AddressMissing("wg0", "fd10::9/128"), RouteExtra("wg0", "10.9.0.0/16")}
+    assert AddressMissing("wg0", "fd10::9/128").detail == "interface wg0: address fd10::9/128 missing"
+
+
+def test_default_route_and_own_address_are_not_routed() -> None:
+    d = state([replace(PA, allowed_ips=("0.0.0.0/0", "10.100.9.9/32", "10.100.0.2/32"))])
+    assert target(d).routes == frozenset({"10.100.0.2/32"})
+
+
+def test_hostnames_normalized_and_ipv6_endpoint() -> None:
+    d = state([replace(PA, endpoint="[FD00:0::1]:51820")])
+    assert target(d).device.peers[KEYS[1]].endpoint == "[fd00::1]:51820"

@@ -1,0 +1,102 @@
+"""UAPI text protocol: request encoding, `get=1` parsing (handshake, counters, zero keys), errno handling."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate, UapiError, WireGuardError
+from plexd.mesh.wireguard.uapi import describe_update, encode_set, hex_to_b64, parse_errno, parse_get
+
+K1 = base64.b64encode(bytes(range(32))).decode()
+K2 = base64.b64encode(bytes(range(32, 64))).decode()
+H1 = bytes(range(32)).hex()
+H2 = bytes(range(32, 64)).hex()
+
+GET_REPLY = f"""private_key={H1}
+listen_port=51821
+public_key={H2}
+preshared_key={"00" * 32}
+protocol_version=1
+endpoint=10.250.1.1:51820
+last_handshake_time_sec=1795299633
+last_handshake_time_nsec=903067696
+tx_bytes=476
+rx_bytes=532
+persistent_keepalive_interval=25
+allowed_ip=10.99.0.1/32
+allowed_ip=10.98.0.5/24
+public_key={H1}
+preshared_key={H2}
+endpoint=[fd00::1]:51820
+last_handshake_time_sec=0
+last_handshake_time_nsec=0
+tx_bytes=0
+rx_bytes=0
+persistent_keepalive_interval=0
+errno=0
+
+"""
+
+
+def test_parse_get_reads_device_peers_handshake_and_counters() -> None:
+    dev = parse_get(GET_REPLY)
+    assert dev.private_key == K1 and dev.listen_port == 51821
+    p = dev.peers[K2]
+    assert p.endpoint == "10.250.1.1:51820"
+    assert p.allowed_ips == frozenset({"10.99.0.1/32", "10.98.0.0/24"})  # normalised like the kernel masks it
+    assert p.psk == ""  # all-zero key means none
+    assert p.last_handshake == pytest.approx(1795299633.903067696)
+    assert (p.rx, p.tx, p.persistent_keepalive) == (532, 476, 25)
+    q = dev.peers[K1]
+    assert q.psk == K2 and q.endpoint == "[fd00::1]:51820" and q.allowed_ips == frozenset() and q.last_handshake == 0
+
+
+def test_parse_get_errors() -> None:
+    with pytest.raises(WireGuardError, match="no errno"):
+        parse_get("private_key=00\n\n")
+    with pytest.raises(WireGuardError, match="line 1"):
+        parse_get("garbage\nerrno=0\n\n")
+    with pytest.raises(WireGuardError, match="listen_port"):
+        parse_get("listen_port=abc\nerrno=0\n\n")
+    with pytest.raises(UapiError):
+        parse_get("errno=-5\n\n")
+    with pytest.raises(WireGuardError, match="no errno line"):
+        parse_errno("")  # wireguard-go closes the socket on an unknown operation
+
+
+def test_encode_set_full_and_minimal() -> None:
+    text = encode_set(DeviceUpdate(private_key=K1, listen_port=51820, peers=(
+        PeerUpdate(public_key=K2, remove=True),
+        PeerUpdate(public_key=K1, endpoint="1.2.3.4:5", allowed_ips=frozenset({"10.0.0.2/32", "10.0.1.0/24"}),
+                   psk="", persistent_keepalive=25),
+        PeerUpdate(public_key=K2, update_only=True, endpoint="[fd00::1]:7"),
+    )))
+    assert text == (
+        f"set=1\nprivate_key={H1}\nlisten_port=51820\n"
+        f"public_key={H2}\nremove=true\n"
+        f"public_key={H1}\npreshared_key={'00' * 32}\nendpoint=1.2.3.4:5\npersistent_keepalive_interval=25\n"
+        "replace_allowed_ips=true\nallowed_ip=10.0.0.2/32\nallowed_ip=10.0.1.0/24\n"
+        f"public_key={H2}\nupdate_only=true\nendpoint=[fd00::1]:7\n\n"
+    )
+
+
+def test_describe_update_names_the_peer_without_key_material() -> None:
+    text = describe_update(DeviceUpdate(private_key=K1, peers=(
+        PeerUpdate(public_key=K2, allowed_ips=frozenset({"10.0.0.2/32"})),)), "wg0")
+    assert text == f"the private key, peer {K2[:8]}… (allowed_ips=10.0.0.2/32) on wg0"
+    assert K1 not in text
+    assert str(UapiError(-22, text)).startswith("WireGuard refused the private key, peer ")
+
+
+@given(st.binary(min_size=32, max_size=32), st.integers(0, 65535), st.integers(0, 2**63))
+def test_key_and_number_round_trip(raw: bytes, port: int, counter: int) -> None:
+    reply = f"private_key={raw.hex()}\nlisten_port={port}\npublic_key={raw.hex()}\nrx_bytes={counter}\nerrno=0\n\n"
+    dev = parse_get(reply)
+    key = base64.b64encode(raw).decode()
+    assert dev.listen_port == port and dev.peers[key].rx == counter
+    assert dev.private_key == ("" if raw == bytes(32) else key)
+    assert hex_to_b64(raw.hex()) == key
