@@ -115,7 +115,7 @@ def build_get_message(interface: str) -> wgmsg:
 
 def _key(value: object) -> str:
     """pyroute2 hands keys back as base64 bytes (or, depending on the version, an nla dict with `value`)."""
-    if isinstance(value, dict) or hasattr(value, "get") and not isinstance(value, bytes | str):
+    if isinstance(value, dict) or (hasattr(value, "get") and not isinstance(value, bytes | str)):
         value = value.get("value")
     return value.decode() if isinstance(value, bytes) else str(value)
 
