@@ -1,0 +1,446 @@
+"""The signed event stream: ``GET /v1/nodes/{id}/events`` kept open for the life of the daemon (§2).
+
+What the Go agent gets wrong and this engine does not (PROJECT-DECISIONS.md, SSE row):
+- no request timeout on the stream body (Go cuts it every 30 s); an application watchdog ends a stream that has
+  been silent for 90 s, and the server's comment pings count as liveness;
+- Last-Event-ID is persisted in ``data_dir/last_event_id``, so a restart resumes where it stopped;
+- duplicate event ids are dropped; an oversize or undecodable event is logged and skipped, never re-read;
+- 401 asks for re-registration and keeps going; 403/404 back off at the cap and keep polling — never silent;
+- a clean end of stream reconnects at once, but a storm limit bounds how often (no hot loop).
+
+Every successful (re)connect calls `on_connected` (the reconciler trigger: whatever happened while we were away is
+picked up from the full state). After 5 minutes without a working stream, `poll()` is called every
+`poll_interval` until the stream is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import inspect
+import logging
+import random
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+import plexd
+from plexd.backoff import Backoff
+from plexd.clock import Clock
+from plexd.controlplane.envelope import Envelope, parse_envelope
+from plexd.controlplane.signing import EventRejected, Verifier, atomic_write
+from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser
+from plexd.errors import PlexdError
+
+log = logging.getLogger(__name__)
+
+LAST_EVENT_ID_FILE = "last_event_id"
+IDLE_TIMEOUT = 90.0
+POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full state
+RETRY_AFTER_MAX = 3600.0
+SEEN_IDS_MAX = 4096
+
+MaybeAwaitable = Any  # a plain value or an awaitable of it: callbacks may be sync or async
+
+
+async def _call(fn: Callable[..., MaybeAwaitable], *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def default_client_factory() -> httpx.AsyncClient:
+    # Connect in 10 s; no read/total timeout on the body: the idle watchdog decides when a stream is dead.
+    return httpx.AsyncClient(timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
+
+
+def parse_retry_after(value: str | None, now_epoch: float) -> float | None:
+    """``Retry-After`` as seconds: delta-seconds or an HTTP-date. None when absent or unparseable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return max(0.0, when.timestamp() - now_epoch)
+
+
+class _Disconnected(Exception):
+    """The stream was open and has ended (EOF, read error or idle watchdog)."""
+
+    def __init__(self, why: str, idle: bool = False) -> None:
+        super().__init__(why)
+        self.idle = idle
+
+
+class _Refused(Exception):
+    """The stream could not be opened; `status` is the HTTP status or None for a network error."""
+
+    def __init__(self, why: str, status: int | None = None, retry_after: float | None = None) -> None:
+        super().__init__(why)
+        self.status = status
+        self.retry_after = retry_after
+
+
+class EventStream:
+    def __init__(
+        self,
+        api: str,
+        node_id: str,
+        token_provider: Callable[[], MaybeAwaitable],
+        data_dir: Path | str,
+        verifier: Verifier,
+        dispatch: Callable[[Envelope], MaybeAwaitable],
+        *,
+        clock: Clock | None = None,
+        on_connected: Callable[[], MaybeAwaitable] | None = None,
+        on_auth_failure: Callable[[], MaybeAwaitable] | None = None,
+        poll: Callable[[], MaybeAwaitable] | None = None,
+        poll_interval: float = 60.0,
+        client_factory: Callable[[], httpx.AsyncClient] = default_client_factory,
+        backoff: Backoff | None = None,
+        storm_backoff: Backoff | None = None,
+        storm_burst: int = 5,
+        storm_window: float = 60.0,
+        idle_timeout: float = IDLE_TIMEOUT,
+        polling_after: float = POLLING_AFTER,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+    ) -> None:
+        self.url = f"{api.rstrip('/')}/v1/nodes/{node_id}/events"
+        self.node_id = node_id
+        self._token = token_provider
+        self._data_dir = Path(data_dir)
+        self._verifier = verifier
+        self._dispatch = dispatch
+        self._clock = clock or Clock()
+        self._on_connected = on_connected
+        self._on_auth_failure = on_auth_failure
+        self._poll = poll
+        self.poll_interval = poll_interval
+        self._client_factory = client_factory
+        self.backoff = backoff or Backoff()
+        # A separate backoff for clean-EOF storms: the main one is reset by every successful connect.
+        self.storm_backoff = storm_backoff or Backoff(base=self.backoff.base, cap=self.backoff.cap)
+        self._storm_burst = storm_burst
+        self._storm_window = storm_window
+        self._idle_timeout = idle_timeout
+        self._polling_after = polling_after
+        self._max_event_bytes = max_event_bytes
+
+        self.last_event_id: str | None = self._load_last_event_id()
+        self._seen_ids: OrderedDict[str, None] = OrderedDict()
+        self._eof_times: deque[float] = deque()
+        self._in_storm = False
+        self._conn_started = 0.0
+        self._conn_frames = 0
+        self._failing_since: float | None = None
+        self._last_activity = 0.0
+        self.polling = False
+        self._next_poll = 0.0
+        # Observable state, for tests, benches and `plexd status`.
+        self.connected = asyncio.Event()
+        self.connects = 0
+        self.accepted = 0
+        self.rejected = 0
+        self.polls = 0
+        self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Cursor
+
+    def _cursor_path(self) -> Path:
+        return self._data_dir / LAST_EVENT_ID_FILE
+
+    def _load_last_event_id(self) -> str | None:
+        try:
+            text = self._cursor_path().read_text().strip()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read %s (%s); starting the stream without a replay cursor", self._cursor_path(), exc)
+            return None
+        return text or None
+
+    def _advance_cursor(self, event_id: str | None) -> None:
+        if event_id is None or event_id == self.last_event_id:
+            return
+        self.last_event_id = event_id
+        try:
+            atomic_write(self._cursor_path(), event_id.encode())
+        except OSError as exc:
+            log.warning("cannot persist the event cursor to %s: %s", self._cursor_path(), exc)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # Main loop
+
+    async def run(self) -> None:
+        """Keep the stream open until cancelled."""
+        async with self._client_factory() as client:
+            while True:
+                delay = await self._attempt(client)
+                if delay > 0:
+                    self.delays.append(delay)
+                    await self._wait(delay)
+
+    async def _attempt(self, client: httpx.AsyncClient) -> float:
+        """One connection attempt; returns how long to wait before the next one."""
+        try:
+            await self._stream_once(client)
+            why = "stream ended"
+            idle = False
+        except _Disconnected as exc:
+            why, idle = str(exc), exc.idle
+        except _Refused as exc:
+            return await self._refused(exc)
+        finally:
+            self.connected.clear()
+        if idle:
+            # Treated like a failed attempt: the server is up but not talking to us.
+            log.warning("event stream idle for %.0f s; reconnecting", self._idle_timeout)
+            self._mark_failing()
+            return self.backoff.next_delay()
+        return self._after_disconnect(why)
+
+    def _after_disconnect(self, why: str) -> float:
+        """A stream that was open has ended: reconnect at once, unless closes come in a storm.
+
+        A connection that delivered an event or lived a whole storm window was healthy: its close is normal and
+        clears the storm state. Short, empty connections are counted; past `storm_burst` of them within
+        `storm_window`, every further one waits a growing storm backoff until a healthy connection happens.
+        """
+        now = self._clock.monotonic()
+        if self._conn_frames > 0 or now - self._conn_started >= self._storm_window:
+            self._eof_times.clear()
+            self._in_storm = False
+            self.storm_backoff.reset()
+            log.info("event stream closed (%s); reconnecting now", why)
+            return 0.0
+        while self._eof_times and now - self._eof_times[0] > self._storm_window:
+            self._eof_times.popleft()
+        self._eof_times.append(now)
+        if not self._in_storm and len(self._eof_times) <= self._storm_burst:
+            log.info("event stream closed (%s); reconnecting now", why)
+            return 0.0
+        self._in_storm = True
+        delay = self.storm_backoff.next_delay()
+        log.warning("event stream keeps closing without delivering anything (%s); reconnecting in %.1f s",
+                    why, delay)
+        return delay
+
+    def _mark_failing(self) -> None:
+        now = self._clock.monotonic()
+        if self._failing_since is None:
+            self._failing_since = now
+        if not self.polling and self._poll is not None and now - self._failing_since >= self._polling_after:
+            self._enter_polling(f"no working event stream for {now - self._failing_since:.0f} s")
+
+    def _enter_polling(self, why: str) -> None:
+        if self.polling or self._poll is None:
+            return
+        self.polling = True
+        self._next_poll = self._clock.monotonic()
+        log.warning("%s; polling the full state every %s s until the stream is back", why, self.poll_interval)
+
+    async def _refused(self, exc: _Refused) -> float:
+        status = exc.status
+        if status == 401:
+            log.warning("event stream refused with 401; re-authenticating the node")
+            self._mark_failing()
+            if self._on_auth_failure is not None:
+                try:
+                    await _call(self._on_auth_failure)
+                except Exception as err:  # re-registration failing must not kill the stream loop
+                    log.warning("re-authentication after 401 failed: %s", err)
+            return self.backoff.next_delay()
+        if status in (403, 404):
+            self._mark_failing()
+            self._enter_polling(f"event stream refused with {status}")
+            rand = getattr(self.backoff, "_rand", random.random)
+            delay = self.backoff.cap * (1 + self.backoff.jitter * (2 * rand() - 1))
+            log.error("event stream refused with %d (%s); retrying in %.0f s", status, exc, delay)
+            return delay
+        if status == 429:
+            self._mark_failing()
+            if exc.retry_after is not None:
+                delay = min(max(exc.retry_after, self.backoff.base), RETRY_AFTER_MAX)
+            else:
+                delay = self.backoff.current
+            log.warning("event stream rate limited (429); retrying in %.1f s", delay)
+            return delay
+        self._mark_failing()
+        delay = self.backoff.next_delay()
+        log.warning("event stream unavailable (%s); retrying in %.1f s", exc, delay)
+        return delay
+
+    async def _wait(self, delay: float) -> None:
+        """Sleep `delay` seconds, polling the full state on schedule meanwhile when in polling mode."""
+        deadline = self._clock.monotonic() + delay
+        while True:
+            now = self._clock.monotonic()
+            if self.polling and now >= self._next_poll:
+                await self._do_poll()
+                self._next_poll = self._clock.monotonic() + self.poll_interval
+                now = self._clock.monotonic()
+            remaining = deadline - now
+            if remaining <= 0:
+                return
+            step = min(remaining, self._next_poll - now) if self.polling else remaining
+            await self._clock.sleep(max(step, 0.0))
+
+    async def _do_poll(self) -> None:
+        if self._poll is None:
+            return
+        self.polls += 1
+        try:
+            await _call(self._poll)
+        except Exception as exc:
+            log.warning("polling the full state failed: %s", exc)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # One connection
+
+    async def _headers(self) -> dict[str, str]:
+        token = await _call(self._token)
+        headers = {
+            "Accept": "text/event-stream",
+            "Cache-Control": "no-cache",
+            "User-Agent": f"plexd/{plexd.__version__}",
+        }
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        if self.last_event_id:
+            headers["Last-Event-ID"] = self.last_event_id
+        return headers
+
+    async def _stream_once(self, client: httpx.AsyncClient) -> None:
+        headers = await self._headers()
+        try:
+            # Not httpx-sse's aconnect_sse: it overwrites Cache-Control with no-store (the wire says no-cache) and
+            # its iterator swallows the comment pings the watchdog needs; SSEParser reads the raw bytes instead.
+            async with client.stream("GET", self.url, headers=headers) as response:
+                if not response.is_success:
+                    body = (await response.aread())[:200].decode("utf-8", errors="replace").strip()
+                    raise _Refused(
+                        f"HTTP {response.status_code}{': ' + body if body else ''}",
+                        response.status_code,
+                        parse_retry_after(response.headers.get("retry-after"), time.time()),
+                    )
+                await self._connected_ok()
+                await self._consume(response)
+        except (_Refused, _Disconnected):
+            raise
+        except httpx.HTTPError as exc:
+            if self.connected.is_set():
+                raise _Disconnected(f"{type(exc).__name__}: {exc}") from None
+            raise _Refused(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+
+    async def _connected_ok(self) -> None:
+        self.connects += 1
+        self._conn_started = self._clock.monotonic()
+        self._conn_frames = 0
+        self.backoff.reset()
+        self._failing_since = None
+        if self.polling:
+            self.polling = False
+            log.info("event stream is back; leaving polling mode")
+        self.connected.set()
+        log.info("event stream connected (resuming after %s)", self.last_event_id or "nothing")
+        if self._on_connected is not None:
+            try:
+                await _call(self._on_connected)
+            except Exception as exc:
+                log.warning("on_connected callback failed: %s", exc)
+
+    async def _consume(self, response: httpx.Response) -> None:
+        self._last_activity = self._clock.monotonic()
+        reader = asyncio.ensure_future(self._read(response))
+        watchdog = asyncio.ensure_future(self._watchdog())
+        try:
+            done, _ = await asyncio.wait({reader, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (reader, watchdog):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+        if reader in done:
+            reader.result()  # re-raises a read error
+            return
+        raise _Disconnected("idle", idle=True)
+
+    async def _watchdog(self) -> None:
+        while True:
+            silent = self._clock.monotonic() - self._last_activity
+            if silent >= self._idle_timeout:
+                return
+            await self._clock.sleep(self._idle_timeout - silent)
+
+    async def _read(self, response: httpx.Response) -> None:
+        parser = SSEParser(self._max_event_bytes)
+        async for chunk in response.aiter_bytes():
+            self._last_activity = self._clock.monotonic()
+            for event in parser.feed(chunk):
+                await self.handle_frame(event)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # One event
+
+    async def handle_frame(self, frame: SSEEvent) -> None:
+        """Parse, dedupe, verify and dispatch one SSE block. Never raises: a bad event is logged and skipped."""
+        self._conn_frames += 1
+        try:
+            if frame.oversize:
+                self._reject(frame.id, "oversize", f"event larger than {self._max_event_bytes} bytes, skipped")
+                return
+            try:
+                env = parse_envelope(frame.data)
+            except PlexdError as exc:
+                self._reject(frame.id, "malformed", f"malformed envelope: {exc}")
+                return
+            if env.event_id in self._seen_ids:
+                log.info("event %s dropped: duplicate event id", env.event_id,
+                         extra={"event_id": env.event_id, "reason": "duplicate_event_id"})
+                return
+            try:
+                self._verifier.verify(env)
+            except EventRejected as exc:
+                self._reject(env.event_id, exc.reason, str(exc), env.event_type)
+                return
+            self._remember(env.event_id)
+            try:
+                await _call(self._dispatch, env)
+            except PlexdError as exc:
+                self._reject(env.event_id, "bad_payload", str(exc), env.event_type)
+                return
+            except Exception:
+                self.rejected += 1
+                log.exception("event %s (%s): handler failed", env.event_id, env.event_type,
+                              extra={"event_id": env.event_id, "reason": "handler_error"})
+                return
+            self.accepted += 1
+        finally:
+            # Advance the cursor even for refused events, so a poison event is never replayed to us in a loop.
+            self._advance_cursor(frame.id)
+
+    def _reject(self, event_id: str | None, reason: str, message: str, event_type: str = "") -> None:
+        self.rejected += 1
+        kind = f" ({event_type})" if event_type else ""
+        log.warning("event %s%s rejected [%s]: %s", event_id or "<no id>", kind, reason, message,
+                    extra={"event_id": event_id, "event_type": event_type, "reason": reason})
+
+    def _remember(self, event_id: str) -> None:
+        self._seen_ids[event_id] = None
+        while len(self._seen_ids) > SEEN_IDS_MAX:
+            self._seen_ids.popitem(last=False)

@@ -1,0 +1,274 @@
+"""Ed25519 verification of signed events, with a bounded, persisted nonce store (plexd-protocol.md §3).
+
+Order of checks, as the Go agent does it: presence → ±5 min window → current key → previous key (only while
+``now < transition_expires``) → nonce. The nonce is recorded only after a valid signature, so a forged event
+can never burn a nonce that a genuine event will later need.
+
+Better than the Go agent (PROJECT-DECISIONS.md, Verification row): the nonce store is bounded and persisted to
+``data_dir/nonces.json``, so a replay after a restart is still refused; key updates are length-checked (a bad key
+is refused with a reason instead of crashing the verifier) and persisted to ``data_dir/signing_public_key``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Protocol
+
+from nacl.exceptions import BadSignatureError
+from nacl.signing import VerifyKey
+
+from plexd import gojson
+from plexd.clock import Clock
+from plexd.controlplane.envelope import Envelope
+from plexd.errors import PlexdError
+
+log = logging.getLogger(__name__)
+
+STALENESS_WINDOW = timedelta(minutes=5)
+NONCE_TTL = timedelta(minutes=5)
+MAX_NONCES = 100_000
+NONCES_FILE = "nonces.json"
+SIGNING_KEY_FILE = "signing_public_key"
+_GO_ZERO_TIME = "0001-01-01T00:00:00Z"
+
+
+class EventRejected(PlexdError):
+    """An event failed verification. `reason` is a short stable code, the message says what was wrong."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class InvalidSigningKeys(PlexdError):
+    """A signing-key update (event, state, registration) is unusable; the previous keys stay in force."""
+
+
+class SigningKeysLike(Protocol):
+    current: str
+    previous: str
+    transition_expires: str
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write `data` to `path` via ``.tmp-<name>`` + fsync + rename, so a crash leaves the old or the new file."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    try:
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def key_fingerprint(key_b64: str) -> str:
+    """A short, non-reversible name for a key, for logs."""
+    return hashlib.sha256(key_b64.encode()).hexdigest()[:12]
+
+
+def decode_public_key(key_b64: str, what: str) -> VerifyKey:
+    """Decode a std-base64 Ed25519 public key, refusing anything that is not exactly 32 bytes."""
+    try:
+        raw = base64.b64decode(key_b64.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidSigningKeys(f"{what} signing key is not valid standard base64") from None
+    if len(raw) != 32:
+        raise InvalidSigningKeys(f"{what} signing key decodes to {len(raw)} bytes, an Ed25519 key is 32")
+    return VerifyKey(raw)
+
+
+def persist_signing_key(data_dir: Path, key_b64: str) -> None:
+    """Write the current signing key to ``data_dir/signing_public_key`` (raw base64, no newline, 0600)."""
+    decode_public_key(key_b64, "current")  # never persist a key we could not use
+    atomic_write(Path(data_dir) / SIGNING_KEY_FILE, key_b64.strip().encode())
+
+
+def load_signing_key(data_dir: Path) -> str | None:
+    """The persisted signing key (whitespace-trimmed), or None when the file is absent."""
+    try:
+        return (Path(data_dir) / SIGNING_KEY_FILE).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+class NonceStore:
+    """Seen nonces → issued_at, bounded, expiring ``NONCE_TTL`` after issued_at, optionally persisted.
+
+    Only nonces still inside the staleness window matter: an older event is refused by the window check before
+    the nonce is ever looked at, so expiring by issued_at loses nothing.
+    """
+
+    def __init__(self, clock: Clock, path: Path | None = None, max_entries: int = MAX_NONCES) -> None:
+        self._clock = clock
+        self._path = Path(path) if path else None
+        self._max = max_entries
+        self._seen: dict[str, datetime] = {}
+        if self._path is not None:
+            self._load()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, nonce: str) -> bool:
+        return nonce in self._seen
+
+    def _load(self) -> None:
+        assert self._path is not None
+        try:
+            raw = json.loads(self._path.read_text())
+            if not isinstance(raw, dict):
+                raise ValueError("not a JSON object")
+            for nonce, issued in raw.items():
+                self._seen[str(nonce)] = gojson.parse_time(issued)
+        except FileNotFoundError:
+            return
+        except (ValueError, OSError) as exc:
+            # A torn or edited file must not stop the daemon; the window check still bounds replays to 5 min.
+            log.warning("ignoring unreadable nonce store %s: %s", self._path, exc)
+            self._seen.clear()
+        self._expire()
+
+    def _expire(self) -> None:
+        cutoff = self._clock.now() - NONCE_TTL
+        for nonce in [n for n, t in self._seen.items() if t < cutoff]:
+            del self._seen[nonce]
+
+    def add(self, nonce: str, issued_at: datetime) -> bool:
+        """Record `nonce`. Returns False (and records nothing) if it was already seen."""
+        self._expire()
+        if nonce in self._seen:
+            return False
+        if len(self._seen) >= self._max:
+            oldest = min(self._seen, key=self._seen.__getitem__)
+            log.warning("nonce store full (%d entries); evicting the oldest", self._max)
+            del self._seen[oldest]
+        self._seen[nonce] = issued_at
+        self.save()
+        return True
+
+    def save(self) -> None:
+        if self._path is None:
+            return
+        doc = {n: gojson.format_time(t) for n, t in self._seen.items()}
+        try:
+            atomic_write(self._path, json.dumps(doc, separators=(",", ":")).encode())
+        except OSError as exc:
+            log.warning("could not persist nonce store %s: %s", self._path, exc)
+
+
+class Verifier:
+    """Verifies event envelopes against the current (and, during a transition, previous) signing key."""
+
+    def __init__(
+        self,
+        keys: SigningKeysLike | None,
+        nonce_store: NonceStore,
+        clock: Clock,
+        on_keys_changed: Callable[[SigningKeysLike], None] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._nonces = nonce_store
+        self._on_keys_changed = on_keys_changed
+        self._current: VerifyKey | None = None
+        self._previous: VerifyKey | None = None
+        self._transition_expires: datetime | None = None
+        self._keys: SigningKeysLike | None = None
+        if keys is not None:
+            self.set_keys(keys)
+
+    @property
+    def keys(self) -> SigningKeysLike | None:
+        return self._keys
+
+    def set_keys(self, keys: SigningKeysLike) -> bool:
+        """Replace the keys after checking them all; raise InvalidSigningKeys and keep the old ones otherwise.
+
+        Returns True when the keys actually changed (a repeated update is a no-op).
+        """
+        current = decode_public_key(keys.current or "", "current")
+        previous = decode_public_key(keys.previous, "previous") if keys.previous else None
+        expires = None
+        if keys.transition_expires:
+            try:
+                expires = gojson.parse_time(keys.transition_expires)
+            except ValueError as exc:
+                raise InvalidSigningKeys(f"signing keys transition_expires: {exc}") from None
+        old = self._keys
+        changed = old is None or (old.current, old.previous, old.transition_expires) != (
+            keys.current, keys.previous, keys.transition_expires)
+        self._current, self._previous, self._transition_expires = current, previous, expires
+        self._keys = keys
+        if changed:
+            log.info(
+                "signing keys set: current %s%s",
+                key_fingerprint(keys.current),
+                f", previous {key_fingerprint(keys.previous)} until {keys.transition_expires}" if previous else "",
+            )
+            if self._on_keys_changed is not None:
+                self._on_keys_changed(keys)
+        return changed
+
+    def verify(self, env: Envelope) -> None:
+        """Return if `env` is authentic, fresh and not a replay; raise EventRejected otherwise."""
+        # 1. presence
+        if not env.signature:
+            raise EventRejected("missing_signature", "event has no signature")
+        if not env.nonce:
+            raise EventRejected("missing_nonce", "event has no nonce")
+        if not env.issued_at or gojson.canonical_time(env.issued_at) == _GO_ZERO_TIME:
+            raise EventRejected("missing_issued_at", "event has no issued_at")
+        # 2. staleness window, both directions; exactly 5 minutes is still accepted
+        issued = gojson.parse_time(env.issued_at)
+        now = self._clock.now()
+        if now - issued > STALENESS_WINDOW:
+            raise EventRejected("stale", f"issued_at {env.issued_at} is more than 5 minutes old")
+        if issued - now > STALENESS_WINDOW:
+            raise EventRejected("future", f"issued_at {env.issued_at} is more than 5 minutes in the future")
+        # 3. signature encoding
+        try:
+            signature = base64.b64decode(env.signature, validate=True)
+        except (binascii.Error, ValueError):
+            raise EventRejected("bad_signature_encoding", "signature is not valid standard base64") from None
+        if self._current is None:
+            raise EventRejected("no_signing_key", "no signing key is known yet")
+        # 4./5. current key, then previous key while the transition lasts
+        message = env.canonical_bytes()
+        if not self._verify_with(self._current, message, signature):
+            in_transition = self._previous is not None and self._transition_expires is not None and (
+                now < self._transition_expires)
+            if not (in_transition and self._verify_with(self._previous, message, signature)):
+                raise EventRejected("bad_signature", "signature verification failed")
+        # 6. nonce, only now that the event is known to be genuine
+        if not self._nonces.add(env.nonce, issued):
+            raise EventRejected("duplicate_nonce", f"duplicate nonce {env.nonce!r} (replayed event)")
+
+    @staticmethod
+    def _verify_with(key: VerifyKey | None, message: bytes, signature: bytes) -> bool:
+        if key is None:
+            return False
+        try:
+            key.verify(message, signature)
+        except (BadSignatureError, ValueError, TypeError):
+            return False
+        return True

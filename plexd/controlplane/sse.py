@@ -1,0 +1,105 @@
+"""An incremental Server-Sent-Events frame parser over raw bytes (plexd-protocol.md §2.1).
+
+Why not httpx-sse's ``aiter_sse``: it swallows comment lines, and the server's ``: ping`` comments are our only
+liveness signal for the 90 s idle watchdog; and it buffers a line of any length. This parser sees every byte,
+bounds memory per event, and turns an oversize event into a marker the stream can log and skip, so a poison
+event is never re-read in a loop.
+
+Rules (W3C subset, as the Go agent): lines end in LF or CRLF; ``:`` starts a comment; ``field: value`` with one
+optional space after the colon stripped; a line without a colon is a field with an empty value; several ``data``
+lines are joined with LF; a blank line ends the block; a block without data is dropped; ``event`` defaults to
+``message``; an ``id`` containing NUL is ignored; ``retry`` must be all digits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_EVENT_BYTES = 1 << 20  # one event (all its lines) may not exceed 1 MiB
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    data: str
+    id: str | None = None  # the block's ``id`` field, None when absent
+    event: str = "message"
+    retry: int | None = None
+    oversize: bool = False  # the block exceeded the size cap; `data` is empty, `id` may still be known
+
+
+class SSEParser:
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._max = max_event_bytes
+        self._line = bytearray()
+        self._discarding_line = False  # the current line already blew the cap; drop bytes up to its LF
+        self._reset_block()
+
+    def _reset_block(self) -> None:
+        self._data: list[str] = []
+        self._id: str | None = None
+        self._event = ""
+        self._retry: int | None = None
+        self._block_bytes = 0
+        self._oversize = False
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Consume bytes; return the events completed by them."""
+        events: list[SSEEvent] = []
+        pos = 0
+        n = len(chunk)
+        while pos < n:
+            nl = chunk.find(b"\n", pos)
+            end = n if nl < 0 else nl
+            if not self._discarding_line:
+                self._line += chunk[pos:end]
+                if self._block_bytes + len(self._line) > self._max:
+                    self._oversize = True
+                    self._discarding_line = True
+                    self._line.clear()
+            if nl < 0:
+                break
+            pos = nl + 1
+            if self._discarding_line:
+                self._discarding_line = False
+                continue
+            line = bytes(self._line)
+            self._line.clear()
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            event = self._line_done(line)
+            if event is not None:
+                events.append(event)
+        return events
+
+    def _line_done(self, raw: bytes) -> SSEEvent | None:
+        if not raw:
+            return self._dispatch()
+        self._block_bytes += len(raw) + 1
+        if raw.startswith(b":"):
+            return None
+        line = raw.decode("utf-8", errors="replace")
+        field, colon, value = line.partition(":")
+        if colon and value.startswith(" "):
+            value = value[1:]
+        if field == "data":
+            if not self._oversize:
+                self._data.append(value)
+        elif field == "id":
+            if "\x00" not in value:
+                self._id = value
+        elif field == "event":
+            self._event = value
+        elif field == "retry" and value.isdigit():
+            self._retry = int(value)
+        return None
+
+    def _dispatch(self) -> SSEEvent | None:
+        try:
+            if self._oversize:
+                return SSEEvent(data="", id=self._id, event=self._event or "message", oversize=True)
+            if not self._data:
+                return None
+            return SSEEvent(data="\n".join(self._data), id=self._id, event=self._event or "message",
+                            retry=self._retry)
+        finally:
+            self._reset_block()

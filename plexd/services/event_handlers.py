@@ -1,0 +1,191 @@
+"""What each verified event does (plexd-protocol.md §2.3): update the desired model, then ask for a converge.
+
+Events are hints; the reconciler's state pull is the truth. A handler therefore only edits the desired model
+(`DesiredState.with_*`, never mutation) and requests a converge, or triggers a full reconcile where the event
+carries no usable data (``policy_updated``, ``rotate_keys``). A payload of the wrong shape raises WireFormatError,
+which the event stream logs with the event id as a rejected event.
+
+Event types owned by other subsystems (``action_request``, tunnels, bridge, access, ingress, site-to-site) are
+routed to a handler registered with `register()`; until one exists they are logged as unsupported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from plexd.controlplane.envelope import Envelope
+from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
+from plexd.errors import WireFormatError
+from plexd.model import DataEntry, Peer, SecretRef, SigningKeys
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[Envelope], Any]
+
+OWNED_ELSEWHERE = (
+    "action_request",
+    "session_revoked",
+    "ssh_session_setup",
+    "bridge_config_updated",
+    "relay_session_assigned",
+    "relay_session_revoked",
+    "user_access_config_updated",
+    "user_access_peer_assigned",
+    "user_access_peer_revoked",
+    "ingress_config_updated",
+    "ingress_rule_assigned",
+    "ingress_rule_revoked",
+    "site_to_site_config_updated",
+    "site_to_site_tunnel_assigned",
+    "site_to_site_tunnel_revoked",
+)
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+def _payload_object(env: Envelope) -> dict[str, Any]:
+    payload = env.payload()
+    if not isinstance(payload, dict):
+        raise WireFormatError("payload", f"must be a JSON object for {env.event_type}")
+    return payload
+
+
+def _field(payload: dict[str, Any], *names: str) -> str:
+    lowered = {str(k).lower(): v for k, v in payload.items()}
+    for name in names:
+        value = lowered.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise WireFormatError(f"payload.{name}", "must be a string")
+        if value:
+            return value
+    raise WireFormatError(f"payload.{names[0]}", "missing")
+
+
+def _peer(env: Envelope) -> Peer:
+    peer = Peer.from_wire(_payload_object(env), "payload")
+    if not peer.id:
+        raise WireFormatError("payload.id", "missing")
+    return peer
+
+
+def apply_signing_keys(verifier: Verifier, data_dir: Path | None, keys: SigningKeys) -> bool:
+    """Length-check and install new signing keys, persisting the current one. Raises InvalidSigningKeys."""
+    changed = verifier.set_keys(keys)
+    if changed and data_dir is not None:
+        persist_signing_key(Path(data_dir), keys.current)
+    return changed
+
+
+class EventHandlers:
+    def __init__(
+        self,
+        get_desired: Callable[[], Any],
+        set_desired: Callable[[Any], None],
+        request_converge: Callable[[str], Any],
+        trigger_reconcile: Callable[[str], Any],
+        verifier: Verifier,
+        data_dir: Path | str | None = None,
+    ) -> None:
+        self._get = get_desired
+        self._set = set_desired
+        self._converge = request_converge
+        self._reconcile = trigger_reconcile
+        self._verifier = verifier
+        self._data_dir = Path(data_dir) if data_dir is not None else None
+        self._handlers: dict[str, Handler] = {
+            "peer_added": self._peer_upsert,
+            "peer_key_rotated": self._peer_upsert,
+            "peer_removed": self._peer_removed,
+            "peer_endpoint_changed": self._peer_endpoint_changed,
+            "policy_updated": self._reconcile_now,
+            "rotate_keys": self._reconcile_now,  # until WireGuard key rotation (§1.6) exists
+            "signing_key_rotated": self._signing_key_rotated,
+            "node_state_updated": self._node_state_updated,
+            "node_secrets_updated": self._node_secrets_updated,
+        }
+
+    def register(self, event_type: str, handler: Handler) -> None:
+        """Route `event_type` to another subsystem (actions, tunnels, bridge...)."""
+        self._handlers[event_type] = handler
+
+    def handles(self, event_type: str) -> bool:
+        return event_type in self._handlers
+
+    async def dispatch(self, env: Envelope) -> None:
+        handler = self._handlers.get(env.event_type)
+        if handler is not None:
+            await _call(handler, env)
+        elif env.event_type in OWNED_ELSEWHERE:
+            log.info("event %s (%s) ignored: not supported by this plexd yet", env.event_id, env.event_type,
+                     extra={"event_id": env.event_id, "event_type": env.event_type})
+        else:
+            log.debug("event %s has unknown type %r; ignored", env.event_id, env.event_type,
+                      extra={"event_id": env.event_id, "event_type": env.event_type})
+
+    async def _update(self, env: Envelope, change: Callable[[Any], Any]) -> None:
+        self._set(change(self._get()))
+        await _call(self._converge, f"{env.event_type} {env.event_id}")
+
+    async def _peer_upsert(self, env: Envelope) -> None:
+        peer = _peer(env)
+        if not peer.public_key:
+            raise WireFormatError("payload.public_key", "missing")
+        log.info("event %s: %s %s", env.event_id, env.event_type, peer.id)
+        await self._update(env, lambda d: d.with_peer(peer))
+
+    async def _peer_removed(self, env: Envelope) -> None:
+        peer_id = _field(_payload_object(env), "peer_id", "id")
+        log.info("event %s: peer_removed %s", env.event_id, peer_id)
+        await self._update(env, lambda d: d.without_peer(peer_id))
+
+    async def _peer_endpoint_changed(self, env: Envelope) -> None:
+        payload = _payload_object(env)
+        peer_id = _field(payload, "id", "peer_id")
+        endpoint = _field(payload, "endpoint")
+        log.info("event %s: peer %s endpoint → %s", env.event_id, peer_id, endpoint)
+        await self._update(env, lambda d: d.with_peer_endpoint(peer_id, endpoint))
+
+    async def _reconcile_now(self, env: Envelope) -> None:
+        log.info("event %s: %s, reconciling", env.event_id, env.event_type)
+        await _call(self._reconcile, env.event_type)
+
+    async def _signing_key_rotated(self, env: Envelope) -> None:
+        keys = SigningKeys.from_wire(_payload_object(env), "payload")
+        apply_signing_keys(self._verifier, self._data_dir, keys)  # InvalidSigningKeys → event rejected
+        log.info("event %s: signing key rotated to %s", env.event_id, key_fingerprint(keys.current))
+        self._set(self._get().with_signing_keys(keys))
+
+    async def _node_state_updated(self, env: Envelope) -> None:
+        payload = _payload_object(env)
+        lowered = {str(k).lower(): v for k, v in payload.items()}
+        metadata = lowered.get("metadata")
+        if metadata is not None and (
+                not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())):
+            raise WireFormatError("payload.metadata", "must be an object of strings")
+        raw_data = lowered.get("data") or []
+        if not isinstance(raw_data, list):
+            raise WireFormatError("payload.data", "must be an array")
+        data = [DataEntry.from_wire(d, f"payload.data[{i}]") for i, d in enumerate(raw_data)]
+        log.info("event %s: node state updated (%d data entries)", env.event_id, len(data))
+        await self._update(env, lambda d: d.with_node_state(metadata, data))
+
+    async def _node_secrets_updated(self, env: Envelope) -> None:
+        payload = _payload_object(env)
+        lowered = {str(k).lower(): v for k, v in payload.items()}
+        raw = lowered.get("secret_refs") or []
+        if not isinstance(raw, list):
+            raise WireFormatError("payload.secret_refs", "must be an array")
+        refs = [SecretRef.from_wire(r, f"payload.secret_refs[{i}]") for i, r in enumerate(raw)]
+        log.info("event %s: %d secret refs", env.event_id, len(refs))
+        await self._update(env, lambda d: d.with_secret_refs(refs))

@@ -1,0 +1,158 @@
+"""Liveness: ``POST /v1/nodes/{id}/heartbeat`` with real values in the [C] shape (plexd-protocol.md §1.4).
+
+The first heartbeat goes out at start, then one per `interval` on a fixed schedule (no drift). The response's
+``reconcile:true`` asks for a reconcile now; ``rotate_keys:true`` does the same until WireGuard key rotation
+exists. A 401 starts re-authentication. Three consecutive failures log one warning; the recovery is logged once.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from plexd import gojson
+from plexd.clock import Clock
+
+log = logging.getLogger(__name__)
+
+WARN_AFTER_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    interface: str
+    peer_count: int
+    listen_port: int
+
+
+@dataclass(frozen=True)
+class NatInfo:
+    public_endpoint: str
+    type: str  # none | full_cone | symmetric | unknown
+
+
+@dataclass(frozen=True)
+class HeartbeatSnapshot:
+    status: str = "healthy"
+    binary_checksum: str = ""  # bare lowercase hex
+    mesh: MeshInfo | None = None
+    nat: NatInfo | None = None
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status an exception carries, whichever client raised it (httpx or plexd's own client)."""
+    for attr in ("status", "status_code"):
+        value = getattr(exc, attr, None)
+        if isinstance(value, int):
+            return value
+    response = getattr(exc, "response", None)
+    value = getattr(response, "status_code", None)
+    return value if isinstance(value, int) else None
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+class HeartbeatService:
+    def __init__(
+        self,
+        node_id: str,
+        send: Callable[[dict[str, Any]], Any],  # POSTs the body, returns the decoded JSON response
+        snapshot: Callable[[], HeartbeatSnapshot],
+        *,
+        clock: Clock | None = None,
+        interval: float = 30.0,
+        trigger_reconcile: Callable[[str], Any] | None = None,
+        on_auth_failure: Callable[[], Any] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self._send = send
+        self._snapshot = snapshot
+        self._clock = clock or Clock()
+        self.interval = interval
+        self._trigger_reconcile = trigger_reconcile
+        self._on_auth_failure = on_auth_failure
+        self._started = self._clock.monotonic()
+        self.consecutive_failures = 0
+        self.sent = 0
+        self._warned = False
+
+    def build(self) -> dict[str, Any]:
+        """The heartbeat body, keys in the Go struct's order, omitempty sections left out."""
+        snap = self._snapshot()
+        uptime = int(self._clock.monotonic() - self._started)
+        body: dict[str, Any] = {
+            "node_id": self.node_id,
+            "timestamp": gojson.format_time(self._clock.now()),
+            "status": snap.status,
+            "uptime": gojson.format_duration(uptime),
+            "binary_checksum": snap.binary_checksum,
+        }
+        if snap.mesh is not None:
+            body["mesh"] = {"interface": snap.mesh.interface, "peer_count": snap.mesh.peer_count,
+                            "listen_port": snap.mesh.listen_port}
+        if snap.nat is not None and snap.nat.public_endpoint:
+            body["nat"] = {"public_endpoint": snap.nat.public_endpoint, "type": snap.nat.type}
+        return body
+
+    async def run(self) -> None:
+        """Send one heartbeat now, then one per interval, until cancelled."""
+        next_at = self._clock.monotonic()
+        while True:
+            await self.beat()
+            next_at += self.interval
+            now = self._clock.monotonic()
+            if next_at <= now:  # we fell behind (a slow send); skip missed ticks rather than bursting
+                next_at = now + self.interval
+            await self._clock.sleep(next_at - now)
+
+    async def beat(self) -> bool:
+        """Send one heartbeat and act on the answer. Returns True when it was accepted."""
+        try:
+            body = self.build()
+            response = await _call(self._send, body)
+        except Exception as exc:
+            await self._failed(exc)
+            return False
+        self.sent += 1
+        if self.consecutive_failures and self._warned:
+            log.info("heartbeat recovered after %d failures", self.consecutive_failures)
+        self.consecutive_failures = 0
+        self._warned = False
+        if not isinstance(response, dict):
+            log.warning("heartbeat response is not a JSON object: %r", response)
+            return True
+        if response.get("reconcile") is True:
+            await self._reconcile("heartbeat asked for reconcile")
+        if response.get("rotate_keys") is True:
+            # WireGuard key rotation (§1.6) is not implemented yet; a reconcile fetches any new keys.
+            await self._reconcile("heartbeat asked for key rotation")
+        return True
+
+    async def _reconcile(self, reason: str) -> None:
+        if self._trigger_reconcile is not None:
+            await _call(self._trigger_reconcile, reason)
+
+    async def _failed(self, exc: Exception) -> None:
+        self.consecutive_failures += 1
+        status = http_status(exc)
+        if status == 401:
+            log.warning("heartbeat refused with 401; re-authenticating the node")
+            if self._on_auth_failure is not None:
+                try:
+                    await _call(self._on_auth_failure)
+                except Exception as err:
+                    log.warning("re-authentication after heartbeat 401 failed: %s", err)
+            return
+        if self.consecutive_failures == WARN_AFTER_FAILURES:
+            self._warned = True
+            log.warning("heartbeat failed %d times in a row, last error: %s", self.consecutive_failures, exc)
+        else:
+            log.debug("heartbeat failed (%d in a row): %s", self.consecutive_failures, exc)

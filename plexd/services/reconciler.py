@@ -1,0 +1,165 @@
+"""The consistency fallback: pull the full state, converge the live machine to it, report what was corrected (§4).
+
+Level-triggered, like a Kubernetes controller: the first cycle runs at start, then one every `interval`, plus
+triggers (stream reconnect, heartbeat ``reconcile:true``, ``policy_updated``) that are coalesced — any number of
+triggers during a cycle cause exactly one more cycle. Each cycle: `fetch_state()` → `apply_state(state)` (replaces
+the desired model; may return corrections of its own, e.g. new signing keys) → `converge()` (diffs against the
+live machine and corrects it; returns a result whose ``.changes`` carry ``.correction_type`` and ``.detail``) →
+``POST /drift`` only when something was corrected. A drift report that could not be delivered is retried on the
+next cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexd import gojson
+from plexd.clock import Clock
+
+log = logging.getLogger(__name__)
+
+MAX_UNSENT_REPORTS = 20
+
+
+async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    result = fn(*args, **kwargs)
+    if inspect.isawaitable(result):
+        result = await result
+    return result
+
+
+@dataclass(frozen=True)
+class Correction:
+    type: str
+    detail: str
+
+
+@dataclass
+class CycleResult:
+    ok: bool
+    corrections: list[Correction] = field(default_factory=list)
+    error: str = ""
+    reasons: tuple[str, ...] = ()
+    dry_run: bool = False
+    report: dict[str, Any] | None = None
+
+
+def corrections_of(changes: Iterable[Any] | None) -> list[Correction]:
+    out: list[Correction] = []
+    for change in changes or ():
+        if isinstance(change, Correction):
+            out.append(change)
+        else:
+            out.append(Correction(str(change.correction_type), str(change.detail)))
+    return out
+
+
+class Reconciler:
+    def __init__(
+        self,
+        fetch_state: Callable[[], Any],
+        apply_state: Callable[[Any], Any],
+        converge: Callable[..., Any],
+        post_drift: Callable[[dict[str, Any]], Any],
+        *,
+        clock: Clock | None = None,
+        interval: float = 60.0,
+    ) -> None:
+        self._fetch_state = fetch_state
+        self._apply_state = apply_state
+        self._converge = converge
+        self._post_drift = post_drift
+        self._clock = clock or Clock()
+        self.interval = max(1.0, interval)
+        self._wake = asyncio.Event()
+        self._reasons: list[str] = []
+        self._lock = asyncio.Lock()
+        self._unsent: list[dict[str, Any]] = []
+        self.cycles = 0
+        self.failures = 0
+        self.last: CycleResult | None = None
+
+    def trigger(self, reason: str = "triggered") -> None:
+        """Ask for a cycle as soon as possible; coalesced with any other pending trigger."""
+        self._reasons.append(reason)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """First cycle now, then every interval or on trigger, until cancelled."""
+        reasons: tuple[str, ...] = ("start",)
+        while True:
+            await self.run_once(reasons=reasons)
+            reasons = await self._wait_next()
+
+    async def _wait_next(self) -> tuple[str, ...]:
+        if not self._wake.is_set():
+            sleeper = asyncio.ensure_future(self._clock.sleep(self.interval))
+            waker = asyncio.ensure_future(self._wake.wait())
+            try:
+                await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (sleeper, waker):
+                    if not task.done():
+                        task.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await task
+        self._wake.clear()
+        reasons = tuple(dict.fromkeys(self._reasons)) or ("interval",)
+        self._reasons.clear()
+        return reasons
+
+    async def run_once(self, dry_run: bool = False, reasons: tuple[str, ...] = ("once",)) -> CycleResult:
+        """One cycle. With `dry_run`, nothing on the machine is changed and no drift is reported."""
+        async with self._lock:
+            result = await self._cycle(dry_run, reasons)
+        self.last = result
+        return result
+
+    async def _cycle(self, dry_run: bool, reasons: tuple[str, ...]) -> CycleResult:
+        self.cycles += 1
+        try:
+            state = await _call(self._fetch_state)
+        except Exception as exc:
+            self.failures += 1
+            log.warning("reconcile (%s): fetching the state failed: %s", ", ".join(reasons), exc)
+            return CycleResult(ok=False, error=f"fetching the state failed: {exc}", reasons=reasons, dry_run=dry_run)
+        try:
+            corrections = corrections_of(await _call(self._apply_state, state))
+            result = await _call(self._converge, dry_run=True) if dry_run else await _call(self._converge)
+            corrections += corrections_of(getattr(result, "changes", None))
+        except Exception as exc:
+            self.failures += 1
+            log.exception("reconcile (%s): converge failed", ", ".join(reasons))
+            return CycleResult(ok=False, error=f"converge failed: {exc}", reasons=reasons, dry_run=dry_run)
+        out = CycleResult(ok=True, corrections=corrections, reasons=reasons, dry_run=dry_run)
+        if dry_run:
+            return out
+        if corrections:
+            log.info("reconcile (%s) corrected %d drift(s): %s", ", ".join(reasons), len(corrections),
+                     "; ".join(f"{c.type}: {c.detail}" for c in corrections))
+            out.report = {
+                # Go marshals time.Now() in the local zone here; any RFC 3339 zone is valid on the wire.
+                "timestamp": gojson.format_time(self._clock.now().astimezone()),
+                "corrections": [{"type": c.type, "detail": c.detail} for c in corrections],
+            }
+            self._unsent.append(out.report)
+            del self._unsent[:-MAX_UNSENT_REPORTS]
+        await self._flush_reports()
+        return out
+
+    async def _flush_reports(self) -> None:
+        while self._unsent:
+            report = self._unsent[0]
+            try:
+                await _call(self._post_drift, report)
+            except Exception as exc:
+                log.warning("posting the drift report failed (%d pending, retried next cycle): %s",
+                            len(self._unsent), exc)
+                return
+            self._unsent.pop(0)

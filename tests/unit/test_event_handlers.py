@@ -1,0 +1,139 @@
+"""Event handlers edit the real DesiredState and request a converge; bad payloads are refused with the field."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+
+import nacl.signing
+import pytest
+from nacl.public import PrivateKey
+
+from plexd.clock import FakeClock
+from plexd.controlplane.envelope import parse_envelope, sign_event
+from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier
+from plexd.desired import DesiredState
+from plexd.errors import WireFormatError
+from plexd.model import SigningKeys
+from plexd.services.event_handlers import EventHandlers
+
+
+def wgkey() -> str:
+    return base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+
+
+SIGNER = nacl.signing.SigningKey.generate()
+
+
+def env(event_type, payload=None, payload_raw=None, event_id="evt_1"):
+    return parse_envelope(sign_event(SIGNER, event_type, event_id, payload, payload_raw=payload_raw))
+
+
+class Harness:
+    def __init__(self, tmp_path):
+        self.desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
+                                            private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(),
+                                            mesh_ip="10.100.0.1")
+        self.converges = []
+        self.reconciles = []
+        clock = FakeClock()
+        self.verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
+                                 NonceStore(clock), clock)
+        self.handlers = EventHandlers(lambda: self.desired, self._set, self.converges.append,
+                                      self.reconciles.append, self.verifier, tmp_path)
+
+    def _set(self, d):
+        self.desired = d
+
+
+@pytest.fixture
+def h(tmp_path):
+    return Harness(tmp_path)
+
+
+async def test_peer_lifecycle(h):
+    key = wgkey()
+    await h.handlers.dispatch(env("peer_added", {"id": "n_a", "public_key": key, "mesh_ip": "10.100.0.2",
+                                                 "endpoint": "192.0.2.1:51820", "allowed_ips": ["10.100.0.2/32"]}))
+    assert h.desired.peers["n_a"].public_key == key
+    await h.handlers.dispatch(env("peer_endpoint_changed", {"id": "n_a", "endpoint": "192.0.2.9:51820"}))
+    assert h.desired.peers["n_a"].endpoint == "192.0.2.9:51820"
+    new = wgkey()
+    await h.handlers.dispatch(env("peer_key_rotated", {"id": "n_a", "public_key": new, "mesh_ip": "10.100.0.2",
+                                                       "allowed_ips": ["10.100.0.2/32"]}))
+    assert h.desired.peers["n_a"].public_key == new
+    await h.handlers.dispatch(env("peer_removed", {"peer_id": "n_a"}))
+    assert "n_a" not in h.desired.peers
+    assert len(h.converges) == 4 and h.converges[0].startswith("peer_added evt_1")
+
+
+async def test_policy_updated_and_rotate_keys_trigger_reconcile(h):
+    await h.handlers.dispatch(env("policy_updated"))
+    await h.handlers.dispatch(env("rotate_keys", {}))
+    assert h.reconciles == ["policy_updated", "rotate_keys"]
+    assert h.converges == []
+
+
+async def test_signing_key_rotated_updates_verifier_desired_and_disk(h, tmp_path):
+    new = nacl.signing.SigningKey.generate()
+    new_b64 = base64.b64encode(bytes(new.verify_key)).decode()
+    old_b64 = h.verifier.keys.current
+    await h.handlers.dispatch(env("signing_key_rotated", {"current": new_b64, "previous": old_b64,
+                                                          "transition_expires": "2999-01-01T00:00:00Z"}))
+    assert h.verifier.keys.current == new_b64
+    assert h.desired.signing_keys.current == new_b64
+    assert (tmp_path / "signing_public_key").read_text() == new_b64
+
+
+async def test_short_signing_key_refused_and_old_one_kept(h, tmp_path):
+    old = h.verifier.keys.current
+    with pytest.raises(InvalidSigningKeys):
+        await h.handlers.dispatch(env("signing_key_rotated", {"current": base64.b64encode(os.urandom(16)).decode()}))
+    assert h.verifier.keys.current == old
+    assert not (tmp_path / "signing_public_key").exists()
+
+
+async def test_node_state_and_secrets(h):
+    await h.handlers.dispatch(env("node_state_updated", {"metadata": {"env": "prod"}, "data": [
+        {"key": "db", "content_type": "application/json", "payload": {"h": 1}, "version": 3}]}))
+    assert h.desired.metadata == {"env": "prod"} and h.desired.data[0].version == 3
+    await h.handlers.dispatch(env("node_secrets_updated", {"secret_refs": [{"key": "tls", "version": 2}]}))
+    assert h.desired.secret_refs[0].key == "tls"
+
+
+@pytest.mark.parametrize(("event_type", "payload", "field"), [
+    ("peer_added", [1, 2], "payload"),
+    ("peer_added", {"id": "n_a", "public_key": 5}, "payload.public_key"),
+    ("peer_added", {"public_key": "x"}, "payload.id"),
+    ("peer_added", {"id": "n_a"}, "payload.public_key"),
+    ("peer_removed", {}, "payload.peer_id"),
+    ("peer_endpoint_changed", {"id": "n_a"}, "payload.endpoint"),
+    ("node_state_updated", {"metadata": {"a": True}}, "payload.metadata"),
+    ("node_secrets_updated", {"secret_refs": {"k": 1}}, "payload.secret_refs"),
+    ("signing_key_rotated", "key", "payload"),
+])
+async def test_wrong_payload_shape_names_the_field(h, event_type, payload, field):
+    before = h.desired
+    with pytest.raises(WireFormatError) as info:
+        await h.handlers.dispatch(env(event_type, payload))
+    assert info.value.path == field
+    assert h.desired is before
+
+
+async def test_unsupported_and_unknown_types(h, caplog):
+    caplog.set_level(logging.DEBUG, "plexd.services.event_handlers")
+    await h.handlers.dispatch(env("action_request", {"execution_id": "x"}, event_id="evt_a"))
+    await h.handlers.dispatch(env("from_the_future", {}, event_id="evt_u"))
+    assert "event evt_a (action_request) ignored: not supported" in caplog.text
+    assert any(r.levelno == logging.DEBUG and "evt_u" in r.getMessage() for r in caplog.records)
+    seen = []
+    h.handlers.register("action_request", lambda e: seen.append(e.event_id))
+    await h.handlers.dispatch(env("action_request", {}, event_id="evt_b"))
+    assert seen == ["evt_b"]
+
+
+async def test_invalid_peer_is_kept_out_by_the_model(h):
+    await h.handlers.dispatch(env("peer_added", {"id": "n_bad", "public_key": "short", "mesh_ip": "10.100.0.3"}))
+    assert "n_bad" not in h.desired.peers
+    assert dict(h.desired.rejected)["n_bad"]

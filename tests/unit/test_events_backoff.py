@@ -1,0 +1,416 @@
+"""The event stream's reconnect engine, driven by an injected FakeClock and an in-process HTTP transport.
+
+No test sleeps: every wait goes through FakeClock, and the assertions read the delays it was asked for.
+The transport is httpx.MockTransport (a real httpx client, a scripted server): the real devplane is exercised
+in tests/integration/test_events_devplane.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import httpx
+import nacl.signing
+import pytest
+
+from plexd.backoff import Backoff
+from plexd.clock import FakeClock
+from plexd.controlplane.envelope import sign_event
+from plexd.controlplane.events import EventStream, parse_retry_after
+from plexd.controlplane.signing import NonceStore, Verifier
+from plexd.model import SigningKeys
+
+NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
+KEY = nacl.signing.SigningKey.generate()
+
+
+class Server:
+    """A scripted server: `respond(request, attempt_no)` returns an httpx.Response or raises."""
+
+    def __init__(self, respond: Callable[[httpx.Request, int], httpx.Response]) -> None:
+        self.respond = respond
+        self.requests: list[httpx.Request] = []
+        self.hang = asyncio.Event()  # streams that should stay open wait on this
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return self.respond(request, len(self.requests))
+
+    def open_stream(self, *chunks: bytes) -> httpx.Response:
+        """200, send `chunks`, then stay open until `hang` is set."""
+        async def body():
+            for c in chunks:
+                yield c
+            await self.hang.wait()
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+
+
+def make_stream(tmp_path, clock, server, **kw):
+    calls = {"connected": 0, "auth": 0, "poll": 0, "events": []}
+
+    def connected():
+        calls["connected"] += 1
+
+    def auth():
+        calls["auth"] += 1
+
+    def poll():
+        calls["poll"] += 1
+
+    verifier = Verifier(SigningKeys(current=__import__("base64").b64encode(bytes(KEY.verify_key)).decode()),
+                        NonceStore(clock), clock)
+    kw.setdefault("backoff", Backoff(rand=lambda: 0.5))
+    kw.setdefault("storm_backoff", Backoff(rand=lambda: 0.5))
+    stream = EventStream(
+        "http://cp.test", "n_1", lambda: "secret-token", tmp_path, verifier,
+        lambda env: calls["events"].append(env.event_id),
+        clock=clock, on_connected=connected, on_auth_failure=auth, poll=poll,
+        client_factory=lambda: httpx.AsyncClient(transport=httpx.MockTransport(server.handler)),
+        **kw,
+    )
+    return stream, calls
+
+
+async def until(pred, limit=5000):
+    for _ in range(limit):
+        if pred():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition not reached")
+
+
+async def next_sleep(stream, n):
+    """Wait until the engine has started its n-th wait between attempts, and return that delay."""
+    clock = stream._clock
+    await until(lambda: len(stream.delays) >= n and clock.pending_sleepers > 0)
+    return stream.delays[n - 1]
+
+
+@pytest.fixture
+def clock():
+    return FakeClock(NOW)
+
+
+async def run(stream):
+    task = asyncio.create_task(stream.run())
+    return task
+
+
+async def stop(task):
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
+async def test_exponential_backoff_to_cap_without_jitter(tmp_path, clock):
+    server = Server(lambda r, n: httpx.Response(503))
+    stream, _ = make_stream(tmp_path, clock, server)
+    task = await run(stream)
+    try:
+        delays = []
+        for i in range(1, 10):
+            delays.append(await next_sleep(stream, i))
+            clock.advance(delays[-1])
+        assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60]
+        assert len(server.requests) == 9
+    finally:
+        await stop(task)
+
+
+@pytest.mark.parametrize(("rand", "factor"), [(0.0, 0.75), (1.0, 1.25)])
+async def test_jitter_bounds(tmp_path, clock, rand, factor):
+    server = Server(lambda r, n: httpx.Response(500))
+    stream, _ = make_stream(tmp_path, clock, server, backoff=Backoff(rand=lambda: rand))
+    task = await run(stream)
+    try:
+        delays = []
+        for i in range(1, 9):
+            delays.append(await next_sleep(stream, i))
+            clock.advance(delays[-1])
+        assert delays == pytest.approx([b * factor for b in (1, 2, 4, 8, 16, 32, 60, 60)])
+    finally:
+        await stop(task)
+
+
+async def test_random_jitter_stays_within_25_percent(tmp_path, clock):
+    server = Server(lambda r, n: httpx.Response(500))
+    stream, _ = make_stream(tmp_path, clock, server, backoff=Backoff())
+    stream._poll = None  # polling would split the waits into chunks; this test looks at the backoff alone
+    task = await run(stream)
+    try:
+        for i in range(1, 30):
+            d = await next_sleep(stream, i)
+            base = min(2 ** (i - 1), 60)
+            assert 0.75 * base <= d <= 1.25 * base
+            clock.advance(d)
+    finally:
+        await stop(task)
+
+
+async def test_network_errors_back_off_too(tmp_path, clock):
+    def respond(r, n):
+        raise httpx.ConnectError("connection refused")
+    stream, calls = make_stream(tmp_path, clock, Server(respond))
+    task = await run(stream)
+    try:
+        assert [await next_sleep(stream, 1)] == [1]
+        clock.advance(1)
+        assert await next_sleep(stream, 2) == 2
+        assert calls["connected"] == 0
+    finally:
+        await stop(task)
+
+
+async def test_reset_on_success_and_headers(tmp_path, clock):
+    server = Server(lambda r, n: httpx.Response(503))
+    stream, calls = make_stream(tmp_path, clock, server)
+    task = await run(stream)
+    try:
+        for i in range(1, 4):
+            clock.advance(await next_sleep(stream, i))
+        # now the server comes back: one stream that ends cleanly, then failures again
+        server.respond = lambda r, n: (
+            httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b": hi\n\n")
+            if n == 4 else httpx.Response(503))
+        assert await next_sleep(stream, 4) == 1  # reset: EOF reconnects at once, the 503 after it waits 1 s again
+        assert calls["connected"] == 1
+        req = server.requests[3]
+        assert req.url.path == "/v1/nodes/n_1/events"
+        assert req.headers["accept"] == "text/event-stream"
+        assert req.headers["cache-control"] == "no-cache"
+        assert req.headers["authorization"] == "Bearer secret-token"
+        assert req.headers["user-agent"].startswith("plexd/")
+        assert "last-event-id" not in req.headers
+    finally:
+        await stop(task)
+
+
+async def test_429_retry_after_seconds_and_http_date_do_not_grow_backoff(tmp_path, clock):
+    date = email.utils.formatdate(time.time() + 30, usegmt=True)
+    script = {1: httpx.Response(503), 2: httpx.Response(429, headers={"retry-after": "7"}),
+              3: httpx.Response(429, headers={"retry-after": date}), 4: httpx.Response(429), 5: httpx.Response(503)}
+    server = Server(lambda r, n: script.get(n, httpx.Response(503)))
+    stream, _ = make_stream(tmp_path, clock, server)
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == 1
+        clock.advance(1)
+        assert await next_sleep(stream, 2) == 7
+        clock.advance(7)
+        assert 28 <= await next_sleep(stream, 3) <= 31
+        clock.advance(clock.sleeps[2])
+        assert await next_sleep(stream, 4) == 2  # no Retry-After: the current backoff, not grown
+        clock.advance(2)
+        assert await next_sleep(stream, 5) == 2  # the 503 after the 429s continues from where it was
+    finally:
+        await stop(task)
+
+
+def test_parse_retry_after():
+    assert parse_retry_after("12", 0) == 12
+    assert parse_retry_after(email.utils.formatdate(1000, usegmt=True), 990) == pytest.approx(10)
+    assert parse_retry_after(email.utils.formatdate(1000, usegmt=True), 2000) == 0
+    assert parse_retry_after("soon", 0) is None
+    assert parse_retry_after(None, 0) is None
+
+
+async def test_polling_after_five_minutes_and_back(tmp_path, clock):
+    server = Server(lambda r, n: httpx.Response(503))
+    stream, calls = make_stream(tmp_path, clock, server, poll_interval=60)
+    task = await run(stream)
+    try:
+        elapsed = 0.0
+        i = 0
+        while elapsed < 300:
+            i += 1
+            d = await next_sleep(stream, i)
+            assert not stream.polling and calls["poll"] == 0
+            clock.advance(d)
+            elapsed += d
+        # the first failure after 5 minutes of failing switches to polling and polls at once
+        await until(lambda: calls["poll"] == 1)
+        assert stream.polling
+        for expected_polls in (2, 3):
+            await until(lambda: clock.pending_sleepers > 0)
+            clock.advance(60)
+            await until(lambda ep=expected_polls: calls["poll"] == ep)
+        # the stream comes back: polling stops, the reconciler trigger fires
+        server.respond = lambda r, n: server.open_stream(b": ping\n\n")
+        for _ in range(5):
+            if stream.connected.is_set():
+                break
+            await until(lambda: clock.pending_sleepers > 0)
+            clock.advance(60)
+            await asyncio.sleep(0)
+        await until(stream.connected.is_set)
+        assert not stream.polling
+        assert calls["connected"] == 1
+        polls = calls["poll"]
+        clock.advance(80)  # less than the idle timeout: no poll while connected
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert calls["poll"] == polls
+    finally:
+        server.hang.set()
+        await stop(task)
+
+
+async def test_storm_limit_on_clean_eof(tmp_path, clock):
+    server = Server(lambda r, n: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b""))
+    stream, calls = make_stream(tmp_path, clock, server, storm_burst=5, storm_window=60)
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == 1  # five immediate reconnects, then the storm backoff starts
+        assert len(server.requests) == 6
+        clock.advance(1)
+        assert await next_sleep(stream, 2) == 2
+        clock.advance(2)
+        assert await next_sleep(stream, 3) == 4
+        assert calls["connected"] == 8
+        clock.advance(4)
+        assert await next_sleep(stream, 4) == 8  # still storming: no immediate reconnects until a healthy stream
+    finally:
+        await stop(task)
+
+
+async def test_healthy_stream_ends_the_storm(tmp_path, clock):
+    event = sign_event(KEY, "peer_added", "e1", {"id": "n_x"}, issued_at="2025-01-15T10:30:00Z", nonce="z")
+    server = Server(lambda r, n: httpx.Response(
+        200, headers={"content-type": "text/event-stream"},
+        content=f"id: e1\ndata: {event}\n\n".encode() if n == 8 else b""))
+    stream, calls = make_stream(tmp_path, clock, server, storm_burst=5, storm_window=60)
+    task = await run(stream)
+    try:
+        clock.advance(await next_sleep(stream, 1))
+        assert await next_sleep(stream, 2) == 2
+        clock.advance(2)  # attempt 8 delivers an event: healthy, so attempts 9..13 are immediate again
+        assert await next_sleep(stream, 3) == 1
+        assert len(server.requests) == 14
+        assert calls["events"] == ["e1"]
+    finally:
+        await stop(task)
+
+
+async def test_storm_rate_is_bounded_over_time(tmp_path, clock):
+    server = Server(lambda r, n: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b""))
+    stream, _ = make_stream(tmp_path, clock, server, storm_burst=5, storm_window=60)
+    task = await run(stream)
+    try:
+        total = 0.0
+        i = 0
+        while total < 3600:
+            i += 1
+            d = await next_sleep(stream, i)
+            clock.advance(d)
+            total += d
+        # an hour of a server that closes every stream at once: at most a burst per window plus ~1/min
+        assert len(server.requests) < 80
+    finally:
+        await stop(task)
+
+
+async def test_401_asks_for_reauthentication_and_keeps_going(tmp_path, clock):
+    tokens = iter(["old", "new", "new"])
+    server = Server(lambda r, n: httpx.Response(401) if n == 1 else server.open_stream())
+    stream, calls = make_stream(tmp_path, clock, server)
+    stream._token = lambda: next(tokens)
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == 1
+        assert calls["auth"] == 1
+        clock.advance(1)
+        await until(stream.connected.is_set)
+        assert server.requests[1].headers["authorization"] == "Bearer new"
+    finally:
+        server.hang.set()
+        await stop(task)
+
+
+@pytest.mark.parametrize("status", [403, 404])
+async def test_403_404_back_off_at_cap_and_poll(tmp_path, clock, status):
+    server = Server(lambda r, n: httpx.Response(status))
+    stream, calls = make_stream(tmp_path, clock, server)
+    task = await run(stream)
+    try:
+        await until(lambda: calls["poll"] == 1)
+        assert stream.polling
+        await until(lambda: clock.pending_sleepers > 0)
+        clock.advance(60)
+        await until(lambda: len(server.requests) == 2)
+        assert calls["poll"] == 2
+        assert stream.delays[0] == 60  # the cap (jitter source fixed at the midpoint)
+    finally:
+        await stop(task)
+
+
+async def test_idle_watchdog_pings_count_as_liveness(tmp_path, clock):
+    pinger = asyncio.Queue()
+
+    async def body():
+        while True:
+            chunk = await pinger.get()
+            if chunk is None:
+                return
+            yield chunk
+
+    server = Server(lambda r, n: httpx.Response(200, headers={"content-type": "text/event-stream"},
+                                                content=body()) if n == 1 else httpx.Response(503))
+    stream, _ = make_stream(tmp_path, clock, server)
+    task = await run(stream)
+    try:
+        await until(stream.connected.is_set)
+        for _ in range(5):  # a ping every 60 s keeps a 90 s watchdog quiet for 5 minutes
+            clock.advance(60)
+            pinger.put_nowait(b": ping\n\n")
+            await until(pinger.empty)
+            for _ in range(20):
+                await asyncio.sleep(0)
+            assert stream.connected.is_set()
+        clock.advance(91)  # silence
+        await until(lambda: not stream.connected.is_set())
+        assert len(server.requests) == 1
+        clock.advance(await next_sleep(stream, 1))  # an idle stream counts as a failure: backoff, then retry
+        await until(lambda: len(server.requests) == 2)
+    finally:
+        pinger.put_nowait(None)
+        await stop(task)
+
+
+async def test_cursor_persisted_dedupe_and_bad_events_skipped(tmp_path, clock, caplog):
+    caplog.set_level(logging.INFO)
+    def ev(eid, nonce):
+        text = sign_event(KEY, "peer_added", eid, {"id": "n_x"}, issued_at="2025-01-15T10:30:00Z", nonce=nonce)
+        return f"id: {eid}\ndata: {text}\n\n".encode()
+
+    frames = (ev("e1", "a") + b"id: e2\ndata: {not json\n\n" + ev("e1", "a") + ev("e3", "b")
+              + b"data: " + b"x" * (1 << 20) + b"\nid: e4\n\n" + ev("e5", "c"))
+    server = Server(lambda r, n: server.open_stream(frames))
+    stream, calls = make_stream(tmp_path, clock, server)
+    task = await run(stream)
+    try:
+        await until(lambda: stream.last_event_id == "e5")
+        assert calls["events"] == ["e1", "e3", "e5"]
+        assert (tmp_path / "last_event_id").read_text() == "e5"
+        assert "event e2 rejected [malformed]" in caplog.text
+        assert "event e4 rejected [oversize]" in caplog.text
+        assert "event e1 dropped: duplicate event id" in caplog.text
+    finally:
+        server.hang.set()
+        await stop(task)
+    # a new consumer (a restarted daemon) resumes from the persisted cursor
+    server2 = Server(lambda r, n: server2.open_stream())
+    stream2, _ = make_stream(tmp_path, clock, server2)
+    task = await run(stream2)
+    try:
+        await until(stream2.connected.is_set)
+        assert server2.requests[0].headers["last-event-id"] == "e5"
+    finally:
+        server2.hang.set()
+        await stop(task)

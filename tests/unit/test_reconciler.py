@@ -1,0 +1,174 @@
+"""Reconciler cycle logic with fakes for fetch/apply/converge/post (the real path is in tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from plexd import gojson
+from plexd.clock import FakeClock
+from plexd.services.reconciler import Correction, Reconciler
+
+NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
+
+
+@dataclass
+class Change:
+    correction_type: str
+    detail: str
+
+
+@dataclass
+class Result:
+    changes: list = field(default_factory=list)
+
+
+class World:
+    def __init__(self):
+        self.fetches = 0
+        self.applied = []
+        self.drift = []
+        self.next_changes = []
+        self.fail_fetch = False
+        self.fail_post = False
+        self.dry_runs = 0
+
+    async def fetch(self):
+        self.fetches += 1
+        if self.fail_fetch:
+            raise ConnectionError("control plane unreachable")
+        return {"state": self.fetches}
+
+    def apply(self, state):
+        self.applied.append(state)
+
+    async def converge(self, dry_run=False):
+        if dry_run:
+            self.dry_runs += 1
+            return Result(list(self.next_changes))
+        changes, self.next_changes = self.next_changes, []
+        return Result(changes)
+
+    def post(self, report):
+        if self.fail_post:
+            raise ConnectionError("no")
+        self.drift.append(report)
+
+
+def reconciler(world, clock=None, interval=60):
+    clock = clock or FakeClock(NOW)
+    return Reconciler(world.fetch, world.apply, world.converge, world.post, clock=clock, interval=interval), clock
+
+
+async def spin(n=30):
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_drift_posted_only_when_corrected():
+    w = World()
+    r, _ = reconciler(w)
+    res = await r.run_once()
+    assert res.ok and res.corrections == [] and w.drift == []
+    w.next_changes = [Change("peer_updated", "peer n_x: endpoint 1.2.3.4:1 != 5.6.7.8:1"),
+                      Change("peer_added", "peer n_y")]
+    res = await r.run_once()
+    assert w.drift == [{"timestamp": w.drift[0]["timestamp"], "corrections": [
+        {"type": "peer_updated", "detail": "peer n_x: endpoint 1.2.3.4:1 != 5.6.7.8:1"},
+        {"type": "peer_added", "detail": "peer n_y"}]}]
+    assert gojson.parse_time(w.drift[0]["timestamp"]) == NOW
+    assert w.applied == [{"state": 1}, {"state": 2}]
+
+
+async def test_apply_state_corrections_are_reported_too():
+    w = World()
+    r = Reconciler(w.fetch, lambda s: [Correction("signing_keys_updated", "signing keys rotated")], w.converge,
+                   w.post, clock=FakeClock(NOW))
+    await r.run_once()
+    assert w.drift[0]["corrections"] == [{"type": "signing_keys_updated", "detail": "signing keys rotated"}]
+
+
+async def test_dry_run_changes_nothing_and_posts_nothing():
+    w = World()
+    w.next_changes = [Change("peer_added", "peer n_y")]
+    r, _ = reconciler(w)
+    res = await r.run_once(dry_run=True)
+    assert res.dry_run and [c.type for c in res.corrections] == ["peer_added"]
+    assert w.dry_runs == 1 and w.drift == [] and w.next_changes
+
+
+async def test_fetch_failure_logged_and_loop_goes_on(caplog):
+    w = World()
+    w.fail_fetch = True
+    r, clock = reconciler(w)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        assert r.failures == 1 and "fetching the state failed" in caplog.text
+        w.fail_fetch = False
+        clock.advance(60)
+        await spin()
+        assert r.cycles == 2 and r.last.ok
+    finally:
+        task.cancel()
+
+
+async def test_unsent_report_retried_next_cycle():
+    w = World()
+    w.fail_post = True
+    w.next_changes = [Change("peer_removed", "peer n_z")]
+    r, _ = reconciler(w)
+    await r.run_once()
+    assert w.drift == []
+    w.fail_post = False
+    await r.run_once()
+    assert [d["corrections"] for d in w.drift] == [[{"type": "peer_removed", "detail": "peer n_z"}]]
+
+
+async def test_first_cycle_at_start_then_interval_and_coalesced_triggers():
+    w = World()
+    r, clock = reconciler(w, interval=60)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        assert w.fetches == 1 and r.last.reasons == ("start",)
+        clock.advance(60)
+        await spin()
+        assert w.fetches == 2 and r.last.reasons == ("interval",)
+        for reason in ("reconnect", "policy_updated", "reconnect"):
+            r.trigger(reason)
+        await spin()
+        assert w.fetches == 3  # three triggers, one cycle
+        assert r.last.reasons == ("reconnect", "policy_updated")
+        await spin()
+        assert w.fetches == 3
+        clock.advance(59)
+        await spin()
+        assert w.fetches == 3  # the interval restarted after the triggered cycle
+        clock.advance(1)
+        await spin()
+        assert w.fetches == 4
+    finally:
+        task.cancel()
+
+
+async def test_trigger_during_a_cycle_causes_one_more():
+    w = World()
+    gate = asyncio.Event()
+
+    async def slow_fetch():
+        w.fetches += 1
+        await gate.wait()
+        return {}
+    r = Reconciler(slow_fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW))
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        r.trigger("a")
+        r.trigger("b")
+        gate.set()
+        await spin()
+        assert w.fetches == 2
+    finally:
+        task.cancel()

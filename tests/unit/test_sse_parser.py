@@ -1,0 +1,98 @@
+"""SSE frame rules of plexd-protocol.md §2.1, on raw bytes, split at every possible boundary."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from plexd.controlplane.sse import SSEEvent, SSEParser
+
+
+def parse(data: bytes, **kw) -> list[SSEEvent]:
+    return SSEParser(**kw).feed(data)
+
+
+def test_basic_block():
+    assert parse(b"id: 7\nevent: peer_added\ndata: {\"a\":1}\n\n") == [
+        SSEEvent(data='{"a":1}', id="7", event="peer_added")]
+
+
+def test_comments_ignored_and_event_defaults_to_message():
+    assert parse(b": ping\n\n:another\ndata: x\n\n") == [SSEEvent(data="x")]
+
+
+def test_multi_line_data_joined_with_newline():
+    assert parse(b"data: a\ndata:b\ndata:  c\n\n")[0].data == "a\nb\n c"
+
+
+def test_crlf_accepted():
+    assert parse(b"id: 1\r\ndata: x\r\n\r\n") == [SSEEvent(data="x", id="1")]
+
+
+def test_field_without_colon_has_empty_value():
+    # "data" alone is a data line with an empty value; the block therefore has data ("").
+    assert parse(b"data\n\n") == [SSEEvent(data="")]
+    assert parse(b"id\ndata: x\n\n") == [SSEEvent(data="x", id="")]
+
+
+def test_block_without_data_dropped():
+    assert parse(b"id: 5\nevent: x\n\n") == []
+
+
+def test_retry_and_nul_id():
+    assert parse(b"retry: 500\nid: a\x00b\ndata: x\n\n") == [SSEEvent(data="x", retry=500)]
+    assert parse(b"retry: soon\ndata: x\n\n")[0].retry is None
+
+
+def test_only_one_space_stripped_and_colons_in_value_kept():
+    assert parse(b'data:  {"k":"v:w"}\n\n')[0].data == ' {"k":"v:w"}'
+
+
+def test_incomplete_block_waits_for_blank_line():
+    p = SSEParser()
+    assert p.feed(b"data: x\n") == []
+    assert p.feed(b"\n") == [SSEEvent(data="x")]
+
+
+def test_oversize_event_is_marked_with_its_id_and_the_stream_goes_on():
+    big = b"data: " + b"x" * (1 << 20) + b"\n"
+    p = SSEParser()
+    out = []
+    for i in range(0, len(big), 7000):  # arrives in chunks
+        out += p.feed(big[i:i + 7000])
+    out += p.feed(b"id: 9\n\n")
+    out += p.feed(b"id: 10\ndata: ok\n\n")
+    assert out == [SSEEvent(data="", id="9", oversize=True), SSEEvent(data="ok", id="10")]
+
+
+def test_oversize_by_many_lines():
+    lines = b"".join(b"data: " + b"y" * 1000 + b"\n" for _ in range(20))
+    out = parse(lines + b"\n" + b"data: z\n\n", max_event_bytes=10_000)
+    assert [e.oversize for e in out] == [True, False]
+    assert out[1].data == "z"
+
+
+def test_memory_bounded_for_endless_line():
+    p = SSEParser(max_event_bytes=1000)
+    for _ in range(100):
+        p.feed(b"a" * 10_000)
+    assert len(p._line) == 0
+
+
+def test_invalid_utf8_replaced():
+    assert parse(b"data: \xff\n\n")[0].data == "\ufffd"
+
+
+@given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30))
+def test_chunking_does_not_matter(cuts):
+    stream = (b": ping\r\n\r\nid: 1\nevent: e\ndata: {\"a\":\n"
+              b"data: 1}\n\nid: 2\r\ndata: two\r\n\r\nevent: nodata\n\n")
+    want = parse(stream)
+    p = SSEParser()
+    got = []
+    pos = 0
+    for c in cuts:
+        got += p.feed(stream[pos:pos + c])
+        pos += c
+    got += p.feed(stream[pos:])
+    assert got == want == [SSEEvent(data='{"a":\n1}', id="1", event="e"), SSEEvent(data="two", id="2")]
