@@ -1,0 +1,397 @@
+"""The admin API (`/admin/v1/...`, Bearer admin token): what an operator or a test does to the deployment.
+
+Faults are applied only to the agent API (server.FaultMiddleware), never here, so a test can always heal the
+control plane it broke.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from plexd import gojson
+from plexd.devplane import wire
+from plexd.devplane.deployment import Deployment, valid_public_key
+from plexd.devplane.events import event_id
+from plexd.devplane.store import Node
+from plexd.devplane.wire import HTTPError, read_json
+from plexd.log import fingerprint
+
+log = logging.getLogger(__name__)
+
+RECORD_KINDS = {
+    "drift": "drift", "reports": "report", "integrity": "integrity", "heartbeats": "heartbeat",
+    "metrics": "metrics", "logs": "logs", "audit": "audit", "tunnels": "tunnel_ready",
+    "tunnels-closed": "tunnel_closed", "endpoints": "endpoint", "capabilities": "capabilities",
+}
+FLATTENED = {"metrics", "logs", "audit"}  # bodies are arrays; the admin view is one list of entries
+FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events": "int", "silent": "bool",
+              "all_status": "int"}
+
+
+def _dep(request: Request) -> Deployment:
+    dep: Deployment = request.app.state.deployment
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             request.app.state.admin_token.encode()):
+        raise HTTPError(401, "admin API needs Authorization: Bearer <admin token>")
+    return dep
+
+
+def _any_node(dep: Deployment, node_id: str) -> Node:
+    """A node, including removed ones (their history stays readable)."""
+    node = dep.nodes.get(node_id)
+    if node is None:
+        raise HTTPError(404, f"unknown node {node_id!r}")
+    return node
+
+
+def node_summary(dep: Deployment, node: Node) -> dict[str, Any]:
+    return {
+        "id": node.id, "hostname": node.hostname, "mesh_ip": node.mesh_ip, "public_key": node.public_key,
+        "endpoint": node.endpoint, "nat_type": node.nat_type, "status": node.status,
+        "last_seen": gojson.format_time(_epoch(node.last_seen)) if node.last_seen else "",
+        "registered_at": node.registered_at, "streams": dep.hub.stream_count(node.id),
+    }
+
+
+def _epoch(seconds: float) -> datetime:
+    return datetime.fromtimestamp(seconds, UTC)
+
+
+def _obj(body: Any, what: str = "body") -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"{what}: must be a JSON object, got {wire.kind(body)}")
+    return body
+
+
+def _str(body: dict[str, Any], key: str, *, required: bool = True) -> str:
+    value = body.get(key)
+    if value is None:
+        if required:
+            raise HTTPError(400, f"{key}: required")
+        return ""
+    if not isinstance(value, str):
+        raise HTTPError(400, f"{key}: must be a string, got {wire.kind(value)}")
+    if required and not value:
+        raise HTTPError(400, f"{key}: must not be empty")
+    return value
+
+
+# -- tokens and nodes -------------------------------------------------------------------------------------------
+
+async def create_token(request: Request) -> Response:
+    dep = _dep(request)
+    token = "plx_enroll_" + secrets.token_hex(16)
+    dep.store.add_token(token, dep.now_text())
+    log.info("bootstrap token created", extra={"token": fingerprint(token)})
+    return JSONResponse({"token": token}, status_code=201)
+
+
+async def list_tokens(request: Request) -> Response:
+    dep = _dep(request)
+    return JSONResponse([{**t, "token": t["token"][:15] + "…"} for t in dep.store.tokens()])
+
+
+async def list_nodes(request: Request) -> Response:
+    dep = _dep(request)
+    include_removed = request.query_params.get("all", "") in ("1", "true", "yes")
+    nodes = [n for n in dep.nodes.values() if include_removed or not n.removed]
+    nodes.sort(key=lambda n: (n.registered_at, n.id))
+    return JSONResponse([node_summary(dep, n) for n in nodes])
+
+
+async def show_node(request: Request) -> Response:
+    dep = _dep(request)
+    node = _any_node(dep, request.path_params["node_id"])
+    out = node_summary(dep, node)
+    out.update({
+        "metadata": node.metadata, "capabilities": node.capabilities, "last_heartbeat": node.last_heartbeat,
+        "data": list(node.data.values()),
+        "secret_refs": [{"key": k, "version": s["version"]} for k, s in node.secrets.items()],
+        "pending_flags": node.flags,
+        "peers": [p.id for p in dep.visible_peers(node)] if not node.removed else [],
+    })
+    return JSONResponse(out)
+
+
+async def forget_node(request: Request) -> Response:
+    dep = _dep(request)
+    dep.remove(dep.node(request.path_params["node_id"]), "forgotten by the admin")
+    return JSONResponse({})
+
+
+# -- policies ---------------------------------------------------------------------------------------------------
+
+def validate_policies(value: Any) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise HTTPError(400, f"policies: must be an array, got {wire.kind(value)}")
+    out, seen = [], set()
+    for i, pol in enumerate(value):
+        path = f"policies[{i}]"
+        pol = _obj(pol, path)
+        pid = pol.get("id")
+        if not isinstance(pid, str) or not pid:
+            raise HTTPError(400, f"{path}.id: must be a non-empty string")
+        if pid in seen:
+            raise HTTPError(400, f"{path}.id: duplicate policy id {pid!r}")
+        seen.add(pid)
+        rules = pol.get("rules") or []
+        if not isinstance(rules, list):
+            raise HTTPError(400, f"{path}.rules: must be an array, got {wire.kind(rules)}")
+        clean = []
+        for j, rule in enumerate(rules):
+            rpath = f"{path}.rules[{j}]"
+            rule = _obj(rule, rpath)
+            for side in ("src", "dst"):
+                if not isinstance(rule.get(side), str) or not rule[side]:
+                    raise HTTPError(400, f"{rpath}.{side}: must be a node id, a CIDR or \"*\"")
+            port = rule.get("port", 0) or 0
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise HTTPError(400, f"{rpath}.port: must be an integer 0-65535 (0 = any), got {port!r}")
+            protocol = rule.get("protocol", "") or ""
+            if protocol not in ("", "tcp", "udp"):
+                raise HTTPError(400, f"{rpath}.protocol: must be \"tcp\", \"udp\" or \"\" (any), got {protocol!r}")
+            action = rule.get("action", "allow")
+            if action not in ("allow", "deny"):
+                raise HTTPError(400, f"{rpath}.action: must be \"allow\" or \"deny\", got {action!r}")
+            clean.append({"src": rule["src"], "dst": rule["dst"], "port": port, "protocol": protocol,
+                          "action": action})
+        out.append({"id": pid, "rules": clean})
+    return out
+
+
+async def get_policies(request: Request) -> Response:
+    return JSONResponse(_dep(request).policies)
+
+
+async def set_policies(request: Request) -> Response:
+    dep = _dep(request)
+    body = await read_json(request)
+    if isinstance(body, dict) and "policies" in body:
+        body = body["policies"]
+    policies = validate_policies(body)
+    dep.set_policies(policies)
+    return JSONResponse(policies)
+
+
+# -- node data ----------------------------------------------------------------------------------------------
+
+async def set_metadata(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = await read_json(request, ("map", "str"))
+    dep.set_metadata(node, _obj(body))
+    return JSONResponse(node.metadata)
+
+
+async def set_data(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    content_type = _str(body, "content_type")
+    if "payload" not in body:
+        raise HTTPError(400, "payload: required (any JSON value)")
+    return JSONResponse(dep.set_data(node, request.path_params["key"], content_type, body["payload"]))
+
+
+async def set_secret(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    value = _str(body, "value", required=False)
+    if "value" not in body:
+        raise HTTPError(400, "value: required")
+    version = dep.set_secret(node, request.path_params["key"], value)
+    return JSONResponse({"key": request.path_params["key"], "version": version})
+
+
+async def set_endpoint(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    endpoint = _str(body, "endpoint", required=False)
+    dep.set_endpoint(node, endpoint)
+    return JSONResponse({"endpoint": node.endpoint})
+
+
+async def set_public_key(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    key = _str(body, "public_key")
+    if not valid_public_key(key):
+        raise HTTPError(400, "public_key: must be the standard base64 encoding of 32 bytes")
+    dep.rotate_node_key(node, key)
+    return JSONResponse({"public_key": key})
+
+
+async def set_heartbeat_flags(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request, {"reconcile": "bool", "rotate_keys": "bool"}))
+    for flag in ("reconcile", "rotate_keys"):
+        if body.get(flag):
+            node.flags[flag] = True
+    dep.store.save_node(node)
+    return JSONResponse(node.flags)
+
+
+# -- actions and events -----------------------------------------------------------------------------------------
+
+async def request_action(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    action = _str(body, "action")
+    parameters = body.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise HTTPError(400, f"parameters: must be an object, got {wire.kind(parameters)}")
+    timeout = _str(body, "timeout", required=False) or None
+    checksum = _str(body, "checksum", required=False) or None
+    execution_id = dep.request_action(node, action, parameters, timeout, checksum)
+    return JSONResponse({"execution_id": execution_id}, status_code=201)
+
+
+def _event_args(body: dict[str, Any]) -> dict[str, Any]:
+    args: dict[str, Any] = {"payload": body.get("payload")}
+    for key in ("payload_raw", "issued_at", "nonce", "signature", "raw_data"):
+        if body.get(key) is not None:
+            args[key] = _str(body, key, required=False)
+    if "payload_raw" in args:
+        try:
+            json.loads(args["payload_raw"])
+        except ValueError:
+            raise HTTPError(400, "payload_raw: must be valid JSON text (use raw_data for arbitrary text)") from None
+    if "issued_at" in args:
+        try:
+            gojson.canonical_time(args["issued_at"])
+        except ValueError as exc:
+            raise HTTPError(400, f"issued_at: {exc}") from None
+    return args
+
+
+async def publish_event(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    eid = dep.hub.publish([node.id], _str(body, "event_type"), **_event_args(body))
+    return JSONResponse({"event_id": eid}, status_code=201)
+
+
+async def broadcast_event(request: Request) -> Response:
+    """One event (one id, one signature) to many nodes: `node_ids` or every registered node."""
+    dep = _dep(request)
+    body = _obj(await read_json(request))
+    node_ids = body.get("node_ids")
+    if node_ids is None:
+        targets = [n.id for n in dep.live_nodes()]
+    else:
+        if not isinstance(node_ids, list) or not all(isinstance(n, str) for n in node_ids):
+            raise HTTPError(400, "node_ids: must be an array of node ids")
+        targets = [dep.node(n).id for n in node_ids]
+    eid = dep.hub.publish(targets, _str(body, "event_type"), **_event_args(body))
+    return JSONResponse({"event_id": eid, "targets": len(targets)}, status_code=201)
+
+
+async def rotate_signing_key(request: Request) -> Response:
+    dep = _dep(request)
+    body = await read_json(request, allow_empty=True) or {}
+    transition = _str(_obj(body), "transition", required=False) or "24h"
+    try:
+        seconds = gojson.parse_duration(transition)
+    except ValueError as exc:
+        raise HTTPError(400, f"transition: {exc}") from None
+    if seconds < 0:
+        raise HTTPError(400, f"transition: must not be negative, got {transition!r}")
+    return JSONResponse(dep.rotate_signing_key(seconds))
+
+
+# -- what nodes reported ----------------------------------------------------------------------------------------
+
+async def node_records(request: Request) -> Response:
+    dep = _dep(request)
+    node = _any_node(dep, request.path_params["node_id"])
+    what = request.path_params["kind"]
+    if what == "executions":
+        return JSONResponse(dep.store.executions(node.id))
+    kind = RECORD_KINDS.get(what)
+    if kind is None:
+        raise HTTPError(404, f"unknown record kind {what!r} (one of: executions, {', '.join(RECORD_KINDS)})")
+    bodies = [json.loads(body) for _, body in dep.store.records(node.id, kind)]
+    if what in FLATTENED:
+        bodies = [entry for batch in bodies for entry in (batch or [])]
+    return JSONResponse(bodies)
+
+
+# -- faults and status ------------------------------------------------------------------------------------------
+
+async def set_faults(request: Request) -> Response:
+    dep = _dep(request)
+    body = _obj(await read_json(request))
+    for key, value in body.items():
+        want = FAULT_KEYS.get(key)
+        if want is None:
+            raise HTTPError(400, f"unknown fault {key!r} (known: {', '.join(FAULT_KEYS)})")
+        if value is None:
+            continue
+        wire.check(value, want, key)
+    dep.faults = {k: v for k, v in body.items() if v not in (None, False, 0, "")}
+    log.warning("faults injected: %s", dep.faults)
+    return JSONResponse(dep.faults)
+
+
+async def clear_faults(request: Request) -> Response:
+    dep = _dep(request)
+    dep.faults = {}
+    return JSONResponse({})
+
+
+async def status(request: Request) -> Response:
+    dep = _dep(request)
+    live = list(dep.live_nodes())
+    return JSONResponse({
+        "nodes": len(live),
+        "by_status": {s: sum(1 for n in live if n.status == s) for s in ("online", "unreachable", "offline")},
+        "streams": dep.hub.stream_count(),
+        "last_event_id": event_id(dep.hub.seq) if dep.hub.seq else "",
+        "signing_keys": dep.signer.keys(dep.clock.now()),
+        "heartbeat_interval": gojson.format_duration(dep.heartbeat_interval),
+        "faults": dep.faults,
+    })
+
+
+def routes() -> list[Route]:
+    node = "/admin/v1/nodes/{node_id}"
+    return [
+        Route("/admin/v1/status", status, methods=["GET"]),
+        Route("/admin/v1/tokens", create_token, methods=["POST"]),
+        Route("/admin/v1/tokens", list_tokens, methods=["GET"]),
+        Route("/admin/v1/nodes", list_nodes, methods=["GET"]),
+        Route(node, show_node, methods=["GET"]),
+        Route(node, forget_node, methods=["DELETE"]),
+        Route("/admin/v1/policies", get_policies, methods=["GET"]),
+        Route("/admin/v1/policies", set_policies, methods=["PUT"]),
+        Route(node + "/metadata", set_metadata, methods=["PUT"]),
+        Route(node + "/data/{key:path}", set_data, methods=["PUT"]),
+        Route(node + "/secrets/{key:path}", set_secret, methods=["PUT"]),
+        Route(node + "/endpoint", set_endpoint, methods=["PUT"]),
+        Route(node + "/public-key", set_public_key, methods=["PUT"]),
+        Route(node + "/heartbeat-flags", set_heartbeat_flags, methods=["PUT"]),
+        Route(node + "/actions", request_action, methods=["POST"]),
+        Route(node + "/events", publish_event, methods=["POST"]),
+        Route("/admin/v1/events", broadcast_event, methods=["POST"]),
+        Route("/admin/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),
+        Route(node + "/{kind}", node_records, methods=["GET"]),
+        Route("/admin/v1/faults", set_faults, methods=["PUT"]),
+        Route("/admin/v1/faults", clear_faults, methods=["DELETE"]),
+    ]

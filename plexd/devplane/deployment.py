@@ -1,0 +1,460 @@
+"""The control plane's model: nodes, tokens, mesh IPs, policies, peer visibility, and the events they cause.
+
+HTTP handlers (server.py, admin.py) parse and authenticate; everything that changes state happens here, in one
+synchronous step on the event loop, so a change and the events it causes are never interleaved with another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ipaddress
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from plexd import gojson
+from plexd.clock import Clock
+from plexd.devplane.events import EventHub, Signer
+from plexd.devplane.store import Node, Store
+from plexd.devplane.wire import HTTPError
+from plexd.log import fingerprint
+
+log = logging.getLogger(__name__)
+
+MESH_NETWORK = ipaddress.ip_network("10.100.0.0/16")
+DEFAULT_POLICY = {"id": "pol_default",
+                  "rules": [{"src": "*", "dst": "*", "port": 0, "protocol": "", "action": "allow"}]}
+UNREACHABLE_AFTER = 3  # missed heartbeat intervals
+OFFLINE_AFTER = 10
+
+
+def valid_public_key(text: Any) -> bool:
+    if not isinstance(text, str) or len(text) != 44:
+        return False
+    try:
+        return len(base64.b64decode(text, validate=True)) == 32
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class _Rule:
+    src: str
+    dst: str
+    src_net: Any
+    dst_net: Any
+
+
+def _net(side: str) -> Any:
+    if "/" in side:
+        try:
+            return ipaddress.ip_network(side, strict=False)
+        except ValueError:
+            return None
+    return None
+
+
+class Deployment:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        clock: Clock | None = None,
+        heartbeat_interval: float = 30.0,
+        ip_cooldown: float = 3600.0,
+        replay_window: float = 300.0,
+    ) -> None:
+        self.store = store
+        self.clock = clock or Clock()
+        self.heartbeat_interval = heartbeat_interval
+        self.ip_cooldown = ip_cooldown
+        self.replay_window = replay_window
+        self.signer = Signer(store)
+        self.hub = EventHub(store, self.signer, clock_now=self.clock.now)
+        self.nodes: dict[str, Node] = {n.id: n for n in store.load_nodes()}
+        self.by_secret: dict[str, Node] = {n.secret: n for n in self.nodes.values() if not n.removed}
+        self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed}
+        self.released_ips: dict[str, float] = store.released_ips()
+        raw = store.get_meta("policies")
+        self.policies: list[dict[str, Any]] = json.loads(raw) if raw is not None else [DEFAULT_POLICY]
+        if raw is None:
+            store.set_meta("policies", json.dumps(self.policies))
+        self._compile_rules()
+        self.faults: dict[str, Any] = {}
+
+    # -- helpers ------------------------------------------------------------------------------------------------
+
+    def now_text(self) -> str:
+        return gojson.format_time(self.clock.now())
+
+    def live_nodes(self) -> Iterable[Node]:
+        return (n for n in self.nodes.values() if not n.removed)
+
+    def node(self, node_id: str) -> Node:
+        node = self.nodes.get(node_id)
+        if node is None or node.removed:
+            raise HTTPError(404, f"unknown node {node_id!r}")
+        return node
+
+    def authenticate(self, bearer: str | None, node_id: str) -> Node:
+        """The node a request is about, checked against its bearer token (§1.1: the node secret)."""
+        if not bearer:
+            raise HTTPError(401, "missing Authorization: Bearer <node secret>")
+        caller = self.by_secret.get(bearer)
+        if caller is None:
+            raise HTTPError(401, "invalid node secret (the node may have been removed; re-register)")
+        if caller.id != node_id:
+            target = self.nodes.get(node_id)
+            if target is None or target.removed:
+                raise HTTPError(404, f"unknown node {node_id!r}")
+            raise HTTPError(403, f"this node secret belongs to {caller.id}, not {node_id}")
+        return caller
+
+    def _save(self, node: Node) -> None:
+        self.store.save_node(node)
+
+    # -- policies and visibility (§9.2) -------------------------------------------------------------------------
+
+    def _compile_rules(self) -> None:
+        rules = []
+        self.allow_all = False
+        for pol in self.policies:
+            for r in pol.get("rules") or []:
+                if r.get("action") != "allow":
+                    continue
+                src, dst = r.get("src", ""), r.get("dst", "")
+                if src == "*" and dst == "*":
+                    self.allow_all = True
+                rules.append(_Rule(src, dst, _net(src), _net(dst)))
+        self.rules = rules
+
+    @staticmethod
+    def _side(side: str, net: Any, node: Node) -> bool:
+        if side == "*" or side == node.id:
+            return True
+        if net is not None:
+            try:
+                return ipaddress.ip_address(node.mesh_ip) in net
+            except ValueError:
+                return False
+        return False
+
+    def can_see(self, a: Node, b: Node) -> bool:
+        if a.id == b.id:
+            return False
+        if self.allow_all:
+            return True
+        side = self._side
+        return any(
+            (side(r.src, r.src_net, a) and side(r.dst, r.dst_net, b))
+            or (side(r.src, r.src_net, b) and side(r.dst, r.dst_net, a))
+            for r in self.rules
+        )
+
+    def watchers(self, node: Node) -> list[str]:
+        """Nodes that should hear about `node` (every registered node allowed to see it)."""
+        return [n.id for n in self.live_nodes() if self.can_see(n, node)]
+
+    def visible_peers(self, node: Node) -> list[Node]:
+        return [n for n in self.live_nodes() if n.status != "offline" and self.can_see(node, n)]
+
+    def set_policies(self, policies: list[dict[str, Any]]) -> None:
+        before = self._visibility()
+        self.policies = policies
+        self._compile_rules()
+        after = self._visibility()
+        with self.store.transaction():
+            self.store.set_meta("policies", json.dumps(policies))
+            everyone = [n.id for n in self.live_nodes()]
+            self.hub.publish(everyone, "policy_updated", {"policy_ids": [p["id"] for p in policies]})
+            for peer in self.live_nodes():
+                if peer.status == "offline":
+                    continue
+                added = [n for n in everyone if (n, peer.id) in after and (n, peer.id) not in before]
+                removed = [n for n in everyone if (n, peer.id) in before and (n, peer.id) not in after]
+                if added:
+                    self.hub.publish(added, "peer_added", peer.peer())
+                if removed:
+                    self.hub.publish(removed, "peer_removed", {"peer_id": peer.id})
+        log.info("policies replaced: %d policies", len(policies))
+
+    def _visibility(self) -> set[tuple[str, str]]:
+        nodes = list(self.live_nodes())
+        return {(a.id, b.id) for a in nodes for b in nodes if self.can_see(a, b)}
+
+    # -- mesh IPs -----------------------------------------------------------------------------------------------
+
+    def _allocate_ip(self) -> str:
+        now = self.clock.now().timestamp()
+        base = int(MESH_NETWORK.network_address)
+        for offset in range(1, MESH_NETWORK.num_addresses - 1):
+            if offset & 0xFF in (0, 255):  # skip .0 and .255 of every /24: some stacks treat them specially
+                continue
+            ip = str(ipaddress.ip_address(base + offset))
+            if ip in self.used_ips:
+                continue
+            released = self.released_ips.get(ip)
+            if released is not None:
+                if now - released < self.ip_cooldown:
+                    continue
+                del self.released_ips[ip]
+                self.store.forget_released_ip(ip)
+            return ip
+        raise HTTPError(503, f"mesh network {MESH_NETWORK} is full")
+
+    # -- registration (§1.3) ------------------------------------------------------------------------------------
+
+    def register(self, body: dict[str, Any], bearer: str | None) -> dict[str, Any]:
+        token = (body.get("token") or "").strip()
+        public_key = body.get("public_key") or ""
+        hostname = (body.get("hostname") or "").strip()
+        if not valid_public_key(public_key):
+            raise HTTPError(400, "public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
+        known = self.by_secret.get(bearer or "") if not token else None
+        if known is not None:
+            return self._reregister(known, body)
+        if not token:
+            token = (bearer or "").strip()
+        if not token:
+            raise HTTPError(401, "missing bootstrap token (body 'token' or Authorization: Bearer)")
+        status = self.store.token_status(token)
+        if status == "used":
+            raise HTTPError(401, "bootstrap token already used; create a new one")
+        if status == "unknown":
+            raise HTTPError(401, "unknown bootstrap token")
+        if not hostname:
+            raise HTTPError(400, "hostname: must not be empty")
+        if any(n.hostname == hostname for n in self.live_nodes()):
+            raise HTTPError(409, f"hostname {hostname!r} is already registered")
+        node = Node(
+            id="n_" + secrets.token_hex(6),
+            hostname=hostname,
+            public_key=public_key,
+            mesh_ip=self._allocate_ip(),
+            secret=secrets.token_urlsafe(24),  # 32 ASCII chars: its raw bytes are the AES-256 key (§5.5)
+            registered_at=self.now_text(),
+            metadata=dict(body.get("metadata") or {}),
+            capabilities=body.get("capabilities"),
+            last_seen=self.clock.now().timestamp(),
+        )
+        with self.store.transaction():
+            if not self.store.use_token(token, node.id, node.registered_at):
+                raise HTTPError(401, "bootstrap token already used; create a new one")
+            self._save(node)
+            self.nodes[node.id] = node
+            self.by_secret[node.secret] = node
+            self.used_ips.add(node.mesh_ip)
+            self.hub.publish(self.watchers(node), "peer_added", node.peer())
+        log.info("node registered", extra={"node_id": node.id, "hostname": hostname, "mesh_ip": node.mesh_ip,
+                                           "token": fingerprint(token)})
+        return self._register_response(node)
+
+    def _reregister(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("public_key") != node.public_key:
+            raise HTTPError(409, f"node {node.id} is registered with another public key; "
+                                 "register afresh with a bootstrap token")
+        with self.store.transaction():
+            self._mark_seen(node)
+            self._save(node)
+        log.info("node re-registered with its node secret", extra={"node_id": node.id})
+        return self._register_response(node)
+
+    def _register_response(self, node: Node) -> dict[str, Any]:
+        return {
+            "node_id": node.id,
+            "mesh_ip": node.mesh_ip,
+            "signing_public_key": self.signer.public_key,
+            "node_secret_key": node.secret,
+            "peers": [p.peer() for p in self.visible_peers(node)],
+        }
+
+    def remove(self, node: Node, reason: str) -> None:
+        """Deregister (by the node) or forget (by the admin): peers are told, the secret stops working."""
+        watchers = self.watchers(node)
+        with self.store.transaction():
+            node.removed = True
+            node.status = "deregistered"
+            self._save(node)
+            self.by_secret.pop(node.secret, None)
+            self.used_ips.discard(node.mesh_ip)
+            now = self.clock.now().timestamp()
+            self.released_ips[node.mesh_ip] = now
+            self.store.release_ip(node.mesh_ip, now)
+            self.hub.publish(watchers, "peer_removed", {"peer_id": node.id})
+        self.hub.close_streams(node.id)
+        log.info("node %s: %s", reason, node.id, extra={"node_id": node.id})
+
+    # -- liveness -----------------------------------------------------------------------------------------------
+
+    def _mark_seen(self, node: Node) -> None:
+        """Record a sign of life; a node coming back from offline is announced to its peers again."""
+        node.last_seen = self.clock.now().timestamp()
+        if node.status == "offline":
+            node.status = "online"
+            self.hub.publish(self.watchers(node), "peer_added", node.peer())
+            log.info("node back online", extra={"node_id": node.id})
+        node.status = "online"
+
+    def heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, bool]:
+        nat = body.get("nat") or {}
+        with self.store.transaction():
+            self._mark_seen(node)
+            node.last_heartbeat = body
+            if isinstance(nat, dict) and nat.get("type"):
+                node.nat_type = nat["type"]
+            flags = {"reconcile": bool(node.flags.pop("reconcile", False)),
+                     "rotate_keys": bool(node.flags.pop("rotate_keys", False))}
+            self._save(node)
+            self.store.add_record(node.id, "heartbeat", self.now_text(), json.dumps(body))
+        return flags
+
+    def check_liveness(self) -> None:
+        """Mark nodes unreachable after 3 missed heartbeats and offline after 10 (peers then drop them)."""
+        now = self.clock.now().timestamp()
+        for node in list(self.live_nodes()):
+            missed = (now - node.last_seen) / self.heartbeat_interval
+            if missed >= OFFLINE_AFTER and node.status != "offline":
+                with self.store.transaction():
+                    node.status = "offline"
+                    self._save(node)
+                    self.hub.publish(self.watchers(node), "peer_removed", {"peer_id": node.id})
+                log.info("node offline after %d missed heartbeats", OFFLINE_AFTER, extra={"node_id": node.id})
+            elif UNREACHABLE_AFTER <= missed < OFFLINE_AFTER and node.status == "online":
+                node.status = "unreachable"
+                self._save(node)
+                log.info("node unreachable", extra={"node_id": node.id})
+
+    async def run_liveness(self) -> None:
+        tick = max(0.05, min(self.heartbeat_interval / 2, 5.0))
+        while True:
+            await self.clock.sleep(tick)
+            try:
+                self.check_liveness()
+            except Exception:  # never let the monitor die; it is the only one
+                log.exception("liveness check failed")
+
+    # -- endpoints and keys -------------------------------------------------------------------------------------
+
+    def set_endpoint(self, node: Node, endpoint: str, nat_type: str | None = None) -> None:
+        with self.store.transaction():
+            changed = endpoint != node.endpoint
+            node.endpoint = endpoint
+            if nat_type is not None:
+                node.nat_type = nat_type
+            self._save(node)
+            if changed:
+                self.hub.publish(self.watchers(node), "peer_endpoint_changed", node.peer())
+
+    def peer_endpoints(self, node: Node) -> list[dict[str, str]]:
+        return [{"peer_id": p.id, "endpoint": p.endpoint} for p in self.visible_peers(node) if p.endpoint]
+
+    def rotate_node_key(self, node: Node, new_public_key: str) -> list[dict[str, Any]]:
+        if not valid_public_key(new_public_key):
+            raise HTTPError(400, "new_public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
+        with self.store.transaction():
+            node.public_key = new_public_key
+            self._save(node)
+            self.hub.publish(self.watchers(node), "peer_key_rotated", node.peer())
+        return [p.peer() for p in self.visible_peers(node)]
+
+    # -- state (§4.1) and secrets (§8.5) ------------------------------------------------------------------------
+
+    def state(self, node: Node) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "peers": [p.peer() for p in self.visible_peers(node)],
+            "policies": self.policies,
+            "signing_keys": self.signer.keys(self.clock.now()),
+        }
+        if node.metadata:
+            out["metadata"] = node.metadata
+        out["data"] = list(node.data.values())
+        out["secret_refs"] = [{"key": k, "version": s["version"]} for k, s in node.secrets.items()]
+        return out
+
+    def secret(self, node: Node, key: str) -> dict[str, Any]:
+        entry = node.secrets.get(key)
+        if entry is None:
+            raise HTTPError(404, f"node {node.id} has no secret {key!r}")
+        nonce = os.urandom(12)
+        sealed = AESGCM(node.secret.encode("ascii")).encrypt(nonce, entry["value"].encode("utf-8"), None)
+        return {"key": key, "ciphertext": base64.b64encode(sealed).decode(), "nonce": base64.b64encode(nonce).decode(),
+                "version": entry["version"]}
+
+    # -- admin changes that notify the node ---------------------------------------------------------------------
+
+    def _state_event(self, node: Node) -> None:
+        self.hub.publish([node.id], "node_state_updated",
+                         {"metadata": node.metadata, "data": list(node.data.values())})
+
+    def set_metadata(self, node: Node, metadata: dict[str, str]) -> None:
+        with self.store.transaction():
+            node.metadata = dict(metadata)
+            self._save(node)
+            self._state_event(node)
+
+    def set_data(self, node: Node, key: str, content_type: str, payload: Any) -> dict[str, Any]:
+        old = node.data.get(key)
+        entry = {"key": key, "content_type": content_type, "payload": payload,
+                 "version": (old["version"] + 1) if old else 1, "updated_at": self.now_text()}
+        with self.store.transaction():
+            node.data[key] = entry
+            self._save(node)
+            self._state_event(node)
+        return entry
+
+    def set_secret(self, node: Node, key: str, value: str) -> int:
+        old = node.secrets.get(key)
+        version = (old["version"] + 1) if old else 1
+        with self.store.transaction():
+            node.secrets[key] = {"value": value, "version": version}
+            self._save(node)
+            self.hub.publish([node.id], "node_secrets_updated",
+                             {"secret_refs": [{"key": k, "version": s["version"]} for k, s in node.secrets.items()]})
+        return version
+
+    def request_action(self, node: Node, action: str, parameters: dict[str, Any], timeout: str | None,
+                       checksum: str | None) -> str:
+        execution_id = "exec_" + secrets.token_hex(8)
+        payload = {
+            "execution_id": execution_id, "action": action, "parameters": parameters,
+            "timeout": timeout or "", "checksum": checksum or "",
+            "triggered_by": {"type": "control_plane", "session_id": "", "user_id": "", "email": ""},
+        }
+        doc = {"execution_id": execution_id, "action": action, "parameters": parameters, "timeout": timeout or "",
+               "checksum": checksum or "", "requested_at": self.now_text(), "ack": None, "result": None}
+        with self.store.transaction():
+            self.store.save_execution(node.id, execution_id, doc)
+            self.hub.publish([node.id], "action_request", payload)
+        return execution_id
+
+    def record_execution(self, node: Node, execution_id: str, part: str, body: dict[str, Any]) -> None:
+        with self.store.transaction():
+            doc = self.store.execution(node.id, execution_id) or {
+                "execution_id": execution_id, "action": "", "parameters": None, "timeout": "", "checksum": "",
+                "requested_at": None, "ack": None, "result": None}
+            doc[part] = body
+            self.store.save_execution(node.id, execution_id, doc)
+
+    def rotate_signing_key(self, transition_seconds: float) -> dict[str, str]:
+        """New deployment key; the announcement is signed with the OLD key, the only one agents trust yet."""
+        new, keys = self.signer.next_keys(self.clock.now(), transition_seconds)
+        with self.store.transaction():
+            self.hub.publish([n.id for n in self.live_nodes()], "signing_key_rotated", keys)
+            self.signer.install(new, keys)
+        log.info("signing key rotated; previous key accepted until %s", keys["transition_expires"])
+        return keys
+
+
+async def cancel_quietly(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass

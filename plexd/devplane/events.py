@@ -1,0 +1,209 @@
+"""Signed event log and fan-out to open SSE streams.
+
+Every event gets a global sequence number (`evt_<seq>`), is signed once with the deployment key (§3), written
+to SQLite with the list of nodes it targets (so `Last-Event-ID` replay works across restarts), then pushed
+into the asyncio.Queue of every open stream of those nodes. One signature and one row per event no matter how
+many nodes receive it; delivery to an open stream never touches the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import os
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import nacl.signing
+
+from plexd import gojson
+from plexd.controlplane.envelope import sign_event
+from plexd.devplane.store import Store
+
+log = logging.getLogger(__name__)
+
+SUBSCRIBER_QUEUE_LIMIT = 10_000  # a stream this far behind is closed; the client reconnects and replays from disk
+_EVENT_ID = re.compile(r"^evt_(\d+)$")
+
+
+def event_id(seq: int) -> str:
+    return f"evt_{seq}"
+
+
+def parse_event_id(text: str) -> int | None:
+    m = _EVENT_ID.match(text.strip())
+    return int(m.group(1)) if m else None
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    seq: int
+    event_type: str
+    data: str  # the SSE data text (a signed envelope, or raw test data)
+
+
+class Signer:
+    """The deployment's Ed25519 signing key, with the previous key during a rotation window."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        seed = store.get_meta("signing_seed")
+        if seed is None:
+            key = nacl.signing.SigningKey.generate()
+            store.set_meta("signing_seed", base64.b64encode(bytes(key)).decode())
+        else:
+            key = nacl.signing.SigningKey(base64.b64decode(seed))
+        self.key = key
+        self.previous = store.get_meta("signing_previous") or ""
+        self.transition_expires = store.get_meta("signing_transition_expires") or ""
+
+    @property
+    def public_key(self) -> str:
+        return base64.b64encode(bytes(self.key.verify_key)).decode()
+
+    def keys(self, now: datetime) -> dict[str, str]:
+        """`signing_keys` of the state (§4.1): the previous key only while its transition is still open."""
+        out = {"current": self.public_key}
+        if self.previous and self.transition_expires and gojson.parse_time(self.transition_expires) > now:
+            out["previous"] = self.previous
+            out["transition_expires"] = self.transition_expires
+        return out
+
+    def next_keys(self, now: datetime, transition_seconds: float) -> tuple[nacl.signing.SigningKey, dict[str, str]]:
+        """A fresh key and the `signing_key_rotated` payload announcing it (not installed yet)."""
+        new = nacl.signing.SigningKey.generate()
+        expires = gojson.format_time(now + timedelta(seconds=transition_seconds))
+        return new, {"current": base64.b64encode(bytes(new.verify_key)).decode(), "previous": self.public_key,
+                     "transition_expires": expires}
+
+    def install(self, new: nacl.signing.SigningKey, keys: dict[str, str]) -> None:
+        with self.store.transaction():
+            self.store.set_meta("signing_seed", base64.b64encode(bytes(new)).decode())
+            self.store.set_meta("signing_previous", keys["previous"])
+            self.store.set_meta("signing_transition_expires", keys["transition_expires"])
+        self.key, self.previous, self.transition_expires = new, keys["previous"], keys["transition_expires"]
+
+
+class Subscriber:
+    """One open SSE stream."""
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self.queue: asyncio.Queue[StreamEvent | None] = asyncio.Queue(SUBSCRIBER_QUEUE_LIMIT)
+        self.overflowed = False
+
+    def push(self, event: StreamEvent) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            # Too slow: end the stream (None) rather than buffer without bound; the replay brings it back.
+            self.overflowed = True
+            log.warning("event stream of %s fell %d events behind; closing it", self.node_id, SUBSCRIBER_QUEUE_LIMIT)
+            self.queue._queue.clear()  # type: ignore[attr-defined]  # make room for the close marker
+            self.queue.put_nowait(None)
+
+
+class EventHub:
+    def __init__(self, store: Store, signer: Signer, clock_now: Any = None) -> None:
+        self.store = store
+        self.signer = signer
+        self._now = clock_now or gojson.now_utc
+        self.seq = store.last_event_seq()
+        self.subscribers: dict[str, set[Subscriber]] = {}
+
+    # -- publishing ---------------------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        targets: Iterable[str],
+        event_type: str,
+        payload: Any = None,
+        *,
+        payload_raw: str | None = None,
+        issued_at: str | None = None,
+        nonce: str | None = None,
+        signature: str | None = None,
+        raw_data: str | None = None,
+    ) -> str:
+        """Sign, persist and deliver one event to every node in `targets`. Returns its event id.
+
+        `signature="forge"` replaces the signature with random bytes; `raw_data` is sent verbatim as the SSE
+        data, unsigned (both for the agent's fault tests).
+        """
+        targets = list(dict.fromkeys(targets))
+        self.seq += 1
+        seq = self.seq
+        eid = event_id(seq)
+        if raw_data is not None:
+            data = raw_data
+        else:
+            issued = issued_at or gojson.format_time(self._now())
+            data = sign_event(self.signer.key, event_type, eid, payload, issued_at=issued, nonce=nonce,
+                              payload_raw=payload_raw)
+            if signature is not None:
+                forged = signature
+                if signature == "forge":
+                    forged = base64.b64encode(os.urandom(64)).decode()
+                data = _replace_signature(data, forged)
+        self.store.add_event(seq, event_type, data, time.time(), targets)
+        event = StreamEvent(seq, event_type, data)
+        for node_id in targets:
+            for sub in self.subscribers.get(node_id, ()):
+                sub.push(event)
+        log.debug("event %s %s -> %d nodes", eid, event_type, len(targets))
+        return eid
+
+    # -- streams ------------------------------------------------------------------------------------------------
+
+    def subscribe(self, node_id: str) -> Subscriber:
+        sub = Subscriber(node_id)
+        self.subscribers.setdefault(node_id, set()).add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        subs = self.subscribers.get(sub.node_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self.subscribers[sub.node_id]
+
+    def close_streams(self, node_id: str) -> None:
+        """End every open stream of a node (it was removed)."""
+        for sub in list(self.subscribers.get(node_id, ())):
+            sub.overflowed = True
+            try:
+                sub.queue.put_nowait(None)
+            except asyncio.QueueFull:
+                pass
+
+    def stream_count(self, node_id: str | None = None) -> int:
+        if node_id is not None:
+            return len(self.subscribers.get(node_id, ()))
+        return sum(len(s) for s in self.subscribers.values())
+
+    def backlog(self, node_id: str, after_seq: int | None, replay_window: float) -> list[StreamEvent]:
+        """Events to replay on connect: everything after `after_seq`, or (no Last-Event-ID) the recent ones."""
+        if after_seq is None:
+            rows = self.store.events_after(node_id, 0, since=time.time() - replay_window)
+        else:
+            rows = self.store.events_after(node_id, after_seq)
+        return [StreamEvent(seq, etype, data) for seq, etype, data in rows]
+
+
+def _replace_signature(envelope: str, signature: str) -> str:
+    head, sep, _ = envelope.rpartition(',"signature":"')
+    return head + sep + signature + '"}'
+
+
+def format_sse(event: StreamEvent) -> bytes:
+    """One SSE block: `id:`, `event:`, then the data (split on newlines into several `data:` lines)."""
+    lines = [f"id: {event_id(event.seq)}", f"event: {event.event_type}"]
+    lines += [f"data: {part}" for part in event.data.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
+    return ("\n".join(lines) + "\n\n").encode("utf-8")

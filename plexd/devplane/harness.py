@@ -1,0 +1,320 @@
+"""Run a real `plexd-devplane serve` process for tests and the demo, with a typed admin client.
+
+    with Devplane(tmp_path) as dp:
+        token = dp.admin.create_token()
+        ...  # point an agent at dp.url
+        dp.restart()  # same db, same port
+
+The server is a separate process (`python -m plexd.devplane.cli serve`), so tests exercise the real thing over
+real HTTP, can kill it (SIGKILL) mid-stream, and restart it on the same port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from plexd.errors import PlexdError
+
+READY_PREFIX = "plexd-devplane listening on "
+
+
+class AdminError(PlexdError):
+    """The admin API refused a request."""
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        self.message = message
+        super().__init__(f"admin API: {status} {message}")
+
+
+class AdminClient:
+    """Synchronous client of `/admin/v1` (httpx)."""
+
+    def __init__(self, url: str, token: str, timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url + "/admin/v1", headers={"Authorization": f"Bearer {token}"},
+                                 timeout=timeout)
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
+        kwargs: dict[str, Any] = {}
+        if body is not None:
+            kwargs["json"] = body
+        if params:
+            kwargs["params"] = params
+        try:
+            resp = self.http.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise PlexdError(f"devplane at {self.url} unreachable: {exc}") from None
+        if resp.status_code >= 300:
+            try:
+                message = resp.json().get("error", resp.text)
+            except ValueError:
+                message = resp.text
+            raise AdminError(resp.status_code, message)
+        return resp.json() if resp.content else None
+
+    # -- deployment ---------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return self._call("GET", "/status")
+
+    def create_token(self) -> str:
+        return self._call("POST", "/tokens")["token"]
+
+    def tokens(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/tokens")
+
+    def nodes(self, include_removed: bool = False) -> list[dict[str, Any]]:
+        return self._call("GET", "/nodes", **({"all": "1"} if include_removed else {}))
+
+    def node(self, node_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/nodes/{_q(node_id)}")
+
+    def forget_node(self, node_id: str) -> None:
+        self._call("DELETE", f"/nodes/{_q(node_id)}")
+
+    def policies(self) -> list[dict[str, Any]]:
+        return self._call("GET", "/policies")
+
+    def set_policies(self, policies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self._call("PUT", "/policies", policies)
+
+    def set_metadata(self, node_id: str, metadata: dict[str, str]) -> dict[str, str]:
+        return self._call("PUT", f"/nodes/{_q(node_id)}/metadata", metadata)
+
+    def set_data(self, node_id: str, key: str, content_type: str, payload: Any) -> dict[str, Any]:
+        return self._call("PUT", f"/nodes/{_q(node_id)}/data/{_q(key)}",
+                          {"content_type": content_type, "payload": payload})
+
+    def set_secret(self, node_id: str, key: str, value: str) -> int:
+        return self._call("PUT", f"/nodes/{_q(node_id)}/secrets/{_q(key)}", {"value": value})["version"]
+
+    def set_node_endpoint(self, node_id: str, endpoint: str) -> None:
+        self._call("PUT", f"/nodes/{_q(node_id)}/endpoint", {"endpoint": endpoint})
+
+    def set_node_public_key(self, node_id: str, public_key: str) -> None:
+        """Change a node's WireGuard key as the control plane (sends `peer_key_rotated` to its peers)."""
+        self._call("PUT", f"/nodes/{_q(node_id)}/public-key", {"public_key": public_key})
+
+    def request_heartbeat_flags(self, node_id: str, *, reconcile: bool = False, rotate_keys: bool = False) -> None:
+        """One-shot flags returned in the node's next heartbeat response."""
+        self._call("PUT", f"/nodes/{_q(node_id)}/heartbeat-flags",
+                   {"reconcile": reconcile, "rotate_keys": rotate_keys})
+
+    def request_action(self, node_id: str, action: str, parameters: dict[str, Any] | None = None,
+                       timeout: str | None = None, checksum: str | None = None) -> str:
+        body = {"action": action, "parameters": parameters or {}, "timeout": timeout, "checksum": checksum}
+        return self._call("POST", f"/nodes/{_q(node_id)}/actions", body)["execution_id"]
+
+    def publish_event(self, node_id: str, event_type: str, payload: Any = None, *, payload_raw: str | None = None,
+                      issued_at: str | None = None, nonce: str | None = None, signature: str | None = None,
+                      raw_data: str | None = None) -> str:
+        """Publish one event to one node. `signature="forge"` sends a random signature; `raw_data` is sent as
+        the SSE data verbatim (unsigned)."""
+        body = {"event_type": event_type, "payload": payload, "payload_raw": payload_raw, "issued_at": issued_at,
+                "nonce": nonce, "signature": signature, "raw_data": raw_data}
+        return self._call("POST", f"/nodes/{_q(node_id)}/events", body)["event_id"]
+
+    def broadcast_event(self, event_type: str, payload: Any = None, node_ids: list[str] | None = None,
+                        **kwargs: Any) -> str:
+        """One event (one id and signature) to `node_ids`, or to every registered node."""
+        body = {"event_type": event_type, "payload": payload, "node_ids": node_ids, **kwargs}
+        return self._call("POST", "/events", body)["event_id"]
+
+    def rotate_signing_key(self, transition: str = "24h") -> dict[str, str]:
+        return self._call("POST", "/signing-key/rotate", {"transition": transition})
+
+    def set_faults(self, **faults: Any) -> dict[str, Any]:
+        """events_status, retry_after, close_after_events, silent, all_status (agent endpoints only)."""
+        return self._call("PUT", "/faults", faults)
+
+    def clear_faults(self) -> None:
+        self._call("DELETE", "/faults")
+
+    # -- what a node reported -----------------------------------------------------------------------------------
+
+    def records(self, node_id: str, kind: str) -> list[Any]:
+        return self._call("GET", f"/nodes/{_q(node_id)}/{kind}")
+
+    def drift(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "drift")
+
+    def executions(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "executions")
+
+    def reports(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "reports")
+
+    def metrics(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "metrics")
+
+    def logs(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "logs")
+
+    def audit(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "audit")
+
+    def integrity(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "integrity")
+
+    def heartbeats(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "heartbeats")
+
+    def endpoints(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "endpoints")
+
+    def tunnels(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "tunnels")
+
+
+def _q(part: str) -> str:
+    from urllib.parse import quote
+
+    return quote(part, safe="")
+
+
+class Devplane:
+    """A `plexd-devplane serve` child process on `listen` (port 0 = any), its db in `tmp_dir`.
+
+    `netns` runs it inside that network namespace (`ip netns exec`). `extra_args` go to `serve`, e.g.
+    `["--heartbeat-interval", "1s", "--keepalive", "1s"]`.
+    """
+
+    def __init__(self, tmp_dir: str | os.PathLike[str], listen: str = "127.0.0.1:0", netns: str | None = None,
+                 extra_args: list[str] | tuple[str, ...] = (), *, heartbeat_interval: str | None = None,
+                 keepalive: str | None = None, start_timeout: float = 20.0) -> None:
+        self.dir = Path(tmp_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.db_path = self.dir / "devplane.db"
+        self.log_path = self.dir / "devplane.log"
+        self.listen = listen
+        self.netns = netns
+        self.extra_args = list(extra_args)
+        if heartbeat_interval:
+            self.extra_args += ["--heartbeat-interval", heartbeat_interval]
+        if keepalive:
+            self.extra_args += ["--keepalive", keepalive]
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self._admin: AdminClient | None = None
+        self._drain: threading.Thread | None = None
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "plexd.devplane.cli", "serve", "--listen", self.listen,
+               "--db", str(self.db_path), *self.extra_args]
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns, *cmd]
+        return cmd
+
+    def start(self) -> Devplane:
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        log = open(self.log_path, "a")  # noqa: SIM115 - closed when the drain thread ends
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.PIPE, stderr=log, text=True,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        line = ""
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if line.startswith(READY_PREFIX) or not line:
+                break
+        if not line.startswith(READY_PREFIX):
+            self.kill()
+            tail = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+            raise RuntimeError(f"devplane did not start: {line!r}\n{tail}")
+        self.url = line[len(READY_PREFIX):].strip()
+        # Keep the port on restart, so agents pointed at .url find us again.
+        self.listen = self.url.removeprefix("http://")
+        self._drain = threading.Thread(target=_drain, args=(self.proc.stdout, log), daemon=True)
+        self._drain.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it does not exit in time."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._reap()
+
+    def kill(self) -> None:
+        """SIGKILL, like a crash."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self._reap()
+
+    def _reap(self) -> None:
+        if self._drain is not None:
+            self._drain.join(5)
+            self._drain = None
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+        if self._admin is not None:
+            self._admin.close()
+            self._admin = None
+
+    def restart(self) -> Devplane:
+        """Stop and start again: same db, same port."""
+        self.stop()
+        return self.start()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def admin_token(self) -> str:
+        return (self.dir / "devplane.db.admin-token").read_text().strip()
+
+    @property
+    def admin(self) -> AdminClient:
+        if self._admin is None:
+            if not self.url:
+                raise RuntimeError("devplane not started")
+            self._admin = AdminClient(self.url, self.admin_token)
+        return self._admin
+
+    def __enter__(self) -> Devplane:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def _drain(stream: Any, log: Any) -> None:
+    """Copy whatever else the server prints to stdout into its log, so a full pipe never blocks it."""
+    try:
+        for line in stream:
+            log.write(line)
+            log.flush()
+    except (ValueError, OSError):
+        pass
+    finally:
+        log.close()

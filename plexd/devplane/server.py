@@ -1,0 +1,362 @@
+"""The agent-facing HTTP API (plexd-protocol.md §1.2) and the SSE stream (§2), as a Starlette app.
+
+Handlers authenticate (Bearer node secret), read and type-check the body (wire.py), and hand over to the
+Deployment. Every error a client can cause is a JSON `{"error": "..."}` with the documented status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from sse_starlette.event import ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from plexd.devplane import admin, wire
+from plexd.devplane.deployment import Deployment, cancel_quietly
+from plexd.devplane.events import format_sse, parse_event_id
+from plexd.devplane.wire import HTTPError, error_response, read_json
+
+log = logging.getLogger(__name__)
+
+_EVENTS_PATH = re.compile(r"^/v1/nodes/[^/]+/events$")
+_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._+-]+$")
+
+
+def bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+def _dep(request: Request) -> Deployment:
+    return request.app.state.deployment
+
+
+def _node(request: Request) -> Any:
+    return _dep(request).authenticate(bearer(request), request.path_params["node_id"])
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if body is None:
+        return {}
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"body: must be a JSON object, got {wire.kind(body)}")
+    return {k.lower(): v for k, v in body.items()}
+
+
+def ok() -> JSONResponse:
+    return JSONResponse({})
+
+
+# -- registration and liveness ----------------------------------------------------------------------------------
+
+async def register(request: Request) -> Response:
+    body = _object(await read_json(request, wire.REGISTER))
+    return JSONResponse(_dep(request).register(body, bearer(request)), status_code=201)
+
+
+async def heartbeat(request: Request) -> Response:
+    node = _node(request)
+    body = _object(await read_json(request, wire.HEARTBEAT, allow_empty=True))
+    return JSONResponse(_dep(request).heartbeat(node, body))
+
+
+async def deregister(request: Request) -> Response:
+    node = _node(request)
+    _dep(request).remove(node, "deregistered")
+    return ok()
+
+
+async def rotate_key(request: Request) -> Response:
+    dep = _dep(request)
+    token = bearer(request)
+    caller = dep.by_secret.get(token or "")
+    if caller is None:
+        raise HTTPError(401, "invalid node secret")
+    body = _object(await read_json(request, wire.KEY_ROTATE))
+    node_id = body.get("node_id") or caller.id
+    node = dep.authenticate(token, node_id)
+    return JSONResponse({"updated_peers": dep.rotate_node_key(node, body.get("new_public_key") or "")})
+
+
+async def capabilities(request: Request) -> Response:
+    node = _node(request)
+    body = _object(await read_json(request, wire.CAPABILITIES))
+    dep = _dep(request)
+    with dep.store.transaction():
+        node.capabilities = body
+        dep.store.save_node(node)
+        dep.store.add_record(node.id, "capabilities", dep.now_text(), wire_json(body))
+    return ok()
+
+
+async def endpoint(request: Request) -> Response:
+    node = _node(request)
+    body = _object(await read_json(request, wire.ENDPOINT))
+    public = body.get("public_endpoint") or ""
+    if public and not _valid_endpoint(public):
+        raise HTTPError(400, f"public_endpoint: {public!r} is not HOST:PORT")
+    dep = _dep(request)
+    dep.store.add_record(node.id, "endpoint", dep.now_text(), wire_json(body))
+    if public:
+        dep.set_endpoint(node, public, body.get("nat_type") or "")
+    return JSONResponse({"peer_endpoints": dep.peer_endpoints(node)})
+
+
+def _valid_endpoint(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+# -- state, secrets, reports ------------------------------------------------------------------------------------
+
+async def state(request: Request) -> Response:
+    node = _node(request)
+    return JSONResponse(_dep(request).state(node))
+
+
+async def secret(request: Request) -> Response:
+    node = _node(request)
+    return JSONResponse(_dep(request).secret(node, request.path_params["key"]))
+
+
+def wire_json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _recorder(kind: str, schema: Any, *, array: bool = False) -> Any:
+    async def handler(request: Request) -> Response:
+        node = _node(request)
+        body = await read_json(request, schema)
+        if not array:
+            _object(body)
+        dep = _dep(request)
+        dep.store.add_record(node.id, kind, dep.now_text(), wire_json(body))
+        return ok()
+
+    handler.__name__ = f"record_{kind}"
+    return handler
+
+
+def _execution(part: str, schema: Any) -> Any:
+    async def handler(request: Request) -> Response:
+        node = _node(request)
+        body = _object(await read_json(request, schema))
+        execution_id = request.path_params["execution_id"]
+        body_id = body.get("execution_id")
+        if body_id and body_id != execution_id:
+            raise HTTPError(400, f"execution_id: {body_id!r} does not match the path's {execution_id!r}")
+        _dep(request).record_execution(node, execution_id, part, body)
+        return ok()
+
+    handler.__name__ = f"execution_{part}"
+    return handler
+
+
+def _tunnel(kind: str, schema: Any) -> Any:
+    async def handler(request: Request) -> Response:
+        node = _node(request)
+        body = _object(await read_json(request, schema))
+        body = {"session_id": request.path_params["session_id"], **body}
+        dep = _dep(request)
+        dep.store.add_record(node.id, kind, dep.now_text(), wire_json(body))
+        return ok()
+
+    handler.__name__ = kind
+    return handler
+
+
+async def artifact(request: Request) -> Response:
+    dep = _dep(request)
+    if dep.by_secret.get(bearer(request) or "") is None:
+        raise HTTPError(401, "invalid node secret")
+    parts = [request.path_params[k] for k in ("version", "os", "arch")]
+    for part in parts:
+        if not _SAFE_COMPONENT.match(part) or part in (".", ".."):
+            raise HTTPError(400, f"invalid artifact path component {part!r}")
+    root: Path | None = request.app.state.artifacts_dir
+    path = root.joinpath(*parts) if root else None
+    if path is None or not path.is_file():
+        raise HTTPError(404, f"no artifact plexd/{'/'.join(parts)}")
+    return FileResponse(path, media_type="application/octet-stream")
+
+
+async def ping(request: Request) -> Response:
+    return ok()
+
+
+# -- SSE (§2) ---------------------------------------------------------------------------------------------------
+
+class _Stream:
+    """The SSE response plus the subscriber's cleanup, which must run however the response ends."""
+
+    def __init__(self, response: Response, cleanup: Any) -> None:
+        self.response = response
+        self.cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.cleanup()
+
+
+async def events(request: Request) -> Response:
+    node = _node(request)
+    dep = _dep(request)
+    last = request.headers.get("last-event-id")
+    after = parse_event_id(last) if last else None
+    if last and after is None:
+        log.info("ignoring unknown Last-Event-ID %r", last[:64], extra={"node_id": node.id})
+    sub = dep.hub.subscribe(node.id)
+    backlog = dep.hub.backlog(node.id, after, dep.replay_window)
+    faults = dict(dep.faults)
+    close_after = int(faults.get("close_after_events") or 0)
+    silent = bool(faults.get("silent"))
+
+    async def stream() -> AsyncIterator[bytes]:
+        if silent:  # accept, then say nothing at all (for the agent's idle watchdog)
+            await asyncio.Event().wait()
+        sent = 0
+        last_seq = after or 0
+        for event in backlog:
+            last_seq = event.seq
+            yield format_sse(event)
+            sent += 1
+            if close_after and sent >= close_after:
+                return
+        while True:
+            event = await sub.queue.get()
+            if event is None:
+                return
+            if event.seq <= last_seq:
+                continue
+            last_seq = event.seq
+            yield format_sse(event)
+            sent += 1
+            if close_after and sent >= close_after:
+                return
+
+    keepalive = request.app.state.keepalive
+    response = EventSourceResponse(
+        stream(),
+        ping=0 if silent else keepalive,
+        sep="\n",
+        ping_message_factory=lambda: ServerSentEvent(comment="keepalive", sep="\n"),
+        headers={"Cache-Control": "no-cache"},
+    )
+    return _Stream(response, lambda: dep.hub.unsubscribe(sub))  # type: ignore[return-value]
+
+
+# -- faults -----------------------------------------------------------------------------------------------------
+
+class FaultMiddleware:
+    """Injected failures for the agent's resilience tests; only on the agent API, never on /admin."""
+
+    def __init__(self, app: ASGIApp, deployment: Deployment) -> None:
+        self.app = app
+        self.deployment = deployment
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            faults = self.deployment.faults
+            status = faults.get("all_status")
+            if not status and _EVENTS_PATH.match(scope["path"]):
+                status = faults.get("events_status")
+            if status:
+                headers = {}
+                if int(status) == 429 and faults.get("retry_after"):
+                    headers["Retry-After"] = str(faults["retry_after"])
+                response = error_response(int(status), f"injected fault: status {status}", headers)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- app --------------------------------------------------------------------------------------------------------
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPError)
+    return error_response(exc.status, exc.message, exc.headers)
+
+
+async def _starlette_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
+    return error_response(exc.status_code, message, exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "internal error (see the devplane log)")
+
+
+NODE = "/v1/nodes/{node_id}"
+ROUTES = [
+    Route("/v1/register", register, methods=["POST"]),
+    Route(NODE + "/events", events, methods=["GET"]),
+    Route(NODE + "/heartbeat", heartbeat, methods=["POST"]),
+    Route(NODE + "/deregister", deregister, methods=["POST"]),
+    Route("/v1/keys/rotate", rotate_key, methods=["POST"]),
+    Route(NODE + "/capabilities", capabilities, methods=["PUT"]),
+    Route(NODE + "/endpoint", endpoint, methods=["PUT"]),
+    Route(NODE + "/state", state, methods=["GET"]),
+    Route(NODE + "/drift", _recorder("drift", wire.DRIFT), methods=["POST"]),
+    Route(NODE + "/secrets/{key:path}", secret, methods=["GET"]),
+    Route(NODE + "/report", _recorder("report", wire.REPORT), methods=["POST"]),
+    Route(NODE + "/executions/{execution_id}/ack", _execution("ack", wire.ACK), methods=["POST"]),
+    Route(NODE + "/executions/{execution_id}/result", _execution("result", wire.RESULT), methods=["POST"]),
+    Route(NODE + "/metrics", _recorder("metrics", wire.METRICS, array=True), methods=["POST"]),
+    Route(NODE + "/logs", _recorder("logs", wire.LOGS, array=True), methods=["POST"]),
+    Route(NODE + "/audit", _recorder("audit", wire.AUDIT, array=True), methods=["POST"]),
+    Route("/v1/artifacts/plexd/{version}/{os}/{arch}", artifact, methods=["GET"]),
+    Route(NODE + "/tunnels/{session_id}/ready", _tunnel("tunnel_ready", wire.TUNNEL_READY), methods=["POST"]),
+    Route(NODE + "/tunnels/{session_id}/closed", _tunnel("tunnel_closed", wire.TUNNEL_CLOSED), methods=["POST"]),
+    Route(NODE + "/integrity/violations", _recorder("integrity", wire.INTEGRITY), methods=["POST"]),
+    Route("/v1/ping", ping, methods=["GET"]),
+]
+
+
+def create_app(
+    deployment: Deployment,
+    *,
+    admin_token: str,
+    keepalive: float = 15.0,
+    artifacts_dir: Path | None = None,
+) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        task = asyncio.create_task(deployment.run_liveness())
+        try:
+            yield
+        finally:
+            await cancel_quietly(task)
+
+    app = Starlette(
+        routes=ROUTES + admin.routes(),
+        exception_handlers={HTTPError: _http_error, HTTPException: _starlette_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.deployment = deployment
+    app.state.admin_token = admin_token
+    app.state.keepalive = keepalive
+    app.state.artifacts_dir = artifacts_dir
+    app.add_middleware(FaultMiddleware, deployment=deployment)
+    return app
+

@@ -1,0 +1,257 @@
+"""Durable state of the reference control plane: one SQLite file in WAL mode.
+
+The server process is the only writer and keeps the hot state (nodes) in memory, writing through on every
+change; SQLite is what makes it survive a restart. Every call runs on the event-loop thread and each mutating
+call is one transaction, so a crash (even SIGKILL) leaves either the old or the new state, never a mix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexd.errors import PlexdError
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tokens (
+    token TEXT PRIMARY KEY, created_at TEXT NOT NULL, used_at TEXT, node_id TEXT);
+CREATE TABLE IF NOT EXISTS nodes (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS released_ips (ip TEXT PRIMARY KEY, released_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY, event_type TEXT NOT NULL, data TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS event_targets (
+    node_id TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (node_id, seq)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS records (
+    id INTEGER PRIMARY KEY, node_id TEXT NOT NULL, kind TEXT NOT NULL, received_at TEXT NOT NULL,
+    body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS records_by_node ON records (node_id, kind, id);
+CREATE TABLE IF NOT EXISTS executions (
+    node_id TEXT NOT NULL, execution_id TEXT NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (node_id, execution_id));
+"""
+
+RECORDS_KEPT_PER_KIND = 1000  # per node and kind; older rows are pruned so a chatty node cannot fill the disk
+
+
+class StoreError(PlexdError):
+    """The database cannot be opened or written."""
+
+
+@dataclass
+class Node:
+    """One registered node. Kept in memory, persisted as a JSON document."""
+
+    id: str
+    hostname: str
+    public_key: str
+    mesh_ip: str
+    secret: str
+    registered_at: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    capabilities: Any = None
+    endpoint: str = ""
+    nat_type: str = ""
+    status: str = "online"  # online | unreachable | offline | deregistered
+    last_seen: float = 0.0  # wall-clock epoch seconds
+    last_heartbeat: Any = None
+    data: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> DataEntry wire dict
+    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {"value", "version"}
+    flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
+    removed: bool = False
+
+    def to_doc(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_doc(cls, doc: str) -> Node:
+        raw = json.loads(doc)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def peer(self) -> dict[str, Any]:
+        """The node as a peer object (§1.3): every field always present."""
+        return {
+            "id": self.id,
+            "public_key": self.public_key,
+            "mesh_ip": self.mesh_ip,
+            "endpoint": self.endpoint,
+            "allowed_ips": [f"{self.mesh_ip}/32"],
+            "psk": "",
+        }
+
+
+class Store:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        try:
+            if not self.path.parent.is_dir():
+                raise StoreError(f"cannot open database {self.path}: directory {self.path.parent} does not exist")
+            fresh = not self.path.exists()
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            if fresh:
+                os.chmod(self.path, 0o600)  # holds node secrets and the signing key
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")  # durable across process crashes; WAL keeps it consistent
+            self.db.execute("PRAGMA busy_timeout=5000")
+            self.db.executescript(_SCHEMA)
+            self._check_version()
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open database {self.path}: {exc} (check the path and its permissions)") from None
+        except OSError as exc:
+            raise StoreError(f"cannot open database {self.path}: {exc.strerror or exc}") from None
+        self._record_inserts: dict[tuple[str, str], int] = {}
+
+    def _check_version(self) -> None:
+        version = self.get_meta("schema_version")
+        if version is None:
+            self.set_meta("schema_version", str(SCHEMA_VERSION))
+        elif version != str(SCHEMA_VERSION):
+            raise StoreError(f"database {self.path} has schema version {version}, this devplane expects "
+                             f"{SCHEMA_VERSION}; use a new --db path")
+
+    def close(self) -> None:
+        self.db.close()
+
+    def transaction(self) -> _Tx:
+        return _Tx(self.db)
+
+    # -- meta ---------------------------------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                        (key, value))
+
+    # -- bootstrap tokens ---------------------------------------------------------------------------------------
+
+    def add_token(self, token: str, created_at: str) -> None:
+        self.db.execute("INSERT INTO tokens(token, created_at) VALUES(?, ?)", (token, created_at))
+
+    def token_status(self, token: str) -> str:
+        """'unknown', 'unused' or 'used'."""
+        row = self.db.execute("SELECT used_at FROM tokens WHERE token=?", (token,)).fetchone()
+        if row is None:
+            return "unknown"
+        return "unused" if row[0] is None else "used"
+
+    def use_token(self, token: str, node_id: str, used_at: str) -> bool:
+        cur = self.db.execute("UPDATE tokens SET used_at=?, node_id=? WHERE token=? AND used_at IS NULL",
+                              (used_at, node_id, token))
+        return cur.rowcount == 1
+
+    def tokens(self) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT token, created_at, used_at, node_id FROM tokens ORDER BY created_at")
+        return [{"token": r[0], "created_at": r[1], "used_at": r[2], "node_id": r[3]} for r in rows]
+
+    # -- nodes --------------------------------------------------------------------------------------------------
+
+    def load_nodes(self) -> list[Node]:
+        return [Node.from_doc(r[0]) for r in self.db.execute("SELECT doc FROM nodes")]
+
+    def save_node(self, node: Node) -> None:
+        self.db.execute("INSERT INTO nodes(id, doc) VALUES(?, ?) ON CONFLICT(id) DO UPDATE SET doc=excluded.doc",
+                        (node.id, node.to_doc()))
+
+    def release_ip(self, ip: str, at: float) -> None:
+        self.db.execute("INSERT INTO released_ips(ip, released_at) VALUES(?, ?) "
+                        "ON CONFLICT(ip) DO UPDATE SET released_at=excluded.released_at", (ip, at))
+
+    def released_ips(self) -> dict[str, float]:
+        return dict(self.db.execute("SELECT ip, released_at FROM released_ips").fetchall())
+
+    def forget_released_ip(self, ip: str) -> None:
+        self.db.execute("DELETE FROM released_ips WHERE ip=?", (ip,))
+
+    # -- events -------------------------------------------------------------------------------------------------
+
+    def last_event_seq(self) -> int:
+        row = self.db.execute("SELECT MAX(seq) FROM events").fetchone()
+        return int(row[0] or 0)
+
+    def add_event(self, seq: int, event_type: str, data: str, created_at: float, targets: Iterable[str]) -> None:
+        self.db.execute("INSERT INTO events(seq, event_type, data, created_at) VALUES(?, ?, ?, ?)",
+                        (seq, event_type, data, created_at))
+        self.db.executemany("INSERT INTO event_targets(node_id, seq) VALUES(?, ?)", ((t, seq) for t in targets))
+
+    def events_after(self, node_id: str, after_seq: int, since: float | None = None) -> list[tuple[int, str, str]]:
+        """(seq, event_type, data) for `node_id`, oldest first; `since` (epoch) also bounds by age."""
+        sql = ("SELECT e.seq, e.event_type, e.data FROM event_targets t JOIN events e ON e.seq = t.seq "
+               "WHERE t.node_id=? AND t.seq>?")
+        args: list[Any] = [node_id, after_seq]
+        if since is not None:
+            sql += " AND e.created_at>=?"
+            args.append(since)
+        return self.db.execute(sql + " ORDER BY t.seq", args).fetchall()
+
+    def prune_events(self, keep_after_seq: int) -> int:
+        with self.transaction():
+            self.db.execute("DELETE FROM event_targets WHERE seq<=?", (keep_after_seq,))
+            cur = self.db.execute("DELETE FROM events WHERE seq<=?", (keep_after_seq,))
+        return cur.rowcount
+
+    # -- records (drift, reports, telemetry, ...) ----------------------------------------------------------------
+
+    def add_record(self, node_id: str, kind: str, received_at: str, body: str) -> None:
+        self.db.execute("INSERT INTO records(node_id, kind, received_at, body) VALUES(?, ?, ?, ?)",
+                        (node_id, kind, received_at, body))
+        key = (node_id, kind)
+        count = self._record_inserts.get(key, 0) + 1
+        self._record_inserts[key] = count
+        if count % 100 == 0:
+            self.db.execute(
+                "DELETE FROM records WHERE node_id=? AND kind=? AND id <= "
+                "(SELECT id FROM records WHERE node_id=? AND kind=? ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                (node_id, kind, node_id, kind, RECORDS_KEPT_PER_KIND))
+
+    def records(self, node_id: str, kind: str) -> list[tuple[str, str]]:
+        """(received_at, body) oldest first."""
+        return self.db.execute("SELECT received_at, body FROM records WHERE node_id=? AND kind=? ORDER BY id",
+                               (node_id, kind)).fetchall()
+
+    # -- executions ---------------------------------------------------------------------------------------------
+
+    def execution(self, node_id: str, execution_id: str) -> dict[str, Any] | None:
+        row = self.db.execute("SELECT doc FROM executions WHERE node_id=? AND execution_id=?",
+                              (node_id, execution_id)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def save_execution(self, node_id: str, execution_id: str, doc: dict[str, Any]) -> None:
+        self.db.execute("INSERT INTO executions(node_id, execution_id, doc) VALUES(?, ?, ?) "
+                        "ON CONFLICT(node_id, execution_id) DO UPDATE SET doc=excluded.doc",
+                        (node_id, execution_id, json.dumps(doc, separators=(",", ":"))))
+
+    def executions(self, node_id: str) -> list[dict[str, Any]]:
+        rows = self.db.execute("SELECT doc FROM executions WHERE node_id=? ORDER BY rowid", (node_id,))
+        return [json.loads(r[0]) for r in rows]
+
+
+class _Tx:
+    """`with store.transaction():` groups statements into one atomic commit (nests by flattening)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+        self.outer = False
+
+    def __enter__(self) -> _Tx:
+        if not self.db.in_transaction:
+            self.db.execute("BEGIN IMMEDIATE")
+            self.outer = True
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if not self.outer:
+            return
+        if exc_type is None:
+            self.db.execute("COMMIT")
+        else:
+            self.db.execute("ROLLBACK")
