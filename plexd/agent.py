@@ -235,8 +235,8 @@ class Agent:
 
     async def run(self) -> int:
         """The whole lifecycle; returns the process exit status."""
+        notify_systemd("STATUS=starting")
         await self.start()
-        notify_systemd("STATUS=registering" if not self.store.load().identity else "STATUS=starting")
         if await self.until_stopped(self.register()) is None:
             log.info("stopped before registration finished")
             return 0

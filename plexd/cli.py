@@ -88,11 +88,14 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
     from plexd.controlplane.client import ControlPlaneClient
+    from plexd.identity import IdentityStore
     from plexd.log import setup_logging
     from plexd.registrar import Registrar
 
-    setup_logging(config.log_level if config.source_of("log_level") != "default" else "warning")
+    # join talks to a person: its outcome is printed, logs only when asked for with log_level.
+    setup_logging(config.log_level if config.source_of("log_level") != "default" else "error")
     config.require_api()
+    problem = IdentityStore(config.data_dir).load().problem
     prompt = _prompt_token if sys.stdin.isatty() and not (args.token_file or args.token_env) else None
 
     async def join() -> tuple[Any, bool]:
@@ -107,6 +110,8 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
         _print_json({"node_id": identity.node_id, "mesh_ip": identity.mesh_ip, "registered_now": fresh,
                      "data_dir": config.data_dir, "control_plane": config.api.url})
     elif fresh:
+        if problem:
+            print(f"the stored identity was unusable ({problem}); registered afresh")
         print(f"registered as node {identity.node_id} with mesh IP {identity.mesh_ip} "
               f"(identity saved in {config.data_dir}); start the daemon with 'plexd up'")
     else:

@@ -235,7 +235,9 @@ class Registrar:
             if value.strip():
                 token = BootstrapToken(validate_token(value, "the prompt"), "prompt")
         if token is None:
-            raise TokenError(no_token_message(self.config))
+            why = (f"the stored identity in {self.store.data_dir} is unusable ({loaded.problem}) and there is "
+                   if loaded.problem else "")
+            raise TokenError(why + no_token_message(self.config))
         return await self.register(token), True
 
     async def register(self, token: BootstrapToken, private_key: bytes | None = None) -> Identity:

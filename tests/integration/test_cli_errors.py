@@ -1,0 +1,211 @@
+"""Bad input through the real ``plexd`` executable: one clear line on stderr, non-zero exit, no traceback, and
+nothing half-written left behind. The control plane is a scripted recording server on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from agentcore_recorder import Recorder, Reply
+
+PLEXD = str(Path(sys.executable).with_name("plexd"))
+SIGNING = base64.b64encode(b"\x05" * 32).decode()
+OK = json.dumps({"node_id": "n_1", "mesh_ip": "10.100.0.2", "signing_public_key": SIGNING,
+                 "node_secret_key": "S" * 32, "peers": []})
+
+
+class Env:
+    def __init__(self, tmp_path: Path, api: str = "http://127.0.0.1:9") -> None:
+        self.tmp = tmp_path
+        self.data = tmp_path / "data"
+        self.token = tmp_path / "bootstrap-token"
+        self.config = tmp_path / "config.yaml"
+        self.api = api
+        self.write_config()
+
+    def write_config(self, extra: str = "") -> None:
+        self.config.write_text(
+            f"api: {self.api}\ndata_dir: {self.data}\ntoken: {{file: {self.token}}}\n"
+            f"hooks: {{dir: {self.tmp / 'hooks'}}}\nregistration: {{hostname: node-a, max_wait: 2s}}\n{extra}")
+
+    async def run(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+        full_env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config)}
+        full_env.update(env or {})
+        proc = await asyncio.create_subprocess_exec(
+            PLEXD, *args, env=full_env, stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        return proc.returncode, out.decode(), err.decode()
+
+    def data_files(self) -> list[str]:
+        return sorted(p.name for p in self.data.iterdir()) if self.data.exists() else []
+
+
+def assert_one_line_error(rc: int, err: str, *fragments: str) -> None:
+    assert rc != 0, err
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("plexd: ")
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+
+
+@pytest.fixture
+async def rec():
+    async with Recorder() as server:
+        yield server
+
+
+async def test_unknown_config_key(tmp_path):
+    env = Env(tmp_path)
+    env.write_config("mesh: {listen_prot: 5}\n")
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, "unknown config key 'mesh.listen_prot'", "did you mean 'mesh.listen_port'?",
+                          str(env.config))
+
+
+async def test_wrong_type_and_bad_duration(tmp_path):
+    env = Env(tmp_path)
+    env.write_config("mesh: {mtu: big}\n")
+    rc, _, err = await env.run("status")
+    assert_one_line_error(rc, err, "mesh.mtu: 'big'", "not a whole number")
+    env.write_config("heartbeat: {interval: 30 seconds}\n")
+    rc, _, err = await env.run("up")
+    assert_one_line_error(rc, err, "heartbeat.interval: '30 seconds'", "not a valid duration")
+    env.write_config()
+    rc, _, err = await env.run("status", env={"PLEXD_SSE_IDLE_TIMEOUT": "1x"})
+    assert_one_line_error(rc, err, "env PLEXD_SSE_IDLE_TIMEOUT")
+
+
+async def test_unreadable_token_file(tmp_path, rec):
+    env = Env(tmp_path, rec.url)
+    (tmp_path / "tokdir").mkdir()
+    rc, _, err = await env.run("join", "--token-file", str(tmp_path / "tokdir"))
+    assert_one_line_error(rc, err, f"cannot read bootstrap token file {tmp_path / 'tokdir'}", "errno 21")
+    assert rec.requests == [] and env.data_files() == []
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b"plx_\x01token", "non-printable"),
+    (b"a" * 600, "600 bytes long; the limit is 512"),
+])
+async def test_bad_token_content(tmp_path, rec, content, fragment):
+    env = Env(tmp_path, rec.url)
+    env.token.write_bytes(content)
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, fragment, str(env.token))
+    assert rec.requests == [] and env.token.exists() and env.data_files() == []
+
+
+async def test_bad_token_from_env(tmp_path, rec):
+    env = Env(tmp_path, rec.url)
+    rc, _, err = await env.run("join", "--token-env", "MY_TOKEN", env={"MY_TOKEN": "bad\ttoken"})
+    assert_one_line_error(rc, err, "environment variable MY_TOKEN", "non-printable")
+
+
+async def test_control_plane_unreachable(tmp_path):
+    env = Env(tmp_path, "http://127.0.0.1:9")
+    env.token.write_text("tok")
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, "http://127.0.0.1:9", "POST /v1/register", "cannot connect", "within 2s")
+    assert env.token.read_text() == "tok" and "identity.json" not in env.data_files()
+
+
+@pytest.mark.parametrize("status,fragment", [
+    (400, "rejected the registration request as malformed (HTTP 400)"),
+    (401, "bootstrap token refused (HTTP 401)"),
+    (403, "registration forbidden (HTTP 403)"),
+    (404, "/v1/register does not exist (HTTP 404)"),
+    (409, "a node named 'node-a' is already registered (HTTP 409)"),
+])
+async def test_registration_refusals(tmp_path, rec, status, fragment):
+    rec.route("POST", "/v1/register", Reply(status, '{"error":"why not"}'))
+    env = Env(tmp_path, rec.url)
+    env.token.write_text("tok")
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, fragment, "why not")
+    assert len(rec.requests) == 1
+    assert env.token.exists() and env.data_files() == []
+
+
+async def test_corrupt_identity_without_token(tmp_path, rec):
+    env = Env(tmp_path, rec.url)
+    env.data.mkdir(mode=0o700)
+    (env.data / "identity.json").write_text('{"node_id": "n_1", "mesh_')
+    rc, out, _ = await env.run("status")
+    assert rc == 0 and "stored identity unusable: identity.json: not valid JSON" in out
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, "unusable (identity.json: not valid JSON", "no bootstrap token")
+    assert rec.requests == []
+
+
+async def test_corrupt_identity_with_token_registers_afresh(tmp_path, rec):
+    rec.route("POST", "/v1/register", Reply(201, OK))
+    env = Env(tmp_path, rec.url)
+    env.data.mkdir(mode=0o700)
+    (env.data / "identity.json").write_text("{}")
+    env.token.write_text("tok")
+    rc, out, err = await env.run("join")
+    assert rc == 0, err
+    assert "stored identity was unusable (identity.json: node_id is missing or empty); registered afresh" in out
+    assert "registered as node n_1" in out
+
+
+async def test_data_dir_not_writable(tmp_path, rec):
+    env = Env(tmp_path, rec.url)
+    (tmp_path / "file").write_text("")
+    env.data = tmp_path / "file" / "data"
+    env.write_config()
+    env.token.write_text("tok")
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, f"data_dir {env.data} is not writable", "errno 20")
+    assert rec.requests == [] and env.token.exists()  # the single-use token was not spent
+    rc, _, err = await env.run("up")
+    assert_one_line_error(rc, err, "is not writable")
+
+
+async def test_read_only_data_dir_mount(tmp_path, rec):
+    """A read-only filesystem (EROFS) is refused even for root, who ignores permission bits."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    mount = await asyncio.create_subprocess_exec("mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro),
+                                                 stderr=asyncio.subprocess.PIPE)
+    _, merr = await mount.communicate()
+    if mount.returncode != 0:
+        pytest.fail(f"cannot mount a read-only tmpfs here: {merr.decode().strip()}")
+    try:
+        env = Env(tmp_path, rec.url)
+        env.data = ro
+        env.write_config()
+        env.token.write_text("tok")
+        rc, _, err = await env.run("join")
+        assert_one_line_error(rc, err, f"data_dir {ro} is not writable", "Read-only file system")
+        assert rec.requests == []
+    finally:
+        umount = await asyncio.create_subprocess_exec("umount", str(ro))
+        await umount.wait()
+
+
+async def test_no_api_configured(tmp_path):
+    env = Env(tmp_path)
+    env.config.write_text(f"data_dir: {env.data}\n")
+    rc, _, err = await env.run("join")
+    assert_one_line_error(rc, err, "no control plane configured", "--api")
+
+
+async def test_missing_config_file_named_by_env(tmp_path):
+    env = Env(tmp_path)
+    rc, _, err = await env.run("status", env={"PLEXD_CONFIG": str(tmp_path / "nope.yaml")})
+    assert_one_line_error(rc, err, "nope.yaml does not exist")
+
+
+async def test_usage_error_exit_code(tmp_path):
+    env = Env(tmp_path)
+    rc, _, err = await env.run("join", "--token-file", "a", "--token-env", "B")
+    assert rc == 2 and "not allowed with argument" in err and "Traceback" not in err
