@@ -1,9 +1,348 @@
-"""`plexd-devplane admin ...`: the admin API from a shell (tables by default, `--json` for scripts)."""
+"""`plexd-devplane admin ...`: the admin API from a shell (tables by default, `--json` for scripts).
+
+    plexd-devplane admin --url http://127.0.0.1:8080 --token-file devplane.db.admin-token nodes
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from plexd.errors import ConfigError
+
+RECORD_COMMANDS = ("drift", "executions", "reports", "metrics", "logs", "audit", "integrity", "heartbeats",
+                   "endpoints", "tunnels")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # filled in below
-    pass
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="print JSON (for scripts)")
+
+    admin = sub.add_parser(
+        "admin", help="drive a running devplane through its admin API",
+        description="Drive a running devplane. The token comes from --token-file or $PLEXD_DEVPLANE_ADMIN_TOKEN "
+                    "(serve writes it to <db>.admin-token).")
+    admin.add_argument("--url", default=os.environ.get("PLEXD_DEVPLANE_URL", "http://127.0.0.1:8080"),
+                       help="devplane URL (default $PLEXD_DEVPLANE_URL or %(default)s)")
+    admin.add_argument("--token-file", help="file holding the admin token")
+    admin.add_argument("--json", action="store_true", default=False, help="print JSON (for scripts)")
+    cmds = admin.add_subparsers(dest="admin_command", metavar="COMMAND")
+    cmds.required = True
+
+    def leaf(parent: argparse._SubParsersAction, name: str, func: Any, help_text: str) -> argparse.ArgumentParser:
+        p = parent.add_parser(name, parents=[out], help=help_text, description=help_text)
+        p.set_defaults(func=_run, handler=func)
+        return p
+
+    def group(name: str, help_text: str) -> argparse._SubParsersAction:
+        p = cmds.add_parser(name, help=help_text, description=help_text)
+        g = p.add_subparsers(dest=f"{name}_command", metavar="COMMAND")
+        g.required = True
+        return g
+
+    leaf(cmds, "status", do_status, "deployment summary: nodes by status, open streams, signing keys, faults")
+
+    g = group("token", "bootstrap tokens")
+    leaf(g, "create", do_token_create, "create a one-time bootstrap token and print it")
+    leaf(g, "list", do_token_list, "list tokens (abbreviated) and who used them")
+
+    p = leaf(cmds, "nodes", do_nodes, "list nodes with their status")
+    p.add_argument("--all", action="store_true", help="include deregistered/forgotten nodes")
+
+    g = group("node", "one node")
+    leaf(g, "show", do_node_show, "everything about a node").add_argument("node_id")
+    leaf(g, "forget", do_node_forget, "remove a node (its peers are told; its secret stops working)"
+         ).add_argument("node_id")
+
+    g = group("policies", "access policies (which nodes see each other)")
+    leaf(g, "show", do_policies_show, "print the policies")
+    leaf(g, "set", do_policies_set, "replace all policies from a JSON file (or - for stdin)"
+         ).add_argument("file", nargs="?", default="-", help="JSON array of policies (default: stdin)")
+
+    g = group("metadata", "node metadata")
+    p = leaf(g, "set", do_metadata_set, "replace a node's metadata")
+    p.add_argument("node_id")
+    p.add_argument("pairs", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--file", help="JSON object file instead of KEY=VALUE pairs")
+
+    g = group("data", "node data entries")
+    p = leaf(g, "set", do_data_set, "set a data entry (its version goes up by one)")
+    p.add_argument("node_id")
+    p.add_argument("key")
+    p.add_argument("--content-type", default="application/json")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--payload", help="the payload as JSON text")
+    src.add_argument("--file", help="file holding the JSON payload")
+
+    g = group("secret", "node secrets (sent AES-256-GCM encrypted with the node's key)")
+    p = leaf(g, "set", do_secret_set, "set a secret (its version goes up by one)")
+    p.add_argument("node_id")
+    p.add_argument("key")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--value")
+    src.add_argument("--value-file")
+
+    g = group("endpoint", "node endpoints")
+    p = leaf(g, "set", do_endpoint_set, "set a node's public endpoint (HOST:PORT); its peers are told")
+    p.add_argument("node_id")
+    p.add_argument("endpoint")
+
+    g = group("flags", "one-shot heartbeat flags")
+    p = leaf(g, "set", do_flags_set, "ask a node to reconcile / rotate keys on its next heartbeat")
+    p.add_argument("node_id")
+    p.add_argument("--reconcile", action="store_true")
+    p.add_argument("--rotate-keys", action="store_true")
+
+    g = group("action", "actions (hooks and built-ins) on nodes")
+    p = leaf(g, "request", do_action_request, "send an action_request; prints the execution id")
+    p.add_argument("node_id")
+    p.add_argument("action")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--timeout", help="Go duration, e.g. 30s")
+    p.add_argument("--checksum", help="hex SHA-256 of the hook")
+
+    g = group("event", "raw events")
+    p = leaf(g, "publish", do_event_publish, "publish a signed event to a node; prints the event id")
+    p.add_argument("node_id")
+    p.add_argument("event_type")
+    p.add_argument("--payload", default="null", help="payload JSON text (key order kept)")
+
+    g = group("signing-key", "the deployment's event signing key")
+    p = leaf(g, "rotate", do_signing_rotate, "new key; the old one stays valid for the transition")
+    p.add_argument("--transition", default="24h", help="Go duration (default %(default)s)")
+
+    g = group("faults", "fault injection on the agent API (never on /admin)")
+    p = leaf(g, "set", do_faults_set, "set faults, e.g. events_status=503 retry_after=2 silent=true")
+    p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
+    leaf(g, "clear", do_faults_clear, "remove all faults")
+
+    for name in RECORD_COMMANDS:
+        g = group(name, f"{name} received from a node")
+        leaf(g, "show", do_records, f"show the {name} a node sent").add_argument("node_id")
+
+
+# -- plumbing ---------------------------------------------------------------------------------------------------
+
+def _token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"--token-file {args.token_file}: {exc.strerror or exc}") from None
+    else:
+        token = os.environ.get("PLEXD_DEVPLANE_ADMIN_TOKEN", "").strip()
+    if not token:
+        raise ConfigError("no admin token: pass --token-file (serve writes <db>.admin-token) "
+                          "or set PLEXD_DEVPLANE_ADMIN_TOKEN")
+    return token
+
+
+def _run(args: argparse.Namespace) -> int:
+    from plexd.devplane.harness import AdminClient
+
+    client = AdminClient(args.url, _token(args))
+    try:
+        result = args.handler(client, args)
+    finally:
+        client.close()
+    human = None
+    if isinstance(result, tuple):
+        result, human = result
+    if args.json or human is None:
+        print(json.dumps(result, indent=2, ensure_ascii=False))
+    else:
+        print(human)
+    return 0
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    if not rows:
+        return "(none)"
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+    return "\n".join(lines)
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{what} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what} {path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+                          ) from None
+
+
+def _json_arg(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: not valid JSON: {exc.msg} at column {exc.colno}") from None
+
+
+# -- commands ---------------------------------------------------------------------------------------------------
+
+def do_status(c: Any, args: argparse.Namespace) -> Any:
+    s = c.status()
+    keys = s["signing_keys"]
+    lines = [f"nodes: {s['nodes']} ({', '.join(f'{k} {v}' for k, v in s['by_status'].items())})",
+             f"open event streams: {s['streams']}", f"last event: {s['last_event_id'] or '-'}",
+             f"signing key: {keys['current']}"]
+    if keys.get("previous"):
+        lines.append(f"previous key: {keys['previous']} (until {keys['transition_expires']})")
+    lines.append(f"faults: {json.dumps(s['faults']) if s['faults'] else 'none'}")
+    return s, "\n".join(lines)
+
+
+def do_token_create(c: Any, args: argparse.Namespace) -> Any:
+    token = c.create_token()
+    return {"token": token}, token
+
+
+def do_token_list(c: Any, args: argparse.Namespace) -> Any:
+    tokens = c.tokens()
+    rows = [[t["token"], t["created_at"], t["used_at"] or "-", t["node_id"] or "-"] for t in tokens]
+    return tokens, table(rows, ["TOKEN", "CREATED", "USED", "NODE"])
+
+
+def do_nodes(c: Any, args: argparse.Namespace) -> Any:
+    nodes = c.nodes(include_removed=args.all)
+    rows = [[n["id"], n["hostname"], n["mesh_ip"], n["status"], n["last_seen"] or "-", n["endpoint"] or "-",
+             str(n["streams"])] for n in nodes]
+    return nodes, table(rows, ["NODE", "HOSTNAME", "MESH IP", "STATUS", "LAST SEEN", "ENDPOINT", "STREAMS"])
+
+
+def do_node_show(c: Any, args: argparse.Namespace) -> Any:
+    n = c.node(args.node_id)
+    lines = [f"{k}: {n[k]}" for k in ("id", "hostname", "mesh_ip", "public_key", "status", "last_seen", "endpoint",
+                                      "nat_type", "registered_at", "streams")]
+    lines.append(f"metadata: {json.dumps(n['metadata'])}")
+    lines.append(f"peers: {', '.join(n['peers']) or '-'}")
+    lines.append(f"data: {', '.join(d['key'] + ' v' + str(d['version']) for d in n['data']) or '-'}")
+    lines.append(f"secrets: {', '.join(s['key'] + ' v' + str(s['version']) for s in n['secret_refs']) or '-'}")
+    return n, "\n".join(lines)
+
+
+def do_node_forget(c: Any, args: argparse.Namespace) -> Any:
+    c.forget_node(args.node_id)
+    return {"forgotten": args.node_id}, f"node {args.node_id} forgotten"
+
+
+def do_policies_show(c: Any, args: argparse.Namespace) -> Any:
+    policies = c.policies()
+    rows = [[p["id"], r["src"], r["dst"], str(r["port"] or "any"), r["protocol"] or "any", r["action"]]
+            for p in policies for r in p["rules"]]
+    return policies, table(rows, ["POLICY", "SRC", "DST", "PORT", "PROTO", "ACTION"])
+
+
+def do_policies_set(c: Any, args: argparse.Namespace) -> Any:
+    policies = c.set_policies(_read_json(args.file, "policies file"))
+    return policies, f"{len(policies)} policies set"
+
+
+def do_metadata_set(c: Any, args: argparse.Namespace) -> Any:
+    meta = _read_json(args.file, "--file") if args.file else _pairs(args.pairs, "metadata")
+    result = c.set_metadata(args.node_id, meta)
+    return result, f"metadata of {args.node_id}: {json.dumps(result)}"
+
+
+def do_data_set(c: Any, args: argparse.Namespace) -> Any:
+    payload = _read_json(args.file, "--file") if args.file else _json_arg(args.payload, "--payload")
+    entry = c.set_data(args.node_id, args.key, args.content_type, payload)
+    return entry, f"data {args.key} of {args.node_id} is now version {entry['version']}"
+
+
+def do_secret_set(c: Any, args: argparse.Namespace) -> Any:
+    if args.value_file:
+        try:
+            value = Path(args.value_file).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--value-file {args.value_file}: {exc.strerror or exc}") from None
+    else:
+        value = args.value
+    version = c.set_secret(args.node_id, args.key, value)
+    return {"key": args.key, "version": version}, f"secret {args.key} of {args.node_id} is now version {version}"
+
+
+def do_endpoint_set(c: Any, args: argparse.Namespace) -> Any:
+    c.set_node_endpoint(args.node_id, args.endpoint)
+    return {"endpoint": args.endpoint}, f"endpoint of {args.node_id}: {args.endpoint}"
+
+
+def do_flags_set(c: Any, args: argparse.Namespace) -> Any:
+    if not (args.reconcile or args.rotate_keys):
+        raise ConfigError("flags set: give --reconcile and/or --rotate-keys")
+    c.request_heartbeat_flags(args.node_id, reconcile=args.reconcile, rotate_keys=args.rotate_keys)
+    return {"reconcile": args.reconcile, "rotate_keys": args.rotate_keys}, "flags set for the next heartbeat"
+
+
+def do_action_request(c: Any, args: argparse.Namespace) -> Any:
+    eid = c.request_action(args.node_id, args.action, _pairs(args.param, "--param"), timeout=args.timeout,
+                           checksum=args.checksum)
+    return {"execution_id": eid}, eid
+
+
+def do_event_publish(c: Any, args: argparse.Namespace) -> Any:
+    _json_arg(args.payload, "--payload")
+    eid = c.publish_event(args.node_id, args.event_type, payload_raw=args.payload)
+    return {"event_id": eid}, eid
+
+
+def do_signing_rotate(c: Any, args: argparse.Namespace) -> Any:
+    keys = c.rotate_signing_key(args.transition)
+    return keys, (f"new signing key {keys['current']}\nprevious {keys['previous']} accepted until "
+                  f"{keys['transition_expires']}")
+
+
+def do_faults_set(c: Any, args: argparse.Namespace) -> Any:
+    faults: dict[str, Any] = {}
+    for key, value in _pairs(args.pairs, "fault").items():
+        if value.lower() in ("true", "false"):
+            faults[key] = value.lower() == "true"
+        elif value.isdigit():
+            faults[key] = int(value)
+        else:
+            faults[key] = value
+    if "retry_after" in faults:
+        faults["retry_after"] = str(faults["retry_after"])
+    result = c.set_faults(**faults)
+    return result, f"faults: {json.dumps(result)}"
+
+
+def do_faults_clear(c: Any, args: argparse.Namespace) -> Any:
+    c.clear_faults()
+    return {}, "faults cleared"
+
+
+def do_records(c: Any, args: argparse.Namespace) -> Any:
+    kind = args.admin_command
+    items = c.records(args.node_id, kind)
+    if kind == "executions":
+        rows = [[e["execution_id"], e["action"] or "-", (e["ack"] or {}).get("status", "-"),
+                 (e["result"] or {}).get("status", "-"), str((e["result"] or {}).get("exit_code", "-"))]
+                for e in items]
+        return items, table(rows, ["EXECUTION", "ACTION", "ACK", "RESULT", "EXIT"])
+    if kind == "drift":
+        lines = []
+        for report in items:
+            lines.append(f"{report.get('timestamp', '?')}:")
+            lines += [f"  {c_['type']}: {c_['detail']}" for c_ in report.get("corrections") or []]
+        return items, "\n".join(lines) or "(none)"
+    return items, "\n".join(json.dumps(i, ensure_ascii=False) for i in items) or "(none)"
+
