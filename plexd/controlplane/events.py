@@ -152,6 +152,7 @@ class EventStream:
         # Observable state, for tests, benches and `plexd status`.
         self.connected = asyncio.Event()
         self.connects = 0
+        self.attempts = 0
         self.accepted = 0
         self.rejected = 0
         self.polls = 0
@@ -325,6 +326,7 @@ class EventStream:
         return headers
 
     async def _stream_once(self, client: httpx.AsyncClient) -> None:
+        self.attempts += 1
         headers = await self._headers()
         try:
             # Not httpx-sse's aconnect_sse: it overwrites Cache-Control with no-store (the wire says no-cache) and

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MAX_EVENT_BYTES = 1 << 20  # one event (all its lines) may not exceed 1 MiB
+# One event (all its lines) may not exceed 512 KiB. The Go agent dies on a 64 KiB line; legitimate events are a
+# few KiB. An oversize event is skipped, and the reconciler's full-state pull still brings whatever it carried.
+MAX_EVENT_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
