@@ -76,7 +76,8 @@ def _add_join(sub: Any) -> None:
         description="Register this machine with the control plane using a one-time bootstrap token, and store "
         "its identity in data_dir. The token is taken from --token-file, --token-env, token.value, "
         "token.file (/etc/plexd/bootstrap-token), $PLEXD_BOOTSTRAP_TOKEN, or asked for on a terminal. "
-        "A token file is deleted once used. Running join again on a registered machine does nothing.",
+        "A token file is deleted once used. On a registered machine, join confirms the identity with the "
+        "control plane, and registers afresh (with a new token) if the control plane no longer knows the node.",
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--token-file", metavar="FILE", help="read the bootstrap token from FILE")
@@ -95,27 +96,41 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
     # join talks to a person: its outcome is printed, logs only when asked for with log_level.
     setup_logging(config.log_level if config.source_of("log_level") != "default" else "error")
     config.require_api()
-    problem = IdentityStore(config.data_dir).load().problem
     prompt = _prompt_token if sys.stdin.isatty() and not (args.token_file or args.token_env) else None
 
-    async def join() -> tuple[Any, bool]:
+    loaded = IdentityStore(config.data_dir).load()
+    sources = {"token_file": args.token_file, "token_env": args.token_env, "prompt": prompt}
+
+    async def join() -> Any:
         async with ControlPlaneClient(config.api.url, ca_file=config.api.tls.ca_file,
                                       insecure_skip_verify=config.api.tls.insecure_skip_verify) as client:
             registrar = Registrar(config, client, capabilities=_join_capabilities(config))
-            return await registrar.ensure_registered(token_file=args.token_file, token_env=args.token_env,
-                                                     prompt=prompt)
+            if loaded.identity is None:
+                identity, _ = await registrar.ensure_registered(**sources)
+                return identity
+            # Already registered: confirm with the control plane (re-registration with the node secret), and
+            # register afresh with a token if it no longer knows this node.
+            return await registrar.recover(loaded.identity, **sources)
 
-    identity, fresh = asyncio.run(join())
+    identity = asyncio.run(join())
+    previous = loaded.identity
+    outcome = ("registered" if previous is None else
+               "confirmed" if previous.node_id == identity.node_id else "registered afresh")
     if args.json:
-        _print_json({"node_id": identity.node_id, "mesh_ip": identity.mesh_ip, "registered_now": fresh,
-                     "data_dir": config.data_dir, "control_plane": config.api.url})
-    elif fresh:
-        if problem:
-            print(f"the stored identity was unusable ({problem}); registered afresh")
+        _print_json({"node_id": identity.node_id, "mesh_ip": identity.mesh_ip, "outcome": outcome,
+                     "previous_node_id": previous.node_id if previous else "", "data_dir": config.data_dir,
+                     "control_plane": config.api.url})
+        return 0
+    if loaded.problem:
+        print(f"the stored identity was unusable ({loaded.problem}); registered afresh")
+    if outcome == "confirmed":
+        print(f"already registered as node {identity.node_id} with mesh IP {identity.mesh_ip} "
+              "(confirmed with the control plane)")
+    else:
+        if outcome == "registered afresh":
+            print(f"the control plane no longer knew node {previous.node_id}; registered afresh")
         print(f"registered as node {identity.node_id} with mesh IP {identity.mesh_ip} "
               f"(identity saved in {config.data_dir}); start the daemon with 'plexd up'")
-    else:
-        print(f"already registered as node {identity.node_id} with mesh IP {identity.mesh_ip}; nothing to do")
     return 0
 
 

@@ -229,16 +229,23 @@ class Registrar:
         if loaded.problem:
             log.warning("stored identity in %s is unusable (%s); treating the node as not registered",
                         self.store.data_dir, loaded.problem, extra={"component": "identity"})
-        token = await resolve_token(self.config, self._env, token_file=token_file, token_env=token_env)
-        if token is None and prompt is not None:
-            value = prompt()
-            if value.strip():
-                token = BootstrapToken(validate_token(value, "the prompt"), "prompt")
+        token = await self.find_token(token_file=token_file, token_env=token_env, prompt=prompt)
         if token is None:
             why = (f"the stored identity in {self.store.data_dir} is unusable ({loaded.problem}) and there is "
                    if loaded.problem else "")
             raise TokenError(why + no_token_message(self.config))
         return await self.register(token), True
+
+    async def find_token(
+        self, *, token_file: str | None = None, token_env: str | None = None, prompt: Callable[[], str] | None = None
+    ) -> BootstrapToken | None:
+        """The configured sources (with `plexd join`'s overrides), then the prompt when there is one."""
+        token = await resolve_token(self.config, self._env, token_file=token_file, token_env=token_env)
+        if token is None and prompt is not None:
+            value = prompt()
+            if value.strip():
+                token = BootstrapToken(validate_token(value, "the prompt"), "prompt")
+        return token
 
     async def register(self, token: BootstrapToken, private_key: bytes | None = None) -> Identity:
         """A fresh registration with `token` (a new keypair unless `private_key` is given)."""
@@ -274,8 +281,12 @@ class Registrar:
         return await self._post(request, bearer=identity.node_secret_key, private_key=identity.private_key,
                                 reregister=True)
 
-    async def recover(self, current: Identity | None) -> Identity:
-        """After a 401: adopt a newer identity from disk, else re-register, else register afresh with a token."""
+    async def recover(
+        self, current: Identity | None, *, token_file: str | None = None, token_env: str | None = None,
+        prompt: Callable[[], str] | None = None,
+    ) -> Identity:
+        """After a 401 (or `plexd join` on a registered node): adopt a newer identity from disk, else re-register
+        with the node secret, else register afresh with a bootstrap token. Never deletes the identity."""
         loaded = self.store.load()
         if loaded.identity is not None and current is not None and (
             loaded.identity.node_secret_key != current.node_secret_key or loaded.identity.node_id != current.node_id
@@ -284,6 +295,7 @@ class Registrar:
             self.client.set_token(loaded.identity.node_secret_key)
             return loaded.identity
         base = loaded.identity or current
+        refused: RegistrationError | None = None
         if base is not None:
             try:
                 return await self.reregister(base)
@@ -292,12 +304,10 @@ class Registrar:
                     raise
                 log.warning("re-registration refused: %s", exc, extra={"node_id": base.node_id})
                 refused = exc
-        else:
-            refused = None
-        token = await resolve_token(self.config, self._env)
+        token = await self.find_token(token_file=token_file, token_env=token_env, prompt=prompt)
         if token is None:
             why = f"{refused}; " if refused else ""
-            raise RegistrationError(f"{why}{no_token_message(self.config)}", getattr(refused, "status", 0))
+            raise RegistrationError(f"{why}{no_token_message(self.config)}", refused.status if refused else 0)
         return await self.register(token)
 
     async def _post(self, request: RegisterRequest, *, bearer: str, private_key: bytes, reregister: bool) -> Identity:

@@ -1,0 +1,212 @@
+"""Registration against the real reference control plane (`plexd-devplane` process, real HTTP), driving the real
+``plexd`` executable: join, identity files and modes, token file deletion, identity reuse by ``plexd up`` without
+a POST, a reused token refused with the operator message, and re-registration after the devplane forgets the node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plexd.devplane.harness import Devplane
+from plexd.identity import IdentityStore
+
+PLEXD = str(Path(sys.executable).with_name("plexd"))
+
+
+@pytest.fixture
+def dp(tmp_path):
+    with Devplane(tmp_path / "devplane") as plane:
+        yield plane
+
+
+class Node:
+    """One plexd installation: its own data_dir, token file and config."""
+
+    def __init__(self, root: Path, dp: Devplane, name: str) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root, self.name = root, name
+        self.data = root / "data"
+        self.token = root / "bootstrap-token"
+        self.config = root / "config.yaml"
+        self.config.write_text(
+            f"api: {dp.url}\ndata_dir: {self.data}\ntoken: {{file: {self.token}}}\nhooks: {{dir: {root / 'hooks'}}}\n"
+            f"registration: {{hostname: {name}, max_wait: 5s}}\n"
+            "sse: {backoff_base: 50ms, backoff_max: 500ms}\nmesh: {interface: pxcore0}\n")
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **extra}
+
+    def run(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([PLEXD, *args], env=self.env(**extra), capture_output=True, text=True, timeout=60,
+                              stdin=subprocess.DEVNULL)
+
+    def up(self, **extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen([PLEXD, "up"], env=self.env(**extra), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+    def identity(self):
+        return IdentityStore(self.data).load().identity
+
+
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGTERM) -> tuple[int, str]:
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, err
+
+
+def wait_until(predicate, timeout: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.05)
+
+
+def registrations(dp: Devplane) -> list[dict]:
+    """Every /v1/register the devplane handled (fresh and by node secret), from its structured log."""
+    out = []
+    for line in dp.log_path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry.get("msg") in ("node registered", "node re-registered with its node secret"):
+            out.append(entry)
+    return out
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_join_registers_persists_and_up_reuses_without_a_post(tmp_path, dp):
+    node = Node(tmp_path / "a", dp, "px-node-a")
+    node.token.write_text(dp.admin.create_token() + "\n")
+    r = node.run("join")
+    assert r.returncode == 0, r.stderr
+    ident = node.identity()
+    assert f"registered as node {ident.node_id} with mesh IP {ident.mesh_ip}" in r.stdout
+
+    # The control plane knows it, with our public key.
+    (listed,) = dp.admin.nodes()
+    assert (listed["id"], listed["hostname"], listed["mesh_ip"]) == (ident.node_id, "px-node-a", ident.mesh_ip)
+    assert listed["public_key"] == ident.public_key
+
+    # Identity files: the [C] names, 0600 files in a 0700 dir; the used token file is gone.
+    assert mode(node.data) == 0o700
+    for name in ("identity.json", "private_key", "node_secret_key", "signing_public_key"):
+        assert mode(node.data / name) == 0o600, name
+    assert json.loads((node.data / "identity.json").read_text()) == {
+        "node_id": ident.node_id, "mesh_ip": ident.mesh_ip,
+        "signing_public_key": dp.admin.status()["signing_keys"]["current"]}
+    assert not node.token.exists()
+    assert len(ident.node_secret_key) == 32
+
+    status = json.loads(node.run("status", "--json").stdout)
+    assert status["registered"] and status["node_id"] == ident.node_id and status["control_plane"] == dp.url
+
+    # A second start reuses the identity: no registration reaches the control plane.
+    before = registrations(dp)
+    assert len(before) == 1
+    caps = dp.admin.node(ident.node_id)["capabilities"]  # sent with the registration
+    assert len(caps["binary"]["checksum"]) == 64 and caps["binary"]["version"]
+    proc = node.up()
+    try:
+        wait_until(lambda: len(dp.admin.records(ident.node_id, "capabilities")) == 1,
+                   what="capabilities announced by plexd up")
+    finally:
+        rc, err = stop(proc)
+    assert rc == 0, err
+    assert registrations(dp) == before
+    assert node.identity() == ident
+    assert "using the stored identity" in err
+
+
+def test_reused_token_is_refused_with_the_operator_message(tmp_path, dp):
+    token = dp.admin.create_token()
+    first = Node(tmp_path / "a", dp, "px-first")
+    first.token.write_text(token)
+    assert first.run("join").returncode == 0
+    second = Node(tmp_path / "b", dp, "px-second")
+    second.token.write_text(token)
+    r = second.run("join")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.splitlines() == [r.stderr.strip()]
+    assert "bootstrap token refused (HTTP 401)" in r.stderr and "already used" in r.stderr
+    assert "create a new token and run 'plexd join' again" in r.stderr
+    assert second.token.exists() and second.identity() is None
+    assert not (second.data / "identity.json").exists()
+
+
+def test_join_on_a_registered_node_confirms_by_node_secret(tmp_path, dp):
+    node = Node(tmp_path / "a", dp, "px-confirm")
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    ident = node.identity()
+    r = node.run("join")
+    assert r.returncode == 0, r.stderr
+    assert f"already registered as node {ident.node_id}" in r.stdout and "confirmed" in r.stdout
+    assert node.identity() == ident
+    assert [e["msg"] for e in registrations(dp)] == ["node registered", "node re-registered with its node secret"]
+
+
+def test_up_re_registers_after_the_devplane_forgets_the_node(tmp_path, dp):
+    node = Node(tmp_path / "a", dp, "px-forgotten")
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    old = node.identity()
+    dp.admin.forget_node(old.node_id)
+    assert dp.admin.nodes() == []
+
+    # The forgotten node's secret is refused (401); plexd re-registers, first with its node secret (refused
+    # too: the devplane no longer knows it), then afresh with the new bootstrap token it is given.
+    proc = node.up(PLEXD_BOOTSTRAP_TOKEN=dp.admin.create_token())
+    try:
+        wait_until(lambda: len(dp.admin.nodes()) == 1, what="re-registration")
+        wait_until(lambda: node.identity() is not None and node.identity().node_id != old.node_id,
+                   what="new identity saved")
+    finally:
+        rc, err = stop(proc)
+    assert rc == 0, err
+    new = node.identity()
+    assert "re-registration refused" in err
+    assert new.node_id != old.node_id and new.node_secret_key != old.node_secret_key
+    assert dp.admin.nodes() == []  # deregistered on SIGTERM (shutdown.deregister defaults to true)
+    record = dp.admin.node(new.node_id)
+    assert record["hostname"] == "px-forgotten" and record["status"] == "deregistered"
+    assert record["public_key"] == new.public_key
+
+
+def test_join_after_forget_registers_afresh_with_a_new_token(tmp_path, dp):
+    node = Node(tmp_path / "a", dp, "px-rejoin")
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    old = node.identity()
+    dp.admin.forget_node(old.node_id)
+
+    r = node.run("join")  # no token available: say so in one line, keep the identity
+    assert r.returncode == 1 and "no longer accepts this node's secret" in r.stderr
+    assert "no bootstrap token" in r.stderr and node.identity() == old
+
+    fresh_token = tmp_path / "new-token"
+    fresh_token.write_text(dp.admin.create_token())
+    r = node.run("join", "--token-file", str(fresh_token))
+    assert r.returncode == 0, r.stderr
+    new = node.identity()
+    assert f"no longer knew node {old.node_id}; registered afresh" in r.stdout
+    assert [n["id"] for n in dp.admin.nodes()] == [new.node_id]
+    assert not fresh_token.exists()
