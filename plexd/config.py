@@ -61,18 +61,24 @@ def _f(default: Any, kind: str = "", **rules: Any) -> Any:
 
 @dataclass(frozen=True)
 class TlsConfig:
+    """TLS to the control plane."""
+
     ca_file: str = _f("")
     insecure_skip_verify: bool = _f(False)
 
 
 @dataclass(frozen=True)
 class ApiConfig:
+    """Where the control plane is."""
+
     url: str = _f("", "url")
     tls: TlsConfig = field(default_factory=TlsConfig)
 
 
 @dataclass(frozen=True)
 class MeshConfig:
+    """The WireGuard mesh interface."""
+
     interface: str = _f("plexd0", "ifname")
     listen_port: int = _f(51820, min=1, max=65535)
     mtu: int = _f(1420, min=576, max=65535)
@@ -82,6 +88,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class TokenConfig:
+    """Where the bootstrap token comes from (§5.1)."""
+
     value: str = _f("", secret=True)
     file: str = _f("/etc/plexd/bootstrap-token")
     env: str = _f("PLEXD_BOOTSTRAP_TOKEN")
@@ -91,6 +99,8 @@ class TokenConfig:
 
 @dataclass(frozen=True)
 class RegistrationConfig:
+    """What the node registers as."""
+
     hostname: str = _f("")
     metadata: dict[str, str] = field(default_factory=dict, metadata={"kind": "map"})
     max_wait: float = _f(300.0, "duration", min=1)
@@ -98,16 +108,22 @@ class RegistrationConfig:
 
 @dataclass(frozen=True)
 class ReconcileConfig:
+    """Periodic full-state reconcile."""
+
     interval: float = _f(60.0, "duration", min=1)
 
 
 @dataclass(frozen=True)
 class HeartbeatConfig:
+    """Heartbeats to the control plane."""
+
     interval: float = _f(30.0, "duration", min=1)
 
 
 @dataclass(frozen=True)
 class SseConfig:
+    """Event stream reconnects and polling fallback."""
+
     backoff_base: float = _f(1.0, "duration", min=0.001)
     backoff_max: float = _f(60.0, "duration", min=0.001)
     jitter: float = _f(0.25, min=0.0, max=0.99)
@@ -117,12 +133,16 @@ class SseConfig:
 
 @dataclass(frozen=True)
 class ShutdownConfig:
+    """What SIGTERM does."""
+
     deregister: bool = _f(True)
     drain: float = _f(30.0, "duration", min=0)
 
 
 @dataclass(frozen=True)
 class NatTraversalConfig:
+    """STUN discovery of the public endpoint."""
+
     enabled: bool = _f(True)
     stun_servers: tuple[str, ...] = _f((), "list")
     refresh_interval: float = _f(60.0, "duration", min=10)
@@ -130,6 +150,8 @@ class NatTraversalConfig:
 
 @dataclass(frozen=True)
 class ActionsConfig:
+    """Hook and built-in action execution."""
+
     enabled: bool = _f(True)
     max_concurrent: int = _f(5, min=1, max=1000)
     timeout: float = _f(600.0, "duration", min=10)
@@ -137,11 +159,15 @@ class ActionsConfig:
 
 @dataclass(frozen=True)
 class HooksConfig:
+    """Hook discovery."""
+
     dir: str = _f("/etc/plexd/hooks.d")
 
 
 @dataclass(frozen=True)
 class NodeApiConfig:
+    """The local node API."""
+
     socket_path: str = _f("/var/run/plexd/api.sock")
     http_enabled: bool = _f(False)
     http_listen: str = _f("127.0.0.1:9100")
@@ -150,11 +176,15 @@ class NodeApiConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Policy enforcement (nftables)."""
+
     enabled: bool = _f(True)
 
 
 @dataclass(frozen=True)
 class Config:
+    """The effective configuration; `sources` says where each leaf came from."""
+
     api: ApiConfig = field(default_factory=ApiConfig)
     mode: str = _f("node", choices=("node", "bridge"))
     log_level: str = _f("info", choices=("debug", "info", "warning", "warn", "error"))

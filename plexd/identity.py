@@ -18,14 +18,11 @@ import base64
 import binascii
 import contextlib
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from plexd.errors import PlexdError
-
-log = logging.getLogger(__name__)
 
 IDENTITY_FILE = "identity.json"
 PRIVATE_KEY_FILE = "private_key"
@@ -179,7 +176,9 @@ class IdentityStore:
             raise
         if field and on_disk != field:
             # The file is updated on key rotation; the JSON copy may lag behind. The file wins (§5.4).
-            log.warning("signing_public_key file differs from identity.json; using the file",
+            import logging  # lazily: `plexd status` loads identities and should start fast
+
+            logging.getLogger(__name__).warning("signing_public_key file differs from identity.json; using the file",
                         extra={"component": "identity"})
         return on_disk
 
