@@ -396,13 +396,32 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
     if "max" in rules and value > rules["max"]:
         raise ConfigError(f"{where} is too large (maximum {rules['max']})")
     if kind == "url" and value:
-        scheme, sep, rest = value.partition("://")
-        if not sep or scheme.lower() not in ("http", "https") or not rest.strip("/"):
-            raise ConfigError(f"{where} is not an http:// or https:// URL")
+        problem = _url_problem(value)
+        if problem:
+            raise ConfigError(f"{where} is not a usable http:// or https:// URL ({problem})")
     if kind == "ifname" and not (0 < len(value) <= 15 and "/" not in value and not any(c.isspace() for c in value)):
         raise ConfigError(f"{where} is not a valid interface name (1-15 characters, no '/' or spaces)")
     if kind == "path" and not value:
         raise ConfigError(f"{where} must not be empty")
+
+
+def _url_problem(value: str) -> str:
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises ValueError for a bad port
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme.lower() not in ("http", "https"):
+        return "the scheme must be http or https"
+    if not parts.hostname:
+        return "no host name"
+    if any(c.isspace() for c in value):
+        return "contains spaces"
+    if port == 0:
+        return "port 0"
+    return ""
 
 
 def _read_file(path: str, explicit: bool) -> tuple[dict[str, Any], str | None]:

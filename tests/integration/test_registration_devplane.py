@@ -210,3 +210,82 @@ def test_join_after_forget_registers_afresh_with_a_new_token(tmp_path, dp):
     assert f"no longer knew node {old.node_id}; registered afresh" in r.stdout
     assert [n["id"] for n in dp.admin.nodes()] == [new.node_id]
     assert not fresh_token.exists()
+
+
+def test_join_prompts_for_the_token_on_a_tty_without_echo(tmp_path, dp):
+    import fcntl
+    import pty
+    import select
+    import termios
+
+    node = Node(tmp_path / "a", dp, "px-tty")
+    token = dp.admin.create_token()
+    master, slave = pty.openpty()
+
+    def make_controlling_tty() -> None:  # getpass talks to /dev/tty, which needs a controlling terminal
+        os.setsid()
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen([PLEXD, "join"], env=node.env(), stdin=slave, stdout=slave, stderr=slave,
+                            preexec_fn=make_controlling_tty)
+    os.close(slave)
+    seen = b""
+
+    def read_until(marker: bytes | None, timeout: float = 20) -> None:
+        nonlocal seen
+        deadline = time.monotonic() + timeout
+        while marker is None or marker not in seen:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {marker!r} in {seen!r}")
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    return
+                if not chunk:
+                    return
+                seen += chunk
+
+    try:
+        read_until(b"Bootstrap token (input hidden): ")
+        os.write(master, token.encode() + b"\n")
+        read_until(None)
+        assert proc.wait(20) == 0, seen
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    assert b"registered as node" in seen
+    assert token.encode() not in seen  # never echoed
+    assert node.identity().node_id == dp.admin.nodes()[0]["id"]
+
+
+def test_deregister_and_purge(tmp_path, dp):
+    node = Node(tmp_path / "a", dp, "px-leaving")
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    ident = node.identity()
+
+    r = node.run("deregister", "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == {"node_id": ident.node_id, "deregistered": True, "purged": False}
+    assert dp.admin.node(ident.node_id)["status"] == "deregistered" and dp.admin.nodes() == []
+    assert node.identity() == ident  # kept for a later re-registration
+
+    # A second deregister is refused by the control plane (the secret no longer works): one line, exit 1.
+    r = node.run("deregister")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "HTTP 401" in r.stderr
+
+    # Re-join with a new token, then leave for good.
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    node.token.write_text("leftover")  # the purge removes a token file that is still there
+    r = node.run("deregister", "--purge")
+    assert r.returncode == 0, r.stderr
+    assert "deregistered" in r.stdout and "local data purged" in r.stdout
+    assert not node.data.exists() and not node.token.exists()
+
+    r = node.run("deregister")
+    assert r.returncode == 1 and "not registered" in r.stderr and "Traceback" not in r.stderr

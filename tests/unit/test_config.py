@@ -156,8 +156,18 @@ def test_bad_duration_from_env_names_variable():
 
 
 def test_wrong_type_from_flag():
-    with pytest.raises(ConfigError, match=r"api.url: 'cp.example.com' from flag --api is not an http"):
+    with pytest.raises(ConfigError, match=r"api.url: 'cp.example.com' from flag --api is not a usable http"):
         cfg.load(env={"PLEXD_CONFIG": ""}, flags={"api": "cp.example.com"})
+
+
+@pytest.mark.parametrize("url,problem", [
+    ("http://exa mple.com", "contains spaces"), ("http://[::1", "Invalid IPv6 URL"),
+    ("http://host:99999", "Port out of range"), ("http://:80", "no host name"), ("ftp://x", "scheme"),
+])
+def test_unusable_api_urls(url, problem):
+    with pytest.raises(ConfigError) as info:
+        cfg.load(env={"PLEXD_CONFIG": ""}, flags={"api": url})
+    assert problem in str(info.value) and repr(url) in str(info.value)
 
 
 def test_secret_value_never_printed_in_errors_or_show(tmp_path):
