@@ -1,0 +1,200 @@
+"""The "Connected" stage of `plexd up`: heartbeat, signed event stream and reconciler, wired to one mesh.
+
+    events ──▶ EventHandlers ──▶ mesh.set_desired(...) ──▶ mesh.converge()          (hint: converge now)
+    reconciler ──▶ GET /state ──▶ mesh.set_desired(with_state) ──▶ mesh.converge() ──▶ POST /drift
+    heartbeat ──▶ reconcile:true / rotate_keys:true ──▶ reconciler.trigger()
+    stream reconnect ──▶ reconciler.trigger()          (catch up on whatever happened while we were away)
+    401 anywhere ──▶ agent.reauthenticate()           (PROJECT-DECISIONS.md, Re-registration row)
+
+The mesh is anything with ``get_desired()``, ``set_desired(d)`` and ``async converge(dry_run=False)`` returning a
+result with ``.changes`` (see `MeshHandle`, which adapts a `plexd.converge.Converger`). The converger serialises
+converges itself, so an event-triggered converge and a reconcile never interleave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import httpx
+
+from plexd.backoff import Backoff
+from plexd.controlplane.client import _tls_context
+from plexd.controlplane.events import EventStream
+from plexd.controlplane.signing import (
+    InvalidSigningKeys,
+    NonceStore,
+    Verifier,
+    key_fingerprint,
+    load_signing_key,
+)
+from plexd.model import SigningKeys, State
+from plexd.services.event_handlers import EventHandlers, apply_signing_keys
+from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
+from plexd.services.reconciler import Correction, Reconciler
+
+if TYPE_CHECKING:
+    from plexd.agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class Mesh(Protocol):
+    def get_desired(self) -> Any: ...
+
+    def set_desired(self, desired: Any) -> None: ...
+
+    async def converge(self, *, dry_run: bool = False) -> Any: ...
+
+
+class MeshHandle:
+    """Holds the desired model and converges a `Converger` to it (one instance per daemon)."""
+
+    def __init__(self, converger: Any, desired: Any,
+                 on_desired_changed: Callable[[Any], None] | None = None) -> None:
+        self.converger = converger
+        self._desired = desired
+        self._on_changed = on_desired_changed
+
+    def get_desired(self) -> Any:
+        return self._desired
+
+    def set_desired(self, desired: Any) -> None:
+        self._desired = desired
+        if self._on_changed is not None:
+            self._on_changed(desired)
+
+    async def converge(self, *, dry_run: bool = False) -> Any:
+        return await self.converger.converge(self._desired, dry_run=dry_run)
+
+
+@dataclass
+class Connected:
+    verifier: Verifier
+    handlers: EventHandlers
+    stream: EventStream
+    reconciler: Reconciler
+    heartbeat: HeartbeatService
+
+
+def build_verifier(data_dir: Path, clock: Any, fallback_key: str) -> Verifier:
+    """The verifier with the persisted key (the file wins, §5.4) and the persisted nonce store."""
+    key = load_signing_key(data_dir) or fallback_key
+    verifier = Verifier(None, NonceStore(clock, data_dir / "nonces.json"), clock)
+    try:
+        verifier.set_keys(SigningKeys(current=key))
+    except InvalidSigningKeys as exc:
+        # Every event will be refused until the first state pull brings a usable key; say so once, loudly.
+        log.error("stored signing key unusable (%s); events are refused until the control plane sends one", exc)
+    return verifier
+
+
+def state_applier(mesh: Mesh, verifier: Verifier, data_dir: Path | None) -> Callable[[State], list[Correction]]:
+    """`apply_state` for the reconciler: replace the desired model, install new signing keys (reported)."""
+
+    def apply(state: State) -> list[Correction]:
+        corrections: list[Correction] = []
+        keys = state.signing_keys
+        if keys is not None and keys.current:
+            old = verifier.keys
+            try:
+                if apply_signing_keys(verifier, data_dir, keys):
+                    detail = f"signing keys rotated: current {key_fingerprint(keys.current)}"
+                    if old is not None:
+                        detail += f" (was {key_fingerprint(old.current)})"
+                    corrections.append(Correction("signing_keys_updated", detail))
+            except InvalidSigningKeys as exc:
+                log.error("state carries unusable signing keys, keeping the current ones: %s", exc)
+        mesh.set_desired(mesh.get_desired().with_state(state))
+        return corrections
+
+    return apply
+
+
+def install_connected(agent: Agent, mesh: Mesh, *, nat: Callable[[], NatInfo | None] | None = None) -> Connected:
+    """Create the connected-state services and add them to `agent` (call from `install_services`)."""
+    cfg = agent.config
+    data_dir = Path(cfg.data_dir)
+    assert agent.identity is not None
+    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key)
+
+    def node_id() -> str:
+        assert agent.identity is not None
+        return agent.identity.node_id
+
+    async def reauthenticate() -> None:
+        await agent.reauthenticate(agent.client.token)
+
+    async def fetch_state() -> State:
+        return await agent.authed(lambda: agent.client.fetch_state(node_id()))
+
+    async def post_drift(report: dict[str, Any]) -> None:
+        await agent.authed(lambda: agent.client.report_drift(node_id(), report))
+
+    reconciler = Reconciler(fetch_state, state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
+                            clock=agent.clock, interval=cfg.reconcile.interval)
+
+    async def converge_now(reason: str) -> None:
+        result = await mesh.converge()
+        for err in getattr(result, "errors", ()):
+            log.warning("converge after %s: %s", reason, err)
+
+    handlers = EventHandlers(mesh.get_desired, mesh.set_desired, converge_now, reconciler.trigger, verifier,
+                             data_dir)
+
+    stream = EventStream(
+        agent.client.base_url, node_id(), lambda: agent.client.token, data_dir, verifier, handlers.dispatch,
+        clock=agent.clock,
+        on_connected=lambda: reconciler.trigger("event stream (re)connected"),
+        on_auth_failure=reauthenticate,
+        poll=lambda: reconciler.trigger("polling while the event stream is down"),
+        poll_interval=cfg.reconcile.interval,
+        backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
+        storm_backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
+        idle_timeout=cfg.sse.idle_timeout,
+        polling_after=cfg.sse.polling_after,
+        client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
+    )
+
+    def snapshot() -> HeartbeatSnapshot:
+        desired = mesh.get_desired()
+        return HeartbeatSnapshot(
+            status="healthy" if reconciler.last is None or reconciler.last.ok else "degraded",
+            binary_checksum=agent.binary_checksum,
+            mesh=MeshInfo(cfg.mesh.interface, len(desired.peers), cfg.mesh.listen_port),
+            nat=nat() if nat is not None else None,
+        )
+
+    async def send(body: dict[str, Any]) -> dict[str, bool]:
+        # No agent.authed here: the heartbeat's own 401 path re-authenticates and the next tick retries.
+        resp = await agent.client.heartbeat(node_id(), body)
+        return {"reconcile": resp.reconcile, "rotate_keys": resp.rotate_keys}
+
+    heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
+                                 trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate)
+
+    async def run_until_stopped(coro_fn: Callable[[], Any]) -> None:
+        await agent.until_stopped(coro_fn())
+
+    agent.add_service("reconciler", lambda a: run_until_stopped(reconciler.run))
+    agent.add_service("events", lambda a: run_until_stopped(stream.run))
+    agent.add_service("heartbeat", lambda a: run_until_stopped(heartbeat.run))
+    return Connected(verifier, handlers, stream, reconciler, heartbeat)
+
+
+def stream_http_client(ca_file: str, insecure_skip_verify: bool) -> httpx.AsyncClient:
+    """The stream's own HTTP client: same TLS rules as the API client, connect 10 s, no body timeout."""
+    return httpx.AsyncClient(verify=_tls_context(ca_file, insecure_skip_verify),
+                             timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
+
+
+async def wait_connected(connected: Connected, timeout: float) -> bool:
+    try:
+        await asyncio.wait_for(connected.stream.connected.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True

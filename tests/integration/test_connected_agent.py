@@ -1,0 +1,136 @@
+"""The connected stage wired into a real `Agent` (in-process) against the real devplane.
+
+The mesh here is a recording stand-in for the WireGuard converger (a dict of peers as "the device"), so this
+test needs no namespaces; the same wiring against real wireguard-go in a lab is tests/e2e/test_connected_lab.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from nacl.public import PrivateKey
+
+from plexd import agent as agent_mod
+from plexd.config import load as load_config
+from plexd.desired import DesiredState
+from plexd.devplane.harness import Devplane
+from plexd.services.connected import MeshHandle, install_connected
+
+
+@dataclass(frozen=True)
+class FakeChange:
+    correction_type: str
+    detail: str
+
+
+@dataclass
+class FakeResult:
+    changes: tuple = ()
+    errors: tuple = ()
+
+
+@dataclass
+class RecordingConverger:
+    device: dict = field(default_factory=dict)  # peer id -> public key
+    calls: int = 0
+
+    async def converge(self, desired, *, dry_run=False):
+        self.calls += 1
+        changes = []
+        for pid, peer in desired.peers.items():
+            if self.device.get(pid) != peer.public_key:
+                changes.append(FakeChange("peer_added", f"peer {pid}: missing from the device"))
+        for pid in set(self.device) - set(desired.peers):
+            changes.append(FakeChange("peer_removed", f"peer {pid}: not desired"))
+        if not dry_run:
+            self.device = {pid: p.public_key for pid, p in desired.peers.items()}
+        return FakeResult(tuple(changes))
+
+
+def wg_public() -> str:
+    return base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+
+
+async def wait_for(pred, timeout=15.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def devplane(tmp_path):
+    with Devplane(tmp_path / "dp", heartbeat_interval="1s", keepalive="1s") as dp:
+        yield dp
+
+
+async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch, caplog):
+    (tmp_path / "token").write_text(devplane.admin.create_token())
+    config = load_config(env={
+        "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_DATA_DIR": str(tmp_path / "data"),
+        "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
+        "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
+        "PLEXD_SHUTDOWN_DEREGISTER": "false"})
+    converger = RecordingConverger()
+    connected = {}
+
+    def install(agent):
+        desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
+                                       private_key=base64.b64encode(agent.identity.private_key).decode(),
+                                       mesh_ip=agent.identity.mesh_ip)
+        connected["mesh"] = MeshHandle(converger, desired)
+        connected["c"] = install_connected(agent, connected["mesh"])
+
+    monkeypatch.setattr(agent_mod, "install_services", install)
+    stop = asyncio.Event()
+    run = asyncio.create_task(agent_mod.run(config, stop_event=stop))
+    try:
+        await wait_for(lambda: "c" in connected and connected["c"].stream.connected.is_set(), what="stream")
+        c = connected["c"]
+        node_id = devplane.admin.nodes()[0]["id"]
+        await wait_for(lambda: len(devplane.admin.heartbeats(node_id)) >= 2, what="heartbeats")
+        hb = devplane.admin.heartbeats(node_id)[-1]
+        assert hb["node_id"] == node_id and hb["mesh"]["interface"] == "plexd0" and hb["binary_checksum"]
+
+        # a second node registers: the devplane announces it through the stream
+        token = devplane.admin.create_token()
+        other = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
+                           json={"token": token, "public_key": wg_public(), "hostname": "px-other"}).json()
+        await wait_for(lambda: other["node_id"] in converger.device, what="the new peer on the device")
+
+        # drift: the peer disappears from the "device" behind plexd's back; the reconciler reports it
+        converger.device.pop(other["node_id"])
+        await wait_for(lambda: any(other["node_id"] in corr["detail"] for report in devplane.admin.drift(node_id)
+                                   for corr in report["corrections"]), what="a drift report")
+        report = devplane.admin.drift(node_id)[-1]
+        assert report["corrections"] == [{"type": "peer_added",
+                                          "detail": f"peer {other['node_id']}: missing from the device"}]
+
+        # a heartbeat answer with reconcile:true triggers a cycle with that reason
+        devplane.admin.request_heartbeat_flags(node_id, reconcile=True)
+        await wait_for(lambda: c.reconciler.last is not None
+                       and "heartbeat asked for reconcile" in c.reconciler.last.reasons, what="triggered cycle")
+
+        # 401 on the stream (after the devplane restarts): the agent re-registers with its node secret (same
+        # node id) and the stream comes back once the control plane accepts it again
+        caplog.set_level(logging.INFO, "plexd.registrar")
+        await asyncio.to_thread(devplane.stop)
+        await asyncio.to_thread(devplane.start)
+        devplane.admin.set_faults(events_status=401)
+        await wait_for(lambda: "re-registering with the stored identity" in caplog.text, timeout=20,
+                       what="re-registration after the 401")
+        connects = c.stream.connects
+        devplane.admin.clear_faults()
+        await wait_for(lambda: c.stream.connects > connects, timeout=20, what="reconnect after 401")
+        assert [n["id"] for n in devplane.admin.nodes()] == [node_id, other["node_id"]]
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 30) == 0
