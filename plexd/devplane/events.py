@@ -141,6 +141,8 @@ class EventHub:
         self.seq += 1
         seq = self.seq
         eid = event_id(seq)
+        if payload_raw is not None:
+            payload_raw = _one_line(payload_raw)
         if raw_data is not None:
             data = raw_data
         else:
@@ -195,6 +197,17 @@ class EventHub:
         else:
             rows = self.store.events_after(node_id, after_seq)
         return [StreamEvent(seq, etype, data) for seq, etype, data in rows]
+
+
+def _one_line(raw: str) -> str:
+    """Keep caller-supplied payload text on one SSE line without changing what it means or its signature.
+
+    Newlines can only be whitespace between tokens (JSON forbids them raw inside strings), and U+2028/U+2029
+    can only sit inside strings, where their escaped form is equivalent; both compact to the same Go bytes.
+    Line-splitting SSE parsers (Python's str.splitlines splits on U+2028) would otherwise cut the event.
+    """
+    return (raw.replace("\r", " ").replace("\n", " ").replace("\u2028", "\\u2028")
+            .replace("\u2029", "\\u2029"))
 
 
 def _replace_signature(envelope: str, signature: str) -> str:

@@ -225,6 +225,7 @@ async def events(request: Request) -> Response:
         log.info("ignoring unknown Last-Event-ID %r", last[:64], extra={"node_id": node.id})
     sub = dep.hub.subscribe(node.id)
     backlog = dep.hub.backlog(node.id, after, dep.replay_window)
+    current = dep.hub.seq
     faults = dict(dep.faults)
     close_after = int(faults.get("close_after_events") or 0)
     silent = bool(faults.get("silent"))
@@ -233,7 +234,7 @@ async def events(request: Request) -> Response:
         if silent:  # accept, then say nothing at all (for the agent's idle watchdog)
             await asyncio.Event().wait()
         sent = 0
-        last_seq = after or 0
+        last_seq = min(after or 0, current)  # a cursor from the future (e.g. an older db) must not hide new events
         for event in backlog:
             last_seq = event.seq
             yield format_sse(event)

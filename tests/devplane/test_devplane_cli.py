@@ -1,0 +1,142 @@
+"""`plexd-devplane serve` start-up errors and the `admin` CLI, as a user runs them (real processes)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from devplane_helpers import register
+
+CLI = [sys.executable, "-m", "plexd.devplane.cli"]
+
+
+def run(*args: str, stdin: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("listen", ["nonsense", "127.0.0.1", "127.0.0.1:99999", ":80", "example.com:80",
+                                    "127.0.0.1:port"])
+def test_bad_listen_is_one_line(tmp_path, listen):
+    line = one_line_error(run("serve", "--listen", listen, "--db", str(tmp_path / "x.db")))
+    assert line.startswith("plexd-devplane: --listen") and listen in line
+
+
+def test_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = one_line_error(run("serve", "--listen", f"127.0.0.1:{port}", "--db", str(tmp_path / "x.db")))
+    assert f"cannot listen on 127.0.0.1:{port}" in line and "in use" in line
+
+
+def test_unusable_db_is_one_line(tmp_path):
+    line = one_line_error(run("serve", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "missing" / "x.db")))
+    assert "does not exist" in line
+    (tmp_path / "afile").write_text("")
+    line = one_line_error(run("serve", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "afile" / "x.db")))
+    assert "afile" in line
+    line = one_line_error(run("serve", "--listen", "127.0.0.1:0", "--db", str(tmp_path)))
+    assert "is a directory" in line
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not a sqlite database" * 100)
+    line = one_line_error(run("serve", "--listen", "127.0.0.1:0", "--db", str(garbage)))
+    assert "garbage.db" in line
+    line = one_line_error(run("serve", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "y.db"),
+                              "--admin-token-file", str(tmp_path / "nope")))
+    assert "--admin-token-file" in line and "No such file" in line
+
+
+def test_bad_duration_flag_is_rejected(tmp_path):
+    proc = run("serve", "--heartbeat-interval", "soon", "--db", str(tmp_path / "x.db"))
+    assert proc.returncode == 2 and "--heartbeat-interval" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.fixture
+def admin(dp):
+    token_file = dp.db_path.with_name(dp.db_path.name + ".admin-token")
+
+    def call(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+        return run("admin", "--url", dp.url, "--token-file", str(token_file), *args, stdin=stdin)
+
+    return call
+
+
+def test_admin_cli_tables_and_json(dp, admin, tmp_path):
+    token = admin("token", "create")
+    assert token.returncode == 0 and token.stdout.strip().startswith("plx_enroll_")
+    node = register(dp, hostname="cli-node")
+    table = admin("nodes")
+    assert table.returncode == 0
+    header, *rows = table.stdout.splitlines()
+    assert header.split()[:4] == ["NODE", "HOSTNAME", "MESH", "IP"]
+    assert any(node.id in r and "cli-node" in r and "online" in r for r in rows)
+    as_json = json.loads(admin("--json", "nodes").stdout)
+    assert any(n["id"] == node.id for n in as_json)
+    assert json.loads(admin("node", "show", node.id, "--json").stdout)["hostname"] == "cli-node"
+    assert "hostname: cli-node" in admin("node", "show", node.id).stdout
+
+    policies = [{"id": "pol_all", "rules": [{"src": "*", "dst": "*", "port": 0, "protocol": "", "action": "allow"}]}]
+    pfile = tmp_path / "policies.json"
+    pfile.write_text(json.dumps(policies))
+    assert admin("policies", "set", str(pfile)).stdout.strip() == "1 policies set"
+    assert admin("policies", "set", stdin=json.dumps(policies)).returncode == 0
+    assert "pol_all" in admin("policies", "show").stdout
+    bad = admin("policies", "set", stdin="[{")
+    assert "not valid JSON" in one_line_error(bad)
+    bad = admin("policies", "set", stdin='[{"id": "p", "rules": [{"src": "*", "dst": "*", "action": "maybe"}]}]')
+    assert "action" in one_line_error(bad) and "400" in bad.stderr
+
+    assert admin("metadata", "set", node.id, "env=prod", "tier=web").returncode == 0
+    assert admin("data", "set", node.id, "cfg", "--payload", '{"a": 1}').stdout.strip().endswith("version 1")
+    assert admin("secret", "set", node.id, "pw", "--value", "x").stdout.strip().endswith("version 1")
+    assert admin("endpoint", "set", node.id, "192.0.2.1:51820").returncode == 0
+    assert admin("flags", "set", node.id, "--reconcile").returncode == 0
+    assert node.post("heartbeat", {}).json()["reconcile"] is True
+    eid = admin("action", "request", node.id, "backup", "--param", "target=/srv", "--timeout", "30s").stdout.strip()
+    assert eid.startswith("exec_")
+    executions = admin("executions", "show", node.id)
+    assert eid in executions.stdout and "backup" in executions.stdout
+    assert admin("event", "publish", node.id, "custom", "--payload", '{"b": 1, "a": 2}').stdout.startswith("evt_")
+    rotated = json.loads(admin("--json", "signing-key", "rotate", "--transition", "1h").stdout)
+    assert set(rotated) == {"current", "previous", "transition_expires"}
+    assert admin("faults", "set", "events_status=503", "retry_after=3").returncode == 0
+    assert json.loads(admin("status", "--json").stdout)["faults"] == {"events_status": 503, "retry_after": "3"}
+    assert admin("faults", "clear").returncode == 0
+    node.post("drift", {"timestamp": "2025-01-15T10:31:00Z",
+                        "corrections": [{"type": "peer_added", "detail": "peer n_x"}]})
+    assert "peer_added: peer n_x" in admin("drift", "show", node.id).stdout
+    assert admin("metrics", "show", node.id).stdout.strip() == "(none)"
+    assert admin("node", "forget", node.id).returncode == 0
+    assert node.id not in admin("nodes").stdout
+
+
+def test_admin_cli_errors_are_one_line(dp, tmp_path):
+    line = one_line_error(run("admin", "--url", dp.url, "--token-file", str(tmp_path / "none"), "nodes"))
+    assert "--token-file" in line
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not-the-token")
+    line = one_line_error(run("admin", "--url", dp.url, "--token-file", str(wrong), "nodes"))
+    assert "401" in line
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    line = one_line_error(run("admin", "--url", f"http://127.0.0.1:{port}", "--token-file", str(wrong), "nodes"))
+    assert "unreachable" in line
+
+
+def test_demo_runs(tmp_path):
+    proc = run("demo", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "bootstrap token: plx_enroll_" in proc.stdout and "pol_default" in proc.stdout

@@ -1,0 +1,130 @@
+"""Timing logic of the deployment with an injected clock (no sleeping): liveness and mesh-IP cooldown.
+
+These drive `Deployment` in-process with a FakeClock; the HTTP layer around it is covered by the other files.
+One test at the end checks the same behaviour end to end on a real server with a short heartbeat interval.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from devplane_helpers import new_public_key, register
+
+from plexd.clock import FakeClock
+from plexd.devplane.deployment import Deployment
+from plexd.devplane.harness import Devplane
+from plexd.devplane.store import Store
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    store = Store(tmp_path / "dp.db")
+    dep = Deployment(store, clock=FakeClock(), heartbeat_interval=30.0, ip_cooldown=60.0)
+    yield dep
+    store.close()
+
+
+def _register(dep: Deployment, hostname: str):
+    token = f"tok-{hostname}"
+    dep.store.add_token(token, dep.now_text())
+    body = {"token": token, "public_key": new_public_key(), "hostname": hostname}
+    return dep.nodes[dep.register(body, None)["node_id"]]
+
+
+def _events(dep: Deployment, node_id: str) -> list[tuple[str, dict]]:
+    return [(etype, json.loads(data)["payload"]) for _, etype, data in dep.store.events_after(node_id, 0)]
+
+
+def test_unreachable_after_3_offline_after_10_and_back(deployment):
+    dep, clock = deployment, deployment.clock
+    a, b = _register(dep, "a"), _register(dep, "b")
+    clock.advance(89)
+    dep.heartbeat(b, {})
+    dep.check_liveness()
+    assert a.status == "online"
+    clock.advance(1)  # 90 s = 3 intervals without a heartbeat
+    dep.check_liveness()
+    assert a.status == "unreachable" and b.status == "online"
+    assert b.id in {p.id for p in dep.visible_peers(a)}
+    assert a.id in {p.id for p in dep.visible_peers(b)}  # unreachable peers stay configured
+    dep.heartbeat(b, {})
+    clock.advance(210)  # 300 s = 10 intervals
+    dep.check_liveness()
+    assert a.status == "offline"
+    assert ("peer_removed", {"peer_id": a.id}) in _events(dep, b.id)
+    assert a.id not in {p.id for p in dep.visible_peers(b)}
+    dep.heartbeat(a, {})
+    assert a.status == "online"
+    assert _events(dep, b.id)[-1] == ("peer_added", a.peer())
+    dep.check_liveness()
+    assert a.status == "online"
+
+
+async def test_liveness_task_runs_on_the_clock(deployment):
+    import asyncio
+
+    dep, clock = deployment, deployment.clock
+    a = _register(dep, "a")
+    task = asyncio.create_task(dep.run_liveness())
+    try:
+        await asyncio.sleep(0)
+        for _ in range(20):
+            clock.advance(15)
+            await asyncio.sleep(0)
+        assert a.status == "offline"
+    finally:
+        task.cancel()
+
+
+def test_released_ip_rests_for_the_cooldown(deployment):
+    dep, clock = deployment, deployment.clock
+    a = _register(dep, "a")
+    first_ip = a.mesh_ip
+    assert first_ip == "10.100.0.1"
+    dep.remove(a, "deregistered")
+    b = _register(dep, "b")
+    assert b.mesh_ip != first_ip
+    clock.advance(61)
+    c = _register(dep, "c")
+    assert c.mesh_ip == first_ip
+
+
+def test_allocation_skips_zero_and_broadcast_octets(deployment):
+    dep = deployment
+    dep.used_ips.update(f"10.100.0.{i}" for i in range(1, 255))
+    assert _register(dep, "x").mesh_ip == "10.100.1.1"
+
+
+def test_state_reloads_from_the_database(tmp_path):
+    store = Store(tmp_path / "dp.db")
+    dep = Deployment(store, clock=FakeClock())
+    a = _register(dep, "a")
+    dep.set_secret(a, "k", "v")
+    key = dep.signer.public_key
+    store.close()
+    store = Store(tmp_path / "dp.db")
+    again = Deployment(store, clock=FakeClock())
+    assert again.nodes[a.id].secrets == {"k": {"value": "v", "version": 1}}
+    assert again.by_secret[a.secret].id == a.id
+    assert again.signer.public_key == key
+    assert again.hub.seq == dep.hub.seq
+    store.close()
+
+
+def test_offline_end_to_end(tmp_path, readers):
+    """A real server with a 200 ms heartbeat interval: a silent node goes offline and its peer is told."""
+    with Devplane(tmp_path, heartbeat_interval="200ms") as dp:
+        a, b = register(dp), register(dp)
+        reader = readers(b, last_event_id="evt_999999")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            b.post("heartbeat", {})
+            if dp.admin.node(a.id)["status"] == "offline":
+                break
+            time.sleep(0.1)
+        assert dp.admin.node(a.id)["status"] == "offline"
+        assert json.loads(reader.wait_for("peer_removed").data)["payload"] == {"peer_id": a.id}
+        assert a.post("heartbeat", {}).status_code == 200
+        assert json.loads(reader.wait_for("peer_added").data)["payload"]["id"] == a.id
