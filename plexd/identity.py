@@ -197,9 +197,11 @@ class IdentityStore:
         }
         written: list[str] = []
         try:
-            # Retract the commit marker first: if we die mid-save the old identity.json must not pair with a new key.
-            with contextlib.suppress(FileNotFoundError):
-                self.path(IDENTITY_FILE).unlink()
+            # A new key: retract the commit marker first, so that dying mid-save cannot pair the old identity.json
+            # with the new key. The same key (re-registration): any mix of old and new files is still valid.
+            if self._stored_private_key() != contents[PRIVATE_KEY_FILE]:
+                with contextlib.suppress(FileNotFoundError):
+                    self.path(IDENTITY_FILE).unlink()
             for name in IDENTITY_FILES:
                 write_atomic(self.path(name), contents[name].encode())
                 written.append(name)
@@ -210,6 +212,12 @@ class IdentityStore:
             self._remove_temp_files()
             raise DataDirError(f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} "
                                f"(errno {exc.errno}); nothing was kept") from None
+
+    def _stored_private_key(self) -> str:
+        try:
+            return self.path(PRIVATE_KEY_FILE).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            return ""
 
     def write_signing_key(self, key_b64: str) -> None:
         """Persist a rotated signing key (the file wins over identity.json on load)."""

@@ -438,7 +438,7 @@ class ControlPlaneClient:
             if not 200 <= response.status_code < 300:
                 try:
                     async with asyncio.timeout(self.request_timeout):
-                        body = await _read_capped(response, what, MAX_ERROR_BYTES)
+                        body = await _read_capped(response, what, MAX_ERROR_BYTES, truncate=True)
                 except (TimeoutError, httpx.HTTPError, ControlPlaneError):
                     body = b""
                 raise self._status_error(what, response.status_code, body, response.headers)
@@ -466,18 +466,20 @@ def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
     return ctx
 
 
-async def _read_capped(response: httpx.Response, what: str, limit: int = MAX_RESPONSE_BYTES) -> bytes:
+async def _read_capped(response: httpx.Response, what: str, limit: int = MAX_RESPONSE_BYTES, *,
+                       truncate: bool = False) -> bytes:
+    """The (decompressed) body, at most `limit` bytes: beyond it, an error, or the first `limit` bytes when
+    `truncate` (error bodies only need their start)."""
     chunks: list[bytes] = []
     size = 0
     async for chunk in response.aiter_bytes():
+        chunks.append(chunk)
         size += len(chunk)
         if size > limit:
-            if limit == MAX_RESPONSE_BYTES:
-                raise BadResponseError(what, response.status_code, f"response larger than {limit} bytes")
-            chunks.append(chunk)
-            break
-        chunks.append(chunk)
-    return b"".join(chunks)
+            if truncate:
+                break
+            raise BadResponseError(what, response.status_code, f"response larger than {limit} bytes")
+    return b"".join(chunks)[:limit]
 
 
 def _error_message(body: bytes) -> str:

@@ -485,3 +485,18 @@ async def test_timeouts_configured():
 async def test_concurrent_calls_share_the_client(rec, cp):
     await asyncio.gather(*(cp.ping() for _ in range(10)))
     assert len(rec.requests) == 10
+
+
+async def test_decompressed_response_is_capped_at_10_mib(rec, cp):
+    bomb = gzip.compress(b" " * (10 * 1024 * 1024 + 1))  # ~10 KiB on the wire
+    rec.route("GET", f"/v1/nodes/{NODE}/state",
+              Reply(200, bomb, {"Content-Type": "application/json", "Content-Encoding": "gzip"}))
+    with pytest.raises(BadResponseError, match="larger than 10485760 bytes"):
+        await cp.fetch_state(NODE)
+
+
+async def test_error_body_is_cut_to_its_start(rec, cp):
+    rec.route("GET", "/v1/ping", Reply(500, "x" * 100_000, {"Content-Type": "text/plain"}))
+    with pytest.raises(TransientError) as info:
+        await cp.ping()
+    assert len(info.value.message) <= 300 and info.value.message.startswith("xxx")

@@ -227,3 +227,25 @@ def test_fingerprint_is_short_and_stable():
     assert fingerprint("abc") == fingerprint(b"abc") and fingerprint("abc") != fingerprint("abd")
     assert len(fingerprint("abc")) == 11 and "abc" not in fingerprint("abc")[3:]
     assert json.dumps(fingerprint("")) == '"fp:empty"'
+
+
+def test_resave_with_the_same_key_keeps_identity_json_in_place(tmp_path, monkeypatch):
+    """Re-registration keeps the key: identity.json is never retracted, so a crash mid-save cannot unregister."""
+    store = IdentityStore(tmp_path)
+    first = ident()
+    store.save(first)
+    seen: list[bool] = []
+    import plexd.identity as mod
+
+    real = mod.write_atomic
+
+    def spy(path, data, mode=0o600):
+        seen.append((tmp_path / "identity.json").exists())
+        real(path, data, mode)
+
+    monkeypatch.setattr(mod, "write_atomic", spy)
+    store.save(Identity(first.node_id, first.mesh_ip, SIGNING, "N" * 32, first.private_key))
+    assert all(seen) and store.load().identity.node_secret_key == "N" * 32
+    seen.clear()
+    store.save(ident())  # a new key: the marker is retracted before anything is written
+    assert seen == [False, False, False, False]
