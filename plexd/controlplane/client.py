@@ -55,6 +55,7 @@ from plexd.controlplane.errors import (
 from plexd.errors import WireFormatError
 from plexd.gojson import format_time, go_marshal
 from plexd.model import Peer, RegisterResponse, State
+from plexd.model import _fields as _object  # Go's lenient decoding: case-insensitive keys
 
 GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
 MAX_RESPONSE_BYTES = 10 * 1024 * 1024  # decompressed response cap (§1.1)
@@ -291,9 +292,7 @@ class ControlPlaneClient:
         body = request.to_wire() if isinstance(request, HeartbeatRequest) else dict(request)
         what = "heartbeat"
         doc = await self._json("POST", f"/v1/nodes/{path_escape(node_id)}/heartbeat", body, has_body=True, what=what)
-        if not isinstance(doc, dict):
-            raise BadResponseError(what, 200, "response is not a JSON object")
-        f = {str(k).lower(): v for k, v in doc.items()}
+        f = _typed(what, _object, doc, "response")
         for key in ("reconcile", "rotate_keys"):
             if f.get(key) is not None and not isinstance(f[key], bool):
                 raise BadResponseError(what, 200, f"{key} must be a boolean")
@@ -539,40 +538,38 @@ def _typed(what: str, parse: Any, doc: JSON, *args: Any) -> Any:
 
 
 def _peer_list(doc: JSON, key: str) -> list[Peer]:
-    if not isinstance(doc, dict):
-        raise WireFormatError("", "response must be a JSON object")
-    f = {str(k).lower(): v for k, v in doc.items()}
-    items = f.get(key) or []
+    items = _null_default(_object(doc, "response").get(key), [])
     if not isinstance(items, list):
         raise WireFormatError(key, "must be an array")
     return [Peer.from_wire(p, f"{key}[{i}]") for i, p in enumerate(items)]
 
 
 def _peer_endpoints(doc: JSON) -> list[PeerEndpoint]:
-    if not isinstance(doc, dict):
-        raise WireFormatError("", "response must be a JSON object")
-    f = {str(k).lower(): v for k, v in doc.items()}
-    items = f.get("peer_endpoints") or []
+    items = _null_default(_object(doc, "response").get("peer_endpoints"), [])
     if not isinstance(items, list):
         raise WireFormatError("peer_endpoints", "must be an array")
     out = []
     for i, item in enumerate(items):
-        g = {str(k).lower(): v for k, v in item.items()} if isinstance(item, dict) else None
-        if g is None or not isinstance(g.get("peer_id", ""), str) or not isinstance(g.get("endpoint", ""), str):
-            raise WireFormatError(f"peer_endpoints[{i}]", "must be an object with string peer_id and endpoint")
-        out.append(PeerEndpoint(peer_id=g.get("peer_id", ""), endpoint=g.get("endpoint", "")))
+        f = _object(item, f"peer_endpoints[{i}]")
+        peer_id, endpoint = _null_default(f.get("peer_id"), ""), _null_default(f.get("endpoint"), "")
+        if not isinstance(peer_id, str) or not isinstance(endpoint, str):
+            raise WireFormatError(f"peer_endpoints[{i}]", "peer_id and endpoint must be strings")
+        out.append(PeerEndpoint(peer_id=peer_id, endpoint=endpoint))
     return out
 
 
 def _secret(doc: JSON) -> SecretResponse:
-    if not isinstance(doc, dict):
-        raise WireFormatError("", "response must be a JSON object")
-    f = {str(k).lower(): v for k, v in doc.items()}
-    for key in ("key", "ciphertext", "nonce"):
-        if not isinstance(f.get(key, ""), str):
+    f = _object(doc, "response")
+    texts = {key: _null_default(f.get(key), "") for key in ("key", "ciphertext", "nonce")}
+    for key, value in texts.items():
+        if not isinstance(value, str):
             raise WireFormatError(key, "must be a string")
-    version = f.get("version", 0)
+    version = _null_default(f.get("version"), 0)
     if isinstance(version, bool) or not isinstance(version, int):
         raise WireFormatError("version", "must be an integer")
-    return SecretResponse(key=f.get("key", ""), ciphertext=f.get("ciphertext", ""), nonce=f.get("nonce", ""),
-                          version=version)
+    return SecretResponse(version=version, **texts)
+
+
+def _null_default(value: JSON, default: JSON) -> JSON:
+    """Go decodes JSON null (or an absent key) into the zero value."""
+    return default if value is None else value

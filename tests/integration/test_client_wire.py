@@ -500,3 +500,24 @@ async def test_error_body_is_cut_to_its_start(rec, cp):
     with pytest.raises(TransientError) as info:
         await cp.ping()
     assert len(info.value.message) <= 300 and info.value.message.startswith("xxx")
+
+
+@pytest.mark.parametrize("method,path,body,call,field", [
+    ("POST", f"/v1/nodes/{NODE}/heartbeat", '{"reconcile":"yes"}', lambda c: c.heartbeat(NODE, {}), "reconcile"),
+    ("POST", f"/v1/nodes/{NODE}/heartbeat", "[]", lambda c: c.heartbeat(NODE, {}), "JSON object"),
+    ("PUT", f"/v1/nodes/{NODE}/endpoint", '{"peer_endpoints":[5]}', lambda c: c.report_endpoint(NODE, "a", "b"),
+     "peer_endpoints[0]"),
+    ("GET", f"/v1/nodes/{NODE}/secrets/k", '{"key":"k","version":"2"}', lambda c: c.fetch_secret(NODE, "k"),
+     "version"),
+    ("POST", "/v1/keys/rotate", '{"updated_peers":{}}', lambda c: c.rotate_keys(NODE, "k"), "updated_peers"),
+])
+async def test_malformed_typed_responses_name_the_field(rec, cp, method, path, body, call, field):
+    rec.route(method, path, Reply(200, body))
+    with pytest.raises(BadResponseError) as info:
+        await call(cp)
+    assert field in str(info.value)
+
+
+async def test_response_keys_match_case_insensitively_like_go(rec, cp):
+    rec.route("POST", f"/v1/nodes/{NODE}/heartbeat", Reply(200, '{"Reconcile":true}'))
+    assert (await cp.heartbeat(NODE, {})).reconcile is True
