@@ -302,9 +302,37 @@ def cmd_deregister(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd reconcile --once [--dry-run]  (connected-state engineer)
+
+
+def _add_reconcile(sub: Any) -> None:
+    p = sub.add_parser("reconcile", parents=[_GLOBALS, _JSON], help="run one reconcile cycle now",
+                       description="Pull the full state, diff it against the live device and correct the drift "
+                                   "(reported to the control plane), or with --dry-run only print the plan.")
+    p.add_argument("--once", action="store_true", required=True, help="run exactly one cycle (required)")
+    p.add_argument("--dry-run", action="store_true", help="print what would be corrected; change nothing")
+    p.set_defaults(func=cmd_reconcile)
+
+
+def cmd_reconcile(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from plexd.services.reconcile_cmd import format_outcome, reconcile_once
+
+    config.require_api()
+    outcome = asyncio.run(reconcile_once(config, dry_run=args.dry_run))
+    if args.json:
+        _print_json(outcome.to_json())
+    else:
+        print(format_outcome(outcome))
+    return 0 if outcome.ok else EXIT_USER_ERROR
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
-COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister]
+COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
+                                         _add_reconcile]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,6 +83,7 @@ class Connected:
 
 def build_verifier(data_dir: Path, clock: Any, fallback_key: str) -> Verifier:
     """The verifier with the persisted key (the file wins, §5.4) and the persisted nonce store."""
+    data_dir = Path(data_dir)
     key = load_signing_key(data_dir) or fallback_key
     verifier = Verifier(None, NonceStore(clock, data_dir / "nonces.json"), clock)
     try:
