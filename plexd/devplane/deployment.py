@@ -77,11 +77,13 @@ class Deployment:
         self.ip_cooldown = ip_cooldown
         self.replay_window = replay_window
         self.signer = Signer(store)
-        self.hub = EventHub(store, self.signer, clock_now=self.clock.now)
         self.nodes: dict[str, Node] = {n.id: n for n in store.load_nodes()}
+        self.hub = EventHub(store, self.signer, lambda node_id: self.nodes[node_id].num, clock_now=self.clock.now)
         self.by_secret: dict[str, Node] = {n.secret: n for n in self.nodes.values() if not n.removed}
         self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed}
         self.released_ips: dict[str, float] = store.released_ips()
+        self._ip_scan_from = 1
+        self._next_num = max((n.num for n in self.nodes.values()), default=0) + 1
         raw = store.get_meta("policies")
         self.policies: list[dict[str, Any]] = json.loads(raw) if raw is not None else [DEFAULT_POLICY]
         if raw is None:
@@ -192,22 +194,34 @@ class Deployment:
     # -- mesh IPs -----------------------------------------------------------------------------------------------
 
     def _allocate_ip(self) -> str:
+        """Lowest free address of 10.100.0.0/16, skipping x.x.x.0/255 and addresses still in their cooldown."""
         now = self.clock.now().timestamp()
         base = int(MESH_NETWORK.network_address)
-        for offset in range(1, MESH_NETWORK.num_addresses - 1):
-            if offset & 0xFF in (0, 255):  # skip .0 and .255 of every /24: some stacks treat them specially
+        resting: int | None = None  # lowest offset skipped only because of its cooldown
+        for offset in range(self._ip_scan_from, MESH_NETWORK.num_addresses - 1):
+            if offset & 0xFF in (0, 255):  # some stacks treat .0 and .255 of a /24 specially
                 continue
-            ip = str(ipaddress.ip_address(base + offset))
+            ip = str(ipaddress.IPv4Address(base + offset))
             if ip in self.used_ips:
                 continue
             released = self.released_ips.get(ip)
             if released is not None:
                 if now - released < self.ip_cooldown:
+                    resting = offset if resting is None else resting
                     continue
                 del self.released_ips[ip]
                 self.store.forget_released_ip(ip)
+            self._ip_scan_from = offset + 1 if resting is None else resting
             return ip
         raise HTTPError(503, f"mesh network {MESH_NETWORK} is full")
+
+    def _release_ip(self, ip: str) -> None:
+        now = self.clock.now().timestamp()
+        self.used_ips.discard(ip)
+        self.released_ips[ip] = now
+        self.store.release_ip(ip, now)
+        offset = int(ipaddress.IPv4Address(ip)) - int(MESH_NETWORK.network_address)
+        self._ip_scan_from = min(self._ip_scan_from, offset)
 
     # -- registration (§1.3) ------------------------------------------------------------------------------------
 
@@ -243,7 +257,9 @@ class Deployment:
             metadata=dict(body.get("metadata") or {}),
             capabilities=body.get("capabilities"),
             last_seen=self.clock.now().timestamp(),
+            num=self._next_num,
         )
+        self._next_num += 1
         with self.store.transaction():
             if not self.store.use_token(token, node.id, node.registered_at):
                 raise HTTPError(401, "bootstrap token already used; create a new one")
@@ -283,10 +299,7 @@ class Deployment:
             node.status = "deregistered"
             self._save(node)
             self.by_secret.pop(node.secret, None)
-            self.used_ips.discard(node.mesh_ip)
-            now = self.clock.now().timestamp()
-            self.released_ips[node.mesh_ip] = now
-            self.store.release_ip(node.mesh_ip, now)
+            self._release_ip(node.mesh_ip)
             self.hub.publish(watchers, "peer_removed", {"peer_id": node.id})
         self.hub.close_streams(node.id)
         log.info("node %s: %s", reason, node.id, extra={"node_id": node.id})

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -111,9 +111,10 @@ class Subscriber:
 
 
 class EventHub:
-    def __init__(self, store: Store, signer: Signer, clock_now: Any = None) -> None:
+    def __init__(self, store: Store, signer: Signer, node_num: Callable[[str], int], clock_now: Any = None) -> None:
         self.store = store
         self.signer = signer
+        self.node_num = node_num  # node id -> the small number events are addressed with
         self._now = clock_now or gojson.now_utc
         self.seq = store.last_event_seq()
         self.subscribers: dict[str, set[Subscriber]] = {}
@@ -154,7 +155,7 @@ class EventHub:
                 if signature == "forge":
                     forged = base64.b64encode(os.urandom(64)).decode()
                 data = _replace_signature(data, forged)
-        self.store.add_event(seq, event_type, data, time.time(), targets)
+        self.store.add_event(seq, event_type, data, time.time(), [self.node_num(t) for t in targets])
         event = StreamEvent(seq, event_type, data)
         for node_id in targets:
             for sub in self.subscribers.get(node_id, ()):
@@ -193,9 +194,9 @@ class EventHub:
     def backlog(self, node_id: str, after_seq: int | None, replay_window: float) -> list[StreamEvent]:
         """Events to replay on connect: everything after `after_seq`, or (no Last-Event-ID) the recent ones."""
         if after_seq is None:
-            rows = self.store.events_after(node_id, 0, since=time.time() - replay_window)
+            rows = self.store.events_after(self.node_num(node_id), 0, since=time.time() - replay_window)
         else:
-            rows = self.store.events_after(node_id, after_seq)
+            rows = self.store.events_after(self.node_num(node_id), after_seq)
         return [StreamEvent(seq, etype, data) for seq, etype, data in rows]
 
 

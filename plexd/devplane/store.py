@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+from array import array
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 from plexd.errors import PlexdError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -26,9 +27,8 @@ CREATE TABLE IF NOT EXISTS tokens (
 CREATE TABLE IF NOT EXISTS nodes (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS released_ips (ip TEXT PRIMARY KEY, released_at REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY, event_type TEXT NOT NULL, data TEXT NOT NULL, created_at REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS event_targets (
-    node_id TEXT NOT NULL, seq INTEGER NOT NULL, PRIMARY KEY (node_id, seq)) WITHOUT ROWID;
+    seq INTEGER PRIMARY KEY, event_type TEXT NOT NULL, data TEXT NOT NULL, created_at REAL NOT NULL,
+    targets BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS records (
     id INTEGER PRIMARY KEY, node_id TEXT NOT NULL, kind TEXT NOT NULL, received_at TEXT NOT NULL,
     body TEXT NOT NULL);
@@ -65,6 +65,7 @@ class Node:
     secrets: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {"value", "version"}
     flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
     removed: bool = False
+    num: int = 0  # small per-deployment number, used to address events compactly
 
     def to_doc(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -178,25 +179,33 @@ class Store:
         row = self.db.execute("SELECT MAX(seq) FROM events").fetchone()
         return int(row[0] or 0)
 
-    def add_event(self, seq: int, event_type: str, data: str, created_at: float, targets: Iterable[str]) -> None:
-        self.db.execute("INSERT INTO events(seq, event_type, data, created_at) VALUES(?, ?, ?, ?)",
-                        (seq, event_type, data, created_at))
-        self.db.executemany("INSERT INTO event_targets(node_id, seq) VALUES(?, ?)", ((t, seq) for t in targets))
+    def add_event(self, seq: int, event_type: str, data: str, created_at: float, targets: Iterable[int]) -> None:
+        """One row per event; `targets` are node numbers, packed 4 bytes each.
 
-    def events_after(self, node_id: str, after_seq: int, since: float | None = None) -> list[tuple[int, str, str]]:
-        """(seq, event_type, data) for `node_id`, oldest first; `since` (epoch) also bounds by age."""
-        sql = ("SELECT e.seq, e.event_type, e.data FROM event_targets t JOIN events e ON e.seq = t.seq "
-               "WHERE t.node_id=? AND t.seq>?")
-        args: list[Any] = [node_id, after_seq]
+        A row per (node, event) would scatter a full-mesh event over hundreds of B-tree pages (one per node),
+        making every registration rewrite megabytes; a packed list keeps it to one row appended at the end.
+        """
+        packed = array("I", targets).tobytes()
+        self.db.execute("INSERT INTO events(seq, event_type, data, created_at, targets) VALUES(?, ?, ?, ?, ?)",
+                        (seq, event_type, data, created_at, packed))
+
+    def events_after(self, node_num: int, after_seq: int, since: float | None = None) -> list[tuple[int, str, str]]:
+        """(seq, event_type, data) addressed to node `node_num`, oldest first; `since` (epoch) bounds by age."""
+        sql = "SELECT seq, event_type, data, targets FROM events WHERE seq>?"
+        args: list[Any] = [after_seq]
         if since is not None:
-            sql += " AND e.created_at>=?"
+            sql += " AND created_at>=?"
             args.append(since)
-        return self.db.execute(sql + " ORDER BY t.seq", args).fetchall()
+        out = []
+        for seq, event_type, data, packed in self.db.execute(sql + " ORDER BY seq", args):
+            targets = array("I")
+            targets.frombytes(packed)
+            if node_num in targets:
+                out.append((seq, event_type, data))
+        return out
 
     def prune_events(self, keep_after_seq: int) -> int:
-        with self.transaction():
-            self.db.execute("DELETE FROM event_targets WHERE seq<=?", (keep_after_seq,))
-            cur = self.db.execute("DELETE FROM events WHERE seq<=?", (keep_after_seq,))
+        cur = self.db.execute("DELETE FROM events WHERE seq<=?", (keep_after_seq,))
         return cur.rowcount
 
     # -- records (drift, reports, telemetry, ...) ----------------------------------------------------------------

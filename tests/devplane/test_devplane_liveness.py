@@ -34,7 +34,8 @@ def _register(dep: Deployment, hostname: str):
 
 
 def _events(dep: Deployment, node_id: str) -> list[tuple[str, dict]]:
-    return [(etype, json.loads(data)["payload"]) for _, etype, data in dep.store.events_after(node_id, 0)]
+    rows = dep.store.events_after(dep.nodes[node_id].num, 0)
+    return [(etype, json.loads(data)["payload"]) for _, etype, data in rows]
 
 
 def test_unreachable_after_3_offline_after_10_and_back(deployment):
