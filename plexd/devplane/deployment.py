@@ -33,6 +33,7 @@ DEFAULT_POLICY = {"id": "pol_default",
                   "rules": [{"src": "*", "dst": "*", "port": 0, "protocol": "", "action": "allow"}]}
 UNREACHABLE_AFTER = 3  # missed heartbeat intervals
 OFFLINE_AFTER = 10
+EVENTS_KEPT = 200_000  # event log length; older events are pruned (the state pull covers them)
 
 
 def valid_public_key(text: Any) -> bool:
@@ -346,12 +347,25 @@ class Deployment:
 
     async def run_liveness(self) -> None:
         tick = max(0.05, min(self.heartbeat_interval / 2, 5.0))
+        last_prune = self.clock.monotonic()
         while True:
             await self.clock.sleep(tick)
             try:
                 self.check_liveness()
+                if self.clock.monotonic() - last_prune >= 60:
+                    last_prune = self.clock.monotonic()
+                    self.prune_events()
             except Exception:  # never let the monitor die; it is the only one
                 log.exception("liveness check failed")
+
+    def prune_events(self) -> int:
+        """Keep the newest EVENTS_KEPT events; a client further behind replays from the state instead."""
+        if self.hub.seq <= EVENTS_KEPT:
+            return 0
+        removed = self.store.prune_events(self.hub.seq - EVENTS_KEPT)
+        if removed:
+            log.info("pruned %d old events from the log", removed)
+        return removed
 
     # -- endpoints and keys -------------------------------------------------------------------------------------
 

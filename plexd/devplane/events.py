@@ -155,6 +155,7 @@ class EventHub:
                 if signature == "forge":
                     forged = base64.b64encode(os.urandom(64)).decode()
                 data = _replace_signature(data, forged)
+            data = split_long_lines(data)
         self.store.add_event(seq, event_type, data, time.time(), [self.node_num(t) for t in targets])
         event = StreamEvent(seq, event_type, data)
         for node_id in targets:
@@ -198,6 +199,45 @@ class EventHub:
         else:
             rows = self.store.events_after(self.node_num(node_id), after_seq)
         return [StreamEvent(seq, etype, data) for seq, etype, data in rows]
+
+
+MAX_LINE = 60 * 1024  # Go's bufio.Scanner gives up at 64 KiB per line (§2.1), so signed events stay below
+
+
+def split_long_lines(data: str, limit: int = MAX_LINE) -> str:
+    """Break a long envelope into lines of at most `limit` characters, only between JSON tokens.
+
+    The SSE client joins `data:` lines with newlines, which JSON reads as whitespace, and the signature covers
+    the compacted payload, so the event means and verifies exactly the same. A single string token longer than
+    the limit cannot be split and is left as it is.
+    """
+    if not data.isascii():
+        limit //= 4  # the limit is in bytes; a character takes at most 4 in UTF-8
+    if len(data) <= limit:
+        return data
+    lines: list[str] = []
+    start = 0
+    last_cut = -1  # a position outside strings where a newline may go
+    in_string = escaped = False
+    for i, ch in enumerate(data):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+                last_cut = i + 1
+        elif ch == '"':
+            in_string = True
+            last_cut = i
+        elif ch in ",:[]{}":
+            last_cut = i + 1
+        if i + 1 - start > limit and last_cut > start:
+            lines.append(data[start:last_cut])
+            start = last_cut
+    lines.append(data[start:])
+    return "\n".join(lines)
 
 
 def _one_line(raw: str) -> str:

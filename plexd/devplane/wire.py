@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse
 
 from plexd import gojson
 
-MAX_BODY = 1 << 20  # 1 MiB, compressed and uncompressed
+MAX_BODY = 1 << 20  # 1 MiB, compressed and uncompressed, for the agent API
+ADMIN_MAX_BODY = 16 << 20  # admin tests publish 1 MiB events on purpose
 
 
 class HTTPError(Exception):
@@ -68,7 +69,8 @@ async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
 
 async def read_json(request: Request, schema: Any = "any", *, allow_empty: bool = False) -> Any:
     """Read, decompress, parse and type-check a JSON body. An empty body is `None` when `allow_empty`."""
-    body = await read_body(request)
+    limit = ADMIN_MAX_BODY if request.url.path.startswith("/admin/") else MAX_BODY
+    body = await read_body(request, limit)
     if not body.strip():
         if allow_empty:
             return None

@@ -150,7 +150,7 @@ class SSEReader:
     def close(self) -> None:
         self._stop = True
         self._client.close()
-        self._thread.join(5)
+        self._thread.join(0.5)  # a silent stream blocks in read; the daemon thread ends with the server
 
 
 def wait_streams(dp: Devplane, node_id: str, count: int = 1, timeout: float = 5.0) -> None:

@@ -268,3 +268,45 @@ def test_stream_edge_cases(dp, readers):
     assert reader.wait_for("hello")
     dp.admin.forget_node(a.id)
     assert reader.closed.wait(5)  # a removed node's stream ends
+
+
+def test_large_events_stay_under_64k_per_line_and_still_verify(dp):
+    a = register(dp)
+    big = {f"key{i}": "v" * 200 + "<&>" for i in range(1000)}  # ~210 KB of payload
+    eid = dp.admin.publish_event(a.id, "big_event", payload_raw=json.dumps(big))
+    with httpx.stream("GET", a.path("events"), headers=dict(a.headers, **{"Last-Event-ID": f"evt_{int(eid[4:]) - 1}"}),
+                      timeout=10) as s:
+        data_lines = []
+        for line in s.iter_lines():
+            assert len(line.encode()) < 64 * 1024
+            if line.startswith("data: "):
+                data_lines.append(line[6:])
+            elif line == "" and data_lines:
+                break
+    assert len(data_lines) >= 4
+    data = "\n".join(data_lines)  # how an SSE client joins them
+    env = json.loads(data)
+    assert env["payload"] == big and env["event_id"] == eid
+    expected_payload = json.dumps(big, separators=(",", ":")).replace("<", "\\u003c").replace(">", "\\u003e") \
+        .replace("&", "\\u0026")
+    canonical = ('{"event_type":"big_event","event_id":"' + eid + '","issued_at":"' + env["issued_at"]
+                 + '","nonce":"' + env["nonce"] + '","payload":' + expected_payload + "}").encode()
+    assert verify(a.response["signing_public_key"], canonical, env["signature"])
+    # Test data sent raw is never split: the agent's tests need a real oversize line.
+    eid = dp.admin.publish_event(a.id, "raw", raw_data="x" * (1 << 20))
+    with httpx.stream("GET", a.path("events"), headers=dict(a.headers, **{"Last-Event-ID": f"evt_{int(eid[4:]) - 1}"}),
+                      timeout=10) as s:
+        lines = s.iter_lines()
+        assert next(lines) == f"id: {eid}" and next(lines) == "event: raw"
+        assert len(next(lines)) == len("data: ") + (1 << 20)
+
+
+def test_restart_with_open_streams_is_quick(fresh_dp, readers):
+    dp = fresh_dp
+    a = register(dp)
+    reader = readers(a)
+    wait_streams(dp, a.id)
+    start = time.monotonic()
+    dp.restart()
+    assert time.monotonic() - start < 5
+    assert reader.closed.wait(5)

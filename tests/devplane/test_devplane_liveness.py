@@ -129,3 +129,16 @@ def test_offline_end_to_end(tmp_path, readers):
         assert json.loads(reader.wait_for("peer_removed").data)["payload"] == {"peer_id": a.id}
         assert a.post("heartbeat", {}).status_code == 200
         assert json.loads(reader.wait_for("peer_added").data)["payload"]["id"] == a.id
+
+
+def test_event_log_is_pruned(deployment, monkeypatch):
+    import plexd.devplane.deployment as deployment_module
+
+    dep = deployment
+    a = _register(dep, "a")
+    monkeypatch.setattr(deployment_module, "EVENTS_KEPT", 5)
+    for i in range(12):
+        dep.hub.publish([a.id], "custom", {"i": i})
+    assert dep.prune_events() > 0
+    seqs = [seq for seq, _, _ in dep.store.events_after(a.num, 0)]
+    assert len(seqs) == 5 and seqs[-1] == dep.hub.seq
