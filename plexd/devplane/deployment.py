@@ -84,6 +84,12 @@ class Deployment:
         self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed}
         self.released_ips: dict[str, float] = store.released_ips()
         self._ip_scan_from = 1
+        # A devplane that was down is not evidence that its nodes were: everyone gets a fresh heartbeat window
+        # after a restart instead of being declared offline (and removed from every peer) at the first check.
+        boot = self.clock.now().timestamp()
+        for n in self.nodes.values():
+            if not n.removed and n.status != "offline":
+                n.last_seen = max(n.last_seen, boot)
         self._next_num = max((n.num for n in self.nodes.values()), default=0) + 1
         raw = store.get_meta("policies")
         self.policies: list[dict[str, Any]] = json.loads(raw) if raw is not None else [DEFAULT_POLICY]

@@ -142,3 +142,20 @@ def test_event_log_is_pruned(deployment, monkeypatch):
     assert dep.prune_events() > 0
     seqs = [seq for seq, _, _ in dep.store.events_after(a.num, 0)]
     assert len(seqs) == 5 and seqs[-1] == dep.hub.seq
+
+
+def test_restart_gives_nodes_a_fresh_heartbeat_window(tmp_path):
+    store = Store(tmp_path / "dp.db")
+    clock = FakeClock()
+    dep = Deployment(store, clock=clock, heartbeat_interval=30.0)
+    a = _register(dep, "a")
+    store.close()
+    clock.advance(3600)  # the devplane was down for an hour
+    store = Store(tmp_path / "dp.db")
+    again = Deployment(store, clock=clock, heartbeat_interval=30.0)
+    again.check_liveness()
+    assert again.nodes[a.id].status == "online"
+    clock.advance(300)
+    again.check_liveness()
+    assert again.nodes[a.id].status == "offline"
+    store.close()
