@@ -76,13 +76,19 @@ async def read_json(request: Request, schema: Any = "any", *, allow_empty: bool 
             return None
         raise HTTPError(400, "request body is empty; expected JSON")
     try:
-        value = json.loads(body)
+        value = json.loads(body, parse_constant=_no_constants)
     except UnicodeDecodeError:
         raise HTTPError(400, "malformed JSON: body is not UTF-8") from None
     except json.JSONDecodeError as exc:
         raise HTTPError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise HTTPError(400, "malformed JSON: nested too deeply") from None
     check(value, schema, "")
     return value
+
+
+def _no_constants(name: str) -> Any:
+    raise HTTPError(400, f"malformed JSON: {name} is not a JSON value")
 
 
 _KINDS = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}

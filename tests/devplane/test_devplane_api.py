@@ -256,6 +256,10 @@ def test_malformed_json_and_unknown_routes_get_json_errors(dp, pair):
     assert resp.status_code == 400
     resp = httpx.post(a.path("drift"), content=b"", headers=a.headers, timeout=10)
     assert resp.status_code == 400 and "empty" in resp.json()["error"]
+    resp = httpx.post(a.path("report"), content=b'{"entries": [{"payload": NaN}]}', headers=a.headers, timeout=10)
+    assert resp.status_code == 400 and "NaN" in resp.json()["error"]
+    resp = httpx.post(a.path("report"), content=b"[" * 100_000 + b"]" * 100_000, headers=a.headers, timeout=10)
+    assert resp.status_code == 400 and "deeply" in resp.json()["error"]
     resp = a.post("drift", {"corrections": "none"})
     assert resp.status_code == 400 and "corrections" in resp.json()["error"]
     resp = httpx.get(f"{dp.url}/v1/nowhere", timeout=10)
