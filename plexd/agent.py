@@ -255,6 +255,11 @@ def install_services(agent: Agent) -> None:
     #                                      agent.on_shutdown("mesh teardown", teardown_mesh)
     # NAT discovery: agent.add_service("nat", nat_service)
     # Connected (events engineer): heartbeat, SSE events, reconciler, hook watcher, actions, node API
+    # The mesh converger, a converge at start (offline too), then heartbeat, signed event stream and the
+    # reconciler (which is the periodic converge: pull state, converge, report drift).
+    from plexd.services.connected import install_connected_stage
+
+    install_connected_stage(agent)
     if not agent.registered_now:
         # A fresh registration carried the capabilities; a reused identity announces them, since the code or
         # the hooks may have changed while plexd was stopped. A 401 here re-registers (Agent.authed).

@@ -16,7 +16,6 @@ picked up from the full state). After 5 minutes without a working stream, `poll(
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.utils
 import inspect
 import logging
@@ -372,11 +371,11 @@ class EventStream:
         try:
             done, _ = await asyncio.wait({reader, watchdog}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # asyncio.wait, not `await task`: suppressing the child's CancelledError would also swallow our own
+            # cancellation (daemon shutdown) if it arrives right here.
             for task in (reader, watchdog):
-                if not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+                task.cancel()
+            await asyncio.wait({reader, watchdog})
         if reader in done:
             reader.result()  # re-raises a read error
             return

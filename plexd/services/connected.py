@@ -14,6 +14,8 @@ converges itself, so an event-triggered converge and a reconcile never interleav
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from plexd.controlplane.signing import (
     InvalidSigningKeys,
     NonceStore,
     Verifier,
+    atomic_write,
     key_fingerprint,
     load_signing_key,
 )
@@ -178,13 +181,30 @@ def install_connected(agent: Agent, mesh: Mesh, *, nat: Callable[[], NatInfo | N
     heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
                                  trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate)
 
-    async def run_until_stopped(coro_fn: Callable[[], Any]) -> None:
-        await agent.until_stopped(coro_fn())
-
-    agent.add_service("reconciler", lambda a: run_until_stopped(reconciler.run))
-    agent.add_service("events", lambda a: run_until_stopped(stream.run))
-    agent.add_service("heartbeat", lambda a: run_until_stopped(heartbeat.run))
+    # The agent cancels its services at shutdown; `insist_on_cancel` makes sure each loop really ends.
+    agent.add_service("reconciler", lambda a: insist_on_cancel(reconciler.run))
+    agent.add_service("events", lambda a: insist_on_cancel(stream.run))
+    agent.add_service("heartbeat", lambda a: insist_on_cancel(heartbeat.run))
     return Connected(verifier, handlers, stream, reconciler, heartbeat)
+
+
+async def insist_on_cancel(loop_fn: Callable[[], Any]) -> None:
+    """Run a service loop as a child task; when cancelled, cancel it until it has really ended.
+
+    Python 3.11's asyncio.wait_for can swallow a cancellation that arrives as its inner await completes (fixed in
+    3.12); a loop that swallowed the daemon's one shutdown cancel would keep running and hang the exit.
+    """
+    task = asyncio.ensure_future(loop_fn())
+    try:
+        # asyncio.wait, not `await task`: awaiting a task hands our cancellation to it, and if it swallows the
+        # cancellation we would never see ours either.
+        await asyncio.wait({task})
+    except asyncio.CancelledError:
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.1)
+        raise
+    task.result()
 
 
 def stream_http_client(ca_file: str, insecure_skip_verify: bool) -> httpx.AsyncClient:
@@ -199,3 +219,75 @@ async def wait_connected(connected: Connected, timeout: float) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mesh for `plexd up`: one converger, one desired model mirrored to data_dir/state for an offline start.
+
+MIRROR_FILE = "state/desired.json"
+
+
+def _load_mirror(data_dir: Path, private_key: str) -> Any:
+    from plexd.desired import DesiredState
+
+    path = data_dir / MIRROR_FILE
+    try:
+        return DesiredState.from_json(json.loads(path.read_text()), private_key=private_key)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a torn or foreign file must not stop the daemon; the state pull replaces it
+        log.warning("ignoring unreadable desired-state mirror %s: %s", path, exc)
+        return None
+
+
+def _save_mirror(data_dir: Path, desired: Any) -> None:
+    path = data_dir / MIRROR_FILE
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        atomic_write(path, json.dumps(desired.to_json(), indent=2).encode())
+    except OSError as exc:
+        log.warning("cannot write the desired-state mirror %s: %s", path, exc)
+
+
+def install_mesh(agent: Agent) -> MeshHandle:
+    """The converger for this machine and the desired model, seeded from the mirror of the last run."""
+    from dataclasses import replace
+
+    from plexd.desired import DesiredState
+    from plexd.services.reconcile_cmd import build_converger
+
+    cfg = agent.config
+    data_dir = Path(cfg.data_dir)
+    assert agent.identity is not None
+    private_key = base64.b64encode(agent.identity.private_key).decode()
+    initial = DesiredState.initial(interface=cfg.mesh.interface, listen_port=cfg.mesh.listen_port, mtu=cfg.mesh.mtu,
+                                   private_key=private_key, mesh_ip=agent.identity.mesh_ip)
+    mirrored = _load_mirror(data_dir, private_key)
+    if mirrored is not None and mirrored.mesh_ip == initial.mesh_ip:
+        # Peers and policies from the last run; the interface settings always come from the current config.
+        initial = replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu)
+        log.info("desired state restored from %s (%d peers)", data_dir / MIRROR_FILE, len(initial.peers))
+    converger = build_converger(cfg)
+    mesh = MeshHandle(converger, initial, on_desired_changed=lambda d: _save_mirror(data_dir, d))
+
+    async def teardown(agent: Agent) -> None:
+        if cfg.shutdown.deregister and not agent.failed:
+            await converger.teardown()
+            log.info("mesh interface %s removed", cfg.mesh.interface)
+
+    agent.on_shutdown("mesh teardown", teardown)
+    return mesh
+
+
+def install_connected_stage(agent: Agent) -> Connected:
+    """`install_services` hook: converge at start (offline too), then the connected services."""
+    mesh = install_mesh(agent)
+    connected = install_connected(agent, mesh)
+
+    async def converge_at_start(agent: Agent) -> None:
+        # Bring the interface, address and last known peers up now, before (or without) the control plane.
+        result = await mesh.converge()
+        log.info("initial converge: %d change(s), %d error(s)", len(result.changes), len(result.errors))
+
+    agent.add_service("converge at start", converge_at_start)
+    return connected

@@ -12,7 +12,6 @@ next cycle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 from collections.abc import Callable, Iterable
@@ -105,10 +104,8 @@ class Reconciler:
                 await asyncio.wait({sleeper, waker}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 for task in (sleeper, waker):
-                    if not task.done():
-                        task.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await task
+                    task.cancel()
+                await asyncio.wait({sleeper, waker})  # never swallow our own cancellation
         self._wake.clear()
         reasons = tuple(dict.fromkeys(self._reasons)) or ("interval",)
         self._reasons.clear()
