@@ -281,7 +281,9 @@ def _flatten_file(doc: Any, where: str) -> dict[str, Any]:
     def walk(node: Any, prefix: str) -> None:
         group = prefix.rstrip(".") or "the top level"
         if not isinstance(node, dict):
-            raise ConfigError(f"{where}: {group} must be a mapping of keys, got {_kind(node)} {node!r}")
+            # `token: plx_enroll_...` is an easy slip: never echo a value where a secret may have been written.
+            shown = "" if group == "token" else f" {node!r}"
+            raise ConfigError(f"{where}: {group} must be a mapping of keys, got {_kind(node)}{shown}")
         for raw_key, value in node.items():
             key = f"{prefix}{raw_key}"
             if prefix == "" and raw_key == "api" and isinstance(value, str):

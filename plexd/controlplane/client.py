@@ -253,6 +253,9 @@ class ControlPlaneClient:
                                  message=f"no complete answer within {self.request_timeout:g}s") from None
         except httpx.TransportError as exc:
             raise TransientError(f"{what} to {self.base_url}", message=_describe_transport(exc)) from None
+        except httpx.DecodingError as exc:
+            # A body labelled gzip that is not: not a TransportError, and without this it escapes as a traceback.
+            raise BadResponseError(what, response.status_code, f"response body cannot be decoded: {exc}") from None
         if not 200 <= response.status_code < 300:
             raise self._status_error(what, response.status_code, data, response.headers)
         return data

@@ -281,6 +281,13 @@ async def test_gzip_response_is_decoded(rec, cp):
     assert resp.rotate_keys is True
 
 
+async def test_body_labelled_gzip_that_is_not_is_a_typed_error(rec, cp):
+    rec.route("GET", f"/v1/nodes/{NODE}/state",
+              Reply(200, b"not gzip", {"Content-Type": "application/json", "Content-Encoding": "gzip"}))
+    with pytest.raises(BadResponseError, match="cannot be decoded"):
+        await cp.fetch_state(NODE)
+
+
 async def test_bearer_switching(rec, cp):
     cp.set_token("bootstrap-token")
     await cp.ping()

@@ -174,6 +174,13 @@ def test_secret_value_never_printed_in_errors_or_show(tmp_path):
     c = load(tmp_path, "token: {value: plx_enroll_supersecret}")
     shown = cfg.display_value("token.value", c.token.value)
     assert "supersecret" not in shown and shown.startswith("<hidden fp:")
+    # The token written where the token group goes (an easy slip): refused without echoing it.
+    with pytest.raises(ConfigError, match="token must be a mapping") as info:
+        load(tmp_path, "token: plx_enroll_supersecret")
+    assert "supersecret" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, "token: {value: [plx_enroll_supersecret]}")
+    assert "supersecret" not in str(info.value)
 
 
 def test_backoff_base_above_max_is_refused():
