@@ -227,7 +227,7 @@ async def wait_connected(connected: Connected, timeout: float) -> bool:
 MIRROR_FILE = "state/desired.json"
 
 
-def _load_mirror(data_dir: Path, private_key: str) -> Any:
+def load_mirror(data_dir: Path, private_key: str) -> Any:
     from plexd.desired import DesiredState
 
     path = data_dir / MIRROR_FILE
@@ -262,7 +262,7 @@ def install_mesh(agent: Agent) -> MeshHandle:
     private_key = base64.b64encode(agent.identity.private_key).decode()
     initial = DesiredState.initial(interface=cfg.mesh.interface, listen_port=cfg.mesh.listen_port, mtu=cfg.mesh.mtu,
                                    private_key=private_key, mesh_ip=agent.identity.mesh_ip)
-    mirrored = _load_mirror(data_dir, private_key)
+    mirrored = load_mirror(data_dir, private_key)
     if mirrored is not None and mirrored.mesh_ip == initial.mesh_ip:
         # Peers and policies from the last run; the interface settings always come from the current config.
         initial = replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu)
@@ -280,14 +280,6 @@ def install_mesh(agent: Agent) -> MeshHandle:
 
 
 def install_connected_stage(agent: Agent) -> Connected:
-    """`install_services` hook: converge at start (offline too), then the connected services."""
-    mesh = install_mesh(agent)
-    connected = install_connected(agent, mesh)
-
-    async def converge_at_start(agent: Agent) -> None:
-        # Bring the interface, address and last known peers up now, before (or without) the control plane.
-        result = await mesh.converge()
-        log.info("initial converge: %d change(s), %d error(s)", len(result.changes), len(result.errors))
-
-    agent.add_service("converge at start", converge_at_start)
-    return connected
+    """`install_services` hook: the mesh and the connected services. The reconciler's first cycle brings the
+    interface and the last known peers up at once, before (or without) the control plane."""
+    return install_connected(agent, install_mesh(agent))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from plexd.errors import PlexdError
@@ -25,13 +26,14 @@ log = logging.getLogger(__name__)
 class ReconcileOutcome:
     ok: bool
     dry_run: bool
-    corrections: list[dict[str, str]]
+    corrections: list[dict[str, str]]  # drift corrected (the whole plan with --dry-run)
+    updates: list[dict[str, str]]  # changes the pulled state asked for
     errors: list[str]
     reported: bool
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": self.ok, "dry_run": self.dry_run, "corrections": self.corrections, "errors": self.errors,
-                "drift_reported": self.reported}
+        return {"ok": self.ok, "dry_run": self.dry_run, "corrections": self.corrections, "updates": self.updates,
+                "errors": self.errors, "drift_reported": self.reported}
 
 
 def build_converger(config: Config) -> Any:
@@ -56,7 +58,7 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.desired import DesiredState
     from plexd.identity import IdentityStore
-    from plexd.services.connected import MeshHandle, build_verifier, state_applier
+    from plexd.services.connected import MeshHandle, build_verifier, load_mirror, state_applier
     from plexd.services.reconciler import Reconciler
 
     loaded = IdentityStore(config.data_dir).load()
@@ -65,10 +67,13 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
         raise PlexdError(f"this node is not registered{why}; run 'plexd join' first")
     ident = loaded.identity
     converger = build_converger(config)
+    private_key = base64.b64encode(ident.private_key).decode()
     desired = DesiredState.initial(interface=config.mesh.interface, listen_port=config.mesh.listen_port,
-                                   mtu=config.mesh.mtu, private_key=base64.b64encode(ident.private_key).decode(),
-                                   mesh_ip=ident.mesh_ip)
-    mesh = MeshHandle(converger, desired)
+                                   mtu=config.mesh.mtu, private_key=private_key, mesh_ip=ident.mesh_ip)
+    # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
+    # hold the machine to, so only the pulled state is applied.
+    mirrored = load_mirror(Path(config.data_dir), private_key)
+    mesh = MeshHandle(converger, mirrored if mirrored is not None and mirrored.mesh_ip == ident.mesh_ip else desired)
 
     if not dry_run:
         observed = await converger.observe()
@@ -91,7 +96,7 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
 
         apply = plan_only if dry_run else state_applier(mesh, verifier, config.data_dir)
         reconciler = Reconciler(lambda: client.fetch_state(ident.node_id), apply, mesh.converge, post)
-        result = await reconciler.run_once(dry_run=dry_run)
+        result = await reconciler.run_once(dry_run=dry_run, drift_phase=mirrored is not None)
     # The device belongs to the daemon: never stop or close a process this command did not start.
     errors = [result.error] if result.error else []
     last = getattr(converger, "last_result", None)
@@ -99,6 +104,7 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
         errors += list(last.errors)
     return ReconcileOutcome(ok=result.ok and not errors, dry_run=dry_run,
                             corrections=[{"type": c.type, "detail": c.detail} for c in result.corrections],
+                            updates=[{"type": c.type, "detail": c.detail} for c in result.updates],
                             errors=errors, reported=bool(reports))
 
 
@@ -108,7 +114,10 @@ def format_outcome(outcome: ReconcileOutcome) -> str:
     if outcome.corrections:
         lines.append(f"{verb} {len(outcome.corrections)} item(s):")
         lines += [f"  {c['type']:<22} {c['detail']}" for c in outcome.corrections]
-    else:
+    if outcome.updates:
+        lines.append(f"applied {len(outcome.updates)} update(s) from the control plane:")
+        lines += [f"  {c['type']:<22} {c['detail']}" for c in outcome.updates]
+    if not outcome.corrections and not outcome.updates:
         lines.append("in sync: nothing to correct")
     if outcome.reported:
         lines.append("drift report sent to the control plane")

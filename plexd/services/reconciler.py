@@ -2,11 +2,12 @@
 
 Level-triggered, like a Kubernetes controller: the first cycle runs at start, then one every `interval`, plus
 triggers (stream reconnect, heartbeat ``reconcile:true``, ``policy_updated``) that are coalesced — any number of
-triggers during a cycle cause exactly one more cycle. Each cycle: `fetch_state()` → `apply_state(state)` (replaces
-the desired model; may return corrections of its own, e.g. new signing keys) → `converge()` (diffs against the
-live machine and corrects it; returns a result whose ``.changes`` carry ``.correction_type`` and ``.detail``) →
-``POST /drift`` only when something was corrected. A drift report that could not be delivered is retried on the
-next cycle.
+triggers during a cycle cause exactly one more cycle. Each cycle: `converge()` against the desired model we
+already had (what it corrects is drift) → `fetch_state()` → `apply_state(state)` (replaces the desired model; may
+return changes of its own, e.g. new signing keys) → `converge()` again (updates, not drift) → ``POST /drift`` only
+when drift was corrected. `converge` returns a result whose ``.changes`` carry ``.correction_type`` and
+``.detail``. The first cycle after start only brings the machine up: what it corrects is not drift. A drift
+report that could not be delivered is retried on the next cycle.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class Correction:
 @dataclass
 class CycleResult:
     ok: bool
-    corrections: list[Correction] = field(default_factory=list)
+    corrections: list[Correction] = field(default_factory=list)  # drift (reported); the whole plan in a dry run
+    updates: list[Correction] = field(default_factory=list)  # changes the pulled state asked for (not drift)
     error: str = ""
     reasons: tuple[str, ...] = ()
     dry_run: bool = False
@@ -91,10 +93,12 @@ class Reconciler:
 
     async def run(self) -> None:
         """First cycle now, then every interval or on trigger, until cancelled."""
-        reasons: tuple[str, ...] = ("start",)
+        # The first phase-1 converge brings the interface and the last known peers up (also offline): that is
+        # start-up, not drift.
+        await self.run_once(reasons=("start",), startup=True)
         while True:
-            await self.run_once(reasons=reasons)
             reasons = await self._wait_next()
+            await self.run_once(reasons=reasons)
 
     async def _wait_next(self) -> tuple[str, ...]:
         if not self._wake.is_set():
@@ -111,43 +115,76 @@ class Reconciler:
         self._reasons.clear()
         return reasons
 
-    async def run_once(self, dry_run: bool = False, reasons: tuple[str, ...] = ("once",)) -> CycleResult:
-        """One cycle. With `dry_run`, nothing on the machine is changed and no drift is reported."""
+    async def run_once(self, dry_run: bool = False, reasons: tuple[str, ...] = ("once",),
+                       startup: bool = False, drift_phase: bool = True) -> CycleResult:
+        """One cycle. With `dry_run`, nothing on the machine is changed and no drift is reported.
+        `drift_phase=False` skips phase 1, for a caller that has no earlier desired model to hold the machine to."""
         async with self._lock:
-            result = await self._cycle(dry_run, reasons)
+            result = await self._cycle(dry_run or not drift_phase, reasons, startup, apply=not dry_run)
         self.last = result
         return result
 
-    async def _cycle(self, dry_run: bool, reasons: tuple[str, ...]) -> CycleResult:
+    async def _cycle(self, skip_phase1: bool, reasons: tuple[str, ...], startup: bool = False,
+                     apply: bool = True) -> CycleResult:
+        """Drift first, then the new state.
+
+        1. converge the machine to the desired model we already had: whatever that corrects is drift (someone
+           or something changed the machine), and is reported — even when the control plane is unreachable;
+        2. replace the model with the pulled state and converge again: those changes are updates the control
+           plane asked for (a new peer, a rotated key), logged but not reported as drift.
+        The Go agent reports every difference from its last snapshot, so its first cycle after each start
+        reports the whole mesh as drift; this does not. A dry run only plans (no phase 1, nothing applied).
+        """
         self.cycles += 1
+        dry_run = not apply
+        why = ", ".join(reasons)
+        drift: list[Correction] = []
+        error = ""
+        if not skip_phase1:
+            try:
+                drift = corrections_of(getattr(await _call(self._converge), "changes", None))
+                if startup:
+                    if drift:
+                        log.info("brought the mesh up from the stored state: %s",
+                                 "; ".join(f"{c.type}: {c.detail}" for c in drift))
+                    drift = []
+            except Exception as exc:
+                log.exception("reconcile (%s): converge failed", why)
+                error = f"converge failed: {exc}"
+        updates: list[Correction] = []
         try:
             state = await _call(self._fetch_state)
         except Exception as exc:
+            log.warning("reconcile (%s): fetching the state failed: %s", why, exc)
+            error = error or f"fetching the state failed: {exc}"
+        else:
+            try:
+                updates = corrections_of(await _call(self._apply_state, state))
+                result = await _call(self._converge, dry_run=True) if dry_run else await _call(self._converge)
+                updates += corrections_of(getattr(result, "changes", None))
+            except Exception as exc:
+                log.exception("reconcile (%s): converge failed", why)
+                error = error or f"converge failed: {exc}"
+        if error:
             self.failures += 1
-            log.warning("reconcile (%s): fetching the state failed: %s", ", ".join(reasons), exc)
-            return CycleResult(ok=False, error=f"fetching the state failed: {exc}", reasons=reasons, dry_run=dry_run)
-        try:
-            corrections = corrections_of(await _call(self._apply_state, state))
-            result = await _call(self._converge, dry_run=True) if dry_run else await _call(self._converge)
-            corrections += corrections_of(getattr(result, "changes", None))
-        except Exception as exc:
-            self.failures += 1
-            log.exception("reconcile (%s): converge failed", ", ".join(reasons))
-            return CycleResult(ok=False, error=f"converge failed: {exc}", reasons=reasons, dry_run=dry_run)
-        out = CycleResult(ok=True, corrections=corrections, reasons=reasons, dry_run=dry_run)
-        if dry_run:
-            return out
-        if corrections:
-            log.info("reconcile (%s) corrected %d drift(s): %s", ", ".join(reasons), len(corrections),
-                     "; ".join(f"{c.type}: {c.detail}" for c in corrections))
+        if dry_run:  # the plan: everything that would change
+            return CycleResult(ok=not error, corrections=updates, error=error, reasons=reasons, dry_run=True)
+        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons)
+        if updates:
+            log.info("reconcile (%s) applied %d update(s) from the state: %s", why, len(updates),
+                     "; ".join(f"{c.type}: {c.detail}" for c in updates))
+        if drift:
+            log.warning("reconcile (%s) corrected %d drift(s): %s", why, len(drift),
+                        "; ".join(f"{c.type}: {c.detail}" for c in drift))
             out.report = {
                 # Go marshals time.Now() in the local zone here; any RFC 3339 zone is valid on the wire.
                 "timestamp": gojson.format_time(self._clock.now().astimezone()),
-                "corrections": [{"type": c.type, "detail": c.detail} for c in corrections],
+                "corrections": [{"type": c.type, "detail": c.detail} for c in drift],
             }
             self._unsent.append(out.report)
             del self._unsent[:-MAX_UNSENT_REPORTS]
-        await self._flush_reports()
+        if not error or drift:
+            await self._flush_reports()
         return out
 
     async def _flush_reports(self) -> None:

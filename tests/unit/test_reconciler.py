@@ -81,12 +81,42 @@ async def test_drift_posted_only_when_corrected():
     assert w.applied == [{"state": 1}, {"state": 2}]
 
 
-async def test_apply_state_corrections_are_reported_too():
+async def test_changes_from_the_new_state_are_updates_not_drift():
     w = World()
-    r = Reconciler(w.fetch, lambda s: [Correction("signing_keys_updated", "signing keys rotated")], w.converge,
+
+    async def converge(dry_run=False):
+        # phase 1 (the model we had) finds the drift; phase 2 (after the new state) applies a new peer
+        w.calls = getattr(w, "calls", 0) + 1
+        return Result([Change("peer_updated", "peer n_x: endpoint drifted")] if w.calls % 2 else
+                      [Change("peer_added", "peer n_new: missing from the device")])
+    r = Reconciler(w.fetch, lambda s: [Correction("signing_keys_updated", "signing keys rotated")], converge,
                    w.post, clock=FakeClock(NOW))
-    await r.run_once()
-    assert w.drift[0]["corrections"] == [{"type": "signing_keys_updated", "detail": "signing keys rotated"}]
+    res = await r.run_once()
+    assert [c.type for c in res.corrections] == ["peer_updated"]
+    assert [c.type for c in res.updates] == ["signing_keys_updated", "peer_added"]
+    assert w.drift[0]["corrections"] == [{"type": "peer_updated", "detail": "peer n_x: endpoint drifted"}]
+
+
+async def test_first_cycle_after_start_is_not_drift_and_works_offline():
+    w = World()
+    w.fail_fetch = w.fail_post = True
+    w.next_changes = [Change("interface_created", "interface plexd0: missing, created")]
+    r, clock = reconciler(w)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        assert r.cycles == 1 and w.next_changes == [] and w.drift == []  # brought up, offline, not reported
+        w.next_changes = [Change("address_added", "interface plexd0: address 10.100.0.1/32 missing")]
+        clock.advance(60)
+        await spin()
+        assert r.cycles == 2 and not r.last.ok  # still offline: the drift is corrected, the report queued
+        assert w.drift == [] and r.last.corrections
+        w.fail_fetch = w.fail_post = False
+        clock.advance(60)
+        await spin()
+        assert [d["corrections"][0]["type"] for d in w.drift] == ["address_added"]
+    finally:
+        task.cancel()
 
 
 async def test_dry_run_changes_nothing_and_posts_nothing():
