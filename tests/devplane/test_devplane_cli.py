@@ -140,3 +140,23 @@ def test_demo_runs(tmp_path):
     proc = run("demo", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "bootstrap token: plx_enroll_" in proc.stdout and "pol_default" in proc.stdout
+
+
+def test_serve_defaults_and_private_files(dp):
+    """The documented defaults (keepalive 15 s, heartbeat 30 s), and the files holding secrets are 0600, the
+    database in WAL mode."""
+    import sqlite3
+    import stat
+
+    from plexd.devplane.cli import build_parser
+
+    args = build_parser().parse_args(["serve"])
+    assert (args.keepalive, args.heartbeat_interval, args.listen) == (15.0, 30.0, "127.0.0.1:8080")
+    token_file = dp.db_path.with_name(dp.db_path.name + ".admin-token")
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600 and token_file.read_text().strip() == dp.admin_token
+    assert stat.S_IMODE(dp.db_path.stat().st_mode) == 0o600  # node secrets and the signing key live here
+    db = sqlite3.connect(f"file:{dp.db_path}?mode=ro", uri=True)
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    finally:
+        db.close()
