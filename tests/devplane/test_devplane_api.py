@@ -156,6 +156,15 @@ def test_key_rotation_updates_the_peer_key(dp):
     assert next(p for p in b.get("state").json()["peers"] if p["id"] == a.id)["public_key"] == new_key
     bad = httpx.post(f"{dp.url}/v1/keys/rotate", headers=a.headers, json={"new_public_key": "short"}, timeout=10)
     assert bad.status_code == 400
+    # Bearer auth here too: no or a wrong secret is 401, another node's id is 403; nothing changes.
+    for headers in ({}, {"Authorization": "Bearer wrong-secret"}):
+        resp = httpx.post(f"{dp.url}/v1/keys/rotate", headers=headers,
+                          json={"node_id": a.id, "new_public_key": new_public_key()}, timeout=10)
+        assert resp.status_code == 401 and "error" in resp.json()
+    resp = httpx.post(f"{dp.url}/v1/keys/rotate", headers=b.headers,
+                      json={"node_id": a.id, "new_public_key": new_public_key()}, timeout=10)
+    assert resp.status_code == 403 and "error" in resp.json()
+    assert dp.admin.node(a.id)["public_key"] == new_key
 
 
 # -- reports and telemetry --------------------------------------------------------------------------------------
