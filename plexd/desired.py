@@ -136,18 +136,20 @@ class DesiredState:
                     base_rejected: Iterable[tuple[str, str]]) -> DesiredState:
         peers = dict(base)
         rejected = dict(base_rejected)
+        owner_of = {p.public_key: pid for pid, p in peers.items()}
         for peer in candidates:
             reason = validate_peer(peer, self.public_key)
-            if reason is None:
-                owner = next((pid for pid, p in peers.items() if p.public_key == peer.public_key and pid != peer.id),
-                             None)
-                if owner is not None:
-                    reason = f"public key is already used by peer {owner}"
+            owner = owner_of.get(peer.public_key)
+            if reason is None and owner is not None and owner != peer.id:
+                reason = f"public key is already used by peer {owner}"
+            old = peers.pop(peer.id, None)
+            if old is not None and owner_of.get(old.public_key) == peer.id:
+                del owner_of[old.public_key]
             if reason is None:
                 peers[peer.id] = peer
+                owner_of[peer.public_key] = peer.id
                 rejected.pop(peer.id, None)
             else:
-                peers.pop(peer.id, None)
                 rejected[peer.id or "(no id)"] = reason
         return replace(self, peers=peers, rejected=tuple(sorted(rejected.items())))
 

@@ -24,11 +24,13 @@ Details read `<object>: <what> <live> != <desired>`, e.g. `peer n_x: endpoint 1.
 
 Rules: a peer's endpoint is left alone while its latest handshake is younger than `ROAMING_WINDOW` seconds
 (it roamed; innernet's rule), and an empty desired endpoint never clears a learned one. Default routes (`/0`) in a
-peer's allowed IPs are not installed (that needs policy routing, as wg-quick does, and would cut the underlay).
+peer's allowed IPs are not installed (that needs policy routing, as wg-quick does, and would cut the underlay);
+routes cover exactly the union of the peers' allowed IPs with the fewest prefixes (adjacent ones merge).
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -77,6 +79,7 @@ class Target:
     routes: frozenset[str]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_endpoint(endpoint: str) -> str:
     """Render an IP endpoint the way WireGuard prints it (`1.2.3.4:5`, `[fd00::1]:5`); host names unchanged."""
     if not endpoint:
@@ -89,8 +92,20 @@ def normalize_endpoint(endpoint: str) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _cidr(text: str) -> str:
     return str(ipaddress.ip_network(text, strict=False))
+
+
+def _routes(networks: Iterable[str], exclude: Iterable[str]) -> frozenset[str]:
+    """The fewest routes covering exactly the peers' allowed IPs (adjacent /32s merge into one prefix, so
+    1,000 peers need a handful of routes, not 1,000). Default routes and our own addresses are left out."""
+    nets = {ipaddress.ip_network(n) for n in networks if not n.endswith("/0")} - {
+        ipaddress.ip_network(a, strict=False) for a in exclude}
+    out: set[str] = set()
+    for version in (4, 6):
+        out.update(str(n) for n in ipaddress.collapse_addresses(n for n in nets if n.version == version))
+    return frozenset(out)
 
 
 def target(desired: DesiredState) -> Target:
@@ -103,16 +118,14 @@ def target(desired: DesiredState) -> Target:
                                          allowed_ips=allowed, psk=p.psk,
                                          persistent_keepalive=desired.persistent_keepalive)
         ids[p.public_key] = pid
-        routes.update(a for a in allowed if ipaddress.ip_network(a).prefixlen > 0)
+        routes.update(allowed)
     addresses = {f"{ipaddress.ip_address(desired.mesh_ip)}/{32 if ':' not in desired.mesh_ip else 128}"}
     if desired.mesh_ip6:
         addresses.add(f"{ipaddress.ip_address(desired.mesh_ip6)}/128")
-    # our own addresses are local routes already; a peer claiming them would be a conflict, not a route
-    routes -= {a for a in addresses}
     return Target(interface=desired.interface,
                   device=DeviceConfig(private_key=clamp_private_key(desired.private_key),
                                        listen_port=desired.listen_port, peers=peers),
-                  peer_ids=ids, addresses=frozenset(addresses), mtu=desired.mtu, routes=frozenset(routes))
+                  peer_ids=ids, addresses=frozenset(addresses), mtu=desired.mtu, routes=_routes(routes, addresses))
 
 
 # --- changes ------------------------------------------------------------------------------------------------

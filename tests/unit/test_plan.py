@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import ipaddress
 from dataclasses import replace
 
 from hypothesis import given, settings
@@ -158,7 +159,9 @@ def test_fresh_device_plans_everything_in_order() -> None:
                                                     "listen_port_updated"}
     # a peer without allowed IPs gets its mesh IP
     assert target(d).device.peers[KEYS[2]].allowed_ips == frozenset({"10.100.0.3/32"})
-    assert [op.action for op in link_ops(changes)] == ["mtu", "up", "addr_add", "route_add", "route_add"]
+    # 10.100.0.2/32 and 10.100.0.3/32 are covered by one route
+    assert [(op.action, op.value) for op in link_ops(changes)] == [
+        ("mtu", 1420), ("up", None), ("addr_add", "10.100.9.9/32"), ("route_add", "10.100.0.2/31")]
 
 
 def test_process_gone_is_named_as_such() -> None:
@@ -222,10 +225,10 @@ def test_public_key_change_removes_and_re_adds() -> None:
 def test_extra_peer_named_by_label_or_fingerprint() -> None:
     d = state([PA])
     obs = converged(state([PA, PB]))
-    c, route = diff(d, obs, NOW)
-    assert route == RouteExtra("wg0", "10.100.0.3/32")
+    c, *routes = diff(d, obs, NOW)
+    assert routes == [RouteExtra("wg0", "10.100.0.2/31"), RouteMissing("wg0", "10.100.0.2/32")]
     assert isinstance(c, PeerRemoved) and c.detail == f"peer {KEYS[2][:8]}…: on the device but not desired"
-    c, _ = diff(d, replace(obs, peer_names={KEYS[2]: "n_b"}), NOW)
+    c, *_ = diff(d, replace(obs, peer_names={KEYS[2]: "n_b"}), NOW)
     assert c.correction() == {"type": "peer_removed", "detail": "peer n_b: on the device but not desired"}
 
 
@@ -248,3 +251,13 @@ def test_default_route_and_own_address_are_not_routed() -> None:
 def test_hostnames_normalized_and_ipv6_endpoint() -> None:
     d = state([replace(PA, endpoint="[FD00:0::1]:51820")])
     assert target(d).device.peers[KEYS[1]].endpoint == "[fd00::1]:51820"
+
+
+def test_routes_cover_exactly_the_allowed_ips_with_few_prefixes() -> None:
+    peers = [Peer(id=f"n_{i}", public_key=_b64(bytes(PrivateKey(bytes([i + 100]) * 32).public_key)),
+                  mesh_ip=f"10.128.0.{i}", allowed_ips=(f"10.128.0.{i}/32",)) for i in range(2, 130)]
+    routes = target(state(peers)).routes
+    assert routes == frozenset({"10.128.0.2/31", "10.128.0.4/30", "10.128.0.8/29", "10.128.0.16/28",
+                                "10.128.0.32/27", "10.128.0.64/26", "10.128.0.128/31"})
+    covered = {ip for r in routes for ip in ipaddress.ip_network(r)}
+    assert {str(ip) for ip in covered} == {f"10.128.0.{i}" for i in range(2, 130)}

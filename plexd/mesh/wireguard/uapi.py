@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import ipaddress
 import os
 from collections.abc import Iterable
@@ -41,6 +42,7 @@ def hex_to_b64(key: str) -> str:
     return base64.b64encode(bytes.fromhex(key)).decode()
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def normalize_cidr(cidr: str) -> str:
     """`10.0.0.5/24` → `10.0.0.0/24`; a bare address gets its full prefix. Raises ValueError when invalid."""
     return str(ipaddress.ip_network(cidr.strip(), strict=False))

@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, WireGuardError, check_interface_name
@@ -110,16 +111,24 @@ class UserspaceBackend:
         cmd = [*self.launch_prefix, binary, "-f", self.interface]
         self._output.clear()
         self._stopping = False
+        # The output is drained by a thread, not the event loop: wireguard-go blocks (holding its UAPI lock)
+        # when its stdout pipe is full, so a busy loop must never be able to stall the data plane.
+        read_fd, write_fd = os.pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+                start_new_session=True,
             )
         except OSError as e:
+            os.close(read_fd)
             raise WireGuardError(f"cannot start {binary} for {self.interface}: {e}") from None
+        finally:
+            os.close(write_fd)
         if was_running:
             self.restarts += 1
-        self._reader = asyncio.create_task(self._pump_output(self._proc), name=f"wg-output-{self.interface}")
+        threading.Thread(target=self._drain_output, args=(read_fd, self._proc.pid), daemon=True,
+                         name=f"wg-output-{self.interface}").start()
+        self._reader = asyncio.create_task(self._watch_exit(self._proc), name=f"wg-exit-{self.interface}")
         log.info("started %s for %s (pid %d)", os.path.basename(binary), self.interface, self._proc.pid,
                  extra={"interface": self.interface, "pid": self._proc.pid})
         if not await self._wait_for_socket(self.start_timeout):
@@ -142,12 +151,14 @@ class UserspaceBackend:
             await asyncio.sleep(0.02)
         return False
 
-    async def _pump_output(self, proc: asyncio.subprocess.Process) -> None:
-        assert proc.stdout is not None
-        while line := await proc.stdout.readline():
-            text = line.decode(errors="replace").rstrip()
-            self._output.append(text)
-            log.info("%s: %s", self.interface, text, extra={"interface": self.interface, "pid": proc.pid})
+    def _drain_output(self, fd: int, pid: int) -> None:
+        with open(fd, "rb", buffering=0) as pipe:
+            for line in pipe:
+                text = line.decode(errors="replace").rstrip()
+                self._output.append(text)
+                log.info("%s: %s", self.interface, text, extra={"interface": self.interface, "pid": pid})
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
         if not self._stopping:
             log.warning("userspace WireGuard for %s (pid %d) exited with status %s; the next converge restarts it",

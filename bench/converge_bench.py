@@ -1,0 +1,187 @@
+"""Converge benchmark: plexd vs `wg syncconf` on the same real wireguard-go device (in a lab namespace).
+
+Figures (issue 4):
+  * full apply of 100 / 1,000 / 5,000 peers onto an empty device, plexd vs `wg syncconf`
+    (plexd is timed twice: the whole converge including one route per peer, and the device part alone:
+    observe + diff + one UAPI transaction, which is what `wg syncconf` does);
+  * a 1 % change (endpoints of 1 % of the peers) onto a full device;
+  * RSS of a fresh process holding and converging 1,000 peers.
+
+Run as root:  .venv/bin/python bench/converge_bench.py [--sizes 100,1000,5000] [--repeat 3]
+`wg syncconf` runs through `ip netns exec ... sh -c 'mount --bind ...; exec wg'` like every lab command; that
+wrapper's own cost (measured with `true`) is subtracted and printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import ipaddress
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+from nacl.public import PrivateKey
+
+from plexd.converge import Converger
+from plexd.desired import DesiredState
+from plexd.lab import Lab, LabNode
+from plexd.mesh.links import Links
+from plexd.mesh.wireguard import DeviceUpdate
+from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.model import Peer
+from plexd.plan import device_update, diff
+
+MESH = ipaddress.ip_network("10.128.0.0/10")
+
+
+def b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def make_desired(n: int, private_key: str) -> DesiredState:
+    peers = []
+    for i in range(n):
+        pub = b64(bytes(PrivateKey(os.urandom(32)).public_key))
+        ip = MESH[i + 2]
+        peers.append(Peer(id=f"n_{i:05d}", public_key=pub, mesh_ip=str(ip),
+                          endpoint=f"10.200.{i // 250}.{i % 250 + 1}:51820", allowed_ips=(f"{ip}/32",)))
+    d = DesiredState.initial(interface="wg0", listen_port=51820, mtu=1420, private_key=private_key,
+                             mesh_ip=str(MESH[1]))
+    return d.with_peers(peers)
+
+
+def change_one_percent(d: DesiredState) -> DesiredState:
+    ids = sorted(d.peers)[:: 100]
+    for pid in ids:
+        d = d.with_peer_endpoint(pid, "10.201.0.1:" + str(40000 + int(pid[2:]) % 20000))
+    return d
+
+
+def wg_conf(d: DesiredState) -> str:
+    lines = ["[Interface]", f"PrivateKey = {d.private_key}", f"ListenPort = {d.listen_port}"]
+    for p in d.peers.values():
+        lines += ["", "[Peer]", f"PublicKey = {p.public_key}", f"AllowedIPs = {', '.join(p.allowed_ips)}",
+                  f"Endpoint = {p.endpoint}", f"PersistentKeepalive = {d.persistent_keepalive}"]
+    return "\n".join(lines) + "\n"
+
+
+def timed_exec(node: LabNode, cmd: list[str]) -> float:
+    t = time.perf_counter()
+    subprocess.run(node.wrap(cmd), check=True, capture_output=True)
+    return time.perf_counter() - t
+
+
+async def reset(conv: Converger, node: LabNode) -> None:
+    await conv.wireguard.apply(DeviceUpdate(replace_peers=True))
+    subprocess.run(["ip", "-n", node.netns, "route", "flush", "dev", "wg0"], check=False, capture_output=True)
+
+
+async def device_only(conv: Converger, d: DesiredState) -> float:
+    t = time.perf_counter()
+    observed = await conv.observe()
+    await conv.wireguard.apply(device_update(diff(d, observed, time.time())))
+    return time.perf_counter() - t
+
+
+async def converge_time(conv: Converger, d: DesiredState) -> float:
+    t = time.perf_counter()
+    r = await conv.converge(d)
+    dt = time.perf_counter() - t
+    assert r.ok, r.errors
+    return dt
+
+
+def fmt(s: float) -> str:
+    return f"{s * 1000:8.1f} ms"
+
+
+async def bench(sizes: list[int], repeat: int) -> None:
+    with Lab().up(1) as lab:
+        node = lab.nodes[0]
+        backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
+        conv = Converger(backend, Links("wg0", netns=node.netns))
+        try:
+            priv = b64(os.urandom(32))
+            await conv.converge(make_desired(0, priv))  # device up, address, mtu
+            wrapper = statistics.median(timed_exec(node, ["true"]) for _ in range(5))
+            conf_path = os.path.join(node.sock_dir, "bench.conf")  # visible inside as /run/wireguard/bench.conf
+            version = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True).stdout.split()[1]
+            print(f"wireguard-go {version}, netns wrapper overhead {fmt(wrapper)} (subtracted from wg syncconf)")
+            print(f"{'case':34} {'plexd converge':>15} {'plexd device':>14} {'wg syncconf':>13} "
+                  f"{'ratio conv':>10} {'ratio dev':>9}")
+            for n in sizes:
+                d = make_desired(n, priv)
+                with open(conf_path, "w") as f:
+                    f.write(wg_conf(d))
+                full, dev, sync = [], [], []
+                for _ in range(repeat):
+                    await reset(conv, node)
+                    full.append(await converge_time(conv, d))
+                    await reset(conv, node)
+                    dev.append(await device_only(conv, d))
+                    await reset(conv, node)
+                    sync.append(timed_exec(node, ["wg", "syncconf", "wg0", "/run/wireguard/bench.conf"]) - wrapper)
+                await converge_time(conv, d)  # full device for the 1 % change
+                assert len((await backend.observe()).peers) == n
+                row(f"full apply, {n} peers", full, dev, sync)
+
+                changed = change_one_percent(d)
+                with open(conf_path + ".changed", "w") as f:
+                    f.write(wg_conf(changed))
+                full, dev, sync = [], [], []
+                for _ in range(repeat):
+                    await converge_time(conv, d)
+                    full.append(await converge_time(conv, changed))
+                    await converge_time(conv, d)
+                    dev.append(await device_only(conv, changed))
+                    await converge_time(conv, d)
+                    sync.append(timed_exec(node, ["wg", "syncconf", "wg0", "/run/wireguard/bench.conf.changed"])
+                                - wrapper)
+                row(f"1 % change ({n // 100} peers) of {n}", full, dev, sync)
+        finally:
+            await backend.close()
+
+
+def row(name: str, full: list[float], dev: list[float], sync: list[float]) -> None:
+    f, d, s = statistics.median(full), statistics.median(dev), statistics.median(sync)
+    print(f"{name:34} {fmt(f):>15} {fmt(d):>14} {fmt(s):>13} {f / s:10.2f} {d / s:9.2f}", flush=True)
+
+
+async def rss_child(n: int) -> None:
+    """In a fresh process: build 1,000 peers, converge them onto a real device, report VmRSS."""
+    with Lab().up(1) as lab:
+        node = lab.nodes[0]
+        backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
+        try:
+            conv = Converger(backend, Links("wg0", netns=node.netns))
+            d = make_desired(n, b64(os.urandom(32)))
+            await converge_time(conv, d)
+            d = replace(d)
+            await converge_time(conv, d)  # a steady-state converge, as the reconciler runs it
+            with open("/proc/self/status") as f:
+                rss = next(line for line in f if line.startswith("VmRSS")).split()[1]
+            print(f"RSS of a process holding and converging {n} peers: {int(rss) / 1024:.1f} MiB")
+        finally:
+            await backend.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="100,1000,5000")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--rss-child", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rss_child:
+        asyncio.run(rss_child(args.rss_child))
+        return
+    asyncio.run(bench([int(s) for s in args.sizes.split(",")], args.repeat))
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", "1000"], check=True)
+
+
+if __name__ == "__main__":
+    main()
