@@ -329,10 +329,34 @@ def cmd_reconcile(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd peers [--json]  (mesh engineer)
+
+
+def _add_peers(sub: Any) -> None:
+    p = sub.add_parser("peers", parents=[_GLOBALS, _JSON], help="list the mesh peers on the live device",
+                       description="Each peer on the WireGuard device: id, mesh IP, endpoint, allowed IPs, latest "
+                                   "handshake and traffic (reads the live device, like 'wg show').")
+    p.set_defaults(func=cmd_peers)
+
+
+def cmd_peers(args: argparse.Namespace, config: Config) -> int:
+    import asyncio
+
+    from plexd.mesh.peers import format_table, peers_report
+
+    peer_rows, now = asyncio.run(peers_report(config))
+    if args.json:
+        _print_json([r.to_json(now) for r in peer_rows])
+    else:
+        print(format_table(peer_rows, now))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
-                                         _add_reconcile]
+                                         _add_reconcile, _add_peers]
 
 
 def build_parser() -> argparse.ArgumentParser:

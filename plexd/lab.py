@@ -256,3 +256,177 @@ def _free_subnet() -> str:
         if f"10.231.{octet}." not in used:
             return net
     raise LabError("no free 10.231.X.0/24 lab subnet")
+
+
+# --- the mesh on top of the lab: the devplane on the bridge, `plexd up` in every node -----------------------
+
+
+@dataclass
+class LabDaemon:
+    node: LabNode
+    dir: str
+    proc: subprocess.Popen
+
+    @property
+    def node_id(self) -> str | None:
+        try:
+            with open(os.path.join(self.dir, "data", "identity.json")) as f:
+                return json.load(f)["node_id"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    @property
+    def mesh_ip(self) -> str | None:
+        try:
+            with open(os.path.join(self.dir, "data", "identity.json")) as f:
+                return json.load(f)["mesh_ip"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            with open(os.path.join(self.dir, "plexd.log")) as f:
+                return f.read()[-n:]
+        except OSError:
+            return ""
+
+
+class MeshLab:
+    """Runs the real devplane on the lab bridge and a real `plexd up` in each node namespace (each with its
+    private /run/wireguard). Everything is spawned through the `Lab`, so its teardown (or `--down`) stops it.
+
+    Until NAT discovery reports endpoints, the lab plays the operator and tells the devplane each node's lab
+    address (`set_node_endpoint`), which the devplane pushes to the other nodes as `peer_endpoint_changed`.
+    """
+
+    LISTEN_PORT = 51820
+
+    def __init__(self, lab: Lab, *, reconcile: str = "60s", heartbeat: str = "5s", plexd: str | None = None) -> None:
+        import sys
+
+        self.lab = lab
+        self.reconcile = reconcile
+        self.heartbeat = heartbeat
+        self.plexd = plexd or os.path.join(os.path.dirname(sys.executable), "plexd")
+        self.python = sys.executable
+        self.daemons: list[LabDaemon] = []
+        self.url = ""
+        self.admin = None  # plexd.devplane.harness.AdminClient once started
+        self._endpoint_set: set[str] = set()
+
+    def start_devplane(self, timeout: float = 20.0) -> str:
+        from plexd.devplane.harness import AdminClient
+
+        ddir = os.path.join(self.lab.workdir, "devplane")
+        os.makedirs(ddir, exist_ok=True)
+        log_path = os.path.join(ddir, "devplane.log")
+        with open(log_path, "w") as log:
+            self.lab.spawn([self.python, "-m", "plexd.devplane.cli", "serve", "--listen",
+                            f"{self.lab.bridge_address}:0", "--db", os.path.join(ddir, "devplane.db")],
+                           stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(log_path) as f:
+                for line in f:
+                    if line.startswith("plexd-devplane listening on "):
+                        self.url = line.split()[-1]
+                        break
+            if self.url:
+                break
+            time.sleep(0.05)
+        if not self.url:
+            with open(log_path) as f:
+                raise LabError(f"the devplane did not start within {timeout:.0f}s: {f.read()[-500:]}")
+        with open(os.path.join(ddir, "devplane.db.admin-token")) as f:
+            self.admin = AdminClient(self.url, f.read().strip())
+        return self.url
+
+    def start_node(self, node: LabNode) -> LabDaemon:
+        assert self.admin is not None, "start_devplane() first"
+        ndir = os.path.join(self.lab.workdir, node.name)
+        os.makedirs(ndir, exist_ok=True)
+        token = os.path.join(ndir, "token")
+        with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(self.admin.create_token())
+        config = os.path.join(ndir, "config.yaml")
+        with open(config, "w") as f:
+            f.write(f"api: {self.url}\ndata_dir: {ndir}/data\ntoken: {{file: {token}}}\n"
+                    f"hooks: {{dir: {ndir}/hooks}}\n"
+                    f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}}}\n"
+                    f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"
+                    f"registration: {{hostname: {node.name}}}\n")
+        env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PLEXD_CONFIG": config}
+        with open(os.path.join(ndir, "plexd.log"), "w") as log:
+            proc = self.lab.spawn(node.wrap([self.plexd, "up"]), env=env, stdout=log, stderr=subprocess.STDOUT)
+        daemon = LabDaemon(node, ndir, proc)
+        self.daemons.append(daemon)
+        return daemon
+
+    def publish_endpoints(self) -> None:
+        """Tell the devplane where each registered node listens (the NAT-discovery stand-in, see the class doc)."""
+        assert self.admin is not None
+        for d in self.daemons:
+            nid = d.node_id
+            if nid and nid not in self._endpoint_set:
+                self.admin.set_node_endpoint(nid, f"{d.node.address}:{self.LISTEN_PORT}")
+                self._endpoint_set.add(nid)
+
+    def wg_dump(self, node: LabNode) -> dict[str, dict]:
+        """public key -> {endpoint, allowed_ips, latest_handshake, rx, tx}, as `wg show plexd0 dump` sees it."""
+        res = self.lab.exec(node, ["wg", "show", "plexd0", "dump"], check=False)
+        if res.returncode != 0:
+            return {}
+        out = {}
+        for line in res.stdout.splitlines()[1:]:
+            f = line.split("\t")
+            out[f[0]] = {"endpoint": f[2], "allowed_ips": f[3], "latest_handshake": int(f[4]), "rx": int(f[5]),
+                         "tx": int(f[6])}
+        return out
+
+    def wait(self, pred, timeout: float, what: str) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            self.publish_endpoints()
+            for d in self.daemons:
+                if d.proc.poll() is not None:
+                    raise LabError(f"plexd up in {d.node.name} exited ({d.proc.returncode}): {d.log_tail(1500)}")
+            if pred():
+                return time.monotonic() - start
+            time.sleep(0.1)
+        logs = "\n".join(f"--- {d.node.name}\n{d.log_tail()}" for d in self.daemons)
+        raise LabError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
+
+    def full_handshake_matrix(self) -> bool:
+        """Every node has a handshake with every other node."""
+        n = len(self.daemons)
+        for d in self.daemons:
+            dump = self.wg_dump(d.node)
+            if len(dump) != n - 1 or not all(p["latest_handshake"] > 0 for p in dump.values()):
+                return False
+        return True
+
+    def status_rows(self) -> list[list[str]]:
+        now = time.time()
+        rows = []
+        for d in self.daemons:
+            dump = self.wg_dump(d.node)
+            latest = max((p["latest_handshake"] for p in dump.values()), default=0)
+            rows.append([d.node.name, d.node_id or "-", d.mesh_ip or "-", f"{d.node.address}:{self.LISTEN_PORT}",
+                         str(len(dump)), f"{now - latest:.0f}s ago" if latest else "never"])
+        return rows
+
+    def ping_matrix(self, count: int = 1, wait: int = 3) -> dict[tuple[str, str], bool]:
+        """(from node, to node) -> ping over the mesh IP succeeded."""
+        out = {}
+        for a in self.daemons:
+            for b in self.daemons:
+                if a is b or not b.mesh_ip:
+                    continue
+                res = self.lab.exec(a.node, ["ping", "-c", str(count), "-W", str(wait), "-q", b.mesh_ip],
+                                    check=False)
+                out[(a.node.name, b.node.name)] = res.returncode == 0
+        return out
+
+    def close(self) -> None:
+        if self.admin is not None:
+            self.admin.close()
