@@ -9,6 +9,7 @@ converge tries again (level-triggered).
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 from collections.abc import Sequence
@@ -54,6 +55,15 @@ class ConvergeResult:
         return [c.correction() for c in self.changes]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _is_ip_endpoint(endpoint: str) -> bool:
+    try:
+        ipaddress.ip_address(split_endpoint(endpoint)[0])
+        return True
+    except ValueError:
+        return False
+
+
 class Converger:
     """Owns one WireGuard device and its link. One converge at a time."""
 
@@ -66,8 +76,8 @@ class Converger:
         self.last_result: ConvergeResult | None = None
 
     async def observe(self) -> Observed:
-        link = await self.links.observe()
-        device = await self.wireguard.observe()
+        # The link is read in a worker thread while the device is read on the loop: the two overlap.
+        link, device = await asyncio.gather(self.links.observe(), self.wireguard.observe())
         return Observed(device=device, link=link, process_gone=self.wireguard.process_gone(),
                         peer_names=dict(self._names))
 
@@ -171,14 +181,9 @@ class Converger:
         errors: list[str] = []
         loop = asyncio.get_running_loop()
         for pid, peer in list(desired.peers.items()):
-            if not peer.endpoint:
+            if not peer.endpoint or _is_ip_endpoint(peer.endpoint):
                 continue
             host, port = split_endpoint(peer.endpoint)
-            try:
-                ipaddress.ip_address(host)
-                continue
-            except ValueError:
-                pass
             try:
                 infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=2), RESOLVE_TIMEOUT)
                 ip = infos[0][4][0]

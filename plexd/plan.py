@@ -46,6 +46,7 @@ from plexd.mesh.wireguard import (
     clamp_private_key,
     key_fingerprint,
 )
+from plexd.model import Peer
 
 ROAMING_WINDOW = 180.0
 
@@ -97,9 +98,11 @@ def _cidr(text: str) -> str:
     return str(ipaddress.ip_network(text, strict=False))
 
 
-def _routes(networks: Iterable[str], exclude: Iterable[str]) -> frozenset[str]:
+@functools.lru_cache(maxsize=64)
+def _routes(networks: frozenset[str], exclude: frozenset[str]) -> frozenset[str]:
     """The fewest routes covering exactly the peers' allowed IPs (adjacent /32s merge into one prefix, so
-    1,000 peers need a handful of routes, not 1,000). Default routes and our own addresses are left out."""
+    1,000 peers need a handful of routes, not 1,000). Default routes and our own addresses are left out.
+    Cached: the peer set rarely changes between converges, and collapsing thousands of prefixes is not free."""
     nets = {ipaddress.ip_network(n) for n in networks if not n.endswith("/0")} - {
         ipaddress.ip_network(a, strict=False) for a in exclude}
     out: set[str] = set()
@@ -108,24 +111,41 @@ def _routes(networks: Iterable[str], exclude: Iterable[str]) -> frozenset[str]:
     return frozenset(out)
 
 
+@functools.lru_cache(maxsize=1 << 17)
+def _peer_config(peer: Peer, keepalive: int) -> PeerConfig:
+    """One desired peer in device terms. Cached per (immutable) peer, so a converge costs per peer a hash
+    lookup, not re-parsing its addresses: the cost of a converge grows with what changed, not the mesh."""
+    allowed = (frozenset(_cidr(ip) for ip in peer.allowed_ips) if peer.allowed_ips
+               else frozenset({_cidr(peer.mesh_ip)}))
+    # No keepalive until the peer has an endpoint: wireguard-go would spend its one handshake initiation per
+    # 5 s on a peer it cannot reach, and the endpoint arriving a moment later would then wait out that 5 s.
+    return PeerConfig(public_key=peer.public_key, endpoint=normalize_endpoint(peer.endpoint), allowed_ips=allowed,
+                      psk=peer.psk, persistent_keepalive=keepalive if peer.endpoint else 0)
+
+
 def target(desired: DesiredState) -> Target:
+    cached = desired.__dict__.get("_plan_target")  # DesiredState is immutable: compute once per value
+    if cached is not None:
+        return cached
     peers: dict[str, PeerConfig] = {}
     ids: dict[str, str] = {}
     routes: set[str] = set()
+    keepalive = desired.persistent_keepalive
     for pid, p in desired.peers.items():
-        allowed = frozenset(_cidr(ip) for ip in p.allowed_ips) if p.allowed_ips else frozenset({_cidr(p.mesh_ip)})
-        peers[p.public_key] = PeerConfig(public_key=p.public_key, endpoint=normalize_endpoint(p.endpoint),
-                                         allowed_ips=allowed, psk=p.psk,
-                                         persistent_keepalive=desired.persistent_keepalive)
+        pc = _peer_config(p, keepalive)
+        peers[p.public_key] = pc
         ids[p.public_key] = pid
-        routes.update(allowed)
+        routes.update(pc.allowed_ips)
     addresses = {f"{ipaddress.ip_address(desired.mesh_ip)}/{32 if ':' not in desired.mesh_ip else 128}"}
     if desired.mesh_ip6:
         addresses.add(f"{ipaddress.ip_address(desired.mesh_ip6)}/128")
-    return Target(interface=desired.interface,
-                  device=DeviceConfig(private_key=clamp_private_key(desired.private_key),
-                                       listen_port=desired.listen_port, peers=peers),
-                  peer_ids=ids, addresses=frozenset(addresses), mtu=desired.mtu, routes=_routes(routes, addresses))
+    t = Target(interface=desired.interface,
+               device=DeviceConfig(private_key=clamp_private_key(desired.private_key),
+                                   listen_port=desired.listen_port, peers=peers),
+               peer_ids=ids, addresses=frozenset(addresses), mtu=desired.mtu,
+               routes=_routes(frozenset(routes), frozenset(addresses)))
+    desired.__dict__["_plan_target"] = t
+    return t
 
 
 # --- changes ------------------------------------------------------------------------------------------------
@@ -257,16 +277,25 @@ class PeerKeyChanged(PeerChange):
 
 @dataclass(frozen=True)
 class PeerEndpointChanged(PeerChange):
+    """A new endpoint. With a persistent keepalive, the keepalive is switched off and on again in the same
+    transaction: wireguard-go sends a keepalive (and so a handshake) only when keepalive goes from 0 to on, and
+    otherwise a peer whose endpoint arrives late waits for the other side's 5 s retry before the tunnel is up."""
+
     correction_type: ClassVar[str] = "peer_updated"
     want: str
     have: str
+    keepalive: int = 0
 
     @property
     def detail(self) -> str:
         return f"peer {self.peer_id}: endpoint {self.have or '(none)'} != {self.want}"
 
     def peer_update(self) -> Sequence[PeerUpdate]:
-        return (PeerUpdate(public_key=self.public_key, update_only=True, endpoint=self.want),)
+        update = PeerUpdate(public_key=self.public_key, update_only=True, endpoint=self.want,
+                            persistent_keepalive=self.keepalive or None)
+        if not self.keepalive:
+            return (update,)
+        return (PeerUpdate(public_key=self.public_key, update_only=True, persistent_keepalive=0), update)
 
 
 @dataclass(frozen=True)
@@ -440,7 +469,7 @@ def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -
     yield from (PeerRemoved(name(k), k) for k in removed)
     for key in sorted(renamed, key=name):
         yield PeerKeyChanged(name(key), key, renamed[key], want[key])
-    for key in sorted((k for k in want if k in live), key=name):
+    for key in sorted((k for k in want if k in live and want[k] != live[k]), key=name):
         yield from _peer_fields(name(key), want[key], live[key], now)
     for key in sorted((k for k in missing if k not in renamed), key=name):
         yield PeerAdded(name(key), key, want[key])
@@ -449,7 +478,7 @@ def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -
 def _peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float) -> Iterable[PeerChange]:
     roaming = h.last_handshake > 0 and now - h.last_handshake < ROAMING_WINDOW
     if w.endpoint and w.endpoint != h.endpoint and not roaming:
-        yield PeerEndpointChanged(pid, w.public_key, w.endpoint, h.endpoint)
+        yield PeerEndpointChanged(pid, w.public_key, w.endpoint, h.endpoint, w.persistent_keepalive)
     if w.allowed_ips != h.allowed_ips:
         yield PeerAllowedIpsChanged(pid, w.public_key, w.allowed_ips, h.allowed_ips)
     if w.psk != h.psk:
@@ -484,6 +513,7 @@ def device_update(changes: Iterable[Change]) -> DeviceUpdate:
     private_key: str | None = None
     listen_port: int | None = None
     removals: list[PeerUpdate] = []
+    kicks: list[PeerUpdate] = []  # keepalive off before the merged update turns it on (PeerEndpointChanged)
     merged: dict[str, PeerUpdate] = {}
     for c in changes:
         if isinstance(c, PrivateKeyWrong):
@@ -491,14 +521,18 @@ def device_update(changes: Iterable[Change]) -> DeviceUpdate:
         elif isinstance(c, ListenPortWrong):
             listen_port = c.want
         elif isinstance(c, PeerChange):
-            for u in c.peer_update():
+            updates = list(c.peer_update())
+            if isinstance(c, PeerEndpointChanged) and len(updates) == 2:
+                kicks.append(updates.pop(0))
+            for u in updates:
                 if u.remove:
                     removals.append(u)
                 elif u.public_key in merged:
                     merged[u.public_key] = _merge(merged[u.public_key], u)
                 else:
                     merged[u.public_key] = u
-    return DeviceUpdate(private_key=private_key, listen_port=listen_port, peers=(*removals, *merged.values()))
+    return DeviceUpdate(private_key=private_key, listen_port=listen_port,
+                        peers=(*removals, *kicks, *merged.values()))
 
 
 def _merge(a: PeerUpdate, b: PeerUpdate) -> PeerUpdate:

@@ -180,6 +180,10 @@ def test_endpoint_detail_and_roaming_window() -> None:
     (c,) = diff(d, obs, NOW)
     assert isinstance(c, PeerEndpointChanged)
     assert c.correction() == {"type": "peer_updated", "detail": "peer n_a: endpoint 5.6.7.8:51820 != 10.0.0.2:51820"}
+    # keepalive off then on in the same transaction, so wireguard-go handshakes with the new endpoint at once
+    kick, update = device_update([c]).peers
+    assert (kick.persistent_keepalive, kick.endpoint, kick.update_only) == (0, None, True)
+    assert (update.persistent_keepalive, update.endpoint, update.update_only) == (25, "10.0.0.2:51820", True)
     # a recent handshake means the peer roamed: leave the endpoint alone
     roamed = replace(moved, last_handshake=NOW - ROAMING_WINDOW + 1)
     assert diff(d, replace(obs, device=replace(obs.device, peers={KEYS[1]: roamed})), NOW) == []

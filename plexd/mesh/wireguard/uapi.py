@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import functools
+import gc
 import ipaddress
 import os
 from collections.abc import Iterable
@@ -26,6 +28,7 @@ from plexd.mesh.wireguard import (
 )
 
 DEFAULT_SOCKET_DIR = "/run/wireguard"
+_ZERO_HEX = "00" * 32
 TIMEOUT = 10.0
 _READ_CHUNK = 1 << 16
 
@@ -39,7 +42,7 @@ def b64_to_hex(key: str) -> str:
 
 
 def hex_to_b64(key: str) -> str:
-    return base64.b64encode(bytes.fromhex(key)).decode()
+    return binascii.b2a_base64(bytes.fromhex(key), newline=False).decode()
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -102,74 +105,81 @@ def parse_errno(reply: str) -> int:
 
 def parse_get(reply: str) -> DeviceConfig:
     """Parse a `get=1` reply into a `DeviceConfig` (observed fields included)."""
-    private_key = ""
-    listen_port = 0
-    fwmark = 0
-    peers: dict[str, PeerConfig] = {}
-    cur: dict | None = None
+    # Tens of thousands of short-lived strings: a cyclic-GC pass in the middle is pure overhead here.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse_get(reply)
+    finally:
+        if enabled:
+            gc.enable()
 
-    def flush() -> None:
-        if cur is not None:
-            psk = cur["psk"]
-            peers[cur["public_key"]] = PeerConfig(
-                public_key=cur["public_key"],
-                endpoint=cur["endpoint"],
-                allowed_ips=frozenset(cur["allowed_ips"]),
-                psk="" if psk == ZERO_KEY else psk,
-                persistent_keepalive=cur["keepalive"],
-                last_handshake=cur["hs_sec"] + cur["hs_nsec"] / 1e9,
-                rx=cur["rx"],
-                tx=cur["tx"],
-            )
 
-    errno: int | None = None
-    for lineno, line in enumerate(reply.splitlines(), 1):
-        if not line:
-            continue
-        key, sep, value = line.partition("=")
-        if not sep:
-            raise WireGuardError(f"malformed UAPI get reply line {lineno}: {line[:80]!r}")
-        try:
-            if key == "errno":
-                errno = int(value)
-            elif key == "public_key":
-                flush()
-                cur = {"public_key": hex_to_b64(value), "endpoint": "", "allowed_ips": [], "psk": "",
-                       "keepalive": 0, "hs_sec": 0, "hs_nsec": 0, "rx": 0, "tx": 0}
-            elif cur is None:
-                if key == "private_key":
-                    private_key = hex_to_b64(value)
-                elif key == "listen_port":
-                    listen_port = int(value)
-                elif key == "fwmark":
-                    fwmark = int(value)
-            elif key == "preshared_key":
-                cur["psk"] = hex_to_b64(value)
-            elif key == "endpoint":
-                cur["endpoint"] = value
-            elif key == "allowed_ip":
-                cur["allowed_ips"].append(normalize_cidr(value))
-            elif key == "persistent_keepalive_interval":
-                cur["keepalive"] = int(value)
-            elif key == "last_handshake_time_sec":
-                cur["hs_sec"] = int(value)
-            elif key == "last_handshake_time_nsec":
-                cur["hs_nsec"] = int(value)
-            elif key == "rx_bytes":
-                cur["rx"] = int(value)
-            elif key == "tx_bytes":
-                cur["tx"] = int(value)
-            # protocol_version and unknown keys: ignored (forward compatible)
-        except ValueError as e:
-            raise WireGuardError(f"malformed UAPI get reply line {lineno} ({key}): {e}") from None
-    flush()
-    if errno is None:
+def _parse_get(reply: str) -> DeviceConfig:
+    """Parse a `get=1` reply into a `DeviceConfig` (observed fields included).
+
+    Written for speed (a 5,000-peer reply is ~1.7 MB): the text is cut into peer blocks at `public_key=` and each
+    block's lines go into a dict; only allowed IPs repeat. Order inside a block is not assumed.
+    """
+    if not reply.rstrip("\n").endswith(("errno=0", "\nerrno=0")):
+        for line in reply.splitlines():
+            if line.startswith("errno="):
+                try:
+                    errno = int(line[6:])
+                except ValueError:
+                    break
+                if errno != 0:
+                    raise UapiError(errno, "get")
         raise WireGuardError("malformed UAPI get reply: no errno line")
-    if errno != 0:
-        raise UapiError(errno, "get")
-    if private_key == ZERO_KEY:
-        private_key = ""
-    return DeviceConfig(private_key=private_key, listen_port=listen_port, fwmark=fwmark, peers=peers)
+    blocks = ("\n" + reply).split("\npublic_key=")
+    device: dict[str, str] = {}
+    for lineno, line in enumerate(blocks[0].split("\n")[1:], 1):
+        if line:
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise WireGuardError(f"malformed UAPI get reply line {lineno}: {line[:80]!r}")
+            device[key] = value
+    peers: dict[str, PeerConfig] = {}
+    for block in blocks[1:]:
+        lines = block.split("\n")
+        fields: dict[str, str] = {}
+        allowed: list[str] = []
+        for line in lines[1:]:
+            key, _, value = line.partition("=")  # a line without "=" is an unknown key: ignored
+            if key == "allowed_ip":
+                allowed.append(value)
+            else:
+                fields[key] = value
+        try:
+            public_key = hex_to_b64(lines[0])
+            psk = fields.get("preshared_key")
+            psk_b64 = hex_to_b64(psk) if psk and psk != _ZERO_HEX else ""
+            peers[public_key] = PeerConfig(
+                public_key=public_key,
+                endpoint=fields.get("endpoint", ""),
+                allowed_ips=frozenset(map(normalize_cidr, allowed)),
+                psk=psk_b64,
+                persistent_keepalive=int(fields.get("persistent_keepalive_interval", 0)),
+                last_handshake=int(fields.get("last_handshake_time_sec", 0))
+                + int(fields.get("last_handshake_time_nsec", 0)) / 1e9,
+                rx=int(fields.get("rx_bytes", 0)),
+                tx=int(fields.get("tx_bytes", 0)),
+            )
+        except ValueError as e:
+            raise WireGuardError(f"malformed UAPI get reply for peer {lines[0][:16]}: {e}") from None
+    numbers: dict[str, int] = {}
+    for name in ("listen_port", "fwmark"):
+        try:
+            numbers[name] = int(device.get(name, 0))
+        except ValueError:
+            raise WireGuardError(f"malformed UAPI get reply: {name}={device[name][:20]!r}") from None
+    private_key = device.get("private_key", "")
+    try:
+        private_b64 = hex_to_b64(private_key) if private_key and private_key != _ZERO_HEX else ""
+    except ValueError:
+        raise WireGuardError("malformed UAPI get reply: private_key is not hex") from None
+    return DeviceConfig(private_key=private_b64, listen_port=numbers["listen_port"], fwmark=numbers["fwmark"],
+                        peers=peers)
 
 
 def describe_update(update: DeviceUpdate, interface: str) -> str:
