@@ -244,9 +244,36 @@ def _save_mirror(data_dir: Path, desired: Any) -> None:
     path = data_dir / MIRROR_FILE
     try:
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        atomic_write(path, json.dumps(desired.to_json(), indent=2).encode())
+        atomic_write(path, json.dumps(desired.to_json(), separators=(",", ":")).encode())
     except OSError as exc:
         log.warning("cannot write the desired-state mirror %s: %s", path, exc)
+
+
+class MirrorWriter:
+    """Writes the desired-state mirror at most once per `delay` seconds, off the event path (serialising a
+    few hundred peers costs milliseconds, which would otherwise sit between an event and the device)."""
+
+    def __init__(self, data_dir: Path, delay: float = 1.0) -> None:
+        self.data_dir = data_dir
+        self.delay = delay
+        self._pending: Any = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def changed(self, desired: Any) -> None:
+        self._pending = desired
+        if self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(self.delay, self.flush)
+            except RuntimeError:  # no loop (a synchronous caller): write now
+                self.flush()
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        desired, self._pending = self._pending, None
+        if desired is not None:
+            _save_mirror(self.data_dir, desired)
 
 
 def install_mesh(agent: Agent) -> MeshHandle:
@@ -268,9 +295,11 @@ def install_mesh(agent: Agent) -> MeshHandle:
         initial = replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu)
         log.info("desired state restored from %s (%d peers)", data_dir / MIRROR_FILE, len(initial.peers))
     converger = build_converger(cfg)
-    mesh = MeshHandle(converger, initial, on_desired_changed=lambda d: _save_mirror(data_dir, d))
+    mirror = MirrorWriter(data_dir)
+    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed)
 
     async def teardown(agent: Agent) -> None:
+        mirror.flush()
         if cfg.shutdown.deregister and not agent.failed:
             await converger.teardown()
             log.info("mesh interface %s removed", cfg.mesh.interface)

@@ -152,7 +152,8 @@ class UserspaceBackend:
         return False
 
     def _drain_output(self, fd: int, pid: int) -> None:
-        with open(fd, "rb", buffering=0) as pipe:
+        # Buffered: an unbuffered readline reads one byte per syscall (the idle bench saw thousands per second).
+        with open(fd, "rb") as pipe:
             for line in pipe:
                 text = line.decode(errors="replace").rstrip()
                 self._output.append(text)

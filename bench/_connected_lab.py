@@ -1,0 +1,94 @@
+"""Shared set-up of the connected-state benches: one lab node running the real `plexd up` (real wireguard-go in
+its namespace), the real devplane on the lab bridge. Needs root."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from nacl.public import PrivateKey
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plexd.devplane.harness import Devplane
+from plexd.lab import Lab, LabNode
+
+PLEXD = str(Path(sys.executable).with_name("plexd"))
+# PLEXD_BENCH_PROFILE=/path/out.prof runs the daemon under cProfile (written when it exits).
+_PROFILE = os.environ.get("PLEXD_BENCH_PROFILE")
+DAEMON = [sys.executable, "-m", "cProfile", "-o", _PROFILE, PLEXD, "up"] if _PROFILE else [PLEXD, "up"]
+
+
+@dataclass
+class Node:
+    lab: Lab
+    lab_node: LabNode
+    dp: Devplane
+    proc: subprocess.Popen
+    workdir: Path
+
+    @property
+    def node_id(self) -> str:
+        return json.loads((self.workdir / "data" / "identity.json").read_text())["node_id"]
+
+    def cpu_seconds(self) -> float:
+        """user+system CPU of the plexd process (the `ip netns exec` wrapper execs into it)."""
+        return _cpu(self.proc.pid)
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def random_peer(i: int) -> dict:
+    pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+    ip = f"10.101.{i // 250}.{i % 250 + 1}"
+    return {"id": f"n_bench{i}", "public_key": pub, "mesh_ip": ip, "endpoint": f"192.0.2.{i % 250 + 1}:51820",
+            "allowed_ips": [f"{ip}/32"], "psk": ""}
+
+
+@contextlib.contextmanager
+def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[Node]:
+    lab = Lab().up(1)
+    workdir = Path(tempfile.mkdtemp(prefix="plexd-bench-"))
+    dp = proc = None
+    try:
+        dp = Devplane(workdir / "dp", listen=f"{lab.bridge_address}:0")
+        dp.start()
+        (workdir / "token").write_text(dp.admin.create_token())
+        cfg = workdir / "config.yaml"
+        cfg.write_text(f"api: {dp.url}\ndata_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"
+                       f"hooks: {{dir: {workdir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
+                       f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
+                       "log_level: warning\n")
+        node = lab.nodes[0]
+        log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
+        proc = lab.spawn(node.wrap(DAEMON), env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg)},
+                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while not (workdir / "data" / "identity.json").exists() or not Path(node.sock_dir, "plexd0.sock").exists():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"plexd up did not come up:\n{(workdir / 'plexd.log').read_text()[-3000:]}")
+            time.sleep(0.1)
+        yield Node(lab, node, dp, proc, workdir)
+    finally:
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if dp is not None:
+            dp.stop()
+        lab.down()

@@ -1,0 +1,76 @@
+"""Idle cost: CPU seconds per minute of a connected `plexd up` with 100 peers and no events.
+
+The daemon runs with its default timings (heartbeat 30 s, reconcile 60 s, SSE keepalives from the devplane every
+15 s) in a lab namespace with real wireguard-go; the 100 peers are real registered nodes of the devplane (so every
+reconcile keeps them). After the device holds all of them and a warm-up, the plexd process's user+system CPU is
+read from /proc before and after the measurement window. wireguard-go's own CPU is shown separately (it is not
+plexd's code; the peers' endpoints are on the lab bridge where nothing answers, so it keeps retrying handshakes).
+
+    sudo .venv/bin/python bench/idle_cost.py [--peers 100] [--seconds 120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import subprocess
+import time
+
+import httpx
+from _connected_lab import _cpu, connected_node
+from nacl.public import PrivateKey
+
+from plexd.mesh.wireguard.uapi import UapiClient
+
+
+def wireguard_go_pid(netns: str) -> int | None:
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+    for pid in out:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"wireguard-go" in f.read():
+                    return int(pid)
+        except OSError:
+            continue
+    return None
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", type=int, default=100)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    args = ap.parse_args()
+    with connected_node() as node:
+        with httpx.Client(base_url=node.dp.url, timeout=30) as http:
+            for i in range(args.peers):
+                token = node.dp.admin.create_token()
+                pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+                r = http.post("/v1/register", headers={"Authorization": f"Bearer {token}"},
+                              json={"token": token, "public_key": pub, "hostname": f"idle-{i}"})
+                r.raise_for_status()
+                # An endpoint on the lab bridge where nothing listens: wireguard-go sends its handshakes there
+                # (peers without any endpoint make it log an error per peer and packet instead).
+                node.dp.admin.set_node_endpoint(r.json()["node_id"], f"{node.lab.bridge_address}:{40000 + i}")
+        uapi = UapiClient("plexd0", socket_dir=node.lab_node.sock_dir)
+        deadline = time.monotonic() + 60
+        while len((await uapi.get()).peers) < args.peers:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the peers did not all reach the device")
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(5)  # warm-up: the burst of peer_added events is over
+        wg_pid = wireguard_go_pid(node.lab_node.netns)
+        plexd0, wg0, t0 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
+        await asyncio.sleep(args.seconds)
+        plexd1, wg1, t1 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
+        heartbeats = len(node.dp.admin.heartbeats(node.node_id))
+    minutes = (t1 - t0) / 60
+    print(f"connected plexd up, {args.peers} peers, no events, {t1 - t0:.0f} s window "
+          f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {heartbeats} heartbeats in total)")
+    print(f"  plexd:        {(plexd1 - plexd0) / minutes:.3f} CPU s/min   (goal <= 0.1; best peer agent ~0.12)")
+    if wg_pid:
+        print(f"  wireguard-go: {(wg1 - wg0) / minutes:.3f} CPU s/min   (not plexd's code)")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
