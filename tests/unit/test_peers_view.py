@@ -1,0 +1,32 @@
+"""`plexd peers`: key → id mapping through the desired-state mirror, handshake ages, JSON shape."""
+
+from __future__ import annotations
+
+import json
+
+from plexd.mesh.peers import format_table, names_from_mirror, rows
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+
+K1, K2 = "A" * 43 + "=", "B" * 43 + "="
+
+
+def test_rows_json_and_table(tmp_path) -> None:
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "desired.json").write_text(json.dumps(
+        {"state": {"peers": [{"id": "n_a", "public_key": K1, "mesh_ip": "10.100.0.2"}]}}))
+    names = names_from_mirror(tmp_path)
+    dev = DeviceConfig(peers={
+        K1: PeerConfig(K1, "10.0.0.2:51820", frozenset({"10.100.0.2/32"}), last_handshake=1000.0, rx=2048, tx=10),
+        K2: PeerConfig(K2, "", frozenset({"10.100.0.9/32"})),
+    })
+    r = rows(dev, names)
+    assert [x.id for x in r] == ["(unknown BBBBBBBB…)", "n_a"]
+    doc = r[1].to_json(now=1012.0)
+    assert doc == {"id": "n_a", "public_key": K1, "mesh_ip": "10.100.0.2", "endpoint": "10.0.0.2:51820",
+                   "allowed_ips": ["10.100.0.2/32"], "latest_handshake": "1970-01-01T00:16:40Z",
+                   "latest_handshake_age_seconds": 12.0, "rx_bytes": 2048, "tx_bytes": 10}
+    assert r[0].to_json(now=1012.0)["latest_handshake"] is None and r[0].mesh_ip == "10.100.0.9"
+    table = format_table(r, now=1012.0).splitlines()
+    assert table[0].split() == ["PEER", "MESH", "IP", "ENDPOINT", "ALLOWED", "IPS", "HANDSHAKE", "RX", "TX"]
+    assert "12s ago" in table[2] and "2.0 KiB" in table[2] and "never" in table[1]
+    assert names_from_mirror(tmp_path / "missing") == {}
