@@ -65,3 +65,12 @@ def test_json_mirror_round_trips_without_the_private_key() -> None:
     back = DesiredState.from_json(doc, private_key=PRIV)
     assert back == d
     assert DesiredState.from_json(doc).private_key == ""
+
+
+def test_wireguard_value_types_never_print_keys():
+    from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate
+
+    secret = "SECRETSECRETSECRETSECRETSECRETSECRETSECRET="
+    texts = [repr(DeviceConfig(private_key=secret)), repr(DeviceUpdate(private_key=secret)),
+             repr(PeerConfig(public_key="pub", psk=secret)), repr(PeerUpdate(public_key="pub", psk=secret))]
+    assert all(secret not in t for t in texts)

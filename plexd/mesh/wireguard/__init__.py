@@ -82,7 +82,7 @@ class PeerConfig:
     public_key: str
     endpoint: str = ""
     allowed_ips: frozenset[str] = frozenset()
-    psk: str = ""
+    psk: str = field(default="", repr=False)
     persistent_keepalive: int = 0
     last_handshake: float = field(default=0.0, compare=False)
     rx: int = field(default=0, compare=False)
@@ -93,7 +93,7 @@ class PeerConfig:
 class DeviceConfig:
     """A whole device. `peers` is keyed by public key."""
 
-    private_key: str = ""
+    private_key: str = field(default="", repr=False)
     listen_port: int = 0
     fwmark: int = 0
     peers: Mapping[str, PeerConfig] = field(default_factory=dict)
@@ -111,7 +111,7 @@ class PeerUpdate:
     update_only: bool = False
     endpoint: str | None = None
     allowed_ips: frozenset[str] | None = None
-    psk: str | None = None
+    psk: str | None = field(default=None, repr=False)
     persistent_keepalive: int | None = None
 
 
@@ -119,7 +119,7 @@ class PeerUpdate:
 class DeviceUpdate:
     """One set transaction: device fields (None = unchanged) and peer updates in order."""
 
-    private_key: str | None = None
+    private_key: str | None = field(default=None, repr=False)
     listen_port: int | None = None
     fwmark: int | None = None
     replace_peers: bool = False
