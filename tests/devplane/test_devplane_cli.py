@@ -136,12 +136,6 @@ def test_admin_cli_errors_are_one_line(dp, tmp_path):
     assert "unreachable" in line
 
 
-def test_demo_runs(tmp_path):
-    proc = run("demo", timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert "bootstrap token: plx_enroll_" in proc.stdout and "pol_default" in proc.stdout
-
-
 def test_serve_defaults_and_private_files(dp):
     """The documented defaults (keepalive 15 s, heartbeat 30 s), and the files holding secrets are 0600, the
     database in WAL mode."""
