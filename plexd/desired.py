@@ -27,6 +27,9 @@ DEFAULT_KEEPALIVE = 25  # seconds; keeps NAT mappings open and makes a new tunne
 
 _LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
+# An IPv6 scope is an interface name or index. Python accepts any text after '%' (even a newline, which would
+# inject lines into the UAPI request), so only what an interface name can hold is let through.
+_SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -36,7 +39,8 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
         if not sep:
             raise ValueError(f"endpoint {endpoint!r} is not [ipv6]:port")
         try:
-            if ipaddress.ip_address(host).version != 6:
+            scope = host.partition("%")[2]
+            if ipaddress.ip_address(host).version != 6 or ("%" in host and not _SCOPE.fullmatch(scope)):
                 raise ValueError
         except ValueError:
             raise ValueError(f"endpoint {endpoint!r}: {host!r} is not an IPv6 address") from None
@@ -46,7 +50,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
             raise ValueError(f"endpoint {endpoint!r} is not host:port")
         if ":" in host:
             raise ValueError(f"endpoint {endpoint!r}: an IPv6 endpoint must be written [address]:port")
-        if not _is_ipv4(host) and not _HOSTNAME.match(host):
+        if not _is_ipv4(host) and not _HOSTNAME.fullmatch(host):
             raise ValueError(f"endpoint {endpoint!r}: {host!r} is not an IPv4 address or host name")
     if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
         raise ValueError(f"endpoint {endpoint!r}: port {port_s!r} is not 1-65535")
@@ -77,11 +81,15 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
     if peer.mesh_ip:
         try:
             ipaddress.ip_address(peer.mesh_ip)
+            if "%" in peer.mesh_ip:  # a scoped address: no use as a mesh IP, and the scope is free text
+                raise ValueError
         except ValueError:
             return f"mesh IP {peer.mesh_ip[:60]!r} is not an IP address"
     for ip in peer.allowed_ips:
         try:
             ipaddress.ip_network(ip, strict=False)
+            if "%" in ip:  # Python takes a scoped prefix (any text after '%'); WireGuard does not
+                raise ValueError
         except ValueError:
             return f"allowed IP {ip[:60]!r} is not a CIDR"
     if not peer.allowed_ips and not peer.mesh_ip:

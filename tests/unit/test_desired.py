@@ -74,3 +74,20 @@ def test_wireguard_value_types_never_print_keys():
     texts = [repr(DeviceConfig(private_key=secret)), repr(DeviceUpdate(private_key=secret)),
              repr(PeerConfig(public_key="pub", psk=secret)), repr(PeerUpdate(public_key="pub", psk=secret))]
     assert all(secret not in t for t in texts)
+
+
+def test_free_text_in_an_address_never_reaches_the_uapi_request() -> None:
+    """Python's ipaddress takes any text after '%' (an IPv6 scope), newlines included: a peer carrying one would
+    inject lines into the UAPI `set` request. Such peers are skipped; a plain interface-name scope still works."""
+    inject = "fe80::1%x\nremove=true"
+    d = base().with_peers([
+        peer(0, endpoint=f"[{inject}]:51820"),
+        peer(1, allowed_ips=(f"{inject}/128",)),
+        Peer(id="n_m", public_key=K[2], mesh_ip=inject),
+        peer(3, endpoint="example.com\n:51820"),
+    ])
+    assert d.peers == {} and [pid for pid, _ in d.rejected] == ["n_0", "n_1", "n_3", "n_m"]
+    assert "is not an IPv6 address" in dict(d.rejected)["n_0"]
+    assert "is not a CIDR" in dict(d.rejected)["n_1"]
+    ok = base().with_peers([peer(0, endpoint="[fe80::1%eth0]:51820")])
+    assert list(ok.peers) == ["n_0"]
