@@ -229,7 +229,10 @@ class UapiClient:
 
     async def _exchange(self, request: str) -> str:
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(self.path), self.timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns the inner result and swallows a
+            # cancellation that arrives as the connect completes, so a daemon shutting down would carry on.
+            async with asyncio.timeout(self.timeout):
+                reader, writer = await asyncio.open_unix_connection(self.path)
         except (FileNotFoundError, ConnectionRefusedError) as e:
             raise UapiUnavailable(f"no WireGuard device {self.interface} ({self.path}: {e.strerror})") from None
         except TimeoutError:
