@@ -159,7 +159,7 @@ async def test_every_bad_event_is_refused_by_id_and_the_stream_goes_on(devplane,
         replay = await publish(devplane, node_id, "peer_added", peer_payload(6), nonce="px-same-nonce")
         malformed = await publish(devplane, node_id, "peer_added", raw_data='{"event_type": "peer_added", oops')
         no_type = await publish(devplane, node_id, "x", raw_data='{"event_id":"evt_fake","payload":{}}')
-        huge = await publish(devplane, node_id, "peer_added", raw_data="x" * 1_000_000)  # admin bodies max 1 MiB
+        huge = await publish(devplane, node_id, "peer_added", raw_data="x" * (1 << 20))  # one 1 MiB data: line
         wrong_shape = await publish(devplane, node_id, "peer_added", [1, 2, 3])
         unknown = await publish(devplane, node_id, "px_from_the_future", {"x": 1})
         good2 = await publish(devplane, node_id, "peer_added", peer_payload(7))
@@ -284,7 +284,7 @@ async def test_poison_event_with_closes_is_read_once(devplane, node, tmp_path):
     # An oversize event, and the devplane closing the stream after it: the Go agent would reconnect with the
     # same cursor and re-read it forever. We skip it, advance the cursor, and the next stream stays open.
     node_id = node[0]
-    huge = await publish(devplane, node_id, "peer_added", raw_data="y" * 1_000_000)
+    huge = await publish(devplane, node_id, "peer_added", raw_data="y" * (1 << 20))
     devplane.admin.set_faults(close_after_events=1)
     c = Consumer(devplane, node, tmp_path)
     async with c.running():
