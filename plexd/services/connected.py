@@ -179,7 +179,8 @@ def install_connected(agent: Agent, mesh: Mesh, *, nat: Callable[[], NatInfo | N
         return {"reconcile": resp.reconcile, "rotate_keys": resp.rotate_keys}
 
     heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
-                                 trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate)
+                                 trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate,
+                                 uptime=agent.uptime)  # the daemon's, not since registration finished
 
     # The agent cancels its services at shutdown; `insist_on_cancel` makes sure each loop really ends.
     agent.add_service("reconciler", lambda a: insist_on_cancel(reconciler.run))

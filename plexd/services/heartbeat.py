@@ -71,6 +71,7 @@ class HeartbeatService:
         interval: float = 30.0,
         trigger_reconcile: Callable[[str], Any] | None = None,
         on_auth_failure: Callable[[], Any] | None = None,
+        uptime: Callable[[], float] | None = None,  # seconds since the daemon started; default: since this service
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -80,6 +81,7 @@ class HeartbeatService:
         self._trigger_reconcile = trigger_reconcile
         self._on_auth_failure = on_auth_failure
         self._started = self._clock.monotonic()
+        self._uptime = uptime or (lambda: self._clock.monotonic() - self._started)
         self.consecutive_failures = 0
         self.sent = 0
         self._warned = False
@@ -87,7 +89,7 @@ class HeartbeatService:
     def build(self) -> dict[str, Any]:
         """The heartbeat body, keys in the Go struct's order, omitempty sections left out."""
         snap = self._snapshot()
-        uptime = int(self._clock.monotonic() - self._started)
+        uptime = int(self._uptime())
         body: dict[str, Any] = {
             "node_id": self.node_id,
             "timestamp": gojson.format_time(self._clock.now()),

@@ -17,6 +17,7 @@ import pytest
 from nacl.public import PrivateKey
 
 from plexd import agent as agent_mod
+from plexd import gojson
 from plexd.config import load as load_config
 from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
@@ -83,6 +84,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
     connected = {}
 
     def install(agent):
+        connected["agent"] = agent
         desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
                                        private_key=base64.b64encode(agent.identity.private_key).decode(),
                                        mesh_ip=agent.identity.mesh_ip)
@@ -90,6 +92,8 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         connected["c"] = install_connected(agent, connected["mesh"])
 
     monkeypatch.setattr(agent_mod, "install_services", install)
+    caplog.set_level(logging.DEBUG, "plexd")
+    bootstrap = (tmp_path / "token").read_text()
     stop = asyncio.Event()
     run = asyncio.create_task(agent_mod.run(config, stop_event=stop))
     try:
@@ -105,6 +109,14 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         other = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
                            json={"token": token, "public_key": wg_public(), "hostname": "px-other"}).json()
         await wait_for(lambda: other["node_id"] in converger.device, what="the new peer on the device")
+        # heartbeat values are real: the daemon's code checksum, its uptime, the peers it has
+        await wait_for(lambda: devplane.admin.heartbeats(node_id)[-1]["mesh"]["peer_count"] == 1,
+                       what="a heartbeat counting the new peer")
+        hb = devplane.admin.heartbeats(node_id)[-1]
+        checksum = connected["agent"].binary_checksum
+        assert hb["binary_checksum"] == checksum and len(checksum) == 64 and int(checksum, 16) >= 0
+        assert hb["mesh"]["listen_port"] == 51820
+        assert 1 <= gojson.parse_duration(hb["uptime"]) <= connected["agent"].uptime() + 1
 
         # drift: the peer disappears from the "device" behind plexd's back; the reconciler reports it
         converger.device.pop(other["node_id"])
@@ -134,3 +146,8 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
     finally:
         stop.set()
         assert await asyncio.wait_for(run, 30) == 0
+    # nothing secret in any log record, debug included (message or structured fields)
+    secret = connected["agent"].identity.node_secret_key
+    for record in caplog.records:
+        text = record.getMessage() + repr(vars(record))
+        assert secret not in text and bootstrap not in text, record.getMessage()

@@ -44,6 +44,13 @@ def test_nat_and_mesh_omitted_when_unknown():
     assert hb.build()["uptime"] == "0s"
 
 
+def test_uptime_is_the_daemons_when_given():
+    # plexd up passes agent.uptime: registration may have taken a while before the heartbeat service existed
+    hb = HeartbeatService("n_1", lambda b: {}, lambda: HeartbeatSnapshot(), clock=FakeClock(NOW),
+                          uptime=lambda: 3725.9)
+    assert hb.build()["uptime"] == "1h2m5s"
+
+
 async def test_first_at_start_then_every_interval():
     sent = []
     hb, clock = service(lambda b: sent.append(b["timestamp"]) or {}, interval=30)
