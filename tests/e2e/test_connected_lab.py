@@ -29,7 +29,9 @@ PLEXD = str(Path(sys.executable).with_name("plexd"))
 
 
 class Daemon:
-    def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str) -> None:
+    def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str,
+                 extra_config: str = "") -> None:
+        self.lab = lab
         self.node = node
         self.dir = workdir / node.name
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -39,12 +41,25 @@ class Daemon:
             f"api: {dp.url}\ndata_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
-            "registration: {hostname: " + node.name + "}\n")
-        self.log = open(self.dir / "plexd.log", "w")  # noqa: SIM115 - closed in stop()
-        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config)}
-        self.proc = lab.spawn(node.wrap([PLEXD, "up"]), env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            "registration: {hostname: " + node.name + "}\n" + extra_config)
+        self.runs = 0
+        self._start()
 
-    def stop(self) -> None:
+    def _start(self) -> None:
+        self.runs += 1
+        self.log_path = self.dir / ("plexd.log" if self.runs == 1 else f"plexd-{self.runs}.log")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config)}
+        self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
+                                   stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        self.stop()
+        self._start()
+
+    def stop(self) -> float:
+        """SIGTERM, wait for the exit (SIGKILL after 20 s); returns how long the shutdown took."""
+        start = time.monotonic()
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
@@ -52,7 +67,12 @@ class Daemon:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
-        self.log.close()
+        if not self.log.closed:
+            self.log.close()
+        return time.monotonic() - start
+
+    def logged(self) -> str:
+        return self.log_path.read_text()
 
     def node_id(self) -> str | None:
         ident = self.dir / "data" / "identity.json"
@@ -78,13 +98,13 @@ def wait_until(pred, timeout: float, what: str, daemons=()) -> float:
         if pred():
             return time.monotonic() - start
         time.sleep(0.1)
-    logs = "\n".join(f"--- {d.node.name}\n{(d.dir / 'plexd.log').read_text()[-3000:]}" for d in daemons)
+    logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}" for d in daemons)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
 
 
 @pytest.fixture
-def lab_dp(tmp_path):
-    lab = Lab().up(3)
+def lab_dp(tmp_path, request):
+    lab = Lab().up(getattr(request, "param", 3))
     dp = None
     daemons: list[Daemon] = []
     try:
@@ -181,9 +201,51 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     assert took <= 3 + 4  # within one reconcile interval (plus the cycle itself)
     types = {c["type"] for c in corrected()}
     assert "peer_added" in types and "address_added" in types and "route_added" in types, corrected()
+    # the peer correction is the [C] type (§4.4) with a detail naming the peer
+    assert {"type": "peer_added", "detail": f"peer {b_id}: missing from the device"} in corrected()
     # and the machine is whole again
     assert info[b_id]["public_key"] in wg_peers(lab, a.node)
     addrs = lab.exec(a.node, ["ip", "-o", "addr", "show", "dev", "plexd0"]).stdout
     assert mesh_ip_a in addrs
     routes = lab.exec(a.node, ["ip", "route", "show", "dev", "plexd0"]).stdout
     assert route_c.removesuffix("/32") in routes
+
+
+def fake_peer(i: int) -> dict:
+    """A peer only the event knows about (the reconcile interval is 10 min here, so nothing removes it)."""
+    pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+    return {"id": f"n_pxfake{i}", "public_key": pub, "mesh_ip": f"10.99.0.{i}", "endpoint": "",
+            "allowed_ips": [f"10.99.0.{i}/32"], "psk": ""}
+
+
+@pytest.mark.parametrize("lab_dp", [1], indirect=True)
+def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
+    """A real `plexd up` restarted with its data_dir: it resumes after its Last-Event-ID (the event published
+    while it was down arrives, nothing before it is re-read) and still refuses a nonce it saw before the restart."""
+    lab, dp, daemons, tmp_path = lab_dp
+    d = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="10m", extra_config="shutdown: {deregister: false}\n")
+    daemons.append(d)
+    wait_until(lambda: d.node_id() is not None and "event stream connected" in d.logged(), 30, "the stream", [d])
+    node_id = d.node_id()
+
+    before, replayed, offline, after = fake_peer(1), fake_peer(2), fake_peer(3), fake_peer(4)
+    first = dp.admin.publish_event(node_id, "peer_added", before, nonce="px-restart-nonce")
+    wait_until(lambda: before["public_key"] in wg_peers(lab, d.node), 15, "the first event on the device", [d])
+
+    took = d.stop()
+    assert d.proc.returncode == 0 and took < 10, (d.proc.returncode, took)  # shutdown never hangs
+    missed = dp.admin.publish_event(node_id, "peer_added", offline)
+    d.restart()
+    wait_until(lambda: "event stream connected" in d.logged(), 30, "the stream after the restart", [d])
+    again = dp.admin.publish_event(node_id, "peer_added", replayed, nonce="px-restart-nonce")
+    last = dp.admin.publish_event(node_id, "peer_added", after)
+    wait_until(lambda: after["public_key"] in wg_peers(lab, d.node), 15, "the last event on the device", [d])
+
+    log = d.logged()
+    assert f"resuming after {first}" in log  # the persisted cursor
+    assert f"event {missed}: peer_added" in log  # published while down, replayed by the devplane
+    assert first not in log.replace(f"resuming after {first}", "")  # never re-read
+    assert f"event {again} (peer_added) rejected [duplicate_nonce]" in log
+    assert f"event {again}: peer_added" not in log
+    assert replayed["public_key"] not in wg_peers(lab, d.node)
+    assert f"event {last}: peer_added" in log
