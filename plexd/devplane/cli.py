@@ -57,10 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     admin_cli.add_parser(sub)
 
-    demo = sub.add_parser("demo", help="start a devplane and show what a new user does next")
-    demo.add_argument("--nodes", type=int, default=3, help="number of nodes (used by the namespace lab)")
-    demo.add_argument("--keep", action="store_true", help="keep running until Ctrl-C")
-    demo.add_argument("--down", action="store_true", help="remove a kept demo")
+    demo = sub.add_parser("demo", help="a devplane and N nodes in network namespaces forming a real mesh (needs root)")
+    demo.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
+    demo.add_argument("--keep", action="store_true", help="leave the lab running (remove it later with --down)")
+    demo.add_argument("--down", action="store_true", help="remove a lab left by --keep")
     demo.set_defaults(func=cmd_demo)
     return parser
 
