@@ -24,8 +24,10 @@ from plexd.plan import (
     Change,
     InterfaceMissing,
     LinkChange,
+    ListenPortWrong,
     Observed,
     PeerChange,
+    PrivateKeyWrong,
     UserspaceProcessGone,
     device_update,
     diff,
@@ -118,14 +120,15 @@ class Converger:
 
         failed_keys, device_errors = await self._apply_device(changes)
         errors.extend(device_errors)
-        device_ok = not device_errors
         for c in changes:
             if isinstance(c, InterfaceMissing | UserspaceProcessGone | LinkChange):
                 continue
             if isinstance(c, PeerChange):
                 if c.public_key not in failed_keys:
                     applied.append(c)
-            elif device_ok:
+            elif isinstance(c, PrivateKeyWrong | ListenPortWrong) and c.correction_type in failed_keys:
+                continue  # refused: named in errors, not reported as corrected
+            else:
                 applied.append(c)
 
         ops = link_ops(changes)
@@ -154,8 +157,10 @@ class Converger:
             if len(update.peers) <= 1 and (update.private_key is None and update.listen_port is None):
                 pieces = [update]
             else:
-                head = DeviceUpdate(private_key=update.private_key, listen_port=update.listen_port)
-                pieces = ([head] if not head.is_empty() else []) + [DeviceUpdate(peers=(p,)) for p in update.peers]
+                # Device fields one per piece too: a refused listen port must not be blamed on the private key.
+                pieces = [u for u in (DeviceUpdate(private_key=update.private_key),
+                                      DeviceUpdate(listen_port=update.listen_port)) if not u.is_empty()]
+                pieces += [DeviceUpdate(peers=(p,)) for p in update.peers]
             log.debug("batched set refused (%s); retrying %d pieces", first, len(pieces))
         failed: set[str] = set()
         errors: list[str] = []
@@ -172,7 +177,8 @@ class Converger:
                 else:
                     msg = str(e)
                     log.error("%s", msg)
-                    failed.add("")
+                    failed.add(PrivateKeyWrong.correction_type if piece.private_key is not None
+                               else ListenPortWrong.correction_type)
                 errors.append(msg)
         return failed, errors
 
