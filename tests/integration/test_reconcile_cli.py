@@ -56,6 +56,7 @@ def test_dry_run_prints_the_plan_and_changes_nothing(registered):
     assert dp.admin.drift(me["node_id"]) == []
     text = plexd(tmp_path, dp, "reconcile", "--once", "--dry-run")
     assert text.returncode == 0 and "would correct" in text.stdout
+    assert f"peer_added             peer {other['node_id']}: missing from the device" in text.stdout  # the plan
     assert subprocess.run(["ip", "link", "show", "pxrc0"], capture_output=True).returncode != 0
 
 
