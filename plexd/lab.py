@@ -341,7 +341,8 @@ class MeshLab:
             self.admin = AdminClient(self.url, f.read().strip())
         return self.url
 
-    def start_node(self, node: LabNode) -> LabDaemon:
+    def start_node(self, node: LabNode, mesh_extra: str = "") -> LabDaemon:
+        """`plexd up` in `node`; `mesh_extra` (", key: value") extends its `mesh:` config (tests)."""
         assert self.admin is not None, "start_devplane() first"
         ndir = os.path.join(self.lab.workdir, node.name)
         os.makedirs(ndir, exist_ok=True)
@@ -352,7 +353,7 @@ class MeshLab:
         with open(config, "w") as f:
             f.write(f"api: {self.url}\ndata_dir: {ndir}/data\ntoken: {{file: {token}}}\n"
                     f"hooks: {{dir: {ndir}/hooks}}\n"
-                    f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}}}\n"
+                    f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"
                     f"registration: {{hostname: {node.name}}}\n")
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PLEXD_CONFIG": config}
