@@ -140,8 +140,16 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         await wait_for(lambda: "re-registering with the stored identity" in caplog.text, timeout=20,
                        what="re-registration after the 401")
         connects = c.stream.connects
+        triggers = []
+        real_trigger = c.reconciler.trigger
+        c.reconciler.trigger = lambda reason="triggered": (triggers.append((reason, c.reconciler.cycles)),
+                                                           real_trigger(reason))
         devplane.admin.clear_faults()
         await wait_for(lambda: c.stream.connects > connects, timeout=20, what="reconnect after 401")
+        # and every reconnect is followed by a reconcile (catch up on whatever the stream missed)
+        await wait_for(lambda: ("event stream (re)connected" in [r for r, _ in triggers]), what="the trigger")
+        cycles_then = dict(triggers)["event stream (re)connected"]
+        await wait_for(lambda: c.reconciler.cycles > cycles_then, what="the post-reconnect cycle")
         assert [n["id"] for n in devplane.admin.nodes()] == [node_id, other["node_id"]]
     finally:
         stop.set()
