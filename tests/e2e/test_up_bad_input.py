@@ -94,3 +94,16 @@ def test_bad_input_is_logged_and_every_daemon_keeps_running(mesh) -> None:
     assert p1["endpoint"] == f"{n1.address}:51820" and p1["public_key"] == keys[d1.node_id]
     assert {"latest_handshake", "latest_handshake_age_seconds", "rx_bytes", "tx_bytes"} <= set(p1)
     assert isinstance(p1["rx_bytes"], int) and isinstance(p1["tx_bytes"], int)
+
+
+def test_interface_name_too_long_stops_plexd_up_in_one_line(tmp_path) -> None:
+    """A config error, unlike the machine's state: `plexd up` refuses to start, naming the key, no traceback."""
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(f"api: http://127.0.0.1:9\ndata_dir: {tmp_path / 'data'}\n"
+                   "mesh: {interface: a-very-long-interface-name}\n")
+    plexd = os.path.join(os.path.dirname(sys.executable), "plexd")
+    res = subprocess.run([plexd, "up"], env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg)},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "mesh.interface" in res.stderr and "not a valid interface name (1-15 characters" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
