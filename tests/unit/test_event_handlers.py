@@ -137,3 +137,30 @@ async def test_invalid_peer_is_kept_out_by_the_model(h):
     await h.handlers.dispatch(env("peer_added", {"id": "n_bad", "public_key": "short", "mesh_ip": "10.100.0.3"}))
     assert "n_bad" not in h.desired.peers
     assert dict(h.desired.rejected)["n_bad"]
+
+
+class _Mesh:
+    def __init__(self, desired):
+        self.desired = desired
+
+    def get_desired(self):
+        return self.desired
+
+    def set_desired(self, d):
+        self.desired = d
+
+
+def test_state_signing_keys_length_checked_and_persisted(h, tmp_path):
+    from plexd.model import State
+    from plexd.services.connected import state_applier
+
+    apply = state_applier(_Mesh(h.desired), h.verifier, tmp_path)
+    old = h.verifier.keys.current
+    assert apply(State(signing_keys=SigningKeys(current=base64.b64encode(os.urandom(31)).decode()))) == []
+    assert h.verifier.keys.current == old and not (tmp_path / "signing_public_key").exists()
+    new = base64.b64encode(bytes(nacl.signing.SigningKey.generate().verify_key)).decode()
+    [correction] = apply(State(signing_keys=SigningKeys(current=new)))
+    assert correction.type == "signing_keys_updated"
+    assert h.verifier.keys.current == new
+    assert (tmp_path / "signing_public_key").read_text() == new
+    assert apply(State(signing_keys=SigningKeys(current=new))) == []  # unchanged: nothing reported
