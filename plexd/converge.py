@@ -191,7 +191,8 @@ class Converger:
                 continue
             host, port = split_endpoint(peer.endpoint)
             try:
-                infos = await asyncio.wait_for(loop.getaddrinfo(host, port, type=2), RESOLVE_TIMEOUT)
+                async with asyncio.timeout(RESOLVE_TIMEOUT):  # not wait_for: it can swallow a cancel on 3.11
+                    infos = await loop.getaddrinfo(host, port, type=2)
                 ip = infos[0][4][0]
                 endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
             except (OSError, TimeoutError, IndexError) as e:

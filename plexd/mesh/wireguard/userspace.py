@@ -176,14 +176,17 @@ class UserspaceBackend:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(proc.wait(), STOP_TIMEOUT)
+                async with asyncio.timeout(STOP_TIMEOUT):  # not wait_for: it can swallow a cancel on 3.11
+                    await proc.wait()
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 await proc.wait()
         if self._reader is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(self._reader, 1.0)
+            # asyncio.wait neither raises the reader's own error nor hides a cancel aimed at us.
+            await asyncio.wait({self._reader}, timeout=1.0)
+            if self._reader.done() and not self._reader.cancelled():
+                self._reader.exception()  # retrieved, so asyncio does not warn about it later
             self._reader = None
 
     async def delete_device(self) -> None:
