@@ -27,6 +27,10 @@ PLEXD = str(Path(sys.executable).with_name("plexd"))
 # PLEXD_BENCH_PROFILE=/path/out.prof runs the daemon under cProfile (written when it exits).
 _PROFILE = os.environ.get("PLEXD_BENCH_PROFILE")
 DAEMON = [sys.executable, "-m", "cProfile", "-o", _PROFILE, PLEXD, "up"] if _PROFILE else [PLEXD, "up"]
+# PLEXD_BENCH_TRACEMALLOC=/path/out.snap runs the daemon under tracemalloc; `Node.tracemalloc_snapshot()` takes one.
+_TRACEMALLOC = os.environ.get("PLEXD_BENCH_TRACEMALLOC")
+if _TRACEMALLOC:
+    DAEMON = [sys.executable, str(Path(__file__).with_name("_traced_daemon.py"))]
 
 
 @dataclass
@@ -44,6 +48,27 @@ class Node:
     def cpu_seconds(self) -> float:
         """user+system CPU of the plexd process (the `ip netns exec` wrapper execs into it)."""
         return _cpu(self.proc.pid)
+
+    def rss_mib(self) -> float:
+        """Resident set size of the plexd process, from /proc/<pid>/status."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS line")
+
+    def tracemalloc_snapshot(self) -> Path | None:
+        """With PLEXD_BENCH_TRACEMALLOC set: ask the daemon for a snapshot (SIGUSR1) and wait until it is written."""
+        if not _TRACEMALLOC:
+            return None
+        path = Path(_TRACEMALLOC)
+        path.unlink(missing_ok=True)
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 60
+        while not path.exists():  # the daemon writes <path>.tmp and renames it when complete
+            if time.monotonic() > deadline:
+                raise RuntimeError("the daemon wrote no tracemalloc snapshot")
+            time.sleep(0.2)
+        return path
 
 
 def _cpu(pid: int) -> float:
@@ -74,7 +99,8 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[N
                        "log_level: warning\n")
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
-        proc = lab.spawn(node.wrap(DAEMON), env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg)},
+        proc = lab.spawn(node.wrap(DAEMON), env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),
+                                              **({"PLEXD_BENCH_TRACEMALLOC": _TRACEMALLOC} if _TRACEMALLOC else {})},
                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (workdir / "data" / "identity.json").exists() or not Path(node.sock_dir, "plexd0.sock").exists():

@@ -1,4 +1,4 @@
-"""Idle cost: CPU seconds per minute of a connected `plexd up` with 100 peers and no events.
+"""Idle cost: CPU seconds per minute (and RSS) of a connected `plexd up` with 100 peers and no events.
 
 The daemon runs with its default timings (heartbeat 30 s, reconcile 60 s, SSE keepalives from the devplane every
 15 s) in a lab namespace with real wireguard-go; the 100 peers are real registered nodes of the devplane (so every
@@ -7,6 +7,7 @@ read from /proc before and after the measurement window. wireguard-go's own CPU 
 plexd's code; the peers' endpoints are on the lab bridge where nothing answers, so it keeps retrying handshakes).
 
     sudo .venv/bin/python bench/idle_cost.py [--peers 100] [--seconds 120]
+    sudo .venv/bin/python bench/idle_cost.py --peers 1000 --seconds 30     # the daemon's RSS with 1,000 peers
 """
 
 from __future__ import annotations
@@ -64,10 +65,15 @@ async def main() -> None:
         await asyncio.sleep(args.seconds)
         plexd1, wg1, t1 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
         heartbeats = len(node.dp.admin.heartbeats(node.node_id))
+        rss = node.rss_mib()
+        snap = node.tracemalloc_snapshot()
     minutes = (t1 - t0) / 60
     print(f"connected plexd up, {args.peers} peers, no events, {t1 - t0:.0f} s window "
           f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {heartbeats} heartbeats in total)")
     print(f"  plexd:        {(plexd1 - plexd0) / minutes:.3f} CPU s/min   (goal <= 0.1; best peer agent ~0.12)")
+    print(f"  plexd RSS:    {rss:.1f} MiB with {args.peers} peers on the device   (issue 4 goal <= 60 MB at 1,000)")
+    if snap is not None:
+        print(f"  tracemalloc snapshot (taken after the RSS reading): {snap}")
     if wg_pid:
         print(f"  wireguard-go: {(wg1 - wg0) / minutes:.3f} CPU s/min   (not plexd's code)")
 

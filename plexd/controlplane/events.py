@@ -30,10 +30,11 @@ from typing import Any
 import httpx
 
 import plexd
+from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.controlplane.envelope import Envelope, parse_envelope
-from plexd.controlplane.signing import EventRejected, Verifier, atomic_write
+from plexd.controlplane.signing import EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser
 from plexd.errors import PlexdError
 
@@ -178,7 +179,7 @@ class EventStream:
             return
         self.last_event_id = event_id
         try:
-            atomic_write(self._cursor_path(), event_id.encode())
+            write_atomic(self._cursor_path(), event_id.encode())
         except OSError as exc:
             log.warning("cannot persist the event cursor to %s: %s", self._cursor_path(), exc)
 

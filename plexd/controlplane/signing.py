@@ -16,7 +16,6 @@ import binascii
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -26,9 +25,11 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
 from plexd import gojson
+from plexd.atomicfile import write_atomic
 from plexd.clock import Clock
 from plexd.controlplane.envelope import Envelope
 from plexd.errors import PlexdError
+from plexd.identity import decode_key
 
 log = logging.getLogger(__name__)
 
@@ -58,30 +59,6 @@ class SigningKeysLike(Protocol):
     transition_expires: str
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` to `path` via ``.tmp-<name>`` + fsync + rename, so a crash leaves the old or the new file."""
-    tmp = path.with_name(f".tmp-{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.fchmod(fd, mode)
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    try:
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 def key_fingerprint(key_b64: str) -> str:
     """A short, non-reversible name for a key, for logs."""
     return hashlib.sha256(key_b64.encode()).hexdigest()[:12]
@@ -90,18 +67,15 @@ def key_fingerprint(key_b64: str) -> str:
 def decode_public_key(key_b64: str, what: str) -> VerifyKey:
     """Decode a std-base64 Ed25519 public key, refusing anything that is not exactly 32 bytes."""
     try:
-        raw = base64.b64decode(key_b64.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidSigningKeys(f"{what} signing key is not valid standard base64") from None
-    if len(raw) != 32:
-        raise InvalidSigningKeys(f"{what} signing key decodes to {len(raw)} bytes, an Ed25519 key is 32")
-    return VerifyKey(raw)
+        return VerifyKey(decode_key(key_b64, f"{what} signing key"))
+    except ValueError as exc:
+        raise InvalidSigningKeys(str(exc)) from None
 
 
 def persist_signing_key(data_dir: Path, key_b64: str) -> None:
     """Write the current signing key to ``data_dir/signing_public_key`` (raw base64, no newline, 0600)."""
     decode_public_key(key_b64, "current")  # never persist a key we could not use
-    atomic_write(Path(data_dir) / SIGNING_KEY_FILE, key_b64.strip().encode())
+    write_atomic(Path(data_dir) / SIGNING_KEY_FILE, key_b64.strip().encode())
 
 
 def load_signing_key(data_dir: Path) -> str | None:
@@ -172,7 +146,7 @@ class NonceStore:
             return
         doc = {n: gojson.format_time(t) for n, t in self._seen.items()}
         try:
-            atomic_write(self._path, json.dumps(doc, separators=(",", ":")).encode())
+            write_atomic(self._path, json.dumps(doc, separators=(",", ":")).encode())
         except OSError as exc:
             log.warning("could not persist nonce store %s: %s", self._path, exc)
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import httpx
 
+from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.controlplane.client import _tls_context
 from plexd.controlplane.events import EventStream
@@ -31,7 +32,6 @@ from plexd.controlplane.signing import (
     InvalidSigningKeys,
     NonceStore,
     Verifier,
-    atomic_write,
     key_fingerprint,
     load_signing_key,
 )
@@ -245,7 +245,7 @@ def _save_mirror(data_dir: Path, desired: Any) -> None:
     path = data_dir / MIRROR_FILE
     try:
         path.parent.mkdir(mode=0o700, exist_ok=True)
-        atomic_write(path, json.dumps(desired.to_json(), separators=(",", ":")).encode())
+        write_atomic(path, json.dumps(desired.to_json(), separators=(",", ":")).encode())
     except OSError as exc:
         log.warning("cannot write the desired-state mirror %s: %s", path, exc)
 
