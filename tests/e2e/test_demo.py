@@ -23,3 +23,23 @@ def test_demo_forms_a_full_mesh_and_cleans_up():
     matrix = out.split("ping over the mesh", 1)[1]
     assert matrix.count("ok") == 6 and "FAIL" not in matrix.upper().replace("FROM", ""), out
     assert {n for n in _netns() - before if n.startswith("px")} == set()
+
+
+def test_demo_keep_leaves_a_working_lab_and_down_removes_it():
+    before = _netns()
+    cli = [sys.executable, "-m", "plexd.devplane.cli", "demo"]
+    try:
+        proc = subprocess.run([*cli, "--nodes", "2", "--keep"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        kept = {n for n in _netns() - before if n.startswith("px")}
+        assert len(kept) == 2, proc.stdout
+        # The kept mesh still carries traffic after the demo command has exited.
+        node1 = sorted(kept)[0]
+        peer_ip = re.search(r"^node2\s+n_\S+\s+(\S+)", proc.stdout, re.M).group(1)
+        ping = subprocess.run(["ip", "netns", "exec", node1, "ping", "-c", "3", "-i", "0.2", "-W", "2", peer_ip],
+                              capture_output=True, text=True, timeout=30)
+        assert ping.returncode == 0, ping.stdout + ping.stderr
+    finally:
+        down = subprocess.run([*cli, "--down"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0, down.stderr
+    assert {n for n in _netns() - before if n.startswith("px")} == set()
