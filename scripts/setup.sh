@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn"
+# systemd provides systemd-analyze (the unit test checks plexd.service offline); netbase gives /etc/services.
+APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase"
 
 missing=""
 for p in $APT_PACKAGES; do
