@@ -99,8 +99,9 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[N
                        "log_level: warning\n")
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
-        proc = lab.spawn(node.wrap(DAEMON), env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),
-                                              **({"PLEXD_BENCH_TRACEMALLOC": _TRACEMALLOC} if _TRACEMALLOC else {})},
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),
+               **{k: v for k, v in os.environ.items() if k.startswith("PLEXD_BENCH_TRACEMALLOC")}}
+        proc = lab.spawn(node.wrap(DAEMON), env=env,
                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while not (workdir / "data" / "identity.json").exists() or not Path(node.sock_dir, "plexd0.sock").exists():

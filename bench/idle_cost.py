@@ -66,14 +66,14 @@ async def main() -> None:
         plexd1, wg1, t1 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
         heartbeats = len(node.dp.admin.heartbeats(node.node_id))
         rss = node.rss_mib()
-        snap = node.tracemalloc_snapshot()
+        snap, workdir = node.tracemalloc_snapshot(), node.workdir
     minutes = (t1 - t0) / 60
     print(f"connected plexd up, {args.peers} peers, no events, {t1 - t0:.0f} s window "
           f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {heartbeats} heartbeats in total)")
     print(f"  plexd:        {(plexd1 - plexd0) / minutes:.3f} CPU s/min   (goal <= 0.1; best peer agent ~0.12)")
     print(f"  plexd RSS:    {rss:.1f} MiB with {args.peers} peers on the device   (issue 4 goal <= 60 MB at 1,000)")
     if snap is not None:
-        print(f"  tracemalloc snapshot (taken after the RSS reading): {snap}")
+        print(f"  tracemalloc snapshot (taken after the RSS reading): {snap}; allocator stats in {workdir}/plexd.log")
     if wg_pid:
         print(f"  wireguard-go: {(wg1 - wg0) / minutes:.3f} CPU s/min   (not plexd's code)")
 

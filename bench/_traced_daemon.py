@@ -1,0 +1,37 @@
+"""`plexd up` under tracemalloc, for the connected benches (PLEXD_BENCH_TRACEMALLOC=/path/out.snap).
+
+SIGUSR1 writes a tracemalloc snapshot to that path (load it with `tracemalloc.Snapshot.load`), so a bench can
+take it while the daemon is connected and idle, not at shutdown when most of it is already freed. It also prints
+the traced peak and the allocators' own statistics (pymalloc arenas, glibc arenas) to stderr (the daemon's log):
+live objects vs. memory the allocators hold. PLEXD_BENCH_TRACEMALLOC_FRAMES=0: statistics only, no tracing."""
+
+import ctypes
+import os
+import signal
+import sys
+import tracemalloc
+
+FRAMES = int(os.environ.get("PLEXD_BENCH_TRACEMALLOC_FRAMES", "12"))
+if FRAMES:
+    tracemalloc.start(FRAMES)
+
+
+def _dump(*_: object) -> None:
+    path = os.environ["PLEXD_BENCH_TRACEMALLOC"]
+    if FRAMES:
+        current, peak = tracemalloc.get_traced_memory()
+        print(f"tracemalloc: current {current / 2**20:.1f} MiB, peak {peak / 2**20:.1f} MiB", file=sys.stderr)
+        tracemalloc.take_snapshot().dump(path + ".tmp")
+    else:
+        open(path + ".tmp", "wb").close()
+    sys._debugmallocstats()
+    sys.stderr.flush()
+    ctypes.CDLL("libc.so.6").malloc_stats()
+    os.replace(path + ".tmp", path)  # the bench waits for the name: it only ever sees a whole snapshot
+
+
+signal.signal(signal.SIGUSR1, _dump)
+
+from plexd.cli import main  # noqa: E402 - imported under tracing on purpose
+
+sys.exit(main(["up"]))
