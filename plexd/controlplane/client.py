@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gzip
 import json
+import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -457,7 +459,9 @@ def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
     if insecure:
         return False
     if not ca_file:
-        return True  # httpx's default context (certifi), with verification
+        # httpx's default context (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), with verification: built once and
+        # shared by the API client and every event-stream client (~0.8 MiB and ~20 ms of CA parsing each).
+        return _default_tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
     try:
         ctx = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
@@ -466,6 +470,13 @@ def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
         raise ConfigError(f"api.tls.ca_file: cannot load CA certificates from {ca_file}: {exc}") from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+@functools.lru_cache(maxsize=4)
+def _default_tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    """What `verify=True` builds inside httpx (the arguments are the environment it reads, as the cache key).
+    A shared SSLContext is safe: it holds configuration, each connection gets its own SSL object."""
+    return httpx.create_ssl_context(verify=True)
 
 
 async def _read_capped(response: httpx.Response, what: str, limit: int = MAX_RESPONSE_BYTES, *,
