@@ -15,23 +15,13 @@ from typing import Any
 
 from plexd import gojson
 from plexd.clock import Clock
+from plexd.controlplane.client import HeartbeatRequest, MeshInfo, NatInfo
+
+__all__ = ["HeartbeatService", "HeartbeatSnapshot", "MeshInfo", "NatInfo", "http_status"]
 
 log = logging.getLogger(__name__)
 
 WARN_AFTER_FAILURES = 3
-
-
-@dataclass(frozen=True)
-class MeshInfo:
-    interface: str
-    peer_count: int
-    listen_port: int
-
-
-@dataclass(frozen=True)
-class NatInfo:
-    public_endpoint: str
-    type: str  # none | full_cone | symmetric | unknown
 
 
 @dataclass(frozen=True)
@@ -89,20 +79,15 @@ class HeartbeatService:
     def build(self) -> dict[str, Any]:
         """The heartbeat body, keys in the Go struct's order, omitempty sections left out."""
         snap = self._snapshot()
-        uptime = int(self._uptime())
-        body: dict[str, Any] = {
-            "node_id": self.node_id,
-            "timestamp": gojson.format_time(self._clock.now()),
-            "status": snap.status,
-            "uptime": gojson.format_duration(uptime),
-            "binary_checksum": snap.binary_checksum,
-        }
-        if snap.mesh is not None:
-            body["mesh"] = {"interface": snap.mesh.interface, "peer_count": snap.mesh.peer_count,
-                            "listen_port": snap.mesh.listen_port}
-        if snap.nat is not None and snap.nat.public_endpoint:
-            body["nat"] = {"public_endpoint": snap.nat.public_endpoint, "type": snap.nat.type}
-        return body
+        return HeartbeatRequest(
+            node_id=self.node_id,
+            timestamp=self._clock.now(),
+            status=snap.status,
+            uptime=gojson.format_duration(int(self._uptime())),
+            binary_checksum=snap.binary_checksum,
+            mesh=snap.mesh,
+            nat=snap.nat if snap.nat is not None and snap.nat.public_endpoint else None,
+        ).to_wire()
 
     async def run(self) -> None:
         """Send one heartbeat now, then one per interval, until cancelled."""
