@@ -93,9 +93,7 @@ def parse_envelope(data: str) -> Envelope:
     """Parse an SSE ``data`` payload into an Envelope. Raises WireFormatError naming what is wrong."""
     try:
         spans = top_level_spans(data)
-    except (ValueError, json.JSONDecodeError) as exc:  # JSONDecodeError is a ValueError
-        if isinstance(exc, WireFormatError):
-            raise
+    except ValueError as exc:  # json.JSONDecodeError from a malformed value inside the object
         raise WireFormatError("", f"invalid JSON: {exc}") from None
 
     def string_field(name: str) -> str:
