@@ -18,8 +18,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from nacl.public import PrivateKey
-
+from plexd import identity
 from plexd.mesh.wireguard import is_valid_key
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State
 
@@ -65,7 +64,8 @@ def _is_ipv4(host: str) -> bool:
 
 
 def public_key_of(private_key: str) -> str:
-    return base64.b64encode(bytes(PrivateKey(base64.b64decode(private_key)).public_key)).decode()
+    """The base64 public key of a base64 private key (the identity's derivation, in base64 at both ends)."""
+    return identity.b64(identity.public_key_of(base64.b64decode(private_key)))
 
 
 def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
