@@ -332,10 +332,6 @@ class ControlPlaneClient:
         doc = await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/state", what=what)
         return _typed(what, State.from_wire, doc)
 
-    async def fetch_state_raw(self, node_id: str) -> JSON:
-        """#8 as parsed JSON, for callers that validate each item on its own (one bad peer must not block all)."""
-        return await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/state", what="state fetch")
-
     async def report_drift(self, node_id: str, report: Mapping[str, JSON]) -> None:
         """#9 ``POST /v1/nodes/{id}/drift``: ``{"timestamp": ..., "corrections": [{"type","detail"}...]}``."""
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/drift", dict(report), has_body=True,
