@@ -25,7 +25,9 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
+from plexd.atomicfile import write_atomic
 from plexd.errors import PlexdError
 
 _BIND_RUN_WIREGUARD = 'mkdir -p /run/wireguard && mount --bind "$0" /run/wireguard && exec "$@"'
@@ -189,10 +191,7 @@ class Lab:
             return
         data = {"tag": self.tag, "workdir": self.workdir, "subnet": self.subnet, "pids": self.pids,
                 "nodes": [asdict(n) for n in self.nodes]}
-        tmp = self.state_file + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, self.state_file)
+        write_atomic(Path(self.state_file), json.dumps(data, indent=2).encode(), mode=0o644)
 
     @classmethod
     def down_from_state(cls, state_file: str = DEFAULT_STATE_FILE) -> bool:
@@ -267,21 +266,21 @@ class LabDaemon:
     dir: str
     proc: subprocess.Popen
 
-    @property
-    def node_id(self) -> str | None:
+    def _identity(self, key: str) -> str | None:
+        """A field of the daemon's identity.json; None until it has registered."""
         try:
             with open(os.path.join(self.dir, "data", "identity.json")) as f:
-                return json.load(f)["node_id"]
+                return json.load(f)[key]
         except (OSError, ValueError, KeyError):
             return None
 
     @property
+    def node_id(self) -> str | None:
+        return self._identity("node_id")
+
+    @property
     def mesh_ip(self) -> str | None:
-        try:
-            with open(os.path.join(self.dir, "data", "identity.json")) as f:
-                return json.load(f)["mesh_ip"]
-        except (OSError, ValueError, KeyError):
-            return None
+        return self._identity("mesh_ip")
 
     def log_tail(self, n: int = 3000) -> str:
         try:
