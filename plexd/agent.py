@@ -73,11 +73,7 @@ class Agent:
         self.config = config
         self.clock = clock or Clock()
         self.stop_event = stop_event or asyncio.Event()
-        self.client = client or ControlPlaneClient(
-            config.api.url or "http://unconfigured.invalid",
-            ca_file=config.api.tls.ca_file,
-            insecure_skip_verify=config.api.tls.insecure_skip_verify,
-        )
+        self.client = client or ControlPlaneClient.for_config(config)
         self.store = IdentityStore(config.data_dir)
         self.registrar = Registrar(config, self.client, self.store, clock=self.clock,
                                    capabilities=self.capabilities)

@@ -102,8 +102,7 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
     sources = {"token_file": args.token_file, "token_env": args.token_env, "prompt": prompt}
 
     async def join() -> Any:
-        async with ControlPlaneClient(config.api.url, ca_file=config.api.tls.ca_file,
-                                      insecure_skip_verify=config.api.tls.insecure_skip_verify) as client:
+        async with ControlPlaneClient.for_config(config) as client:
             registrar = Registrar(config, client, capabilities=_join_capabilities(config))
             if loaded.identity is None:
                 identity, _ = await registrar.ensure_registered(**sources)
@@ -277,8 +276,7 @@ def cmd_deregister(args: argparse.Namespace, config: Config) -> int:
     ident = loaded.identity
 
     async def deregister() -> None:
-        async with ControlPlaneClient(config.api.url, token=ident.node_secret_key, ca_file=config.api.tls.ca_file,
-                                      insecure_skip_verify=config.api.tls.insecure_skip_verify) as client:
+        async with ControlPlaneClient.for_config(config, token=ident.node_secret_key) as client:
             await client.deregister(ident.node_id)
 
     asyncio.run(deregister())

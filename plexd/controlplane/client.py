@@ -40,7 +40,7 @@ import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -58,6 +58,9 @@ from plexd.errors import WireFormatError
 from plexd.gojson import format_time, go_marshal
 from plexd.model import Peer, RegisterResponse, State
 from plexd.model import _fields as _object  # Go's lenient decoding: case-insensitive keys
+
+if TYPE_CHECKING:
+    from plexd.config import Config
 
 GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
 MAX_RESPONSE_BYTES = 10 * 1024 * 1024  # decompressed response cap (§1.1)
@@ -198,6 +201,13 @@ class ControlPlaneClient:
             transport=transport,
             follow_redirects=False,
         )
+
+    @classmethod
+    def for_config(cls, config: Config, *, token: str = "") -> ControlPlaneClient:
+        """A client for ``config.api`` (URL and TLS settings). Callers that need a URL check `require_api` first;
+        without one, calls fail as unreachable rather than at construction."""
+        return cls(config.api.url or "http://unconfigured.invalid", token=token, ca_file=config.api.tls.ca_file,
+                   insecure_skip_verify=config.api.tls.insecure_skip_verify)
 
     # -- lifecycle and auth -------------------------------------------------------------------------------------
 
