@@ -16,14 +16,12 @@ picked up from the full state). After 5 minutes without a working stream, `poll(
 from __future__ import annotations
 
 import asyncio
-import email.utils
 import inspect
 import logging
 import random
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ import plexd
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.clock import Clock
+from plexd.controlplane.client import parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.signing import EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser
@@ -59,22 +58,6 @@ async def _call(fn: Callable[..., MaybeAwaitable], *args: Any) -> Any:
 def default_client_factory() -> httpx.AsyncClient:
     # Connect in 10 s; no read/total timeout on the body: the idle watchdog decides when a stream is dead.
     return httpx.AsyncClient(timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
-
-
-def parse_retry_after(value: str | None, now_epoch: float) -> float | None:
-    """``Retry-After`` as seconds: delta-seconds or an HTTP-date. None when absent or unparseable."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit():
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, when.timestamp() - now_epoch)
 
 
 class _Disconnected(Exception):
@@ -337,7 +320,7 @@ class EventStream:
                     raise _Refused(
                         f"HTTP {response.status_code}{': ' + body if body else ''}",
                         response.status_code,
-                        parse_retry_after(response.headers.get("retry-after"), time.time()),
+                        parse_retry_after(response.headers.get("retry-after"), datetime.now(UTC)),
                     )
                 await self._connected_ok()
                 await self._consume(response)

@@ -20,8 +20,9 @@ import pytest
 
 from plexd.backoff import Backoff
 from plexd.clock import FakeClock
+from plexd.controlplane.client import parse_retry_after
 from plexd.controlplane.envelope import sign_event
-from plexd.controlplane.events import EventStream, parse_retry_after
+from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.model import SigningKeys
 
@@ -214,11 +215,15 @@ async def test_429_retry_after_seconds_and_http_date_do_not_grow_backoff(tmp_pat
 
 
 def test_parse_retry_after():
-    assert parse_retry_after("12", 0) == 12
-    assert parse_retry_after(email.utils.formatdate(1000, usegmt=True), 990) == pytest.approx(10)
-    assert parse_retry_after(email.utils.formatdate(1000, usegmt=True), 2000) == 0
-    assert parse_retry_after("soon", 0) is None
-    assert parse_retry_after(None, 0) is None
+    # The stream reads Retry-After with the API client's parser; these are the stream's cases.
+    def at(epoch: float) -> datetime:
+        return datetime.fromtimestamp(epoch, UTC)
+
+    assert parse_retry_after("12", at(0)) == 12
+    assert parse_retry_after(email.utils.formatdate(1000, usegmt=True), at(990)) == pytest.approx(10)
+    assert parse_retry_after(email.utils.formatdate(1000, usegmt=True), at(2000)) == 0
+    assert parse_retry_after("soon", at(0)) is None
+    assert parse_retry_after(None, at(0)) is None
 
 
 async def test_polling_after_five_minutes_and_back(tmp_path, clock):
