@@ -212,7 +212,6 @@ class PrivateKeyWrong(DeviceChange):
     correction_type: ClassVar[str] = "private_key_updated"
     interface: str
     private_key: str = field(repr=False)
-    live_public: str = ""
 
     @property
     def detail(self) -> str:
