@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import ipaddress
 import os
 import statistics
@@ -29,6 +28,7 @@ from nacl.public import PrivateKey
 
 from plexd.converge import Converger
 from plexd.desired import DesiredState
+from plexd.identity import b64
 from plexd.lab import Lab, LabNode
 from plexd.mesh.links import Links
 from plexd.mesh.wireguard import DeviceUpdate
@@ -37,10 +37,6 @@ from plexd.model import Peer
 from plexd.plan import device_update, diff
 
 MESH = ipaddress.ip_network("10.128.0.0/10")
-
-
-def b64(raw: bytes) -> str:
-    return base64.b64encode(raw).decode()
 
 
 def make_desired(n: int, private_key: str) -> DesiredState:
