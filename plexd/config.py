@@ -231,6 +231,18 @@ class Config:
 _META_FIELDS = ("sources", "config_file")
 
 
+def _groups(cls: type, prefix: str = "") -> dict[str, type]:
+    """Every nested config section by dotted path ("api", "api.tls", ...): the fields whose default is a
+    dataclass instance, so a new section in the schema is known here without a second list to keep in step."""
+    out: dict[str, type] = {}
+    for f in dataclasses.fields(cls):
+        sub = f.default_factory
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub):
+            out[prefix + f.name] = sub
+            out.update(_groups(sub, f"{prefix}{f.name}."))
+    return out
+
+
 def _leaves(cls: type, prefix: str = "") -> dict[str, dataclasses.Field[Any]]:
     out: dict[str, dataclasses.Field[Any]] = {}
     for f in dataclasses.fields(cls):
@@ -245,12 +257,7 @@ def _leaves(cls: type, prefix: str = "") -> dict[str, dataclasses.Field[Any]]:
     return out
 
 
-_GROUPS: dict[str, type] = {
-    "api": ApiConfig, "api.tls": TlsConfig, "mesh": MeshConfig, "token": TokenConfig,
-    "registration": RegistrationConfig, "reconcile": ReconcileConfig, "heartbeat": HeartbeatConfig,
-    "sse": SseConfig, "shutdown": ShutdownConfig, "nat_traversal": NatTraversalConfig, "actions": ActionsConfig,
-    "hooks": HooksConfig, "node_api": NodeApiConfig, "policy": PolicyConfig,
-}
+_GROUPS = _groups(Config)
 _LEAVES = _leaves(Config)
 ENV_NAMES: dict[str, str] = {"PLEXD_" + key.replace(".", "_").upper(): key for key in _LEAVES}
 ENV_NAMES["PLEXD_API"] = "api.url"
