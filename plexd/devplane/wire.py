@@ -102,6 +102,21 @@ def _where(path: str) -> str:
     return path or "body"
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# scalar schema -> (accepts the value, what the error says it must be)
+_SCALARS: dict[str, tuple[Any, str]] = {
+    "str": (lambda v: isinstance(v, str), "a string"),
+    "bool": (lambda v: isinstance(v, bool), "a boolean"),
+    "int": (lambda v: _is_number(v) and float(v).is_integer(), "an integer"),
+    "num": (_is_number, "a number"),
+    "obj": (lambda v: isinstance(v, dict), "an object"),
+    "time": (lambda v: isinstance(v, str), "an RFC 3339 time string"),
+}
+
+
 def check(value: Any, schema: Any, path: str) -> None:
     """Raise HTTPError(400) naming `path` if `value` does not fit `schema` (null fits everything, like Go)."""
     if value is None or schema == "any":
@@ -127,17 +142,8 @@ def check(value: Any, schema: Any, path: str) -> None:
             for k, item in value.items():
                 check(item, elem, f"{path}.{k}" if path else k)
         return
-    ok = {
-        "str": isinstance(value, str),
-        "bool": isinstance(value, bool),
-        "int": isinstance(value, int | float) and not isinstance(value, bool) and float(value).is_integer(),
-        "num": isinstance(value, int | float) and not isinstance(value, bool),
-        "obj": isinstance(value, dict),
-        "time": isinstance(value, str),
-    }[schema]
-    if not ok:
-        want = {"str": "a string", "bool": "a boolean", "int": "an integer", "num": "a number", "obj": "an object",
-                "time": "an RFC 3339 time string"}[schema]
+    accepts, want = _SCALARS[schema]
+    if not accepts(value):
         raise HTTPError(400, f"{_where(path)}: must be {want}, got {kind(value)} {_short(value)}")
     if schema == "time":
         try:
