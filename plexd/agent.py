@@ -113,13 +113,7 @@ class Agent:
 
     async def sleep(self, seconds: float) -> bool:
         """Sleep on the agent's clock; return early (True) when the agent is stopping."""
-        sleeper = asyncio.ensure_future(self.clock.sleep(seconds))
-        stopper = asyncio.ensure_future(self.stop_event.wait())
-        try:
-            await asyncio.wait({sleeper, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for fut in (sleeper, stopper):
-                fut.cancel()
+        await self.until_stopped(self.clock.sleep(seconds))
         return self.stopping
 
     def uptime(self) -> float:
@@ -173,6 +167,9 @@ class Agent:
         stopper = asyncio.ensure_future(self.stop_event.wait())
         try:
             await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()  # we were cancelled ourselves: leave nothing running behind
+            raise
         finally:
             stopper.cancel()
         if task.done():
