@@ -157,16 +157,6 @@ def _short(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def field(obj: Any, key: str, default: Any = None) -> Any:
-    """Case-insensitive lookup (Go matches keys case-insensitively)."""
-    if not isinstance(obj, dict):
-        return default
-    for k, v in obj.items():
-        if k.lower() == key:
-            return default if v is None else v
-    return default
-
-
 # -- request shapes (§1) ---------------------------------------------------------------------------------------
 
 _PARAM = {"name": "str", "type": "str", "required": "bool", "description": "str"}
