@@ -31,7 +31,7 @@ import plexd
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.clock import Clock
-from plexd.controlplane.client import parse_retry_after
+from plexd.controlplane.client import _tls_context, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.signing import EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser
@@ -55,9 +55,11 @@ async def _call(fn: Callable[..., MaybeAwaitable], *args: Any) -> Any:
     return result
 
 
-def default_client_factory() -> httpx.AsyncClient:
-    # Connect in 10 s; no read/total timeout on the body: the idle watchdog decides when a stream is dead.
-    return httpx.AsyncClient(timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
+def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> httpx.AsyncClient:
+    """The stream's own HTTP client: same TLS rules as the API client, connect 10 s, and no read/total timeout
+    on the body: the idle watchdog decides when a stream is dead."""
+    return httpx.AsyncClient(verify=_tls_context(ca_file, insecure_skip_verify),
+                             timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
 
 
 class _Disconnected(Exception):
@@ -92,7 +94,7 @@ class EventStream:
         on_auth_failure: Callable[[], MaybeAwaitable] | None = None,
         poll: Callable[[], MaybeAwaitable] | None = None,
         poll_interval: float = 60.0,
-        client_factory: Callable[[], httpx.AsyncClient] = default_client_factory,
+        client_factory: Callable[[], httpx.AsyncClient] = stream_http_client,
         backoff: Backoff | None = None,
         storm_backoff: Backoff | None = None,
         storm_burst: int = 5,

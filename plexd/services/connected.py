@@ -22,12 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import httpx
-
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
-from plexd.controlplane.client import _tls_context
-from plexd.controlplane.events import EventStream
+from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.signing import (
     InvalidSigningKeys,
     NonceStore,
@@ -206,12 +203,6 @@ async def insist_on_cancel(loop_fn: Callable[[], Any]) -> None:
             await asyncio.wait({task}, timeout=0.1)
         raise
     task.result()
-
-
-def stream_http_client(ca_file: str, insecure_skip_verify: bool) -> httpx.AsyncClient:
-    """The stream's own HTTP client: same TLS rules as the API client, connect 10 s, no body timeout."""
-    return httpx.AsyncClient(verify=_tls_context(ca_file, insecure_skip_verify),
-                             timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
 
 
 async def wait_connected(connected: Connected, timeout: float) -> bool:
