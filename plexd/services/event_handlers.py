@@ -20,7 +20,7 @@ from typing import Any
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.errors import WireFormatError
-from plexd.model import DataEntry, Peer, SecretRef, SigningKeys
+from plexd.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def _payload_object(env: Envelope) -> dict[str, Any]:
 
 
 def _field(payload: dict[str, Any], *names: str) -> str:
-    lowered = {str(k).lower(): v for k, v in payload.items()}
+    lowered = _fields(payload, "payload")
     for name in names:
         value = lowered.get(name)
         if value is None:
@@ -168,7 +168,7 @@ class EventHandlers:
 
     async def _node_state_updated(self, env: Envelope) -> None:
         payload = _payload_object(env)
-        lowered = {str(k).lower(): v for k, v in payload.items()}
+        lowered = _fields(payload, "payload")
         metadata = lowered.get("metadata")
         if metadata is not None and (
                 not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values())):
@@ -182,7 +182,7 @@ class EventHandlers:
 
     async def _node_secrets_updated(self, env: Envelope) -> None:
         payload = _payload_object(env)
-        lowered = {str(k).lower(): v for k, v in payload.items()}
+        lowered = _fields(payload, "payload")
         raw = lowered.get("secret_refs") or []
         if not isinstance(raw, list):
             raise WireFormatError("payload.secret_refs", "must be an array")
