@@ -117,7 +117,7 @@ async def show_node(request: Request) -> Response:
     out.update({
         "metadata": node.metadata, "capabilities": node.capabilities, "last_heartbeat": node.last_heartbeat,
         "data": list(node.data.values()),
-        "secret_refs": [{"key": k, "version": s["version"]} for k, s in node.secrets.items()],
+        "secret_refs": node.secret_refs(),
         "pending_flags": node.flags,
         "peers": [p.id for p in dep.visible_peers(node)] if not node.removed else [],
     })

@@ -408,7 +408,7 @@ class Deployment:
         if node.metadata:
             out["metadata"] = node.metadata
         out["data"] = list(node.data.values())
-        out["secret_refs"] = [{"key": k, "version": s["version"]} for k, s in node.secrets.items()]
+        out["secret_refs"] = node.secret_refs()
         return out
 
     def secret(self, node: Node, key: str) -> dict[str, Any]:
@@ -448,8 +448,7 @@ class Deployment:
         with self.store.transaction():
             node.secrets[key] = {"value": value, "version": version}
             self._save(node)
-            self.hub.publish([node.id], "node_secrets_updated",
-                             {"secret_refs": [{"key": k, "version": s["version"]} for k, s in node.secrets.items()]})
+            self.hub.publish([node.id], "node_secrets_updated", {"secret_refs": node.secret_refs()})
         return version
 
     def request_action(self, node: Node, action: str, parameters: dict[str, Any], timeout: str | None,

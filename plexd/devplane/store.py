@@ -76,6 +76,10 @@ class Node:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in raw.items() if k in known})
 
+    def secret_refs(self) -> list[dict[str, Any]]:
+        """The node's secrets as `secret_refs` (§8.5): key and version, never the value."""
+        return [{"key": k, "version": s["version"]} for k, s in self.secrets.items()]
+
     def peer(self) -> dict[str, Any]:
         """The node as a peer object (§1.3): every field always present."""
         return {
