@@ -103,11 +103,16 @@ class Subscriber:
         try:
             self.queue.put_nowait(event)
         except asyncio.QueueFull:
-            # Too slow: end the stream (None) rather than buffer without bound; the replay brings it back.
-            self.overflowed = True
+            # Too slow: end the stream rather than buffer without bound; the replay brings it back.
             log.warning("event stream of %s fell %d events behind; closing it", self.node_id, SUBSCRIBER_QUEUE_LIMIT)
-            self.queue._queue.clear()  # type: ignore[attr-defined]  # make room for the close marker
-            self.queue.put_nowait(None)
+            self.close()
+
+    def close(self) -> None:
+        """End the stream after what is queued (None marks the end); a full queue is dropped to make room."""
+        self.overflowed = True
+        if self.queue.full():
+            self.queue._queue.clear()  # type: ignore[attr-defined]
+        self.queue.put_nowait(None)
 
 
 class EventHub:
@@ -181,11 +186,7 @@ class EventHub:
     def close_streams(self, node_id: str) -> None:
         """End every open stream of a node (it was removed)."""
         for sub in list(self.subscribers.get(node_id, ())):
-            sub.overflowed = True
-            try:
-                sub.queue.put_nowait(None)
-            except asyncio.QueueFull:
-                pass
+            sub.close()
 
     def stream_count(self, node_id: str | None = None) -> int:
         if node_id is not None:
