@@ -26,9 +26,13 @@ class Backoff:
         """The un-jittered delay the next `next_delay()` is based on."""
         return self._current
 
+    def jittered(self, delay: float) -> float:
+        """`delay` with this backoff's uniform ±jitter applied."""
+        return delay * (1 + self.jitter * (2 * self._rand() - 1))
+
     def next_delay(self) -> float:
         """Return the jittered delay for this attempt and grow the base for the next one."""
-        delay = self._current * (1 + self.jitter * (2 * self._rand() - 1))
+        delay = self.jittered(self._current)
         self._current = min(self._current * self.factor, self.cap)
         return delay
 

@@ -16,9 +16,7 @@ picked up from the full state). After 5 minutes without a working stream, `poll(
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import random
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -28,6 +26,7 @@ from typing import Any
 import httpx
 
 import plexd
+from plexd.asyncutil import call_maybe_async
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.clock import Clock
@@ -46,13 +45,6 @@ RETRY_AFTER_MAX = 3600.0
 SEEN_IDS_MAX = 4096
 
 MaybeAwaitable = Any  # a plain value or an awaitable of it: callbacks may be sync or async
-
-
-async def _call(fn: Callable[..., MaybeAwaitable], *args: Any) -> Any:
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
 
 
 def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> httpx.AsyncClient:
@@ -246,15 +238,14 @@ class EventStream:
             self._mark_failing()
             if self._on_auth_failure is not None:
                 try:
-                    await _call(self._on_auth_failure)
+                    await call_maybe_async(self._on_auth_failure)
                 except Exception as err:  # re-registration failing must not kill the stream loop
                     log.warning("re-authentication after 401 failed: %s", err)
             return self.backoff.next_delay()
         if status in (403, 404):
             self._mark_failing()
             self._enter_polling(f"event stream refused with {status}")
-            rand = getattr(self.backoff, "_rand", random.random)
-            delay = self.backoff.cap * (1 + self.backoff.jitter * (2 * rand() - 1))
+            delay = self.backoff.jittered(self.backoff.cap)
             log.error("event stream refused with %d (%s); retrying in %.0f s", status, exc, delay)
             return delay
         if status == 429:
@@ -290,7 +281,7 @@ class EventStream:
             return
         self.polls += 1
         try:
-            await _call(self._poll)
+            await call_maybe_async(self._poll)
         except Exception as exc:
             log.warning("polling the full state failed: %s", exc)
 
@@ -298,7 +289,7 @@ class EventStream:
     # One connection
 
     async def _headers(self) -> dict[str, str]:
-        token = await _call(self._token)
+        token = await call_maybe_async(self._token)
         headers = {
             "Accept": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -346,7 +337,7 @@ class EventStream:
         log.info("event stream connected (resuming after %s)", self.last_event_id or "nothing")
         if self._on_connected is not None:
             try:
-                await _call(self._on_connected)
+                await call_maybe_async(self._on_connected)
             except Exception as exc:
                 log.warning("on_connected callback failed: %s", exc)
 
@@ -407,7 +398,7 @@ class EventStream:
                 return
             self._remember(env.event_id)
             try:
-                await _call(self._dispatch, env)
+                await call_maybe_async(self._dispatch, env)
             except PlexdError as exc:
                 self._reject(env.event_id, "bad_payload", str(exc), env.event_type)
                 return

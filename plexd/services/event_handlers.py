@@ -11,12 +11,12 @@ routed to a handler registered with `register()`; until one exists they are logg
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from plexd.asyncutil import call_maybe_async
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.errors import WireFormatError
@@ -43,13 +43,6 @@ OWNED_ELSEWHERE = (
     "site_to_site_tunnel_assigned",
     "site_to_site_tunnel_revoked",
 )
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
 
 
 def _payload_object(env: Envelope) -> dict[str, Any]:
@@ -125,7 +118,7 @@ class EventHandlers:
     async def dispatch(self, env: Envelope) -> None:
         handler = self._handlers.get(env.event_type)
         if handler is not None:
-            await _call(handler, env)
+            await call_maybe_async(handler, env)
         elif env.event_type in OWNED_ELSEWHERE:
             log.info("event %s (%s) ignored: not supported by this plexd yet", env.event_id, env.event_type,
                      extra={"event_id": env.event_id, "event_type": env.event_type})
@@ -135,7 +128,7 @@ class EventHandlers:
 
     async def _update(self, env: Envelope, change: Callable[[Any], Any]) -> None:
         self._set(change(self._get()))
-        await _call(self._converge, f"{env.event_type} {env.event_id}")
+        await call_maybe_async(self._converge, f"{env.event_type} {env.event_id}")
 
     async def _peer_upsert(self, env: Envelope) -> None:
         peer = _peer(env)
@@ -158,7 +151,7 @@ class EventHandlers:
 
     async def _reconcile_now(self, env: Envelope) -> None:
         log.info("event %s: %s, reconciling", env.event_id, env.event_type)
-        await _call(self._reconcile, env.event_type)
+        await call_maybe_async(self._reconcile, env.event_type)
 
     async def _signing_key_rotated(self, env: Envelope) -> None:
         keys = SigningKeys.from_wire(_payload_object(env), "payload")

@@ -7,13 +7,13 @@ exists. A 401 starts re-authentication. Three consecutive failures log one warni
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from plexd import gojson
+from plexd.asyncutil import call_maybe_async
 from plexd.clock import Clock
 from plexd.controlplane.client import HeartbeatRequest, MeshInfo, NatInfo
 
@@ -41,13 +41,6 @@ def http_status(exc: BaseException) -> int | None:
     response = getattr(exc, "response", None)
     value = getattr(response, "status_code", None)
     return value if isinstance(value, int) else None
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
 
 
 class HeartbeatService:
@@ -104,7 +97,7 @@ class HeartbeatService:
         """Send one heartbeat and act on the answer. Returns True when it was accepted."""
         try:
             body = self.build()
-            response = await _call(self._send, body)
+            response = await call_maybe_async(self._send, body)
         except Exception as exc:
             await self._failed(exc)
             return False
@@ -125,7 +118,7 @@ class HeartbeatService:
 
     async def _reconcile(self, reason: str) -> None:
         if self._trigger_reconcile is not None:
-            await _call(self._trigger_reconcile, reason)
+            await call_maybe_async(self._trigger_reconcile, reason)
 
     async def _failed(self, exc: Exception) -> None:
         self.consecutive_failures += 1
@@ -134,7 +127,7 @@ class HeartbeatService:
             log.warning("heartbeat refused with 401; re-authenticating the node")
             if self._on_auth_failure is not None:
                 try:
-                    await _call(self._on_auth_failure)
+                    await call_maybe_async(self._on_auth_failure)
                 except Exception as err:
                     log.warning("re-authentication after heartbeat 401 failed: %s", err)
             return

@@ -13,25 +13,18 @@ report that could not be delivered is retried on the next cycle.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from plexd import gojson
+from plexd.asyncutil import call_maybe_async
 from plexd.clock import Clock
 
 log = logging.getLogger(__name__)
 
 MAX_UNSENT_REPORTS = 20
-
-
-async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    result = fn(*args, **kwargs)
-    if inspect.isawaitable(result):
-        result = await result
-    return result
 
 
 @dataclass(frozen=True)
@@ -142,7 +135,7 @@ class Reconciler:
         error = ""
         if not skip_phase1:
             try:
-                drift = corrections_of(getattr(await _call(self._converge), "changes", None))
+                drift = corrections_of(getattr(await call_maybe_async(self._converge), "changes", None))
                 if startup:
                     if drift:
                         log.info("brought the mesh up from the stored state: %s",
@@ -153,14 +146,15 @@ class Reconciler:
                 error = f"converge failed: {exc}"
         updates: list[Correction] = []
         try:
-            state = await _call(self._fetch_state)
+            state = await call_maybe_async(self._fetch_state)
         except Exception as exc:
             log.warning("reconcile (%s): fetching the state failed: %s", why, exc)
             error = error or f"fetching the state failed: {exc}"
         else:
             try:
-                updates = corrections_of(await _call(self._apply_state, state))
-                result = await _call(self._converge, dry_run=True) if dry_run else await _call(self._converge)
+                updates = corrections_of(await call_maybe_async(self._apply_state, state))
+                converge_kwargs = {"dry_run": True} if dry_run else {}
+                result = await call_maybe_async(self._converge, **converge_kwargs)
                 updates += corrections_of(getattr(result, "changes", None))
             except Exception as exc:
                 log.exception("reconcile (%s): converge failed", why)
@@ -191,7 +185,7 @@ class Reconciler:
         while self._unsent:
             report = self._unsent[0]
             try:
-                await _call(self._post_drift, report)
+                await call_maybe_async(self._post_drift, report)
             except Exception as exc:
                 log.warning("posting the drift report failed (%d pending, retried next cycle): %s",
                             len(self._unsent), exc)
