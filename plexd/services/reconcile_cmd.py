@@ -83,8 +83,7 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
 
     verifier = build_verifier(config.data_dir, Clock(), ident.signing_public_key)
     reports: list[dict[str, Any]] = []
-    async with ControlPlaneClient(config.api.url, token=ident.node_secret_key, ca_file=config.api.tls.ca_file,
-                                  insecure_skip_verify=config.api.tls.insecure_skip_verify) as client:
+    async with ControlPlaneClient.for_config(config, token=ident.node_secret_key) as client:
         async def post(report: dict[str, Any]) -> None:
             await client.report_drift(ident.node_id, report)
             reports.append(report)
