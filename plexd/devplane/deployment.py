@@ -316,11 +316,11 @@ class Deployment:
     def _mark_seen(self, node: Node) -> None:
         """Record a sign of life; a node coming back from offline is announced to its peers again."""
         node.last_seen = self.clock.now().timestamp()
-        if node.status == "offline":
-            node.status = "online"
+        was_offline = node.status == "offline"
+        node.status = "online"
+        if was_offline:
             self.hub.publish(self.watchers(node), "peer_added", node.peer())
             log.info("node back online", extra={"node_id": node.id})
-        node.status = "online"
 
     def heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, bool]:
         nat = body.get("nat") or {}
