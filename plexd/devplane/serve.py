@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
-import os
 import secrets
 import socket
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
+from plexd.atomicfile import write_atomic
 from plexd.devplane.deployment import Deployment
 from plexd.devplane.server import create_app
 from plexd.devplane.store import Store
@@ -90,9 +90,7 @@ def load_admin_token(db_path: Path, token_file: str | None) -> str:
             return token
     token = secrets.token_urlsafe(24)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
+        write_atomic(path, (token + "\n").encode())
     except OSError as exc:
         raise ConfigError(f"cannot write admin token file {path}: {exc.strerror or exc}") from None
     return token
