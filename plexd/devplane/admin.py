@@ -39,10 +39,8 @@ FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events"
 
 def _dep(request: Request) -> Deployment:
     dep: Deployment = request.app.state.deployment
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                             request.app.state.admin_token.encode()):
+    token = wire.bearer(request) or ""
+    if not hmac.compare_digest(token.encode(), request.app.state.admin_token.encode()):
         raise HTTPError(401, "admin API needs Authorization: Bearer <admin token>")
     return dep
 

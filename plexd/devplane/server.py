@@ -27,20 +27,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from plexd.devplane import admin, wire
 from plexd.devplane.deployment import Deployment, cancel_quietly
 from plexd.devplane.events import format_sse, parse_event_id
-from plexd.devplane.wire import HTTPError, error_response, read_json
+from plexd.devplane.wire import HTTPError, bearer, error_response, read_json
 
 log = logging.getLogger(__name__)
 
 _EVENTS_PATH = re.compile(r"^/v1/nodes/[^/]+/events$")
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._+-]+$")
-
-
-def bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
 
 
 def _dep(request: Request) -> Deployment:

@@ -30,6 +30,15 @@ class HTTPError(Exception):
         self.headers = headers
 
 
+def bearer(request: Request) -> str | None:
+    """The token of `Authorization: Bearer <token>`, or None when there is none."""
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
