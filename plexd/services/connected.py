@@ -17,7 +17,7 @@ import asyncio
 import base64
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,6 +32,7 @@ from plexd.controlplane.signing import (
     key_fingerprint,
     load_signing_key,
 )
+from plexd.desired_store import DesiredStore
 from plexd.model import SigningKeys, State
 from plexd.services.event_handlers import EventHandlers, apply_signing_keys
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
@@ -44,6 +45,8 @@ log = logging.getLogger(__name__)
 
 
 class Mesh(Protocol):
+    store: DesiredStore
+
     def get_desired(self) -> Any: ...
 
     def set_desired(self, desired: Any) -> None: ...
@@ -52,24 +55,37 @@ class Mesh(Protocol):
 
 
 class MeshHandle:
-    """Holds the desired model and converges a `Converger` to it (one instance per daemon)."""
+    """Holds the desired model (a `DesiredStore`) and converges a `Converger` to it (one instance per daemon)."""
 
     def __init__(self, converger: Any, desired: Any,
                  on_desired_changed: Callable[[Any], None] | None = None) -> None:
         self.converger = converger
-        self._desired = desired
-        self._on_changed = on_desired_changed
+        self.store = DesiredStore(desired, on_desired_changed)
 
     def get_desired(self) -> Any:
-        return self._desired
+        return self.store.value
 
     def set_desired(self, desired: Any) -> None:
-        self._desired = desired
-        if self._on_changed is not None:
-            self._on_changed(desired)
+        self.store.replace(desired)
 
     async def converge(self, *, dry_run: bool = False) -> Any:
-        return await self.converger.converge(self._desired, dry_run=dry_run)
+        return await self.converger.converge(self.store.value, dry_run=dry_run)
+
+
+@dataclass(frozen=True)
+class PulledState:
+    """A state pull and the desired model's sequence number when it was requested (see `plexd.desired_store`)."""
+
+    state: State
+    since: int
+
+
+def state_fetcher(mesh: Mesh, fetch: Callable[[], Awaitable[State]]) -> Callable[[], Awaitable[PulledState]]:
+    async def fetch_state() -> PulledState:
+        since = mesh.store.mark()  # before the request: any event applied from now on is replayed on top
+        return PulledState(await fetch(), since)
+
+    return fetch_state
 
 
 @dataclass
@@ -94,13 +110,16 @@ def build_verifier(data_dir: Path, clock: Any, fallback_key: str) -> Verifier:
     return verifier
 
 
-def state_applier(mesh: Mesh, verifier: Verifier, data_dir: Path | None) -> Callable[[State], list[Correction]]:
-    """`apply_state` for the reconciler: replace the desired model, install new signing keys (reported)."""
+def state_applier(mesh: Mesh, verifier: Verifier | None,
+                  data_dir: Path | None) -> Callable[[PulledState], list[Correction]]:
+    """`apply_state` for the reconciler: replace the desired model (replaying the events applied while the pull
+    was in flight), install new signing keys (reported). Without a verifier (a dry run) no key is installed."""
 
-    def apply(state: State) -> list[Correction]:
+    def apply(pulled: PulledState) -> list[Correction]:
+        state = pulled.state
         corrections: list[Correction] = []
         keys = state.signing_keys
-        if keys is not None and keys.current:
+        if verifier is not None and keys is not None and keys.current:
             old = verifier.keys
             try:
                 if apply_signing_keys(verifier, data_dir, keys):
@@ -110,7 +129,10 @@ def state_applier(mesh: Mesh, verifier: Verifier, data_dir: Path | None) -> Call
                     corrections.append(Correction("signing_keys_updated", detail))
             except InvalidSigningKeys as exc:
                 log.error("state carries unusable signing keys, keeping the current ones: %s", exc)
-        mesh.set_desired(mesh.get_desired().with_state(state))
+        replayed = mesh.store.replace_from_pull(lambda d: d.with_state(state), pulled.since)  # StalePull: re-pull
+        if replayed:
+            log.info("state pull applied with %d event(s) that arrived during it replayed on top: %s",
+                     len(replayed), ", ".join(replayed))
         return corrections
 
     return apply
@@ -130,8 +152,7 @@ def install_connected(agent: Agent, mesh: Mesh, *, nat: Callable[[], NatInfo | N
     async def reauthenticate() -> None:
         await agent.reauthenticate(agent.client.token)
 
-    async def fetch_state() -> State:
-        return await agent.authed(lambda: agent.client.fetch_state(node_id()))
+    fetch_state = state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id())))
 
     async def post_drift(report: dict[str, Any]) -> None:
         await agent.authed(lambda: agent.client.report_drift(node_id(), report))
@@ -144,7 +165,7 @@ def install_connected(agent: Agent, mesh: Mesh, *, nat: Callable[[], NatInfo | N
         for err in getattr(result, "errors", ()):
             log.warning("converge after %s: %s", reason, err)
 
-    handlers = EventHandlers(mesh.get_desired, mesh.set_desired, converge_now, reconciler.trigger, verifier,
+    handlers = EventHandlers(mesh.store, converge_now, reconciler.trigger, verifier,
                              data_dir)
 
     stream = EventStream(

@@ -1,7 +1,8 @@
 """What each verified event does (plexd-protocol.md §2.3): update the desired model, then ask for a converge.
 
 Events are hints; the reconciler's state pull is the truth. A handler therefore only edits the desired model
-(`DesiredState.with_*`, never mutation) and requests a converge, or triggers a full reconcile where the event
+(`DesiredStore.edit` with a `DesiredState.with_*` change, journaled so that a state pull in flight cannot undo
+it) and requests a converge, or triggers a full reconcile where the event
 carries no usable data (``policy_updated``, ``rotate_keys``). A payload of the wrong shape raises WireFormatError,
 which the event stream logs with the event id as a rejected event.
 
@@ -19,6 +20,7 @@ from typing import Any
 from plexd.asyncutil import call_maybe_async
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
+from plexd.desired_store import DesiredStore, Edit
 from plexd.errors import WireFormatError
 from plexd.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
 
@@ -83,15 +85,13 @@ def apply_signing_keys(verifier: Verifier, data_dir: Path | None, keys: SigningK
 class EventHandlers:
     def __init__(
         self,
-        get_desired: Callable[[], Any],
-        set_desired: Callable[[Any], None],
+        desired: DesiredStore,
         request_converge: Callable[[str], Any],
         trigger_reconcile: Callable[[str], Any],
         verifier: Verifier,
         data_dir: Path | str | None = None,
     ) -> None:
-        self._get = get_desired
-        self._set = set_desired
+        self._desired = desired
         self._converge = request_converge
         self._reconcile = trigger_reconcile
         self._verifier = verifier
@@ -126,8 +126,8 @@ class EventHandlers:
             log.debug("event %s has unknown type %r; ignored", env.event_id, env.event_type,
                       extra={"event_id": env.event_id, "event_type": env.event_type})
 
-    async def _update(self, env: Envelope, change: Callable[[Any], Any]) -> None:
-        self._set(change(self._get()))
+    async def _update(self, env: Envelope, change: Edit) -> None:
+        self._desired.edit(change, f"{env.event_type} {env.event_id}")
         await call_maybe_async(self._converge, f"{env.event_type} {env.event_id}")
 
     async def _peer_upsert(self, env: Envelope) -> None:
@@ -157,7 +157,7 @@ class EventHandlers:
         keys = SigningKeys.from_wire(_payload_object(env), "payload")
         apply_signing_keys(self._verifier, self._data_dir, keys)  # InvalidSigningKeys → event rejected
         log.info("event %s: signing key rotated to %s", env.event_id, key_fingerprint(keys.current))
-        self._set(self._get().with_signing_keys(keys))
+        self._desired.edit(lambda d: d.with_signing_keys(keys), f"{env.event_type} {env.event_id}")
 
     async def _node_state_updated(self, env: Envelope) -> None:
         payload = _payload_object(env)

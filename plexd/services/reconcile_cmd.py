@@ -58,7 +58,7 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.desired import DesiredState
     from plexd.identity import IdentityStore
-    from plexd.services.connected import MeshHandle, build_verifier, load_mirror, state_applier
+    from plexd.services.connected import MeshHandle, build_verifier, load_mirror, state_applier, state_fetcher
     from plexd.services.reconciler import Reconciler
 
     loaded = IdentityStore(config.data_dir).load()
@@ -88,13 +88,10 @@ async def reconcile_once(config: Config, *, dry_run: bool) -> ReconcileOutcome:
             await client.report_drift(ident.node_id, report)
             reports.append(report)
 
-        def plan_only(state: Any) -> list[Any]:
-            # A dry run changes nothing local: no signing key installed or persisted.
-            mesh.set_desired(mesh.get_desired().with_state(state))
-            return []
-
-        apply = plan_only if dry_run else state_applier(mesh, verifier, config.data_dir)
-        reconciler = Reconciler(lambda: client.fetch_state(ident.node_id), apply, mesh.converge, post)
+        # A dry run changes nothing local: no signing key installed or persisted.
+        apply = state_applier(mesh, None, None) if dry_run else state_applier(mesh, verifier, config.data_dir)
+        fetch = state_fetcher(mesh, lambda: client.fetch_state(ident.node_id))
+        reconciler = Reconciler(fetch, apply, mesh.converge, post)
         result = await reconciler.run_once(dry_run=dry_run, drift_phase=mirrored is not None)
     # The device belongs to the daemon: never stop or close a process this command did not start.
     errors = [result.error] if result.error else []

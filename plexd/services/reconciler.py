@@ -21,6 +21,7 @@ from typing import Any
 from plexd import gojson
 from plexd.asyncutil import call_maybe_async
 from plexd.clock import Clock
+from plexd.desired_store import StalePull
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,11 @@ class Reconciler:
                 converge_kwargs = {"dry_run": True} if dry_run else {}
                 result = await call_maybe_async(self._converge, **converge_kwargs)
                 updates += corrections_of(getattr(result, "changes", None))
+            except StalePull as exc:
+                # Not applied (that would undo events); the model stays the events' own. Pull again at once.
+                log.warning("reconcile (%s): state pull overtaken by events, pulling again: %s", why, exc)
+                self.trigger("state pull overtaken by events")
+                error = error or f"state pull overtaken by events: {exc}"
             except Exception as exc:
                 log.exception("reconcile (%s): converge failed", why)
                 error = error or f"converge failed: {exc}"

@@ -211,41 +211,50 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     assert route_c.removesuffix("/32") in routes
 
 
-def fake_peer(i: int) -> dict:
-    """A peer only the event knows about (the reconcile interval is 10 min here, so nothing removes it)."""
-    pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
-    return {"id": f"n_pxfake{i}", "public_key": pub, "mesh_ip": f"10.99.0.{i}", "endpoint": "",
-            "allowed_ips": [f"10.99.0.{i}/32"], "psk": ""}
+def wg_endpoint(lab: Lab, node: LabNode, key: str) -> str | None:
+    return wg_peers(lab, node).get(key)
 
 
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
 def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
     """A real `plexd up` restarted with its data_dir: it resumes after its Last-Event-ID (the event published
-    while it was down arrives, nothing before it is re-read) and still refuses a nonce it saw before the restart."""
+    while it was down arrives, nothing before it is re-read) and still refuses a nonce it saw before the restart.
+
+    Every change is one the devplane really holds (nodes registered, an endpoint set by the admin), so a state
+    pull agrees with the events; the one raw event re-sends a real change with a chosen nonce."""
     lab, dp, daemons, tmp_path = lab_dp
     d = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="10m", extra_config="shutdown: {deregister: false}\n")
     daemons.append(d)
     wait_until(lambda: d.node_id() is not None and "event stream connected" in d.logged(), 30, "the stream", [d])
     node_id = d.node_id()
 
-    before, replayed, offline, after = fake_peer(1), fake_peer(2), fake_peer(3), fake_peer(4)
-    first = dp.admin.publish_event(node_id, "peer_added", before, nonce="px-restart-nonce")
-    wait_until(lambda: before["public_key"] in wg_peers(lab, d.node), 15, "the first event on the device", [d])
+    a, a_key = register_ghost(dp, "px-ghost-a")
+    wait_until(lambda: a_key in wg_peers(lab, d.node), 15, "the first node on the device", [d])
+    dp.admin.set_node_endpoint(a["node_id"], "192.0.2.10:51820")
+    wait_until(lambda: wg_endpoint(lab, d.node, a_key) == "192.0.2.10:51820", 15, "the admin's endpoint", [d])
+    first = dp.admin.publish_event(node_id, "peer_endpoint_changed",
+                                   {"peer_id": a["node_id"], "endpoint": "192.0.2.10:51820"},
+                                   nonce="px-restart-nonce")
+    wait_until(lambda: f"event {first}:" in d.logged(), 15, "the nonce'd event to be applied", [d])
 
     took = d.stop()
     assert d.proc.returncode == 0 and took < 10, (d.proc.returncode, took)  # shutdown never hangs
-    missed = dp.admin.publish_event(node_id, "peer_added", offline)
+    b, b_key = register_ghost(dp, "px-ghost-b")  # its peer_added is published while the daemon is down
     d.restart()
     wait_until(lambda: "event stream connected" in d.logged(), 30, "the stream after the restart", [d])
-    again = dp.admin.publish_event(node_id, "peer_added", replayed, nonce="px-restart-nonce")
-    last = dp.admin.publish_event(node_id, "peer_added", after)
-    wait_until(lambda: after["public_key"] in wg_peers(lab, d.node), 15, "the last event on the device", [d])
+    again = dp.admin.publish_event(node_id, "peer_endpoint_changed",
+                                   {"peer_id": a["node_id"], "endpoint": "192.0.2.99:51820"},
+                                   nonce="px-restart-nonce")
+    c, c_key = register_ghost(dp, "px-ghost-c")
+    wait_until(lambda: c_key in wg_peers(lab, d.node), 15, "the last node on the device", [d])
+    wait_until(lambda: f"event {again} (peer_endpoint_changed) rejected" in d.logged(), 15, "the replay", [d])
 
     log = d.logged()
     assert f"resuming after {first}" in log  # the persisted cursor
-    assert f"event {missed}: peer_added" in log  # published while down, replayed by the devplane
+    assert f"peer_added {b['node_id']}" in log  # published while down, replayed by the devplane
     assert first not in log.replace(f"resuming after {first}", "")  # never re-read
-    assert f"event {again} (peer_added) rejected [duplicate_nonce]" in log
-    assert f"event {again}: peer_added" not in log
-    assert replayed["public_key"] not in wg_peers(lab, d.node)
-    assert f"event {last}: peer_added" in log
+    assert f"event {again} (peer_endpoint_changed) rejected [duplicate_nonce]" in log
+    assert f"event {again}:" not in log
+    assert wg_endpoint(lab, d.node, a_key) == "192.0.2.10:51820"  # the refused event changed nothing
+    assert f"peer_added {c['node_id']}" in log
+    assert {a_key, b_key, c_key} <= set(wg_peers(lab, d.node))

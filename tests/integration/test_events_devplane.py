@@ -28,6 +28,7 @@ from plexd.clock import Clock
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.desired import DesiredState
+from plexd.desired_store import DesiredStore
 from plexd.devplane.harness import Devplane
 from plexd.model import SigningKeys
 from plexd.services.event_handlers import EventHandlers
@@ -80,14 +81,13 @@ class Consumer:
         clock = Clock()
         self.verifier = Verifier(keys or SigningKeys(current=signing_key),
                                  NonceStore(clock, data_dir / "nonces.json"), clock)
-        self.desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
-                                            private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(),
-                                            mesh_ip="10.100.0.250")
+        self.store = DesiredStore(DesiredState.initial(
+            interface="plexd0", listen_port=51820, mtu=1420,
+            private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(), mesh_ip="10.100.0.250"))
         self.dispatched: list[str] = []
         self.reconnects = 0
         self.reconciles: list[str] = []
-        self.handlers = EventHandlers(lambda: self.desired, self._set, lambda why: None, self.reconciles.append,
-                                      self.verifier, data_dir)
+        self.handlers = EventHandlers(self.store, lambda why: None, self.reconciles.append, self.verifier, data_dir)
 
         async def dispatch(env):
             self.dispatched.append(env.event_id)
@@ -101,8 +101,9 @@ class Consumer:
         self.stream = EventStream(devplane.url, node_id, lambda: secret, data_dir, self.verifier, dispatch,
                                   clock=clock, on_connected=connected, **kw)
 
-    def _set(self, d):
-        self.desired = d
+    @property
+    def desired(self):
+        return self.store.value
 
     @asynccontextmanager
     async def running(self):

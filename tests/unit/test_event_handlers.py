@@ -14,6 +14,7 @@ from plexd.clock import FakeClock
 from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier
 from plexd.desired import DesiredState
+from plexd.desired_store import DesiredStore
 from plexd.errors import WireFormatError
 from plexd.model import SigningKeys
 from plexd.services.event_handlers import EventHandlers
@@ -32,19 +33,20 @@ def env(event_type, payload=None, payload_raw=None, event_id="evt_1"):
 
 class Harness:
     def __init__(self, tmp_path):
-        self.desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
-                                            private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(),
-                                            mesh_ip="10.100.0.1")
+        self.store = DesiredStore(DesiredState.initial(
+            interface="plexd0", listen_port=51820, mtu=1420,
+            private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(), mesh_ip="10.100.0.1"))
         self.converges = []
         self.reconciles = []
         clock = FakeClock()
         self.verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                                  NonceStore(clock), clock)
-        self.handlers = EventHandlers(lambda: self.desired, self._set, self.converges.append,
-                                      self.reconciles.append, self.verifier, tmp_path)
+        self.handlers = EventHandlers(self.store, self.converges.append, self.reconciles.append, self.verifier,
+                                      tmp_path)
 
-    def _set(self, d):
-        self.desired = d
+    @property
+    def desired(self):
+        return self.store.value
 
 
 @pytest.fixture
@@ -139,22 +141,15 @@ async def test_invalid_peer_is_kept_out_by_the_model(h):
     assert dict(h.desired.rejected)["n_bad"]
 
 
-class _Mesh:
-    def __init__(self, desired):
-        self.desired = desired
-
-    def get_desired(self):
-        return self.desired
-
-    def set_desired(self, d):
-        self.desired = d
-
-
 def test_state_signing_keys_length_checked_and_persisted(h, tmp_path):
     from plexd.model import State
-    from plexd.services.connected import state_applier
+    from plexd.services.connected import MeshHandle, PulledState, state_applier
 
-    apply = state_applier(_Mesh(h.desired), h.verifier, tmp_path)
+    applier = state_applier(MeshHandle(None, h.desired), h.verifier, tmp_path)
+
+    def apply(state):
+        return applier(PulledState(state, since=0))
+
     old = h.verifier.keys.current
     assert apply(State(signing_keys=SigningKeys(current=base64.b64encode(os.urandom(31)).decode()))) == []
     assert h.verifier.keys.current == old and not (tmp_path / "signing_public_key").exists()

@@ -1,0 +1,116 @@
+"""A newer event is never undone by an older state pull (the stale-state-pull race), driven deterministically:
+the state request is held open while an event is applied, then answered with the state as it was before."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import nacl.signing
+import pytest
+from nacl.public import PrivateKey
+
+from plexd.clock import Clock
+from plexd.controlplane.envelope import parse_envelope, sign_event
+from plexd.controlplane.signing import NonceStore, Verifier
+from plexd.desired import DesiredState
+from plexd.desired_store import DesiredStore, StalePull
+from plexd.model import Peer, SigningKeys, State
+from plexd.services.connected import MeshHandle, state_applier, state_fetcher
+from plexd.services.event_handlers import EventHandlers
+from plexd.services.reconciler import Reconciler
+
+SIGNER = nacl.signing.SigningKey.generate()
+
+
+def wgkey() -> str:
+    return base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+
+
+def peer(n: int) -> Peer:
+    return Peer(id=f"n_{n}", public_key=wgkey(), mesh_ip=f"10.100.0.{n}", allowed_ips=(f"10.100.0.{n}/32",))
+
+
+def initial() -> DesiredState:
+    return DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, mesh_ip="10.100.0.1",
+                                private_key=base64.b64encode(bytes(PrivateKey.generate())).decode())
+
+
+def test_edits_made_during_a_pull_are_replayed_on_top_of_it():
+    store = DesiredStore(initial())
+    old, new = peer(2), peer(3)
+    since = store.mark()
+    store.edit(lambda d: d.with_peer(new), "peer_added e1")
+    replayed = store.replace_from_pull(lambda d: d.with_state(State(peers=(old,))), since)
+    assert replayed == ["peer_added e1"]
+    assert set(store.value.peers) == {"n_2", "n_3"}
+
+
+def test_a_removal_during_a_pull_stays_removed_and_edits_before_the_pull_are_not_replayed():
+    store = DesiredStore(initial())
+    gone = peer(2)
+    store.edit(lambda d: d.with_peer(peer(9)), "before the pull")
+    since = store.mark()
+    store.edit(lambda d: d.without_peer("n_2"), "peer_removed e2")
+    assert store.replace_from_pull(lambda d: d.with_state(State(peers=(gone,))), since) == ["peer_removed e2"]
+    assert store.value.peers == {}  # the pull is the truth for everything before it: n_9 is gone too
+
+
+def test_a_pull_overtaken_by_more_events_than_the_journal_holds_is_refused_and_changes_nothing():
+    store = DesiredStore(initial(), journal_size=4)
+    since = store.mark()
+    for i in range(5):
+        store.edit(lambda d, i=i: d.with_peer(peer(10 + i)), f"e{i}")
+    before = store.value
+    with pytest.raises(StalePull, match="5 events arrived"):
+        store.replace_from_pull(lambda d: d.with_state(State()), since)
+    assert store.value is before
+
+
+class RecordingConverger:
+    def __init__(self):
+        self.seen: list[set[str]] = []
+
+    async def converge(self, desired, dry_run=False):
+        self.seen.append(set(desired.peers))
+
+        class Result:
+            changes = ()
+            errors = ()
+        return Result()
+
+
+async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_the_pull():
+    """The e2e failure of test_cursor_and_nonces_survive_a_plexd_up_restart, without timing: the reconcile after
+    a stream reconnect asks for the state; a peer_added event is applied before the (older) answer arrives."""
+    converger = RecordingConverger()
+    mesh = MeshHandle(converger, initial())
+    clock = Clock()
+    verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
+                        NonceStore(clock), clock)
+    handlers = EventHandlers(mesh.store, lambda why: mesh.converge(), lambda why: None, verifier)
+
+    asked, answer = asyncio.Event(), asyncio.Event()
+    existing, added = peer(2), peer(3)
+
+    async def get_state() -> State:  # the control plane answers with the state from before the change
+        asked.set()
+        await answer.wait()
+        return State(peers=(existing,))
+
+    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None, None), mesh.converge,
+                            lambda report: None)
+    cycle = asyncio.ensure_future(reconciler.run_once(reasons=("event stream (re)connected",)))
+    await asyncio.wait_for(asked.wait(), 5)
+    env = parse_envelope(sign_event(SIGNER, "peer_added", "evt_new", {
+        "id": added.id, "public_key": added.public_key, "mesh_ip": added.mesh_ip,
+        "allowed_ips": list(added.allowed_ips)}))
+    verifier.verify(env)  # as the event stream does before dispatching
+    await handlers.dispatch(env)
+    assert "n_3" in mesh.get_desired().peers
+    answer.set()
+    result = await asyncio.wait_for(cycle, 5)
+    assert result.ok, result.error
+    assert set(mesh.get_desired().peers) == {"n_2", "n_3"}  # the event was not undone
+    assert converger.seen[-1] == {"n_2", "n_3"}  # and the device was converged to both
+    assert not any(c.type == "peer_removed" for c in result.updates)
