@@ -45,7 +45,7 @@ from urllib.parse import quote
 
 import httpx
 
-from plexd import __version__
+from plexd import __version__, boundedjson
 from plexd.controlplane.errors import (
     AuthError,
     BadResponseError,
@@ -289,9 +289,9 @@ class ControlPlaneClient:
         if not data.strip():
             raise BadResponseError(what, 200, "empty response body (expected a JSON object)")
         try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise BadResponseError(what, 200, f"response is not JSON: {exc}") from None
+            return boundedjson.loads(data)
+        except WireFormatError as exc:
+            raise BadResponseError(what, 200, f"response is not JSON we can read: {exc}") from None
 
     # -- §1.2 endpoints -------------------------------------------------------------------------------------------
 
@@ -531,23 +531,29 @@ def _describe_transport(exc: httpx.TransportError) -> str:
     return f"{kind}: {detail}" if detail else kind
 
 
+RETRY_AFTER_CAP = 86400.0
+
+
 def parse_retry_after(value: str | None, now: datetime) -> float | None:
     """``Retry-After`` as integer seconds or an HTTP-date → seconds from `now` (never negative); None if absent
     or unreadable."""
     if not value:
         return None
-    value = value.strip()
-    if value.isdigit():
-        return float(int(value))
+    value = value.strip()[:64]  # an HTTP-date is 29 characters; a longer header is not one we can read
+    if value.isascii() and value.isdigit():
+        # Any number of digits is valid HTTP; more than a day is not advice we can follow (and a huge integer
+        # would overflow a float).
+        return float(min(int(value[:12]), RETRY_AFTER_CAP))
     from email.utils import parsedate_to_datetime
 
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - now).total_seconds()
+    except (TypeError, ValueError, IndexError, OverflowError):
         return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return max(0.0, (when - now).total_seconds())
+    return min(max(0.0, seconds), RETRY_AFTER_CAP)
 
 
 def _typed(what: str, parse: Any, doc: JSON, *args: Any) -> Any:

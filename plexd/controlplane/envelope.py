@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from plexd import gojson
+from plexd import boundedjson, gojson
 from plexd.errors import WireFormatError
 
 _DECODER = json.JSONDecoder()
@@ -31,7 +31,7 @@ class Envelope:
     signature: str
 
     def payload(self) -> Any:
-        return json.loads(self.payload_raw)
+        return boundedjson.loads(self.payload_raw, "payload")
 
     def canonical_bytes(self) -> bytes:
         return canonical_bytes(self.event_type, self.event_id, self.issued_at, self.nonce, self.payload_raw)
@@ -91,6 +91,7 @@ def top_level_spans(text: str) -> dict[str, tuple[int, int]]:
 
 def parse_envelope(data: str) -> Envelope:
     """Parse an SSE ``data`` payload into an Envelope. Raises WireFormatError naming what is wrong."""
+    boundedjson.check_depth(data, "envelope")
     try:
         spans = top_level_spans(data)
     except ValueError as exc:  # json.JSONDecodeError from a malformed value inside the object

@@ -1,0 +1,55 @@
+"""JSON from outside, decoded with a bound on nesting.
+
+Python's decoder recurses once per level, so a few thousand nested brackets (a few kilobytes) raise
+RecursionError from deep inside it. Nothing plexd is sent legitimately nests deeper than a handful of levels;
+`loads` refuses anything past `MAX_DEPTH` with a WireFormatError before decoding, so a parser of outside input
+only ever raises the project's own error types.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from plexd.errors import WireFormatError
+
+MAX_DEPTH = 64
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def nesting_depth_exceeds(text: str, limit: int = MAX_DEPTH) -> bool:
+    """True when arrays/objects in `text` nest deeper than `limit` (brackets inside strings do not count)."""
+    if text.count("[") + text.count("{") <= limit:  # the common case, without a scan
+        return False
+    depth = 0
+    for m in _BRACKET.finditer(_STRING.sub('""', text)):
+        if m.group() in "[{":
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def check_depth(text: str, what: str = "", limit: int = MAX_DEPTH) -> None:
+    if nesting_depth_exceeds(text, limit):
+        raise WireFormatError(what, f"JSON nested deeper than {limit} levels")
+
+
+def loads(text: str | bytes, what: str = "") -> Any:
+    """json.loads for outside input: WireFormatError (naming `what`) for bad JSON or excessive nesting."""
+    if isinstance(text, bytes | bytearray):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireFormatError(what, f"not valid UTF-8 at byte {exc.start}") from None
+    check_depth(text, what)
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise WireFormatError(what, f"invalid JSON: {exc}") from None
+    except RecursionError:  # belt and braces: the depth check should make this unreachable
+        raise WireFormatError(what, f"JSON nested deeper than {MAX_DEPTH} levels") from None

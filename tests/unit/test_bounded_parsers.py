@@ -1,0 +1,88 @@
+"""Parsers of outside input are total: any input gives a value or the project's own error, never a crash.
+
+The two found by a hostile control plane: a deeply nested SSE payload (RecursionError in the envelope parser)
+and an absurdly large Retry-After (OverflowError)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import nacl.signing
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexd import boundedjson
+from plexd.controlplane.client import RETRY_AFTER_CAP, parse_retry_after
+from plexd.controlplane.envelope import Envelope, parse_envelope, sign_event
+from plexd.errors import WireFormatError
+
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+SIGNER = nacl.signing.SigningKey.generate()
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("depth", [65, 5000, 200_000])
+def test_deeply_nested_payload_is_refused_by_name(depth):
+    frame = sign_event(SIGNER, "peer_added", "evt_deep", None, payload_raw=nested(depth))
+    with pytest.raises(WireFormatError, match="envelope: JSON nested deeper than 64 levels"):
+        parse_envelope(frame)
+    env = Envelope("peer_added", "evt_deep", "", "", nested(depth), "")
+    with pytest.raises(WireFormatError, match="payload: JSON nested deeper than 64 levels"):
+        env.payload()  # a handler reading a raw payload is bounded too
+
+
+def test_deeply_nested_envelope_is_refused():
+    with pytest.raises(WireFormatError, match="envelope: JSON nested deeper"):
+        parse_envelope('{"event_type": "x", "payload": ' + nested(10_000) + "}")
+
+
+def test_nesting_inside_strings_does_not_count():
+    text = json.dumps({"s": "[" * 1000, "a": [[[1]]]})
+    assert boundedjson.loads(text) == {"s": "[" * 1000, "a": [[[1]]]}
+
+
+def test_nesting_at_the_limit_is_accepted():
+    assert boundedjson.loads(nested(64)) is not None
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("9" * 400, RETRY_AFTER_CAP),  # an int too large for a float: OverflowError before
+    ("9" * 5000, RETRY_AFTER_CAP),  # longer than Python's int-from-str digit limit
+    ("86401", RETRY_AFTER_CAP),
+    ("120", 120.0),
+    ("Fri, 31 Dec 9999 23:59:59 GMT", RETRY_AFTER_CAP),
+    ("Mon, 01 Jan 0001 00:00:00 GMT", 0.0),
+    ("١٢٣", None),  # Unicode digits are not HTTP digits
+])
+def test_retry_after_extremes(value, expected):
+    assert parse_retry_after(value, NOW) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=80))
+def test_retry_after_is_total(value):
+    got = parse_retry_after(value, NOW)
+    assert got is None or 0.0 <= got <= RETRY_AFTER_CAP
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet='[]{}",:0123456789 \\a', max_size=300))
+def test_boundedjson_raises_only_its_own_error(text):
+    try:
+        boundedjson.loads(text, "doc")
+    except WireFormatError as exc:
+        assert str(exc).startswith("doc: ")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=300))
+def test_parse_envelope_raises_only_its_own_error(text):
+    try:
+        parse_envelope(text)
+    except WireFormatError:
+        pass
