@@ -96,7 +96,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[N
         cfg.write_text(f"api: {dp.url}\ndata_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"
                        f"hooks: {{dir: {workdir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
                        f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
-                       "log_level: warning\n")
+                       f"node_api: {{socket_path: {workdir / 'api.sock'}}}\nlog_level: warning\n")
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),

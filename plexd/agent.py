@@ -1,32 +1,21 @@
-"""The lifecycle of ``plexd up``: start → register → services (one TaskGroup) → shutdown.
+"""The lifecycle of ``plexd up``: start → register → supervised services → shutdown.
 
     start        data_dir writable, binary checksum, hook scan                      (Agent.start)
     register     reuse the stored identity, or register with the bootstrap token    (Agent.register)
-    services     every long-running part is a coroutine `fn(agent)` in one asyncio.TaskGroup  (Agent.serve)
+    assemble     the composition root builds the node's parts and adds its services (plexd.node.assembly)
+    services     each runs under the supervisor (plexd.node.supervisor) in one TaskGroup  (Agent.serve)
     shutdown     SIGINT/SIGTERM set `stop_event` → "drain" callbacks → services cancelled → POST /deregister
                  (when shutdown.deregister) → "teardown" callbacks, last registered first     (Agent.shutdown)
 
-Adding a service takes a few lines in `install_services` below::
+A service is a coroutine function ``fn(agent)`` added with ``agent.add_service(name, fn)``; shutdown work with
+``agent.on_shutdown(name, fn, phase="drain"|"teardown")``. What a service can use: ``agent.config``,
+``agent.identity`` (may be replaced after a re-registration, so read it each time), ``agent.client`` (bearer
+set), ``agent.clock``, ``agent.store``, ``agent.binary_checksum``, ``agent.hooks``, ``agent.capabilities()``,
+``agent.announce_capabilities()``, ``agent.authed(call)`` (on a 401, re-authenticate once and retry),
+``agent.reauthenticate()``, ``agent.sleep(s)``, ``agent.stopping``, ``agent.uptime()``.
 
-    async def heartbeat_service(agent: Agent) -> None:
-        while not agent.stopping:
-            resp = await agent.authed(lambda: agent.client.heartbeat(agent.identity.node_id, build(agent)))
-            ...
-            await agent.sleep(agent.config.heartbeat.interval)   # returns early when the agent stops
-
-    agent.add_service("heartbeat", heartbeat_service)
-    agent.on_shutdown("tear down plexd0", teardown_fn)            # async fn(agent); phase="drain" runs earlier
-
-What a service can use: ``agent.config`` (frozen `plexd.config.Config`), ``agent.identity`` (`plexd.identity
-.Identity`; may be replaced after a re-registration, so read it each time), ``agent.client``
-(`ControlPlaneClient`, bearer already set), ``agent.clock``, ``agent.store`` (`IdentityStore`),
-``agent.binary_checksum``, ``agent.hooks`` (`HookScan`), ``agent.builtin_actions`` (append dicts of the §1.8
-shape before services start), ``agent.capabilities()``, ``agent.announce_capabilities()`` (re-scan hooks and PUT),
-``agent.authed(call)`` (runs a client call; on a 401 re-authenticates once via the registrar and retries),
-``agent.reauthenticate()``, ``agent.sleep(s)``, ``agent.stop_event`` / ``agent.stopping``, ``agent.uptime()``.
-
-A service that returns is simply done; one that raises stops the agent (exit status 1, error logged), so a bug
-never leaves a half-working daemon behind: systemd restarts it. READY=1 goes to systemd (``NOTIFY_SOCKET``) once
+A service that raises is restarted by the supervisor with backoff; the daemon and its tunnels keep running. Only
+a `FatalError` ends `plexd up` (exit status 1, one clear line). READY=1 goes to systemd (``NOTIFY_SOCKET``) once
 every service has been started.
 """
 
@@ -34,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -42,14 +32,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from plexd import __version__
-from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import AuthError, ControlPlaneError
-from plexd.errors import PlexdError
 from plexd.identity import Identity, IdentityStore
 from plexd.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
+from plexd.node.supervisor import FaultPlan, Supervisor
 from plexd.registrar import Registrar
 
 log = logging.getLogger(__name__)
@@ -57,6 +46,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 Service = Callable[["Agent"], Awaitable[None]]
 ShutdownStep = Callable[["Agent"], Awaitable[None]]
+Assemble = Callable[["Agent"], Any]  # builds the node's parts and adds its services (plexd.node.assembly)
 
 DEREGISTER_TIMEOUT = 10.0
 
@@ -82,7 +72,8 @@ class Agent:
         self.binary_checksum = ""
         self.hooks = HookScan()
         self.builtin_actions: list[dict[str, Any]] = []
-        self.failed = False
+        self.supervisor = Supervisor(self.stop_event, clock=self.clock, faults=FaultPlan.from_env())
+        self.node: Any = None  # what the assembler built (plexd.node.assembly.Node)
         self._started_at = self.clock.monotonic()
         self._services: list[tuple[str, Service]] = []
         self._shutdown_steps: list[tuple[str, str, ShutdownStep]] = []
@@ -106,6 +97,10 @@ class Agent:
         if phase not in ("drain", "teardown"):
             raise ValueError(f"unknown shutdown phase {phase!r}")
         self._shutdown_steps.append((phase, name, step))
+
+    @property
+    def failed(self) -> bool:
+        return self.supervisor.fatal is not None
 
     @property
     def stopping(self) -> bool:
@@ -182,7 +177,8 @@ class Agent:
     async def serve(self) -> None:
         """Run every service in one TaskGroup until the stop event; then drain and cancel them."""
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self._guard(name, svc), name=f"plexd:{name}") for name, svc in self._services]
+            tasks = [group.create_task(self.supervisor.supervise(name, functools.partial(svc, self)),
+                                       name=f"plexd:{name}") for name, svc in self._services]
             notify_systemd("READY=1", f"STATUS=running as node {self.identity.node_id if self.identity else '?'}")
             log.info("running", extra={"services": [name for name, _ in self._services]})
             await self.stop_event.wait()
@@ -190,22 +186,6 @@ class Agent:
             await self._run_steps("drain")
             for task in tasks:
                 task.cancel()
-
-    async def _guard(self, name: str, service: Service) -> None:
-        try:
-            await service(self)
-        except asyncio.CancelledError:
-            raise
-        except PlexdError as exc:
-            log.error("service %s failed: %s", name, exc, extra={"service": name})
-            self._fail()
-        except Exception:
-            log.exception("service %s crashed", name, extra={"service": name})
-            self._fail()
-
-    def _fail(self) -> None:
-        self.failed = True
-        self.stop_event.set()
 
     async def shutdown(self) -> None:
         """After `serve`: deregister (when configured), then teardown steps, last registered first."""
@@ -226,55 +206,17 @@ class Agent:
             except Exception:
                 log.exception("shutdown step %s failed", name, extra={"phase": phase})
 
-    async def run(self) -> int:
+    async def run(self, assemble: Assemble) -> int:
         """The whole lifecycle; returns the process exit status."""
         notify_systemd("STATUS=starting")
         await self.start()
         if await self.until_stopped(self.register()) is None:
             log.info("stopped before registration finished")
             return 0
-        install_services(self)
+        self.node = assemble(self)
         await self.serve()
         await self.shutdown()
         return 1 if self.failed else 0
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# EXTENSION POINT: the services of later lifecycle stages are added here, in the order of the seed.
-
-
-def install_services(agent: Agent) -> None:
-    # Configure tunnels (mesh engineer): e.g. agent.add_service("converge", converge_service)
-    #                                      agent.on_shutdown("mesh teardown", teardown_mesh)
-    # NAT discovery: agent.add_service("nat", nat_service)
-    # Connected (events engineer): heartbeat, SSE events, reconciler, hook watcher, actions, node API
-    # The mesh converger, a converge at start (offline too), then heartbeat, signed event stream and the
-    # reconciler (which is the periodic converge: pull state, converge, report drift).
-    from plexd.services.connected import install_connected_stage
-
-    install_connected_stage(agent)
-    if not agent.registered_now:
-        # A fresh registration carried the capabilities; a reused identity announces them, since the code or
-        # the hooks may have changed while plexd was stopped. A 401 here re-registers (Agent.authed).
-        agent.add_service("capabilities", announce_capabilities_service)
-
-
-async def announce_capabilities_service(agent: Agent) -> None:
-    """PUT /capabilities once, retrying with backoff until it is delivered (offline start keeps retrying)."""
-    backoff = Backoff(base=agent.config.sse.backoff_base, cap=agent.config.sse.backoff_max,
-                      jitter=agent.config.sse.jitter)
-    while not agent.stopping:
-        try:
-            await agent.announce_capabilities(rescan=False)
-            log.info("capabilities announced", extra={"hooks": len(agent.hooks.hooks)})
-            return
-        except ControlPlaneError as exc:
-            delay = backoff.next_delay()
-            log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
-        except PlexdError as exc:  # re-registration impossible (no token): keep running, say why, retry later
-            delay = backoff.cap
-            log.error("%s", exc)
-        await agent.sleep(delay)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -319,6 +261,7 @@ def _on_signal(sig: signal.Signals, stop_event: asyncio.Event) -> None:
 
 async def run(
     config: Config,
+    assemble: Assemble,
     *,
     clock: Clock | None = None,
     stop_event: asyncio.Event | None = None,
@@ -328,4 +271,4 @@ async def run(
     config.require_api()
     async with Agent(config, clock=clock, stop_event=stop_event, client=client) as agent:
         with _signal_handlers(agent.stop_event):
-            return await agent.run()
+            return await agent.run(assemble)

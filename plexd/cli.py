@@ -168,12 +168,12 @@ def _add_up(sub: Any) -> None:
 def cmd_up(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
-    from plexd import agent
     from plexd.log import setup_logging
+    from plexd.node import assembly
 
     setup_logging(config.log_level)
     config.require_api()
-    return asyncio.run(agent.run(config))
+    return asyncio.run(assembly.run(config))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -181,26 +181,24 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
 
 
 def _add_status(sub: Any) -> None:
-    p = sub.add_parser("status", parents=[_GLOBALS, _JSON], help="show whether this node is registered",
-                       description="Show the node id, mesh IP and control plane from the stored identity. "
-                       "Reads local files only; works without the daemon or the network.")
+    p = sub.add_parser("status", parents=[_GLOBALS, _JSON], help="show the node and the running daemon",
+                       description="Ask the running daemon over its socket (node_api.socket_path): event stream, "
+                       "last event, last reconcile and its corrections, heartbeat, peers on the device, each "
+                       "service's health and restarts, a reconcile hold. Without a running daemon, show what "
+                       "data_dir holds (node id, mesh IP). Needs root or the node_api.admin_group when the "
+                       "daemon runs. --json prints the documented status document (plexd/node/control.py).")
     p.set_defaults(func=cmd_status)
 
 
 def status_document(config: Config) -> dict[str, Any]:
-    """What `plexd status` reports; later stages add keys (peers, daemon state)."""
-    from plexd.identity import IdentityStore
+    """The live daemon's status document, or the stored one when no daemon is running."""
+    from plexd.node.control import STATUS_PATH, stored_status
+    from plexd.node.control_client import DaemonNotRunning, call
 
-    loaded = IdentityStore(config.data_dir).load()
-    ident = loaded.identity
-    return {
-        "registered": ident is not None,
-        "node_id": ident.node_id if ident else "",
-        "mesh_ip": ident.mesh_ip if ident else "",
-        "control_plane": config.api.url,
-        "data_dir": config.data_dir,
-        "identity_problem": loaded.problem,
-    }
+    try:
+        return call(config.node_api.socket_path, "GET", STATUS_PATH, admin_group=config.node_api.admin_group)
+    except DaemonNotRunning:
+        return stored_status(config)
 
 
 def cmd_status(args: argparse.Namespace, config: Config) -> int:
@@ -208,13 +206,9 @@ def cmd_status(args: argparse.Namespace, config: Config) -> int:
     if args.json:
         _print_json(doc)
         return 0
-    if doc["registered"]:
-        print(f"registered:     yes\nnode id:        {doc['node_id']}\nmesh IP:        {doc['mesh_ip']}")
-    elif doc["identity_problem"]:
-        print(f"registered:     no (stored identity unusable: {doc['identity_problem']}; run 'plexd join')")
-    else:
-        print("registered:     no (run 'plexd join')")
-    print(f"control plane:  {doc['control_plane'] or '(not configured)'}\ndata dir:       {doc['data_dir']}")
+    from plexd.node.status_text import format_status
+
+    print(format_status(doc))
     return 0
 
 
@@ -304,26 +298,80 @@ def cmd_deregister(args: argparse.Namespace, config: Config) -> int:
 
 
 def _add_reconcile(sub: Any) -> None:
-    p = sub.add_parser("reconcile", parents=[_GLOBALS, _JSON], help="run one reconcile cycle now",
-                       description="Pull the full state, diff it against the live device and correct the drift "
-                                   "(reported to the control plane), or with --dry-run only print the plan.")
-    p.add_argument("--once", action="store_true", required=True, help="run exactly one cycle (required)")
+    p = sub.add_parser(
+        "reconcile", parents=[_GLOBALS, _JSON], help="run one reconcile cycle now, or hold/release corrections",
+        description="--once: pull the full state, diff it against the live device and correct the drift "
+        "(reported to the control plane), or with --dry-run only print the plan. The running daemon does it when "
+        "there is one. 'hold --for D [--reason TEXT]' pauses the daemon's corrections while you debug by hand "
+        "(default 10m, at most 24h; drift is reported as held, events still update the desired state); "
+        "'release' ends the hold at once.")
+    p.add_argument("action", nargs="?", choices=("hold", "release"), help="hold or release the daemon's corrections")
+    p.add_argument("--once", action="store_true", help="run exactly one cycle")
     p.add_argument("--dry-run", action="store_true", help="print what would be corrected; change nothing")
+    p.add_argument("--for", dest="hold_for", metavar="DURATION", default="10m",
+                   help="how long a hold lasts (Go duration, default 10m, at most 24h)")
+    p.add_argument("--reason", default="", help="why you hold (shown in plexd status)")
     p.set_defaults(func=cmd_reconcile)
 
 
 def cmd_reconcile(args: argparse.Namespace, config: Config) -> int:
+    if args.action is None and not args.once:
+        raise PlexdError("say what to do: 'plexd reconcile --once [--dry-run]', 'plexd reconcile hold --for 10m' "
+                         "or 'plexd reconcile release'")
+    if args.action is not None and (args.once or args.dry_run):
+        raise PlexdError(f"'plexd reconcile {args.action}' takes no --once or --dry-run")
+    if args.action is not None:
+        return _reconcile_hold(args, config)
     import asyncio
 
-    from plexd.services.reconcile_cmd import format_outcome, reconcile_once
+    from plexd.node.control import RECONCILE_PATH
+    from plexd.node.control_client import DaemonNotRunning, call
+    from plexd.node.reconcile_once import format_outcome, reconcile_standalone
 
-    config.require_api()
-    outcome = asyncio.run(reconcile_once(config, dry_run=args.dry_run))
+    try:
+        doc = call(config.node_api.socket_path, "POST", RECONCILE_PATH, {"dry_run": args.dry_run},
+                   admin_group=config.node_api.admin_group)
+        doc["by_daemon"] = True
+    except DaemonNotRunning:
+        config.require_api()
+        doc = asyncio.run(reconcile_standalone(config, dry_run=args.dry_run))
     if args.json:
-        _print_json(outcome.to_json())
+        _print_json(doc)
     else:
-        print(format_outcome(outcome))
-    return 0 if outcome.ok else EXIT_USER_ERROR
+        print(format_outcome(doc))
+    return 0 if doc["ok"] else EXIT_USER_ERROR
+
+
+def _reconcile_hold(args: argparse.Namespace, config: Config) -> int:
+    from plexd.gojson import parse_duration
+    from plexd.node.control import HOLD_PATH
+    from plexd.node.control_client import DaemonNotRunning, call
+
+    try:
+        if args.action == "hold":
+            try:
+                seconds = parse_duration(args.hold_for)
+            except ValueError as exc:
+                raise PlexdError(f"--for {args.hold_for!r}: {exc}") from None
+            if not 0 < seconds <= 24 * 3600:
+                raise PlexdError(f"--for {args.hold_for}: a hold lasts more than 0s and at most 24h")
+            doc = call(config.node_api.socket_path, "POST", HOLD_PATH, {"seconds": seconds, "reason": args.reason},
+                       admin_group=config.node_api.admin_group)
+        else:
+            doc = call(config.node_api.socket_path, "DELETE", HOLD_PATH, admin_group=config.node_api.admin_group)
+    except DaemonNotRunning:
+        raise PlexdError(f"no plexd daemon is running (nothing listens on {config.node_api.socket_path}): "
+                         "there is nothing to hold or release") from None
+    if args.json:
+        _print_json(doc)
+    elif args.action == "hold":
+        hold = doc["hold"]
+        print(f"reconcile held until {hold['until']}: drift is reported, not corrected "
+              f"('plexd reconcile release' to end it now)")
+    else:
+        print("reconcile hold released: the daemon corrects drift again" if doc["released"]
+              else "no hold was active")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

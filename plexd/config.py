@@ -23,8 +23,8 @@ README (PROJECT-DECISIONS.md, Config row)::
     nat_traversal: {enabled: true, stun_servers: [], refresh_interval: 60s}
     actions: {enabled: true, max_concurrent: 5, timeout: 10m}
     hooks: {dir: /etc/plexd/hooks.d}
-    node_api: {socket_path: /var/run/plexd/api.sock, http_enabled: false, http_listen: "127.0.0.1:9100",
-               http_token_file: ""}
+    node_api: {socket_path: /var/run/plexd/api.sock, admin_group: plexd-admin, http_enabled: false,
+               http_listen: "127.0.0.1:9100", http_token_file: ""}
     policy: {enabled: true}
 
 Durations use Go syntax (``30s``, ``1m30s``, ``150ms``) and are stored as float seconds.
@@ -169,6 +169,7 @@ class NodeApiConfig:
     """The local node API."""
 
     socket_path: str = _f("/var/run/plexd/api.sock")
+    admin_group: str = _f("plexd-admin")  # besides root, who may use the daemon's control routes (status, reconcile)
     http_enabled: bool = _f(False)
     http_listen: str = _f("127.0.0.1:9100")
     http_token_file: str = _f("")

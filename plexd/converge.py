@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from plexd.clock import Clock
+from plexd.correction import Correction
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError
 from plexd.mesh.links import LinkOp, Links
@@ -52,8 +53,8 @@ class ConvergeResult:
     def ok(self) -> bool:
         return not self.errors
 
-    def corrections(self) -> list[dict[str, str]]:
-        """The drift-report `corrections` list (`[{"type", "detail"}]`, never None)."""
+    def corrections(self) -> list[Correction]:
+        """What this converge changed, one drift-report line each."""
         return [c.correction() for c in self.changes]
 
 

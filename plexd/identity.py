@@ -22,13 +22,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from plexd import datadir
 from plexd.atomicfile import write_atomic
 from plexd.errors import PlexdError
 
-IDENTITY_FILE = "identity.json"
-PRIVATE_KEY_FILE = "private_key"
-NODE_SECRET_FILE = "node_secret_key"
-SIGNING_KEY_FILE = "signing_public_key"
+IDENTITY_FILE = datadir.IDENTITY
+PRIVATE_KEY_FILE = datadir.PRIVATE_KEY
+NODE_SECRET_FILE = datadir.NODE_SECRET
+SIGNING_KEY_FILE = datadir.SIGNING_KEY
 IDENTITY_FILES = (PRIVATE_KEY_FILE, NODE_SECRET_FILE, SIGNING_KEY_FILE, IDENTITY_FILE)  # write order
 
 

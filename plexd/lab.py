@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from plexd import datadir
 from plexd.atomicfile import write_atomic
 from plexd.errors import PlexdError
 
@@ -269,7 +270,7 @@ class LabDaemon:
     def _identity(self, key: str) -> str | None:
         """A field of the daemon's identity.json; None until it has registered."""
         try:
-            with open(os.path.join(self.dir, "data", "identity.json")) as f:
+            with open(os.path.join(self.dir, "data", datadir.IDENTITY)) as f:
                 return json.load(f)[key]
         except (OSError, ValueError, KeyError):
             return None
@@ -354,7 +355,7 @@ class MeshLab:
                     f"hooks: {{dir: {ndir}/hooks}}\n"
                     f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"
-                    f"registration: {{hostname: {node.name}}}\n")
+                    f"registration: {{hostname: {node.name}}}\nnode_api: {{socket_path: {ndir}/api.sock}}\n")
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PLEXD_CONFIG": config}
         with open(os.path.join(ndir, "plexd.log"), "w") as log:
             proc = self.lab.spawn(node.wrap([self.plexd, "up"]), env=env, stdout=log, stderr=subprocess.STDOUT)

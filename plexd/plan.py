@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from plexd.correction import Correction
 from plexd.desired import DesiredState, split_endpoint
 from plexd.mesh.links import LinkOp, LinkState
 from plexd.mesh.wireguard import (
@@ -161,8 +162,8 @@ class Change:
     def detail(self) -> str:  # pragma: no cover - every subclass overrides
         raise NotImplementedError
 
-    def correction(self) -> dict[str, str]:
-        return {"type": self.correction_type, "detail": self.detail}
+    def correction(self) -> Correction:
+        return Correction(self.correction_type, self.detail)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 import plexd
+from plexd import datadir
 from plexd.asyncutil import call_maybe_async
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
@@ -38,7 +39,7 @@ from plexd.errors import PlexdError
 
 log = logging.getLogger(__name__)
 
-LAST_EVENT_ID_FILE = "last_event_id"
+LAST_EVENT_ID_FILE = datadir.LAST_EVENT_ID
 IDLE_TIMEOUT = 90.0
 POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full state
 RETRY_AFTER_MAX = 3600.0
@@ -126,6 +127,8 @@ class EventStream:
         self._last_activity = 0.0
         self.polling = False
         self._next_poll = 0.0
+        self.state_since = self._clock.now().timestamp()  # when connected/polling/offline last changed
+        self.last_event_at: float | None = None
         # Observable state, for tests, benches and `plexd status`.
         self.connected = asyncio.Event()
         self.connects = 0
@@ -134,6 +137,15 @@ class EventStream:
         self.rejected = 0
         self.polls = 0
         self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
+
+    def status(self) -> dict[str, Any]:
+        """For `plexd status`: connected / polling / offline, since when, the last event."""
+        state = "connected" if self.connected.is_set() else "polling" if self.polling else "offline"
+        now = self._clock.now().timestamp()
+        return {"state": state, "since": self.state_since, "last_event_id": self.last_event_id,
+                "last_event_at": self.last_event_at,
+                "last_event_age_seconds": None if self.last_event_at is None else round(now - self.last_event_at, 1),
+                "connects": self.connects, "events_accepted": self.accepted, "events_rejected": self.rejected}
 
     # ---------------------------------------------------------------------------------------------------------
     # Cursor
@@ -155,6 +167,7 @@ class EventStream:
         if event_id is None or event_id == self.last_event_id:
             return
         self.last_event_id = event_id
+        self.last_event_at = self._clock.now().timestamp()
         try:
             write_atomic(self._cursor_path(), event_id.encode())
         except OSError as exc:
@@ -183,6 +196,8 @@ class EventStream:
         except _Refused as exc:
             return await self._refused(exc)
         finally:
+            if self.connected.is_set():
+                self.state_since = self._clock.now().timestamp()
             self.connected.clear()
         if idle:
             # Treated like a failed attempt: the server is up but not talking to us.
@@ -228,6 +243,7 @@ class EventStream:
         if self.polling or self._poll is None:
             return
         self.polling = True
+        self.state_since = self._clock.now().timestamp()
         self._next_poll = self._clock.monotonic()
         log.warning("%s; polling the full state every %s s until the stream is back", why, self.poll_interval)
 
@@ -334,6 +350,7 @@ class EventStream:
             self.polling = False
             log.info("event stream is back; leaving polling mode")
         self.connected.set()
+        self.state_since = self._clock.now().timestamp()
         log.info("event stream connected (resuming after %s)", self.last_event_id or "nothing")
         if self._on_connected is not None:
             try:

@@ -24,7 +24,7 @@ from typing import Protocol
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from plexd import gojson
+from plexd import datadir, gojson
 from plexd.atomicfile import write_atomic
 from plexd.clock import Clock
 from plexd.controlplane.envelope import Envelope
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 STALENESS_WINDOW = timedelta(minutes=5)
 NONCE_TTL = timedelta(minutes=5)
 MAX_NONCES = 100_000
-NONCES_FILE = "nonces.json"
-SIGNING_KEY_FILE = "signing_public_key"
+NONCES_FILE = datadir.NONCES
+SIGNING_KEY_FILE = datadir.SIGNING_KEY
 _GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 
 

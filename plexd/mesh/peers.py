@@ -10,13 +10,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plexd import datadir
 from plexd.errors import PlexdError
 from plexd.mesh.wireguard import DeviceConfig, key_fingerprint
 
 if TYPE_CHECKING:
     from plexd.config import Config
 
-MIRROR_FILE = "state/desired.json"  # written by the daemon (plexd.services.connected)
+MIRROR_FILE = datadir.DESIRED_MIRROR  # written by the daemon (plexd.node.mesh)
 
 
 @dataclass(frozen=True)
@@ -92,20 +93,11 @@ def format_table(peer_rows: list[PeerRow], now: float) -> str:
 
 
 async def observe_device(config: Config) -> DeviceConfig:
-    from plexd.mesh.wireguard.kernel import KernelBackend
-    from plexd.mesh.wireguard.uapi import UapiClient, UapiUnavailable
+    from plexd.mesh.select import wireguard_backend
 
-    iface = config.mesh.interface
-    kind = config.mesh.backend
-    if kind == "kernel" or (kind == "auto" and KernelBackend.available()):
-        device = await KernelBackend(iface).observe()
-    else:
-        try:
-            device = await UapiClient(iface).get()
-        except UapiUnavailable:
-            device = None
+    device = await wireguard_backend(config).observe()  # observing never starts a userspace process
     if device is None:
-        raise PlexdError(f"the mesh interface {iface} does not exist: is 'plexd up' running?")
+        raise PlexdError(f"the mesh interface {config.mesh.interface} does not exist: is 'plexd up' running?")
     return device
 
 

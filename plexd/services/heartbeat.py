@@ -8,7 +8,7 @@ exists. A 401 starts re-authentication. Three consecutive failures log one warni
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +55,7 @@ class HeartbeatService:
         trigger_reconcile: Callable[[str], Any] | None = None,
         on_auth_failure: Callable[[], Any] | None = None,
         uptime: Callable[[], float] | None = None,  # seconds since the daemon started; default: since this service
+        refresh: Callable[[], Awaitable[None]] | None = None,  # read live values (the device) before a snapshot
     ) -> None:
         self.node_id = node_id
         self._send = send
@@ -65,9 +66,12 @@ class HeartbeatService:
         self._on_auth_failure = on_auth_failure
         self._started = self._clock.monotonic()
         self._uptime = uptime or (lambda: self._clock.monotonic() - self._started)
+        self._refresh = refresh
         self.consecutive_failures = 0
         self.sent = 0
         self._warned = False
+        self.last_at: float | None = None  # unix time of the last attempt
+        self.last_error = ""  # "" when the last attempt was accepted
 
     def build(self) -> dict[str, Any]:
         """The heartbeat body, keys in the Go struct's order, omitempty sections left out."""
@@ -95,12 +99,17 @@ class HeartbeatService:
 
     async def beat(self) -> bool:
         """Send one heartbeat and act on the answer. Returns True when it was accepted."""
+        self.last_at = self._clock.now().timestamp()
         try:
+            if self._refresh is not None:
+                await self._refresh()
             body = self.build()
             response = await call_maybe_async(self._send, body)
         except Exception as exc:
+            self.last_error = str(exc) or type(exc).__name__
             await self._failed(exc)
             return False
+        self.last_error = ""
         self.sent += 1
         if self.consecutive_failures and self._warned:
             log.info("heartbeat recovered after %d failures", self.consecutive_failures)
@@ -115,6 +124,11 @@ class HeartbeatService:
             # WireGuard key rotation (§1.6) is not implemented yet; a reconcile fetches any new keys.
             await self._reconcile("heartbeat asked for key rotation")
         return True
+
+    def status(self) -> dict[str, Any]:
+        return {"last_at": self.last_at, "ok": None if self.last_at is None else not self.last_error,
+                "error": self.last_error, "consecutive_failures": self.consecutive_failures, "sent": self.sent,
+                "interval_seconds": self.interval}
 
     async def _reconcile(self, reason: str) -> None:
         if self._trigger_reconcile is not None:

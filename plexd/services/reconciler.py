@@ -21,17 +21,13 @@ from typing import Any
 from plexd import gojson
 from plexd.asyncutil import call_maybe_async
 from plexd.clock import Clock
+from plexd.correction import Correction
 from plexd.desired_store import StalePull
+from plexd.plan import Change
 
 log = logging.getLogger(__name__)
 
 MAX_UNSENT_REPORTS = 20
-
-
-@dataclass(frozen=True)
-class Correction:
-    type: str
-    detail: str
 
 
 @dataclass
@@ -43,16 +39,19 @@ class CycleResult:
     reasons: tuple[str, ...] = ()
     dry_run: bool = False
     report: dict[str, Any] | None = None
+    reported: bool = False  # the drift report reached the control plane
+    held: list[Correction] = field(default_factory=list)  # not corrected: an operator holds the reconciler
+    at: float = 0.0  # unix time the cycle ended
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "reasons": list(self.reasons), "ok": self.ok, "dry_run": self.dry_run,
+                "error": self.error, "corrections": [c.to_wire() for c in self.corrections],
+                "updates": [c.to_wire() for c in self.updates], "held": [c.to_wire() for c in self.held],
+                "drift_reported": self.reported}
 
 
-def corrections_of(changes: Iterable[Any] | None) -> list[Correction]:
-    out: list[Correction] = []
-    for change in changes or ():
-        if isinstance(change, Correction):
-            out.append(change)
-        else:
-            out.append(Correction(str(change.correction_type), str(change.detail)))
-    return out
+def corrections_of(changes: Iterable[Change | Correction] | None) -> list[Correction]:
+    return [c if isinstance(c, Correction) else c.correction() for c in changes or ()]
 
 
 class Reconciler:
@@ -88,8 +87,11 @@ class Reconciler:
     async def run(self) -> None:
         """First cycle now, then every interval or on trigger, until cancelled."""
         # The first phase-1 converge brings the interface and the last known peers up (also offline): that is
-        # start-up, not drift.
-        await self.run_once(reasons=("start",), startup=True)
+        # start-up, not drift. A restart of this service (after a crash) is not a start.
+        if self.cycles == 0:
+            await self.run_once(reasons=("start",), startup=True)
+        else:
+            self.trigger("reconciler restarted")
         while True:
             reasons = await self._wait_next()
             await self.run_once(reasons=reasons)
@@ -115,6 +117,7 @@ class Reconciler:
         `drift_phase=False` skips phase 1, for a caller that has no earlier desired model to hold the machine to."""
         async with self._lock:
             result = await self._cycle(dry_run or not drift_phase, reasons, startup, apply=not dry_run)
+        result.at = self._clock.now().timestamp()
         self.last = result
         return result
 
@@ -133,10 +136,14 @@ class Reconciler:
         dry_run = not apply
         why = ", ".join(reasons)
         drift: list[Correction] = []
+        held: list[Correction] = []
         error = ""
         if not skip_phase1:
             try:
-                drift = corrections_of(getattr(await call_maybe_async(self._converge), "changes", None))
+                result = await call_maybe_async(self._converge)
+                drift = corrections_of(getattr(result, "changes", None))
+                if getattr(result, "dry_run", False):  # held by an operator: planned, not applied
+                    held, drift = drift, []
                 if startup:
                     if drift:
                         log.info("brought the mesh up from the stored state: %s",
@@ -156,7 +163,10 @@ class Reconciler:
                 updates = corrections_of(await call_maybe_async(self._apply_state, state))
                 converge_kwargs = {"dry_run": True} if dry_run else {}
                 result = await call_maybe_async(self._converge, **converge_kwargs)
-                updates += corrections_of(getattr(result, "changes", None))
+                if not dry_run and getattr(result, "dry_run", False):
+                    held += corrections_of(getattr(result, "changes", None))
+                else:
+                    updates += corrections_of(getattr(result, "changes", None))
             except StalePull as exc:
                 # Not applied (that would undo events); the model stays the events' own. Pull again at once.
                 log.warning("reconcile (%s): state pull overtaken by events, pulling again: %s", why, exc)
@@ -169,7 +179,10 @@ class Reconciler:
             self.failures += 1
         if dry_run:  # the plan: everything that would change
             return CycleResult(ok=not error, corrections=updates, error=error, reasons=reasons, dry_run=True)
-        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons)
+        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons, held=held)
+        if held:
+            log.warning("reconcile (%s) held: %d item(s) not corrected: %s", why, len(held),
+                        "; ".join(str(c) for c in held))
         if updates:
             log.info("reconcile (%s) applied %d update(s) from the state: %s", why, len(updates),
                      "; ".join(f"{c.type}: {c.detail}" for c in updates))
@@ -185,6 +198,7 @@ class Reconciler:
             del self._unsent[:-MAX_UNSENT_REPORTS]
         if not error or drift:
             await self._flush_reports()
+        out.reported = out.report is not None and all(r is not out.report for r in self._unsent)
         return out
 
     async def _flush_reports(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -30,7 +31,7 @@ PLEXD = str(Path(sys.executable).with_name("plexd"))
 
 class Daemon:
     def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str,
-                 extra_config: str = "") -> None:
+                 extra_config: str = "", env: dict[str, str] | None = None) -> None:
         self.lab = lab
         self.node = node
         self.dir = workdir / node.name
@@ -41,7 +42,9 @@ class Daemon:
             f"api: {dp.url}\ndata_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
-            "registration: {hostname: " + node.name + "}\n" + extra_config)
+            "registration: {hostname: " + node.name + "}\n"
+            f"node_api: {{socket_path: {self.dir / 'api.sock'}}}\n" + extra_config)
+        self.extra_env = env or {}
         self.runs = 0
         self._start()
 
@@ -49,7 +52,7 @@ class Daemon:
         self.runs += 1
         self.log_path = self.dir / ("plexd.log" if self.runs == 1 else f"plexd-{self.runs}.log")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config)}
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **self.extra_env}
         self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
                                    stderr=subprocess.STDOUT)
 
@@ -73,6 +76,20 @@ class Daemon:
 
     def logged(self) -> str:
         return self.log_path.read_text()
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`plexd ARGS` with this daemon's config, in its node (as an operator on that machine would)."""
+        res = self.lab.exec(self.node, ["env", f"PLEXD_CONFIG={self.config}", PLEXD, *args], check=False)
+        if check and res.returncode != 0:
+            raise AssertionError(f"plexd {' '.join(args)} exited {res.returncode}: {res.stderr}")
+        return res
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    def mesh_ip(self) -> str | None:
+        ident = self.dir / "data" / "identity.json"
+        return json.loads(ident.read_text())["mesh_ip"] if ident.exists() else None
 
     def node_id(self) -> str | None:
         ident = self.dir / "data" / "identity.json"
@@ -258,3 +275,146 @@ def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
     assert wg_endpoint(lab, d.node, a_key) == "192.0.2.10:51820"  # the refused event changed nothing
     assert f"peer_added {c['node_id']}" in log
     assert {a_key, b_key, c_key} <= set(wg_peers(lab, d.node))
+
+
+SERVICES = ("reconciler", "events", "heartbeat", "local_api")
+
+
+def publish_endpoints(dp: Devplane, daemons) -> None:
+    """The lab plays the operator until NAT discovery exists: each node's lab address becomes its endpoint,
+    which the devplane pushes to the others as peer_endpoint_changed (a real event for each)."""
+    for d in daemons:
+        dp.admin.set_node_endpoint(d.node_id(), f"{d.node.address}:51820")
+
+
+def ping_count(lab: Lab, node: LabNode, ip: str, count: int, interval: float = 0.5) -> int:
+    out = lab.exec(node, ["ping", "-c", str(count), "-i", str(interval), "-W", "1", "-q", ip], check=False).stdout
+    return int(out.split(" received")[0].rsplit(" ", 1)[-1]) if " received" in out else 0
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_each_service_crashes_once_and_comes_back_while_the_tunnel_pings(lab_dp):
+    """The test fault hook makes every service of a live `plexd up` raise once, 15 s after it started: the daemon
+    keeps running, the tunnel keeps pinging, every service comes back, and status shows each restart."""
+    lab, dp, daemons, tmp_path = lab_dp
+    faults = {"PLEXD_TEST_FAULTS": ",".join(SERVICES), "PLEXD_TEST_FAULT_AFTER": "15"}
+    a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="2s", env=faults)
+    b = Daemon(lab, lab.nodes[1], dp, tmp_path, reconcile="2s")
+    daemons += [a, b]
+    wait_until(lambda: a.mesh_ip() and b.mesh_ip() and len(wg_peers(lab, a.node)) == 1
+               and len(wg_peers(lab, b.node)) == 1, 30, "the two nodes to see each other", daemons)
+    publish_endpoints(dp, daemons)
+    wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 15, "a first ping", daemons)
+    a_id = a.node_id()
+    beats_before = len(dp.admin.heartbeats(a_id))
+
+    def services() -> dict[str, dict]:
+        res = a.cli("status", "--json", check=False)
+        doc = json.loads(res.stdout) if res.returncode == 0 else {}
+        return {s["name"]: s for s in doc.get("services", ())}  # none while local_api itself restarts
+
+    def all_back() -> bool:
+        svc = services()
+        return all(svc.get(n, {}).get("restarts") == 1 and svc[n]["state"] == "running" for n in SERVICES)
+
+    before = services()
+    assert set(before) >= set(SERVICES) and all(s["restarts"] == 0 for s in before.values())  # faults ahead
+    # ping b through the tunnel until every service of a has crashed and come back
+    sent = received = 0
+    deadline = time.monotonic() + 40
+    while not all_back():
+        assert time.monotonic() < deadline, f"services never all came back: {services()}\n{a.logged()[-3000:]}"
+        sent += 1
+        received += ping_count(lab, a.node, b.mesh_ip(), 1, 0.2)
+    assert sent >= 5 and received >= sent - 1, (sent, received)  # the tunnel never went down
+    doc = a.status()
+    for svc in doc["services"]:
+        if svc["name"] in SERVICES:
+            assert svc["last_error"] == f"InjectedFault: test fault injected into service {svc['name']}", svc
+    assert a.proc.poll() is None  # still running
+    log = a.logged()
+    for name in SERVICES:
+        assert log.count(f"service {name} crashed") == 1, name
+    assert log.count("event stream connected") >= 2  # the stream came back
+    wait_until(lambda: len(dp.admin.heartbeats(a_id)) > beats_before + 2, 15, "heartbeats after the fault",
+               daemons)
+    assert doc["event_stream"]["state"] == "connected"
+    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
+    assert "mesh interface" not in log  # never torn down
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_status_reconcile_and_hold_go_through_the_running_daemon(lab_dp, run_as_nobody):
+    lab, dp, daemons, tmp_path = lab_dp
+    start_mesh(lab, dp, daemons, tmp_path, reconcile="10m", count=2)
+    a, b = daemons
+    b_key = dp.admin.node(b.node_id())["public_key"]
+    publish_endpoints(dp, daemons)
+    wait_until(lambda: wg_peers(lab, a.node).get(b_key) == f"{b.node.address}:51820", 15, "b's endpoint", daemons)
+
+    # plexd status: the live daemon's view, every documented section present
+    doc = a.status()
+    assert doc["version"] == 1 and doc["daemon"]["running"] is True
+    assert "plexd" in Path(f"/proc/{doc['daemon']['pid']}/cmdline").read_text()  # the daemon answered, not files
+    assert doc["node"]["node_id"] == a.node_id() and doc["node"]["mesh_ip"] == a.mesh_ip()
+    ev = doc["event_stream"]
+    assert ev["state"] == "connected" and ev["since"] > 0 and ev["last_event_id"]  # b's peer_added came in
+    assert ev["last_event_age_seconds"] >= 0
+    assert doc["reconcile"]["last"]["reasons"] and doc["reconcile"]["hold"] is None
+    wait_until(lambda: a.status()["heartbeat"]["ok"] is True, 10, "a heartbeat", daemons)
+    assert doc["peers"]["desired"] == 1 and doc["peers"]["on_device"] == 1
+    assert {s["name"] for s in doc["services"]} >= set(SERVICES)
+    assert all(s["restarts"] == 0 for s in doc["services"])
+    text = a.cli("status").stdout
+    assert "event stream:   connected" in text and "daemon:         running" in text, text
+
+    # reconcile --once --dry-run is answered by the daemon: same converger, nothing changed
+    lab.exec(a.node, ["wg", "set", "plexd0", "peer", b_key, "remove"])
+    plan = json.loads(a.cli("reconcile", "--once", "--dry-run", "--json").stdout)
+    assert plan["by_daemon"] is True and plan["dry_run"] is True
+    assert any(c["type"] == "peer_added" and b.node_id() in c["detail"] for c in plan["corrections"]), plan
+    assert b_key not in wg_peers(lab, a.node)
+    # the heartbeat counts the peers on the device (0 now), not the desired ones (still 1)
+    wait_until(lambda: dp.admin.heartbeats(a.node_id())[-1]["mesh"]["peer_count"] == 0, 10,
+               "a heartbeat counting the device's peers", daemons)
+    assert a.status()["peers"]["desired"] == 1
+
+    # hold: drift is found and reported as held, not corrected; the hold shows in status; release corrects it
+    a.cli("reconcile", "hold", "--for", "5m", "--reason", "debugging routes by hand")
+    held = json.loads(a.cli("reconcile", "--once", "--json", check=False).stdout)
+    assert held["hold"]["reason"] == "debugging routes by hand" and held["corrections"] == []
+    assert any(c["type"] == "peer_added" and b.node_id() in c["detail"] for c in held["held"]), held
+    assert b_key not in wg_peers(lab, a.node)
+    hold = a.status()["reconcile"]["hold"]
+    assert hold["reason"] == "debugging routes by hand" and 0 < hold["remaining_seconds"] <= 300
+    assert "reconcile hold:" in a.cli("status").stdout
+    assert dp.admin.drift(a.node_id()) == []  # held drift is not reported as corrected
+    a.cli("reconcile", "release")
+    wait_until(lambda: b_key in wg_peers(lab, a.node), 10, "the held correction after release", daemons)
+    assert a.status()["reconcile"]["hold"] is None
+
+    # an unprivileged user is refused with one clear line, and learns nothing of the daemon. The child that drops
+    # to uid 65534 cannot read the interpreter's files under /root: import what the commands use first.
+    import http.client  # noqa: F401
+
+    import plexd.config
+    import plexd.node.control
+    import plexd.node.control_client
+    import plexd.node.reconcile_once  # noqa: F401
+    from plexd import cli
+
+    socket_path = a.status()["node"]["data_dir"].rsplit("/", 1)[0] + "/api.sock"
+    env = {"PLEXD_CONFIG": "", "PLEXD_NODE_API_SOCKET_PATH": socket_path, "PLEXD_DATA_DIR": "/nonexistent"}
+
+    def as_nobody(*argv: str):
+        def run() -> int:
+            os.environ.update(env)
+            return cli.main(list(argv))
+        return run
+
+    for argv in (("status",), ("reconcile", "--once", "--dry-run")):
+        rc, out = run_as_nobody(as_nobody(*argv))
+        lines = out.strip().splitlines()
+        assert rc == 1 and len(lines) == 1, (argv, out)
+        assert lines[0] == (f"plexd: cannot reach the plexd daemon at {socket_path}: permission denied "
+                            "(run as root or as a member of group plexd-admin)"), (argv, out)

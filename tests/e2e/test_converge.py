@@ -37,7 +37,7 @@ def ping(lab: Lab, node: MeshNode, ip: str) -> bool:
 
 
 def corrections(result) -> list[tuple[str, str]]:
-    return [(c["type"], c["detail"]) for c in result.corrections()]
+    return [(c.type, c.detail) for c in result.corrections()]
 
 
 async def test_drift_is_corrected_and_named(pair) -> None:

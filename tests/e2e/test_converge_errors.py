@@ -56,7 +56,7 @@ async def test_listen_port_refused_is_named_and_the_peers_are_still_configured(p
     assert len(r.errors) == 1 and "listen_port=51820 on wg0: errno=" in r.errors[0], r.errors
     assert "private key" not in r.errors[0] and "peer" not in r.errors[0]  # only the refused setting is named
     assert errors_logged(caplog) == [r.errors[0]]
-    types = [c["type"] for c in r.corrections()]
+    types = [c.type for c in r.corrections()]
     assert "listen_port_updated" not in types and "peer_added" in types and "private_key_updated" in types
     assert [row[0] for row in a.wg_dump(lab)[1:]] == [b.public_key]
 
@@ -66,7 +66,7 @@ async def test_listen_port_refused_is_named_and_the_peers_are_still_configured(p
     holder.stdin.close()
     holder.wait(5)
     fixed = await a.converger.converge(da)
-    assert fixed.ok and [c["type"] for c in fixed.corrections()] == ["listen_port_updated"]
+    assert fixed.ok and [c.type for c in fixed.corrections()] == ["listen_port_updated"]
     assert a.wg_dump(lab)[0][2] == "51820"
     assert ping(lab, a, b.mesh_ip)
 
@@ -98,7 +98,7 @@ async def test_a_peer_the_device_refuses_is_named_and_the_rest_configured(pair, 
     assert len(r.errors) == 1 and r.errors[0].startswith("peer n_ghost: WireGuard refused peer "), r.errors
     assert "errno=" in r.errors[0] and "endpoint=bogus" in r.errors[0]
     assert errors_logged(caplog) == [r.errors[0]]
-    details = [c["detail"] for c in r.corrections()]
+    details = [c.detail for c in r.corrections()]
     assert "peer n_2: missing from the device" in details and not any("n_ghost" in d for d in details)
     # wireguard-go creates the peer at its public_key line and stops at the refused one: a bare peer without
     # allowed IPs (it routes nothing) is all that is left of it

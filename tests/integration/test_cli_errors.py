@@ -31,7 +31,8 @@ class Env:
     def write_config(self, extra: str = "") -> None:
         self.config.write_text(
             f"api: {self.api}\ndata_dir: {self.data}\ntoken: {{file: {self.token}}}\n"
-            f"hooks: {{dir: {self.tmp / 'hooks'}}}\nregistration: {{hostname: node-a, max_wait: 2s}}\n{extra}")
+            f"hooks: {{dir: {self.tmp / 'hooks'}}}\nregistration: {{hostname: node-a, max_wait: 2s}}\n"
+            f"node_api: {{socket_path: {self.tmp / 'api.sock'}}}\n{extra}")
 
     async def run(self, *args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
         full_env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config)}

@@ -22,6 +22,8 @@ from plexd import agent as agent_mod
 from plexd.clock import FakeClock
 from plexd.config import load as load_config
 from plexd.identity import Identity, IdentityStore, generate_private_key
+from plexd.node import assembly
+from plexd.node.supervisor import FatalError
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 SIGNING = base64.b64encode(b"\x05" * 32).decode()
@@ -38,7 +40,8 @@ def write_config(tmp_path: Path, api: str, extra: str = "") -> Path:
     cfg = tmp_path / "config.yaml"
     cfg.write_text(f"api: {api}\ndata_dir: {tmp_path / 'data'}\ntoken: {{file: {tmp_path / 'token'}}}\n"
                    f"hooks: {{dir: {tmp_path / 'hooks'}}}\nsse: {{backoff_base: 50ms, backoff_max: 200ms}}\n"
-                   f"mesh: {{backend: userspace, userspace_implementation: {NO_WG}}}\n{extra}")
+                   f"mesh: {{backend: userspace, userspace_implementation: {NO_WG}}}\n"
+                   f"node_api: {{socket_path: {tmp_path / 'api.sock'}}}\n{extra}")
     return cfg
 
 
@@ -184,7 +187,8 @@ async def test_up_without_identity_or_token_fails_in_one_line(tmp_path, rec):
 def agent_config(tmp_path, api, **env):
     base = {"PLEXD_CONFIG": "", "PLEXD_API": api, "PLEXD_DATA_DIR": str(tmp_path / "data"),
             "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
-            "PLEXD_MESH_BACKEND": "userspace", "PLEXD_MESH_USERSPACE_IMPLEMENTATION": NO_WG}
+            "PLEXD_MESH_BACKEND": "userspace", "PLEXD_MESH_USERSPACE_IMPLEMENTATION": NO_WG,
+            "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")}
     base.update(env)
     return load_config(env=base)
 
@@ -201,16 +205,14 @@ async def test_services_and_shutdown_steps_run_in_lifecycle_order(tmp_path, rec,
             if events.count("tick") == 2:
                 stop_event.set()
 
-    original = agent_mod.install_services
-
     def install(agent):
-        original(agent)
+        node = assembly.assemble(agent)
         agent.add_service("ticker", ticker)
         agent.on_shutdown("drain", _noop_factory(events, "drain"), phase="drain")
         agent.on_shutdown("first", _noop_factory(events, "teardown first"))
         agent.on_shutdown("second", _noop_factory(events, "teardown second"))
+        return node
 
-    monkeypatch.setattr(agent_mod, "install_services", install)
     clock = FakeClock()
 
     async def tick_clock():
@@ -219,8 +221,8 @@ async def test_services_and_shutdown_steps_run_in_lifecycle_order(tmp_path, rec,
             clock.advance(1)
 
     ticking = asyncio.create_task(tick_clock())
-    rc = await asyncio.wait_for(agent_mod.run(agent_config(tmp_path, rec.url), clock=clock, stop_event=stop_event),
-                                20)
+    rc = await asyncio.wait_for(assembly.run(agent_config(tmp_path, rec.url), clock=clock, stop_event=stop_event,
+                                             assemble=install), 20)
     await ticking
     assert rc == 0
     assert events[0] == f"ticker start {NODE}" and events.count("tick") == 2
@@ -235,16 +237,48 @@ def _noop_factory(events, name):
     return run
 
 
-async def test_a_crashing_service_stops_the_agent_with_status_1(tmp_path, rec, monkeypatch, caplog):
+async def test_a_crashing_service_is_restarted_and_the_agent_keeps_running(tmp_path, rec, caplog):
+    """Supervision (it used to stop the agent): the crash is logged once with its traceback, the service comes
+    back after a backoff, the restart is counted, and the other services never stopped."""
     save_identity(tmp_path / "data")
+    runs = []
+    stop_event = asyncio.Event()
 
     async def broken(agent):
-        raise RuntimeError("bug in a service")
+        runs.append(agent.clock.monotonic())
+        if len(runs) == 1:
+            raise RuntimeError("bug in a service")
+        stop_event.set()
 
-    original = agent_mod.install_services
-    monkeypatch.setattr(agent_mod, "install_services", lambda a: (original(a), a.add_service("broken", broken)))
-    rc = await asyncio.wait_for(agent_mod.run(agent_config(tmp_path, rec.url)), 20)
-    assert rc == 1 and "service broken crashed" in caplog.text
+    def install(agent):
+        node = assembly.assemble(agent)
+        agent.add_service("broken", broken)
+        return node
+
+    config = agent_config(tmp_path, rec.url)
+    task = asyncio.create_task(assembly.run(config, stop_event=stop_event, assemble=install))
+    rc = await asyncio.wait_for(task, 20)
+    assert rc == 0 and len(runs) == 2
+    assert 0.7 <= runs[1] - runs[0] <= 1.5  # 1 s ±25 % backoff before the restart
+    crashes = [r for r in caplog.records if "service broken crashed" in r.getMessage()]
+    assert len(crashes) == 1 and crashes[0].exc_info is not None  # once, with its traceback
+    assert "RuntimeError: bug in a service" in caplog.text
+
+
+async def test_a_fatal_error_stops_the_agent_with_status_1_and_one_line(tmp_path, rec, caplog):
+    save_identity(tmp_path / "data")
+
+    async def hopeless(agent):
+        raise FatalError("identity refused and no bootstrap token to register afresh")
+
+    def install(agent):
+        node = assembly.assemble(agent)
+        agent.add_service("hopeless", hopeless)
+        return node
+
+    rc = await asyncio.wait_for(assembly.run(agent_config(tmp_path, rec.url), assemble=install), 20)
+    assert rc == 1 and "identity refused and no bootstrap token" in caplog.text
+    assert "Traceback" not in caplog.text
     assert all(r.path != f"/v1/nodes/{NODE}/deregister" for r in rec.requests)
 
 
@@ -252,7 +286,7 @@ async def test_stop_during_registration_exits_quietly(tmp_path):
     (tmp_path / "token").write_text("tok")
     stop_event = asyncio.Event()
     config = agent_config(tmp_path, "http://127.0.0.1:9")
-    task = asyncio.create_task(agent_mod.run(config, stop_event=stop_event))
+    task = asyncio.create_task(assembly.run(config, stop_event=stop_event))
     await asyncio.sleep(0.3)  # registration is retrying against a closed port
     stop_event.set()
     assert await asyncio.wait_for(task, 10) == 0

@@ -16,18 +16,23 @@ import httpx
 import pytest
 from nacl.public import PrivateKey
 
-from plexd import agent as agent_mod
 from plexd import gojson
 from plexd.config import load as load_config
+from plexd.correction import Correction
 from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
-from plexd.services.connected import MeshHandle, install_connected
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.node import assembly
+from plexd.node.mesh import MeshHandle
 
 
 @dataclass(frozen=True)
 class FakeChange:
     correction_type: str
     detail: str
+
+    def correction(self) -> Correction:
+        return Correction(self.correction_type, self.detail)
 
 
 @dataclass
@@ -37,9 +42,22 @@ class FakeResult:
 
 
 @dataclass
+class RecordingDevice:
+    converger: RecordingConverger
+
+    async def observe(self):
+        return DeviceConfig(peers={k: PeerConfig(public_key=k) for k in self.converger.device.values()})
+
+
+@dataclass
 class RecordingConverger:
     device: dict = field(default_factory=dict)  # peer id -> public key
     calls: int = 0
+    last_result: FakeResult | None = None
+
+    @property
+    def wireguard(self):
+        return RecordingDevice(self)
 
     async def converge(self, desired, *, dry_run=False):
         self.calls += 1
@@ -79,7 +97,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_DATA_DIR": str(tmp_path / "data"),
         "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
         "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
-        "PLEXD_SHUTDOWN_DEREGISTER": "false"})
+        "PLEXD_SHUTDOWN_DEREGISTER": "false", "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")})
     converger = RecordingConverger()
     connected = {}
 
@@ -89,13 +107,13 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
                                        private_key=base64.b64encode(agent.identity.private_key).decode(),
                                        mesh_ip=agent.identity.mesh_ip)
         connected["mesh"] = MeshHandle(converger, desired)
-        connected["c"] = install_connected(agent, connected["mesh"])
+        connected["c"] = assembly.assemble(agent, mesh=connected["mesh"])
+        return connected["c"]
 
-    monkeypatch.setattr(agent_mod, "install_services", install)
     caplog.set_level(logging.DEBUG, "plexd")
     bootstrap = (tmp_path / "token").read_text()
     stop = asyncio.Event()
-    run = asyncio.create_task(agent_mod.run(config, stop_event=stop))
+    run = asyncio.create_task(assembly.run(config, stop_event=stop, assemble=install))
     try:
         await wait_for(lambda: "c" in connected and connected["c"].stream.connected.is_set(), what="stream")
         c = connected["c"]

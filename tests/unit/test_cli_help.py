@@ -29,7 +29,7 @@ def test_top_level_help_shows_first_steps_and_commands(capsys):
 
 @pytest.mark.parametrize("argv,fragments", [
     (("join",), ("--token-file", "--token-env", "asked for on a terminal", "--json")),
-    (("status",), ("--json", "Reads local files only")),
+    (("status",), ("--json", "Ask the running daemon over its socket", "Without a running daemon")),
     (("up",), ("SIGINT or SIGTERM",)),
     (("config", "show"), ("--json", "Secrets are hidden")),
 ])

@@ -16,7 +16,7 @@ from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.desired import DesiredState
 from plexd.desired_store import DesiredStore, StalePull
 from plexd.model import Peer, SigningKeys, State
-from plexd.services.connected import MeshHandle, state_applier, state_fetcher
+from plexd.node.mesh import MeshHandle, state_applier, state_fetcher
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.reconciler import Reconciler
 

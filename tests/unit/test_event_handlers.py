@@ -143,7 +143,7 @@ async def test_invalid_peer_is_kept_out_by_the_model(h):
 
 def test_state_signing_keys_length_checked_and_persisted(h, tmp_path):
     from plexd.model import State
-    from plexd.services.connected import MeshHandle, PulledState, state_applier
+    from plexd.node.mesh import MeshHandle, PulledState, state_applier
 
     applier = state_applier(MeshHandle(None, h.desired), h.verifier, tmp_path)
 

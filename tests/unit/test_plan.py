@@ -167,7 +167,7 @@ def test_fresh_device_plans_everything_in_order() -> None:
 def test_process_gone_is_named_as_such() -> None:
     changes = diff(state([PA]), Observed(device=None, link=None, process_gone=True), NOW)
     assert isinstance(changes[0], UserspaceProcessGone)
-    assert changes[0].correction() == {"type": "userspace_restarted",
+    assert changes[0].correction().to_wire() == {"type": "userspace_restarted",
                                        "detail": "interface wg0: userspace WireGuard process was not running, "
                                                  "restarted"}
 
@@ -179,7 +179,8 @@ def test_endpoint_detail_and_roaming_window() -> None:
     obs = replace(obs, device=replace(obs.device, peers={KEYS[1]: moved}))
     (c,) = diff(d, obs, NOW)
     assert isinstance(c, PeerEndpointChanged)
-    assert c.correction() == {"type": "peer_updated", "detail": "peer n_a: endpoint 5.6.7.8:51820 != 10.0.0.2:51820"}
+    assert c.correction().to_wire() == {"type": "peer_updated",
+                                        "detail": "peer n_a: endpoint 5.6.7.8:51820 != 10.0.0.2:51820"}
     # keepalive off then on in the same transaction, so wireguard-go handshakes with the new endpoint at once
     kick, update = device_update([c]).peers
     assert (kick.persistent_keepalive, kick.endpoint, kick.update_only) == (0, None, True)
@@ -233,7 +234,7 @@ def test_extra_peer_named_by_label_or_fingerprint() -> None:
     assert routes == [RouteExtra("wg0", "10.100.0.2/31"), RouteMissing("wg0", "10.100.0.2/32")]
     assert isinstance(c, PeerRemoved) and c.detail == f"peer {KEYS[2][:8]}…: on the device but not desired"
     c, *_ = diff(d, replace(obs, peer_names={KEYS[2]: "n_b"}), NOW)
-    assert c.correction() == {"type": "peer_removed", "detail": "peer n_b: on the device but not desired"}
+    assert c.correction().to_wire() == {"type": "peer_removed", "detail": "peer n_b: on the device but not desired"}
 
 
 def test_link_drift() -> None:

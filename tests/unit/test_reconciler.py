@@ -8,7 +8,8 @@ from datetime import UTC, datetime
 
 from plexd import gojson
 from plexd.clock import FakeClock
-from plexd.services.reconciler import Correction, Reconciler
+from plexd.correction import Correction
+from plexd.services.reconciler import Reconciler
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 
@@ -17,6 +18,9 @@ NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 class Change:
     correction_type: str
     detail: str
+
+    def correction(self) -> Correction:
+        return Correction(self.correction_type, self.detail)
 
 
 @dataclass

@@ -1,0 +1,22 @@
+"""Every file plexd keeps under data_dir (default /var/lib/plexd), named in one place.
+
+    identity.json              0600  node id, mesh IP, signing key (the Go agent's format, plexd-protocol.md §5.4)
+    private_key                0600  WireGuard private key, base64
+    node_secret_key            0600  the node's bearer secret
+    signing_public_key         0600  the control plane's current event-signing key (the file wins over identity)
+    nonces.json                0600  nonces of accepted events, bounded (a replay after a restart is refused)
+    last_event_id              0600  the event stream's replay cursor
+    state/desired.json         0600  mirror of the desired model (no private key) for an offline start
+
+The directory is 0700 and every write is atomic (`plexd.atomicfile`).
+"""
+
+from __future__ import annotations
+
+IDENTITY = "identity.json"
+PRIVATE_KEY = "private_key"
+NODE_SECRET = "node_secret_key"
+SIGNING_KEY = "signing_public_key"
+NONCES = "nonces.json"
+LAST_EVENT_ID = "last_event_id"
+DESIRED_MIRROR = "state/desired.json"

@@ -1,0 +1,40 @@
+"""Which WireGuard backend this machine uses, decided in one place (the daemon, `reconcile --once`, `peers`).
+
+``mesh.backend: auto`` picks the kernel module when it is loaded, else the userspace implementation
+(``mesh.userspace_implementation``, wireguard-go by default), which plexd starts and supervises itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from plexd.config import Config
+    from plexd.converge import Converger
+    from plexd.mesh.wireguard import WireGuardBackend
+
+
+def backend_kind(config: Config) -> str:
+    from plexd.mesh.wireguard.kernel import KernelBackend
+
+    kind = config.mesh.backend
+    if kind == "auto":
+        kind = "kernel" if KernelBackend.available() else "userspace"
+    return kind
+
+
+def wireguard_backend(config: Config) -> WireGuardBackend:
+    from plexd.mesh.wireguard.kernel import KernelBackend
+    from plexd.mesh.wireguard.userspace import UserspaceBackend
+
+    if backend_kind(config) == "kernel":
+        return KernelBackend(config.mesh.interface)
+    return UserspaceBackend(config.mesh.interface, implementation=config.mesh.userspace_implementation)
+
+
+def build_converger(config: Config) -> Converger:
+    """A `Converger` for this machine's device and link."""
+    from plexd.converge import Converger
+    from plexd.mesh.links import Links
+
+    return Converger(wireguard_backend(config), Links(config.mesh.interface))

@@ -1,0 +1,202 @@
+"""The composition root: the one place that builds the daemon's parts from the config and wires them together.
+
+    Agent (lifecycle: start → register → supervised services → shutdown)       plexd.agent
+      └─ assemble(agent) → Node
+           mesh        MeshHandle: Converger (backend from plexd.mesh.select) + DesiredStore + mirror + hold
+           verifier    signing key and persisted nonces
+           reconciler  GET /state → DesiredStore.replace_from_pull → converge → POST /drift
+           handlers    verified events → DesiredStore.edit → converge
+           stream      the signed SSE stream; reconnect → reconcile; 401 → agent.reauthenticate
+           heartbeat   live values (peers on the device); reconcile:true → reconcile
+           local_api   the daemon's Unix socket: status, reconcile, hold (plexd.node.control)
+
+Every service is added to the agent by name and runs under its supervisor. Tests build a Node with their own
+parts through the keyword arguments of `assemble` (a recording converger, say) rather than by patching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexd.agent import Agent
+from plexd.backoff import Backoff
+from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.events import EventStream, stream_http_client
+from plexd.controlplane.signing import Verifier
+from plexd.errors import PlexdError
+from plexd.mesh.select import build_converger
+from plexd.node.control import add_control_routes
+from plexd.node.local_api import LocalAPI
+from plexd.node.mesh import MeshHandle, MirrorWriter, build_verifier, initial_desired, state_applier, state_fetcher
+from plexd.node.supervisor import FatalError
+from plexd.services.event_handlers import EventHandlers
+from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
+from plexd.services.reconciler import Reconciler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Node:
+    """Every long-lived part of a running daemon, for the control routes, tests and benches."""
+
+    agent: Agent
+    mesh: MeshHandle
+    verifier: Verifier
+    reconciler: Reconciler
+    handlers: EventHandlers
+    stream: EventStream
+    heartbeat: HeartbeatService
+    local_api: LocalAPI
+    device_peers: dict[str, int | None] = field(default_factory=lambda: {"on_device": None, "recent": None})
+
+
+def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
+             nat: Callable[[], NatInfo | None] | None = None) -> Node:
+    cfg = agent.config
+    data_dir = Path(cfg.data_dir)
+    assert agent.identity is not None
+    if mesh is None:
+        mesh = _build_mesh(agent)
+    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key)
+
+    def node_id() -> str:
+        assert agent.identity is not None
+        return agent.identity.node_id
+
+    async def reauthenticate() -> None:
+        await agent.reauthenticate(agent.client.token)
+
+    async def post_drift(report: dict[str, Any]) -> None:
+        await agent.authed(lambda: agent.client.report_drift(node_id(), report))
+
+    reconciler = Reconciler(
+        state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
+        state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
+        clock=agent.clock, interval=cfg.reconcile.interval)
+
+    async def converge_now(reason: str) -> None:
+        result = await mesh.converge()
+        for err in result.errors:
+            log.warning("converge after %s: %s", reason, err)
+
+    handlers = EventHandlers(mesh.store, converge_now, reconciler.trigger, verifier, data_dir)
+    stream = EventStream(
+        agent.client.base_url, node_id(), lambda: agent.client.token, data_dir, verifier, handlers.dispatch,
+        clock=agent.clock,
+        on_connected=lambda: reconciler.trigger("event stream (re)connected"),
+        on_auth_failure=reauthenticate,
+        poll=lambda: reconciler.trigger("polling while the event stream is down"),
+        poll_interval=cfg.reconcile.interval,
+        backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
+        storm_backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
+        idle_timeout=cfg.sse.idle_timeout,
+        polling_after=cfg.sse.polling_after,
+        client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
+    )
+    device_peers: dict[str, int | None] = {"on_device": None, "recent": None}
+
+    async def observe_device() -> None:
+        try:
+            counts = await mesh.peers_on_device()
+        except PlexdError as exc:
+            log.debug("cannot read the device for the heartbeat: %s", exc)
+            counts = None
+        device_peers["on_device"], device_peers["recent"] = counts if counts is not None else (0, 0)
+
+    def snapshot() -> HeartbeatSnapshot:
+        last = reconciler.last
+        return HeartbeatSnapshot(
+            status="healthy" if last is None or last.ok else "degraded",
+            binary_checksum=agent.binary_checksum,
+            # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
+            mesh=MeshInfo(cfg.mesh.interface, device_peers["on_device"] or 0, cfg.mesh.listen_port),
+            nat=nat() if nat is not None else None,
+        )
+
+    async def send(body: dict[str, Any]) -> dict[str, bool]:
+        # No agent.authed here: the heartbeat's own 401 path re-authenticates and the next tick retries.
+        resp = await agent.client.heartbeat(node_id(), body)
+        return {"reconcile": resp.reconcile, "rotate_keys": resp.rotate_keys}
+
+    heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
+                                 trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate,
+                                 uptime=agent.uptime, refresh=observe_device)
+    local_api = LocalAPI(cfg.node_api.socket_path)
+    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, device_peers)
+    add_control_routes(local_api, node)
+
+    agent.add_service("reconciler", lambda a: reconciler.run())
+    agent.add_service("events", lambda a: stream.run())
+    agent.add_service("heartbeat", lambda a: heartbeat.run())
+    agent.add_service("local_api", lambda a: _serve_local_api(local_api))
+    if not agent.registered_now:
+        # A fresh registration carried the capabilities; a reused identity announces them, since the code or
+        # the hooks may have changed while plexd was stopped. A 401 here re-registers (Agent.authed).
+        agent.add_service("capabilities", announce_capabilities)
+    return node
+
+
+def _build_mesh(agent: Agent) -> MeshHandle:
+    """The converger for this machine and the desired model, seeded from the mirror of the last run."""
+    cfg = agent.config
+    assert agent.identity is not None
+    initial, restored = initial_desired(cfg, agent.identity)
+    if restored:
+        log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
+    converger = build_converger(cfg)
+    mirror = MirrorWriter(Path(cfg.data_dir))
+    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed, hold=None)
+
+    async def teardown(agent: Agent) -> None:
+        mirror.flush()
+        if cfg.shutdown.deregister and not agent.failed:
+            await converger.teardown()
+            log.info("mesh interface %s removed", cfg.mesh.interface)
+
+    agent.on_shutdown("mesh teardown", teardown)
+    return mesh
+
+
+async def _serve_local_api(api: LocalAPI) -> None:
+    try:
+        await api.start()
+    except PlexdError as exc:
+        if "another plexd" in str(exc):  # two daemons would fight over one interface: no restart fixes that
+            raise FatalError(str(exc)) from None
+        raise
+    try:
+        await asyncio.Event().wait()  # serve until cancelled
+    finally:
+        await api.stop()
+
+
+async def announce_capabilities(agent: Agent) -> None:
+    """PUT /capabilities once, retrying with backoff until it is delivered (offline start keeps retrying)."""
+    backoff = Backoff(base=agent.config.sse.backoff_base, cap=agent.config.sse.backoff_max,
+                      jitter=agent.config.sse.jitter)
+    while not agent.stopping:
+        try:
+            await agent.announce_capabilities(rescan=False)
+            log.info("capabilities announced", extra={"hooks": len(agent.hooks.hooks)})
+            return
+        except ControlPlaneError as exc:
+            delay = backoff.next_delay()
+            log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
+        except PlexdError as exc:  # re-registration impossible (no token): keep running, say why, retry later
+            delay = backoff.cap
+            log.error("%s", exc)
+        await agent.sleep(delay)
+
+
+async def run(config: Any, *, clock: Any = None, stop_event: asyncio.Event | None = None, client: Any = None,
+              assemble: Callable[[Agent], Node] = assemble) -> int:
+    """``plexd up``: the lifecycle with this assembly."""
+    from plexd import agent as lifecycle
+
+    return await lifecycle.run(config, assemble, clock=clock, stop_event=stop_event, client=client)

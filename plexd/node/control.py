@@ -1,0 +1,145 @@
+"""The daemon's own control routes on the local socket, and the `plexd status --json` document.
+
+    GET    /v1/daemon/status             the status document below
+    POST   /v1/daemon/reconcile          {"dry_run": bool} → one reconcile cycle through the daemon's reconciler
+    POST   /v1/daemon/reconcile/hold     {"seconds": n, "reason": "..."} → pause corrections (at most 24 h)
+    DELETE /v1/daemon/reconcile/hold     release the hold
+
+Every route needs uid 0 or membership of ``node_api.admin_group`` (default ``plexd-admin``), checked on the
+caller's SO_PEERCRED credentials.
+
+Status document (``"version": 1``; fields are only ever added, under a new version if one changes meaning)::
+
+    version, plexd_version
+    daemon         running, pid, started_at, uptime_seconds
+    node           registered, node_id, mesh_ip, control_plane, data_dir, interface, identity_problem
+    event_stream   state (connected | polling | offline), since, last_event_id, last_event_at,
+                   last_event_age_seconds, connects, events_accepted, events_rejected
+    reconcile      interval_seconds, cycles, failures, hold (null or until/since/reason/remaining_seconds),
+                   last (null or at/reasons/ok/dry_run/error/corrections/updates/held/drift_reported)
+    heartbeat      last_at, ok, error, consecutive_failures, sent, interval_seconds
+    peers          desired, rejected, on_device, recent_handshake (a handshake in the last 3 minutes)
+    services       [{name, state, restarts, last_error, last_error_at, running_since}]
+
+Times are unix seconds. Without a running daemon, `plexd status` prints the same document from the stored
+files with ``daemon.running: false`` and no live sections.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from plexd import __version__
+from plexd.node.local_api import HTTPError, LocalAPI, Request, Response, require_admin
+
+if TYPE_CHECKING:
+    from plexd.config import Config
+    from plexd.node.assembly import Node
+
+STATUS_VERSION = 1
+STATUS_PATH = "/v1/daemon/status"
+RECONCILE_PATH = "/v1/daemon/reconcile"
+HOLD_PATH = "/v1/daemon/reconcile/hold"
+
+
+def stored_status(config: Config) -> dict[str, Any]:
+    """What the files in data_dir say (no daemon needed)."""
+    from plexd.identity import IdentityStore
+
+    loaded = IdentityStore(config.data_dir).load()
+    ident = loaded.identity
+    return {
+        "version": STATUS_VERSION,
+        "plexd_version": __version__,
+        # the flat keys of the first status document, kept for scripts that read them
+        "registered": ident is not None,
+        "node_id": ident.node_id if ident else "",
+        "mesh_ip": ident.mesh_ip if ident else "",
+        "control_plane": config.api.url,
+        "data_dir": config.data_dir,
+        "identity_problem": loaded.problem,
+        "daemon": {"running": False},
+        "node": {"registered": ident is not None, "node_id": ident.node_id if ident else "",
+                 "mesh_ip": ident.mesh_ip if ident else "", "control_plane": config.api.url,
+                 "data_dir": config.data_dir, "interface": config.mesh.interface,
+                 "identity_problem": loaded.problem},
+    }
+
+
+async def live_status(node: Node) -> dict[str, Any]:
+    agent = node.agent
+    doc = stored_status(agent.config)
+    now = agent.clock.now().timestamp()
+    doc["daemon"] = {"running": True, "pid": os.getpid(), "uptime_seconds": round(agent.uptime(), 1),
+                     "started_at": round(now - agent.uptime(), 1)}
+    rec = node.reconciler
+    hold = node.mesh.hold.current()
+    doc["event_stream"] = node.stream.status()
+    doc["reconcile"] = {"interval_seconds": rec.interval, "cycles": rec.cycles, "failures": rec.failures,
+                        "hold": hold.to_json() if hold else None,
+                        "last": rec.last.to_json() if rec.last is not None else None}
+    doc["heartbeat"] = node.heartbeat.status()
+    desired = node.mesh.get_desired()
+    try:
+        counts = await node.mesh.peers_on_device()
+    except Exception:  # the status must come back even when the device cannot be read
+        counts = None
+    doc["peers"] = {"desired": len(desired.peers), "rejected": len(desired.rejected),
+                    "on_device": counts[0] if counts else None, "recent_handshake": counts[1] if counts else None}
+    doc["services"] = agent.supervisor.to_json()
+    return doc
+
+
+def add_control_routes(api: LocalAPI, node: Node) -> None:
+    admin = require_admin(node.agent.config.node_api.admin_group)
+
+    async def status(req: Request) -> Response:
+        return Response(200, await live_status(node))
+
+    async def reconcile(req: Request) -> Response:
+        body = _object(req)
+        dry_run = body.get("dry_run", False)
+        if not isinstance(dry_run, bool):
+            raise HTTPError(400, "dry_run must be true or false")
+        result = await node.reconciler.run_once(dry_run=dry_run, reasons=("plexd reconcile --once",))
+        doc = result.to_json()
+        doc["errors"] = [result.error] if result.error else []
+        last = node.mesh.converger.last_result
+        if last is not None:
+            doc["errors"] += [e for e in last.errors if e not in doc["errors"]]
+        doc["ok"] = result.ok and not doc["errors"]
+        hold = node.mesh.hold.current()
+        doc["hold"] = hold.to_json() if hold else None
+        return Response(200, doc)
+
+    async def hold(req: Request) -> Response:
+        body = _object(req)
+        seconds, reason = body.get("seconds"), body.get("reason", "")
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+            raise HTTPError(400, "seconds must be a number")
+        if not isinstance(reason, str) or len(reason) > 500:
+            raise HTTPError(400, "reason must be a string of at most 500 characters")
+        try:
+            held = node.mesh.hold.set(float(seconds), reason)
+        except ValueError as exc:
+            raise HTTPError(400, str(exc)) from None
+        return Response(200, {"hold": held.to_json()})
+
+    async def release(req: Request) -> Response:
+        old = node.mesh.hold.release()
+        if old is not None:
+            node.reconciler.trigger("reconcile hold released")  # correct what was held, now
+        return Response(200, {"released": old is not None})
+
+    api.add("GET", STATUS_PATH, status, admin)
+    api.add("POST", RECONCILE_PATH, reconcile, admin)
+    api.add("POST", HOLD_PATH, hold, admin)
+    api.add("DELETE", HOLD_PATH, release, admin)
+
+
+def _object(req: Request) -> dict[str, Any]:
+    body = req.json()
+    if not isinstance(body, dict):
+        raise HTTPError(400, "body must be a JSON object")
+    return body

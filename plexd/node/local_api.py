@@ -1,0 +1,321 @@
+"""The daemon's local socket: HTTP/1.1 over a Unix socket, every request tagged with the caller's credentials.
+
+Built on h11 (python-hyper's HTTP/1.1 state machine, the one uvicorn runs on, already loaded by httpx) and
+``asyncio.start_unix_server``, because the server must see the connecting socket to read ``SO_PEERCRED``:
+uvicorn does not pass the transport to the application, and aiohttp (which does) costs 13 MiB of resident
+memory and 140 ms of start-up in a daemon that runs in 56 MiB (measured: ``python -c 'import httpx,
+aiohttp.web'`` vs ``import httpx``). The routes are a table of (method, path prefix) → handler, each with the
+privilege it needs; the node API (§8) adds its routes to the same table.
+
+Socket: a stale socket is removed at start (a live one means another daemon: refused), the parent directory is
+created 0755, the socket is ``0660 root:plexd`` when group ``plexd`` exists, else ``0600`` with a warning —
+never world-writable — and it is removed at stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import json
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+
+from plexd.errors import PlexdError
+
+log = logging.getLogger(__name__)
+
+SOCKET_GROUP = "plexd"
+MAX_BODY = 1 << 20
+MAX_HEADERS = 16 << 10
+READ_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    pid: int
+    uid: int
+    gid: int
+
+    def groups(self) -> set[int]:
+        """Primary and supplementary groups of the peer's user (from the user database, as `id` shows)."""
+        gids = {self.gid}
+        try:
+            gids.update(os.getgrouplist(pwd.getpwuid(self.uid).pw_name, self.gid))
+        except (KeyError, OSError):
+            pass
+        return gids
+
+    def in_group(self, name: str) -> bool:
+        try:
+            return grp.getgrnam(name).gr_gid in self.groups()
+        except KeyError:
+            return False
+
+
+def peer_cred(sock: socket.socket) -> PeerCred | None:
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    pid, uid, gid = struct.unpack("3i", raw)
+    return PeerCred(pid, uid, gid)
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    query: dict[str, list[str]]
+    headers: dict[str, str]
+    body: bytes
+    cred: PeerCred | None
+
+    def json(self) -> Any:
+        if not self.body.strip():
+            return {}
+        from plexd import boundedjson
+
+        try:
+            return boundedjson.loads(self.body, "body")
+        except PlexdError as exc:
+            raise HTTPError(400, str(exc)) from None
+
+
+@dataclass
+class Response:
+    status: int = 200
+    body: Any = None  # JSON document, or bytes/str sent as they are
+    content_type: str = "application/json"
+    headers: dict[str, str] = field(default_factory=dict)
+
+    def encoded(self) -> bytes:
+        if self.body is None and self.status == 204:
+            return b""
+        if isinstance(self.body, bytes):
+            return self.body
+        if isinstance(self.body, str) and self.content_type != "application/json":
+            return self.body.encode()
+        return (json.dumps(self.body, separators=(",", ":")) + "\n").encode()
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+Authorize = Callable[[PeerCred | None], str | None]  # None = allowed; else the refusal message
+
+
+def require_admin(admin_group: str) -> Authorize:
+    """The daemon's own control routes: uid 0 or a member of `admin_group`."""
+
+    def check(cred: PeerCred | None) -> str | None:
+        if cred is None:
+            return "forbidden: peer credentials unavailable"
+        if cred.uid == 0 or cred.in_group(admin_group):
+            return None
+        return f"forbidden: needs root or membership of group {admin_group}"
+
+    return check
+
+
+def anyone(cred: PeerCred | None) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # exact path, or a prefix ending in "/" that matches anything below it
+    handler: Handler
+    authorize: Authorize
+
+
+class LocalAPI:
+    def __init__(self, socket_path: str, *, group: str = SOCKET_GROUP) -> None:
+        self.socket_path = socket_path
+        self.group = group
+        self.routes: list[Route] = []
+        self._server: asyncio.base_events.Server | None = None
+        self._connections: set[asyncio.Task[Any]] = set()
+
+    def add(self, method: str, path: str, handler: Handler, authorize: Authorize = anyone) -> None:
+        self.routes.append(Route(method, path, handler, authorize))
+
+    # -- lifecycle ----------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        path = self.socket_path
+        parent = os.path.dirname(path) or "."
+        try:
+            os.makedirs(parent, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            raise PlexdError(f"node_api.socket_path: cannot create {parent}: {exc.strerror}") from None
+        _remove_stale(path)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path, limit=MAX_HEADERS)
+        except OSError as exc:
+            raise PlexdError(f"node_api.socket_path: cannot listen on {path}: {exc.strerror}") from None
+        self._secure(path)
+        log.info("local API listening on %s", path)
+
+    def _secure(self, path: str) -> None:
+        try:
+            gid = grp.getgrnam(self.group).gr_gid
+        except KeyError:
+            os.chmod(path, 0o600)
+            log.warning("group %s does not exist: the local socket %s is 0600 (root only); create the group "
+                        "to let its members use the node API", self.group, path)
+            return
+        try:
+            os.chown(path, 0, gid)
+            os.chmod(path, 0o660)
+        except OSError as exc:  # not root (tests): owner-only is the safe fallback
+            os.chmod(path, 0o600)
+            log.warning("cannot give %s to group %s (%s): socket is 0600", path, self.group, exc.strerror)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            for task in list(self._connections):
+                task.cancel()
+            if self._connections:
+                await asyncio.wait(self._connections, timeout=2)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.socket_path)
+
+    # -- one connection -----------------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
+        sock = writer.get_extra_info("socket")
+        cred = peer_cred(sock) if sock is not None else None
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
+        try:
+            while True:
+                request = await self._read_request(conn, reader, cred)
+                if request is None:
+                    break
+                response = await self._dispatch(request)
+                await self._send(conn, writer, response)
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    break
+                try:
+                    conn.start_next_cycle()
+                except h11.LocalProtocolError:
+                    break
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+            pass
+        except h11.RemoteProtocolError as exc:
+            with contextlib.suppress(Exception):
+                await self._send(conn, writer, Response(exc.error_status_hint, {"error": f"bad request: {exc}"}))
+        finally:
+            if task is not None:
+                self._connections.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
+                            cred: PeerCred | None) -> Request | None:
+        head: h11.Request | None = None
+        body = bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                async with asyncio.timeout(READ_TIMEOUT):
+                    data = await reader.read(65536)
+                conn.receive_data(data)
+                if not data and head is None and conn.their_state is h11.IDLE:
+                    return None
+                continue
+            if isinstance(event, h11.ConnectionClosed):
+                return None
+            if isinstance(event, h11.Request):
+                head = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > MAX_BODY:
+                    raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
+            elif isinstance(event, h11.EndOfMessage):
+                assert head is not None
+                target = head.target.decode("ascii", errors="replace")
+                parts = urlsplit(target)
+                headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.headers}
+                return Request(head.method.decode("ascii", errors="replace").upper(), parts.path,
+                               parse_qs(parts.query), headers, bytes(body), cred)
+
+    async def _dispatch(self, request: Request) -> Response:
+        matched = [r for r in self.routes if _matches(r.path, request.path)]
+        if not matched:
+            return Response(404, "404 page not found\n", content_type="text/plain; charset=utf-8")
+        route = next((r for r in matched if r.method == request.method), None)
+        if route is None:
+            return Response(405, "Method Not Allowed\n", content_type="text/plain; charset=utf-8")
+        refusal = route.authorize(request.cred)
+        if refusal is not None:
+            who = f"uid {request.cred.uid}" if request.cred else "unknown peer"
+            log.warning("local API: %s %s refused for %s", request.method, request.path, who)
+            return Response(403, {"error": refusal})
+        try:
+            return await route.handler(request)
+        except HTTPError as exc:
+            return Response(exc.status, {"error": exc.message})
+        except Exception:
+            log.exception("local API: %s %s failed", request.method, request.path)
+            return Response(500, {"error": "internal error"})
+
+    async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response) -> None:
+        body = response.encoded()
+        headers = [("content-type", response.content_type), ("content-length", str(len(body))),
+                   *response.headers.items()]
+        if response.status == 204:
+            headers = [h for h in headers if h[0] not in ("content-type", "content-length")]
+        writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
+        if body:
+            writer.write(conn.send(h11.Data(data=body)))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+
+def _matches(pattern: str, path: str) -> bool:
+    return path == pattern or (pattern.endswith("/") and path.startswith(pattern))
+
+
+def _remove_stale(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise PlexdError(f"node_api.socket_path: {path} exists and is not a socket; remove it or choose another path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listening: left by a crashed daemon
+        log.info("removed stale socket %s", path)
+        return
+    finally:
+        probe.close()
+    raise PlexdError(f"node_api.socket_path: another plexd is already serving {path}; stop it first")

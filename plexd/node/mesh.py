@@ -1,0 +1,242 @@
+"""The node's mesh: one converger, one desired model (mirrored to data_dir for an offline start), one hold.
+
+    events ──edit──▶ DesiredStore ◀──replace_from_pull── reconciler (GET /state)
+                          │
+                     MeshHandle.converge() ──▶ Converger (observe live machine → diff → apply)
+                          │
+                     ReconcileHold: while an operator holds, converges only plan (drift is reported as held)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from plexd import datadir
+from plexd.atomicfile import write_atomic
+from plexd.clock import Clock
+from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
+from plexd.converge import Converger, ConvergeResult
+from plexd.correction import Correction
+from plexd.desired import DesiredState
+from plexd.desired_store import DesiredStore
+from plexd.identity import Identity
+from plexd.model import SigningKeys, State
+from plexd.services.event_handlers import apply_signing_keys
+
+log = logging.getLogger(__name__)
+
+MAX_HOLD = 24 * 3600.0
+DEFAULT_HOLD = 600.0
+
+
+@dataclass(frozen=True)
+class Hold:
+    until: float  # unix time
+    reason: str
+    since: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"until": _iso(self.until), "since": _iso(self.since), "reason": self.reason,
+                "remaining_seconds": max(0, round(self.until - time.time()))}
+
+
+class ReconcileHold:
+    """`plexd reconcile hold`: corrections paused for a bounded window (not persisted: a restart ends it)."""
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock = clock or Clock()
+        self._hold: Hold | None = None
+
+    def set(self, seconds: float, reason: str) -> Hold:
+        if not 0 < seconds <= MAX_HOLD:
+            raise ValueError(f"a hold lasts more than 0 s and at most 24h, not {seconds:g} s")
+        now = self._clock.now().timestamp()
+        self._hold = Hold(now + seconds, reason, now)
+        log.warning("reconcile held until %s by an operator: %s", _iso(self._hold.until), reason or "(no reason)")
+        return self._hold
+
+    def release(self) -> Hold | None:
+        old, self._hold = self.current(), None
+        if old is not None:
+            log.info("reconcile hold released")
+        return old
+
+    def current(self) -> Hold | None:
+        if self._hold is not None and self._clock.now().timestamp() >= self._hold.until:
+            log.info("reconcile hold expired")
+            self._hold = None
+        return self._hold
+
+
+class MeshHandle:
+    """Holds the desired model and converges the `Converger` to it; one per daemon."""
+
+    def __init__(self, converger: Converger, desired: DesiredState,
+                 on_desired_changed: Callable[[DesiredState], None] | None = None,
+                 hold: ReconcileHold | None = None) -> None:
+        self.converger = converger
+        self.store = DesiredStore(desired, on_desired_changed)
+        self.hold = hold or ReconcileHold()
+        self.held: list[Correction] = []  # what the last held converge would have corrected
+
+    def get_desired(self) -> DesiredState:
+        return self.store.value
+
+    def set_desired(self, desired: DesiredState) -> None:
+        self.store.replace(desired)
+
+    async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
+        """Converge the machine; while held, only plan (the result has dry_run=True and `held` is set)."""
+        held = not dry_run and self.hold.current() is not None
+        result = await self.converger.converge(self.store.value, dry_run=dry_run or held)
+        if held:
+            self.held = result.corrections()
+            if self.held:
+                log.warning("reconcile held: not correcting %d item(s): %s", len(self.held),
+                            "; ".join(str(c) for c in self.held))
+        elif not dry_run:
+            self.held = []
+        return result
+
+    async def peers_on_device(self) -> tuple[int, int] | None:
+        """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""
+        device = await self.converger.wireguard.observe()
+        if device is None:
+            return None
+        now = time.time()
+        recent = sum(1 for p in device.peers.values() if p.last_handshake and now - p.last_handshake < 180)
+        return len(device.peers), recent
+
+
+@dataclass(frozen=True)
+class PulledState:
+    """A state pull and the desired model's sequence number when it was requested (see `plexd.desired_store`)."""
+
+    state: State
+    since: int
+
+
+def state_fetcher(mesh: MeshHandle, fetch: Callable[[], Awaitable[State]]) -> Callable[[], Awaitable[PulledState]]:
+    async def fetch_state() -> PulledState:
+        since = mesh.store.mark()  # before the request: any event applied from now on is replayed on top
+        return PulledState(await fetch(), since)
+
+    return fetch_state
+
+
+def state_applier(mesh: MeshHandle, verifier: Verifier | None,
+                  data_dir: Path | None) -> Callable[[PulledState], list[Correction]]:
+    """`apply_state` for the reconciler: replace the desired model (replaying the events applied while the pull
+    was in flight), install new signing keys (reported). Without a verifier (a dry run) no key is installed."""
+
+    def apply(pulled: PulledState) -> list[Correction]:
+        state = pulled.state
+        corrections: list[Correction] = []
+        keys = state.signing_keys
+        if verifier is not None and keys is not None and keys.current:
+            old = verifier.keys
+            try:
+                if apply_signing_keys(verifier, data_dir, keys):
+                    detail = f"signing keys rotated: current {key_fingerprint(keys.current)}"
+                    if old is not None:
+                        detail += f" (was {key_fingerprint(old.current)})"
+                    corrections.append(Correction("signing_keys_updated", detail))
+            except InvalidSigningKeys as exc:
+                log.error("state carries unusable signing keys, keeping the current ones: %s", exc)
+        replayed = mesh.store.replace_from_pull(lambda d: d.with_state(state), pulled.since)  # StalePull: re-pull
+        if replayed:
+            log.info("state pull applied with %d event(s) that arrived during it replayed on top: %s",
+                     len(replayed), ", ".join(replayed))
+        return corrections
+
+    return apply
+
+
+def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str) -> Verifier:
+    """The verifier with the persisted key (the file wins, §5.4) and the persisted nonce store."""
+    data_dir = Path(data_dir)
+    key = load_signing_key(data_dir) or fallback_key
+    verifier = Verifier(None, NonceStore(clock, data_dir / datadir.NONCES), clock)
+    try:
+        verifier.set_keys(SigningKeys(current=key))
+    except InvalidSigningKeys as exc:
+        # Every event will be refused until the first state pull brings a usable key; say so once, loudly.
+        log.error("stored signing key unusable (%s); events are refused until the control plane sends one", exc)
+    return verifier
+
+
+# -- the mirror of the desired model ----------------------------------------------------------------------------
+
+
+def load_mirror(data_dir: Path | str, private_key: str) -> DesiredState | None:
+    path = Path(data_dir) / datadir.DESIRED_MIRROR
+    try:
+        return DesiredState.from_json(json.loads(path.read_text()), private_key=private_key)
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # a torn or foreign file must not stop the daemon; the state pull replaces it
+        log.warning("ignoring unreadable desired-state mirror %s: %s", path, exc)
+        return None
+
+
+def _save_mirror(data_dir: Path, desired: DesiredState) -> None:
+    path = data_dir / datadir.DESIRED_MIRROR
+    try:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        write_atomic(path, json.dumps(desired.to_json(), separators=(",", ":")).encode())
+    except OSError as exc:
+        log.warning("cannot write the desired-state mirror %s: %s", path, exc)
+
+
+class MirrorWriter:
+    """Writes the desired-state mirror at most once per `delay` seconds, off the event path (serialising a
+    few hundred peers costs milliseconds, which would otherwise sit between an event and the device)."""
+
+    def __init__(self, data_dir: Path, delay: float = 1.0) -> None:
+        self.data_dir = data_dir
+        self.delay = delay
+        self._pending: DesiredState | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def changed(self, desired: DesiredState) -> None:
+        self._pending = desired
+        if self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(self.delay, self.flush)
+            except RuntimeError:  # no loop (a synchronous caller): write now
+                self.flush()
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        desired, self._pending = self._pending, None
+        if desired is not None:
+            _save_mirror(self.data_dir, desired)
+
+
+def initial_desired(config: Any, identity: Identity, *, restore: bool = True) -> tuple[DesiredState, bool]:
+    """The desired model at start: the interface settings from the config, peers and policies from the mirror
+    of the last run (when it belongs to this identity). Returns (model, restored from the mirror)."""
+    private_key = base64.b64encode(identity.private_key).decode()
+    initial = DesiredState.initial(interface=config.mesh.interface, listen_port=config.mesh.listen_port,
+                                   mtu=config.mesh.mtu, private_key=private_key, mesh_ip=identity.mesh_ip)
+    mirrored = load_mirror(config.data_dir, private_key) if restore else None
+    if mirrored is None or mirrored.mesh_ip != initial.mesh_ip:
+        return initial, False
+    # Peers and policies from the last run; the interface settings always come from the current config.
+    return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu), True
+
+
+def _iso(ts: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

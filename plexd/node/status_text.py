@@ -1,0 +1,68 @@
+"""`plexd status` for a person: the status document (plexd/node/control.py) as aligned lines."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+def _ago(ts: float | None, now: float) -> str:
+    if ts is None:
+        return "never"
+    seconds = max(0, int(now - ts))
+    if seconds < 120:
+        return f"{seconds}s ago"
+    if seconds < 7200:
+        return f"{seconds // 60}m ago"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m ago"
+
+
+def format_status(doc: dict[str, Any], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    node = doc.get("node", {})
+    lines = []
+    if node.get("registered"):
+        lines += ["registered:     yes", f"node id:        {node['node_id']}", f"mesh IP:        {node['mesh_ip']}"]
+    elif node.get("identity_problem"):
+        lines.append(f"registered:     no (stored identity unusable: {node['identity_problem']}; run 'plexd join')")
+    else:
+        lines.append("registered:     no (run 'plexd join')")
+    lines += [f"control plane:  {node.get('control_plane') or '(not configured)'}",
+              f"data dir:       {node.get('data_dir', '')}"]
+    daemon = doc.get("daemon", {})
+    if not daemon.get("running"):
+        lines.append("daemon:         not running (showing stored state; start it with 'plexd up')")
+        return "\n".join(lines)
+    lines.append(f"daemon:         running, pid {daemon['pid']}, up {int(daemon['uptime_seconds'])}s")
+    ev = doc["event_stream"]
+    last = (f", last event {ev['last_event_id']} {_ago(ev['last_event_at'], now)}" if ev["last_event_id"]
+            else ", no event yet")
+    lines.append(f"event stream:   {ev['state']} since {_ago(ev['since'], now)}{last}")
+    rec = doc["reconcile"]
+    if rec["hold"]:
+        h = rec["hold"]
+        lines.append(f"reconcile hold: until {h['until']} ({h['remaining_seconds']}s left): "
+                     f"{h['reason'] or 'no reason given'}")
+    if rec["last"] is None:
+        lines.append("last reconcile: none yet")
+    else:
+        r = rec["last"]
+        outcome = "ok" if r["ok"] else f"failed: {r['error']}"
+        lines.append(f"last reconcile: {_ago(r['at'], now)} ({', '.join(r['reasons'])}): {outcome}, "
+                     f"{len(r['corrections'])} correction(s), {len(r['updates'])} update(s), "
+                     f"{len(r['held'])} held")
+        lines += [f"                  corrected {c['type']}: {c['detail']}" for c in r["corrections"]]
+        lines += [f"                  held {c['type']}: {c['detail']}" for c in r["held"]]
+    hb = doc["heartbeat"]
+    hb_state = "none yet" if hb["ok"] is None else "ok" if hb["ok"] else f"failing ({hb['error']})"
+    lines.append(f"heartbeat:      {hb_state}, last {_ago(hb['last_at'], now)}")
+    peers = doc["peers"]
+    on_device = "no device" if peers["on_device"] is None else (
+        f"{peers['on_device']} on the device, {peers['recent_handshake']} with a recent handshake")
+    lines.append(f"peers:          {peers['desired']} desired, {on_device}"
+                 + (f", {peers['rejected']} rejected" if peers["rejected"] else ""))
+    lines.append("services:")
+    for svc in doc["services"]:
+        extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""
+        lines.append(f"  {svc['name']:<14} {svc['state']:<10} restarts {svc['restarts']}{extra}")
+    return "\n".join(lines)
