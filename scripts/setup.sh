@@ -28,6 +28,6 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
     echo "setup: creating .venv"
     python3 -m venv .venv
     .venv/bin/pip install -q --upgrade pip >/dev/null
-    .venv/bin/pip install -q -e '.[test]'
+    .venv/bin/pip install -q -e '.[test,devplane]'
     echo "$want" > "$stamp"
 fi
