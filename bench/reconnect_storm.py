@@ -64,12 +64,16 @@ async def main() -> None:
         clock = Clock()
         arrivals: list[list[float]] = [[] for _ in nodes]
         streams = []
+
+        async def _ignore(env) -> None:
+            return None
+
         for i, node in enumerate(nodes):
             data_dir = Path(tmp) / f"n{i}"
             data_dir.mkdir()
             verifier = Verifier(SigningKeys(current=node["signing_public_key"]), NonceStore(clock), clock)
             stream = EventStream(dp.url, node["node_id"], (lambda s=node["node_secret_key"]: s), data_dir, verifier,
-                                 lambda env: None, clock=clock,
+                                 _ignore, clock=clock,
                                  on_connected=(lambda i=i: arrivals[i].append(time.perf_counter())))
             streams.append(stream)
         tasks = [asyncio.create_task(s.run()) for s in streams]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,6 @@ import httpx
 
 import plexd
 from plexd import datadir
-from plexd.asyncutil import call_maybe_async
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.clock import Clock
@@ -45,7 +44,6 @@ POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full s
 RETRY_AFTER_MAX = 3600.0
 SEEN_IDS_MAX = 4096
 
-MaybeAwaitable = Any  # a plain value or an awaitable of it: callbacks may be sync or async
 
 
 def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> httpx.AsyncClient:
@@ -77,15 +75,15 @@ class EventStream:
         self,
         api: str,
         node_id: str,
-        token_provider: Callable[[], MaybeAwaitable],
+        token_provider: Callable[[], str],  # the current bearer (it changes after a re-registration)
         data_dir: Path | str,
         verifier: Verifier,
-        dispatch: Callable[[Envelope], MaybeAwaitable],
+        dispatch: Callable[[Envelope], Awaitable[None]],
         *,
         clock: Clock | None = None,
-        on_connected: Callable[[], MaybeAwaitable] | None = None,
-        on_auth_failure: Callable[[], MaybeAwaitable] | None = None,
-        poll: Callable[[], MaybeAwaitable] | None = None,
+        on_connected: Callable[[], None] | None = None,  # e.g. trigger a reconcile (must not block)
+        on_auth_failure: Callable[[], Awaitable[None]] | None = None,  # re-register after a 401
+        poll: Callable[[], None] | None = None,  # ask for a full state pull while the stream is down
         poll_interval: float = 60.0,
         client_factory: Callable[[], httpx.AsyncClient] = stream_http_client,
         backoff: Backoff | None = None,
@@ -254,7 +252,7 @@ class EventStream:
             self._mark_failing()
             if self._on_auth_failure is not None:
                 try:
-                    await call_maybe_async(self._on_auth_failure)
+                    await self._on_auth_failure()
                 except Exception as err:  # re-registration failing must not kill the stream loop
                     log.warning("re-authentication after 401 failed: %s", err)
             return self.backoff.next_delay()
@@ -297,7 +295,7 @@ class EventStream:
             return
         self.polls += 1
         try:
-            await call_maybe_async(self._poll)
+            self._poll()
         except Exception as exc:
             log.warning("polling the full state failed: %s", exc)
 
@@ -305,7 +303,7 @@ class EventStream:
     # One connection
 
     async def _headers(self) -> dict[str, str]:
-        token = await call_maybe_async(self._token)
+        token = self._token()
         headers = {
             "Accept": "text/event-stream",
             "Cache-Control": "no-cache",
@@ -354,7 +352,7 @@ class EventStream:
         log.info("event stream connected (resuming after %s)", self.last_event_id or "nothing")
         if self._on_connected is not None:
             try:
-                await call_maybe_async(self._on_connected)
+                self._on_connected()
             except Exception as exc:
                 log.warning("on_connected callback failed: %s", exc)
 
@@ -415,7 +413,7 @@ class EventStream:
                 return
             self._remember(env.event_id)
             try:
-                await call_maybe_async(self._dispatch, env)
+                await self._dispatch(env)
             except PlexdError as exc:
                 self._reject(env.event_id, "bad_payload", str(exc), env.event_type)
                 return

@@ -13,11 +13,10 @@ routed to a handler registered with `register()`; until one exists they are logg
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from plexd.asyncutil import call_maybe_async
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.desired_store import DesiredStore, Edit
@@ -26,7 +25,7 @@ from plexd.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fie
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Envelope], Any]
+Handler = Callable[[Envelope], Awaitable[None]]
 
 OWNED_ELSEWHERE = (
     "action_request",
@@ -86,8 +85,8 @@ class EventHandlers:
     def __init__(
         self,
         desired: DesiredStore,
-        request_converge: Callable[[str], Any],
-        trigger_reconcile: Callable[[str], Any],
+        request_converge: Callable[[str], Awaitable[None]],  # converge now; the argument says why
+        trigger_reconcile: Callable[[str], None],  # ask the reconciler for a full cycle (coalesced)
         verifier: Verifier,
         data_dir: Path | str | None = None,
     ) -> None:
@@ -118,7 +117,7 @@ class EventHandlers:
     async def dispatch(self, env: Envelope) -> None:
         handler = self._handlers.get(env.event_type)
         if handler is not None:
-            await call_maybe_async(handler, env)
+            await handler(env)
         elif env.event_type in OWNED_ELSEWHERE:
             log.info("event %s (%s) ignored: not supported by this plexd yet", env.event_id, env.event_type,
                      extra={"event_id": env.event_id, "event_type": env.event_type})
@@ -128,7 +127,7 @@ class EventHandlers:
 
     async def _update(self, env: Envelope, change: Edit) -> None:
         self._desired.edit(change, f"{env.event_type} {env.event_id}")
-        await call_maybe_async(self._converge, f"{env.event_type} {env.event_id}")
+        await self._converge(f"{env.event_type} {env.event_id}")
 
     async def _peer_upsert(self, env: Envelope) -> None:
         peer = _peer(env)
@@ -151,7 +150,7 @@ class EventHandlers:
 
     async def _reconcile_now(self, env: Envelope) -> None:
         log.info("event %s: %s, reconciling", env.event_id, env.event_type)
-        await call_maybe_async(self._reconcile, env.event_type)
+        self._reconcile(env.event_type)
 
     async def _signing_key_rotated(self, env: Envelope) -> None:
         keys = SigningKeys.from_wire(_payload_object(env), "payload")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd import gojson
-from plexd.asyncutil import call_maybe_async
 from plexd.clock import Clock
 from plexd.controlplane.client import HeartbeatRequest, MeshInfo, NatInfo
 
@@ -47,13 +46,13 @@ class HeartbeatService:
     def __init__(
         self,
         node_id: str,
-        send: Callable[[dict[str, Any]], Any],  # POSTs the body, returns the decoded JSON response
+        send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],  # POSTs the body, returns the response flags
         snapshot: Callable[[], HeartbeatSnapshot],
         *,
         clock: Clock | None = None,
         interval: float = 30.0,
-        trigger_reconcile: Callable[[str], Any] | None = None,
-        on_auth_failure: Callable[[], Any] | None = None,
+        trigger_reconcile: Callable[[str], None] | None = None,
+        on_auth_failure: Callable[[], Awaitable[None]] | None = None,
         uptime: Callable[[], float] | None = None,  # seconds since the daemon started; default: since this service
         refresh: Callable[[], Awaitable[None]] | None = None,  # read live values (the device) before a snapshot
     ) -> None:
@@ -104,7 +103,7 @@ class HeartbeatService:
             if self._refresh is not None:
                 await self._refresh()
             body = self.build()
-            response = await call_maybe_async(self._send, body)
+            response = await self._send(body)
         except Exception as exc:
             self.last_error = str(exc) or type(exc).__name__
             await self._failed(exc)
@@ -119,10 +118,10 @@ class HeartbeatService:
             log.warning("heartbeat response is not a JSON object: %r", response)
             return True
         if response.get("reconcile") is True:
-            await self._reconcile("heartbeat asked for reconcile")
+            self._reconcile("heartbeat asked for reconcile")
         if response.get("rotate_keys") is True:
             # WireGuard key rotation (§1.6) is not implemented yet; a reconcile fetches any new keys.
-            await self._reconcile("heartbeat asked for key rotation")
+            self._reconcile("heartbeat asked for key rotation")
         return True
 
     def status(self) -> dict[str, Any]:
@@ -130,9 +129,9 @@ class HeartbeatService:
                 "error": self.last_error, "consecutive_failures": self.consecutive_failures, "sent": self.sent,
                 "interval_seconds": self.interval}
 
-    async def _reconcile(self, reason: str) -> None:
+    def _reconcile(self, reason: str) -> None:
         if self._trigger_reconcile is not None:
-            await call_maybe_async(self._trigger_reconcile, reason)
+            self._trigger_reconcile(reason)
 
     async def _failed(self, exc: Exception) -> None:
         self.consecutive_failures += 1
@@ -141,7 +140,7 @@ class HeartbeatService:
             log.warning("heartbeat refused with 401; re-authenticating the node")
             if self._on_auth_failure is not None:
                 try:
-                    await call_maybe_async(self._on_auth_failure)
+                    await self._on_auth_failure()
                 except Exception as err:
                     log.warning("re-authentication after heartbeat 401 failed: %s", err)
             return

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from plexd import gojson
-from plexd.asyncutil import call_maybe_async
 from plexd.clock import Clock
 from plexd.correction import Correction
 from plexd.desired_store import StalePull
@@ -50,17 +49,35 @@ class CycleResult:
                 "drift_reported": self.reported}
 
 
+class Outcome(Protocol):
+    """What a converge returns (`plexd.converge.ConvergeResult`): the changes it made (or only planned, when
+    `dry_run` — also when an operator holds the reconciler)."""
+
+    @property
+    def changes(self) -> Sequence[Change]: ...
+
+    @property
+    def dry_run(self) -> bool: ...
+
+
+class Converge(Protocol):
+    def __call__(self, *, dry_run: bool = False) -> Awaitable[Outcome]: ...
+
+
 def corrections_of(changes: Iterable[Change | Correction] | None) -> list[Correction]:
     return [c if isinstance(c, Correction) else c.correction() for c in changes or ()]
 
 
-class Reconciler:
+S = TypeVar("S")  # what fetch_state returns and apply_state takes (plexd.node.mesh.PulledState)
+
+
+class Reconciler(Generic[S]):
     def __init__(
         self,
-        fetch_state: Callable[[], Any],
-        apply_state: Callable[[Any], Any],
-        converge: Callable[..., Any],
-        post_drift: Callable[[dict[str, Any]], Any],
+        fetch_state: Callable[[], Awaitable[S]],
+        apply_state: Callable[[S], Iterable[Correction] | None],  # replaces the desired model; may report changes
+        converge: Converge,
+        post_drift: Callable[[dict[str, Any]], Awaitable[None]],
         *,
         clock: Clock | None = None,
         interval: float = 60.0,
@@ -140,9 +157,9 @@ class Reconciler:
         error = ""
         if not skip_phase1:
             try:
-                result = await call_maybe_async(self._converge)
-                drift = corrections_of(getattr(result, "changes", None))
-                if getattr(result, "dry_run", False):  # held by an operator: planned, not applied
+                result = await self._converge()
+                drift = corrections_of(result.changes)
+                if result.dry_run:  # held by an operator: planned, not applied
                     held, drift = drift, []
                 if startup:
                     if drift:
@@ -154,19 +171,18 @@ class Reconciler:
                 error = f"converge failed: {exc}"
         updates: list[Correction] = []
         try:
-            state = await call_maybe_async(self._fetch_state)
+            state = await self._fetch_state()
         except Exception as exc:
             log.warning("reconcile (%s): fetching the state failed: %s", why, exc)
             error = error or f"fetching the state failed: {exc}"
         else:
             try:
-                updates = corrections_of(await call_maybe_async(self._apply_state, state))
-                converge_kwargs = {"dry_run": True} if dry_run else {}
-                result = await call_maybe_async(self._converge, **converge_kwargs)
-                if not dry_run and getattr(result, "dry_run", False):
-                    held += corrections_of(getattr(result, "changes", None))
+                updates = corrections_of(self._apply_state(state))
+                result = await self._converge(dry_run=dry_run)
+                if not dry_run and result.dry_run:
+                    held += corrections_of(result.changes)
                 else:
-                    updates += corrections_of(getattr(result, "changes", None))
+                    updates += corrections_of(result.changes)
             except StalePull as exc:
                 # Not applied (that would undo events); the model stays the events' own. Pull again at once.
                 log.warning("reconcile (%s): state pull overtaken by events, pulling again: %s", why, exc)
@@ -205,7 +221,7 @@ class Reconciler:
         while self._unsent:
             report = self._unsent[0]
             try:
-                await call_maybe_async(self._post_drift, report)
+                await self._post_drift(report)
             except Exception as exc:
                 log.warning("posting the drift report failed (%d pending, retried next cycle): %s",
                             len(self._unsent), exc)

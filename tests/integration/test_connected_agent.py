@@ -39,6 +39,7 @@ class FakeChange:
 class FakeResult:
     changes: tuple = ()
     errors: tuple = ()
+    dry_run: bool = False
 
 
 @dataclass

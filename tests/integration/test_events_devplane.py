@@ -87,7 +87,10 @@ class Consumer:
         self.dispatched: list[str] = []
         self.reconnects = 0
         self.reconciles: list[str] = []
-        self.handlers = EventHandlers(self.store, lambda why: None, self.reconciles.append, self.verifier, data_dir)
+        async def converge(why):
+            pass
+
+        self.handlers = EventHandlers(self.store, converge, self.reconciles.append, self.verifier, data_dir)
 
         async def dispatch(env):
             self.dispatched.append(env.event_id)
@@ -345,7 +348,10 @@ async def test_401_calls_reauthentication_and_keeps_going(devplane, node, tmp_pa
     node_id = node[0]
     devplane.admin.set_faults(events_status=401)
     auth = []
-    c = Consumer(devplane, node, tmp_path, on_auth_failure=lambda: auth.append(1))
+    async def reauthenticate():
+        auth.append(1)
+
+    c = Consumer(devplane, node, tmp_path, on_auth_failure=reauthenticate)
     async with c.running():
         await wait_for(lambda: len(auth) >= 2, what="repeated re-authentication")
         devplane.admin.clear_faults()
@@ -397,7 +403,10 @@ async def test_heartbeat_401_from_devplane(devplane, node):
                                    headers={"Authorization": "Bearer wrong-secret"})
             resp.raise_for_status()
             return resp.json()
-        hb = HeartbeatService(node_id, send, HeartbeatSnapshot, on_auth_failure=lambda: auth.append(1))
+        async def reauthenticate():
+            auth.append(1)
+
+        hb = HeartbeatService(node_id, send, HeartbeatSnapshot, on_auth_failure=reauthenticate)
         assert not await hb.beat()
     assert auth == [1]
 

@@ -77,6 +77,7 @@ class RecordingConverger:
         class Result:
             changes = ()
             errors = ()
+            dry_run = False
         return Result()
 
 
@@ -88,7 +89,10 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
     clock = Clock()
     verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                         NonceStore(clock), clock)
-    handlers = EventHandlers(mesh.store, lambda why: mesh.converge(), lambda why: None, verifier)
+    async def converge_now(why):
+        await mesh.converge()
+
+    handlers = EventHandlers(mesh.store, converge_now, lambda why: None, verifier)
 
     asked, answer = asyncio.Event(), asyncio.Event()
     existing, added = peer(2), peer(3)

@@ -41,7 +41,10 @@ class Harness:
         clock = FakeClock()
         self.verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                                  NonceStore(clock), clock)
-        self.handlers = EventHandlers(self.store, self.converges.append, self.reconciles.append, self.verifier,
+        async def converge(why):
+            self.converges.append(why)
+
+        self.handlers = EventHandlers(self.store, converge, self.reconciles.append, self.verifier,
                                       tmp_path)
 
     @property
@@ -130,7 +133,10 @@ async def test_unsupported_and_unknown_types(h, caplog):
     assert "event evt_a (action_request) ignored: not supported" in caplog.text
     assert any(r.levelno == logging.DEBUG and "evt_u" in r.getMessage() for r in caplog.records)
     seen = []
-    h.handlers.register("action_request", lambda e: seen.append(e.event_id))
+    async def handler(e):
+        seen.append(e.event_id)
+
+    h.handlers.register("action_request", handler)
     await h.handlers.dispatch(env("action_request", {}, event_id="evt_b"))
     assert seen == ["evt_b"]
 

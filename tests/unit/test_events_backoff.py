@@ -57,11 +57,14 @@ def make_stream(tmp_path, clock, server, **kw):
     def connected():
         calls["connected"] += 1
 
-    def auth():
+    async def auth():
         calls["auth"] += 1
 
     def poll():
         calls["poll"] += 1
+
+    async def record_event(env):
+        calls["events"].append(env.event_id)
 
     verifier = Verifier(SigningKeys(current=__import__("base64").b64encode(bytes(KEY.verify_key)).decode()),
                         NonceStore(clock), clock)
@@ -69,7 +72,7 @@ def make_stream(tmp_path, clock, server, **kw):
     kw.setdefault("storm_backoff", Backoff(rand=lambda: 0.5))
     stream = EventStream(
         "http://cp.test", "n_1", lambda: "secret-token", tmp_path, verifier,
-        lambda env: calls["events"].append(env.event_id),
+        record_event,
         clock=clock, on_connected=connected, on_auth_failure=auth, poll=poll,
         client_factory=lambda: httpx.AsyncClient(transport=httpx.MockTransport(server.handler)),
         **kw,

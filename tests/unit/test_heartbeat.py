@@ -20,8 +20,21 @@ class Refused(Exception):
         self.status = status
 
 
+def _async(fn):
+    """The service takes coroutine functions; these tests write plain functions."""
+    if fn is None or asyncio.iscoroutinefunction(fn):
+        return fn
+
+    async def call(*args):
+        return fn(*args)
+    return call
+
+
 def service(send, clock=None, **kw):
     clock = clock or FakeClock(NOW)
+    send = _async(send)
+    if "on_auth_failure" in kw:
+        kw["on_auth_failure"] = _async(kw["on_auth_failure"])
     snap = HeartbeatSnapshot(status="healthy", binary_checksum="ab" * 32, mesh=MeshInfo("plexd0", 3, 51820),
                              nat=NatInfo("203.0.113.10:51820", "full_cone"))
     return HeartbeatService("n_1", send, lambda: snap, clock=clock, **kw), clock
@@ -111,6 +124,7 @@ async def test_three_failures_warn_once_and_recovery_logged_once(caplog):
 
 async def test_async_sender():
     async def send(body):
+        await asyncio.sleep(0)
         return {"reconcile": False}
     hb, _ = service(send)
     assert await hb.beat()

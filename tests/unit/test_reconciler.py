@@ -26,6 +26,7 @@ class Change:
 @dataclass
 class Result:
     changes: list = field(default_factory=list)
+    dry_run: bool = False
 
 
 class World:
@@ -50,11 +51,11 @@ class World:
     async def converge(self, dry_run=False):
         if dry_run:
             self.dry_runs += 1
-            return Result(list(self.next_changes))
+            return Result(list(self.next_changes), dry_run=True)
         changes, self.next_changes = self.next_changes, []
         return Result(changes)
 
-    def post(self, report):
+    async def post(self, report):
         if self.fail_post:
             raise ConnectionError("no")
         self.drift.append(report)
