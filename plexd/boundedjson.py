@@ -9,6 +9,7 @@ only ever raises the project's own error types.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -39,6 +40,17 @@ def check_depth(text: str, what: str = "", limit: int = MAX_DEPTH) -> None:
         raise WireFormatError(what, f"JSON nested deeper than {limit} levels")
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def loads(text: str | bytes, what: str = "") -> Any:
     """json.loads for outside input: WireFormatError (naming `what`) for bad JSON or excessive nesting."""
     if isinstance(text, bytes | bytearray):
@@ -48,7 +60,7 @@ def loads(text: str | bytes, what: str = "") -> Any:
             raise WireFormatError(what, f"not valid UTF-8 at byte {exc.start}") from None
     check_depth(text, what)
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:
         raise WireFormatError(what, f"invalid JSON: {exc}") from None
     except RecursionError:  # belt and braces: the depth check should make this unreachable

@@ -8,6 +8,7 @@ checks each peer on its own so one bad peer never blocks the rest.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +44,11 @@ def _int(f: dict[str, JSON], key: str, path: str, default: int = 0) -> int:
     value = f.get(key)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or int(value) != value:
-        raise WireFormatError(_join(path, key), f"must be an integer, got {_kind(value)} {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value):
+        raise WireFormatError(_join(path, key), f"must be an integer, got {_kind(value)} {str(value)[:40]}")
+    if not -(2**63) <= value < 2**63:  # Go's int64
+        raise WireFormatError(_join(path, key), f"{str(value)[:40]} is out of range")
     return int(value)
 
 

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
 
 from plexd import boundedjson, gojson
+from plexd.controlplane.sse import valid_event_id
 from plexd.errors import WireFormatError
 
 _DECODER = json.JSONDecoder()
+_EVENT_TYPE = re.compile(r"[a-z][a-z0-9_]{0,63}")
+MAX_FIELD = 4096  # issued_at, nonce, signature: a few dozen characters on the wire
 _WS = " \t\n\r"
 
 
@@ -106,14 +110,24 @@ def parse_envelope(data: str) -> Envelope:
             return ""
         if not isinstance(value, str):
             raise WireFormatError(name, f"must be a string, got {type(value).__name__}")
+        if len(value) > MAX_FIELD:
+            raise WireFormatError(name, f"longer than {MAX_FIELD} characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise WireFormatError(name, "not valid UTF-8 (a lone surrogate escape)") from None
         return value
 
     event_type = string_field("event_type")
     event_id = string_field("event_id")
     if not event_type:
         raise WireFormatError("event_type", "missing")
+    if not _EVENT_TYPE.fullmatch(event_type):
+        raise WireFormatError("event_type", f"{event_type[:40]!r} is not a lower-case event name (a-z, 0-9, _)")
     if not event_id:
         raise WireFormatError("event_id", "missing")
+    if not valid_event_id(event_id):
+        raise WireFormatError("event_id", f"{event_id[:40]!r} is not 1-128 printable ASCII characters")
     issued_at = string_field("issued_at")
     if issued_at:
         try:

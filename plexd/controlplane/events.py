@@ -33,7 +33,7 @@ from plexd.clock import Clock
 from plexd.controlplane.client import _tls_context, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.signing import EventRejected, Verifier
-from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser
+from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser, valid_event_id
 from plexd.errors import PlexdError
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,18 @@ class EventStream:
         except OSError as exc:
             log.warning("cannot read %s (%s); starting the stream without a replay cursor", self._cursor_path(), exc)
             return None
+        if text and not valid_event_id(text):
+            log.warning("ignoring the stored event cursor in %s: not a usable event id (%r)", self._cursor_path(),
+                        text[:40])
+            return None
         return text or None
 
     def _advance_cursor(self, event_id: str | None) -> None:
         if event_id is None or event_id == self.last_event_id:
+            return
+        if not valid_event_id(event_id):
+            log.warning("event id %r is not usable as a replay cursor (1-128 printable ASCII characters); "
+                        "the cursor stays at %s", event_id[:40], self.last_event_id or "nothing")
             return
         self.last_event_id = event_id
         self.last_event_at = self._clock.now().timestamp()

@@ -8,16 +8,25 @@ event is never re-read in a loop.
 Rules (W3C subset, as the Go agent): lines end in LF or CRLF; ``:`` starts a comment; ``field: value`` with one
 optional space after the colon stripped; a line without a colon is a field with an empty value; several ``data``
 lines are joined with LF; a blank line ends the block; a block without data is dropped; ``event`` defaults to
-``message``; an ``id`` containing NUL is ignored; ``retry`` must be all digits.
+``message``; an ``id`` containing NUL is ignored; ``retry`` must be 1-10 ASCII digits. Whether an ``id`` is usable
+as a replay cursor (printable ASCII, bounded) is decided by `valid_event_id`.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # One event (all its lines) may not exceed 512 KiB. The Go agent dies on a 64 KiB line; legitimate events are a
 # few KiB. An oversize event is skipped, and the reconciler's full-state pull still brings whatever it carried.
 MAX_EVENT_BYTES = 512 * 1024
+MAX_EVENT_ID = 128
+_EVENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_EVENT_ID}}}")
+
+
+def valid_event_id(event_id: str | None) -> bool:
+    """An id we can persist and send back as ``Last-Event-ID``: 1-128 printable ASCII characters, no spaces."""
+    return event_id is not None and _EVENT_ID.fullmatch(event_id) is not None
 
 
 @dataclass(frozen=True)
@@ -91,7 +100,7 @@ class SSEParser:
                 self._id = value
         elif field == "event":
             self._event = value
-        elif field == "retry" and value.isdigit():
+        elif field == "retry" and value.isascii() and value.isdigit() and len(value) <= 10:
             self._retry = int(value)
         return None
 
