@@ -12,7 +12,8 @@ README (PROJECT-DECISIONS.md, Config row)::
     log_level: info                       # debug | info | warning | error
     data_dir: /var/lib/plexd
     mesh: {interface: plexd0, listen_port: 51820, mtu: 1420, userspace_implementation: wireguard-go,
-           backend: auto}                 # auto | kernel | userspace
+           backend: auto,                 # auto | kernel | userspace
+           allow_exit_routes: false}      # let a peer carry default routes (exit node)
     token: {value: "", file: /etc/plexd/bootstrap-token, env: PLEXD_BOOTSTRAP_TOKEN, use_metadata: false,
             metadata_url: "http://169.254.169.254"}
     registration: {hostname: "", metadata: {}, max_wait: 5m}
@@ -84,6 +85,8 @@ class MeshConfig:
     mtu: int = _f(1420, min=576, max=65535)
     userspace_implementation: str = _f("wireguard-go")
     backend: str = _f("auto", choices=("auto", "kernel", "userspace"))
+    # A peer may carry default routes (0/0, or pieces adding up to it) only when this is set (exit nodes).
+    allow_exit_routes: bool = _f(False)
 
 
 @dataclass(frozen=True)

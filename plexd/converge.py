@@ -96,8 +96,6 @@ class Converger:
 
     async def _converge(self, desired: DesiredState, dry_run: bool) -> ConvergeResult:
         errors: list[str] = []
-        for pid, reason in desired.rejected:
-            log.warning("peer %s skipped: %s", pid, reason, extra={"peer": pid})
         for pid, peer in desired.peers.items():
             self._names[peer.public_key] = pid
         desired, resolve_errors = await self._resolve_endpoints(desired)

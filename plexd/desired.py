@@ -11,16 +11,19 @@ private key; the caller passes it back in from the identity when loading.
 from __future__ import annotations
 
 import base64
+import binascii
+import functools
 import ipaddress
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from plexd import identity
+from plexd import identity, route_limits
 from plexd.mesh.wireguard import is_valid_key
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State
+from plexd.route_limits import RouteLimits
 
 DEFAULT_KEEPALIVE = 25  # seconds; keeps NAT mappings open and makes a new tunnel handshake without traffic
 
@@ -29,6 +32,8 @@ _HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
 # An IPv6 scope is an interface name or index. Python accepts any text after '%' (even a newline, which would
 # inject lines into the UAPI request), so only what an interface name can hold is let through.
 _SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
+_PEER_ID = re.compile(r"[\x21-\x7e]{1,128}")
+MAX_ALLOWED_IPS = 1024
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -68,29 +73,38 @@ def public_key_of(private_key: str) -> str:
     return identity.b64(identity.public_key_of(base64.b64decode(private_key)))
 
 
+def canonical_key(key: str) -> str:
+    """The one base64 spelling of a 32-byte key. Base64 has spare bits in its last character, so the same key
+    can arrive written several ways; WireGuard reports it one way, and comparing spellings would correct the
+    same peer forever. A string that is not a key is returned unchanged (validation names it)."""
+    try:
+        raw = base64.b64decode(key, validate=True)
+    except (binascii.Error, ValueError):
+        return key
+    return base64.b64encode(raw).decode() if len(raw) == 32 else key
+
+
 def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
     """The reason `peer` cannot be configured, or None when it is valid."""
     if not peer.id:
         return "peer has no id"
+    if not _PEER_ID.fullmatch(peer.id):
+        return f"peer id {peer.id[:40]!r} is not 1-128 printable ASCII characters"
+    if len(peer.allowed_ips) > MAX_ALLOWED_IPS:
+        return f"{len(peer.allowed_ips)} allowed IPs (at most {MAX_ALLOWED_IPS})"
+    if len(peer.endpoint) > 300:
+        return "endpoint longer than 300 characters"
     if not is_valid_key(peer.public_key):
         return f"public key {peer.public_key[:60]!r} is not base64 of 32 bytes"
     if own_public_key and peer.public_key == own_public_key:
         return "public key is this node's own key"
     if peer.psk and not is_valid_key(peer.psk):
         return "preshared key is not base64 of 32 bytes"
-    if peer.mesh_ip:
-        try:
-            ipaddress.ip_address(peer.mesh_ip)
-            if "%" in peer.mesh_ip:  # a scoped address: no use as a mesh IP, and the scope is free text
-                raise ValueError
-        except ValueError:
-            return f"mesh IP {peer.mesh_ip[:60]!r} is not an IP address"
+    # A scoped address ('%' and free text after it, which Python accepts) is no use as a mesh IP or a route.
+    if peer.mesh_ip and ("%" in peer.mesh_ip or route_limits.address(peer.mesh_ip) is None):
+        return f"mesh IP {peer.mesh_ip[:60]!r} is not an IP address"
     for ip in peer.allowed_ips:
-        try:
-            ipaddress.ip_network(ip, strict=False)
-            if "%" in ip:  # Python takes a scoped prefix (any text after '%'); WireGuard does not
-                raise ValueError
-        except ValueError:
+        if "%" in ip or route_limits.network(ip) is None:
             return f"allowed IP {ip[:60]!r} is not a CIDR"
     if not peer.allowed_ips and not peer.mesh_ip:
         return "peer has neither allowed IPs nor a mesh IP"
@@ -100,6 +114,95 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
         except ValueError as e:
             return str(e)
     return None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _endpoint_ip(endpoint: str) -> route_limits.IPAddress | None:
+    if not endpoint:
+        return None
+    try:
+        host = split_endpoint(endpoint)[0]
+    except ValueError:
+        return None
+    return route_limits.address(host.partition("%")[0])
+
+
+def _routes(peer: Peer) -> list[route_limits.IPNetwork]:
+    """The prefixes a peer is routed (its mesh IP when it lists none), as WireGuard's allowed IPs."""
+    texts = peer.allowed_ips or ((peer.mesh_ip,) if peer.mesh_ip else ())
+    nets = (route_limits.network(t) for t in texts)
+    return [n for n in nets if n is not None]
+
+
+def _wide(peer: Peer) -> list[route_limits.IPNetwork]:
+    nets = (route_limits.network(p) for p in peer.allowed_ips)
+    return [n for n in nets if n is not None and n.prefixlen <= route_limits.WIDE[n.version]]
+
+
+class _With(Mapping[route_limits.IPAddress, str]):
+    """`table` plus one entry, without copying the table."""
+
+    def __init__(self, table: Mapping[route_limits.IPAddress, str], key: route_limits.IPAddress, owner: str) -> None:
+        self._table, self._key, self._owner = table, key, owner
+
+    def __getitem__(self, key: route_limits.IPAddress) -> str:
+        return self._owner if key == self._key else self._table[key]
+
+    def __iter__(self) -> Iterator[route_limits.IPAddress]:
+        yield self._key
+        yield from (k for k in self._table if k != self._key)
+
+    def __len__(self) -> int:
+        return len(self._table) + (self._key not in self._table)
+
+
+class _RouteIndex:
+    """The accepted peers' endpoints, mesh addresses and wide prefixes, kept up to date as peers enter and leave
+    one `_with_peers` call, so that a full state of n peers is checked in O(n), not O(n²)."""
+
+    def __init__(self, peers: Mapping[str, Peer]) -> None:
+        self.keys: dict[str, str] = {}  # public key -> peer id
+        self.mesh_strings: dict[str, str] = {}  # mesh IP as written -> peer id
+        self.endpoints: dict[route_limits.IPAddress, str] = {}
+        self.routed: dict[route_limits.IPNetwork, str] = {}  # every prefix routed to a peer -> that peer
+        self.wide: dict[str, list[route_limits.IPNetwork]] = {}
+        for peer in peers.values():
+            self.add(peer)
+
+    def copy(self) -> _RouteIndex:
+        new = _RouteIndex({})
+        new.keys, new.mesh_strings = dict(self.keys), dict(self.mesh_strings)
+        new.endpoints, new.routed, new.wide = dict(self.endpoints), dict(self.routed), dict(self.wide)
+        return new
+
+    def add(self, peer: Peer) -> None:
+        self.keys[peer.public_key] = peer.id
+        if peer.mesh_ip:
+            self.mesh_strings[peer.mesh_ip] = peer.id
+        ip = _endpoint_ip(peer.endpoint)
+        if ip is not None:
+            self.endpoints.setdefault(ip, peer.id)
+        for net in _routes(peer):
+            self.routed.setdefault(net, peer.id)
+        wide = _wide(peer)
+        if wide:
+            self.wide[peer.id] = wide
+
+    def remove(self, peer: Peer) -> None:
+        if self.keys.get(peer.public_key) == peer.id:
+            del self.keys[peer.public_key]
+        if self.mesh_strings.get(peer.mesh_ip) == peer.id:
+            del self.mesh_strings[peer.mesh_ip]
+        ip = _endpoint_ip(peer.endpoint)
+        if ip is not None and self.endpoints.get(ip) == peer.id:
+            del self.endpoints[ip]
+        for net in _routes(peer):
+            if self.routed.get(net) == peer.id:
+                del self.routed[net]
+        self.wide.pop(peer.id, None)
+
+    def wide_nets(self) -> list[route_limits.IPNetwork]:
+        return [n for nets in self.wide.values() for n in nets]
 
 
 @dataclass(frozen=True)
@@ -118,6 +221,8 @@ class DesiredState:
     data: tuple[DataEntry, ...] = ()
     secret_refs: tuple[SecretRef, ...] = ()
     persistent_keepalive: int = DEFAULT_KEEPALIVE
+    route_limits: RouteLimits = field(default_factory=RouteLimits)  # machine facts, set by the node
+    refused_routes: tuple[tuple[str, str, str], ...] = ()  # (peer id, prefix, reason) dropped by the limits
 
     @classmethod
     def initial(cls, *, interface: str, listen_port: int, mtu: int, private_key: str, mesh_ip: str,
@@ -142,24 +247,94 @@ class DesiredState:
 
     def _with_peers(self, candidates: Iterable[Peer], base: Mapping[str, Peer],
                     base_rejected: Iterable[tuple[str, str]]) -> DesiredState:
+        """Add `candidates` to `base`, each checked on its own: keys canonical, the peer valid, its key and mesh
+        address its own, every prefix allowed by the route limits (a refused prefix is dropped, the rest kept)."""
         peers = dict(base)
         rejected = dict(base_rejected)
-        owner_of = {p.public_key: pid for pid, p in peers.items()}
+        candidates = [self._canonical(p) for p in candidates]
+        replaced = {p.id for p in candidates}
+        refused = [r for r in self.refused_routes if r[0] not in replaced and r[0] in peers]
+        index = self._route_index.copy() if base is self.peers else _RouteIndex({})
+        owner_of, mesh_owner = index.keys, index.mesh_strings
+        own_mesh = route_limits.address(self.mesh_ip)
         for peer in candidates:
             reason = validate_peer(peer, self.public_key)
-            owner = owner_of.get(peer.public_key)
-            if reason is None and owner is not None and owner != peer.id:
-                reason = f"public key is already used by peer {owner}"
             old = peers.pop(peer.id, None)
-            if old is not None and owner_of.get(old.public_key) == peer.id:
-                del owner_of[old.public_key]
+            if old is not None:
+                index.remove(old)
+            if reason is None:
+                reason = self._claims(peer, owner_of, mesh_owner)
+            if reason is None:
+                peer, dropped = self._limit_routes(peer, index, own_mesh)
+                refused += [(peer.id, prefix, why) for prefix, why in dropped]
+                if not peer.allowed_ips and dropped and not peer.mesh_ip:
+                    reason = "every allowed IP was refused: " + "; ".join(f"{p}: {w}" for p, w in dropped)
             if reason is None:
                 peers[peer.id] = peer
-                owner_of[peer.public_key] = peer.id
+                index.add(peer)
                 rejected.pop(peer.id, None)
             else:
                 rejected[peer.id or "(no id)"] = reason
-        return replace(self, peers=peers, rejected=tuple(sorted(rejected.items())))
+        new = replace(self, peers=peers, rejected=tuple(sorted(rejected.items())), refused_routes=tuple(refused))
+        new.__dict__["_route_index"] = index  # the next event's check starts from it (a copy), not from scratch
+        return new
+
+    @cached_property
+    def _route_index(self) -> _RouteIndex:
+        return _RouteIndex(self.peers)
+
+    @staticmethod
+    def _canonical(peer: Peer) -> Peer:
+        key, psk = canonical_key(peer.public_key), canonical_key(peer.psk) if peer.psk else ""
+        return peer if key == peer.public_key and psk == peer.psk else replace(peer, public_key=key, psk=psk)
+
+    def _claims(self, peer: Peer, owner_of: Mapping[str, str], mesh_owner: Mapping[str, str]) -> str | None:
+        """A key or mesh address that is not this peer's to take."""
+        owner = owner_of.get(peer.public_key)
+        if owner is not None and owner != peer.id:
+            return f"public key is already used by peer {owner}"
+        if peer.mesh_ip:
+            mesh = route_limits.address(peer.mesh_ip)
+            if mesh is not None and mesh == route_limits.address(self.mesh_ip):
+                return f"mesh IP {peer.mesh_ip} is this node's own"
+            owner = mesh_owner.get(peer.mesh_ip)
+            if owner is not None and owner != peer.id:
+                return f"mesh IP {peer.mesh_ip} already belongs to peer {owner}"
+            if mesh is not None and mesh in self.route_limits.protected:
+                return f"mesh IP {peer.mesh_ip} is the control plane's or this node's own network address"
+        return None
+
+    def _limit_routes(self, peer: Peer, index: _RouteIndex,
+                      own_mesh: route_limits.IPAddress | None) -> tuple[Peer, list[tuple[str, str]]]:
+        """The peer without the prefixes the route limits refuse, and those prefixes with the reason."""
+        prefixes = peer.allowed_ips or ((peer.mesh_ip,) if peer.mesh_ip else ())
+        own_endpoint = _endpoint_ip(peer.endpoint)  # its own endpoint counts too: routing it would loop
+        endpoints: Mapping[route_limits.IPAddress, str] = index.endpoints
+        if own_endpoint is not None and own_endpoint not in endpoints:
+            endpoints = _With(index.endpoints, own_endpoint, peer.id)
+        kept: list[str] = []
+        dropped: list[tuple[str, str]] = []
+        wide = list(index.wide_nets())
+        claimed: set[route_limits.IPNetwork] = set()
+        for prefix in prefixes:
+            net = route_limits.network(prefix)
+            if net is None:  # validate_peer refused such a peer already
+                continue
+            why = route_limits.refuse_prefix(net, self.route_limits, endpoints, index.routed, own_mesh, wide)
+            if why is None and net in claimed:
+                why = f"{net} is listed twice"
+            if why is None:
+                claimed.add(net)
+                kept.append(prefix)
+                if net.prefixlen <= route_limits.WIDE[net.version]:
+                    wide.append(net)
+            else:
+                dropped.append((prefix, why))
+        if not dropped:
+            return peer, []
+        if not peer.allowed_ips:  # the mesh IP was the route, and it was refused
+            return replace(peer, mesh_ip=""), dropped
+        return replace(peer, allowed_ips=tuple(kept)), dropped
 
     def with_state(self, state: State) -> DesiredState:
         """Full replace from `GET /state`: peers, policies, signing keys and node state."""
@@ -177,7 +352,15 @@ class DesiredState:
 
     def without_peer(self, peer_id: str) -> DesiredState:
         peers = {k: v for k, v in self.peers.items() if k != peer_id}
-        return replace(self, peers=peers, rejected=tuple(r for r in self.rejected if r[0] != peer_id))
+        return replace(self, peers=peers, rejected=tuple(r for r in self.rejected if r[0] != peer_id),
+                       refused_routes=tuple(r for r in self.refused_routes if r[0] != peer_id))
+
+    def with_route_limits(self, limits: RouteLimits) -> DesiredState:
+        """New limits (the control plane's address or the underlay changed): every peer is checked again."""
+        if limits == self.route_limits:
+            return self
+        peers = list(self.peers.values())
+        return replace(self, route_limits=limits, peers={}, refused_routes=())._with_peers(peers, {}, self.rejected)
 
     def with_peer_endpoint(self, peer_id: str, endpoint: str) -> DesiredState:
         peer = self.peers.get(peer_id)

@@ -79,6 +79,21 @@ class Links:
 
     # -- observe ------------------------------------------------------------------------------------------
 
+    async def underlay_addresses(self) -> set[str]:
+        """Every address of this machine outside the mesh interface (IPv6 link-local left out): what must never
+        be routed into the tunnel."""
+        return await asyncio.to_thread(self._underlay_addresses)
+
+    def _underlay_addresses(self) -> set[str]:
+        with self._ipr() as ipr:
+            try:
+                mesh = set(ipr.link_lookup(ifname=self.interface))
+                return {str(a.get("IFA_ADDRESS")) for a in ipr.get_addr()
+                        if a["index"] not in mesh and a.get("IFA_ADDRESS")
+                        and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
+            except NetlinkError as e:
+                raise LinkError(f"cannot list this machine's addresses: {e}") from None
+
     async def observe(self) -> LinkState | None:
         return await asyncio.to_thread(self._observe)
 

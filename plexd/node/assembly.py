@@ -33,6 +33,7 @@ from plexd.mesh.select import build_converger
 from plexd.node.control import add_control_routes
 from plexd.node.local_api import LocalAPI
 from plexd.node.mesh import MeshHandle, MirrorWriter, build_verifier, initial_desired, state_applier, state_fetcher
+from plexd.node.protected import ProtectedAddresses
 from plexd.node.supervisor import FatalError
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
@@ -78,7 +79,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     reconciler = Reconciler(
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
         state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
-        clock=agent.clock, interval=cfg.reconcile.interval)
+        clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals)
 
     async def converge_now(reason: str) -> None:
         result = await mesh.converge()
@@ -151,7 +152,8 @@ def _build_mesh(agent: Agent) -> MeshHandle:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
     converger = build_converger(cfg)
     mirror = MirrorWriter(Path(cfg.data_dir))
-    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed, hold=None)
+    protected = ProtectedAddresses(cfg.api.url, converger.links, allow_exit_routes=cfg.mesh.allow_exit_routes)
+    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed, protected=protected)
 
     async def teardown(agent: Agent) -> None:
         mirror.flush()

@@ -29,6 +29,8 @@ from plexd.desired import DesiredState
 from plexd.desired_store import DesiredStore
 from plexd.identity import Identity
 from plexd.model import SigningKeys, State
+from plexd.node.protected import ProtectedAddresses
+from plexd.route_limits import RouteLimits
 from plexd.services.event_handlers import apply_signing_keys
 
 log = logging.getLogger(__name__)
@@ -81,11 +83,43 @@ class MeshHandle:
 
     def __init__(self, converger: Converger, desired: DesiredState,
                  on_desired_changed: Callable[[DesiredState], None] | None = None,
-                 hold: ReconcileHold | None = None) -> None:
+                 hold: ReconcileHold | None = None, protected: ProtectedAddresses | None = None) -> None:
         self.converger = converger
         self.store = DesiredStore(desired, on_desired_changed)
         self.hold = hold or ReconcileHold()
+        self.protected = protected
         self.held: list[Correction] = []  # what the last held converge would have corrected
+        self._limits_known = protected is None
+        self._refusals_seen: set[tuple[str, ...]] = set()
+        self._refusals_new: list[Correction] = []
+
+    async def route_limits(self) -> RouteLimits:
+        """Re-read the protected addresses (before every state pull)."""
+        if self.protected is None:
+            return self.store.value.route_limits
+        limits = await self.protected.refresh()
+        self._limits_known = True
+        return limits
+
+    def _note_refusals(self, desired: DesiredState) -> None:
+        """Log each refused peer and route once, and queue it for the next drift report."""
+        for pid, reason in desired.rejected:
+            if ("peer", pid, reason) not in self._refusals_seen:
+                self._refusals_seen.add(("peer", pid, reason))
+                log.warning("peer %s skipped: %s", pid, reason, extra={"peer": pid})
+                self._refusals_new.append(Correction("peer_rejected", f"peer {pid}: {reason}"))
+        for pid, prefix, reason in desired.refused_routes:
+            if ("route", pid, prefix, reason) not in self._refusals_seen:
+                self._refusals_seen.add(("route", pid, prefix, reason))
+                log.warning("peer %s: allowed IP %s refused: %s", pid, prefix, reason, extra={"peer": pid})
+                self._refusals_new.append(Correction("allowed_ip_rejected", f"peer {pid}: {prefix} {reason}"))
+        if len(self._refusals_seen) > 10_000:  # bounded: forget, at worst a refusal is logged again
+            self._refusals_seen.clear()
+
+    def take_refusals(self) -> list[Correction]:
+        """Refusals not reported yet (the reconciler adds them to its drift report)."""
+        out, self._refusals_new = self._refusals_new, []
+        return out
 
     def get_desired(self) -> DesiredState:
         return self.store.value
@@ -95,6 +129,10 @@ class MeshHandle:
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held, only plan (the result has dry_run=True and `held` is set)."""
+        if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
+            limits = await self.route_limits()
+            self.store.replace(self.store.value.with_route_limits(limits))
+        self._note_refusals(self.store.value)
         held = not dry_run and self.hold.current() is not None
         result = await self.converger.converge(self.store.value, dry_run=dry_run or held)
         if held:
@@ -122,12 +160,14 @@ class PulledState:
 
     state: State
     since: int
+    limits: RouteLimits | None = None  # the protected addresses read just before the pull
 
 
 def state_fetcher(mesh: MeshHandle, fetch: Callable[[], Awaitable[State]]) -> Callable[[], Awaitable[PulledState]]:
     async def fetch_state() -> PulledState:
+        limits = await mesh.route_limits()
         since = mesh.store.mark()  # before the request: any event applied from now on is replayed on top
-        return PulledState(await fetch(), since)
+        return PulledState(await fetch(), since, limits)
 
     return fetch_state
 
@@ -151,7 +191,10 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None,
                     corrections.append(Correction("signing_keys_updated", detail))
             except InvalidSigningKeys as exc:
                 log.error("state carries unusable signing keys, keeping the current ones: %s", exc)
-        replayed = mesh.store.replace_from_pull(lambda d: d.with_state(state), pulled.since)  # StalePull: re-pull
+        def rebuild(d: DesiredState) -> DesiredState:
+            return (replace(d, route_limits=pulled.limits) if pulled.limits is not None else d).with_state(state)
+
+        replayed = mesh.store.replace_from_pull(rebuild, pulled.since)  # StalePull: pull again
         if replayed:
             log.info("state pull applied with %d event(s) that arrived during it replayed on top: %s",
                      len(replayed), ", ".join(replayed))

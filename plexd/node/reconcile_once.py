@@ -30,6 +30,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     from plexd.identity import IdentityStore
     from plexd.mesh.select import build_converger
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
+    from plexd.node.protected import ProtectedAddresses
     from plexd.services.reconciler import Reconciler
 
     loaded = IdentityStore(config.data_dir).load()
@@ -41,7 +42,8 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
     # hold the machine to, so only the pulled state is applied.
     desired, restored = initial_desired(config, ident)
-    mesh = MeshHandle(converger, desired)
+    protected = ProtectedAddresses(config.api.url, converger.links, allow_exit_routes=config.mesh.allow_exit_routes)
+    mesh = MeshHandle(converger, desired, protected=protected)
 
     if not dry_run:
         observed = await converger.observe()
@@ -57,7 +59,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
         # A dry run changes nothing local: no signing key installed or persisted.
         apply = state_applier(mesh, None, None) if dry_run else state_applier(mesh, verifier, Path(config.data_dir))
         fetch = state_fetcher(mesh, lambda: client.fetch_state(ident.node_id))
-        reconciler = Reconciler(fetch, apply, mesh.converge, post)
+        reconciler = Reconciler(fetch, apply, mesh.converge, post, refusals=mesh.take_refusals)
         result = await reconciler.run_once(dry_run=dry_run, drift_phase=restored)
     # The device belongs to the daemon: never stop or close a process this command did not start.
     doc = result.to_json()

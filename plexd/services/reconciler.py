@@ -40,12 +40,14 @@ class CycleResult:
     report: dict[str, Any] | None = None
     reported: bool = False  # the drift report reached the control plane
     held: list[Correction] = field(default_factory=list)  # not corrected: an operator holds the reconciler
+    refused: list[Correction] = field(default_factory=list)  # asked for by the control plane, refused (reported)
     at: float = 0.0  # unix time the cycle ended
 
     def to_json(self) -> dict[str, Any]:
         return {"at": self.at, "reasons": list(self.reasons), "ok": self.ok, "dry_run": self.dry_run,
                 "error": self.error, "corrections": [c.to_wire() for c in self.corrections],
                 "updates": [c.to_wire() for c in self.updates], "held": [c.to_wire() for c in self.held],
+                "refused": [c.to_wire() for c in self.refused],
                 "drift_reported": self.reported}
 
 
@@ -81,11 +83,13 @@ class Reconciler(Generic[S]):
         *,
         clock: Clock | None = None,
         interval: float = 60.0,
+        refusals: Callable[[], list[Correction]] | None = None,  # peers/routes refused since the last report
     ) -> None:
         self._fetch_state = fetch_state
         self._apply_state = apply_state
         self._converge = converge
         self._post_drift = post_drift
+        self._refusals = refusals
         self._clock = clock or Clock()
         self.interval = max(1.0, interval)
         self._wake = asyncio.Event()
@@ -195,7 +199,11 @@ class Reconciler(Generic[S]):
             self.failures += 1
         if dry_run:  # the plan: everything that would change
             return CycleResult(ok=not error, corrections=updates, error=error, reasons=reasons, dry_run=True)
-        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons, held=held)
+        # What the control plane asked for and we refused (a route into the tunnel, a stolen mesh address) is
+        # reported with the drift: it is the control plane's to fix.
+        refused = self._refusals() if self._refusals is not None else []
+        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons, held=held,
+                          refused=refused)
         if held:
             log.warning("reconcile (%s) held: %d item(s) not corrected: %s", why, len(held),
                         "; ".join(str(c) for c in held))
@@ -205,14 +213,15 @@ class Reconciler(Generic[S]):
         if drift:
             log.warning("reconcile (%s) corrected %d drift(s): %s", why, len(drift),
                         "; ".join(f"{c.type}: {c.detail}" for c in drift))
+        if drift or refused:
             out.report = {
                 # Go marshals time.Now() in the local zone here; any RFC 3339 zone is valid on the wire.
                 "timestamp": gojson.format_time(self._clock.now().astimezone()),
-                "corrections": [{"type": c.type, "detail": c.detail} for c in drift],
+                "corrections": [c.to_wire() for c in [*drift, *refused]],
             }
             self._unsent.append(out.report)
             del self._unsent[:-MAX_UNSENT_REPORTS]
-        if not error or drift:
+        if not error or drift or refused:
             await self._flush_reports()
         out.reported = out.report is not None and all(r is not out.report for r in self._unsent)
         return out

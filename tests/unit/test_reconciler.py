@@ -207,3 +207,15 @@ async def test_trigger_during_a_cycle_causes_one_more():
         assert w.fetches == 2
     finally:
         task.cancel()
+
+
+async def test_refused_peers_and_routes_are_reported_once_with_the_drift():
+    w = World()
+    pending = [[Correction("allowed_ip_rejected", "peer n_x: 0.0.0.0/0 a default route")], []]
+    r = Reconciler(w.fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW), refusals=lambda: pending.pop(0))
+    res = await r.run_once()
+    assert res.refused == [Correction("allowed_ip_rejected", "peer n_x: 0.0.0.0/0 a default route")]
+    assert w.drift[0]["corrections"] == [{"type": "allowed_ip_rejected",
+                                          "detail": "peer n_x: 0.0.0.0/0 a default route"}]
+    await r.run_once()
+    assert len(w.drift) == 1  # nothing new refused, no drift: no report

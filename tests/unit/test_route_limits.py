@@ -1,0 +1,144 @@
+"""What a control plane may not ask, valid signature or not: each refused for the offending peer or prefix, with
+the reason, while the rest applies (pure tests on the desired model, plus a property test)."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from nacl.public import PrivateKey
+
+from plexd.desired import DesiredState, canonical_key
+from plexd.model import Peer, State
+from plexd.route_limits import RouteLimits
+
+CP = ipaddress.ip_address("198.51.100.10")
+UNDERLAY = ipaddress.ip_address("192.0.2.5")
+LIMITS = RouteLimits(frozenset({CP, UNDERLAY}))
+
+
+def key() -> str:
+    return base64.b64encode(os.urandom(32)).decode()
+
+
+def model(limits: RouteLimits = LIMITS) -> DesiredState:
+    d = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, mesh_ip="10.100.0.1",
+                             private_key=base64.b64encode(bytes(PrivateKey.generate())).decode())
+    return d.with_route_limits(limits)
+
+
+def peer(n: int, *allowed: str, endpoint: str = "", mesh_ip: str | None = None, **kw) -> Peer:
+    mesh = f"10.100.0.{n}" if mesh_ip is None else mesh_ip
+    return Peer(id=f"n_{n}", public_key=kw.get("public_key") or key(), mesh_ip=mesh, endpoint=endpoint,
+                allowed_ips=allowed or (f"{mesh}/32",))
+
+
+def refused(d: DesiredState) -> dict[tuple[str, str], str]:
+    return {(pid, prefix): why for pid, prefix, why in d.refused_routes}
+
+
+def test_a_default_route_is_refused_the_rest_of_the_peer_applies():
+    d = model().with_peer(peer(2, "10.100.0.2/32", "0.0.0.0/0"))
+    assert d.peers["n_2"].allowed_ips == ("10.100.0.2/32",)
+    assert "a default route" in refused(d)[("n_2", "0.0.0.0/0")]
+    d = model().with_peer(peer(3, "10.100.0.3/32", "::/0"))
+    assert d.peers["n_3"].allowed_ips == ("10.100.0.3/32",) and ("n_3", "::/0") in refused(d)
+
+
+def test_a_default_route_split_in_halves_over_two_peers_is_refused():
+    d = model(RouteLimits()).with_state(State(peers=(peer(2, "10.100.0.2/32", "0.0.0.0/1"),
+                                                     peer(3, "10.100.0.3/32", "128.0.0.0/1"))))
+    routes = {p for x in d.peers.values() for p in x.allowed_ips}
+    assert not {"0.0.0.0/1", "128.0.0.0/1"} <= routes
+    assert any("amounts to a default route" in why for why in refused(d).values())
+
+
+def test_exit_routes_only_when_configured_and_never_over_the_control_plane():
+    limits = RouteLimits(frozenset({CP}), allow_exit_routes=True)
+    d = model(limits).with_peer(peer(2, "10.100.0.2/32", "0.0.0.0/0"))
+    # allowed as an exit route... except that 0/0 holds the control plane's address, which is never routed
+    assert "0.0.0.0/0" not in d.peers["n_2"].allowed_ips and "198.51.100.10" in refused(d)[("n_2", "0.0.0.0/0")]
+    d = model(RouteLimits(frozenset(), allow_exit_routes=True)).with_peer(peer(2, "10.100.0.2/32", "0.0.0.0/0"))
+    assert "0.0.0.0/0" in d.peers["n_2"].allowed_ips
+
+
+def test_the_control_plane_and_underlay_addresses_never_enter_the_tunnel():
+    d = model().with_state(State(peers=(peer(2, "10.100.0.2/32", "198.51.100.0/24"),
+                                        peer(3, "10.100.0.3/32", "192.0.2.5/32"))))
+    assert d.peers["n_2"].allowed_ips == ("10.100.0.2/32",) and d.peers["n_3"].allowed_ips == ("10.100.0.3/32",)
+    assert "198.51.100.10" in refused(d)[("n_2", "198.51.100.0/24")]
+    assert "192.0.2.5" in refused(d)[("n_3", "192.0.2.5/32")]
+    # a peer whose only route is a protected address (its mesh IP) is refused whole
+    d = model().with_peer(peer(4, mesh_ip="198.51.100.10"))
+    assert "n_4" not in d.peers and "control plane" in dict(d.rejected)["n_4"]
+
+
+def test_a_peers_endpoint_is_never_routed_into_the_tunnel():
+    a = peer(2, endpoint="203.0.113.7:51820")
+    d = model().with_state(State(peers=(a, peer(3, "10.100.0.3/32", "203.0.113.0/24"))))
+    assert d.peers["n_3"].allowed_ips == ("10.100.0.3/32",)
+    assert "endpoint 203.0.113.7 of peer n_2" in refused(d)[("n_3", "203.0.113.0/24")]
+    d = model().with_peer(peer(5, "10.100.0.5/32", "203.0.113.9/32", endpoint="203.0.113.9:51820"))
+    assert ("n_5", "203.0.113.9/32") in refused(d)  # its own endpoint: a routing loop
+
+
+def test_mesh_addresses_belong_to_one_peer():
+    a = peer(2)
+    d = model().with_state(State(peers=(a, peer(3, mesh_ip="10.100.0.2"), peer(4, mesh_ip="10.100.0.1"))))
+    rejected = dict(d.rejected)
+    assert set(d.peers) == {"n_2"}
+    assert rejected["n_3"] == "mesh IP 10.100.0.2 already belongs to peer n_2"
+    assert rejected["n_4"] == "mesh IP 10.100.0.1 is this node's own"
+    # the same prefix would move a's address to the thief (WireGuard keeps one owner per prefix)...
+    d = model().with_state(State(peers=(a, peer(6, "10.100.0.6/32", "10.100.0.2/32"))))
+    assert "claims 10.100.0.2/32, which is routed to peer n_2" in refused(d)[("n_6", "10.100.0.2/32")]
+    d = model().with_peer(peer(7, "10.100.0.7/32", "10.100.0.1/32"))
+    assert "this node's own mesh address" in refused(d)[("n_7", "10.100.0.1/32")]
+    # ...while a wider prefix takes nothing: the longest prefix wins, a's /32 stays a's
+    d = model().with_state(State(peers=(a, peer(5, "10.100.0.5/32", "10.100.0.0/24"))))
+    assert d.peers["n_5"].allowed_ips == ("10.100.0.5/32", "10.100.0.0/24") and d.refused_routes == ()
+
+
+def test_keys_written_differently_are_one_key():
+    raw = os.urandom(32)
+    canonical = base64.b64encode(raw).decode()
+    sloppy = canonical[:42] + "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"[
+        ("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/".index(canonical[42]) | 1)] + "="
+    assert base64.b64decode(sloppy) == raw  # the same 32 bytes
+    assert canonical_key(sloppy) == canonical
+    d = model().with_peer(peer(2, public_key=sloppy))
+    assert d.peers["n_2"].public_key == canonical  # what WireGuard reports: no endless peer_updated
+    d = d.with_peer(peer(3, public_key=canonical))
+    assert dict(d.rejected)["n_3"] == "public key is already used by peer n_2"
+    own = model()
+    assert dict(own.with_peer(peer(4, public_key=own.public_key)).rejected)["n_4"] == \
+        "public key is this node's own key"
+
+
+def test_a_removed_peer_takes_its_refusals_with_it():
+    d = model().with_peer(peer(2, "10.100.0.2/32", "0.0.0.0/0"))
+    assert d.refused_routes
+    assert d.without_peer("n_2").refused_routes == ()
+
+
+cidr = st.builds(lambda a, n: str(ipaddress.ip_network(f"{ipaddress.IPv4Address(a)}/{n}", strict=False)),
+                 st.integers(0, 2**32 - 1), st.integers(0, 32))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(cidr, min_size=1, max_size=4), min_size=1, max_size=8))
+def test_whatever_is_asked_no_accepted_route_covers_a_protected_address_or_half_the_space(routes):
+    d = model().with_state(State(peers=tuple(peer(i + 2, *r) for i, r in enumerate(routes))))
+    accepted = [ipaddress.ip_network(p) for x in d.peers.values() for p in x.allowed_ips]
+    for net in accepted:
+        assert CP not in net and UNDERLAY not in net
+    assert len(accepted) == len(set(accepted))  # one owner per prefix
+    wide = [n for n in accepted if n.prefixlen <= 16]
+    assert sum(n.num_addresses for n in ipaddress.collapse_addresses(wide)) < 2**31
+    # every asked-for prefix is either routed or named as refused
+    for x, r in zip(d.peers.values(), routes, strict=False):
+        named = {p for pid, p, _ in d.refused_routes if pid == x.id}
+        assert set(r) <= set(x.allowed_ips) | named
