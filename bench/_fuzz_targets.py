@@ -1,0 +1,155 @@
+"""Fuzz targets: every parser of outside input, each with a hypothesis strategy and the property it must keep.
+
+Shared by the test suite (tests/unit/test_fuzz_parsers.py, a few hundred cases each) and the long run
+(`python -m bench fuzz_parsers`, 100,000 cases each). The property is the same everywhere: any input gives a
+value or the project's own error type (WireFormatError, ConfigError, ...), never another exception, and what
+is accepted stays within its bounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from hypothesis import strategies as st
+
+from plexd import boundedjson
+from plexd.controlplane.client import RETRY_AFTER_CAP, parse_retry_after
+from plexd.controlplane.envelope import parse_envelope
+from plexd.controlplane.sse import SSEParser, valid_event_id
+from plexd.desired import DesiredState, split_endpoint
+from plexd.errors import PlexdError, WireFormatError
+from plexd.model import Peer, RegisterResponse, State
+
+NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+_KEY = "x" * 43 + "="
+
+# JSON-ish values, with the characters that break parsers: control characters, lone surrogates, big numbers.
+_text = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=40)
+_scalars = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+                     st.floats(allow_nan=False, allow_infinity=False), _text)
+json_values = st.recursive(_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=5), st.dictionaries(_text, inner, max_size=5)), max_leaves=20)
+_peer_keys = st.sampled_from(["id", "public_key", "mesh_ip", "endpoint", "allowed_ips", "psk", "ID", "Endpoint"])
+peer_like = st.dictionaries(_peer_keys, st.one_of(json_values, st.lists(_text, max_size=3),
+                                                 st.sampled_from(["10.100.0.2", "10.0.0.0/8", "0.0.0.0/0",
+                                                                  "[::1]:51820", "1.2.3.4:51820", _KEY]))
+                            , max_size=7)
+json_texts = st.one_of(json_values.map(lambda v: json.dumps(v, ensure_ascii=False)), st.text(max_size=200),
+                       st.sampled_from(["NaN", "[Infinity]", "1e999", "[" * 100 + "]" * 100, '{"a":"\\ud800"}']))
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    strategy: st.SearchStrategy[Any]
+    check: Callable[[Any], None]  # raises AssertionError when the property is broken
+
+
+def _only(errors: tuple[type[BaseException], ...], fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except errors:
+        return None
+
+
+def check_json(text: str) -> None:
+    _only((WireFormatError,), lambda: boundedjson.loads(text, "doc"))
+
+
+def check_envelope(text: str) -> None:
+    env = _only((WireFormatError,), lambda: parse_envelope(text))
+    if env is not None:
+        assert valid_event_id(env.event_id)
+        if env.issued_at:  # the verifier refuses a missing issued_at before it builds the signed bytes
+            env.canonical_bytes()  # which must always encode
+        _only((WireFormatError,), env.payload)
+
+
+def check_sse(chunks: list[bytes]) -> None:
+    parser = SSEParser(max_event_bytes=4096)
+    for chunk in chunks:
+        for event in parser.feed(chunk):
+            assert event.oversize or len(event.data.encode("utf-8", "surrogatepass")) <= 4096 * 4
+            assert event.retry is None or 0 <= event.retry < 10**10
+
+
+def check_retry_after(value: str) -> None:
+    got = parse_retry_after(value, NOW)
+    assert got is None or 0.0 <= got <= RETRY_AFTER_CAP
+
+
+def check_peer(obj: Any) -> None:
+    peer = _only((WireFormatError,), lambda: Peer.from_wire(obj, "peer"))
+    if peer is not None:
+        d = _MODEL.with_peer(peer)  # the model refuses what it cannot use, it never raises
+        for p in d.peers.values():
+            split_endpoint(p.endpoint) if p.endpoint else None
+            p.public_key.encode("ascii")
+
+
+def check_state(obj: Any) -> None:
+    state = _only((WireFormatError,), lambda: State.from_wire(obj, "state"))
+    if state is not None:
+        _MODEL.with_state(state)
+
+
+def check_register(obj: Any) -> None:
+    _only((WireFormatError,), lambda: RegisterResponse.from_wire(obj))
+
+
+def check_endpoint(text: str) -> None:
+    _only((ValueError,), lambda: split_endpoint(text))
+
+
+def check_config(text: str) -> None:
+    from plexd import config
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        f.write(text)
+    try:
+        _only((PlexdError,), lambda: config.load(f.name, env={}))
+    finally:
+        os.unlink(f.name)
+
+
+def _model() -> DesiredState:
+    import base64
+
+    return DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, mesh_ip="10.100.0.1",
+                                private_key=base64.b64encode(bytes(range(32))).decode())
+
+
+_MODEL = _model()
+_yaml_texts = st.one_of(
+    st.text(max_size=200),
+    st.dictionaries(st.sampled_from(["api", "mesh", "data_dir", "log_level", "reconcile", "node_api", "x"]),
+                    json_values, max_size=4).map(lambda d: json.dumps(d)),
+    st.sampled_from(["mesh: {listen_port: 99999999999999999999}", "reconcile: {interval: 1e999h}",
+                     "mesh: [1, 2]", "!!python/object:os.system {}", "a: &a [*a]", "{" * 200]),
+)
+
+TARGETS = [
+    Target("json", json_texts, check_json),
+    Target("envelope", st.one_of(json_texts, st.builds(
+        lambda t, i, p: json.dumps({"event_type": t, "event_id": i, "payload": p, "nonce": i}, ensure_ascii=False),
+        _text, _text, json_values)), check_envelope),
+    Target("sse", st.lists(st.binary(max_size=300) | st.sampled_from(
+        [b"data: x\n\n", b"retry: 99999999999999999999\n", "retry: \u0661\u0662\n".encode(), b"id: a\x00b\n",
+         b"\r\n", b":ping\n", b"data:" + b"x" * 5000 + b"\n\n"]), max_size=12), check_sse),
+    Target("retry_after", st.one_of(st.text(max_size=60), st.integers(-(2**80), 2**80).map(str),
+                                    st.sampled_from(["Fri, 31 Dec 9999 23:59:59 GMT", "9" * 5000])), check_retry_after),
+    Target("peer", st.one_of(peer_like, json_values), check_peer),
+    Target("state", st.one_of(st.fixed_dictionaries({"peers": st.lists(peer_like, max_size=6)}), json_values),
+           check_state),
+    Target("register_response", st.one_of(json_values, st.dictionaries(st.sampled_from(
+        ["node_id", "mesh_ip", "signing_public_key", "node_secret_key", "peers"]), json_values)), check_register),
+    Target("endpoint", st.one_of(st.text(max_size=60), st.sampled_from(["[fe80::1%eth0]:1", "[::1%\n]:5", "a:0"])),
+           check_endpoint),
+    Target("config", _yaml_texts, check_config),
+]
