@@ -25,6 +25,9 @@ from typing import Any
 
 from plexd.agent import Agent
 from plexd.backoff import Backoff
+from plexd.clock import Clock
+from plexd.config import Config
+from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.signing import Verifier
@@ -153,7 +156,11 @@ def _build_mesh(agent: Agent) -> MeshHandle:
     converger = build_converger(cfg)
     mirror = MirrorWriter(Path(cfg.data_dir))
     protected = ProtectedAddresses(cfg.api.url, converger.links, allow_exit_routes=cfg.mesh.allow_exit_routes)
-    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed, protected=protected)
+    # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
+    # as new as the mirror, which is written a moment after each change; it is left as it is until the first
+    # state pull. Without a live device the mirror brings the interface and the last known peers up.
+    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed, protected=protected, known=False,
+                      persist=mirror.flush)
 
     async def teardown(agent: Agent) -> None:
         mirror.flush()
@@ -196,8 +203,8 @@ async def announce_capabilities(agent: Agent) -> None:
         await agent.sleep(delay)
 
 
-async def run(config: Any, *, clock: Any = None, stop_event: asyncio.Event | None = None, client: Any = None,
-              assemble: Callable[[Agent], Node] = assemble) -> int:
+async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio.Event | None = None,
+              client: ControlPlaneClient | None = None, assemble: Callable[[Agent], Node] = assemble) -> int:
     """``plexd up``: the lifecycle with this assembly."""
     from plexd import agent as lifecycle
 

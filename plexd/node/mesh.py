@@ -83,9 +83,15 @@ class MeshHandle:
 
     def __init__(self, converger: Converger, desired: DesiredState,
                  on_desired_changed: Callable[[DesiredState], None] | None = None,
-                 hold: ReconcileHold | None = None, protected: ProtectedAddresses | None = None) -> None:
+                 hold: ReconcileHold | None = None, protected: ProtectedAddresses | None = None,
+                 known: bool = True, persist: Callable[[], None] | None = None) -> None:
         self.converger = converger
         self.store = DesiredStore(desired, on_desired_changed)
+        # False when the peers are unknown (no mirror of the last run and no state pull yet): a live device is
+        # then left as it is, rather than emptied, until the control plane answers.
+        self.known = known
+        self.persist = persist  # write the mirror now (after a state pull), not a second later
+        self._told_unknown = False
         self.hold = hold or ReconcileHold()
         self.protected = protected
         self.held: list[Correction] = []  # what the last held converge would have corrected
@@ -106,8 +112,9 @@ class MeshHandle:
         for pid, reason in desired.rejected:
             if ("peer", pid, reason) not in self._refusals_seen:
                 self._refusals_seen.add(("peer", pid, reason))
-                log.warning("peer %s skipped: %s", pid, reason, extra={"peer": pid})
-                self._refusals_new.append(Correction("peer_rejected", f"peer {pid}: {reason}"))
+                shown = printable(pid)  # an id from outside, refused maybe for being unprintable
+                log.warning("peer %s skipped: %s", shown, reason, extra={"peer": shown})
+                self._refusals_new.append(Correction("peer_rejected", f"peer {shown}: {reason}"))
         for pid, prefix, reason in desired.refused_routes:
             if ("route", pid, prefix, reason) not in self._refusals_seen:
                 self._refusals_seen.add(("route", pid, prefix, reason))
@@ -133,6 +140,12 @@ class MeshHandle:
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
         self._note_refusals(self.store.value)
+        if not self.known and not dry_run and (await self.converger.observe()).device is not None:
+            if not self._told_unknown:
+                self._told_unknown = True
+                log.info("the WireGuard device %s is already up: keeping it as it is until the control plane's "
+                         "state arrives", self.store.value.interface)
+            return await self.converger.converge(self.store.value, dry_run=True)
         held = not dry_run and self.hold.current() is not None
         result = await self.converger.converge(self.store.value, dry_run=dry_run or held)
         if held:
@@ -195,6 +208,9 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None,
             return (replace(d, route_limits=pulled.limits) if pulled.limits is not None else d).with_state(state)
 
         replayed = mesh.store.replace_from_pull(rebuild, pulled.since)  # StalePull: pull again
+        mesh.known = True
+        if mesh.persist is not None:
+            mesh.persist()
         if replayed:
             log.info("state pull applied with %d event(s) that arrived during it replayed on top: %s",
                      len(replayed), ", ".join(replayed))
@@ -277,6 +293,12 @@ def initial_desired(config: Any, identity: Identity, *, restore: bool = True) ->
         return initial, False
     # Peers and policies from the last run; the interface settings always come from the current config.
     return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu), True
+
+
+def printable(text: str, limit: int = 80) -> str:
+    """Outside text made safe to log and report: non-printable characters and lone surrogates escaped."""
+    out = text[:limit].encode("ascii", "backslashreplace").decode("ascii")
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in out) + ("…" if len(text) > limit else "")
 
 
 def _iso(ts: float) -> str:

@@ -43,7 +43,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     # hold the machine to, so only the pulled state is applied.
     desired, restored = initial_desired(config, ident)
     protected = ProtectedAddresses(config.api.url, converger.links, allow_exit_routes=config.mesh.allow_exit_routes)
-    mesh = MeshHandle(converger, desired, protected=protected)
+    mesh = MeshHandle(converger, desired, protected=protected, known=restored)
 
     if not dry_run:
         observed = await converger.observe()

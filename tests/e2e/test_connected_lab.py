@@ -9,152 +9,26 @@ devplane on the lab bridge.
 
 from __future__ import annotations
 
-import base64
 import ipaddress
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from nacl.public import PrivateKey
-
-from plexd.devplane.harness import Devplane
-from plexd.lab import Lab, LabNode
-
-PLEXD = str(Path(sys.executable).with_name("plexd"))
-
-
-class Daemon:
-    def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str,
-                 extra_config: str = "", env: dict[str, str] | None = None) -> None:
-        self.lab = lab
-        self.node = node
-        self.dir = workdir / node.name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        (self.dir / "token").write_text(dp.admin.create_token())
-        self.config = self.dir / "config.yaml"
-        self.config.write_text(
-            f"api: {dp.url}\ndata_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
-            f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
-            f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
-            "registration: {hostname: " + node.name + "}\n"
-            f"node_api: {{socket_path: {self.dir / 'api.sock'}}}\n" + extra_config)
-        self.extra_env = env or {}
-        self.runs = 0
-        self._start()
-
-    def _start(self) -> None:
-        self.runs += 1
-        self.log_path = self.dir / ("plexd.log" if self.runs == 1 else f"plexd-{self.runs}.log")
-        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **self.extra_env}
-        self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
-                                   stderr=subprocess.STDOUT)
-
-    def restart(self) -> None:
-        self.stop()
-        self._start()
-
-    def stop(self) -> float:
-        """SIGTERM, wait for the exit (SIGKILL after 20 s); returns how long the shutdown took."""
-        start = time.monotonic()
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        if not self.log.closed:
-            self.log.close()
-        return time.monotonic() - start
-
-    def logged(self) -> str:
-        return self.log_path.read_text()
-
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        """`plexd ARGS` with this daemon's config, in its node (as an operator on that machine would)."""
-        res = self.lab.exec(self.node, ["env", f"PLEXD_CONFIG={self.config}", PLEXD, *args], check=False)
-        if check and res.returncode != 0:
-            raise AssertionError(f"plexd {' '.join(args)} exited {res.returncode}: {res.stderr}")
-        return res
-
-    def status(self) -> dict:
-        return json.loads(self.cli("status", "--json").stdout)
-
-    def mesh_ip(self) -> str | None:
-        ident = self.dir / "data" / "identity.json"
-        return json.loads(ident.read_text())["mesh_ip"] if ident.exists() else None
-
-    def node_id(self) -> str | None:
-        ident = self.dir / "data" / "identity.json"
-        if not ident.exists():
-            return None
-        import json
-
-        return json.loads(ident.read_text())["node_id"]
-
-
-def wg_peers(lab: Lab, node: LabNode) -> dict[str, str]:
-    """public key -> endpoint, as `wg show plexd0 dump` sees the live device."""
-    out = lab.exec(node, ["wg", "show", "plexd0", "dump"], check=False)
-    if out.returncode != 0:
-        return {}
-    lines = out.stdout.splitlines()[1:]
-    return {f[0]: f[2] for f in (line.split("\t") for line in lines)}
-
-
-def wait_until(pred, timeout: float, what: str, daemons=()) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if pred():
-            return time.monotonic() - start
-        time.sleep(0.1)
-    logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}" for d in daemons)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
-
-
-@pytest.fixture
-def lab_dp(tmp_path, request):
-    lab = Lab().up(getattr(request, "param", 3))
-    dp = None
-    daemons: list[Daemon] = []
-    try:
-        dp = Devplane(tmp_path / "dp", listen=f"{lab.bridge_address}:0", keepalive="5s")
-        dp.start()
-        yield lab, dp, daemons, tmp_path
-    finally:
-        for d in daemons:
-            d.stop()
-        if dp is not None:
-            dp.stop()
-        lab.down()
-        assert lab.leaks() == []
-
-
-def start_mesh(lab, dp, daemons, tmp_path, reconcile: str, count: int = 3) -> None:
-    for node in lab.nodes[:count]:
-        daemons.append(Daemon(lab, node, dp, tmp_path, reconcile))
-    keys = lambda: {n["public_key"] for n in dp.admin.nodes()}  # noqa: E731
-    wait_until(lambda: len(dp.admin.nodes()) == count, 30, "registration", daemons)
-    for d in daemons:
-        wait_until(lambda d=d: len(wg_peers(lab, d.node)) == count - 1 and set(wg_peers(lab, d.node)) < keys(),
-                   30, f"{d.node.name} to list the other nodes", daemons)
-
-
-def register_ghost(dp: Devplane, hostname: str) -> tuple[dict, str]:
-    """A node that exists only in the control plane (no tunnel, so no handshake protects its endpoint)."""
-    token = dp.admin.create_token()
-    pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
-    r = httpx.post(f"{dp.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
-                   json={"token": token, "public_key": pub, "hostname": hostname}, timeout=10)
-    r.raise_for_status()
-    return r.json(), pub
+from lab_daemon import (
+    Daemon,
+    ping_count,
+    pinging_pair,
+    publish_endpoints,
+    register_ghost,
+    start_mesh,
+    wait_until,
+    wg_endpoint,
+    wg_peers,
+    wireguard_go_pids,
+)
 
 
 def test_admin_actions_reach_every_device_through_the_stream(lab_dp):
@@ -228,10 +102,6 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     assert route_c.removesuffix("/32") in routes
 
 
-def wg_endpoint(lab: Lab, node: LabNode, key: str) -> str | None:
-    return wg_peers(lab, node).get(key)
-
-
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
 def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
     """A real `plexd up` restarted with its data_dir: it resumes after its Last-Event-ID (the event published
@@ -280,31 +150,13 @@ def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
 SERVICES = ("reconciler", "events", "heartbeat", "local_api")
 
 
-def publish_endpoints(dp: Devplane, daemons) -> None:
-    """The lab plays the operator until NAT discovery exists: each node's lab address becomes its endpoint,
-    which the devplane pushes to the others as peer_endpoint_changed (a real event for each)."""
-    for d in daemons:
-        dp.admin.set_node_endpoint(d.node_id(), f"{d.node.address}:51820")
-
-
-def ping_count(lab: Lab, node: LabNode, ip: str, count: int, interval: float = 0.5) -> int:
-    out = lab.exec(node, ["ping", "-c", str(count), "-i", str(interval), "-W", "1", "-q", ip], check=False).stdout
-    return int(out.split(" received")[0].rsplit(" ", 1)[-1]) if " received" in out else 0
-
-
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
 def test_each_service_crashes_once_and_comes_back_while_the_tunnel_pings(lab_dp):
     """The test fault hook makes every service of a live `plexd up` raise once, 15 s after it started: the daemon
     keeps running, the tunnel keeps pinging, every service comes back, and status shows each restart."""
     lab, dp, daemons, tmp_path = lab_dp
     faults = {"PLEXD_TEST_FAULTS": ",".join(SERVICES), "PLEXD_TEST_FAULT_AFTER": "15"}
-    a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="2s", env=faults)
-    b = Daemon(lab, lab.nodes[1], dp, tmp_path, reconcile="2s")
-    daemons += [a, b]
-    wait_until(lambda: a.mesh_ip() and b.mesh_ip() and len(wg_peers(lab, a.node)) == 1
-               and len(wg_peers(lab, b.node)) == 1, 30, "the two nodes to see each other", daemons)
-    publish_endpoints(dp, daemons)
-    wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 15, "a first ping", daemons)
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, a_env=faults)
     a_id = a.node_id()
     beats_before = len(dp.admin.heartbeats(a_id))
 
@@ -418,3 +270,33 @@ def test_status_reconcile_and_hold_go_through_the_running_daemon(lab_dp, run_as_
         assert rc == 1 and len(lines) == 1, (argv, out)
         assert lines[0] == (f"plexd: cannot reach the plexd daemon at {socket_path}: permission denied "
                             "(run as root or as a member of group plexd-admin)"), (argv, out)
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_kill_9_at_any_moment_leaves_nothing_that_blocks_the_next_start(lab_dp):
+    """plexd is killed with SIGKILL at several moments of its start (registration, the first converge, connected)
+    and started again each time: it adopts the wireguard-go the killed one left (the tunnel is never rebuilt),
+    replaces the stale local socket, and comes up; a clean stop afterwards leaves no process behind."""
+    lab, dp, daemons, tmp_path = lab_dp
+    a, b = pinging_pair(lab, dp, daemons, tmp_path)
+    first_wg = wireguard_go_pids(lab, a.node)
+    assert len(first_wg) == 1
+
+    for delay in (0.05, 0.3, 0.8, 1.5, 4.0):  # from "just exec'd" to "connected": mid-converge among them
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        a.proc.wait(5)
+        assert ping_count(lab, a.node, b.mesh_ip(), 2, 0.2) >= 1  # plexd is dead, the tunnel is not
+        a._start()
+        time.sleep(delay)
+    wait_until(lambda: "event stream connected" in a.logged(), 30, "the last restart to connect", daemons)
+    assert wireguard_go_pids(lab, a.node) == first_wg  # adopted each time, never a second one
+    assert f"(pid {first_wg[0]}), left running by an earlier plexd" in a.logged()
+    doc = a.status()
+    assert doc["daemon"]["running"] and doc["peers"]["on_device"] == 1
+    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
+    assert "Traceback" not in a.logged()
+
+    took = a.stop()  # shutdown.deregister (default): the adopted process is stopped like an own one
+    assert a.proc.returncode == 0 and took < 10
+    wait_until(lambda: wireguard_go_pids(lab, a.node) == [], 10, "the adopted wireguard-go to stop", daemons)
+    assert not (a.dir / "api.sock").exists()

@@ -5,6 +5,11 @@ has no WireGuard. It runs with `-f` so its pid is ours (without it wireguard-go 
 Supervision is level-triggered: when the process dies, `observe()` returns None and `process_gone()` is True;
 the next converge calls `ensure_device()`, which starts a new process, and then re-applies the whole
 configuration because the fresh device is empty.
+
+A plexd killed with SIGKILL leaves its wireguard-go running (in its own session, on purpose: the tunnels stay up
+while plexd restarts). The next start finds the device answering on its socket and adopts it: it finds the
+process listening on that socket (`find_serving_process`), supervises it by pid, and stops it at teardown as if
+it had started it. Nothing is restarted, so the tunnels are not interrupted.
 """
 
 from __future__ import annotations
@@ -58,20 +63,29 @@ class UserspaceBackend:
         self._output: collections.deque[str] = collections.deque(maxlen=20)
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
+        self._adopted: int | None = None  # pid of a process left by an earlier plexd, serving our device
+        self._adopt_tried = False
         self.restarts = 0
 
     @property
     def pid(self) -> int | None:
+        if self._adopted is not None:
+            return self._adopted if _alive(self._adopted) else None
         return self._proc.pid if self._proc is not None and self._proc.returncode is None else None
 
     def process_gone(self) -> bool:
+        if self._adopted is not None:
+            return not _alive(self._adopted) and not self._stopping
         return self._proc is not None and self._proc.returncode is not None and not self._stopping
 
     async def observe(self) -> DeviceConfig | None:
         try:
-            return await self.uapi.get()
+            device = await self.uapi.get()
         except UapiUnavailable:
             return None
+        if self._proc is None and self._adopted is None and not self._adopt_tried:
+            self._adopt()  # a device we did not start: left by an earlier plexd (killed, or stopped keeping it)
+        return device
 
     async def apply(self, update: DeviceUpdate) -> None:
         await self.uapi.set(update)
@@ -96,7 +110,15 @@ class UserspaceBackend:
     async def ensure_device(self) -> bool:
         check_interface_name(self.interface)
         if await self._socket_answers():
+            if self._proc is None and self._adopted is None:
+                self._adopt()
             return False
+        if self._adopted is not None:  # the adopted process died: from now on the process is our own child
+            log.warning("adopted userspace WireGuard for %s (pid %d) is gone; starting a new one", self.interface,
+                        self._adopted)
+            self._adopted = None
+            self._adopt_tried = False
+            self.restarts += 1
         was_running = self._proc is not None
         if self._proc is not None and self._proc.returncode is None:
             # Alive but not answering: give it a moment (it may be starting), then replace it.
@@ -167,7 +189,35 @@ class UserspaceBackend:
             if self.on_exit is not None:
                 self.on_exit(rc)
 
+    def _adopt(self) -> None:
+        self._adopt_tried = True
+        pid = find_serving_process(self.uapi.path, self.interface)
+        if pid is None:
+            log.warning("the WireGuard device %s answers on %s but its process is not ours to find (another "
+                        "implementation, or another namespace): plexd configures it but will not stop it",
+                        self.interface, self.uapi.path)
+            return
+        self._adopted = pid
+        log.info("adopted %s for %s (pid %d), left running by an earlier plexd: the tunnels stay up",
+                 self.implementation, self.interface, pid, extra={"interface": self.interface, "pid": pid})
+
+    async def _stop_adopted(self) -> None:
+        pid, self._adopted = self._adopted, None
+        if pid is None or not _alive(pid):
+            return
+        self._stopping = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_TIMEOUT
+        while _alive(pid) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     async def _stop_process(self) -> None:
+        await self._stop_adopted()
         proc, self._proc = self._proc, None
         if proc is None:
             return
@@ -195,3 +245,61 @@ class UserspaceBackend:
 
     async def close(self) -> None:
         await self._stop_process()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie is not alive (an adopted process is not our child, so it is reaped by init soon anyway)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+def find_serving_process(socket_path: str, interface: str, proc_dir: str = "/proc") -> int | None:
+    """The pid of the process listening on the UAPI socket `socket_path`, or None.
+
+    /proc/net/unix belongs to this network namespace (every lab node has its own /run/wireguard/plexd0.sock) and
+    gives the listening socket's inode; the process holding a descriptor to that inode is the one serving the
+    device. Processes whose command line ends in the interface name are looked at first."""
+    inodes = set()
+    wanted = os.path.realpath(socket_path)
+    try:
+        with open(f"{proc_dir}/net/unix") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                # the path as bound (/var/run/... for wireguard-go) may differ from ours (/run/...) by a symlink
+                if len(fields) >= 8 and fields[5] == "01" and os.path.realpath(fields[-1]) == wanted:  # listening
+                    inodes.add(f"socket:[{fields[6]}]")
+    except OSError:
+        return None
+    if not inodes:
+        return None
+    pids = [e for e in os.listdir(proc_dir) if e.isdigit() and int(e) != os.getpid()]
+
+    def named(pid: str) -> bool:
+        try:
+            with open(f"{proc_dir}/{pid}/cmdline", "rb") as f:
+                return f.read().rstrip(b"\0").split(b"\0")[-1] == interface.encode()
+        except OSError:
+            return False
+
+    for pid in sorted(pids, key=lambda p: not named(p)):
+        try:
+            fds = os.listdir(f"{proc_dir}/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{proc_dir}/{pid}/fd/{fd}") in inodes:
+                    return int(pid)
+            except OSError:
+                continue
+    return None

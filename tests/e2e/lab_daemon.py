@@ -1,0 +1,169 @@
+"""The e2e lab's helpers: a real `plexd up` in a lab node (`Daemon`), and what the tests check with the real
+tools (`wg show`, `ping`, /proc). The `lab_dp` fixture (a lab plus a devplane on its bridge) is in conftest.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from nacl.public import PrivateKey
+
+from plexd.devplane.harness import Devplane
+from plexd.lab import Lab, LabNode
+
+PLEXD = str(Path(sys.executable).with_name("plexd"))
+
+
+class Daemon:
+    def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str,
+                 extra_config: str = "", env: dict[str, str] | None = None) -> None:
+        self.lab = lab
+        self.node = node
+        self.dir = workdir / node.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "token").write_text(dp.admin.create_token())
+        self.config = self.dir / "config.yaml"
+        self.config.write_text(
+            f"api: {dp.url}\ndata_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
+            f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
+            f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
+            "registration: {hostname: " + node.name + "}\n"
+            f"node_api: {{socket_path: {self.dir / 'api.sock'}}}\n" + extra_config)
+        self.extra_env = env or {}
+        self.runs = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.runs += 1
+        self.log_path = self.dir / ("plexd.log" if self.runs == 1 else f"plexd-{self.runs}.log")
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **self.extra_env}
+        self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
+                                   stderr=subprocess.STDOUT)
+
+    def restart(self) -> None:
+        self.stop()
+        self._start()
+
+    def stop(self) -> float:
+        """SIGTERM, wait for the exit (SIGKILL after 20 s); returns how long the shutdown took."""
+        start = time.monotonic()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if not self.log.closed:
+            self.log.close()
+        return time.monotonic() - start
+
+    def logged(self) -> str:
+        return self.log_path.read_text()
+
+    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`plexd ARGS` with this daemon's config, in its node (as an operator on that machine would)."""
+        res = self.lab.exec(self.node, ["env", f"PLEXD_CONFIG={self.config}", PLEXD, *args], check=False)
+        if check and res.returncode != 0:
+            raise AssertionError(f"plexd {' '.join(args)} exited {res.returncode}: {res.stderr}")
+        return res
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    def mesh_ip(self) -> str | None:
+        ident = self.dir / "data" / "identity.json"
+        return json.loads(ident.read_text())["mesh_ip"] if ident.exists() else None
+
+    def node_id(self) -> str | None:
+        ident = self.dir / "data" / "identity.json"
+        if not ident.exists():
+            return None
+        import json
+
+        return json.loads(ident.read_text())["node_id"]
+
+
+def wg_peers(lab: Lab, node: LabNode) -> dict[str, str]:
+    """public key -> endpoint, as `wg show plexd0 dump` sees the live device."""
+    out = lab.exec(node, ["wg", "show", "plexd0", "dump"], check=False)
+    if out.returncode != 0:
+        return {}
+    lines = out.stdout.splitlines()[1:]
+    return {f[0]: f[2] for f in (line.split("\t") for line in lines)}
+
+
+def wait_until(pred, timeout: float, what: str, daemons=()) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if pred():
+            return time.monotonic() - start
+        time.sleep(0.1)
+    logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}" for d in daemons)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def start_mesh(lab, dp, daemons, tmp_path, reconcile: str, count: int = 3) -> None:
+    for node in lab.nodes[:count]:
+        daemons.append(Daemon(lab, node, dp, tmp_path, reconcile))
+    keys = lambda: {n["public_key"] for n in dp.admin.nodes()}  # noqa: E731
+    wait_until(lambda: len(dp.admin.nodes()) == count, 30, "registration", daemons)
+    for d in daemons:
+        wait_until(lambda d=d: len(wg_peers(lab, d.node)) == count - 1 and set(wg_peers(lab, d.node)) < keys(),
+                   30, f"{d.node.name} to list the other nodes", daemons)
+
+
+def register_ghost(dp: Devplane, hostname: str) -> tuple[dict, str]:
+    """A node that exists only in the control plane (no tunnel, so no handshake protects its endpoint)."""
+    token = dp.admin.create_token()
+    pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+    r = httpx.post(f"{dp.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
+                   json={"token": token, "public_key": pub, "hostname": hostname}, timeout=10)
+    r.raise_for_status()
+    return r.json(), pub
+
+
+def wg_endpoint(lab: Lab, node: LabNode, key: str) -> str | None:
+    return wg_peers(lab, node).get(key)
+
+
+def publish_endpoints(dp: Devplane, daemons) -> None:
+    """The lab plays the operator until NAT discovery exists: each node's lab address becomes its endpoint,
+    which the devplane pushes to the others as peer_endpoint_changed (a real event for each)."""
+    for d in daemons:
+        dp.admin.set_node_endpoint(d.node_id(), f"{d.node.address}:51820")
+
+
+def ping_count(lab: Lab, node: LabNode, ip: str, count: int, interval: float = 0.5) -> int:
+    out = lab.exec(node, ["ping", "-c", str(count), "-i", str(interval), "-W", "1", "-q", ip], check=False).stdout
+    return int(out.split(" received")[0].rsplit(" ", 1)[-1]) if " received" in out else 0
+
+
+def wireguard_go_pids(lab: Lab, node: LabNode) -> list[int]:
+    """wireguard-go processes serving plexd0 in the node's network namespace."""
+    out = lab.exec(node, ["sh", "-c", "for p in /proc/[0-9]*; do "
+                                      "[ \"$(readlink $p/ns/net)\" = \"$(readlink /proc/self/ns/net)\" ] && "
+                                      "tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q 'wireguard-go -f plexd0 $' && "
+                                      "echo ${p#/proc/}; done; true"], check=False).stdout
+    return [int(p) for p in out.split()]
+
+
+def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, reconcile: str = "2s",
+                 a_env: dict[str, str] | None = None, a_config: str = "") -> tuple[Daemon, Daemon]:
+    """Two nodes, a and b, that see each other, know each other's endpoints and ping through the tunnel."""
+    a = Daemon(lab, lab.nodes[0], dp, workdir, reconcile=reconcile, env=a_env, extra_config=a_config)
+    b = Daemon(lab, lab.nodes[1], dp, workdir, reconcile=reconcile)
+    daemons += [a, b]
+    wait_until(lambda: a.mesh_ip() and b.mesh_ip() and len(wg_peers(lab, a.node)) == 1
+               and len(wg_peers(lab, b.node)) == 1, 30, "the two nodes to see each other", daemons)
+    publish_endpoints(dp, daemons)
+    wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 15, "a first ping", daemons)
+    return a, b
