@@ -246,7 +246,9 @@ class ControlPlaneClient:
         headers = self._headers(token)
         content: bytes | None = None
         if has_body:
-            content = go_marshal(body).encode()
+            # A string that is not valid Unicode (a lone surrogate from outside input) becomes U+FFFD, as Go's
+            # encoder writes it, instead of failing the request forever.
+            content = go_marshal(body).encode("utf-8", "surrogatepass").decode("utf-8", "replace").encode()
             headers["Content-Type"] = "application/json"
             if len(content) > GZIP_THRESHOLD:
                 content = gzip.compress(content)

@@ -137,11 +137,13 @@ class EventHub:
         nonce: str | None = None,
         signature: str | None = None,
         raw_data: str | None = None,
+        raw_frame: str | None = None,
     ) -> str:
         """Sign, persist and deliver one event to every node in `targets`. Returns its event id.
 
         `signature="forge"` replaces the signature with random bytes; `raw_data` is sent verbatim as the SSE
-        data, unsigned (both for the agent's fault tests).
+        data, unsigned; `raw_frame` is sent verbatim as a whole SSE block (lines and blank line included), so a
+        test can send any id, event or retry line (all for the agent's fault tests).
         """
         targets = list(dict.fromkeys(targets))
         self.seq += 1
@@ -151,6 +153,8 @@ class EventHub:
             payload_raw = _one_line(payload_raw)
         if raw_data is not None:
             data = raw_data
+        elif raw_frame is not None:
+            data, event_type = raw_frame, RAW_FRAME  # the whole SSE block, its own id/retry/event lines included
         else:
             issued = issued_at or gojson.format_time(self._now())
             data = sign_event(self.signer.key, event_type, eid, payload, issued_at=issued, nonce=nonce,
@@ -257,8 +261,13 @@ def _replace_signature(envelope: str, signature: str) -> str:
     return head + sep + signature + '"}'
 
 
+RAW_FRAME = "__raw_frame__"  # event type of a verbatim SSE block (hostile-input tests): sent as it is
+
+
 def format_sse(event: StreamEvent) -> bytes:
     """One SSE block: `id:`, `event:`, then the data (split on newlines into several `data:` lines)."""
+    if event.event_type == RAW_FRAME:
+        return event.data.encode("utf-8", "surrogateescape")
     lines = [f"id: {event_id(event.seq)}", f"event: {event.event_type}"]
     lines += [f"data: {part}" for part in event.data.replace("\r\n", "\n").replace("\r", "\n").split("\n")]
     return ("\n".join(lines) + "\n\n").encode("utf-8")

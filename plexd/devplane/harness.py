@@ -121,11 +121,11 @@ class AdminClient:
 
     def publish_event(self, node_id: str, event_type: str, payload: Any = None, *, payload_raw: str | None = None,
                       issued_at: str | None = None, nonce: str | None = None, signature: str | None = None,
-                      raw_data: str | None = None) -> str:
+                      raw_data: str | None = None, raw_frame: str | None = None) -> str:
         """Publish one event to one node. `signature="forge"` sends a random signature; `raw_data` is sent as
-        the SSE data verbatim (unsigned)."""
+        the SSE data verbatim (unsigned); `raw_frame` is sent as a whole SSE block verbatim."""
         body = {"event_type": event_type, "payload": payload, "payload_raw": payload_raw, "issued_at": issued_at,
-                "nonce": nonce, "signature": signature, "raw_data": raw_data}
+                "nonce": nonce, "signature": signature, "raw_data": raw_data, "raw_frame": raw_frame}
         return self._call("POST", f"/nodes/{_q(node_id)}/events", body)["event_id"]
 
     def broadcast_event(self, event_type: str, payload: Any = None, node_ids: list[str] | None = None,

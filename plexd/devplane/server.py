@@ -32,6 +32,7 @@ from plexd.devplane.wire import HTTPError, bearer, error_response, read_json
 log = logging.getLogger(__name__)
 
 _EVENTS_PATH = re.compile(r"^/v1/nodes/[^/]+/events$")
+_STATE_PATH = re.compile(r"^/v1/nodes/[^/]+/state$")
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._+-]+$")
 
 
@@ -271,6 +272,10 @@ class FaultMiddleware:
             status = faults.get("all_status")
             if not status and _EVENTS_PATH.match(scope["path"]):
                 status = faults.get("events_status")
+            body = faults.get("state_body")
+            if body and not status and _STATE_PATH.match(scope["path"]):  # a 200 with a body of the test's choice
+                await Response(body, status_code=200, media_type="application/json")(scope, receive, send)
+                return
             if status:
                 headers = {}
                 if int(status) == 429 and faults.get("retry_after"):

@@ -20,6 +20,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from plexd import gojson
 from plexd.clock import Clock
+from plexd.controlplane.errors import AuthError, RetryAfterError, TransientError
 from plexd.correction import Correction
 from plexd.desired_store import StalePull
 from plexd.plan import Change
@@ -163,8 +164,8 @@ class Reconciler(Generic[S]):
             try:
                 result = await self._converge()
                 drift = corrections_of(result.changes)
-                if result.dry_run:  # held by an operator: planned, not applied
-                    held, drift = drift, []
+                if result.dry_run:  # held by an operator (or, at start, a live device kept): planned, not applied
+                    held, drift = ([] if startup else drift), []
                 if startup:
                     if drift:
                         log.info("brought the mesh up from the stored state: %s",
@@ -222,17 +223,24 @@ class Reconciler(Generic[S]):
             self._unsent.append(out.report)
             del self._unsent[:-MAX_UNSENT_REPORTS]
         if not error or drift or refused:
-            await self._flush_reports()
-        out.reported = out.report is not None and all(r is not out.report for r in self._unsent)
+            delivered = await self._flush_reports()
+            out.reported = any(r is out.report for r in delivered)
         return out
 
-    async def _flush_reports(self) -> None:
+    async def _flush_reports(self) -> list[dict[str, Any]]:
+        """Send the pending reports in order; returns those the control plane took."""
+        delivered: list[dict[str, Any]] = []
         while self._unsent:
             report = self._unsent[0]
             try:
                 await self._post_drift(report)
-            except Exception as exc:
+            except (TransientError, RetryAfterError, AuthError, OSError) as exc:  # may work next time
                 log.warning("posting the drift report failed (%d pending, retried next cycle): %s",
                             len(self._unsent), exc)
-                return
+                return delivered
+            except Exception as exc:  # refused for good (4xx) or unsendable: never block the reports behind it
+                log.error("drift report dropped, it cannot be delivered: %s", exc)
+            else:
+                delivered.append(report)
             self._unsent.pop(0)
+        return delivered

@@ -88,7 +88,9 @@ async def wait_for(pred, timeout=15.0, what="condition"):
 
 @pytest.fixture
 def devplane(tmp_path):
-    with Devplane(tmp_path / "dp", heartbeat_interval="1s", keepalive="1s") as dp:
+    # liveness at 5 s: the second node below only registers (it never heartbeats), and must not go offline (and
+    # be removed from our peers) during the test, however slow the machine
+    with Devplane(tmp_path / "dp", heartbeat_interval="5s", keepalive="1s") as dp:
         yield dp
 
 

@@ -410,3 +410,20 @@ async def test_heartbeat_401_from_devplane(devplane, node):
         assert not await hb.beat()
     assert auth == [1]
 
+
+
+@pytest.mark.parametrize("retry_after", ["9" * 400, "Fri, 31 Dec 9999 23:59:59 GMT", "-1", "soon", "١٢٣"])
+async def test_a_429_with_an_absurd_retry_after_is_capped_not_a_crash(devplane, node, tmp_path, retry_after, caplog):
+    """The header crashed the event service with OverflowError: now any value is read (or ignored) and the wait
+    is bounded by RETRY_AFTER_MAX; the stream keeps trying and comes back when the fault ends."""
+    from plexd.controlplane.events import RETRY_AFTER_MAX
+
+    devplane.admin.set_faults(events_status=429, retry_after=retry_after)
+    c = Consumer(devplane, node, tmp_path)
+    async with c.running():
+        await wait_for(lambda: c.stream.attempts >= 1 and c.stream.delays, what="the refused attempt")
+        delay = c.stream.delays[-1]
+        assert 0 < delay <= RETRY_AFTER_MAX
+        if retry_after.startswith("9") or retry_after.startswith("Fri"):
+            assert delay == RETRY_AFTER_MAX  # honoured up to the cap
+        assert "Traceback" not in caplog.text

@@ -219,3 +219,25 @@ async def test_refused_peers_and_routes_are_reported_once_with_the_drift():
                                           "detail": "peer n_x: 0.0.0.0/0 a default route"}]
     await r.run_once()
     assert len(w.drift) == 1  # nothing new refused, no drift: no report
+
+
+async def test_a_report_that_can_never_be_delivered_does_not_block_the_next():
+    from plexd.controlplane.errors import PermanentError
+
+    w = World()
+    sent = []
+    answers = [PermanentError("drift", 404, "no such node"), None]
+
+    async def post(report):
+        outcome = answers.pop(0) if answers else None
+        if outcome is not None:
+            raise outcome
+        sent.append(report)
+
+    r = Reconciler(w.fetch, w.apply, w.converge, post, clock=FakeClock(NOW))
+    w.next_changes = [Change("peer_added", "peer n_a: missing")]
+    first = await r.run_once()
+    assert first.report is not None and not first.reported  # dropped, with an error logged
+    w.next_changes = [Change("peer_added", "peer n_b: missing")]
+    second = await r.run_once()
+    assert second.reported and [c["detail"] for c in sent[0]["corrections"]] == ["peer n_b: missing"]
