@@ -87,14 +87,13 @@ class MeshHandle:
                  known: bool = True, persist: Callable[[], None] | None = None) -> None:
         self.converger = converger
         self.store = DesiredStore(desired, on_desired_changed)
-        # False when the peers are unknown (no mirror of the last run and no state pull yet): a live device is
-        # then left as it is, rather than emptied, until the control plane answers.
+        # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
+        # than converged to a mirror that may be older than it; without a device the mirror brings it up.
         self.known = known
         self.persist = persist  # write the mirror now (after a state pull), not a second later
         self._told_unknown = False
         self.hold = hold or ReconcileHold()
         self.protected = protected
-        self.held: list[Correction] = []  # what the last held converge would have corrected
         self._limits_known = protected is None
         self._refusals_seen: set[tuple[str, ...]] = set()
         self._refusals_new: list[Correction] = []
@@ -135,7 +134,7 @@ class MeshHandle:
         self.store.replace(desired)
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
-        """Converge the machine; while held, only plan (the result has dry_run=True and `held` is set)."""
+        """Converge the machine; while held (or before the first pull, with a device up) only plan."""
         if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
@@ -147,15 +146,8 @@ class MeshHandle:
                          "state arrives", self.store.value.interface)
             return await self.converger.converge(self.store.value, dry_run=True)
         held = not dry_run and self.hold.current() is not None
-        result = await self.converger.converge(self.store.value, dry_run=dry_run or held)
-        if held:
-            self.held = result.corrections()
-            if self.held:
-                log.warning("reconcile held: not correcting %d item(s): %s", len(self.held),
-                            "; ".join(str(c) for c in self.held))
-        elif not dry_run:
-            self.held = []
-        return result
+        # While held the result only plans (dry_run=True); the reconciler shows what it did not correct.
+        return await self.converger.converge(self.store.value, dry_run=dry_run or held)
 
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""
