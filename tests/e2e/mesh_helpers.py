@@ -52,3 +52,10 @@ def mesh_node(lab: Lab, index: int) -> MeshNode:
     backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
     return MeshNode(node, f"n_{index}", priv, pub, f"10.100.0.{index}", backend,
                     Converger(backend, Links("wg0", netns=node.netns)))
+
+
+def ping(lab: Lab, node: MeshNode, ip: str) -> bool:
+    """One echo through the tunnel, allowing for wireguard-go's 5 s handshake retry twice: right after a device
+    change the first initiation may go to a port that just closed, and under load the retry can land late."""
+    return lab.exec(node.lab_node, ["ping", "-c", "1", "-w", "15", "-i", "0.2", ip], check=False).returncode == 0
+

@@ -11,7 +11,7 @@ import os
 import signal
 
 import pytest
-from mesh_helpers import MeshNode, keypair, mesh_node
+from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.lab import Lab
 from plexd.model import Peer
@@ -31,9 +31,6 @@ async def pair():
         lab.down()
         assert lab.leaks() == []
 
-
-def ping(lab: Lab, node: MeshNode, ip: str) -> bool:
-    return lab.exec(node.lab_node, ["ping", "-c", "1", "-w", "8", "-i", "0.2", ip], check=False).returncode == 0
 
 
 def corrections(result) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-from mesh_helpers import keypair, mesh_node
+from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.converge import Converger
 from plexd.lab import Lab
@@ -36,9 +36,6 @@ async def pair():
         lab.down()
         assert lab.leaks() == []
 
-
-def ping(lab, node, ip: str) -> bool:
-    return lab.exec(node.lab_node, ["ping", "-c", "1", "-w", "8", "-i", "0.2", ip], check=False).returncode == 0
 
 
 def errors_logged(caplog) -> list[str]:
