@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 SOCKET_GROUP = "plexd"
 MAX_BODY = 1 << 20
 MAX_HEADERS = 16 << 10
-READ_TIMEOUT = 30.0
+REQUEST_TIMEOUT = 30.0  # a whole request (or an idle keep-alive connection): a slow client cannot hold a slot
+MAX_CONNECTIONS = 64  # a runaway script cannot take every file descriptor the daemon needs for the mesh
 
 
 @dataclass(frozen=True)
@@ -146,9 +147,12 @@ class Route:
 
 
 class LocalAPI:
-    def __init__(self, socket_path: str, *, group: str = SOCKET_GROUP) -> None:
+    def __init__(self, socket_path: str, *, group: str = SOCKET_GROUP, request_timeout: float = REQUEST_TIMEOUT,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self.socket_path = socket_path
         self.group = group
+        self.request_timeout = request_timeout
+        self.max_connections = max_connections
         self.routes: list[Route] = []
         self._server: asyncio.base_events.Server | None = None
         self._connections: set[asyncio.Task[Any]] = set()
@@ -205,11 +209,22 @@ class LocalAPI:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
-        if task is not None:
-            self._connections.add(task)
         sock = writer.get_extra_info("socket")
         cred = peer_cred(sock) if sock is not None else None
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
+        if len(self._connections) >= self.max_connections:
+            who = f"uid {cred.uid} pid {cred.pid}" if cred else "unknown peer"
+            log.warning("local API: %d connections open, refusing one more from %s", len(self._connections), who)
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(1.0):  # take the request first, so the client reads our answer
+                    await reader.read(65536)
+            with contextlib.suppress(Exception):
+                await self._send(conn, writer, Response(503, {"error": "too many connections to the local API"},
+                                                        headers={"connection": "close"}))
+            writer.close()
+            return
+        if task is not None:
+            self._connections.add(task)
         try:
             while True:
                 request = await self._read_request(conn, reader, cred)
@@ -239,10 +254,11 @@ class LocalAPI:
                             cred: PeerCred | None) -> Request | None:
         head: h11.Request | None = None
         body = bytearray()
+        deadline = asyncio.get_running_loop().time() + self.request_timeout
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                async with asyncio.timeout(READ_TIMEOUT):
+                async with asyncio.timeout_at(deadline):  # TimeoutError closes the connection
                     data = await reader.read(65536)
                 conn.receive_data(data)
                 if not data and head is None and conn.their_state is h11.IDLE:

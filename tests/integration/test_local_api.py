@@ -137,3 +137,45 @@ async def test_an_unprivileged_caller_is_refused_on_its_credentials(api, run_as_
     rc, out = await asyncio.to_thread(run_as_nobody, lambda: print(control_client.call(api.socket_path, "GET",
                                                                                           "/v1/open/x")))
     assert rc == 0 and "'uid': 65534" in out, out
+
+
+async def test_a_slow_client_is_cut_off_and_others_are_served(tmp_path):
+    """Slowloris: a request that never finishes is closed after the request timeout; meanwhile and after, other
+    clients are answered."""
+    api = LocalAPI(str(tmp_path / "api.sock"), group="px-no-such-group", request_timeout=0.5)
+
+    async def hello(req: Request) -> Response:
+        return Response(200, {"ok": True})
+
+    api.add("GET", "/v1/x", hello)
+    await api.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(api.socket_path)
+        writer.write(b"GET /v1/x HTTP/1.1\r\nHost: x\r\n")  # never the blank line
+        await writer.drain()
+        assert await asyncio.to_thread(control_client.call, api.socket_path, "GET", "/v1/x") == {"ok": True}
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the server, not by us
+        writer.close()
+    finally:
+        await api.stop()
+
+
+async def test_connections_beyond_the_cap_are_refused_and_the_api_recovers(tmp_path):
+    api = LocalAPI(str(tmp_path / "api.sock"), group="px-no-such-group", max_connections=3)
+
+    async def hello(req: Request) -> Response:
+        return Response(200, {"ok": True})
+
+    api.add("GET", "/v1/x", hello)
+    await api.start()
+    try:
+        held = [await asyncio.open_unix_connection(api.socket_path) for _ in range(3)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(PlexdError, match=r"too many connections to the local API.*HTTP 503"):
+            await asyncio.to_thread(control_client.call, api.socket_path, "GET", "/v1/x")
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.1)
+        assert await asyncio.to_thread(control_client.call, api.socket_path, "GET", "/v1/x") == {"ok": True}
+    finally:
+        await api.stop()
