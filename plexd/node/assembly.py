@@ -84,12 +84,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
         clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals)
 
-    async def converge_now(reason: str) -> None:
-        result = await mesh.converge()
-        for err in result.errors:
-            log.warning("converge after %s: %s", reason, err)
-
-    handlers = EventHandlers(mesh.store, converge_now, reconciler.trigger, verifier, data_dir)
+    handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir)
     stream = EventStream(
         agent.client.base_url, node_id(), lambda: agent.client.token, data_dir, verifier, handlers.dispatch,
         clock=agent.clock,
@@ -136,6 +131,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     add_control_routes(local_api, node)
 
     agent.add_service("reconciler", lambda a: reconciler.run())
+    agent.add_service("event_converge", lambda a: mesh.converge_requested())
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
     agent.add_service("local_api", lambda a: _serve_local_api(local_api))

@@ -97,6 +97,31 @@ class MeshHandle:
         self._limits_known = protected is None
         self._refusals_seen: set[tuple[str, ...]] = set()
         self._refusals_new: list[Correction] = []
+        self._wanted = asyncio.Event()  # an event changed the model: converge soon
+        self._wanted_by: list[str] = []  # why (the first and the last few, for the log)
+        self._wanted_count = 0
+
+    def request_converge(self, reason: str) -> None:
+        """An event changed the desired model: converge soon, without making the event stream wait.
+
+        Requests coalesce: while a converge runs, any number of further events lead to one more converge, which
+        applies them all in one transaction. A burst of events costs a few converges, not one each."""
+        self._wanted_count += 1
+        if len(self._wanted_by) < 3:
+            self._wanted_by.append(reason)
+        self._wanted.set()
+
+    async def converge_requested(self) -> None:
+        """The service that serves `request_converge` (supervised like every other)."""
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            count, reasons = self._wanted_count, self._wanted_by
+            self._wanted_count, self._wanted_by = 0, []
+            why = ", ".join(reasons) + (f" and {count - len(reasons)} more event(s)" if count > len(reasons) else "")
+            result = await self.converge()
+            for err in result.errors:
+                log.warning("converge after %s: %s", why, err)
 
     async def route_limits(self) -> RouteLimits:
         """Re-read the protected addresses (before every state pull)."""

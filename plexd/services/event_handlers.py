@@ -85,7 +85,7 @@ class EventHandlers:
     def __init__(
         self,
         desired: DesiredStore,
-        request_converge: Callable[[str], Awaitable[None]],  # converge now; the argument says why
+        request_converge: Callable[[str], None],  # converge soon (coalesced); the argument says why
         trigger_reconcile: Callable[[str], None],  # ask the reconciler for a full cycle (coalesced)
         verifier: Verifier,
         data_dir: Path | str | None = None,
@@ -127,7 +127,7 @@ class EventHandlers:
 
     async def _update(self, env: Envelope, change: Edit) -> None:
         self._desired.edit(change, f"{env.event_type} {env.event_id}")
-        await self._converge(f"{env.event_type} {env.event_id}")
+        self._converge(f"{env.event_type} {env.event_id}")
 
     async def _peer_upsert(self, env: Envelope) -> None:
         peer = _peer(env)

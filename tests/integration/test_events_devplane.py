@@ -87,10 +87,7 @@ class Consumer:
         self.dispatched: list[str] = []
         self.reconnects = 0
         self.reconciles: list[str] = []
-        async def converge(why):
-            pass
-
-        self.handlers = EventHandlers(self.store, converge, self.reconciles.append, self.verifier, data_dir)
+        self.handlers = EventHandlers(self.store, lambda why: None, self.reconciles.append, self.verifier, data_dir)
 
         async def dispatch(env):
             self.dispatched.append(env.event_id)

@@ -89,10 +89,7 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
     clock = Clock()
     verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                         NonceStore(clock), clock)
-    async def converge_now(why):
-        await mesh.converge()
-
-    handlers = EventHandlers(mesh.store, converge_now, lambda why: None, verifier)
+    handlers = EventHandlers(mesh.store, mesh.request_converge, lambda why: None, verifier)
 
     asked, answer = asyncio.Event(), asyncio.Event()
     existing, added = peer(2), peer(3)
@@ -118,3 +115,37 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
     assert set(mesh.get_desired().peers) == {"n_2", "n_3"}  # the event was not undone
     assert converger.seen[-1] == {"n_2", "n_3"}  # and the device was converged to both
     assert not any(c.type == "peer_removed" for c in result.updates)
+
+
+async def test_a_burst_of_events_coalesces_into_few_converges_that_see_every_change():
+    """Events request converges; while one runs, any number of requests make exactly one more, and it applies the
+    model as it is then (every event of the burst)."""
+
+    class SlowConverger(RecordingConverger):
+        def __init__(self):
+            super().__init__()
+            self.release = asyncio.Event()
+
+        async def converge(self, desired, dry_run=False):
+            await self.release.wait()
+            return await super().converge(desired, dry_run)
+
+    converger = SlowConverger()
+    mesh = MeshHandle(converger, initial())
+    service = asyncio.create_task(mesh.converge_requested())
+    first = peer(2)
+    mesh.store.edit(lambda d: d.with_peer(first), "e0")
+    mesh.request_converge("e0")
+    await asyncio.sleep(0)  # the first converge starts and waits
+    burst = [peer(10 + i) for i in range(100)]
+    for i, p in enumerate(burst):
+        mesh.store.edit(lambda d, p=p: d.with_peer(p), f"e{i + 1}")
+        mesh.request_converge(f"e{i + 1}")
+    converger.release.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert len(converger.seen) == 2  # the one running, and one for the whole burst
+    assert converger.seen[-1] == {"n_2", *(p.id for p in burst)}
+    service.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await service

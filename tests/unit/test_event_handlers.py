@@ -41,10 +41,7 @@ class Harness:
         clock = FakeClock()
         self.verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                                  NonceStore(clock), clock)
-        async def converge(why):
-            self.converges.append(why)
-
-        self.handlers = EventHandlers(self.store, converge, self.reconciles.append, self.verifier,
+        self.handlers = EventHandlers(self.store, self.converges.append, self.reconciles.append, self.verifier,
                                       tmp_path)
 
     @property
