@@ -21,6 +21,7 @@ from nacl.public import PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexd.devplane.harness import Devplane
+from plexd.errors import PlexdError
 from plexd.lab import Lab, LabNode
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
@@ -29,6 +30,7 @@ _PROFILE = os.environ.get("PLEXD_BENCH_PROFILE")
 DAEMON = [sys.executable, "-m", "cProfile", "-o", _PROFILE, PLEXD, "up"] if _PROFILE else [PLEXD, "up"]
 # PLEXD_BENCH_TRACEMALLOC=/path/out.snap runs the daemon under tracemalloc; `Node.tracemalloc_snapshot()` takes one.
 _TRACEMALLOC = os.environ.get("PLEXD_BENCH_TRACEMALLOC")
+# PLEXD_BENCH_LOG_LEVEL=info (default warning) sets the daemon's log level, to see what it did in workdir/plexd.log.
 if _TRACEMALLOC:
     DAEMON = [sys.executable, str(Path(__file__).with_name("_traced_daemon.py"))]
 
@@ -71,6 +73,18 @@ class Node:
         return path
 
 
+def _ready(socket_path: Path) -> bool:
+    from plexd.node.control import STATUS_PATH
+    from plexd.node.control_client import DaemonNotRunning, call
+
+    try:
+        doc = call(str(socket_path), "GET", STATUS_PATH, timeout=5)
+    except (DaemonNotRunning, OSError, PlexdError):
+        return False
+    last = doc["reconcile"]["last"]
+    return doc["event_stream"]["state"] == "connected" and last is not None and last["ok"]
+
+
 def _cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -96,7 +110,8 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[N
         cfg.write_text(f"api: {dp.url}\ndata_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"
                        f"hooks: {{dir: {workdir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
                        f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
-                       f"node_api: {{socket_path: {workdir / 'api.sock'}}}\nlog_level: warning\n")
+                       f"node_api: {{socket_path: {workdir / 'api.sock'}}}\n"
+                       f"log_level: {os.environ.get('PLEXD_BENCH_LOG_LEVEL', 'warning')}\n")
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),
@@ -107,6 +122,12 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[N
         while not (workdir / "data" / "identity.json").exists() or not Path(node.sock_dir, "plexd0.sock").exists():
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"plexd up did not come up:\n{(workdir / 'plexd.log').read_text()[-3000:]}")
+            time.sleep(0.1)
+        # Connected and past its first state pull (events for peers the control plane does not hold, as the
+        # benches publish, would be removed again by that pull): ask the daemon itself.
+        while not _ready(workdir / "api.sock"):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"plexd up did not connect:\n{(workdir / 'plexd.log').read_text()[-3000:]}")
             time.sleep(0.1)
         yield Node(lab, node, dp, proc, workdir)
     finally:
