@@ -139,16 +139,22 @@ async def test_an_unprivileged_caller_is_refused_on_its_credentials(api, run_as_
     assert rc == 0 and "'uid': 65534" in out, out
 
 
+async def ok_api(tmp_path, **limits) -> LocalAPI:
+    """A started API with one open route, GET /v1/x → {"ok": true}."""
+    api = LocalAPI(str(tmp_path / "api.sock"), group="px-no-such-group", **limits)
+
+    async def ok(req: Request) -> Response:
+        return Response(200, {"ok": True})
+
+    api.add("GET", "/v1/x", ok)
+    await api.start()
+    return api
+
+
 async def test_a_slow_client_is_cut_off_and_others_are_served(tmp_path):
     """Slowloris: a request that never finishes is closed after the request timeout; meanwhile and after, other
     clients are answered."""
-    api = LocalAPI(str(tmp_path / "api.sock"), group="px-no-such-group", request_timeout=0.5)
-
-    async def hello(req: Request) -> Response:
-        return Response(200, {"ok": True})
-
-    api.add("GET", "/v1/x", hello)
-    await api.start()
+    api = await ok_api(tmp_path, request_timeout=0.5)
     try:
         reader, writer = await asyncio.open_unix_connection(api.socket_path)
         writer.write(b"GET /v1/x HTTP/1.1\r\nHost: x\r\n")  # never the blank line
@@ -161,13 +167,7 @@ async def test_a_slow_client_is_cut_off_and_others_are_served(tmp_path):
 
 
 async def test_connections_beyond_the_cap_are_refused_and_the_api_recovers(tmp_path):
-    api = LocalAPI(str(tmp_path / "api.sock"), group="px-no-such-group", max_connections=3)
-
-    async def hello(req: Request) -> Response:
-        return Response(200, {"ok": True})
-
-    api.add("GET", "/v1/x", hello)
-    await api.start()
+    api = await ok_api(tmp_path, max_connections=3)
     try:
         held = [await asyncio.open_unix_connection(api.socket_path) for _ in range(3)]
         await asyncio.sleep(0.1)
