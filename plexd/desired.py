@@ -127,16 +127,14 @@ def _endpoint_ip(endpoint: str) -> route_limits.IPAddress | None:
     return route_limits.address(host.partition("%")[0])
 
 
+def _route_texts(peer: Peer) -> tuple[str, ...]:
+    """The prefixes a peer is routed, as WireGuard's allowed IPs: its mesh IP when it lists none."""
+    return peer.allowed_ips or ((peer.mesh_ip,) if peer.mesh_ip else ())
+
+
 def _routes(peer: Peer) -> list[route_limits.IPNetwork]:
-    """The prefixes a peer is routed (its mesh IP when it lists none), as WireGuard's allowed IPs."""
-    texts = peer.allowed_ips or ((peer.mesh_ip,) if peer.mesh_ip else ())
-    nets = (route_limits.network(t) for t in texts)
+    nets = (route_limits.network(t) for t in _route_texts(peer))
     return [n for n in nets if n is not None]
-
-
-def _wide(peer: Peer) -> list[route_limits.IPNetwork]:
-    nets = (route_limits.network(p) for p in peer.allowed_ips)
-    return [n for n in nets if n is not None and n.prefixlen <= route_limits.WIDE[n.version]]
 
 
 class _With(Mapping[route_limits.IPAddress, str]):
@@ -182,9 +180,10 @@ class _RouteIndex:
         ip = _endpoint_ip(peer.endpoint)
         if ip is not None:
             self.endpoints.setdefault(ip, peer.id)
-        for net in _routes(peer):
+        routes = _routes(peer)
+        for net in routes:
             self.routed.setdefault(net, peer.id)
-        wide = _wide(peer)
+        wide = [n for n in routes if route_limits.is_wide(n)]
         if wide:
             self.wide[peer.id] = wide
 
@@ -263,7 +262,7 @@ class DesiredState:
             if old is not None:
                 index.remove(old)
             if reason is None:
-                reason = self._claims(peer, owner_of, mesh_owner)
+                reason = self._claims(peer, owner_of, mesh_owner, own_mesh)
             if reason is None:
                 peer, dropped = self._limit_routes(peer, index, own_mesh)
                 refused += [(peer.id, prefix, why) for prefix, why in dropped]
@@ -288,14 +287,15 @@ class DesiredState:
         key, psk = canonical_key(peer.public_key), canonical_key(peer.psk) if peer.psk else ""
         return peer if key == peer.public_key and psk == peer.psk else replace(peer, public_key=key, psk=psk)
 
-    def _claims(self, peer: Peer, owner_of: Mapping[str, str], mesh_owner: Mapping[str, str]) -> str | None:
+    def _claims(self, peer: Peer, owner_of: Mapping[str, str], mesh_owner: Mapping[str, str],
+                own_mesh: route_limits.IPAddress | None) -> str | None:
         """A key or mesh address that is not this peer's to take."""
         owner = owner_of.get(peer.public_key)
         if owner is not None and owner != peer.id:
             return f"public key is already used by peer {owner}"
         if peer.mesh_ip:
             mesh = route_limits.address(peer.mesh_ip)
-            if mesh is not None and mesh == route_limits.address(self.mesh_ip):
+            if mesh is not None and mesh == own_mesh:
                 return f"mesh IP {peer.mesh_ip} is this node's own"
             owner = mesh_owner.get(peer.mesh_ip)
             if owner is not None and owner != peer.id:
@@ -307,7 +307,7 @@ class DesiredState:
     def _limit_routes(self, peer: Peer, index: _RouteIndex,
                       own_mesh: route_limits.IPAddress | None) -> tuple[Peer, list[tuple[str, str]]]:
         """The peer without the prefixes the route limits refuse, and those prefixes with the reason."""
-        prefixes = peer.allowed_ips or ((peer.mesh_ip,) if peer.mesh_ip else ())
+        prefixes = _route_texts(peer)
         own_endpoint = _endpoint_ip(peer.endpoint)  # its own endpoint counts too: routing it would loop
         endpoints: Mapping[route_limits.IPAddress, str] = index.endpoints
         if own_endpoint is not None and own_endpoint not in endpoints:
@@ -326,7 +326,7 @@ class DesiredState:
             if why is None:
                 claimed.add(net)
                 kept.append(prefix)
-                if net.prefixlen <= route_limits.WIDE[net.version]:
+                if route_limits.is_wide(net):
                     wide.append(net)
             else:
                 dropped.append((prefix, why))

@@ -47,6 +47,11 @@ def network(text: str) -> IPNetwork | None:
         return None
 
 
+def is_wide(net: IPNetwork) -> bool:
+    """Wide enough to count towards "amounts to a default route"."""
+    return net.prefixlen <= WIDE[net.version]
+
+
 def refuse_prefix(net: IPNetwork, limits: RouteLimits, endpoints: Mapping[IPAddress, str],
                   routed: Mapping[IPNetwork, str], own_mesh_ip: IPAddress | None,
                   wide_others: Iterable[IPNetwork]) -> str | None:
@@ -67,7 +72,7 @@ def refuse_prefix(net: IPNetwork, limits: RouteLimits, endpoints: Mapping[IPAddr
     owner = routed.get(net)
     if owner is not None:
         return f"claims {net}, which is routed to peer {owner}"
-    if net.prefixlen <= WIDE[net.version] and not limits.allow_exit_routes:
+    if is_wide(net) and not limits.allow_exit_routes:
         same = [n for n in wide_others if n.version == net.version]
         covered = sum(n.num_addresses for n in ipaddress.collapse_addresses([*same, net]))  # type: ignore[misc]
         if covered >= HALF[net.version]:
