@@ -125,7 +125,8 @@ class EventStream:
         self._last_activity = 0.0
         self.polling = False
         self._next_poll = 0.0
-        self.state_since = self._clock.now().timestamp()  # when connected/polling/offline last changed
+        self.state_since = 0.0  # unix time connected/polling/offline last changed
+        self._state_changed()
         self.last_event_at: float | None = None
         # Observable state, for tests, benches and `plexd status`.
         self.connected = asyncio.Event()
@@ -135,6 +136,9 @@ class EventStream:
         self.rejected = 0
         self.polls = 0
         self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
+
+    def _state_changed(self) -> None:
+        self.state_since = self._clock.now().timestamp()
 
     def status(self) -> dict[str, Any]:
         """For `plexd status`: connected / polling / offline, since when, the last event."""
@@ -203,7 +207,7 @@ class EventStream:
             return await self._refused(exc)
         finally:
             if self.connected.is_set():
-                self.state_since = self._clock.now().timestamp()
+                self._state_changed()
             self.connected.clear()
         if idle:
             # Treated like a failed attempt: the server is up but not talking to us.
@@ -249,7 +253,7 @@ class EventStream:
         if self.polling or self._poll is None:
             return
         self.polling = True
-        self.state_since = self._clock.now().timestamp()
+        self._state_changed()
         self._next_poll = self._clock.monotonic()
         log.warning("%s; polling the full state every %s s until the stream is back", why, self.poll_interval)
 
@@ -356,7 +360,7 @@ class EventStream:
             self.polling = False
             log.info("event stream is back; leaving polling mode")
         self.connected.set()
-        self.state_since = self._clock.now().timestamp()
+        self._state_changed()
         log.info("event stream connected (resuming after %s)", self.last_event_id or "nothing")
         if self._on_connected is not None:
             try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,6 @@ class Node:
     stream: EventStream
     heartbeat: HeartbeatService
     local_api: LocalAPI
-    device_peers: dict[str, int | None] = field(default_factory=lambda: {"on_device": None, "recent": None})
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
@@ -98,7 +97,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         polling_after=cfg.sse.polling_after,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
     )
-    device_peers: dict[str, int | None] = {"on_device": None, "recent": None}
+    on_device = [0]  # peers on the live device, read before each heartbeat
 
     async def observe_device() -> None:
         try:
@@ -106,7 +105,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         except PlexdError as exc:
             log.debug("cannot read the device for the heartbeat: %s", exc)
             counts = None
-        device_peers["on_device"], device_peers["recent"] = counts if counts is not None else (0, 0)
+        on_device[0] = counts[0] if counts is not None else 0
 
     def snapshot() -> HeartbeatSnapshot:
         last = reconciler.last
@@ -114,7 +113,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
             status="healthy" if last is None or last.ok else "degraded",
             binary_checksum=agent.binary_checksum,
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
-            mesh=MeshInfo(cfg.mesh.interface, device_peers["on_device"] or 0, cfg.mesh.listen_port),
+            mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),
             nat=nat() if nat is not None else None,
         )
 
@@ -127,7 +126,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
                                  trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate,
                                  uptime=agent.uptime, refresh=observe_device)
     local_api = LocalAPI(cfg.node_api.socket_path)
-    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, device_peers)
+    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api)
     add_control_routes(local_api, node)
 
     agent.add_service("reconciler", lambda a: reconciler.run())

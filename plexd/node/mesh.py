@@ -36,7 +36,6 @@ from plexd.services.event_handlers import apply_signing_keys
 log = logging.getLogger(__name__)
 
 MAX_HOLD = 24 * 3600.0
-DEFAULT_HOLD = 600.0
 
 
 @dataclass(frozen=True)
@@ -154,9 +153,6 @@ class MeshHandle:
 
     def get_desired(self) -> DesiredState:
         return self.store.value
-
-    def set_desired(self, desired: DesiredState) -> None:
-        self.store.replace(desired)
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""
