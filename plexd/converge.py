@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from plexd.clock import Clock
 from plexd.correction import Correction
+from plexd.delta import peer_delta, touched_peers
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError
 from plexd.mesh.links import LinkOp, Links
@@ -33,6 +34,7 @@ from plexd.plan import (
     device_update,
     diff,
     link_ops,
+    simulate,
 )
 
 log = logging.getLogger(__name__)
@@ -67,8 +69,20 @@ def _is_ip_endpoint(endpoint: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class _Baseline:
+    """What the last apply left: the model it was for, and the machine as it then was (observed at the last full
+    converge, with every change applied since). The event path diffs against this instead of reading the device."""
+
+    desired: DesiredState
+    believed: Observed
+
+
 class Converger:
-    """Owns one WireGuard device and its link. One converge at a time."""
+    """Owns one WireGuard device and its link. One converge at a time.
+
+    Two entry points: `converge()` reads the live machine and diffs everything (start-up, the periodic reconcile,
+    `reconcile --once`); `apply_delta()` applies only what changed in the model since the last apply (events)."""
 
     def __init__(self, wireguard: WireGuardBackend, links: Links, *, clock: Clock | None = None) -> None:
         self.wireguard = wireguard
@@ -76,7 +90,9 @@ class Converger:
         self.clock = clock or Clock()
         self._lock = asyncio.Lock()
         self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
+        self._baseline: _Baseline | None = None
         self.last_result: ConvergeResult | None = None
+        self.deltas = 0  # applies made without reading the device (for status and benches)
 
     async def observe(self) -> Observed:
         # The link is read in a worker thread while the device is read on the loop: the two overlap.
@@ -94,10 +110,60 @@ class Converger:
             self.last_result = result
             return result
 
+    async def apply_delta(self, desired: DesiredState) -> ConvergeResult:
+        """Apply what changed in `desired` since the last apply, without reading the device back: O(change).
+
+        Falls back to a full converge when there is no baseline (start, or the last apply failed), when something
+        other than peers changed, or when the delta itself fails (the device went away, a peer was refused)."""
+        async with self._lock:
+            try:
+                result = await self._delta(desired)
+            except PlexdError as e:
+                log.warning("applying an event's change failed (%s); converging in full", e)
+                result = None
+            if result is None:
+                self._baseline = None
+                try:
+                    result = await self._converge(desired, False)
+                except PlexdError as e:
+                    log.error("converge failed: %s", e)
+                    result = ConvergeResult(errors=(str(e),), skipped_peers=desired.rejected)
+            self.last_result = result
+            return result
+
+    async def _delta(self, desired: DesiredState) -> ConvergeResult | None:
+        base = self._baseline
+        if base is None:
+            return None
+        touched = touched_peers(base.desired, desired)
+        resolved, errors = await self._resolve_endpoints(desired, touched)
+        if errors:
+            return None  # a full converge names them (and configures the peers without an endpoint)
+        for pid in touched:
+            peer = desired.peers.get(pid)
+            if peer is not None:
+                self._names[peer.public_key] = pid
+        changes = peer_delta(base.desired, resolved, base.believed, self.clock.now().timestamp(), touched)
+        if changes is None:
+            return None
+        if changes:
+            update = device_update(changes)
+            if not update.is_empty():
+                await self.wireguard.apply(update)  # WireGuardError: the full converge finds out why
+            failures = await self.links.apply(link_ops(changes))
+            if failures:
+                return None
+        self._baseline = _Baseline(desired, simulate(base.believed, changes))
+        self.deltas += 1
+        for c in changes:
+            log.debug("applied: %s", c.detail)
+        return ConvergeResult(tuple(changes), (), desired.rejected, False)
+
     async def _converge(self, desired: DesiredState, dry_run: bool) -> ConvergeResult:
         errors: list[str] = []
         for pid, peer in desired.peers.items():
             self._names[peer.public_key] = pid
+        unresolved = desired
         desired, resolve_errors = await self._resolve_endpoints(desired)
         errors.extend(resolve_errors)
 
@@ -108,8 +174,11 @@ class Converger:
                 "link, not WireGuard: delete it or set mesh.interface to another name"
             )
         changes = diff(desired, observed, self.clock.now().timestamp())
-        if dry_run or not changes:
+        if dry_run:
             return ConvergeResult(tuple(changes), tuple(errors), desired.rejected, dry_run)
+        if not changes:
+            self._baseline = _Baseline(unresolved, observed) if not errors else None
+            return ConvergeResult((), tuple(errors), desired.rejected, False)
 
         applied: list[Change] = []
         if isinstance(changes[0], InterfaceMissing | UserspaceProcessGone):
@@ -142,6 +211,8 @@ class Converger:
 
         for c in applied:
             log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+        # The next event diffs against this (only when everything applied: otherwise the device is not known).
+        self._baseline = _Baseline(unresolved, simulate(observed, applied)) if not errors else None
         return ConvergeResult(tuple(applied), tuple(errors), desired.rejected, False)
 
     async def _apply_device(self, changes: Sequence[Change]) -> tuple[set[str], list[str]]:
@@ -181,11 +252,13 @@ class Converger:
                 errors.append(msg)
         return failed, errors
 
-    async def _resolve_endpoints(self, desired: DesiredState) -> tuple[DesiredState, list[str]]:
-        """WireGuard takes IP endpoints only (as `wg` does, resolve host names first)."""
+    async def _resolve_endpoints(self, desired: DesiredState,
+                                 only: Sequence[str] | None = None) -> tuple[DesiredState, list[str]]:
+        """WireGuard takes IP endpoints only (as `wg` does, resolve host names first). `only`: these peer ids."""
         errors: list[str] = []
         loop = asyncio.get_running_loop()
-        for pid, peer in list(desired.peers.items()):
+        peers = desired.peers.items() if only is None else [(p, desired.peers[p]) for p in only if p in desired.peers]
+        for pid, peer in list(peers):
             if not peer.endpoint or _is_ip_endpoint(peer.endpoint):
                 continue
             host, port = split_endpoint(peer.endpoint)
@@ -202,10 +275,16 @@ class Converger:
             desired = replace(desired, peers={**desired.peers, pid: replace(peer, endpoint=endpoint)})
         return desired, errors
 
+    def forget(self) -> None:
+        """The machine may have changed behind our back (a backend restarted it): the next event converges in full."""
+        self._baseline = None
+
     async def teardown(self) -> None:
         """Remove the device (and its link): shutdown with deregistration."""
+        self._baseline = None
         await self.wireguard.delete_device()
         try:
             await self.links.delete_link()
         except PlexdError as e:
             log.warning("%s", e)
+

@@ -4,8 +4,8 @@
     private_key                0600  WireGuard private key, base64
     node_secret_key            0600  the node's bearer secret
     signing_public_key         0600  the control plane's current event-signing key (the file wins over identity)
-    nonces.json                0600  nonces of accepted events, bounded (a replay after a restart is refused)
-    last_event_id              0600  the event stream's replay cursor
+    events.db                  0600  the event stream's replay cursor and the nonces of accepted events (SQLite,
+                                     WAL; a replay after a restart is refused; see plexd.controlplane.ledger)
     state/desired.json         0600  mirror of the desired model (no private key) for an offline start
 
 The directory is 0700 and every write is atomic (`plexd.atomicfile`).
@@ -17,6 +17,7 @@ IDENTITY = "identity.json"
 PRIVATE_KEY = "private_key"
 NODE_SECRET = "node_secret_key"
 SIGNING_KEY = "signing_public_key"
-NONCES = "nonces.json"
-LAST_EVENT_ID = "last_event_id"
+EVENT_LEDGER = "events.db"
+NONCES = "nonces.json"  # before events.db: imported once, then removed
+LAST_EVENT_ID = "last_event_id"  # likewise
 DESIRED_MIRROR = "state/desired.json"

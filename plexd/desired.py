@@ -351,9 +351,20 @@ class DesiredState:
         return self._with_peers([peer], self.peers, self.rejected)
 
     def without_peer(self, peer_id: str) -> DesiredState:
-        peers = {k: v for k, v in self.peers.items() if k != peer_id}
-        return replace(self, peers=peers, rejected=tuple(r for r in self.rejected if r[0] != peer_id),
-                       refused_routes=tuple(r for r in self.refused_routes if r[0] != peer_id))
+        old = self.peers.get(peer_id)
+        peers = dict(self.peers)
+        peers.pop(peer_id, None)
+        new = replace(self, peers=peers, rejected=tuple(r for r in self.rejected if r[0] != peer_id),
+                      refused_routes=tuple(r for r in self.refused_routes if r[0] != peer_id))
+        if old is not None:  # carry the index along (rebuilding it costs O(peers), an event should not)
+            index = self._route_index.copy()
+            index.remove(old)
+            new.__dict__["_route_index"] = index
+        return new
+
+    def routed_prefixes(self) -> Mapping[route_limits.IPNetwork, str]:
+        """Every prefix routed to an accepted peer (its allowed IPs, else its mesh address) -> that peer's id."""
+        return self._route_index.routed
 
     def with_route_limits(self, limits: RouteLimits) -> DesiredState:
         """New limits (the control plane's address or the underlay changed): every peer is checked again."""

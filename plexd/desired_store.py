@@ -41,7 +41,7 @@ class DesiredStore:
     def __init__(self, initial: DesiredState, on_changed: Callable[[DesiredState], None] | None = None,
                  journal_size: int = JOURNAL_SIZE) -> None:
         self._value = initial
-        self._on_changed = on_changed
+        self.on_changed = on_changed  # e.g. the mirror's group commit
         self._seq = 0
         self._journal: deque[Journaled] = deque(maxlen=journal_size)
 
@@ -58,8 +58,8 @@ class DesiredStore:
 
     def _set(self, value: DesiredState) -> None:
         self._value = value
-        if self._on_changed is not None:
-            self._on_changed(value)
+        if self.on_changed is not None:
+            self.on_changed(value)
 
     def edit(self, change: Edit, label: str = "") -> DesiredState:
         """Apply an event's change now, and journal it for any pull in flight."""

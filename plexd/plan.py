@@ -99,6 +99,14 @@ def _cidr(text: str) -> str:
     return str(ipaddress.ip_network(text, strict=False))
 
 
+@functools.lru_cache(maxsize=2)
+def _collapsed(routes: frozenset[str]) -> frozenset[str]:
+    """The addresses `routes` cover, in their fewest prefixes (a default route kept: it is never ours)."""
+    nets = [ipaddress.ip_network(r) for r in routes]
+    return frozenset(str(n) for version in (4, 6)
+                     for n in ipaddress.collapse_addresses(n for n in nets if n.version == version))
+
+
 @functools.lru_cache(maxsize=4)
 def _routes(networks: frozenset[str], exclude: frozenset[str]) -> frozenset[str]:
     """The fewest routes covering exactly the peers' allowed IPs (adjacent /32s merge into one prefix, so
@@ -115,7 +123,7 @@ def _routes(networks: frozenset[str], exclude: frozenset[str]) -> frozenset[str]
 
 
 @functools.lru_cache(maxsize=1 << 17)
-def _peer_config(peer: Peer, keepalive: int) -> PeerConfig:
+def peer_config(peer: Peer, keepalive: int) -> PeerConfig:
     """One desired peer in device terms. Cached per (immutable) peer, so a converge costs per peer a hash
     lookup, not re-parsing its addresses: the cost of a converge grows with what changed, not the mesh."""
     allowed = (frozenset(_cidr(ip) for ip in peer.allowed_ips) if peer.allowed_ips
@@ -124,6 +132,14 @@ def _peer_config(peer: Peer, keepalive: int) -> PeerConfig:
     # 5 s on a peer it cannot reach, and the endpoint arriving a moment later would then wait out that 5 s.
     return PeerConfig(public_key=peer.public_key, endpoint=normalize_endpoint(peer.endpoint), allowed_ips=allowed,
                       psk=peer.psk, persistent_keepalive=keepalive if peer.endpoint else 0)
+
+
+def own_addresses(desired: DesiredState) -> frozenset[str]:
+    """The node's own addresses on the mesh interface, as `addr/prefix`."""
+    addresses = {f"{ipaddress.ip_address(desired.mesh_ip)}/{32 if ':' not in desired.mesh_ip else 128}"}
+    if desired.mesh_ip6:
+        addresses.add(f"{ipaddress.ip_address(desired.mesh_ip6)}/128")
+    return frozenset(addresses)
 
 
 def target(desired: DesiredState) -> Target:
@@ -135,18 +151,16 @@ def target(desired: DesiredState) -> Target:
     routes: set[str] = set()
     keepalive = desired.persistent_keepalive
     for pid, p in desired.peers.items():
-        pc = _peer_config(p, keepalive)
+        pc = peer_config(p, keepalive)
         peers[p.public_key] = pc
         ids[p.public_key] = pid
         routes.update(pc.allowed_ips)
-    addresses = {f"{ipaddress.ip_address(desired.mesh_ip)}/{32 if ':' not in desired.mesh_ip else 128}"}
-    if desired.mesh_ip6:
-        addresses.add(f"{ipaddress.ip_address(desired.mesh_ip6)}/128")
+    addresses = own_addresses(desired)
     t = Target(interface=desired.interface,
                device=DeviceConfig(private_key=clamp_private_key(desired.private_key),
                                    listen_port=desired.listen_port, peers=peers),
-               peer_ids=ids, addresses=frozenset(addresses), mtu=desired.mtu,
-               routes=_routes(frozenset(routes), frozenset(addresses)))
+               peer_ids=ids, addresses=addresses, mtu=desired.mtu,
+               routes=_routes(frozenset(routes), addresses))
     desired.__dict__["_plan_target"] = t
     return t
 
@@ -472,12 +486,12 @@ def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -
     for key in sorted(renamed, key=name):
         yield PeerKeyChanged(name(key), key, renamed[key], want[key])
     for key in sorted((k for k in want if k in live and want[k] != live[k]), key=name):
-        yield from _peer_fields(name(key), want[key], live[key], now)
+        yield from peer_fields(name(key), want[key], live[key], now)
     for key in sorted((k for k in missing if k not in renamed), key=name):
         yield PeerAdded(name(key), key, want[key])
 
 
-def _peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float) -> Iterable[PeerChange]:
+def peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float) -> Iterable[PeerChange]:
     roaming = h.last_handshake > 0 and now - h.last_handshake < ROAMING_WINDOW
     if w.endpoint and w.endpoint != h.endpoint and not roaming:
         yield PeerEndpointChanged(pid, w.public_key, w.endpoint, h.endpoint, w.persistent_keepalive)
@@ -498,6 +512,8 @@ def _link(t: Target, link: LinkState) -> Iterable[Change]:
         yield AddressExtra(t.interface, a)
     for a in sorted(t.addresses - link.addresses):
         yield AddressMissing(t.interface, a)
+    if link.routes == t.routes or _collapsed(link.routes) == t.routes:
+        return  # the same addresses routed, in another form (event deltas add and split routes one at a time)
     for r in sorted(link.routes - t.routes):
         yield RouteExtra(t.interface, r)
     for r in sorted(t.routes - link.routes):
@@ -549,8 +565,10 @@ def _merge(a: PeerUpdate, b: PeerUpdate) -> PeerUpdate:
 
 
 def link_ops(changes: Iterable[Change]) -> list[LinkOp]:
-    """Link operations in a safe order: MTU, up, addresses, then routes (routes need an up link)."""
-    order = {"mtu": 0, "up": 1, "addr_del": 2, "addr_add": 3, "route_del": 4, "route_add": 5}
+    """Link operations in a safe order: MTU, up, addresses, then routes (routes need an up link). New routes go
+    in before old ones leave, so replacing a route by its parts (or parts by their union) never lets a packet
+    for a peer fall through to the default route in between."""
+    order = {"mtu": 0, "up": 1, "addr_del": 2, "addr_add": 3, "route_add": 4, "route_del": 5}
     ops = [c.link_op() for c in changes if isinstance(c, LinkChange)]
     return sorted(ops, key=lambda op: order[op.action])
 

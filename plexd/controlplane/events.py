@@ -3,7 +3,8 @@
 What the Go agent gets wrong and this engine does not (PROJECT-DECISIONS.md, SSE row):
 - no request timeout on the stream body (Go cuts it every 30 s); an application watchdog ends a stream that has
   been silent for 90 s, and the server's comment pings count as liveness;
-- Last-Event-ID is persisted in ``data_dir/last_event_id``, so a restart resumes where it stopped;
+- Last-Event-ID is persisted in ``data_dir/events.db`` (group-committed, see `plexd.controlplane.ledger`), so a
+  restart resumes where it stopped;
 - duplicate event ids are dropped; an oversize or undecodable event is logged and skipped, never re-read;
 - 401 asks for re-registration and keeps going; 403/404 back off at the cap and keep polling — never silent;
 - a clean end of stream reconnects at once, but a storm limit bounds how often (no hot loop).
@@ -26,19 +27,18 @@ from typing import Any
 import httpx
 
 import plexd
-from plexd import datadir
-from plexd.atomicfile import write_atomic
+from plexd import datadir, gojson
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.controlplane.client import _tls_context, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
+from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser, valid_event_id
 from plexd.errors import PlexdError
 
 log = logging.getLogger(__name__)
 
-LAST_EVENT_ID_FILE = datadir.LAST_EVENT_ID
 IDLE_TIMEOUT = 90.0
 POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full state
 RETRY_AFTER_MAX = 3600.0
@@ -76,7 +76,7 @@ class EventStream:
         api: str,
         node_id: str,
         token_provider: Callable[[], str],  # the current bearer (it changes after a re-registration)
-        data_dir: Path | str,
+        bookkeeping: EventLedger | Path | str,  # the ledger, or the data_dir to open one in
         verifier: Verifier,
         dispatch: Callable[[Envelope], Awaitable[None]],
         *,
@@ -97,7 +97,8 @@ class EventStream:
         self.url = f"{api.rstrip('/')}/v1/nodes/{node_id}/events"
         self.node_id = node_id
         self._token = token_provider
-        self._data_dir = Path(data_dir)
+        self.ledger = (bookkeeping if isinstance(bookkeeping, EventLedger)
+                       else EventLedger(Path(bookkeeping) / datadir.EVENT_LEDGER))
         self._verifier = verifier
         self._dispatch = dispatch
         self._clock = clock or Clock()
@@ -152,36 +153,25 @@ class EventStream:
     # ---------------------------------------------------------------------------------------------------------
     # Cursor
 
-    def _cursor_path(self) -> Path:
-        return self._data_dir / LAST_EVENT_ID_FILE
-
     def _load_last_event_id(self) -> str | None:
-        try:
-            text = self._cursor_path().read_text().strip()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            log.warning("cannot read %s (%s); starting the stream without a replay cursor", self._cursor_path(), exc)
-            return None
+        text = self.ledger.cursor
         if text and not valid_event_id(text):
-            log.warning("ignoring the stored event cursor in %s: not a usable event id (%r)", self._cursor_path(),
+            log.warning("ignoring the stored event cursor in %s: not a usable event id (%r)", self.ledger.path,
                         text[:40])
             return None
         return text or None
 
-    def _advance_cursor(self, event_id: str | None) -> None:
-        if event_id is None or event_id == self.last_event_id:
-            return
-        if not valid_event_id(event_id):
+    def _advance_cursor(self, event_id: str | None, nonce: str | None = None, issued_at: float = 0.0) -> None:
+        if event_id is not None and event_id != self.last_event_id and not valid_event_id(event_id):
             log.warning("event id %r is not usable as a replay cursor (1-128 printable ASCII characters); "
                         "the cursor stays at %s", event_id[:40], self.last_event_id or "nothing")
-            return
-        self.last_event_id = event_id
-        self.last_event_at = self._clock.now().timestamp()
-        try:
-            write_atomic(self._cursor_path(), event_id.encode())
-        except OSError as exc:
-            log.warning("cannot persist the event cursor to %s: %s", self._cursor_path(), exc)
+            event_id = None
+        if event_id == self.last_event_id:
+            event_id = None
+        if event_id is not None:
+            self.last_event_id = event_id
+            self.last_event_at = self._clock.now().timestamp()
+        self.ledger.note(event_id, nonce, issued_at)  # committed together (plexd.controlplane.ledger)
 
     # ---------------------------------------------------------------------------------------------------------
     # Main loop
@@ -405,6 +395,7 @@ class EventStream:
     async def handle_frame(self, frame: SSEEvent) -> None:
         """Parse, dedupe, verify and dispatch one SSE block. Never raises: a bad event is logged and skipped."""
         self._conn_frames += 1
+        nonce, issued = None, 0.0
         try:
             if frame.oversize:
                 self._reject(frame.id, "oversize", f"event larger than {self._max_event_bytes} bytes, skipped")
@@ -424,6 +415,7 @@ class EventStream:
                 self._reject(env.event_id, exc.reason, str(exc), env.event_type)
                 return
             self._remember(env.event_id)
+            nonce, issued = env.nonce, gojson.parse_time(env.issued_at).timestamp()
             try:
                 await self._dispatch(env)
             except PlexdError as exc:
@@ -436,8 +428,9 @@ class EventStream:
                 return
             self.accepted += 1
         finally:
-            # Advance the cursor even for refused events, so a poison event is never replayed to us in a loop.
-            self._advance_cursor(frame.id)
+            # Advance the cursor even for refused events, so a poison event is never replayed to us in a loop. The
+            # nonce is noted with it, after the handler ran: both are committed once the effect is durable.
+            self._advance_cursor(frame.id, nonce, issued)
 
     def _reject(self, event_id: str | None, reason: str, message: str, event_type: str = "") -> None:
         self.rejected += 1

@@ -4,9 +4,10 @@ Order of checks, as the Go agent does it: presence → ±5 min window → curren
 ``now < transition_expires``) → nonce. The nonce is recorded only after a valid signature, so a forged event
 can never burn a nonce that a genuine event will later need.
 
-Better than the Go agent (PROJECT-DECISIONS.md, Verification row): the nonce store is bounded and persisted to
-``data_dir/nonces.json``, so a replay after a restart is still refused; key updates are length-checked (a bad key
-is refused with a reason instead of crashing the verifier) and persisted to ``data_dir/signing_public_key``.
+Better than the Go agent (PROJECT-DECISIONS.md, Verification row): the nonce store is bounded and persisted (in
+``data_dir/events.db``, see `plexd.controlplane.ledger`), so a replay after a restart is still refused; key updates
+are length-checked (a bad key is refused with a reason instead of crashing the verifier) and persisted to
+``data_dir/signing_public_key``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -28,15 +28,15 @@ from plexd import datadir, gojson
 from plexd.atomicfile import write_atomic
 from plexd.clock import Clock
 from plexd.controlplane.envelope import Envelope
+from plexd.controlplane.ledger import NONCE_TTL_SECONDS, EventLedger
 from plexd.errors import PlexdError
 from plexd.identity import decode_key
 
 log = logging.getLogger(__name__)
 
 STALENESS_WINDOW = timedelta(minutes=5)
-NONCE_TTL = timedelta(minutes=5)
+NONCE_TTL = timedelta(seconds=NONCE_TTL_SECONDS)
 MAX_NONCES = 100_000
-NONCES_FILE = datadir.NONCES
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
 _GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 
@@ -87,19 +87,22 @@ def load_signing_key(data_dir: Path) -> str | None:
 
 
 class NonceStore:
-    """Seen nonces → issued_at, bounded, expiring ``NONCE_TTL`` after issued_at, optionally persisted.
+    """Seen nonces → issued_at, bounded, expiring ``NONCE_TTL`` after issued_at; in memory. Seeded at start from
+    the event ledger (`plexd.controlplane.ledger`), which the event stream keeps (a nonce is committed there with
+    the cursor, once its event's effect is durable).
 
     Only nonces still inside the staleness window matter: an older event is refused by the window check before
-    the nonce is ever looked at, so expiring by issued_at loses nothing.
+    the nonce is ever looked at, so expiring by issued_at loses nothing. Kept in arrival order, which is issued_at
+    order but for clock skew between events, so expiry and eviction take from the front: O(1) per event.
     """
 
-    def __init__(self, clock: Clock, path: Path | None = None, max_entries: int = MAX_NONCES) -> None:
+    def __init__(self, clock: Clock, ledger: EventLedger | None = None, max_entries: int = MAX_NONCES) -> None:
         self._clock = clock
-        self._path = Path(path) if path else None
         self._max = max_entries
-        self._seen: dict[str, datetime] = {}
-        if self._path is not None:
-            self._load()
+        self._seen: dict[str, float] = {}  # nonce -> issued_at (unix seconds), oldest first
+        if ledger is not None:
+            self._seen.update(ledger.take_loaded_nonces())
+            self._expire()
 
     def __len__(self) -> int:
         return len(self._seen)
@@ -107,26 +110,17 @@ class NonceStore:
     def __contains__(self, nonce: str) -> bool:
         return nonce in self._seen
 
-    def _load(self) -> None:
-        assert self._path is not None
-        try:
-            raw = json.loads(self._path.read_text())
-            if not isinstance(raw, dict):
-                raise ValueError("not a JSON object")
-            for nonce, issued in raw.items():
-                self._seen[str(nonce)] = gojson.parse_time(issued)
-        except FileNotFoundError:
-            return
-        except (ValueError, OSError) as exc:
-            # A torn or edited file must not stop the daemon; the window check still bounds replays to 5 min.
-            log.warning("ignoring unreadable nonce store %s: %s", self._path, exc)
-            self._seen.clear()
-        self._expire()
+    def _cutoff(self) -> float:
+        return (self._clock.now() - NONCE_TTL).timestamp()
 
     def _expire(self) -> None:
-        cutoff = self._clock.now() - NONCE_TTL
-        for nonce in [n for n, t in self._seen.items() if t < cutoff]:
-            del self._seen[nonce]
+        cutoff = self._cutoff()
+        seen = self._seen
+        while seen:
+            oldest = next(iter(seen))
+            if seen[oldest] >= cutoff:
+                break
+            del seen[oldest]
 
     def add(self, nonce: str, issued_at: datetime) -> bool:
         """Record `nonce`. Returns False (and records nothing) if it was already seen."""
@@ -134,21 +128,10 @@ class NonceStore:
         if nonce in self._seen:
             return False
         if len(self._seen) >= self._max:
-            oldest = min(self._seen, key=self._seen.__getitem__)
             log.warning("nonce store full (%d entries); evicting the oldest", self._max)
-            del self._seen[oldest]
-        self._seen[nonce] = issued_at
-        self.save()
+            del self._seen[next(iter(self._seen))]
+        self._seen[nonce] = issued_at.timestamp()
         return True
-
-    def save(self) -> None:
-        if self._path is None:
-            return
-        doc = {n: gojson.format_time(t) for n, t in self._seen.items()}
-        try:
-            write_atomic(self._path, json.dumps(doc, separators=(",", ":")).encode())
-        except OSError as exc:
-            log.warning("could not persist nonce store %s: %s", self._path, exc)
 
 
 class Verifier:

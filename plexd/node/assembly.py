@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plexd import datadir
 from plexd.agent import Agent
 from plexd.backoff import Backoff
 from plexd.clock import Clock
@@ -30,12 +32,14 @@ from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.events import EventStream, stream_http_client
+from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
 from plexd.errors import PlexdError
 from plexd.mesh.select import build_converger
 from plexd.node.control import add_control_routes
+from plexd.node.durable import GroupCommit
 from plexd.node.local_api import LocalAPI
-from plexd.node.mesh import MeshHandle, MirrorWriter, build_verifier, initial_desired, state_applier, state_fetcher
+from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.supervisor import FatalError
 from plexd.services.event_handlers import EventHandlers
@@ -43,6 +47,8 @@ from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshIn
 from plexd.services.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
+
+COMMIT_DELAY_ENV = "PLEXD_TEST_COMMIT_DELAY"
 
 
 @dataclass
@@ -66,7 +72,17 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     assert agent.identity is not None
     if mesh is None:
         mesh = _build_mesh(agent)
-    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key)
+    ledger = EventLedger(data_dir / datadir.EVENT_LEDGER)
+    durable = GroupCommit(data_dir, ledger, delay=_commit_delay())
+    mesh.store.on_changed = durable.desired_changed
+    mesh.persist = durable.persist_now
+
+    async def close_bookkeeping(agent: Agent) -> None:
+        await durable.close()
+        ledger.close(agent.clock.now().timestamp())
+
+    agent.on_shutdown("event bookkeeping", close_bookkeeping)  # added last: runs first of the teardown steps
+    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger)
 
     def node_id() -> str:
         assert agent.identity is not None
@@ -85,7 +101,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
 
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir)
     stream = EventStream(
-        agent.client.base_url, node_id(), lambda: agent.client.token, data_dir, verifier, handlers.dispatch,
+        agent.client.base_url, node_id(), lambda: agent.client.token, ledger, verifier, handlers.dispatch,
         clock=agent.clock,
         on_connected=lambda: reconciler.trigger("event stream (re)connected"),
         on_auth_failure=reauthenticate,
@@ -149,22 +165,28 @@ def _build_mesh(agent: Agent) -> MeshHandle:
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
     converger = build_converger(cfg)
-    mirror = MirrorWriter(Path(cfg.data_dir))
     protected = ProtectedAddresses(cfg.api.url, converger.links, allow_exit_routes=cfg.mesh.allow_exit_routes)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first
     # state pull. Without a live device the mirror brings the interface and the last known peers up.
-    mesh = MeshHandle(converger, initial, on_desired_changed=mirror.changed, protected=protected, known=False,
-                      persist=mirror.flush)
+    mesh = MeshHandle(converger, initial, protected=protected, known=False)
 
     async def teardown(agent: Agent) -> None:
-        mirror.flush()
         if cfg.shutdown.deregister and not agent.failed:
             await converger.teardown()
             log.info("mesh interface %s removed", cfg.mesh.interface)
 
     agent.on_shutdown("mesh teardown", teardown)
     return mesh
+
+
+def _commit_delay() -> float:
+    """The group-commit window (1 s). Test hook: PLEXD_TEST_COMMIT_DELAY widens it so a test can kill -9 the
+    daemon between an event reaching the device and its bookkeeping being committed."""
+    try:
+        return float(os.environ.get(COMMIT_DELAY_ENV, "1"))
+    except ValueError:
+        return 1.0
 
 
 async def _serve_local_api(api: LocalAPI) -> None:

@@ -3,6 +3,7 @@
     events ──edit──▶ DesiredStore ◀──replace_from_pull── reconciler (GET /state)
                           │
                      MeshHandle.converge() ──▶ Converger (observe live machine → diff → apply)
+                     MeshHandle.apply_events() ──▶ Converger.apply_delta (touched peers only, no device read)
                           │
                      ReconcileHold: while an operator holds, converges only plan (drift is reported as held)
 """
@@ -22,6 +23,7 @@ from typing import Any
 from plexd import datadir
 from plexd.atomicfile import write_atomic
 from plexd.clock import Clock
+from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
 from plexd.converge import Converger, ConvergeResult
 from plexd.correction import Correction
@@ -89,7 +91,7 @@ class MeshHandle:
         # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
         # than converged to a mirror that may be older than it; without a device the mirror brings it up.
         self.known = known
-        self.persist = persist  # write the mirror now (after a state pull), not a second later
+        self.persist = persist  # write the mirror now (after a state pull), not at the end of the group window
         self._told_unknown = False
         self.hold = hold or ReconcileHold()
         self.protected = protected
@@ -118,7 +120,7 @@ class MeshHandle:
             count, reasons = self._wanted_count, self._wanted_by
             self._wanted_count, self._wanted_by = 0, []
             why = ", ".join(reasons) + (f" and {count - len(reasons)} more event(s)" if count > len(reasons) else "")
-            result = await self.converge()
+            result = await self.apply_events()
             for err in result.errors:
                 log.warning("converge after %s: %s", why, err)
 
@@ -169,6 +171,14 @@ class MeshHandle:
         held = not dry_run and self.hold.current() is not None
         # While held the result only plans (dry_run=True); the reconciler shows what it did not correct.
         return await self.converger.converge(self.store.value, dry_run=dry_run or held)
+
+    async def apply_events(self) -> ConvergeResult:
+        """Apply what events changed in the model: only the touched peers and routes (`Converger.apply_delta`).
+        While held, or before the first state pull, this plans in full like any converge."""
+        if not self._limits_known or not self.known or self.hold.current() is not None:
+            return await self.converge()
+        self._note_refusals(self.store.value)
+        return await self.converger.apply_delta(self.store.value)
 
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""
@@ -232,11 +242,13 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None,
     return apply
 
 
-def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str) -> Verifier:
-    """The verifier with the persisted key (the file wins, §5.4) and the persisted nonce store."""
+def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str,
+                   ledger: EventLedger | None = None) -> Verifier:
+    """The verifier with the persisted key (the file wins, §5.4) and the nonces the ledger holds (the daemon's;
+    `reconcile --once` verifies no events and opens none)."""
     data_dir = Path(data_dir)
     key = load_signing_key(data_dir) or fallback_key
-    verifier = Verifier(None, NonceStore(clock, data_dir / datadir.NONCES), clock)
+    verifier = Verifier(None, NonceStore(clock, ledger), clock)
     try:
         verifier.set_keys(SigningKeys(current=key))
     except InvalidSigningKeys as exc:
@@ -259,40 +271,16 @@ def load_mirror(data_dir: Path | str, private_key: str) -> DesiredState | None:
         return None
 
 
-def _save_mirror(data_dir: Path, desired: DesiredState) -> None:
+def save_mirror(data_dir: Path, desired: DesiredState) -> bool:
+    """Write the mirror (atomically, fsynced). False, logged, when it could not be written."""
     path = data_dir / datadir.DESIRED_MIRROR
     try:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         write_atomic(path, json.dumps(desired.to_json(), separators=(",", ":")).encode())
+        return True
     except OSError as exc:
         log.warning("cannot write the desired-state mirror %s: %s", path, exc)
-
-
-class MirrorWriter:
-    """Writes the desired-state mirror at most once per `delay` seconds, off the event path (serialising a
-    few hundred peers costs milliseconds, which would otherwise sit between an event and the device)."""
-
-    def __init__(self, data_dir: Path, delay: float = 1.0) -> None:
-        self.data_dir = data_dir
-        self.delay = delay
-        self._pending: DesiredState | None = None
-        self._timer: asyncio.TimerHandle | None = None
-
-    def changed(self, desired: DesiredState) -> None:
-        self._pending = desired
-        if self._timer is None:
-            try:
-                self._timer = asyncio.get_running_loop().call_later(self.delay, self.flush)
-            except RuntimeError:  # no loop (a synchronous caller): write now
-                self.flush()
-
-    def flush(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        desired, self._pending = self._pending, None
-        if desired is not None:
-            _save_mirror(self.data_dir, desired)
+        return False
 
 
 def initial_desired(config: Any, identity: Identity, *, restore: bool = True) -> tuple[DesiredState, bool]:

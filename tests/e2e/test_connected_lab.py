@@ -147,6 +147,72 @@ def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
     assert {a_key, b_key, c_key} <= set(wg_peers(lab, d.node))
 
 
+def _ledger(d: Daemon) -> tuple[str | None, set[str]]:
+    """What the daemon's events.db holds on disk: the committed cursor and nonces (read as another process would)."""
+    import sqlite3
+
+    with sqlite3.connect(d.dir / "data" / "events.db") as db:
+        row = db.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()
+        return (row[0] if row else None), {r[0] for r in db.execute("SELECT nonce FROM nonces")}
+
+
+def _event_id(log: str, what: str) -> str:
+    """The id of the applied event whose log line ends with `what` ("event <id>: <what>")."""
+    for line in log.splitlines():
+        if f": {what}" in line and "event evt_" in line:
+            return line.split("event ", 1)[1].split(":", 1)[0]
+    raise AssertionError(f"no applied event for {what!r} in the log")
+
+
+def test_kill_9_between_an_event_and_its_commit_loses_nothing_and_replays_nothing_committed(lab_dp):
+    """The bookkeeping guarantee (README, "Event bookkeeping"): plexd is killed -9 after an event reached the device
+    but before the group commit. On disk the cursor stops before that event and its effect is not in the mirror;
+    after the restart the devplane replays it and it is accepted (its nonce was never committed), while a nonce
+    that was committed before the kill is still refused."""
+    lab, dp, daemons, tmp_path = lab_dp
+    d = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="10m", extra_config="shutdown: {deregister: false}\n",
+               env={"PLEXD_TEST_COMMIT_DELAY": "3600"})  # commits happen only when a state pull forces one
+    daemons.append(d)
+    wait_until(lambda: d.node_id() is not None and "event stream connected" in d.logged(), 30, "the stream", [d])
+    node_id = d.node_id()
+
+    a, a_key = register_ghost(dp, "px-kill-a")
+    wait_until(lambda: a_key in wg_peers(lab, d.node), 15, "the first node on the device", [d])
+    dp.admin.set_node_endpoint(a["node_id"], "192.0.2.10:51820")
+    committed = dp.admin.publish_event(node_id, "peer_endpoint_changed",
+                                       {"peer_id": a["node_id"], "endpoint": "192.0.2.10:51820"},
+                                       nonce="px-kill-committed")
+    wait_until(lambda: f"event {committed}:" in d.logged(), 15, "the nonce'd event to be applied", [d])
+    d.cli("reconcile", "--once")  # a state pull: the mirror and the ledger are written now
+    wait_until(lambda: _ledger(d)[0] == committed, 15, "the commit after the state pull", [d])
+    assert "px-kill-committed" in _ledger(d)[1]
+
+    b, b_key = register_ghost(dp, "px-kill-b")
+    wait_until(lambda: b_key in wg_peers(lab, d.node), 15, "the second node on the device", [d])
+    os.killpg(d.proc.pid, signal.SIGKILL)  # the worst moment: applied, noted, not committed
+    d.proc.wait(10)
+    uncommitted = _event_id(d.logged(), f"peer_added {b['node_id']}")
+    assert _ledger(d)[0] == committed  # the cursor never points past the event whose effect is not on disk
+    mirror = json.loads((d.dir / "data" / "state" / "desired.json").read_text())
+    assert b["node_id"] not in json.dumps(mirror) and a["node_id"] in json.dumps(mirror)
+
+    d.extra_env = {}
+    d.restart()
+    wait_until(lambda: "event stream connected" in d.logged(), 30, "the stream after the restart", [d])
+    log = d.logged()
+    assert f"resuming after {committed}" in log
+    wait_until(lambda: f"event {uncommitted}: peer_added" in d.logged(), 15, "the replayed event", [d])
+    again = dp.admin.publish_event(node_id, "peer_endpoint_changed",
+                                   {"peer_id": a["node_id"], "endpoint": "192.0.2.99:51820"},
+                                   nonce="px-kill-committed")
+    wait_until(lambda: f"event {again} (peer_endpoint_changed) rejected [duplicate_nonce]" in d.logged(), 15,
+               "the replay of the committed nonce", [d])
+    log = d.logged()
+    assert f"event {uncommitted} (peer_added) rejected" not in log  # accepted again, not refused as a replay
+    assert {a_key, b_key} <= set(wg_peers(lab, d.node))
+    assert wg_endpoint(lab, d.node, a_key) == "192.0.2.10:51820"
+
+
 SERVICES = ("reconciler", "events", "heartbeat", "local_api")
 
 

@@ -125,3 +125,57 @@ async def test_interface_taken_by_another_link_is_a_clear_error(pair) -> None:
     assert r.errors == ("interface wg0 already exists and is a bridge link, not WireGuard: delete it or set "
                         "mesh.interface to another name",)
     assert a.backend.pid is None
+
+
+async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile_still_finds_drift(pair) -> None:
+    """`apply_delta` (the event path) applies only what changed, with no device or link read; drift made by hand
+    is not its business and is found by the next full converge."""
+    lab, a, b = pair
+    da = a.desired([b])
+    assert (await b.converger.converge(b.desired([a]))).ok
+    assert (await a.converger.converge(da)).ok
+    reads = []
+    for adapter in (a.backend, a.converger.links):
+        real = adapter.observe
+
+        async def counted(real=real):
+            reads.append(real)
+            return await real()
+        adapter.observe = counted
+
+    # two new peers in one delta: one UAPI set, routes merged with b's (10.100.0.2/32 + .3/32 → .2/31)
+    _, k3 = keypair()
+    _, k4 = keypair()
+    grown = da.with_peer(Peer(id="n_3", public_key=k3, mesh_ip="10.100.0.3")).with_peer(
+        Peer(id="n_4", public_key=k4, mesh_ip="10.100.0.4", endpoint="10.231.255.4:51820"))
+    r = await a.converger.apply_delta(grown)
+    assert r.ok and reads == []
+    assert {c.detail for c in r.changes} >= {"peer n_3: missing from the device", "peer n_4: missing from the device"}
+    live = {row[0]: row for row in a.wg_dump(lab)[1:]}
+    assert {k3, k4, b.public_key} == set(live) and live[k4][2] == "10.231.255.4:51820"
+    routes = lab.exec(a.lab_node, ["ip", "-j", "route", "show", "dev", "wg0"]).stdout
+    assert '"10.100.0.2/31"' in routes and '"10.100.0.4"' in routes
+    assert ping(lab, a, b.mesh_ip)  # b's traffic kept its route through the merge
+
+    # removal splits the merged route again; b still answers
+    shrunk = grown.without_peer("n_3")
+    r = await a.converger.apply_delta(shrunk)
+    assert r.ok and reads == [] and r.changes[0].correction_type == "peer_removed"
+    assert k3 not in {row[0] for row in a.wg_dump(lab)[1:]}
+    assert ping(lab, a, b.mesh_ip)
+
+    # drift by hand is invisible to the delta but found and named by the full converge, which reads the device
+    lab.exec(a.lab_node, ["wg", "set", "wg0", "peer", k4, "remove"])
+    r = await a.converger.apply_delta(shrunk)
+    assert r.changes == () and reads == []
+    r = await a.converger.converge(shrunk)
+    assert corrections(r) == [("peer_added", "peer n_4: missing from the device")] and reads
+    assert (await a.converger.converge(shrunk)).changes == ()  # routes in delta form are not drift
+
+    # the device gone (wireguard-go killed): the delta fails and falls back to a full converge that restarts it
+    os.kill(a.backend.pid, signal.SIGKILL)
+    await asyncio.sleep(0.3)
+    _, k5 = keypair()
+    r = await a.converger.apply_delta(shrunk.with_peer(Peer(id="n_5", public_key=k5, mesh_ip="10.100.0.5")))
+    assert r.ok and "userspace_restarted" in {c.correction_type for c in r.changes}
+    assert k5 in {row[0] for row in a.wg_dump(lab)[1:]}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import sqlite3
 import time
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -26,6 +27,7 @@ from plexd import gojson
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.controlplane.events import EventStream
+from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.desired import DesiredState
 from plexd.desired_store import DesiredStore
@@ -79,8 +81,8 @@ class Consumer:
     def __init__(self, devplane, node, data_dir: Path, keys: SigningKeys | None = None, **kw):
         node_id, secret, signing_key = node
         clock = Clock()
-        self.verifier = Verifier(keys or SigningKeys(current=signing_key),
-                                 NonceStore(clock, data_dir / "nonces.json"), clock)
+        self.ledger = EventLedger(data_dir / "events.db")
+        self.verifier = Verifier(keys or SigningKeys(current=signing_key), NonceStore(clock, self.ledger), clock)
         self.store = DesiredStore(DesiredState.initial(
             interface="plexd0", listen_port=51820, mtu=1420,
             private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(), mesh_ip="10.100.0.250"))
@@ -98,7 +100,7 @@ class Consumer:
 
         kw.setdefault("backoff", Backoff(base=0.1, cap=1.0))
         kw.setdefault("storm_backoff", Backoff(base=0.1, cap=1.0))
-        self.stream = EventStream(devplane.url, node_id, lambda: secret, data_dir, self.verifier, dispatch,
+        self.stream = EventStream(devplane.url, node_id, lambda: secret, self.ledger, self.verifier, dispatch,
                                   clock=clock, on_connected=connected, **kw)
 
     @property
@@ -116,6 +118,7 @@ class Consumer:
                 await task
             except asyncio.CancelledError:
                 pass
+            self.ledger.close(time.time())  # a clean stop commits what was noted
 
 
 async def wait_for(pred, timeout=10.0, what="condition"):
@@ -173,7 +176,7 @@ async def test_every_bad_event_is_refused_by_id_and_the_stream_goes_on(devplane,
                         (huge, "oversize"), (wrong_shape, "bad_payload")]:
         assert rejection(caplog, eid, reason), f"no rejection log for {eid} ({reason})"
     assert c.reconnects == 1  # nothing above broke the connection
-    assert (tmp_path / "last_event_id").read_text() == good2
+    assert EventLedger(tmp_path / "events.db").cursor == good2  # committed at the stop
 
 
 async def test_replayed_nonce_after_a_restart_is_refused(devplane, node, tmp_path, caplog):
@@ -185,7 +188,8 @@ async def test_replayed_nonce_after_a_restart_is_refused(devplane, node, tmp_pat
         original = await publish(devplane, node_id, "peer_added", peer_payload(1), nonce="px-restart-nonce")
         await wait_for(lambda: c1.dispatched == [original])
     # "Restart the daemon" with the same data_dir, and forget the cursor so the devplane replays the event too.
-    (tmp_path / "last_event_id").unlink()
+    with sqlite3.connect(tmp_path / "events.db") as db:
+        db.execute("DELETE FROM meta WHERE key = 'cursor'")
     c2 = Consumer(devplane, node, tmp_path)
     async with c2.running():
         await wait_for(c2.stream.connected.is_set)
@@ -217,7 +221,6 @@ async def test_previous_key_only_inside_its_transition(devplane, node, tmp_path,
     expired = SigningKeys(current=other, previous=devplane_key,
                           transition_expires=gojson.format_time(gojson.now_utc() - timedelta(seconds=1)))
     c = Consumer(devplane, node, tmp_path / "a", keys=expired)
-    (tmp_path / "a").mkdir()
     async with c.running():
         await wait_for(c.stream.connected.is_set)
         late = await publish(devplane, node_id, "peer_added", peer_payload(1))
@@ -225,7 +228,6 @@ async def test_previous_key_only_inside_its_transition(devplane, node, tmp_path,
     assert c.dispatched == []
     assert rejection(caplog, late, "bad_signature")
 
-    (tmp_path / "b").mkdir()
     open_transition = SigningKeys(current=other, previous=devplane_key,
                                   transition_expires=gojson.format_time(gojson.now_utc() + timedelta(hours=1)))
     c = Consumer(devplane, node, tmp_path / "b", keys=open_transition)

@@ -80,6 +80,9 @@ class RecordingConverger:
             dry_run = False
         return Result()
 
+    async def apply_delta(self, desired):
+        return await self.converge(desired)
+
 
 async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_the_pull():
     """The e2e failure of test_cursor_and_nonces_survive_a_plexd_up_restart, without timing: the reconcile after

@@ -405,7 +405,9 @@ async def test_cursor_persisted_dedupe_and_bad_events_skipped(tmp_path, clock, c
     try:
         await until(lambda: stream.last_event_id == "e5")
         assert calls["events"] == ["e1", "e3", "e5"]
-        assert (tmp_path / "last_event_id").read_text() == "e5"
+        assert stream.ledger.stored()[0] is None  # noted, committed only by the group commit
+        stream.ledger.commit(clock.now().timestamp())
+        assert stream.ledger.stored() == ("e5", {"a", "b", "c"})
         assert "event e2 rejected [malformed]" in caplog.text
         assert "event e4 rejected [oversize]" in caplog.text
         assert "event e1 dropped: duplicate event id" in caplog.text

@@ -210,18 +210,6 @@ def test_set_keys_reports_change_and_callback(clock, key):
 # --- nonce store -------------------------------------------------------------------------------------------------
 
 
-def test_nonce_store_persists_across_instances(tmp_path, clock, key):
-    path = tmp_path / "nonces.json"
-    v1 = Verifier(SigningKeys(current=b64(key)), NonceStore(clock, path), clock)
-    event = signed(key, nonce="once")
-    v1.verify(event)
-    assert oct(path.stat().st_mode & 0o777) == "0o600"
-    v2 = Verifier(SigningKeys(current=b64(key)), NonceStore(clock, path), clock)  # "after a restart"
-    with pytest.raises(EventRejected) as info:
-        v2.verify(event)
-    assert info.value.reason == "duplicate_nonce"
-
-
 def test_nonce_ttl_from_issued_at(clock):
     store = NonceStore(clock)
     assert store.add("a", NOW - timedelta(minutes=4))
@@ -237,22 +225,6 @@ def test_nonce_store_is_bounded(clock):
         assert store.add(f"n{i}", NOW + timedelta(seconds=i))
     assert len(store) == 3
     assert "n0" not in store and "n4" in store
-
-
-def test_corrupt_nonce_file_is_ignored(tmp_path, clock):
-    path = tmp_path / "nonces.json"
-    path.write_text("{torn")
-    store = NonceStore(clock, path)
-    assert len(store) == 0
-    assert store.add("x", NOW)
-    assert json.loads(path.read_text()) == {"x": "2025-01-15T10:30:00Z"}
-
-
-def test_expired_nonces_dropped_on_load(tmp_path, clock):
-    path = tmp_path / "nonces.json"
-    path.write_text(json.dumps({"old": "2025-01-15T10:00:00Z", "fresh": "2025-01-15T10:29:00Z"}))
-    store = NonceStore(clock, path)
-    assert "old" not in store and "fresh" in store
 
 
 # --- signing key persistence ---------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""The event stream's durable bookkeeping: the replay cursor and the nonces of accepted events, in one SQLite
+database in WAL mode (`data_dir/events.db`).
+
+Why not files: rewriting and fsyncing a nonce file of up to 100,000 entries on every event made each event cost
+O(store). Here an event only notes its cursor and nonce in memory (O(1)); `commit()` writes everything noted since
+the last commit in one transaction (group commit: one fsync for a whole burst).
+
+Ordering is the caller's (`plexd.node.durable`): the commit follows the write of the desired-state mirror that
+holds the effects of the events it acknowledges. So after a crash at any moment the cursor never points past an
+event whose effect is not on disk, and the control plane replays the events after it; those events' nonces were
+not committed either, so they are accepted again (every event sets a value: applying one twice is harmless). An
+event at or before the cursor has its nonce stored, so a replay of it is refused after the restart too.
+
+The files of earlier versions (`nonces.json`, `last_event_id`) are imported once and removed. A database SQLite
+cannot read is moved aside (`events.db.corrupt`) with a warning and the daemon starts with an empty one: replays
+are then bounded by the 5-minute window check alone until new nonces accumulate.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from plexd import datadir, gojson
+
+log = logging.getLogger(__name__)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nonces (nonce TEXT PRIMARY KEY, issued_at REAL NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS nonces_by_time ON nonces (issued_at);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+"""
+
+
+NONCE_TTL_SECONDS = 300.0  # signing.NONCE_TTL: a nonce older than the staleness window can never be needed
+
+
+@dataclass(frozen=True)
+class Batch:
+    cursor: str | None
+    nonces: list[tuple[str, float]]
+
+
+class EventLedger:
+    """Cursor and nonces: loaded once at start, noted per event in memory, committed in groups."""
+
+    def __init__(self, path: Path | str, *, max_nonces: int = 100_000) -> None:
+        self.path = Path(path)
+        self.max_nonces = max_nonces
+        self.on_pending: Callable[[], None] | None = None  # called when the first note after a commit arrives
+        self._db_lock = threading.Lock()  # write() may run in a worker thread while `stored()` is asked
+        self._cursor: str | None = None
+        self._cursor_dirty = False
+        self._new_nonces: dict[str, float] = {}
+        self.commits = 0
+        self._db = self._open()
+        self._loaded_nonces = self._load()
+
+    # -- opening ----------------------------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            return self._connect()
+        except sqlite3.DatabaseError as exc:
+            aside = self.path.with_name(self.path.name + ".corrupt")
+            log.warning("event bookkeeping %s unreadable (%s); moved to %s, starting empty", self.path, exc, aside)
+            self.path.replace(aside)
+            for suffix in ("-wal", "-shm"):
+                self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
+            return self._connect()
+
+    def _connect(self) -> sqlite3.Connection:
+        fresh = not self.path.exists()
+        if fresh:
+            self.path.touch(mode=0o600)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns (one fsync per group)
+            db.executescript(_SCHEMA)
+            db.execute("SELECT count(*) FROM nonces").fetchone()  # a torn file fails here, not later
+        except sqlite3.DatabaseError:
+            db.close()
+            raise
+        for suffix in ("-wal", "-shm"):
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                side.chmod(0o600)
+        if fresh:
+            self._import_legacy(db)
+        return db
+
+    def _import_legacy(self, db: sqlite3.Connection) -> None:
+        """Bring over the cursor and nonces of a plexd that kept them in files, then remove those files."""
+        data_dir = self.path.parent
+        cursor_file, nonce_file = data_dir / datadir.LAST_EVENT_ID, data_dir / datadir.NONCES
+        rows: list[tuple[str, float]] = []
+        cursor = ""
+        try:
+            cursor = cursor_file.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            pass
+        try:
+            raw = json.loads(nonce_file.read_text())
+            if isinstance(raw, dict):
+                rows = [(str(n), gojson.parse_time(t).timestamp()) for n, t in raw.items() if isinstance(t, str)]
+        except (OSError, ValueError):
+            pass
+        if not cursor and not rows:
+            return
+        with _transaction(db):
+            db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", rows)
+            if cursor:
+                db.execute("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (cursor,))
+        cursor_file.unlink(missing_ok=True)
+        nonce_file.unlink(missing_ok=True)
+        log.info("event bookkeeping moved into %s (%d nonces)", self.path, len(rows))
+
+    def _load(self) -> list[tuple[str, float]]:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()
+        self._cursor = row[0] if row else None
+        return self._db.execute("SELECT nonce, issued_at FROM nonces ORDER BY issued_at").fetchall()
+
+    # -- the event path: O(1) notes ---------------------------------------------------------------------------
+
+    @property
+    def cursor(self) -> str | None:
+        return self._cursor
+
+    def take_loaded_nonces(self) -> list[tuple[str, float]]:
+        """The stored nonces, oldest first (once: the nonce store keeps them in memory from then on)."""
+        out, self._loaded_nonces = self._loaded_nonces, []
+        return out
+
+    def note(self, event_id: str | None, nonce: str | None = None, issued_at: float = 0.0) -> None:
+        """An event is done (its effect applied to the desired model): its cursor and nonce, to commit together."""
+        first = not self.pending
+        if nonce:
+            self._new_nonces[nonce] = issued_at
+        if event_id:
+            self._cursor, self._cursor_dirty = event_id, True
+        if first and self.pending and self.on_pending is not None:
+            self.on_pending()
+
+    @property
+    def pending(self) -> bool:
+        return self._cursor_dirty or bool(self._new_nonces)
+
+    # -- group commit -----------------------------------------------------------------------------------------
+
+    def take(self) -> Batch | None:
+        """What was noted since the last take, to `write` (call it on the loop, at the moment the effects of
+        those events are captured for the mirror)."""
+        if not self.pending:
+            return None
+        batch = Batch(self._cursor if self._cursor_dirty else None, list(self._new_nonces.items()))
+        self._cursor_dirty, self._new_nonces = False, {}
+        return batch
+
+    def write(self, batch: Batch | None, now: float) -> bool:
+        """Commit a batch in one transaction (blocking: may run in a worker thread). Nonces issued before
+        `now - NONCE_TTL` leave the table; beyond `max_nonces` the oldest go. False (logged) if it failed."""
+        if batch is None:
+            return True
+        try:
+            with self._db_lock, _transaction(self._db):
+                self._db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", batch.nonces)
+                if batch.cursor is not None:
+                    self._db.execute("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (batch.cursor,))
+                self._db.execute("DELETE FROM nonces WHERE issued_at < ?", (now - NONCE_TTL_SECONDS,))
+                over = self._db.execute("SELECT count(*) FROM nonces").fetchone()[0] - self.max_nonces
+                if over > 0:
+                    self._db.execute("DELETE FROM nonces WHERE nonce IN "
+                                     "(SELECT nonce FROM nonces ORDER BY issued_at LIMIT ?)", (over,))
+            self.commits += 1
+            return True
+        except sqlite3.Error as exc:
+            log.warning("cannot commit event bookkeeping to %s: %s", self.path, exc)
+            return False
+
+    def give_back(self, batch: Batch) -> None:
+        """A batch that could not be written: noted again, under any newer notes (nothing acknowledged is lost)."""
+        for nonce, issued in batch.nonces:
+            self._new_nonces.setdefault(nonce, issued)
+        if batch.cursor is not None and not self._cursor_dirty:
+            self._cursor_dirty = True
+
+    def commit(self, now: float) -> None:
+        """Take and write now (start-up, shutdown, tests)."""
+        batch = self.take()
+        if batch is not None and not self.write(batch, now):
+            self.give_back(batch)
+
+    def stored(self) -> tuple[str | None, set[str]]:
+        """What is on disk now (for tests and `plexd status`): the committed cursor and nonces."""
+        with self._db_lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()
+            return (row[0] if row else None), {r[0] for r in self._db.execute("SELECT nonce FROM nonces")}
+
+    def close(self, now: float) -> None:
+        self.commit(now)
+        with self._db_lock:
+            self._db.close()
+
+
+class _transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        self.db.execute("COMMIT" if kind is None else "ROLLBACK")

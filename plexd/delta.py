@@ -1,0 +1,186 @@
+"""The event path's diff: the changes for the peers an event touched, against the machine as we last left it.
+
+`plan.diff` compares the whole desired model with a fresh read of the live machine; at thousands of peers that
+read dominates, and an event changes one peer. `peer_delta(old, new, believed, now)` looks only at the peers whose
+value differs between the model the last apply was made for (`old`) and the current one (`new`), and compares
+them with `believed`: the snapshot of the last full converge with every change applied since (`plan.simulate`).
+Cost grows with the peers touched, not the mesh. Drift that happened since (someone ran `wg set`) is not seen
+here; the periodic reconcile's full diff is where that is found and reported.
+
+Routes are kept incrementally: a new prefix not yet covered gets its own route and merges with an existing
+sibling into the common supernet (so sequential mesh addresses still collapse into a few routes); a prefix no
+peer needs any more is cut out of the route that covered it. The full diff compares routes by the addresses
+they cover, not their form, so this never shows up as drift.
+
+Returns None when something other than peers changed (key, port, MTU, addresses, keepalive, interface): the
+caller runs a full converge instead.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Iterable, Mapping
+
+from plexd.desired import DesiredState
+from plexd.mesh.wireguard import PeerConfig
+from plexd.model import Peer
+from plexd.plan import (
+    Change,
+    Observed,
+    PeerAdded,
+    PeerKeyChanged,
+    PeerRemoved,
+    RouteExtra,
+    RouteMissing,
+    own_addresses,
+    peer_config,
+    peer_fields,
+)
+
+Net = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+_DEVICE_FIELDS = ("interface", "listen_port", "mtu", "private_key", "mesh_ip", "mesh_ip6", "persistent_keepalive")
+
+
+def touched_peers(old: DesiredState, new: DesiredState) -> list[str]:
+    """Peer ids whose value differs between the two models (identity compare: an edit replaces what it changes)."""
+    if old.peers is new.peers:
+        return []
+    changed = [pid for pid, p in new.peers.items() if old.peers.get(pid) is not p]
+    changed.extend(pid for pid in old.peers if pid not in new.peers)
+    return changed
+
+
+def peer_delta(old: DesiredState, new: DesiredState, believed: Observed, now: float,
+               touched: Iterable[str] | None = None) -> list[Change] | None:
+    if believed.device is None or believed.link is None:
+        return None
+    if any(getattr(old, f) != getattr(new, f) for f in _DEVICE_FIELDS):
+        return None
+    live = believed.device.peers
+    keepalive = new.persistent_keepalive
+    own = own_addresses(new)
+    peer_changes: list[Change] = []
+    gone: list[Net] = []
+    wanted: list[Net] = []
+    touched = sorted(touched_peers(old, new) if touched is None else touched)
+    # Keys let go by their old peer (removed, or rotated away): whoever holds them now is added afresh.
+    released = set()
+    for pid in touched:
+        before, after = old.peers.get(pid), new.peers.get(pid)
+        if before is not None and (after is None or after.public_key != before.public_key):
+            released.add(before.public_key)
+    for pid in touched:
+        before, after = old.peers.get(pid), new.peers.get(pid)
+        want = peer_config(after, keepalive) if after is not None else None
+        peer_changes.extend(_peer_changes(pid, before, want, live, released, now))
+        had = _prefixes(before, keepalive, own)
+        has = _prefixes(after, keepalive, own)
+        gone.extend(had - has)
+        wanted.extend(has - had)
+    routes = _RouteSet(believed.link.routes)
+    for net in gone:
+        inside = _still_routed_inside(net, new, own)
+        if inside is not None:
+            routes.cut(net)
+            wanted.extend(inside)
+    for net in wanted:
+        routes.cover(net)
+    route_changes: list[Change] = [RouteMissing(new.interface, r) for r in sorted(routes.added())]
+    route_changes += [RouteExtra(new.interface, r) for r in sorted(routes.removed())]
+    return peer_changes + route_changes
+
+
+def _peer_changes(pid: str, before: Peer | None, want: PeerConfig | None, live: Mapping[str, PeerConfig],
+                  released: set[str], now: float) -> Iterable[Change]:
+    old_key = before.public_key if before is not None else ""
+    if want is None:
+        if old_key in live:
+            yield PeerRemoved(pid, old_key)
+        return
+    key = want.public_key
+    have = live.get(key) if key not in released else None  # a released key is removed first (device_update)
+    if old_key and old_key != key and old_key in live:
+        if have is not None:
+            yield PeerRemoved(pid, old_key)
+        else:
+            yield PeerKeyChanged(pid, key, old_key, want)
+            return
+    if have is None:
+        yield PeerAdded(pid, key, want)
+    elif have != want:
+        yield from peer_fields(pid, want, have, now)
+
+
+def _prefixes(peer: Peer | None, keepalive: int, own: frozenset[str]) -> set[Net]:
+    """The prefixes a peer needs routed via the interface (what `plan.target` routes, for one peer)."""
+    if peer is None:
+        return set()
+    return {_net(c) for c in peer_config(peer, keepalive).allowed_ips if not c.endswith("/0") and c not in own}
+
+
+def _still_routed_inside(net: Net, desired: DesiredState, own: frozenset[str]) -> list[Net] | None:
+    """The parts of `net` some peer of `desired` still needs routed, or None when all of it is (a peer holds it
+    or a prefix around it). Prefixes are indexed by exact value, so the usual case (a /32 mesh address) is a
+    few lookups; only a wide prefix is checked against every routed prefix."""
+    routed = desired.routed_prefixes()
+    for plen in range(net.prefixlen, 0, -1):  # not /0: a default route is never installed
+        if net.supernet(new_prefix=plen) in routed:
+            return None
+    if net.prefixlen == net.max_prefixlen:
+        return []
+    return [n for n in routed if n.version == net.version and n.subnet_of(net)  # type: ignore[arg-type]
+            and str(n) not in own]
+
+
+def _net(text: str) -> Net:
+    return ipaddress.ip_network(text)
+
+
+class _RouteSet:
+    """The interface's routes, changed one prefix at a time, remembering what to add and remove in the end."""
+
+    def __init__(self, live: Iterable[str]) -> None:
+        self._start = frozenset(live)
+        self._nets = {_net(r) for r in self._start}
+
+    def _covering(self, net: Net) -> Net | None:
+        for plen in range(net.prefixlen, -1, -1):
+            candidate = net.supernet(new_prefix=plen)
+            if candidate in self._nets:
+                return candidate
+        return None
+
+    def cover(self, net: Net) -> None:
+        if self._covering(net) is not None:
+            return
+        self._drop_inside(net)
+        # Merge with a routed sibling as long as there is one.
+        while net.prefixlen > 0:
+            parent = net.supernet()
+            sibling = next(n for n in parent.subnets() if n != net)
+            if sibling not in self._nets:
+                break
+            self._nets.discard(sibling)
+            net = parent
+        self._nets.add(net)
+
+    def cut(self, net: Net) -> None:
+        route = self._covering(net)
+        if route is None:
+            self._drop_inside(net)
+            return
+        self._nets.discard(route)
+        if route != net:
+            self._nets.update(route.address_exclude(net))  # type: ignore[arg-type]
+
+    def _drop_inside(self, net: Net) -> None:
+        """Remove routes for parts of `net` (none can exist inside a host prefix: skip the scan)."""
+        if net.prefixlen < net.max_prefixlen:
+            self._nets -= {n for n in self._nets if n.version == net.version and n.subnet_of(net)}  # type: ignore[arg-type]
+
+    def added(self) -> set[str]:
+        return {str(n) for n in self._nets} - self._start
+
+    def removed(self) -> set[str]:
+        return set(self._start - {str(n) for n in self._nets})
