@@ -90,11 +90,39 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def random_peer(i: int) -> dict:
+def random_peer(i: int, prefix: str = "10.101", tag: str = "bench") -> dict:
     pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
-    ip = f"10.101.{i // 250}.{i % 250 + 1}"
-    return {"id": f"n_bench{i}", "public_key": pub, "mesh_ip": ip, "endpoint": f"192.0.2.{i % 250 + 1}:51820",
+    ip = f"{prefix}.{i // 250}.{i % 250 + 1}"
+    return {"id": f"n_{tag}{i}", "public_key": pub, "mesh_ip": ip, "endpoint": f"192.0.2.{i % 250 + 1}:51820",
             "allowed_ips": [f"{ip}/32"], "psk": ""}
+
+
+async def preload(node: Node, n: int) -> float:
+    """Put `n` peers on the node's device before measuring (`--peers N`), as a burst of `peer_added` events (the
+    benches run with a long reconcile interval, so no state pull removes them). Returns the seconds it took."""
+    import asyncio
+
+    from plexd.mesh.wireguard.uapi import UapiClient
+
+    if n <= 0:
+        return 0.0
+    start = time.perf_counter()
+    peers = [random_peer(i, prefix="10.102", tag="preload") for i in range(n)]
+
+    def publish() -> None:
+        for peer in peers:
+            node.dp.admin.publish_event(node.node_id, "peer_added", peer)
+
+    await asyncio.to_thread(publish)
+    uapi = UapiClient("plexd0", socket_dir=node.lab_node.sock_dir)
+    deadline = time.monotonic() + 300
+    while True:
+        device = await uapi.get()
+        if len(device.peers) >= n:
+            return time.perf_counter() - start
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(device.peers)} of {n} preloaded peers arrived; see {node.workdir}/plexd.log")
+        await asyncio.sleep(0.2)
 
 
 @contextlib.contextmanager
