@@ -143,7 +143,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[N
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),
-               **{k: v for k, v in os.environ.items() if k.startswith("PLEXD_BENCH_TRACEMALLOC")}}
+               **{k: v for k, v in os.environ.items() if k.startswith(("PLEXD_BENCH_TRACEMALLOC", "PLEXD_TEST_"))}}
         proc = lab.spawn(node.wrap(DAEMON), env=env,
                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30

@@ -6,10 +6,16 @@ the daemon) with its own HTTP connection and a registered node, all in one proce
 --kill) and restarted on the same port; we record when each client is connected again and how many connection
 attempts the devplane had to absorb.
 
-    .venv/bin/python bench/reconnect_storm.py [--clients 200] [--kill] [--down 3]
+    .venv/bin/python bench/reconnect_storm.py [--clients 1000] [--kill] [--down 3]
 
-Figures: arrival spread of the reconnects after the devplane is back (p50/p90/max, per-second histogram), and
-the attempt count while it was down (the load a storm puts on a recovering control plane).
+The clients use the daemon's defaults (`sse.*` of `plexd.config`): the seed's backoff for ordinary failures, a
+random 0-5 s before the first reconnect after a stream closes, Retry-After spread by up to 50 %. The devplane
+sheds stream opens beyond 5 % of its fleet per second with 503 + Retry-After (`plexd.devplane.admission`).
+
+Figures: arrival spread of the reconnects after the devplane is back (p50/p90/max, per-second histogram with the
+share of the fleet), the attempt count while it was down, and the devplane's peak request rate (stream opens per
+second, admitted or shed) — the load a storm puts on a recovering control plane. Goals: no second sees more than
+10 % of the clients come back, all are back within 30 s.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from nacl.public import PrivateKey
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexd.clock import Clock
+from plexd.config import SseConfig
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.devplane.harness import Devplane
@@ -51,7 +58,7 @@ def register(dp: Devplane, n: int) -> list[dict]:
 
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--kill", action="store_true", help="SIGKILL the devplane instead of a graceful stop")
     ap.add_argument("--down", type=float, default=3.0, help="seconds the devplane stays down")
     args = ap.parse_args()
@@ -73,7 +80,7 @@ async def main() -> None:
             data_dir.mkdir()
             verifier = Verifier(SigningKeys(current=node["signing_public_key"]), NonceStore(clock), clock)
             stream = EventStream(dp.url, node["node_id"], (lambda s=node["node_secret_key"]: s), data_dir, verifier,
-                                 _ignore, clock=clock,
+                                 _ignore, clock=clock, reconnect_spread=SseConfig().reconnect_spread,
                                  on_connected=(lambda i=i: arrivals[i].append(time.perf_counter())))
             streams.append(stream)
         tasks = [asyncio.create_task(s.run()) for s in streams]
@@ -84,6 +91,14 @@ async def main() -> None:
         await asyncio.sleep(1.0)
 
         attempts_before = sum(s.attempts for s in streams)
+        rate_samples: list[tuple[float, int]] = []
+
+        async def sample_attempts() -> None:
+            while True:
+                rate_samples.append((time.perf_counter(), sum(s.attempts for s in streams)))
+                await asyncio.sleep(0.1)
+
+        sampler = asyncio.create_task(sample_attempts())
         t_down = time.perf_counter()
         await asyncio.to_thread(dp.kill if args.kill else dp.stop)
         await asyncio.sleep(args.down)
@@ -96,6 +111,9 @@ async def main() -> None:
             await asyncio.sleep(0.05)
         back = sorted(a[1] - t_up for a in arrivals if len(a) >= 2)
         attempts_total = sum(s.attempts for s in streams) - attempts_before
+        sampler.cancel()
+        peak_rate = max((b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(rate_samples, rate_samples[10:], strict=False)
+                        if b[0] > t_up)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -105,6 +123,8 @@ async def main() -> None:
     print(f"connection attempts while it was down: {attempts_down} ({attempts_down / len(streams):.1f} per client)")
     print(f"attempts until all were back: {attempts_total} ({attempts_total / len(streams):.1f} per client)")
     print(f"clients back: {len(back)}/{len(streams)}")
+    print(f"devplane peak request rate after it was back: {peak_rate:.0f} stream opens/s "
+          f"(1 s sliding window, admitted or shed)")
     if back:
         q = statistics.quantiles(back, n=10) if len(back) > 1 else [back[0]] * 9
         print(f"reconnect after the devplane was back: min {back[0]:.2f} s  p50 {statistics.median(back):.2f} s  "
@@ -116,7 +136,10 @@ async def main() -> None:
         peak = max(buckets.values())
         for sec in range(int(max(back[-1], 0)) + 1):
             n = buckets.get(sec, 0)
-            print(f"  {sec:3d}-{sec + 1:<3d}s {n:4d} {'#' * max(1 if n else 0, round(50 * n / peak))}")
+            print(f"  {sec:3d}-{sec + 1:<3d}s {n:4d} {100 * n / len(streams):5.1f} % "
+                  f"{'#' * max(1 if n else 0, round(50 * n / peak))}")
+        print(f"busiest second: {100 * peak / len(streams):.1f} % of the clients (goal <= 10 %); "
+              f"last back after {back[-1]:.1f} s (goal <= 30 s)")
 
 
 if __name__ == "__main__":

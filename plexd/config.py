@@ -19,7 +19,8 @@ README (PROJECT-DECISIONS.md, Config row)::
     registration: {hostname: "", metadata: {}, max_wait: 5m}
     reconcile: {interval: 60s}
     heartbeat: {interval: 30s}
-    sse: {backoff_base: 1s, backoff_max: 60s, jitter: 0.25, idle_timeout: 90s, polling_after: 5m}
+    sse: {backoff_base: 1s, backoff_max: 60s, jitter: 0.25, idle_timeout: 90s, polling_after: 5m,
+          reconnect_spread: 5s}
     shutdown: {deregister: true, drain: 30s}
     nat_traversal: {enabled: true, stun_servers: [], refresh_interval: 60s}
     actions: {enabled: true, max_concurrent: 5, timeout: 10m}
@@ -132,6 +133,9 @@ class SseConfig:
     jitter: float = _f(0.25, min=0.0, max=0.99)
     idle_timeout: float = _f(90.0, "duration", min=1)
     polling_after: float = _f(300.0, "duration", min=0)
+    # The first reconnect after a stream closes waits a random 0..reconnect_spread: a control plane restart closes
+    # every node's stream at the same instant, and the fleet must not come back in the same second.
+    reconnect_spread: float = _f(5.0, "duration", min=0)
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
@@ -93,6 +94,8 @@ class EventStream:
         idle_timeout: float = IDLE_TIMEOUT,
         polling_after: float = POLLING_AFTER,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        reconnect_spread: float = 0.0,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         self.url = f"{api.rstrip('/')}/v1/nodes/{node_id}/events"
         self.node_id = node_id
@@ -115,6 +118,8 @@ class EventStream:
         self._idle_timeout = idle_timeout
         self._polling_after = polling_after
         self._max_event_bytes = max_event_bytes
+        self.reconnect_spread = reconnect_spread
+        self._rand = rand
 
         self.last_event_id: str | None = self._load_last_event_id()
         self._seen_ids: OrderedDict[str, None] = OrderedDict()
@@ -218,18 +223,24 @@ class EventStream:
             self._eof_times.clear()
             self._in_storm = False
             self.storm_backoff.reset()
-            log.info("event stream closed (%s); reconnecting now", why)
-            return 0.0
+            return self._spread(why)
         while self._eof_times and now - self._eof_times[0] > self._storm_window:
             self._eof_times.popleft()
         self._eof_times.append(now)
         if not self._in_storm and len(self._eof_times) <= self._storm_burst:
-            log.info("event stream closed (%s); reconnecting now", why)
-            return 0.0
+            return self._spread(why)
         self._in_storm = True
         delay = self.storm_backoff.next_delay()
         log.warning("event stream keeps closing without delivering anything (%s); reconnecting in %.1f s",
                     why, delay)
+        return delay
+
+    def _spread(self, why: str) -> float:
+        """The first reconnect after a close: at a random moment within `reconnect_spread` (the missed events are
+        replayed after the cursor). A control plane restart ends every node's stream at once; reconnecting at
+        once would bring the whole fleet back in the same second."""
+        delay = self._rand() * self.reconnect_spread
+        log.info("event stream closed (%s); reconnecting in %.1f s", why, delay)
         return delay
 
     def _mark_failing(self) -> None:
@@ -274,6 +285,10 @@ class EventStream:
             return delay
         self._mark_failing()
         delay = self.backoff.next_delay()
+        if status is not None and status >= 500 and exc.retry_after is not None:
+            # A control plane shedding load says when to come back; spread over half as long again, so the
+            # clients it turned away in one second do not all return in one second.
+            delay = min(max(exc.retry_after, self.backoff.base) * (1 + 0.5 * self._rand()), RETRY_AFTER_MAX)
         log.warning("event stream unavailable (%s); retrying in %.1f s", exc, delay)
         return delay
 

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plexd.devplane import admin, wire
+from plexd.devplane.admission import StreamAdmission
 from plexd.devplane.deployment import Deployment, cancel_quietly
 from plexd.devplane.events import format_sse, parse_event_id
 from plexd.devplane.wire import HTTPError, bearer, error_response, read_json
@@ -212,6 +213,10 @@ class _Stream:
 async def events(request: Request) -> Response:
     node = _node(request)
     dep = _dep(request)
+    retry_after = request.app.state.admission.admit()
+    if retry_after is not None:
+        raise HTTPError(503, "too many event streams opening at once; retry later",
+                        {"Retry-After": str(retry_after)})
     last = request.headers.get("last-event-id")
     after = parse_event_id(last) if last else None
     if last and after is None:
@@ -355,6 +360,7 @@ def create_app(
     app.state.admin_token = admin_token
     app.state.keepalive = keepalive
     app.state.artifacts_dir = artifacts_dir
+    app.state.admission = StreamAdmission(lambda: len(deployment.nodes))
     app.add_middleware(FaultMiddleware, deployment=deployment)
     return app
 

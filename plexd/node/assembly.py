@@ -111,6 +111,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         storm_backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
         idle_timeout=cfg.sse.idle_timeout,
         polling_after=cfg.sse.polling_after,
+        reconnect_spread=cfg.sse.reconnect_spread,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
     )
     on_device = [0]  # peers on the live device, read before each heartbeat

@@ -424,3 +424,24 @@ async def test_cursor_persisted_dedupe_and_bad_events_skipped(tmp_path, clock, c
     finally:
         server2.hang.set()
         await stop(task)
+
+
+async def test_fleet_synchronising_moments_are_spread(tmp_path, clock):
+    """A stream that closes (a control plane restart closes every node's at once) reconnects at a random moment
+    within reconnect_spread; a 503 that says Retry-After is retried within 1-1.5x of it. Other failures keep the
+    seed's schedule."""
+    event = sign_event(KEY, "peer_added", "e1", {"id": "n_x"}, issued_at="2025-01-15T10:30:00Z", nonce="s")
+    healthy = httpx.Response(200, headers={"content-type": "text/event-stream"},
+                             content=f"id: e1\ndata: {event}\n\n".encode())
+    script = {1: healthy, 2: httpx.Response(503, headers={"retry-after": "4"}), 3: httpx.Response(503)}
+    server = Server(lambda r, n: script.get(n, httpx.Response(503)))
+    stream, _ = make_stream(tmp_path, clock, server, reconnect_spread=5.0, rand=lambda: 0.6)
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == pytest.approx(3.0)  # 0.6 of the 5 s spread, not at once
+        clock.advance(3.0)
+        assert await next_sleep(stream, 2) == pytest.approx(4 * 1.3)  # Retry-After 4, spread by 0..50 %
+        clock.advance(4 * 1.3)
+        assert await next_sleep(stream, 3) == 2  # a bare 503: the seed's backoff (1 s, then 2 s)
+    finally:
+        await stop(task)
