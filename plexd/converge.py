@@ -175,6 +175,8 @@ class Converger:
             )
         changes = diff(desired, observed, self.clock.now().timestamp())
         if dry_run:
+            if self._baseline is not None:  # nothing applied, but the machine was read: believe what was seen
+                self._baseline = replace(self._baseline, believed=observed)
             return ConvergeResult(tuple(changes), tuple(errors), desired.rejected, dry_run)
         if not changes:
             self._baseline = _Baseline(unresolved, observed) if not errors else None
@@ -275,9 +277,13 @@ class Converger:
             desired = replace(desired, peers={**desired.peers, pid: replace(peer, endpoint=endpoint)})
         return desired, errors
 
-    def forget(self) -> None:
-        """The machine may have changed behind our back (a backend restarted it): the next event converges in full."""
-        self._baseline = None
+    def believed_peer_count(self) -> int | None:
+        """Peers on the device as the last full read saw them plus every change applied since; None when that is
+        not known (start, or the last apply failed). Lets the heartbeat count without dumping the device."""
+        base = self._baseline
+        if base is None or base.believed.device is None:
+            return None
+        return len(base.believed.device.peers)
 
     async def teardown(self) -> None:
         """Remove the device (and its link): shutdown with deregistration."""

@@ -114,9 +114,15 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         reconnect_spread=cfg.sse.reconnect_spread,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
     )
-    on_device = [0]  # peers on the live device, read before each heartbeat
+    on_device = [0]  # peers on the device, counted before each heartbeat
 
     async def observe_device() -> None:
+        # Idle stays idle: the count the converger keeps (the last full read of the device plus every change
+        # applied since) costs nothing; only without one is the device dumped.
+        believed = mesh.converger.believed_peer_count()
+        if believed is not None:
+            on_device[0] = believed
+            return
         try:
             counts = await mesh.peers_on_device()
         except PlexdError as exc:

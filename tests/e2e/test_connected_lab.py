@@ -292,7 +292,8 @@ def test_status_reconcile_and_hold_go_through_the_running_daemon(lab_dp, run_as_
     assert plan["by_daemon"] is True and plan["dry_run"] is True
     assert any(c["type"] == "peer_added" and b.node_id() in c["detail"] for c in plan["corrections"]), plan
     assert b_key not in wg_peers(lab, a.node)
-    # the heartbeat counts the peers on the device (0 now), not the desired ones (still 1)
+    # the heartbeat counts the peers on the device as the last read of it (the dry run) saw them: 0, not the
+    # desired ones (still 1)
     wait_until(lambda: dp.admin.heartbeats(a.node_id())[-1]["mesh"]["peer_count"] == 0, 10,
                "a heartbeat counting the device's peers", daemons)
     assert a.status()["peers"]["desired"] == 1
