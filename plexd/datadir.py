@@ -4,9 +4,9 @@
     private_key                0600  WireGuard private key, base64
     node_secret_key            0600  the node's bearer secret
     signing_public_key         0600  the control plane's current event-signing key (the file wins over identity)
-    events.db                  0600  the event stream's replay cursor and the nonces of accepted events (SQLite,
-                                     WAL; a replay after a restart is refused; see plexd.controlplane.ledger)
-    state/desired.json         0600  mirror of the desired model (no private key) for an offline start
+    events.db                  0600  the event stream's replay cursor, the nonces of accepted events and the
+                                     mirror of the desired model (no private key) for an offline start (SQLite,
+                                     WAL, committed together; see plexd.controlplane.ledger)
 
 The directory is 0700 and every write is atomic (`plexd.atomicfile`).
 """
@@ -20,4 +20,4 @@ SIGNING_KEY = "signing_public_key"
 EVENT_LEDGER = "events.db"
 NONCES = "nonces.json"  # before events.db: imported once, then removed
 LAST_EVENT_ID = "last_event_id"  # likewise
-DESIRED_MIRROR = "state/desired.json"
+DESIRED_MIRROR = "state/desired.json"  # before events.db: imported once, then removed

@@ -1,19 +1,20 @@
-"""The event stream's durable bookkeeping: the replay cursor and the nonces of accepted events, in one SQLite
-database in WAL mode (`data_dir/events.db`).
+"""What the event path must keep across a crash, in one SQLite database in WAL mode (`data_dir/events.db`): the
+stream's replay cursor, the nonces of accepted events, and the mirror of the desired model (for an offline start).
 
-Why not files: rewriting and fsyncing a nonce file of up to 100,000 entries on every event made each event cost
-O(store). Here an event only notes its cursor and nonce in memory (O(1)); `commit()` writes everything noted since
-the last commit in one transaction (group commit: one fsync for a whole burst).
+Why not files: rewriting and fsyncing a nonce file of up to 100,000 entries, and a mirror of every peer, on every
+event made each event cost O(mesh). Here an event only notes its cursor and nonce in memory (O(1)); a commit
+(`plexd.node.durable`, at most once a second) writes, in one transaction, the peers that changed since the last
+commit, the rest of the model, and exactly the cursor and nonces noted up to the moment that model was taken.
 
-Ordering is the caller's (`plexd.node.durable`): the commit follows the write of the desired-state mirror that
-holds the effects of the events it acknowledges. So after a crash at any moment the cursor never points past an
-event whose effect is not on disk, and the control plane replays the events after it; those events' nonces were
-not committed either, so they are accepted again (every event sets a value: applying one twice is harmless). An
-event at or before the cursor has its nonce stored, so a replay of it is refused after the restart too.
+So after a crash at any moment the cursor never points past an event whose effect is not on disk: both are in the
+same transaction. The control plane replays the events after the cursor; their nonces were not committed either,
+so they are accepted again (every event sets a value: applying one twice is harmless). An event at or before the
+cursor has its nonce stored, so a replay of it is refused after the restart too.
 
-The files of earlier versions (`nonces.json`, `last_event_id`) are imported once and removed. A database SQLite
-cannot read is moved aside (`events.db.corrupt`) with a warning and the daemon starts with an empty one: replays
-are then bounded by the 5-minute window check alone until new nonces accumulate.
+The files of earlier versions (`nonces.json`, `last_event_id`, `state/desired.json`) are imported once and
+removed. A database SQLite cannot read is moved aside (`events.db.corrupt`) with a warning and the daemon starts
+with an empty one: replays are then bounded by the 5-minute window check alone until new nonces accumulate, and
+the first state pull brings the model back.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nonces (nonce TEXT PRIMARY KEY, issued_at REAL NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS nonces_by_time ON nonces (issued_at);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS peers (id TEXT PRIMARY KEY, doc TEXT NOT NULL) WITHOUT ROWID;
 """
 
 
@@ -44,6 +46,16 @@ NONCE_TTL_SECONDS = 300.0  # signing.NONCE_TTL: a nonce older than the staleness
 class Batch:
     cursor: str | None
     nonces: list[tuple[str, float]]
+
+
+@dataclass(frozen=True)
+class MirrorChange:
+    """The desired model's mirror, as the rows that change: `head` is the model without its peers (JSON)."""
+
+    head: str
+    upserts: list[tuple[str, str]]  # peer id, peer JSON
+    deletes: list[str]
+    full: bool = False  # every row replaced (the first write of a run)
 
 
 class EventLedger:
@@ -112,15 +124,26 @@ class EventLedger:
                 rows = [(str(n), gojson.parse_time(t).timestamp()) for n, t in raw.items() if isinstance(t, str)]
         except (OSError, ValueError):
             pass
-        if not cursor and not rows:
+        mirror_file = data_dir / datadir.DESIRED_MIRROR
+        mirror: MirrorChange | None = None
+        try:
+            doc = json.loads(mirror_file.read_text())
+            peers = doc["state"].pop("peers", None) or []
+            mirror = MirrorChange(json.dumps(doc, separators=(",", ":")),
+                                  [(str(p["id"]), json.dumps(p, separators=(",", ":"))) for p in peers], [], True)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        if not cursor and not rows and mirror is None:
             return
         with _transaction(db):
             db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", rows)
             if cursor:
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (cursor,))
-        cursor_file.unlink(missing_ok=True)
-        nonce_file.unlink(missing_ok=True)
-        log.info("event bookkeeping moved into %s (%d nonces)", self.path, len(rows))
+            if mirror is not None:
+                _write_mirror(db, mirror)
+        for old in (cursor_file, nonce_file, mirror_file):
+            old.unlink(missing_ok=True)
+        log.info("event bookkeeping and the desired-state mirror moved into %s (%d nonces)", self.path, len(rows))
 
     def _load(self) -> list[tuple[str, float]]:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()
@@ -163,13 +186,17 @@ class EventLedger:
         self._cursor_dirty, self._new_nonces = False, {}
         return batch
 
-    def write(self, batch: Batch | None, now: float) -> bool:
-        """Commit a batch in one transaction (blocking: may run in a worker thread). Nonces issued before
-        `now - NONCE_TTL` leave the table; beyond `max_nonces` the oldest go. False (logged) if it failed."""
-        if batch is None:
+    def write(self, batch: Batch | None, now: float, mirror: MirrorChange | None = None) -> bool:
+        """Commit a batch and the mirror's changed rows in one transaction (blocking: may run in a worker thread).
+        Nonces issued before `now - NONCE_TTL` leave the table; beyond `max_nonces` the oldest go. False (logged)
+        if it failed."""
+        if batch is None and mirror is None:
             return True
+        batch = batch or Batch(None, [])
         try:
             with self._db_lock, _transaction(self._db):
+                if mirror is not None:
+                    _write_mirror(self._db, mirror)
                 self._db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", batch.nonces)
                 if batch.cursor is not None:
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (batch.cursor,))
@@ -197,6 +224,11 @@ class EventLedger:
         if batch is not None and not self.write(batch, now):
             self.give_back(batch)
 
+    def mirror(self) -> dict | None:
+        """The mirrored desired model as `DesiredState.to_json()` wrote it, or None when there is none."""
+        with self._db_lock:
+            return _read_mirror(self._db)
+
     def stored(self) -> tuple[str | None, set[str]]:
         """What is on disk now (for tests and `plexd status`): the committed cursor and nonces."""
         with self._db_lock:
@@ -207,6 +239,40 @@ class EventLedger:
         self.commit(now)
         with self._db_lock:
             self._db.close()
+
+
+def _write_mirror(db: sqlite3.Connection, change: MirrorChange) -> None:
+    if change.full:
+        db.execute("DELETE FROM peers")
+    db.executemany("INSERT OR REPLACE INTO peers VALUES (?, ?)", change.upserts)
+    db.executemany("DELETE FROM peers WHERE id = ?", [(pid,) for pid in change.deletes])
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('desired', ?)", (change.head,))
+
+
+def _read_mirror(db: sqlite3.Connection) -> dict | None:
+    row = db.execute("SELECT value FROM meta WHERE key = 'desired'").fetchone()
+    if row is None:
+        return None
+    doc = json.loads(row[0])
+    doc.setdefault("state", {})["peers"] = [json.loads(r[0]) for r in db.execute("SELECT doc FROM peers")]
+    return doc
+
+
+def read_mirror(data_dir: Path | str) -> dict | None:
+    """The mirror, read-only, for commands that run beside (or without) the daemon (`plexd peers`,
+    `reconcile --once`); None when there is none or it cannot be read (logged)."""
+    path = Path(data_dir) / datadir.EVENT_LEDGER
+    if not path.exists():
+        return None
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return _read_mirror(db)
+        finally:
+            db.close()
+    except (sqlite3.Error, ValueError) as exc:
+        log.warning("cannot read the desired-state mirror in %s: %s", path, exc)
+        return None
 
 
 class _transaction:

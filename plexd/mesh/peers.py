@@ -3,21 +3,19 @@ view). Reads the device only; public keys are mapped to peer ids through the des
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plexd import datadir
+from plexd.controlplane.ledger import read_mirror
 from plexd.errors import PlexdError
 from plexd.mesh.wireguard import DeviceConfig, key_fingerprint
 
 if TYPE_CHECKING:
     from plexd.config import Config
 
-MIRROR_FILE = datadir.DESIRED_MIRROR  # written by the daemon (plexd.node.mesh)
 
 
 @dataclass(frozen=True)
@@ -45,7 +43,7 @@ class PeerRow:
 def names_from_mirror(data_dir: str | Path) -> dict[str, tuple[str, str]]:
     """public key -> (peer id, mesh IP) from the daemon's desired-state mirror; {} when there is none."""
     try:
-        doc = json.loads((Path(data_dir) / MIRROR_FILE).read_text())
+        doc = read_mirror(data_dir) or {}
         peers = (doc.get("state") or {}).get("peers") or []
         return {p["public_key"]: (p.get("id", ""), p.get("mesh_ip", "")) for p in peers if p.get("public_key")}
     except (OSError, ValueError, AttributeError, TypeError):

@@ -70,10 +70,10 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     cfg = agent.config
     data_dir = Path(cfg.data_dir)
     assert agent.identity is not None
-    if mesh is None:
-        mesh = _build_mesh(agent)
     ledger = EventLedger(data_dir / datadir.EVENT_LEDGER)
-    durable = GroupCommit(data_dir, ledger, delay=_commit_delay())
+    if mesh is None:
+        mesh = _build_mesh(agent, ledger.mirror())
+    durable = GroupCommit(ledger, delay=_commit_delay())
     mesh.store.on_changed = durable.desired_changed
     mesh.persist = durable.persist_now
 
@@ -164,11 +164,11 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     return node
 
 
-def _build_mesh(agent: Agent) -> MeshHandle:
+def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
     """The converger for this machine and the desired model, seeded from the mirror of the last run."""
     cfg = agent.config
     assert agent.identity is not None
-    initial, restored = initial_desired(cfg, agent.identity)
+    initial, restored = initial_desired(cfg, agent.identity, mirror)
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
     converger = build_converger(cfg)

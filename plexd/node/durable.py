@@ -1,23 +1,24 @@
-"""Group commit of what the event path must keep: the desired-state mirror first, then the event ledger.
+"""Group commit of what the event path must keep: the desired-state mirror and the event ledger, together.
 
 Events change the desired model and note their cursor and nonce in the ledger, all in memory and O(1). At most
-once per `delay` (1 s) this writes both, off the event loop: the mirror (the model as it stands, serialised in a
-worker thread: the model is immutable) and then, in one SQLite transaction, exactly the ledger notes taken at the
-same moment as that model. So a committed cursor never acknowledges an event whose effect is not in the mirror
-on disk (the guarantee is spelled out in `plexd.controlplane.ledger` and the README). Nothing is written while
-nothing changes.
+once per `delay` (1 s) this writes, off the event loop and in one SQLite transaction, the peers that changed
+since the last write (found by identity: an edit replaces what it changes), the rest of the model, and exactly
+the ledger notes taken at the same moment as that model. So a committed cursor never acknowledges an event whose
+effect is not on disk (the guarantee is spelled out in `plexd.controlplane.ledger` and the README). A commit
+costs what changed, not the mesh; nothing is written while nothing changes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from pathlib import Path
+from dataclasses import replace
 
-from plexd.controlplane.ledger import Batch, EventLedger
+from plexd.controlplane.ledger import Batch, EventLedger, MirrorChange
+from plexd.delta import touched_peers
 from plexd.desired import DesiredState
-from plexd.node.mesh import save_mirror
 
 log = logging.getLogger(__name__)
 
@@ -25,14 +26,14 @@ log = logging.getLogger(__name__)
 class GroupCommit:
     """One writer at a time, always the newest model and notes: a write never overtakes a later one."""
 
-    def __init__(self, data_dir: Path, ledger: EventLedger, delay: float = 1.0) -> None:
-        self.data_dir = data_dir
+    def __init__(self, ledger: EventLedger, delay: float = 1.0) -> None:
         self.ledger = ledger
         self.delay = delay
         self._desired: DesiredState | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._writing: asyncio.Task[None] | None = None
         self._again = False
+        self._written: DesiredState | None = None  # the model of the last successful write (writer only)
         self.flushes = 0
         ledger.on_pending = self._soon
 
@@ -90,10 +91,13 @@ class GroupCommit:
             self.ledger.give_back(batch)
 
     def _write(self, desired: DesiredState | None, batch: Batch | None) -> bool:
-        if desired is not None and not save_mirror(self.data_dir, desired):
-            return False  # the effects are not on disk: acknowledge nothing yet
+        mirror = mirror_change(self._written, desired) if desired is not None else None
+        if not self.ledger.write(batch, time.time(), mirror):
+            return False
+        if desired is not None:
+            self._written = desired
         self.flushes += 1
-        return self.ledger.write(batch, time.time())
+        return True
 
     async def close(self) -> None:
         """Finish the write in flight and write what is left (at shutdown)."""
@@ -106,3 +110,22 @@ class GroupCommit:
         desired, batch = self._take()
         if not await asyncio.to_thread(self._write, desired, batch):
             self._give_back(desired, batch)
+
+
+def mirror_change(old: DesiredState | None, new: DesiredState) -> MirrorChange:
+    """The rows that turn the mirror of `old` into the mirror of `new` (all of them when there is no `old`)."""
+    head = _dumps(replace(new, peers={}).to_json())
+    if old is None:
+        return MirrorChange(head, [(pid, _dumps(p.to_wire())) for pid, p in new.peers.items()], [], full=True)
+    upserts, deletes = [], []
+    for pid in touched_peers(old, new):
+        peer = new.peers.get(pid)
+        if peer is None:
+            deletes.append(pid)
+        else:
+            upserts.append((pid, _dumps(peer.to_wire())))
+    return MirrorChange(head, upserts, deletes)
+
+
+def _dumps(doc: object) -> str:
+    return json.dumps(doc, separators=(",", ":"))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,8 +19,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plexd import datadir
-from plexd.atomicfile import write_atomic
 from plexd.clock import Clock
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
@@ -257,43 +254,30 @@ def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str,
     return verifier
 
 
-# -- the mirror of the desired model ----------------------------------------------------------------------------
+# -- the desired model at start ---------------------------------------------------------------------------------
 
 
-def load_mirror(data_dir: Path | str, private_key: str) -> DesiredState | None:
-    path = Path(data_dir) / datadir.DESIRED_MIRROR
-    try:
-        return DesiredState.from_json(json.loads(path.read_text()), private_key=private_key)
-    except FileNotFoundError:
-        return None
-    except Exception as exc:  # a torn or foreign file must not stop the daemon; the state pull replaces it
-        log.warning("ignoring unreadable desired-state mirror %s: %s", path, exc)
-        return None
-
-
-def save_mirror(data_dir: Path, desired: DesiredState) -> bool:
-    """Write the mirror (atomically, fsynced). False, logged, when it could not be written."""
-    path = data_dir / datadir.DESIRED_MIRROR
-    try:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
-        write_atomic(path, json.dumps(desired.to_json(), separators=(",", ":")).encode())
-        return True
-    except OSError as exc:
-        log.warning("cannot write the desired-state mirror %s: %s", path, exc)
-        return False
-
-
-def initial_desired(config: Any, identity: Identity, *, restore: bool = True) -> tuple[DesiredState, bool]:
+def initial_desired(config: Any, identity: Identity, mirror: dict | None) -> tuple[DesiredState, bool]:
     """The desired model at start: the interface settings from the config, peers and policies from the mirror
-    of the last run (when it belongs to this identity). Returns (model, restored from the mirror)."""
+    of the last run (`EventLedger.mirror()`, when it belongs to this identity). Returns (model, restored)."""
     private_key = base64.b64encode(identity.private_key).decode()
     initial = DesiredState.initial(interface=config.mesh.interface, listen_port=config.mesh.listen_port,
                                    mtu=config.mesh.mtu, private_key=private_key, mesh_ip=identity.mesh_ip)
-    mirrored = load_mirror(config.data_dir, private_key) if restore else None
+    mirrored = _from_mirror(mirror, private_key)
     if mirrored is None or mirrored.mesh_ip != initial.mesh_ip:
         return initial, False
     # Peers and policies from the last run; the interface settings always come from the current config.
     return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu), True
+
+
+def _from_mirror(doc: dict | None, private_key: str) -> DesiredState | None:
+    if doc is None:
+        return None
+    try:
+        return DesiredState.from_json(doc, private_key=private_key)
+    except Exception as exc:  # a foreign or damaged mirror must not stop the daemon; the state pull replaces it
+        log.warning("ignoring an unreadable desired-state mirror: %s", exc)
+        return None
 
 
 def printable(text: str, limit: int = 80) -> str:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, Any]:
     from plexd.clock import Clock
     from plexd.controlplane.client import ControlPlaneClient
+    from plexd.controlplane.ledger import read_mirror
     from plexd.identity import IdentityStore
     from plexd.mesh.select import build_converger
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
@@ -41,7 +42,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     converger = build_converger(config)
     # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
     # hold the machine to, so only the pulled state is applied.
-    desired, restored = initial_desired(config, ident)
+    desired, restored = initial_desired(config, ident, read_mirror(config.data_dir))
     protected = ProtectedAddresses(config.api.url, converger.links, allow_exit_routes=config.mesh.allow_exit_routes)
     mesh = MeshHandle(converger, desired, protected=protected, known=restored)
 

@@ -114,3 +114,60 @@ def test_a_torn_legacy_nonce_file_is_ignored(tmp_path, clock):
     (tmp_path / "nonces.json").write_text("{torn")
     ledger = EventLedger(tmp_path / "events.db")
     assert len(NonceStore(clock, ledger)) == 0 and ledger.cursor is None
+
+
+# --- the desired-state mirror, in the same database ------------------------------------------------------------
+
+
+def _model(peers):
+    from plexd.desired import DesiredState
+
+    d = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
+                             private_key=base64.b64encode(bytes([7]) * 32).decode(), mesh_ip="10.100.0.1")
+    return d.with_peers(peers)
+
+
+def _peer(i):
+    from plexd.model import Peer
+
+    key = base64.b64encode(bytes(nacl.signing.SigningKey(bytes([i + 1]) * 32).verify_key)).decode()
+    return Peer(id=f"n_{i}", public_key=key, mesh_ip=f"10.100.0.{i + 10}")
+
+
+def test_the_mirror_is_written_by_changed_rows_and_read_back_whole(tmp_path):
+    from plexd.node.durable import mirror_change
+
+    ledger = EventLedger(tmp_path / "events.db")
+    first = _model([_peer(i) for i in range(5)])
+    full = mirror_change(None, first)
+    assert full.full and len(full.upserts) == 5
+    ledger.write(None, NOW.timestamp(), full)
+    second = first.without_peer("n_1").with_peer(_peer(7))
+    change = mirror_change(first, second)
+    assert not change.full and change.deletes == ["n_1"] and [pid for pid, _ in change.upserts] == ["n_7"]
+    ledger.note("evt_9", "z", NOW.timestamp())
+    ledger.write(ledger.take(), NOW.timestamp(), change)  # one transaction: rows, cursor and nonce
+    ledger.close(NOW.timestamp())
+
+    from plexd.controlplane.ledger import read_mirror
+    from plexd.desired import DesiredState
+
+    restored = DesiredState.from_json(read_mirror(tmp_path), private_key=second.private_key)
+    assert set(restored.peers) == set(second.peers) == {"n_0", "n_2", "n_3", "n_4", "n_7"}
+    assert EventLedger(tmp_path / "events.db").stored() == ("evt_9", {"z"})
+
+
+def test_the_mirror_file_of_an_earlier_version_is_imported(tmp_path):
+    (tmp_path / "state").mkdir()
+    doc = _model([_peer(1), _peer(2)]).to_json()
+    (tmp_path / "state" / "desired.json").write_text(json.dumps(doc))
+    ledger = EventLedger(tmp_path / "events.db")
+    assert {p["id"] for p in ledger.mirror()["state"]["peers"]} == {"n_1", "n_2"}
+    assert ledger.mirror()["mesh_ip"] == "10.100.0.1"
+    assert not (tmp_path / "state" / "desired.json").exists()
+
+
+def test_no_database_no_mirror(tmp_path):
+    from plexd.controlplane.ledger import read_mirror
+
+    assert read_mirror(tmp_path) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from plexd.controlplane.ledger import EventLedger, MirrorChange
 from plexd.mesh.peers import format_table, names_from_mirror, rows
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
 
@@ -11,9 +12,9 @@ K1, K2 = "A" * 43 + "=", "B" * 43 + "="
 
 
 def test_rows_json_and_table(tmp_path) -> None:
-    (tmp_path / "state").mkdir()
-    (tmp_path / "state" / "desired.json").write_text(json.dumps(
-        {"state": {"peers": [{"id": "n_a", "public_key": K1, "mesh_ip": "10.100.0.2"}]}}))
+    ledger = EventLedger(tmp_path / "events.db")  # as the daemon writes its mirror
+    ledger.write(None, 0.0, MirrorChange('{"state":{}}', [("n_a", json.dumps(
+        {"id": "n_a", "public_key": K1, "mesh_ip": "10.100.0.2"}))], [], full=True))
     names = names_from_mirror(tmp_path)
     dev = DeviceConfig(peers={
         K1: PeerConfig(K1, "10.0.0.2:51820", frozenset({"10.100.0.2/32"}), last_handshake=1000.0, rx=2048, tx=10),
