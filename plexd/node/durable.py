@@ -34,6 +34,7 @@ class GroupCommit:
         self._writing: asyncio.Task[None] | None = None
         self._again = False
         self._written: DesiredState | None = None  # the model of the last successful write (writer only)
+        self._written_head = ""
         self.flushes = 0
         ledger.on_pending = self._soon
 
@@ -92,11 +93,16 @@ class GroupCommit:
 
     def _write(self, desired: DesiredState | None, batch: Batch | None) -> bool:
         mirror = mirror_change(self._written, desired) if desired is not None else None
+        if mirror is not None and not mirror.full and not mirror.upserts and not mirror.deletes and (
+                mirror.head == self._written_head):
+            mirror = None  # a state pull that changed nothing: nothing to write
         if not self.ledger.write(batch, time.time(), mirror):
             return False
         if desired is not None:
             self._written = desired
-        self.flushes += 1
+        if mirror is not None:
+            self._written_head = mirror.head
+            self.flushes += 1
         return True
 
     async def close(self) -> None:

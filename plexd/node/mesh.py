@@ -98,6 +98,8 @@ class MeshHandle:
         self._wanted = asyncio.Event()  # an event changed the model: converge soon
         self._wanted_by: list[str] = []  # why (the first and the last few, for the log)
         self._wanted_count = 0
+        self._fresh: DesiredState | None = None  # the model the last full converge left the machine matching
+        self._pull_changed_nothing = False
 
     def request_converge(self, reason: str) -> None:
         """An event changed the desired model: converge soon, without making the event stream wait.
@@ -159,6 +161,22 @@ class MeshHandle:
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
         self._note_refusals(self.store.value)
+        skip, self._pull_changed_nothing = self._pull_changed_nothing, False
+        if skip and not dry_run and self._fresh == self.store.value and self.hold.current() is None:
+            # The drift phase of this reconcile read the machine and converged it to this very model, and the
+            # state pull changed nothing: reading the machine again would only cost.
+            return ConvergeResult()
+        model = self.store.value
+        result = await self._converge(dry_run)
+        self._fresh = model if not dry_run and not result.dry_run and result.ok else None
+        return result
+
+    def pulled(self) -> None:
+        """A state pull was applied (`state_applier`): if it left the model as the last full converge had it,
+        the converge that follows it has nothing to do."""
+        self._pull_changed_nothing = self._fresh is not None and self._fresh == self.store.value
+
+    async def _converge(self, dry_run: bool) -> ConvergeResult:
         if not self.known and not dry_run and (await self.converger.observe()).device is not None:
             if not self._told_unknown:
                 self._told_unknown = True
@@ -229,6 +247,7 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None,
 
         replayed = mesh.store.replace_from_pull(rebuild, pulled.since)  # StalePull: pull again
         mesh.known = True
+        mesh.pulled()
         if mesh.persist is not None:
             mesh.persist()
         if replayed:

@@ -78,6 +78,7 @@ class RecordingConverger:
             changes = ()
             errors = ()
             dry_run = False
+            ok = True
         return Result()
 
     async def apply_delta(self, desired):
@@ -152,3 +153,25 @@ async def test_a_burst_of_events_coalesces_into_few_converges_that_see_every_cha
     service.cancel()
     with pytest.raises(asyncio.CancelledError):
         await service
+
+
+async def test_a_reconcile_whose_pull_changes_nothing_reads_the_machine_once():
+    """Phase 1 (drift) converges the machine to the model; when the state pull leaves the model as it was, phase 2
+    has nothing to do and does not read the machine again. A pull that changes the model, and every later cycle
+    (drift can happen at any moment), still converge in full."""
+    converger = RecordingConverger()
+    mesh = MeshHandle(converger, initial().with_peer(peer(2)))
+    state = State(peers=(peer(2),))
+
+    async def get_state():
+        return state
+
+    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None, None), mesh.converge,
+                            lambda report: None)
+    assert (await reconciler.run_once(reasons=("interval",))).ok
+    assert len(converger.seen) == 2  # the first cycle: nothing was converged to this model yet
+    assert (await reconciler.run_once(reasons=("interval",))).ok
+    assert len(converger.seen) == 3  # drift phase only: the pull changed nothing
+    state = State(peers=(peer(2), peer(3)))
+    assert (await reconciler.run_once(reasons=("interval",))).ok
+    assert len(converger.seen) == 5 and converger.seen[-1] == {"n_2", "n_3"}
