@@ -126,12 +126,15 @@ async def preload(node: Node, n: int) -> float:
 
 
 @contextlib.contextmanager
-def connected_node(reconcile: str = "60s", heartbeat: str = "30s") -> Iterator[Node]:
+def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
+                   peer_heartbeat: str | None = None) -> Iterator[Node]:
+    """`peer_heartbeat`: the heartbeat interval the devplane expects of its nodes. Peers a bench registers never
+    heartbeat, so a bench that must keep them online for minutes sets it long (they go offline after 10)."""
     lab = Lab().up(1)
     workdir = Path(tempfile.mkdtemp(prefix="plexd-bench-"))
     dp = proc = None
     try:
-        dp = Devplane(workdir / "dp", listen=f"{lab.bridge_address}:0")
+        dp = Devplane(workdir / "dp", listen=f"{lab.bridge_address}:0", heartbeat_interval=peer_heartbeat)
         dp.start()
         (workdir / "token").write_text(dp.admin.create_token())
         cfg = workdir / "config.yaml"
