@@ -92,7 +92,6 @@ class Converger:
         self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
         self._baseline: _Baseline | None = None
         self.last_result: ConvergeResult | None = None
-        self.deltas = 0  # applies made without reading the device (for status and benches)
 
     async def observe(self) -> Observed:
         # The link is read in a worker thread while the device is read on the loop: the two overlap.
@@ -154,7 +153,6 @@ class Converger:
             if failures:
                 return None
         self._baseline = _Baseline(desired, simulate(base.believed, changes))
-        self.deltas += 1
         for c in changes:
             log.debug("applied: %s", c.detail)
         return ConvergeResult(tuple(changes), (), desired.rejected, False)

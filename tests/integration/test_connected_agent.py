@@ -41,6 +41,10 @@ class FakeResult:
     errors: tuple = ()
     dry_run: bool = False
 
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
 
 @dataclass
 class RecordingDevice:
