@@ -291,4 +291,5 @@ class Converger:
             await self.links.delete_link()
         except PlexdError as e:
             log.warning("%s", e)
+        self.links.close()
 

@@ -18,6 +18,7 @@ caller runs a full converge instead.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 from collections.abc import Iterable, Mapping
 
@@ -135,7 +136,10 @@ def _still_routed_inside(net: Net, desired: DesiredState, own: frozenset[str]) -
             and str(n) not in own]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _net(text: str) -> Net:
+    """Parsed once per text: every apply looks at the interface's routes, and parsing them each time cost more
+    than the rest of an apply."""
     return ipaddress.ip_network(text)
 
 
@@ -143,8 +147,25 @@ class _RouteSet:
     """The interface's routes, changed one prefix at a time, remembering what to add and remove in the end."""
 
     def __init__(self, live: Iterable[str]) -> None:
-        self._start = frozenset(live)
-        self._nets = {_net(r) for r in self._start}
+        self._nets = {_net(r) for r in live}
+        self._added: set[Net] = set()
+        self._removed: set[Net] = set()
+
+    def _add(self, net: Net) -> None:
+        if net not in self._nets:
+            self._nets.add(net)
+            if net in self._removed:
+                self._removed.discard(net)
+            else:
+                self._added.add(net)
+
+    def _discard(self, net: Net) -> None:
+        if net in self._nets:
+            self._nets.discard(net)
+            if net in self._added:
+                self._added.discard(net)
+            else:
+                self._removed.add(net)
 
     def _covering(self, net: Net) -> Net | None:
         for plen in range(net.prefixlen, -1, -1):
@@ -163,26 +184,28 @@ class _RouteSet:
             sibling = next(n for n in parent.subnets() if n != net)
             if sibling not in self._nets:
                 break
-            self._nets.discard(sibling)
+            self._discard(sibling)
             net = parent
-        self._nets.add(net)
+        self._add(net)
 
     def cut(self, net: Net) -> None:
         route = self._covering(net)
         if route is None:
             self._drop_inside(net)
             return
-        self._nets.discard(route)
+        self._discard(route)
         if route != net:
-            self._nets.update(route.address_exclude(net))  # type: ignore[arg-type]
+            for part in route.address_exclude(net):  # type: ignore[arg-type]
+                self._add(part)
 
     def _drop_inside(self, net: Net) -> None:
         """Remove routes for parts of `net` (none can exist inside a host prefix: skip the scan)."""
         if net.prefixlen < net.max_prefixlen:
-            self._nets -= {n for n in self._nets if n.version == net.version and n.subnet_of(net)}  # type: ignore[arg-type]
+            for n in [n for n in self._nets if n.version == net.version and n.subnet_of(net)]:  # type: ignore[arg-type]
+                self._discard(n)
 
     def added(self) -> set[str]:
-        return {str(n) for n in self._nets} - self._start
+        return {str(n) for n in self._added}
 
     def removed(self) -> set[str]:
-        return set(self._start - {str(n) for n in self._nets})
+        return {str(n) for n in self._removed}
