@@ -59,7 +59,8 @@ class MirrorChange:
 
 
 class EventLedger:
-    """Cursor and nonces: loaded once at start, noted per event in memory, committed in groups."""
+    """Cursor, nonces and the desired-state mirror: loaded once at start; cursor and nonces noted per event in
+    memory, everything committed in groups (`plexd.node.durable`)."""
 
     def __init__(self, path: Path | str, *, max_nonces: int = 100_000) -> None:
         self.path = Path(path)
@@ -166,6 +167,8 @@ class EventLedger:
         first = not self.pending
         if nonce:
             self._new_nonces[nonce] = issued_at
+            if len(self._new_nonces) > self.max_nonces:  # commits failing for long (disk full): stay bounded
+                del self._new_nonces[next(iter(self._new_nonces))]
         if event_id:
             self._cursor, self._cursor_dirty = event_id, True
         if first and self.pending and self.on_pending is not None:

@@ -171,3 +171,11 @@ def test_no_database_no_mirror(tmp_path):
     from plexd.controlplane.ledger import read_mirror
 
     assert read_mirror(tmp_path) is None
+
+
+def test_notes_stay_bounded_while_commits_keep_failing(tmp_path):
+    ledger = EventLedger(tmp_path / "events.db", max_nonces=3)
+    for i in range(5):
+        ledger.note(f"e{i}", f"n{i}", NOW.timestamp() + i)
+    batch = ledger.take()
+    assert batch.cursor == "e4" and [n for n, _ in batch.nonces] == ["n2", "n3", "n4"]
