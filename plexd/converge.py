@@ -12,7 +12,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
 from plexd.clock import Clock
@@ -109,14 +109,15 @@ class Converger:
             self.last_result = result
             return result
 
-    async def apply_delta(self, desired: DesiredState) -> ConvergeResult:
+    async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None = None) -> ConvergeResult:
         """Apply what changed in `desired` since the last apply, without reading the device back: O(change).
 
         Falls back to a full converge when there is no baseline (start, or the last apply failed), when something
-        other than peers changed, or when the delta itself fails (the device went away, a peer was refused)."""
+        other than peers changed, or when the delta itself fails (the device went away, a peer was refused).
+        `touched`: the peer ids the edits since the last apply named (a superset is fine); None: find them."""
         async with self._lock:
             try:
-                result = await self._delta(desired)
+                result = await self._delta(desired, touched)
             except PlexdError as e:
                 log.warning("applying an event's change failed (%s); converging in full", e)
                 result = None
@@ -130,11 +131,15 @@ class Converger:
             self.last_result = result
             return result
 
-    async def _delta(self, desired: DesiredState) -> ConvergeResult | None:
+    async def _delta(self, desired: DesiredState, named: Collection[str] | None) -> ConvergeResult | None:
         base = self._baseline
         if base is None:
             return None
-        touched = touched_peers(base.desired, desired)
+        if named is None:
+            touched = touched_peers(base.desired, desired)
+        else:
+            before, after = base.desired.peers, desired.peers
+            touched = [pid for pid in named if before.get(pid) is not after.get(pid)]
         resolved, errors = await self._resolve_endpoints(desired, touched)
         if errors:
             return None  # a full converge names them (and configures the peers without an endpoint)

@@ -17,7 +17,7 @@ holds, the pull is not applied (`StalePull`) and the caller pulls again.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from plexd.desired import DesiredState
@@ -44,6 +44,8 @@ class DesiredStore:
         self.on_changed = on_changed  # e.g. the mirror's group commit
         self._seq = 0
         self._journal: deque[Journaled] = deque(maxlen=journal_size)
+        # Peer ids the edits since the last `take_touched()` changed; None: unknown (a pull or a replace), scan.
+        self._touched: set[str] | None = None
 
     @property
     def value(self) -> DesiredState:
@@ -61,12 +63,22 @@ class DesiredStore:
         if self.on_changed is not None:
             self.on_changed(value)
 
-    def edit(self, change: Edit, label: str = "") -> DesiredState:
-        """Apply an event's change now, and journal it for any pull in flight."""
+    def edit(self, change: Edit, label: str = "", peers: Iterable[str] | None = None) -> DesiredState:
+        """Apply an event's change now, and journal it for any pull in flight. `peers`: the ids of the peers the
+        change can touch (None: any), so that applying it needs no scan of every peer."""
         self._seq += 1
         self._journal.append(Journaled(self._seq, label, change))
+        if peers is None:
+            self._touched = None
+        elif self._touched is not None:
+            self._touched.update(peers)
         self._set(change(self._value))
         return self._value
+
+    def take_touched(self) -> set[str] | None:
+        """The peer ids changed since the last call (None when unknown), and start counting again."""
+        touched, self._touched = self._touched, set()
+        return touched
 
     def mark(self) -> int:
         """Call just before a state pull is requested; pass the result to `replace_from_pull`."""
@@ -88,9 +100,11 @@ class DesiredStore:
         # Entries up to `since` are no use to a later pull (pulls are serialised by the reconciler).
         while self._journal and self._journal[0].seq <= since:
             self._journal.popleft()
+        self._touched = None
         self._set(new)
         return [j.label for j in replay]
 
     def replace(self, value: DesiredState) -> None:
         """Set the model outright (start-up, tests): not an event, not journaled."""
+        self._touched = None
         self._set(value)

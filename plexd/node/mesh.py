@@ -98,6 +98,9 @@ class MeshHandle:
         self._wanted = asyncio.Event()  # an event changed the model: converge soon
         self._wanted_by: list[str] = []  # why (the first and the last few, for the log)
         self._wanted_count = 0
+        # One apply at a time, and the model read once the turn has come: an apply that waited behind a reconcile
+        # must not then apply the model as it was before that reconcile's state pull.
+        self._lock = asyncio.Lock()
         self._fresh: DesiredState | None = None  # the model the last full converge left the machine matching
         self._pull_changed_nothing = False
 
@@ -157,6 +160,10 @@ class MeshHandle:
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""
+        async with self._lock:
+            return await self._converge_locked(dry_run)
+
+    async def _converge_locked(self, dry_run: bool) -> ConvergeResult:
         if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
@@ -190,10 +197,12 @@ class MeshHandle:
     async def apply_events(self) -> ConvergeResult:
         """Apply what events changed in the model: only the touched peers and routes (`Converger.apply_delta`).
         While held, or before the first state pull, this plans in full like any converge."""
-        if not self._limits_known or not self.known or self.hold.current() is not None:
-            return await self.converge()
-        self._note_refusals(self.store.value)
-        return await self.converger.apply_delta(self.store.value)
+        async with self._lock:
+            if not self._limits_known or not self.known or self.hold.current() is not None:
+                return await self._converge_locked(False)
+            touched = self.store.take_touched()
+            self._note_refusals(self.store.value)
+            return await self.converger.apply_delta(self.store.value, touched)
 
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""

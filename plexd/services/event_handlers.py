@@ -125,8 +125,9 @@ class EventHandlers:
             log.debug("event %s has unknown type %r; ignored", env.event_id, env.event_type,
                       extra={"event_id": env.event_id, "event_type": env.event_type})
 
-    async def _update(self, env: Envelope, change: Edit) -> None:
-        self._desired.edit(change, f"{env.event_type} {env.event_id}")
+    async def _update(self, env: Envelope, change: Edit, peers: tuple[str, ...] = ()) -> None:
+        """Edit the model (`peers`: the ids the change touches, so the apply needs no scan) and ask for an apply."""
+        self._desired.edit(change, f"{env.event_type} {env.event_id}", peers)
         self._converge(f"{env.event_type} {env.event_id}")
 
     async def _peer_upsert(self, env: Envelope) -> None:
@@ -134,19 +135,19 @@ class EventHandlers:
         if not peer.public_key:
             raise WireFormatError("payload.public_key", "missing")
         log.info("event %s: %s %s", env.event_id, env.event_type, peer.id)
-        await self._update(env, lambda d: d.with_peer(peer))
+        await self._update(env, lambda d: d.with_peer(peer), (peer.id,))
 
     async def _peer_removed(self, env: Envelope) -> None:
         peer_id = _field(_payload_object(env), "peer_id", "id")
         log.info("event %s: peer_removed %s", env.event_id, peer_id)
-        await self._update(env, lambda d: d.without_peer(peer_id))
+        await self._update(env, lambda d: d.without_peer(peer_id), (peer_id,))
 
     async def _peer_endpoint_changed(self, env: Envelope) -> None:
         payload = _payload_object(env)
         peer_id = _field(payload, "id", "peer_id")
         endpoint = _field(payload, "endpoint")
         log.info("event %s: peer %s endpoint → %s", env.event_id, peer_id, endpoint)
-        await self._update(env, lambda d: d.with_peer_endpoint(peer_id, endpoint))
+        await self._update(env, lambda d: d.with_peer_endpoint(peer_id, endpoint), (peer_id,))
 
     async def _reconcile_now(self, env: Envelope) -> None:
         log.info("event %s: %s, reconciling", env.event_id, env.event_type)
@@ -156,7 +157,7 @@ class EventHandlers:
         keys = SigningKeys.from_wire(_payload_object(env), "payload")
         apply_signing_keys(self._verifier, self._data_dir, keys)  # InvalidSigningKeys → event rejected
         log.info("event %s: signing key rotated to %s", env.event_id, key_fingerprint(keys.current))
-        self._desired.edit(lambda d: d.with_signing_keys(keys), f"{env.event_type} {env.event_id}")
+        self._desired.edit(lambda d: d.with_signing_keys(keys), f"{env.event_type} {env.event_id}", ())
 
     async def _node_state_updated(self, env: Envelope) -> None:
         payload = _payload_object(env)

@@ -76,7 +76,7 @@ class RecordingConverger:
             self.device = {pid: p.public_key for pid, p in desired.peers.items()}
         return FakeResult(tuple(changes))
 
-    async def apply_delta(self, desired):
+    async def apply_delta(self, desired, touched=None):
         return await self.converge(desired)
 
     def believed_peer_count(self):

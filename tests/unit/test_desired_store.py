@@ -81,7 +81,7 @@ class RecordingConverger:
             ok = True
         return Result()
 
-    async def apply_delta(self, desired):
+    async def apply_delta(self, desired, touched=None):
         return await self.converge(desired)
 
 
@@ -175,3 +175,43 @@ async def test_a_reconcile_whose_pull_changes_nothing_reads_the_machine_once():
     state = State(peers=(peer(2), peer(3)))
     assert (await reconciler.run_once(reasons=("interval",))).ok
     assert len(converger.seen) == 5 and converger.seen[-1] == {"n_2", "n_3"}
+
+
+def test_edits_name_the_peers_they_touch_and_a_pull_makes_them_unknown():
+    store = DesiredStore(initial())
+    assert store.take_touched() is None  # nothing known at start: the first apply scans
+    store.edit(lambda d: d.with_peer(peer(2)), "e1", ("n_2",))
+    store.edit(lambda d: d.with_signing_keys(SigningKeys(current=wgkey())), "e2", ())
+    assert store.take_touched() == {"n_2"}
+    assert store.take_touched() == set()
+    since = store.mark()
+    store.edit(lambda d: d.with_peer(peer(3)), "e3", ("n_3",))
+    store.replace_from_pull(lambda d: d.with_peer(peer(4)), since)
+    assert store.take_touched() is None  # a pull changes any peer: the next apply scans
+
+
+async def test_an_apply_waiting_behind_a_reconcile_applies_the_model_after_its_pull():
+    """An event's apply queued while a reconcile converges reads the model when its turn comes, so it cannot put
+    back the model from before the reconcile's state pull."""
+
+    class SlowConverger(RecordingConverger):
+        def __init__(self):
+            super().__init__()
+            self.release = asyncio.Event()
+
+        async def converge(self, desired, dry_run=False):
+            await self.release.wait()
+            return await super().converge(desired, dry_run)
+
+    converger = SlowConverger()
+    mesh = MeshHandle(converger, initial())
+    reconcile = asyncio.create_task(mesh.converge())
+    await asyncio.sleep(0)  # the reconcile's converge holds the turn
+    since = mesh.store.mark()
+    mesh.store.edit(lambda d: d.with_peer(peer(5)), "event", ("n_5",))
+    event_apply = asyncio.create_task(mesh.apply_events())
+    await asyncio.sleep(0)
+    mesh.store.replace_from_pull(lambda d: d.with_peer(peer(9)), since)  # the reconcile's pull lands meanwhile
+    converger.release.set()
+    await asyncio.wait_for(asyncio.gather(reconcile, event_apply), 5)
+    assert converger.seen[-1] == {"n_5", "n_9"}  # not {"n_5"}: the pull's peer is not undone
