@@ -44,8 +44,9 @@ class DesiredStore:
         self.on_changed = on_changed  # e.g. the mirror's group commit
         self._seq = 0
         self._journal: deque[Journaled] = deque(maxlen=journal_size)
-        # Peer ids the edits since the last `take_touched()` changed; None: unknown (a pull or a replace), scan.
-        self._touched: set[str] | None = None
+        # Per reader (the apply, the mirror): peer ids the edits since its last `take_touched()` changed; None:
+        # unknown (a pull or a replace), scan.
+        self._touched: dict[str, set[str] | None] = {}
 
     @property
     def value(self) -> DesiredState:
@@ -68,17 +69,25 @@ class DesiredStore:
         change can touch (None: any), so that applying it needs no scan of every peer."""
         self._seq += 1
         self._journal.append(Journaled(self._seq, label, change))
-        if peers is None:
-            self._touched = None
-        elif self._touched is not None:
-            self._touched.update(peers)
+        ids = None if peers is None else set(peers)
+        for reader, touched in self._touched.items():
+            if ids is None:
+                self._touched[reader] = None
+            elif touched is not None:
+                touched.update(ids)
         self._set(change(self._value))
         return self._value
 
-    def take_touched(self) -> set[str] | None:
-        """The peer ids changed since the last call (None when unknown), and start counting again."""
-        touched, self._touched = self._touched, set()
+    def take_touched(self, reader: str = "apply") -> set[str] | None:
+        """The peer ids changed since this reader's last call (None when unknown: the first call, or a pull or a
+        replace since), and start counting again."""
+        touched = self._touched.get(reader)
+        self._touched[reader] = set()
         return touched
+
+    def _forget_touched(self) -> None:
+        for reader in self._touched:
+            self._touched[reader] = None
 
     def mark(self) -> int:
         """Call just before a state pull is requested; pass the result to `replace_from_pull`."""
@@ -100,11 +109,11 @@ class DesiredStore:
         # Entries up to `since` are no use to a later pull (pulls are serialised by the reconciler).
         while self._journal and self._journal[0].seq <= since:
             self._journal.popleft()
-        self._touched = None
+        self._forget_touched()
         self._set(new)
         return [j.label for j in replay]
 
     def replace(self, value: DesiredState) -> None:
         """Set the model outright (start-up, tests): not an event, not journaled."""
-        self._touched = None
+        self._forget_touched()
         self._set(value)

@@ -73,7 +73,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     ledger = EventLedger(data_dir / datadir.EVENT_LEDGER)
     if mesh is None:
         mesh = _build_mesh(agent, ledger.mirror())
-    durable = GroupCommit(ledger, delay=_commit_delay())
+    durable = GroupCommit(ledger, delay=_commit_delay(), touched=lambda: mesh.store.take_touched("mirror"))
     mesh.store.on_changed = durable.desired_changed
     mesh.persist = durable.persist_now
 

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from plexd.controlplane.ledger import Batch, EventLedger, MirrorChange
@@ -26,8 +27,11 @@ log = logging.getLogger(__name__)
 class GroupCommit:
     """One writer at a time, always the newest model and notes: a write never overtakes a later one."""
 
-    def __init__(self, ledger: EventLedger, delay: float = 1.0) -> None:
+    def __init__(self, ledger: EventLedger, delay: float = 1.0,
+                 touched: Callable[[], set[str] | None] = lambda: None) -> None:
         self.ledger = ledger
+        self._take_touched = touched  # the peer ids changed since the last take (None: unknown, scan)
+        self._scan_next = False  # a write failed: the ids it took are lost, so the next write scans
         self.delay = delay
         self._desired: DesiredState | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -62,18 +66,23 @@ class GroupCommit:
         if self._writing is not None and not self._writing.done():
             self._again = True  # the running write ends by starting the next, with whatever arrived meanwhile
             return
-        desired, batch = self._take()
+        desired, batch, touched = self._take()
         if desired is not None or batch is not None:
-            self._writing = asyncio.get_running_loop().create_task(self._write_off_loop(desired, batch))
+            self._writing = asyncio.get_running_loop().create_task(self._write_off_loop(desired, batch, touched))
 
-    def _take(self) -> tuple[DesiredState | None, Batch | None]:
-        """The model and the ledger notes as of this instant (on the loop: no event is half-way between them)."""
+    def _take(self) -> tuple[DesiredState | None, Batch | None, set[str] | None]:
+        """The model, the ledger notes and the changed peer ids as of this instant (on the loop: no event is
+        half-way between them)."""
         desired, self._desired = self._desired, None
-        return desired, self.ledger.take()
+        touched = self._take_touched()
+        if self._scan_next:
+            touched, self._scan_next = None, False
+        return desired, self.ledger.take(), touched
 
-    async def _write_off_loop(self, desired: DesiredState | None, batch: Batch | None) -> None:
+    async def _write_off_loop(self, desired: DesiredState | None, batch: Batch | None,
+                              touched: set[str] | None) -> None:
         try:
-            ok = await asyncio.to_thread(self._write, desired, batch)
+            ok = await asyncio.to_thread(self._write, desired, batch, touched)
         except BaseException:
             ok = False
             raise
@@ -86,13 +95,14 @@ class GroupCommit:
                 asyncio.get_running_loop().call_soon(self._start)
 
     def _give_back(self, desired: DesiredState | None, batch: Batch | None) -> None:
+        self._scan_next = True
         if self._desired is None:
             self._desired = desired
         if batch is not None:
             self.ledger.give_back(batch)
 
-    def _write(self, desired: DesiredState | None, batch: Batch | None) -> bool:
-        mirror = mirror_change(self._written, desired) if desired is not None else None
+    def _write(self, desired: DesiredState | None, batch: Batch | None, touched: set[str] | None = None) -> bool:
+        mirror = mirror_change(self._written, desired, touched) if desired is not None else None
         if mirror is not None and not mirror.full and not mirror.upserts and not mirror.deletes and (
                 mirror.head == self._written_head):
             mirror = None  # a state pull that changed nothing: nothing to write
@@ -113,18 +123,21 @@ class GroupCommit:
         if self._writing is not None:
             await asyncio.gather(self._writing, return_exceptions=True)
         self._again = False
-        desired, batch = self._take()
-        if not await asyncio.to_thread(self._write, desired, batch):
+        desired, batch, touched = self._take()
+        if not await asyncio.to_thread(self._write, desired, batch, touched):
             self._give_back(desired, batch)
 
 
-def mirror_change(old: DesiredState | None, new: DesiredState) -> MirrorChange:
-    """The rows that turn the mirror of `old` into the mirror of `new` (all of them when there is no `old`)."""
+def mirror_change(old: DesiredState | None, new: DesiredState, touched: set[str] | None = None) -> MirrorChange:
+    """The rows that turn the mirror of `old` into the mirror of `new` (all of them when there is no `old`).
+    `touched`: the peer ids that may differ (a superset is fine); None: compare every peer."""
     head = _dumps(replace(new, peers={}).to_json())
     if old is None:
         return MirrorChange(head, [(pid, _dumps(p.to_wire())) for pid, p in new.peers.items()], [], full=True)
     upserts, deletes = [], []
-    for pid in touched_peers(old, new):
+    changed = touched_peers(old, new) if touched is None else [
+        pid for pid in sorted(touched) if old.peers.get(pid) is not new.peers.get(pid)]
+    for pid in changed:
         peer = new.peers.get(pid)
         if peer is None:
             deletes.append(pid)

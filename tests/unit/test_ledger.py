@@ -145,6 +145,7 @@ def test_the_mirror_is_written_by_changed_rows_and_read_back_whole(tmp_path):
     second = first.without_peer("n_1").with_peer(_peer(7))
     change = mirror_change(first, second)
     assert not change.full and change.deletes == ["n_1"] and [pid for pid, _ in change.upserts] == ["n_7"]
+    assert mirror_change(first, second, {"n_1", "n_7", "n_3"}) == change  # named ids (a superset): no scan
     ledger.note("evt_9", "z", NOW.timestamp())
     ledger.write(ledger.take(), NOW.timestamp(), change)  # one transaction: rows, cursor and nonce
     ledger.close(NOW.timestamp())
