@@ -233,7 +233,7 @@ class EventLedger:
             return _read_mirror(self._db)
 
     def stored(self) -> tuple[str | None, set[str]]:
-        """What is on disk now (for tests and `plexd status`): the committed cursor and nonces."""
+        """What is on disk now (for tests): the committed cursor and nonces."""
         with self._db_lock:
             row = self._db.execute("SELECT value FROM meta WHERE key = 'cursor'").fetchone()
             return (row[0] if row else None), {r[0] for r in self._db.execute("SELECT nonce FROM nonces")}

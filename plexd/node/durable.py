@@ -39,7 +39,6 @@ class GroupCommit:
         self._again = False
         self._written: DesiredState | None = None  # the model of the last successful write (writer only)
         self._written_head = ""
-        self.flushes = 0
         ledger.on_pending = self._soon
 
     def desired_changed(self, desired: DesiredState) -> None:
@@ -81,11 +80,9 @@ class GroupCommit:
 
     async def _write_off_loop(self, desired: DesiredState | None, batch: Batch | None,
                               touched: set[str] | None) -> None:
+        ok = False
         try:
             ok = await asyncio.to_thread(self._write, desired, batch, touched)
-        except BaseException:
-            ok = False
-            raise
         finally:
             if not ok:
                 self._give_back(desired, batch)
@@ -112,7 +109,6 @@ class GroupCommit:
             self._written = desired
         if mirror is not None:
             self._written_head = mirror.head
-            self.flushes += 1
         return True
 
     async def close(self) -> None:

@@ -79,16 +79,15 @@ class ReconcileHold:
 class MeshHandle:
     """Holds the desired model and converges the `Converger` to it; one per daemon."""
 
-    def __init__(self, converger: Converger, desired: DesiredState,
-                 on_desired_changed: Callable[[DesiredState], None] | None = None,
-                 hold: ReconcileHold | None = None, protected: ProtectedAddresses | None = None,
-                 known: bool = True, persist: Callable[[], None] | None = None) -> None:
+    def __init__(self, converger: Converger, desired: DesiredState, hold: ReconcileHold | None = None,
+                 protected: ProtectedAddresses | None = None, known: bool = True) -> None:
         self.converger = converger
-        self.store = DesiredStore(desired, on_desired_changed)
+        self.store = DesiredStore(desired)  # its on_changed is the group commit's (set by the assembly)
         # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
         # than converged to a mirror that may be older than it; without a device the mirror brings it up.
         self.known = known
-        self.persist = persist  # write the mirror now (after a state pull), not at the end of the group window
+        # Set by the assembly: write the mirror now (after a state pull), not at the end of the group window.
+        self.persist: Callable[[], None] | None = None
         self._told_unknown = False
         self.hold = hold or ReconcileHold()
         self.protected = protected

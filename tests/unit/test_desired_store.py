@@ -85,6 +85,18 @@ class RecordingConverger:
         return await self.converge(desired)
 
 
+class SlowConverger(RecordingConverger):
+    """Every converge waits until `release` is set: a converge held in flight."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = asyncio.Event()
+
+    async def converge(self, desired, dry_run=False):
+        await self.release.wait()
+        return await super().converge(desired, dry_run)
+
+
 async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_the_pull():
     """The e2e failure of test_cursor_and_nonces_survive_a_plexd_up_restart, without timing: the reconcile after
     a stream reconnect asks for the state; a peer_added event is applied before the (older) answer arrives."""
@@ -124,15 +136,6 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
 async def test_a_burst_of_events_coalesces_into_few_converges_that_see_every_change():
     """Events request converges; while one runs, any number of requests make exactly one more, and it applies the
     model as it is then (every event of the burst)."""
-
-    class SlowConverger(RecordingConverger):
-        def __init__(self):
-            super().__init__()
-            self.release = asyncio.Event()
-
-        async def converge(self, desired, dry_run=False):
-            await self.release.wait()
-            return await super().converge(desired, dry_run)
 
     converger = SlowConverger()
     mesh = MeshHandle(converger, initial())
@@ -193,15 +196,6 @@ def test_edits_name_the_peers_they_touch_and_a_pull_makes_them_unknown():
 async def test_an_apply_waiting_behind_a_reconcile_applies_the_model_after_its_pull():
     """An event's apply queued while a reconcile converges reads the model when its turn comes, so it cannot put
     back the model from before the reconcile's state pull."""
-
-    class SlowConverger(RecordingConverger):
-        def __init__(self):
-            super().__init__()
-            self.release = asyncio.Event()
-
-        async def converge(self, desired, dry_run=False):
-            await self.release.wait()
-            return await super().converge(desired, dry_run)
 
     converger = SlowConverger()
     mesh = MeshHandle(converger, initial())
