@@ -184,9 +184,12 @@ class NodeApiConfig:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Policy enforcement (nftables)."""
+    """Policy enforcement: peer visibility and the nftables table inet plexd."""
 
     enabled: bool = _f(True)
+    log_denied: bool = _f(False)  # a rate-limited log line per dropped packet on the mesh interface
+    # Where CIDRs in policy rules must lie (the control plane's mesh addresses; plexd-protocol.md §5: 10.100/16).
+    mesh_range: tuple[str, ...] = _f(("10.100.0.0/16",), "list", cidrs=True)
 
 
 @dataclass(frozen=True)
@@ -420,6 +423,16 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
         raise ConfigError(f"{where} is not a valid interface name (1-15 characters, no '/' or spaces)")
     if kind == "path" and not value:
         raise ConfigError(f"{where} must not be empty")
+    if rules.get("cidrs"):
+        import ipaddress
+
+        if not value:
+            raise ConfigError(f"{where} must name at least one CIDR")
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ConfigError(f"{where}: {cidr!r} is not a CIDR (e.g. 10.100.0.0/16)") from None
 
 
 def _url_problem(value: str) -> str:

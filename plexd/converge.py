@@ -14,6 +14,7 @@ import ipaddress
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from plexd.clock import Clock
 from plexd.correction import Correction
@@ -69,6 +70,31 @@ def _is_ip_endpoint(endpoint: str) -> bool:
         return False
 
 
+class DomainOutcome(Protocol):
+    @property
+    def changes(self) -> Sequence[Change]: ...
+
+    @property
+    def errors(self) -> Sequence[str]: ...
+
+
+class Domain(Protocol):
+    """A further piece of machine state converged beside the WireGuard device and its link (the firewall).
+
+    `converge(desired, full=True)` reads the live state, diffs and applies; `full=False` (events) diffs against
+    the state as the domain's last apply left it. Both return the changes applied (planned, with dry_run) and
+    errors, never raise for what the machine does. Domains converge before the peers: a new peer meets its rules.
+    """
+
+    name: str
+
+    async def converge(self, desired: DesiredState, *, full: bool, dry_run: bool = False) -> DomainOutcome: ...
+
+    def forget(self) -> None: ...
+
+    async def teardown(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Baseline:
     """What the last apply left: the model it was for, and the machine as it then was (observed at the last full
@@ -84,9 +110,11 @@ class Converger:
     Two entry points: `converge()` reads the live machine and diffs everything (start-up, the periodic reconcile,
     `reconcile --once`); `apply_delta()` applies only what changed in the model since the last apply (events)."""
 
-    def __init__(self, wireguard: WireGuardBackend, links: Links, *, clock: Clock | None = None) -> None:
+    def __init__(self, wireguard: WireGuardBackend, links: Links, *, clock: Clock | None = None,
+                 domains: Sequence[Domain] = ()) -> None:
         self.wireguard = wireguard
         self.links = links
+        self.domains = tuple(domains)
         self.clock = clock or Clock()
         self._lock = asyncio.Lock()
         self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
@@ -131,6 +159,16 @@ class Converger:
             self.last_result = result
             return result
 
+    async def _domains(self, desired: DesiredState, *, full: bool,
+                       dry_run: bool = False) -> tuple[list[Change], list[str]]:
+        changes: list[Change] = []
+        errors: list[str] = []
+        for domain in self.domains:
+            outcome = await domain.converge(desired, full=full, dry_run=dry_run)
+            changes.extend(outcome.changes)
+            errors.extend(outcome.errors)
+        return changes, errors
+
     async def _delta(self, desired: DesiredState, named: Collection[str] | None) -> ConvergeResult | None:
         base = self._baseline
         if base is None:
@@ -150,6 +188,7 @@ class Converger:
         changes = peer_delta(base.desired, resolved, base.believed, self.clock.now().timestamp(), touched)
         if changes is None:
             return None
+        domain_changes, domain_errors = await self._domains(desired, full=False)
         if changes:
             update = device_update(changes)
             if not update.is_empty():
@@ -160,7 +199,7 @@ class Converger:
         self._baseline = _Baseline(desired, simulate(base.believed, changes))
         for c in changes:
             log.debug("applied: %s", c.detail)
-        return ConvergeResult(tuple(changes), (), desired.rejected, False)
+        return ConvergeResult((*domain_changes, *changes), tuple(domain_errors), desired.rejected, False)
 
     async def _converge(self, desired: DesiredState, dry_run: bool) -> ConvergeResult:
         errors: list[str] = []
@@ -177,13 +216,17 @@ class Converger:
                 "link, not WireGuard: delete it or set mesh.interface to another name"
             )
         changes = diff(desired, observed, self.clock.now().timestamp())
+        # The other domains first (the firewall): a peer added below already meets its rules.
+        domain_changes, domain_errors = await self._domains(desired, full=True, dry_run=dry_run)
         if dry_run:
             if self._baseline is not None:  # nothing applied, but the machine was read: believe what was seen
                 self._baseline = replace(self._baseline, believed=observed)
-            return ConvergeResult(tuple(changes), tuple(errors), desired.rejected, dry_run)
+            return ConvergeResult((*domain_changes, *changes), (*domain_errors, *errors), desired.rejected, dry_run)
         if not changes:
             self._baseline = _Baseline(unresolved, observed) if not errors else None
-            return ConvergeResult((), tuple(errors), desired.rejected, False)
+            for c in domain_changes:
+                log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+            return ConvergeResult(tuple(domain_changes), (*domain_errors, *errors), desired.rejected, False)
 
         applied: list[Change] = []
         if isinstance(changes[0], InterfaceMissing | UserspaceProcessGone):
@@ -214,11 +257,11 @@ class Converger:
             failed_ops.add(op)
         applied.extend(c for c in changes if isinstance(c, LinkChange) and c.link_op() not in failed_ops)
 
-        for c in applied:
+        for c in (*domain_changes, *applied):
             log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
         # The next event diffs against this (only when everything applied: otherwise the device is not known).
         self._baseline = _Baseline(unresolved, simulate(observed, applied)) if not errors else None
-        return ConvergeResult(tuple(applied), tuple(errors), desired.rejected, False)
+        return ConvergeResult((*domain_changes, *applied), (*domain_errors, *errors), desired.rejected, False)
 
     async def _apply_device(self, changes: Sequence[Change]) -> tuple[set[str], list[str]]:
         """Send all device changes in one transaction; if refused, retry piece by piece to name the culprit."""
@@ -289,8 +332,10 @@ class Converger:
         return len(base.believed.device.peers)
 
     async def teardown(self) -> None:
-        """Remove the device (and its link): shutdown with deregistration."""
+        """Remove the device (and its link) and every domain's state: shutdown with deregistration."""
         self._baseline = None
+        for domain in self.domains:
+            await domain.teardown()
         await self.wireguard.delete_device()
         try:
             await self.links.delete_link()

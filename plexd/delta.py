@@ -13,7 +13,8 @@ peer needs any more is cut out of the route that covered it. The full diff compa
 they cover, not their form, so this never shows up as drift.
 
 Returns None when something other than peers changed (key, port, MTU, addresses, keepalive, interface): the
-caller runs a full converge instead.
+caller runs a full converge instead. A policy change is a peer change: the peers whose visibility (§9.2) it
+changed are touched too.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from plexd.plan import (
 Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _DEVICE_FIELDS = ("interface", "listen_port", "mtu", "private_key", "mesh_ip", "mesh_ip6", "persistent_keepalive")
+_POLICY_FIELDS = ("policies", "enforce_policy", "node_id", "mesh_range")
 
 
 def touched_peers(old: DesiredState, new: DesiredState) -> list[str]:
@@ -66,15 +68,19 @@ def peer_delta(old: DesiredState, new: DesiredState, believed: Observed, now: fl
     peer_changes: list[Change] = []
     gone: list[Net] = []
     wanted: list[Net] = []
-    touched = sorted(touched_peers(old, new) if touched is None else touched)
+    touched = set(touched_peers(old, new) if touched is None else touched)
+    if any(getattr(old, f) != getattr(new, f) for f in _POLICY_FIELDS):
+        before_shown, after_shown = old.shown_peers, new.shown_peers
+        touched.update(pid for pid in before_shown.keys() ^ after_shown.keys())
+    touched = sorted(touched)
     # Keys let go by their old peer (removed, or rotated away): whoever holds them now is added afresh.
     released = set()
     for pid in touched:
-        before, after = old.peers.get(pid), new.peers.get(pid)
+        before, after = old.shown_peer(pid), new.shown_peer(pid)
         if before is not None and (after is None or after.public_key != before.public_key):
             released.add(before.public_key)
     for pid in touched:
-        before, after = old.peers.get(pid), new.peers.get(pid)
+        before, after = old.shown_peer(pid), new.shown_peer(pid)
         want = peer_config(after, keepalive) if after is not None else None
         peer_changes.extend(_peer_changes(pid, before, want, live, released, now))
         had = _prefixes(before, keepalive, own)
@@ -127,13 +133,18 @@ def _still_routed_inside(net: Net, desired: DesiredState, own: frozenset[str]) -
     or a prefix around it). Prefixes are indexed by exact value, so the usual case (a /32 mesh address) is a
     few lookups; only a wide prefix is checked against every routed prefix."""
     routed = desired.routed_prefixes()
+
+    def held(prefix: Net) -> bool:  # by a peer on the device (a peer the policies hide holds no route)
+        pid = routed.get(prefix)
+        return pid is not None and (not desired.enforce_policy or desired.shown_peer(pid) is not None)
+
     for plen in range(net.prefixlen, 0, -1):  # not /0: a default route is never installed
-        if net.supernet(new_prefix=plen) in routed:
+        if held(net.supernet(new_prefix=plen)):
             return None
     if net.prefixlen == net.max_prefixlen:
         return []
     return [n for n in routed if n.version == net.version and n.subnet_of(net)  # type: ignore[arg-type]
-            and str(n) not in own]
+            and str(n) not in own and held(n)]
 
 
 @functools.lru_cache(maxsize=1 << 16)

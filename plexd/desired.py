@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from plexd import identity, route_limits
+from plexd import identity, policy, route_limits
 from plexd.mesh.wireguard import is_valid_key
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State
 from plexd.route_limits import RouteLimits
@@ -222,12 +222,43 @@ class DesiredState:
     persistent_keepalive: int = DEFAULT_KEEPALIVE
     route_limits: RouteLimits = field(default_factory=RouteLimits)  # machine facts, set by the node
     refused_routes: tuple[tuple[str, str, str], ...] = ()  # (peer id, prefix, reason) dropped by the limits
+    # Policy enforcement (§9), from the config: peers no rule allows are kept out of the device and the firewall
+    # filters what they send. Off here by default because a bare model has no policies; the daemon turns it on
+    # unless `policy.enabled: false`.
+    node_id: str = ""
+    enforce_policy: bool = False
+    mesh_range: tuple[str, ...] = policy.DEFAULT_MESH_RANGE
 
     @classmethod
     def initial(cls, *, interface: str, listen_port: int, mtu: int, private_key: str, mesh_ip: str,
-                mesh_ip6: str | None = None, persistent_keepalive: int = DEFAULT_KEEPALIVE) -> DesiredState:
+                mesh_ip6: str | None = None, persistent_keepalive: int = DEFAULT_KEEPALIVE, node_id: str = "",
+                enforce_policy: bool = False,
+                mesh_range: tuple[str, ...] = policy.DEFAULT_MESH_RANGE) -> DesiredState:
         return cls(interface=interface, listen_port=listen_port, mtu=mtu, private_key=private_key,
-                   mesh_ip=mesh_ip, mesh_ip6=mesh_ip6, persistent_keepalive=persistent_keepalive)
+                   mesh_ip=mesh_ip, mesh_ip6=mesh_ip6, persistent_keepalive=persistent_keepalive, node_id=node_id,
+                   enforce_policy=enforce_policy, mesh_range=mesh_range)
+
+    # -- policy (§9) -------------------------------------------------------------------------------------------
+
+    @cached_property
+    def compiled_policy(self) -> policy.CompiledPolicy:
+        own = (self.mesh_ip, self.mesh_ip6) if self.mesh_ip6 else (self.mesh_ip,)
+        return policy.compiled_for(self.policies, self.node_id, own, self.mesh_range)
+
+    def shown_peer(self, peer_id: str) -> Peer | None:
+        """The peer if it goes on the device: accepted, and (when enforcing) allowed by some rule."""
+        peer = self.peers.get(peer_id)
+        if peer is None or not self.enforce_policy or self.compiled_policy.sees(peer):
+            return peer
+        return None
+
+    @cached_property
+    def shown_peers(self) -> Mapping[str, Peer]:
+        """Every peer that goes on the device (peer visibility, §9.2)."""
+        if not self.enforce_policy:
+            return self.peers
+        sees = self.compiled_policy.sees
+        return {pid: p for pid, p in self.peers.items() if sees(p)}
 
     @cached_property
     def public_key(self) -> str:

@@ -115,24 +115,34 @@ class Peer:
 
 @dataclass(frozen=True)
 class PolicyRule:
+    """One rule as sent. A rule of the wrong shape is kept with `problem` set (and its JSON in `raw`) instead of
+    failing the whole state document: the policy engine skips it, naming the policy and the rule (§9)."""
+
     src: str
     dst: str
     port: int = 0
     protocol: str = ""
     action: str = "allow"
+    problem: str = ""
+    raw: JSON = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str) -> PolicyRule:
-        f = _fields(obj, path)
-        return cls(
-            src=_str(f, "src", path),
-            dst=_str(f, "dst", path),
-            port=_int(f, "port", path),
-            protocol=_str(f, "protocol", path),
-            action=_str(f, "action", path),
-        )
+        try:
+            f = _fields(obj, path)
+            return cls(
+                src=_str(f, "src", path),
+                dst=_str(f, "dst", path),
+                port=_int(f, "port", path),
+                protocol=_str(f, "protocol", path),
+                action=_str(f, "action", path),
+            )
+        except WireFormatError as e:
+            return cls(src="", dst="", problem=str(e), raw=obj)
 
-    def to_wire(self) -> dict[str, JSON]:
+    def to_wire(self) -> JSON:
+        if self.problem:
+            return self.raw
         return {"src": self.src, "dst": self.dst, "port": self.port, "protocol": self.protocol,
                 "action": self.action}
 
@@ -141,16 +151,25 @@ class PolicyRule:
 class Policy:
     id: str
     rules: tuple[PolicyRule, ...] = ()
+    problem: str = ""  # the policy itself is of the wrong shape (skipped whole, with this reason)
+    raw: JSON = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str) -> Policy:
-        f = _fields(obj, path)
-        rules = tuple(
-            PolicyRule.from_wire(r, f"{path}.rules[{i}]") for i, r in enumerate(_list(f, "rules", path))
-        )
-        return cls(id=_str(f, "id", path), rules=rules)
+        try:
+            f = _fields(obj, path)
+            pid = _str(f, "id", path)
+            rules = tuple(
+                PolicyRule.from_wire(r, f"{path}.rules[{i}]") for i, r in enumerate(_list(f, "rules", path))
+            )
+        except WireFormatError as e:
+            ident = obj.get("id") if isinstance(obj, dict) else None
+            return cls(id=ident if isinstance(ident, str) else "", problem=str(e), raw=obj)
+        return cls(id=pid, rules=rules)
 
-    def to_wire(self) -> dict[str, JSON]:
+    def to_wire(self) -> JSON:
+        if self.problem:
+            return self.raw
         return {"id": self.id, "rules": [r.to_wire() for r in self.rules]}
 
 

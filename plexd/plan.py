@@ -150,7 +150,7 @@ def target(desired: DesiredState) -> Target:
     ids: dict[str, str] = {}
     routes: set[str] = set()
     keepalive = desired.persistent_keepalive
-    for pid, p in desired.peers.items():
+    for pid, p in desired.shown_peers.items():  # peers no policy allows stay off the device (§9.2)
         pc = peer_config(p, keepalive)
         peers[p.public_key] = pc
         ids[p.public_key] = pid

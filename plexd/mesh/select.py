@@ -33,8 +33,11 @@ def wireguard_backend(config: Config) -> WireGuardBackend:
 
 
 def build_converger(config: Config) -> Converger:
-    """A `Converger` for this machine's device and link."""
+    """A `Converger` for this machine's device and link, and its firewall."""
     from plexd.converge import Converger
+    from plexd.firewall.nft import FirewallDomain
     from plexd.mesh.links import Links
 
-    return Converger(wireguard_backend(config), Links(config.mesh.interface))
+    firewall = FirewallDomain(config.mesh.interface, enabled=config.policy.enabled,
+                              log_denied=config.policy.log_denied)
+    return Converger(wireguard_backend(config), Links(config.mesh.interface), domains=(firewall,))

@@ -289,12 +289,16 @@ def initial_desired(config: Any, identity: Identity, mirror: dict | None) -> tup
     of the last run (`EventLedger.mirror()`, when it belongs to this identity). Returns (model, restored)."""
     private_key = base64.b64encode(identity.private_key).decode()
     initial = DesiredState.initial(interface=config.mesh.interface, listen_port=config.mesh.listen_port,
-                                   mtu=config.mesh.mtu, private_key=private_key, mesh_ip=identity.mesh_ip)
+                                   mtu=config.mesh.mtu, private_key=private_key, mesh_ip=identity.mesh_ip,
+                                   node_id=identity.node_id, enforce_policy=config.policy.enabled,
+                                   mesh_range=tuple(config.policy.mesh_range))
     mirrored = _from_mirror(mirror, private_key)
     if mirrored is None or mirrored.mesh_ip != initial.mesh_ip:
         return initial, False
     # Peers and policies from the last run; the interface settings always come from the current config.
-    return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu), True
+    return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu,
+                   node_id=initial.node_id, enforce_policy=initial.enforce_policy,
+                   mesh_range=initial.mesh_range), True
 
 
 def _from_mirror(doc: dict | None, private_key: str) -> DesiredState | None:

@@ -33,13 +33,22 @@ def test_keys_match_case_insensitively():
     ("wire", "path"),
     [({"peers": [{"id": 1}]}, "peers[0].id"), ({"peers": {}}, "peers"),
      ({"peers": [{"allowed_ips": [1]}]}, "peers[0].allowed_ips[0]"),
-     ({"policies": [{"rules": [{"port": "443"}]}]}, "policies[0].rules[0].port"),
      ({"metadata": {"a": True}}, "metadata.a"), ({"data": [{"version": 1.5}]}, "data[0].version")],
 )
 def test_wrong_types_name_the_field(wire, path):
     with pytest.raises(WireFormatError) as info:
         State.from_wire(wire)
     assert info.value.path == path
+
+
+def test_a_policy_rule_of_the_wrong_shape_is_kept_aside_not_fatal():
+    # One bad rule must not cost the whole state document (the engine skips it, naming policy and rule).
+    state = State.from_wire({"policies": [{"id": "p", "rules": [{"port": "443"}, {"src": "*", "dst": "*"}]},
+                                          "not a policy"]})
+    bad, good = state.policies[0].rules
+    assert "policies[0].rules[0].port" in bad.problem and bad.to_wire() == {"port": "443"}
+    assert good.problem == "" and good.src == "*"
+    assert "policies[1]" in state.policies[1].problem and state.policies[1].to_wire() == "not a policy"
 
 
 def test_register_response_requires_identity_fields():

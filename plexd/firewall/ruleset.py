@@ -1,0 +1,329 @@
+"""The firewall as plexd wants it, and as nftables shows it (pure).
+
+One table, `inet plexd`, owned by plexd; nothing outside it is read or written. Two base chains, `input` (traffic
+to this node) and `forward` (traffic through it), each filtering only packets that arrive on the mesh interface:
+
+    iifname "plexd0" ct state established,related accept          replies of allowed flows
+    iifname "plexd0" ip saddr @node_n_a tcp dport 22 counter accept  one rule per policy rule, in policy order
+    iifname "plexd0" limit rate 10/second log prefix "plexd denied "  with policy.log_denied
+    iifname "plexd0" counter drop                                   default deny, counted
+
+A rule naming a node matches that node's mesh address through a named set (`node_<id>`), so a node joining or
+leaving changes one set element, never a chain. Every rule carries a comment `plexd:<digest> <origin>`: the digest
+covers the chain, the policy and the expression (not the rule's position), and is how a live rule is recognised
+as this one, unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexd.policy import CompiledPolicy, Rule, Selector
+
+FAMILY = "inet"
+TABLE = "plexd"
+CHAINS = {"input": "input", "forward": "forward"}  # chain name -> hook
+KEY_PREFIX = "plexd:"
+COMMENT_MAX = 120  # nftables keeps at most 128 bytes of comment
+LOG_PREFIX = "plexd denied "
+LOG_RATE = 10  # per second: a flood of denied packets must not become a flood of log lines
+
+JSON = Any
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    key: str  # "plexd:<digest>", the first word of the comment
+    comment: str
+    expr_json: str  # the nftables JSON expression list, serialised (hashable)
+    label: str  # for people: "policy web rule 0 (allow tcp/22 from n_a to *)", "default deny"
+    policy_id: str = ""  # "" for the chain's own rules (established, log, default deny)
+
+    @property
+    def expr(self) -> list[JSON]:
+        return json.loads(self.expr_json)
+
+
+@dataclass(frozen=True)
+class ChainSpec:
+    name: str
+    hook: str
+    rules: tuple[RuleSpec, ...]
+    type: str = "filter"
+    prio: int = 0
+    policy: str = "accept"  # the chain only drops mesh traffic, through its own last rule
+
+    def props(self) -> tuple[str, str, int, str]:
+        return (self.type, self.hook, self.prio, self.policy)
+
+
+@dataclass(frozen=True)
+class SetSpec:
+    name: str
+    type: str  # ipv4_addr / ipv6_addr
+    elements: frozenset[str]
+    node: str  # the node id whose addresses it holds
+
+
+@dataclass(frozen=True)
+class Ruleset:
+    chains: Mapping[str, ChainSpec]
+    sets: Mapping[str, SetSpec]
+
+    def rule_count(self) -> int:
+        return sum(len(c.rules) for c in self.chains.values())
+
+
+# -- what nftables shows ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LiveRule:
+    handle: int
+    comment: str = ""
+    packets: int = 0
+    bytes: int = 0
+
+    @property
+    def key(self) -> str:
+        word = self.comment.split(" ", 1)[0]
+        return word if word.startswith(KEY_PREFIX) else ""
+
+
+@dataclass(frozen=True)
+class LiveChain:
+    name: str
+    props: tuple[str, str, int, str]  # (type, hook, prio, policy); ("", "", 0, "") for a regular chain
+    rules: tuple[LiveRule, ...] = ()
+
+
+@dataclass(frozen=True)
+class LiveSet:
+    name: str
+    type: str
+    elements: frozenset[str] = frozenset()
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class LiveTable:
+    chains: Mapping[str, LiveChain] = field(default_factory=dict)
+    sets: Mapping[str, LiveSet] = field(default_factory=dict)
+
+
+def parse_table(objects: list[JSON]) -> LiveTable | None:
+    """`nft -j list table inet plexd` (the list under "nftables") → LiveTable; None when the table is absent."""
+    chains: dict[str, dict[str, Any]] = {}
+    rules: dict[str, list[LiveRule]] = {}
+    sets: dict[str, LiveSet] = {}
+    found = False
+    for obj in objects:
+        if not isinstance(obj, dict):
+            continue
+        if "table" in obj:
+            found = True
+        elif "chain" in obj:
+            c = obj["chain"]
+            chains[c["name"]] = c
+        elif "rule" in obj:
+            r = obj["rule"]
+            packets = nbytes = 0
+            for e in r.get("expr") or []:
+                if isinstance(e, dict) and isinstance(e.get("counter"), dict):
+                    packets, nbytes = int(e["counter"].get("packets", 0)), int(e["counter"].get("bytes", 0))
+            rules.setdefault(r["chain"], []).append(LiveRule(int(r["handle"]), str(r.get("comment", "")),
+                                                             packets, nbytes))
+        elif "set" in obj:
+            s = obj["set"]
+            sets[s["name"]] = LiveSet(s["name"], str(s.get("type", "")), _elements(s.get("elem")),
+                                      tuple(s.get("flags") or ()))
+    if not found:
+        return None
+    live_chains = {
+        name: LiveChain(name, (str(c.get("type", "")), str(c.get("hook", "")), int(c.get("prio", 0) or 0),
+                               str(c.get("policy", ""))), tuple(rules.get(name, ())))
+        for name, c in chains.items()}
+    return LiveTable(live_chains, sets)
+
+
+def _elements(elem: JSON) -> frozenset[str]:
+    out = set()
+    for e in elem or ():
+        if isinstance(e, dict) and "elem" in e:  # an element with a timeout or counter
+            e = e["elem"].get("val")
+        if isinstance(e, str):
+            out.add(e)
+        elif isinstance(e, dict) and "prefix" in e:  # interval sets print prefixes; ours are plain addresses
+            out.add(f"{e['prefix']['addr']}/{e['prefix']['len']}")
+    return frozenset(out)
+
+
+# -- what plexd wants --------------------------------------------------------------------------------------------
+
+
+_SET_SAFE = re.compile(r"[A-Za-z0-9_]{1,48}")
+
+
+def set_name(node_id: str) -> str:
+    """The set holding a node's addresses. Node ids are printable ASCII; what a set name cannot hold is hashed."""
+    if _SET_SAFE.fullmatch(node_id):
+        return f"node_{node_id}"
+    return "node_h" + hashlib.sha256(node_id.encode()).hexdigest()[:20]
+
+
+def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping[str, str],
+                    log_denied: bool) -> Ruleset:
+    """The table for these policies. `addresses`: node id -> its mesh address, for every node a rule names
+    (this node included); a node not in it gets an empty set."""
+    chains = _chains(compiled, interface, log_denied, tuple(sorted(
+        (n, _family(addresses.get(n, ""))) for n in compiled.referenced_nodes())))
+    sets = {}
+    for node in compiled.referenced_nodes():
+        addr = addresses.get(node, "")
+        name = set_name(node)
+        sets[name] = SetSpec(name, "ipv6_addr" if _family(addr) == 6 else "ipv4_addr",
+                             frozenset({_normal(addr)}) if addr else frozenset(), node)
+    return Ruleset(chains, sets)
+
+
+_chain_cache: dict[tuple, tuple[CompiledPolicy, Mapping[str, ChainSpec]]] = {}
+
+
+def _chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
+            families: tuple[tuple[str, int], ...]) -> Mapping[str, ChainSpec]:
+    """The chains depend on the policies, not on the peers: built once per policy version (1,000 rules take
+    milliseconds to build, and a peer event must not pay that)."""
+    # By identity: `compile_policies` returns the same object for the same policies, and hashing 1,000 rules
+    # per event would cost what the cache saves. The entry holds the object, so its id is not reused.
+    key = (id(compiled), interface, log_denied, families)
+    cached = _chain_cache.get(key)
+    if cached is not None and cached[0] is compiled:
+        return cached[1]
+    family_of = dict(families)
+    out = {}
+    for name, hook in CHAINS.items():
+        rules = [_base(name, "established", interface, [_ct_established(), {"accept": None}])]
+        source = compiled.inbound() if name == "input" else compiled.rules
+        copies: dict[tuple[str, str], int] = {}
+        for r in source:
+            rules.extend(_policy_rules(name, r, interface, family_of, name == "input", copies))
+        if log_denied:
+            rules.append(_base(name, "log denied", interface, [
+                {"limit": {"rate": LOG_RATE, "burst": 5 * LOG_RATE, "per": "second"}},
+                {"log": {"prefix": f"{LOG_PREFIX}{name}: ", "level": "info"}}]))
+        rules.append(_base(name, "default deny", interface, [{"counter": None}, {"drop": None}]))
+        out[name] = ChainSpec(name, hook, tuple(rules))
+    if len(_chain_cache) > 8:
+        _chain_cache.clear()
+    _chain_cache[key] = (compiled, out)
+    return out
+
+
+def _iif(interface: str) -> JSON:
+    return {"match": {"op": "==", "left": {"meta": {"key": "iifname"}}, "right": interface}}
+
+
+def _ct_established() -> JSON:
+    return {"match": {"op": "in", "left": {"ct": {"key": "state"}}, "right": ["established", "related"]}}
+
+
+def _base(chain: str, label: str, interface: str, tail: list[JSON]) -> RuleSpec:
+    return _spec(chain, [_iif(interface), *tail], label, "", label.replace(" ", "-"), 0)
+
+
+def _spec(chain: str, expr: list[JSON], label: str, policy_id: str, origin: str, copy: int) -> RuleSpec:
+    """The key hashes what the rule is (chain, policy, expression), not where it stands: a rule inserted in front
+    of others leaves their keys, and so the live rules, as they are. `copy` tells identical rules apart."""
+    expr_json = json.dumps(expr, sort_keys=True, separators=(",", ":"))
+    digest = hashlib.sha256(f"{chain}\0{policy_id}\0{expr_json}\0{copy}".encode()).hexdigest()[:16]
+    key = KEY_PREFIX + digest
+    comment = f"{key} {origin}"
+    if len(comment.encode()) > COMMENT_MAX:
+        comment = comment.encode()[:COMMENT_MAX].decode("ascii", "ignore")
+    return RuleSpec(key, comment, expr_json, label, policy_id)
+
+
+def _policy_rules(chain: str, rule: Rule, interface: str, family_of: Mapping[str, int],
+                  to_self: bool, copies: dict[tuple[str, str], int]) -> list[RuleSpec]:
+    """One policy rule in one chain: one nftables rule per address family it can match (a rule between a v4
+    CIDR and a node is v4 only; `*` to `*` needs no address match at all)."""
+    out = []
+    for family in _families(rule, family_of, to_self):
+        expr: list[JSON] = [_iif(interface)]
+        expr += _address_match(rule.src, "saddr", family, family_of)
+        if not to_self:
+            expr += _address_match(rule.dst, "daddr", family, family_of)
+        expr += _l4(rule, family)
+        expr += [{"counter": None}, {"accept": None} if rule.action == "allow" else {"drop": None}]
+        label = f"{rule.label} ({rule.describe()})"
+        seen = (rule.policy_id, json.dumps(expr, sort_keys=True))
+        copy = copies.get(seen, 0)
+        copies[seen] = copy + 1
+        out.append(_spec(chain, expr, label, rule.policy_id, "policy " + _printable(rule.policy_id), copy))
+    return out
+
+
+def _families(rule: Rule, family_of: Mapping[str, int], to_self: bool) -> list[int]:
+    """0: no address match, any family. Otherwise the families the addressed ends allow."""
+    ends = [rule.src] if to_self else [rule.src, rule.dst]
+    wanted: set[int] = set()
+    for sel in ends:
+        if sel.kind == "cidr" and sel.network is not None:
+            wanted.add(sel.network.version)
+        elif sel.kind == "node":
+            wanted.add(family_of.get(sel.value, 4))
+    if not wanted:
+        return [0] if rule.protocol != "icmp" else [4, 6]
+    if len(wanted) > 1:
+        return []  # a v4 end and a v6 end: no packet has both; the rule matches nothing
+    return sorted(wanted)
+
+
+def _address_match(sel: Selector, field_name: str, family: int, family_of: Mapping[str, int]) -> list[JSON]:
+    if sel.kind == "any":
+        return []
+    proto = "ip6" if family == 6 else "ip"
+    left = {"payload": {"protocol": proto, "field": field_name}}
+    if sel.kind == "node":
+        return [{"match": {"op": "==", "left": left, "right": "@" + set_name(sel.value)}}]
+    net = sel.network
+    assert net is not None
+    right: JSON = str(net.network_address) if net.prefixlen == net.max_prefixlen else {
+        "prefix": {"addr": str(net.network_address), "len": net.prefixlen}}
+    return [{"match": {"op": "==", "left": left, "right": right}}]
+
+
+def _l4(rule: Rule, family: int) -> list[JSON]:
+    l4proto = {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}}}
+    if rule.protocol == "icmp":
+        return [_with_right(l4proto, "ipv6-icmp" if family == 6 else "icmp")]
+    if not rule.port:
+        return [_with_right(l4proto, rule.protocol)] if rule.protocol else []
+    protos: JSON = rule.protocol if rule.protocol else {"set": ["tcp", "udp"]}
+    return [_with_right(l4proto, protos),
+            {"match": {"op": "==", "left": {"payload": {"protocol": "th", "field": "dport"}}, "right": rule.port}}]
+
+
+def _with_right(match: JSON, right: JSON) -> JSON:
+    return {"match": {**match["match"], "right": right}}
+
+
+def _family(address: str) -> int:
+    try:
+        return ipaddress.ip_address(address).version if address else 4
+    except ValueError:
+        return 4
+
+
+def _normal(address: str) -> str:
+    return str(ipaddress.ip_address(address))
+
+
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() and c.isascii() and c not in "\"\\" else "?" for c in text)

@@ -1,0 +1,186 @@
+"""The firewall domain against real nftables in a namespace of its own: build, leave alone, restore, and take
+the cheap path for events. Results are checked with `nft -j list ruleset` (the real tool), not with our parser.
+
+The domain's libnftables contexts are created in a worker thread that has entered the namespace (a context works
+in the namespace it was created in), so the test's own process stays where it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import subprocess
+import uuid
+
+import pytest
+from pyroute2.netns import setns
+
+from plexd.desired import DesiredState
+from plexd.firewall.nft import FirewallDomain
+from plexd.model import Peer, Policy, PolicyRule
+
+KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
+
+
+def _key(i: int) -> str:
+    import base64
+
+    return base64.b64encode(bytes([i % 256]) * 31 + bytes([i // 256])).decode()
+
+
+@pytest.fixture
+def netns():
+    name = f"pxfw{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        # setns(2) moves only the calling thread: the pool's one thread lives in the namespace.
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, initializer=setns, initargs=(name,))
+        try:
+            yield name, pool
+        finally:
+            pool.shutdown()
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def nft(ns: str, *args: str, check: bool = True) -> str:
+    return subprocess.run(["ip", "netns", "exec", ns, "nft", *args], capture_output=True, text=True,
+                          check=check).stdout
+
+
+def ruleset(ns: str) -> list[dict]:
+    return json.loads(nft(ns, "-j", "list", "ruleset"))["nftables"]
+
+
+def rules_of(ns: str, chain: str) -> list[str]:
+    return [o["rule"].get("comment", "") for o in ruleset(ns)
+            if "rule" in o and o["rule"]["table"] == "plexd" and o["rule"]["chain"] == chain]
+
+
+def domain_in(pool, **kw) -> FirewallDomain:
+    async def run(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    return FirewallDomain("plexd0", run_blocking=run, **kw)
+
+
+def model(policies, peers=(), node_id="n_self") -> DesiredState:
+    d = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key=KEY, mesh_ip="10.100.0.1",
+                             node_id=node_id, enforce_policy=True)
+    d = d.with_peers(peers)
+    return d.with_policies(policies)
+
+
+SSH_ONLY = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),)),)
+
+
+async def test_builds_the_table_leaves_it_alone_and_restores_drift(netns):
+    ns, pool = netns
+    peers = [Peer("n_a", _key(1), "10.100.0.2"), Peer("n_c", _key(2), "10.100.0.3")]
+    fw = domain_in(pool)
+    desired = model(SSH_ONLY, peers)
+    first = await fw.converge(desired, full=True)
+    assert [c.correction_type for c in first.changes] == ["firewall_table_added"] and not first.errors
+    assert fw.status == "enforced"
+    comments = rules_of(ns, "input")
+    assert [c.split(" ", 1)[1] for c in comments] == ["established", "policy ssh", "default-deny"]
+    sets = {o["set"]["name"]: o["set"].get("elem") for o in ruleset(ns) if "set" in o}
+    assert sets == {"node_n_a": ["10.100.0.2"], "node_n_self": ["10.100.0.1"]}
+
+    assert (await fw.converge(desired, full=True)).changes == ()  # nothing to do: nothing done
+
+    # One deleted rule, one deleted set element: each restored, each named.
+    handle = next(o["rule"]["handle"] for o in ruleset(ns) if "rule" in o and "policy ssh" in o["rule"].get("comment", ""))
+    nft(ns, "delete", "rule", "inet", "plexd", "input", "handle", str(handle))
+    nft(ns, "delete", "element", "inet", "plexd", "node_n_a", "{ 10.100.0.2 }")
+    fixed = await fw.converge(desired, full=True)
+    lines = sorted(str(c.correction()) for c in fixed.changes)
+    assert any(line.startswith("policy_added: policy ssh: chain input") for line in lines), lines
+    assert any(line.startswith("firewall_set_element_added: firewall: set node_n_a") for line in lines), lines
+    assert [c.split(" ", 1)[1] for c in rules_of(ns, "input")] == ["established", "policy ssh", "default-deny"]
+
+    # A foreign rule slipped into our chain goes; the whole table deleted comes back.
+    nft(ns, "add", "rule", "inet", "plexd", "input", "accept")
+    fixed = await fw.converge(desired, full=True)
+    assert [c.correction_type for c in fixed.changes] == ["firewall_rule_removed"]
+    nft(ns, "delete", "table", "inet", "plexd")
+    fixed = await fw.converge(desired, full=True)
+    assert [c.correction_type for c in fixed.changes] == ["firewall_table_added"]
+    nft(ns, "flush", "ruleset")
+    fixed = await fw.converge(desired, full=True)
+    assert [c.correction_type for c in fixed.changes] == ["firewall_table_added"]
+    assert len(rules_of(ns, "forward")) == 3
+
+
+async def test_foreign_tables_are_never_touched(netns):
+    ns, pool = netns
+    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], check=True, text=True, input=(
+        "table ip nat {\n chain postrouting {\n  type nat hook postrouting priority srcnat;\n"
+        "  oifname \"eth0\" masquerade\n }\n}\n"
+        "table inet filter {\n chain input {\n  type filter hook input priority 0; policy accept;\n"
+        "  tcp dport 8080 accept\n }\n}\n"))
+    before = [o for o in ruleset(ns) if "metainfo" not in o]
+    fw = domain_in(pool)
+    await fw.converge(model(SSH_ONLY), full=True)
+    await fw.converge(model(()), full=True)
+    await fw.teardown()
+    after = [o for o in ruleset(ns) if "metainfo" not in o]
+    assert after == before  # plexd's table came and went; the others are byte for byte what they were
+
+
+async def test_events_change_one_element_and_the_believed_table_recovers_from_outside_changes(netns):
+    ns, pool = netns
+    fw = domain_in(pool)
+    policies = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
+                               PolicyRule("n_b", "n_self", 0, "", "allow"))),)
+    d0 = model(policies, [Peer("n_a", _key(1), "10.100.0.2")])
+    await fw.converge(d0, full=True)
+    d1 = d0.with_peer(Peer("n_b", _key(2), "10.100.0.4"))  # n_b joins: its set gets its address
+    joined = await fw.converge(d1, full=False)
+    assert [str(c.correction()) for c in joined.changes] == [
+        "firewall_set_element_added: firewall: set node_n_b: node n_b address 10.100.0.4 missing"]
+    # Someone deletes n_b's element behind our back; the event for n_b leaving must still apply (a retry after
+    # reading the table), not fail.
+    nft(ns, "delete", "element", "inet", "plexd", "node_n_b", "{ 10.100.0.4 }")
+    left = await fw.converge(d1.without_peer("n_b"), full=False)
+    assert not left.errors and fw.status == "enforced"
+    sets = {o["set"]["name"]: o["set"].get("elem") for o in ruleset(ns) if "set" in o}
+    assert "elem" not in sets or sets["node_n_b"] is None
+
+    # A one-rule policy change through the event path: one rule inserted in place, nothing else.
+    changed = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
+                              PolicyRule("n_a", "n_self", 443, "tcp", "allow"),
+                              PolicyRule("n_b", "n_self", 0, "", "allow"))),)
+    result = await fw.converge(model(changed, [Peer("n_a", _key(1), "10.100.0.2")]), full=False)
+    assert [str(c.correction()) for c in result.changes] == [
+        "policy_added: policy ssh: chain input: policy ssh rule 1 (allow tcp/443 from n_a to n_self) missing",
+        "policy_added: policy ssh: chain forward: policy ssh rule 1 (allow tcp/443 from n_a to n_self) missing"]
+    input_rules = rules_of(ns, "input")
+    assert [c.split(" ", 1)[1] for c in input_rules] == [
+        "established", "policy ssh", "policy ssh", "policy ssh", "default-deny"]
+    listed = json.loads(nft(ns, "-j", "list", "chain", "inet", "plexd", "input"))["nftables"]
+    ports = [e["match"]["right"] for o in listed if "rule" in o for e in o["rule"]["expr"]
+             if "match" in e and e["match"]["left"] == {"payload": {"protocol": "tcp", "field": "dport"}}]
+    assert ports == [22, 443]  # in policy order: the new rule went in between, the others stayed
+
+
+async def test_log_denied_adds_a_rate_limited_log_rule(netns):
+    ns, pool = netns
+    fw = domain_in(pool, log_denied=True)
+    await fw.converge(model(SSH_ONLY), full=True)
+    rules = [o["rule"] for o in ruleset(ns) if "rule" in o and o["rule"]["chain"] == "input"]
+    log_rule = next(r for r in rules if r["comment"].endswith("log-denied"))
+    kinds = [next(iter(e)) for e in log_rule["expr"]]
+    assert kinds == ["match", "limit", "log"]
+    assert rules[-1]["comment"].endswith("default-deny")
+
+
+async def test_enforcement_off_removes_a_leftover_table(netns):
+    ns, pool = netns
+    await domain_in(pool).converge(model(SSH_ONLY), full=True)
+    off = domain_in(pool, enabled=False)
+    result = await off.converge(model(SSH_ONLY), full=True)
+    assert [c.correction_type for c in result.changes] == ["firewall_table_removed"]
+    assert not any("table" in o and o["table"]["name"] == "plexd" for o in ruleset(ns))
+    assert off.status == "disabled"
