@@ -399,10 +399,40 @@ def cmd_peers(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd policies [--json]
+
+
+def _add_policies(sub: Any) -> None:
+    p = sub.add_parser("policies", parents=[_GLOBALS, _JSON], help="show the active policies and their counters",
+                       description="Ask the running daemon: whether policies are enforced (and why not), each "
+                                   "policy's rules with the packets each matched (read from the live nftables "
+                                   "table), the rules skipped and why, and which peers the policies make visible. "
+                                   "Needs root or the node_api.admin_group.")
+    p.set_defaults(func=cmd_policies)
+
+
+def cmd_policies(args: argparse.Namespace, config: Config) -> int:
+    from plexd.node.control import POLICIES_PATH
+    from plexd.node.control_client import DaemonNotRunning, call
+    from plexd.node.policies_view import format_policies
+
+    try:
+        doc = call(config.node_api.socket_path, "GET", POLICIES_PATH, admin_group=config.node_api.admin_group)
+    except DaemonNotRunning:
+        raise PlexdError(f"no plexd daemon is running (nothing listens on {config.node_api.socket_path}): "
+                         "policies are applied by the daemon ('plexd up')") from None
+    if args.json:
+        _print_json(doc)
+    else:
+        print(format_policies(doc))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
-                                         _add_reconcile, _add_peers]
+                                         _add_reconcile, _add_peers, _add_policies]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -211,6 +211,8 @@ def _rule(policy_id: str, index: int, raw: PolicyRule, ranges: Iterable[IPNetwor
     protocol = raw.protocol.lower()
     if protocol not in PROTOCOLS:
         return f"unknown protocol {raw.protocol[:20]!r} (tcp, udp, icmp or \"\" for any)"
+    if not raw.action:
+        return "action is missing (allow or deny)"
     if raw.action not in ACTIONS:
         return f"unknown action {raw.action[:20]!r} (allow or deny)"
     if not 0 <= raw.port <= 65535:

@@ -133,6 +133,7 @@ class HeartbeatRequest:
     mesh: MeshInfo | None = None
     nat: NatInfo | None = None
     extra: Mapping[str, JSON] = field(default_factory=dict)
+    status_reason: str = ""  # why `status` is degraded; ours (a Go control plane ignores an unknown key)
 
     def to_wire(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {
@@ -142,6 +143,8 @@ class HeartbeatRequest:
             "uptime": self.uptime,
             "binary_checksum": self.binary_checksum,
         }
+        if self.status_reason:
+            out["status_reason"] = self.status_reason
         if self.mesh is not None:
             out["mesh"] = self.mesh.to_wire()
         if self.nat is not None:

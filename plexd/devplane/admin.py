@@ -34,7 +34,10 @@ RECORD_KINDS = {
 }
 FLATTENED = {"metrics", "logs", "audit"}  # bodies are arrays; the admin view is one list of entries
 FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events": "int", "silent": "bool",
-              "all_status": "int", "state_body": "str"}
+              "all_status": "int", "state_body": "str",
+              # send every node every other node, whatever the policies (a control plane that leaves peer
+              # visibility to the agents): the node's own visibility filter is then all that hides a peer
+              "ignore_visibility": "bool"}
 
 
 def _dep(request: Request) -> Deployment:
@@ -157,8 +160,9 @@ def validate_policies(value: Any) -> list[dict[str, Any]]:
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
                 raise HTTPError(400, f"{rpath}.port: must be an integer 0-65535 (0 = any), got {port!r}")
             protocol = rule.get("protocol", "") or ""
-            if protocol not in ("", "tcp", "udp"):
-                raise HTTPError(400, f"{rpath}.protocol: must be \"tcp\", \"udp\" or \"\" (any), got {protocol!r}")
+            if protocol not in ("", "tcp", "udp", "icmp"):
+                raise HTTPError(400, f"{rpath}.protocol: must be \"tcp\", \"udp\", \"icmp\" or \"\" (any), "
+                                     f"got {protocol!r}")
             action = rule.get("action", "allow")
             if action not in ("allow", "deny"):
                 raise HTTPError(400, f"{rpath}.action: must be \"allow\" or \"deny\", got {action!r}")
@@ -177,7 +181,14 @@ async def set_policies(request: Request) -> Response:
     body = await read_json(request)
     if isinstance(body, dict) and "policies" in body:
         body = body["policies"]
-    policies = validate_policies(body)
+    if request.query_params.get("unchecked") == "1":
+        # Test hook: store the document as given (an array of anything), to show what nodes do with rules a
+        # real control plane might send them; visibility here only reads well-formed allow rules.
+        if not isinstance(body, list):
+            raise HTTPError(400, f"policies: must be an array, got {wire.kind(body)}")
+        policies = body
+    else:
+        policies = validate_policies(body)
     dep.set_policies(policies)
     return JSONResponse(policies)
 

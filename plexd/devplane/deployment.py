@@ -135,8 +135,11 @@ class Deployment:
         rules = []
         self.allow_all = False
         for pol in self.policies:
-            for r in pol.get("rules") or []:
-                if r.get("action") != "allow":
+            if not isinstance(pol, dict) or not isinstance(pol.get("rules"), list):
+                continue  # an unchecked document (test hook): only well-formed rules count here
+            for r in pol["rules"]:
+                if not isinstance(r, dict) or r.get("action") != "allow" or not isinstance(r.get("src"), str) \
+                        or not isinstance(r.get("dst"), str):
                     continue
                 src, dst = r.get("src", ""), r.get("dst", "")
                 if src == "*" and dst == "*":
@@ -158,7 +161,7 @@ class Deployment:
     def can_see(self, a: Node, b: Node) -> bool:
         if a.id == b.id:
             return False
-        if self.allow_all:
+        if self.allow_all or self.faults.get("ignore_visibility"):
             return True
         side = self._side
         return any(
@@ -182,7 +185,8 @@ class Deployment:
         with self.store.transaction():
             self.store.set_meta("policies", json.dumps(policies))
             everyone = [n.id for n in self.live_nodes()]
-            self.hub.publish(everyone, "policy_updated", {"policy_ids": [p["id"] for p in policies]})
+            ids = [p["id"] for p in policies if isinstance(p, dict) and isinstance(p.get("id"), str)]
+            self.hub.publish(everyone, "policy_updated", {"policy_ids": ids})
             for peer in self.live_nodes():
                 if peer.status == "offline":
                     continue

@@ -89,8 +89,8 @@ class AdminClient:
     def policies(self) -> list[dict[str, Any]]:
         return self._call("GET", "/policies")
 
-    def set_policies(self, policies: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return self._call("PUT", "/policies", policies)
+    def set_policies(self, policies: list[Any], *, unchecked: bool = False) -> list[Any]:
+        return self._call("PUT", "/policies" + ("?unchecked=1" if unchecked else ""), policies)
 
     def set_metadata(self, node_id: str, metadata: dict[str, str]) -> dict[str, str]:
         return self._call("PUT", f"/nodes/{_q(node_id)}/metadata", metadata)

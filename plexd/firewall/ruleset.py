@@ -44,6 +44,7 @@ class RuleSpec:
     expr_json: str  # the nftables JSON expression list, serialised (hashable)
     label: str  # for people: "policy web rule 0 (allow tcp/22 from n_a to *)", "default deny"
     policy_id: str = ""  # "" for the chain's own rules (established, log, default deny)
+    rule_index: int = -1  # the rule's index in its policy
 
     @property
     def expr(self) -> list[JSON]:
@@ -237,7 +238,8 @@ def _base(chain: str, label: str, interface: str, tail: list[JSON]) -> RuleSpec:
     return _spec(chain, [_iif(interface), *tail], label, "", label.replace(" ", "-"), 0)
 
 
-def _spec(chain: str, expr: list[JSON], label: str, policy_id: str, origin: str, copy: int) -> RuleSpec:
+def _spec(chain: str, expr: list[JSON], label: str, policy_id: str, origin: str, copy: int,
+          rule_index: int = -1) -> RuleSpec:
     """The key hashes what the rule is (chain, policy, expression), not where it stands: a rule inserted in front
     of others leaves their keys, and so the live rules, as they are. `copy` tells identical rules apart."""
     expr_json = json.dumps(expr, sort_keys=True, separators=(",", ":"))
@@ -246,7 +248,7 @@ def _spec(chain: str, expr: list[JSON], label: str, policy_id: str, origin: str,
     comment = f"{key} {origin}"
     if len(comment.encode()) > COMMENT_MAX:
         comment = comment.encode()[:COMMENT_MAX].decode("ascii", "ignore")
-    return RuleSpec(key, comment, expr_json, label, policy_id)
+    return RuleSpec(key, comment, expr_json, label, policy_id, rule_index)
 
 
 def _policy_rules(chain: str, rule: Rule, interface: str, family_of: Mapping[str, int],
@@ -265,7 +267,8 @@ def _policy_rules(chain: str, rule: Rule, interface: str, family_of: Mapping[str
         seen = (rule.policy_id, json.dumps(expr, sort_keys=True))
         copy = copies.get(seen, 0)
         copies[seen] = copy + 1
-        out.append(_spec(chain, expr, label, rule.policy_id, "policy " + _printable(rule.policy_id), copy))
+        out.append(_spec(chain, expr, label, rule.policy_id, "policy " + _printable(rule.policy_id), copy,
+                         rule.index))
     return out
 
 

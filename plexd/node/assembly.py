@@ -36,7 +36,7 @@ from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
 from plexd.errors import PlexdError
 from plexd.mesh.select import build_converger
-from plexd.node.control import add_control_routes
+from plexd.node.control import add_control_routes, health
 from plexd.node.durable import GroupCommit
 from plexd.node.local_api import LocalAPI
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
@@ -131,9 +131,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         on_device[0] = counts[0] if counts is not None else 0
 
     def snapshot() -> HeartbeatSnapshot:
-        last = reconciler.last
+        status, reason = health(reconciler, mesh)
         return HeartbeatSnapshot(
-            status="healthy" if last is None or last.ok else "degraded",
+            status=status, status_reason=reason,
             binary_checksum=agent.binary_checksum,
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
             mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),

@@ -1,6 +1,7 @@
 """The daemon's own control routes on the local socket, and the `plexd status --json` document.
 
     GET    /v1/daemon/status             the status document below
+    GET    /v1/daemon/policies           policies, visible peers, rule counters (plexd.node.policies_view)
     POST   /v1/daemon/reconcile          {"dry_run": bool} → one reconcile cycle through the daemon's reconciler
     POST   /v1/daemon/reconcile/hold     {"seconds": n, "reason": "..."} → pause corrections (at most 24 h)
     DELETE /v1/daemon/reconcile/hold     release the hold
@@ -18,7 +19,10 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
     reconcile      interval_seconds, cycles, failures, hold (null or until/since/reason/remaining_seconds),
                    last (null or at/reasons/ok/dry_run/error/corrections/updates/held/drift_reported)
     heartbeat      last_at, ok, error, consecutive_failures, sent, interval_seconds
-    peers          desired, rejected, on_device, recent_handshake (a handshake in the last 3 minutes)
+    peers          desired, rejected, on_device, recent_handshake (a handshake in the last 3 minutes),
+                   hidden_by_policy
+    health         status (healthy | degraded), reason
+    policy         enforcement (enforced | degraded | disabled), reason, policies, rules, skipped_rules
     services       [{name, state, restarts, last_error, last_error_at, running_since}]
 
 Times are unix seconds. Without a running daemon, `plexd status` prints the same document from the stored
@@ -36,9 +40,12 @@ from plexd.node.local_api import HTTPError, LocalAPI, Request, Response, require
 if TYPE_CHECKING:
     from plexd.config import Config
     from plexd.node.assembly import Node
+    from plexd.node.mesh import MeshHandle
+    from plexd.services.reconciler import Reconciler
 
 STATUS_VERSION = 1
 STATUS_PATH = "/v1/daemon/status"
+POLICIES_PATH = "/v1/daemon/policies"
 RECONCILE_PATH = "/v1/daemon/reconcile"
 HOLD_PATH = "/v1/daemon/reconcile/hold"
 
@@ -86,9 +93,30 @@ async def live_status(node: Node) -> dict[str, Any]:
     except Exception:  # the status must come back even when the device cannot be read
         counts = None
     doc["peers"] = {"desired": len(desired.peers), "rejected": len(desired.rejected),
-                    "on_device": counts[0] if counts else None, "recent_handshake": counts[1] if counts else None}
+                    "on_device": counts[0] if counts else None, "recent_handshake": counts[1] if counts else None,
+                    "hidden_by_policy": len(desired.peers) - len(desired.shown_peers)}
+    status, reason = health(node.reconciler, node.mesh)
+    doc["health"] = {"status": status, "reason": reason}
+    firewall = node.mesh.firewall
+    compiled = desired.compiled_policy
+    doc["policy"] = {"enforcement": firewall.status if firewall is not None and desired.enforce_policy else "disabled",
+                     "reason": firewall.reason if firewall is not None else "",
+                     "policies": len({r.policy_id for r in compiled.rules}), "rules": len(compiled.rules),
+                     "skipped_rules": len(compiled.skipped)}
     doc["services"] = agent.supervisor.to_json()
     return doc
+
+
+def health(reconciler: Reconciler[Any], mesh: MeshHandle) -> tuple[str, str]:
+    """("healthy" | "degraded", why): the last reconcile failed, or policy enforcement cannot be applied."""
+    reasons = []
+    last = reconciler.last
+    if last is not None and not last.ok:
+        reasons.append(last.error or "the last reconcile failed")
+    firewall = mesh.firewall
+    if firewall is not None and firewall.status == "degraded":
+        reasons.append(firewall.reason)
+    return ("degraded" if reasons else "healthy"), "; ".join(reasons)
 
 
 def add_control_routes(api: LocalAPI, node: Node) -> None:
@@ -96,6 +124,11 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
 
     async def status(req: Request) -> Response:
         return Response(200, await live_status(node))
+
+    async def policies(req: Request) -> Response:
+        from plexd.node.policies_view import policies_document
+
+        return Response(200, await policies_document(node.mesh))
 
     async def reconcile(req: Request) -> Response:
         body = _object(req)
@@ -133,6 +166,7 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         return Response(200, {"released": old is not None})
 
     api.add("GET", STATUS_PATH, status, admin)
+    api.add("GET", POLICIES_PATH, policies, admin)
     api.add("POST", RECONCILE_PATH, reconcile, admin)
     api.add("POST", HOLD_PATH, hold, admin)
     api.add("DELETE", HOLD_PATH, release, admin)

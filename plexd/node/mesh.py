@@ -26,6 +26,7 @@ from plexd.converge import Converger, ConvergeResult
 from plexd.correction import Correction
 from plexd.desired import DesiredState
 from plexd.desired_store import DesiredStore
+from plexd.firewall.nft import FirewallDomain
 from plexd.identity import Identity
 from plexd.model import SigningKeys, State
 from plexd.node.protected import ProtectedAddresses
@@ -149,6 +150,24 @@ class MeshHandle:
         if len(self._refusals_seen) > 10_000:  # bounded: forget, at worst a refusal is logged again
             self._refusals_seen.clear()
 
+    def _note_policy(self, desired: DesiredState) -> None:
+        """Log each skipped policy rule once and report it; a rule naming an unknown node is only logged (a
+        control plane that sends only visible peers makes that usual). Full converges only: policies change with
+        a state pull, never with an event, and this costs O(rules)."""
+        if not desired.enforce_policy:
+            return
+        compiled = desired.compiled_policy
+        for skipped in compiled.skipped:
+            if ("policy", str(skipped)) not in self._refusals_seen:
+                self._refusals_seen.add(("policy", str(skipped)))
+                log.warning("policy rule skipped: %s", printable(str(skipped), 300),
+                            extra={"policy": printable(skipped.policy_id)})
+                self._refusals_new.append(Correction("policy_rule_rejected", printable(str(skipped), 300)))
+        for unknown in compiled.unknown_nodes(desired.peers):
+            if ("policy", str(unknown)) not in self._refusals_seen:
+                self._refusals_seen.add(("policy", str(unknown)))
+                log.info("%s", printable(str(unknown), 300), extra={"policy": printable(unknown.policy_id)})
+
     def take_refusals(self) -> list[Correction]:
         """Refusals not reported yet (the reconciler adds them to its drift report)."""
         out, self._refusals_new = self._refusals_new, []
@@ -156,6 +175,10 @@ class MeshHandle:
 
     def get_desired(self) -> DesiredState:
         return self.store.value
+
+    @property
+    def firewall(self) -> FirewallDomain | None:
+        return next((d for d in getattr(self.converger, "domains", ()) if isinstance(d, FirewallDomain)), None)
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""
@@ -167,6 +190,7 @@ class MeshHandle:
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
         self._note_refusals(self.store.value)
+        self._note_policy(self.store.value)
         skip, self._pull_changed_nothing = self._pull_changed_nothing, False
         if skip and not dry_run and self._fresh == self.store.value and self.hold.current() is None:
             # The drift phase of this reconcile read the machine and converged it to this very model, and the

@@ -34,6 +34,9 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append("daemon:         not running (showing stored state; start it with 'plexd up')")
         return "\n".join(lines)
     lines.append(f"daemon:         running, pid {daemon['pid']}, up {int(daemon['uptime_seconds'])}s")
+    health = doc.get("health") or {}
+    if health.get("status") == "degraded":
+        lines.append(f"health:         DEGRADED: {health.get('reason') or 'see the log'}")
     ev = doc["event_stream"]
     last = (f", last event {ev['last_event_id']} {_ago(ev['last_event_at'], now)}" if ev["last_event_id"]
             else ", no event yet")
@@ -60,7 +63,14 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     on_device = "no device" if peers["on_device"] is None else (
         f"{peers['on_device']} on the device, {peers['recent_handshake']} with a recent handshake")
     lines.append(f"peers:          {peers['desired']} desired, {on_device}"
-                 + (f", {peers['rejected']} rejected" if peers["rejected"] else ""))
+                 + (f", {peers['rejected']} rejected" if peers["rejected"] else "")
+                 + (f", {peers['hidden_by_policy']} hidden by policy" if peers.get("hidden_by_policy") else ""))
+    pol = doc.get("policy")
+    if pol:
+        state = pol["enforcement"] + (f" ({pol['reason']})" if pol["enforcement"] != "enforced" else "")
+        lines.append(f"policy:         {state}, {pol['policies']} policies, {pol['rules']} rules"
+                     + (f", {pol['skipped_rules']} skipped" if pol["skipped_rules"] else "")
+                     + " ('plexd policies' for counters)")
     lines.append("services:")
     for svc in doc["services"]:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""

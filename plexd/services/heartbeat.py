@@ -29,6 +29,7 @@ class HeartbeatSnapshot:
     binary_checksum: str = ""  # bare lowercase hex
     mesh: MeshInfo | None = None
     nat: NatInfo | None = None
+    status_reason: str = ""  # why the status is degraded (sent only then)
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -83,6 +84,7 @@ class HeartbeatService:
             binary_checksum=snap.binary_checksum,
             mesh=snap.mesh,
             nat=snap.nat if snap.nat is not None and snap.nat.public_endpoint else None,
+            status_reason=snap.status_reason,
         ).to_wire()
 
     async def run(self) -> None:

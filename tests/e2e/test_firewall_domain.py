@@ -91,7 +91,8 @@ async def test_builds_the_table_leaves_it_alone_and_restores_drift(netns):
     assert (await fw.converge(desired, full=True)).changes == ()  # nothing to do: nothing done
 
     # One deleted rule, one deleted set element: each restored, each named.
-    handle = next(o["rule"]["handle"] for o in ruleset(ns) if "rule" in o and "policy ssh" in o["rule"].get("comment", ""))
+    handle = next(o["rule"]["handle"] for o in ruleset(ns)
+                  if "rule" in o and o["rule"]["chain"] == "input" and "policy ssh" in o["rule"].get("comment", ""))
     nft(ns, "delete", "rule", "inet", "plexd", "input", "handle", str(handle))
     nft(ns, "delete", "element", "inet", "plexd", "node_n_a", "{ 10.100.0.2 }")
     fixed = await fw.converge(desired, full=True)
