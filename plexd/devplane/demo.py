@@ -3,7 +3,9 @@
 A bridge and N network namespaces (unique `px*` names, veth, addresses on a private 10.231.X.0/24), the real
 devplane on the bridge address, and a real `plexd up` in each namespace with its own private /run/wireguard
 (wireguard-go). It waits until every pair of nodes has a WireGuard handshake, prints a table and a ping matrix
-over the mesh IPs, then tears everything down, unless `--keep` (then `plexd-devplane demo --down` removes it).
+over the mesh IPs. With three nodes or more it then applies a policy (only tcp/22 from the first node to the
+second) and prints which flows pass and which the nodes' firewalls drop, and who still sees whom. Then it tears
+everything down, unless `--keep` (then `plexd-devplane demo --down` removes it).
 """
 
 from __future__ import annotations
@@ -18,6 +20,56 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
                      for r in [header, *rows])
+
+
+_LISTEN = """
+import socket, selectors
+sel = selectors.DefaultSelector()
+for port in (22, 80):
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(16); s.setblocking(False); sel.register(s, selectors.EVENT_READ)
+while True:
+    for key, _ in sel.select():
+        conn, _ = key.fileobj.accept(); conn.close()
+"""
+
+
+def _policy_demo(lab, mesh) -> bool:
+    """Only tcp/22 from a to b: check real flows (TCP to listeners on b, ping), and what each node sees."""
+    a, b, c = mesh.daemons[:3]
+    lab.spawn(b.node.wrap([sys.executable, "-c", _LISTEN]))  # stopped with the lab
+    mesh.admin.set_policies([{"id": "ssh-only", "rules": [
+        {"src": a.node_id, "dst": b.node_id, "port": 22, "protocol": "tcp", "action": "allow"}]}])
+    print(f"\npolicy ssh-only: allow tcp/22 from {a.node.name} to {b.node.name}; everything else denied")
+
+    def tcp(src, dst, port: int) -> bool:
+        code = f"import socket; socket.create_connection(({dst.mesh_ip!r}, {port}), timeout=1.5); print('ok')"
+        return lab.exec(src.node, [sys.executable, "-c", code], check=False).stdout.strip() == "ok"
+
+    def ping(src, dst) -> bool:
+        return lab.exec(src.node, ["ping", "-c", "1", "-W", "1", "-q", dst.mesh_ip], check=False).returncode == 0
+
+    flows = [(f"{a.node.name} -> {b.node.name} tcp/22", lambda: tcp(a, b, 22), True),
+             (f"{a.node.name} -> {b.node.name} tcp/80", lambda: tcp(a, b, 80), False),
+             (f"{a.node.name} -> {b.node.name} ping", lambda: ping(a, b), False),
+             (f"{b.node.name} -> {a.node.name} ping", lambda: ping(b, a), False),
+             (f"{c.node.name} -> {b.node.name} tcp/22", lambda: tcp(c, b, 22), False)]
+    deadline = time.monotonic() + 20
+    while True:  # the nodes apply it within moments (policy_updated), not at their next reconcile
+        results = [(name, check(), want) for name, check, want in flows]
+        if all(got == want for _, got, want in results) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    print(_table([[name, "pass" if got else "dropped", "ok" if got == want else "UNEXPECTED"]
+                  for name, got, want in results], ["FLOW", "RESULT", "AS THE POLICY SAYS"]))
+    seen = [[d.node.name, str(len(mesh.lab.exec(d.node, ["wg", "show", "plexd0", "peers"], check=False)
+                                 .stdout.split()))] for d in mesh.daemons]
+    print("\npeers on each node's device now (peers no rule allows are not configured at all):")
+    print(_table(seen, ["NODE", "PEERS"]))
+    config = os.path.join(b.dir, "config.yaml")
+    out = lab.exec(b.node, ["env", f"PLEXD_CONFIG={config}", mesh.plexd, "policies"], check=False).stdout
+    print(f"\n'plexd policies' on {b.node.name}:\n" + out.rstrip())
+    return all(got == want for _, got, want in results)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
         print(_table([[a] + ["-" if a == b else ("ok" if matrix[(a, b)] else "FAIL") for b in names]
                       for a in names], ["FROM \\ TO", *names]))
         ok = all(matrix.values())
+        if n >= 3:
+            ok = _policy_demo(lab, mesh) and ok
         if args.keep:
             keep = True
             print(f"\nkept: state in {DEFAULT_STATE_FILE}; try 'ip netns exec {lab.nodes[0].netns} ping "
