@@ -56,7 +56,7 @@ def _rules(n: int) -> list[PolicyRule]:
 
 def _ms(samples: list[float]) -> str:
     s = sorted(samples)
-    p95 = s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
+    p95 = s[min(len(s) - 1, round(0.95 * (len(s) - 1)))]
     return f"median {statistics.median(s) * 1000:6.2f} ms  p95 {p95 * 1000:6.2f} ms"
 
 
@@ -79,7 +79,7 @@ async def bench_size(n: int, repeat: int, pool: concurrent.futures.Executor, ns:
     print(f"{n:5d} rules  full apply on an empty table: {full * 1000:7.1f} ms "
           f"({base.compiled_policy and len(result.changes)} change: {result.changes[0].detail})")
 
-    changed = _model(rules[: n // 2] + [PolicyRule("n_1", "n_self", 9999, "udp", "allow")] + rules[n // 2:], peers)
+    changed = _model([*rules[:n // 2], PolicyRule("n_1", "n_self", 9999, "udp", "allow"), *rules[n // 2:]], peers)
     event, reread = [], []
     for i in range(repeat):
         target = changed if i % 2 == 0 else base

@@ -309,7 +309,7 @@ def test_admin_api_needs_the_admin_token(dp):
     resp = httpx.get(f"{dp.url}/admin/v1/nodes", headers={"Authorization": "Bearer nope"}, timeout=10)
     assert resp.status_code == 401 and "admin" in resp.json()["error"]
     with pytest.raises(AdminError) as err:
-        dp.admin.set_policies([{"id": "p", "rules": [{"src": "*", "dst": "*", "protocol": "icmp"}]}])
+        dp.admin.set_policies([{"id": "p", "rules": [{"src": "*", "dst": "*", "protocol": "gre"}]}])
     assert err.value.status == 400 and "policies[0].rules[0].protocol" in err.value.message
     with pytest.raises(AdminError) as err:
         dp.admin.node("n_missing")

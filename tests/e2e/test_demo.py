@@ -20,8 +20,15 @@ def test_demo_forms_a_full_mesh_and_cleans_up():
     assert "full handshake matrix after" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"^node\d\s+n_", line)]
     assert len(rows) == 3 and all(r[4] == "2" for r in rows), out  # each node has the two others as peers
-    matrix = out.split("ping over the mesh", 1)[1]
+    matrix = out.split("ping over the mesh", 1)[1].split("policy ssh-only", 1)[0]
     assert matrix.count("ok") == 6 and "FAIL" not in matrix.upper().replace("FROM", ""), out
+    # Then the policy: only tcp/22 from node1 to node2. Each flow as the policy says, checked for real.
+    flows = {" ".join(line.split()[:4]): line.split()[4] for line in out.splitlines()
+             if re.match(r"^node\d -> node\d ", line)}
+    assert flows == {"node1 -> node2 tcp/22": "pass", "node1 -> node2 tcp/80": "dropped",
+                     "node1 -> node2 ping": "dropped", "node2 -> node1 ping": "dropped",
+                     "node3 -> node2 tcp/22": "dropped"}, out
+    assert "UNEXPECTED" not in out and "enforcement: enforced" in out
     assert {n for n in _netns() - before if n.startswith("px")} == set()
 
 
