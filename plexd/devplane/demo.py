@@ -22,7 +22,8 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
                      for r in [header, *rows])
 
 
-_LISTEN = """
+# TCP listeners on 22 and 80 that accept and close: the flows of the demo's policy (and of the policy lab test)
+LISTENER = """
 import socket, selectors
 sel = selectors.DefaultSelector()
 for port in (22, 80):
@@ -37,7 +38,7 @@ while True:
 def _policy_demo(lab, mesh) -> bool:
     """Only tcp/22 from a to b: check real flows (TCP to listeners on b, ping), and what each node sees."""
     a, b, c = mesh.daemons[:3]
-    lab.spawn(b.node.wrap([sys.executable, "-c", _LISTEN]))  # stopped with the lab
+    lab.spawn(b.node.wrap([sys.executable, "-c", LISTENER]))  # stopped with the lab
     mesh.admin.set_policies([{"id": "ssh-only", "rules": [
         {"src": a.node_id, "dst": b.node_id, "port": 22, "protocol": "tcp", "action": "allow"}]}])
     print(f"\npolicy ssh-only: allow tcp/22 from {a.node.name} to {b.node.name}; everything else denied")

@@ -15,16 +15,7 @@ import time
 import pytest
 from lab_daemon import Daemon, ping_count, publish_endpoints, start_mesh, wait_until, wg_peers
 
-LISTEN = """
-import socket, selectors
-sel = selectors.DefaultSelector()
-for port in (22, 80):
-    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    s.bind(("0.0.0.0", port)); s.listen(16); s.setblocking(False); sel.register(s, selectors.EVENT_READ)
-while True:
-    for key, _ in sel.select():
-        conn, _ = key.fileobj.accept(); conn.close()
-"""
+from plexd.devplane.demo import LISTENER as LISTEN
 
 
 def connects(lab, node, ip: str, port: int) -> bool:
