@@ -173,3 +173,30 @@ def test_chain_diff_reaches_the_wanted_order(wanted, live_keys):
     if [r.key for r in live_rules] == [f"plexd:{k:04x}" for k in wanted]:
         assert changes == []
     assert kept <= len(wanted)
+
+
+async def test_nftables_missing_is_one_clear_error_and_degraded_never_silent(monkeypatch, caplog):
+    # The import itself fails here (sys.modules entry None is how Python spells "not installed").
+    import sys
+
+    from plexd.controlplane.client import HeartbeatRequest
+    from plexd.firewall.nft import FirewallDomain
+
+    monkeypatch.setitem(sys.modules, "nftables", None)
+    fw = FirewallDomain("plexd0")
+    d = DesiredState.initial(interface="plexd0", listen_port=1, mtu=1420, private_key="", mesh_ip="10.100.0.1",
+                             node_id="n_a", enforce_policy=True)
+    d = d.with_peers([Peer("n_b", "B" * 43 + "=", "10.100.0.2"), Peer("n_c", "C" * 43 + "=", "10.100.0.3")])
+    d = d.with_policies([Policy("p", (rule("n_b", "n_a"),))])
+    first = await fw.converge(d, full=True)
+    await fw.converge(d, full=True)
+    assert fw.status == "degraded"
+    assert "the Python module nftables is missing (pip install pip-nftables)" in fw.reason
+    assert first.errors == (fw.reason,)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "policy enforcement unavailable" in errors[0].getMessage()  # said once, at start
+    assert set(d.shown_peers) == {"n_b"}  # visibility still applies: n_c never reaches the device
+    from datetime import UTC, datetime
+
+    body = HeartbeatRequest("n_a", datetime.now(UTC), "degraded", "1s", "", status_reason=fw.reason).to_wire()
+    assert body["status"] == "degraded" and "nftables is missing" in body["status_reason"]
