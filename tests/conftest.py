@@ -46,6 +46,13 @@ def _processes(names: tuple[str, ...]) -> set[tuple[int, str]]:
     return found
 
 
+def _plexd_table() -> bool:
+    if not IS_ROOT:
+        return False
+    out = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=False).stdout
+    return "inet plexd" in out
+
+
 _WATCHED = ("wireguard-go", "plexd up", "plexd-devplane", "plexd.devplane.cli", "turnserver")
 
 
@@ -53,6 +60,7 @@ _WATCHED = ("wireguard-go", "plexd up", "plexd-devplane", "plexd.devplane.cli", 
 def nothing_left_behind():
     namespaces_before = _netns()
     procs_before = _processes(_WATCHED)
+    table_before = _plexd_table()
     yield
     leaked_ns = sorted(n for n in _netns() - namespaces_before if n.startswith("px"))
     leaked_procs = sorted(_processes(_WATCHED) - procs_before)
@@ -61,6 +69,8 @@ def nothing_left_behind():
         problems.append(f"network namespaces left behind: {leaked_ns}")
     if leaked_procs:
         problems.append(f"processes left behind: {leaked_procs}")
+    if _plexd_table() and not table_before:  # daemons run in the root namespace by the integration tests
+        problems.append("nftables table inet plexd left behind in the root network namespace")
     assert not problems, "; ".join(problems)
 
 
