@@ -136,7 +136,7 @@ def _still_routed_inside(net: Net, desired: DesiredState, own: frozenset[str]) -
 
     def held(prefix: Net) -> bool:  # by a peer on the device (a peer the policies hide holds no route)
         pid = routed.get(prefix)
-        return pid is not None and (not desired.enforce_policy or desired.shown_peer(pid) is not None)
+        return pid is not None and desired.shown_peer(pid) is not None
 
     for plen in range(net.prefixlen, 0, -1):  # not /0: a default route is never installed
         if held(net.supernet(new_prefix=plen)):

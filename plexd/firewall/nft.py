@@ -180,20 +180,20 @@ class FirewallDomain:
         if self.unavailable:
             return DomainResult(errors=(self.unavailable,)) if self.enabled and desired.enforce_policy else \
                 DomainResult()
-        want = self.want(desired)
         if not self.enabled:
             return await self._remove_leftover(full, dry_run)
+        want = self.want(desired)
         try:
             if full or not self._known:
                 live = await self.observe()
             else:
                 live = self._believed
             changes = plan.diff(want, live)
-            if dry_run or not changes:
-                if not dry_run:
-                    self._believed, self._known = live, True
-                self.failure = "" if not dry_run else self.failure
+            if dry_run:
                 return DomainResult(tuple(changes))
+            if not changes:
+                self._believed, self._known, self.failure = live, True, ""
+                return DomainResult()
             try:
                 await self._apply(changes, want, live)
             except FirewallError as first:
@@ -237,10 +237,6 @@ class FirewallDomain:
         self._believed, self._known = plan.simulate(live, want, _new_handles(echoed)), True
         for c in changes:
             log.debug("firewall: %s", c.detail)
-
-    def forget(self) -> None:
-        """Read the table before the next apply (it may have been changed by someone else)."""
-        self._known = False
 
     async def teardown(self) -> None:
         """Remove the table (shutdown with deregistration): nothing of plexd's is left filtering."""

@@ -97,10 +97,9 @@ async def live_status(node: Node) -> dict[str, Any]:
                     "hidden_by_policy": len(desired.peers) - len(desired.shown_peers)}
     status, reason = health(node.reconciler, node.mesh)
     doc["health"] = {"status": status, "reason": reason}
-    firewall = node.mesh.firewall
+    enforcement, why = node.mesh.enforcement()
     compiled = desired.compiled_policy
-    doc["policy"] = {"enforcement": firewall.status if firewall is not None and desired.enforce_policy else "disabled",
-                     "reason": firewall.reason if firewall is not None else "",
+    doc["policy"] = {"enforcement": enforcement, "reason": why,
                      "policies": len({r.policy_id for r in compiled.rules}), "rules": len(compiled.rules),
                      "skipped_rules": len(compiled.skipped)}
     doc["services"] = agent.supervisor.to_json()
@@ -113,9 +112,9 @@ def health(reconciler: Reconciler[Any], mesh: MeshHandle) -> tuple[str, str]:
     last = reconciler.last
     if last is not None and not last.ok:
         reasons.append(last.error or "the last reconcile failed")
-    firewall = mesh.firewall
-    if firewall is not None and firewall.status == "degraded":
-        reasons.append(firewall.reason)
+    enforcement, why = mesh.enforcement()
+    if enforcement == "degraded":
+        reasons.append(why)
     return ("degraded" if reasons else "healthy"), "; ".join(reasons)
 
 

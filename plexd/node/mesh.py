@@ -178,7 +178,16 @@ class MeshHandle:
 
     @property
     def firewall(self) -> FirewallDomain | None:
-        return next((d for d in getattr(self.converger, "domains", ()) if isinstance(d, FirewallDomain)), None)
+        return next((d for d in self.converger.domains if isinstance(d, FirewallDomain)), None)
+
+    def enforcement(self) -> tuple[str, str]:
+        """(enforced | degraded | disabled, why it is not enforced): for status, heartbeat and `plexd policies`."""
+        firewall = self.firewall
+        if firewall is None:
+            return "disabled", "no firewall domain in this daemon"
+        if not self.store.value.enforce_policy:
+            return "disabled", firewall.reason
+        return firewall.status, firewall.reason
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""

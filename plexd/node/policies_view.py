@@ -28,9 +28,10 @@ async def policies_document(mesh: MeshHandle) -> dict[str, Any]:
     desired = mesh.get_desired()
     firewall = mesh.firewall
     compiled = desired.compiled_policy
+    enforcement, why = mesh.enforcement()
     doc: dict[str, Any] = {
-        "enforcement": firewall.status if firewall is not None and desired.enforce_policy else "disabled",
-        "reason": firewall.reason if firewall is not None else "no firewall domain in this daemon",
+        "enforcement": enforcement,
+        "reason": why,
         "table_present": False,
         "policies": [],
         "skipped": [str(s) for s in compiled.skipped],

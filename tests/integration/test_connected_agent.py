@@ -57,6 +57,7 @@ class RecordingDevice:
 @dataclass
 class RecordingConverger:
     device: dict = field(default_factory=dict)  # peer id -> public key
+    domains: tuple = ()  # no firewall: this converger only records
     calls: int = 0
     last_result: FakeResult | None = None
 
