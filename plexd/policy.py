@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+from plexd.memo import ByIdentity
 from plexd.model import Peer, Policy, PolicyRule
 
 ANY = "*"
@@ -158,22 +159,15 @@ def _address(text: str) -> IPAddress | None:
         return None
 
 
-_by_identity: dict[tuple, tuple[tuple[Policy, ...], CompiledPolicy]] = {}
+_compiled = ByIdentity[CompiledPolicy]()
 
 
 def compiled_for(policies: tuple[Policy, ...], node_id: str, own: tuple[str, ...],
                  mesh_range: tuple[str, ...] = DEFAULT_MESH_RANGE) -> CompiledPolicy:
     """`compile_policies`, looked up by the identity of the policies tuple first: every event's model shares the
     tuple of the one before, and hashing 1,000 rules per event would cost more than the event's whole apply."""
-    key = (id(policies), node_id, own, mesh_range)
-    hit = _by_identity.get(key)
-    if hit is not None and hit[0] is policies:
-        return hit[1]
-    compiled = compile_policies(policies, node_id, own, mesh_range)
-    if len(_by_identity) > 8:
-        _by_identity.clear()
-    _by_identity[key] = (policies, compiled)
-    return compiled
+    return _compiled.get(policies, (node_id, own, mesh_range),
+                         lambda: compile_policies(policies, node_id, own, mesh_range))
 
 
 @functools.lru_cache(maxsize=8)

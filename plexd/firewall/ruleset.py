@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from plexd.memo import ByIdentity
 from plexd.policy import CompiledPolicy, Rule, Selector
 
 FAMILY = "inet"
@@ -193,19 +194,20 @@ def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping
     return Ruleset(chains, sets)
 
 
-_chain_cache: dict[tuple, tuple[CompiledPolicy, Mapping[str, ChainSpec]]] = {}
+_chain_cache = ByIdentity[Mapping[str, ChainSpec]]()
 
 
 def _chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
             families: tuple[tuple[str, int], ...]) -> Mapping[str, ChainSpec]:
     """The chains depend on the policies, not on the peers: built once per policy version (1,000 rules take
-    milliseconds to build, and a peer event must not pay that)."""
-    # By identity: `compile_policies` returns the same object for the same policies, and hashing 1,000 rules
-    # per event would cost what the cache saves. The entry holds the object, so its id is not reused.
-    key = (id(compiled), interface, log_denied, families)
-    cached = _chain_cache.get(key)
-    if cached is not None and cached[0] is compiled:
-        return cached[1]
+    milliseconds to build, and a peer event must not pay that). By identity: `compile_policies` returns the same
+    object for the same policies, and hashing 1,000 rules per event would cost what the cache saves."""
+    return _chain_cache.get(compiled, (interface, log_denied, families),
+                            lambda: _build_chains(compiled, interface, log_denied, families))
+
+
+def _build_chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
+                  families: tuple[tuple[str, int], ...]) -> Mapping[str, ChainSpec]:
     family_of = dict(families)
     out = {}
     for name, hook in CHAINS.items():
@@ -220,9 +222,6 @@ def _chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
                 {"log": {"prefix": f"{LOG_PREFIX}{name}: ", "level": "info"}}]))
         rules.append(_base(name, "default deny", interface, [{"counter": None}, {"drop": None}]))
         out[name] = ChainSpec(name, hook, tuple(rules))
-    if len(_chain_cache) > 8:
-        _chain_cache.clear()
-    _chain_cache[key] = (compiled, out)
     return out
 
 
