@@ -342,26 +342,32 @@ def cmd_reconcile(args: argparse.Namespace, config: Config) -> int:
     return 0 if doc["ok"] else EXIT_USER_ERROR
 
 
-def _reconcile_hold(args: argparse.Namespace, config: Config) -> int:
-    from plexd.gojson import parse_duration
-    from plexd.node.control import HOLD_PATH
+def _ask_daemon(config: Config, method: str, path: str, body: Any = None, *, otherwise: str) -> Any:
+    """A control route of the running daemon; without one, a PlexdError ending in `otherwise`."""
     from plexd.node.control_client import DaemonNotRunning, call
 
     try:
-        if args.action == "hold":
-            try:
-                seconds = parse_duration(args.hold_for)
-            except ValueError as exc:
-                raise PlexdError(f"--for {args.hold_for!r}: {exc}") from None
-            if not 0 < seconds <= 24 * 3600:
-                raise PlexdError(f"--for {args.hold_for}: a hold lasts more than 0s and at most 24h")
-            doc = call(config.node_api.socket_path, "POST", HOLD_PATH, {"seconds": seconds, "reason": args.reason},
-                       admin_group=config.node_api.admin_group)
-        else:
-            doc = call(config.node_api.socket_path, "DELETE", HOLD_PATH, admin_group=config.node_api.admin_group)
+        return call(config.node_api.socket_path, method, path, body, admin_group=config.node_api.admin_group)
     except DaemonNotRunning:
         raise PlexdError(f"no plexd daemon is running (nothing listens on {config.node_api.socket_path}): "
-                         "there is nothing to hold or release") from None
+                         f"{otherwise}") from None
+
+
+def _reconcile_hold(args: argparse.Namespace, config: Config) -> int:
+    from plexd.gojson import parse_duration
+    from plexd.node.control import HOLD_PATH
+
+    nothing = "there is nothing to hold or release"
+    if args.action == "hold":
+        try:
+            seconds = parse_duration(args.hold_for)
+        except ValueError as exc:
+            raise PlexdError(f"--for {args.hold_for!r}: {exc}") from None
+        if not 0 < seconds <= 24 * 3600:
+            raise PlexdError(f"--for {args.hold_for}: a hold lasts more than 0s and at most 24h")
+        doc = _ask_daemon(config, "POST", HOLD_PATH, {"seconds": seconds, "reason": args.reason}, otherwise=nothing)
+    else:
+        doc = _ask_daemon(config, "DELETE", HOLD_PATH, otherwise=nothing)
     if args.json:
         _print_json(doc)
     elif args.action == "hold":
@@ -413,14 +419,9 @@ def _add_policies(sub: Any) -> None:
 
 def cmd_policies(args: argparse.Namespace, config: Config) -> int:
     from plexd.node.control import POLICIES_PATH
-    from plexd.node.control_client import DaemonNotRunning, call
     from plexd.node.policies_view import format_policies
 
-    try:
-        doc = call(config.node_api.socket_path, "GET", POLICIES_PATH, admin_group=config.node_api.admin_group)
-    except DaemonNotRunning:
-        raise PlexdError(f"no plexd daemon is running (nothing listens on {config.node_api.socket_path}): "
-                         "policies are applied by the daemon ('plexd up')") from None
+    doc = _ask_daemon(config, "GET", POLICIES_PATH, otherwise="policies are applied by the daemon ('plexd up')")
     if args.json:
         _print_json(doc)
     else:

@@ -210,3 +210,16 @@ async def test_usage_error_exit_code(tmp_path):
     env = Env(tmp_path)
     rc, _, err = await env.run("join", "--token-file", "a", "--token-env", "B")
     assert rc == 2 and "not allowed with argument" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("args", "ending"), [
+    (("policies",), "policies are applied by the daemon ('plexd up')"),
+    (("reconcile", "hold", "--for", "1m"), "there is nothing to hold or release"),
+    (("reconcile", "release"), "there is nothing to hold or release"),
+])
+async def test_commands_that_need_the_daemon_say_none_is_running(tmp_path, args, ending):
+    env = Env(tmp_path)
+    rc, out, err = await env.run(*args)
+    sock = tmp_path / "api.sock"
+    assert rc != 0 and out == "" and "Traceback" not in err
+    assert err.strip() == f"plexd: no plexd daemon is running (nothing listens on {sock}): {ending}"
