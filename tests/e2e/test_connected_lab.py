@@ -104,6 +104,25 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     assert route_c.removesuffix("/32") in routes
 
 
+def _kept_daemon_with_a_nonced_event(lab_dp, ghost: str, nonce: str, env: dict[str, str] | None = None):
+    """A `plexd up` that keeps its registration when stopped, one node (`ghost`) on its device with the endpoint
+    the admin set, and a peer_endpoint_changed event carrying `nonce` applied. Returns (daemon, ghost's register
+    response, ghost's key, the event's id)."""
+    lab, dp, daemons, tmp_path = lab_dp
+    d = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="10m", extra_config="shutdown: {deregister: false}\n",
+               env=env)
+    daemons.append(d)
+    wait_until(lambda: d.node_id() is not None and "event stream connected" in d.logged(), 30, "the stream", [d])
+    a, a_key = register_ghost(dp, ghost)
+    wait_until(lambda: a_key in wg_peers(lab, d.node), 15, "the first node on the device", [d])
+    dp.admin.set_node_endpoint(a["node_id"], "192.0.2.10:51820")
+    wait_until(lambda: wg_endpoint(lab, d.node, a_key) == "192.0.2.10:51820", 15, "the admin's endpoint", [d])
+    event = dp.admin.publish_event(d.node_id(), "peer_endpoint_changed",
+                                   {"peer_id": a["node_id"], "endpoint": "192.0.2.10:51820"}, nonce=nonce)
+    wait_until(lambda: f"event {event}:" in d.logged(), 15, "the nonce'd event to be applied", [d])
+    return d, a, a_key, event
+
+
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
 def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
     """A real `plexd up` restarted with its data_dir: it resumes after its Last-Event-ID (the event published
@@ -111,20 +130,9 @@ def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
 
     Every change is one the devplane really holds (nodes registered, an endpoint set by the admin), so a state
     pull agrees with the events; the one raw event re-sends a real change with a chosen nonce."""
-    lab, dp, daemons, tmp_path = lab_dp
-    d = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="10m", extra_config="shutdown: {deregister: false}\n")
-    daemons.append(d)
-    wait_until(lambda: d.node_id() is not None and "event stream connected" in d.logged(), 30, "the stream", [d])
+    lab, dp, _, _ = lab_dp
+    d, a, a_key, first = _kept_daemon_with_a_nonced_event(lab_dp, "px-ghost-a", "px-restart-nonce")
     node_id = d.node_id()
-
-    a, a_key = register_ghost(dp, "px-ghost-a")
-    wait_until(lambda: a_key in wg_peers(lab, d.node), 15, "the first node on the device", [d])
-    dp.admin.set_node_endpoint(a["node_id"], "192.0.2.10:51820")
-    wait_until(lambda: wg_endpoint(lab, d.node, a_key) == "192.0.2.10:51820", 15, "the admin's endpoint", [d])
-    first = dp.admin.publish_event(node_id, "peer_endpoint_changed",
-                                   {"peer_id": a["node_id"], "endpoint": "192.0.2.10:51820"},
-                                   nonce="px-restart-nonce")
-    wait_until(lambda: f"event {first}:" in d.logged(), 15, "the nonce'd event to be applied", [d])
 
     took = d.stop()
     assert d.proc.returncode == 0 and took < 10, (d.proc.returncode, took)  # shutdown never hangs
@@ -171,20 +179,11 @@ def test_kill_9_between_an_event_and_its_commit_loses_nothing_and_replays_nothin
     but before the group commit. On disk the cursor stops before that event and its effect is not in the mirror;
     after the restart the devplane replays it and it is accepted (its nonce was never committed), while a nonce
     that was committed before the kill is still refused."""
-    lab, dp, daemons, tmp_path = lab_dp
-    d = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="10m", extra_config="shutdown: {deregister: false}\n",
-               env={"PLEXD_TEST_COMMIT_DELAY": "3600"})  # commits happen only when a state pull forces one
-    daemons.append(d)
-    wait_until(lambda: d.node_id() is not None and "event stream connected" in d.logged(), 30, "the stream", [d])
+    lab, dp, _, _ = lab_dp
+    # commits happen only when a state pull forces one
+    d, a, a_key, committed = _kept_daemon_with_a_nonced_event(lab_dp, "px-kill-a", "px-kill-committed",
+                                                              env={"PLEXD_TEST_COMMIT_DELAY": "3600"})
     node_id = d.node_id()
-
-    a, a_key = register_ghost(dp, "px-kill-a")
-    wait_until(lambda: a_key in wg_peers(lab, d.node), 15, "the first node on the device", [d])
-    dp.admin.set_node_endpoint(a["node_id"], "192.0.2.10:51820")
-    committed = dp.admin.publish_event(node_id, "peer_endpoint_changed",
-                                       {"peer_id": a["node_id"], "endpoint": "192.0.2.10:51820"},
-                                       nonce="px-kill-committed")
-    wait_until(lambda: f"event {committed}:" in d.logged(), 15, "the nonce'd event to be applied", [d])
     d.cli("reconcile", "--once")  # a state pull: the mirror and the ledger are written now
     wait_until(lambda: _ledger(d)[0] == committed, 15, "the commit after the state pull", [d])
     assert "px-kill-committed" in _ledger(d)[1]
