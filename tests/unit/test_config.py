@@ -242,3 +242,12 @@ def test_env_is_read_from_process_by_default(monkeypatch):
     monkeypatch.setenv("PLEXD_MODE", "bridge")
     monkeypatch.setenv("PLEXD_CONFIG", os.devnull)
     assert cfg.load().mode == "bridge"
+
+
+def test_policy_mesh_range_must_be_cidrs(tmp_path):
+    assert load(tmp_path, "policy: {mesh_range: [10.200.0.0/16, 'fd00::/64']}").policy.mesh_range == (
+        "10.200.0.0/16", "fd00::/64")
+    with pytest.raises(ConfigError, match=r"policy.mesh_range: .* from file .*: '10.300.0.0/16' is not a CIDR"):
+        load(tmp_path, "policy: {mesh_range: [10.300.0.0/16]}")
+    with pytest.raises(ConfigError, match=r"policy.mesh_range: .* must name at least one CIDR"):
+        load(tmp_path, "policy: {mesh_range: []}")
