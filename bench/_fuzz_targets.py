@@ -134,6 +134,38 @@ _yaml_texts = st.one_of(
                      "mesh: [1, 2]", "!!python/object:os.system {}", "a: &a [*a]", "{" * 200]),
 )
 
+_TXID = bytes(range(12))
+
+
+def _stun_like(body: bytes, msg_type: int, cookie: bool, txid: bool, fix_length: bool) -> bytes:
+    """A STUN header that passes the cheap checks more often than random bytes would, then fuzzed attributes."""
+    length = len(body) if fix_length else len(body) // 2
+    head = msg_type.to_bytes(2, "big") + (length & 0xFFFF).to_bytes(2, "big")
+    head += (0x2112A442 if cookie else 0x21120000).to_bytes(4, "big") + (_TXID if txid else bytes(12))
+    return head + body
+
+
+def check_stun(data: bytes) -> None:
+    from plexd.nat.stun import StunError, parse_binding_response
+
+    mapped = _only((StunError,), lambda: parse_binding_response(data, _TXID))
+    if mapped is not None:
+        assert 0 < mapped.port < 65536 and mapped.ip.count(".") == 3
+
+
+def check_stun_server(text: str) -> None:
+    from plexd.nat.servers import parse_server
+
+    server = _only((ValueError,), lambda: parse_server(text))
+    if server is not None:
+        assert 0 < server.port < 65536 and server.host and ":" not in server.host
+
+
+_stun_attrs = st.lists(st.tuples(st.sampled_from([0x0001, 0x0020, 0x0009, 0x8022, 0xFFFF]),
+                                 st.binary(max_size=24)), max_size=5).map(
+    lambda attrs: b"".join(t.to_bytes(2, "big") + len(v).to_bytes(2, "big") + v + b"\0" * (-len(v) % 4)
+                           for t, v in attrs))
+
 TARGETS = [
     Target("json", json_texts, check_json),
     Target("envelope", st.one_of(json_texts, st.builds(
@@ -152,4 +184,9 @@ TARGETS = [
     Target("endpoint", st.one_of(st.text(max_size=60), st.sampled_from(["[fe80::1%eth0]:1", "[::1%\n]:5", "a:0"])),
            check_endpoint),
     Target("config", _yaml_texts, check_config),
+    Target("stun_response", st.one_of(st.binary(max_size=200), st.builds(
+        _stun_like, _stun_attrs, st.sampled_from([0x0101, 0x0111, 0x0001, 0xC101]), st.booleans(), st.booleans(),
+        st.booleans())), check_stun),
+    Target("stun_server", st.one_of(st.text(max_size=40), st.sampled_from(
+        ["stun.example:3478", "[::1]:3478", "1.2.3.4:0", "h:99999", "h:", ":3478", "a b:1"])), check_stun_server),
 ]

@@ -151,8 +151,10 @@ class NatTraversalConfig:
     """STUN discovery of the public endpoint."""
 
     enabled: bool = _f(True)
-    stun_servers: tuple[str, ...] = _f((), "list")
+    # Only these servers are ever asked (HOST or HOST:PORT, port 3478 by default); none configured: no discovery.
+    stun_servers: tuple[str, ...] = _f((), "list", stun_servers=True)
     refresh_interval: float = _f(60.0, "duration", min=10)
+    stun_timeout: float = _f(5.0, "duration", min=0.1, max=60)  # per server and attempt (§10: 5 s)
 
 
 @dataclass(frozen=True)
@@ -433,6 +435,16 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ConfigError(f"{where}: {cidr!r} is not a CIDR (e.g. 10.100.0.0/16)") from None
+
+
+    if rules.get("stun_servers"):
+        from plexd.nat.servers import parse_server
+
+        for text in value:
+            try:
+                parse_server(text)
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
 
 
 def _url_problem(value: str) -> str:
