@@ -34,6 +34,7 @@ from plexd.plan import (
     PeerRemoved,
     RouteExtra,
     RouteMissing,
+    normalize_endpoint,
     own_addresses,
     peer_config,
     peer_fields,
@@ -118,7 +119,8 @@ def _peer_changes(pid: str, before: Peer | None, want: PeerConfig | None, live: 
     if have is None:
         yield PeerAdded(pid, key, want)
     elif have != want:
-        yield from peer_fields(pid, want, have, now)
+        moved = before is not None and normalize_endpoint(before.endpoint) != want.endpoint
+        yield from peer_fields(pid, want, have, now, moved=moved)
 
 
 def _prefixes(peer: Peer | None, keepalive: int, own: frozenset[str]) -> set[Net]:

@@ -491,9 +491,11 @@ def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -
         yield PeerAdded(name(key), key, want[key])
 
 
-def peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float) -> Iterable[PeerChange]:
+def peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float, *, moved: bool = False) -> Iterable[PeerChange]:
+    """`moved`: the model's endpoint itself changed (an event, the NAT endpoint exchange): news that wins over
+    roaming — a peer whose NAT mapping changed cannot reach us from its new address until we send to it."""
     roaming = h.last_handshake > 0 and now - h.last_handshake < ROAMING_WINDOW
-    if w.endpoint and w.endpoint != h.endpoint and not roaming:
+    if w.endpoint and w.endpoint != h.endpoint and (moved or not roaming):
         yield PeerEndpointChanged(pid, w.public_key, w.endpoint, h.endpoint, w.persistent_keepalive)
     if w.allowed_ips != h.allowed_ips:
         yield PeerAllowedIpsChanged(pid, w.public_key, w.allowed_ips, h.allowed_ips)
