@@ -29,13 +29,15 @@ from plexd.agent import Agent
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.config import Config
-from plexd.controlplane.client import ControlPlaneClient
+from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
 from plexd.errors import PlexdError
 from plexd.mesh.select import build_converger
+from plexd.nat.servers import parse_server
+from plexd.nat.service import NatService, PortHandover
 from plexd.node.control import add_control_routes, health
 from plexd.node.durable import GroupCommit
 from plexd.node.local_api import LocalAPI
@@ -43,7 +45,7 @@ from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_a
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.supervisor import FatalError
 from plexd.services.event_handlers import EventHandlers
-from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
+from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler
 
 log = logging.getLogger(__name__)
@@ -63,10 +65,10 @@ class Node:
     stream: EventStream
     heartbeat: HeartbeatService
     local_api: LocalAPI
+    nat: NatService | None = None
 
 
-def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
-             nat: Callable[[], NatInfo | None] | None = None) -> Node:
+def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     cfg = agent.config
     data_dir = Path(cfg.data_dir)
     assert agent.identity is not None
@@ -114,6 +116,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
         reconnect_spread=cfg.sse.reconnect_spread,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
     )
+    nat = _build_nat(agent, mesh, node_id)
     on_device = [0]  # peers on the device, counted before each heartbeat
 
     async def observe_device() -> None:
@@ -137,7 +140,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
             binary_checksum=agent.binary_checksum,
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
             mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),
-            nat=nat() if nat is not None else None,
+            nat=nat.info() if nat is not None else None,
         )
 
     async def send(body: dict[str, Any]) -> dict[str, bool]:
@@ -149,7 +152,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
                                  trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate,
                                  uptime=agent.uptime, refresh=observe_device)
     local_api = LocalAPI(cfg.node_api.socket_path)
-    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api)
+    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, nat)
     add_control_routes(local_api, node)
 
     agent.add_service("reconciler", lambda a: reconciler.run())
@@ -157,6 +160,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None,
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
     agent.add_service("local_api", lambda a: _serve_local_api(local_api))
+    if nat is not None:
+        agent.add_service("nat", lambda a: nat.run())
     if not agent.registered_now:
         # A fresh registration carried the capabilities; a reused identity announces them, since the code or
         # the hooks may have changed while plexd was stopped. A 401 here re-registers (Agent.authed).
@@ -185,6 +190,42 @@ def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
 
     agent.on_shutdown("mesh teardown", teardown)
     return mesh
+
+
+def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> NatService | None:
+    """STUN discovery and the endpoint exchange (plexd.nat), when enabled and a server is configured. The listen
+    port is bound here, before any converge, so the first discovery asks from it before the device takes it."""
+    cfg = agent.config
+    nat = cfg.nat_traversal
+    if not nat.enabled:
+        log.info("NAT traversal is disabled (nat_traversal.enabled: false)")
+        return None
+    if not nat.stun_servers:
+        log.info("NAT traversal: no nat_traversal.stun_servers configured; the public endpoint is not discovered")
+        return None
+    handover = PortHandover.try_bind(cfg.mesh.listen_port)
+    if handover is not None:
+        mesh.before_first_converge = handover.released
+
+    async def report(endpoint: str, nat_type: str) -> list[PeerEndpoint]:
+        return await agent.authed(lambda: agent.client.report_endpoint(node_id(), endpoint, nat_type))
+
+    return NatService(
+        [parse_server(s) for s in nat.stun_servers], cfg.mesh.listen_port, report, mesh.set_peer_endpoints,
+        refresh_interval=nat.refresh_interval, timeout=nat.stun_timeout, handover=handover,
+        local_target=lambda: _api_host_port(cfg.api.url),
+        backoff=Backoff(base=min(cfg.sse.backoff_base * 5, nat.refresh_interval), cap=nat.refresh_interval,
+                        jitter=cfg.sse.jitter))
+
+
+def _api_host_port(url: str) -> tuple[str, int] | None:
+    """The control plane's host and port: the route towards it gives the local address when STUN is silent."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    if not parts.hostname:
+        return None
+    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _commit_delay() -> float:

@@ -23,6 +23,9 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
                    hidden_by_policy
     health         status (healthy | degraded), reason
     policy         enforcement (enforced | degraded | disabled), reason, policies, rules, skipped_rules
+    nat            enabled (false: reason), servers, public_endpoint, nat_type, local_endpoint, server,
+                   last_success_at, last_attempt_at, last_error, consecutive_failures, reported_endpoint,
+                   reported_nat_type, reported_at, report_error, refresh_interval_seconds
     services       [{name, state, restarts, last_error, last_error_at, running_since}]
 
 Times are unix seconds. Without a running daemon, `plexd status` prints the same document from the stored
@@ -102,8 +105,15 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["policy"] = {"enforcement": enforcement, "reason": why,
                      "policies": len({r.policy_id for r in compiled.rules}), "rules": len(compiled.rules),
                      "skipped_rules": len(compiled.skipped)}
+    doc["nat"] = node.nat.status() if node.nat is not None else nat_disabled(agent.config)
     doc["services"] = agent.supervisor.to_json()
     return doc
+
+
+def nat_disabled(config: Config) -> dict[str, Any]:
+    why = ("nat_traversal.enabled is false" if not config.nat_traversal.enabled
+           else "no nat_traversal.stun_servers configured")
+    return {"enabled": False, "reason": why}
 
 
 def health(reconciler: Reconciler[Any], mesh: MeshHandle) -> tuple[str, str]:

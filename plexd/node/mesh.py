@@ -14,17 +14,18 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from plexd.clock import Clock
+from plexd.controlplane.client import PeerEndpoint
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
 from plexd.converge import Converger, ConvergeResult
 from plexd.correction import Correction
-from plexd.desired import DesiredState
+from plexd.desired import DesiredState, split_endpoint
 from plexd.desired_store import DesiredStore
 from plexd.firewall.nft import FirewallDomain
 from plexd.identity import Identity
@@ -102,6 +103,8 @@ class MeshHandle:
         # must not then apply the model as it was before that reconcile's state pull.
         self._lock = asyncio.Lock()
         self._fresh: DesiredState | None = None  # the model the last full converge left the machine matching
+        # Awaited once, before the first converge: the NAT discovery's hand-over of the listen port at start.
+        self.before_first_converge: Callable[[], Awaitable[None]] | None = None
         self._pull_changed_nothing = False
 
     def request_converge(self, reason: str) -> None:
@@ -168,6 +171,28 @@ class MeshHandle:
                 self._refusals_seen.add(("policy", str(unknown)))
                 log.info("%s", printable(str(unknown), 300), extra={"policy": printable(unknown.policy_id)})
 
+    def set_peer_endpoints(self, endpoints: Iterable[PeerEndpoint], why: str = "endpoint exchange") -> int:
+        """Peers' endpoints from the control plane (the NAT endpoint exchange): each peer looked up by id, only
+        its endpoint changed, applied through the converge engine like an event. An endpoint that is not
+        HOST:PORT is refused and the peer keeps the one it has. Returns how many changed."""
+        peers = self.store.value.peers
+        changed = 0
+        for pe in endpoints:
+            peer = peers.get(pe.peer_id)
+            if peer is None or not pe.endpoint or peer.endpoint == pe.endpoint:
+                continue
+            try:
+                split_endpoint(pe.endpoint)
+            except ValueError as exc:
+                log.warning("%s: endpoint of peer %s refused: %s", why, printable(pe.peer_id), printable(str(exc)))
+                continue
+            self.store.edit(lambda d, pid=pe.peer_id, ep=pe.endpoint: d.with_peer_endpoint(pid, ep), why,
+                            (pe.peer_id,))
+            changed += 1
+        if changed:
+            self.request_converge(why)
+        return changed
+
     def take_refusals(self) -> list[Correction]:
         """Refusals not reported yet (the reconciler adds them to its drift report)."""
         out, self._refusals_new = self._refusals_new, []
@@ -195,6 +220,9 @@ class MeshHandle:
             return await self._converge_locked(dry_run)
 
     async def _converge_locked(self, dry_run: bool) -> ConvergeResult:
+        if self.before_first_converge is not None:
+            wait, self.before_first_converge = self.before_first_converge, None
+            await wait()
         if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))

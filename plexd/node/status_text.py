@@ -71,8 +71,28 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"policy:         {state}, {pol['policies']} policies, {pol['rules']} rules"
                      + (f", {pol['skipped_rules']} skipped" if pol["skipped_rules"] else "")
                      + " ('plexd policies' for counters)")
+    nat = doc.get("nat")
+    if nat:
+        lines.append(f"nat:            {_nat_line(nat, now)}")
     lines.append("services:")
     for svc in doc["services"]:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""
         lines.append(f"  {svc['name']:<14} {svc['state']:<10} restarts {svc['restarts']}{extra}")
     return "\n".join(lines)
+
+
+def _nat_line(nat: dict[str, Any], now: float) -> str:
+    if not nat.get("enabled"):
+        return f"off ({nat.get('reason', '')})"
+    if nat.get("public_endpoint"):
+        line = (f"public endpoint {nat['public_endpoint']} ({nat['nat_type']}), discovered "
+                f"{_ago(nat['last_success_at'], now)} via {nat['server']}")
+    else:
+        line = "public endpoint not discovered yet"
+        if nat.get("reported_endpoint"):
+            line += f"; reported the local endpoint {nat['reported_endpoint']}"
+    if nat.get("last_error"):
+        line += f"; last attempt {_ago(nat['last_attempt_at'], now)} failed: {nat['last_error']}"
+    if nat.get("report_error"):
+        line += f"; report failing: {nat['report_error']}"
+    return line

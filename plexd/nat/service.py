@@ -1,0 +1,260 @@
+"""The NAT service: discover the public endpoint, report it, apply the peers' endpoints; refresh for ever.
+
+    start      the assembly binds the listen port before the device exists (`PortHandover`): the first
+               discovery asks from it, then lets the device have the port (at most HANDOVER_DEADLINE later)
+    refresh    every nat_traversal.refresh_interval, from a raw socket while the device holds the port
+    failure    retried with jittered backoff, never abandoned (the Go agent gives up after a failed start);
+               logged once per failure streak, with each server and why
+    report     PUT /endpoint when the mapping changes, after a failed report, and at least every REPORT_EVERY;
+               the answer's peer endpoints go into the desired model and through the converge engine
+    no answer  until a server has answered, the node reports its local endpoint (type unknown), so a node on a
+               public address joins even with every STUN server unreachable
+
+`status()` is the `nat` section of `plexd status`; `info()` the heartbeat's `nat` block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plexd.backoff import Backoff
+from plexd.controlplane.client import NatInfo, PeerEndpoint
+from plexd.errors import PlexdError
+from plexd.nat.discovery import Discovery, discover
+from plexd.nat.probe import BoundTransport, RawTransport, Transport, source_address
+from plexd.nat.servers import StunServer, resolve
+from plexd.nat.stun import Mapped, StunError
+
+log = logging.getLogger(__name__)
+
+HANDOVER_DEADLINE = 3.0  # seconds the device may wait for the first discovery at start
+HANDOVER_TIMEOUT = 1.5  # per server, during the hand-over
+REPORT_EVERY = 600.0  # an unchanged endpoint is reported again this often (the control plane may have lost it)
+
+
+class PortHandover:
+    """The listen port, bound by the assembly before any converge, lent to the first discovery.
+
+    The mesh awaits `released()` before its first converge: the device binds the port only after the discovery
+    let it go, and never waits more than `deadline` seconds (a timer releases it)."""
+
+    def __init__(self, transport: BoundTransport, deadline: float = HANDOVER_DEADLINE) -> None:
+        self._transport: BoundTransport | None = transport
+        self._released = asyncio.Event()
+        self._timer = asyncio.get_running_loop().call_later(deadline, self.release)
+
+    @classmethod
+    def try_bind(cls, port: int, deadline: float = HANDOVER_DEADLINE) -> PortHandover | None:
+        """None when the port is taken (the device survived the last plexd): refreshes need no hand-over."""
+        try:
+            return cls(BoundTransport.bind(port), deadline)
+        except OSError as exc:
+            log.debug("listen port %d is taken (%s): discovering through a raw socket", port, exc)
+            return None
+
+    def take(self) -> BoundTransport | None:
+        return self._transport
+
+    def release(self) -> None:
+        self._timer.cancel()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+        self._released.set()
+
+    async def released(self) -> None:
+        await self._released.wait()
+
+
+@dataclass
+class NatState:
+    """What the service knows, for status and heartbeat."""
+
+    discovery: Discovery | None = None  # the last successful one
+    last_attempt_at: float | None = None
+    last_success_at: float | None = None
+    last_error: str = ""
+    consecutive_failures: int = 0
+    reported: tuple[str, str] | None = None  # (endpoint, nat type) the control plane last accepted
+    reported_at: float | None = None
+    report_error: str = ""
+
+
+class NatService:
+    def __init__(
+        self,
+        servers: Sequence[StunServer],
+        listen_port: int,
+        report: Callable[[str, str], Awaitable[list[PeerEndpoint]]],
+        apply_peer_endpoints: Callable[[list[PeerEndpoint]], int],
+        *,
+        refresh_interval: float = 60.0,
+        timeout: float = 5.0,
+        handover: PortHandover | None = None,
+        local_target: Callable[[], tuple[str, int] | None] = lambda: None,
+        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        backoff: Backoff | None = None,
+        raw_transport: Callable[[int], Transport] = RawTransport,
+    ) -> None:
+        self.servers = tuple(servers)
+        self.listen_port = listen_port
+        self._report = report
+        self._apply = apply_peer_endpoints
+        self.refresh_interval = refresh_interval
+        self.timeout = timeout
+        self._handover = handover
+        self._local_target = local_target  # where to route to for the local address when no server answers
+        self._sleep = sleep
+        self._backoff = backoff or Backoff(base=min(5.0, refresh_interval), cap=refresh_interval)
+        self._raw_transport = raw_transport
+        self.state = NatState()
+        self._told_failing = False
+        self._failing: set[str] = set()  # servers whose last attempt failed
+
+    async def run(self) -> None:
+        try:
+            while True:
+                delay = await self.refresh_once()
+                await self._sleep(delay)
+        finally:
+            if self._handover is not None:
+                self._handover.release()
+
+    async def refresh_once(self) -> float:
+        """One discovery and, when due, one report; returns the seconds until the next attempt."""
+        discovery = await self._discover()
+        ok = await self._report_if_due(discovery)
+        if discovery.ok and ok:
+            self._backoff.reset()
+            return self.refresh_interval
+        return self._backoff.next_delay()
+
+    async def _discover(self) -> Discovery:
+        self.state.last_attempt_at = time.time()
+        handover, self._handover = self._handover, None
+        transport: Transport | None = handover.take() if handover is not None else None
+        timeout = HANDOVER_TIMEOUT if transport is not None else self.timeout
+        try:
+            if transport is None:
+                transport = self._raw_transport(self.listen_port)
+            found = await discover(transport, self.servers, min(timeout, self.timeout))
+        except OSError as exc:  # no raw socket (no CAP_NET_RAW): every server fails the same way
+            why = f"cannot open a raw socket for the listen port: {exc.strerror or exc}"
+            found = Discovery(None, "unknown", failures=tuple((str(s), why) for s in self.servers))
+        finally:
+            if handover is not None:
+                handover.release()
+            elif transport is not None:
+                transport.close()
+        self._note(found)
+        return found
+
+    def _note(self, found: Discovery) -> None:
+        st = self.state
+        # Each server's failure is logged when it starts failing, and its recovery when it answers again.
+        for server, why in found.failures:
+            level = logging.DEBUG if server in self._failing else logging.WARNING
+            self._failing.add(server)
+            log.log(level, "STUN server %s: %s", server, why, extra={"stun_server": server})
+        for server, _ in found.answers:
+            if server in self._failing:
+                self._failing.discard(server)
+                log.info("STUN server %s answers again", server, extra={"stun_server": server})
+        if not found.ok:
+            st.consecutive_failures += 1
+            st.last_error = "; ".join(f"{s}: {why}" for s, why in found.failures) or "no STUN server configured"
+            if not self._told_failing:
+                self._told_failing = True
+                log.warning("NAT discovery failed (%s); the node keeps its local endpoint and retries with backoff",
+                            "every configured STUN server failed" if found.failures else "no server")
+            return
+        before = st.discovery
+        st.discovery, st.last_success_at, st.last_error = found, time.time(), ""
+        if self._told_failing:
+            log.info("NAT discovery works again after %d failed attempt(s)", st.consecutive_failures)
+        self._told_failing, st.consecutive_failures = False, 0
+        if before is None or (before.public, before.nat_type) != (found.public, found.nat_type):
+            was = f" (was {before.public}, {before.nat_type})" if before is not None else ""
+            log.info("public endpoint %s, NAT type %s, seen by %s%s", found.public, found.nat_type, found.server, was,
+                     extra={"public_endpoint": str(found.public), "nat_type": found.nat_type})
+
+    async def _to_report(self, found: Discovery) -> tuple[str, str] | None:
+        if found.ok:
+            return str(found.public), found.nat_type
+        if self.state.discovery is not None:
+            return None  # a failed refresh keeps the last mapping (already reported)
+        local = await self._local_endpoint()
+        return (str(local), "unknown") if local is not None else None
+
+    async def _local_endpoint(self) -> Mapped | None:
+        """The machine's address towards the control plane, and the listen port."""
+        target = self._local_target()
+        if target is None:
+            return None
+        try:
+            ip = await resolve(StunServer(*target))
+            return Mapped(source_address(ip, target[1]), self.listen_port)
+        except StunError as exc:
+            log.debug("no local endpoint to report: %s", exc)
+            return None
+
+    async def _report_if_due(self, found: Discovery) -> bool:
+        """PUT /endpoint when the value changed, the last report failed, or REPORT_EVERY passed. False: failed."""
+        st = self.state
+        value = await self._to_report(found)
+        if value is None:
+            return True
+        due = (value != st.reported or st.report_error
+               or st.reported_at is None or time.time() - st.reported_at >= REPORT_EVERY)
+        if not due:
+            return True
+        try:
+            peers = await self._report(*value)
+        except (PlexdError, OSError) as exc:
+            if not st.report_error:
+                log.warning("endpoint report failed: %s; retrying with backoff", exc)
+            st.report_error = str(exc)
+            return False
+        if value != st.reported:
+            log.info("endpoint %s (%s) reported to the control plane", *value)
+        st.reported, st.reported_at, st.report_error = value, time.time(), ""
+        changed = self._apply([p for p in peers if p.endpoint])
+        if changed:
+            log.info("endpoint exchange: %d peer endpoint(s) changed", changed)
+        return True
+
+    def info(self) -> NatInfo | None:
+        """The heartbeat's `nat` block: what the control plane was last told."""
+        if self.state.reported is None:
+            return None
+        return NatInfo(*self.state.reported)
+
+    def status(self) -> dict[str, Any]:
+        st = self.state
+        d = st.discovery
+        return {
+            "enabled": True,
+            "servers": [str(s) for s in self.servers],
+            "public_endpoint": str(d.public) if d is not None else "",
+            "nat_type": d.nat_type if d is not None else "",
+            "local_endpoint": str(d.local) if d is not None and d.local is not None else "",
+            "server": d.server if d is not None else "",
+            "last_success_at": st.last_success_at,
+            "last_attempt_at": st.last_attempt_at,
+            "last_error": st.last_error,
+            "consecutive_failures": st.consecutive_failures,
+            "reported_endpoint": st.reported[0] if st.reported else "",
+            "reported_nat_type": st.reported[1] if st.reported else "",
+            "reported_at": st.reported_at,
+            "report_error": st.report_error,
+            "refresh_interval_seconds": self.refresh_interval,
+        }
+
+
+def disabled_status(why: str) -> dict[str, Any]:
+    return {"enabled": False, "reason": why}

@@ -1,0 +1,189 @@
+"""Hostile and broken STUN servers over real UDP sockets on loopback: each one is logged with the server and what
+it did, the next one is tried, and nothing crashes. The servers here are deliberately broken stand-ins (no real
+STUN server answers garbage on request); the real coturn is in tests/e2e/test_nat_lab.py.
+
+Also the NAT service's bookkeeping against them: what it reports, when, and that a failure streak is logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections.abc import Callable
+
+import pytest
+
+from plexd.controlplane.client import PeerEndpoint
+from plexd.errors import PlexdError
+from plexd.nat.discovery import discover
+from plexd.nat.probe import BoundTransport
+from plexd.nat.servers import parse_server
+from plexd.nat.service import NatService
+from plexd.nat.stun import HEADER, MAGIC_COOKIE, binding_response
+
+Answer = Callable[[bytes, tuple[str, int]], list[bytes]]
+
+
+class FakeStun(asyncio.DatagramProtocol):
+    """A UDP server on 127.0.0.1 that answers each request with what `answer(request, source)` returns."""
+
+    def __init__(self, answer: Answer) -> None:
+        self.answer = answer
+        self.requests = 0
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        self.requests += 1
+        for reply in self.answer(data, addr):
+            self.transport.sendto(reply, addr)
+
+
+def txid(req: bytes) -> bytes:
+    return req[8:20]
+
+
+def good(req, addr):
+    return [binding_response(txid(req), addr[0], addr[1])]
+
+
+def mapped_elsewhere(req, addr):
+    return [binding_response(txid(req), addr[0], addr[1] + 1)]
+
+
+BROKEN: dict[str, tuple[Answer, str]] = {
+    "garbage": (lambda req, addr: [b"\xde\xad\xbe\xef" * 8], "not a STUN message"),
+    "wrong cookie": (lambda req, addr: [HEADER.pack(0x0101, 0, 0x11111111, txid(req))], "wrong magic cookie"),
+    "wrong transaction": (lambda req, addr: [binding_response(b"z" * 12, "192.0.2.1", 1)],
+                          "unrelated datagram(s) ignored)"),
+    "ipv6 mapped": (lambda req, addr: [HEADER.pack(0x0101, 24, MAGIC_COOKIE, txid(req))
+                                       + struct.pack("!HHBBH", 0x0020, 20, 0, 2, 1) + bytes(16)],
+                    "IPv6 address; plexd discovers IPv4 endpoints only"),
+    "silent": (lambda req, addr: [], "no answer within 0.6s"),
+}
+
+
+@pytest.fixture
+async def servers():
+    loop = asyncio.get_running_loop()
+    made = []
+
+    async def start(answer: Answer) -> tuple[str, FakeStun]:
+        transport, proto = await loop.create_datagram_endpoint(lambda: FakeStun(answer), local_addr=("127.0.0.1", 0))
+        made.append(transport)
+        return f"127.0.0.1:{transport.get_extra_info('sockname')[1]}", proto
+
+    yield start
+    for t in made:
+        t.close()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+async def test_a_broken_server_is_named_and_the_next_one_answers(servers, kind) -> None:
+    answer, problem = BROKEN[kind]
+    bad, bad_proto = await servers(answer)
+    ok, _ = await servers(good)
+    transport = BoundTransport.bind(free_port())
+    try:
+        found = await discover(transport, [parse_server(bad), parse_server("no-such-host.invalid"),
+                                           parse_server(ok)], timeout=0.6)
+    finally:
+        transport.close()
+    assert found.ok and found.server == ok and str(found.public) == f"127.0.0.1:{transport.local_port}"
+    assert found.nat_type == "none"  # the server saw the machine's own address and port
+    failures = dict(found.failures)
+    assert problem in failures[bad], failures
+    assert "cannot resolve no-such-host.invalid" in failures["no-such-host.invalid:3478"]
+    assert bad_proto.requests >= 1
+
+
+async def test_two_servers_that_see_different_ports_mean_symmetric(servers) -> None:
+    first, _ = await servers(mapped_elsewhere)
+    second, _ = await servers(lambda req, addr: [binding_response(txid(req), addr[0], addr[1] + 2)])
+    transport = BoundTransport.bind(free_port())
+    try:
+        found = await discover(transport, [parse_server(first), parse_server(second)], timeout=1)
+        same = await discover(transport, [parse_server(first), parse_server(first.replace("127.0.0.1", "localhost")),
+                                          parse_server(first)], timeout=1)
+    finally:
+        transport.close()
+    assert (found.nat_type, found.public.port) == ("symmetric", transport.local_port + 1)
+    assert same.nat_type == "unknown"  # one server under three names answers only once: no second opinion
+
+
+async def test_a_lost_request_is_sent_again(servers) -> None:
+    seen = []
+
+    def drop_first(req, addr):
+        seen.append(txid(req))
+        return [] if len(seen) == 1 else good(req, addr)
+
+    srv, _ = await servers(drop_first)
+    transport = BoundTransport.bind(free_port())
+    try:
+        found = await discover(transport, [parse_server(srv)], timeout=2)
+    finally:
+        transport.close()
+    assert found.ok and len(seen) == 2 and seen[0] == seen[1]  # the same transaction, resent
+
+
+def service(srv_list, reports, *, fail_reports=0, apply=lambda peers: len(peers)) -> NatService:
+    port = free_port()
+    calls = {"n": 0}
+
+    async def report(endpoint: str, nat_type: str) -> list[PeerEndpoint]:
+        calls["n"] += 1
+        if calls["n"] <= fail_reports:
+            raise PlexdError("control plane unreachable")
+        reports.append((endpoint, nat_type))
+        return [PeerEndpoint("n_peer", "198.51.100.5:51820"), PeerEndpoint("n_quiet", "")]
+
+    return NatService([parse_server(s) for s in srv_list], port, report, apply, refresh_interval=30, timeout=0.5,
+                      local_target=lambda: ("127.0.0.1", 9), raw_transport=BoundTransport.bind)
+
+
+async def test_the_service_reports_on_change_only_and_applies_the_peers_endpoints(servers, caplog) -> None:
+    srv, _ = await servers(good)
+    reports: list[tuple[str, str]] = []
+    applied: list[list[PeerEndpoint]] = []
+    svc = service([srv], reports, apply=lambda peers: applied.append(peers) or len(peers))
+    assert await svc.refresh_once() == 30
+    assert await svc.refresh_once() == 30
+    assert reports == [(f"127.0.0.1:{svc.listen_port}", "none")]  # unchanged: not reported again (yet)
+    assert applied == [[PeerEndpoint("n_peer", "198.51.100.5:51820")]]  # empty endpoints are not applied
+    assert svc.info().to_wire() == {"public_endpoint": f"127.0.0.1:{svc.listen_port}", "type": "none"}
+    svc.state.reported_at -= 601  # ten minutes later the same endpoint is reported again
+    await svc.refresh_once()
+    assert len(reports) == 2
+
+
+async def test_silence_reports_the_local_endpoint_logs_once_and_backs_off(servers, caplog) -> None:
+    srv, _ = await servers(BROKEN["silent"][0])
+    reports: list[tuple[str, str]] = []
+    svc = service([srv], reports)
+    caplog.set_level(logging.DEBUG, logger="plexd.nat")
+    delays = [await svc.refresh_once() for _ in range(3)]
+    assert reports == [(f"127.0.0.1:{svc.listen_port}", "unknown")]
+    assert all(d < 30 for d in delays) and delays[0] < delays[2]  # backoff towards the refresh interval
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sum("NAT discovery failed" in w for w in warnings) == 1
+    assert sum(f"STUN server {srv}: no answer" in w for w in warnings) == 1
+    assert svc.status()["consecutive_failures"] == 3 and "no answer within 0.5s" in svc.status()["last_error"]
+
+
+async def test_a_failed_report_is_retried_with_backoff(servers) -> None:
+    srv, _ = await servers(good)
+    reports: list[tuple[str, str]] = []
+    svc = service([srv], reports, fail_reports=2)
+    assert await svc.refresh_once() < 30 and svc.status()["report_error"] == "control plane unreachable"
+    assert await svc.refresh_once() < 30
+    assert await svc.refresh_once() == 30 and len(reports) == 1 and svc.status()["report_error"] == ""
