@@ -60,11 +60,37 @@ class LabNode:
 
 
 @dataclass
+class LabRouter:
+    """A NAT router namespace: `public` on the lab bridge, a LAN towards the nodes behind it, nft masquerade."""
+
+    name: str
+    netns: str
+    public: str  # its address on the lab subnet (what the nodes behind it are seen as)
+    lan: str  # the LAN prefix, e.g. 192.168.1.0/24
+    behind: int = 0  # nodes placed behind it so far
+
+    def nat_ruleset(self, snat: str = "masquerade") -> str:
+        """The router's NAT table; `snat`: `masquerade` or `masquerade fully-random`.
+
+        Like a home router it also drops unsolicited packets to itself from the public side. Without that, a
+        peer's hole-punching packet that arrives before our node's first packet to that peer leaves a conntrack
+        entry (peer → router:51820, refreshed by every retry) that makes masquerade map our node's flow to that
+        peer to another port: the two NATs then never meet. A dropped packet's entry is never confirmed."""
+        return ("table ip pxnat\ndelete table ip pxnat\ntable ip pxnat {\n chain postrouting {\n"
+                "  type nat hook postrouting priority srcnat; policy accept;\n"
+                f'  oifname "pub" {snat}\n }}\n chain input {{\n'
+                "  type filter hook input priority filter; policy accept;\n"
+                '  iifname "pub" ct state new drop\n }\n}\n')
+
+
+@dataclass
 class Lab:
     tag: str = field(default_factory=lambda: secrets.token_hex(3)[:5])
     workdir: str = ""
     subnet: str = ""
     nodes: list[LabNode] = field(default_factory=list)
+    routers: list[LabRouter] = field(default_factory=list)
+    stun_netns: str = ""  # the namespace of the STUN server (coturn), once started
     pids: list[int] = field(default_factory=list)
     state_file: str | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
@@ -97,14 +123,23 @@ class Lab:
             raise
         return self
 
-    def add_node(self) -> LabNode:
+    def add_node(self, behind: LabRouter | None = None) -> LabNode:
+        """A node on the bridge, or on the LAN of a NAT router (`behind`)."""
         i = len(self.nodes) + 1
-        node = LabNode(name=f"node{i}", netns=f"px{self.tag}n{i}",
-                       address=str(ipaddress.ip_network(self.subnet)[10 + i]), veth=f"px{self.tag}h{i}",
+        if behind is not None:
+            behind.behind += 1
+            lan = ipaddress.ip_network(behind.lan)
+            address = str(lan[1 + behind.behind])
+        else:
+            address = str(ipaddress.ip_network(self.subnet)[10 + i])
+        node = LabNode(name=f"node{i}", netns=f"px{self.tag}n{i}", address=address, veth=f"px{self.tag}h{i}",
                        sock_dir=os.path.join(self.workdir, f"run-wireguard-{i}"))
         os.makedirs(node.sock_dir, mode=0o700, exist_ok=True)
         self.nodes.append(node)
         self._save()
+        if behind is not None:
+            self._behind_router(node, behind)
+            return node
         peer = f"px{self.tag}p{i}"
         _run(["ip", "netns", "add", node.netns])
         _run(["ip", "link", "add", node.veth, "type", "veth", "peer", "name", peer])
@@ -116,6 +151,99 @@ class Lab:
         _run([*ns, "link", "set", "eth0", "up"])
         _run([*ns, "link", "set", "lo", "up"])
         return node
+
+    def add_router(self, snat: str = "masquerade") -> LabRouter:
+        """A NAT router on the bridge (`add_node(behind=router)` puts nodes behind it)."""
+        i = len(self.routers) + 1
+        router = LabRouter(name=f"router{i}", netns=f"px{self.tag}r{i}",
+                           public=str(ipaddress.ip_network(self.subnet)[100 + i]), lan=f"192.168.{i}.0/24")
+        self.routers.append(router)
+        self._save()
+        _run(["ip", "netns", "add", router.netns])
+        self._uplink(router.netns, f"px{self.tag}q{i}", "pub", [router.public])
+        ns = ["ip", "-n", router.netns]
+        _run(["ip", "netns", "exec", router.netns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        self.set_router_nat(router, snat)
+        _run([*ns, "link", "set", "lo", "up"])
+        return router
+
+    def set_router_nat(self, router: LabRouter, snat: str) -> None:
+        """Replace the router's NAT rule (its existing conntrack mappings stay until they expire or its address
+        changes)."""
+        res = subprocess.run(["ip", "netns", "exec", router.netns, "nft", "-f", "-"], input=router.nat_ruleset(snat),
+                             capture_output=True, text=True, timeout=30)
+        if res.returncode != 0:
+            raise LabError(f"nft in {router.netns} failed: {res.stderr.strip()}")
+
+    def renumber_router(self, router: LabRouter, host: int) -> str:
+        """Give the router another public address (as an ISP does): masquerade drops the mappings of the old one."""
+        new = str(ipaddress.ip_network(self.subnet)[host])
+        ns = ["ip", "-n", router.netns]
+        _run([*ns, "addr", "del", f"{router.public}/24", "dev", "pub"])  # takes the default route with it
+        _run([*ns, "addr", "add", f"{new}/24", "dev", "pub"])
+        _run([*ns, "route", "replace", "default", "via", self.bridge_address, "dev", "pub"])
+        router.public = new
+        self._save()
+        return new
+
+    def start_stun(self) -> tuple[str, str]:
+        """coturn (STUN only) in its own namespace on the bridge, on two addresses (the second lets a node
+        classify its NAT); returns them. environment.md §4 has the command line."""
+        assert not self.stun_netns, "one STUN server per lab"
+        self.stun_netns = f"px{self.tag}s"
+        self._save()
+        net = ipaddress.ip_network(self.subnet)
+        addrs = [str(net[2]), str(net[3])]
+        _run(["ip", "netns", "add", self.stun_netns])
+        self._uplink(self.stun_netns, f"px{self.tag}st", "eth0", addrs)
+        _run(["ip", "-n", self.stun_netns, "link", "set", "lo", "up"])
+        sdir = os.path.join(self.workdir, "stun")
+        os.makedirs(sdir, exist_ok=True)
+        with open(os.path.join(sdir, "turnserver.log"), "w") as log:
+            self.spawn(["ip", "netns", "exec", self.stun_netns, "turnserver", "-n", "--stun-only", "--no-cli",
+                        "--no-tls", "--no-dtls", *[a for addr in addrs for a in ("-L", addr)], "-p", "3478",
+                        "--log-file", "stdout", "--simple-log", "--no-software-attribute",
+                        "--pidfile", os.path.join(sdir, "turn.pid"), "--userdb", os.path.join(sdir, "turndb")],
+                       stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            ss = _run(["ip", "netns", "exec", self.stun_netns, "ss", "-Hlun"], check=False).stdout
+            if all(f"{a}:3478" in ss for a in addrs):
+                return addrs[0], addrs[1]
+            time.sleep(0.05)
+        raise LabError("coturn did not start listening within 10s")
+
+    def _uplink(self, netns: str, host_side: str, inside: str, addrs: Sequence[str]) -> None:
+        """A veth from `netns` (named `inside`, with `addrs`) to the lab bridge, and a default route via it."""
+        _run(["ip", "link", "add", host_side, "type", "veth", "peer", "name", f"{host_side}x"])
+        _run(["ip", "link", "set", f"{host_side}x", "netns", netns])
+        _run(["ip", "link", "set", host_side, "master", self.bridge, "up"])
+        ns = ["ip", "-n", netns]
+        _run([*ns, "link", "set", f"{host_side}x", "name", inside])
+        for addr in addrs:
+            _run([*ns, "addr", "add", f"{addr}/24", "dev", inside])
+        _run([*ns, "link", "set", inside, "up"])
+        _run([*ns, "route", "add", "default", "via", self.bridge_address, "dev", inside])
+
+    def _behind_router(self, node: LabNode, router: LabRouter) -> None:
+        lan = ipaddress.ip_network(router.lan)
+        _run(["ip", "netns", "add", node.netns])
+        _run(["ip", "link", "add", node.veth, "type", "veth", "peer", "name", f"{node.veth}x"])
+        _run(["ip", "link", "set", node.veth, "netns", router.netns])
+        _run(["ip", "link", "set", f"{node.veth}x", "netns", node.netns])
+        rns, ns = ["ip", "-n", router.netns], ["ip", "-n", node.netns]
+        lan_if = f"lan{router.behind}"
+        _run([*rns, "link", "set", node.veth, "name", lan_if])
+        if router.behind == 1:
+            _run([*rns, "addr", "add", f"{lan[1]}/{lan.prefixlen}", "dev", lan_if])
+        else:  # one LAN per router: the further nodes' veths join it through a bridge-less /32 route
+            _run([*rns, "route", "add", f"{node.address}/32", "dev", lan_if])
+        _run([*rns, "link", "set", lan_if, "up"])
+        _run([*ns, "link", "set", f"{node.veth}x", "name", "eth0"])
+        _run([*ns, "addr", "add", f"{node.address}/{lan.prefixlen}", "dev", "eth0"])
+        _run([*ns, "link", "set", "eth0", "up"])
+        _run([*ns, "link", "set", "lo", "up"])
+        _run([*ns, "route", "add", "default", "via", str(lan[1]), "dev", "eth0"])
 
     def spawn(self, cmd: Sequence[str], **popen_kwargs) -> subprocess.Popen:
         """Start a process the lab will stop at teardown (its own session, so we can signal its group)."""
@@ -150,14 +278,17 @@ class Lab:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if _alive(pid):
                     os.killpg(pid, signal.SIGKILL)
-        # Anything still living in a node namespace (e.g. a wireguard-go started by a killed daemon).
-        for node in self.nodes:
-            _kill_netns_pids(node.netns)
-        for node in self.nodes:
-            _run(["ip", "link", "del", node.veth], check=False)
+        # Anything still living in a namespace (e.g. a wireguard-go started by a killed daemon).
+        namespaces = [n.netns for n in self.nodes] + [r.netns for r in self.routers]
+        namespaces += [self.stun_netns] if self.stun_netns else []
+        for netns in namespaces:
+            _kill_netns_pids(netns)
+        uplinks = [f"px{self.tag}q{i}" for i in range(1, len(self.routers) + 1)]
+        for link in [n.veth for n in self.nodes] + uplinks + ([f"px{self.tag}st"] if self.stun_netns else []):
+            _run(["ip", "link", "del", link], check=False)
         _run(["ip", "link", "del", self.bridge], check=False)
-        for node in self.nodes:
-            _run(["ip", "netns", "del", node.netns], check=False)
+        for netns in namespaces:
+            _run(["ip", "netns", "del", netns], check=False)
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         if self.state_file:
@@ -191,7 +322,8 @@ class Lab:
         if not self.state_file:
             return
         data = {"tag": self.tag, "workdir": self.workdir, "subnet": self.subnet, "pids": self.pids,
-                "nodes": [asdict(n) for n in self.nodes]}
+                "nodes": [asdict(n) for n in self.nodes], "routers": [asdict(r) for r in self.routers],
+                "stun_netns": self.stun_netns}
         write_atomic(Path(self.state_file), json.dumps(data, indent=2).encode(), mode=0o644)
 
     @classmethod
@@ -206,6 +338,7 @@ class Lab:
             raise LabError(f"cannot read lab state {state_file}: {e}") from None
         lab = cls(tag=data["tag"], workdir=data.get("workdir", ""), subnet=data.get("subnet", ""),
                   nodes=[LabNode(**n) for n in data.get("nodes", [])], pids=list(data.get("pids", [])),
+                  routers=[LabRouter(**r) for r in data.get("routers", [])], stun_netns=data.get("stun_netns", ""),
                   state_file=state_file, _up=True)
         lab.down()
         return True
@@ -266,6 +399,7 @@ class LabDaemon:
     node: LabNode
     dir: str
     proc: subprocess.Popen
+    discovers: bool = False  # NAT discovery on: the node reports its own endpoint
 
     def _identity(self, key: str) -> str | None:
         """A field of the daemon's identity.json; None until it has registered."""
@@ -341,8 +475,11 @@ class MeshLab:
             self.admin = AdminClient(self.url, f.read().strip())
         return self.url
 
-    def start_node(self, node: LabNode, mesh_extra: str = "") -> LabDaemon:
-        """`plexd up` in `node`; `mesh_extra` (", key: value") extends its `mesh:` config (tests)."""
+    def start_node(self, node: LabNode, mesh_extra: str = "", *, stun: Sequence[str] = (),
+                   nat_extra: str = "") -> LabDaemon:
+        """`plexd up` in `node`; `mesh_extra` (", key: value") extends its `mesh:` config (tests). With `stun`
+        servers the node discovers and reports its own endpoint (`nat_extra` extends `nat_traversal:`); without,
+        the lab reports it (`publish_endpoints`)."""
         assert self.admin is not None, "start_devplane() first"
         ndir = os.path.join(self.lab.workdir, node.name)
         os.makedirs(ndir, exist_ok=True)
@@ -356,10 +493,12 @@ class MeshLab:
                     f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"
                     f"registration: {{hostname: {node.name}}}\nnode_api: {{socket_path: {ndir}/api.sock}}\n")
+            if stun:
+                f.write(f"nat_traversal: {{stun_servers: [{', '.join(stun)}]{nat_extra}}}\n")
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PLEXD_CONFIG": config}
         with open(os.path.join(ndir, "plexd.log"), "w") as log:
             proc = self.lab.spawn(node.wrap([self.plexd, "up"]), env=env, stdout=log, stderr=subprocess.STDOUT)
-        daemon = LabDaemon(node, ndir, proc)
+        daemon = LabDaemon(node, ndir, proc, discovers=bool(stun))
         self.daemons.append(daemon)
         return daemon
 
@@ -368,7 +507,7 @@ class MeshLab:
         assert self.admin is not None
         for d in self.daemons:
             nid = d.node_id
-            if nid and nid not in self._endpoint_set:
+            if nid and nid not in self._endpoint_set and not d.discovers:
                 self.admin.set_node_endpoint(nid, f"{d.node.address}:{self.LISTEN_PORT}")
                 self._endpoint_set.add(nid)
 
