@@ -7,7 +7,7 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	$(PY) -m plexd.devplane.cli demo
+	$(PY) -m plexd.devplane.cli demo $(DEMO_ARGS)
 
 test: setup
 	$(PY) -m ruff check plexd tests bench

@@ -1,4 +1,4 @@
-"""`plexd-devplane demo [--nodes N] [--keep]` / `--down`: the namespace lab.
+"""`plexd-devplane demo [--nodes N] [--nat] [--keep]` / `--down`: the namespace lab.
 
 A bridge and N network namespaces (unique `px*` names, veth, addresses on a private 10.231.X.0/24), the real
 devplane on the bridge address, and a real `plexd up` in each namespace with its own private /run/wireguard
@@ -6,11 +6,15 @@ devplane on the bridge address, and a real `plexd up` in each namespace with its
 over the mesh IPs. With three nodes or more it then applies a policy (only tcp/22 from the first node to the
 second) and prints which flows pass and which the nodes' firewalls drop, and who still sees whom. Then it tears
 everything down, unless `--keep` (then `plexd-devplane demo --down` removes it).
+
+With `--nat` every node sits behind its own masquerading router namespace, coturn runs on the "public" bridge,
+and the nodes find each other through NAT discovery alone; a table shows what each discovered and reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -73,6 +77,27 @@ def _policy_demo(lab, mesh) -> bool:
     return all(got == want for _, got, want in results)
 
 
+def _nat_table(lab, mesh) -> bool:
+    """What each node behind its router discovered over STUN, and what the devplane was told."""
+    rows, ok = [], True
+    for d, router in zip(mesh.daemons, lab.routers, strict=False):
+        config = os.path.join(d.dir, "config.yaml")
+        res = lab.exec(d.node, ["env", f"PLEXD_CONFIG={config}", mesh.plexd, "status", "--json"], check=False)
+        try:
+            nat = json.loads(res.stdout).get("nat", {})
+        except ValueError:
+            nat = {}
+        told = mesh.admin.node(d.node_id)
+        found = nat.get("public_endpoint", "")
+        ok = ok and found == f"{router.public}:{mesh.LISTEN_PORT}"
+        has = f"{told['endpoint'] or '-'} ({told['nat_type'] or '-'})"
+        rows.append([d.node.name, f"{d.node.address}:{mesh.LISTEN_PORT}", f"{router.name} {router.public}",
+                     found or "-", nat.get("nat_type") or "-", has])
+    print("\nNAT: each node behind its own masquerading router, discovered over STUN (coturn):")
+    print(_table(rows, ["NODE", "PRIVATE", "ROUTER", "DISCOVERED", "NAT TYPE", "DEVPLANE HAS"]))
+    return ok
+
+
 def run(args: argparse.Namespace) -> int:
     from plexd.lab import DEFAULT_STATE_FILE, Lab, LabError, MeshLab
 
@@ -95,26 +120,36 @@ def run(args: argparse.Namespace) -> int:
     mesh = MeshLab(lab)
     keep = False
     try:
-        lab.up(n)
+        nat = getattr(args, "nat", False)
+        lab.up(0 if nat else n)
+        stun: tuple[str, ...] = ()
+        if nat:
+            stun = lab.start_stun()
+            for _ in range(n):
+                lab.add_node(behind=lab.add_router())
+            print(f"coturn on {stun[0]} and {stun[1]}; each node behind its own NAT router "
+                  f"({', '.join(r.netns for r in lab.routers)})", flush=True)
         print(f"lab {lab.tag}: bridge {lab.bridge} {lab.bridge_address}/24, {n} namespaces "
               f"({', '.join(x.netns for x in lab.nodes)})", flush=True)
         url = mesh.start_devplane()
         print(f"devplane on {url}", flush=True)
         for node in lab.nodes:
-            mesh.start_node(node)
+            mesh.start_node(node, stun=[f"{a}:3478" for a in stun])
         mesh.wait(lambda: all(d.node_id for d in mesh.daemons), 60, "every node to register")
         registered = time.monotonic() - started
         print(f"{n} nodes registered after {registered:.1f}s", flush=True)
         mesh.wait(mesh.full_handshake_matrix, 60, "a handshake between every pair of nodes")
         took = time.monotonic() - started
         print(f"full handshake matrix after {took:.1f}s from start\n")
-        print(_table(mesh.status_rows(), ["NODE", "ID", "MESH IP", "ENDPOINT", "PEERS", "LATEST HANDSHAKE"]))
+        print(_table(mesh.status_rows(), ["NODE", "ID", "MESH IP", "LOCAL ENDPOINT", "PEERS", "LATEST HANDSHAKE"]))
         matrix = mesh.ping_matrix()
         names = [d.node.name for d in mesh.daemons]
         print("\nping over the mesh (row → column):")
         print(_table([[a] + ["-" if a == b else ("ok" if matrix[(a, b)] else "FAIL") for b in names]
                       for a in names], ["FROM \\ TO", *names]))
         ok = all(matrix.values())
+        if nat:
+            ok = _nat_table(lab, mesh) and ok
         if n >= 3:
             ok = _policy_demo(lab, mesh) and ok
         if args.keep:

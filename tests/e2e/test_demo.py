@@ -1,5 +1,6 @@
 """`plexd-devplane demo`, the README's first command, run exactly as a user runs it (real namespaces, real
-wireguard-go, real devplane): every node pings every other over the mesh, and the lab is gone afterwards."""
+wireguard-go, real devplane): every node pings every other over the mesh, and the lab is gone afterwards.
+The first run puts every node behind its own NAT router (`--nat`): they find each other through STUN alone."""
 
 import re
 import subprocess
@@ -13,15 +14,22 @@ def _netns() -> set[str]:
 
 def test_demo_forms_a_full_mesh_and_cleans_up():
     before = _netns()
-    proc = subprocess.run([sys.executable, "-m", "plexd.devplane.cli", "demo", "--nodes", "3"],
+    proc = subprocess.run([sys.executable, "-m", "plexd.devplane.cli", "demo", "--nodes", "3", "--nat"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "full handshake matrix after" in out
     rows = [line.split() for line in out.splitlines() if re.match(r"^node\d\s+n_", line)]
     assert len(rows) == 3 and all(r[4] == "2" for r in rows), out  # each node has the two others as peers
-    matrix = out.split("ping over the mesh", 1)[1].split("policy ssh-only", 1)[0]
+    matrix = out.split("ping over the mesh", 1)[1].split("NAT: each node", 1)[0]
     assert matrix.count("ok") == 6 and "FAIL" not in matrix.upper().replace("FROM", ""), out
+    # Each node discovered its router's public address (not its private one) and the devplane has it.
+    nat = [line.split() for line in out.split("NAT: each node", 1)[1].split("policy ssh-only", 1)[0].splitlines()
+           if re.match(r"^node\d\s+192\.168\.", line)]
+    assert len(nat) == 3, out
+    for _node, private, _router, public, discovered, nat_type, told, told_type in nat:
+        assert discovered == f"{public}:51820" and told == discovered and private.startswith("192.168."), out
+        assert (nat_type, told_type) == ("full_cone", "(full_cone)"), out
     # Then the policy: only tcp/22 from node1 to node2. Each flow as the policy says, checked for real.
     flows = {" ".join(line.split()[:4]): line.split()[4] for line in out.splitlines()
              if re.match(r"^node\d -> node\d ", line)}
