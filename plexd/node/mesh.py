@@ -175,10 +175,9 @@ class MeshHandle:
         """Peers' endpoints from the control plane (the NAT endpoint exchange): each peer looked up by id, only
         its endpoint changed, applied through the converge engine like an event. An endpoint that is not
         HOST:PORT is refused and the peer keeps the one it has. Returns how many changed."""
-        peers = self.store.value.peers
         changed = 0
         for pe in endpoints:
-            peer = peers.get(pe.peer_id)
+            peer = self.store.value.peers.get(pe.peer_id)
             if peer is None or not pe.endpoint or peer.endpoint == pe.endpoint:
                 continue
             try:

@@ -132,3 +132,23 @@ def test_a_route_still_needed_by_another_peer_stays():
     changes = peer_delta(d, gone, believed, NOW)
     assert [type(c) for c in changes] == [PeerRemoved]
     assert diff(gone, simulate(believed, changes), NOW) == []
+
+
+def test_an_endpoint_the_model_moved_wins_over_roaming_but_a_roamed_peer_is_otherwise_left_alone():
+    """A fresh handshake means the peer may have roamed (the device knows better than a stale model): the full
+    diff leaves its endpoint alone. But when the model itself moves the endpoint (the NAT endpoint exchange, a
+    peer_endpoint_changed event), that is news: the peer's old mapping is gone and it cannot reach us first."""
+    d = model([peer(0, endpoint="10.0.0.1:51820"), peer(1, endpoint="10.0.0.1:51820")])
+    believed = converged(d)
+    live = dict(believed.device.peers)
+    for i in (0, 1):  # both handshook a moment ago, and peer 1 roamed to another address
+        live[KEYS[i]] = replace(live[KEYS[i]], last_handshake=NOW - 5,
+                                endpoint="10.0.0.9:40000" if i == 1 else live[KEYS[i]].endpoint)
+    recent = replace(believed, device=replace(believed.device, peers=live))
+    moved = d.with_peer_endpoint("n_0", "10.0.0.2:51821")
+    (change,) = peer_delta(d, moved, recent, NOW)
+    assert isinstance(change, PeerEndpointChanged) and (change.peer_id, change.want) == ("n_0", "10.0.0.2:51821")
+    # peer 1 is touched (its allowed IPs change) but its endpoint did not move in the model: roaming wins
+    widened = d.with_peer(peer(1, endpoint="10.0.0.1:51820", allowed=("192.168.5.0/24",)))
+    assert not any(isinstance(c, PeerEndpointChanged) for c in peer_delta(d, widened, recent, NOW))
+    assert not any(isinstance(c, PeerEndpointChanged) for c in diff(d, recent, NOW))

@@ -211,3 +211,27 @@ async def test_an_apply_waiting_behind_a_reconcile_applies_the_model_after_its_p
     converger.release.set()
     await asyncio.wait_for(asyncio.gather(reconcile, event_apply), 5)
     assert converger.seen[-1] == {"n_5", "n_9"}  # not {"n_5"}: the pull's peer is not undone
+
+
+async def test_peer_endpoints_from_the_exchange_change_only_endpoints_and_refuse_what_is_not_host_port(caplog):
+    """The NAT endpoint exchange (`MeshHandle.set_peer_endpoints`): each peer looked up by id, only its endpoint
+    edited (journaled, so a pull in flight replays it), one converge asked for; an unusable endpoint is refused
+    with a log line and the peer keeps the endpoint it had (it is not dropped from the mesh)."""
+    from plexd.controlplane.client import PeerEndpoint
+
+    converger = RecordingConverger()
+    p2, p3 = peer(2), peer(3)
+    mesh = MeshHandle(converger, initial().with_peers([p2, p3]))
+    before = mesh.store.value.peers["n_3"]
+    since = mesh.store.mark()
+    changed = mesh.set_peer_endpoints([
+        PeerEndpoint("n_2", "198.51.100.5:51820"), PeerEndpoint("n_3", "not an endpoint"),
+        PeerEndpoint("n_unknown", "198.51.100.6:51820"), PeerEndpoint("n_2", "198.51.100.5:51820")])
+    assert changed == 1
+    peers = mesh.store.value.peers
+    assert peers["n_2"].endpoint == "198.51.100.5:51820" and peers["n_2"].public_key == p2.public_key
+    assert peers["n_3"] == before and "n_unknown" not in peers and not mesh.store.value.rejected
+    assert "endpoint of peer n_3 refused" in caplog.text
+    assert mesh._wanted.is_set()  # one converge asked for
+    replayed = mesh.store.replace_from_pull(lambda d: d.with_state(State(peers=(p2, p3))), since)
+    assert replayed == ["endpoint exchange"] and mesh.store.value.peers["n_2"].endpoint == "198.51.100.5:51820"

@@ -1,0 +1,58 @@
+"""How the composition root builds NAT traversal from the config: off means no service, no port hand-over and no
+heartbeat block; on, the listen port is bound before any converge and the mesh waits for it to be let go."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from types import SimpleNamespace
+
+from plexd.config import load
+from plexd.node.assembly import _build_nat
+from plexd.node.control import nat_disabled
+from plexd.node.mesh import MeshHandle
+
+
+def config(tmp_path, port: int, **env: str):
+    return load(env={"PLEXD_CONFIG": "", "PLEXD_DATA_DIR": str(tmp_path), "PLEXD_MESH_LISTEN_PORT": str(port),
+                     "PLEXD_API": "http://127.0.0.1:9", **env})
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("0.0.0.0", 0))
+        return s.getsockname()[1]
+
+
+async def test_disabled_or_without_servers_there_is_no_nat_service(tmp_path) -> None:
+    port = free_port()
+    for env, why in (({"PLEXD_NAT_TRAVERSAL_ENABLED": "false", "PLEXD_NAT_TRAVERSAL_STUN_SERVERS": "192.0.2.1"},
+                      "nat_traversal.enabled is false"),
+                     ({}, "no nat_traversal.stun_servers configured")):
+        cfg = config(tmp_path, port, **env)
+        mesh = MeshHandle(None, None)  # type: ignore[arg-type]  # only its hooks are read here
+        assert _build_nat(SimpleNamespace(config=cfg), mesh, lambda: "n_x") is None  # type: ignore[arg-type]
+        assert mesh.before_first_converge is None
+        assert nat_disabled(cfg) == {"enabled": False, "reason": why}
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("0.0.0.0", port))  # nothing holds the listen port
+
+
+async def test_enabled_binds_the_listen_port_until_the_first_discovery_lets_it_go(tmp_path) -> None:
+    port = free_port()
+    cfg = config(tmp_path, port, PLEXD_NAT_TRAVERSAL_STUN_SERVERS="192.0.2.1,192.0.2.2:3479")
+    mesh = MeshHandle(None, None)  # type: ignore[arg-type]
+    nat = _build_nat(SimpleNamespace(config=cfg), mesh, lambda: "n_x")  # type: ignore[arg-type]
+    assert nat is not None and [str(s) for s in nat.servers] == ["192.0.2.1:3478", "192.0.2.2:3479"]
+    assert nat.info() is None and nat.status()["public_endpoint"] == ""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.bind(("0.0.0.0", port))
+            raise AssertionError("the listen port should be held for the first discovery")
+        except OSError:
+            pass
+    assert mesh.before_first_converge is not None
+    nat._handover.release()  # what the first discovery does when it is done (or the 3 s deadline)
+    await asyncio.wait_for(mesh.before_first_converge(), 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("0.0.0.0", port))  # the device can have it now
