@@ -46,7 +46,9 @@ class PortHandover:
     def __init__(self, transport: BoundTransport, deadline: float = HANDOVER_DEADLINE) -> None:
         self._transport: BoundTransport | None = transport
         self._released = asyncio.Event()
-        self._timer = asyncio.get_running_loop().call_later(deadline, self.release)
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + deadline
+        self._timer = loop.call_later(deadline, self.release)
 
     @classmethod
     def try_bind(cls, port: int, deadline: float = HANDOVER_DEADLINE) -> PortHandover | None:
@@ -59,6 +61,10 @@ class PortHandover:
 
     def take(self) -> BoundTransport | None:
         return self._transport
+
+    def remaining(self) -> float:
+        """Seconds until the device gets the port regardless (what the first discovery may take)."""
+        return max(0.0, self._deadline - asyncio.get_running_loop().time())
 
     def release(self) -> None:
         self._timer.cancel()
@@ -137,19 +143,26 @@ class NatService:
     async def _discover(self) -> Discovery:
         self.state.last_attempt_at = time.time()
         handover, self._handover = self._handover, None
-        transport: Transport | None = handover.take() if handover is not None else None
-        timeout = HANDOVER_TIMEOUT if transport is not None else self.timeout
+        lent = handover.take() if handover is not None else None  # None: its deadline passed already
+        transport: Transport | None = lent
+        timeout = HANDOVER_TIMEOUT if lent is not None else self.timeout
+        limit = handover.remaining() if handover is not None and lent is not None else None
         try:
             if transport is None:
                 transport = self._raw_transport(self.listen_port)
-            found = await discover(transport, self.servers, min(timeout, self.timeout))
+            # The hand-over ends at its deadline whatever the servers do: the device must get its port.
+            async with asyncio.timeout(limit):
+                found = await discover(transport, self.servers, min(timeout, self.timeout))
+        except TimeoutError:
+            why = "no answer before the WireGuard device needed the listen port"
+            found = Discovery(None, "unknown", failures=tuple((str(s), why) for s in self.servers))
         except OSError as exc:  # no raw socket (no CAP_NET_RAW): every server fails the same way
             why = f"cannot open a raw socket for the listen port: {exc.strerror or exc}"
             found = Discovery(None, "unknown", failures=tuple((str(s), why) for s in self.servers))
         finally:
             if handover is not None:
-                handover.release()
-            elif transport is not None:
+                handover.release()  # closes the lent socket
+            if transport is not None and transport is not lent:
                 transport.close()
         self._note(found)
         return found

@@ -187,3 +187,33 @@ async def test_a_failed_report_is_retried_with_backoff(servers) -> None:
     assert await svc.refresh_once() < 30 and svc.status()["report_error"] == "control plane unreachable"
     assert await svc.refresh_once() < 30
     assert await svc.refresh_once() == 30 and len(reports) == 1 and svc.status()["report_error"] == ""
+
+
+async def test_the_start_hand_over_ends_at_its_deadline_whatever_the_servers_do(servers) -> None:
+    """Silent servers at start: the first discovery gives the listen port up at the hand-over deadline (the
+    device must get it), names why, and the next attempt uses the other transport."""
+    from plexd.nat.service import PortHandover
+
+    silent, _ = await servers(BROKEN["silent"][0])
+    port = free_port()
+    handover = PortHandover.try_bind(port, deadline=0.4)
+    assert handover is not None
+    opened = []
+
+    def raw(p):  # stands in for the raw socket (no root needed here); records that the refresh path was used
+        opened.append(p)
+        return BoundTransport.bind(p)
+
+    svc = NatService([parse_server(silent), parse_server(silent)], port, lambda *a: None, lambda p: 0,
+                     timeout=5, handover=handover, raw_transport=raw)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    found = await svc._discover()
+    assert loop.time() - start < 1.0 and not found.ok
+    assert "no answer before the WireGuard device needed the listen port" in found.failures[0][1]
+    await asyncio.wait_for(handover.released(), 0.1)
+    assert opened == []
+    svc.timeout = 0.3
+    await svc._discover()
+    assert opened == [port]  # later attempts: the refresh transport, closed after use
+    BoundTransport.bind(port).close()
