@@ -32,8 +32,8 @@ from plexd.nat.stun import Mapped, StunError
 
 log = logging.getLogger(__name__)
 
-HANDOVER_DEADLINE = 3.0  # seconds the device may wait for the first discovery at start
-HANDOVER_TIMEOUT = 1.5  # per server, during the hand-over
+HANDOVER_DEADLINE = 3.5  # seconds the device may wait for the first discovery at start
+HANDOVER_TIMEOUT = 1.5  # per server, during the hand-over: two servers fit before the deadline
 REPORT_EVERY = 600.0  # an unchanged endpoint is reported again this often (the control plane may have lost it)
 
 
@@ -151,8 +151,9 @@ class NatService:
             if transport is None:
                 transport = self._raw_transport(self.listen_port)
             # The hand-over ends at its deadline whatever the servers do: the device must get its port.
+            servers = self.servers[:2] if lent is not None else self.servers
             async with asyncio.timeout(limit):
-                found = await discover(transport, self.servers, min(timeout, self.timeout))
+                found = await discover(transport, servers, min(timeout, self.timeout))
         except TimeoutError:
             why = "no answer before the WireGuard device needed the listen port"
             found = Discovery(None, "unknown", failures=tuple((str(s), why) for s in self.servers))

@@ -4,19 +4,21 @@ tools (`wg show`, `ping`, /proc). The `lab_dp` fixture (a lab plus a devplane on
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 from nacl.public import PrivateKey
 
 from plexd.devplane.harness import Devplane
-from plexd.lab import Lab, LabNode
+from plexd.lab import Lab, LabNode, MeshLab
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 
@@ -167,3 +169,17 @@ def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, r
     publish_endpoints(dp, daemons)
     wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 15, "a first ping", daemons)
     return a, b
+
+
+@contextlib.contextmanager
+def mesh_lab(nodes: int, **mesh_kwargs: str) -> Iterator[tuple[Lab, MeshLab]]:
+    """A lab with `nodes` nodes and the devplane on its bridge (`MeshLab`); everything removed afterwards."""
+    lab = Lab().up(nodes)
+    mesh = MeshLab(lab, **mesh_kwargs)
+    try:
+        mesh.start_devplane()
+        yield lab, mesh
+    finally:
+        mesh.close()
+        lab.down()
+        assert lab.leaks() == []

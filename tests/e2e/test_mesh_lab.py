@@ -13,23 +13,17 @@ import os
 import subprocess
 
 import pytest
+from lab_daemon import mesh_lab
 
-from plexd.lab import Lab, MeshLab
+from plexd.lab import MeshLab
 
 RECONCILE_S = 3
 
 
 @pytest.fixture
 def mesh():
-    lab = Lab().up(3)
-    mesh = MeshLab(lab, reconcile=f"{RECONCILE_S}s", heartbeat="2s")
-    try:
-        mesh.start_devplane()
-        yield lab, mesh
-    finally:
-        mesh.close()
-        lab.down()
-        assert lab.leaks() == []
+    with mesh_lab(3, reconcile=f"{RECONCILE_S}s", heartbeat="2s") as both:
+        yield both
 
 
 def keys_of(mesh: MeshLab) -> dict[str, str]:

@@ -18,6 +18,7 @@ import os
 import time
 
 import pytest
+from lab_daemon import mesh_lab
 
 from plexd.lab import Lab, MeshLab
 
@@ -29,15 +30,8 @@ NAT = f", refresh_interval: {REFRESH_S}s, stun_timeout: 2s"
 
 @pytest.fixture
 def lab_mesh():
-    lab = Lab().up(0)
-    mesh = MeshLab(lab, reconcile="60s", heartbeat="2s")
-    try:
-        mesh.start_devplane()
-        yield lab, mesh
-    finally:
-        mesh.close()
-        lab.down()
-        assert lab.leaks() == []
+    with mesh_lab(0, reconcile="60s", heartbeat="2s") as both:
+        yield both
 
 
 def reported(m: MeshLab, node_id: str) -> tuple[str, str]:

@@ -16,9 +16,10 @@ import sys
 
 import httpx
 import pytest
+from lab_daemon import mesh_lab
 from nacl.public import PrivateKey
 
-from plexd.lab import Lab, MeshLab
+from plexd.lab import MeshLab
 
 HOLD_PORT = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('0.0.0.0', 51820))\n"
              "print('bound', flush=True)\nsys.stdin.read()\n")
@@ -27,15 +28,8 @@ NO_WG = "/nonexistent/px-no-wireguard-go"
 
 @pytest.fixture
 def mesh():
-    lab = Lab().up(4)
-    m = MeshLab(lab, reconcile="2s", heartbeat="2s")
-    try:
-        m.start_devplane()
-        yield lab, m
-    finally:
-        m.close()
-        lab.down()
-        assert lab.leaks() == []
+    with mesh_lab(4, reconcile="2s", heartbeat="2s") as both:
+        yield both
 
 
 def register_ghost(m: MeshLab) -> str:
