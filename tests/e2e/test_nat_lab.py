@@ -75,6 +75,9 @@ def test_two_nodes_behind_two_nats_find_each_other_and_follow_a_mapping_change(l
     assert (st["public_endpoint"], st["nat_type"], st["local_endpoint"]) == (
         f"{r1.public}:51820", "full_cone", f"{n1.address}:51820")
     assert st["last_success_at"] and not st["last_error"]
+    text = lab.exec(d1.node, ["env", f"PLEXD_CONFIG={os.path.join(d1.dir, 'config.yaml')}", m.plexd, "status"]).stdout
+    assert f"nat:            public endpoint {r1.public}:51820 (full_cone), discovered " in text, text
+    assert f"s ago via {stun[0]}:3478" in text, text
     hb = m.admin.heartbeats(d1.node_id)[-1]
     assert hb["nat"] == {"public_endpoint": f"{r1.public}:51820", "type": "full_cone"}
 
