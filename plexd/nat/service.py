@@ -268,7 +268,3 @@ class NatService:
             "report_error": st.report_error,
             "refresh_interval_seconds": self.refresh_interval,
         }
-
-
-def disabled_status(why: str) -> dict[str, Any]:
-    return {"enabled": False, "reason": why}
