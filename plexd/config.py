@@ -435,8 +435,6 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ConfigError(f"{where}: {cidr!r} is not a CIDR (e.g. 10.100.0.0/16)") from None
-
-
     if rules.get("stun_servers"):
         from plexd.nat.servers import parse_server
 

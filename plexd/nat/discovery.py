@@ -51,7 +51,7 @@ async def discover(transport: Transport, servers: Sequence[StunServer], timeout:
     failures: list[tuple[str, str]] = []
     for server in servers:
         try:
-            ip = await resolve(server)
+            ip = await resolve(server.host)
             if answers and (ip, server.port) == (answers[0][1], answers[0][0].port):
                 continue  # the same server under another name: its answer says nothing new
             answer = await asker(transport, ip, server.port, timeout)

@@ -44,20 +44,20 @@ def parse_server(text: str) -> StunServer:
     return StunServer(host, port)
 
 
-async def resolve(server: StunServer, timeout: float = RESOLVE_TIMEOUT) -> str:
-    """The server's first IPv4 address; StunError when the name does not resolve to one in time."""
+async def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> str:
+    """The host's first IPv4 address; StunError when the name does not resolve to one in time."""
     try:
-        return str(ipaddress.IPv4Address(server.host))
+        return str(ipaddress.IPv4Address(host))
     except ValueError:
         pass
     loop = asyncio.get_running_loop()
     try:
         async with asyncio.timeout(timeout):
-            infos = await loop.getaddrinfo(server.host, server.port, family=socket.AF_INET, type=socket.SOCK_DGRAM)
+            infos = await loop.getaddrinfo(host, None, family=socket.AF_INET, type=socket.SOCK_DGRAM)
     except TimeoutError:
-        raise StunError(f"resolving {server.host} took longer than {timeout:g}s") from None
+        raise StunError(f"resolving {host} took longer than {timeout:g}s") from None
     except OSError as exc:
-        raise StunError(f"cannot resolve {server.host}: {exc.strerror or exc}") from None
+        raise StunError(f"cannot resolve {host}: {exc.strerror or exc}") from None
     if not infos:
-        raise StunError(f"{server.host} has no IPv4 address")
+        raise StunError(f"{host} has no IPv4 address")
     return str(infos[0][4][0])

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.backoff import Backoff
+from plexd.config import NatTraversalConfig
 from plexd.controlplane.client import NatInfo, PeerEndpoint
 from plexd.errors import PlexdError
 from plexd.nat.discovery import Discovery, discover
@@ -102,8 +103,7 @@ class NatService:
         refresh_interval: float = 60.0,
         timeout: float = 5.0,
         handover: PortHandover | None = None,
-        local_target: Callable[[], tuple[str, int] | None] = lambda: None,
-        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+        local_target: Callable[[], str | None] = lambda: None,
         backoff: Backoff | None = None,
         raw_transport: Callable[[int], Transport] = RawTransport,
     ) -> None:
@@ -114,19 +114,17 @@ class NatService:
         self.refresh_interval = refresh_interval
         self.timeout = timeout
         self._handover = handover
-        self._local_target = local_target  # where to route to for the local address when no server answers
-        self._sleep = sleep
+        self._local_target = local_target  # the host routed to for the local address when no server answers
         self._backoff = backoff or Backoff(base=min(5.0, refresh_interval), cap=refresh_interval)
         self._raw_transport = raw_transport
         self.state = NatState()
-        self._told_failing = False
         self._failing: set[str] = set()  # servers whose last attempt failed
 
     async def run(self) -> None:
         try:
             while True:
                 delay = await self.refresh_once()
-                await self._sleep(delay)
+                await asyncio.sleep(delay)
         finally:
             if self._handover is not None:
                 self._handover.release()
@@ -145,7 +143,7 @@ class NatService:
         handover, self._handover = self._handover, None
         lent = handover.take() if handover is not None else None  # None: its deadline passed already
         transport: Transport | None = lent
-        timeout = HANDOVER_TIMEOUT if lent is not None else self.timeout
+        timeout = min(HANDOVER_TIMEOUT, self.timeout) if lent is not None else self.timeout
         limit = handover.remaining() if handover is not None and lent is not None else None
         try:
             if transport is None:
@@ -153,7 +151,7 @@ class NatService:
             # The hand-over ends at its deadline whatever the servers do: the device must get its port.
             servers = self.servers[:2] if lent is not None else self.servers
             async with asyncio.timeout(limit):
-                found = await discover(transport, servers, min(timeout, self.timeout))
+                found = await discover(transport, servers, timeout)
         except TimeoutError:
             why = "no answer before the WireGuard device needed the listen port"
             found = Discovery(None, "unknown", failures=tuple((str(s), why) for s in self.servers))
@@ -182,16 +180,15 @@ class NatService:
         if not found.ok:
             st.consecutive_failures += 1
             st.last_error = "; ".join(f"{s}: {why}" for s, why in found.failures) or "no STUN server configured"
-            if not self._told_failing:
-                self._told_failing = True
+            if st.consecutive_failures == 1:  # once per failure streak
                 log.warning("NAT discovery failed (%s); the node keeps its local endpoint and retries with backoff",
                             "every configured STUN server failed" if found.failures else "no server")
             return
         before = st.discovery
         st.discovery, st.last_success_at, st.last_error = found, time.time(), ""
-        if self._told_failing:
+        if st.consecutive_failures:
             log.info("NAT discovery works again after %d failed attempt(s)", st.consecutive_failures)
-        self._told_failing, st.consecutive_failures = False, 0
+        st.consecutive_failures = 0
         if before is None or (before.public, before.nat_type) != (found.public, found.nat_type):
             was = f" (was {before.public}, {before.nat_type})" if before is not None else ""
             log.info("public endpoint %s, NAT type %s, seen by %s%s", found.public, found.nat_type, found.server, was,
@@ -207,12 +204,12 @@ class NatService:
 
     async def _local_endpoint(self) -> Mapped | None:
         """The machine's address towards the control plane, and the listen port."""
-        target = self._local_target()
-        if target is None:
+        host = self._local_target()
+        if not host:
             return None
         try:
-            ip = await resolve(StunServer(*target))
-            return Mapped(source_address(ip, target[1]), self.listen_port)
+            ip = await resolve(host)
+            return Mapped(source_address(ip, self.listen_port), self.listen_port)  # any port: only the route counts
         except StunError as exc:
             log.debug("no local endpoint to report: %s", exc)
             return None
@@ -268,3 +265,12 @@ class NatService:
             "report_error": st.report_error,
             "refresh_interval_seconds": self.refresh_interval,
         }
+
+
+def disabled_status(config: NatTraversalConfig) -> dict[str, Any] | None:
+    """The status's `nat` section when NAT traversal is off, saying why; None when it is on."""
+    if not config.enabled:
+        return {"enabled": False, "reason": "nat_traversal.enabled is false"}
+    if not config.stun_servers:
+        return {"enabled": False, "reason": "no nat_traversal.stun_servers configured"}
+    return None

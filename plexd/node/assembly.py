@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from plexd import datadir
 from plexd.agent import Agent
@@ -37,7 +38,7 @@ from plexd.controlplane.signing import Verifier
 from plexd.errors import PlexdError
 from plexd.mesh.select import build_converger
 from plexd.nat.servers import parse_server
-from plexd.nat.service import NatService, PortHandover
+from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.control import add_control_routes, health
 from plexd.node.durable import GroupCommit
 from plexd.node.local_api import LocalAPI
@@ -197,11 +198,9 @@ def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> Na
     port is bound here, before any converge, so the first discovery asks from it before the device takes it."""
     cfg = agent.config
     nat = cfg.nat_traversal
-    if not nat.enabled:
-        log.info("NAT traversal is disabled (nat_traversal.enabled: false)")
-        return None
-    if not nat.stun_servers:
-        log.info("NAT traversal: no nat_traversal.stun_servers configured; the public endpoint is not discovered")
+    off = disabled_status(nat)
+    if off is not None:
+        log.info("NAT traversal is off: %s", off["reason"])
         return None
     handover = PortHandover.try_bind(cfg.mesh.listen_port)
     if handover is not None:
@@ -213,19 +212,9 @@ def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> Na
     return NatService(
         [parse_server(s) for s in nat.stun_servers], cfg.mesh.listen_port, report, mesh.set_peer_endpoints,
         refresh_interval=nat.refresh_interval, timeout=nat.stun_timeout, handover=handover,
-        local_target=lambda: _api_host_port(cfg.api.url),
+        local_target=lambda: urlsplit(cfg.api.url).hostname,
         backoff=Backoff(base=min(cfg.sse.backoff_base * 5, nat.refresh_interval), cap=nat.refresh_interval,
                         jitter=cfg.sse.jitter))
-
-
-def _api_host_port(url: str) -> tuple[str, int] | None:
-    """The control plane's host and port: the route towards it gives the local address when STUN is silent."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    if not parts.hostname:
-        return None
-    return parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
 
 
 def _commit_delay() -> float:

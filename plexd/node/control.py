@@ -38,6 +38,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from plexd import __version__
+from plexd.nat.service import disabled_status
 from plexd.node.local_api import HTTPError, LocalAPI, Request, Response, require_admin
 
 if TYPE_CHECKING:
@@ -105,15 +106,9 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["policy"] = {"enforcement": enforcement, "reason": why,
                      "policies": len({r.policy_id for r in compiled.rules}), "rules": len(compiled.rules),
                      "skipped_rules": len(compiled.skipped)}
-    doc["nat"] = node.nat.status() if node.nat is not None else nat_disabled(agent.config)
+    doc["nat"] = node.nat.status() if node.nat is not None else disabled_status(agent.config.nat_traversal)
     doc["services"] = agent.supervisor.to_json()
     return doc
-
-
-def nat_disabled(config: Config) -> dict[str, Any]:
-    why = ("nat_traversal.enabled is false" if not config.nat_traversal.enabled
-           else "no nat_traversal.stun_servers configured")
-    return {"enabled": False, "reason": why}
 
 
 def health(reconciler: Reconciler[Any], mesh: MeshHandle) -> tuple[str, str]:

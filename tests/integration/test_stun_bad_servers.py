@@ -148,7 +148,7 @@ def service(srv_list, reports, *, fail_reports=0, apply=lambda peers: len(peers)
         return [PeerEndpoint("n_peer", "198.51.100.5:51820"), PeerEndpoint("n_quiet", "")]
 
     return NatService([parse_server(s) for s in srv_list], port, report, apply, refresh_interval=30, timeout=0.5,
-                      local_target=lambda: ("127.0.0.1", 9), raw_transport=BoundTransport.bind)
+                      local_target=lambda: "127.0.0.1", raw_transport=BoundTransport.bind)
 
 
 async def test_the_service_reports_on_change_only_and_applies_the_peers_endpoints(servers, caplog) -> None:

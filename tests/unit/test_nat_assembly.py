@@ -8,8 +8,8 @@ import socket
 from types import SimpleNamespace
 
 from plexd.config import load
+from plexd.nat.service import disabled_status
 from plexd.node.assembly import _build_nat
-from plexd.node.control import nat_disabled
 from plexd.node.mesh import MeshHandle
 
 
@@ -33,7 +33,7 @@ async def test_disabled_or_without_servers_there_is_no_nat_service(tmp_path) -> 
         mesh = MeshHandle(None, None)  # type: ignore[arg-type]  # only its hooks are read here
         assert _build_nat(SimpleNamespace(config=cfg), mesh, lambda: "n_x") is None  # type: ignore[arg-type]
         assert mesh.before_first_converge is None
-        assert nat_disabled(cfg) == {"enabled": False, "reason": why}
+        assert disabled_status(cfg.nat_traversal) == {"enabled": False, "reason": why}
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind(("0.0.0.0", port))  # nothing holds the listen port
 
@@ -44,6 +44,7 @@ async def test_enabled_binds_the_listen_port_until_the_first_discovery_lets_it_g
     mesh = MeshHandle(None, None)  # type: ignore[arg-type]
     nat = _build_nat(SimpleNamespace(config=cfg), mesh, lambda: "n_x")  # type: ignore[arg-type]
     assert nat is not None and [str(s) for s in nat.servers] == ["192.0.2.1:3478", "192.0.2.2:3479"]
+    assert disabled_status(cfg.nat_traversal) is None
     assert nat.info() is None and nat.status()["public_endpoint"] == ""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
