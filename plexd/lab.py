@@ -140,16 +140,7 @@ class Lab:
         if behind is not None:
             self._behind_router(node, behind)
             return node
-        peer = f"px{self.tag}p{i}"
-        _run(["ip", "netns", "add", node.netns])
-        _run(["ip", "link", "add", node.veth, "type", "veth", "peer", "name", peer])
-        _run(["ip", "link", "set", peer, "netns", node.netns])
-        _run(["ip", "link", "set", node.veth, "master", self.bridge, "up"])
-        ns = ["ip", "-n", node.netns]
-        _run([*ns, "link", "set", peer, "name", "eth0"])
-        _run([*ns, "addr", "add", f"{node.address}/24", "dev", "eth0"])
-        _run([*ns, "link", "set", "eth0", "up"])
-        _run([*ns, "link", "set", "lo", "up"])
+        self._on_bridge(node.netns, node.veth, "eth0", [node.address], default_route=False)
         return node
 
     def add_router(self, snat: str = "masquerade") -> LabRouter:
@@ -159,12 +150,9 @@ class Lab:
                            public=str(ipaddress.ip_network(self.subnet)[100 + i]), lan=f"192.168.{i}.0/24")
         self.routers.append(router)
         self._save()
-        _run(["ip", "netns", "add", router.netns])
-        self._uplink(router.netns, f"px{self.tag}q{i}", "pub", [router.public])
-        ns = ["ip", "-n", router.netns]
+        self._on_bridge(router.netns, f"px{self.tag}q{i}", "pub", [router.public])
         _run(["ip", "netns", "exec", router.netns, "sysctl", "-qw", "net.ipv4.ip_forward=1"])
         self.set_router_nat(router, snat)
-        _run([*ns, "link", "set", "lo", "up"])
         return router
 
     def set_router_nat(self, router: LabRouter, snat: str) -> None:
@@ -194,9 +182,7 @@ class Lab:
         self._save()
         net = ipaddress.ip_network(self.subnet)
         addrs = [str(net[2]), str(net[3])]
-        _run(["ip", "netns", "add", self.stun_netns])
-        self._uplink(self.stun_netns, f"px{self.tag}st", "eth0", addrs)
-        _run(["ip", "-n", self.stun_netns, "link", "set", "lo", "up"])
+        self._on_bridge(self.stun_netns, f"px{self.tag}st", "eth0", addrs)
         sdir = os.path.join(self.workdir, "stun")
         os.makedirs(sdir, exist_ok=True)
         with open(os.path.join(sdir, "turnserver.log"), "w") as log:
@@ -213,8 +199,11 @@ class Lab:
             time.sleep(0.05)
         raise LabError("coturn did not start listening within 10s")
 
-    def _uplink(self, netns: str, host_side: str, inside: str, addrs: Sequence[str]) -> None:
-        """A veth from `netns` (named `inside`, with `addrs`) to the lab bridge, and a default route via it."""
+    def _on_bridge(self, netns: str, host_side: str, inside: str, addrs: Sequence[str], *,
+                   default_route: bool = True) -> None:
+        """Namespace `netns` on the lab bridge: a veth (`host_side` on the bridge, `inside` in the namespace with
+        `addrs`), loopback up, and a default route via the bridge address unless told otherwise."""
+        _run(["ip", "netns", "add", netns])
         _run(["ip", "link", "add", host_side, "type", "veth", "peer", "name", f"{host_side}x"])
         _run(["ip", "link", "set", f"{host_side}x", "netns", netns])
         _run(["ip", "link", "set", host_side, "master", self.bridge, "up"])
@@ -223,7 +212,9 @@ class Lab:
         for addr in addrs:
             _run([*ns, "addr", "add", f"{addr}/24", "dev", inside])
         _run([*ns, "link", "set", inside, "up"])
-        _run([*ns, "route", "add", "default", "via", self.bridge_address, "dev", inside])
+        _run([*ns, "link", "set", "lo", "up"])
+        if default_route:
+            _run([*ns, "route", "add", "default", "via", self.bridge_address, "dev", inside])
 
     def _behind_router(self, node: LabNode, router: LabRouter) -> None:
         lan = ipaddress.ip_network(router.lan)
@@ -501,6 +492,11 @@ class MeshLab:
         daemon = LabDaemon(node, ndir, proc, discovers=bool(stun))
         self.daemons.append(daemon)
         return daemon
+
+    def run_plexd(self, d: LabDaemon, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """`plexd ARGS` inside the daemon's node with its config: what an operator on that machine types."""
+        return self.lab.exec(d.node, ["env", f"PLEXD_CONFIG={os.path.join(d.dir, 'config.yaml')}", self.plexd,
+                                      *args], check=check)
 
     def publish_endpoints(self) -> None:
         """Tell the devplane where each registered node listens (the NAT-discovery stand-in, see the class doc)."""

@@ -71,8 +71,7 @@ def _policy_demo(lab, mesh) -> bool:
                                  .stdout.split()))] for d in mesh.daemons]
     print("\npeers on each node's device now (peers no rule allows are not configured at all):")
     print(_table(seen, ["NODE", "PEERS"]))
-    config = os.path.join(b.dir, "config.yaml")
-    out = lab.exec(b.node, ["env", f"PLEXD_CONFIG={config}", mesh.plexd, "policies"], check=False).stdout
+    out = mesh.run_plexd(b, "policies", check=False).stdout
     print(f"\n'plexd policies' on {b.node.name}:\n" + out.rstrip())
     return all(got == want for _, got, want in results)
 
@@ -81,8 +80,7 @@ def _nat_table(lab, mesh) -> bool:
     """What each node behind its router discovered over STUN, and what the devplane was told."""
     rows, ok = [], True
     for d, router in zip(mesh.daemons, lab.routers, strict=False):
-        config = os.path.join(d.dir, "config.yaml")
-        res = lab.exec(d.node, ["env", f"PLEXD_CONFIG={config}", mesh.plexd, "status", "--json"], check=False)
+        res = mesh.run_plexd(d, "status", "--json", check=False)
         try:
             nat = json.loads(res.stdout).get("nat", {})
         except ValueError:

@@ -9,7 +9,6 @@ network namespaces with real wireguard-go, checked with the real `wg show` and `
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import pytest
@@ -51,14 +50,12 @@ def test_three_nodes_ping_each_other_and_list_exactly_the_others(mesh) -> None:
 
     # the operator's view: plexd peers --json inside node1 names both others with their mesh IPs
     d1 = m.daemons[0]
-    res = lab.exec(d1.node, ["env", f"PLEXD_CONFIG={os.path.join(d1.dir, 'config.yaml')}", m.plexd, "peers",
-                             "--json"])
+    res = m.run_plexd(d1, "peers", "--json")
     peers = json.loads(res.stdout)
     assert {p["id"] for p in peers} == {m.daemons[1].node_id, m.daemons[2].node_id}
     assert {p["mesh_ip"] for p in peers} == {m.daemons[1].mesh_ip, m.daemons[2].mesh_ip}
     assert all(p["latest_handshake_age_seconds"] is not None and p["rx_bytes"] > 0 for p in peers)
-    table = lab.exec(d1.node, ["env", f"PLEXD_CONFIG={os.path.join(d1.dir, 'config.yaml')}", m.plexd,
-                               "peers"]).stdout
+    table = m.run_plexd(d1, "peers").stdout
     assert table.splitlines()[0].split()[:3] == ["PEER", "MESH", "IP"] and m.daemons[1].node_id in table
 
 

@@ -14,7 +14,6 @@ what the devplane received.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
@@ -39,10 +38,8 @@ def reported(m: MeshLab, node_id: str) -> tuple[str, str]:
     return node["endpoint"], node["nat_type"]
 
 
-def status(lab: Lab, m: MeshLab, d) -> dict:
-    res = lab.exec(d.node, ["env", f"PLEXD_CONFIG={os.path.join(d.dir, 'config.yaml')}", m.plexd, "status",
-                            "--json"])
-    return json.loads(res.stdout)
+def status(m: MeshLab, d) -> dict:
+    return json.loads(m.run_plexd(d, "status", "--json").stdout)
 
 
 def peer_view(m: MeshLab, d, key: str) -> dict:
@@ -71,11 +68,11 @@ def test_two_nodes_behind_two_nats_find_each_other_and_follow_a_mapping_change(l
            and peer_view(m, d2, key1).get("endpoint") == f"{r1.public}:51820", 30, "endpoints exchanged")
     m.wait(lambda: peer_view(m, d1, key2).get("latest_handshake", 0) > 0, 30, "a handshake through both NATs")
     assert pings(lab, d1, d2.mesh_ip) and pings(lab, d2, d1.mesh_ip)
-    st = status(lab, m, d1)["nat"]
+    st = status(m, d1)["nat"]
     assert (st["public_endpoint"], st["nat_type"], st["local_endpoint"]) == (
         f"{r1.public}:51820", "full_cone", f"{n1.address}:51820")
     assert st["last_success_at"] and not st["last_error"]
-    text = lab.exec(d1.node, ["env", f"PLEXD_CONFIG={os.path.join(d1.dir, 'config.yaml')}", m.plexd, "status"]).stdout
+    text = m.run_plexd(d1, "status").stdout
     assert f"nat:            public endpoint {r1.public}:51820 (full_cone), discovered " in text, text
     assert f"s ago via {stun[0]}:3478" in text, text
     hb = m.admin.heartbeats(d1.node_id)[-1]
@@ -96,7 +93,7 @@ def test_two_nodes_behind_two_nats_find_each_other_and_follow_a_mapping_change(l
     lab.set_router_nat(r1, "masquerade fully-random")
     lab.renumber_router(r1, 151)  # a new address also drops the mappings masquerade made before
     m.wait(lambda: reported(m, d1.node_id)[1] == "symmetric", REFRESH_S + 8, "the symmetric NAT classified")
-    assert status(lab, m, d1)["nat"]["nat_type"] == "symmetric"
+    assert status(m, d1)["nat"]["nat_type"] == "symmetric"
     for d in (d1, d2):
         assert d.proc.poll() is None, d.log_tail()
 
@@ -115,8 +112,8 @@ def test_unreachable_stun_at_start_joins_with_the_local_endpoint_and_reports_the
     m.wait(lambda: reported(m, d1.node_id) == (f"{behind.address}:51820", "unknown"), 30, "the local endpoint")
     key2 = m.admin.node(d2.node_id)["public_key"]
     m.wait(lambda: peer_view(m, d1, key2).get("latest_handshake", 0) > 0, 30, "a handshake without STUN")
-    m.wait(lambda: status(lab, m, d1)["nat"]["consecutive_failures"] >= 2, 40, "two failed attempts")
-    st = status(lab, m, d1)["nat"]
+    m.wait(lambda: status(m, d1)["nat"]["consecutive_failures"] >= 2, 40, "two failed attempts")
+    st = status(m, d1)["nat"]
     assert st["public_endpoint"] == "" and "no answer within 2s" in st["last_error"], st
 
     lab.start_stun()

@@ -77,7 +77,7 @@ def test_bad_input_is_logged_and_every_daemon_keeps_running(mesh) -> None:
 
     # the operator's view of the live node: every field the issue lists
     def peers_json() -> dict[str, dict]:
-        res = lab.exec(n2, ["env", f"PLEXD_CONFIG={os.path.join(d2.dir, 'config.yaml')}", m.plexd, "peers", "--json"])
+        res = m.run_plexd(d2, "peers", "--json")
         return {p["id"]: p for p in json.loads(res.stdout)}
 
     # ids come from the daemon's desired-state mirror, written within a second of a change
