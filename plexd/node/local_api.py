@@ -10,6 +10,13 @@ privilege it needs; the node API (§8) adds its routes to the same table.
 Socket: a stale socket is removed at start (a live one means another daemon: refused), the parent directory is
 created 0755, the socket is ``0660 root:plexd`` when group ``plexd`` exists, else ``0600`` with a warning —
 never world-writable — and it is removed at stop.
+
+Optional TCP listener (`listen_tcp`, the node API's ``node_api.http_enabled``): the same routes that are marked
+``tcp=True`` (the §8 node API, never the daemon's control routes), each request with ``Authorization: Bearer
+<token>`` compared in constant time, else ``401 {"error":"unauthorized"}``.
+
+Fair use, on both: a token bucket per client (uid, or TCP address) answers 429 when it is empty; a request must
+arrive whole within `request_timeout` (else 408 and the connection is closed); bodies are capped at 1 MiB.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import hmac
 import json
 import logging
 import os
@@ -32,14 +40,18 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 
 from plexd.errors import PlexdError
+from plexd.nodeapi.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
 SOCKET_GROUP = "plexd"
 MAX_BODY = 1 << 20
 MAX_HEADERS = 16 << 10
-REQUEST_TIMEOUT = 30.0  # a whole request (or an idle keep-alive connection): a slow client cannot hold a slot
+REQUEST_TIMEOUT = 10.0  # a whole request (or an idle keep-alive connection): a slow client cannot hold a slot
 MAX_CONNECTIONS = 64  # a runaway script cannot take every file descriptor the daemon needs for the mesh
+
+
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+: the peer's supplementary groups
 
 
 @dataclass(frozen=True)
@@ -47,10 +59,14 @@ class PeerCred:
     pid: int
     uid: int
     gid: int
+    peer_groups: tuple[int, ...] | None = None  # SO_PEERGROUPS, when the kernel gives them
 
     def groups(self) -> set[int]:
-        """Primary and supplementary groups of the peer's user (from the user database, as `id` shows)."""
+        """Primary and supplementary groups of the peer: the process's own (SO_PEERGROUPS, what it really holds),
+        else its user's in the user database (as `id` shows)."""
         gids = {self.gid}
+        if self.peer_groups is not None:
+            return gids | set(self.peer_groups)
         try:
             gids.update(os.getgrouplist(pwd.getpwuid(self.uid).pw_name, self.gid))
         except (KeyError, OSError):
@@ -70,7 +86,15 @@ def peer_cred(sock: socket.socket) -> PeerCred | None:
     except OSError:
         return None
     pid, uid, gid = struct.unpack("3i", raw)
-    return PeerCred(pid, uid, gid)
+    return PeerCred(pid, uid, gid, _peer_groups(sock))
+
+
+def _peer_groups(sock: socket.socket) -> tuple[int, ...] | None:
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+    except OSError:  # ERANGE (more than 256 groups) or an old kernel: the user database decides
+        return None
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
 
 
 @dataclass
@@ -81,6 +105,15 @@ class Request:
     headers: dict[str, str]
     body: bytes
     cred: PeerCred | None
+    via: str = "unix"  # "unix" (cred from SO_PEERCRED) or "tcp" (authenticated by the bearer token)
+    remote: str = ""  # the TCP client's address
+
+    @property
+    def client(self) -> tuple[str, Any]:
+        """Who this is, for the rate limit: the uid on the socket, the address on TCP."""
+        if self.via == "tcp":
+            return ("tcp", self.remote)
+        return ("uid", self.cred.uid if self.cred else None)
 
     def json(self) -> Any:
         if not self.body.strip():
@@ -117,14 +150,22 @@ class HTTPError(Exception):
         self.message = message
 
 
+class _Refused(Exception):
+    """The request cannot be read to its end (too slow, too large): answer `response` and close."""
+
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
 Handler = Callable[[Request], Awaitable[Response]]
-Authorize = Callable[[PeerCred | None], str | None]  # None = allowed; else the refusal message
+Authorize = Callable[[Request], str | None]  # None = allowed; else the refusal message
 
 
 def require_admin(admin_group: str) -> Authorize:
     """The daemon's own control routes: uid 0 or a member of `admin_group`."""
 
-    def check(cred: PeerCred | None) -> str | None:
+    def check(req: Request) -> str | None:
+        cred = req.cred
         if cred is None:
             return "forbidden: peer credentials unavailable"
         if cred.uid == 0 or cred.in_group(admin_group):
@@ -134,7 +175,7 @@ def require_admin(admin_group: str) -> Authorize:
     return check
 
 
-def anyone(cred: PeerCred | None) -> str | None:
+def anyone(req: Request) -> str | None:
     return None
 
 
@@ -144,21 +185,27 @@ class Route:
     path: str  # exact path, or a prefix ending in "/" that matches anything below it
     handler: Handler
     authorize: Authorize
+    tcp: bool = False  # also served on the TCP listener
 
 
 class LocalAPI:
     def __init__(self, socket_path: str, *, group: str = SOCKET_GROUP, request_timeout: float = REQUEST_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, rate_limit: RateLimiter | None = None) -> None:
         self.socket_path = socket_path
         self.group = group
         self.request_timeout = request_timeout
         self.max_connections = max_connections
+        self.rate_limit = rate_limit or RateLimiter(0, 1)
         self.routes: list[Route] = []
         self._server: asyncio.base_events.Server | None = None
+        self._tcp_server: asyncio.base_events.Server | None = None
+        self._tcp_token = b""
+        self.tcp_address: tuple[str, int] | None = None
         self._connections: set[asyncio.Task[Any]] = set()
 
-    def add(self, method: str, path: str, handler: Handler, authorize: Authorize = anyone) -> None:
-        self.routes.append(Route(method, path, handler, authorize))
+    def add(self, method: str, path: str, handler: Handler, authorize: Authorize = anyone, *,
+            tcp: bool = False) -> None:
+        self.routes.append(Route(method, path, handler, authorize, tcp))
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
@@ -177,6 +224,19 @@ class LocalAPI:
         self._secure(path)
         log.info("local API listening on %s", path)
 
+    async def listen_tcp(self, host: str, port: int, token: str) -> None:
+        """The node API on TCP too, for callers that cannot reach the socket (containers). `token` must not be
+        empty: an unauthenticated TCP listener would hand the node's secrets to anyone who can connect."""
+        if not token:
+            raise PlexdError("node_api.http_token_file: the token is empty; the TCP listener needs a bearer token")
+        self._tcp_token = token.encode()
+        try:
+            self._tcp_server = await asyncio.start_server(self._serve_tcp, host, port, limit=MAX_HEADERS)
+        except OSError as exc:
+            raise PlexdError(f"node_api.http_listen: cannot listen on {host}:{port}: {exc.strerror}") from None
+        self.tcp_address = self._tcp_server.sockets[0].getsockname()[:2]
+        log.info("node API listening on %s:%d (TCP, bearer token)", *self.tcp_address)
+
     def _secure(self, path: str) -> None:
         try:
             gid = grp.getgrnam(self.group).gr_gid
@@ -193,27 +253,34 @@ class LocalAPI:
             log.warning("cannot give %s to group %s (%s): socket is 0600", path, self.group, exc.strerror)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            for task in list(self._connections):
-                task.cancel()
-            if self._connections:
-                await asyncio.wait(self._connections, timeout=2)
+        servers = [s for s in (self._server, self._tcp_server) if s is not None]
+        for server in servers:
+            server.close()
+        for task in list(self._connections):
+            task.cancel()
+        if self._connections:
+            await asyncio.wait(self._connections, timeout=2)
+        for server in servers:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
-            self._server = None
+                await asyncio.wait_for(server.wait_closed(), 2)
+        self._server = self._tcp_server = None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.socket_path)
 
     # -- one connection -----------------------------------------------------------------------------------------
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        await self._serve(reader, writer, via="tcp", remote=str(peer[0]) if peer else "")
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, via: str = "unix",
+                     remote: str = "") -> None:
         task = asyncio.current_task()
         sock = writer.get_extra_info("socket")
-        cred = peer_cred(sock) if sock is not None else None
+        cred = peer_cred(sock) if sock is not None and via == "unix" else None
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
         if len(self._connections) >= self.max_connections:
-            who = f"uid {cred.uid} pid {cred.pid}" if cred else "unknown peer"
+            who = f"uid {cred.uid} pid {cred.pid}" if cred else (remote or "unknown peer")
             log.warning("local API: %d connections open, refusing one more from %s", len(self._connections), who)
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):  # take the request first, so the client reads our answer
@@ -227,7 +294,13 @@ class LocalAPI:
             self._connections.add(task)
         try:
             while True:
-                request = await self._read_request(conn, reader, cred)
+                try:
+                    request = await self._read_request(conn, reader, cred, via, remote)
+                except _Refused as refused:
+                    with contextlib.suppress(Exception):
+                        await self._send(conn, writer, refused.response)
+                        await _linger(reader, writer)
+                    break
                 if request is None:
                     break
                 response = await self._dispatch(request)
@@ -251,15 +324,26 @@ class LocalAPI:
                 await writer.wait_closed()
 
     async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                            cred: PeerCred | None) -> Request | None:
+                            cred: PeerCred | None, via: str = "unix", remote: str = "") -> Request | None:
         head: h11.Request | None = None
         body = bytearray()
+        started = False  # a byte of this request arrived: a timeout is then answered, not just closed
         deadline = asyncio.get_running_loop().time() + self.request_timeout
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
-                async with asyncio.timeout_at(deadline):  # TimeoutError closes the connection
-                    data = await reader.read(65536)
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        data = await reader.read(65536)
+                except TimeoutError:
+                    if not started:
+                        raise  # an idle keep-alive connection: closed quietly
+                    who = f"uid {cred.uid}" if cred else (remote or "unknown peer")
+                    log.warning("local API: a request from %s did not arrive whole within %gs; connection closed",
+                                who, self.request_timeout)
+                    raise _Refused(Response(408, {"error": f"request not completed within {self.request_timeout:g}s"},
+                                            headers={"connection": "close"})) from None
+                started = started or bool(data)
                 conn.receive_data(data)
                 if not data and head is None and conn.their_state is h11.IDLE:
                     return None
@@ -268,28 +352,38 @@ class LocalAPI:
                 return None
             if isinstance(event, h11.Request):
                 head = event
+                length = next((v for k, v in event.headers if k == b"content-length"), b"0")
+                if length.isdigit() and int(length) > MAX_BODY:
+                    raise _Refused(_too_large())
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_BODY:
-                    raise h11.RemoteProtocolError("request body too large", error_status_hint=413)
+                    raise _Refused(_too_large())
             elif isinstance(event, h11.EndOfMessage):
                 assert head is not None
                 target = head.target.decode("ascii", errors="replace")
                 parts = urlsplit(target)
                 headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in head.headers}
                 return Request(head.method.decode("ascii", errors="replace").upper(), parts.path,
-                               parse_qs(parts.query), headers, bytes(body), cred)
+                               parse_qs(parts.query), headers, bytes(body), cred, via, remote)
 
     async def _dispatch(self, request: Request) -> Response:
-        matched = [r for r in self.routes if _matches(r.path, request.path)]
+        if request.via == "tcp" and not self._bearer_ok(request):
+            return Response(401, {"error": "unauthorized"}, headers={"www-authenticate": "Bearer"})
+        wait = self.rate_limit.allow(request.client)
+        if wait:
+            return Response(429, {"error": f"rate limit exceeded: at most {self.rate_limit.rate:g} requests per "
+                                           f"second per client; retry in {wait:.2f}s"},
+                            headers={"retry-after": str(max(1, round(wait + 0.5)))})
+        matched = [r for r in self.routes if _matches(r.path, request.path) and (r.tcp or request.via == "unix")]
         if not matched:
             return Response(404, "404 page not found\n", content_type="text/plain; charset=utf-8")
         route = next((r for r in matched if r.method == request.method), None)
         if route is None:
             return Response(405, "Method Not Allowed\n", content_type="text/plain; charset=utf-8")
-        refusal = route.authorize(request.cred)
+        refusal = route.authorize(request)
         if refusal is not None:
-            who = f"uid {request.cred.uid}" if request.cred else "unknown peer"
+            who = f"uid {request.cred.uid}" if request.cred else (request.remote or "unknown peer")
             log.warning("local API: %s %s refused for %s", request.method, request.path, who)
             return Response(403, {"error": refusal})
         try:
@@ -299,6 +393,11 @@ class LocalAPI:
         except Exception:
             log.exception("local API: %s %s failed", request.method, request.path)
             return Response(500, {"error": "internal error"})
+
+    def _bearer_ok(self, request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        return (scheme.lower() == "bearer" and bool(self._tcp_token)
+                and hmac.compare_digest(token.strip().encode("latin-1"), self._tcp_token))
 
     async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response) -> None:
         body = response.encoded()
@@ -311,6 +410,22 @@ class LocalAPI:
             writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
+
+
+async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """After refusing a request mid-body: stop sending, and read what the client still sends for a moment, so
+    closing does not reset the connection before the client has read the answer."""
+    if writer.can_write_eof():
+        writer.write_eof()
+    async with asyncio.timeout(1.0):
+        discarded = 0
+        while discarded < 4 * MAX_BODY and (chunk := await reader.read(65536)):
+            discarded += len(chunk)
+
+
+def _too_large() -> Response:
+    return Response(400, {"error": f"invalid JSON body: larger than 1 MiB ({MAX_BODY} bytes)"},
+                    headers={"connection": "close"})
 
 
 def _matches(pattern: str, path: str) -> bool:

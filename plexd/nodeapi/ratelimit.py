@@ -1,0 +1,47 @@
+"""Fair use of the node API: one token bucket per client (a uid on the socket, an address on TCP).
+
+`rate` requests per second are refilled up to `burst`; a request that finds the bucket empty is answered 429 with
+a Retry-After at once, which costs the daemon almost nothing. Buckets of clients that went quiet are forgotten, so
+the table stays small whatever number of clients comes and goes. rate 0 turns the limit off.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+
+MAX_CLIENTS = 4096
+
+
+class RateLimiter:
+    def __init__(self, rate: float, burst: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.burst = max(burst, 1.0)
+        self._clock = clock
+        self._buckets: dict[Hashable, tuple[float, float]] = {}  # client -> (tokens, at)
+        self.refused = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0
+
+    def allow(self, client: Hashable) -> float:
+        """0.0 when the request may go ahead, else the seconds until one token is back."""
+        if self.rate <= 0:
+            return 0.0
+        now = self._clock()
+        tokens, at = self._buckets.get(client, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        if tokens < 1.0:
+            self._buckets[client] = (tokens, now)
+            self.refused += 1
+            return (1.0 - tokens) / self.rate
+        if len(self._buckets) >= MAX_CLIENTS and client not in self._buckets:
+            self._forget_full(now)
+        self._buckets[client] = (tokens - 1.0, now)
+        return 0.0
+
+    def _forget_full(self, now: float) -> None:
+        """Drop the buckets that have refilled (their clients are as good as new)."""
+        full_after = self.burst / self.rate
+        self._buckets = {c: (t, at) for c, (t, at) in self._buckets.items() if now - at < full_after}
