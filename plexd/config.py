@@ -25,8 +25,9 @@ README (PROJECT-DECISIONS.md, Config row)::
     nat_traversal: {enabled: true, stun_servers: [], refresh_interval: 60s}
     actions: {enabled: true, max_concurrent: 5, timeout: 10m}
     hooks: {dir: /etc/plexd/hooks.d}
-    node_api: {socket_path: /var/run/plexd/api.sock, admin_group: plexd-admin, http_enabled: false,
-               http_listen: "127.0.0.1:9100", http_token_file: ""}
+    node_api: {socket_path: /var/run/plexd/api.sock, socket_group: plexd, admin_group: plexd-admin,
+               secrets_group: plexd-secrets, http_enabled: false, http_listen: "127.0.0.1:9100",
+               http_token_file: "", rate_limit: 100, rate_burst: 200, request_timeout: 10s}
     policy: {enabled: true}
 
 Durations use Go syntax (``30s``, ``1m30s``, ``150ms``) and are stored as float seconds.
@@ -178,10 +179,16 @@ class NodeApiConfig:
     """The local node API."""
 
     socket_path: str = _f("/var/run/plexd/api.sock")
+    socket_group: str = _f("plexd")  # the socket is 0660 root:<this group>; 0600 when the group does not exist
     admin_group: str = _f("plexd-admin")  # besides root, who may use the daemon's control routes (status, reconcile)
+    secrets_group: str = _f("plexd-secrets")  # besides root, who may read secrets through the socket
     http_enabled: bool = _f(False)
-    http_listen: str = _f("127.0.0.1:9100")
+    http_listen: str = _f("127.0.0.1:9100", host_port=True)
     http_token_file: str = _f("")
+    # requests per second per client (uid, or TCP address), refilled up to rate_burst; 0 turns the limit off
+    rate_limit: float = _f(100.0, "float", min=0)
+    rate_burst: int = _f(200, min=1, max=1_000_000)
+    request_timeout: float = _f(10.0, "duration", min=0.5, max=300)  # a request must arrive whole within this
 
 
 @dataclass(frozen=True)
@@ -435,6 +442,10 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
                 ipaddress.ip_network(cidr, strict=False)
             except ValueError:
                 raise ConfigError(f"{where}: {cidr!r} is not a CIDR (e.g. 10.100.0.0/16)") from None
+    if rules.get("host_port"):
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{where} is not HOST:PORT (e.g. 127.0.0.1:9100)")
     if rules.get("stun_servers"):
         from plexd.nat.servers import parse_server
 

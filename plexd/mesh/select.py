@@ -33,11 +33,13 @@ def wireguard_backend(config: Config) -> WireGuardBackend:
 
 
 def build_converger(config: Config) -> Converger:
-    """A `Converger` for this machine's device and link, and its firewall."""
+    """A `Converger` for this machine's device and link, its firewall and the node API's cache files."""
     from plexd.converge import Converger
     from plexd.firewall.nft import FirewallDomain
     from plexd.mesh.links import Links
+    from plexd.nodeapi.cache import NodeStateCache
 
     firewall = FirewallDomain(config.mesh.interface, enabled=config.policy.enabled,
                               log_denied=config.policy.log_denied)
-    return Converger(wireguard_backend(config), Links(config.mesh.interface), domains=(firewall,))
+    return Converger(wireguard_backend(config), Links(config.mesh.interface),
+                     domains=(firewall, NodeStateCache(config.data_dir)))

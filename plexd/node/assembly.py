@@ -8,7 +8,9 @@
            handlers    verified events → DesiredStore.edit → converge
            stream      the signed SSE stream; reconnect → reconcile; 401 → agent.reauthenticate
            heartbeat   live values (peers on the device); reconcile:true → reconcile
-           local_api   the daemon's Unix socket: status, reconcile, hold (plexd.node.control)
+           local_api   the daemon's Unix socket: status, reconcile, hold (plexd.node.control) and the node API
+                       (plexd.nodeapi), which is also on TCP when node_api.http_enabled
+           report_sync report entries written through the node API → POST /report, queued on disk
 
 Every service is added to the agent by name and runs under its supervisor. Tests build a Node with their own
 parts through the keyword arguments of `assemble` (a recording converger, say) rather than by patching.
@@ -45,6 +47,10 @@ from plexd.node.local_api import LocalAPI
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.supervisor import FatalError
+from plexd.nodeapi.ratelimit import RateLimiter
+from plexd.nodeapi.reports import ReportStore
+from plexd.nodeapi.routes import NodeApi, add_node_api_routes
+from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler
@@ -67,6 +73,8 @@ class Node:
     heartbeat: HeartbeatService
     local_api: LocalAPI
     nat: NatService | None = None
+    reports: ReportStore | None = None
+    report_sync: ReportSync | None = None
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
@@ -152,15 +160,27 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
                                  trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate,
                                  uptime=agent.uptime, refresh=observe_device)
-    local_api = LocalAPI(cfg.node_api.socket_path)
-    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, nat)
+    api_cfg = cfg.node_api
+    local_api = LocalAPI(api_cfg.socket_path, group=api_cfg.socket_group, request_timeout=api_cfg.request_timeout,
+                         rate_limit=RateLimiter(api_cfg.rate_limit, api_cfg.rate_burst))
+    reports, report_sync = _build_reports(agent, node_id)
+    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, nat, reports, report_sync)
     add_control_routes(local_api, node)
+
+    async def fetch_secret(key: str) -> Any:
+        return await agent.client.fetch_secret(node_id(), key)
+
+    add_node_api_routes(local_api, NodeApi(mesh.get_desired, reports, fetch_secret,
+                                           node_secret=lambda: agent.client.token or "",
+                                           secrets_group=api_cfg.secrets_group))
+    http_token = read_http_token(cfg) if api_cfg.http_enabled else None
 
     agent.add_service("reconciler", lambda a: reconciler.run())
     agent.add_service("event_converge", lambda a: mesh.converge_requested())
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
-    agent.add_service("local_api", lambda a: _serve_local_api(local_api))
+    agent.add_service("local_api", lambda a: _serve_local_api(local_api, api_cfg.http_listen, http_token))
+    agent.add_service("report_sync", lambda a: report_sync.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
     if not agent.registered_now:
@@ -191,6 +211,41 @@ def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
 
     agent.on_shutdown("mesh teardown", teardown)
     return mesh
+
+
+def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStore, ReportSync]:
+    """Report entries from disk, and the queue of changes the control plane has not acknowledged yet."""
+    cfg = agent.config
+
+    async def send(entries: Any, deleted: Any) -> None:
+        await agent.authed(lambda: agent.client.sync_reports(node_id(), entries, deleted))
+
+    reports = ReportStore(cfg.data_dir)
+    sync = ReportSync(reports, send, cfg.data_dir,
+                      backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter))
+    reports.on_change = sync.changed
+    count = reports.load()
+    sync.load()
+    if count:
+        log.info("%d report entries loaded from %s", count, reports.dir)
+    return reports, sync
+
+
+def read_http_token(config: Config) -> str:
+    """The TCP listener's bearer token (node_api.http_token_file, whitespace trimmed). Missing or empty: the
+    daemon does not start, since the listener would otherwise be open or useless."""
+    path = config.node_api.http_token_file
+    if not path:
+        raise PlexdError("node_api.http_enabled is true but node_api.http_token_file is not set: the TCP listener "
+                         "needs a bearer token file")
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PlexdError(f"node_api.http_token_file: cannot read {path}: {reason}") from None
+    if not token:
+        raise PlexdError(f"node_api.http_token_file: {path} is empty; the TCP listener needs a bearer token")
+    return token
 
 
 def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> NatService | None:
@@ -226,7 +281,7 @@ def _commit_delay() -> float:
         return 1.0
 
 
-async def _serve_local_api(api: LocalAPI) -> None:
+async def _serve_local_api(api: LocalAPI, http_listen: str, http_token: str | None) -> None:
     try:
         await api.start()
     except PlexdError as exc:
@@ -234,6 +289,9 @@ async def _serve_local_api(api: LocalAPI) -> None:
             raise FatalError(str(exc)) from None
         raise
     try:
+        if http_token is not None:
+            host, _, port = http_listen.rpartition(":")
+            await api.listen_tcp(host.strip("[]"), int(port), http_token)
         await asyncio.Event().wait()  # serve until cancelled
     finally:
         await api.stop()
@@ -262,4 +320,6 @@ async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio
     """``plexd up``: the lifecycle with this assembly."""
     from plexd import agent as lifecycle
 
+    if config.node_api.http_enabled:
+        read_http_token(config)  # refuse to start at once, before registering, with one clear line
     return await lifecycle.run(config, assemble, clock=clock, stop_event=stop_event, client=client)

@@ -31,6 +31,7 @@ from plexd.firewall.nft import FirewallDomain
 from plexd.identity import Identity
 from plexd.model import SigningKeys, State
 from plexd.node.protected import ProtectedAddresses
+from plexd.nodeapi import cache as node_cache
 from plexd.route_limits import RouteLimits
 from plexd.services.event_handlers import apply_signing_keys
 
@@ -354,7 +355,10 @@ def initial_desired(config: Any, identity: Identity, mirror: dict | None) -> tup
                                    mesh_range=tuple(config.policy.mesh_range))
     mirrored = _from_mirror(mirror, private_key)
     if mirrored is None or mirrored.mesh_ip != initial.mesh_ip:
-        return initial, False
+        # No mirror (a data_dir the Go agent left, or a lost events.db): the node API's cache files still say
+        # what the control plane last sent about this node, until the first state pull.
+        metadata, data, refs = node_cache.load(config.data_dir)
+        return initial.with_node_state(metadata, data).with_secret_refs(refs), False
     # Peers and policies from the last run; the interface settings always come from the current config.
     return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu,
                    node_id=initial.node_id, enforce_policy=initial.enforce_policy,

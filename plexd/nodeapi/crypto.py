@@ -1,0 +1,49 @@
+"""Secret decryption (§8.5): AES-256-GCM, 12-byte nonce, the 16-byte tag after the ciphertext, no AAD.
+
+The key is the node secret key (NSK, §5.5): its raw bytes when they are 32 long (what the Go agent does and the
+reference control plane issues), else its base64 decoding when that is 32 bytes (a compatibility shim for a
+control plane that hands out a base64 AES key). Every failure is one generic `SecretDecryptError`: which step
+failed says nothing useful to a workload and something to an attacker.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from plexd.errors import PlexdError
+
+NONCE_BYTES = 12
+
+
+class SecretDecryptError(PlexdError):
+    pass
+
+
+def secret_key(node_secret: str) -> bytes | None:
+    """The AES-256 key the node secret stands for, or None when it stands for none."""
+    raw = node_secret.encode("utf-8")
+    if len(raw) == 32:
+        return raw
+    try:
+        decoded = base64.b64decode(raw, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return decoded if len(decoded) == 32 else None
+
+
+def decrypt(ciphertext_b64: str, nonce_b64: str, node_secret: str) -> str:
+    key = secret_key(node_secret)
+    if key is None:
+        raise SecretDecryptError("secret decryption failed")
+    try:
+        nonce = base64.b64decode(nonce_b64, validate=True)
+        sealed = base64.b64decode(ciphertext_b64, validate=True)
+        if len(nonce) != NONCE_BYTES:
+            raise ValueError
+        return AESGCM(key).decrypt(nonce, sealed, None).decode("utf-8")
+    except (binascii.Error, ValueError, InvalidTag, UnicodeDecodeError):
+        raise SecretDecryptError("secret decryption failed") from None

@@ -1,0 +1,210 @@
+"""The §8.2 endpoints, on the daemon's socket and (when enabled) the TCP listener.
+
+    GET    /v1/state                     summary: metadata, data keys, secret keys, report keys
+    GET    /v1/state/metadata[/{key}]
+    GET    /v1/state/data[/{key}]
+    GET    /v1/state/secrets[/{key}]     uid 0 or a member of node_api.secrets_group (socket); the token (TCP)
+    GET    /v1/state/report[/{key}]
+    PUT    /v1/state/report/{key}        {"content_type", "payload"}; If-Match: <version> → 200 entry
+    DELETE /v1/state/report/{key}        → 204
+
+Metadata, data and the secret index are read from the desired model, which the reconciler and the
+`node_state_updated` / `node_secrets_updated` events keep current (the cache files are its copy on disk). Secret
+values are fetched from the control plane for each request and decrypted in memory: never cached, never logged.
+Errors are `{"error": "..."}` with the Go agent's messages, followed by what exactly was wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from plexd.controlplane.errors import ControlPlaneError
+from plexd.errors import PlexdError
+from plexd.node.local_api import HTTPError, LocalAPI, Request, Response
+from plexd.nodeapi import crypto
+from plexd.nodeapi.keys import BadKey, path_key, report_key_problem
+from plexd.nodeapi.reports import ReportStore, VersionConflict
+
+if TYPE_CHECKING:
+    from plexd.controlplane.client import SecretResponse
+    from plexd.desired import DesiredState
+
+log = logging.getLogger(__name__)
+
+PREFIX = "/v1/state"
+SECRETS_GROUP = "plexd-secrets"
+
+
+@dataclass
+class NodeApi:
+    """What the routes serve from."""
+
+    desired: Callable[[], DesiredState]
+    reports: ReportStore
+    fetch_secret: Callable[[str], Awaitable[SecretResponse]]
+    node_secret: Callable[[], str]
+    secrets_group: str = SECRETS_GROUP
+
+
+def secret_access(group: str) -> Callable[[Request], str | None]:
+    """Secrets on the socket: uid 0, or the group as primary or supplementary group of the calling process."""
+
+    def check(req: Request) -> str | None:
+        if req.via == "tcp":  # the bearer token was checked: it grants secrets too (§8.1)
+            return None
+        cred = req.cred
+        if cred is not None and (cred.uid == 0 or cred.in_group(group)):
+            return None
+        return "forbidden: insufficient privileges for secret access"
+
+    return check
+
+
+def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
+    def add(method: str, path: str, handler: Any, **kw: Any) -> None:
+        api.add(method, path, handler, tcp=True, **kw)
+
+    async def summary(req: Request) -> Response:
+        d = node.desired()
+        return Response(200, {
+            "metadata": d.metadata,
+            "data_keys": [{"key": e.key, "version": e.version, "content_type": e.content_type} for e in d.data],
+            "secret_keys": [r.to_wire() for r in d.secret_refs],
+            "report_keys": node.reports.index(),
+        })
+
+    async def metadata(req: Request) -> Response:
+        return Response(200, node.desired().metadata)
+
+    async def metadata_key(req: Request) -> Response:
+        key = _key(req, "/metadata/")
+        meta = node.desired().metadata or {}
+        if key not in meta:
+            raise HTTPError(404, "not found")
+        return Response(200, {"key": key, "value": meta[key]})
+
+    async def data(req: Request) -> Response:
+        return Response(200, [{"key": e.key, "version": e.version, "content_type": e.content_type}
+                              for e in node.desired().data])
+
+    async def data_key(req: Request) -> Response:
+        key = _key(req, "/data/")
+        entry = next((e for e in reversed(node.desired().data) if e.key == key), None)
+        if entry is None:
+            raise HTTPError(404, "not found")
+        return Response(200, entry.to_wire())
+
+    async def secrets(req: Request) -> Response:
+        return Response(200, [r.to_wire() for r in node.desired().secret_refs])
+
+    async def secret_key(req: Request) -> Response:
+        key = _key(req, "/secrets/")
+        try:
+            sealed = await node.fetch_secret(key)
+        except ControlPlaneError as exc:
+            if exc.status == 404:
+                raise HTTPError(404, "not found") from None
+            log.warning("secret %r not served: %s", key[:100], exc)
+            raise HTTPError(503, "control plane unavailable") from None
+        except PlexdError as exc:
+            log.warning("secret %r not served: %s", key[:100], exc)
+            raise HTTPError(503, "control plane unavailable") from None
+        try:
+            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret())
+        except crypto.SecretDecryptError:
+            log.error("secret %r: the control plane's answer cannot be decrypted with this node's key", key[:100])
+            raise HTTPError(500, "internal error") from None
+        return Response(200, {"key": sealed.key, "value": value, "version": sealed.version})
+
+    async def reports(req: Request) -> Response:
+        return Response(200, node.reports.index())
+
+    async def report_get(req: Request) -> Response:
+        entry = node.reports.get(_report_key(req))
+        if entry is None:
+            raise HTTPError(404, "not found")
+        return Response(200, entry.to_wire())
+
+    async def report_put(req: Request) -> Response:
+        key = _report_key(req)
+        if_match = _if_match(req)
+        body = _json_object(req)
+        content_type = body.get("content_type")
+        if not isinstance(content_type, str) or not content_type:
+            raise HTTPError(400, "content_type is required")
+        if "payload" not in body:
+            raise HTTPError(400, "payload must be valid JSON: the body has no payload")
+        try:
+            entry = await node.reports.put(key, content_type, body["payload"], if_match)
+        except VersionConflict:
+            current = node.reports.get(key)
+            have = f"the entry is at version {current.version}" if current else "the entry does not exist"
+            raise HTTPError(409, f"version conflict: If-Match {if_match}, {have}") from None
+        return Response(200, entry.to_wire())
+
+    async def report_delete(req: Request) -> Response:
+        if not await node.reports.delete(_report_key(req)):
+            raise HTTPError(404, "not found")
+        return Response(204)
+
+    add("GET", PREFIX, summary)
+    add("GET", PREFIX + "/metadata", metadata)
+    add("GET", PREFIX + "/metadata/", metadata_key)
+    add("GET", PREFIX + "/data", data)
+    add("GET", PREFIX + "/data/", data_key)
+    access = secret_access(node.secrets_group)
+    add("GET", PREFIX + "/secrets", secrets, authorize=access)
+    add("GET", PREFIX + "/secrets/", secret_key, authorize=access)
+    add("GET", PREFIX + "/report", reports)
+    add("GET", PREFIX + "/report/", report_get)
+    add("PUT", PREFIX + "/report/", report_put)
+    add("DELETE", PREFIX + "/report/", report_delete)
+
+
+def _key(req: Request, under: str) -> str:
+    """The key after PREFIX + `under` (one path segment, percent-decoded)."""
+    segment = req.path[len(PREFIX + under):]
+    if not segment:
+        raise HTTPError(404, "not found")
+    try:
+        return path_key(segment)
+    except BadKey as exc:
+        raise HTTPError(400, f"invalid key: {exc}") from None
+
+
+def _report_key(req: Request) -> str:
+    segment = req.path[len(PREFIX + "/report/"):]
+    try:
+        key = path_key(segment)
+    except BadKey as exc:
+        raise HTTPError(400, f"invalid report key: {exc}") from None
+    problem = report_key_problem(key)
+    if problem:
+        raise HTTPError(400, f"invalid report key: {problem}")
+    return key
+
+
+def _if_match(req: Request) -> int | None:
+    raw = req.headers.get("if-match")
+    if raw is None:
+        return None
+    text = raw.strip()
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        shown = text[:40].encode("ascii", "backslashreplace").decode()
+        raise HTTPError(400, f"If-Match must be an integer (a bare version such as 3, not {shown!r})")
+    return int(text)
+
+
+def _json_object(req: Request) -> dict[str, Any]:
+    from plexd import boundedjson
+
+    try:
+        body = boundedjson.loads(req.body, "body")
+    except PlexdError as exc:
+        raise HTTPError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "invalid JSON body: must be a JSON object")
+    return body
