@@ -342,12 +342,15 @@ def cmd_reconcile(args: argparse.Namespace, config: Config) -> int:
     return 0 if doc["ok"] else EXIT_USER_ERROR
 
 
-def _ask_daemon(config: Config, method: str, path: str, body: Any = None, *, otherwise: str) -> Any:
-    """A control route of the running daemon; without one, a PlexdError ending in `otherwise`."""
+def _ask_daemon(config: Config, method: str, path: str, body: Any = None, *, otherwise: str,
+                headers: dict[str, str] | None = None, group: str | None = None) -> Any:
+    """A route of the running daemon; without one, a PlexdError ending in `otherwise`. `group`: who besides root
+    may use it (the admin group by default), for the message when the socket refuses us."""
     from plexd.node.control_client import DaemonNotRunning, call
 
     try:
-        return call(config.node_api.socket_path, method, path, body, admin_group=config.node_api.admin_group)
+        return call(config.node_api.socket_path, method, path, body, headers=headers,
+                    admin_group=group or config.node_api.admin_group)
     except DaemonNotRunning:
         raise PlexdError(f"no plexd daemon is running (nothing listens on {config.node_api.socket_path}): "
                          f"{otherwise}") from None
@@ -430,10 +433,63 @@ def cmd_policies(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd state [get KIND [KEY] | report put KEY ... | report delete KEY] [--json]  (the node API, for scripts)
+
+
+def _add_state(sub: Any) -> None:
+    p = sub.add_parser("state", parents=[_GLOBALS, _JSON], help="read the node's metadata, data, secrets and reports",
+                       description="The local node API through the daemon's socket: what the control plane knows "
+                                   "about this node (metadata, data, secrets) and the report entries workloads "
+                                   "write back. Without a sub-command: a summary. Secrets need root or the "
+                                   "node_api.secrets_group.")
+    p.set_defaults(func=cmd_state, state_action="summary")
+    ssub = p.add_subparsers(dest="state_action", metavar="ACTION")
+    g = ssub.add_parser("get", parents=[_GLOBALS, _JSON], help="print one entry, or list a kind without KEY")
+    g.add_argument("kind", choices=("metadata", "data", "secret", "report"))
+    g.add_argument("key", nargs="?", help="the entry's key (omit to list the keys)")
+    r = ssub.add_parser("report", parents=[_GLOBALS, _JSON], help="write or delete a report entry")
+    rsub = r.add_subparsers(dest="report_action", metavar="ACTION", required=True)
+    put = rsub.add_parser("put", parents=[_GLOBALS, _JSON], help="write a report entry (its version goes up by one)",
+                          description="The payload is read from --file (or stdin with '-'). With a JSON content "
+                                      "type it must be JSON; with any other it is sent as a JSON string.")
+    put.add_argument("key")
+    put.add_argument("--content-type", dest="content_type", default="application/json",
+                     help="the payload's content type (default application/json)")
+    put.add_argument("--file", dest="payload_file", required=True, metavar="FILE", help="the payload, or - for stdin")
+    put.add_argument("--if-match", dest="if_match", type=int, metavar="VERSION",
+                     help="write only if the entry is at this version (0: only if it does not exist yet)")
+    delete = rsub.add_parser("delete", parents=[_GLOBALS, _JSON], help="delete a report entry")
+    delete.add_argument("key")
+
+
+def cmd_state(args: argparse.Namespace, config: Config) -> int:
+    from plexd.nodeapi import state_cli
+
+    if args.state_action == "get":
+        method, path, body, headers = "GET", state_cli.get_path(args.kind, args.key), None, {}
+    elif args.state_action == "report" and args.report_action == "put":
+        body = {"content_type": args.content_type,
+                "payload": state_cli.read_payload(args.payload_file, args.content_type)}
+        method, path = "PUT", state_cli.report_path(args.key)
+        headers = {"If-Match": str(args.if_match)} if args.if_match is not None else {}
+    elif args.state_action == "report":
+        method, path, body, headers = "DELETE", state_cli.report_path(args.key), None, {}
+    else:
+        method, path, body, headers = "GET", "/v1/state", None, {}
+    doc = _ask_daemon(config, method, path, body, headers=headers, group=config.node_api.socket_group,
+                      otherwise="the node API is served by the daemon ('plexd up')")
+    if args.json:
+        _print_json(doc if doc is not None else {"deleted": args.key})
+    else:
+        print(state_cli.format_answer(args, doc))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
-                                         _add_reconcile, _add_peers, _add_policies]
+                                         _add_reconcile, _add_peers, _add_policies, _add_state]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -38,7 +38,7 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 def call(socket_path: str, method: str, path: str, body: Any = None, *, admin_group: str = "plexd-admin",
-         timeout: float = TIMEOUT) -> Any:
+         timeout: float = TIMEOUT, headers: dict[str, str] | None = None) -> Any:
     conn = _UnixConnection(socket_path, timeout)
     try:
         try:
@@ -53,7 +53,7 @@ def call(socket_path: str, method: str, path: str, body: Any = None, *, admin_gr
                 raise DaemonNotRunning(socket_path) from None
             raise PlexdError(f"cannot reach the plexd daemon at {socket_path}: {exc.strerror or exc}") from None
         payload = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
+        headers = {**({"Content-Type": "application/json"} if payload is not None else {}), **(headers or {})}
         try:
             conn.request(method, path, body=payload, headers=headers)
             response = conn.getresponse()
