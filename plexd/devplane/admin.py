@@ -35,6 +35,7 @@ RECORD_KINDS = {
 FLATTENED = {"metrics", "logs", "audit"}  # bodies are arrays; the admin view is one list of entries
 FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events": "int", "silent": "bool",
               "all_status": "int", "state_body": "str",
+              "report_status": "int",  # POST /report answers this (a control plane refusing report batches)
               # send every node every other node, whatever the policies (a control plane that leaves peer
               # visibility to the agents): the node's own visibility filter is then all that hides a peer
               "ignore_visibility": "bool"}
@@ -344,6 +345,13 @@ async def node_records(request: Request) -> Response:
     return JSONResponse(bodies)
 
 
+async def report_entries(request: Request) -> Response:
+    """The report entries the node has now (what its POST /report batches add up to)."""
+    dep = _dep(request)
+    node = _any_node(dep, request.path_params["node_id"])
+    return JSONResponse(sorted(node.reports.values(), key=lambda e: e["key"]))
+
+
 # -- faults and status ------------------------------------------------------------------------------------------
 
 async def set_faults(request: Request) -> Response:
@@ -402,6 +410,7 @@ def routes() -> list[Route]:
         Route(node + "/events", publish_event, methods=["POST"]),
         Route("/admin/v1/events", broadcast_event, methods=["POST"]),
         Route("/admin/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),
+        Route(node + "/report-entries", report_entries, methods=["GET"]),
         Route(node + "/{kind}", node_records, methods=["GET"]),
         Route("/admin/v1/faults", set_faults, methods=["PUT"]),
         Route("/admin/v1/faults", clear_faults, methods=["DELETE"]),

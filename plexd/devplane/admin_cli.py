@@ -86,6 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--value")
     src.add_argument("--value-file")
 
+    g = group("report", "report entries nodes sent (written by their workloads through the node API)")
+    leaf(g, "list", do_report_list, "a node's current report entries").add_argument("node_id")
+    p = leaf(g, "get", do_report_get, "one report entry's payload")
+    p.add_argument("node_id")
+    p.add_argument("key")
+
     g = group("endpoint", "node endpoints")
     p = leaf(g, "set", do_endpoint_set, "set a node's public endpoint (HOST:PORT); its peers are told")
     p.add_argument("node_id")
@@ -278,6 +284,20 @@ def do_secret_set(c: Any, args: argparse.Namespace) -> Any:
         value = args.value
     version = c.set_secret(args.node_id, args.key, value)
     return {"key": args.key, "version": version}, f"secret {args.key} of {args.node_id} is now version {version}"
+
+
+def do_report_list(c: Any, args: argparse.Namespace) -> Any:
+    entries = c.report_entries(args.node_id)
+    lines = [f"{e['key']}  v{e['version']}  {e['content_type']}  {e['updated_at']}" for e in entries]
+    return entries, "\n".join(lines) or f"no report entries from {args.node_id}"
+
+
+def do_report_get(c: Any, args: argparse.Namespace) -> Any:
+    entry = next((e for e in c.report_entries(args.node_id) if e["key"] == args.key), None)
+    if entry is None:
+        raise ConfigError(f"node {args.node_id} has no report entry {args.key!r}")
+    payload = entry["payload"]
+    return entry, payload if isinstance(payload, str) else json.dumps(payload, indent=2, ensure_ascii=False)
 
 
 def do_endpoint_set(c: Any, args: argparse.Namespace) -> Any:

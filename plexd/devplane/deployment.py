@@ -446,6 +446,16 @@ class Deployment:
             self._state_event(node)
         return entry
 
+    def record_reports(self, node: Node, entries: list[dict[str, Any]], deleted: list[str]) -> None:
+        with self.store.transaction():
+            self.store.add_record(node.id, "report", self.now_text(),
+                                  json.dumps({"entries": entries or None, "deleted": deleted or None}))
+            for entry in entries:
+                node.reports[entry["key"]] = entry
+            for key in deleted:
+                node.reports.pop(key, None)
+            self._save(node)
+
     def set_secret(self, node: Node, key: str, value: str) -> int:
         old = node.secrets.get(key)
         version = (old["version"] + 1) if old else 1

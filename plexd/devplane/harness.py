@@ -155,6 +155,10 @@ class AdminClient:
     def executions(self, node_id: str) -> list[dict[str, Any]]:
         return self.records(node_id, "executions")
 
+    def report_entries(self, node_id: str) -> list[dict[str, Any]]:
+        """The node's current report entries (its batches folded), sorted by key."""
+        return self._call("GET", f"/nodes/{_q(node_id)}/report-entries")
+
     def reports(self, node_id: str) -> list[dict[str, Any]]:
         return self.records(node_id, "reports")
 

@@ -133,6 +133,18 @@ def wire_json(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
 
+async def report(request: Request) -> Response:
+    """§1.12: kept as a record (what was sent) and folded into the node's current report entries."""
+    node = _node(request)
+    body = _object(await read_json(request, wire.REPORT))
+    dep = _dep(request)
+    status = dep.faults.get("report_status")
+    if status:  # a control plane that refuses report batches (a 409 on a version it does not accept)
+        raise HTTPError(int(status), f"injected fault: report batch refused with {status}")
+    dep.record_reports(node, body.get("entries") or [], body.get("deleted") or [])
+    return ok()
+
+
 def _recorder(kind: str, schema: Any, *, array: bool = False) -> Any:
     async def handler(request: Request) -> Response:
         node = _node(request)
@@ -322,7 +334,7 @@ ROUTES = [
     Route(NODE + "/state", state, methods=["GET"]),
     Route(NODE + "/drift", _recorder("drift", wire.DRIFT), methods=["POST"]),
     Route(NODE + "/secrets/{key:path}", secret, methods=["GET"]),
-    Route(NODE + "/report", _recorder("report", wire.REPORT), methods=["POST"]),
+    Route(NODE + "/report", report, methods=["POST"]),
     Route(NODE + "/executions/{execution_id}/ack", _execution("ack", wire.ACK), methods=["POST"]),
     Route(NODE + "/executions/{execution_id}/result", _execution("result", wire.RESULT), methods=["POST"]),
     Route(NODE + "/metrics", _recorder("metrics", wire.METRICS, array=True), methods=["POST"]),

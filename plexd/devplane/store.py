@@ -63,6 +63,7 @@ class Node:
     last_heartbeat: Any = None
     data: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> DataEntry wire dict
     secrets: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {"value", "version"}
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> the ReportEntry the node last sent
     flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
     removed: bool = False
     num: int = 0  # small per-deployment number, used to address events compactly
