@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from process_helpers import run_as
 
 IS_ROOT = os.geteuid() == 0
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -74,43 +75,35 @@ def nothing_left_behind():
     assert not problems, "; ".join(problems)
 
 
-NOBODY = 65534
+
 
 
 @pytest.fixture
 def run_as_nobody():
-    """Run `fn()` in a forked child that has dropped to uid/gid 65534 with no supplementary groups; return (its
-    exit status, what it printed). A fork rather than an exec: uid 65534 cannot read this venv's interpreter
-    under /root, so the code under test (imported before the call) runs in the child as it is."""
-    import sys
+    """`run_as` for uid/gid 65534 (nobody) with no supplementary groups."""
+    return run_as
 
-    def run(fn) -> tuple[int, str]:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child
-            rc = 99
-            try:
-                os.close(r)
-                os.dup2(w, 1)
-                os.dup2(w, 2)
-                sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-                sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-                os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
-                rc = int(fn() or 0)
-            except BaseException as exc:
-                print(f"child failed: {exc!r}")
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(rc)
-        os.close(w)
-        chunks = []
-        while chunk := os.read(r, 65536):
-            chunks.append(chunk)
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-        return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
 
-    return run
+@pytest.fixture
+def system_groups():
+    """`make(n)` creates n throw-away groups (groupadd) and returns [(name, gid)]; all are deleted afterwards.
+    Group checks resolve names through the real group database, so a test of them needs real groups."""
+    import secrets
+    import subprocess
+
+    made: list[str] = []
+
+    def make(n: int) -> list[tuple[str, int]]:
+        import grp
+
+        out = []
+        for _ in range(n):
+            name = f"pxt-{secrets.token_hex(4)}"
+            subprocess.run(["groupadd", "--system", name], check=True, capture_output=True)
+            made.append(name)
+            out.append((name, grp.getgrnam(name).gr_gid))
+        return out
+
+    yield make
+    for name in made:
+        subprocess.run(["groupdel", name], check=False, capture_output=True)

@@ -25,19 +25,20 @@ PLEXD = str(Path(sys.executable).with_name("plexd"))
 
 class Daemon:
     def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str,
-                 extra_config: str = "", env: dict[str, str] | None = None) -> None:
+                 extra_config: str = "", env: dict[str, str] | None = None, node_api: str = "") -> None:
         self.lab = lab
         self.node = node
         self.dir = workdir / node.name
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "token").write_text(dp.admin.create_token())
+        api = node_api if "socket_path" in node_api else f"socket_path: {self.dir / 'api.sock'}"
         self.config = self.dir / "config.yaml"
         self.config.write_text(
             f"api: {dp.url}\ndata_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
             "registration: {hostname: " + node.name + "}\n"
-            f"node_api: {{socket_path: {self.dir / 'api.sock'}}}\n" + extra_config)
+            f"node_api: {{{api}}}\n" + extra_config)
         self.extra_env = env or {}
         self.runs = 0
         self._start()
