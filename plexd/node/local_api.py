@@ -48,6 +48,7 @@ SOCKET_GROUP = "plexd"
 MAX_BODY = 1 << 20
 MAX_HEADERS = 16 << 10
 REQUEST_TIMEOUT = 10.0  # a whole request (or an idle keep-alive connection): a slow client cannot hold a slot
+RATE_LIMIT_TARPIT = 0.25
 MAX_CONNECTIONS = 64  # a runaway script cannot take every file descriptor the daemon needs for the mesh
 
 
@@ -372,6 +373,9 @@ class LocalAPI:
             return Response(401, {"error": "unauthorized"}, headers={"www-authenticate": "Bearer"})
         wait = self.rate_limit.allow(request.client)
         if wait:
+            # Answer a refused request late (a quarter second at least): a client that floods on one connection
+            # is slowed to a few requests per second, so refusing it costs the daemon almost nothing.
+            await asyncio.sleep(min(1.0, max(wait, RATE_LIMIT_TARPIT)))
             return Response(429, {"error": f"rate limit exceeded: at most {self.rate_limit.rate:g} requests per "
                                            f"second per client; retry in {wait:.2f}s"},
                             headers={"retry-after": str(max(1, round(wait + 0.5)))})

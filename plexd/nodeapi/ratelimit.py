@@ -1,8 +1,10 @@
 """Fair use of the node API: one token bucket per client (a uid on the socket, an address on TCP).
 
 `rate` requests per second are refilled up to `burst`; a request that finds the bucket empty is answered 429 with
-a Retry-After at once, which costs the daemon almost nothing. Buckets of clients that went quiet are forgotten, so
-the table stays small whatever number of clients comes and goes. rate 0 turns the limit off.
+a Retry-After, a quarter second late (plexd.node.local_api), so a client flooding on one connection is slowed to a
+few requests per second and costs the daemon almost nothing (measured: bench/node_api.py --rate-limit default).
+Buckets of clients that went quiet are forgotten, so the table stays small whatever number of clients comes and
+goes. rate 0 turns the limit off.
 """
 
 from __future__ import annotations

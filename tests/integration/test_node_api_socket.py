@@ -264,11 +264,11 @@ def test_if_match_header_hypothesis(header):
 # -- fair use and the TCP listener -------------------------------------------------------------------------------
 
 async def test_rate_limit_is_per_uid(served):
-    served.api.rate_limit = RateLimiter(rate=1, burst=3)
+    served.api.rate_limit = RateLimiter(rate=0.2, burst=3)
     codes = [(await in_thread(served.call, "GET", "/v1/state/metadata"))[0] for _ in range(5)]
     assert codes[:3] == [200, 200, 200] and codes[3:] == [429, 429]
     status, doc = await in_thread(served.call, "GET", "/v1/state/metadata")
-    assert status == 429 and doc["error"].startswith("rate limit exceeded: at most 1 requests per second")
+    assert status == 429 and doc["error"].startswith("rate limit exceeded: at most 0.2 requests per second")
 
     def other():
         print(raw_call(served.api.socket_path, "GET", "/v1/state/metadata")[0])
