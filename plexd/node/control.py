@@ -26,6 +26,8 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
     nat            enabled (false: reason), servers, public_endpoint, nat_type, local_endpoint, server,
                    last_success_at, last_attempt_at, last_error, consecutive_failures, reported_endpoint,
                    reported_nat_type, reported_at, report_error, refresh_interval_seconds
+    node_api       socket, tcp (null or host:port), reports, rate_limited, report_sync (pending, sent_batches,
+                   dropped_batches, last_sent_at, last_error)
     services       [{name, state, restarts, last_error, last_error_at, running_since}]
 
 Times are unix seconds. Without a running daemon, `plexd status` prints the same document from the stored
@@ -107,6 +109,12 @@ async def live_status(node: Node) -> dict[str, Any]:
                      "policies": len({r.policy_id for r in compiled.rules}), "rules": len(compiled.rules),
                      "skipped_rules": len(compiled.skipped)}
     doc["nat"] = node.nat.status() if node.nat is not None else disabled_status(agent.config.nat_traversal)
+    api = node.local_api
+    doc["node_api"] = {"socket": api.socket_path,
+                       "tcp": "{}:{}".format(*api.tcp_address) if api.tcp_address else None,
+                       "reports": len(node.reports) if node.reports is not None else 0,
+                       "rate_limited": api.rate_limit.refused,
+                       "report_sync": node.report_sync.status() if node.report_sync is not None else None}
     doc["services"] = agent.supervisor.to_json()
     return doc
 

@@ -74,6 +74,13 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     nat = doc.get("nat")
     if nat:
         lines.append(f"nat:            {_nat_line(nat, now)}")
+    api = doc.get("node_api")
+    if api:
+        sync = api["report_sync"]
+        queued = f"{sync['pending']} change(s) queued" + (f" ({sync['last_error']})" if sync["last_error"] else "")
+        lines.append(f"node API:       {api['socket']}" + (f" and tcp {api['tcp']}" if api["tcp"] else "")
+                     + f", {api['reports']} report entries, {queued}"
+                     + (f", {api['rate_limited']} requests rate-limited" if api["rate_limited"] else ""))
     lines.append("services:")
     for svc in doc["services"]:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""

@@ -139,6 +139,8 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     put("disk", {"free": 17})
     put("tmp", {"x": 1})
     d.cli("state", "report", "delete", "tmp")
+    res = d.cli("state", "get", "secret", "any", check=False)  # secrets are never cached: 503 while away
+    assert res.returncode == 1 and "control plane unavailable (HTTP 503)" in res.stderr, res.stderr
     time.sleep(6)  # past the debounce: the daemon tried, failed, and keeps the queue
     d.restart()
     wait_until(lambda: (api_dir / "api.sock").exists(), 30, "the restarted daemon's socket", daemons)
@@ -169,6 +171,9 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     assert curl() == "401"
     assert curl("Authorization: Bearer nope") == "401"
     assert curl("Authorization: Bearer tcp-token-1") == "200"
+    api = d.status()["node_api"]
+    assert api["tcp"] == "127.0.0.1:9100" and api["reports"] == 4 and api["report_sync"]["dropped_batches"] == 1
+    assert "node API:" in d.cli("status").stdout
 
 
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
