@@ -161,6 +161,27 @@ def check_stun_server(text: str) -> None:
         assert 0 < server.port < 65536 and server.host and ":" not in server.host
 
 
+def check_report_file(obj: Any) -> None:
+    """A report entry file read back at start (someone may have edited it): an entry with a usable key, or
+    ValueError (the file is skipped with a warning)."""
+    from plexd.nodeapi.keys import report_key_problem
+    from plexd.nodeapi.reports import ReportEntry
+
+    entry = _only((ValueError,), lambda: ReportEntry.from_file(obj))
+    if entry is not None:
+        assert not report_key_problem(entry.key) and entry.version >= 1 and entry.content_type
+
+
+def check_node_api_key(segment: str) -> None:
+    """A URL path segment naming a report key: a key that stays inside its directory, or the 400's reason."""
+    from plexd.nodeapi.keys import BadKey, file_name, path_key, report_key_problem
+
+    key = _only((BadKey,), lambda: path_key(segment))
+    if key is not None and not report_key_problem(key):
+        name = file_name(key)
+        assert "/" not in name and "\\" not in name and not name.startswith(".") and len(name.encode()) <= 255
+
+
 _stun_attrs = st.lists(st.tuples(st.sampled_from([0x0001, 0x0020, 0x0009, 0x8022, 0xFFFF]),
                                  st.binary(max_size=24)), max_size=5).map(
     lambda attrs: b"".join(t.to_bytes(2, "big") + len(v).to_bytes(2, "big") + v + b"\0" * (-len(v) % 4)
@@ -189,4 +210,8 @@ TARGETS = [
         st.booleans())), check_stun),
     Target("stun_server", st.one_of(st.text(max_size=40), st.sampled_from(
         ["stun.example:3478", "[::1]:3478", "1.2.3.4:0", "h:99999", "h:", ":3478", "a b:1"])), check_stun_server),
+    Target("report_file", st.one_of(json_values, st.dictionaries(st.sampled_from(
+        ["key", "content_type", "payload", "version", "updated_at"]), json_values)), check_report_file),
+    Target("node_api_key", st.one_of(st.text(max_size=300), st.sampled_from(
+        ["%2F", "%2e%2e", "%00", "%ff%fe", "a%5Cb", "%", "%zz", "x" * 256])), check_node_api_key),
 ]
