@@ -165,9 +165,9 @@ def check_report_file(obj: Any) -> None:
     """A report entry file read back at start (someone may have edited it): an entry with a usable key, or
     ValueError (the file is skipped with a warning)."""
     from plexd.nodeapi.keys import report_key_problem
-    from plexd.nodeapi.reports import ReportEntry
+    from plexd.nodeapi.reports import entry_from_file
 
-    entry = _only((ValueError,), lambda: ReportEntry.from_file(obj))
+    entry = _only((ValueError,), lambda: entry_from_file(obj))
     if entry is not None:
         assert not report_key_problem(entry.key) and entry.version >= 1 and entry.content_type
 

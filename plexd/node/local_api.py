@@ -281,8 +281,8 @@ class LocalAPI:
         cred = peer_cred(sock) if sock is not None and via == "unix" else None
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
         if len(self._connections) >= self.max_connections:
-            who = f"uid {cred.uid} pid {cred.pid}" if cred else (remote or "unknown peer")
-            log.warning("local API: %d connections open, refusing one more from %s", len(self._connections), who)
+            log.warning("local API: %d connections open, refusing one more from %s", len(self._connections),
+                        _who(cred, remote))
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(1.0):  # take the request first, so the client reads our answer
                     await reader.read(65536)
@@ -339,9 +339,8 @@ class LocalAPI:
                 except TimeoutError:
                     if not started:
                         raise  # an idle keep-alive connection: closed quietly
-                    who = f"uid {cred.uid}" if cred else (remote or "unknown peer")
                     log.warning("local API: a request from %s did not arrive whole within %gs; connection closed",
-                                who, self.request_timeout)
+                                _who(cred, remote), self.request_timeout)
                     raise _Refused(Response(408, {"error": f"request not completed within {self.request_timeout:g}s"},
                                             headers={"connection": "close"})) from None
                 started = started or bool(data)
@@ -387,8 +386,8 @@ class LocalAPI:
             return Response(405, "Method Not Allowed\n", content_type="text/plain; charset=utf-8")
         refusal = route.authorize(request)
         if refusal is not None:
-            who = f"uid {request.cred.uid}" if request.cred else (request.remote or "unknown peer")
-            log.warning("local API: %s %s refused for %s", request.method, request.path, who)
+            log.warning("local API: %s %s refused for %s", request.method, request.path,
+                        _who(request.cred, request.remote))
             return Response(403, {"error": refusal})
         try:
             return await route.handler(request)
@@ -414,6 +413,11 @@ class LocalAPI:
             writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
+
+
+def _who(cred: PeerCred | None, remote: str) -> str:
+    """The caller, for a log line."""
+    return f"uid {cred.uid} pid {cred.pid}" if cred else (remote or "unknown peer")
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -222,12 +222,17 @@ def load(data_dir: str | Path) -> tuple[dict[str, str] | None, list[DataEntry], 
     return metadata, data, refs
 
 
+def read_json_file(path: Path) -> Any:
+    """One of plexd's own JSON files under state/, at most MAX_CACHE_FILE bytes. OSError, or ValueError naming
+    what is wrong (too large, not JSON)."""
+    if path.stat().st_size > MAX_CACHE_FILE:
+        raise ValueError(f"larger than {MAX_CACHE_FILE} bytes")
+    return json.loads(path.read_bytes())
+
+
 def _read_json(path: Path) -> Any:
     try:
-        if path.stat().st_size > MAX_CACHE_FILE:
-            log.warning("node cache: %s is larger than %d bytes; ignored", path, MAX_CACHE_FILE)
-            return None
-        return json.loads(path.read_bytes())
+        return read_json_file(path)
     except (FileNotFoundError, NotADirectoryError):
         return None
     except (OSError, ValueError) as exc:

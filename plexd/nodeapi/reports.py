@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plexd import gojson
 from plexd.atomicfile import write_atomic
-from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, MAX_CACHE_FILE, STATE_DIR, pretty
+from plexd.model import DataEntry
+from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, pretty, read_json_file
 from plexd.nodeapi.keys import file_name, report_key_problem
 
 log = logging.getLogger(__name__)
@@ -28,33 +27,25 @@ log = logging.getLogger(__name__)
 REPORT_DIR = "report"
 
 
-@dataclass(frozen=True)
-class ReportEntry:
-    key: str
-    content_type: str
-    payload: Any
-    version: int
-    updated_at: str
+# A report entry has the wire shape of a data entry (§1.12, §8.6): key, content_type, payload, version, updated_at.
+ReportEntry = DataEntry
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"key": self.key, "content_type": self.content_type, "payload": self.payload,
-                "version": self.version, "updated_at": self.updated_at}
 
-    @classmethod
-    def from_file(cls, doc: Any) -> ReportEntry:
-        if not isinstance(doc, dict):
-            raise ValueError("not a JSON object")
-        key, ctype, version, updated = doc.get("key"), doc.get("content_type"), doc.get("version"), \
-            doc.get("updated_at")
-        if not isinstance(key, str) or report_key_problem(key):
-            raise ValueError(f"key: {report_key_problem(key) if isinstance(key, str) else 'missing'}")
-        if not isinstance(ctype, str) or not ctype:
-            raise ValueError("content_type missing")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise ValueError("version must be a positive integer")
-        if "payload" not in doc:
-            raise ValueError("payload missing")
-        return cls(key, ctype, doc["payload"], version, updated if isinstance(updated, str) else "")
+def entry_from_file(doc: Any) -> ReportEntry:
+    """A report entry file read back at start; ValueError names what makes it unusable."""
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    key, ctype, version, updated = doc.get("key"), doc.get("content_type"), doc.get("version"), \
+        doc.get("updated_at")
+    if not isinstance(key, str) or report_key_problem(key):
+        raise ValueError(f"key: {report_key_problem(key) if isinstance(key, str) else 'missing'}")
+    if not isinstance(ctype, str) or not ctype:
+        raise ValueError("content_type missing")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise ValueError("version must be a positive integer")
+    if "payload" not in doc:
+        raise ValueError("payload missing")
+    return ReportEntry(key, ctype, doc["payload"], version, updated if isinstance(updated, str) else "")
 
 
 class VersionConflict(Exception):
@@ -81,9 +72,7 @@ class ReportStore:
                 continue
             path = self.dir / name
             try:
-                if path.stat().st_size > MAX_CACHE_FILE + 4096:
-                    raise ValueError("too large")
-                entry = ReportEntry.from_file(json.loads(path.read_bytes()))
+                entry = entry_from_file(read_json_file(path))
             except (OSError, ValueError) as exc:
                 log.warning("report entry %s ignored: %s", path, exc)
                 continue
