@@ -45,7 +45,7 @@ SECRETS = "secrets.json"
 DATA_DIR = "data"
 FILE_MODE = 0o600
 DIR_MODE = 0o700
-MAX_CACHE_FILE = 8 << 20  # a data entry bigger than this on disk is not read back (it is rewritten)
+MAX_CACHE_FILE = 8 << 20  # read_json_file's bound: files loaded at start, not the converge's (it knows the sizes)
 
 
 def pretty(value: Any) -> bytes:
@@ -109,8 +109,10 @@ def diff(wanted: Mapping[str, bytes], live: Mapping[str, LiveFile]) -> list[Cach
     return changes
 
 
-def read_live(data_dir: Path) -> dict[str, LiveFile]:
-    """The cache files on disk (metadata, secrets, every *.json in data/; temporary files are not ours yet)."""
+def read_live(data_dir: Path, wanted: Mapping[str, bytes]) -> dict[str, LiveFile]:
+    """The cache files on disk (metadata, secrets, every *.json in data/; temporary files are not ours yet). A file
+    is read only when it has the size of the content wanted there: any other size already differs (content None),
+    so what is read is bounded by what the model holds, whatever was put in the directory."""
     out: dict[str, LiveFile] = {}
     state = data_dir / STATE_DIR
     names = [METADATA, SECRETS]
@@ -123,11 +125,13 @@ def read_live(data_dir: Path) -> dict[str, LiveFile]:
             st = os.lstat(path)
         except (FileNotFoundError, NotADirectoryError):
             continue
+        rel = f"{STATE_DIR}/{name}"
         content = None
-        if stat.S_ISREG(st.st_mode) and st.st_size <= MAX_CACHE_FILE:
+        want_here = wanted.get(rel)
+        if stat.S_ISREG(st.st_mode) and want_here is not None and st.st_size == len(want_here):
             with contextlib.suppress(OSError):
                 content = path.read_bytes()
-        out[f"{STATE_DIR}/{name}"] = LiveFile(content, stat.S_IMODE(st.st_mode))
+        out[rel] = LiveFile(content, stat.S_IMODE(st.st_mode))
     return out
 
 
@@ -163,7 +167,7 @@ class NodeStateCache:
 
     def _converge(self, desired: DesiredState, full: bool, dry_run: bool, node_state: tuple) -> CacheResult:
         wanted = want(desired)
-        live = read_live(self.data_dir) if full or self._believed is None else self._believed
+        live = read_live(self.data_dir, wanted) if full or self._believed is None else self._believed
         changes = diff(wanted, live)
         if dry_run:
             return CacheResult(tuple(changes))

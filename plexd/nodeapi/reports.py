@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from typing import Any
 from plexd import gojson
 from plexd.atomicfile import write_atomic
 from plexd.model import DataEntry
-from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, pretty, read_json_file
+from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, read_json_file
 from plexd.nodeapi.keys import file_name, report_key_problem
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,13 @@ def entry_from_file(doc: Any) -> ReportEntry:
     if "payload" not in doc:
         raise ValueError("payload missing")
     return ReportEntry(key, ctype, doc["payload"], version, updated if isinstance(updated, str) else "")
+
+
+def compact(value: Any) -> bytes:
+    """Report files are written without indentation, unlike the Go agent's: indenting a deeply nested 450 KB
+    payload makes an 18 MB file (a PUT would write 40 times what it sent), larger than the bound the file is read
+    back with at start, so an acknowledged entry would be lost by a restart."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 class VersionConflict(Exception):
@@ -115,7 +123,7 @@ class ReportStore:
 
     def _write(self, entry: ReportEntry) -> None:
         self.dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        write_atomic(self.dir / file_name(entry.key), pretty(entry.to_wire()), FILE_MODE)
+        write_atomic(self.dir / file_name(entry.key), compact(entry.to_wire()), FILE_MODE)
 
     def _remove(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

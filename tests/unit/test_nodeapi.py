@@ -150,6 +150,36 @@ async def test_event_path_writes_only_what_changed_and_skips_peer_events(tmp_pat
     assert len(dry.changes) == 1 and json.loads((tmp_path / "state/metadata.json").read_text()) == {"a": "2"}
 
 
+def nested(levels: int, width: int) -> list:
+    """A payload whose indented form is ~40 times its compact one."""
+    payload: list = [1] * width
+    for _ in range(levels):
+        payload = [payload]
+    return payload
+
+
+async def test_a_data_entry_larger_than_the_load_bound_converges_once(tmp_path):
+    """Its indented file is over MAX_CACHE_FILE: the full converge still finds it right (read by its size, not a
+    fixed bound) instead of rewriting it and reporting drift on every reconcile."""
+    domain = cache.NodeStateCache(tmp_path)
+    desired = model(data=[DataEntry("big", "application/json", nested(60, 150_000), 1, "")])
+    first = await domain.converge(desired, full=True)
+    assert [c.correction_type for c in first.changes].count("cache_file_added") == 3
+    assert (tmp_path / "state/data/big.json").stat().st_size > cache.MAX_CACHE_FILE
+    assert (await domain.converge(desired, full=True)).changes == ()
+
+
+async def test_a_deeply_nested_report_survives_a_restart(tmp_path):
+    """A 450 KB nested payload is an 18 MB file when indented, over the bound it is read back with: report files
+    are compact, so the entry is found again."""
+    payload = nested(60, 150_000)
+    entry = await ReportStore(tmp_path).put("deep", "application/json", payload, None)
+    path = tmp_path / "state/report/deep.json"
+    assert path.stat().st_size < 1 << 20
+    again = ReportStore(tmp_path)
+    assert again.load() == 1 and again.get("deep") == entry
+
+
 async def test_an_unwritable_cache_is_an_error_not_a_crash(tmp_path):
     (tmp_path / "state").write_text("a file where the directory should be")
     result = await cache.NodeStateCache(tmp_path).converge(model({"a": "1"}), full=True)
