@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from plexd import __version__
+from plexd.actions.builtins import builtin_capabilities
 from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient
@@ -148,6 +149,7 @@ class Agent:
         await asyncio.to_thread(self.store.ensure_writable)
         self.binary_checksum = await asyncio.to_thread(binary_checksum)
         self.hooks = await asyncio.to_thread(scan_hooks, self.config.hooks.dir)
+        self.builtin_actions = builtin_capabilities()
         log.info("starting plexd %s", __version__, extra={"binary_checksum": self.binary_checksum,
                                                           "hooks": [h.name for h in self.hooks.hooks],
                                                           "refused_hooks": [h.name for h in self.hooks.refused]})

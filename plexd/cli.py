@@ -135,9 +135,11 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
 
 def _join_capabilities(config: Config) -> Callable[[], dict[str, Any]]:
     def build() -> dict[str, Any]:
+        from plexd.actions.builtins import builtin_capabilities
         from plexd.integrity import binary_checksum, capabilities_document, scan_hooks
 
-        return capabilities_document(__version__, binary_checksum(), scan_hooks(config.hooks.dir).hooks)
+        return capabilities_document(__version__, binary_checksum(), scan_hooks(config.hooks.dir).hooks,
+                                     builtin_capabilities())
 
     return build
 
@@ -229,10 +231,10 @@ def _add_config(sub: Any) -> None:
 def cmd_config_show(args: argparse.Namespace, config: Config) -> int:
     from plexd.config import display_value
 
-    rows = [(key, display_value(key, value), source) for key, value, source in config.items()]
     if args.json:
-        _print_json({key: {"value": _jsonable(value), "source": source} for key, value, source in rows})
+        _print_json(config.shown())
         return 0
+    rows = [(key, display_value(key, value), source) for key, value, source in config.items()]
     print(f"# config file: {config.config_file or '(none, defaults)'}")
     width = max(len(key) for key, _, _ in rows)
     for key, value, source in rows:
@@ -486,10 +488,113 @@ def cmd_state(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd actions list | run NAME --local ...   plexd hooks list | verify | reload
+
+
+def _add_actions(sub: Any) -> None:
+    p = sub.add_parser("actions", parents=[_GLOBALS], help="list and run actions (built-ins and hooks)",
+                       description="Actions are the built-ins and the hooks in hooks.dir. The control plane "
+                                   "requests them; 'run --local' runs one through the daemon's socket, as root (or "
+                                   "the actions.local_auth.group when actions.local_auth.require_root is false), "
+                                   "even while the control plane is unreachable.")
+    asub = p.add_subparsers(dest="actions_command", metavar="COMMAND", required=True)
+    ls = asub.add_parser("list", parents=[_GLOBALS, _JSON], help="the actions this node offers, and what runs")
+    ls.set_defaults(func=cmd_actions_list)
+    run = asub.add_parser(
+        "run", parents=[_GLOBALS, _JSON], help="run an action now through the local daemon",
+        description="Run NAME through the running daemon and print its output as it comes. The exit status is "
+                    "the action's: its exit code, 124 on timeout, 125 if cancelled, 128+N if signal N ended it. "
+                    "The run is written to the local audit log and its result reported to the control plane "
+                    "(queued while it is unreachable).")
+    run.add_argument("name", help="the built-in or hook to run")
+    run.add_argument("--local", action="store_true", required=True,
+                     help="run on this node through the daemon (the only way to run from here)")
+    run.add_argument("--param", action="append", default=[], metavar="NAME=VALUE", help="a parameter (repeatable)")
+    run.add_argument("--timeout", metavar="DURATION", help="Go duration, e.g. 30s (default: the hook's, else "
+                                                           "actions.timeout; at most 10m)")
+    run.set_defaults(func=cmd_actions_run)
+
+
+def cmd_actions_list(args: argparse.Namespace, config: Config) -> int:
+    from plexd.actions.commands import format_actions
+    from plexd.actions.routes import ACTIONS_PATH
+
+    doc = _ask_daemon(config, "GET", ACTIONS_PATH, otherwise="actions are run by the daemon ('plexd up')",
+                      group=config.actions.local_auth.group)
+    if args.json:
+        _print_json(doc)
+    else:
+        print(format_actions(doc))
+    return 0
+
+
+def cmd_actions_run(args: argparse.Namespace, config: Config) -> int:
+    from plexd.actions.commands import parse_params, show_stream
+    from plexd.actions.routes import RUN_PATH
+    from plexd.node.control_client import DaemonNotRunning, stream
+
+    body = {"action": args.name, "parameters": parse_params(args.param), "timeout": args.timeout or ""}
+    try:
+        return show_stream(stream(config.node_api.socket_path, "POST", RUN_PATH, body, timeout=700,
+                                  admin_group=config.actions.local_auth.group), as_json=args.json)
+    except DaemonNotRunning:
+        raise PlexdError(f"no plexd daemon is running (nothing listens on {config.node_api.socket_path}): "
+                         "local actions run in the daemon ('plexd up')") from None
+
+
+def _add_hooks(sub: Any) -> None:
+    p = sub.add_parser("hooks", parents=[_GLOBALS], help="inspect the hook scripts",
+                       description="Hooks are the executable files in hooks.dir (root-owned, not writable by group "
+                                   "or other, symlinks only within the directory). The daemon watches the "
+                                   "directory and announces changes to the control plane.")
+    hsub = p.add_subparsers(dest="hooks_command", metavar="COMMAND", required=True)
+    for name, helptext in (("list", "the hooks, their checksums, and the refused ones with the reason"),
+                           ("verify", "hash every hook now against its scanned and announced checksum"),
+                           ("reload", "re-scan now and announce any change to the control plane")):
+        h = hsub.add_parser(name, parents=[_GLOBALS, _JSON], help=helptext)
+        h.set_defaults(func=cmd_hooks)
+
+
+def cmd_hooks(args: argparse.Namespace, config: Config) -> int:
+    from plexd.actions.commands import format_hooks, format_verify
+    from plexd.actions.routes import HOOKS_PATH, RELOAD_PATH, VERIFY_PATH
+
+    command = args.hooks_command
+    if command == "list":
+        from plexd.node.control_client import DaemonNotRunning, call
+
+        try:
+            doc = call(config.node_api.socket_path, "GET", HOOKS_PATH, admin_group=config.node_api.admin_group)
+        except DaemonNotRunning:  # no daemon: what a scan of the directory finds now
+            doc = _scanned_hooks(config)
+        text = format_hooks(doc)
+    else:
+        path = VERIFY_PATH if command == "verify" else RELOAD_PATH
+        doc = _ask_daemon(config, "POST", path, otherwise="hooks are watched by the daemon ('plexd up')")
+        text = format_verify(doc) if command == "verify" else ("\n".join(doc["changes"]) or "no change")
+    if args.json:
+        _print_json(doc)
+    else:
+        print(text)
+    return 1 if command == "verify" and not doc["ok"] else 0
+
+
+def _scanned_hooks(config: Config) -> dict[str, Any]:
+    from plexd.integrity import scan_hooks
+
+    scan = scan_hooks(config.hooks.dir)
+    return {"directory": config.hooks.dir, "daemon": False,
+            "hooks": [{**h.to_wire(), "path": h.path} for h in scan.hooks],
+            "refused": [{"name": r.name, "path": r.path, "reason": r.reason} for r in scan.refused],
+            "warnings": list(scan.warnings)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
-                                         _add_reconcile, _add_peers, _add_policies, _add_state]
+                                         _add_reconcile, _add_peers, _add_policies, _add_state, _add_actions,
+                                         _add_hooks]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,8 +23,9 @@ README (PROJECT-DECISIONS.md, Config row)::
           reconnect_spread: 5s}
     shutdown: {deregister: true, drain: 30s}
     nat_traversal: {enabled: true, stun_servers: [], refresh_interval: 60s}
-    actions: {enabled: true, max_concurrent: 5, timeout: 10m}
-    hooks: {dir: /etc/plexd/hooks.d}
+    actions: {enabled: true, max_concurrent: 5, timeout: 10m, output_cap: 1048576, kill_grace: 2s,
+              local_auth: {require_root: true, group: plexd}}
+    hooks: {dir: /etc/plexd/hooks.d, reverify: 5m}
     node_api: {socket_path: /var/run/plexd/api.sock, socket_group: plexd, admin_group: plexd-admin,
                secrets_group: plexd-secrets, http_enabled: false, http_listen: "127.0.0.1:9100",
                http_token_file: "", rate_limit: 100, rate_burst: 200, request_timeout: 10s}
@@ -159,12 +160,23 @@ class NatTraversalConfig:
 
 
 @dataclass(frozen=True)
+class LocalAuthConfig:
+    """Who may run actions locally (`plexd actions run --local`), checked on the socket's SO_PEERCRED."""
+
+    require_root: bool = _f(True)
+    group: str = _f("plexd")  # besides root, when require_root is false
+
+
+@dataclass(frozen=True)
 class ActionsConfig:
     """Hook and built-in action execution."""
 
     enabled: bool = _f(True)
     max_concurrent: int = _f(5, min=1, max=1000)
-    timeout: float = _f(600.0, "duration", min=10)
+    timeout: float = _f(600.0, "duration", min=10, max=600)  # default and cap of a request's timeout
+    output_cap: int = _f(1 << 20, min=1024, max=16 << 20)  # bytes kept per stream (stdout, stderr)
+    kill_grace: float = _f(2.0, "duration", min=0, max=60)  # SIGTERM to the process group, then SIGKILL
+    local_auth: LocalAuthConfig = field(default_factory=LocalAuthConfig)
 
 
 @dataclass(frozen=True)
@@ -172,6 +184,8 @@ class HooksConfig:
     """Hook discovery."""
 
     dir: str = _f("/etc/plexd/hooks.d")
+    # A full re-scan this often besides the file watcher's (inotify can miss changes, e.g. on network mounts).
+    reverify: float = _f(300.0, "duration", min=30)
 
 
 @dataclass(frozen=True)
@@ -243,6 +257,15 @@ class Config:
     def items(self) -> list[tuple[str, Any, str]]:
         """Every leaf as (dotted key, value, source), in schema order."""
         return [(key, self.get(key), self.source_of(key)) for key in _LEAVES]
+
+    def shown(self) -> dict[str, dict[str, Any]]:
+        """Every leaf as `plexd config show --json` prints it: {key: {value, source}}, secrets hidden."""
+        return {key: {"value": list(v) if isinstance(v := display_value(key, value), tuple) else v,
+                      "source": source} for key, value, source in self.items()}
+
+    def given_flags(self) -> dict[str, Any]:
+        """The command-line flags this config was loaded with (to load it again the same way)."""
+        return {flag: self.get(key) for flag, key in FLAG_KEYS.items() if self.source_of(key).startswith("flag")}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -7,6 +7,9 @@
     events.db                  0600  the event stream's replay cursor, the nonces of accepted events and the
                                      mirror of the desired model (no private key) for an offline start (SQLite,
                                      WAL, committed together; see plexd.controlplane.ledger)
+    actions.db                 0600  the action journal (exactly-once) and the outbox of acks, results and
+                                     integrity violations not yet delivered (SQLite; see plexd.actions.journal)
+    actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
 
 The directory is 0700 and every write is atomic (`plexd.atomicfile`).
 """
@@ -18,6 +21,8 @@ PRIVATE_KEY = "private_key"
 NODE_SECRET = "node_secret_key"
 SIGNING_KEY = "signing_public_key"
 EVENT_LEDGER = "events.db"
+ACTIONS_DB = "actions.db"
+LOCAL_AUDIT = "actions/local-audit.log"
 NONCES = "nonces.json"  # before events.db: imported once, then removed
 LAST_EVENT_ID = "last_event_id"  # likewise
 DESIRED_MIRROR = "state/desired.json"  # before events.db: imported once, then removed

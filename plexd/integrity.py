@@ -136,32 +136,62 @@ def scan_hooks(directory: str | os.PathLike[str]) -> HookScan:
     warnings: list[str] = []
     dir_problem = _unsafe(dir_stat, f"hooks directory {directory}")
     for name in names:
-        path = directory / name
         if name.endswith(".json") or name.startswith("."):
             continue
-        try:
-            st = path.stat()  # follows symlinks: the target is what would run
-        except OSError:
-            continue  # dangling symlink or vanished meanwhile
-        if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+        found = inspect_hook(directory, name, dir_problem)
+        if found is None:
             continue
-        # The directory check covers swapping a symlink; the stat above checked the file it points to.
-        problem = dir_problem or _unsafe(st, "file")
-        if problem:
-            log.warning("hook %s refused: %s", name, problem, extra={"component": "hooks", "hook": name})
-            refused.append(RefusedHook(name, str(path), problem))
+        if isinstance(found, RefusedHook):
+            log.warning("hook %s refused: %s", name, found.reason, extra={"component": "hooks", "hook": name})
+            refused.append(found)
             continue
-        try:
-            checksum = sha256_file(path)
-        except OSError as exc:
-            refused.append(RefusedHook(name, str(path), f"cannot read: {exc.strerror}"))
-            continue
-        sidecar, warning = _read_sidecar(Path(f"{path}.json"))
+        hook, warning = found
         if warning:
             log.warning("hook %s: %s", name, warning, extra={"component": "hooks", "hook": name})
             warnings.append(f"{name}: {warning}")
-        hooks.append(Hook(name=name, path=str(path), checksum=checksum, **sidecar))
+        hooks.append(hook)
     return HookScan(tuple(hooks), tuple(refused), tuple(warnings))
+
+
+def inspect_hook(directory: str | os.PathLike[str], name: str, dir_problem: str | None = None,
+                 ) -> tuple[Hook, str] | RefusedHook | None:
+    """One hook: (the hook, a sidecar warning or ''), a RefusedHook with the reason, or None when `name` is not
+    a hook at all (not an executable regular file, or gone). `dir_problem` is the directory's own check when the
+    caller already made it. Used by the scan and again right before a hook runs."""
+    directory = Path(directory)
+    path = directory / name
+    if dir_problem is None:
+        try:
+            dir_problem = _unsafe(directory.stat(), f"hooks directory {directory}")
+        except OSError as exc:
+            return RefusedHook(name, str(path), f"cannot read hooks directory {directory}: {exc.strerror}")
+    try:
+        st = path.stat()  # follows symlinks: the target is what would run
+    except OSError:
+        return None  # dangling symlink or vanished meanwhile
+    if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+        return None
+    problem = dir_problem or _unsafe(st, "file") or _leaves_directory(directory, path)
+    if problem:
+        return RefusedHook(name, str(path), problem)
+    try:
+        checksum = sha256_file(path)
+    except OSError as exc:
+        return RefusedHook(name, str(path), f"cannot read: {exc.strerror}")
+    sidecar, warning = _read_sidecar(Path(f"{path}.json"))
+    return Hook(name=name, path=str(path), checksum=checksum, **sidecar), warning
+
+
+def _leaves_directory(directory: Path, path: Path) -> str:
+    """A symlink whose target lies outside the hooks directory: whoever controls the target's directory
+    controls the hook, and the directory's own check no longer covers it."""
+    if not path.is_symlink():
+        return ""
+    target = Path(os.path.realpath(path))
+    home = Path(os.path.realpath(directory))
+    if target.parent != home:
+        return f"symlink to {target} leaves the hooks directory {home}"
+    return ""
 
 
 def _read_sidecar(path: Path) -> tuple[dict[str, Any], str]:

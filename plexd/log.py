@@ -76,7 +76,34 @@ def setup_logging(level: str = "info", stream: IO[str] | None = None, *, json_li
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
+    RECENT.setLevel(logging.INFO)  # debug lines would crowd out what matters within the buffer
+    root.addHandler(RECENT)
     root.setLevel(LEVELS.get(level.lower(), logging.INFO))
     # httpx logs every request at INFO, with full URLs; keep that for debug runs only.
     logging.getLogger("httpx").setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+class RecentLines(logging.Handler):
+    """The last `size` log lines in memory (JSON), for ``diagnostics.collect``: what an operator would ask for
+    first, without reading files the daemon may not own (the journal)."""
+
+    def __init__(self, size: int = 500) -> None:
+        super().__init__(logging.DEBUG)
+        from collections import deque
+
+        self.lines: deque[str] = deque(maxlen=size)
+        self.setFormatter(JsonFormatter())
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.append(self.format(record))
+        except Exception:  # never let a diagnostics buffer break logging
+            self.handleError(record)
+
+
+RECENT = RecentLines()
+
+
+def recent_lines(limit: int = 200) -> list[str]:
+    return list(RECENT.lines)[-limit:]

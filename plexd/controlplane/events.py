@@ -142,6 +142,7 @@ class EventStream:
         self.rejected = 0
         self.polls = 0
         self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
+        self._reconnect = asyncio.Event()
 
     def _state_changed(self) -> None:
         self.state_since = self._clock.now().timestamp()
@@ -305,7 +306,16 @@ class EventStream:
             if remaining <= 0:
                 return
             step = min(remaining, self._next_poll - now) if self.polling else remaining
-            await self._clock.sleep(max(step, 0.0))
+            sleeper = asyncio.ensure_future(self._clock.sleep(max(step, 0.0)))
+            asked = asyncio.ensure_future(self._reconnect.wait())
+            try:
+                await asyncio.wait({asked, sleeper}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                asked.cancel()
+                sleeper.cancel()
+            if self._reconnect.is_set():  # asked to reconnect: try now instead of after the backoff
+                self._reconnect.clear()
+                return
 
     async def _do_poll(self) -> None:
         if self._poll is None:
@@ -373,21 +383,30 @@ class EventStream:
             except Exception as exc:
                 log.warning("on_connected callback failed: %s", exc)
 
+    def reconnect(self) -> None:
+        """Drop the current connection and connect again at once (``mesh.reconnect``)."""
+        self._reconnect.set()
+
     async def _consume(self, response: httpx.Response) -> None:
         self._last_activity = self._clock.monotonic()
+        self._reconnect.clear()
         reader = asyncio.ensure_future(self._read(response))
         watchdog = asyncio.ensure_future(self._watchdog())
+        asked = asyncio.ensure_future(self._reconnect.wait())
         try:
-            done, _ = await asyncio.wait({reader, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({reader, watchdog, asked}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             # asyncio.wait, not `await task`: suppressing the child's CancelledError would also swallow our own
             # cancellation (daemon shutdown) if it arrives right here.
-            for task in (reader, watchdog):
+            for task in (reader, watchdog, asked):
                 task.cancel()
-            await asyncio.wait({reader, watchdog})
+            await asyncio.wait({reader, watchdog, asked})
         if reader in done:
             reader.result()  # re-raises a read error
             return
+        if asked in done:
+            log.info("event stream: reconnecting as asked")
+            raise _Disconnected("reconnect requested")
         raise _Disconnected("idle", idle=True)
 
     async def _watchdog(self) -> None:

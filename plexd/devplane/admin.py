@@ -272,6 +272,17 @@ async def request_action(request: Request) -> Response:
     return JSONResponse({"execution_id": execution_id}, status_code=201)
 
 
+async def resend_action(request: Request) -> Response:
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    execution_id = request.path_params["execution_id"]
+    try:
+        event_id = dep.resend_action(node, execution_id)
+    except KeyError:
+        raise HTTPError(404, f"no action was requested with execution id {execution_id!r}") from None
+    return JSONResponse({"execution_id": execution_id, "event_id": event_id}, status_code=201)
+
+
 def _event_args(body: dict[str, Any]) -> dict[str, Any]:
     args: dict[str, Any] = {"payload": body.get("payload")}
     for key in ("payload_raw", "issued_at", "nonce", "signature", "raw_data", "raw_frame"):
@@ -407,6 +418,7 @@ def routes() -> list[Route]:
         Route(node + "/public-key", set_public_key, methods=["PUT"]),
         Route(node + "/heartbeat-flags", set_heartbeat_flags, methods=["PUT"]),
         Route(node + "/actions", request_action, methods=["POST"]),
+        Route(node + "/actions/{execution_id}/resend", resend_action, methods=["POST"]),
         Route(node + "/events", publish_event, methods=["POST"]),
         Route("/admin/v1/events", broadcast_event, methods=["POST"]),
         Route("/admin/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),

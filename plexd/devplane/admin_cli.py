@@ -109,7 +109,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("action")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--timeout", help="Go duration, e.g. 30s")
-    p.add_argument("--checksum", help="hex SHA-256 of the hook")
+    p.add_argument("--checksum", help="hex SHA-256 of the hook (default: the one the node announced)")
+    p = leaf(g, "resend", do_action_resend, "publish an execution's request again (the node must not re-run it)")
+    p.add_argument("node_id")
+    p.add_argument("execution_id")
 
     g = group("event", "raw events")
     p = leaf(g, "publish", do_event_publish, "publish a signed event to a node; prints the event id")
@@ -316,6 +319,11 @@ def do_action_request(c: Any, args: argparse.Namespace) -> Any:
     eid = c.request_action(args.node_id, args.action, _pairs(args.param, "--param"), timeout=args.timeout,
                            checksum=args.checksum)
     return {"execution_id": eid}, eid
+
+
+def do_action_resend(c: Any, args: argparse.Namespace) -> Any:
+    event_id = c.resend_action(args.node_id, args.execution_id)
+    return {"execution_id": args.execution_id, "event_id": event_id}, event_id
 
 
 def do_event_publish(c: Any, args: argparse.Namespace) -> Any:

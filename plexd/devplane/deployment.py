@@ -467,7 +467,11 @@ class Deployment:
 
     def request_action(self, node: Node, action: str, parameters: dict[str, Any], timeout: str | None,
                        checksum: str | None) -> str:
+        """Publish an action_request. Without a checksum, a hook's is taken from the node's last capabilities
+        (as a real control plane would: it asks for the hook it was told about)."""
         execution_id = "exec_" + secrets.token_hex(8)
+        if not checksum:
+            checksum = announced_checksum(node.capabilities, action)
         payload = {
             "execution_id": execution_id, "action": action, "parameters": parameters,
             "timeout": timeout or "", "checksum": checksum or "",
@@ -480,12 +484,28 @@ class Deployment:
             self.hub.publish([node.id], "action_request", payload)
         return execution_id
 
+    def resend_action(self, node: Node, execution_id: str) -> str:
+        """Publish an execution's action_request again, as a new event (a control plane retrying): the node must
+        refuse it as a duplicate, never run it twice. Returns the new event id."""
+        doc = self.store.execution(node.id, execution_id)
+        if doc is None or doc.get("requested_at") is None:
+            raise KeyError(execution_id)
+        payload = {"execution_id": execution_id, "action": doc["action"], "parameters": doc["parameters"],
+                   "timeout": doc["timeout"], "checksum": doc["checksum"],
+                   "triggered_by": {"type": "control_plane", "session_id": "", "user_id": "", "email": ""}}
+        with self.store.transaction():
+            return self.hub.publish([node.id], "action_request", payload)
+
     def record_execution(self, node: Node, execution_id: str, part: str, body: dict[str, Any]) -> None:
+        """Keep the first ack and result as they came; every later one is appended to `acks` / `results`, so a
+        test sees a duplicate being refused (or, were it ever, run twice)."""
         with self.store.transaction():
             doc = self.store.execution(node.id, execution_id) or {
                 "execution_id": execution_id, "action": "", "parameters": None, "timeout": "", "checksum": "",
                 "requested_at": None, "ack": None, "result": None}
-            doc[part] = body
+            doc.setdefault(part + "s", []).append(body)
+            if doc.get(part) is None:
+                doc[part] = body
             self.store.save_execution(node.id, execution_id, doc)
 
     def rotate_signing_key(self, transition_seconds: float) -> dict[str, str]:
@@ -504,3 +524,12 @@ async def cancel_quietly(task: asyncio.Task[Any]) -> None:
         await task
     except (asyncio.CancelledError, Exception):
         pass
+
+
+def announced_checksum(capabilities: Any, action: str) -> str:
+    """The checksum a node announced for hook `action`, or '' (a built-in, or not announced)."""
+    hooks = capabilities.get("hooks") if isinstance(capabilities, dict) else None
+    for hook in hooks or ():
+        if isinstance(hook, dict) and hook.get("name") == action:
+            return str(hook.get("checksum") or "")
+    return ""

@@ -119,6 +119,10 @@ class AdminClient:
         body = {"action": action, "parameters": parameters or {}, "timeout": timeout, "checksum": checksum}
         return self._call("POST", f"/nodes/{_q(node_id)}/actions", body)["execution_id"]
 
+    def resend_action(self, node_id: str, execution_id: str) -> str:
+        """Publish an execution's request again as a new event; returns the event id."""
+        return self._call("POST", f"/nodes/{_q(node_id)}/actions/{_q(execution_id)}/resend", {})["event_id"]
+
     def publish_event(self, node_id: str, event_type: str, payload: Any = None, *, payload_raw: str | None = None,
                       issued_at: str | None = None, nonce: str | None = None, signature: str | None = None,
                       raw_data: str | None = None, raw_frame: str | None = None) -> str:

@@ -11,6 +11,9 @@
            local_api   the daemon's Unix socket: status, reconcile, hold (plexd.node.control) and the node API
                        (plexd.nodeapi), which is also on TCP when node_api.http_enabled
            report_sync report entries written through the node API → POST /report, queued on disk
+           actions     action_request → validate, ack, run (plexd.actions); its outbox delivers acks, results
+                       and integrity violations; hooks are watched and re-announced (services "hooks",
+                       "capabilities", "action_outbox"); running actions are drained at shutdown
 
 Every service is added to the agent by name and runs under its supervisor. Tests build a Node with their own
 parts through the keyword arguments of `assemble` (a recording converger, say) rather than by patching.
@@ -28,24 +31,33 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from plexd import datadir
+from plexd.actions.audit import LocalAudit
+from plexd.actions.builtins import NodeView
+from plexd.actions.dispatcher import ActionDispatcher
+from plexd.actions.hooks import HookSet
+from plexd.actions.journal import ActionJournal, Message
+from plexd.actions.outbox import Outbox, deliver
+from plexd.actions.routes import add_action_routes
 from plexd.agent import Agent
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
-from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
 from plexd.errors import PlexdError
+from plexd.integrity import HookScan
+from plexd.log import recent_lines
 from plexd.mesh.select import build_converger
 from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService, PortHandover, disabled_status
-from plexd.node.control import add_control_routes, health
+from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.local_api import LocalAPI
+from plexd.node.local_api import LocalAPI, require_admin
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
 from plexd.node.protected import ProtectedAddresses
+from plexd.node.reload import ConfigReloader
 from plexd.node.supervisor import FatalError
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
@@ -58,6 +70,7 @@ from plexd.services.reconciler import Reconciler
 log = logging.getLogger(__name__)
 
 COMMIT_DELAY_ENV = "PLEXD_TEST_COMMIT_DELAY"
+OUTBOX_FLUSH = 5.0  # at shutdown, how long undelivered action results may hold up the exit
 
 
 @dataclass
@@ -75,6 +88,7 @@ class Node:
     nat: NatService | None = None
     reports: ReportStore | None = None
     report_sync: ReportSync | None = None
+    actions: ActionDispatcher | None = None
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
@@ -166,6 +180,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     reports, report_sync = _build_reports(agent, node_id)
     node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, nat, reports, report_sync)
     add_control_routes(local_api, node)
+    node.actions = _build_actions(node, node_id)
 
     async def fetch_secret(key: str) -> Any:
         return await agent.client.fetch_secret(node_id(), key)
@@ -183,10 +198,6 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("report_sync", lambda a: report_sync.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
-    if not agent.registered_now:
-        # A fresh registration carried the capabilities; a reused identity announces them, since the code or
-        # the hooks may have changed while plexd was stopped. A 401 here re-registers (Agent.authed).
-        agent.add_service("capabilities", announce_capabilities)
     return node
 
 
@@ -229,6 +240,91 @@ def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStor
     if count:
         log.info("%d report entries loaded from %s", count, reports.dir)
     return reports, sync
+
+
+def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
+    """The action dispatcher with its journal and outbox, the watched hook set, and their socket routes."""
+    agent, cfg = node.agent, node.agent.config
+    journal = ActionJournal(Path(cfg.data_dir) / datadir.ACTIONS_DB)
+
+    async def send(message: Message) -> None:
+        await agent.authed(lambda: deliver(agent.client, node_id(), message))
+
+    def backoff() -> Backoff:
+        return Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter)
+
+    outbox = Outbox(journal, send, backoff=backoff())
+
+    async def publish(scan: HookScan) -> None:
+        agent.hooks = scan
+        await agent.announce_capabilities(rescan=False)
+
+    hooks = HookSet(cfg.hooks.dir, journal, agent.hooks, publish, reverify=cfg.hooks.reverify, backoff=backoff())
+    if agent.registered_now:
+        hooks.mark_announced(agent.hooks)  # the registration carried them
+    else:
+        # A reused identity announces, since the code or the hooks may have changed while plexd was stopped.
+        hooks.request_announce(agent.hooks)
+    reloader = ConfigReloader(cfg, lambda new: setattr(dispatcher, "config", new.actions))
+    dispatcher = ActionDispatcher(cfg.actions, journal, outbox, hooks, _node_view(node, reloader), node_id,
+                                  LocalAudit(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
+    recovered = dispatcher.recover()
+    if recovered:
+        outbox.wake()
+    node.handlers.register("action_request", dispatcher.handle_event)
+    add_action_routes(node.local_api, dispatcher, require_admin(cfg.node_api.admin_group))
+
+    async def drain(agent: Agent) -> None:
+        await dispatcher.drain(cfg.shutdown.drain)
+        if not await outbox.flush(OUTBOX_FLUSH):
+            log.warning("%d action message(s) not delivered before shutdown; they are sent after the next start",
+                        journal.outbox_size())
+
+    agent.on_shutdown("actions drain", drain, phase="drain")
+    agent.on_shutdown("action journal", lambda a: _close(journal))
+    agent.add_service("hooks", lambda a: hooks.watch())
+    agent.add_service("capabilities", lambda a: hooks.announce())
+    agent.add_service("action_outbox", lambda a: outbox.run())
+    return dispatcher
+
+
+async def _close(journal: ActionJournal) -> None:
+    journal.close()
+
+
+def _node_view(node: Node, reloader: ConfigReloader) -> NodeView:
+    """What built-in actions may see and do of this node."""
+    agent, mesh = node.agent, node.mesh
+
+    def identity() -> Any:
+        assert agent.identity is not None
+        return agent.identity
+
+    async def device() -> list[dict[str, Any]]:
+        from plexd.mesh.peers import peers_report
+
+        rows, now = await peers_report(agent.config)
+        return [r.to_json(now) for r in rows]
+
+    async def firewall() -> Any:
+        from plexd.node.policies_view import policies_document
+
+        return await policies_document(mesh)
+
+    async def reconnect() -> dict[str, Any]:
+        node.stream.reconnect()
+        result = await node.reconciler.run_once(reasons=("mesh.reconnect action",))
+        return {"stream_reconnect": "requested", **result.to_json()}
+
+    async def reload() -> dict[str, Any]:
+        return reloader.reload()
+
+    return NodeView(
+        node_id=lambda: identity().node_id, mesh_ip=lambda: identity().mesh_ip,
+        status=lambda: live_status(node),
+        peer_ips=lambda: {p.id: p.mesh_ip for p in mesh.get_desired().peers.values()},
+        device=device, firewall=firewall, config=lambda: agent.config.shown(), reconnect=reconnect,
+        reload_config=reload, recent_logs=recent_lines)
 
 
 def read_http_token(config: Config) -> str:
@@ -295,24 +391,6 @@ async def _serve_local_api(api: LocalAPI, http_listen: str, http_token: str | No
         await asyncio.Event().wait()  # serve until cancelled
     finally:
         await api.stop()
-
-
-async def announce_capabilities(agent: Agent) -> None:
-    """PUT /capabilities once, retrying with backoff until it is delivered (offline start keeps retrying)."""
-    backoff = Backoff(base=agent.config.sse.backoff_base, cap=agent.config.sse.backoff_max,
-                      jitter=agent.config.sse.jitter)
-    while not agent.stopping:
-        try:
-            await agent.announce_capabilities(rescan=False)
-            log.info("capabilities announced", extra={"hooks": len(agent.hooks.hooks)})
-            return
-        except ControlPlaneError as exc:
-            delay = backoff.next_delay()
-            log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
-        except PlexdError as exc:  # re-registration impossible (no token): keep running, say why, retry later
-            delay = backoff.cap
-            log.error("%s", exc)
-        await agent.sleep(delay)
 
 
 async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio.Event | None = None,

@@ -28,6 +28,10 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
                    reported_nat_type, reported_at, report_error, refresh_interval_seconds
     node_api       socket, tcp (null or host:port), reports, rate_limited, report_sync (pending, sent_batches,
                    dropped_batches, last_sent_at, last_error)
+    actions        enabled, max_concurrent, running [{execution_id, action, origin, running_seconds}], accepted,
+                   rejected {reason: count}, outbox (pending, sent, refused, dropped_full, last_sent_at,
+                   last_error), hooks (directory, hooks, refused, scans, announcements, announce_pending,
+                   last_announce_error)
     services       [{name, state, restarts, last_error, last_error_at, running_since}]
 
 Times are unix seconds. Without a running daemon, `plexd status` prints the same document from the stored
@@ -115,6 +119,7 @@ async def live_status(node: Node) -> dict[str, Any]:
                        "reports": len(node.reports) if node.reports is not None else 0,
                        "rate_limited": api.rate_limit.refused,
                        "report_sync": node.report_sync.status() if node.report_sync is not None else None}
+    doc["actions"] = node.actions.status() if node.actions is not None else None
     doc["services"] = agent.supervisor.to_json()
     return doc
 

@@ -10,6 +10,7 @@ import errno
 import http.client
 import json
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from plexd.errors import PlexdError
@@ -39,34 +40,75 @@ class _UnixConnection(http.client.HTTPConnection):
 
 def call(socket_path: str, method: str, path: str, body: Any = None, *, admin_group: str = "plexd-admin",
          timeout: float = TIMEOUT, headers: dict[str, str] | None = None) -> Any:
-    conn = _UnixConnection(socket_path, timeout)
+    conn = _connect(socket_path, timeout, admin_group)
     try:
+        response = _request(conn, socket_path, method, path, body, headers)
         try:
-            conn.connect()
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise DaemonNotRunning(socket_path) from None
-        except PermissionError:
-            raise PlexdError(f"cannot reach the plexd daemon at {socket_path}: permission denied (run as root or "
-                             f"as a member of group {admin_group})") from None
-        except OSError as exc:
-            if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
-                raise DaemonNotRunning(socket_path) from None
-            raise PlexdError(f"cannot reach the plexd daemon at {socket_path}: {exc.strerror or exc}") from None
-        payload = None if body is None else json.dumps(body).encode()
-        headers = {**({"Content-Type": "application/json"} if payload is not None else {}), **(headers or {})}
-        try:
-            conn.request(method, path, body=payload, headers=headers)
-            response = conn.getresponse()
             data = response.read()
         except (OSError, http.client.HTTPException) as exc:
             raise PlexdError(f"the plexd daemon at {socket_path} did not answer: {exc}") from None
     finally:
         conn.close()
-    try:
-        doc = json.loads(data) if data.strip() else None
-    except ValueError:
-        doc = None
+    doc = _decode(data)
     if response.status >= 400:
-        message = doc.get("error") if isinstance(doc, dict) else data.decode("utf-8", "replace").strip()
-        raise PlexdError(f"the plexd daemon refused {method} {path}: {message} (HTTP {response.status})")
+        raise _refused(method, path, response.status, doc, data)
     return doc
+
+
+def stream(socket_path: str, method: str, path: str, body: Any = None, *, admin_group: str = "plexd-admin",
+           timeout: float = TIMEOUT) -> Iterator[Any]:
+    """A streamed answer, one JSON document per line as the daemon sends it (``plexd actions run --local``)."""
+    conn = _connect(socket_path, timeout, admin_group)
+    try:
+        response = _request(conn, socket_path, method, path, body, None)
+        if response.status >= 400:
+            data = response.read()
+            raise _refused(method, path, response.status, _decode(data), data)
+        try:
+            for line in response:
+                if line.strip():
+                    yield json.loads(line)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            raise PlexdError(f"the plexd daemon at {socket_path} broke off its answer: {exc}") from None
+    finally:
+        conn.close()
+
+
+def _connect(socket_path: str, timeout: float, admin_group: str) -> _UnixConnection:
+    conn = _UnixConnection(socket_path, timeout)
+    try:
+        conn.connect()
+    except (FileNotFoundError, ConnectionRefusedError):
+        raise DaemonNotRunning(socket_path) from None
+    except PermissionError:
+        raise PlexdError(f"cannot reach the plexd daemon at {socket_path}: permission denied (run as root or "
+                         f"as a member of group {admin_group})") from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK):
+            raise DaemonNotRunning(socket_path) from None
+        raise PlexdError(f"cannot reach the plexd daemon at {socket_path}: {exc.strerror or exc}") from None
+    return conn
+
+
+def _request(conn: _UnixConnection, socket_path: str, method: str, path: str, body: Any,
+             headers: dict[str, str] | None) -> http.client.HTTPResponse:
+    payload = None if body is None else json.dumps(body).encode()
+    headers = {**({"Content-Type": "application/json"} if payload is not None else {}), **(headers or {})}
+    try:
+        conn.request(method, path, body=payload, headers=headers)
+        return conn.getresponse()
+    except (OSError, http.client.HTTPException) as exc:
+        conn.close()
+        raise PlexdError(f"the plexd daemon at {socket_path} did not answer: {exc}") from None
+
+
+def _decode(data: bytes) -> Any:
+    try:
+        return json.loads(data) if data.strip() else None
+    except ValueError:
+        return None
+
+
+def _refused(method: str, path: str, status: int, doc: Any, data: bytes) -> PlexdError:
+    message = doc.get("error") if isinstance(doc, dict) else data.decode("utf-8", "replace").strip()
+    return PlexdError(f"the plexd daemon refused {method} {path}: {message} (HTTP {status})")

@@ -32,7 +32,7 @@ import pwd
 import socket
 import stat
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -133,6 +133,8 @@ class Response:
     body: Any = None  # JSON document, or bytes/str sent as they are
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
+    # Sent chunk by chunk as it comes (chunked transfer encoding) instead of `body`: streamed action output.
+    stream: AsyncIterator[bytes] | None = None
 
     def encoded(self) -> bytes:
         if self.body is None and self.status == 204:
@@ -403,6 +405,9 @@ class LocalAPI:
                 and hmac.compare_digest(token.strip().encode("latin-1"), self._tcp_token))
 
     async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response) -> None:
+        if response.stream is not None:
+            await self._send_stream(conn, writer, response, response.stream)
+            return
         body = response.encoded()
         headers = [("content-type", response.content_type), ("content-length", str(len(body))),
                    *response.headers.items()]
@@ -413,6 +418,24 @@ class LocalAPI:
             writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
+
+
+    async def _send_stream(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response,
+                           stream: AsyncIterator[bytes]) -> None:
+        headers = [("content-type", response.content_type), ("transfer-encoding", "chunked"),
+                   *response.headers.items()]
+        try:
+            writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
+            async for chunk in stream:
+                if chunk:
+                    writer.write(conn.send(h11.Data(data=chunk)))
+                    await writer.drain()
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:  # the client went away: let the producer clean up
+                await aclose()
 
 
 def _who(cred: PeerCred | None, remote: str) -> str:

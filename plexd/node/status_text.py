@@ -81,6 +81,9 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"node API:       {api['socket']}" + (f" and tcp {api['tcp']}" if api["tcp"] else "")
                      + f", {api['reports']} report entries, {queued}"
                      + (f", {api['rate_limited']} requests rate-limited" if api["rate_limited"] else ""))
+    actions = doc.get("actions")
+    if actions:
+        lines.append(f"actions:        {_actions_line(actions)}")
     lines.append("services:")
     for svc in doc["services"]:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""
@@ -102,4 +105,18 @@ def _nat_line(nat: dict[str, Any], now: float) -> str:
         line += f"; last attempt {_ago(nat['last_attempt_at'], now)} failed: {nat['last_error']}"
     if nat.get("report_error"):
         line += f"; report failing: {nat['report_error']}"
+    return line
+
+
+def _actions_line(a: dict[str, Any]) -> str:
+    if not a["enabled"]:
+        return "disabled (actions.enabled: false)"
+    hooks, outbox = a["hooks"], a["outbox"]
+    line = (f"{len(a['running'])} running (limit {a['max_concurrent']}), {a['accepted']} accepted, "
+            f"{sum(a['rejected'].values())} rejected; {hooks['hooks']} hook(s)")
+    if hooks["refused"]:
+        line += f", {hooks['refused']} refused"
+    if outbox["pending"]:
+        line += f"; {outbox['pending']} message(s) to deliver" + (
+            f" ({outbox['last_error']})" if outbox["last_error"] else "")
     return line

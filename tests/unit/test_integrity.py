@@ -151,14 +151,27 @@ def test_writable_hooks_directory_refuses_every_hook(hooks_dir):
     assert scan.hooks == () and "hooks directory" in scan.refused[0].reason
 
 
-def test_symlink_is_judged_by_its_target(hooks_dir, tmp_path):
-    target = tmp_path / "real-hook"
+def test_symlink_inside_the_directory_is_judged_by_its_target(hooks_dir):
+    target = hooks_dir / "real-hook"
     target.write_text("#!/bin/sh\n")
     os.chmod(target, 0o755)
     (hooks_dir / "linked").symlink_to(target)
-    assert [h.name for h in scan_hooks(hooks_dir).hooks] == ["linked"]
+    assert [h.name for h in scan_hooks(hooks_dir).hooks] == ["linked", "real-hook"]
     os.chown(target, 1000, 1000)
-    assert scan_hooks(hooks_dir).refused[0].name == "linked"
+    assert {r.name for r in scan_hooks(hooks_dir).refused} == {"linked", "real-hook"}
+
+
+def test_symlink_leaving_the_directory_is_refused_with_the_reason(hooks_dir, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("#!/bin/sh\n")
+    os.chmod(target, 0o755)
+    (hooks_dir / "linked").symlink_to(target)
+    (hooks_dir / "dotdot").symlink_to(hooks_dir / ".." / "elsewhere")
+    scan = scan_hooks(hooks_dir)
+    assert scan.hooks == ()
+    assert {r.name: r.reason for r in scan.refused} == {
+        "dotdot": f"symlink to {target} leaves the hooks directory {hooks_dir}",
+        "linked": f"symlink to {target} leaves the hooks directory {hooks_dir}"}
 
 
 def test_missing_hooks_directory_means_no_hooks(tmp_path):

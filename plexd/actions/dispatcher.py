@@ -1,0 +1,346 @@
+"""Validate → acknowledge → run → report, for ``action_request`` events and local runs alike.
+
+Checks, in order (plexd-protocol.md §7.4 as settled in PROJECT-DECISIONS.md): the request is well-formed
+(``invalid_request``), actions are enabled (``actions_disabled``), plexd is not shutting down (``shutting_down``),
+the execution id was never accepted before — running, finished, or cut short by a crash (``duplicate_execution_id``),
+the action exists (``unknown_action``), its parameters are the declared ones (``invalid_request``), a hook's file
+still has the checksum of the request and of the last announcement, and is still safe to run
+(``integrity_violation``, with ``POST /integrity/violations``), and a slot is free (``max_concurrent_reached``).
+Only then is the execution journaled with its ``accepted`` ack (one transaction) and started; every refusal is
+acked ``rejected`` with its reason and logged once with the detail. Nothing here waits for the control plane:
+acks, results and violations go through the outbox.
+
+Timeout: the request's, else the hook's sidecar's, else ``actions.timeout``; never more than 10 minutes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from plexd.actions import request as rq
+from plexd.actions.audit import LocalAudit
+from plexd.actions.builtins import BUILTINS, Builtin, NodeView
+from plexd.actions.hooks import HookSet
+from plexd.actions.journal import ActionJournal, JournalError
+from plexd.actions.outbox import Outbox
+from plexd.actions.request import ActionRequest, InvalidRequest
+from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
+from plexd.config import ActionsConfig
+from plexd.controlplane.envelope import Envelope
+from plexd.gojson import format_duration, format_time, now_utc, parse_duration
+from plexd.integrity import Hook, RefusedHook, inspect_hook
+
+log = logging.getLogger(__name__)
+
+MAX_TIMEOUT = 600.0
+CONTROL_PLANE, LOCAL = "control_plane", "local"
+
+
+@dataclass
+class Running:
+    request: ActionRequest
+    origin: str
+    started: float
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    done: asyncio.Future[dict[str, Any]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    task: asyncio.Task[None] | None = None
+    caller: dict[str, Any] = field(default_factory=dict)  # a local caller's uid, gid, pid
+
+    def to_json(self) -> dict[str, Any]:
+        return {"execution_id": self.request.execution_id, "action": self.request.action, "origin": self.origin,
+                "running_seconds": round(time.monotonic() - self.started, 1)}
+
+
+class ActionDispatcher:
+    def __init__(self, config: ActionsConfig, journal: ActionJournal, outbox: Outbox, hooks: HookSet,
+                 view: NodeView, node_id: Callable[[], str], audit: LocalAudit, *,
+                 builtins: dict[str, Builtin] | None = None) -> None:
+        self.config = config  # replaced by service.reload_config
+        self.journal = journal
+        self.outbox = outbox
+        self.hooks = hooks
+        self.view = view
+        self._node_id = node_id
+        self.audit = audit
+        self.builtins = BUILTINS if builtins is None else builtins
+        self.running: dict[str, Running] = {}
+        self.shutting_down = False
+        self.accepted = 0
+        self.rejected: dict[str, int] = {}
+
+    # -- entry points -------------------------------------------------------------------------------------------
+
+    async def handle_event(self, env: Envelope) -> None:
+        """The ``action_request`` handler. Returns once the request is acked (queued) and started: never waits
+        for the hook or the control plane. A payload without an execution id raises MissingExecutionId."""
+        payload = env.payload()
+        try:
+            request = rq.parse_request(payload)
+        except InvalidRequest as exc:
+            self._refuse(rq.execution_id_of(payload), _action_of(payload), CONTROL_PLANE, exc)
+            return
+        try:
+            await self.submit(request, CONTROL_PLANE)
+        except InvalidRequest:
+            pass  # acked, logged and counted in submit
+
+    async def submit(self, request: ActionRequest, origin: str, *, on_output: OnOutput | None = None,
+                     caller: dict[str, Any] | None = None) -> Running:
+        """Admit and start `request`; raise InvalidRequest (after acking and logging it) when it is refused."""
+        try:
+            target = await self._admit(request, origin)
+            # From here to the start nothing awaits: the duplicate and concurrency checks and the journal entry
+            # are one step, so two requests cannot both take the last slot or the same id.
+            self._check_slot(request)
+            ack = {"execution_id": request.execution_id, "status": "accepted", "reason": ""}
+            try:
+                self.journal.accept(request.execution_id, request.action, origin, request.to_json(),
+                                    ack if origin == CONTROL_PLANE else None)
+            except JournalError as exc:
+                raise InvalidRequest(f"cannot journal the execution ({exc}); not run") from None
+        except InvalidRequest as exc:
+            self._refuse(request.execution_id, request.action, origin, exc, caller)
+            raise
+        self.outbox.wake()
+        self.accepted += 1
+        running = Running(request, origin, time.monotonic(), caller=caller or {})
+        self.running[request.execution_id] = running
+        running.task = asyncio.create_task(self._execute(running, target, on_output),
+                                           name=f"plexd:action:{request.execution_id}")
+        log.info("action %s accepted (execution %s, from %s)", request.action, request.execution_id,
+                 "the control plane" if origin == CONTROL_PLANE else f"local uid {(caller or {}).get('uid')}",
+                 extra={"execution_id": request.execution_id, "action": request.action})
+        if origin == LOCAL:
+            self.audit.record("started", execution_id=request.execution_id, action=request.action,
+                              parameters=sorted(request.parameters), **(caller or {}))
+        return running
+
+    def local_request(self, action: str, parameters: dict[str, str], timeout: float | None,
+                      uid: int) -> ActionRequest:
+        return ActionRequest("local-" + secrets.token_hex(8), action, parameters, timeout, "",
+                             {"type": "local", "session_id": "", "user_id": f"uid:{uid}", "email": ""})
+
+    # -- admission ----------------------------------------------------------------------------------------------
+
+    async def _admit(self, request: ActionRequest, origin: str) -> Builtin | Hook:
+        if not self.config.enabled:
+            raise InvalidRequest("actions are disabled (actions.enabled: false)", rq.ACTIONS_DISABLED)
+        if self.shutting_down:
+            raise InvalidRequest("plexd is shutting down", rq.SHUTTING_DOWN)
+        self._check_duplicate(request.execution_id)
+        builtin = self.builtins.get(request.action)
+        if builtin is not None:
+            rq.check_declared(request.parameters, builtin.parameters)
+            return builtin
+        hook = self.hooks.find(request.action)
+        if hook is None:
+            refused = next((r for r in self.hooks.current.refused if r.name == request.action), None)
+            why = f"hook {request.action!r} is refused: {refused.reason}" if refused else (
+                f"no built-in action or hook named {request.action!r}")
+            raise InvalidRequest(why, rq.UNKNOWN_ACTION)
+        rq.check_declared(request.parameters, hook.parameters)
+        return await self._verify(request, origin, hook)
+
+    def _check_duplicate(self, execution_id: str) -> None:
+        if execution_id in self.running:
+            raise InvalidRequest(f"execution {execution_id} is running; not run twice", rq.DUPLICATE)
+        known = self.journal.known(execution_id)
+        if known is not None:
+            when = format_time(_utc(known.accepted_at))
+            raise InvalidRequest(f"execution {execution_id} was accepted at {when} ({known.state}"
+                                 f"{', ' + known.status if known.status else ''}); never run twice", rq.DUPLICATE)
+
+    def _check_slot(self, request: ActionRequest) -> None:
+        self._check_duplicate(request.execution_id)
+        if len(self.running) >= self.config.max_concurrent:
+            raise InvalidRequest(f"{len(self.running)} actions running, the limit (actions.max_concurrent)",
+                                 rq.MAX_CONCURRENT)
+
+    async def _verify(self, request: ActionRequest, origin: str, hook: Hook) -> Hook:
+        """The hook as it is on disk now: still safe, and with the checksum the request (or, for a local run, the
+        last scan) and the last announcement name. Else a violation is reported and the request refused."""
+        if origin == CONTROL_PLANE and not request.checksum:
+            raise InvalidRequest(f"checksum: missing; hook {hook.name!r} runs only against the SHA-256 it was "
+                                 "announced with")
+        found = await asyncio.to_thread(inspect_hook, self.hooks.directory, hook.name)
+        if found is None:
+            raise InvalidRequest(f"hook {hook.name!r} no longer exists in {self.hooks.directory}", rq.UNKNOWN_ACTION)
+        if isinstance(found, RefusedHook):
+            self._violation(hook.path, hook.checksum, "", f"hook refused: {found.reason}")
+            raise InvalidRequest(f"hook {hook.name!r} is no longer safe to run: {found.reason}",
+                                 rq.INTEGRITY_VIOLATION)
+        now, _ = found
+        expected = request.checksum or hook.checksum
+        announced = self.hooks.announced_checksum(hook.name)
+        if now.checksum != expected:
+            problem = "differs from the request's checksum" if request.checksum else "changed since it was scanned"
+        elif announced is not None and now.checksum != announced:
+            expected = announced or expected
+            problem = ("differs from the checksum last announced" if announced else
+                       "was never announced to the control plane")
+        else:
+            return now
+        self._violation(hook.path, expected, now.checksum, f"hook checksum mismatch: the file {problem}")
+        raise InvalidRequest(f"hook {hook.name!r}: sha256 {now.checksum} {problem} ({expected or 'none'}); "
+                             "not run", rq.INTEGRITY_VIOLATION)
+
+    def _violation(self, path: str, expected: str, actual: str, detail: str) -> None:
+        body = {"type": "hook", "path": path, "expected_checksum": expected, "actual_checksum": actual,
+                "detail": detail, "timestamp": format_time(now_utc())}
+        try:
+            self.journal.queue("violation", "", body)
+        except JournalError as exc:
+            log.error("%s; integrity violation not queued: %s", exc, detail)
+        log.error("integrity violation: %s: %s", path, detail,
+                  extra={"path": path, "expected_checksum": expected, "actual_checksum": actual})
+
+    def _refuse(self, execution_id: str, action: str, origin: str, exc: InvalidRequest,
+                caller: dict[str, Any] | None = None) -> None:
+        self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+        log.warning("action %r (execution %s) rejected: %s: %s", action, execution_id, exc.reason, exc,
+                    extra={"execution_id": execution_id, "reason": exc.reason})
+        if origin == CONTROL_PLANE:
+            try:
+                self.journal.queue("ack", execution_id,
+                                   {"execution_id": execution_id, "status": "rejected", "reason": exc.reason})
+            except JournalError as err:
+                log.error("%s; the rejection of %s is not queued", err, execution_id)
+            self.outbox.wake()
+        else:
+            self.audit.record("refused", execution_id=execution_id, action=action, reason=exc.reason,
+                              detail=str(exc), **(caller or {}))
+
+    # -- running ------------------------------------------------------------------------------------------------
+
+    def timeout_for(self, request: ActionRequest, target: Builtin | Hook) -> float:
+        timeout = request.timeout
+        if timeout is None and isinstance(target, Hook) and target.timeout:
+            timeout = parse_duration(target.timeout)  # validated when the sidecar was read
+        return min(timeout or self.config.timeout, MAX_TIMEOUT)
+
+    async def _execute(self, running: Running, target: Builtin | Hook, on_output: OnOutput | None) -> None:
+        request = running.request
+        timeout = self.timeout_for(request, target)
+        try:
+            if isinstance(target, Builtin):
+                outcome = await self._run_builtin(target, request, timeout, running.cancel, on_output)
+            else:
+                outcome = await run_process(target.path, rq.hook_environment(self._node_id(), request),
+                                            timeout=timeout, cap=self.config.output_cap,
+                                            kill_grace=self.config.kill_grace, cancel=running.cancel,
+                                            on_output=on_output)
+        except Exception as exc:  # a bug must not lose the result
+            log.exception("action %s (execution %s) failed inside plexd", request.action, request.execution_id)
+            outcome = Outcome(rq.ERROR, 1, "", f"plexd: internal error: {exc}\n",
+                              time.monotonic() - running.started, detail="internal error")
+        result = result_body(request, outcome)
+        try:
+            self.journal.finish(request.execution_id, outcome.status, result)
+        except JournalError as exc:
+            log.error("%s; the result of execution %s is lost", exc, request.execution_id)
+        self.outbox.wake()
+        self.running.pop(request.execution_id, None)
+        log.info("action %s (execution %s) finished: %s, %s, after %s", request.action, request.execution_id,
+                 outcome.status, outcome.detail, format_duration(outcome.duration),
+                 extra={"execution_id": request.execution_id, "status": outcome.status,
+                        "exit_code": outcome.exit_code})
+        if running.origin == LOCAL:
+            self.audit.record("finished", execution_id=request.execution_id, action=request.action,
+                              status=outcome.status, exit_code=outcome.exit_code, **running.caller)
+        if not running.done.done():
+            running.done.set_result({**result, "signal": outcome.signal})
+
+    async def _run_builtin(self, builtin: Builtin, request: ActionRequest, timeout: float, cancel: asyncio.Event,
+                           on_output: OnOutput | None) -> Outcome:
+        started = time.monotonic()
+        work = asyncio.ensure_future(builtin.run(self.view, request.parameters))
+        stop = asyncio.ensure_future(cancel.wait())
+        try:
+            done, _ = await asyncio.wait({work, stop}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        elapsed = time.monotonic() - started
+        if work not in done:
+            work.cancel()
+            status = rq.CANCELLED if stop in done else rq.TIMEOUT
+            return Outcome(status, -1, "", "", elapsed, detail=status)
+        try:
+            out = work.result()
+        except Exception as exc:
+            log.warning("built-in %s failed: %s", builtin.name, exc, exc_info=True)
+            return Outcome(rq.ERROR, 1, "", f"{builtin.name}: {exc}\n", elapsed, detail=f"error: {exc}")
+        captured = []
+        for name, text in (("stdout", out.stdout), ("stderr", out.stderr)):
+            capture = Capture(name, self.config.output_cap, on_output)
+            capture.add(text.encode())
+            captured.append(capture.text())
+        status = rq.SUCCESS if out.exit_code == 0 else rq.FAILED
+        return Outcome(status, out.exit_code, captured[0], captured[1], elapsed, detail=f"exit status {out.exit_code}")
+
+    # -- start and stop -----------------------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Finish, as ``error``, every execution a crash cut short; they are never run again."""
+        interrupted = self.journal.interrupted()
+        for execution in interrupted:
+            request = execution.request
+            outcome = Outcome(rq.ERROR, 1, "", "plexd stopped while this action was running (crash or kill); its "
+                              "outcome is unknown and it was not run again\n",
+                              max(0.0, time.time() - execution.accepted_at), detail="interrupted")
+            triggered = request.get("triggered_by") if isinstance(request.get("triggered_by"), dict) else None
+            body = result_body(ActionRequest(execution.execution_id, execution.action, triggered_by=triggered),
+                               outcome)
+            try:
+                self.journal.finish(execution.execution_id, rq.ERROR, body)
+            except JournalError as exc:
+                log.error("%s", exc)
+                continue
+            log.warning("action %s (execution %s) was running when plexd stopped: reported as error, not re-run",
+                        execution.action, execution.execution_id, extra={"execution_id": execution.execution_id})
+        return len(interrupted)
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new work; give running executions `grace` seconds, then cancel them (``cancelled``)."""
+        self.shutting_down = True
+        tasks = [r.task for r in self.running.values() if r.task is not None]
+        if not tasks:
+            return
+        log.info("waiting up to %s for %d running action(s) to finish", format_duration(grace), len(tasks))
+        _, pending = await asyncio.wait(tasks, timeout=grace)
+        if pending:
+            log.warning("cancelling %d action(s) still running after the drain window", len(pending))
+            for running in list(self.running.values()):
+                running.cancel.set()
+            await asyncio.wait(pending, timeout=self.config.kill_grace + 10)
+
+    def status(self) -> dict[str, Any]:
+        return {"enabled": self.config.enabled, "max_concurrent": self.config.max_concurrent,
+                "running": [r.to_json() for r in self.running.values()], "accepted": self.accepted,
+                "rejected": dict(self.rejected), "outbox": self.outbox.status(), "hooks": self.hooks.status()}
+
+
+def result_body(request: ActionRequest, outcome: Outcome) -> dict[str, Any]:
+    """The §1.13 result: Go's duration string, UTC ``finished_at``, ``triggered_by`` echoed (omitted if absent)."""
+    body: dict[str, Any] = {"execution_id": request.execution_id, "status": outcome.status,
+                            "exit_code": outcome.exit_code, "stdout": outcome.stdout, "stderr": outcome.stderr,
+                            "duration": format_duration(outcome.duration), "finished_at": format_time(now_utc())}
+    if request.triggered_by is not None:
+        body["triggered_by"] = request.triggered_by
+    return body
+
+
+def _action_of(payload: Any) -> str:
+    action = payload.get("action") if isinstance(payload, dict) else None
+    return action if isinstance(action, str) else ""
+
+
+def _utc(seconds: float) -> Any:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(seconds, UTC)

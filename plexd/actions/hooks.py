@@ -1,0 +1,169 @@
+"""The hook set: scanned at start, watched with watchfiles (inotify, debounced), re-scanned in full every
+``hooks.reverify`` as well (inotify misses changes on some filesystems), and re-announced to the control plane
+with ``PUT /capabilities`` whenever the set, a checksum, a sidecar or a refusal changes.
+
+What was last announced (per hook: its checksum) is kept in the action journal, so that a request can be checked
+against it after a restart too (`announced_checksum`). An announcement that fails is retried with jittered
+backoff until it goes through; a newer scan supersedes an older one still waiting.
+
+The directory may be missing, appear later, be replaced or disappear: while it is missing there are no hooks,
+and its parent is polled every `POLL` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import watchfiles
+
+from plexd.actions.journal import ActionJournal, JournalError
+from plexd.backoff import Backoff
+from plexd.controlplane.errors import ControlPlaneError
+from plexd.errors import PlexdError
+from plexd.integrity import Hook, HookScan, scan_hooks
+
+log = logging.getLogger(__name__)
+
+DEBOUNCE_MS = 500
+POLL = 2.0
+
+Publish = Callable[[HookScan], Awaitable[None]]  # PUT /capabilities with this scan; raises on failure
+
+
+class HookSet:
+    def __init__(self, directory: str, journal: ActionJournal, scan: HookScan, publish: Publish, *,
+                 reverify: float = 300.0, backoff: Backoff | None = None) -> None:
+        self.directory = directory
+        self.journal = journal
+        self.current = scan
+        self._publish = publish
+        self.reverify = reverify
+        self.backoff = backoff or Backoff()
+        self._announced = journal.announced()
+        self._to_announce: HookScan | None = None
+        self._announce_wake = asyncio.Event()
+        self.scans = 0
+        self.announcements = 0
+        self.last_announce_error = ""
+
+    # -- what requests are checked against ----------------------------------------------------------------------
+
+    def find(self, name: str) -> Hook | None:
+        return self.current.find(name)
+
+    def announced_checksum(self, name: str) -> str | None:
+        """The checksum the control plane was last told for hook `name` (None: never announced)."""
+        return None if self._announced is None else self._announced.get(name)
+
+    def mark_announced(self, scan: HookScan) -> None:
+        """`scan` reached the control plane (a registration or a capabilities PUT)."""
+        announced = {h.name: h.checksum for h in scan.hooks}
+        try:
+            self.journal.set_announced(announced)
+        except JournalError as exc:
+            log.error("%s", exc)
+        self._announced = announced
+
+    # -- scanning -----------------------------------------------------------------------------------------------
+
+    async def rescan(self, why: str) -> list[str]:
+        """Scan again; log and announce what changed. Returns the changes, one line each."""
+        scan = await asyncio.to_thread(scan_hooks, self.directory)
+        self.scans += 1
+        changes = describe_changes(self.current, scan)
+        old, self.current = self.current, scan
+        if changes:
+            log.info("hooks changed (%s): %s", why, "; ".join(changes), extra={"component": "hooks"})
+        if [h.to_wire() for h in old.hooks] != [h.to_wire() for h in scan.hooks] or self._stale(scan):
+            self.request_announce(scan)
+        return changes
+
+    def _stale(self, scan: HookScan) -> bool:
+        """The control plane's view differs from this scan (e.g. a change while plexd was stopped)."""
+        return self._announced is not None and self._announced != {h.name: h.checksum for h in scan.hooks}
+
+    def request_announce(self, scan: HookScan) -> None:
+        self._to_announce = scan
+        self._announce_wake.set()
+
+    # -- services -----------------------------------------------------------------------------------------------
+
+    async def watch(self) -> None:
+        """Watch the directory until cancelled (the ``hooks`` service)."""
+        while True:
+            try:
+                ino = os.stat(self.directory).st_ino
+            except OSError:
+                await self._wait_for_directory()
+                continue
+            await self.rescan("watch started")
+            async for changes in watchfiles.awatch(self.directory, debounce=DEBOUNCE_MS, step=50, recursive=False,
+                                                   rust_timeout=int(self.reverify * 1000), yield_on_timeout=True):
+                try:
+                    replaced = os.stat(self.directory).st_ino != ino
+                except OSError:
+                    replaced = True
+                await self.rescan("files changed" if changes else "periodic re-verify")
+                if replaced:  # gone or swapped: this watch no longer sees it
+                    if not os.path.isdir(self.directory):
+                        log.warning("hooks directory %s disappeared: no hooks until it comes back",
+                                    self.directory, extra={"component": "hooks"})
+                    break
+
+    async def _wait_for_directory(self) -> None:
+        if self.current.hooks or self.current.refused:
+            await self.rescan("directory missing")
+        while not os.path.isdir(self.directory):
+            await asyncio.sleep(POLL)
+        log.info("hooks directory %s appeared", self.directory, extra={"component": "hooks"})
+
+    async def announce(self) -> None:
+        """Deliver the newest scan waiting to be announced, retrying until it is (the ``capabilities`` service)."""
+        while True:
+            await self._announce_wake.wait()
+            self._announce_wake.clear()
+            scan = self._to_announce
+            if scan is None:
+                continue
+            try:
+                await self._publish(scan)
+            except (ControlPlaneError, PlexdError) as exc:
+                self.last_announce_error = str(exc)
+                delay = self.backoff.next_delay()
+                log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
+                try:
+                    await asyncio.wait_for(self._announce_wake.wait(), delay)
+                except TimeoutError:
+                    self._announce_wake.set()
+                continue
+            if self._to_announce is scan:
+                self._to_announce = None
+            self.mark_announced(scan)
+            self.announcements += 1
+            self.last_announce_error = ""
+            self.backoff.reset()
+            log.info("capabilities announced", extra={"hooks": len(scan.hooks)})
+
+    def status(self) -> dict[str, Any]:
+        return {"directory": self.directory, "hooks": len(self.current.hooks), "refused": len(self.current.refused),
+                "scans": self.scans, "announcements": self.announcements,
+                "announce_pending": self._to_announce is not None, "last_announce_error": self.last_announce_error}
+
+
+def describe_changes(old: HookScan, new: HookScan) -> list[str]:
+    before = {h.name: h for h in old.hooks}
+    after = {h.name: h for h in new.hooks}
+    lines = [f"{name} added" for name in sorted(after.keys() - before.keys())]
+    lines += [f"{name} removed" for name in sorted(before.keys() - after.keys())]
+    for name in sorted(before.keys() & after.keys()):
+        if before[name].checksum != after[name].checksum:
+            lines.append(f"{name} changed (sha256 {before[name].checksum[:12]}… → {after[name].checksum[:12]}…)")
+        elif before[name].to_wire() != after[name].to_wire():
+            lines.append(f"{name}: sidecar changed")
+    refused_before = {r.name: r.reason for r in old.refused}
+    lines += [f"{r.name} refused: {r.reason}" for r in new.refused if refused_before.get(r.name) != r.reason]
+    return lines
