@@ -182,12 +182,60 @@ def check_node_api_key(segment: str) -> None:
         assert "/" not in name and "\\" not in name and not name.startswith(".") and len(name.encode()) <= 255
 
 
+def check_action_request(obj: Any) -> None:
+    """An action_request payload: a request whose every field is bounded and whose parameters are strings that
+    fit in a hook's environment, or one of the two refusals (acked invalid_request, or unackable)."""
+    from plexd.actions.request import (
+        MAX_PARAMETER_BYTES,
+        InvalidRequest,
+        MissingExecutionId,
+        env_name,
+        hook_environment,
+        name_problem,
+        parse_request,
+    )
+
+    request = _only((InvalidRequest, MissingExecutionId), lambda: parse_request(obj))
+    if request is not None:
+        assert request.execution_id and not name_problem(request.action)
+        assert all(isinstance(v, str) and len(v.encode()) <= MAX_PARAMETER_BYTES for v in request.parameters.values())
+        env = hook_environment("n_1", request)
+        assert all(env[env_name(k)] == v for k, v in request.parameters.items())
+        assert request.timeout is None or request.timeout > 0
+
+
+def check_hook_sidecar(text: str) -> None:
+    """A hook's sidecar file: its fields, or a warning and none of them; never an exception."""
+    from pathlib import Path
+
+    from plexd.integrity import _read_sidecar
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "hook.json")
+        path.write_text(text)
+        fields, warning = _read_sidecar(path)
+    assert (warning == "") == bool(fields)  # all of it, or a warning and nothing
+    for p in fields.get("parameters") or ():
+        assert isinstance(p["name"], str) and p["name"]
+
+
+_action_keys = st.sampled_from(["execution_id", "EXECUTION_ID", "action", "parameters", "timeout", "checksum",
+                                "triggered_by"])
+
 _stun_attrs = st.lists(st.tuples(st.sampled_from([0x0001, 0x0020, 0x0009, 0x8022, 0xFFFF]),
                                  st.binary(max_size=24)), max_size=5).map(
     lambda attrs: b"".join(t.to_bytes(2, "big") + len(v).to_bytes(2, "big") + v + b"\0" * (-len(v) % 4)
                            for t, v in attrs))
 
 TARGETS = [
+    Target("action_request", st.one_of(json_values, st.dictionaries(_action_keys, st.one_of(
+        json_values, st.dictionaries(_text, json_values, max_size=4), st.sampled_from(
+            ["30s", "-1s", "0", "1h", "x", "../x", "a/b", "ok.sh", "exec_1", "\x00"])), max_size=7)),
+        check_action_request),
+    Target("hook_sidecar", st.one_of(json_texts, st.dictionaries(st.sampled_from(
+        ["description", "timeout", "sandbox", "parameters"]), st.one_of(json_values, st.lists(st.dictionaries(
+            st.sampled_from(["name", "type", "required", "description"]), json_values), max_size=3))).map(
+        lambda d: json.dumps(d))), check_hook_sidecar),
     Target("json", json_texts, check_json),
     Target("envelope", st.one_of(json_texts, st.builds(
         lambda t, i, p: json.dumps({"event_type": t, "event_id": i, "payload": p, "nonce": i}, ensure_ascii=False),

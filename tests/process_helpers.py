@@ -40,3 +40,13 @@ def run_as(fn, uid: int = NOBODY, gid: int = NOBODY, groups: tuple[int, ...] = (
     os.close(r)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), b"".join(chunks).decode()
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for init to reap it is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            stat = fh.read()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"

@@ -18,9 +18,11 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import IO
 
 from plexd.actions.request import CANCELLED, ERROR, FAILED, SUCCESS, TIMEOUT
 
@@ -70,16 +72,18 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
                       cancel: asyncio.Event | None = None, on_output: OnOutput | None = None) -> Outcome:
     started = time.monotonic()
     try:
-        proc = await asyncio.create_subprocess_exec(
-            path, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, env=env, cwd="/", start_new_session=True, close_fds=True)
+        # Popen, not asyncio's subprocess: its wait() returns only once the pipes close, which a leftover child
+        # may hold open; a pidfd says when the hook itself has exited.
+        proc = subprocess.Popen([path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env, cwd="/", start_new_session=True, close_fds=True)
     except OSError as exc:
-        return Outcome(ERROR, 1, "", f"cannot execute {path}: {exc.strerror or exc}", time.monotonic() - started,
+        return Outcome(ERROR, 1, "", f"cannot execute {path}: {exc.strerror or exc}\n", time.monotonic() - started,
                        detail=f"exec failed: {exc.strerror or exc}")
     out, err = Capture("stdout", cap, on_output), Capture("stderr", cap, on_output)
     assert proc.stdout is not None and proc.stderr is not None
-    readers = [asyncio.ensure_future(_pump(proc.stdout, out)), asyncio.ensure_future(_pump(proc.stderr, err))]
-    exited = asyncio.ensure_future(proc.wait())
+    pipes = [await _open_pipe(proc.stdout, out), await _open_pipe(proc.stderr, err)]
+    readers = [asyncio.ensure_future(_pump(reader, capture)) for reader, capture, _ in pipes]
+    exited = _exit_of(proc)
     cancelled = asyncio.ensure_future(cancel.wait()) if cancel is not None else None
     status = ""
     try:
@@ -106,9 +110,11 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
     finally:
         if cancelled is not None:
             cancelled.cancel()
+        for _, _, transport in pipes:
+            transport.close()
     _kill_group(proc.pid, signal.SIGKILL)  # anything still in the group after the hook ended
     duration = time.monotonic() - started
-    code = proc.returncode if proc.returncode is not None else -1
+    code = proc.wait()  # already exited: reaps at once
     sig = -code if code < 0 else 0
     exit_code = -1 if code < 0 else code  # Go's ExitCode(): -1 when a signal ended the process
     if not status:
@@ -118,12 +124,45 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
     return Outcome(status, exit_code, out.text(), err.text(), duration, sig, detail)
 
 
+async def _open_pipe(pipe: IO[bytes], capture: Capture) -> tuple[asyncio.StreamReader, Capture, asyncio.BaseTransport]:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=READ_CHUNK, loop=loop)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
+    return reader, capture, transport
+
+
+def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None]:
+    """Resolves when `proc` exits (its pidfd becomes readable), without reaping it."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except ProcessLookupError:
+        done.set_result(None)
+        return done
+
+    def fired() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        if not done.done():
+            done.set_result(None)
+
+    def cleanup(fut: asyncio.Future[None]) -> None:
+        if fut.cancelled():  # never fired: stop watching
+            loop.remove_reader(pidfd)
+            os.close(pidfd)
+
+    loop.add_reader(pidfd, fired)
+    done.add_done_callback(cleanup)
+    return done
+
+
 async def _pump(stream: asyncio.StreamReader, capture: Capture) -> None:
     while chunk := await stream.read(READ_CHUNK):
         capture.add(chunk)
 
 
-async def _stop_group(pgid: int, exited: asyncio.Future[int], grace: float) -> None:
+async def _stop_group(pgid: int, exited: asyncio.Future[None], grace: float) -> None:
     _kill_group(pgid, signal.SIGTERM)
     with contextlib.suppress(TimeoutError):
         await asyncio.wait_for(asyncio.shield(exited), grace)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from lab_daemon import PLEXD, Daemon, wait_until
-from process_helpers import NOBODY, run_as
+from process_helpers import NOBODY, alive, run_as
 
 pytestmark = pytest.mark.root
 
@@ -45,14 +45,6 @@ def finished(dp, node_id: str, execution_id: str, daemons, timeout: float = 30) 
     wait_until(lambda: execution(dp, node_id, execution_id).get("result") is not None, timeout,
                f"the result of {execution_id}", daemons)
     return execution(dp, node_id, execution_id)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def start(lab, dp, daemons, tmp_path, extra: str = "", node_api: str = "") -> Daemon:

@@ -1,0 +1,305 @@
+"""Actions without a daemon: the request parser, the hook environment, the journal (exactly-once, crash
+recovery, a corrupt file), the outbox (order, refusals, retries) and the dispatcher's admission (concurrency,
+integrity against the request and the announcement, drain). Hooks here are real files run by the real runner;
+the control plane is a recording `send` (the devplane round trip is tests/e2e/test_actions_lab.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from plexd.actions import request as rq
+from plexd.actions.audit import LocalAudit
+from plexd.actions.builtins import Builtin, NodeView, Output
+from plexd.actions.dispatcher import CONTROL_PLANE, LOCAL, ActionDispatcher
+from plexd.actions.hooks import HookSet, describe_changes
+from plexd.actions.journal import ActionJournal
+from plexd.actions.outbox import Outbox
+from plexd.backoff import Backoff
+from plexd.config import ActionsConfig
+from plexd.controlplane.envelope import Envelope
+from plexd.controlplane.errors import ControlPlaneError, TransientError
+from plexd.integrity import scan_hooks
+
+# -- the request ----------------------------------------------------------------------------------------------
+
+
+def test_scalars_are_stringified_and_keys_are_case_insensitive():
+    req = rq.parse_request({"EXECUTION_ID": "e1", "Action": "backup", "parameters": {
+        "s": "x", "t": True, "f": False, "n": 3, "x": 1.5, "z": None}, "timeout": "30s", "checksum": "AB",
+        "triggered_by": {"type": "control_plane"}})
+    assert req.parameters == {"s": "x", "t": "true", "f": "false", "n": "3", "x": "1.5", "z": ""}
+    assert (req.execution_id, req.action, req.timeout, req.checksum) == ("e1", "backup", 30.0, "ab")
+    assert req.triggered_by == {"type": "control_plane"}
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"parameters": {"p": {"a": 1}}}, "parameters.p: is an object"),
+    ({"parameters": {"p": [1]}}, "parameters.p: is an array"),
+    ({"parameters": ["a"]}, "parameters: must be an object"),
+    ({"action": "a/b"}, "must not contain '/', '\\' or '..'"),
+    ({"action": "a\\b"}, "must not contain"),
+    ({"action": ".."}, "must not contain"),
+    ({"action": ""}, "action: missing"),
+    ({"action": 3}, "action: must be a string"),
+    ({"timeout": "soon"}, "timeout: invalid duration"),
+    ({"timeout": "-1s"}, "must be positive"),
+    ({"timeout": 30}, "timeout: must be a Go duration"),
+    ({"parameters": {"a-b": "1", "a_b": "2"}}, "both become PLEXD_PARAM_A_B"),
+    ({"parameters": {"p": "x" * (rq.MAX_PARAMETER_BYTES + 1)}}, "longer than"),
+    ({"parameters": {str(i): "" for i in range(rq.MAX_PARAMETERS + 1)}}, "more than"),
+    ({"triggered_by": "me"}, "triggered_by: must be an object"),
+])
+def test_bad_requests_are_refused_naming_what_is_wrong(payload, message):
+    with pytest.raises(rq.InvalidRequest) as err:
+        rq.parse_request({"execution_id": "e1", "action": "ok", **payload})
+    assert message in str(err.value) and err.value.reason == rq.INVALID_REQUEST
+
+
+@pytest.mark.parametrize("payload", [{"action": "x"}, {"execution_id": ""}, {"execution_id": 5}, [], None,
+                                     {"execution_id": "a\nb"}, {"execution_id": "x" * 300}])
+def test_without_a_usable_execution_id_nothing_can_be_acked(payload):
+    with pytest.raises(rq.MissingExecutionId):
+        rq.parse_request(payload)
+
+
+def test_the_environment_is_exactly_the_documented_one(monkeypatch):
+    monkeypatch.setenv("PATH", "/bin")
+    monkeypatch.setenv("HOME", "/root")
+    monkeypatch.setenv("SECRET_FROM_DAEMON", "x")
+    req = rq.ActionRequest("e1", "h", {"my-param.name!": "v"})
+    assert rq.hook_environment("n_1", req) == {
+        "PATH": "/bin", "HOME": "/root", "PLEXD_NODE_ID": "n_1", "PLEXD_EXECUTION_ID": "e1",
+        "PLEXD_ACTION_NAME": "h", "PLEXD_PARAM_MY_PARAM_NAME_": "v"}
+
+
+def test_declared_parameters_are_enforced():
+    declared = [{"name": "target", "required": True}, {"name": "dry"}]
+    rq.check_declared({"target": "x"}, declared)
+    rq.check_declared({"anything": "x"}, None)
+    with pytest.raises(rq.InvalidRequest, match="required 'target' missing"):
+        rq.check_declared({"dry": "1"}, declared)
+    with pytest.raises(rq.InvalidRequest, match="'other' not declared"):
+        rq.check_declared({"target": "x", "other": "y"}, declared)
+
+
+# -- the journal ----------------------------------------------------------------------------------------------
+
+
+def test_accepted_executions_are_known_after_reopening_and_crashes_are_found(tmp_path):
+    j = ActionJournal(tmp_path / "actions.db")
+    j.accept("e1", "h", CONTROL_PLANE, {"execution_id": "e1"}, {"execution_id": "e1", "status": "accepted",
+                                                                 "reason": ""})
+    j.accept("e2", "h", LOCAL, {}, None)
+    j.finish("e2", "success", {"execution_id": "e2"})
+    j.close()
+    assert oct(os.stat(tmp_path / "actions.db").st_mode & 0o777) == "0o600"
+    j = ActionJournal(tmp_path / "actions.db")
+    assert j.known("e1").state == "running" and j.known("e2").status == "success"
+    assert [e.execution_id for e in j.interrupted()] == ["e1"]
+    assert [(m.kind, m.execution_id) for m in _drain(j)] == [("ack", "e1"), ("result", "e2")]
+
+
+def test_a_corrupt_journal_is_moved_aside_and_an_empty_one_started(tmp_path, caplog):
+    (tmp_path / "actions.db").write_bytes(b"not a database" * 100)
+    j = ActionJournal(tmp_path / "actions.db")
+    assert j.known("x") is None and (tmp_path / "actions.db.corrupt").exists()
+    assert "cannot be recognised as replays" in caplog.text
+
+
+def test_a_full_outbox_drops_the_oldest_and_counts_them(tmp_path, monkeypatch):
+    monkeypatch.setattr("plexd.actions.journal.MAX_OUTBOX", 3)
+    j = ActionJournal(tmp_path / "actions.db")
+    for i in range(5):
+        j.queue("result", f"e{i}", {})
+    assert [m.execution_id for m in _drain(j)] == ["e2", "e3", "e4"] and j.dropped == 2
+
+
+def test_announced_checksums_survive_a_restart(tmp_path):
+    j = ActionJournal(tmp_path / "actions.db")
+    assert j.announced() is None
+    j.set_announced({"a": "1"})
+    j.close()
+    assert ActionJournal(tmp_path / "actions.db").announced() == {"a": "1"}
+
+
+def _drain(j: ActionJournal) -> list:
+    out = []
+    while (m := j.next_message()) is not None:
+        out.append(m)
+        j.delivered(m.seq)
+    return out
+
+
+# -- the outbox -----------------------------------------------------------------------------------------------
+
+
+async def test_outbox_delivers_in_order_drops_refusals_and_retries_transient_failures(tmp_path):
+    j = ActionJournal(tmp_path / "actions.db")
+    sent, fail = [], {"e2": [TransientError("result", 503), None], "e3": [ControlPlaneError("ack", 422)]}
+
+    async def send(m):
+        outcome = fail.get(m.execution_id, [None]).pop(0) if fail.get(m.execution_id) else None
+        if outcome is not None:
+            raise outcome
+        sent.append(m.execution_id)
+
+    outbox = Outbox(j, send, backoff=Backoff(base=0.01, cap=0.02, jitter=0))
+    for e in ("e1", "e2", "e3", "e4"):
+        j.queue("ack", e, {})
+    task = asyncio.create_task(outbox.run())
+    assert await outbox.flush(5)
+    task.cancel()
+    assert sent == ["e1", "e2", "e4"] and outbox.refused == 1 and j.outbox_size() == 0
+
+
+# -- the dispatcher -------------------------------------------------------------------------------------------
+
+
+class Harness:
+    def __init__(self, tmp: Path, *, max_concurrent: int = 5, builtins: dict | None = None) -> None:
+        self.hooks_dir = tmp / "hooks"
+        self.hooks_dir.mkdir(mode=0o755)
+        self.journal = ActionJournal(tmp / "actions.db")
+        self.hookset = HookSet(str(self.hooks_dir), self.journal, scan_hooks(self.hooks_dir), self._publish)
+        self.outbox = Outbox(self.journal, self._send)
+        view = NodeView(lambda: "n_1", lambda: "10.100.0.1", _status, dict, _none, _none, dict, _none, _none,
+                        lambda n: [])
+        self.d = ActionDispatcher(ActionsConfig(max_concurrent=max_concurrent), self.journal, self.outbox,
+                                  self.hookset, view, lambda: "n_1", LocalAudit(tmp / "audit.log"),
+                                  builtins=builtins)
+
+    async def _publish(self, scan):
+        pass
+
+    async def _send(self, m):
+        pass
+
+    def hook(self, name: str, body: str) -> str:
+        path = self.hooks_dir / name
+        path.write_text("#!/bin/sh\n" + body)
+        path.chmod(0o755)
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    async def rescan(self) -> None:
+        await self.hookset.rescan("test")
+        self.hookset.mark_announced(self.hookset.current)
+
+    async def event(self, payload: dict) -> None:
+        await self.d.handle_event(Envelope("action_request", "evt", "2026-01-01T00:00:00Z", "n",
+                                           json.dumps(payload), ""))
+
+    def messages(self) -> list:
+        return [(m.kind, m.execution_id, m.body) for m in _drain(self.journal)]
+
+
+async def _status():
+    return {"health": {"status": "healthy"}}
+
+
+async def _none(*a):
+    return None
+
+
+def acks(messages: list) -> dict[str, str]:
+    return {eid: body["reason"] or body["status"] for kind, eid, body in messages if kind == "ack"}
+
+
+async def test_six_at_once_with_a_limit_of_five_refuses_exactly_one(tmp_path):
+    release = asyncio.Event()
+
+    async def wait(view, params):
+        await release.wait()
+        return Output(0, "ok\n")
+
+    h = Harness(tmp_path, builtins={"wait": Builtin("wait", "", (), wait)})
+    for i in range(6):
+        await h.event({"execution_id": f"e{i}", "action": "wait"})
+    assert len(h.d.running) == 5
+    release.set()
+    await asyncio.wait([r.task for r in h.d.running.values()])
+    got = h.messages()
+    assert sorted(acks(got).values()) == ["accepted"] * 5 + ["max_concurrent_reached"]
+    assert sum(1 for kind, _, body in got if kind == "result" and body["status"] == "success") == 5
+
+
+async def test_a_hook_differing_from_the_request_or_the_announcement_is_refused_and_reported(tmp_path):
+    h = Harness(tmp_path)
+    good = h.hook("h.sh", f"touch {tmp_path}/ran\n")
+    await h.rescan()
+    h.hook("h.sh", f"touch {tmp_path}/ran\necho changed\n")  # edited; not re-scanned, not re-announced
+    await h.event({"execution_id": "e1", "action": "h.sh", "checksum": good})
+    got = h.messages()
+    assert acks(got) == {"e1": "integrity_violation"}
+    [(_, _, violation)] = [m for m in got if m[0] == "violation"]
+    assert violation["expected_checksum"] == good and "differs from the request's checksum" in violation["detail"]
+    # the request names the new file, but the control plane was never told about it
+    new = hashlib.sha256((h.hooks_dir / "h.sh").read_bytes()).hexdigest()
+    await h.hookset.rescan("test")  # scanned, the announcement not delivered
+    await h.event({"execution_id": "e2", "action": "h.sh", "checksum": new})
+    got = h.messages()
+    assert acks(got) == {"e2": "integrity_violation"}
+    assert "differs from the checksum last announced" in next(m for m in got if m[0] == "violation")[2]["detail"]
+    assert not (tmp_path / "ran").exists()
+
+
+async def test_a_request_without_checksum_for_a_hook_is_invalid_and_a_replay_is_a_duplicate(tmp_path):
+    h = Harness(tmp_path)
+    sha = h.hook("h.sh", "echo hi\n")
+    await h.rescan()
+    await h.event({"execution_id": "e1", "action": "h.sh"})
+    await h.event({"execution_id": "e2", "action": "h.sh", "checksum": sha})
+    await asyncio.wait([r.task for r in h.d.running.values()])
+    await h.event({"execution_id": "e2", "action": "h.sh", "checksum": sha})
+    got = h.messages()
+    assert [(k, e, b.get("reason", b.get("status"))) for k, e, b in got] == [
+        ("ack", "e1", "invalid_request"), ("ack", "e2", ""), ("result", "e2", "success"),
+        ("ack", "e2", "duplicate_execution_id")]
+
+
+async def test_an_execution_cut_short_by_a_crash_is_reported_as_error_and_never_rerun(tmp_path):
+    h = Harness(tmp_path)
+    h.journal.accept("e1", "h.sh", CONTROL_PLANE, {"triggered_by": {"type": "control_plane"}}, None)
+    assert h.d.recover() == 1
+    [(kind, eid, body)] = h.messages()
+    assert (kind, eid, body["status"], body["exit_code"]) == ("result", "e1", "error", 1)
+    assert "not run again" in body["stderr"] and body["triggered_by"] == {"type": "control_plane"}
+    await h.event({"execution_id": "e1", "action": "h.sh", "checksum": "x"})
+    assert acks(h.messages()) == {"e1": "duplicate_execution_id"}
+
+
+async def test_disabled_and_shutting_down_refuse_before_anything_else(tmp_path):
+    h = Harness(tmp_path)
+    h.d.config = ActionsConfig(enabled=False)
+    await h.event({"execution_id": "e1", "action": "nope"})
+    h.d.config = ActionsConfig()
+    await h.d.drain(1)
+    await h.event({"execution_id": "e2", "action": "nope"})
+    assert acks(h.messages()) == {"e1": "actions_disabled", "e2": "shutting_down"}
+
+
+async def test_drain_cancels_what_outlives_the_window_and_its_result_is_queued(tmp_path):
+    h = Harness(tmp_path)
+    h.d.config = ActionsConfig(kill_grace=0.2)
+    sha = h.hook("stuck.sh", "trap '' TERM\nsleep 60\n")
+    await h.rescan()
+    await h.event({"execution_id": "e1", "action": "stuck.sh", "checksum": sha})
+    await asyncio.sleep(0.2)
+    await h.d.drain(0.3)
+    results = [b for k, _, b in h.messages() if k == "result"]
+    assert [r["status"] for r in results] == ["cancelled"] and not h.d.running
+
+
+def test_describe_changes_names_each_change():
+    from plexd.integrity import Hook, HookScan, RefusedHook
+
+    a, b = Hook("a", "/a", "1" * 64), Hook("b", "/b", "2" * 64)
+    old = HookScan((a, b))
+    new = HookScan((Hook("a", "/a", "3" * 64), Hook("c", "/c", "4" * 64)), (RefusedHook("d", "/d", "mode"),))
+    assert describe_changes(old, new) == ["c added", "b removed", "a changed (sha256 111111111111… → 333333333333…)",
+                                          "d refused: mode"]
