@@ -253,3 +253,56 @@ def test_sigterm_cancels_a_hook_that_outlives_the_drain_and_reports_it(lab_dp):
     result = execution(dp, node_id, eid)["result"]
     assert result is not None and result["status"] == "cancelled"
     assert "cancelling 1 action(s)" in d.logged()
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_builtin_actions_on_a_two_node_mesh(lab_dp):
+    lab, dp, daemons, tmp_path = lab_dp
+    from lab_daemon import pinging_pair
+
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", a_config="shutdown: {deregister: false}\n")
+    a_id, b_id = a.node_id(), b.node_id()
+
+    def local(d: Daemon, name: str, *params: str, check: bool = True) -> tuple[int, dict]:
+        res = d.cli("actions", "run", name, "--local", *[f"--param={p}" for p in params], "--json", check=check)
+        return res.returncode, [json.loads(x) for x in res.stdout.splitlines()][-1]
+
+    rc, result = local(a, "diagnostics.ping_peer", f"peer_id={b_id}", "count=2")
+    ping = json.loads(result["stdout"])
+    assert rc == 0 and ping["mesh_ip"] == b.mesh_ip() and ping["received"] == 2 and ping["rtt_ms"]["avg"] > 0
+    rc, result = local(a, "diagnostics.ping_peer", "peer_id=n_nope", check=False)
+    assert rc == 1 and "unknown peer" in result["stderr"]
+
+    rc, result = local(a, "health.check")
+    assert rc == 0 and json.loads(result["stdout"])["health"]["status"] == "healthy"
+
+    # diagnostics.collect and config.dump: everything an operator asks for first, and no secret
+    secret = (a.dir / "data" / "node_secret_key").read_text().strip()
+    private = (a.dir / "data" / "private_key").read_text().strip()
+    rc, result = local(a, "diagnostics.collect")
+    collected = json.loads(result["stdout"])
+    assert rc == 0 and {"status", "recent_logs", "device", "firewall", "config"} <= set(collected)
+    assert [p["public_key"] for p in collected["device"]] and collected["recent_logs"]
+    rc, result = local(a, "config.dump")
+    assert json.loads(result["stdout"])["api.url"]["value"] == dp.url
+    for text in (json.dumps(collected), result["stdout"]):
+        assert secret not in text and private not in text
+
+    # mesh.reconnect: a new stream connection, then a reconcile
+    connects = a.status()["event_stream"]["connects"]
+    rc, result = local(a, "mesh.reconnect")
+    assert rc == 0 and json.loads(result["stdout"])["ok"] is True
+    wait_until(lambda: a.status()["event_stream"]["connects"] > connects, 10, "the reconnect", daemons)
+
+    # service.reload_config: what can change live is applied, the rest is listed
+    text = a.config.read_text().replace("mesh: {interface: plexd0,", "mesh: {interface: plexd0, listen_port: 51999,")
+    a.config.write_text(text + "actions: {max_concurrent: 2}\n")
+    rc, result = local(a, "service.reload_config")
+    reloaded = json.loads(result["stdout"])
+    assert rc == 0 and reloaded["applied"] == ["actions.max_concurrent"]
+    assert reloaded["restart_needed"] == ["mesh.listen_port"]
+    assert a.status()["actions"]["max_concurrent"] == 2
+
+    # every one of them reached the control plane as a result
+    wait_until(lambda: len([e for e in dp.admin.executions(a_id) if e["execution_id"].startswith("local-")
+                            and e["result"]]) == 7, 20, "seven local results upstream", daemons)

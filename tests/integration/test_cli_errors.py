@@ -223,3 +223,29 @@ async def test_commands_that_need_the_daemon_say_none_is_running(tmp_path, args,
     sock = tmp_path / "api.sock"
     assert rc != 0 and out == "" and "Traceback" not in err
     assert err.strip() == f"plexd: no plexd daemon is running (nothing listens on {sock}): {ending}"
+
+
+@pytest.mark.root  # hooks must be root-owned
+async def test_actions_and_hooks_without_a_daemon(tmp_path):
+    env = Env(tmp_path)
+    rc, out, err = await env.run("actions", "run", "system.info", "--local")
+    assert_one_line_error(rc, err, "no plexd daemon is running", "local actions run in the daemon")
+    rc, out, err = await env.run("actions", "run", "system.info", "--local", "--param", "novalue")
+    assert_one_line_error(rc, err, "--param 'novalue': expected NAME=VALUE")
+    rc, out, err = await env.run("actions", "run", "system.info")
+    assert rc == 2 and "--local" in err  # the only way to run from here, said by argparse
+    rc, out, err = await env.run("hooks", "verify")
+    assert_one_line_error(rc, err, "hooks are watched by the daemon")
+
+    # hooks list scans the directory itself, refusals and their reasons included
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(mode=0o755)
+    for name, mode in (("good.sh", 0o755), ("loose.sh", 0o777)):
+        (hooks / name).write_text("#!/bin/sh\n")
+        (hooks / name).chmod(mode)
+    rc, out, err = await env.run("hooks", "list", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and [h["name"] for h in doc["hooks"]] == ["good.sh"]
+    assert doc["refused"][0]["name"] == "loose.sh" and "writable by group or other" in doc["refused"][0]["reason"]
+    rc, out, err = await env.run("hooks", "list")
+    assert "loose.sh" in out and "REFUSED" in out
