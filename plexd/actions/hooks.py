@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 DEBOUNCE_MS = 500
 POLL = 2.0
+SETTLE = 1.0
 
 Publish = Callable[[HookScan], Awaitable[None]]  # PUT /capabilities with this scan; raises on failure
 
@@ -46,6 +47,7 @@ class HookSet:
         self._announced = journal.announced()
         self._to_announce: HookScan | None = None
         self._announce_wake = asyncio.Event()
+        self._scanning = asyncio.Lock()
         self.scans = 0
         self.announcements = 0
         self.last_announce_error = ""
@@ -56,8 +58,9 @@ class HookSet:
         return self.current.find(name)
 
     def announced_checksum(self, name: str) -> str | None:
-        """The checksum the control plane was last told for hook `name` (None: never announced)."""
-        return None if self._announced is None else self._announced.get(name)
+        """The checksum the control plane was last told for hook `name`: '' when it was not in the last
+        announcement, None when nothing was ever announced (a data_dir from before the journal)."""
+        return None if self._announced is None else self._announced.get(name, "")
 
     def mark_announced(self, scan: HookScan) -> None:
         """`scan` reached the control plane (a registration or a capabilities PUT)."""
@@ -72,6 +75,10 @@ class HookSet:
 
     async def rescan(self, why: str) -> list[str]:
         """Scan again; log and announce what changed. Returns the changes, one line each."""
+        async with self._scanning:  # one at a time: an older scan must never land after a newer one
+            return await self._rescan(why)
+
+    async def _rescan(self, why: str) -> list[str]:
         scan = await asyncio.to_thread(scan_hooks, self.directory)
         self.scans += 1
         changes = describe_changes(self.current, scan)
@@ -101,18 +108,31 @@ class HookSet:
                 await self._wait_for_directory()
                 continue
             await self.rescan("watch started")
-            async for changes in watchfiles.awatch(self.directory, debounce=DEBOUNCE_MS, step=50, recursive=False,
-                                                   rust_timeout=int(self.reverify * 1000), yield_on_timeout=True):
-                try:
-                    replaced = os.stat(self.directory).st_ino != ino
-                except OSError:
-                    replaced = True
-                await self.rescan("files changed" if changes else "periodic re-verify")
-                if replaced:  # gone or swapped: this watch no longer sees it
-                    if not os.path.isdir(self.directory):
-                        log.warning("hooks directory %s disappeared: no hooks until it comes back",
-                                    self.directory, extra={"component": "hooks"})
-                    break
+            # A change between that scan and the moment inotify watches (set up in watchfiles' thread, which says
+            # nothing when it is ready) would otherwise wait for the periodic re-scan: look once more shortly.
+            settle = asyncio.ensure_future(self._rescan_after(SETTLE))
+            try:
+                await self._watch_until_replaced(ino)
+            finally:
+                settle.cancel()
+
+    async def _rescan_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        await self.rescan("watch settled")
+
+    async def _watch_until_replaced(self, ino: int) -> None:
+        async for changes in watchfiles.awatch(self.directory, debounce=DEBOUNCE_MS, step=50, recursive=False,
+                                               rust_timeout=int(self.reverify * 1000), yield_on_timeout=True):
+            try:
+                replaced = os.stat(self.directory).st_ino != ino
+            except OSError:
+                replaced = True
+            await self.rescan("files changed" if changes else "periodic re-verify")
+            if replaced:  # gone or swapped: this watch no longer sees it
+                if not os.path.isdir(self.directory):
+                    log.warning("hooks directory %s disappeared: no hooks until it comes back", self.directory,
+                                extra={"component": "hooks"})
+                return
 
     async def _wait_for_directory(self) -> None:
         if self.current.hooks or self.current.refused:

@@ -4,7 +4,8 @@
     POST /v1/daemon/actions/run    {"action","parameters":{k: v},"timeout":"30s"} → NDJSON, streamed as it comes:
                                    {"type":"accepted",...}, {"type":"output","stream":"stdout","data":"..."}...,
                                    {"type":"result", <the §1.13 result>, "signal"}
-    GET  /v1/daemon/hooks          the hook set: checksums (scanned and announced), sidecars, refusals and why
+    GET  /v1/daemon/hooks          the hook set: checksums (scanned and announced), sidecars, refusals and why,
+                                   and the watcher's state ("watch")
     POST /v1/daemon/hooks/verify   each hook's file hashed now against its scanned and announced checksum
     POST /v1/daemon/hooks/reload   re-scan now and re-announce if anything changed
 
@@ -66,11 +67,12 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
 
     async def listing(req: Request) -> Response:
         hooks = dispatcher.hooks.current
+        status = dispatcher.status()
         return Response(200, {
+            **status, "hook_watch": status["hooks"],
             "builtin_actions": [b.to_wire() for b in dispatcher.builtins.values()],
             "hooks": [h.to_wire() for h in hooks.hooks],
-            "refused_hooks": [{"name": r.name, "path": r.path, "reason": r.reason} for r in hooks.refused],
-            **dispatcher.status()})
+            "refused_hooks": [{"name": r.name, "path": r.path, "reason": r.reason} for r in hooks.refused]})
 
     async def run(req: Request) -> Response:
         body = req.json()
@@ -99,14 +101,14 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
             "hooks": [{**h.to_wire(), "path": h.path,
                        "announced_checksum": dispatcher.hooks.announced_checksum(h.name)} for h in current.hooks],
             "refused": [{"name": r.name, "path": r.path, "reason": r.reason} for r in current.refused],
-            "warnings": list(current.warnings), **dispatcher.hooks.status()})
+            "warnings": list(current.warnings), "watch": dispatcher.hooks.status()})
 
     async def verify(req: Request) -> Response:
         return Response(200, await verify_hooks(dispatcher))
 
     async def reload(req: Request) -> Response:
         changes = await dispatcher.hooks.rescan("plexd hooks reload")
-        return Response(200, {"changes": changes, **dispatcher.hooks.status()})
+        return Response(200, {"changes": changes, "watch": dispatcher.hooks.status()})
 
     api.add("GET", ACTIONS_PATH, listing, runner)
     api.add("POST", RUN_PATH, run, runner)
@@ -180,7 +182,8 @@ async def verify_hooks(dispatcher: ActionDispatcher) -> dict[str, Any]:
             if row["now"] != hook.checksum:
                 row["problem"] = "changed since the last scan"
             elif announced is not None and row["now"] != announced:
-                row["problem"] = "differs from the checksum last announced"
+                row["problem"] = ("differs from the checksum last announced" if announced else
+                                  "was never announced to the control plane")
             else:
                 row["ok"] = True
         rows.append(row)

@@ -189,6 +189,12 @@ def test_local_runs_stream_check_their_caller_and_work_offline_and_sigterm_drain
     node_id = d.node_id()
     wait_until(lambda: len(announced(dp, node_id)) == 2, 20, "the hooks announced", daemons)
 
+    listed = json.loads(d.cli("actions", "list", "--json").stdout)
+    assert [h["name"] for h in listed["hooks"]] == ["drained.sh", "ticker.sh"] and len(listed["builtin_actions"]) == 7
+    hooks_doc = json.loads(d.cli("hooks", "list", "--json").stdout)
+    assert all(h["announced_checksum"] == h["checksum"] for h in hooks_doc["hooks"])
+    assert json.loads(d.cli("hooks", "verify", "--json").stdout)["ok"] is True
+
     # streamed: "first" is on our stdout while the hook still waits for the go file
     env = {**os.environ, "PLEXD_CONFIG": str(d.config)}
     proc = subprocess.Popen([PLEXD, "actions", "run", "ticker.sh", "--local"],

@@ -303,3 +303,20 @@ def test_describe_changes_names_each_change():
     new = HookScan((Hook("a", "/a", "3" * 64), Hook("c", "/c", "4" * 64)), (RefusedHook("d", "/d", "mode"),))
     assert describe_changes(old, new) == ["c added", "b removed", "a changed (sha256 111111111111… → 333333333333…)",
                                           "d refused: mode"]
+
+
+async def test_verify_names_a_hook_edited_since_the_scan_and_one_never_announced(tmp_path):
+    from plexd.actions.routes import verify_hooks
+
+    h = Harness(tmp_path)
+    h.hook("a.sh", "echo a\n")
+    await h.rescan()
+    assert (await verify_hooks(h.d))["ok"] is True
+    h.hook("a.sh", "echo changed\n")
+    h.hook("b.sh", "echo b\n")
+    await h.hookset.rescan("test")  # b.sh scanned, not announced; a.sh re-scanned, not announced
+    h.hook("a.sh", "echo changed again\n")
+    doc = await verify_hooks(h.d)
+    assert doc["ok"] is False
+    assert {r["name"]: r["problem"] for r in doc["hooks"]} == {
+        "a.sh": "changed since the last scan", "b.sh": "was never announced to the control plane"}
