@@ -212,7 +212,7 @@ def check_hook_sidecar(text: str) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "hook.json")
-        path.write_text(text)
+        path.write_bytes(text.encode("utf-8", "surrogatepass"))  # lone surrogates: bytes that are not UTF-8
         fields, warning = _read_sidecar(path)
     assert (warning == "") == bool(fields)  # all of it, or a warning and nothing
     for p in fields.get("parameters") or ():

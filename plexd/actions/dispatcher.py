@@ -83,7 +83,7 @@ class ActionDispatcher:
         try:
             request = rq.parse_request(payload)
         except InvalidRequest as exc:
-            self._refuse(rq.execution_id_of(payload), _action_of(payload), CONTROL_PLANE, exc)
+            self._refuse(rq.execution_id_of(payload), rq.action_of(payload), CONTROL_PLANE, exc)
             return
         try:
             await self.submit(request, CONTROL_PLANE)
@@ -286,7 +286,15 @@ class ActionDispatcher:
     # -- start and stop -----------------------------------------------------------------------------------------
 
     def recover(self) -> int:
-        """Finish, as ``error``, every execution a crash cut short; they are never run again."""
+        """Finish, as ``error``, every execution a crash cut short; they are never run again. Also forget
+        executions finished longer ago than the journal's retention."""
+        try:
+            pruned = self.journal.prune()
+        except JournalError as exc:
+            log.error("%s", exc)
+            pruned = 0
+        if pruned:
+            log.info("forgot %d execution(s) finished more than 30 days ago", pruned)
         interrupted = self.journal.interrupted()
         for execution in interrupted:
             request = execution.request
@@ -333,11 +341,6 @@ def result_body(request: ActionRequest, outcome: Outcome) -> dict[str, Any]:
     if request.triggered_by is not None:
         body["triggered_by"] = request.triggered_by
     return body
-
-
-def _action_of(payload: Any) -> str:
-    action = payload.get("action") if isinstance(payload, dict) else None
-    return action if isinstance(action, str) else ""
 
 
 def _utc(seconds: float) -> Any:

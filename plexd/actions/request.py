@@ -83,6 +83,12 @@ def execution_id_of(payload: Any) -> str:
     return value
 
 
+def action_of(payload: Any) -> str:
+    """The action a payload names, for a log or audit line about a request that was refused ('' if none)."""
+    action = _fields(payload, "payload").get("action") if isinstance(payload, dict) else None
+    return action if isinstance(action, str) else ""
+
+
 def id_problem(value: str) -> str:
     if len(value.encode()) > MAX_ID_BYTES:
         return f"longer than {MAX_ID_BYTES} bytes"

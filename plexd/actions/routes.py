@@ -119,29 +119,20 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
 
 def _requested_action(req: Request) -> str:
     try:
-        body = json.loads(req.body or b"{}")
+        return rq.action_of(json.loads(req.body or b"{}"))
     except ValueError:
         return ""
-    action = body.get("action") if isinstance(body, dict) else None
-    return action if isinstance(action, str) else ""
 
 
 def _local_request(dispatcher: ActionDispatcher, body: dict[str, Any], req: Request) -> rq.ActionRequest:
-    action = body.get("action")
-    if not isinstance(action, str) or not action:
-        raise HTTPError(400, "action: a non-empty string is required")
-    problem = rq.name_problem(action)
-    timeout = body.get("timeout") or ""
+    """The body as an action request (the same parser as the control plane's), run as the caller."""
+    uid = req.cred.uid if req.cred else -1
     try:
-        if problem:
-            raise InvalidRequest(f"action {action!r}: {problem}")
-        if not isinstance(timeout, str):
-            raise InvalidRequest("timeout: must be a Go duration string such as \"30s\"")
-        parameters = rq.parse_parameters(body.get("parameters"))
-        seconds = rq.parse_timeout(timeout)
+        parsed = rq.parse_request({"execution_id": "local", "action": body.get("action"),
+                                   "parameters": body.get("parameters"), "timeout": body.get("timeout")})
     except InvalidRequest as exc:
         raise HTTPError(400, str(exc)) from None
-    return dispatcher.local_request(action, parameters, seconds, req.cred.uid if req.cred else -1)
+    return dispatcher.local_request(parsed.action, parsed.parameters, parsed.timeout, uid)
 
 
 async def _stream(request: rq.ActionRequest, done: asyncio.Future[dict[str, Any]],

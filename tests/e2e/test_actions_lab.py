@@ -228,6 +228,7 @@ def test_local_runs_stream_check_their_caller_and_work_offline_and_sigterm_drain
     assert local_id.startswith("local-") and lines[-1]["triggered_by"] == {
         "type": "local", "session_id": "", "user_id": "uid:0", "email": ""}
     assert d.status()["actions"]["outbox"]["pending"] >= 1
+    assert "message(s) to deliver" in d.cli("status").stdout
     dp.start()
     result = finished(dp, node_id, local_id, daemons, timeout=60)["result"]
     assert result["status"] == "success" and json.loads(result["stdout"])["node_id"] == node_id

@@ -120,6 +120,17 @@ def test_a_full_outbox_drops_the_oldest_and_counts_them(tmp_path, monkeypatch):
     assert [m.execution_id for m in _drain(j)] == ["e2", "e3", "e4"] and j.dropped == 2
 
 
+def test_finished_executions_are_forgotten_after_the_retention(tmp_path):
+    j = ActionJournal(tmp_path / "actions.db")
+    j.accept("old", "h", LOCAL, {}, None)
+    j.finish("old", "success", {})
+    j.accept("running", "h", LOCAL, {}, None)
+    import time
+
+    assert j.prune(time.time() + 31 * 86400) == 1
+    assert j.known("old") is None and j.known("running") is not None
+
+
 def test_announced_checksums_survive_a_restart(tmp_path):
     j = ActionJournal(tmp_path / "actions.db")
     assert j.announced() is None
