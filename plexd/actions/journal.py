@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.errors import PlexdError
+from plexd.sqlitefile import open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +77,8 @@ class ActionJournal:
         self._db = self._open()
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            return self._connect()
-        except sqlite3.DatabaseError as exc:
-            aside = self.path.with_name(self.path.name + ".corrupt")
-            self.path.replace(aside)
-            log.error("action journal %s unreadable (%s): moved to %s; starting an empty one — executions from "
-                      "before cannot be recognised as replays", self.path, exc, aside)
-            return self._connect()
+        return open_or_start_empty(self.path, self._connect, "action journal",
+                                   "executions from before cannot be recognised as replays")
 
     def _connect(self) -> sqlite3.Connection:
         self.path.touch(mode=0o600, exist_ok=True)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plexd import datadir, gojson
+from plexd.sqlitefile import open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +78,8 @@ class EventLedger:
     # -- opening ----------------------------------------------------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            return self._connect()
-        except sqlite3.DatabaseError as exc:
-            aside = self.path.with_name(self.path.name + ".corrupt")
-            log.warning("event bookkeeping %s unreadable (%s); moved to %s, starting empty", self.path, exc, aside)
-            self.path.replace(aside)
-            for suffix in ("-wal", "-shm"):
-                self.path.with_name(self.path.name + suffix).unlink(missing_ok=True)
-            return self._connect()
+        return open_or_start_empty(self.path, self._connect, "event bookkeeping",
+                                   "replays are bounded by the 5-minute window until nonces accumulate")
 
     def _connect(self) -> sqlite3.Connection:
         fresh = not self.path.exists()

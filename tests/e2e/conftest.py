@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 from lab_daemon import Daemon
 
@@ -25,3 +30,12 @@ def lab_dp(tmp_path, request):
             dp.stop()
         lab.down()
         assert lab.leaks() == []
+
+
+@pytest.fixture
+def api_dir():
+    """A directory for a daemon's socket: 0755, outside pytest's 0700 tmp_path, so other uids can reach it."""
+    base = tempfile.mkdtemp(prefix="pxapi")
+    os.chmod(base, 0o755)
+    yield Path(base)
+    shutil.rmtree(base, ignore_errors=True)

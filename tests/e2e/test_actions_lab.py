@@ -10,9 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -162,15 +160,6 @@ def test_integrity_timeouts_and_the_concurrency_limit(lab_dp):
     for e in ids:
         if execution(dp, node_id, e)["ack"]["status"] == "accepted":
             assert finished(dp, node_id, e, daemons)["result"]["stdout"] == "done\n"
-
-
-@pytest.fixture
-def api_dir():
-    """The socket's directory: 0755, outside pytest's 0700 tmp_path, so other uids can reach the socket."""
-    base = tempfile.mkdtemp(prefix="pxactions")
-    os.chmod(base, 0o755)
-    yield Path(base)
-    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,15 +19,6 @@ from plexd.node import control_client
 pytestmark = pytest.mark.root
 OTHER_UID = 64_202
 SECRET = "plaintext-only-in-memory-7f3a9c"
-
-
-@pytest.fixture
-def api_dir():
-    """The socket's directory: 0755, outside pytest's 0700 tmp_path, so other uids can reach the socket."""
-    base = tempfile.mkdtemp(prefix="pxnodeapi")
-    os.chmod(base, 0o755)
-    yield Path(base)
-    shutil.rmtree(base, ignore_errors=True)
 
 
 def state(d: Daemon, *args: str) -> object:
