@@ -182,8 +182,10 @@ def test_up_re_registers_after_the_devplane_forgets_the_node(tmp_path, dp):
         wait_until(lambda: len(dp.admin.nodes()) == 1, what="re-registration")
         wait_until(lambda: node.identity() is not None and node.identity().node_id != old.node_id,
                    what="new identity saved")
-    finally:
-        rc, err = stop(proc)
+    except AssertionError as exc:
+        _, err = stop(proc)
+        raise AssertionError(f"{exc}; the daemon said:\n{err[-6000:]}") from None
+    rc, err = stop(proc)
     assert rc == 0, err
     new = node.identity()
     assert "re-registration refused" in err
