@@ -582,11 +582,7 @@ def cmd_hooks(args: argparse.Namespace, config: Config) -> int:
 def _scanned_hooks(config: Config) -> dict[str, Any]:
     from plexd.integrity import scan_hooks
 
-    scan = scan_hooks(config.hooks.dir)
-    return {"directory": config.hooks.dir, "daemon": False,
-            "hooks": [{**h.to_wire(), "path": h.path} for h in scan.hooks],
-            "refused": [{"name": r.name, "path": r.path, "reason": r.reason} for r in scan.refused],
-            "warnings": list(scan.warnings)}
+    return {**scan_hooks(config.hooks.dir).to_json(config.hooks.dir), "daemon": False}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -83,6 +83,11 @@ def now_utc() -> datetime:
     return datetime.now(UTC)
 
 
+def format_unix(seconds: float) -> str:
+    """Unix seconds as Go marshals the time (RFC3339Nano in UTC)."""
+    return format_time(datetime.fromtimestamp(seconds, UTC))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Durations
 

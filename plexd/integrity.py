@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +106,18 @@ class HookScan:
 
     def find(self, name: str) -> Hook | None:
         return next((h for h in self.hooks if h.name == name), None)
+
+    def refused_json(self) -> list[dict[str, str]]:
+        return [{"name": r.name, "path": r.path, "reason": r.reason} for r in self.refused]
+
+    def to_json(self, directory: str, announced: Callable[[str], str | None] | None = None) -> dict[str, Any]:
+        """What `plexd hooks list` shows: each hook as announced plus its path (and, from a daemon, the checksum
+        last announced for it), the refused ones with the reason, the sidecar warnings."""
+        return {"directory": directory,
+                "hooks": [{**h.to_wire(), "path": h.path,
+                           **({"announced_checksum": announced(h.name)} if announced is not None else {})}
+                          for h in self.hooks],
+                "refused": self.refused_json(), "warnings": list(self.warnings)}
 
 
 def _unsafe(st: os.stat_result, what: str) -> str:

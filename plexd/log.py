@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from collections import deque
 from typing import IO, Any
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
@@ -90,8 +91,6 @@ class RecentLines(logging.Handler):
 
     def __init__(self, size: int = 500) -> None:
         super().__init__(logging.DEBUG)
-        from collections import deque
-
         self.lines: deque[str] = deque(maxlen=size)
         self.setFormatter(JsonFormatter())
 

@@ -41,16 +41,3 @@ class LocalAudit:
                 os.close(fd)
         except OSError as exc:
             log.error("cannot write the local actions audit log %s: %s (%s)", self.path, exc.strerror, event)
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out

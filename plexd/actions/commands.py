@@ -70,12 +70,10 @@ def show_stream(lines: Iterable[dict[str, Any]], *, as_json: bool, out: TextIO =
 def format_actions(doc: dict[str, Any]) -> str:
     lines = ["BUILT-IN ACTIONS"]
     for b in doc["builtin_actions"]:
-        params = ", ".join(p["name"] + ("" if p["required"] else "?") for p in b["parameters"] or [])
-        lines.append(f"  {b['name']:<24} {b['description']}" + (f"  [{params}]" if params else ""))
+        lines.append(f"  {b['name']:<24} {b['description']}{_params(b)}")
     lines.append("HOOKS")
     for h in doc["hooks"]:
-        params = ", ".join(p["name"] + ("" if p["required"] else "?") for p in h["parameters"] or [])
-        lines.append(f"  {h['name']:<24} {h['description'] or '-'}" + (f"  [{params}]" if params else "")
+        lines.append(f"  {h['name']:<24} {h['description'] or '-'}{_params(h)}"
                      + (f"  timeout {h['timeout']}" if h["timeout"] else ""))
     if not doc["hooks"]:
         lines.append("  (none)")
@@ -88,6 +86,12 @@ def format_actions(doc: dict[str, Any]) -> str:
     if not doc["enabled"]:
         lines.append("actions are disabled (actions.enabled: false)")
     return "\n".join(lines)
+
+
+def _params(action: dict[str, Any]) -> str:
+    """``  [name, optional?]`` for an action's declared parameters, or ''."""
+    names = ", ".join(p["name"] + ("" if p["required"] else "?") for p in action["parameters"] or [])
+    return f"  [{names}]" if names else ""
 
 
 def format_hooks(doc: dict[str, Any]) -> str:

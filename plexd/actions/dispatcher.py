@@ -33,7 +33,7 @@ from plexd.actions.request import ActionRequest, InvalidRequest
 from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
 from plexd.config import ActionsConfig
 from plexd.controlplane.envelope import Envelope
-from plexd.gojson import format_duration, format_time, now_utc, parse_duration
+from plexd.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
 from plexd.integrity import Hook, RefusedHook, inspect_hook
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class ActionDispatcher:
             raise InvalidRequest(f"execution {execution_id} is running; not run twice", rq.DUPLICATE)
         known = self.journal.known(execution_id)
         if known is not None:
-            when = format_time(_utc(known.accepted_at))
+            when = format_unix(known.accepted_at)
             raise InvalidRequest(f"execution {execution_id} was accepted at {when} ({known.state}"
                                  f"{', ' + known.status if known.status else ''}); never run twice", rq.DUPLICATE)
 
@@ -176,15 +176,10 @@ class ActionDispatcher:
             raise InvalidRequest(f"hook {hook.name!r} is no longer safe to run: {found.reason}",
                                  rq.INTEGRITY_VIOLATION)
         now, _ = found
-        expected = request.checksum or hook.checksum
-        announced = self.hooks.announced_checksum(hook.name)
-        if now.checksum != expected:
-            problem = "differs from the request's checksum" if request.checksum else "changed since it was scanned"
-        elif announced is not None and now.checksum != announced:
-            expected = announced or expected
-            problem = ("differs from the checksum last announced" if announced else
-                       "was never announced to the control plane")
-        else:
+        problem, expected = self.hooks.checksum_problem(
+            hook.name, now.checksum, request.checksum or hook.checksum,
+            "differs from the request's checksum" if request.checksum else "changed since it was scanned")
+        if not problem:
             return now
         self._violation(hook.path, expected, now.checksum, f"hook checksum mismatch: the file {problem}")
         raise InvalidRequest(f"hook {hook.name!r}: sha256 {now.checksum} {problem} ({expected or 'none'}); "
@@ -341,9 +336,3 @@ def result_body(request: ActionRequest, outcome: Outcome) -> dict[str, Any]:
     if request.triggered_by is not None:
         body["triggered_by"] = request.triggered_by
     return body
-
-
-def _utc(seconds: float) -> Any:
-    from datetime import UTC, datetime
-
-    return datetime.fromtimestamp(seconds, UTC)

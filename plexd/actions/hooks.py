@@ -22,7 +22,6 @@ import watchfiles
 
 from plexd.actions.journal import ActionJournal, JournalError
 from plexd.backoff import Backoff
-from plexd.controlplane.errors import ControlPlaneError
 from plexd.errors import PlexdError
 from plexd.integrity import Hook, HookScan, scan_hooks
 
@@ -61,6 +60,19 @@ class HookSet:
         """The checksum the control plane was last told for hook `name`: '' when it was not in the last
         announcement, None when nothing was ever announced (a data_dir from before the journal)."""
         return None if self._announced is None else self._announced.get(name, "")
+
+    def checksum_problem(self, name: str, actual: str, expected: str, differs: str) -> tuple[str, str]:
+        """Why hook `name`, whose file hashes to `actual` now, may not run: `differs` when that is not `expected`,
+        else when it is not what was last announced. Returns (problem, the checksum it should have been), or
+        ('', expected) when it may run."""
+        if actual != expected:
+            return differs, expected
+        announced = self.announced_checksum(name)
+        if announced is not None and actual != announced:
+            if not announced:
+                return "was never announced to the control plane", expected
+            return "differs from the checksum last announced", announced
+        return "", expected
 
     def mark_announced(self, scan: HookScan) -> None:
         """`scan` reached the control plane (a registration or a capabilities PUT)."""
@@ -151,7 +163,7 @@ class HookSet:
                 continue
             try:
                 await self._publish(scan)
-            except (ControlPlaneError, PlexdError) as exc:
+            except PlexdError as exc:  # the control plane refused or is away, or re-registration failed
                 self.last_announce_error = str(exc)
                 delay = self.backoff.next_delay()
                 log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)

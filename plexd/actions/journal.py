@@ -122,10 +122,6 @@ class ActionJournal:
         rows = self._db.execute("SELECT * FROM executions WHERE state=? ORDER BY accepted_at", (RUNNING,))
         return [_execution(r) for r in rows]
 
-    def recent(self, limit: int = 20) -> list[Execution]:
-        rows = self._db.execute("SELECT * FROM executions ORDER BY accepted_at DESC LIMIT ?", (limit,))
-        return [_execution(r) for r in rows]
-
     def prune(self, now: float | None = None) -> int:
         cutoff = (now if now is not None else time.time()) - RETENTION
         with self._transaction():

@@ -72,7 +72,7 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
             **status, "hook_watch": status["hooks"],
             "builtin_actions": [b.to_wire() for b in dispatcher.builtins.values()],
             "hooks": [h.to_wire() for h in hooks.hooks],
-            "refused_hooks": [{"name": r.name, "path": r.path, "reason": r.reason} for r in hooks.refused]})
+            "refused_hooks": hooks.refused_json()})
 
     async def run(req: Request) -> Response:
         body = req.json()
@@ -95,13 +95,9 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
         return Response(200, stream=_stream(request, running.done, output), content_type="application/x-ndjson")
 
     async def hooks(req: Request) -> Response:
-        current = dispatcher.hooks.current
-        return Response(200, {
-            "directory": dispatcher.hooks.directory,
-            "hooks": [{**h.to_wire(), "path": h.path,
-                       "announced_checksum": dispatcher.hooks.announced_checksum(h.name)} for h in current.hooks],
-            "refused": [{"name": r.name, "path": r.path, "reason": r.reason} for r in current.refused],
-            "warnings": list(current.warnings), "watch": dispatcher.hooks.status()})
+        hooks = dispatcher.hooks
+        return Response(200, {**hooks.current.to_json(hooks.directory, hooks.announced_checksum),
+                              "watch": hooks.status()})
 
     async def verify(req: Request) -> Response:
         return Response(200, await verify_hooks(dispatcher))
@@ -161,22 +157,18 @@ async def verify_hooks(dispatcher: ActionDispatcher) -> dict[str, Any]:
     rows = []
     for hook in hooks.current.hooks:
         found = await asyncio.to_thread(inspect_hook, hooks.directory, hook.name)
-        announced = hooks.announced_checksum(hook.name)
         row: dict[str, Any] = {"name": hook.name, "path": hook.path, "scanned": hook.checksum,
-                               "announced": announced, "now": None, "ok": False, "problem": ""}
+                               "announced": hooks.announced_checksum(hook.name), "now": None, "ok": False,
+                               "problem": ""}
         if found is None:
             row["problem"] = "the file is gone"
         elif isinstance(found, RefusedHook):
             row["problem"] = f"refused now: {found.reason}"
         else:
             row["now"] = found[0].checksum
-            if row["now"] != hook.checksum:
-                row["problem"] = "changed since the last scan"
-            elif announced is not None and row["now"] != announced:
-                row["problem"] = ("differs from the checksum last announced" if announced else
-                                  "was never announced to the control plane")
-            else:
-                row["ok"] = True
+            row["problem"], _ = hooks.checksum_problem(hook.name, row["now"], hook.checksum,
+                                                       "changed since the last scan")
+            row["ok"] = not row["problem"]
         rows.append(row)
     refused = [{"name": r.name, "problem": f"refused: {r.reason}"} for r in hooks.current.refused]
     return {"ok": all(r["ok"] for r in rows) and not refused, "hooks": rows, "refused": refused}

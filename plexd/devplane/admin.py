@@ -10,7 +10,6 @@ import hmac
 import json
 import logging
 import secrets
-from datetime import UTC, datetime
 from typing import Any
 
 from starlette.requests import Request
@@ -61,13 +60,9 @@ def node_summary(dep: Deployment, node: Node) -> dict[str, Any]:
     return {
         "id": node.id, "hostname": node.hostname, "mesh_ip": node.mesh_ip, "public_key": node.public_key,
         "endpoint": node.endpoint, "nat_type": node.nat_type, "status": node.status,
-        "last_seen": gojson.format_time(_epoch(node.last_seen)) if node.last_seen else "",
+        "last_seen": gojson.format_unix(node.last_seen) if node.last_seen else "",
         "registered_at": node.registered_at, "streams": dep.hub.stream_count(node.id),
     }
-
-
-def _epoch(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, UTC)
 
 
 def _obj(body: Any, what: str = "body") -> dict[str, Any]:

@@ -30,6 +30,14 @@ def write_hook(hooks: Path, name: str, body: str, sidecar: dict | None = None) -
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def workspace(lab, tmp_path: Path) -> tuple[Path, Path]:
+    """A directory the hooks write into (what they did, for the test to see), and the first node's hooks.dir
+    (as `Daemon` configures it)."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    return work, tmp_path / lab.nodes[0].name / "hooks"
+
+
 def announced(dp, node_id: str) -> dict[str, str]:
     caps = dp.admin.node(node_id).get("capabilities") or {}
     return {h["name"]: h["checksum"] for h in caps.get("hooks") or []}
@@ -57,9 +65,7 @@ def start(lab, dp, daemons, tmp_path, extra: str = "", node_api: str = "") -> Da
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
 def test_hook_runs_once_and_replays_are_refused_live_and_after_a_restart(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
-    work = tmp_path / "work"
-    work.mkdir()
-    hooks = tmp_path / lab.nodes[0].name / "hooks"
+    work, hooks = workspace(lab, tmp_path)
     write_hook(hooks, "record.sh", f'echo "$PLEXD_EXECUTION_ID $PLEXD_PARAM_TARGET $PLEXD_PARAM_DRY_RUN" '
                                    f'>> {work}/runs\necho "target=$PLEXD_PARAM_TARGET node=$PLEXD_NODE_ID"\n'
                                    'echo "to stderr" >&2\nexit 3\n',
@@ -117,9 +123,7 @@ def test_hook_runs_once_and_replays_are_refused_live_and_after_a_restart(lab_dp)
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
 def test_integrity_timeouts_and_the_concurrency_limit(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
-    work = tmp_path / "work"
-    work.mkdir()
-    hooks = tmp_path / lab.nodes[0].name / "hooks"
+    work, hooks = workspace(lab, tmp_path)
     old = write_hook(hooks, "tamper.sh", f"touch {work}/tampered-ran\n")
     write_hook(hooks, "forker.sh", f"sh -c 'trap \"\" TERM; echo $$ > {work}/child.pid; exec sleep 300' &\n"
                                    "sleep 300\n")
@@ -166,9 +170,7 @@ def test_integrity_timeouts_and_the_concurrency_limit(lab_dp):
 def test_local_runs_stream_check_their_caller_and_work_offline_and_sigterm_drains(lab_dp, api_dir, system_groups):
     lab, dp, daemons, tmp_path = lab_dp
     [(group, gid)] = system_groups(1)
-    work = tmp_path / "work"
-    work.mkdir()
-    hooks = tmp_path / lab.nodes[0].name / "hooks"
+    work, hooks = workspace(lab, tmp_path)
     write_hook(hooks, "ticker.sh", f"echo first\nwhile [ ! -e {work}/go ]; do sleep 0.1; done\necho second\n"
                                    "exit 7\n")
     write_hook(hooks, "drained.sh", f"touch {work}/drain-started\nsleep 2\necho finished in time\n")
@@ -183,6 +185,9 @@ def test_local_runs_stream_check_their_caller_and_work_offline_and_sigterm_drain
     hooks_doc = json.loads(d.cli("hooks", "list", "--json").stdout)
     assert all(h["announced_checksum"] == h["checksum"] for h in hooks_doc["hooks"])
     assert json.loads(d.cli("hooks", "verify", "--json").stdout)["ok"] is True
+    text = d.cli("actions", "list").stdout
+    assert "diagnostics.ping_peer" in text and "[peer_id, count?]" in text and "ticker.sh" in text
+    assert "hooks verified: all ok" in d.cli("hooks", "verify").stdout
 
     # streamed: "first" is on our stdout while the hook still waits for the go file
     env = {**os.environ, "PLEXD_CONFIG": str(d.config)}
@@ -237,7 +242,7 @@ def test_local_runs_stream_check_their_caller_and_work_offline_and_sigterm_drain
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
 def test_sigterm_cancels_a_hook_that_outlives_the_drain_and_reports_it(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
-    hooks = tmp_path / lab.nodes[0].name / "hooks"
+    _, hooks = workspace(lab, tmp_path)
     write_hook(hooks, "stuck.sh", "trap '' TERM\nsleep 300\n")
     d = start(lab, dp, daemons, tmp_path, extra="shutdown: {deregister: false, drain: 1s}\n")
     node_id = d.node_id()
