@@ -22,6 +22,7 @@ import watchfiles
 
 from plexd.actions.journal import ActionJournal, JournalError
 from plexd.backoff import Backoff
+from plexd.controlplane.errors import ControlPlaneError
 from plexd.errors import PlexdError
 from plexd.integrity import Hook, HookScan, scan_hooks
 
@@ -161,24 +162,35 @@ class HookSet:
             scan = self._to_announce
             if scan is None:
                 continue
-            try:
-                await self._publish(scan)
-            except PlexdError as exc:  # the control plane refused or is away, or re-registration failed
-                self.last_announce_error = str(exc)
-                delay = self.backoff.next_delay()
-                log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
-                try:
-                    await asyncio.wait_for(self._announce_wake.wait(), delay)
-                except TimeoutError:
-                    self._announce_wake.set()
+            delay = await self._announce_once(scan)
+            if delay is None:
                 continue
-            if self._to_announce is scan:
-                self._to_announce = None
-            self.mark_announced(scan)
-            self.announcements += 1
-            self.last_announce_error = ""
-            self.backoff.reset()
-            log.info("capabilities announced", extra={"hooks": len(scan.hooks)})
+            try:  # a newer scan, or the backoff, whichever comes first
+                await asyncio.wait_for(self._announce_wake.wait(), delay)
+            except TimeoutError:
+                self._announce_wake.set()
+
+    async def _announce_once(self, scan: HookScan) -> float | None:
+        """PUT `scan`; None when it went through, else how long to wait before the next try."""
+        try:
+            await self._publish(scan)
+        except ControlPlaneError as exc:
+            self.last_announce_error = str(exc)
+            delay = self.backoff.next_delay()
+            log.warning("capabilities announcement failed: %s; retrying in %.1fs", exc, delay)
+            return delay
+        except PlexdError as exc:  # re-registration impossible (no token): keep running, say why, retry later
+            self.last_announce_error = str(exc)
+            log.error("%s", exc)
+            return self.backoff.cap
+        if self._to_announce is scan:
+            self._to_announce = None
+        self.mark_announced(scan)
+        self.announcements += 1
+        self.last_announce_error = ""
+        self.backoff.reset()
+        log.info("capabilities announced", extra={"hooks": len(scan.hooks)})
+        return None
 
     def status(self) -> dict[str, Any]:
         return {"directory": self.directory, "hooks": len(self.current.hooks), "refused": len(self.current.refused),

@@ -132,8 +132,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         on_auth_failure=reauthenticate,
         poll=lambda: reconciler.trigger("polling while the event stream is down"),
         poll_interval=cfg.reconcile.interval,
-        backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
-        storm_backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter),
+        backoff=_backoff(cfg),
+        storm_backoff=_backoff(cfg),
         idle_timeout=cfg.sse.idle_timeout,
         polling_after=cfg.sse.polling_after,
         reconnect_spread=cfg.sse.reconnect_spread,
@@ -233,7 +233,7 @@ def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStor
 
     reports = ReportStore(cfg.data_dir)
     sync = ReportSync(reports, send, cfg.data_dir,
-                      backoff=Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter))
+                      backoff=_backoff(cfg))
     reports.on_change = sync.changed
     count = reports.load()
     sync.load()
@@ -250,16 +250,13 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     async def send(message: Message) -> None:
         await agent.authed(lambda: deliver(agent.client, node_id(), message))
 
-    def backoff() -> Backoff:
-        return Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter)
-
-    outbox = Outbox(journal, send, backoff=backoff())
+    outbox = Outbox(journal, send, backoff=_backoff(cfg))
 
     async def publish(scan: HookScan) -> None:
         agent.hooks = scan
         await agent.announce_capabilities(rescan=False)
 
-    hooks = HookSet(cfg.hooks.dir, journal, agent.hooks, publish, reverify=cfg.hooks.reverify, backoff=backoff())
+    hooks = HookSet(cfg.hooks.dir, journal, agent.hooks, publish, reverify=cfg.hooks.reverify, backoff=_backoff(cfg))
     if agent.registered_now:
         hooks.mark_announced(agent.hooks)  # the registration carried them
     else:
@@ -366,6 +363,11 @@ def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> Na
         local_target=lambda: urlsplit(cfg.api.url).hostname,
         backoff=Backoff(base=min(cfg.sse.backoff_base * 5, nat.refresh_interval), cap=nat.refresh_interval,
                         jitter=cfg.sse.jitter))
+
+
+def _backoff(cfg: Config) -> Backoff:
+    """The retry schedule of everything that talks to the control plane (sse.*: 1 s doubling to 60 s, ±25 %)."""
+    return Backoff(base=cfg.sse.backoff_base, cap=cfg.sse.backoff_max, jitter=cfg.sse.jitter)
 
 
 def _commit_delay() -> float:

@@ -331,3 +331,20 @@ async def test_verify_names_a_hook_edited_since_the_scan_and_one_never_announced
     assert doc["ok"] is False
     assert {r["name"]: r["problem"] for r in doc["hooks"]} == {
         "a.sh": "changed since the last scan", "b.sh": "was never announced to the control plane"}
+
+
+async def test_an_announcement_that_cannot_re_register_waits_the_backoff_cap(tmp_path, caplog):
+    """Without a token to re-register with, retrying fast only repeats the refusal: wait the cap, say why."""
+    from plexd.errors import PlexdError
+    from plexd.integrity import HookScan
+
+    failures = [TransientError("capabilities", 503), PlexdError("no bootstrap token to re-register with")]
+
+    async def publish(scan):
+        raise failures.pop(0)
+
+    hs = HookSet(str(tmp_path), ActionJournal(tmp_path / "actions.db"), HookScan(), publish,
+                 backoff=Backoff(base=1, cap=60, jitter=0))
+    assert await hs._announce_once(HookScan()) == 1
+    assert await hs._announce_once(HookScan()) == 60
+    assert "no bootstrap token" in caplog.text and hs.last_announce_error.startswith("no bootstrap token")
