@@ -405,33 +405,27 @@ class LocalAPI:
                 and hmac.compare_digest(token.strip().encode("latin-1"), self._tcp_token))
 
     async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response) -> None:
-        if response.stream is not None:
-            await self._send_stream(conn, writer, response, response.stream)
-            return
-        body = response.encoded()
-        headers = [("content-type", response.content_type), ("content-length", str(len(body))),
-                   *response.headers.items()]
+        stream = response.stream
+        body = b"" if stream is not None else response.encoded()
+        framing = ("transfer-encoding", "chunked") if stream is not None else ("content-length", str(len(body)))
+        headers = [("content-type", response.content_type), framing, *response.headers.items()]
         if response.status == 204:
             headers = [h for h in headers if h[0] not in ("content-type", "content-length")]
         writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
-        if body:
+        if stream is not None:
+            await self._send_chunks(conn, writer, stream)
+        elif body:
             writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
 
-
-    async def _send_stream(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response,
+    async def _send_chunks(self, conn: h11.Connection, writer: asyncio.StreamWriter,
                            stream: AsyncIterator[bytes]) -> None:
-        headers = [("content-type", response.content_type), ("transfer-encoding", "chunked"),
-                   *response.headers.items()]
         try:
-            writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
             async for chunk in stream:
                 if chunk:
                     writer.write(conn.send(h11.Data(data=chunk)))
                     await writer.drain()
-            writer.write(conn.send(h11.EndOfMessage()))
-            await writer.drain()
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # the client went away: let the producer clean up
