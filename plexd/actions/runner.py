@@ -81,8 +81,9 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
                        detail=f"exec failed: {exc.strerror or exc}")
     out, err = Capture("stdout", cap, on_output), Capture("stderr", cap, on_output)
     assert proc.stdout is not None and proc.stderr is not None
-    pipes = [await _open_pipe(proc.stdout, out), await _open_pipe(proc.stderr, err)]
-    readers = [asyncio.ensure_future(_pump(reader, capture)) for reader, capture, _ in pipes]
+    pipes = [await _open_pipe(proc.stdout), await _open_pipe(proc.stderr)]
+    readers = [asyncio.ensure_future(_pump(reader, capture))
+               for (reader, _), capture in zip(pipes, (out, err), strict=True)]
     exited = _exit_of(proc)
     cancelled = asyncio.ensure_future(cancel.wait()) if cancel is not None else None
     status = ""
@@ -110,7 +111,7 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
     finally:
         if cancelled is not None:
             cancelled.cancel()
-        for _, _, transport in pipes:
+        for _, transport in pipes:
             transport.close()
     _kill_group(proc.pid, signal.SIGKILL)  # anything still in the group after the hook ended
     duration = time.monotonic() - started
@@ -124,11 +125,11 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
     return Outcome(status, exit_code, out.text(), err.text(), duration, sig, detail)
 
 
-async def _open_pipe(pipe: IO[bytes], capture: Capture) -> tuple[asyncio.StreamReader, Capture, asyncio.BaseTransport]:
+async def _open_pipe(pipe: IO[bytes]) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=READ_CHUNK, loop=loop)
     transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
-    return reader, capture, transport
+    return reader, transport
 
 
 def _exit_of(proc: subprocess.Popen[bytes]) -> asyncio.Future[None]:
