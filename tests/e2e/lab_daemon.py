@@ -110,8 +110,19 @@ def wait_until(pred, timeout: float, what: str, daemons=()) -> float:
         if pred():
             return time.monotonic() - start
         time.sleep(0.1)
-    logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}" for d in daemons)
+    logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}\n--- {d.node.name}: wg show (public fields)\n"
+                     f"{_device(d)}" for d in daemons)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+
+
+def _device(d: Daemon) -> str:
+    """The live device's peers for a failure message: public key, endpoint, allowed IPs, handshake, rx, tx. The
+    interface line (private key) and the preshared keys are left out."""
+    res = d.lab.exec(d.node, ["wg", "show", "plexd0", "dump"], check=False)
+    if res.returncode != 0:
+        return f"(wg show failed: {res.stderr.strip()})"
+    peers = [line.split("\t") for line in res.stdout.splitlines()[1:]]
+    return "\n".join("\t".join([f[0], *f[2:]]) for f in peers) or "(no peers)"
 
 
 def start_mesh(lab, dp, daemons, tmp_path, reconcile: str, count: int = 3) -> None:
