@@ -318,9 +318,12 @@ class ControlPlaneClient:
                 raise BadResponseError(what, 200, f"{key} must be a boolean")
         return HeartbeatResponse(reconcile=bool(f.get("reconcile")), rotate_keys=bool(f.get("rotate_keys")))
 
-    async def deregister(self, node_id: str) -> None:
-        """#4 ``POST /v1/nodes/{id}/deregister`` with no body (and so no Content-Type)."""
-        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/deregister", what="deregister")
+    async def deregister(self, node_id: str, *, purge: bool = False) -> None:
+        """#4 ``POST /v1/nodes/{id}/deregister`` with no body (and so no Content-Type). `purge` adds
+        ``?purge=true``, which tells a control plane that knows it (ours) that the node will not come back with
+        its secret; the Go control plane ignores the query."""
+        query = "?purge=true" if purge else ""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/deregister{query}", what="deregister")
 
     async def rotate_keys(self, node_id: str, new_public_key: str) -> list[Peer]:
         """#5 ``POST /v1/keys/rotate`` → the updated peers."""

@@ -123,7 +123,7 @@ async def show_node(request: Request) -> Response:
 
 async def forget_node(request: Request) -> Response:
     dep = _dep(request)
-    dep.remove(dep.node(request.path_params["node_id"]), "forgotten by the admin")
+    dep.remove(dep.node(request.path_params["node_id"], rejoinable=True), "forgotten by the admin")
     return JSONResponse({})
 
 

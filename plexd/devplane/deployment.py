@@ -81,7 +81,10 @@ class Deployment:
         self.nodes: dict[str, Node] = {n.id: n for n in store.load_nodes()}
         self.hub = EventHub(store, self.signer, lambda node_id: self.nodes[node_id].num, clock_now=self.clock.now)
         self.by_secret: dict[str, Node] = {n.secret: n for n in self.nodes.values() if not n.removed}
-        self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed}
+        # A node that deregistered itself keeps its secret (for re-registration only) and its mesh IP until it is
+        # purged or an admin forgets it, so it rejoins as the same node (PROJECT-DECISIONS.md, Restart and rejoin).
+        self.rejoinable: dict[str, Node] = {n.secret: n for n in self.nodes.values() if _rejoinable(n)}
+        self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed or _rejoinable(n)}
         self.released_ips: dict[str, float] = store.released_ips()
         self._ip_scan_from = 1
         # A devplane that was down is not evidence that its nodes were: everyone gets a fresh heartbeat window
@@ -106,9 +109,10 @@ class Deployment:
     def live_nodes(self) -> Iterable[Node]:
         return (n for n in self.nodes.values() if not n.removed)
 
-    def node(self, node_id: str) -> Node:
+    def node(self, node_id: str, *, rejoinable: bool = False) -> Node:
+        """A live node (with `rejoinable`, also one that deregistered itself and may come back)."""
         node = self.nodes.get(node_id)
-        if node is None or node.removed:
+        if node is None or (node.removed and not (rejoinable and _rejoinable(node))):
             raise HTTPError(404, f"unknown node {node_id!r}")
         return node
 
@@ -242,7 +246,7 @@ class Deployment:
         hostname = (body.get("hostname") or "").strip()
         if not valid_public_key(public_key):
             raise HTTPError(400, "public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
-        known = self.by_secret.get(bearer or "") if not token else None
+        known = self.by_secret.get(bearer or "") or self.rejoinable.get(bearer or "") if not token else None
         if known is not None:
             return self._reregister(known, body)
         if not token:
@@ -287,10 +291,21 @@ class Deployment:
         if body.get("public_key") != node.public_key:
             raise HTTPError(409, f"node {node.id} is registered with another public key; "
                                  "register afresh with a bootstrap token")
+        rejoined = node.removed
+        if rejoined and any(n.hostname == node.hostname for n in self.live_nodes()):
+            raise HTTPError(409, f"hostname {node.hostname!r} was registered by another node while {node.id} was "
+                                 "away; forget one of them")
         with self.store.transaction():
+            if rejoined:  # it deregistered itself earlier: it comes back as the same node, and its peers are told
+                node.removed = False
+                node.status = "online"
+                del self.rejoinable[node.secret]
+                self.by_secret[node.secret] = node
+                self.hub.publish(self.watchers(node), "peer_added", node.peer())
             self._mark_seen(node)
             self._save(node)
-        log.info("node re-registered with its node secret", extra={"node_id": node.id})
+        log.info("node rejoined after deregistering" if rejoined else "node re-registered with its node secret",
+                 extra={"node_id": node.id})
         return self._register_response(node)
 
     def _register_response(self, node: Node) -> dict[str, Any]:
@@ -302,16 +317,23 @@ class Deployment:
             "peers": [p.peer() for p in self.visible_peers(node)],
         }
 
-    def remove(self, node: Node, reason: str) -> None:
-        """Deregister (by the node) or forget (by the admin): peers are told, the secret stops working."""
-        watchers = self.watchers(node)
+    def remove(self, node: Node, reason: str, *, rejoinable: bool = False) -> None:
+        """Deregister (by the node) or forget (by the admin): peers are told and the secret stops working, except
+        that a node deregistering itself without purging (`rejoinable`) may re-register with it, keeping its mesh
+        IP; a purge or an admin's forget revokes the secret and releases the IP."""
+        watchers = self.watchers(node) if not node.removed else []
         with self.store.transaction():
             node.removed = True
-            node.status = "deregistered"
+            node.status = "deregistered" if rejoinable else "removed"
             self._save(node)
             self.by_secret.pop(node.secret, None)
-            self._release_ip(node.mesh_ip)
-            self.hub.publish(watchers, "peer_removed", {"peer_id": node.id})
+            if rejoinable:
+                self.rejoinable[node.secret] = node
+            else:
+                self.rejoinable.pop(node.secret, None)
+                self._release_ip(node.mesh_ip)
+            if watchers:
+                self.hub.publish(watchers, "peer_removed", {"peer_id": node.id})
         self.hub.close_streams(node.id)
         log.info("node %s: %s", reason, node.id, extra={"node_id": node.id})
 
@@ -533,3 +555,8 @@ def announced_checksum(capabilities: Any, action: str) -> str:
         if isinstance(hook, dict) and hook.get("name") == action:
             return str(hook.get("checksum") or "")
     return ""
+
+
+def _rejoinable(node: Node) -> bool:
+    """Deregistered by itself, not purged nor forgotten: its secret still re-registers it."""
+    return node.removed and node.status == "deregistered"

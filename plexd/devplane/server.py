@@ -72,7 +72,10 @@ async def heartbeat(request: Request) -> Response:
 
 async def deregister(request: Request) -> Response:
     node = _node(request)
-    _dep(request).remove(node, "deregistered")
+    # `?purge=true` (plexd deregister --purge; a Go control plane ignores it) also revokes the secret and frees the
+    # mesh IP; without it the node may come back with its secret as the same node.
+    purge = request.query_params.get("purge", "") in ("1", "true")
+    _dep(request).remove(node, "deregistered and purged" if purge else "deregistered", rejoinable=not purge)
     return ok()
 
 
