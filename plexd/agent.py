@@ -5,10 +5,13 @@
     assemble     the composition root builds the node's parts and adds its services (plexd.node.assembly)
     services     each runs under the supervisor (plexd.node.supervisor) in one TaskGroup  (Agent.serve)
     shutdown     SIGINT/SIGTERM set `stop_event` → "drain" callbacks → services cancelled → POST /deregister
-                 (when shutdown.deregister) → "teardown" callbacks, last registered first     (Agent.shutdown)
+                 (when shutdown.deregister, or asked over the socket) → "teardown" callbacks, last registered
+                 first → "final" callbacks and the services added with stop_last (the local socket)
+                 (Agent.stop); all of it within STOP_BUDGET, the control plane down included
 
 A service is a coroutine function ``fn(agent)`` added with ``agent.add_service(name, fn)``; shutdown work with
-``agent.on_shutdown(name, fn, phase="drain"|"teardown")``. What a service can use: ``agent.config``,
+``agent.on_shutdown(name, fn, phase="drain"|"teardown"|"final")``; ``agent.time_left(reserve)`` is what remains
+of the stop budget. What a service can use: ``agent.config``,
 ``agent.identity`` (may be replaced after a re-registration, so read it each time), ``agent.client`` (bearer
 set), ``agent.clock``, ``agent.store``, ``agent.binary_checksum``, ``agent.hooks``, ``agent.capabilities()``,
 ``agent.announce_capabilities()``, ``agent.authed(call)`` (on a 401, re-authenticate once and retry),
@@ -16,7 +19,11 @@ set), ``agent.clock``, ``agent.store``, ``agent.binary_checksum``, ``agent.hooks
 
 A service that raises is restarted by the supervisor with backoff; the daemon and its tunnels keep running. Only
 a `FatalError` ends `plexd up` (exit status 1, one clear line). READY=1 goes to systemd (``NOTIFY_SOCKET``) once
-every service has been started.
+the services run and `agent.ready` (set by the assembly: the first converge, from data_dir when offline) is
+done; STATUS= lines follow `agent.status_line()` (plexd.node.systemd).
+
+A node that deregistered (and so kept its identity) rejoins first thing on its next start: it re-registers with
+its node secret, as the same node (plexd.node.departure).
 """
 
 from __future__ import annotations
@@ -25,10 +32,10 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
+import math
 import signal
-import socket
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from plexd import __version__
@@ -37,9 +44,13 @@ from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import AuthError, ControlPlaneError
+from plexd.errors import PlexdError
+from plexd.gojson import format_time
 from plexd.identity import Identity, IdentityStore
 from plexd.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
+from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
+from plexd.node.systemd import notify
 from plexd.registrar import Registrar
 
 log = logging.getLogger(__name__)
@@ -50,6 +61,17 @@ ShutdownStep = Callable[["Agent"], Awaitable[None]]
 Assemble = Callable[["Agent"], Any]  # builds the node's parts and adds its services (plexd.node.assembly)
 
 DEREGISTER_TIMEOUT = 10.0
+STOP_BUDGET = 34.0  # SIGTERM to exit, whatever the control plane does (the issue asks 35 s; the unit allows 40)
+TEARDOWN_RESERVE = 1.5  # kept for removing the interface and the table after the deregistration
+
+
+@dataclass
+class Leaving:
+    """A deregistration asked over the socket (`plexd deregister`): already posted (or forced) before the stop."""
+
+    purge: bool
+    deregistered: bool = False
+    error: str = ""
 
 
 class Agent:
@@ -76,9 +98,16 @@ class Agent:
         self.supervisor = Supervisor(self.stop_event, clock=self.clock, faults=FaultPlan.from_env())
         self.node: Any = None  # what the assembler built (plexd.node.assembly.Node)
         self._started_at = self.clock.monotonic()
-        self._services: list[tuple[str, Service]] = []
+        self._services: list[tuple[str, Service, bool]] = []
         self._shutdown_steps: list[tuple[str, str, ShutdownStep]] = []
         self._reauth_lock = asyncio.Lock()
+        self.ready: Callable[[], Awaitable[Any]] | None = None  # set by the assembly: READY=1 after it
+        self.describe: Callable[[], str] | None = None  # set by the assembly: the running node's STATUS= line
+        self.reload_config: Callable[[], Any] | None = None  # set by the assembly: what SIGHUP does
+        self.phase = "starting"
+        self.leaving: Leaving | None = None
+        self.stopped = asyncio.Event()  # the stop sequence is done (the interface is down, when it goes down)
+        self.stop_deadline: float | None = None  # monotonic; set when the stop begins
 
     async def __aenter__(self) -> Agent:
         return self
@@ -88,16 +117,36 @@ class Agent:
 
     # -- extension API --------------------------------------------------------------------------------------------
 
-    def add_service(self, name: str, service: Service) -> None:
-        """Run `service(agent)` as a task of the agent's TaskGroup once registered."""
-        self._services.append((name, service))
+    def add_service(self, name: str, service: Service, *, stop_last: bool = False) -> None:
+        """Run `service(agent)` as a task of the agent's TaskGroup once registered. `stop_last`: cancelled only
+        after the teardown (the local socket, which answers `plexd deregister` when the stop is done)."""
+        self._services.append((name, service, stop_last))
 
     def on_shutdown(self, name: str, step: ShutdownStep, *, phase: str = "teardown") -> None:
         """Run `step(agent)` at shutdown: phase "drain" while services still run (finish work in flight),
-        phase "teardown" after they are cancelled and the node deregistered (last added runs first)."""
-        if phase not in ("drain", "teardown"):
+        phase "teardown" after they are cancelled and the node deregistered (last added runs first), phase
+        "final" after the teardown, before the stop_last services are cancelled."""
+        if phase not in ("drain", "teardown", "final"):
             raise ValueError(f"unknown shutdown phase {phase!r}")
         self._shutdown_steps.append((phase, name, step))
+
+    def time_left(self, reserve: float = 0.0) -> float:
+        """Seconds left of the stop budget after keeping `reserve` for later steps (inf before the stop)."""
+        if self.stop_deadline is None:
+            return math.inf
+        return max(0.0, self.stop_deadline - self.clock.monotonic() - reserve)
+
+    @property
+    def tears_down(self) -> bool:
+        """Whether this stop removes the interface, peers and table: it deregisters (SIGTERM by default, or
+        `plexd deregister`) and nothing fatal happened (a bug never takes the node off the mesh)."""
+        return (self.leaving is not None or self.config.shutdown.deregister) and not self.failed
+
+    def status_line(self) -> str:
+        """What systemd shows as the unit's status."""
+        if self.phase == "running" and self.describe is not None:
+            return self.describe()
+        return self.phase
 
     @property
     def failed(self) -> bool:
@@ -128,7 +177,10 @@ class Agent:
             return await call()
 
     async def reauthenticate(self, refused_token: str | None = None) -> Identity:
-        """Recover from a 401. Concurrent callers share one recovery: whoever comes second sees the new token."""
+        """Recover from a 401. Concurrent callers share one recovery: whoever comes second sees the new token.
+        Not while leaving: the 401 is the control plane taking our deregistration, not something to undo."""
+        if self.leaving is not None and self.identity is not None:
+            return self.identity
         async with self._reauth_lock:
             if refused_token is not None and self.client.token != refused_token and self.identity is not None:
                 return self.identity
@@ -155,8 +207,31 @@ class Agent:
                                                           "refused_hooks": [h.name for h in self.hooks.refused]})
 
     async def register(self) -> Identity:
+        self.phase = "registering"
+        notify(f"STATUS={self.phase}")
         self.identity, self.registered_now = await self.registrar.ensure_registered()
         return self.identity
+
+    async def rejoin(self) -> None:
+        """After a deregistration (the marker in data_dir): re-register with the node secret before anything else
+        talks to the control plane. Offline, the services start anyway and their first 401 rejoins."""
+        since = departure.departed(self.config.data_dir)
+        if since is None or self.registered_now or self.identity is None:
+            return
+        self.phase = "rejoining"
+        notify(f"STATUS=rejoining the mesh (deregistered at {since})")
+        log.info("this node deregistered at %s; rejoining with its node secret", since,
+                 extra={"node_id": self.identity.node_id})
+        try:
+            async with asyncio.timeout(DEREGISTER_TIMEOUT):
+                self.identity = await self.registrar.reregister(self.identity)
+        except (PlexdError, TimeoutError) as exc:
+            log.warning("could not rejoin yet (%s); starting from data_dir, the first answer from the control "
+                        "plane rejoins", exc or "no answer in time")
+            return
+        departure.clear_departed(self.config.data_dir)
+        log.info("rejoined the mesh as the same node", extra={"node_id": self.identity.node_id,
+                                                               "mesh_ip": self.identity.mesh_ip})
 
     async def until_stopped(self, aw: Awaitable[T]) -> T | None:
         """Await `aw` unless the agent is told to stop first (then cancel it and return None)."""
@@ -177,28 +252,89 @@ class Agent:
         return None
 
     async def serve(self) -> None:
-        """Run every service in one TaskGroup until the stop event; then drain and cancel them."""
+        """Run every service in one TaskGroup until the stop event; then the stop sequence (`stop`)."""
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(self.supervisor.supervise(name, functools.partial(svc, self)),
-                                       name=f"plexd:{name}") for name, svc in self._services]
-            notify_systemd("READY=1", f"STATUS=running as node {self.identity.node_id if self.identity else '?'}")
-            log.info("running", extra={"services": [name for name, _ in self._services]})
+            tasks = [(group.create_task(self.supervisor.supervise(name, functools.partial(svc, self)),
+                                        name=f"plexd:{name}"), last) for name, svc, last in self._services]
+            ready = group.create_task(self._announce_ready(), name="plexd:ready")
+            log.info("running", extra={"services": [name for name, _, _ in self._services]})
             await self.stop_event.wait()
-            notify_systemd("STOPPING=1")
-            await self._run_steps("drain")
-            for task in tasks:
-                task.cancel()
+            ready.cancel()
+            await self.stop([t for t, last in tasks if not last])
+            for task, last in tasks:
+                if last:
+                    task.cancel()
 
-    async def shutdown(self) -> None:
-        """After `serve`: deregister (when configured), then teardown steps, last registered first."""
-        if self.config.shutdown.deregister and self.identity is not None and not self.failed:
-            try:
-                async with asyncio.timeout(DEREGISTER_TIMEOUT):
-                    await self.client.deregister(self.identity.node_id)
-                log.info("deregistered", extra={"node_id": self.identity.node_id})
-            except (ControlPlaneError, TimeoutError) as exc:
-                log.warning("could not deregister: %s", exc, extra={"node_id": self.identity.node_id})
+    async def _announce_ready(self) -> None:
+        if self.ready is not None:
+            await self.ready()
+        self.phase = "running"
+        notify("READY=1", f"STATUS={self.status_line()}")
+        log.info("ready", extra={"node_id": self.identity.node_id if self.identity else ""})
+
+    async def stop(self, services: list[asyncio.Task[None]]) -> None:
+        """Drain, stop `services`, deregister, tear down, run the final steps: within the stop budget."""
+        self.stop_deadline = self.clock.monotonic() + STOP_BUDGET
+        self._set_phase("stopping: finishing work in flight")
+        notify("STOPPING=1")
+        await self._run_steps("drain")
+        for task in services:
+            task.cancel()
+        if services:
+            await asyncio.wait(services)
+        if self.tears_down:
+            await self._deregister()
+            self._set_phase("stopping: removing the interface and the firewall table")
         await self._run_steps("teardown", reverse=True)
+        self.stopped.set()
+        await self._run_steps("final")
+
+    def _set_phase(self, phase: str) -> None:
+        self.phase = phase
+        notify(f"STATUS={phase}")
+
+    async def _deregister(self) -> None:
+        """POST /deregister unless `plexd deregister` already did; the marker makes the next start rejoin."""
+        if self.leaving is not None or self.identity is None or not self.config.shutdown.deregister:
+            return
+        self._set_phase("stopping: deregistering")
+        node_id = self.identity.node_id
+        budget = min(DEREGISTER_TIMEOUT, self.time_left(TEARDOWN_RESERVE))
+        try:
+            async with asyncio.timeout(max(budget, 0.5)):
+                await self.client.deregister(node_id)
+        except (ControlPlaneError, TimeoutError) as exc:
+            log.warning("could not deregister: %s; the node stays registered and its next start carries on",
+                        exc or f"no answer within {budget:.1f}s", extra={"node_id": node_id})
+            return
+        departure.mark_departed(self.config.data_dir, format_time(self.clock.now()))
+        log.info("deregistered (the next start rejoins as the same node)", extra={"node_id": node_id})
+
+    async def leave(self, *, purge: bool, force: bool) -> Leaving:
+        """`plexd deregister` through the socket: POST /deregister now, and when the control plane took it (or
+        with `force`) run the stop sequence, tearing down, and return once it is done. A refused or failed
+        POST without `force` changes nothing: the daemon keeps running."""
+        if self.stopping or self.identity is None:
+            raise PlexdError("the daemon is already stopping")
+        leaving = self.leaving = Leaving(purge)
+        node_id = self.identity.node_id
+        try:
+            async with asyncio.timeout(DEREGISTER_TIMEOUT):
+                await self.client.deregister(node_id, purge=purge)
+            leaving.deregistered = True
+        except (ControlPlaneError, TimeoutError) as exc:
+            leaving.error = str(exc) or f"no answer within {DEREGISTER_TIMEOUT:g}s"
+            if not force:
+                self.leaving = None
+                return leaving
+        if leaving.deregistered and not purge:
+            departure.mark_departed(self.config.data_dir, format_time(self.clock.now()))
+        log.info("leaving the mesh (plexd deregister%s)%s", " --purge" if purge else "",
+                 "" if leaving.deregistered else f"; the control plane was not told: {leaving.error}",
+                 extra={"node_id": node_id})
+        self.stop_event.set()
+        await self.stopped.wait()
+        return leaving
 
     async def _run_steps(self, phase: str, *, reverse: bool = False) -> None:
         steps = [(n, s) for p, n, s in self._shutdown_steps if p == phase]
@@ -210,14 +346,15 @@ class Agent:
 
     async def run(self, assemble: Assemble) -> int:
         """The whole lifecycle; returns the process exit status."""
-        notify_systemd("STATUS=starting")
+        notify(f"STATUS={self.phase}")
         await self.start()
         if await self.until_stopped(self.register()) is None:
             log.info("stopped before registration finished")
             return 0
+        await self.until_stopped(self.rejoin())
+        self.phase = "bringing the mesh up"
         self.node = assemble(self)
         await self.serve()
-        await self.shutdown()
         return 1 if self.failed else 0
 
 
@@ -225,27 +362,14 @@ class Agent:
 # Process plumbing
 
 
-def notify_systemd(*lines: str) -> None:
-    """sd_notify(3) without libsystemd: one datagram to $NOTIFY_SOCKET; silently nothing outside systemd."""
-    target = os.environ.get("NOTIFY_SOCKET")
-    if not target:
-        return
-    if target.startswith("@"):
-        target = "\0" + target[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto("\n".join(lines).encode(), target)
-    except OSError as exc:
-        log.debug("sd_notify failed: %s", exc)
-
-
 @contextlib.contextmanager
-def _signal_handlers(stop_event: asyncio.Event) -> Iterator[None]:
+def _signal_handlers(agent: Agent) -> Iterator[None]:
     loop = asyncio.get_running_loop()
     installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    handlers = {signal.SIGINT: _on_stop, signal.SIGTERM: _on_stop, signal.SIGHUP: _on_reload}
+    for sig, handler in handlers.items():
         try:
-            loop.add_signal_handler(sig, _on_signal, sig, stop_event)
+            loop.add_signal_handler(sig, handler, sig, agent)
             installed.append(sig)
         except (ValueError, RuntimeError, NotImplementedError):
             pass  # not the main thread (tests): the caller owns stop_event
@@ -256,9 +380,21 @@ def _signal_handlers(stop_event: asyncio.Event) -> Iterator[None]:
             loop.remove_signal_handler(sig)
 
 
-def _on_signal(sig: signal.Signals, stop_event: asyncio.Event) -> None:
+def _on_stop(sig: signal.Signals, agent: Agent) -> None:
     log.info("received %s, shutting down", sig.name)
-    stop_event.set()
+    agent.stop_event.set()
+
+
+def _on_reload(sig: signal.Signals, agent: Agent) -> None:
+    if agent.reload_config is None:
+        log.info("received SIGHUP before the daemon was running; nothing to reload yet")
+        return
+    log.info("received SIGHUP, reloading the config")
+    notify("RELOADING=1")
+    try:
+        agent.reload_config()
+    finally:
+        notify("READY=1")
 
 
 async def run(
@@ -272,5 +408,5 @@ async def run(
     """``plexd up``: run the lifecycle until SIGINT/SIGTERM (or `stop_event`); return the exit status."""
     config.require_api()
     async with Agent(config, clock=clock, stop_event=stop_event, client=client) as agent:
-        with _signal_handlers(agent.stop_event):
+        with _signal_handlers(agent):
             return await agent.run(assemble)

@@ -103,7 +103,8 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
 
     async def join() -> Any:
         async with ControlPlaneClient.for_config(config) as client:
-            registrar = Registrar(config, client, capabilities=_join_capabilities(config))
+            registrar = Registrar(config, client, capabilities=_join_capabilities(config),
+                                  wait_retry=_show_retry(config.api.url, sys.stderr))
             if loaded.identity is None:
                 identity, _ = await registrar.ensure_registered(**sources)
                 return identity
@@ -112,14 +113,20 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
             return await registrar.recover(loaded.identity, **sources)
 
     identity = asyncio.run(join())
+    from plexd.node.departure import clear_departed
+
+    clear_departed(config.data_dir)  # registered or confirmed: a deregistration before this is over
+    stored_url = _remember_api(args, config)
     previous = loaded.identity
     outcome = ("registered" if previous is None else
                "confirmed" if previous.node_id == identity.node_id else "registered afresh")
     if args.json:
         _print_json({"node_id": identity.node_id, "mesh_ip": identity.mesh_ip, "outcome": outcome,
                      "previous_node_id": previous.node_id if previous else "", "data_dir": config.data_dir,
-                     "control_plane": config.api.url})
+                     "control_plane": config.api.url, "config_file_updated": stored_url})
         return 0
+    if stored_url:
+        print(f"control plane address {config.api.url} stored in {stored_url}")
     if loaded.problem:
         print(f"the stored identity was unusable ({loaded.problem}); registered afresh")
     if outcome == "confirmed":
@@ -131,6 +138,45 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
         print(f"registered as node {identity.node_id} with mesh IP {identity.mesh_ip} "
               f"(identity saved in {config.data_dir}); start the daemon with 'plexd up'")
     return 0
+
+
+def _remember_api(args: argparse.Namespace, config: Config) -> str:
+    """`plexd join --api URL` writes the URL into the config file it used, so that `plexd up` (and the unit)
+    find it. Returns the file's path when it changed."""
+    if not config.source_of("api.url").startswith("flag"):
+        return ""
+    from plexd.config import DEFAULT_CONFIG_PATH
+    from plexd.config_edit import store_api_url
+
+    path = getattr(args, "config", None) or os.environ.get("PLEXD_CONFIG") or DEFAULT_CONFIG_PATH
+    return path if store_api_url(path, config.api.url) else ""
+
+
+def _show_retry(url: str, out: Any) -> Callable[..., Any]:
+    """Tell the person at `plexd join` at once that the control plane cannot be reached, and count down to the
+    next attempt (one line per attempt when not on a terminal)."""
+    import asyncio
+
+    tty = hasattr(out, "isatty") and out.isatty()
+
+    async def wait(attempt: int, error: Exception, delay: float, left: float) -> None:
+        head = f"cannot reach the control plane at {url} (attempt {attempt}: {error})"
+        if not tty:
+            print(f"{head}; retrying in {delay:.0f}s, giving up in {left:.0f}s", file=out, flush=True)
+            await asyncio.sleep(delay)
+            return
+        print(head, file=out)
+        remaining = delay
+        while remaining > 0:
+            print(f"\r  retrying in {remaining:3.0f}s (giving up in {left:.0f}s; Ctrl-C to stop) ", end="", file=out,
+                  flush=True)
+            step = min(1.0, remaining)
+            await asyncio.sleep(step)
+            remaining -= step
+            left -= step
+        print("\r\033[K  retrying now", file=out, flush=True)
+
+    return wait
 
 
 def _join_capabilities(config: Config) -> Callable[[], dict[str, Any]]:
@@ -248,51 +294,29 @@ def cmd_config_show(args: argparse.Namespace, config: Config) -> int:
 
 
 def _add_deregister(sub: Any) -> None:
-    p = sub.add_parser("deregister", parents=[_GLOBALS, _JSON], help="remove this node from the mesh",
-                       description="Tell the control plane this node is leaving (POST deregister with the stored "
-                       "identity). With --purge also delete data_dir (keys, identity, state), the bootstrap token "
-                       "file, and disable the systemd unit when systemd runs. Stop a running 'plexd up' first.")
-    p.add_argument("--purge", action="store_true", help="also delete all local plexd data")
+    p = sub.add_parser(
+        "deregister", parents=[_GLOBALS, _JSON], help="leave the mesh (and with --purge, forget this node)",
+        description="Tell the control plane this node is leaving, then remove the interface, its peers and the "
+        "nftables table. With a running daemon, the daemon does it (finishing running actions first) and stops; "
+        "without one, this command does. The identity stays in data_dir, so the next 'plexd up' (or boot) "
+        "rejoins as the same node. --purge also deletes data_dir, the bootstrap token file and, when systemd "
+        "runs, disables and stops plexd.service. If the control plane cannot be told, nothing is changed; "
+        "--force goes on anyway.")
+    p.add_argument("--purge", action="store_true", help="also delete all local plexd data and disable the unit")
+    p.add_argument("--force", action="store_true", help="go on even when the control plane cannot be told")
     p.set_defaults(func=cmd_deregister)
 
 
 def cmd_deregister(args: argparse.Namespace, config: Config) -> int:
-    import asyncio
-    import shutil
-    import subprocess
+    from plexd.node.departure import deregister_command, format_deregister
 
-    from plexd.controlplane.client import ControlPlaneClient
-    from plexd.identity import IdentityStore
-
-    config.require_api()
-    loaded = IdentityStore(config.data_dir).load()
-    if loaded.identity is None:
-        why = f"stored identity unusable: {loaded.problem}" if loaded.problem else f"no identity in {config.data_dir}"
-        raise PlexdError(f"this node is not registered ({why}); nothing to deregister")
-    ident = loaded.identity
-
-    async def deregister() -> None:
-        async with ControlPlaneClient.for_config(config, token=ident.node_secret_key) as client:
-            await client.deregister(ident.node_id)
-
-    asyncio.run(deregister())
-    out: dict[str, Any] = {"node_id": ident.node_id, "deregistered": True, "purged": False}
-    if not args.json:
-        print(f"node {ident.node_id} deregistered")
-    if args.purge:
-        shutil.rmtree(config.data_dir, ignore_errors=True)
-        try:
-            os.unlink(config.token.file)
-        except OSError:
-            pass
-        if os.path.isdir("/run/systemd/system"):  # systemd is PID 1
-            subprocess.run(["systemctl", "disable", "plexd.service"], check=False, capture_output=True)
-        out["purged"] = True
-        if not args.json:
-            print(f"local data purged ({config.data_dir})")
+    doc = deregister_command(config, purge=args.purge, force=args.force)
     if args.json:
-        _print_json(out)
-    return 0
+        _print_json(doc)
+    else:
+        print(format_deregister(doc, config))
+    failed = (doc.get("purge") or {}).get("failed") or doc.get("teardown_error")
+    return EXIT_USER_ERROR if failed else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -586,11 +610,65 @@ def _scanned_hooks(config: Config) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd install | uninstall [--purge]
+
+
+def _add_install(sub: Any) -> None:
+    p = sub.add_parser("install", parents=[_GLOBALS, _JSON], help="set this machine up to run plexd under systemd",
+                       description="Create the groups plexd, plexd-secrets and plexd-admin, /etc/plexd (0755) with "
+                                   "hooks.d, /var/lib/plexd (0700), /run/plexd (0755), a default "
+                                   "/etc/plexd/config.yaml only if there is none, the bootstrap token file (0600) "
+                                   "with --token-file, the systemd unit starting this plexd, and the "
+                                   "/usr/local/bin/plexd link; then systemctl daemon-reload. Needs root.")
+    p.add_argument("--token-file", metavar="FILE", default="", help="copy this bootstrap token to the token file")
+    p.add_argument("--exec", dest="exec_path", metavar="PATH", help="the plexd the unit starts (default: this one)")
+    p.add_argument("--root", default="/", help=argparse.SUPPRESS)  # a scratch root, for tests
+    p.set_defaults(func=cmd_install)
+
+
+def _add_uninstall(sub: Any) -> None:
+    p = sub.add_parser("uninstall", parents=[_GLOBALS, _JSON], help="remove the systemd unit (and with --purge, "
+                                                                      "all plexd data)",
+                       description="Disable and stop plexd.service (a stop deregisters by default), remove the unit "
+                                   "and the /usr/local/bin/plexd link. --purge also removes /var/lib/plexd, "
+                                   "/etc/plexd, /run/plexd and the groups. The Python package itself stays: remove "
+                                   "its venv (/opt/plexd) yourself. Needs root.")
+    p.add_argument("--purge", action="store_true", help="also remove data, config and groups")
+    p.add_argument("--root", default="/", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_uninstall)
+
+
+def cmd_install(args: argparse.Namespace, config: Config) -> int:
+    from plexd.install.installer import install
+
+    api = config.api.url if config.source_of("api.url").startswith("flag") else ""
+    report = install(args.root, exec_path=args.exec_path, api=api, token_file=args.token_file)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        print(report.text())
+        print("next: 'plexd join --api URL --token-file FILE', then 'systemctl enable --now plexd'")
+    return 0
+
+
+def cmd_uninstall(args: argparse.Namespace, config: Config) -> int:
+    from plexd.install.installer import uninstall
+
+    running = args.root == "/" and os.path.exists(config.node_api.socket_path)
+    report = uninstall(args.root, purge=args.purge, daemon_running=running)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        print(report.text())
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
                                          _add_reconcile, _add_peers, _add_policies, _add_state, _add_actions,
-                                         _add_hooks]
+                                         _add_hooks, _add_install, _add_uninstall]
 
 
 def build_parser() -> argparse.ArgumentParser:

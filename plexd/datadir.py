@@ -10,6 +10,8 @@
     actions.db                 0600  the action journal (exactly-once) and the outbox of acks, results and
                                      integrity violations not yet delivered (SQLite; see plexd.actions.journal)
     actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
+    deregistered               0600  when the node last deregistered; its next start rejoins with the node secret
+                                     first and removes it (plexd.node.departure)
 
 The directory is 0700 and every write is atomic (`plexd.atomicfile`).
 """
@@ -23,6 +25,7 @@ SIGNING_KEY = "signing_public_key"
 EVENT_LEDGER = "events.db"
 ACTIONS_DB = "actions.db"
 LOCAL_AUDIT = "actions/local-audit.log"
+DEPARTED = "deregistered"
 NONCES = "nonces.json"  # before events.db: imported once, then removed
 LAST_EVENT_ID = "last_event_id"  # likewise
 DESIRED_MIRROR = "state/desired.json"  # before events.db: imported once, then removed

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from collections import deque
+from collections.abc import Mapping
 from typing import IO, Any
 
 LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "warn": logging.WARNING,
@@ -66,13 +68,30 @@ class HumanFormatter(logging.Formatter):
         return line
 
 
+class JournalPriority(logging.Formatter):
+    """Another formatter's line with sd-daemon(3)'s ``<N>`` prefix: journald stores the line at syslog priority
+    N (so ``journalctl -p warning`` filters) and strips the prefix."""
+
+    def __init__(self, inner: logging.Formatter) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = priority_prefix(record.levelno)
+        return "\n".join(prefix + line for line in self.inner.format(record).split("\n"))
+
+
 def setup_logging(level: str = "info", stream: IO[str] | None = None, *, json_lines: bool | None = None) -> None:
-    """Route the root logger to `stream` (stderr) at `level`; JSON unless the stream is a terminal."""
+    """Route the root logger to `stream` (stderr) at `level`; JSON unless the stream is a terminal; with
+    journald priority prefixes when stderr is the journal stream systemd gave us."""
     stream = stream if stream is not None else sys.stderr
     if json_lines is None:
         json_lines = not (hasattr(stream, "isatty") and stream.isatty())
     handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter() if json_lines else HumanFormatter())
+    formatter: logging.Formatter = JsonFormatter() if json_lines else HumanFormatter()
+    if _is_journal(stream):
+        formatter = JournalPriority(formatter)
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -83,6 +102,26 @@ def setup_logging(level: str = "info", stream: IO[str] | None = None, *, json_li
     # httpx logs every request at INFO, with full URLs; keep that for debug runs only.
     logging.getLogger("httpx").setLevel(logging.DEBUG if level.lower() == "debug" else logging.WARNING)
     logging.getLogger("httpcore").setLevel(logging.WARNING)
+
+
+# syslog(3) priorities of sd-daemon(3)'s "<N>" line prefixes, which journald reads from a service's stderr.
+PRIORITIES = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+
+def priority_prefix(levelno: int) -> str:
+    level = max((lvl for lvl in PRIORITIES if lvl <= levelno), default=logging.DEBUG)
+    return f"<{PRIORITIES[level]}>"
+
+
+def _is_journal(stream: IO[str], env: Mapping[str, str] | None = None) -> bool:
+    """True when `stream` is the one systemd connected to the journal ($JOURNAL_STREAM is "device:inode")."""
+    value = (os.environ if env is None else env).get("JOURNAL_STREAM", "")
+    dev, _, ino = value.partition(":")
+    try:
+        st = os.fstat(stream.fileno())
+        return (st.st_dev, st.st_ino) == (int(dev), int(ino))
+    except (AttributeError, OSError, ValueError):  # a StringIO in tests has no descriptor
+        return False
 
 
 class RecentLines(logging.Handler):

@@ -22,7 +22,7 @@ import logging
 import os
 import random
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,8 +202,11 @@ class Registrar:
         env: Mapping[str, str] | None = None,
         rand: Callable[[], float] = random.random,
         hostname: Callable[[], str] = socket.gethostname,
+        wait_retry: Callable[[int, ControlPlaneError, float, float], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
+        # (attempt, error, delay, seconds left): waits out a retry delay; `plexd join` shows a countdown with it
+        self._wait_retry = wait_retry
         self.client = client
         self.store = store or IdentityStore(config.data_dir)
         self.clock = clock or Clock()
@@ -347,7 +350,10 @@ class Registrar:
                 ) from None
             log.warning("registration attempt %d failed: %s; retrying in %.1fs", attempts, last, delay,
                         extra={"component": "registrar"})
-            await self.clock.sleep(delay)
+            if self._wait_retry is not None:
+                await self._wait_retry(attempts, last, delay, max_wait - elapsed)
+            else:
+                await self.clock.sleep(delay)
         identity = Identity(node_id=resp.node_id, mesh_ip=resp.mesh_ip, signing_public_key=resp.signing_public_key,
                             node_secret_key=resp.node_secret_key, private_key=private_key)
         self.store.save(identity)

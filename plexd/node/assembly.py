@@ -26,6 +26,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -59,6 +60,7 @@ from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_a
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
 from plexd.node.supervisor import FatalError
+from plexd.node.systemd import Watchdog, watchdog_interval
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
@@ -71,6 +73,8 @@ log = logging.getLogger(__name__)
 
 COMMIT_DELAY_ENV = "PLEXD_TEST_COMMIT_DELAY"
 OUTBOX_FLUSH = 5.0  # at shutdown, how long undelivered action results may hold up the exit
+DRAIN_RESERVE = 4.0  # of the stop budget, kept after the actions drain: 1 s flush, deregister, teardown
+WATCHDOG_STUCK = 0.5  # of WatchdogSec: a converge running longer than this withholds the watchdog ping
 
 
 @dataclass
@@ -194,11 +198,48 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("event_converge", lambda a: mesh.converge_requested())
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
-    agent.add_service("local_api", lambda a: _serve_local_api(local_api, api_cfg.http_listen, http_token))
+    # The socket stops last: `plexd deregister` is answered once the teardown is done.
+    agent.add_service("local_api", lambda a: _serve_local_api(local_api, api_cfg.http_listen, http_token),
+                      stop_last=True)
+    agent.on_shutdown("local socket", lambda a: local_api.stop(grace=2.0), phase="final")
     agent.add_service("report_sync", lambda a: report_sync.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
+    agent.ready = reconciler.started.wait
+    agent.describe = lambda: describe(node)
+    _add_watchdog(node)
     return node
+
+
+def describe(node: Node) -> str:
+    """The node in one line, for systemd's STATUS=: "connected, 12 peers", "control plane unreachable since …"."""
+    believed = node.mesh.converger.believed_peer_count()
+    peers = believed if believed is not None else len(node.mesh.get_desired().peers)
+    stream = node.stream.status()
+    if stream["state"] == "connected":
+        return f"connected, {peers} peers"
+    since = datetime.fromtimestamp(stream["since"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    if stream["state"] == "polling":
+        return f"event stream down since {since}, polling the control plane; {peers} peers"
+    return f"control plane unreachable since {since}; running from data_dir with {peers} peers"
+
+
+def _add_watchdog(node: Node) -> None:
+    """STATUS= lines while systemd supervises us; WATCHDOG=1 too when the unit has WatchdogSec."""
+    agent = node.agent
+    interval = watchdog_interval()
+    if interval is None and not os.environ.get("NOTIFY_SOCKET"):
+        return
+    stuck_limit = (interval or 0) * 3 * WATCHDOG_STUCK
+
+    def healthy() -> str | None:
+        stuck = node.mesh.stuck_for()
+        if stuck > stuck_limit:
+            return f"a converge has been running for {stuck:.0f}s"
+        return None
+
+    dog = Watchdog(interval or 5.0, healthy, agent.status_line, ping=interval is not None, clock=agent.clock)
+    agent.add_service("watchdog", lambda a: dog.run(), stop_last=True)  # pings through a long drain too
 
 
 def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
@@ -216,7 +257,7 @@ def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
     mesh = MeshHandle(converger, initial, protected=protected, known=False)
 
     async def teardown(agent: Agent) -> None:
-        if cfg.shutdown.deregister and not agent.failed:
+        if agent.tears_down:
             await converger.teardown()
             log.info("mesh interface %s removed", cfg.mesh.interface)
 
@@ -262,7 +303,12 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     else:
         # A reused identity announces, since the code or the hooks may have changed while plexd was stopped.
         hooks.request_announce(agent.hooks)
-    reloader = ConfigReloader(cfg, lambda new: setattr(dispatcher, "config", new.actions))
+    def apply(running: Config) -> None:
+        dispatcher.config = running.actions
+        agent.config = running  # shutdown.* is read at the stop
+
+    reloader = ConfigReloader(cfg, apply)
+    agent.reload_config = reloader.reload  # SIGHUP
     dispatcher = ActionDispatcher(cfg.actions, journal, outbox, hooks, _node_view(node, reloader), node_id,
                                   LocalAudit(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
     recovered = dispatcher.recover()
@@ -272,8 +318,9 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     add_action_routes(node.local_api, dispatcher, require_admin(cfg.node_api.admin_group))
 
     async def drain(agent: Agent) -> None:
-        await dispatcher.drain(cfg.shutdown.drain)
-        if not await outbox.flush(OUTBOX_FLUSH):
+        # Within the stop budget: the flush, the deregistration and the teardown keep their share.
+        await dispatcher.drain(min(agent.config.shutdown.drain, agent.time_left(reserve=DRAIN_RESERVE)))
+        if not await outbox.flush(min(OUTBOX_FLUSH, agent.time_left(reserve=DRAIN_RESERVE - 1))):
             log.warning("%d action message(s) not delivered before shutdown; they are sent after the next start",
                         journal.outbox_size())
 

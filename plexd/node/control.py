@@ -44,6 +44,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from plexd import __version__
+from plexd.errors import PlexdError
 from plexd.nat.service import disabled_status
 from plexd.node.local_api import HTTPError, LocalAPI, Request, Response, require_admin
 
@@ -58,6 +59,7 @@ STATUS_PATH = "/v1/daemon/status"
 POLICIES_PATH = "/v1/daemon/policies"
 RECONCILE_PATH = "/v1/daemon/reconcile"
 HOLD_PATH = "/v1/daemon/reconcile/hold"
+DEREGISTER_PATH = "/v1/daemon/deregister"
 
 
 def stored_status(config: Config) -> dict[str, Any]:
@@ -182,7 +184,23 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
             node.reconciler.trigger("reconcile hold released")  # correct what was held, now
         return Response(200, {"released": old is not None})
 
+    async def deregister(req: Request) -> Response:
+        body = _object(req)
+        flags = {name: body.get(name, False) for name in ("purge", "force")}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise HTTPError(400, f"{name} must be true or false")
+        try:
+            leaving = await node.agent.leave(**flags)
+        except PlexdError as exc:
+            raise HTTPError(409, str(exc)) from None
+        if not leaving.deregistered and not flags["force"]:
+            raise HTTPError(502, f"the control plane did not take the deregistration: {leaving.error}")
+        return Response(200, {"node_id": node.agent.identity.node_id if node.agent.identity else "",
+                              "deregistered": leaving.deregistered, "error": leaving.error, "torn_down": True})
+
     api.add("GET", STATUS_PATH, status, admin)
+    api.add("POST", DEREGISTER_PATH, deregister, admin)
     api.add("GET", POLICIES_PATH, policies, admin)
     api.add("POST", RECONCILE_PATH, reconcile, admin)
     api.add("POST", HOLD_PATH, hold, admin)

@@ -22,6 +22,15 @@ class DaemonNotRunning(Exception):
     pass
 
 
+class DaemonRefused(PlexdError):
+    """The daemon answered with an error status; `reason` is its own message."""
+
+    def __init__(self, message: str, status: int, reason: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
 class _UnixConnection(http.client.HTTPConnection):
     def __init__(self, path: str, timeout: float) -> None:
         super().__init__("localhost", timeout=timeout)
@@ -109,6 +118,7 @@ def _decode(data: bytes) -> Any:
         return None
 
 
-def _refused(method: str, path: str, status: int, doc: Any, data: bytes) -> PlexdError:
+def _refused(method: str, path: str, status: int, doc: Any, data: bytes) -> DaemonRefused:
     message = doc.get("error") if isinstance(doc, dict) else data.decode("utf-8", "replace").strip()
-    return PlexdError(f"the plexd daemon refused {method} {path}: {message} (HTTP {status})")
+    return DaemonRefused(f"the plexd daemon refused {method} {path}: {message} (HTTP {status})", status,
+                         str(message))

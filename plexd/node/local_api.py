@@ -205,6 +205,9 @@ class LocalAPI:
         self._tcp_token = b""
         self.tcp_address: tuple[str, int] | None = None
         self._connections: set[asyncio.Task[Any]] = set()
+        self._in_flight = 0  # requests read and not yet answered
+        self._answered = asyncio.Event()  # set whenever no request is in flight
+        self._answered.set()
 
     def add(self, method: str, path: str, handler: Handler, authorize: Authorize = anyone, *,
             tcp: bool = False) -> None:
@@ -255,10 +258,16 @@ class LocalAPI:
             os.chmod(path, 0o600)
             log.warning("cannot give %s to group %s (%s): socket is 0600", path, self.group, exc.strerror)
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 0.0) -> None:
+        """Stop listening; give requests being answered up to `grace` seconds (the answer to `plexd
+        deregister` is written after the teardown), then close every connection and remove the socket."""
         servers = [s for s in (self._server, self._tcp_server) if s is not None]
         for server in servers:
             server.close()
+        if grace > 0 and not self._answered.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(grace):
+                    await self._answered.wait()
         for task in list(self._connections):
             task.cancel()
         if self._connections:
@@ -306,8 +315,15 @@ class LocalAPI:
                     break
                 if request is None:
                     break
-                response = await self._dispatch(request)
-                await self._send(conn, writer, response)
+                self._in_flight += 1
+                self._answered.clear()
+                try:
+                    response = await self._dispatch(request)
+                    await self._send(conn, writer, response)
+                finally:
+                    self._in_flight -= 1
+                    if not self._in_flight:
+                        self._answered.set()
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     break
                 try:

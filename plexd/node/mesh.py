@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,7 @@ class MeshHandle:
         # One apply at a time, and the model read once the turn has come: an apply that waited behind a reconcile
         # must not then apply the model as it was before that reconcile's state pull.
         self._lock = asyncio.Lock()
+        self.busy_since: float | None = None  # monotonic start of the converge holding the lock
         self._fresh: DesiredState | None = None  # the model the last full converge left the machine matching
         # Awaited once, before the first converge: the NAT discovery's hand-over of the listen port at start.
         self.before_first_converge: Callable[[], Awaitable[None]] | None = None
@@ -217,7 +219,20 @@ class MeshHandle:
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""
         async with self._lock:
-            return await self._converge_locked(dry_run)
+            with self._timed():
+                return await self._converge_locked(dry_run)
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
+        self.busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_since = None
+
+    def stuck_for(self) -> float:
+        """How long the converge now running has been at it (0 when none runs): the watchdog's other half."""
+        return time.monotonic() - self.busy_since if self.busy_since is not None else 0.0
 
     async def _converge_locked(self, dry_run: bool) -> ConvergeResult:
         if self.before_first_converge is not None:
@@ -258,11 +273,12 @@ class MeshHandle:
         """Apply what events changed in the model: only the touched peers and routes (`Converger.apply_delta`).
         While held, or before the first state pull, this plans in full like any converge."""
         async with self._lock:
-            if not self._limits_known or not self.known or self.hold.current() is not None:
-                return await self._converge_locked(False)
-            touched = self.store.take_touched()
-            self._note_refusals(self.store.value)
-            return await self.converger.apply_delta(self.store.value, touched)
+            with self._timed():
+                if not self._limits_known or not self.known or self.hold.current() is not None:
+                    return await self._converge_locked(False)
+                touched = self.store.take_touched()
+                self._note_refusals(self.store.value)
+                return await self.converger.apply_delta(self.store.value, touched)
 
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""

@@ -1,10 +1,11 @@
-"""Reloading the config file in a running daemon (``service.reload_config``).
+"""Reloading the config file in a running daemon (SIGHUP, ``systemctl reload plexd``, ``service.reload_config``).
 
 The file and the environment are read again, with the command-line flags the daemon started with. A file that
 does not load leaves everything as it was and says why. Of what changed, these take effect at once:
 
     log_level                 the root logger's level
     actions.*                 the dispatcher's limits, timeouts and local_auth (read per request)
+    shutdown.*                what the next stop does: deregister (and tear down) or keep the tunnels, drain
 
 Everything else (the control plane, data_dir, the mesh interface and port, node_api listeners, intervals...)
 is reported as needing a restart and keeps its old value until then.
@@ -25,13 +26,13 @@ from plexd.log import LEVELS
 
 log = logging.getLogger(__name__)
 
-LIVE_PREFIXES = ("log_level", "actions.")
+LIVE_PREFIXES = ("log_level", "actions.", "shutdown.")
 
 
 @dataclass
 class ConfigReloader:
     running: Config  # what the daemon runs with: the start config, its live parts replaced at each reload
-    apply: Callable[[Config], None]  # installs the live parts of a new config
+    apply: Callable[[Config], None]  # installs the running config once its live parts were replaced
 
     def reload(self) -> dict[str, Any]:
         old = self.running
@@ -44,9 +45,10 @@ class ConfigReloader:
         live = [key for key in changed if key.startswith(LIVE_PREFIXES)]
         later = [key for key in changed if key not in live]
         if live:
-            self.apply(new)
             logging.getLogger().setLevel(LEVELS.get(new.log_level.lower(), logging.INFO))
-            self.running = dataclasses.replace(old, log_level=new.log_level, actions=new.actions)
+            self.running = dataclasses.replace(old, log_level=new.log_level, actions=new.actions,
+                                               shutdown=new.shutdown)
+            self.apply(self.running)
         log.info("config reloaded from %s: %d applied, %d need a restart", old.config_file or "(no file)",
                  len(live), len(later), extra={"applied": live, "restart_needed": later})
         return {"config_file": old.config_file, "error": "", "applied": live, "restart_needed": later}

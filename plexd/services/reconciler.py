@@ -97,6 +97,7 @@ class Reconciler(Generic[S]):
         self._reasons: list[str] = []
         self._lock = asyncio.Lock()
         self._unsent: list[dict[str, Any]] = []
+        self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
         self.cycles = 0
         self.failures = 0
         self.last: CycleResult | None = None
@@ -174,6 +175,8 @@ class Reconciler(Generic[S]):
             except Exception as exc:
                 log.exception("reconcile (%s): converge failed", why)
                 error = f"converge failed: {exc}"
+        if startup:
+            self.started.set()
         updates: list[Correction] = []
         try:
             state = await self._fetch_state()

@@ -114,7 +114,12 @@ async def test_control_plane_unreachable(tmp_path):
     env = Env(tmp_path, "http://127.0.0.1:9")
     env.token.write_text("tok")
     rc, _, err = await env.run("join")
-    assert_one_line_error(rc, err, "http://127.0.0.1:9", "POST /v1/register", "cannot connect", "within 2s")
+    # join says at once that it cannot get through and when it tries again (one line per attempt, not a TTY),
+    # then gives up with one line
+    *progress, last = err.splitlines()
+    assert progress and all(line.startswith("cannot reach the control plane at http://127.0.0.1:9 (attempt ")
+                            and "retrying in 1s" in line for line in progress), err
+    assert_one_line_error(rc, last, "http://127.0.0.1:9", "POST /v1/register", "cannot connect", "within 2s")
     assert env.token.read_text() == "tok" and "identity.json" not in env.data_files()
 
 

@@ -5,6 +5,7 @@ identity reuse, capabilities announcement, READY=1 to systemd, clean exit on SIG
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import json
 import os
@@ -108,11 +109,20 @@ async def test_up_reuses_identity_announces_capabilities_notifies_and_stops_clea
         while b"READY=1" not in messages:
             msg = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), 20)
             messages += msg.split(b"\n")
-        assert messages[0] == b"STATUS=starting" and f"STATUS=running as node {NODE}".encode() in messages
+        assert messages[0] == b"STATUS=starting" and b"STATUS=registering" in messages
+        # right after READY=1 the status says what the node is doing (the recorder serves no event stream)
+        after = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(sock, 4096), 20)
+        assert after.startswith(b"STATUS=control plane unreachable since ") and b"running from data_dir" in after
         await wait_for(lambda: any(r.method == "PUT" for r in rec.requests))
     finally:
         rc, err = await stop(proc, signal.SIGTERM)
     assert rc == 0, err
+    sock.setblocking(False)
+    stopping = []
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            stopping += sock.recv(4096).split(b"\n")
+    assert b"STOPPING=1" in stopping and b"STATUS=stopping: deregistering" in stopping
     assert "Traceback" not in err
     methods = [(r.method, r.path) for r in lifecycle(rec)]
     assert ("POST", "/v1/register") not in methods  # the stored identity was reused
@@ -315,7 +325,7 @@ async def test_authed_shares_one_reauthentication(tmp_path, rec):
 
 # -- systemd unit ---------------------------------------------------------------------------------------------------
 
-UNIT = Path(__file__).resolve().parents[2] / "systemd" / "plexd.service"
+UNIT = Path(__file__).resolve().parents[2] / "plexd" / "install" / "plexd.service"
 
 
 def verify_unit(text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:

@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from plexd.devplane.harness import Devplane
@@ -267,7 +268,7 @@ def test_join_prompts_for_the_token_on_a_tty_without_echo(tmp_path, dp):
     assert node.identity().node_id == dp.admin.nodes()[0]["id"]
 
 
-def test_deregister_and_purge(tmp_path, dp):
+def test_deregister_keeps_the_identity_to_rejoin_and_purge_revokes_it(tmp_path, dp):
     node = Node(tmp_path / "a", dp, "px-leaving")
     node.token.write_text(dp.admin.create_token())
     assert node.run("join").returncode == 0
@@ -275,22 +276,52 @@ def test_deregister_and_purge(tmp_path, dp):
 
     r = node.run("deregister", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"node_id": ident.node_id, "deregistered": True, "purged": False}
+    doc = json.loads(r.stdout)
+    assert doc == {"by_daemon": False, "node_id": ident.node_id, "deregistered": True, "error": "",
+                   "torn_down": True, "purge": None}
     assert dp.admin.node(ident.node_id)["status"] == "deregistered" and dp.admin.nodes() == []
-    assert node.identity() == ident  # kept for a later re-registration
+    assert node.identity() == ident and (node.data / "deregistered").exists()  # kept to rejoin
 
-    # A second deregister is refused by the control plane (the secret no longer works): one line, exit 1.
-    r = node.run("deregister")
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "HTTP 401" in r.stderr
+    # No new token: the node comes back with its secret, as the same node with the same mesh IP.
+    assert not node.token.exists()
+    r = node.run("join", "--json")
+    assert r.returncode == 0, r.stderr
+    back = json.loads(r.stdout)
+    assert (back["node_id"], back["mesh_ip"], back["outcome"]) == (ident.node_id, ident.mesh_ip, "confirmed")
+    assert dp.admin.node(ident.node_id)["status"] == "online" and not (node.data / "deregistered").exists()
 
-    # Re-join with a new token, then leave for good.
-    node.token.write_text(dp.admin.create_token())
-    assert node.run("join").returncode == 0
     node.token.write_text("leftover")  # the purge removes a token file that is still there
     r = node.run("deregister", "--purge")
     assert r.returncode == 0, r.stderr
-    assert "deregistered" in r.stdout and "local data purged" in r.stdout
+    assert f"node {ident.node_id} deregistered" in r.stdout
+    assert f"purged: removed {node.data}" in r.stdout and f"purged: removed the bootstrap token file {node.token}" \
+        in r.stdout and "skipped: systemd is not running here" in r.stdout
     assert not node.data.exists() and not node.token.exists()
+    # a purge revokes: the secret no longer re-registers, and the mesh IP is free again
+    assert dp.admin.node(ident.node_id)["status"] == "removed"
+    with httpx.Client() as http:
+        refused = http.post(f"{dp.url}/v1/register", headers={"Authorization": f"Bearer {ident.node_secret_key}"},
+                            json={"token": "", "public_key": ident.public_key, "hostname": "px-leaving"})
+    assert refused.status_code == 401
 
     r = node.run("deregister")
     assert r.returncode == 1 and "not registered" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_deregister_with_the_control_plane_down_changes_nothing_unless_forced(tmp_path, dp):
+    node = Node(tmp_path / "a", dp, "px-stranded")
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    ident = node.identity()
+    dp.stop()
+
+    r = node.run("deregister", "--purge")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert "did not take the deregistration" in r.stderr and "Nothing was changed" in r.stderr \
+        and "--force" in r.stderr
+    assert node.identity() == ident  # everything in place
+
+    r = node.run("deregister", "--purge", "--force")
+    assert r.returncode == 0, r.stderr
+    assert f"node {ident.node_id} was NOT deregistered" in r.stdout and "--force" in r.stdout
+    assert f"purged: removed {node.data}" in r.stdout and not node.data.exists()

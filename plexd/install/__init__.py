@@ -1,0 +1,1 @@
+"""Putting plexd on a machine: the systemd unit (package data) and `plexd install` / `plexd uninstall`."""

@@ -1,0 +1,92 @@
+"""What plexd tells systemd, without libsystemd: sd_notify(3) datagrams and the watchdog.
+
+    READY=1      once the interface is configured (or restored from data_dir while offline) and services run
+    STATUS=...   follows what the daemon is doing: "connected, 12 peers", "control plane unreachable since …"
+    WATCHDOG=1   every third of WatchdogSec, and only while the event loop turns and no converge is stuck
+    STOPPING=1   when a stop begins
+
+Outside systemd (no ``NOTIFY_SOCKET``) every call is a no-op. The watchdog only runs when systemd asked for it
+(``WATCHDOG_USEC``, and ``WATCHDOG_PID`` naming this process when set), so a hook or a child never pings for us.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Mapping
+
+from plexd.clock import Clock
+
+log = logging.getLogger(__name__)
+
+
+def notify(*lines: str, env: Mapping[str, str] | None = None) -> bool:
+    """One datagram to $NOTIFY_SOCKET; False outside systemd or when it cannot be sent (logged at debug)."""
+    target = (os.environ if env is None else env).get("NOTIFY_SOCKET")
+    if not target or not lines:
+        return False
+    if target.startswith("@"):
+        target = "\0" + target[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto("\n".join(lines).encode(), target)
+        return True
+    except OSError as exc:
+        log.debug("sd_notify failed: %s", exc)
+        return False
+
+
+def watchdog_interval(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
+    """Seconds between WATCHDOG=1 pings (a third of WatchdogSec), or None when systemd did not ask for them."""
+    env = os.environ if env is None else env
+    if not env.get("NOTIFY_SOCKET"):
+        return None
+    try:
+        usec = int(env.get("WATCHDOG_USEC", ""))
+    except ValueError:
+        return None
+    owner = env.get("WATCHDOG_PID", "")
+    if usec <= 0 or (owner and owner != str(pid if pid is not None else os.getpid())):
+        return None
+    return usec / 1e6 / 3
+
+
+class Watchdog:
+    """Pings systemd while `healthy()` says the daemon can still do its job, and keeps STATUS= current.
+
+    A wedged event loop stops the pings by itself (this coroutine no longer runs); `healthy()` covers what the
+    loop cannot see, such as a converge that has not finished for too long. When pings are withheld systemd
+    restarts plexd (Restart=on-failure), which adopts the live device without dropping the tunnels."""
+
+    def __init__(self, interval: float, healthy: Callable[[], str | None], status: Callable[[], str], *,
+                 ping: bool = True, clock: Clock | None = None, send: Callable[..., bool] = notify) -> None:
+        self.interval = interval
+        self.ping = ping  # False: systemd set no WatchdogSec, only STATUS= lines are kept current
+        self.healthy = healthy  # None when healthy, else why not
+        self.status = status
+        self.clock = clock or Clock()
+        self.send = send
+        self._last_status = ""
+        self._withheld = ""
+
+    async def run(self) -> None:
+        while True:
+            self.tick()
+            await self.clock.sleep(self.interval)
+
+    def tick(self) -> None:
+        """One round: the status line if it changed, and a ping unless something is wedged."""
+        problem = self.healthy() if self.ping else ""
+        if problem is None:
+            if self._withheld:
+                log.info("watchdog pings resumed (%s is over)", self._withheld)
+            self._withheld = ""
+            self.send("WATCHDOG=1")
+        elif problem and problem != self._withheld:
+            log.error("withholding the systemd watchdog ping: %s", problem)
+            self._withheld = problem
+        line = self.status()
+        if line != self._last_status:
+            self._last_status = line
+            self.send(f"STATUS={line}")
