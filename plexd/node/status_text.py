@@ -41,6 +41,10 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     last = (f", last event {ev['last_event_id']} {_ago(ev['last_event_at'], now)}" if ev["last_event_id"]
             else ", no event yet")
     lines.append(f"event stream:   {ev['state']} since {_ago(ev['since'], now)}{last}")
+    if ev["state"] != "connected":
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ev["since"]))
+        lines.append(f"connection:     offline since {when} ({_ago(ev['since'], now)}): running from the state in "
+                     "data_dir and retrying")
     rec = doc["reconcile"]
     if rec["hold"]:
         h = rec["hold"]

@@ -7,7 +7,9 @@ counted and shown in `plexd status`. Only a `FatalError` — something no restar
 control plane refuses with no token to register afresh — ends the daemon, with one clear line.
 
 Tests can make a service fail on purpose: ``PLEXD_TEST_FAULTS=events,heartbeat`` (read once at start) makes each
-named service raise `InjectedFault` once, ``PLEXD_TEST_FAULT_AFTER`` seconds (default 2) after it first started.
+named service raise `InjectedFault` once, ``PLEXD_TEST_FAULT_AFTER`` seconds (default 2) after it first started;
+``wedge:NAME`` instead blocks the whole event loop from inside that service (a bug that never yields), which is
+what the systemd watchdog is for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +61,7 @@ class FaultPlan:
 
     services: set[str] = field(default_factory=set)
     after: float = 2.0
+    wedges: set[str] = field(default_factory=set)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> FaultPlan:
@@ -69,13 +73,25 @@ class FaultPlan:
             after = 2.0
         if names:
             log.warning("test fault injection enabled for services: %s", ", ".join(sorted(names)))
-        return cls(names, after)
+        wedges = {n.removeprefix("wedge:") for n in names if n.startswith("wedge:")}
+        return cls({n for n in names if not n.startswith("wedge:")}, after, wedges)
 
     def take(self, name: str) -> bool:
         if name in self.services:
             self.services.discard(name)
             return True
         return False
+
+    def wedge_later(self, name: str) -> None:
+        """For ``wedge:NAME``: block the event loop `after` seconds from now (once)."""
+        if name in self.wedges:
+            self.wedges.discard(name)
+            asyncio.get_running_loop().call_later(self.after, _wedge, name)
+
+
+def _wedge(name: str) -> None:
+    log.warning("test fault: service %s wedges the event loop", name)
+    time.sleep(3600)
 
 
 class Supervisor:
@@ -96,6 +112,7 @@ class Supervisor:
         """Run `run()` until it returns, restarting it after each crash, until the stop event."""
         health = self.register(name)
         backoff = Backoff(base=self.base, cap=self.cap, jitter=self.jitter)
+        self.faults.wedge_later(name)
         while not self.stop_event.is_set():
             started = self.clock.monotonic()
             health.state, health.running_since = "running", self.clock.now().timestamp()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 
 import pytest
 
@@ -52,3 +53,26 @@ def test_level_warning_drops_info():
     logging.getLogger("plexd.test").info("quiet")
     logging.getLogger("plexd.test").warning("loud")
     assert [json.loads(x)["msg"] for x in out.getvalue().splitlines()] == ["loud"]
+
+
+def test_lines_carry_journald_priorities_only_when_stderr_is_the_journal_stream(tmp_path, monkeypatch):
+    """systemd sets JOURNAL_STREAM to the device:inode of the stream it gave us; journald reads sd-daemon(3)'s
+    "<N>" prefixes from it, so `journalctl -p warning` filters plexd's lines."""
+    with open(tmp_path / "journal", "w+") as journal, open(tmp_path / "other", "w+") as other:
+        st = os.fstat(journal.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        setup_logging("debug", journal)
+        log = logging.getLogger("plexd.test")
+        log.debug("d")
+        log.info("i")
+        log.warning("w")
+        log.error("e")
+        journal.seek(0)
+        lines = journal.read().splitlines()
+        assert [line[:4] for line in lines] == ["<7>{", "<6>{", "<4>{", "<3>{"]
+        assert [json.loads(line[3:])["msg"] for line in lines] == ["d", "i", "w", "e"]
+
+        setup_logging("info", other)  # a stream that is not the journal: plain lines
+        log.warning("w")
+        other.seek(0)
+        assert other.read().startswith("{")
