@@ -227,7 +227,7 @@ class Agent:
                 self.identity = await self.registrar.reregister(self.identity)
         except (PlexdError, TimeoutError) as exc:
             log.warning("could not rejoin yet (%s); starting from data_dir, the first answer from the control "
-                        "plane rejoins", exc or "no answer in time")
+                        "plane rejoins", str(exc) or "no answer in time")
             return
         departure.clear_departed(self.config.data_dir)
         log.info("rejoined the mesh as the same node", extra={"node_id": self.identity.node_id,
@@ -305,7 +305,7 @@ class Agent:
                 await self.client.deregister(node_id)
         except (ControlPlaneError, TimeoutError) as exc:
             log.warning("could not deregister: %s; the node stays registered and its next start carries on",
-                        exc or f"no answer within {budget:.1f}s", extra={"node_id": node_id})
+                        str(exc) or f"no answer within {budget:.1f}s", extra={"node_id": node_id})
             return
         departure.mark_departed(self.config.data_dir, format_time(self.clock.now()))
         log.info("deregistered (the next start rejoins as the same node)", extra={"node_id": node_id})

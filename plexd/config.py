@@ -145,7 +145,8 @@ class ShutdownConfig:
     """What SIGTERM does."""
 
     deregister: bool = _f(True)
-    drain: float = _f(30.0, "duration", min=0)
+    # at most 30 s: the whole stop (drain, deregistration, teardown) ends within 35 s
+    drain: float = _f(30.0, "duration", min=0, max=30.0)
 
 
 @dataclass(frozen=True)

@@ -305,6 +305,35 @@ def test_deregister_removes_the_node(dp):
     assert a.get("state").status_code == 401
 
 
+def rejoin(a) -> httpx.Response:
+    """Re-registration with the node secret: empty token, the same public key."""
+    return httpx.post(f"{a.url}/v1/register", headers=a.headers, timeout=10,
+                      json={"token": "", "public_key": a.public_key, "hostname": a.hostname})
+
+
+def test_a_deregistered_node_rejoins_with_its_secret_as_the_same_node_until_purged_or_forgotten(dp):
+    a, b, c = register(dp), register(dp), register(dp)
+    assert a.post("deregister").status_code == 200
+    assert register(dp).mesh_ip != a.mesh_ip  # its mesh IP stays reserved while it may come back
+    back = rejoin(a)
+    assert back.status_code == 201, back.text
+    assert (back.json()["node_id"], back.json()["mesh_ip"]) == (a.id, a.mesh_ip)
+    assert dp.admin.node(a.id)["status"] == "online"
+    assert a.id in {p["id"] for p in b.get("state").json()["peers"]} and a.get("state").status_code == 200
+
+    # a purge revokes the secret and frees the IP
+    assert httpx.post(a.path("deregister") + "?purge=true", headers=a.headers, timeout=10).status_code == 200
+    assert dp.admin.node(a.id)["status"] == "removed" and rejoin(a).status_code == 401
+    # an admin's forget revokes a deregistered node's secret too
+    assert b.post("deregister").status_code == 200
+    dp.admin.forget_node(b.id)
+    assert dp.admin.node(b.id)["status"] == "removed" and rejoin(b).status_code == 401
+    # the devplane remembers across a restart which nodes may come back
+    assert c.post("deregister").status_code == 200
+    dp.restart()
+    assert rejoin(c).status_code == 201 and dp.admin.node(c.id)["status"] == "online"
+
+
 def test_admin_api_needs_the_admin_token(dp):
     resp = httpx.get(f"{dp.url}/admin/v1/nodes", headers={"Authorization": "Bearer nope"}, timeout=10)
     assert resp.status_code == 401 and "admin" in resp.json()["error"]

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -367,3 +368,46 @@ async def test_sighup_applies_what_can_change_live_and_names_what_needs_a_restar
     assert reloaded[0]["restart_needed"] == ["heartbeat.interval"]
     # shutdown.deregister changed live: this stop deregisters
     assert [r.path for r in lifecycle(rec)][-1] == f"/v1/nodes/{NODE}/deregister"
+
+
+async def test_the_stop_ends_within_its_budget_with_a_stuck_hook_and_a_silent_control_plane(tmp_path):
+    """The worst stop: a hook that ignores SIGTERM and runs for minutes, and a control plane that takes the
+    deregistration and never answers. The stop budget (34 s; systemd's TimeoutStopSec is 40 s) shares itself out:
+    the drain is cut short, the hook is cancelled (its group killed), the POST is abandoned, the interface goes."""
+
+    async def silent_on_deregister(req):
+        if req.path.endswith("/deregister"):
+            await asyncio.sleep(3600)
+        return Reply()
+
+    async with Recorder(silent_on_deregister) as rec:
+        save_identity(tmp_path / "data")
+        hooks = tmp_path / "hooks"
+        hooks.mkdir()
+        hook = hooks / "stuck"
+        hook.write_text("#!/bin/sh\ntrap '' TERM\nsleep 297\n")
+        hook.chmod(0o755)
+        cfg = write_config(tmp_path, rec.url)  # shutdown: deregister true, drain 30s (the defaults)
+        proc = await start_up(cfg)
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg)}
+        await wait_for(lambda: (tmp_path / "api.sock").exists())
+        run = await asyncio.create_subprocess_exec(PLEXD, "actions", "run", "stuck", "--local", env=env,
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        await wait_for(lambda: subprocess.run(["pgrep", "-f", "sleep 297"], capture_output=True).returncode == 0)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(), 38)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+        took = loop.time() - started
+        print(f"stop took {took:.1f}s")
+        assert proc.returncode == 0, err.decode()[-3000:]
+        log = err.decode()
+        assert "could not deregister" in log and "no answer within" in log, \
+            [line for line in log.splitlines() if "stop" in line or "deregist" in line or "cancel" in line]
+        out, _ = await asyncio.wait_for(run.communicate(), 10)
+        assert run.returncode == 125, out  # cancelled
+        assert subprocess.run(["pgrep", "-f", "sleep 297"], capture_output=True).returncode == 1  # group killed
