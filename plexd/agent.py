@@ -185,6 +185,7 @@ class Agent:
             if refused_token is not None and self.client.token != refused_token and self.identity is not None:
                 return self.identity
             self.identity = await self.registrar.recover(self.identity)
+            departure.clear_departed(self.config.data_dir)  # re-registered: a deregistration before it is over
             return self.identity
 
     async def announce_capabilities(self, *, rescan: bool = True) -> None:

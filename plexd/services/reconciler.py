@@ -114,6 +114,7 @@ class Reconciler(Generic[S]):
         if self.cycles == 0:
             await self.run_once(reasons=("start",), startup=True)
         else:
+            self.started.set()  # crashed before its first converge finished: READY=1 must not wait forever
             self.trigger("reconciler restarted")
         while True:
             reasons = await self._wait_next()

@@ -91,6 +91,7 @@ def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp):
             ping.kill()
             ping.wait()
     sent, received = map(int, re.search(r"(\d+) packets transmitted, (\d+) received", out).groups())
+    print(f"restart under ping: {sent - received} of {sent} lost")
     assert sent == 60 and sent - received <= 1, out
     assert wireguard_go_pids(lab, a.node) == wg_pid  # the same process carried the tunnel through the restart
     assert "adopted" in a.logged() or "already up" in a.logged()
