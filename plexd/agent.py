@@ -45,7 +45,6 @@ from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import AuthError, ControlPlaneError
 from plexd.errors import PlexdError
-from plexd.gojson import format_time
 from plexd.identity import Identity, IdentityStore
 from plexd.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
 from plexd.node import departure
@@ -69,7 +68,6 @@ TEARDOWN_RESERVE = 1.5  # kept for removing the interface and the table after th
 class Leaving:
     """A deregistration asked over the socket (`plexd deregister`): already posted (or forced) before the stop."""
 
-    purge: bool
     deregistered: bool = False
     error: str = ""
 
@@ -208,8 +206,7 @@ class Agent:
                                                           "refused_hooks": [h.name for h in self.hooks.refused]})
 
     async def register(self) -> Identity:
-        self.phase = "registering"
-        notify(f"STATUS={self.phase}")
+        self._set_phase("registering")
         self.identity, self.registered_now = await self.registrar.ensure_registered()
         return self.identity
 
@@ -294,22 +291,31 @@ class Agent:
         self.phase = phase
         notify(f"STATUS={phase}")
 
+    async def _post_deregister(self, timeout: float, *, purge: bool = False) -> str:
+        """POST /deregister within `timeout`; "" when the control plane took it, else why not. When it did and
+        the identity stays (no purge), the marker makes the next start rejoin."""
+        assert self.identity is not None
+        try:
+            async with asyncio.timeout(timeout):
+                await self.client.deregister(self.identity.node_id, purge=purge)
+        except (ControlPlaneError, TimeoutError) as exc:
+            return str(exc) or f"no answer within {timeout:.1f}s"
+        if not purge:
+            departure.mark_departed(self.config.data_dir, self.clock.now())
+        return ""
+
     async def _deregister(self) -> None:
-        """POST /deregister unless `plexd deregister` already did; the marker makes the next start rejoin."""
+        """POST /deregister at the stop, unless `plexd deregister` already did."""
         if self.leaving is not None or self.identity is None or not self.config.shutdown.deregister:
             return
         self._set_phase("stopping: deregistering")
         node_id = self.identity.node_id
-        budget = min(DEREGISTER_TIMEOUT, self.time_left(TEARDOWN_RESERVE))
-        try:
-            async with asyncio.timeout(max(budget, 0.5)):
-                await self.client.deregister(node_id)
-        except (ControlPlaneError, TimeoutError) as exc:
+        error = await self._post_deregister(max(min(DEREGISTER_TIMEOUT, self.time_left(TEARDOWN_RESERVE)), 0.5))
+        if error:
             log.warning("could not deregister: %s; the node stays registered and its next start carries on",
-                        str(exc) or f"no answer within {budget:.1f}s", extra={"node_id": node_id})
-            return
-        departure.mark_departed(self.config.data_dir, format_time(self.clock.now()))
-        log.info("deregistered (the next start rejoins as the same node)", extra={"node_id": node_id})
+                        error, extra={"node_id": node_id})
+        else:
+            log.info("deregistered (the next start rejoins as the same node)", extra={"node_id": node_id})
 
     async def leave(self, *, purge: bool, force: bool) -> Leaving:
         """`plexd deregister` through the socket: POST /deregister now, and when the control plane took it (or
@@ -317,22 +323,16 @@ class Agent:
         POST without `force` changes nothing: the daemon keeps running."""
         if self.stopping or self.identity is None:
             raise PlexdError("the daemon is already stopping")
-        leaving = self.leaving = Leaving(purge)
-        node_id = self.identity.node_id
-        try:
-            async with asyncio.timeout(DEREGISTER_TIMEOUT):
-                await self.client.deregister(node_id, purge=purge)
-            leaving.deregistered = True
-        except (ControlPlaneError, TimeoutError) as exc:
-            leaving.error = str(exc) or f"no answer within {DEREGISTER_TIMEOUT:g}s"
-            if not force:
-                self.leaving = None
-                return leaving
-        if leaving.deregistered and not purge:
-            departure.mark_departed(self.config.data_dir, format_time(self.clock.now()))
+        self.leaving = Leaving()  # from now on a 401 is our deregistration, not something to re-register from
+        error = await self._post_deregister(DEREGISTER_TIMEOUT, purge=purge)
+        leaving = Leaving(deregistered=not error, error=error)
+        if error and not force:
+            self.leaving = None
+            return leaving
+        self.leaving = leaving
         log.info("leaving the mesh (plexd deregister%s)%s", " --purge" if purge else "",
-                 "" if leaving.deregistered else f"; the control plane was not told: {leaving.error}",
-                 extra={"node_id": node_id})
+                 f"; the control plane was not told: {error}" if error else "",
+                 extra={"node_id": self.identity.node_id})
         self.stop_event.set()
         await self.stopped.wait()
         return leaving

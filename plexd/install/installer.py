@@ -11,11 +11,12 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from plexd.errors import PlexdError
+from plexd.node.systemd import booted, systemctl
+from plexd.steps import StepReport
 
 UNIT_NAME = "plexd.service"
 UNIT_DIR = "etc/systemd/system"
@@ -38,18 +39,6 @@ DEFAULT_CONFIG = """\
 """
 
 
-@dataclass
-class Report:
-    done: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, list[str]]:
-        return {"done": self.done, "skipped": self.skipped}
-
-    def text(self) -> str:
-        return "\n".join([f"done: {line}" for line in self.done] + [f"skipped: {line}" for line in self.skipped])
-
-
 def unit_text(exec_path: str) -> str:
     """The packaged unit, pointed at `exec_path`."""
     text = resources.files("plexd.install").joinpath(UNIT_NAME).read_text(encoding="utf-8")
@@ -67,19 +56,15 @@ def entry_point() -> str:
     raise PlexdError("cannot find the installed plexd entry point; pass --exec PATH")
 
 
-def systemd_running() -> bool:
-    return os.path.isdir("/run/systemd/system")  # sd_booted(3)
-
-
 def install(root: str = "/", *, exec_path: str | None = None, api: str = "", token_file: str = "",
-            systemd: bool | None = None) -> Report:
+            systemd: bool | None = None) -> StepReport:
     _require_root()
     base = Path(root)
     exec_path = exec_path or entry_point()
     if exec_path.startswith(("/home/", "/root/")):
         raise PlexdError(f"{exec_path} is under a home directory, which the unit hides (ProtectHome=yes): install "
                          "plexd into a venv under /opt/plexd (see the README)")
-    report = Report()
+    report = StepReport()
     for group in GROUPS:
         _group(base, group, add=True, report=report)
     for rel, mode in DIRECTORIES:
@@ -122,10 +107,10 @@ def install(root: str = "/", *, exec_path: str | None = None, api: str = "", tok
 
 
 def uninstall(root: str = "/", *, purge: bool = False, systemd: bool | None = None,
-              daemon_running: bool = False) -> Report:
+              daemon_running: bool = False) -> StepReport:
     _require_root()
     base = Path(root)
-    report = Report()
+    report = StepReport()
     unit = base / UNIT_DIR / UNIT_NAME
     if daemon_running and not _on_systemd(root, systemd):
         raise PlexdError("a plexd daemon is running: stop it first ('plexd deregister', or SIGTERM)")
@@ -162,21 +147,21 @@ def _require_root() -> None:
 
 
 def _on_systemd(root: str, systemd: bool | None) -> bool:
-    return root == "/" and (systemd if systemd is not None else systemd_running())
+    return root == "/" and (systemd if systemd is not None else booted())
 
 
-def _systemctl(root: str, systemd: bool | None, report: Report, args: list[str]) -> None:
+def _systemctl(root: str, systemd: bool | None, report: StepReport, args: list[str]) -> None:
     if not _on_systemd(root, systemd):
         report.skipped.append(f"systemctl {' '.join(args)} (systemd is not running here)")
         return
-    done = subprocess.run(["systemctl", *args], capture_output=True, text=True, check=False)
-    if done.returncode == 0:
+    error = systemctl(*args)
+    if not error:
         report.done.append(f"systemctl {' '.join(args)}")
     else:
-        report.skipped.append(f"systemctl {' '.join(args)} failed: {done.stderr.strip()}")
+        report.skipped.append(f"systemctl {' '.join(args)} failed: {error}")
 
 
-def _group(base: Path, name: str, *, add: bool, report: Report) -> None:
+def _group(base: Path, name: str, *, add: bool, report: StepReport) -> None:
     exists = _group_exists(base, name)
     if add == exists:
         report.skipped.append(f"group {name} {'exists' if exists else 'does not exist'}")

@@ -11,22 +11,24 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
-from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from plexd import datadir
 from plexd.atomicfile import write_atomic
 from plexd.errors import PlexdError
+from plexd.gojson import format_time
+from plexd.node.systemd import booted, systemctl
+from plexd.steps import StepReport, format_steps
 
 log = logging.getLogger(__name__)
 
 
-def mark_departed(data_dir: str, when: str) -> None:
-    """Remember that the control plane took our deregistration (`when`, RFC 3339)."""
+def mark_departed(data_dir: str, when: datetime) -> None:
+    """Remember that the control plane took our deregistration, and when."""
     try:
-        write_atomic(Path(data_dir) / datadir.DEPARTED, (when + "\n").encode(), mode=0o600)
+        write_atomic(Path(data_dir) / datadir.DEPARTED, (format_time(when) + "\n").encode(), mode=0o600)
     except OSError as exc:  # the next start then rejoins through the 401 path instead: slower, not worse
         log.warning("cannot record the deregistration in %s: %s", data_dir, exc.strerror)
 
@@ -59,20 +61,10 @@ async def take_down(config: Any) -> None:
         await converger.wireguard.close()
 
 
-@dataclass
-class PurgeReport:
-    done: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, list[str]]:
-        return {"done": self.done, "skipped": self.skipped, "failed": self.failed}
-
-
-def purge_local(config: Any, *, systemd_running: bool | None = None) -> PurgeReport:
+def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepReport:
     """``--purge``: data_dir, the bootstrap token file, and the systemd unit (disabled and stopped) when systemd
     is PID 1. Every step is attempted; each one says what it did, skipped, or could not do."""
-    report = PurgeReport()
+    report = StepReport()
     data_dir = config.data_dir
     if os.path.lexists(data_dir):
         try:
@@ -91,30 +83,13 @@ def purge_local(config: Any, *, systemd_running: bool | None = None) -> PurgeRep
             report.skipped.append(f"no bootstrap token file at {token_file}")
         except OSError as exc:
             report.failed.append(f"could not remove {token_file}: {exc.strerror}")
-    if systemd_running is None:
-        systemd_running = os.path.isdir("/run/systemd/system")  # sd_booted(3)
-    if not systemd_running:
+    if not (booted() if systemd_running is None else systemd_running):
         report.skipped.append("systemd is not running here: no unit to disable")
+    elif error := systemctl("disable", "--now", "plexd.service"):
+        report.failed.append(f"systemctl disable --now plexd.service: {error}")
     else:
-        try:
-            done = subprocess.run(["systemctl", "disable", "--now", "plexd.service"], capture_output=True,
-                                  text=True, timeout=60)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            report.failed.append(f"systemctl disable --now plexd.service: {exc}")
-        else:
-            if done.returncode == 0:
-                report.done.append("disabled and stopped plexd.service")
-            else:
-                report.failed.append("systemctl disable --now plexd.service: "
-                                     f"{done.stderr.strip() or f'exit status {done.returncode}'}")
+        report.done.append("disabled and stopped plexd.service")
     return report
-
-
-def format_purge(report: dict[str, list[str]]) -> str:
-    """One line per step of a `PurgeReport.to_json()`."""
-    return "\n".join(f"{label}: {line}" for key, label in (("done", "purged"), ("skipped", "skipped"),
-                                                            ("failed", "FAILED"))
-                     for line in report[key])
 
 
 DAEMON_WAIT = 60.0  # the daemon's stop budget (34 s) and the answer's way back
@@ -146,7 +121,6 @@ def _deregister_alone(config: Any, *, purge: bool, force: bool) -> dict[str, Any
 
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.errors import ControlPlaneError
-    from plexd.gojson import format_time
     from plexd.identity import IdentityStore
 
     loaded = IdentityStore(config.data_dir).load()
@@ -179,9 +153,7 @@ def _deregister_alone(config: Any, *, purge: bool, force: bool) -> dict[str, Any
     except PlexdError as exc:
         doc["teardown_error"] = str(exc)
     if doc["deregistered"] and not purge:
-        from datetime import UTC, datetime
-
-        mark_departed(config.data_dir, format_time(datetime.now(UTC)))
+        mark_departed(config.data_dir, datetime.now(UTC))
     return doc
 
 
@@ -215,7 +187,7 @@ def format_deregister(doc: dict[str, Any], config: Any) -> str:
         lines.append(f"could not remove what plexd set up: {doc['teardown_error']}")
     report = doc.get("purge")
     if report is not None:
-        lines.append(format_purge(report))
+        lines.append(format_steps(report, done_label="purged"))
     elif doc["deregistered"]:
         lines.append(f"the identity stays in {config.data_dir}: 'plexd up' (or the next boot) rejoins as the same "
                      "node; 'plexd deregister --purge' forgets it")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
 from collections.abc import Callable, Mapping
 
 from plexd.clock import Clock
@@ -35,6 +36,20 @@ def notify(*lines: str, env: Mapping[str, str] | None = None) -> bool:
     except OSError as exc:
         log.debug("sd_notify failed: %s", exc)
         return False
+
+
+def booted() -> bool:
+    """sd_booted(3): systemd is PID 1 here."""
+    return os.path.isdir("/run/systemd/system")
+
+
+def systemctl(*args: str, timeout: float = 60.0) -> str:
+    """Run ``systemctl ARGS``: "" when it worked, else why not (its stderr, or why it could not run)."""
+    try:
+        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    return "" if done.returncode == 0 else (done.stderr.strip() or f"exit status {done.returncode}")
 
 
 def watchdog_interval(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
