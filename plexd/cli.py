@@ -145,10 +145,10 @@ def _remember_api(args: argparse.Namespace, config: Config) -> str:
     find it. Returns the file's path when it changed."""
     if not config.source_of("api.url").startswith("flag"):
         return ""
-    from plexd.config import DEFAULT_CONFIG_PATH
+    from plexd.config import config_path
     from plexd.config_edit import store_api_url
 
-    path = getattr(args, "config", None) or os.environ.get("PLEXD_CONFIG") or DEFAULT_CONFIG_PATH
+    path = config_path(getattr(args, "config", None))
     return path if store_api_url(path, config.api.url) else ""
 
 

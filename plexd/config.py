@@ -523,6 +523,13 @@ def _read_file(path: str, explicit: bool) -> tuple[dict[str, Any], str | None]:
     return _flatten_file(doc, path), path
 
 
+def config_path(path: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The config file a command uses: ``--config``, else ``$PLEXD_CONFIG``, else the default (which may not
+    exist)."""
+    env = os.environ if env is None else env
+    return path or env.get("PLEXD_CONFIG") or DEFAULT_CONFIG_PATH
+
+
 def load(
     path: str | None = None,
     *,
@@ -533,7 +540,7 @@ def load(
     data_dir) to values, None meaning "not given"."""
     env = os.environ if env is None else env
     explicit = path is not None or bool(env.get("PLEXD_CONFIG"))
-    file_path = path or env.get("PLEXD_CONFIG") or DEFAULT_CONFIG_PATH
+    file_path = config_path(path, env)
     raw_file, used_file = _read_file(file_path, explicit)
 
     values: dict[str, Any] = {}

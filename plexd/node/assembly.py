@@ -26,7 +26,6 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -59,6 +58,7 @@ from plexd.node.local_api import LocalAPI, require_admin
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
+from plexd.node.status_text import utc
 from plexd.node.supervisor import FatalError
 from plexd.node.systemd import Watchdog, watchdog_interval
 from plexd.nodeapi.ratelimit import RateLimiter
@@ -218,7 +218,7 @@ def describe(node: Node) -> str:
     stream = node.stream.status()
     if stream["state"] == "connected":
         return f"connected, {peers} peers"
-    since = datetime.fromtimestamp(stream["since"], UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    since = utc(stream["since"])
     if stream["state"] == "polling":
         return f"event stream down since {since}, polling the control plane; {peers} peers"
     return f"control plane unreachable since {since}; running from data_dir with {peers} peers"

@@ -6,6 +6,11 @@ import time
 from typing import Any
 
 
+def utc(ts: float) -> str:
+    """Unix seconds as a person reads them: 2026-11-23 12:00:00 UTC."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
 def _ago(ts: float | None, now: float) -> str:
     if ts is None:
         return "never"
@@ -42,9 +47,8 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
             else ", no event yet")
     lines.append(f"event stream:   {ev['state']} since {_ago(ev['since'], now)}{last}")
     if ev["state"] != "connected":
-        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ev["since"]))
-        lines.append(f"connection:     offline since {when} ({_ago(ev['since'], now)}): running from the state in "
-                     "data_dir and retrying")
+        lines.append(f"connection:     offline since {utc(ev['since'])} ({_ago(ev['since'], now)}): running "
+                     "from the state in data_dir and retrying")
     rec = doc["reconcile"]
     if rec["hold"]:
         h = rec["hold"]
