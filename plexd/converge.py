@@ -21,6 +21,7 @@ from plexd.correction import Correction
 from plexd.delta import peer_delta, touched_peers
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError
+from plexd.mesh.first_contact import FirstContact, own_public_key
 from plexd.mesh.links import LinkOp, Links
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 from plexd.plan import (
@@ -34,6 +35,7 @@ from plexd.plan import (
     UserspaceProcessGone,
     device_update,
     diff,
+    first_contacts,
     link_ops,
     simulate,
 )
@@ -118,6 +120,7 @@ class Converger:
         self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
         self._baseline: _Baseline | None = None
         self.last_result: ConvergeResult | None = None
+        self.first_contact = FirstContact(self._send_held_kicks)
 
     async def observe(self) -> Observed:
         # The link is read in a worker thread while the device is read on the loop: the two overlap.
@@ -188,13 +191,14 @@ class Converger:
             return None
         domain_changes, domain_errors = await self._domains(desired, full=False)
         if changes:
-            update = device_update(changes)
+            update = self._device_update(desired, changes)
             if not update.is_empty():
                 await self.wireguard.apply(update)  # WireGuardError: the full converge finds out why
             failures = await self.links.apply(link_ops(changes))
             if failures:
                 return None
         self._baseline = _Baseline(desired, simulate(base.believed, changes))
+        self.first_contact.applied(changes)
         for c in changes:
             log.debug("applied: %s", c.detail)
         return ConvergeResult((*domain_changes, *changes), tuple(domain_errors), desired.rejected, False)
@@ -213,7 +217,8 @@ class Converger:
                 f"interface {desired.interface} already exists and is a {observed.link.kind or 'non-WireGuard'} "
                 "link, not WireGuard: delete it or set mesh.interface to another name"
             )
-        changes = diff(desired, observed, self.clock.now().timestamp())
+        changes = [c for c in diff(desired, observed, self.clock.now().timestamp())
+                   if not self.first_contact.hides(c)]
         # The other domains first (the firewall): a peer added below already meets its rules.
         domain_changes, domain_errors = await self._domains(desired, full=True, dry_run=dry_run)
         if dry_run:
@@ -232,7 +237,7 @@ class Converger:
             applied.append(changes[0])
             log.info("%s", changes[0].detail, extra={"interface": desired.interface})
 
-        failed_keys, device_errors = await self._apply_device(changes)
+        failed_keys, device_errors = await self._apply_device(self._device_update(desired, changes))
         errors.extend(device_errors)
         for c in changes:
             if isinstance(c, InterfaceMissing | UserspaceProcessGone | LinkChange):
@@ -255,15 +260,24 @@ class Converger:
             failed_ops.add(op)
         applied.extend(c for c in changes if isinstance(c, LinkChange) and c.link_op() not in failed_ops)
 
+        self.first_contact.applied(applied)
         for c in (*domain_changes, *applied):
             log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
         # The next event diffs against this (only when everything applied: otherwise the device is not known).
         self._baseline = _Baseline(unresolved, simulate(observed, applied)) if not errors else None
         return ConvergeResult((*domain_changes, *applied), (*domain_errors, *errors), desired.rejected, False)
 
-    async def _apply_device(self, changes: Sequence[Change]) -> tuple[set[str], list[str]]:
+    def _device_update(self, desired: DesiredState, changes: Sequence[Change]) -> DeviceUpdate:
+        """The changes as one device transaction, less the first handshakes this node leaves to the peer."""
+        held = self.first_contact.hold(own_public_key(desired.private_key), first_contacts(changes))
+        return device_update(changes, held)
+
+    async def _send_held_kicks(self, update: DeviceUpdate) -> None:
+        async with self._lock:
+            await self.wireguard.apply(update)
+
+    async def _apply_device(self, update: DeviceUpdate) -> tuple[set[str], list[str]]:
         """Send all device changes in one transaction; if refused, retry piece by piece to name the culprit."""
-        update = device_update(changes)
         if update.is_empty():
             return set(), []
         try:
@@ -332,6 +346,7 @@ class Converger:
     async def teardown(self) -> None:
         """Remove the device (and its link) and every domain's state: shutdown with deregistration."""
         self._baseline = None
+        self.first_contact.cancel()
         for domain in self.domains:
             await domain.teardown()
         await self.wireguard.delete_device()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import ipaddress
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -525,10 +525,25 @@ def _link(t: Target, link: LinkState) -> Iterable[Change]:
 # --- turning changes into operations -----------------------------------------------------------------------
 
 
-def device_update(changes: Iterable[Change]) -> DeviceUpdate:
+def first_contacts(changes: Iterable[Change]) -> dict[str, int]:
+    """The peers these changes make WireGuard handshake with at once (public key -> persistent keepalive): it
+    sends a keepalive, and so a handshake initiation, when a peer's keepalive goes from off to on with an
+    endpoint set: a new peer (or a new key) with both, and a new endpoint (`PeerEndpointChanged`'s toggle)."""
+    kicked: dict[str, int] = {}
+    for c in changes:
+        if isinstance(c, PeerAdded | PeerKeyChanged) and c.peer.endpoint and c.peer.persistent_keepalive:
+            kicked[c.public_key] = c.peer.persistent_keepalive
+        elif isinstance(c, PeerEndpointChanged) and c.keepalive:
+            kicked[c.public_key] = c.keepalive
+    return kicked
+
+
+def device_update(changes: Iterable[Change], held: Collection[str] = ()) -> DeviceUpdate:
     """One UAPI/netlink transaction for every device change: only changed peers appear, removals first.
 
-    Field updates of one peer are merged into one `update_only` peer block.
+    Field updates of one peer are merged into one `update_only` peer block. `held`: public keys whose first
+    handshake this node leaves to the peer for now (`plexd.mesh.first_contact`): their keepalive is not turned
+    on here, so WireGuard sends nothing to them yet.
     """
     private_key: str | None = None
     listen_port: int | None = None
@@ -543,7 +558,11 @@ def device_update(changes: Iterable[Change]) -> DeviceUpdate:
         elif isinstance(c, PeerChange):
             updates = list(c.peer_update())
             if isinstance(c, PeerEndpointChanged) and len(updates) == 2:
-                kicks.append(updates.pop(0))
+                kick = updates.pop(0)
+                if c.public_key not in held:
+                    kicks.append(kick)
+            elif isinstance(c, PeerAdded | PeerKeyChanged) and c.public_key in held:
+                updates[-1] = replace(updates[-1], persistent_keepalive=0)
             for u in updates:
                 if u.remove:
                     removals.append(u)

@@ -7,13 +7,16 @@ converge, and checks both the result's corrections and the device as the real `w
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.lab import Lab
+from plexd.mesh.first_contact import FOLLOW_DELAY
 from plexd.model import Peer
 
 
@@ -179,3 +182,63 @@ async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile
     r = await a.converger.apply_delta(shrunk.with_peer(Peer(id="n_5", public_key=k5, mesh_ip="10.100.0.5")))
     assert r.ok and "userspace_restarted" in {c.correction_type for c in r.changes}
     assert k5 in {row[0] for row in a.wg_dump(lab)[1:]}
+
+
+def wg_lines(caplog, node) -> list[tuple[float, str]]:
+    """What `node`'s wireguard-go logged (verbose), in order: (when plexd read it, line)."""
+    return [(r.created, r.getMessage()) for r in caplog.records
+            if r.name == "plexd.mesh.wireguard.userspace" and getattr(r, "pid", None) == node.backend.pid]
+
+
+async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(pair, caplog) -> None:
+    """Both nodes configure each other at the same moment, as one control-plane event makes them. Only the node
+    with the lower public key initiates; the other answers, and kicks its own keepalive a beat later
+    (`plexd.mesh.first_contact`). If both initiated, both would drop the answer to their own initiation
+    ("Received invalid response message") and the tunnel would wait for WireGuard's 5 s retry."""
+    lab, a, b = pair
+    for n in (a, b):
+        n.backend.env["LOG_LEVEL"] = "verbose"
+        assert (await n.converger.converge(n.desired([]))).ok  # both devices up, as for nodes already meshed
+    leader, follower = sorted((a, b), key=lambda n: n.public_key)
+    caplog.set_level(logging.INFO, logger="plexd.mesh.wireguard.userspace")
+    for meeting in range(4):  # each meeting is a race without the rule; four make a miss unlikely
+        caplog.clear()
+        results = await asyncio.gather(a.converger.converge(a.desired([b])), b.converger.converge(b.desired([a])))
+        assert all(r.ok for r in results)
+        # the follower's keepalive is held back, and a converge now does not call that drift
+        assert (await follower.converger.converge(follower.desired([leader]))).changes == ()
+        # (pings in a thread: the event loop must stay free to send the held kick)
+        assert await asyncio.to_thread(ping, lab, leader, follower.mesh_ip)
+        await asyncio.sleep(FOLLOW_DELAY + 0.5)  # the follower's held kick has gone out
+        logs = {n.public_key: wg_lines(caplog, n) for n in (leader, follower)}
+        assert not any("invalid response" in m for lines in logs.values() for _, m in lines), (meeting, logs)
+        # The follower initiates only after the leader (when the leader's initiation reached it before it knew
+        # the leader, it was dropped as "invalid initiation", and the follower's held kick made the session).
+        first = {key: next((t for t, m in lines if "Sending handshake initiation" in m), None)
+                 for key, lines in logs.items()}
+        assert first[leader.public_key] is not None, (meeting, logs)
+        assert first[follower.public_key] is None or first[follower.public_key] > first[leader.public_key], logs
+        dump = {row[0]: row for row in follower.wg_dump(lab)[1:]}
+        assert dump[leader.public_key][7] == "25"  # the held keepalive is on now
+        for n, other in ((a, b), (b, a)):  # part, so that the next meeting starts without a session
+            assert (await n.converger.converge(n.desired([]))).ok
+            assert other.public_key not in {row[0] for row in n.wg_dump(lab)[1:]}
+
+
+async def test_a_follower_whose_leader_cannot_reach_it_still_starts_the_tunnel(pair) -> None:
+    """The leader has no endpoint for the follower (behind a NAT, say): the follower's held kick goes out alone
+    and makes the session, with no traffic to trigger it."""
+    lab, a, b = pair
+    leader, follower = sorted((a, b), key=lambda n: n.public_key)
+    silent = replace(follower.as_peer(), endpoint="")
+    assert (await leader.converger.converge(leader.desired([]).with_peer(silent))).ok
+    assert (await follower.converger.converge(follower.desired([leader]))).ok
+    for _ in range(100):
+        dump = {row[0]: row for row in follower.wg_dump(lab)[1:]}
+        if dump[leader.public_key][4] != "0":
+            break
+        await asyncio.sleep(0.1)
+    assert dump[leader.public_key][4] != "0", "the follower never handshook"
+    assert dump[leader.public_key][7] == "25"
+    # the leader learnt the follower's endpoint from its initiation
+    assert await asyncio.to_thread(ping, lab, leader, follower.mesh_ip)

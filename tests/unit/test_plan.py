@@ -34,6 +34,7 @@ from plexd.plan import (
     UserspaceProcessGone,
     device_update,
     diff,
+    first_contacts,
     link_ops,
     simulate,
     target,
@@ -190,6 +191,25 @@ def test_endpoint_detail_and_roaming_window() -> None:
     assert diff(d, replace(obs, device=replace(obs.device, peers={KEYS[1]: roamed})), NOW) == []
     stale = replace(moved, last_handshake=NOW - ROAMING_WINDOW - 1)
     assert len(diff(d, replace(obs, device=replace(obs.device, peers={KEYS[1]: stale})), NOW)) == 1
+
+
+def test_first_contacts_are_the_changes_that_make_wireguard_handshake_and_held_ones_are_not_kicked() -> None:
+    fresh = diff(state([PA]), Observed(device=DeviceConfig(), link=None), NOW)
+    (added,) = [c for c in fresh if isinstance(c, PeerAdded)]
+    assert first_contacts(fresh) == {KEYS[1]: 25}
+    assert first_contacts(diff(state([replace(PA, endpoint="")]), converged(state([])), NOW)) == {}  # nowhere to send
+    assert first_contacts(diff(state([PA], keepalive=0), converged(state([])), NOW)) == {}  # no keepalive, no kick
+    # held: the peer is added with its keepalive off (WireGuard sends nothing yet) ...
+    (u,) = device_update([added], held={KEYS[1]}).peers
+    assert (u.update_only, u.endpoint, u.persistent_keepalive) == (False, "10.0.0.2:51820", 0)
+    # ... while the machine is believed as it will be once the held kick has gone out
+    assert simulate(converged(state([])), [added]).device.peers[KEYS[1]].persistent_keepalive == 25
+    moved = replace(converged(state([PA])).device.peers[KEYS[1]], endpoint="5.6.7.8:51820")
+    obs = replace(converged(state([PA])), device=DeviceConfig(peers={KEYS[1]: moved}))
+    (c,) = [c for c in diff(state([PA]), obs, NOW) if isinstance(c, PeerEndpointChanged)]
+    assert first_contacts([c]) == {KEYS[1]: 25}
+    (only,) = device_update([c], held={KEYS[1]}).peers  # the endpoint without the off-and-on toggle
+    assert (only.endpoint, only.persistent_keepalive) == ("10.0.0.2:51820", 25)
 
 
 def test_field_changes_of_one_peer_are_one_update_only_block() -> None:

@@ -1,0 +1,108 @@
+"""Who sends the first handshake to a peer: the side with the lower public key, at once; the other a beat later.
+
+Two nodes learn of each other (a new peer, a new endpoint) from the same control-plane event, at the same moment.
+If both turned their persistent keepalive on at once, both would send a handshake initiation; each answers the
+other's initiation, which replaces its own handshake state, so both drop the answer to their own ("Received
+invalid response message" in wireguard-go's log) and neither has a session until the 5 s retry, sometimes the 15 s
+one. The lab saw it for one pair in four.
+
+So the node whose key sorts higher holds its kick back (`plexd.plan.device_update`'s `held`) and sends it
+`FOLLOW_DELAY` later: by then the leader's initiation has made a session (the kick then only sends a keepalive),
+or it never arrived (a NAT that needs our packet first) and our initiation goes out alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+
+from plexd.errors import PlexdError
+from plexd.identity import public_key_of
+from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate
+from plexd.plan import Change, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
+
+log = logging.getLogger(__name__)
+
+FOLLOW_DELAY = 1.0
+
+
+@functools.lru_cache(maxsize=4)
+def own_public_key(private_key: str) -> str:
+    """Our public key (base64) from the desired private key; "" when there is none (then we always lead)."""
+    try:
+        raw = base64.b64decode(private_key, validate=True)
+    except (binascii.Error, ValueError):
+        return ""
+    return base64.b64encode(public_key_of(raw)).decode() if len(raw) == 32 else ""
+
+
+def leads(own_key: str, peer_key: str) -> bool:
+    """Whether we send the first handshake to `peer_key`. Any order both sides compute alike will do."""
+    return own_key < peer_key
+
+
+class FirstContact:
+    """The kicks this node held back (public key -> keepalive to turn on) and the one task that sends them.
+
+    `send` applies a device update under the converger's lock. A held peer's keepalive reads 0 on the device until
+    its kick: `hides` keeps a full converge from reporting that as drift."""
+
+    def __init__(self, send: Callable[[DeviceUpdate], Awaitable[None]], delay: float = FOLLOW_DELAY) -> None:
+        self._send = send
+        self.delay = delay
+        self.held: dict[str, tuple[int, float]] = {}  # public key -> (keepalive, when to kick, loop time)
+        self._task: asyncio.Task[None] | None = None
+
+    def hold(self, own_key: str, kicks: Mapping[str, int]) -> frozenset[str]:
+        """Of the peers `kicks` would handshake with now, the ones that lead: held back, and returned."""
+        held = {key: keepalive for key, keepalive in kicks.items() if not leads(own_key, key)}
+        if not held:
+            return frozenset()
+        due = asyncio.get_running_loop().time() + self.delay
+        self.held.update((key, (keepalive, due)) for key, keepalive in held.items())
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="first-contact")
+        return frozenset(held)
+
+    def hides(self, change: Change) -> bool:
+        """A held peer's keepalive still off, as it must be until its kick: not drift."""
+        held = self.held.get(change.public_key) if isinstance(change, PeerKeepaliveChanged) else None
+        return held is not None and change.have == 0 and change.want == held[0]
+
+    def applied(self, changes: Iterable[Change]) -> None:
+        """Forget held peers these applied changes removed, renamed or set the keepalive of."""
+        for c in changes:
+            if isinstance(c, PeerRemoved | PeerKeepaliveChanged):
+                self.held.pop(c.public_key, None)
+            elif isinstance(c, PeerKeyChanged):
+                self.held.pop(c.old_key, None)
+
+    def cancel(self) -> None:
+        self.held.clear()
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.held:
+            await asyncio.sleep(max(0.0, min(due for _, due in self.held.values()) - loop.time()))
+            now = loop.time()
+            due = {key: keepalive for key, (keepalive, when) in self.held.items() if when <= now}
+            for key in due:
+                del self.held[key]
+            if due:
+                await self._kick(due)
+
+    async def _kick(self, due: Mapping[str, int]) -> None:
+        # Off, then on: WireGuard sends a keepalive (a handshake initiation when there is no session yet).
+        # update_only: a peer removed meanwhile is not added back.
+        off = [PeerUpdate(public_key=k, update_only=True, persistent_keepalive=0) for k in due]
+        on = [PeerUpdate(public_key=k, update_only=True, persistent_keepalive=v) for k, v in due.items()]
+        try:
+            await self._send(DeviceUpdate(peers=(*off, *on)))
+        except PlexdError as e:  # the device went away: the next converge puts the keepalive back
+            log.warning("could not turn on the keepalive of %d peer(s) after their first contact: %s", len(due), e)

@@ -1,0 +1,55 @@
+"""Who sends the first handshake (`plexd.mesh.first_contact`): the lower key at once, the other a beat later.
+
+The real wireguard-go side of it is in tests/e2e/test_converge.py; here the bookkeeping, with a recorder for
+the device transactions."""
+
+from __future__ import annotations
+
+import asyncio
+
+from plexd.mesh.first_contact import FirstContact, leads, own_public_key
+from plexd.mesh.wireguard import DeviceUpdate, WireGuardError
+from plexd.plan import PeerKeepaliveChanged, PeerRemoved
+
+LOW, MID, HIGH = "A" * 43 + "=", "M" * 43 + "=", "z" * 43 + "="
+
+
+def test_exactly_one_side_of_a_pair_leads() -> None:
+    assert leads(LOW, HIGH) and not leads(HIGH, LOW)
+    assert leads("", LOW)  # no private key yet: nothing to wait for
+    assert own_public_key("not base64!") == "" and own_public_key("QUJD") == ""  # not a 32-byte key
+    assert len(own_public_key("QA" * 21 + "A=")) == 44
+
+
+async def test_held_kicks_go_out_later_in_one_transaction_and_forgotten_ones_do_not() -> None:
+    sent: list[DeviceUpdate] = []
+
+    async def send(update: DeviceUpdate) -> None:
+        sent.append(update)
+
+    fc = FirstContact(send, delay=0.05)
+    assert fc.hold(MID, {HIGH: 25}) == frozenset()  # we lead: nothing held, nothing scheduled
+    assert fc.hold(MID, {LOW: 25, "B" * 43 + "=": 10}) == {LOW, "B" * 43 + "="}
+    # a held peer's keepalive reads 0 until its kick: not drift; another value is
+    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))
+    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0))
+    assert not fc.hides(PeerKeepaliveChanged("n_high", HIGH, 25, 0))
+    fc.applied([PeerRemoved("n_b", "B" * 43 + "=")])  # removed meanwhile: no kick for it
+    await asyncio.sleep(0.2)
+    (update,) = sent
+    assert [(p.public_key, p.update_only, p.persistent_keepalive) for p in update.peers] == [
+        (LOW, True, 0), (LOW, True, 25)]  # off, then on: WireGuard sends at once
+    assert fc.held == {} and not fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))
+
+
+async def test_a_failed_kick_is_logged_and_cancel_drops_what_is_held(caplog) -> None:
+    async def send(update: DeviceUpdate) -> None:
+        raise WireGuardError("the device is gone")
+
+    fc = FirstContact(send, delay=0.01)
+    fc.hold(MID, {LOW: 25})
+    await asyncio.sleep(0.1)
+    assert "could not turn on the keepalive of 1 peer(s)" in caplog.text and "the device is gone" in caplog.text
+    fc.hold(MID, {LOW: 25})
+    fc.cancel()
+    assert fc.held == {}
