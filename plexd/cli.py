@@ -320,6 +320,34 @@ def cmd_deregister(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# rotate-keys
+
+
+def _add_rotate_keys(sub: Any) -> None:
+    p = sub.add_parser(
+        "rotate-keys", parents=[_GLOBALS, _JSON], help="give this node a new WireGuard key pair, tunnels kept",
+        description="Ask the running daemon for a WireGuard key rotation: a new key pair on the interface, the "
+        "new public key announced to the control plane (which passes it to the peers), the new private key kept "
+        "in data_dir once the control plane took it. If the control plane refuses or cannot be reached, the node "
+        "keeps its old key (an unanswered rotation is tried again in the background).")
+    p.set_defaults(func=cmd_rotate_keys)
+
+
+def cmd_rotate_keys(args: argparse.Namespace, config: Config) -> int:
+    from plexd.mesh.wireguard import key_fingerprint
+    from plexd.node.control import ROTATE_KEYS_PATH
+
+    doc = _ask_daemon(config, "POST", ROTATE_KEYS_PATH, {}, otherwise="start it ('systemctl start plexd' or "
+                      "'plexd up'); the daemon rotates the key on the live interface")
+    if args.json:
+        _print_json(doc)
+    else:
+        print(f"new WireGuard public key {doc['public_key']} (was {key_fingerprint(doc['previous_public_key'])}); "
+              f"{doc['updated_peers']} peer(s) updated")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plexd reconcile --once [--dry-run]  (connected-state engineer)
 
 
@@ -667,8 +695,8 @@ def cmd_uninstall(args: argparse.Namespace, config: Config) -> int:
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
-                                         _add_reconcile, _add_peers, _add_policies, _add_state, _add_actions,
-                                         _add_hooks, _add_install, _add_uninstall]
+                                         _add_rotate_keys, _add_reconcile, _add_peers, _add_policies, _add_state,
+                                         _add_actions, _add_hooks, _add_install, _add_uninstall]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
     identity.json              0600  node id, mesh IP, signing key (the Go agent's format, plexd-protocol.md §5.4)
     private_key                0600  WireGuard private key, base64
+    private_key.next           0600  a rotation's new key until the control plane took it (plexd.node.key_rotation)
     node_secret_key            0600  the node's bearer secret
     signing_public_key         0600  the control plane's current event-signing key (the file wins over identity)
     events.db                  0600  the event stream's replay cursor, the nonces of accepted events and the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 IDENTITY = "identity.json"
 PRIVATE_KEY = "private_key"
+NEXT_PRIVATE_KEY = "private_key.next"
 NODE_SECRET = "node_secret_key"
 SIGNING_KEY = "signing_public_key"
 EVENT_LEDGER = "events.db"

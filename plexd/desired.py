@@ -381,6 +381,13 @@ class DesiredState:
     def with_peer(self, peer: Peer) -> DesiredState:
         return self._with_peers([peer], self.peers, self.rejected)
 
+    def with_peers_updated(self, peers: Iterable[Peer]) -> DesiredState:
+        """These peers added or replaced; the others kept (a key rotation's `updated_peers`)."""
+        return self._with_peers(peers, self.peers, self.rejected)
+
+    def with_private_key(self, private_key: str) -> DesiredState:
+        return replace(self, private_key=private_key)
+
     def without_peer(self, peer_id: str) -> DesiredState:
         old = self.peers.get(peer_id)
         peers = dict(self.peers)

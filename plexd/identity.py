@@ -2,6 +2,8 @@
 
     identity.json        0600  {"node_id","mesh_ip","signing_public_key"}, 2-space indent, no trailing newline
     private_key          0600  std base64 of the 32-byte clamped X25519 private key, no newline
+    private_key.next     0600  the same, for a key rotation not yet taken by the control plane (renamed over
+                               private_key when it is: plexd.node.key_rotation)
     node_secret_key      0600  the raw node secret string from the register response
     signing_public_key   0600  the control plane's Ed25519 public key, std base64 (wins over the JSON field)
 
@@ -28,6 +30,7 @@ from plexd.errors import PlexdError
 
 IDENTITY_FILE = datadir.IDENTITY
 PRIVATE_KEY_FILE = datadir.PRIVATE_KEY
+NEXT_PRIVATE_KEY_FILE = datadir.NEXT_PRIVATE_KEY
 NODE_SECRET_FILE = datadir.NODE_SECRET
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
 IDENTITY_FILES = (PRIVATE_KEY_FILE, NODE_SECRET_FILE, SIGNING_KEY_FILE, IDENTITY_FILE)  # write order
@@ -226,7 +229,39 @@ class IdentityStore:
         decode_key(key_b64, "signing key")
         write_atomic(self.path(SIGNING_KEY_FILE), key_b64.encode())
 
+    # -- key rotation (plexd.node.key_rotation) ---------------------------------------------------------------
+
+    def next_private_key(self) -> bytes | None:
+        """The key a rotation started with and did not finish, or None. An unreadable one is dropped (said so):
+        it was never the node's key, and the rotation starts again with a fresh one."""
+        try:
+            return decode_key(self._read(NEXT_PRIVATE_KEY_FILE), NEXT_PRIVATE_KEY_FILE)
+        except ValueError as exc:
+            if self.path(NEXT_PRIVATE_KEY_FILE).exists():
+                import logging
+
+                logging.getLogger(__name__).warning("%s; removing it", exc)
+                self.drop_next_private_key()
+            return None
+
+    def write_next_private_key(self, private_key: bytes) -> None:
+        write_atomic(self.path(NEXT_PRIVATE_KEY_FILE), b64(private_key).encode())
+
+    def commit_next_private_key(self) -> None:
+        """The rename is the commit: private_key is the old key or the new one, never a mix."""
+        os.replace(self.path(NEXT_PRIVATE_KEY_FILE), self.path(PRIVATE_KEY_FILE))
+        fd = os.open(self.data_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def drop_next_private_key(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(NEXT_PRIVATE_KEY_FILE).unlink()
+
     def remove(self) -> None:
+        self.drop_next_private_key()
         for name in IDENTITY_FILES:
             with contextlib.suppress(FileNotFoundError):
                 self.path(name).unlink()
@@ -235,5 +270,5 @@ class IdentityStore:
         """Leftovers of a save interrupted by a crash are never valid: drop them."""
         with contextlib.suppress(OSError):
             for entry in self.data_dir.iterdir():
-                if entry.name.startswith(".tmp-") and entry.name[5:] in IDENTITY_FILES:
+                if entry.name.startswith(".tmp-") and entry.name[5:] in (*IDENTITY_FILES, NEXT_PRIVATE_KEY_FILE):
                     entry.unlink()

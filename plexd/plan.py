@@ -526,12 +526,16 @@ def _link(t: Target, link: LinkState) -> Iterable[Change]:
 
 
 def first_contacts(changes: Iterable[Change]) -> dict[str, int]:
-    """The peers these changes make WireGuard handshake with at once (public key -> persistent keepalive): it
-    sends a keepalive, and so a handshake initiation, when a peer's keepalive goes from off to on with an
-    endpoint set: a new peer (or a new key) with both, and a new endpoint (`PeerEndpointChanged`'s toggle)."""
+    """The first contacts in these changes that WireGuard would make at once (public key -> persistent
+    keepalive): it sends a keepalive, and so a handshake initiation, when a peer's keepalive goes from off to on
+    with an endpoint set: a new peer with both, and a new endpoint (`PeerEndpointChanged`'s toggle).
+
+    A peer's new key (`PeerKeyChanged`) is not one: the peer rotated, its device already holds the new key and
+    its own first initiation went out before we knew the key (WireGuard tries again only 5 s later), so ours,
+    at once, cannot cross it (`plexd.node.key_rotation`)."""
     kicked: dict[str, int] = {}
     for c in changes:
-        if isinstance(c, PeerAdded | PeerKeyChanged) and c.peer.endpoint and c.peer.persistent_keepalive:
+        if isinstance(c, PeerAdded) and c.peer.endpoint and c.peer.persistent_keepalive:
             kicked[c.public_key] = c.peer.persistent_keepalive
         elif isinstance(c, PeerEndpointChanged) and c.keepalive:
             kicked[c.public_key] = c.keepalive
@@ -561,7 +565,7 @@ def device_update(changes: Iterable[Change], held: Collection[str] = ()) -> Devi
                 kick = updates.pop(0)
                 if c.public_key not in held:
                     kicks.append(kick)
-            elif isinstance(c, PeerAdded | PeerKeyChanged) and c.public_key in held:
+            elif isinstance(c, PeerAdded) and c.public_key in held:
                 updates[-1] = replace(updates[-1], persistent_keepalive=0)
             for u in updates:
                 if u.remove:

@@ -35,6 +35,8 @@ FLATTENED = {"metrics", "logs", "audit"}  # bodies are arrays; the admin view is
 FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events": "int", "silent": "bool",
               "all_status": "int", "state_body": "str",
               "report_status": "int",  # POST /report answers this (a control plane refusing report batches)
+              "rotate_status": "int",  # POST /v1/keys/rotate refuses with this status (nothing changes)
+              "rotate_answer_after": "int",  # ... takes the new key, then answers N seconds later (a crash test)
               # send every node every other node, whatever the policies (a control plane that leaves peer
               # visibility to the agents): the node's own visibility filter is then all that hides a peer
               "ignore_visibility": "bool"}

@@ -88,7 +88,12 @@ async def rotate_key(request: Request) -> Response:
     body = _object(await read_json(request, wire.KEY_ROTATE))
     node_id = body.get("node_id") or caller.id
     node = dep.authenticate(token, node_id)
-    return JSONResponse({"updated_peers": dep.rotate_node_key(node, body.get("new_public_key") or "")})
+    status = dep.faults.get("rotate_status")
+    if status:
+        raise HTTPError(int(status), f"injected fault: key rotation refused with {status}")
+    peers = dep.rotate_node_key(node, body.get("new_public_key") or "")
+    await asyncio.sleep(int(dep.faults.get("rotate_answer_after") or 0))  # taken, but the answer is late
+    return JSONResponse({"updated_peers": peers})
 
 
 async def capabilities(request: Request) -> Response:

@@ -54,6 +54,7 @@ from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
+from plexd.node.key_rotation import KeyRotation
 from plexd.node.local_api import LocalAPI, require_admin
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
 from plexd.node.protected import ProtectedAddresses
@@ -89,6 +90,7 @@ class Node:
     stream: EventStream
     heartbeat: HeartbeatService
     local_api: LocalAPI
+    key_rotation: KeyRotation
     nat: NatService | None = None
     reports: ReportStore | None = None
     report_sync: ReportSync | None = None
@@ -128,7 +130,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
         clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals)
 
-    handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir)
+    rotation = KeyRotation(agent, mesh)
+    handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
+                             rotate_keys=rotation.request)
     stream = EventStream(
         agent.client.base_url, node_id(), lambda: agent.client.token, ledger, verifier, handlers.dispatch,
         clock=agent.clock,
@@ -176,13 +180,15 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         return {"reconcile": resp.reconcile, "rotate_keys": resp.rotate_keys}
 
     heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
-                                 trigger_reconcile=reconciler.trigger, on_auth_failure=reauthenticate,
+                                 trigger_reconcile=reconciler.trigger, rotate_keys=rotation.request,
+                                 on_auth_failure=reauthenticate,
                                  uptime=agent.uptime, refresh=observe_device)
     api_cfg = cfg.node_api
     local_api = LocalAPI(api_cfg.socket_path, group=api_cfg.socket_group, request_timeout=api_cfg.request_timeout,
                          rate_limit=RateLimiter(api_cfg.rate_limit, api_cfg.rate_burst))
     reports, report_sync = _build_reports(agent, node_id)
-    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, nat, reports, report_sync)
+    node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, rotation, nat, reports,
+                report_sync)
     add_control_routes(local_api, node)
     node.actions = _build_actions(node, node_id)
 
@@ -198,6 +204,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("event_converge", lambda a: mesh.converge_requested())
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
+    agent.add_service("key_rotation", lambda a: rotation.run())
     # The socket stops last: `plexd deregister` is answered once the teardown is done.
     agent.add_service("local_api", lambda a: _serve_local_api(local_api, api_cfg.http_listen, http_token),
                       stop_last=True)

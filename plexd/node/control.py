@@ -5,6 +5,8 @@
     POST   /v1/daemon/reconcile          {"dry_run": bool} → one reconcile cycle through the daemon's reconciler
     POST   /v1/daemon/reconcile/hold     {"seconds": n, "reason": "..."} → pause corrections (at most 24 h)
     DELETE /v1/daemon/reconcile/hold     release the hold
+    POST   /v1/daemon/deregister         {"purge": bool, "force": bool} → the stop sequence (plexd.node.departure)
+    POST   /v1/daemon/rotate-keys        a WireGuard key rotation, answered when done (plexd.node.key_rotation)
 
 Every route needs uid 0 or membership of ``node_api.admin_group`` (default ``plexd-admin``), checked on the
 caller's SO_PEERCRED credentials.
@@ -28,6 +30,7 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
                    reported_nat_type, reported_at, report_error, refresh_interval_seconds
     node_api       socket, tcp (null or host:port), reports, rate_limited, report_sync (pending, sent_batches,
                    dropped_batches, last_sent_at, last_error)
+    key_rotation   rotations, last_at, last_error, pending (a rotation the control plane has not taken yet)
     actions        enabled, max_concurrent, running [{execution_id, action, origin, running_seconds}], accepted,
                    rejected {reason: count}, outbox (pending, sent, refused, dropped_full, last_sent_at,
                    last_error), hooks (directory, hooks, refused, scans, announcements, announce_pending,
@@ -60,6 +63,7 @@ POLICIES_PATH = "/v1/daemon/policies"
 RECONCILE_PATH = "/v1/daemon/reconcile"
 HOLD_PATH = "/v1/daemon/reconcile/hold"
 DEREGISTER_PATH = "/v1/daemon/deregister"
+ROTATE_KEYS_PATH = "/v1/daemon/rotate-keys"
 
 
 def stored_status(config: Config) -> dict[str, Any]:
@@ -121,6 +125,7 @@ async def live_status(node: Node) -> dict[str, Any]:
                        "reports": len(node.reports) if node.reports is not None else 0,
                        "rate_limited": api.rate_limit.refused,
                        "report_sync": node.report_sync.status() if node.report_sync is not None else None}
+    doc["key_rotation"] = node.key_rotation.status()
     doc["actions"] = node.actions.status() if node.actions is not None else None
     doc["services"] = agent.supervisor.to_json()
     return doc
@@ -199,7 +204,18 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         return Response(200, {"node_id": node.agent.identity.node_id if node.agent.identity else "",
                               "deregistered": leaving.deregistered, "error": leaving.error, "torn_down": True})
 
+    async def rotate_keys(req: Request) -> Response:
+        from plexd.node.key_rotation import RotationFailed
+
+        try:
+            return Response(200, await node.key_rotation.rotate())
+        except RotationFailed as exc:
+            if exc.retrying:
+                node.key_rotation.request("plexd rotate-keys could not finish")
+            raise HTTPError(502, str(exc)) from None
+
     api.add("GET", STATUS_PATH, status, admin)
+    api.add("POST", ROTATE_KEYS_PATH, rotate_keys, admin)
     api.add("POST", DEREGISTER_PATH, deregister, admin)
     api.add("GET", POLICIES_PATH, policies, admin)
     api.add("POST", RECONCILE_PATH, reconcile, admin)

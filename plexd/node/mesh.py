@@ -89,6 +89,7 @@ class MeshHandle:
         self.store = DesiredStore(desired)  # its on_changed is the group commit's (set by the assembly)
         # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
         # than converged to a mirror that may be older than it; without a device the mirror brings it up.
+        self._known = asyncio.Event()
         self.known = known
         # Set by the assembly: write the mirror now (after a state pull), not at the end of the group window.
         self.persist: Callable[[], None] | None = None
@@ -109,6 +110,21 @@ class MeshHandle:
         # Awaited once, before the first converge: the NAT discovery's hand-over of the listen port at start.
         self.before_first_converge: Callable[[], Awaitable[None]] | None = None
         self._pull_changed_nothing = False
+
+    @property
+    def known(self) -> bool:
+        """Whether the control plane's state has been applied (until then an existing device is left alone)."""
+        return self._known.is_set()
+
+    @known.setter
+    def known(self, value: bool) -> None:
+        if value:
+            self._known.set()
+        else:
+            self._known.clear()
+
+    async def wait_known(self) -> None:
+        await self._known.wait()
 
     def request_converge(self, reason: str) -> None:
         """An event changed the desired model: converge soon, without making the event stream wait.

@@ -3,7 +3,8 @@
 Events are hints; the reconciler's state pull is the truth. A handler therefore only edits the desired model
 (`DesiredStore.edit` with a `DesiredState.with_*` change, journaled so that a state pull in flight cannot undo
 it) and requests a converge, or triggers a full reconcile where the event
-carries no usable data (``policy_updated``, ``rotate_keys``). A payload of the wrong shape raises WireFormatError,
+carries no usable data (``policy_updated``). ``rotate_keys`` starts a WireGuard key rotation when one is wired in
+(`plexd.node.key_rotation`), else a reconcile. A payload of the wrong shape raises WireFormatError,
 which the event stream logs with the event id as a rejected event.
 
 Event types owned by other subsystems (``action_request``, tunnels, bridge, access, ingress, site-to-site) are
@@ -89,8 +90,10 @@ class EventHandlers:
         trigger_reconcile: Callable[[str], None],  # ask the reconciler for a full cycle (coalesced)
         verifier: Verifier,
         data_dir: Path | str | None = None,
+        rotate_keys: Callable[[str], None] | None = None,  # start a WireGuard key rotation; the argument says why
     ) -> None:
         self._desired = desired
+        self._rotate = rotate_keys
         self._converge = request_converge
         self._reconcile = trigger_reconcile
         self._verifier = verifier
@@ -101,7 +104,7 @@ class EventHandlers:
             "peer_removed": self._peer_removed,
             "peer_endpoint_changed": self._peer_endpoint_changed,
             "policy_updated": self._reconcile_now,
-            "rotate_keys": self._reconcile_now,  # until WireGuard key rotation (§1.6) exists
+            "rotate_keys": self._rotate_keys,
             "signing_key_rotated": self._signing_key_rotated,
             "node_state_updated": self._node_state_updated,
             "node_secrets_updated": self._node_secrets_updated,
@@ -152,6 +155,13 @@ class EventHandlers:
     async def _reconcile_now(self, env: Envelope) -> None:
         log.info("event %s: %s, reconciling", env.event_id, env.event_type)
         self._reconcile(env.event_type)
+
+    async def _rotate_keys(self, env: Envelope) -> None:
+        if self._rotate is None:
+            await self._reconcile_now(env)
+            return
+        log.info("event %s: rotate_keys", env.event_id)
+        self._rotate(f"event {env.event_id}")
 
     async def _signing_key_rotated(self, env: Envelope) -> None:
         keys = SigningKeys.from_wire(_payload_object(env), "payload")

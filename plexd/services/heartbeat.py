@@ -1,8 +1,9 @@
 """Liveness: ``POST /v1/nodes/{id}/heartbeat`` with real values in the [C] shape (plexd-protocol.md §1.4).
 
 The first heartbeat goes out at start, then one per `interval` on a fixed schedule (no drift). The response's
-``reconcile:true`` asks for a reconcile now; ``rotate_keys:true`` does the same until WireGuard key rotation
-exists. A 401 starts re-authentication. Three consecutive failures log one warning; the recovery is logged once.
+``reconcile:true`` asks for a reconcile now; ``rotate_keys:true`` for a WireGuard key rotation
+(`plexd.node.key_rotation`; without one wired in, a reconcile, which fetches keys rotated elsewhere). A 401 starts
+re-authentication. Three consecutive failures log one warning; the recovery is logged once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class HeartbeatService:
         clock: Clock | None = None,
         interval: float = 30.0,
         trigger_reconcile: Callable[[str], None] | None = None,
+        rotate_keys: Callable[[str], None] | None = None,
         on_auth_failure: Callable[[], Awaitable[None]] | None = None,
         uptime: Callable[[], float] | None = None,  # seconds since the daemon started; default: since this service
         refresh: Callable[[], Awaitable[None]] | None = None,  # read live values (the device) before a snapshot
@@ -63,6 +65,7 @@ class HeartbeatService:
         self._clock = clock or Clock()
         self.interval = interval
         self._trigger_reconcile = trigger_reconcile
+        self._rotate_keys = rotate_keys
         self._on_auth_failure = on_auth_failure
         self._started = self._clock.monotonic()
         self._uptime = uptime or (lambda: self._clock.monotonic() - self._started)
@@ -122,8 +125,10 @@ class HeartbeatService:
         if response.get("reconcile") is True:
             self._reconcile("heartbeat asked for reconcile")
         if response.get("rotate_keys") is True:
-            # WireGuard key rotation (§1.6) is not implemented yet; a reconcile fetches any new keys.
-            self._reconcile("heartbeat asked for key rotation")
+            if self._rotate_keys is not None:
+                self._rotate_keys("the heartbeat response asked for it")
+            else:
+                self._reconcile("heartbeat asked for key rotation")
         return True
 
     def status(self) -> dict[str, Any]:

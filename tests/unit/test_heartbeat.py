@@ -92,6 +92,14 @@ async def test_reconcile_and_rotate_keys_trigger_reconcile():
     assert reasons == ["heartbeat asked for reconcile", "heartbeat asked for key rotation"]
 
 
+async def test_rotate_keys_starts_a_key_rotation_when_one_is_wired_in():
+    reasons, rotations = [], []
+    answers = iter([{"reconcile": False, "rotate_keys": True}])
+    hb, _ = service(lambda b: next(answers), trigger_reconcile=reasons.append, rotate_keys=rotations.append)
+    assert await hb.beat()
+    assert rotations == ["the heartbeat response asked for it"] and reasons == []
+
+
 async def test_401_starts_reauthentication():
     auth = []
 

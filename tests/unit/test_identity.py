@@ -249,3 +249,23 @@ def test_resave_with_the_same_key_keeps_identity_json_in_place(tmp_path, monkeyp
     seen.clear()
     store.save(ident())  # a new key: the marker is retracted before anything is written
     assert seen == [False, False, False, False]
+
+
+def test_a_rotation_key_is_kept_apart_until_committed_by_a_rename(tmp_path, caplog):
+    store = IdentityStore(tmp_path)
+    store.save(ident())
+    old = store.load().identity.private_key
+    assert store.next_private_key() is None
+    new = generate_private_key()
+    store.write_next_private_key(new)
+    assert mode(tmp_path / "private_key.next") == 0o600
+    assert store.next_private_key() == new and store.load().identity.private_key == old  # not the node's yet
+    store.commit_next_private_key()
+    assert store.load().identity.private_key == new and store.next_private_key() is None
+    # a torn write (a crash before the rename) and an unusable file are dropped, never used
+    (tmp_path / ".tmp-private_key.next").write_text("half")
+    store.load()
+    assert not (tmp_path / ".tmp-private_key.next").exists()
+    (tmp_path / "private_key.next").write_text("not a key")
+    assert store.next_private_key() is None and not (tmp_path / "private_key.next").exists()
+    assert "private_key.next is not valid base64; removing it" in caplog.text

@@ -1,0 +1,120 @@
+"""WireGuard key rotation in the lab (plexd.node.key_rotation): real daemons, the real devplane, real wireguard-go.
+
+1. `plexd rotate-keys` under a continuous ping: at most one packet lost, both devices on the new key, the old key
+   nowhere (devices, devplane, data_dir); then, after the devplane rotated its signing key, one asked for by the
+   heartbeat flag (the peer takes it from an event signed with the new signing key); a refusal keeps the old key.
+2. kill -9 in the middle (the devplane took the new key and has not answered): the restarted node finishes the
+   rotation first thing and is a working member again.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from lab_daemon import Daemon, ping_count, pinging_pair, wait_until, wg_peers
+
+from plexd.identity import public_key_of
+from plexd.lab import Lab
+
+
+def own_key(lab: Lab, d: Daemon) -> str:
+    """The public key of the live device, as `wg show` prints it."""
+    return lab.exec(d.node, ["wg", "show", "plexd0", "public-key"]).stdout.strip()
+
+
+def stored_key(d: Daemon) -> str:
+    """The public key of the private key kept in data_dir."""
+    raw = base64.b64decode((d.dir / "data" / "private_key").read_text())
+    return base64.b64encode(public_key_of(raw)).decode()
+
+
+def lost(out: str) -> tuple[int, int]:
+    sent, received = map(int, re.search(r"(\d+) packets transmitted, (\d+) received", out).groups())
+    return sent - received, sent
+
+
+def assert_rotated(lab: Lab, dp, a: Daemon, b: Daemon, old: str, daemons) -> str:
+    """a is on one new key everywhere and the old one is gone; returns the new key."""
+    new = dp.admin.node(a.node_id())["public_key"]
+    assert new != old
+    wait_until(lambda: set(wg_peers(lab, b.node)) == {new}, 15, "b to swap a's key", daemons)
+    assert own_key(lab, a) == new == stored_key(a)
+    assert not (a.dir / "data" / "private_key.next").exists()
+    assert old not in {n["public_key"] for n in dp.admin.nodes()}
+    return new
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_a_rotation_under_ping_loses_at_most_one_packet_and_leaves_the_old_key_nowhere(lab_dp):
+    lab, dp, daemons, tmp_path = lab_dp
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h")
+    old = dp.admin.node(a.node_id())["public_key"]
+    assert own_key(lab, a) == old
+
+    ping = lab.spawn(a.node.wrap(["ping", "-c", "40", "-i", "0.1", "-W", "1", b.mesh_ip()]),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(1.0)
+        doc = json.loads(a.cli("rotate-keys", "--json").stdout)
+        out, _ = ping.communicate(timeout=30)
+    finally:
+        if ping.poll() is None:
+            ping.kill()
+            ping.wait()
+    missing, sent = lost(out)
+    print(f"rotation under ping: {missing} of {sent} lost")
+    assert sent == 40 and missing <= 1, out
+    assert doc["previous_public_key"] == old and doc["updated_peers"] == 1
+    new = assert_rotated(lab, dp, a, b, old, daemons)
+    assert doc["public_key"] == new
+    assert a.status()["key_rotation"]["rotations"] == 1
+    text = a.logged()
+    assert "rotated the WireGuard key" in text and old not in text and new not in text  # fingerprints only
+
+    # The devplane rotates its signing key; then the heartbeat's rotate_keys flag starts a rotation, whose
+    # peer_key_rotated reaches b signed with the new signing key only.
+    signing = dp.admin.rotate_signing_key("1h")
+    wait_until(lambda: (b.dir / "data" / "signing_public_key").read_text() == signing["current"], 15,
+               "b to take the new signing key", daemons)
+    dp.admin.request_heartbeat_flags(a.node_id(), rotate_keys=True)
+    wait_until(lambda: dp.admin.node(a.node_id())["public_key"] != new, 15, "the flagged rotation", daemons)
+    newer = assert_rotated(lab, dp, a, b, new, daemons)
+    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
+
+    # Refused by the control plane: the node keeps its key, on the device and on disk, and says why.
+    dp.admin.set_faults(rotate_status=403)
+    refused = a.cli("rotate-keys", check=False)
+    assert refused.returncode != 0 and "403" in refused.stderr, refused.stderr
+    dp.admin.clear_faults()
+    assert own_key(lab, a) == newer == stored_key(a) == dp.admin.node(a.node_id())["public_key"]
+    assert not (a.dir / "data" / "private_key.next").exists()
+    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_killed_in_the_middle_of_a_rotation_the_node_finishes_it_at_the_next_start(lab_dp):
+    lab, dp, daemons, tmp_path = lab_dp
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h")
+    old = dp.admin.node(a.node_id())["public_key"]
+    dp.admin.set_faults(rotate_answer_after=60)  # the devplane takes the key and answers a minute later
+    dp.admin.request_heartbeat_flags(a.node_id(), rotate_keys=True)
+    wait_until(lambda: dp.admin.node(a.node_id())["public_key"] != old, 15, "the devplane to take the key", daemons)
+    assert (a.dir / "data" / "private_key.next").exists() and stored_key(a) == old  # not committed
+
+    os.killpg(a.proc.pid, signal.SIGKILL)
+    a.proc.wait(10)
+    a.log.close()
+    dp.admin.clear_faults()
+    a._start()
+    wait_until(lambda: stored_key(a) != old and not (a.dir / "data" / "private_key.next").exists(), 20,
+               "the restarted node to finish the rotation", daemons)
+    assert "a rotation the last run did not finish" in a.logged()
+    assert_rotated(lab, dp, a, b, old, daemons)
+    wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 15, "a ping after the restart", daemons)
