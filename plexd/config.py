@@ -30,6 +30,7 @@ README (PROJECT-DECISIONS.md, Config row)::
                secrets_group: plexd-secrets, http_enabled: false, http_listen: "127.0.0.1:9100",
                http_token_file: "", rate_limit: 100, rate_burst: 200, request_timeout: 10s}
     policy: {enabled: true}
+    metrics: {enabled: false, listen: "127.0.0.1:9586"}   # Prometheus text format at GET /metrics
 
 Durations use Go syntax (``30s``, ``1m30s``, ``150ms``) and are stored as float seconds.
 
@@ -207,6 +208,14 @@ class NodeApiConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """The local Prometheus endpoint (plexd.node.metrics): plexd's own health, off by default."""
+
+    enabled: bool = _f(False)
+    listen: str = _f("127.0.0.1:9586", host_port=True)
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """Policy enforcement: peer visibility and the nftables table inet plexd."""
 
@@ -236,6 +245,7 @@ class Config:
     hooks: HooksConfig = field(default_factory=HooksConfig)
     node_api: NodeApiConfig = field(default_factory=NodeApiConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     # Where each leaf came from ("default", "file /etc/plexd/config.yaml", "env PLEXD_API", "flag --api").
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: str | None = field(default=None, compare=False)

@@ -9,6 +9,7 @@ converge tries again (level-triggered).
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import ipaddress
 import logging
@@ -121,6 +122,7 @@ class Converger:
         self._baseline: _Baseline | None = None
         self.last_result: ConvergeResult | None = None
         self.first_contact = FirstContact(self._send_held_kicks)
+        self.corrections: collections.Counter[str] = collections.Counter()  # drift corrected, by type (metrics)
 
     async def observe(self) -> Observed:
         # The link is read in a worker thread while the device is read on the loop: the two overlap.
@@ -227,8 +229,7 @@ class Converger:
             return ConvergeResult((*domain_changes, *changes), (*domain_errors, *errors), desired.rejected, dry_run)
         if not changes:
             self._baseline = _Baseline(unresolved, observed) if not errors else None
-            for c in domain_changes:
-                log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+            self._corrected(domain_changes)
             return ConvergeResult(tuple(domain_changes), (*domain_errors, *errors), desired.rejected, False)
 
         applied: list[Change] = []
@@ -261,11 +262,15 @@ class Converger:
         applied.extend(c for c in changes if isinstance(c, LinkChange) and c.link_op() not in failed_ops)
 
         self.first_contact.applied(applied)
-        for c in (*domain_changes, *applied):
-            log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+        self._corrected([*domain_changes, *applied])
         # The next event diffs against this (only when everything applied: otherwise the device is not known).
         self._baseline = _Baseline(unresolved, simulate(observed, applied)) if not errors else None
         return ConvergeResult((*domain_changes, *applied), (*domain_errors, *errors), desired.rejected, False)
+
+    def _corrected(self, changes: Sequence[Change]) -> None:
+        for c in changes:
+            log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+            self.corrections[c.correction_type] += 1
 
     def _device_update(self, desired: DesiredState, changes: Sequence[Change]) -> DeviceUpdate:
         """The changes as one device transaction, less the first handshakes this node leaves to the peer."""

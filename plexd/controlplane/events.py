@@ -17,6 +17,7 @@ picked up from the full state). After 5 minutes without a working stream, `poll(
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import random
 from collections import OrderedDict, deque
@@ -140,6 +141,7 @@ class EventStream:
         self.attempts = 0
         self.accepted = 0
         self.rejected = 0
+        self.rejected_by_reason: collections.Counter[str] = collections.Counter()
         self.polls = 0
         self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
         self._reconnect = asyncio.Event()
@@ -457,6 +459,7 @@ class EventStream:
                 return
             except Exception:
                 self.rejected += 1
+                self.rejected_by_reason["handler_error"] += 1
                 log.exception("event %s (%s): handler failed", env.event_id, env.event_type,
                               extra={"event_id": env.event_id, "reason": "handler_error"})
                 return
@@ -468,6 +471,7 @@ class EventStream:
 
     def _reject(self, event_id: str | None, reason: str, message: str, event_type: str = "") -> None:
         self.rejected += 1
+        self.rejected_by_reason[reason] += 1
         kind = f" ({event_type})" if event_type else ""
         log.warning("event %s%s rejected [%s]: %s", event_id or "<no id>", kind, reason, message,
                     extra={"event_id": event_id, "event_type": event_type, "reason": reason})

@@ -95,6 +95,7 @@ class Node:
     reports: ReportStore | None = None
     report_sync: ReportSync | None = None
     actions: ActionDispatcher | None = None
+    metrics: Any = None  # plexd.node.metrics.MetricsEndpoint when config metrics.enabled
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
@@ -212,6 +213,11 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("report_sync", lambda a: report_sync.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
+    if cfg.metrics.enabled:
+        from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
+
+        node.metrics = MetricsEndpoint(node, cfg.metrics.listen)
+        agent.add_service("metrics", lambda a: node.metrics.serve())
     agent.ready = reconciler.started.wait
     agent.describe = lambda: describe(node)
     _add_watchdog(node)

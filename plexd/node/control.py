@@ -31,6 +31,7 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
     node_api       socket, tcp (null or host:port), reports, rate_limited, report_sync (pending, sent_batches,
                    dropped_batches, last_sent_at, last_error)
     key_rotation   rotations, last_at, last_error, pending (a rotation the control plane has not taken yet)
+    metrics        null (off) or listen, scrapes
     actions        enabled, max_concurrent, running [{execution_id, action, origin, running_seconds}], accepted,
                    rejected {reason: count}, outbox (pending, sent, refused, dropped_full, last_sent_at,
                    last_error), hooks (directory, hooks, refused, scans, announcements, announce_pending,
@@ -126,6 +127,8 @@ async def live_status(node: Node) -> dict[str, Any]:
                        "rate_limited": api.rate_limit.refused,
                        "report_sync": node.report_sync.status() if node.report_sync is not None else None}
     doc["key_rotation"] = node.key_rotation.status()
+    m = node.metrics
+    doc["metrics"] = None if m is None else {"listen": f"{m.host}:{m.port}", "scrapes": m.scrapes}
     doc["actions"] = node.actions.status() if node.actions is not None else None
     doc["services"] = agent.supervisor.to_json()
     return doc

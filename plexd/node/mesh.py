@@ -90,6 +90,7 @@ class MeshHandle:
         # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
         # than converged to a mirror that may be older than it; without a device the mirror brings it up.
         self._known = asyncio.Event()
+        self.on_timed: Callable[[str, float], None] | None = None  # (full | events, seconds): the metrics
         self.known = known
         # Set by the assembly: write the mirror now (after a state pull), not at the end of the group window.
         self.persist: Callable[[], None] | None = None
@@ -235,16 +236,18 @@ class MeshHandle:
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""
         async with self._lock:
-            with self._timed():
+            with self._timed("full"):
                 return await self._converge_locked(dry_run)
 
     @contextlib.contextmanager
-    def _timed(self) -> Iterator[None]:
-        self.busy_since = time.monotonic()
+    def _timed(self, kind: str) -> Iterator[None]:
+        self.busy_since = start = time.monotonic()
         try:
             yield
         finally:
             self.busy_since = None
+            if self.on_timed is not None:
+                self.on_timed(kind, time.monotonic() - start)
 
     def stuck_for(self) -> float:
         """How long the converge now running has been at it (0 when none runs): the watchdog's other half."""
@@ -289,7 +292,7 @@ class MeshHandle:
         """Apply what events changed in the model: only the touched peers and routes (`Converger.apply_delta`).
         While held, or before the first state pull, this plans in full like any converge."""
         async with self._lock:
-            with self._timed():
+            with self._timed("events"):
                 if not self._limits_known or not self.known or self.hold.current() is not None:
                     return await self._converge_locked(False)
                 touched = self.store.take_touched()

@@ -71,6 +71,7 @@ class HeartbeatService:
         self._uptime = uptime or (lambda: self._clock.monotonic() - self._started)
         self._refresh = refresh
         self.consecutive_failures = 0
+        self.failures = 0  # in all, for the metrics
         self.sent = 0
         self._warned = False
         self.last_at: float | None = None  # unix time of the last attempt
@@ -142,6 +143,7 @@ class HeartbeatService:
 
     async def _failed(self, exc: Exception) -> None:
         self.consecutive_failures += 1
+        self.failures += 1
         status = http_status(exc)
         if status == 401:
             log.warning("heartbeat refused with 401; re-authenticating the node")

@@ -1,0 +1,198 @@
+"""The local Prometheus endpoint: plexd's own health at ``GET /metrics`` (config ``metrics``, off by default).
+
+Everything is read at scrape time from the parts that already count it (the event stream, the reconciler, the
+converger, the heartbeat, the queues) and from one read of the live device, so nothing on the daemon's paths
+pays for metrics nobody scrapes. Only the converge durations are observed as they happen (a histogram).
+
+    plexd_info{version}                                    1
+    plexd_event_stream_state{state}                        1 for the current state (connected, polling, offline)
+    plexd_event_stream_connects_total
+    plexd_events_accepted_total / plexd_events_rejected_total{reason}
+    plexd_reconcile_cycles_total / plexd_reconcile_failures_total / plexd_reconcile_held
+    plexd_corrections_total{type}                          drift corrected by the converge, by correction type
+    plexd_converge_duration_seconds{kind}                  histogram; kind: full (reconcile) or events (deltas)
+    plexd_heartbeats_sent_total / plexd_heartbeat_failures_total / plexd_heartbeat_consecutive_failures
+    plexd_queue_depth{queue} / plexd_queue_dropped_total{queue}   actions_outbox, node_api_reports
+    plexd_policy_enforced                                  1 enforced, 0 degraded or disabled
+    plexd_peers_desired
+    plexd_peer_last_handshake_age_seconds{peer}            +Inf before the first handshake
+    plexd_peer_receive_bytes_total{peer} / plexd_peer_transmit_bytes_total{peer}
+
+The listener speaks just enough HTTP/1.1 for a scraper: one bounded request per connection, then close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from plexd import __version__
+from plexd.errors import PlexdError
+from plexd.mesh.wireguard import DeviceConfig
+
+if TYPE_CHECKING:
+    from plexd.node.assembly import Node
+
+log = logging.getLogger(__name__)
+
+REQUEST_LIMIT = 8192  # a scrape request is a few hundred bytes
+REQUEST_TIMEOUT = 5.0
+DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class NodeCollector:
+    """The families, from the node's parts and the device snapshot taken just before."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.device: DeviceConfig | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        node = self.node
+        yield _gauge("plexd_info", "plexd's version", 1, version=__version__)
+        stream = node.stream.status()
+        states = GaugeMetricFamily("plexd_event_stream_state", "1 for the event stream's current state",
+                                   labels=["state"])
+        for state in ("connected", "polling", "offline"):
+            states.add_metric([state], 1 if stream["state"] == state else 0)
+        yield states
+        yield _counter("plexd_event_stream_connects", "event stream connections made", stream["connects"])
+        yield _counter("plexd_events_accepted", "events verified and applied", stream["events_accepted"])
+        rejected = CounterMetricFamily("plexd_events_rejected", "events refused, by reason", labels=["reason"])
+        for reason, count in sorted(node.stream.rejected_by_reason.items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+        rec = node.reconciler
+        yield _counter("plexd_reconcile_cycles", "reconcile cycles run", rec.cycles)
+        yield _counter("plexd_reconcile_failures", "reconcile cycles that failed", rec.failures)
+        held = node.mesh.hold.current() is not None
+        yield _gauge("plexd_reconcile_held", "1 while corrections are on hold", int(held))
+        corrections = CounterMetricFamily("plexd_corrections", "drift corrected by the converge, by type",
+                                          labels=["type"])
+        for kind, count in sorted(node.mesh.converger.corrections.items()):
+            corrections.add_metric([kind], count)
+        yield corrections
+        hb = node.heartbeat
+        yield _counter("plexd_heartbeats_sent", "heartbeats the control plane took", hb.sent)
+        yield _counter("plexd_heartbeat_failures", "heartbeats that failed", hb.failures)
+        yield _gauge("plexd_heartbeat_consecutive_failures", "failures since the last accepted heartbeat",
+                     hb.consecutive_failures)
+        yield from self._queues()
+        enforcement, _ = node.mesh.enforcement()
+        yield _gauge("plexd_policy_enforced", "1 when the policy is enforced", int(enforcement == "enforced"))
+        desired = node.mesh.get_desired()
+        yield _gauge("plexd_peers_desired", "peers the control plane sends", len(desired.peers))
+        yield from self._peers({p.public_key: pid for pid, p in desired.peers.items()})
+
+    def _queues(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("plexd_queue_depth", "entries waiting to be sent", labels=["queue"])
+        dropped = CounterMetricFamily("plexd_queue_dropped", "entries dropped because a queue was full",
+                                      labels=["queue"])
+        if self.node.actions is not None:
+            outbox = self.node.actions.outbox.status()
+            depth.add_metric(["actions_outbox"], outbox["pending"])
+            dropped.add_metric(["actions_outbox"], outbox["dropped_full"])
+        if self.node.report_sync is not None:
+            sync = self.node.report_sync.status()
+            depth.add_metric(["node_api_reports"], sync["pending"])
+            dropped.add_metric(["node_api_reports"], sync["dropped_batches"])
+        yield depth
+        yield dropped
+
+    def _peers(self, ids: dict[str, str]) -> Iterator[Metric]:
+        age = GaugeMetricFamily("plexd_peer_last_handshake_age_seconds", "seconds since the peer's last handshake",
+                                labels=["peer"])
+        rx = CounterMetricFamily("plexd_peer_receive_bytes", "bytes received from the peer", labels=["peer"])
+        tx = CounterMetricFamily("plexd_peer_transmit_bytes", "bytes sent to the peer", labels=["peer"])
+        now = time.time()
+        for key, peer in (self.device.peers.items() if self.device is not None else ()):
+            label = [ids.get(key) or key]
+            age.add_metric(label, max(0.0, now - peer.last_handshake) if peer.last_handshake else math.inf)
+            rx.add_metric(label, peer.rx)
+            tx.add_metric(label, peer.tx)
+        yield from (age, rx, tx)
+
+
+class MetricsEndpoint:
+    def __init__(self, node: Node, listen: str) -> None:
+        self.node = node
+        host, _, port = listen.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.collector = NodeCollector(node)
+        self.registry.register(self.collector)
+        self.durations = Histogram("plexd_converge_duration_seconds", "how long converges take", ["kind"],
+                                   registry=self.registry, buckets=DURATION_BUCKETS)
+        node.mesh.on_timed = lambda kind, seconds: self.durations.labels(kind).observe(seconds)
+        self.scrapes = 0
+
+    async def render(self) -> bytes:
+        try:
+            self.collector.device = await self.node.mesh.converger.wireguard.observe()
+        except PlexdError as exc:  # the other families still come out; the peers' are empty
+            log.debug("metrics: cannot read the device: %s", exc)
+            self.collector.device = None
+        self.scrapes += 1
+        return generate_latest(self.registry)
+
+    async def serve(self) -> None:
+        """The service: listen until cancelled. A port that cannot be bound fails the service (restarted with
+        backoff by the supervisor, and named in the log and `plexd status`)."""
+        try:
+            server = await asyncio.start_server(self._handle, self.host, self.port, limit=REQUEST_LIMIT)
+        except OSError as exc:
+            raise PlexdError(f"metrics: cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
+        log.info("metrics endpoint on http://%s:%d/metrics", self.host, self.port)
+        async with server:
+            await server.serve_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            method, path = _request_line(head)
+            if path.split("?", 1)[0] != "/metrics":
+                status, body, ctype = "404 Not Found", b"only /metrics is served here\n", "text/plain"
+            elif method not in ("GET", "HEAD"):
+                status, body, ctype = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+            else:
+                status, body, ctype = "200 OK", await self.render(), CONTENT_TYPE_LATEST
+                if method == "HEAD":
+                    body = b""
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
+            status, body, ctype = "400 Bad Request", b"a bounded HTTP/1.1 GET /metrics, please\n", "text/plain"
+        except ConnectionError:
+            writer.close()
+            return
+        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                     "Connection: close\r\n\r\n".encode() + body)
+        try:
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+def _request_line(head: bytes) -> tuple[str, str]:
+    line = head.split(b"\r\n", 1)[0].decode("ascii")  # UnicodeDecodeError is a ValueError
+    method, path, version = line.split(" ")
+    if not version.startswith("HTTP/1."):
+        raise ValueError(version)
+    return method, path
+
+
+def _gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=list(labels))
+    family.add_metric(list(labels.values()), value)
+    return family
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
