@@ -22,7 +22,7 @@ from plexd.correction import Correction
 from plexd.delta import peer_delta, touched_peers
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError
-from plexd.mesh.first_contact import FirstContact, own_public_key
+from plexd.mesh.first_contact import FirstContact
 from plexd.mesh.links import LinkOp, Links
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 from plexd.plan import (
@@ -274,7 +274,7 @@ class Converger:
 
     def _device_update(self, desired: DesiredState, changes: Sequence[Change]) -> DeviceUpdate:
         """The changes as one device transaction, less the first handshakes this node leaves to the peer."""
-        held = self.first_contact.hold(own_public_key(desired.private_key), first_contacts(changes))
+        held = self.first_contact.hold(desired.public_key, first_contacts(changes))
         return device_update(changes, held)
 
     async def _send_held_kicks(self, update: DeviceUpdate) -> None:

@@ -68,6 +68,7 @@ def _is_ipv4(host: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=4)  # a new DesiredState per event: the same key must not cost a scalar mult each time
 def public_key_of(private_key: str) -> str:
     """The base64 public key of a base64 private key (the identity's derivation, in base64 at both ends)."""
     return identity.b64(identity.public_key_of(base64.b64decode(private_key)))

@@ -14,14 +14,10 @@ or it never arrived (a NAT that needs our packet first) and our initiation goes 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from plexd.errors import PlexdError
-from plexd.identity import public_key_of
 from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate
 from plexd.plan import Change, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
 
@@ -30,18 +26,9 @@ log = logging.getLogger(__name__)
 FOLLOW_DELAY = 1.0
 
 
-@functools.lru_cache(maxsize=4)
-def own_public_key(private_key: str) -> str:
-    """Our public key (base64) from the desired private key; "" when there is none (then we always lead)."""
-    try:
-        raw = base64.b64decode(private_key, validate=True)
-    except (binascii.Error, ValueError):
-        return ""
-    return base64.b64encode(public_key_of(raw)).decode() if len(raw) == 32 else ""
-
-
 def leads(own_key: str, peer_key: str) -> bool:
-    """Whether we send the first handshake to `peer_key`. Any order both sides compute alike will do."""
+    """Whether we send the first handshake to `peer_key` (`own_key` "" when there is no private key: we lead).
+    Any order both sides compute alike will do."""
     return own_key < peer_key
 
 

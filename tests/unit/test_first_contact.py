@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-from plexd.mesh.first_contact import FirstContact, leads, own_public_key
+from plexd.desired import DesiredState
+from plexd.mesh.first_contact import FirstContact, leads
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardError
 from plexd.plan import PeerKeepaliveChanged, PeerRemoved
 
@@ -17,8 +18,11 @@ LOW, MID, HIGH = "A" * 43 + "=", "M" * 43 + "=", "z" * 43 + "="
 def test_exactly_one_side_of_a_pair_leads() -> None:
     assert leads(LOW, HIGH) and not leads(HIGH, LOW)
     assert leads("", LOW)  # no private key yet: nothing to wait for
-    assert own_public_key("not base64!") == "" and own_public_key("QUJD") == ""  # not a 32-byte key
-    assert len(own_public_key("QA" * 21 + "A=")) == 44
+    # our own key, as the converger reads it: "" for no key or an unusable one
+    own = lambda private: DesiredState.initial(interface="wg0", listen_port=51820, mtu=1420,  # noqa: E731
+                                               private_key=private, mesh_ip="10.100.0.1").public_key
+    assert own("not base64!") == "" and own("QUJD") == ""  # not a 32-byte key
+    assert len(own("QA" * 21 + "A=")) == 44
 
 
 async def test_held_kicks_go_out_later_in_one_transaction_and_forgotten_ones_do_not() -> None:
