@@ -29,7 +29,17 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_directory(path.parent)
+
+
+def rename_atomic(src: Path, dst: Path) -> None:
+    """Rename `src` over `dst` and make the rename durable (fsync the directory)."""
+    os.replace(src, dst)
+    fsync_directory(dst.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)
     finally:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plexd import datadir
-from plexd.atomicfile import write_atomic
+from plexd.atomicfile import rename_atomic, write_atomic
 from plexd.errors import PlexdError
 
 IDENTITY_FILE = datadir.IDENTITY
@@ -249,12 +249,7 @@ class IdentityStore:
 
     def commit_next_private_key(self) -> None:
         """The rename is the commit: private_key is the old key or the new one, never a mix."""
-        os.replace(self.path(NEXT_PRIVATE_KEY_FILE), self.path(PRIVATE_KEY_FILE))
-        fd = os.open(self.data_dir, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        rename_atomic(self.path(NEXT_PRIVATE_KEY_FILE), self.path(PRIVATE_KEY_FILE))
 
     def drop_next_private_key(self) -> None:
         with contextlib.suppress(FileNotFoundError):

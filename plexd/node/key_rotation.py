@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from plexd.backoff import Backoff
 from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError
 from plexd.errors import PlexdError
-from plexd.identity import IdentityStore, b64, generate_private_key, public_key_of
+from plexd.identity import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
 from plexd.mesh.wireguard import key_fingerprint
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class KeyRotation:
 
     def status(self) -> dict[str, Any]:
         return {"rotations": self.rotations, "last_at": self.last_at, "last_error": self.last_error,
-                "pending": self.store.next_private_key() is not None}
+                "pending": self.store.path(NEXT_PRIVATE_KEY_FILE).exists()}  # no read: status has no side effects
 
     async def run(self) -> None:
         """The service: a rotation left by the last run first, then each one asked for."""
