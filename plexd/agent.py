@@ -51,6 +51,7 @@ from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
 from plexd.node.systemd import notify
 from plexd.registrar import Registrar
+from plexd.upgrade.launcher import EXIT_RESTART
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Agent:
         self.reload_config: Callable[[], Any] | None = None  # set by the assembly: what SIGHUP does
         self.phase = "starting"
         self.leaving: Leaving | None = None
+        self.restarting = ""  # why this stop is a restart (an upgrade): the tunnels stay up, `run` returns 75
         self.stopped = asyncio.Event()  # the stop sequence is done (the interface is down, when it goes down)
         self.stop_deadline: float | None = None  # monotonic; set when the stop begins
 
@@ -138,7 +140,8 @@ class Agent:
     def tears_down(self) -> bool:
         """Whether this stop removes the interface, peers and table: it deregisters (SIGTERM by default, or
         `plexd deregister`) and nothing fatal happened (a bug never takes the node off the mesh)."""
-        return (self.leaving is not None or self.config.shutdown.deregister) and not self.failed
+        return ((self.leaving is not None or self.config.shutdown.deregister) and not self.failed
+                and not self.restarting)
 
     def status_line(self) -> str:
         """What systemd shows as the unit's status."""
@@ -273,7 +276,8 @@ class Agent:
     async def stop(self, services: list[asyncio.Task[None]]) -> None:
         """Drain, stop `services`, deregister, tear down, run the final steps: within the stop budget."""
         self.stop_deadline = self.clock.monotonic() + STOP_BUDGET
-        self._set_phase("stopping: finishing work in flight")
+        self._set_phase(f"stopping to restart ({self.restarting}): finishing work in flight" if self.restarting
+                        else "stopping: finishing work in flight")
         notify("STOPPING=1")
         await self._run_steps("drain")
         for task in services:
@@ -317,6 +321,15 @@ class Agent:
         else:
             log.info("deregistered (the next start rejoins as the same node)", extra={"node_id": node_id})
 
+    def restart(self, reason: str) -> None:
+        """Stop without deregistering or tearing anything down, for the launcher to start a release
+        (`plexd.upgrade.launcher.restart`): the interface, peers and rules carry the mesh across."""
+        if self.stopping:
+            return
+        self.restarting = reason
+        log.info("restarting: %s (the interface and peers stay up)", reason)
+        self.stop_event.set()
+
     async def leave(self, *, purge: bool, force: bool) -> Leaving:
         """`plexd deregister` through the socket: POST /deregister now, and when the control plane took it (or
         with `force`) run the stop sequence, tearing down, and return once it is done. A refused or failed
@@ -356,7 +369,9 @@ class Agent:
         self.phase = "bringing the mesh up"
         self.node = assemble(self)
         await self.serve()
-        return 1 if self.failed else 0
+        if self.failed:
+            return 1
+        return EXIT_RESTART if self.restarting else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -218,10 +218,13 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
 
     from plexd.log import setup_logging
     from plexd.node import assembly
+    from plexd.upgrade import launcher
 
     setup_logging(config.log_level)
     config.require_api()
-    return asyncio.run(assembly.run(config))
+    launcher.launch(config, args.argv)  # the current release, if that is not this code; an upgrade's rollback
+    code = asyncio.run(assembly.run(config))
+    return launcher.restart(config, args.argv) if code == launcher.EXIT_RESTART else code
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -722,6 +725,7 @@ def _jsonable(value: Any) -> Any:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `plexd up` runs a release or itself again with them
     try:
         from plexd import config as config_mod
 

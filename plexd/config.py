@@ -31,6 +31,7 @@ README (PROJECT-DECISIONS.md, Config row)::
                http_token_file: "", rate_limit: 100, rate_burst: 200, request_timeout: 10s}
     policy: {enabled: true}
     metrics: {enabled: false, listen: "127.0.0.1:9586"}   # Prometheus text format at GET /metrics
+    upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864}   # service.upgrade
 
 Durations use Go syntax (``30s``, ``1m30s``, ``150ms``) and are stored as float seconds.
 
@@ -216,6 +217,15 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class UpgradeConfig:
+    """Self-upgrade (plexd.upgrade): where release zipapps live, and how long a new one has to prove healthy."""
+
+    dir: str = _f("/opt/plexd/releases", "path")
+    health_deadline: float = _f(60.0, "duration", min=5, max=1800)
+    max_size: int = _f(64 << 20, min=1 << 16, max=1 << 30)  # bytes; a larger artifact is refused while streaming
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
     """Policy enforcement: peer visibility and the nftables table inet plexd."""
 
@@ -246,6 +256,7 @@ class Config:
     node_api: NodeApiConfig = field(default_factory=NodeApiConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    upgrade: UpgradeConfig = field(default_factory=UpgradeConfig)
     # Where each leaf came from ("default", "file /etc/plexd/config.yaml", "env PLEXD_API", "flag --api").
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: str | None = field(default=None, compare=False)

@@ -13,6 +13,8 @@
     actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
     deregistered               0600  when the node last deregistered; its next start rejoins with the node secret
                                      first and removes it (plexd.node.departure)
+    upgrade.json               0600  an upgrade between its install and its outcome, across the restart
+                                     (plexd.upgrade.marker)
 
 The directory is 0700 and every write is atomic (`plexd.atomicfile`).
 """
@@ -28,6 +30,7 @@ EVENT_LEDGER = "events.db"
 ACTIONS_DB = "actions.db"
 LOCAL_AUDIT = "actions/local-audit.log"
 DEPARTED = "deregistered"
+UPGRADE = "upgrade.json"
 NONCES = "nonces.json"  # before events.db: imported once, then removed
 LAST_EVENT_ID = "last_event_id"  # likewise
 DESIRED_MIRROR = "state/desired.json"  # before events.db: imported once, then removed

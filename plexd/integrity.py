@@ -45,13 +45,19 @@ def package_root() -> Path:
     return Path(plexd.__file__).resolve().parent
 
 
+def zipapp_of(root: Path | None = None) -> Path | None:
+    """The zipapp file the package at `root` (default: the running one) is read from, or None when it is a
+    directory: inside a zipapp the package directory is a path into the archive."""
+    root = root if root is not None else package_root()
+    return next((parent for parent in (root, *root.parents) if parent.is_file()), None)
+
+
 def binary_checksum(root: str | os.PathLike[str] | None = None) -> str:
     """The checksum of the running plexd code (see the module docstring)."""
     root = Path(root) if root is not None else package_root()
-    # Inside a zipapp the package directory is a path into the archive: hash the archive itself.
-    for parent in (root, *root.parents):
-        if parent.is_file():
-            return sha256_file(parent)
+    archive = zipapp_of(root)
+    if archive is not None:
+        return sha256_file(archive)
     lines = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
