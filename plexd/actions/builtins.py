@@ -7,6 +7,8 @@
     mesh.reconnect          reconnect the event stream, then run one reconcile cycle
     config.dump             the effective configuration and where each value came from (secrets hidden)
     service.reload_config   re-read the config file; apply what can change live, list what needs a restart
+    service.upgrade         version checksum → download, verify and install a release, restart into it with the
+                            tunnels up; the result is sent once the new release is healthy, or rolled back
 
 A built-in sees the node only through `NodeView`, which the composition root fills in: it cannot reach
 anything else. Output is JSON on stdout; an exception becomes status ``error`` with the message on stderr.
@@ -21,12 +23,16 @@ import platform
 import re
 import socket
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from plexd import __version__
 
 Json = dict[str, Any]
+
+# The execution a built-in runs for (set by the dispatcher): an action whose result comes later needs its id.
+EXECUTION: ContextVar[str] = ContextVar("plexd_action_execution", default="")
 
 
 @dataclass
@@ -43,6 +49,8 @@ class NodeView:
     reconnect: Callable[[], Awaitable[Json]]  # reconnect the stream, reconcile once
     reload_config: Callable[[], Awaitable[Json]]
     recent_logs: Callable[[int], list[str]]
+    # version, checksum, execution id → the install's output (plexd.upgrade.upgrader); None: not on this node
+    upgrade: Callable[[str, str, str], Awaitable[Output]] | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class Output:
     exit_code: int
     stdout: str
     stderr: str = ""
+    deferred: bool = False  # the outcome is not known yet: the result is sent later (service.upgrade)
 
 
 BuiltinFn = Callable[[NodeView, dict[str, str]], Awaitable[Output]]
@@ -161,6 +170,12 @@ async def reload_config(view: NodeView, params: dict[str, str]) -> Output:
     return _json(doc, 0 if not doc.get("error") else 1)
 
 
+async def upgrade(view: NodeView, params: dict[str, str]) -> Output:
+    if view.upgrade is None:
+        return Output(1, "", "self-upgrade is not available in this plexd\n")
+    return await view.upgrade(params["version"], params["checksum"], EXECUTION.get())
+
+
 BUILTINS: dict[str, Builtin] = {b.name: b for b in (
     Builtin("system.info", "host, kernel, plexd, node and mesh facts as JSON", (), system_info),
     Builtin("health.check", "the daemon's status document as JSON; exit status 1 when degraded", (), health_check),
@@ -174,6 +189,11 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in (
             config_dump),
     Builtin("service.reload_config", "re-read the config file: apply what can change live, list what needs a "
             "restart", (), reload_config),
+    Builtin("service.upgrade", "download the plexd release `version`, verify its SHA-256 against `checksum`, "
+            "install it beside the running one and restart into it with the tunnels up; the result follows once "
+            "it is healthy, or after an automatic rollback",
+            (_param("version", "the release to install, e.g. 0.2.0", required=True),
+             _param("checksum", "its SHA-256, 64 hex digits", required=True)), upgrade),
 )}
 
 

@@ -25,9 +25,9 @@ from typing import Any
 
 from plexd.actions import request as rq
 from plexd.actions.audit import LocalAudit
-from plexd.actions.builtins import BUILTINS, Builtin, NodeView
+from plexd.actions.builtins import BUILTINS, EXECUTION, Builtin, NodeView
 from plexd.actions.hooks import HookSet
-from plexd.actions.journal import ActionJournal, JournalError
+from plexd.actions.journal import RUNNING, ActionJournal, Execution, JournalError
 from plexd.actions.outbox import Outbox
 from plexd.actions.request import ActionRequest, InvalidRequest
 from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
@@ -234,6 +234,9 @@ class ActionDispatcher:
             log.exception("action %s (execution %s) failed inside plexd", request.action, request.execution_id)
             outcome = Outcome(rq.ERROR, 1, "", f"plexd: internal error: {exc}\n",
                               time.monotonic() - running.started, detail="internal error")
+        if outcome.deferred:
+            self._deferred(running, outcome)
+            return
         result = result_body(request, outcome)
         try:
             self.journal.finish(request.execution_id, outcome.status, result)
@@ -254,6 +257,7 @@ class ActionDispatcher:
     async def _run_builtin(self, builtin: Builtin, request: ActionRequest, timeout: float, cancel: asyncio.Event,
                            on_output: OnOutput | None) -> Outcome:
         started = time.monotonic()
+        EXECUTION.set(request.execution_id)  # this task's context only; the built-in's task copies it
         work = asyncio.ensure_future(builtin.run(self.view, request.parameters))
         stop = asyncio.ensure_future(cancel.wait())
         try:
@@ -276,13 +280,53 @@ class ActionDispatcher:
             capture.add(text.encode())
             captured.append(capture.text())
         status = rq.SUCCESS if out.exit_code == 0 else rq.FAILED
-        return Outcome(status, out.exit_code, captured[0], captured[1], elapsed, detail=f"exit status {out.exit_code}")
+        return Outcome(status, out.exit_code, captured[0], captured[1], elapsed, detail=f"exit status {out.exit_code}",
+                       deferred=out.deferred)
+
+    def _deferred(self, running: Running, outcome: Outcome) -> None:
+        """A built-in whose outcome comes later (an upgrade restarting into a new release): the execution stays
+        running in the journal, so that `finish_deferred` (after the restart) reports it, and nothing else does.
+        A local caller gets what is known so far."""
+        request = running.request
+        self.running.pop(request.execution_id, None)
+        log.info("action %s (execution %s): %s; its result is sent when the outcome is known", request.action,
+                 request.execution_id, outcome.detail, extra={"execution_id": request.execution_id})
+        if not running.done.done():
+            running.done.set_result({**result_body(request, outcome), "signal": 0})
 
     # -- start and stop -----------------------------------------------------------------------------------------
 
-    def recover(self) -> int:
+    def finish_deferred(self, execution_id: str, exit_code: int, stdout: str, stderr: str, detail: str) -> None:
+        """Report the outcome of an execution a built-in deferred (`Output.deferred`), maybe after a restart."""
+        execution = self.journal.known(execution_id)
+        if execution is None or execution.state != RUNNING:
+            log.warning("execution %s is not waiting for its result (%s); not reported", execution_id,
+                        "unknown" if execution is None else execution.state)
+            return
+        status = rq.SUCCESS if exit_code == 0 else rq.FAILED
+        self._finish_journaled(execution, Outcome(status, exit_code, stdout, stderr,
+                                                  max(0.0, time.time() - execution.accepted_at), detail=detail))
+
+    def _finish_journaled(self, execution: Execution, outcome: Outcome) -> bool:
+        """Finish an execution no task runs any more, from its journal entry; False when the journal refused."""
+        request = execution.request
+        triggered = request.get("triggered_by") if isinstance(request.get("triggered_by"), dict) else None
+        body = result_body(ActionRequest(execution.execution_id, execution.action, triggered_by=triggered), outcome)
+        try:
+            self.journal.finish(execution.execution_id, outcome.status, body)
+        except JournalError as exc:
+            log.error("%s", exc)
+            return False
+        self.outbox.wake()
+        if execution.origin == LOCAL:
+            self.audit.record("finished", execution_id=execution.execution_id, action=execution.action,
+                              status=outcome.status, exit_code=outcome.exit_code)
+        return True
+
+    def recover(self, keep: frozenset[str] = frozenset()) -> int:
         """Finish, as ``error``, every execution a crash cut short; they are never run again. Also forget
-        executions finished longer ago than the journal's retention."""
+        executions finished longer ago than the journal's retention. `keep`: executions whose result is still
+        to come (a deferred built-in, see `finish_deferred`)."""
         try:
             pruned = self.journal.prune()
         except JournalError as exc:
@@ -290,19 +334,12 @@ class ActionDispatcher:
             pruned = 0
         if pruned:
             log.info("forgot %d execution(s) finished more than 30 days ago", pruned)
-        interrupted = self.journal.interrupted()
+        interrupted = [e for e in self.journal.interrupted() if e.execution_id not in keep]
         for execution in interrupted:
-            request = execution.request
             outcome = Outcome(rq.ERROR, 1, "", "plexd stopped while this action was running (crash or kill); its "
                               "outcome is unknown and it was not run again\n",
                               max(0.0, time.time() - execution.accepted_at), detail="interrupted")
-            triggered = request.get("triggered_by") if isinstance(request.get("triggered_by"), dict) else None
-            body = result_body(ActionRequest(execution.execution_id, execution.action, triggered_by=triggered),
-                               outcome)
-            try:
-                self.journal.finish(execution.execution_id, rq.ERROR, body)
-            except JournalError as exc:
-                log.error("%s", exc)
+            if not self._finish_journaled(execution, outcome):
                 continue
             log.warning("action %s (execution %s) was running when plexd stopped: reported as error, not re-run",
                         execution.action, execution.execution_id, extra={"execution_id": execution.execution_id})

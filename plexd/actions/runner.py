@@ -44,6 +44,7 @@ class Outcome:
     duration: float
     signal: int = 0  # the signal that ended the hook, if one did
     detail: str = ""  # for the log: why the status is what it is
+    deferred: bool = False  # a built-in's result that is sent later (Output.deferred)
 
 
 class Capture:

@@ -6,10 +6,13 @@ control plane it broke.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
+from pathlib import Path
 from typing import Any
 
 from starlette.requests import Request
@@ -336,6 +339,70 @@ async def rotate_signing_key(request: Request) -> Response:
     return JSONResponse(dep.rotate_signing_key(seconds))
 
 
+# -- releases and upgrades ---------------------------------------------------------------------------------------
+
+MAX_ARTIFACT = 256 << 20
+
+
+def _artifacts_dir(request: Request) -> Path:
+    root: Path | None = request.app.state.artifacts_dir
+    if root is None:
+        raise HTTPError(409, "this devplane serves no artifacts (no --artifacts-dir)")
+    return root
+
+
+def _component(value: str, what: str) -> str:
+    if not wire.safe_component(value):
+        raise HTTPError(400, f"{what}: {value[:80]!r} is not a safe path component (letters, digits, . _ + -)")
+    return value
+
+
+async def put_artifact(request: Request) -> Response:
+    """Store the body as the artifact plexd/{version}/{os}/{arch}; answer its SHA-256 and size."""
+    parts = [_component(request.path_params[k], k) for k in ("version", "os", "arch")]
+    path = _artifacts_dir(request).joinpath(*parts)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.part")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(tmp, "wb") as fh:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_ARTIFACT:
+                    raise HTTPError(413, f"artifact larger than {MAX_ARTIFACT} bytes")
+                digest.update(chunk)
+                fh.write(chunk)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    log.info("artifact plexd/%s stored (%d bytes, sha256 %s)", "/".join(parts), size, digest.hexdigest())
+    return JSONResponse({"path": "/".join(parts), "size": size, "sha256": digest.hexdigest()}, status_code=201)
+
+
+async def start_upgrade(request: Request) -> Response:
+    """Ask a node to run service.upgrade to `version`. The checksum defaults to the stored artifact's (for `arch`,
+    or the one architecture stored for that version); a given one is sent as it is (tests send wrong ones)."""
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    body = _obj(await read_json(request))
+    version = _component(_str(body, "version"), "version")
+    checksum = _str(body, "checksum", required=False)
+    if not checksum:
+        stored = _artifacts_dir(request) / version / "linux"
+        arch = _str(body, "arch", required=False)
+        files = [stored / _component(arch, "arch")] if arch else sorted(stored.glob("*")) if stored.is_dir() else []
+        files = [f for f in files if f.is_file()]
+        if len(files) != 1:
+            raise HTTPError(404 if not files else 400, f"no single artifact for plexd {version} under {stored} "
+                            f"({len(files)} found); give arch or checksum")
+        checksum = hashlib.sha256(files[0].read_bytes()).hexdigest()
+    execution_id = dep.request_action(node, "service.upgrade", {"version": version, "checksum": checksum}, None,
+                                      None)
+    return JSONResponse({"execution_id": execution_id, "version": version, "checksum": checksum},
+                        status_code=201)
+
+
 # -- what nodes reported ----------------------------------------------------------------------------------------
 
 async def node_records(request: Request) -> Response:
@@ -416,6 +483,8 @@ def routes() -> list[Route]:
         Route(node + "/heartbeat-flags", set_heartbeat_flags, methods=["PUT"]),
         Route(node + "/actions", request_action, methods=["POST"]),
         Route(node + "/actions/{execution_id}/resend", resend_action, methods=["POST"]),
+        Route(node + "/upgrade", start_upgrade, methods=["POST"]),
+        Route("/admin/v1/artifacts/{version}/{os}/{arch}", put_artifact, methods=["PUT"]),
         Route(node + "/events", publish_event, methods=["POST"]),
         Route("/admin/v1/events", broadcast_event, methods=["POST"]),
         Route("/admin/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),

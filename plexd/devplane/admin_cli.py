@@ -114,6 +114,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("node_id")
     p.add_argument("execution_id")
 
+    g = group("artifact", "plexd releases the devplane serves at /v1/artifacts/plexd/VERSION/OS/ARCH")
+    p = leaf(g, "put", do_artifact_put, "store a release file (python -m plexd.upgrade.zipapp builds one)")
+    p.add_argument("version")
+    p.add_argument("file")
+    p.add_argument("--os", default="linux")
+    p.add_argument("--arch", help="Go's name (default: this machine's)")
+
+    p = leaf(cmds, "upgrade", do_upgrade, "ask a node to upgrade itself (service.upgrade); prints the execution id")
+    p.add_argument("node_id")
+    p.add_argument("version")
+    p.add_argument("--checksum", help="the SHA-256 to require (default: the stored artifact's)")
+
     g = group("event", "raw events")
     p = leaf(g, "publish", do_event_publish, "publish a signed event to a node; prints the event id")
     p.add_argument("node_id")
@@ -324,6 +336,20 @@ def do_action_request(c: Any, args: argparse.Namespace) -> Any:
 def do_action_resend(c: Any, args: argparse.Namespace) -> Any:
     event_id = c.resend_action(args.node_id, args.execution_id)
     return {"execution_id": args.execution_id, "event_id": event_id}, event_id
+
+
+def do_artifact_put(c: Any, args: argparse.Namespace) -> Any:
+    try:
+        data = Path(args.file).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"artifact put: cannot read {args.file}: {exc.strerror}") from None
+    doc = c.put_artifact(args.version, data, os_name=args.os, arch=args.arch)
+    return doc, f"stored plexd/{doc['path']}: {doc['size']} bytes, sha256 {doc['sha256']}"
+
+
+def do_upgrade(c: Any, args: argparse.Namespace) -> Any:
+    doc = c.start_upgrade(args.node_id, args.version, args.checksum)
+    return doc, doc["execution_id"]
 
 
 def do_event_publish(c: Any, args: argparse.Namespace) -> Any:

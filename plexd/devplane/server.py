@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 _EVENTS_PATH = re.compile(r"^/v1/nodes/[^/]+/events$")
 _STATE_PATH = re.compile(r"^/v1/nodes/[^/]+/state$")
-_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._+-]+$")
 
 
 def _dep(request: Request) -> Deployment:
@@ -201,7 +200,7 @@ async def artifact(request: Request) -> Response:
         raise HTTPError(401, "invalid node secret")
     parts = [request.path_params[k] for k in ("version", "os", "arch")]
     for part in parts:
-        if not _SAFE_COMPONENT.match(part) or part in (".", ".."):
+        if not wire.safe_component(part):
             raise HTTPError(400, f"invalid artifact path component {part!r}")
     root: Path | None = request.app.state.artifacts_dir
     path = root.joinpath(*parts) if root else None

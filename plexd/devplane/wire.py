@@ -8,6 +8,7 @@ fails with a 400 that names the field, exactly where Go's decoder would fail the
 from __future__ import annotations
 
 import json
+import re
 import zlib
 from typing import Any
 
@@ -207,3 +208,11 @@ TUNNEL_READY = {"listen_addr": "str", "timestamp": "time"}
 TUNNEL_CLOSED = {"reason": "str", "duration": "str", "timestamp": "time"}
 INTEGRITY = {"type": "str", "path": "str", "expected_checksum": "str", "actual_checksum": "str", "detail": "str",
              "timestamp": "time"}
+
+
+_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._+-]+$")
+
+
+def safe_component(part: str) -> bool:
+    """A path component that stays in its directory: no separator, not . or .."""
+    return bool(_SAFE_COMPONENT.match(part)) and part not in (".", "..")

@@ -69,6 +69,8 @@ from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler
+from plexd.upgrade import marker as upgrade_marker
+from plexd.upgrade.upgrader import Upgrader
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class Node:
     report_sync: ReportSync | None = None
     actions: ActionDispatcher | None = None
     metrics: Any = None  # plexd.node.metrics.MetricsEndpoint when config metrics.enabled
+    upgrader: Upgrader | None = None
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
@@ -191,7 +194,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, rotation, nat, reports,
                 report_sync)
     add_control_routes(local_api, node)
+    node.upgrader = Upgrader(agent, lambda: upgrade_health(reconciler, heartbeat))
     node.actions = _build_actions(node, node_id)
+    node.upgrader.finish = node.actions.finish_deferred
 
     async def fetch_secret(key: str) -> Any:
         return await agent.client.fetch_secret(node_id(), key)
@@ -206,6 +211,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
     agent.add_service("key_rotation", lambda a: rotation.run())
+    agent.add_service("upgrade", lambda a: node.upgrader.run())  # ends once an upgrade's outcome is reported
     # The socket stops last: `plexd deregister` is answered once the teardown is done.
     agent.add_service("local_api", lambda a: _serve_local_api(local_api, api_cfg.http_listen, http_token),
                       stop_last=True)
@@ -222,6 +228,16 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.describe = lambda: describe(node)
     _add_watchdog(node)
     return node
+
+
+def upgrade_health(reconciler: Reconciler, heartbeat: HeartbeatService) -> str | None:
+    """What a newly upgraded daemon still lacks to be called healthy, or None: its first converge ran and the
+    control plane accepted a heartbeat, which carries the new binary checksum."""
+    if not reconciler.started.is_set():
+        return "its first converge has not run"
+    if heartbeat.sent == 0:
+        return "no heartbeat accepted yet" + (f" ({heartbeat.last_error})" if heartbeat.last_error else "")
+    return None
 
 
 def describe(node: Node) -> str:
@@ -324,7 +340,8 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     agent.reload_config = reloader.reload  # SIGHUP
     dispatcher = ActionDispatcher(cfg.actions, journal, outbox, hooks, _node_view(node, reloader), node_id,
                                   LocalAudit(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
-    recovered = dispatcher.recover()
+    pending = upgrade_marker.read(cfg.data_dir)  # its execution's result comes from the upgrader, not "interrupted"
+    recovered = dispatcher.recover(keep=frozenset({pending.execution_id} if pending else ()))
     if recovered:
         outbox.wake()
     node.handlers.register("action_request", dispatcher.handle_event)
@@ -381,7 +398,8 @@ def _node_view(node: Node, reloader: ConfigReloader) -> NodeView:
         status=lambda: live_status(node),
         peer_ips=lambda: {p.id: p.mesh_ip for p in mesh.get_desired().peers.values()},
         device=device, firewall=firewall, config=lambda: agent.config.shown(), reconnect=reconnect,
-        reload_config=reload, recent_logs=recent_lines)
+        reload_config=reload, recent_logs=recent_lines,
+        upgrade=node.upgrader.install if node.upgrader is not None else None)
 
 
 def read_http_token(config: Config) -> str:

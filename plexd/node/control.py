@@ -14,7 +14,7 @@ caller's SO_PEERCRED credentials.
 Status document (``"version": 1``; fields are only ever added, under a new version if one changes meaning)::
 
     version, plexd_version
-    daemon         running, pid, started_at, uptime_seconds
+    daemon         running, pid, started_at, uptime_seconds, version, binary_checksum
     node           registered, node_id, mesh_ip, control_plane, data_dir, interface, identity_problem
     event_stream   state (connected | polling | offline), since, last_event_id, last_event_at,
                    last_event_age_seconds, connects, events_accepted, events_rejected
@@ -32,6 +32,9 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
                    dropped_batches, last_sent_at, last_error)
     key_rotation   rotations, last_at, last_error, pending (a rotation the control plane has not taken yet)
     metrics        null (off) or listen, scrapes
+    upgrade        release (the zipapp running, or "installed package"), dir, installing, pending (null or
+                   to_version, state), last (null or the last outcome: status, from/to_version, binary_checksum,
+                   reason)
     actions        enabled, max_concurrent, running [{execution_id, action, origin, running_seconds}], accepted,
                    rejected {reason: count}, outbox (pending, sent, refused, dropped_full, last_sent_at,
                    last_error), hooks (directory, hooks, refused, scans, announcements, announce_pending,
@@ -96,7 +99,8 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc = stored_status(agent.config)
     now = agent.clock.now().timestamp()
     doc["daemon"] = {"running": True, "pid": os.getpid(), "uptime_seconds": round(agent.uptime(), 1),
-                     "started_at": round(now - agent.uptime(), 1)}
+                     "started_at": round(now - agent.uptime(), 1), "version": __version__,
+                     "binary_checksum": agent.binary_checksum}
     rec = node.reconciler
     hold = node.mesh.hold.current()
     doc["event_stream"] = node.stream.status()
@@ -129,6 +133,7 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["key_rotation"] = node.key_rotation.status()
     m = node.metrics
     doc["metrics"] = None if m is None else {"listen": f"{m.host}:{m.port}", "scrapes": m.scrapes}
+    doc["upgrade"] = node.upgrader.status() if node.upgrader is not None else None
     doc["actions"] = node.actions.status() if node.actions is not None else None
     doc["services"] = agent.supervisor.to_json()
     return doc

@@ -181,7 +181,7 @@ def test_local_runs_stream_check_their_caller_and_work_offline_and_sigterm_drain
     wait_until(lambda: len(announced(dp, node_id)) == 2, 20, "the hooks announced", daemons)
 
     listed = json.loads(d.cli("actions", "list", "--json").stdout)
-    assert [h["name"] for h in listed["hooks"]] == ["drained.sh", "ticker.sh"] and len(listed["builtin_actions"]) == 7
+    assert [h["name"] for h in listed["hooks"]] == ["drained.sh", "ticker.sh"] and len(listed["builtin_actions"]) == 8
     hooks_doc = json.loads(d.cli("hooks", "list", "--json").stdout)
     assert all(h["announced_checksum"] == h["checksum"] for h in hooks_doc["hooks"])
     assert json.loads(d.cli("hooks", "verify", "--json").stdout)["ok"] is True

@@ -15,7 +15,7 @@ import pytest
 
 from plexd.actions import request as rq
 from plexd.actions.audit import LocalAudit
-from plexd.actions.builtins import Builtin, NodeView, Output
+from plexd.actions.builtins import EXECUTION, Builtin, NodeView, Output
 from plexd.actions.dispatcher import CONTROL_PLANE, LOCAL, ActionDispatcher
 from plexd.actions.hooks import HookSet, describe_changes
 from plexd.actions.journal import ActionJournal
@@ -282,6 +282,34 @@ async def test_an_execution_cut_short_by_a_crash_is_reported_as_error_and_never_
     assert "not run again" in body["stderr"] and body["triggered_by"] == {"type": "control_plane"}
     await h.event({"execution_id": "e1", "action": "h.sh", "checksum": "x"})
     assert acks(h.messages()) == {"e1": "duplicate_execution_id"}
+
+
+async def test_a_deferred_result_is_kept_across_a_restart_and_reported_once_by_finish_deferred(tmp_path):
+    seen = []
+
+    async def install(view, params):
+        seen.append(EXECUTION.get())
+        return Output(0, "installed\n", deferred=True)
+
+    builtins = {"svc.later": Builtin("svc.later", "", (), install)}
+    h = Harness(tmp_path, builtins=builtins)
+    await h.event({"execution_id": "e1", "action": "svc.later", "triggered_by": {"type": "control_plane"}})
+    await asyncio.wait_for(asyncio.gather(*[r.task for r in h.d.running.values() if r.task]), 5)
+    assert seen == ["e1"] and h.d.running == {}
+    assert [(k, e) for k, e, _ in h.messages()] == [("ack", "e1")], "no result yet"
+    assert h.journal.known("e1").state == "running"
+
+    # The restart: a new dispatcher on the same journal keeps it for its owner instead of calling it interrupted.
+    again = ActionDispatcher(ActionsConfig(), h.journal, h.outbox, h.hookset, h.d.view, lambda: "n_1", h.d.audit,
+                             builtins=builtins)
+    assert again.recover(keep=frozenset({"e1"})) == 0 and h.journal.known("e1").state == "running"
+    again.finish_deferred("e1", 1, "{}\n", "went wrong; rolled back\n", "rolled back")
+    [(kind, eid, body)] = h.messages()
+    assert (kind, eid, body["status"], body["exit_code"], body["stderr"]) == (
+        "result", "e1", "failed", 1, "went wrong; rolled back\n")
+    assert body["triggered_by"] == {"type": "control_plane"}
+    again.finish_deferred("e1", 0, "", "", "again")  # finished already: not reported twice
+    assert h.messages() == []
 
 
 async def test_disabled_and_shutting_down_refuse_before_anything_else(tmp_path):

@@ -1,0 +1,177 @@
+"""The install half of service.upgrade (plexd.upgrade.upgrader.Upgrader.install) against the REAL devplane over
+HTTP, with real release zipapps built from this checkout and run by this Python. The agent around it is a small
+stand-in that records the restart it is asked for: the restart itself (re-exec, watcher, rollback) is shown with
+real daemons in tests/e2e/test_upgrade_lab.py.
+
+Every refusal must leave nothing installed: no release file, no `.part`, no `current` link, no marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+from nacl.public import PrivateKey
+
+from plexd import config as config_mod
+from plexd.controlplane.client import ControlPlaneClient
+from plexd.devplane.harness import Devplane
+from plexd.upgrade import marker as markers
+from plexd.upgrade import zipapp
+from plexd.upgrade.upgrader import Upgrader
+
+
+@pytest.fixture(scope="module")
+def devplane(tmp_path_factory):
+    dp = Devplane(tmp_path_factory.mktemp("devplane"))
+    dp.start()
+    try:
+        yield dp
+    finally:
+        dp.stop()
+
+
+@pytest.fixture(scope="module")
+def secret(devplane) -> str:
+    token = devplane.admin.create_token()
+    public = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+    resp = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
+                      json={"token": token, "public_key": public, "hostname": f"px-up-{time.monotonic_ns()}"})
+    resp.raise_for_status()
+    return resp.json()["node_secret_key"]
+
+
+@pytest.fixture(scope="module")
+def good(devplane, tmp_path_factory) -> tuple[str, str]:
+    """A release 0.9.1-test stored in the devplane: (version, checksum)."""
+    path = tmp_path_factory.mktemp("rel") / "good.pyz"
+    checksum = zipapp.build(path, version="0.9.1-test")
+    devplane.admin.put_artifact("0.9.1-test", path.read_bytes())
+    return "0.9.1-test", checksum
+
+
+class Agent(SimpleNamespace):
+    """What Upgrader uses of the agent: config, client, the running checksum, and restart (recorded)."""
+
+    def restart(self, reason: str) -> None:
+        self.restarts.append(reason)
+
+
+def upgrader(devplane, secret: str, tmp_path: Path, **upgrade: object) -> tuple[Upgrader, Agent]:
+    (tmp_path / "config.yaml").write_text(
+        f"api: {devplane.url}\ndata_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}"
+        + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
+    (tmp_path / "data").mkdir(mode=0o700)
+    cfg = config_mod.load(str(tmp_path / "config.yaml"), flags={})
+    agent = Agent(config=cfg, client=ControlPlaneClient(devplane.url, token=secret), binary_checksum="a" * 64,
+                  restarts=[])
+    return Upgrader(agent, healthy=lambda: None), agent
+
+
+def installed(tmp_path: Path) -> list[str]:
+    """Everything an install leaves: release files (also half-written ones), the link, the marker."""
+    rel = tmp_path / "releases"
+    found = sorted(os.listdir(rel)) if rel.exists() else []
+    return found + (["upgrade.json"] if (tmp_path / "data" / "upgrade.json").exists() else [])
+
+
+async def install(up: Upgrader, version: str, checksum: str):
+    try:
+        return await up.install(version, checksum, "exec_test")
+    finally:
+        await asyncio.sleep(0)  # let a scheduled restart run, as the event loop would
+
+
+@pytest.mark.parametrize("version,checksum,why", [
+    ("", "a" * 64, "version ''"),
+    ("../../etc", "a" * 64, "version '../../etc'"),
+    ("1.0", "abc", "checksum 'abc': must be a SHA-256"),
+    ("1.0", "z" * 64, "must be a SHA-256"),
+])
+async def test_a_malformed_request_is_refused_naming_the_field(devplane, secret, tmp_path, version, checksum, why):
+    up, agent = upgrader(devplane, secret, tmp_path)
+    out = await install(up, version, checksum)
+    assert out.exit_code == 1 and why in out.stderr and "nothing installed" in out.stderr
+    assert installed(tmp_path) == [] and agent.restarts == []
+
+
+async def test_a_missing_artifact_is_refused(devplane, secret, tmp_path):
+    up, agent = upgrader(devplane, secret, tmp_path)
+    out = await install(up, "0.0.404", "b" * 64)
+    assert out.exit_code == 1 and "404" in out.stderr and "no artifact plexd/0.0.404" in out.stderr, out.stderr
+    assert installed(tmp_path) == [] and agent.restarts == []
+
+
+async def test_an_artifact_larger_than_max_size_is_cut_off_while_streaming(devplane, secret, tmp_path, good):
+    up, agent = upgrader(devplane, secret, tmp_path, max_size=65536)
+    out = await install(up, *good)
+    assert out.exit_code == 1 and "larger than upgrade.max_size (65536 bytes)" in out.stderr
+    assert installed(tmp_path) == [] and agent.restarts == []
+
+
+async def test_an_artifact_that_is_not_a_plexd_release_is_refused_after_the_checksum(devplane, secret, tmp_path):
+    junk = os.urandom(4096)
+    devplane.admin.put_artifact("0.9.2-junk", junk)
+    up, agent = upgrader(devplane, secret, tmp_path)
+    out = await install(up, "0.9.2-junk", hashlib.sha256(junk).hexdigest())
+    assert out.exit_code == 1 and "does not run as plexd 0.9.2-junk" in out.stderr, out.stderr
+    assert installed(tmp_path) == [] and agent.restarts == []
+
+
+async def test_a_release_that_calls_itself_another_version_is_refused(devplane, secret, tmp_path):
+    path = tmp_path / "liar.pyz"
+    checksum = zipapp.build(path, version="0.9.9-other")
+    devplane.admin.put_artifact("0.9.3-liar", path.read_bytes())
+    path.unlink()
+    up, agent = upgrader(devplane, secret, tmp_path)
+    out = await install(up, "0.9.3-liar", checksum)
+    assert out.exit_code == 1 and "'plexd 0.9.9-other'" in out.stderr, out.stderr
+    assert installed(tmp_path) == [] and agent.restarts == []
+
+
+async def test_a_good_release_is_installed_switched_and_marked_then_a_restart_is_asked(devplane, secret, tmp_path,
+                                                                                         good):
+    version, checksum = good
+    up, agent = upgrader(devplane, secret, tmp_path)
+    out = await install(up, version, checksum)
+    assert out.exit_code == 0 and out.deferred, out.stderr
+    name = f"plexd-{version}-{checksum[:12]}.pyz"
+    assert installed(tmp_path) == ["current", name, "upgrade.json"]
+    assert os.readlink(tmp_path / "releases" / "current") == name
+    assert hashlib.sha256((tmp_path / "releases" / name).read_bytes()).hexdigest() == checksum
+    marker = markers.read(tmp_path / "data")
+    assert marker is not None and marker.state == markers.INSTALLED and marker.execution_id == "exec_test"
+    assert (marker.from_release, marker.to_checksum) == (None, checksum)
+    assert agent.restarts == [f"upgrade to plexd {version}"]
+
+    # While that upgrade is pending, another is refused, and nothing changes.
+    again = await install(up, version, checksum)
+    assert again.exit_code == 1 and "in progress" in again.stderr
+    assert agent.restarts == [f"upgrade to plexd {version}"]
+
+
+async def test_the_running_checksum_is_not_installed_again(devplane, secret, tmp_path, good):
+    up, agent = upgrader(devplane, secret, tmp_path)
+    agent.binary_checksum = good[1]
+    out = await install(up, *good)
+    assert out.exit_code == 0 and not out.deferred and "already running" in out.stdout
+    assert installed(tmp_path) == [] and agent.restarts == []
+
+
+async def test_a_release_already_on_disk_is_reused_without_a_download(devplane, secret, tmp_path):
+    # The devplane has no artifact for this version: only the file already in the release directory can do.
+    rel = tmp_path / "releases"
+    rel.mkdir()
+    checksum = zipapp.build(tmp_path / "local.pyz", version="0.9.4-local")
+    os.replace(tmp_path / "local.pyz", rel / f"plexd-0.9.4-local-{checksum[:12]}.pyz")
+    up, agent = upgrader(devplane, secret, tmp_path)
+    out = await install(up, "0.9.4-local", checksum)
+    assert out.exit_code == 0 and out.deferred, out.stderr
+    assert agent.restarts == ["upgrade to plexd 0.9.4-local"]
