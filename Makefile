@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make demo` and `make test`. Both install what they need first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench release clean
 
 setup:
 	@scripts/setup.sh
@@ -18,6 +18,11 @@ lint: setup
 
 bench: setup
 	$(PY) -m bench
+
+# A release zipapp for service.upgrade: make release VERSION=0.2.0 → build/plexd-0.2.0.pyz
+release: setup
+	@mkdir -p build
+	$(PY) -m plexd.upgrade.zipapp build/plexd-$(or $(VERSION),dev).pyz $(if $(VERSION),--version $(VERSION))
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

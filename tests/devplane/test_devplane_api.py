@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import gzip
+import hashlib
 import json
 
 import httpx
@@ -292,6 +293,26 @@ def test_ping_and_artifacts(dp, pair, tmp_path):
     assert httpx.get(f"{dp.url}/v1/artifacts/plexd/1.2.3/linux/amd64", timeout=10).status_code == 401
     assert httpx.get(f"{dp.url}/v1/artifacts/plexd/..%2F..%2Fetc/linux/passwd", headers=a.headers,
                      timeout=10).status_code in (400, 404)
+
+
+def test_admin_stores_artifacts_and_starts_upgrades_with_their_checksum(dp, pair):
+    a, _ = pair
+    stored = dp.admin.put_artifact("2.0.0", b"release bytes", arch="arm64")
+    assert stored == {"path": "2.0.0/linux/arm64", "size": 13, "sha256": hashlib.sha256(b"release bytes").hexdigest()}
+    resp = httpx.get(f"{dp.url}/v1/artifacts/plexd/2.0.0/linux/arm64", headers=a.headers, timeout=10)
+    assert resp.content == b"release bytes"
+    with pytest.raises(AdminError) as bad:
+        dp.admin.put_artifact("..", b"x")
+    assert bad.value.status in (400, 404)
+
+    started = dp.admin.start_upgrade(a.id, "2.0.0")
+    assert started["checksum"] == stored["sha256"]
+    [request] = [e for e in dp.admin.executions(a.id) if e["execution_id"] == started["execution_id"]]
+    assert request["action"] == "service.upgrade"
+    assert request["parameters"] == {"version": "2.0.0", "checksum": stored["sha256"]}
+    assert dp.admin.start_upgrade(a.id, "2.0.0", checksum="f" * 64)["checksum"] == "f" * 64  # sent as given
+    with pytest.raises(AdminError, match="no single artifact for plexd 9.9.9"):
+        dp.admin.start_upgrade(a.id, "9.9.9")
 
 
 def test_deregister_removes_the_node(dp):
