@@ -38,7 +38,11 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     if not daemon.get("running"):
         lines.append("daemon:         not running (showing stored state; start it with 'plexd up')")
         return "\n".join(lines)
-    lines.append(f"daemon:         running, pid {daemon['pid']}, up {int(daemon['uptime_seconds'])}s")
+    lines.append(f"daemon:         running, pid {daemon['pid']}, up {int(daemon['uptime_seconds'])}s"
+                 + (f", plexd {daemon['version']}" if daemon.get("version") else ""))
+    upgrade = doc.get("upgrade")
+    if upgrade and (upgrade.get("installing") or upgrade.get("pending") or upgrade.get("last")):
+        lines.append(f"upgrade:        {_upgrade_line(upgrade)}")
     health = doc.get("health") or {}
     if health.get("status") == "degraded":
         lines.append(f"health:         DEGRADED: {health.get('reason') or 'see the log'}")
@@ -97,6 +101,16 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""
         lines.append(f"  {svc['name']:<14} {svc['state']:<10} restarts {svc['restarts']}{extra}")
     return "\n".join(lines)
+
+
+def _upgrade_line(u: dict[str, Any]) -> str:
+    if u.get("installing"):
+        return f"installing plexd {u['installing']}"
+    if u.get("pending"):
+        return f"to plexd {u['pending']['to_version']}: {u['pending']['state']}"
+    last = u["last"]
+    text = f"{last['status']}: {last['from_version']} -> {last['to_version']}"
+    return text + (f" ({last['reason']})" if last.get("reason") else "")
 
 
 def _nat_line(nat: dict[str, Any], now: float) -> str:

@@ -145,6 +145,8 @@ def test_upgrade_refuses_a_bad_checksum_installs_a_good_release_under_ping_and_r
         wait_until(lambda: last_checksum(dp, a_id) == good_sum, 15, "the rolled-back checksum upstream", daemons)
         last = a.status()["upgrade"]["last"]
         assert last["status"] == "rolled back" and last["to_version"] == "0.1.2-lab", last
+        assert "upgrade:        rolled back: 0.1.1-lab -> 0.1.2-lab (plexd 0.1.2-lab stopped before" in \
+            a.cli("status").stdout
         assert f"plexd-0.1.2-lab-{broken_sum[:12]}.pyz" in releases(a), "kept beside the others, for a look"
         text = a.logged()
         assert "upgrade to plexd 0.1.2-lab failed" in text and "rolled back to plexd 0.1.1-lab" in text
