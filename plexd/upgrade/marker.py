@@ -66,8 +66,8 @@ def read(data_dir: str | os.PathLike[str]) -> UpgradeMarker | None:
     try:
         with open(path, "rb") as fh:
             raw = fh.read(MAX_SIZE + 1)
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no marker, or no data_dir yet: the start's own data_dir check speaks for the latter
     except OSError as exc:
         log.error("cannot read the upgrade marker %s: %s; starting without it", path, exc.strerror)
         return None

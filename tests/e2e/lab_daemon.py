@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,26 @@ def publish_endpoints(dp: Devplane, daemons) -> None:
 def ping_count(lab: Lab, node: LabNode, ip: str, count: int, interval: float = 0.5) -> int:
     out = lab.exec(node, ["ping", "-c", str(count), "-i", str(interval), "-W", "1", "-q", ip], check=False).stdout
     return int(out.split(" received")[0].rsplit(" ", 1)[-1]) if " received" in out else 0
+
+
+def ping_during(lab: Lab, src: LabNode, dst_ip: str, count: int, during):
+    """Ping `dst_ip` from `src` `count` times at 10 per second, calling `during()` after the first second.
+    Returns what `during` returned, then how many echoes were lost and sent."""
+    ping = lab.spawn(src.wrap(["ping", "-c", str(count), "-i", "0.1", "-W", "1", dst_ip]),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(1.0)
+        result = during()
+        out, _ = ping.communicate(timeout=count / 10 + 30)
+    finally:
+        if ping.poll() is None:
+            ping.kill()
+            ping.wait()
+    counts = re.search(r"(\d+) packets transmitted, (\d+) received", out)
+    if counts is None:
+        raise AssertionError(f"ping printed no summary: {out}")
+    sent, received = map(int, counts.groups())
+    return result, sent - received, sent
 
 
 def wireguard_go_pids(lab: Lab, node: LabNode) -> list[int]:

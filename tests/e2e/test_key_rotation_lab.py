@@ -12,13 +12,10 @@ from __future__ import annotations
 import base64
 import json
 import os
-import re
 import signal
-import subprocess
-import time
 
 import pytest
-from lab_daemon import Daemon, ping_count, pinging_pair, wait_until, wg_peers
+from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, wait_until, wg_peers
 
 from plexd.identity import public_key_of
 from plexd.lab import Lab
@@ -33,11 +30,6 @@ def stored_key(d: Daemon) -> str:
     """The public key of the private key kept in data_dir."""
     raw = base64.b64decode((d.dir / "data" / "private_key").read_text())
     return base64.b64encode(public_key_of(raw)).decode()
-
-
-def lost(out: str) -> tuple[int, int]:
-    sent, received = map(int, re.search(r"(\d+) packets transmitted, (\d+) received", out).groups())
-    return sent - received, sent
 
 
 def assert_rotated(lab: Lab, dp, a: Daemon, b: Daemon, old: str, daemons) -> str:
@@ -58,19 +50,10 @@ def test_a_rotation_under_ping_loses_at_most_one_packet_and_leaves_the_old_key_n
     old = dp.admin.node(a.node_id())["public_key"]
     assert own_key(lab, a) == old
 
-    ping = lab.spawn(a.node.wrap(["ping", "-c", "40", "-i", "0.1", "-W", "1", b.mesh_ip()]),
-                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        time.sleep(1.0)
-        doc = json.loads(a.cli("rotate-keys", "--json").stdout)
-        out, _ = ping.communicate(timeout=30)
-    finally:
-        if ping.poll() is None:
-            ping.kill()
-            ping.wait()
-    missing, sent = lost(out)
+    doc, missing, sent = ping_during(lab, a.node, b.mesh_ip(), 40,
+                                     lambda: json.loads(a.cli("rotate-keys", "--json").stdout))
     print(f"rotation under ping: {missing} of {sent} lost")
-    assert sent == 40 and missing <= 1, out
+    assert sent == 40 and missing <= 1
     assert doc["previous_public_key"] == old and doc["updated_peers"] == 1
     new = assert_rotated(lab, dp, a, b, old, daemons)
     assert doc["public_key"] == new

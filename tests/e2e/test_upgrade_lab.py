@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
 import time
 
 import pytest
-from lab_daemon import Daemon, ping_count, pinging_pair, wait_until, wireguard_go_pids
+from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, wait_until, wireguard_go_pids
 from test_actions_lab import execution, finished
 
 from plexd.upgrade import zipapp
@@ -50,11 +48,6 @@ from plexd.cli import main
 
 sys.exit(main())
 """
-
-
-def lost(out: str) -> tuple[int, int]:
-    sent, received = map(int, re.search(r"(\d+) packets transmitted, (\d+) received", out).groups())
-    return sent - received, sent
 
 
 def releases(d: Daemon) -> list[str]:
@@ -106,23 +99,16 @@ def test_upgrade_refuses_a_bad_checksum_installs_a_good_release_under_ping_and_r
 
         # 2. A good release under a continuous ping (10 per second).
         wg_before = wireguard_go_pids(lab, a.node)
-        ping = lab.spawn(a.node.wrap(["ping", "-c", "120", "-i", "0.1", "-W", "1", b.mesh_ip()]),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            time.sleep(1.0)
+        def upgrade():
             eid = dp.admin.start_upgrade(a_id, "0.1.1-lab")["execution_id"]
-            result = finished(dp, a_id, eid, daemons, timeout=60)["result"]
-            out, _ = ping.communicate(timeout=30)
-        finally:
-            if ping.poll() is None:
-                ping.kill()
-                ping.wait()
-        missing, sent = lost(out)
+            return finished(dp, a_id, eid, daemons, timeout=60)["result"]
+
+        result, missing, sent = ping_during(lab, a.node, b.mesh_ip(), 120, upgrade)
         print(f"upgrade under ping: {missing} of {sent} lost")
         assert result["status"] == "success", result
         doc = json.loads(result["stdout"])
         assert doc["status"] == "upgraded" and doc["to_version"] == "0.1.1-lab" and doc["binary_checksum"] == good_sum
-        assert sent == 120 and missing <= 1, out
+        assert sent == 120 and missing <= 1
         now = a.status()["daemon"]
         assert now["version"] == "0.1.1-lab" and now["binary_checksum"] == good_sum
         assert now["pid"] == before["pid"], "without systemd the daemon re-executes itself in the same process"
