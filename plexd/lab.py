@@ -30,6 +30,7 @@ from pathlib import Path
 from plexd import datadir
 from plexd.atomicfile import write_atomic
 from plexd.errors import PlexdError
+from plexd.procstat import process_stat
 
 _BIND_RUN_WIREGUARD = 'mkdir -p /run/wireguard && mount --bind "$0" /run/wireguard && exec "$@"'
 DEFAULT_STATE_FILE = "/run/plexd-lab.json"
@@ -336,11 +337,8 @@ class Lab:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    stat = process_stat(pid)
+    return stat is not None and stat.alive
 
 
 def _signal_group(pid: int, sig: int) -> None:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from plexd.log import setup_logging
+from plexd.procstat import process_stat
 from plexd.upgrade import marker as markers
 from plexd.upgrade.launcher import installed_command
 
@@ -33,16 +34,9 @@ MAX_LIFE = 3600.0  # whatever happens, the watcher does not outlive this
 
 
 def process_start(pid: int) -> int | None:
-    """The start time of `pid` (clock ticks since boot; same across an exec), or None when it is gone or a
-    zombie. Comparing it tells the process we watch from a new one that reused its pid."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
+    """The start time of `pid` while it is alive, else None (gone, or a zombie nobody reaped yet)."""
+    stat = process_stat(pid)
+    return stat.start_ticks if stat is not None and stat.alive else None
 
 
 def watch(pid: int, data_dir: str, grace: float, up_args: list[str], *, poll: float = POLL,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from test_procstat import wait_for_zombie
 
 from plexd import config as config_mod
 from plexd.upgrade import launcher, watch, zipapp
@@ -230,5 +231,6 @@ def test_the_watcher_leaves_a_healthy_or_rolled_back_upgrade_alone(tmp_path, chi
 
 def test_a_zombie_counts_as_gone(child):
     os.kill(child.pid, 9)
-    time.sleep(0.2)  # not reaped yet: a zombie, as the new release would be under a parent that does not wait
+    # not reaped yet: a zombie, as the new release would be under a parent that does not wait
+    assert wait_for_zombie(child.pid).state == "Z"
     assert watch.process_start(child.pid) is None

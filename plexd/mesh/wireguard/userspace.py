@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, WireGuardError, check_interface_name
 from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
+from plexd.procstat import process_stat
 
 log = logging.getLogger(__name__)
 
@@ -255,11 +256,8 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     # a zombie is not alive (an adopted process is not our child, so it is reaped by init soon anyway)
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except OSError:
-        return False
+    stat = process_stat(pid)
+    return stat is not None and stat.alive
 
 
 def find_serving_process(socket_path: str, interface: str, proc_dir: str = "/proc") -> int | None:
