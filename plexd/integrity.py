@@ -58,16 +58,21 @@ def binary_checksum(root: str | os.PathLike[str] | None = None) -> str:
     archive = zipapp_of(root)
     if archive is not None:
         return sha256_file(archive)
-    lines = []
+    lines = [f"{name}\0{sha256_file(path)}\n" for name, path in package_files(root)]
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def package_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative posix path, path) of every file of the package under `root`, sorted by the relative path:
+    what the binary checksum covers and a release carries (``__pycache__`` and ``.pyc`` left out)."""
+    files = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != "__pycache__"]
         for name in filenames:
-            if name.endswith(".pyc"):
-                continue
-            path = Path(dirpath, name)
-            lines.append(f"{path.relative_to(root).as_posix()}\0{sha256_file(path)}\n")
-    lines.sort()
-    return hashlib.sha256("".join(lines).encode()).hexdigest()
+            if not name.endswith(".pyc"):
+                path = Path(dirpath, name)
+                files.append((path.relative_to(root).as_posix(), path))
+    return sorted(files)
 
 
 # ---------------------------------------------------------------------------------------------------------------

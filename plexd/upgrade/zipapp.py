@@ -23,31 +23,18 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from plexd.integrity import package_root
+from plexd.integrity import package_files, package_root
 
 MAIN = b"import sys\n\nfrom plexd.cli import main\n\nsys.exit(main())\n"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the oldest time a zip entry can carry
 _VERSION_LINE = re.compile(rb'^__version__ = "[^"]*"$', re.M)
 
 
-def package_files(root: Path) -> dict[str, bytes]:
-    """Archive name → contents of every file of the package under `root` (bytecode left out)."""
-    files: dict[str, bytes] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in filenames:
-            if name.endswith(".pyc"):
-                continue
-            path = Path(dirpath, name)
-            files[f"plexd/{path.relative_to(root).as_posix()}"] = path.read_bytes()
-    return files
-
-
 def build(out: str | os.PathLike[str], *, version: str | None = None,
           overrides: Mapping[str, bytes] | None = None, root: Path | None = None) -> str:
     """Write the zipapp to `out`; return its SHA-256. `version` replaces ``plexd.__version__``; `overrides`
     replaces or adds archive members (tests build a release that fails at start this way)."""
-    files = package_files(root or package_root())
+    files = {f"plexd/{name}": path.read_bytes() for name, path in package_files(root or package_root())}
     if version is not None:
         init, count = _VERSION_LINE.subn(f'__version__ = "{version}"'.encode(), files["plexd/__init__.py"])
         if count != 1:
