@@ -80,15 +80,16 @@ def _param(name: str, description: str, *, required: bool = False, type_: str = 
     return {"name": name, "type": type_, "required": required, "description": description}
 
 
-def _json(doc: Any, exit_code: int = 0) -> Output:
-    return Output(exit_code, json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
+def json_output(doc: Any, exit_code: int = 0, *, deferred: bool = False) -> Output:
+    """A built-in's output: `doc` as indented JSON on stdout."""
+    return Output(exit_code, json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n", deferred=deferred)
 
 
 async def system_info(view: NodeView, params: dict[str, str]) -> Output:
     uname = os.uname()
     mem = _meminfo()
     status = await view.status()
-    return _json({
+    return json_output({
         "hostname": socket.gethostname(), "os": uname.sysname.lower(), "kernel": uname.release,
         "arch": platform.machine(), "python_version": platform.python_version(), "plexd_version": __version__,
         "node_id": view.node_id(), "mesh_ip": view.mesh_ip(), "peer_count": (status.get("peers") or {}).get(
@@ -115,7 +116,7 @@ def _meminfo() -> dict[str, int]:
 async def health_check(view: NodeView, params: dict[str, str]) -> Output:
     status = await view.status()
     healthy = (status.get("health") or {}).get("status") == "healthy"
-    return _json(status, 0 if healthy else 1)
+    return json_output(status, 0 if healthy else 1)
 
 
 _RTT = re.compile(r"= ([\d.]+)/([\d.]+)/([\d.]+)/([\d.]+) ms")
@@ -153,21 +154,21 @@ async def collect(view: NodeView, params: dict[str, str]) -> Output:
         except Exception as exc:  # a diagnostics dump reports what it could not read
             doc[key] = {"error": str(exc) or type(exc).__name__}
     doc["config"] = view.config()
-    return _json(doc)
+    return json_output(doc)
 
 
 async def reconnect(view: NodeView, params: dict[str, str]) -> Output:
     doc = await view.reconnect()
-    return _json(doc, 0 if doc.get("ok") else 1)
+    return json_output(doc, 0 if doc.get("ok") else 1)
 
 
 async def config_dump(view: NodeView, params: dict[str, str]) -> Output:
-    return _json(view.config())
+    return json_output(view.config())
 
 
 async def reload_config(view: NodeView, params: dict[str, str]) -> Output:
     doc = await view.reload_config()
-    return _json(doc, 0 if not doc.get("error") else 1)
+    return json_output(doc, 0 if not doc.get("error") else 1)
 
 
 async def upgrade(view: NodeView, params: dict[str, str]) -> Output:

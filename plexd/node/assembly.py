@@ -69,7 +69,6 @@ from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler
-from plexd.upgrade import marker as upgrade_marker
 from plexd.upgrade.upgrader import Upgrader
 
 log = logging.getLogger(__name__)
@@ -340,7 +339,8 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     agent.reload_config = reloader.reload  # SIGHUP
     dispatcher = ActionDispatcher(cfg.actions, journal, outbox, hooks, _node_view(node, reloader), node_id,
                                   LocalAudit(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
-    pending = upgrade_marker.read(cfg.data_dir)  # its execution's result comes from the upgrader, not "interrupted"
+    # An upgrade's execution is finished by the upgrader once its outcome is known, not as "interrupted".
+    pending = node.upgrader.found if node.upgrader is not None else None
     recovered = dispatcher.recover(keep=frozenset({pending.execution_id} if pending else ()))
     if recovered:
         outbox.wake()

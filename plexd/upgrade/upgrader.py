@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import platform
@@ -34,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd import __version__
-from plexd.actions.builtins import Output
+from plexd.actions.builtins import Output, json_output
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.errors import PlexdError
 from plexd.integrity import sha256_file, zipapp_of
@@ -83,6 +82,8 @@ class Upgrader:
         self.healthy = healthy  # None when healthy, else what is still missing
         self.finish: Finish | None = None  # the action dispatcher's finish_deferred, set by the assembly
         self.installing = ""  # the version being installed
+        # The upgrade this start belongs to, read once: its execution's result is ours to send (see `run`).
+        self.found = markers.read(self.data_dir)
         self.last: dict[str, Any] | None = None  # the last outcome this daemon saw, for `plexd status`
 
     # -- install (the old daemon) -----------------------------------------------------------------------------
@@ -97,7 +98,7 @@ class Upgrader:
             what = self.installing or f"{pending.to_version} ({pending.state})"  # type: ignore[union-attr]
             return Output(1, "", f"an upgrade to plexd {what} is in progress; nothing installed\n")
         if checksum == self.agent.binary_checksum:
-            return _json({"status": "already running", "version": __version__, "binary_checksum": checksum})
+            return json_output({"status": "already running", "version": __version__, "binary_checksum": checksum})
         self.installing = version
         try:
             return await self._install(version, checksum, execution_id)
@@ -132,7 +133,7 @@ class Upgrader:
         doc = {"status": "installed", "from_version": __version__, "to_version": version, "release": str(path),
                "binary_checksum": checksum, "next": "restarting; the result follows once it is healthy, or after "
                "a rollback"}
-        return Output(0, json.dumps(doc, indent=2) + "\n", deferred=True)
+        return json_output(doc, deferred=True)
 
     async def _download(self, version: str, checksum: str) -> Path:
         part = self.releases.part_path(version, checksum)
@@ -183,7 +184,7 @@ class Upgrader:
 
     async def run(self) -> None:
         """Settle the upgrade this start belongs to, if any (a service that ends when that is done)."""
-        marker = markers.read(self.data_dir)
+        marker = self.found
         if marker is None:
             return
         own = self.agent.binary_checksum
@@ -212,20 +213,20 @@ class Upgrader:
         self.agent.restart(f"rolling back the upgrade to plexd {marker.to_version}")
 
     def _report(self, marker: markers.UpgradeMarker, *, healthy: bool) -> None:
-        doc = {"from_version": marker.from_version, "to_version": marker.to_version,
+        status = "upgraded" if healthy else "rolled back"
+        doc = {"status": status, "from_version": marker.from_version, "to_version": marker.to_version,
                "binary_checksum": self.agent.binary_checksum, "release": str(zipapp_of() or "installed package")}
         if healthy:
             log.info("upgraded from plexd %s to %s; healthy, checksum %s", marker.from_version, marker.to_version,
                      self.agent.binary_checksum, extra={"execution_id": marker.execution_id})
-            self.last = {"status": "upgraded", **doc, "at": time.time()}
-            stdout, stderr, code = json.dumps({"status": "upgraded", **doc}, indent=2) + "\n", "", 0
+            self.last, stderr = {**doc, "at": time.time()}, ""
         else:
             reason = marker.reason or "unknown"
-            self.last = {"status": "rolled back", "reason": reason, **doc, "at": time.time()}
-            stdout = json.dumps({"status": "rolled back", **doc}, indent=2) + "\n"
-            stderr, code = f"{reason}; rolled back to plexd {marker.from_version}\n", 1
+            self.last = {**doc, "reason": reason, "at": time.time()}
+            stderr = f"{reason}; rolled back to plexd {marker.from_version}\n"
         if self.finish is not None and marker.execution_id:
-            self.finish(marker.execution_id, code, stdout, stderr, self.last["status"])
+            output = json_output(doc, 0 if healthy else 1)
+            self.finish(marker.execution_id, output.exit_code, output.stdout, stderr, status)
         markers.remove(self.data_dir)
 
     def status(self) -> dict[str, Any]:
@@ -234,7 +235,3 @@ class Upgrader:
                 "installing": self.installing or None,
                 "pending": None if pending is None else {"to_version": pending.to_version, "state": pending.state},
                 "last": self.last}
-
-
-def _json(doc: dict[str, Any]) -> Output:
-    return Output(0, json.dumps(doc, indent=2) + "\n")
