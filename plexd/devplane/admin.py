@@ -25,6 +25,7 @@ from plexd.devplane.deployment import Deployment, valid_public_key
 from plexd.devplane.events import event_id
 from plexd.devplane.store import Node
 from plexd.devplane.wire import HTTPError, read_json
+from plexd.integrity import sha256_file
 from plexd.log import fingerprint
 
 log = logging.getLogger(__name__)
@@ -391,12 +392,12 @@ async def start_upgrade(request: Request) -> Response:
     if not checksum:
         stored = _artifacts_dir(request) / version / "linux"
         arch = _str(body, "arch", required=False)
-        files = [stored / _component(arch, "arch")] if arch else sorted(stored.glob("*")) if stored.is_dir() else []
-        files = [f for f in files if f.is_file()]
+        candidates = [stored / _component(arch, "arch")] if arch else sorted(stored.glob("*"))
+        files = [f for f in candidates if f.is_file()]
         if len(files) != 1:
             raise HTTPError(404 if not files else 400, f"no single artifact for plexd {version} under {stored} "
                             f"({len(files)} found); give arch or checksum")
-        checksum = hashlib.sha256(files[0].read_bytes()).hexdigest()
+        checksum = sha256_file(files[0])
     execution_id = dep.request_action(node, "service.upgrade", {"version": version, "checksum": checksum}, None,
                                       None)
     return JSONResponse({"execution_id": execution_id, "version": version, "checksum": checksum},
