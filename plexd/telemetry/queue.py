@@ -1,0 +1,192 @@
+"""The telemetry spool: one bounded, ordered, on-disk queue per stream (metrics, logs, audit) in one SQLite file
+(``data_dir/telemetry.db``, 0600, WAL).
+
+Why on disk and bounded in bytes: the Go agent keeps at most twice a batch in memory, so an outage of a few
+minutes loses data and a restart loses all of it. Here an outage of hours and any number of restarts lose
+nothing until a stream's byte cap is reached; then the *oldest* entries go first, and every such loss is counted
+(``dropped``, persisted) and handed to `on_drop` (a log line, a metric, a log entry for the control plane).
+
+Where a source stands (a journal cursor, a file's inode and offset) is stored in the same transaction as the
+entries read up to it, so a restart neither sends a line twice nor skips one.
+
+A write that fails (a full disk, an I/O error) loses only the entries of that write: they are counted as
+dropped, one log line says so when it starts and one when writes work again, and the daemon carries on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plexd.sqlitefile import open_or_start_empty
+
+log = logging.getLogger(__name__)
+
+STREAMS = ("metrics", "logs", "audit")
+MAX_BATCH_BYTES = 1 << 20  # one POST carries at most this much (a control plane's body limit is usually larger)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL, body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS entries_by_stream ON entries (stream, seq);
+CREATE TABLE IF NOT EXISTS streams (
+    stream TEXT PRIMARY KEY, bytes INTEGER NOT NULL DEFAULT 0, count INTEGER NOT NULL DEFAULT 0,
+    dropped INTEGER NOT NULL DEFAULT 0, dropped_bytes INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS positions (source TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+"""
+
+
+@dataclass(frozen=True)
+class Batch:
+    stream: str
+    last_seq: int
+    entries: list[dict[str, Any]]
+
+
+OnDrop = Callable[[str, int, int, str], None]  # stream, entries, bytes, why ("full" or the write error)
+
+
+class TelemetryQueue:
+    def __init__(self, path: str | Path, caps: Mapping[str, int], *, on_drop: OnDrop | None = None) -> None:
+        self.path = Path(path)
+        self.caps = dict(caps)
+        self.on_drop = on_drop or (lambda *_: None)
+        self._unwritable: dict[str, int] = {}  # stream → entries lost since writes started failing
+        self._sent_upto: dict[str, int] = {}  # delivered even if the delete failed (a full disk): not sent twice
+        self._db = open_or_start_empty(self.path, self._connect, "telemetry queue",
+                                       "telemetry collected before this start is lost")
+
+    def _connect(self) -> sqlite3.Connection:
+        self.path.touch(mode=0o600, exist_ok=True)
+        self.path.chmod(0o600)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")  # a process crash loses nothing committed; power loss may
+        db.executescript(_SCHEMA)
+        db.execute("SELECT count(*) FROM entries").fetchone()  # a garbage file fails here, not later
+        for stream in STREAMS:
+            db.execute("INSERT OR IGNORE INTO streams(stream) VALUES(?)", (stream,))
+        return db
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- writing ------------------------------------------------------------------------------------------------
+
+    def append(self, stream: str, entries: Iterable[Mapping[str, Any]], *,
+               position: tuple[str, Any] | None = None) -> bool:
+        """Queue `entries` (and, in the same transaction, move `position` = (source, value)); drop the oldest
+        past the stream's cap. False when the write failed (the entries are counted as dropped)."""
+        rows = [(stream, len(text), text) for text in map(_encode, entries)]
+        if not rows and position is None:
+            return True
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany("INSERT INTO entries(stream, size, body) VALUES(?,?,?)", rows)
+                self._db.execute("UPDATE streams SET bytes = bytes + ?, count = count + ? WHERE stream=?",
+                                 (sum(r[1] for r in rows), len(rows), stream))
+                if position is not None:
+                    self._db.execute("INSERT OR REPLACE INTO positions(source, value) VALUES(?,?)",
+                                     (position[0], json.dumps(position[1])))
+                dropped = self._trim(stream)
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:  # SQLite has already rolled back after SQLITE_FULL
+                    self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            self._write_failed(stream, len(rows), exc)
+            return False
+        self._write_worked(stream)
+        if dropped[0]:
+            self.on_drop(stream, dropped[0], dropped[1], "full")
+        return True
+
+    def _trim(self, stream: str) -> tuple[int, int]:
+        """Delete the oldest entries until the stream fits its cap; (entries, bytes) deleted."""
+        total, _ = self._db.execute("SELECT bytes, count FROM streams WHERE stream=?", (stream,)).fetchone()
+        excess = total - self.caps.get(stream, total)
+        if excess <= 0:
+            return 0, 0
+        freed, count, last = 0, 0, None
+        for seq, size in self._db.execute("SELECT seq, size FROM entries WHERE stream=? ORDER BY seq", (stream,)):
+            freed, count, last = freed + size, count + 1, seq
+            if freed >= excess:
+                break
+        self._db.execute("DELETE FROM entries WHERE stream=? AND seq<=?", (stream, last))
+        self._db.execute("UPDATE streams SET bytes = bytes - ?, count = count - ?, dropped = dropped + ?, "
+                         "dropped_bytes = dropped_bytes + ? WHERE stream=?", (freed, count, count, freed, stream))
+        return count, freed
+
+    def _write_failed(self, stream: str, count: int, exc: sqlite3.Error) -> None:
+        first = stream not in self._unwritable
+        self._unwritable[stream] = self._unwritable.get(stream, 0) + count
+        if first:
+            log.error("telemetry queue %s cannot be written (%s): %s entries lost, and every %s entry until it "
+                      "can be; the mesh is not affected", self.path, exc, count, stream)
+        self.on_drop(stream, count, 0, f"unwritable: {exc}")
+
+    def _write_worked(self, stream: str) -> None:
+        lost = self._unwritable.pop(stream, None)
+        if lost is None:
+            return
+        log.warning("telemetry queue %s writable again; %d %s entries were lost while it was not", self.path, lost,
+                    stream)
+        try:
+            self._db.execute("UPDATE streams SET dropped = dropped + ? WHERE stream=?", (lost, stream))
+        except sqlite3.Error:
+            pass
+
+    # -- reading ------------------------------------------------------------------------------------------------
+
+    def batch(self, stream: str, limit: int, max_bytes: int = MAX_BATCH_BYTES) -> Batch | None:
+        """The oldest entries of `stream`: at most `limit`, and at most `max_bytes` unless one entry is larger."""
+        entries, size, last = [], 0, 0
+        for seq, length, body in self._db.execute(
+                "SELECT seq, size, body FROM entries WHERE stream=? AND seq>? ORDER BY seq LIMIT ?",
+                (stream, self._sent_upto.get(stream, 0), limit)):
+            if entries and size + length > max_bytes:
+                break
+            entries.append(json.loads(body))
+            size, last = size + length, seq
+        return Batch(stream, last, entries) if entries else None
+
+    def delivered(self, batch: Batch) -> None:
+        """The control plane took `batch`: forget it."""
+        self._sent_upto[batch.stream] = max(batch.last_seq, self._sent_upto.get(batch.stream, 0))
+        with_size = self._db.execute("SELECT coalesce(sum(size), 0), count(*) FROM entries WHERE stream=? AND "
+                                     "seq<=?", (batch.stream, batch.last_seq)).fetchone()
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM entries WHERE stream=? AND seq<=?", (batch.stream, batch.last_seq))
+                self._db.execute("UPDATE streams SET bytes = bytes - ?, count = count - ? WHERE stream=?",
+                                 (*with_size, batch.stream))
+                self._db.execute("COMMIT")
+            except BaseException:
+                if self._db.in_transaction:  # SQLite has already rolled back after SQLITE_FULL
+                    self._db.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:  # skipped by batch(); deleted with the next delivered batch
+            log.debug("telemetry queue %s: cannot delete a delivered %s batch yet: %s", self.path, batch.stream,
+                      exc)
+
+    def position(self, source: str) -> Any:
+        row = self._db.execute("SELECT value FROM positions WHERE source=?", (source,)).fetchone()
+        return json.loads(row[0]) if row else None
+
+    def status(self, stream: str) -> dict[str, int]:
+        nbytes, count, dropped, dropped_bytes = self._db.execute(
+            "SELECT bytes, count, dropped, dropped_bytes FROM streams WHERE stream=?", (stream,)).fetchone()
+        return {"pending": count, "bytes": nbytes, "dropped": dropped + self._unwritable.get(stream, 0),
+                "dropped_bytes": dropped_bytes, "cap_bytes": self.caps.get(stream, 0)}
+
+
+def _encode(entry: Mapping[str, Any]) -> str:
+    return json.dumps(entry, ensure_ascii=False, separators=(",", ":"))

@@ -1,0 +1,213 @@
+"""Telemetry for the control plane: three streams, each a collector that queues on disk and a shipper that
+drains the queue (plexd-protocol.md §1.14 shapes, §6 intervals, all configurable under ``telemetry``).
+
+    metrics  every collect_interval: system (/proc, statvfs), tunnel per peer on the live device, latency per
+             peer (ICMP over the mesh, -1 when unanswered)             → POST /metrics every report_interval
+    logs     the journal (journalctl, cursor kept) or log files (followed across rotation)  → POST /logs
+    audit    auditd's log (records joined by serial) and the local actions audit log       → POST /audit
+
+Each stream is one supervised service (``telemetry_metrics``, ``telemetry_logs``, ``telemetry_audit``): a bug or a
+bad input in one restarts that stream only, and none of them touches the mesh. When a queue's byte cap drops
+entries, the count goes to the log (at most a line a minute per stream), to ``plexd status`` and the Prometheus
+endpoint, and — as a ``warning`` entry from ``plexd`` — to the control plane with the next logs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from plexd import datadir
+from plexd.config import TelemetryConfig
+from plexd.gojson import format_time, format_unix
+from plexd.mesh.wireguard import DeviceConfig
+from plexd.model import Peer
+from plexd.telemetry.auditd import AuditLog, local_action_entry
+from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
+from plexd.telemetry.ping import ProbeUnavailable, round_trips
+from plexd.telemetry.queue import STREAMS, TelemetryQueue
+from plexd.telemetry.shipper import Send, Shipper
+from plexd.telemetry.system import SystemSampler
+from plexd.telemetry.tail import FileTail
+
+log = logging.getLogger(__name__)
+
+STALE_HANDSHAKE = 300.0  # §1.14: handshake_stale when older than 5 min
+GO_ZERO_TIME = "0001-01-01T00:00:00Z"
+DROP_LOG_EVERY = 60.0
+
+
+def _now() -> str:
+    return format_time(datetime.now(UTC))
+
+
+def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfig | None,
+                  peers: Mapping[str, Peer], rtts: Mapping[str, int], now: float) -> list[dict[str, Any]]:
+    points: list[dict[str, Any]] = []
+    if system is not None:
+        points.append({"timestamp": stamp, "group": "system", "data": system})
+    on_device = device.peers if device is not None else {}
+    for peer_id, peer in peers.items():
+        live = on_device.get(peer.public_key)
+        if live is None:
+            continue
+        handshake = live.last_handshake
+        points.append({"timestamp": stamp, "group": "tunnel", "peer_id": peer_id, "data": {
+            "peer_id": peer_id, "last_handshake_time": format_unix(handshake) if handshake else GO_ZERO_TIME,
+            "rx_bytes": live.rx, "tx_bytes": live.tx, "handshake_succeeded": handshake > 0,
+            "handshake_stale": now - handshake > STALE_HANDSHAKE}})
+    for peer_id, rtt in rtts.items():
+        points.append({"timestamp": stamp, "group": "latency", "peer_id": peer_id,
+                       "data": {"peer_id": peer_id, "rtt_nano": rtt}})
+    return points
+
+
+class Telemetry:
+    def __init__(self, cfg: TelemetryConfig, data_dir: str, hostname: str, send: Callable[[str], Send], *,
+                 observe_device: Callable[[], Awaitable[DeviceConfig | None]],
+                 desired_peers: Callable[[], Mapping[str, Peer]], local_audit: str = "") -> None:
+        self.cfg, self.hostname = cfg, hostname
+        self.observe_device, self.desired_peers = observe_device, desired_peers
+        self.local_audit = local_audit
+        caps = {"metrics": cfg.metrics.queue_max_bytes, "logs": cfg.logs.queue_max_bytes,
+                "audit": cfg.audit.queue_max_bytes}
+        self.queue = TelemetryQueue(Path(cfg.queue_dir or data_dir) / datadir.TELEMETRY_DB, caps, on_drop=self._dropped)
+        stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
+        self.shippers = {name: Shipper(self.queue, name, send(name), batch_size=c.batch_size,
+                                       interval=c.report_interval) for name, c in stream_cfg.items()}
+        self.enabled = [name for name in STREAMS if stream_cfg[name].enabled]
+        self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
+        self._notices: dict[str, int] = {}  # stream → entries dropped "full", for the next logs entry
+        self.system = SystemSampler()
+        self._probe_problem = ""
+
+    # -- the services -------------------------------------------------------------------------------------------
+
+    def services(self) -> dict[str, Callable[[], Awaitable[None]]]:
+        runs = {"metrics": self.run_metrics, "logs": self.run_logs, "audit": self.run_audit}
+        return {f"telemetry_{name}": runs[name] for name in self.enabled}
+
+    async def run_metrics(self) -> None:
+        async def collect() -> None:
+            await self.collect_metrics()
+
+        await self._stream("metrics", self.cfg.metrics.collect_interval, collect)
+
+    async def run_logs(self) -> None:
+        cfg = self.cfg.logs
+        use_journal = cfg.source == "journal" or (cfg.source == "auto" and (journald_running() or cfg.journal_dir))
+        source: FileLogs | JournalLogs
+        extra: list[Awaitable[None]] = []
+        if use_journal:
+            source = JournalLogs(self.queue.position(JournalLogs.SOURCE), self.hostname, units=cfg.units,
+                                 priority=cfg.priority, directory=cfg.journal_dir)
+            extra.append(source.run())
+        else:
+            saved = {f"file:{p}": self.queue.position(f"file:{p}") for p in cfg.files}
+            source = FileLogs(cfg.files, saved, self.hostname)
+            if not cfg.files:
+                log.info("logs: journald is not running and telemetry.logs.files is empty: only plexd's own "
+                         "notices are forwarded")
+
+        async def collect() -> None:
+            self._queue_notices()
+            for entries, position in source.collect():
+                self.queue.append("logs", entries, position=position)
+
+        await self._stream("logs", cfg.collect_interval, collect, *extra)
+
+    async def run_audit(self) -> None:
+        cfg = self.cfg.audit
+        auditd = AuditLog(cfg.file, self.queue.position("auditd:" + cfg.file), self.hostname) if cfg.file else None
+        local = None
+        if cfg.local_actions and self.local_audit:
+            local = FileTail(self.local_audit, self.queue.position("local-actions"), what="local actions audit log")
+
+        async def collect() -> None:
+            if auditd is not None:
+                entries, position = auditd.collect()
+                if entries or position is not None:
+                    self.queue.append("audit", entries,
+                                      position=(auditd.source, position) if position is not None else None)
+            if local is not None and (lines := local.read()):
+                entries = [e for line in lines if (e := local_action_entry(line.text, self.hostname))]
+                self.queue.append("audit", entries, position=("local-actions", lines[-1].position))
+
+        await self._stream("audit", cfg.collect_interval, collect)
+
+    async def _stream(self, name: str, interval: float, collect: Callable[[], Awaitable[None]],
+                      *extra: Awaitable[None]) -> None:
+        async def collecting() -> None:
+            while True:
+                await collect()
+                await asyncio.sleep(interval)
+
+        async with asyncio.TaskGroup() as group:
+            for job in (collecting(), self.shippers[name].run(), *extra):
+                group.create_task(job)
+
+    # -- metrics ------------------------------------------------------------------------------------------------
+
+    async def collect_metrics(self) -> None:
+        try:
+            system = await asyncio.to_thread(self.system.sample)
+        except (OSError, ValueError, IndexError) as exc:
+            log.warning("metrics: cannot read system figures: %s", exc)
+            system = None
+        device = await self.observe_device()
+        peers = dict(self.desired_peers())
+        rtts = await self._latency(peers)
+        points = metric_points(_now(), system, device, peers, rtts, time.time())
+        self.queue.append("metrics", points)
+
+    async def _latency(self, peers: Mapping[str, Peer]) -> dict[str, int]:
+        targets = {peer_id: peer.mesh_ip for peer_id, peer in peers.items() if peer.mesh_ip}
+        try:
+            rtts = await round_trips(targets, self.cfg.metrics.latency_timeout)
+        except ProbeUnavailable as exc:
+            if str(exc) != self._probe_problem:
+                log.warning("metrics: latency cannot be measured: %s; reported as -1", exc)
+                self._probe_problem = str(exc)
+            return dict.fromkeys(targets, -1)
+        return rtts
+
+    # -- losses -------------------------------------------------------------------------------------------------
+
+    def _dropped(self, stream: str, count: int, nbytes: int, why: str) -> None:
+        if why == "full":
+            self._notices[stream] = self._notices.get(stream, 0) + count
+            pending = self._drops.setdefault(stream, [0, 0.0])
+            pending[0] += count
+            if time.monotonic() - pending[1] >= DROP_LOG_EVERY:
+                total = self.queue.status(stream)["dropped"]
+                log.warning("telemetry: %s queue full (%d bytes): dropped the %d oldest entries (%d in all); "
+                            "raise telemetry.%s.queue_max_bytes to keep more through an outage", stream,
+                            self.queue.caps[stream], pending[0], total, stream)
+                pending[:] = [0, time.monotonic()]
+
+    def _queue_notices(self) -> None:
+        """Tell the control plane what the caps dropped, in the logs it reads anyway."""
+        notices, self._notices = self._notices, {}
+        entries = [{"timestamp": _now(), "source": "plexd", "unit": "plexd", "severity": "warning",
+                    "hostname": self.hostname,
+                    "message": f"telemetry {stream} queue full: the {count} oldest entries were dropped"}
+                   for stream, count in notices.items()]
+        if entries:
+            self.queue.append("logs", entries)
+
+    def status(self) -> dict[str, Any]:
+        return {name: {**self.shippers[name].status(), "enabled": name in self.enabled} for name in STREAMS}
+
+
+def send_for(post: Callable[[str, Sequence[dict[str, Any]]], Awaitable[None]]) -> Callable[[str], Send]:
+    """A stream's Send from one `post(stream, entries)`."""
+    def for_stream(stream: str) -> Send:
+        async def send(entries: Sequence[dict[str, Any]]) -> None:
+            await post(stream, entries)
+        return send
+    return for_stream

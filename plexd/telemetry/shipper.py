@@ -1,0 +1,89 @@
+"""Sends one telemetry stream's queue to the control plane, oldest first, one batch per POST.
+
+Every report interval the whole queue is drained, batch after batch. A transient failure (network, 5xx, 429)
+keeps the batch at the head and retries it with jittered exponential backoff capped at the report interval, so
+a control plane that comes back gets the backlog within about one interval, and a fleet's retries spread out.
+A batch the control plane refuses for good (400, 404, 413, 422) is dropped with one log line, so it cannot
+block the stream forever.
+
+Quiet by design: an outage is one warning when it starts and one info line when the backlog is delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from plexd.backoff import Backoff
+from plexd.controlplane.errors import ControlPlaneError
+from plexd.telemetry.queue import TelemetryQueue
+
+log = logging.getLogger(__name__)
+
+REFUSED = (400, 404, 409, 410, 413, 422)
+Send = Callable[[Sequence[dict[str, Any]]], Awaitable[None]]
+
+
+class Shipper:
+    def __init__(self, queue: TelemetryQueue, stream: str, send: Send, *, batch_size: int, interval: float,
+                 backoff: Backoff | None = None) -> None:
+        self.queue, self.stream, self._send = queue, stream, send
+        self.batch_size, self.interval = batch_size, interval
+        self.backoff = backoff or Backoff(base=min(1.0, interval), cap=interval)
+        self.sent_entries = 0
+        self.refused_entries = 0
+        self.last_error = ""
+        self.failing_since: float | None = None
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        """Drain now rather than at the next tick (shutdown, tests)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            delay = await self.drain()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.interval if delay is None else delay)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    async def drain(self) -> float | None:
+        """Send until the queue is empty (None) or a transient failure (the jittered delay before a retry)."""
+        while (batch := self.queue.batch(self.stream, self.batch_size)) is not None:
+            try:
+                await self._send(batch.entries)
+            except ControlPlaneError as exc:
+                if exc.status not in REFUSED:
+                    return self._failed(exc)
+                self.refused_entries += len(batch.entries)
+                log.warning("%s batch of %d entries refused by the control plane: %s; dropped", self.stream,
+                            len(batch.entries), exc)
+            else:
+                self.sent_entries += len(batch.entries)
+                self._recovered()
+            self.queue.delivered(batch)
+        return None
+
+    def _failed(self, exc: ControlPlaneError) -> float:
+        self.last_error = str(exc)
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+            pending = self.queue.status(self.stream)["pending"]
+            log.warning("%s not delivered: %s; %d entries kept on disk, retrying", self.stream, exc, pending)
+        return self.backoff.next_delay()
+
+    def _recovered(self) -> None:
+        self.backoff.reset()
+        if self.failing_since is not None:
+            log.info("%s delivered again after %.0fs", self.stream, time.monotonic() - self.failing_since)
+            self.failing_since = None
+            self.last_error = ""
+
+    def status(self) -> dict[str, Any]:
+        return {**self.queue.status(self.stream), "sent": self.sent_entries, "refused": self.refused_entries,
+                "last_error": self.last_error}
