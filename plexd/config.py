@@ -32,6 +32,14 @@ README (PROJECT-DECISIONS.md, Config row)::
     policy: {enabled: true}
     metrics: {enabled: false, listen: "127.0.0.1:9586"}   # Prometheus text format at GET /metrics
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864}   # service.upgrade
+    telemetry:                            # reported upstream through an on-disk queue (plexd.telemetry)
+      queue_dir: ""                       # telemetry.db's directory; empty: data_dir
+      metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 100,
+                queue_max_bytes: 33554432, latency_timeout: 2s}
+      logs: {enabled: true, source: auto, files: [], units: [], priority: info, journal_dir: "",
+             collect_interval: 10s, report_interval: 30s, batch_size: 200, queue_max_bytes: 67108864}
+      audit: {enabled: true, file: /var/log/audit/audit.log, local_actions: true, collect_interval: 5s,
+              report_interval: 15s, batch_size: 500, queue_max_bytes: 67108864}
 
 Durations use Go syntax (``30s``, ``1m30s``, ``150ms``) and are stored as float seconds.
 
@@ -217,6 +225,57 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class TelemetryMetricsConfig:
+    """Metrics for the control plane (POST /metrics): system, per-peer tunnel and latency (plexd.telemetry)."""
+
+    enabled: bool = _f(True)
+    collect_interval: float = _f(15.0, "duration", min=0.1)
+    report_interval: float = _f(60.0, "duration", min=0.1)
+    batch_size: int = _f(100, min=1, max=10_000)
+    queue_max_bytes: int = _f(32 << 20, min=1 << 12, max=1 << 34)  # the oldest entries go first past this
+    latency_timeout: float = _f(2.0, "duration", min=0.05, max=30)
+
+
+@dataclass(frozen=True)
+class TelemetryLogsConfig:
+    """Log forwarding (POST /logs): the journal when journald runs, else the listed files."""
+
+    enabled: bool = _f(True)
+    source: str = _f("auto", choices=("auto", "journal", "files"))
+    files: tuple[str, ...] = _f((), "list")
+    units: tuple[str, ...] = _f((), "list")  # journal only; empty: every unit
+    priority: str = _f("info", choices=("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug"))
+    journal_dir: str = _f("")  # journalctl --directory: a journal other than the system's
+    collect_interval: float = _f(10.0, "duration", min=0.1)
+    report_interval: float = _f(30.0, "duration", min=0.1)
+    batch_size: int = _f(200, min=1, max=10_000)
+    queue_max_bytes: int = _f(64 << 20, min=1 << 12, max=1 << 34)
+
+
+@dataclass(frozen=True)
+class TelemetryAuditConfig:
+    """Audit forwarding (POST /audit): auditd's log and the local actions audit log."""
+
+    enabled: bool = _f(True)
+    file: str = _f("/var/log/audit/audit.log")  # empty: auditd is not read
+    local_actions: bool = _f(True)
+    collect_interval: float = _f(5.0, "duration", min=0.1)
+    report_interval: float = _f(15.0, "duration", min=0.1)
+    batch_size: int = _f(500, min=1, max=10_000)
+    queue_max_bytes: int = _f(64 << 20, min=1 << 12, max=1 << 34)
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """What is reported upstream, and the on-disk queue that carries it through outages (plexd.telemetry)."""
+
+    queue_dir: str = _f("")  # where telemetry.db lives; empty: data_dir
+    metrics: TelemetryMetricsConfig = field(default_factory=TelemetryMetricsConfig)
+    logs: TelemetryLogsConfig = field(default_factory=TelemetryLogsConfig)
+    audit: TelemetryAuditConfig = field(default_factory=TelemetryAuditConfig)
+
+
+@dataclass(frozen=True)
 class UpgradeConfig:
     """Self-upgrade (plexd.upgrade): where release zipapps live, and how long a new one has to prove healthy."""
 
@@ -257,6 +316,7 @@ class Config:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     upgrade: UpgradeConfig = field(default_factory=UpgradeConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     # Where each leaf came from ("default", "file /etc/plexd/config.yaml", "env PLEXD_API", "flag --api").
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     config_file: str | None = field(default=None, compare=False)

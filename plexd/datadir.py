@@ -10,6 +10,8 @@
                                      WAL, committed together; see plexd.controlplane.ledger)
     actions.db                 0600  the action journal (exactly-once) and the outbox of acks, results and
                                      integrity violations not yet delivered (SQLite; see plexd.actions.journal)
+    telemetry.db               0600  metrics, logs and audit not yet delivered, and where each source was read up
+                                     to (SQLite, WAL; plexd.telemetry.queue; telemetry.queue_dir may move it)
     actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
     deregistered               0600  when the node last deregistered; its next start rejoins with the node secret
                                      first and removes it (plexd.node.departure)
@@ -29,6 +31,7 @@ SIGNING_KEY = "signing_public_key"
 EVENT_LEDGER = "events.db"
 ACTIONS_DB = "actions.db"
 LOCAL_AUDIT = "actions/local-audit.log"
+TELEMETRY_DB = "telemetry.db"
 DEPARTED = "deregistered"
 UPGRADE = "upgrade.json"
 NONCES = "nonces.json"  # before events.db: imported once, then removed

@@ -14,6 +14,8 @@
            actions     action_request → validate, ack, run (plexd.actions); its outbox delivers acks, results
                        and integrity violations; hooks are watched and re-announced (services "hooks",
                        "capabilities", "action_outbox"); running actions are drained at shutdown
+           telemetry   metrics, logs and audit → an on-disk queue per stream → POST /metrics, /logs, /audit
+                       (plexd.telemetry; services "telemetry_metrics", "telemetry_logs", "telemetry_audit")
 
 Every service is added to the agent by name and runs under its supervisor. Tests build a Node with their own
 parts through the keyword arguments of `assemble` (a recording converger, say) rather than by patching.
@@ -69,6 +71,7 @@ from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler
+from plexd.telemetry.service import Telemetry, send_for
 from plexd.upgrade.upgrader import Upgrader
 
 log = logging.getLogger(__name__)
@@ -98,6 +101,7 @@ class Node:
     actions: ActionDispatcher | None = None
     metrics: Any = None  # plexd.node.metrics.MetricsEndpoint when config metrics.enabled
     upgrader: Upgrader | None = None
+    telemetry: Telemetry | None = None
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
@@ -218,6 +222,10 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("report_sync", lambda a: report_sync.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
+    node.telemetry = _build_telemetry(node, node_id)
+    for name, run in node.telemetry.services().items():
+        agent.add_service(name, lambda a, run=run: run())
+    agent.on_shutdown("telemetry queue", lambda a: _close_telemetry(node.telemetry), phase="final")
     if cfg.metrics.enabled:
         from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
 
@@ -309,6 +317,31 @@ def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStor
     if count:
         log.info("%d report entries loaded from %s", count, reports.dir)
     return reports, sync
+
+
+def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
+    """Metrics, logs and audit for the control plane, queued on disk (plexd.telemetry)."""
+    agent, cfg = node.agent, node.agent.config
+    posts = {"metrics": agent.client.send_metrics, "logs": agent.client.send_logs, "audit": agent.client.send_audit}
+
+    async def post(stream: str, entries: Any) -> None:
+        await agent.authed(lambda: posts[stream](node_id(), entries))
+
+    async def observe_device() -> Any:
+        try:
+            return await node.mesh.converger.wireguard.observe()
+        except PlexdError as exc:
+            log.debug("telemetry: cannot read the device: %s", exc)
+            return None
+
+    return Telemetry(cfg.telemetry, cfg.data_dir, agent.registrar.hostname(), send_for(post),
+                     observe_device=observe_device, desired_peers=lambda: node.mesh.get_desired().peers,
+                     local_audit=str(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
+
+
+async def _close_telemetry(telemetry: Telemetry | None) -> None:
+    if telemetry is not None:
+        telemetry.queue.close()
 
 
 def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:

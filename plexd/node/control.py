@@ -135,6 +135,7 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["metrics"] = None if m is None else {"listen": f"{m.host}:{m.port}", "scrapes": m.scrapes}
     doc["upgrade"] = node.upgrader.status() if node.upgrader is not None else None
     doc["actions"] = node.actions.status() if node.actions is not None else None
+    doc["telemetry"] = node.telemetry.status() if node.telemetry is not None else None
     doc["services"] = agent.supervisor.to_json()
     return doc
 

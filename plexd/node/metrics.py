@@ -12,7 +12,8 @@ pays for metrics nobody scrapes. Only the converge durations are observed as the
     plexd_corrections_total{type}                          drift corrected by the converge, by correction type
     plexd_converge_duration_seconds{kind}                  histogram; kind: full (reconcile) or events (deltas)
     plexd_heartbeats_sent_total / plexd_heartbeat_failures_total / plexd_heartbeat_consecutive_failures
-    plexd_queue_depth{queue} / plexd_queue_dropped_total{queue}   actions_outbox, node_api_reports
+    plexd_queue_depth{queue} / plexd_queue_dropped_total{queue}   actions_outbox, node_api_reports,
+                                                           telemetry_metrics, telemetry_logs, telemetry_audit
     plexd_policy_enforced                                  1 enforced, 0 degraded or disabled
     plexd_peers_desired
     plexd_peer_last_handshake_age_seconds{peer}            +Inf before the first handshake
@@ -103,6 +104,10 @@ class NodeCollector:
             sync = self.node.report_sync.status()
             depth.add_metric(["node_api_reports"], sync["pending"])
             dropped.add_metric(["node_api_reports"], sync["dropped_batches"])
+        if self.node.telemetry is not None:
+            for stream, status in self.node.telemetry.status().items():
+                depth.add_metric([f"telemetry_{stream}"], status["pending"])
+                dropped.add_metric([f"telemetry_{stream}"], status["dropped"])
         yield depth
         yield dropped
 
