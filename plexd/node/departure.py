@@ -74,6 +74,12 @@ def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepRepo
             report.failed.append(f"could not remove {data_dir}: {exc.strerror or exc}")
     else:
         report.skipped.append(f"{data_dir} does not exist")
+    queue_dir = config.telemetry.queue_dir
+    if queue_dir:  # telemetry.db kept outside data_dir
+        base = os.path.join(queue_dir, datadir.TELEMETRY_DB)
+        removed = [p for p in (base, base + "-wal", base + "-shm") if _unlink(p)]
+        if removed:
+            report.done.append(f"removed the telemetry queue {base}")
     token_file = config.token.file
     if token_file:
         try:
@@ -90,6 +96,14 @@ def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepRepo
     else:
         report.done.append("disabled and stopped plexd.service")
     return report
+
+
+def _unlink(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except OSError:
+        return False
+    return True
 
 
 DAEMON_WAIT = 60.0  # the daemon's stop budget (34 s) and the answer's way back

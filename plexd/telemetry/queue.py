@@ -36,7 +36,8 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE INDEX IF NOT EXISTS entries_by_stream ON entries (stream, seq);
 CREATE TABLE IF NOT EXISTS streams (
     stream TEXT PRIMARY KEY, bytes INTEGER NOT NULL DEFAULT 0, count INTEGER NOT NULL DEFAULT 0,
-    dropped INTEGER NOT NULL DEFAULT 0, dropped_bytes INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
+    dropped INTEGER NOT NULL DEFAULT 0, dropped_bytes INTEGER NOT NULL DEFAULT 0,
+    reported INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS positions (source TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
 """
 
@@ -176,6 +177,19 @@ class TelemetryQueue:
         except sqlite3.Error as exc:  # skipped by batch(); deleted with the next delivered batch
             log.debug("telemetry queue %s: cannot delete a delivered %s batch yet: %s", self.path, batch.stream,
                       exc)
+
+    def unreported_drops(self) -> dict[str, int]:
+        """Per stream, entries dropped (cap or unwritable) that the control plane has not been told of."""
+        rows = self._db.execute("SELECT stream, dropped, reported FROM streams")
+        out = {stream: dropped - reported + self._unwritable.get(stream, 0) for stream, dropped, reported in rows}
+        return {stream: count for stream, count in out.items() if count > 0}
+
+    def drops_reported(self, counts: dict[str, int]) -> None:
+        try:
+            self._db.executemany("UPDATE streams SET reported = reported + ? WHERE stream=?",
+                                 [(count, stream) for stream, count in counts.items()])
+        except sqlite3.Error as exc:  # told again next time: a repeated notice, never a silent loss
+            log.debug("telemetry queue %s: cannot record a reported drop: %s", self.path, exc)
 
     def position(self, source: str) -> Any:
         row = self._db.execute("SELECT value FROM positions WHERE source=?", (source,)).fetchone()

@@ -9,7 +9,8 @@ drains the queue (plexd-protocol.md §1.14 shapes, §6 intervals, all configurab
 Each stream is one supervised service (``telemetry_metrics``, ``telemetry_logs``, ``telemetry_audit``): a bug or a
 bad input in one restarts that stream only, and none of them touches the mesh. When a queue's byte cap drops
 entries, the count goes to the log (at most a line a minute per stream), to ``plexd status`` and the Prometheus
-endpoint, and — as a ``warning`` entry from ``plexd`` — to the control plane with the next logs.
+endpoint, and — as one ``warning`` entry from ``plexd`` with the count — to the control plane ahead of the
+next logs batch.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ class Telemetry:
         stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
         self.shippers = {name: Shipper(self.queue, name, send(name), batch_size=c.batch_size,
                                        interval=c.report_interval) for name, c in stream_cfg.items()}
+        self.shippers["logs"].preface = self._drop_notices
         self.enabled = [name for name in STREAMS if stream_cfg[name].enabled]
         self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
-        self._notices: dict[str, int] = {}  # stream → entries dropped "full", for the next logs entry
         self.system = SystemSampler()
         self._probe_problem = ""
 
@@ -115,7 +116,6 @@ class Telemetry:
                          "notices are forwarded")
 
         async def collect() -> None:
-            self._queue_notices()
             for entries, position in source.collect():
                 self.queue.append("logs", entries, position=position)
 
@@ -143,9 +143,12 @@ class Telemetry:
     async def _stream(self, name: str, interval: float, collect: Callable[[], Awaitable[None]],
                       *extra: Awaitable[None]) -> None:
         async def collecting() -> None:
-            while True:
+            loop = asyncio.get_running_loop()
+            due = loop.time()
+            while True:  # on a fixed cadence: a slow collection does not stretch the interval
                 await collect()
-                await asyncio.sleep(interval)
+                due = max(due + interval, loop.time())
+                await asyncio.sleep(due - loop.time())
 
         async with asyncio.TaskGroup() as group:
             for job in (collecting(), self.shippers[name].run(), *extra):
@@ -168,7 +171,9 @@ class Telemetry:
     async def _latency(self, peers: Mapping[str, Peer]) -> dict[str, int]:
         targets = {peer_id: peer.mesh_ip for peer_id, peer in peers.items() if peer.mesh_ip}
         try:
-            rtts = await round_trips(targets, self.cfg.metrics.latency_timeout)
+            # answers later than most of an interval would make the next collection late
+            timeout = min(self.cfg.metrics.latency_timeout, 0.8 * self.cfg.metrics.collect_interval)
+            rtts = await round_trips(targets, timeout)
         except ProbeUnavailable as exc:
             if str(exc) != self._probe_problem:
                 log.warning("metrics: latency cannot be measured: %s; reported as -1", exc)
@@ -180,7 +185,6 @@ class Telemetry:
 
     def _dropped(self, stream: str, count: int, nbytes: int, why: str) -> None:
         if why == "full":
-            self._notices[stream] = self._notices.get(stream, 0) + count
             pending = self._drops.setdefault(stream, [0, 0.0])
             pending[0] += count
             if time.monotonic() - pending[1] >= DROP_LOG_EVERY:
@@ -190,15 +194,16 @@ class Telemetry:
                             self.queue.caps[stream], pending[0], total, stream)
                 pending[:] = [0, time.monotonic()]
 
-    def _queue_notices(self) -> None:
-        """Tell the control plane what the caps dropped, in the logs it reads anyway."""
-        notices, self._notices = self._notices, {}
+    def _drop_notices(self) -> tuple[list[dict[str, Any]], Callable[[], None]]:
+        """One ``warning`` log entry per stream that lost entries since the control plane was last told, sent
+        ahead of the next logs batch (not queued: a full queue would drop its own notice)."""
+        counts = self.queue.unreported_drops()
         entries = [{"timestamp": _now(), "source": "plexd", "unit": "plexd", "severity": "warning",
                     "hostname": self.hostname,
-                    "message": f"telemetry {stream} queue full: the {count} oldest entries were dropped"}
-                   for stream, count in notices.items()]
-        if entries:
-            self.queue.append("logs", entries)
+                    "message": f"telemetry {stream} queue: {count} entries dropped (the oldest, past "
+                               f"telemetry.{stream}.queue_max_bytes, or unwritable)"}
+                   for stream, count in sorted(counts.items())]
+        return entries, lambda: self.queue.drops_reported(counts)
 
     def status(self) -> dict[str, Any]:
         return {name: {**self.shippers[name].status(), "enabled": name in self.enabled} for name in STREAMS}

@@ -25,12 +25,15 @@ log = logging.getLogger(__name__)
 
 REFUSED = (400, 404, 409, 410, 413, 422)
 Send = Callable[[Sequence[dict[str, Any]]], Awaitable[None]]
+# Entries to send ahead of the queue's (not stored in it), and what to call once they were taken.
+Preface = Callable[[], tuple[list[dict[str, Any]], Callable[[], None]]]
 
 
 class Shipper:
     def __init__(self, queue: TelemetryQueue, stream: str, send: Send, *, batch_size: int, interval: float,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None, preface: Preface | None = None) -> None:
         self.queue, self.stream, self._send = queue, stream, send
+        self.preface = preface
         self.batch_size, self.interval = batch_size, interval
         self.backoff = backoff or Backoff(base=min(1.0, interval), cap=interval)
         self.sent_entries = 0
@@ -54,20 +57,26 @@ class Shipper:
 
     async def drain(self) -> float | None:
         """Send until the queue is empty (None) or a transient failure (the jittered delay before a retry)."""
-        while (batch := self.queue.batch(self.stream, self.batch_size)) is not None:
+        while True:
+            batch = self.queue.batch(self.stream, self.batch_size)
+            extra, taken = self.preface() if self.preface is not None else ([], _nothing)
+            entries = extra + (batch.entries if batch is not None else [])
+            if not entries:
+                return None
             try:
-                await self._send(batch.entries)
+                await self._send(entries)
             except ControlPlaneError as exc:
                 if exc.status not in REFUSED:
                     return self._failed(exc)
-                self.refused_entries += len(batch.entries)
+                self.refused_entries += len(entries)
                 log.warning("%s batch of %d entries refused by the control plane: %s; dropped", self.stream,
-                            len(batch.entries), exc)
+                            len(entries), exc)
             else:
-                self.sent_entries += len(batch.entries)
+                self.sent_entries += len(entries)
                 self._recovered()
-            self.queue.delivered(batch)
-        return None
+            taken()
+            if batch is not None:
+                self.queue.delivered(batch)
 
     def _failed(self, exc: ControlPlaneError) -> float:
         self.last_error = str(exc)
@@ -87,3 +96,7 @@ class Shipper:
     def status(self) -> dict[str, Any]:
         return {**self.queue.status(self.stream), "sent": self.sent_entries, "refused": self.refused_entries,
                 "last_error": self.last_error}
+
+
+def _nothing() -> None:
+    pass
