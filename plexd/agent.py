@@ -99,7 +99,7 @@ class Agent:
         self._started_at = self.clock.monotonic()
         self._services: list[tuple[str, Service, bool]] = []
         self._shutdown_steps: list[tuple[str, str, ShutdownStep]] = []
-        self._reauth_lock = asyncio.Lock()
+        self._recovery: asyncio.Task[Identity] | None = None  # the one re-authentication in flight
         self.ready: Callable[[], Awaitable[Any]] | None = None  # set by the assembly: READY=1 after it
         self.describe: Callable[[], str] | None = None  # set by the assembly: the running node's STATUS= line
         self.reload_config: Callable[[], Any] | None = None  # set by the assembly: what SIGHUP does
@@ -178,16 +178,24 @@ class Agent:
             return await call()
 
     async def reauthenticate(self, refused_token: str | None = None) -> Identity:
-        """Recover from a 401. Concurrent callers share one recovery: whoever comes second sees the new token.
+        """Recover from a 401. Concurrent callers share one recovery; one that comes after it sees the new token.
+        The recovery is its own task, shielded from its callers: a caller cancelled mid-way (a service restarted,
+        a timeout) must not abandon a registration the control plane has already taken, which would spend the
+        bootstrap token and leave the new identity unsaved.
         Not while leaving: the 401 is the control plane taking our deregistration, not something to undo."""
         if self.leaving is not None and self.identity is not None:
             return self.identity
-        async with self._reauth_lock:
+        if self._recovery is None or self._recovery.done():
             if refused_token is not None and self.client.token != refused_token and self.identity is not None:
                 return self.identity
-            self.identity = await self.registrar.recover(self.identity)
-            departure.clear_departed(self.config.data_dir)  # re-registered: a deregistration before it is over
-            return self.identity
+            self._recovery = asyncio.create_task(self._recover(), name="re-authentication")
+            self._recovery.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved even if unawaited
+        return await asyncio.shield(self._recovery)
+
+    async def _recover(self) -> Identity:
+        self.identity = await self.registrar.recover(self.identity)
+        departure.clear_departed(self.config.data_dir)  # re-registered: a deregistration before it is over
+        return self.identity
 
     async def announce_capabilities(self, *, rescan: bool = True) -> None:
         """Re-scan hooks (when asked) and ``PUT /capabilities``; raises ControlPlaneError on failure."""
