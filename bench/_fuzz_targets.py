@@ -25,6 +25,9 @@ from plexd.controlplane.sse import SSEParser, valid_event_id
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError, WireFormatError
 from plexd.model import Peer, RegisterResponse, State
+from plexd.telemetry.auditd import AuditFormatError, audit_entry, local_action_entry, parse_record
+from plexd.telemetry.logs import SEVERITIES, journal_entry
+from plexd.telemetry.tail import MAX_LINE, TRUNCATED
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 _KEY = "x" * 43 + "="
@@ -227,7 +230,42 @@ _stun_attrs = st.lists(st.tuples(st.sampled_from([0x0001, 0x0020, 0x0009, 0x8022
     lambda attrs: b"".join(t.to_bytes(2, "big") + len(v).to_bytes(2, "big") + v + b"\0" * (-len(v) % 4)
                            for t, v in attrs))
 
+def check_audit_record(text: str) -> None:
+    try:
+        record = parse_record(text)
+    except AuditFormatError:
+        return
+    entry = audit_entry([record], "h")
+    assert isinstance(json.loads(entry["object"]), str) and entry["result"] in ("success", "failure")
+    assert len(entry["raw"].encode()) <= MAX_LINE + len(TRUNCATED) + 3
+
+
+def check_journal_entry(doc: Any) -> None:
+    entry = journal_entry(doc, "h")
+    assert entry["severity"] in SEVERITIES and isinstance(entry["message"], str)
+    assert len(entry["message"].encode("utf-8", "surrogatepass")) <= 3 * MAX_LINE + len(TRUNCATED)
+    json.dumps(entry)
+
+
+def check_local_action(text: str) -> None:
+    entry = local_action_entry(text, "h")
+    assert entry is None or (entry["result"] in ("success", "failure") and isinstance(entry["subject"], dict))
+
+
+_journal_keys = st.sampled_from(["MESSAGE", "PRIORITY", "__REALTIME_TIMESTAMP", "_SYSTEMD_UNIT", "SYSLOG_IDENTIFIER",
+                                 "_HOSTNAME", "__CURSOR", "_COMM"])
+_audit_lines = st.one_of(st.text(max_size=300), st.from_regex(
+    r"(node=\S+ )?type=[A-Z_]{1,12} msg=audit\([0-9]{1,14}\.[0-9]{1,7}:[0-9]{1,22}\): [ -~\x1d]{0,200}",
+    fullmatch=True))
+
 TARGETS = [
+    Target("audit_record", _audit_lines, check_audit_record),
+    Target("journal_entry", st.dictionaries(_journal_keys, st.one_of(
+        json_values, st.lists(st.integers(-5, 300), max_size=20), st.integers(-(2**70), 2**70).map(str))),
+        check_journal_entry),
+    Target("local_action", st.one_of(json_texts, st.dictionaries(st.sampled_from(
+        ["time", "event", "action", "uid", "gid", "pid", "status"]), json_values).map(json.dumps)),
+        check_local_action),
     Target("action_request", st.one_of(json_values, st.dictionaries(_action_keys, st.one_of(
         json_values, st.dictionaries(_text, json_values, max_size=4), st.sampled_from(
             ["30s", "-1s", "0", "1h", "x", "../x", "a/b", "ok.sh", "exec_1", "\x00"])), max_size=7)),

@@ -39,6 +39,7 @@ _FIELD = re.compile(r"""([A-Za-z_][\w-]*)=("[^"]*"|'[^']*'|[^\s"']*)""")
 _HEX = re.compile(r"^(?:[0-9A-F]{2})+$")
 _HEX_FIELDS = ("name", "exe", "comm", "cwd", "proctitle")
 X86_64 = "c000003e"
+LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z: the last time an RFC 3339 timestamp can carry
 # x86-64 numbers of the syscalls audit rules usually watch; others stay numbers unless the log is ENRICHED.
 SYSCALLS_X86_64 = {
     0: "read", 1: "write", 2: "open", 41: "socket", 42: "connect", 43: "accept", 49: "bind", 59: "execve",
@@ -71,6 +72,8 @@ def parse_record(line: str) -> AuditRecord:
     if m is None:
         raise AuditFormatError("not 'type=T msg=audit(SECONDS.MILLIS:SERIAL): ...'")
     kind, seconds, fraction, serial, rest = m.groups()
+    if int(seconds) > LAST_SECOND:
+        raise AuditFormatError(f"timestamp {seconds} is after the year 9999")
     body, _, enriched = rest.partition("\x1d")
     fields: dict[str, str] = {}
     for text in (body, enriched):
