@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from plexd.telemetry.tail import MAX_LINE, TRUNCATED, FileTail, cap_line
@@ -21,6 +21,13 @@ def append(path, data: bytes) -> None:
         fh.write(data)
 
 
+def empty_log(directory) -> tuple:
+    """A new, empty app.log in `directory` and a tail of it."""
+    log = directory / "app.log"
+    log.write_bytes(b"")
+    return log, FileTail(str(log))
+
+
 def test_only_lines_written_after_the_start_are_read_and_a_partial_line_waits(tmp_path):
     log = tmp_path / "app.log"
     log.write_bytes(b"history\n")
@@ -33,9 +40,7 @@ def test_only_lines_written_after_the_start_are_read_and_a_partial_line_waits(tm
 
 
 def test_rotation_by_rename_reads_the_old_file_to_its_end_then_the_new_one(tmp_path):
-    log = tmp_path / "app.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path)
     append(log, b"a\n")
     assert texts(tail.read()) == ["a"]
     append(log, b"b\nlast-without-newline")
@@ -46,9 +51,7 @@ def test_rotation_by_rename_reads_the_old_file_to_its_end_then_the_new_one(tmp_p
 
 
 def test_copytruncate_starts_again_from_the_top(tmp_path):
-    log = tmp_path / "app.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path)
     append(log, b"before rotation\n")
     assert texts(tail.read()) == ["before rotation"]
     with open(log, "r+b") as fh:
@@ -58,9 +61,7 @@ def test_copytruncate_starts_again_from_the_top(tmp_path):
 
 
 def test_a_restart_resumes_at_the_saved_position_even_after_a_rotation_while_down(tmp_path):
-    log = tmp_path / "app.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path)
     append(log, b"1\n2\n")
     lines = tail.read()
     saved = lines[0].position  # only "1" was queued before the crash
@@ -74,18 +75,14 @@ def test_a_restart_resumes_at_the_saved_position_even_after_a_rotation_while_dow
 
 
 def test_a_one_mebibyte_line_is_cut_at_16_kib_and_the_next_line_is_whole(tmp_path):
-    log = tmp_path / "app.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path)
     append(log, b"A" * (1 << 20) + b"\nnext\n")
     lines = texts(tail.read())
     assert lines == ["A" * MAX_LINE + TRUNCATED, "next"]
 
 
 def test_a_long_line_written_in_pieces_is_cut_once(tmp_path):
-    log = tmp_path / "app.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path)
     append(log, b"B" * (MAX_LINE + 10))
     assert texts(tail.read()) == ["B" * MAX_LINE + TRUNCATED]
     append(log, b"B" * 5000 + b"\nafter\n")
@@ -93,9 +90,7 @@ def test_a_long_line_written_in_pieces_is_cut_once(tmp_path):
 
 
 def test_bytes_that_are_not_utf8_become_replacement_characters(tmp_path):
-    log = tmp_path / "app.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path)
     append(log, b"caf\xc3\xa9 \xff\xfe end\r\n")
     assert texts(tail.read()) == ["café \ufffd\ufffd end"]
 
@@ -114,12 +109,10 @@ def test_an_unreadable_path_is_said_once_and_read_when_it_becomes_a_file(tmp_pat
     assert texts(tail.read()) == ["first"]  # a file that appears later is read from its start
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=MAX_LINE // 4), max_size=12))
 def test_any_bytes_written_in_any_pieces_come_out_as_the_lines_of_the_whole(tmp_path_factory, pieces):
-    log = tmp_path_factory.mktemp("tail") / "fuzz.log"
-    log.write_bytes(b"")
-    tail = FileTail(str(log))
+    log, tail = empty_log(tmp_path_factory.mktemp("tail"))
     got = []
     for piece in pieces:
         append(log, piece)
