@@ -96,6 +96,9 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     actions = doc.get("actions")
     if actions:
         lines.append(f"actions:        {_actions_line(actions)}")
+    telemetry = doc.get("telemetry")
+    if telemetry:
+        lines.append(f"telemetry:      {_telemetry_line(telemetry)}")
     lines.append("services:")
     for svc in doc["services"]:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""
@@ -128,6 +131,21 @@ def _nat_line(nat: dict[str, Any], now: float) -> str:
     if nat.get("report_error"):
         line += f"; report failing: {nat['report_error']}"
     return line
+
+
+def _telemetry_line(t: dict[str, Any]) -> str:
+    parts = []
+    for stream, s in t.items():
+        if not s["enabled"]:
+            parts.append(f"{stream} off")
+            continue
+        part = f"{stream} {s['sent']} sent, {s['pending']} queued"
+        if s["dropped"]:
+            part += f", {s['dropped']} dropped"
+        if s["last_error"]:
+            part += f" ({s['last_error']})"
+        parts.append(part)
+    return "; ".join(parts)
 
 
 def _actions_line(a: dict[str, Any]) -> str:
