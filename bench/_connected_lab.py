@@ -127,10 +127,11 @@ async def preload(node: Node, n: int) -> float:
 
 @contextlib.contextmanager
 def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
-                   peer_heartbeat: str | None = None, node_api: str = "") -> Iterator[Node]:
+                   peer_heartbeat: str | None = None, node_api: str = "", extra_config: str = "") -> Iterator[Node]:
     """`peer_heartbeat`: the heartbeat interval the devplane expects of its nodes. Peers a bench registers never
     heartbeat, so a bench that must keep them online for minutes sets it long (they go offline after 10).
-    `node_api`: further node_api settings, as YAML flow-mapping entries (``rate_limit: 0``)."""
+    `node_api`: further node_api settings, as YAML flow-mapping entries (``rate_limit: 0``). `extra_config`: more
+    YAML lines for the daemon's config file."""
     lab = Lab().up(1)
     workdir = Path(tempfile.mkdtemp(prefix="plexd-bench-"))
     dp = proc = None
@@ -143,7 +144,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
                        f"hooks: {{dir: {workdir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
                        f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
                        f"node_api: {{socket_path: {workdir / 'api.sock'}{', ' + node_api if node_api else ''}}}\n"
-                       f"log_level: {os.environ.get('PLEXD_BENCH_LOG_LEVEL', 'warning')}\n")
+                       f"log_level: {os.environ.get('PLEXD_BENCH_LOG_LEVEL', 'warning')}\n" + extra_config)
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg),

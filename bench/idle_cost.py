@@ -18,6 +18,7 @@ import asyncio
 import base64
 import subprocess
 import time
+from dataclasses import dataclass
 
 import httpx
 from _connected_lab import _cpu, connected_node, preload
@@ -38,21 +39,32 @@ def wireguard_go_pid(netns: str) -> int | None:
     return None
 
 
-async def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--peers", type=int, default=100)
-    ap.add_argument("--seconds", type=float, default=120.0)
-    ap.add_argument("--via-events", action="store_true",
-                    help="put the peers on the device as peer_added events (no registrations, reconcile 10 min): "
-                         "fast at 10,000 peers, for the RSS figure; the CPU figure then has no reconcile in it")
-    args = ap.parse_args()
+@dataclass
+class IdleRun:
+    seconds: float
+    plexd_cpu: float  # CPU seconds in the window
+    wg_cpu: float
+    rss_mib: float
+    peers_at_end: int
+    heartbeats: int
+    snapshot: str | None
+    workdir: str
+
+    @property
+    def per_minute(self) -> float:
+        return self.plexd_cpu / (self.seconds / 60)
+
+
+async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extra_config: str = "") -> IdleRun:
+    """A connected daemon with `peers` real peers, measured idle for `seconds` after a warm-up."""
     # The registered peers never heartbeat: the devplane is told to expect one an hour, or it would take them
     # offline (peer_removed for all of them) 5 minutes in, and the window would measure that burst.
-    with connected_node(reconcile="10m" if args.via_events else "60s", peer_heartbeat="1h") as node:
-        if args.via_events:
-            await preload(node, args.peers)
+    with connected_node(reconcile="10m" if via_events else "60s", peer_heartbeat="1h",
+                        extra_config=extra_config) as node:
+        if via_events:
+            await preload(node, peers)
         with httpx.Client(base_url=node.dp.url, timeout=30) as http:
-            for i in range(0 if args.via_events else args.peers):
+            for i in range(0 if via_events else peers):
                 token = node.dp.admin.create_token()
                 pub = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
                 r = http.post("/v1/register", headers={"Authorization": f"Bearer {token}"},
@@ -63,29 +75,41 @@ async def main() -> None:
                 node.dp.admin.set_node_endpoint(r.json()["node_id"], f"{node.lab.bridge_address}:{40000 + i}")
         uapi = UapiClient("plexd0", socket_dir=node.lab_node.sock_dir)
         deadline = time.monotonic() + 300
-        while (have := len((await uapi.get()).peers)) < args.peers:
+        while (have := len((await uapi.get()).peers)) < peers:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {have} of {args.peers} peers reached the device")
+                raise RuntimeError(f"only {have} of {peers} peers reached the device")
             await asyncio.sleep(0.2)
         await asyncio.sleep(5)  # warm-up: the burst of peer_added events is over
         wg_pid = wireguard_go_pid(node.lab_node.netns)
         plexd0, wg0, t0 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
-        await asyncio.sleep(args.seconds)
+        await asyncio.sleep(seconds)
         plexd1, wg1, t1 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
         still = len((await uapi.get()).peers)  # the window was idle only if no peer came or went
         heartbeats = len(node.dp.admin.heartbeats(node.node_id))
         rss = node.rss_mib()
         snap, workdir = node.tracemalloc_snapshot(), node.workdir
-    minutes = (t1 - t0) / 60
-    print(f"connected plexd up, {args.peers} peers, no events, {t1 - t0:.0f} s window "
-          f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {heartbeats} heartbeats in total)")
-    print(f"  plexd:        {(plexd1 - plexd0) / minutes:.3f} CPU s/min   (goal <= 0.1; best peer agent ~0.12)")
-    print(f"  plexd RSS:    {rss:.1f} MiB with {still} peers on the device at the end   "
+    return IdleRun(t1 - t0, plexd1 - plexd0, wg1 - wg0, rss, still, heartbeats, snap, str(workdir))
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--peers", type=int, default=100)
+    ap.add_argument("--seconds", type=float, default=120.0)
+    ap.add_argument("--via-events", action="store_true",
+                    help="put the peers on the device as peer_added events (no registrations, reconcile 10 min): "
+                         "fast at 10,000 peers, for the RSS figure; the CPU figure then has no reconcile in it")
+    args = ap.parse_args()
+    run = await idle_run(args.peers, args.seconds, via_events=args.via_events)
+    print(f"connected plexd up, {args.peers} peers, no events, {run.seconds:.0f} s window "
+          f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {run.heartbeats} heartbeats in total)")
+    print(f"  plexd:        {run.per_minute:.3f} CPU s/min   (goal <= 0.1; best peer agent ~0.12)")
+    print(f"  plexd RSS:    {run.rss_mib:.1f} MiB with {run.peers_at_end} peers on the device at the end   "
           "(goal <= 50 MB at 1,000, <= 100 MB at 10,000)")
-    if snap is not None:
-        print(f"  tracemalloc snapshot (taken after the RSS reading): {snap}; allocator stats in {workdir}/plexd.log")
-    if wg_pid:
-        print(f"  wireguard-go: {(wg1 - wg0) / minutes:.3f} CPU s/min   (not plexd's code)")
+    if run.snapshot is not None:
+        print(f"  tracemalloc snapshot (taken after the RSS reading): {run.snapshot}; allocator stats in "
+              f"{run.workdir}/plexd.log")
+    if run.wg_cpu:
+        print(f"  wireguard-go: {run.wg_cpu / (run.seconds / 60):.3f} CPU s/min   (not plexd's code)")
 
 
 if __name__ == "__main__":
