@@ -26,3 +26,16 @@ def open_or_start_empty(path: Path, connect: Callable[[], sqlite3.Connection], w
             path.with_name(path.name + suffix).unlink(missing_ok=True)
         log.warning("%s %s unreadable (%s); moved to %s, starting empty: %s", what, path, exc, aside, consequence)
         return connect()
+
+
+def connect_private(path: Path, schema: str, *, synchronous: str, probe_table: str) -> sqlite3.Connection:
+    """A 0600 SQLite file in WAL mode, autocommit, with `schema` applied. Reading `probe_table` makes a garbage
+    file fail here (for `open_or_start_empty`) rather than at its first use."""
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
+    db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute(f"PRAGMA synchronous={synchronous}")
+    db.executescript(schema)
+    db.execute(f"SELECT count(*) FROM {probe_table}").fetchone()
+    return db

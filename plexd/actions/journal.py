@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.errors import PlexdError
-from plexd.sqlitefile import open_or_start_empty
+from plexd.sqlitefile import connect_private, open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -81,14 +81,8 @@ class ActionJournal:
                                    "executions from before cannot be recognised as replays")
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.touch(mode=0o600, exist_ok=True)
-        self.path.chmod(0o600)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=FULL")  # an accepted execution is on disk before the hook runs
-        db.executescript(_SCHEMA)
-        db.execute("SELECT count(*) FROM executions").fetchone()  # a garbage file fails here, not later
-        return db
+        # FULL: an accepted execution is on disk before the hook runs
+        return connect_private(self.path, _SCHEMA, synchronous="FULL", probe_table="executions")
 
     def close(self) -> None:
         self._db.close()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.sqlitefile import open_or_start_empty
+from plexd.sqlitefile import connect_private, open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,8 @@ class TelemetryQueue:
                                        "telemetry collected before this start is lost")
 
     def _connect(self) -> sqlite3.Connection:
-        self.path.touch(mode=0o600, exist_ok=True)
-        self.path.chmod(0o600)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")  # a process crash loses nothing committed; power loss may
-        db.executescript(_SCHEMA)
-        db.execute("SELECT count(*) FROM entries").fetchone()  # a garbage file fails here, not later
+        # NORMAL: a process crash loses nothing committed; a power loss may lose the last moments
+        db = connect_private(self.path, _SCHEMA, synchronous="NORMAL", probe_table="entries")
         for stream in STREAMS:
             db.execute("INSERT OR IGNORE INTO streams(stream) VALUES(?)", (stream,))
         return db
