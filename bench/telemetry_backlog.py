@@ -6,7 +6,7 @@ away, and what queueing it cost.
 A real `plexd-devplane serve` on loopback and one registered node. The queue (plexd.telemetry.queue, a real
 SQLite file) is filled with what the collectors make in `--minutes` at the default intervals: metrics every 15 s
 for `--peers` peers (system + tunnel and latency per peer), `--log-rate` log lines and `--audit-rate` audit
-events per second. Then the three real shippers (batches of 100 / 200 / 500, gzip above 1 KiB, the node's bearer
+events per second. Then the three real shippers (batches of 1,000 / 200 / 500, gzip above 1 KiB, the node's bearer
 secret) drain it into the devplane, which stores every batch; the clock stops when all three queues are empty.
 """
 
@@ -91,7 +91,7 @@ async def main() -> None:
         size = sum(queue.status(s)["bytes"] for s in counts)
         async with ControlPlaneClient(dp.url, token=secret) as client:
             posts = {"metrics": client.send_metrics, "logs": client.send_logs, "audit": client.send_audit}
-            batch = {"metrics": 100, "logs": 200, "audit": 500}
+            batch = {"metrics": 1000, "logs": 200, "audit": 500}
 
             async def drain(stream: str) -> float:
                 async def send(entries):

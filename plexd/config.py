@@ -34,7 +34,7 @@ README (PROJECT-DECISIONS.md, Config row)::
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864}   # service.upgrade
     telemetry:                            # reported upstream through an on-disk queue (plexd.telemetry)
       queue_dir: ""                       # telemetry.db's directory; empty: data_dir
-      metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 100,
+      metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 1000,
                 queue_max_bytes: 33554432, latency_timeout: 2s}
       logs: {enabled: true, source: auto, files: [], units: [], priority: info, journal_dir: "",
              collect_interval: 10s, report_interval: 30s, batch_size: 200, queue_max_bytes: 67108864}
@@ -231,7 +231,9 @@ class TelemetryMetricsConfig:
     enabled: bool = _f(True)
     collect_interval: float = _f(15.0, "duration", min=0.1)
     report_interval: float = _f(60.0, "duration", min=0.1)
-    batch_size: int = _f(100, min=1, max=10_000)
+    # The Go agent sends 100 per POST and keeps 200: one collection with 100 peers (201 points) overflows it.
+    # 1,000 sends a minute of it in one request; a POST also stops at 1 MiB (plexd.telemetry.queue).
+    batch_size: int = _f(1000, min=1, max=10_000)
     queue_max_bytes: int = _f(32 << 20, min=1 << 12, max=1 << 34)  # the oldest entries go first past this
     latency_timeout: float = _f(2.0, "duration", min=0.05, max=30)
 
