@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -111,23 +111,30 @@ class Links:
                 raise LinkError(f"cannot look up {self.interface}: {e}") from None
             if not found:
                 return None
-            index = found[0]
-            (link,) = ipr.get_links(index)
-            kind = link.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND") or ""
-            addresses = set()
-            for a in ipr.get_addr(index=index):
-                if a["family"] == 10 and a["scope"] == RT_SCOPE_LINK:
-                    continue  # IPv6 link-local: the kernel's, not ours
-                addresses.add(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}")
-            routes = set()
-            for family in (2, 10):
-                for r in ipr.get_routes(family=family, table=MAIN_TABLE):
-                    if r.get("RTA_OIF") != index or r["proto"] == RTPROT_KERNEL or r["type"] != 1:
-                        continue
-                    dst = r.get("RTA_DST") or ("0.0.0.0" if family == 2 else "::")
-                    routes.add(str(ipaddress.ip_network(f"{dst}/{r['dst_len']}", strict=False)))
-            return LinkState(index=index, kind=kind, mtu=link.get("IFLA_MTU") or 0, up=bool(link["flags"] & 1),
-                             addresses=frozenset(addresses), routes=frozenset(routes))
+            try:
+                return self._read(ipr, found[0])
+            except NetlinkError as e:
+                if e.code == errno.ENODEV:  # gone between the lookup and the read (its wireguard-go died)
+                    return None
+                raise LinkError(f"cannot read {self.interface}: {e}") from None
+
+    def _read(self, ipr: Any, index: int) -> LinkState:
+        (link,) = ipr.get_links(index)
+        kind = link.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND") or ""
+        addresses = set()
+        for a in ipr.get_addr(index=index):
+            if a["family"] == 10 and a["scope"] == RT_SCOPE_LINK:
+                continue  # IPv6 link-local: the kernel's, not ours
+            addresses.add(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}")
+        routes = set()
+        for family in (2, 10):
+            for r in ipr.get_routes(family=family, table=MAIN_TABLE):
+                if r.get("RTA_OIF") != index or r["proto"] == RTPROT_KERNEL or r["type"] != 1:
+                    continue
+                dst = r.get("RTA_DST") or ("0.0.0.0" if family == 2 else "::")
+                routes.add(str(ipaddress.ip_network(f"{dst}/{r['dst_len']}", strict=False)))
+        return LinkState(index=index, kind=kind, mtu=link.get("IFLA_MTU") or 0, up=bool(link["flags"] & 1),
+                         addresses=frozenset(addresses), routes=frozenset(routes))
 
     # -- apply --------------------------------------------------------------------------------------------
 
