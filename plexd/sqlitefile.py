@@ -4,9 +4,10 @@ removed) and an empty one started, with one log line saying what that costs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -39,3 +40,18 @@ def connect_private(path: Path, schema: str, *, synchronous: str, probe_table: s
     db.executescript(schema)
     db.execute(f"SELECT count(*) FROM {probe_table}").fetchone()
     return db
+
+
+@contextlib.contextmanager
+def immediate(db: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction: BEGIN IMMEDIATE, COMMIT when the block ends, ROLLBACK when it (or the commit) fails.
+    The error goes on; a rollback SQLite already did itself (after SQLITE_FULL, say) is not attempted twice."""
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):  # the original error is the one worth reporting
+                db.execute("ROLLBACK")
+        raise

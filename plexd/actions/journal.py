@@ -18,16 +18,18 @@ and the outbox is a queue read in order; one transaction each is what a database
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from plexd.errors import PlexdError
-from plexd.sqlitefile import connect_private, open_or_start_empty
+from plexd.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -173,38 +175,17 @@ class ActionJournal:
 
     # ---------------------------------------------------------------------------------------------------------
 
-    def _transaction(self) -> _Tx:
-        return _Tx(self._db)
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        try:
+            with immediate(self._db):
+                yield
+        except sqlite3.Error as err:
+            raise JournalError(f"action journal: cannot write: {err}") from None
 
 
 class JournalError(PlexdError):
     """The journal cannot be written (disk full, I/O error): nothing that depends on it may proceed."""
-
-
-class _Tx:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-        except sqlite3.Error as err:
-            raise JournalError(f"action journal: {err}") from None
-
-    def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
-        if exc_type is None:
-            try:
-                self.db.execute("COMMIT")
-                return False
-            except sqlite3.Error as err:
-                exc = err
-        try:
-            self.db.execute("ROLLBACK")
-        except sqlite3.Error:
-            pass
-        if isinstance(exc, sqlite3.Error):
-            raise JournalError(f"action journal: cannot write: {exc}") from None
-        return False
 
 
 def _execution(row: tuple[Any, ...]) -> Execution:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plexd import datadir, gojson
-from plexd.sqlitefile import open_or_start_empty
+from plexd.sqlitefile import immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class EventLedger:
             pass
         if not cursor and not rows and mirror is None:
             return
-        with _transaction(db):
+        with immediate(db):
             db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", rows)
             if cursor:
                 db.execute("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (cursor,))
@@ -190,7 +190,7 @@ class EventLedger:
             return True
         batch = batch or Batch(None, [])
         try:
-            with self._db_lock, _transaction(self._db):
+            with self._db_lock, immediate(self._db):
                 if mirror is not None:
                     _write_mirror(self._db, mirror)
                 self._db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", batch.nonces)
@@ -269,14 +269,3 @@ def read_mirror(data_dir: Path | str) -> dict | None:
     except (sqlite3.Error, ValueError) as exc:
         log.warning("cannot read the desired-state mirror in %s: %s", path, exc)
         return None
-
-
-class _transaction:
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> None:
-        self.db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, kind: object, *rest: object) -> None:
-        self.db.execute("COMMIT" if kind is None else "ROLLBACK")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.sqlitefile import connect_private, open_or_start_empty
+from plexd.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +82,7 @@ class TelemetryQueue:
         if not rows and position is None:
             return True
         try:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with immediate(self._db):
                 self._db.executemany("INSERT INTO entries(stream, size, body) VALUES(?,?,?)", rows)
                 self._db.execute("UPDATE streams SET bytes = bytes + ?, count = count + ? WHERE stream=?",
                                  (sum(r[1] for r in rows), len(rows), stream))
@@ -91,11 +90,6 @@ class TelemetryQueue:
                     self._db.execute("INSERT OR REPLACE INTO positions(source, value) VALUES(?,?)",
                                      (position[0], json.dumps(position[1])))
                 dropped = self._trim(stream)
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:  # SQLite has already rolled back after SQLITE_FULL
-                    self._db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as exc:
             self._write_failed(stream, len(rows), exc)
             return False
@@ -159,16 +153,10 @@ class TelemetryQueue:
         with_size = self._db.execute("SELECT coalesce(sum(size), 0), count(*) FROM entries WHERE stream=? AND "
                                      "seq<=?", (batch.stream, batch.last_seq)).fetchone()
         try:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with immediate(self._db):
                 self._db.execute("DELETE FROM entries WHERE stream=? AND seq<=?", (batch.stream, batch.last_seq))
                 self._db.execute("UPDATE streams SET bytes = bytes - ?, count = count - ? WHERE stream=?",
                                  (*with_size, batch.stream))
-                self._db.execute("COMMIT")
-            except BaseException:
-                if self._db.in_transaction:  # SQLite has already rolled back after SQLITE_FULL
-                    self._db.execute("ROLLBACK")
-                raise
         except sqlite3.Error as exc:  # skipped by batch(); deleted with the next delivered batch
             log.debug("telemetry queue %s: cannot delete a delivered %s batch yet: %s", self.path, batch.stream,
                       exc)
