@@ -83,6 +83,14 @@ def now_utc() -> datetime:
     return datetime.now(UTC)
 
 
+GO_ZERO_TIME = "0001-01-01T00:00:00Z"  # a zero time.Time, as Go marshals it
+
+
+def now_text() -> str:
+    """The current time as Go marshals a ``time.Time`` (RFC3339Nano in UTC)."""
+    return format_time(now_utc())
+
+
 def format_unix(seconds: float) -> str:
     """Unix seconds as Go marshals the time (RFC3339Nano in UTC)."""
     return format_time(datetime.fromtimestamp(seconds, UTC))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.errors import WireFormatError
+from plexd.gojson import GO_ZERO_TIME
 
 JSON = Any
 
@@ -213,7 +214,7 @@ class DataEntry:
             content_type=_str(f, "content_type", path),
             payload=f.get("payload"),
             version=_int(f, "version", path),
-            updated_at=_str(f, "updated_at", path, "0001-01-01T00:00:00Z"),
+            updated_at=_str(f, "updated_at", path, GO_ZERO_TIME),
         )
 
     def to_wire(self) -> dict[str, JSON]:

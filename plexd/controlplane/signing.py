@@ -38,7 +38,6 @@ STALENESS_WINDOW = timedelta(minutes=5)
 NONCE_TTL = timedelta(seconds=NONCE_TTL_SECONDS)
 MAX_NONCES = 100_000
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
-_GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 
 
 class EventRejected(PlexdError):
@@ -193,7 +192,7 @@ class Verifier:
             raise EventRejected("missing_signature", "event has no signature")
         if not env.nonce:
             raise EventRejected("missing_nonce", "event has no nonce")
-        if not env.issued_at or gojson.canonical_time(env.issued_at) == _GO_ZERO_TIME:
+        if not env.issued_at or gojson.canonical_time(env.issued_at) == gojson.GO_ZERO_TIME:
             raise EventRejected("missing_issued_at", "event has no issued_at")
         # 2. staleness window, both directions; exactly 5 minutes is still accepted
         issued = gojson.parse_time(env.issued_at)

@@ -26,10 +26,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
-from plexd.gojson import format_time
+from plexd.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, Line, cap_line
 
 log = logging.getLogger(__name__)
@@ -98,7 +97,7 @@ def audit_entry(records: list[AuditRecord], hostname: str) -> dict[str, Any]:
     main = next((r for r in records if r.type == "SYSCALL"), records[0])
     f = main.fields
     return {
-        "timestamp": format_time(datetime.fromtimestamp(records[0].time, UTC)),
+        "timestamp": format_unix(records[0].time),
         "source": "auditd",
         "event_type": main.type,
         "subject": {"uid": _int(f.get("uid")), "gid": _int(f.get("gid")), "pid": _int(f.get("pid"))},
@@ -230,7 +229,7 @@ def local_action_entry(line: str, hostname: str) -> dict[str, Any] | None:
     event = doc["event"]
     failed = event == "refused" or (event == "finished" and doc.get("status") not in (None, "success"))
     return {
-        "timestamp": doc.get("time") if isinstance(doc.get("time"), str) else format_time(datetime.now(UTC)),
+        "timestamp": doc.get("time") if isinstance(doc.get("time"), str) else now_text(),
         "source": "plexd-actions",
         "event_type": "local_action",
         "subject": {k: doc[k] if isinstance(doc.get(k), int) else -1 for k in ("uid", "gid", "pid")},

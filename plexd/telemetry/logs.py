@@ -18,10 +18,9 @@ import asyncio
 import json
 import logging
 import os
-from datetime import UTC, datetime
 from typing import Any
 
-from plexd.gojson import format_time
+from plexd.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, cap_line
 
 log = logging.getLogger(__name__)
@@ -40,10 +39,6 @@ def severity(priority: Any) -> str:
     return SEVERITIES[value] if 0 <= value < len(SEVERITIES) else "info"
 
 
-def _now() -> str:
-    return format_time(datetime.now(UTC))
-
-
 class FileLogs:
     """Configured log files, each followed from where the queue says it was last read."""
 
@@ -58,7 +53,7 @@ class FileLogs:
             lines = tail.read()
             if lines:
                 unit = os.path.basename(tail.path)
-                stamp = _now()
+                stamp = now_text()
                 entries = [{"timestamp": stamp, "source": "file", "unit": unit, "message": line.text,
                             "severity": "info", "hostname": self.hostname} for line in lines]
                 out.append((entries, ("file:" + tail.path, lines[-1].position)))
@@ -73,9 +68,9 @@ def journal_entry(doc: dict[str, Any], hostname: str) -> dict[str, Any]:
         raw = str(message if message is not None else "").encode("utf-8", "surrogatepass")
     unit = str(doc.get("_SYSTEMD_UNIT") or doc.get("SYSLOG_IDENTIFIER") or doc.get("_COMM") or "")
     try:
-        stamp = format_time(datetime.fromtimestamp(int(doc["__REALTIME_TIMESTAMP"]) / 1e6, UTC))
+        stamp = format_unix(int(doc["__REALTIME_TIMESTAMP"]) / 1e6)
     except (KeyError, TypeError, ValueError, OverflowError, OSError):
-        stamp = _now()
+        stamp = now_text()
     return {"timestamp": stamp, "source": "journald", "unit": unit.removesuffix(".service"),
             "message": cap_line(raw), "severity": severity(doc.get("PRIORITY")),
             "hostname": str(doc.get("_HOSTNAME") or hostname)}

@@ -19,13 +19,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from plexd import datadir
 from plexd.config import TelemetryConfig
-from plexd.gojson import format_time, format_unix
+from plexd.gojson import GO_ZERO_TIME, format_unix, now_text
 from plexd.mesh.wireguard import DeviceConfig
 from plexd.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
@@ -39,12 +38,7 @@ from plexd.telemetry.tail import FileTail
 log = logging.getLogger(__name__)
 
 STALE_HANDSHAKE = 300.0  # §1.14: handshake_stale when older than 5 min
-GO_ZERO_TIME = "0001-01-01T00:00:00Z"
 DROP_LOG_EVERY = 60.0
-
-
-def _now() -> str:
-    return format_time(datetime.now(UTC))
 
 
 def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfig | None,
@@ -94,10 +88,7 @@ class Telemetry:
         return {f"telemetry_{name}": runs[name] for name in self.enabled}
 
     async def run_metrics(self) -> None:
-        async def collect() -> None:
-            await self.collect_metrics()
-
-        await self._stream("metrics", self.cfg.metrics.collect_interval, collect)
+        await self._stream("metrics", self.cfg.metrics.collect_interval, self.collect_metrics)
 
     async def run_logs(self) -> None:
         cfg = self.cfg.logs
@@ -165,7 +156,7 @@ class Telemetry:
         device = await self.observe_device()
         peers = dict(self.desired_peers())
         rtts = await self._latency(peers)
-        points = metric_points(_now(), system, device, peers, rtts, time.time())
+        points = metric_points(now_text(), system, device, peers, rtts, time.time())
         self.queue.append("metrics", points)
 
     async def _latency(self, peers: Mapping[str, Peer]) -> dict[str, int]:
@@ -198,7 +189,7 @@ class Telemetry:
         """One ``warning`` log entry per stream that lost entries since the control plane was last told, sent
         ahead of the next logs batch (not queued: a full queue would drop its own notice)."""
         counts = self.queue.unreported_drops()
-        entries = [{"timestamp": _now(), "source": "plexd", "unit": "plexd", "severity": "warning",
+        entries = [{"timestamp": now_text(), "source": "plexd", "unit": "plexd", "severity": "warning",
                     "hostname": self.hostname,
                     "message": f"telemetry {stream} queue: {count} entries dropped (the oldest, past "
                                f"telemetry.{stream}.queue_max_bytes, or unwritable)"}

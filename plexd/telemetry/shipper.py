@@ -40,20 +40,11 @@ class Shipper:
         self.refused_entries = 0
         self.last_error = ""
         self.failing_since: float | None = None
-        self._wake = asyncio.Event()
-
-    def wake(self) -> None:
-        """Drain now rather than at the next tick (shutdown, tests)."""
-        self._wake.set()
 
     async def run(self) -> None:
         while True:
             delay = await self.drain()
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.interval if delay is None else delay)
-            except TimeoutError:
-                pass
-            self._wake.clear()
+            await asyncio.sleep(self.interval if delay is None else delay)
 
     async def drain(self) -> float | None:
         """Send until the queue is empty (None) or a transient failure (the jittered delay before a retry)."""
