@@ -71,7 +71,7 @@ from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler
-from plexd.telemetry.service import Telemetry, send_for
+from plexd.telemetry.service import Telemetry
 from plexd.upgrade.upgrader import Upgrader
 
 log = logging.getLogger(__name__)
@@ -222,10 +222,10 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("report_sync", lambda a: report_sync.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
-    node.telemetry = _build_telemetry(node, node_id)
-    for name, run in node.telemetry.services().items():
+    telemetry = node.telemetry = _build_telemetry(node, node_id)
+    for name, run in telemetry.services().items():
         agent.add_service(name, lambda a, run=run: run())
-    agent.on_shutdown("telemetry queue", lambda a: _close_telemetry(node.telemetry), phase="final")
+    agent.on_shutdown("telemetry queue", lambda a: telemetry.close(), phase="final")
     if cfg.metrics.enabled:
         from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
 
@@ -334,14 +334,9 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
             log.debug("telemetry: cannot read the device: %s", exc)
             return None
 
-    return Telemetry(cfg.telemetry, cfg.data_dir, agent.registrar.hostname(), send_for(post),
+    return Telemetry(cfg.telemetry, cfg.data_dir, agent.registrar.hostname(), post,
                      observe_device=observe_device, desired_peers=lambda: node.mesh.get_desired().peers,
                      local_audit=str(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
-
-
-async def _close_telemetry(telemetry: Telemetry | None) -> None:
-    if telemetry is not None:
-        telemetry.queue.close()
 
 
 def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:

@@ -16,6 +16,7 @@ next logs batch.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -31,7 +32,7 @@ from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
 from plexd.telemetry.ping import ProbeUnavailable, round_trips
 from plexd.telemetry.queue import STREAMS, TelemetryQueue
-from plexd.telemetry.shipper import Send, Shipper
+from plexd.telemetry.shipper import Shipper
 from plexd.telemetry.system import SystemSampler
 from plexd.telemetry.tail import FileTail
 
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 STALE_HANDSHAKE = 300.0  # §1.14: handshake_stale when older than 5 min
 DROP_LOG_EVERY = 60.0
+Post = Callable[[str, Sequence[dict[str, Any]]], Awaitable[None]]  # (stream, entries): one POST to the control plane
 
 
 def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfig | None,
@@ -63,19 +65,20 @@ def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfi
 
 
 class Telemetry:
-    def __init__(self, cfg: TelemetryConfig, data_dir: str, hostname: str, send: Callable[[str], Send], *,
+    def __init__(self, cfg: TelemetryConfig, data_dir: str, hostname: str, post: Post, *,
                  observe_device: Callable[[], Awaitable[DeviceConfig | None]],
                  desired_peers: Callable[[], Mapping[str, Peer]], local_audit: str = "") -> None:
         self.cfg, self.hostname = cfg, hostname
         self.observe_device, self.desired_peers = observe_device, desired_peers
         self.local_audit = local_audit
-        caps = {"metrics": cfg.metrics.queue_max_bytes, "logs": cfg.logs.queue_max_bytes,
-                "audit": cfg.audit.queue_max_bytes}
-        self.queue = TelemetryQueue(Path(cfg.queue_dir or data_dir) / datadir.TELEMETRY_DB, caps, on_drop=self._dropped)
         stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
-        self.shippers = {name: Shipper(self.queue, name, send(name), batch_size=c.batch_size,
-                                       interval=c.report_interval) for name, c in stream_cfg.items()}
-        self.shippers["logs"].preface = self._drop_notices
+        caps = {name: c.queue_max_bytes for name, c in stream_cfg.items()}
+        self.queue = TelemetryQueue(Path(cfg.queue_dir or data_dir) / datadir.TELEMETRY_DB, caps, on_drop=self._dropped)
+        # the logs stream also carries the notices of what any stream lost
+        self.shippers = {name: Shipper(self.queue, name, functools.partial(post, name), batch_size=c.batch_size,
+                                       interval=c.report_interval,
+                                       preface=self._drop_notices if name == "logs" else None)
+                         for name, c in stream_cfg.items()}
         self.enabled = [name for name in STREAMS if stream_cfg[name].enabled]
         self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
         self.system = SystemSampler()
@@ -199,11 +202,6 @@ class Telemetry:
     def status(self) -> dict[str, Any]:
         return {name: {**self.shippers[name].status(), "enabled": name in self.enabled} for name in STREAMS}
 
+    async def close(self) -> None:
+        self.queue.close()
 
-def send_for(post: Callable[[str, Sequence[dict[str, Any]]], Awaitable[None]]) -> Callable[[str], Send]:
-    """A stream's Send from one `post(stream, entries)`."""
-    def for_stream(stream: str) -> Send:
-        async def send(entries: Sequence[dict[str, Any]]) -> None:
-            await post(stream, entries)
-        return send
-    return for_stream
