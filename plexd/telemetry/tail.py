@@ -51,6 +51,7 @@ class FileTail:
         self._skipping = False  # inside a line already cut at MAX_LINE
         self.problem = ""
         self._pending_rotated: tuple[str, int] | None = None  # (PATH.1, offset) to finish after a restart
+        self._budget = READ_BUDGET  # bytes this read() may still take
         self._resume(saved if isinstance(saved, dict) else None)
 
     # -- opening ------------------------------------------------------------------------------------------------
@@ -85,30 +86,27 @@ class FileTail:
         except OSError as exc:
             self._trouble(f"cannot read it: {exc.strerror or exc}")
             return False
-        self._close()
+        self.close()
         self._fh, self._ino, self._offset, self._partial, self._skipping = fh, st.st_ino, offset, b"", False
         self._fine()
         return True
 
-    def _close(self) -> None:
+    def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-
-    def close(self) -> None:
-        self._close()
 
     # -- reading ------------------------------------------------------------------------------------------------
 
     def read(self) -> list[Line]:
         lines: list[Line] = []
-        budget = [READ_BUDGET]
+        self._budget = READ_BUDGET
         if self._pending_rotated is not None:
             rotated, offset = self._pending_rotated
             self._pending_rotated = None
             if self._open(offset, rotated):
-                self._drain(lines, budget, final=True)
-            self._close()
+                self._drain(lines, final=True)
+            self.close()
             self._open(0)
         if self._fh is None:
             if not os.path.exists(self.path):
@@ -116,37 +114,37 @@ class FileTail:
                 return lines
             if not self._open(0):
                 return lines
-        self._drain(lines, budget, final=False)
-        if budget[0] > 0:
-            self._follow_rotation(lines, budget)
+        self._drain(lines, final=False)
+        if self._budget > 0:
+            self._follow_rotation(lines)
         return lines
 
-    def _follow_rotation(self, lines: list[Line], budget: list[int]) -> None:
+    def _follow_rotation(self, lines: list[Line]) -> None:
         try:
             st = os.stat(self.path)
         except OSError:
             return  # moved away and not yet recreated: keep the old file until a new one appears
         if st.st_ino != self._ino:
-            self._drain(lines, budget, final=True)  # what was written to the old file before it moved
+            self._drain(lines, final=True)  # what was written to the old file before it moved
             self._open(0)
-            self._drain(lines, budget, final=False)
+            self._drain(lines, final=False)
         elif st.st_size < self._offset + len(self._partial):
             log.info("%s %s was truncated; reading it from the start", self.what, self.path)
             self._open(0)
-            self._drain(lines, budget, final=False)
+            self._drain(lines, final=False)
 
-    def _drain(self, lines: list[Line], budget: list[int], *, final: bool) -> None:
+    def _drain(self, lines: list[Line], *, final: bool) -> None:
         """Read the current file to its end (or the budget); `final`: it will not grow, so a last line without a
         newline is a line."""
-        while budget[0] > 0:
+        while self._budget > 0:
             try:
-                chunk = self._fh.read(min(READ_CHUNK, budget[0]))
+                chunk = self._fh.read(min(READ_CHUNK, self._budget))
             except OSError as exc:
                 self._trouble(f"read failed: {exc.strerror or exc}")
                 return
             if not chunk:
                 break
-            budget[0] -= len(chunk)
+            self._budget -= len(chunk)
             self._split(self._partial + chunk, lines)
         if final and self._partial:
             self._take(self._partial, len(self._partial), lines)
