@@ -225,7 +225,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     telemetry = node.telemetry = _build_telemetry(node, node_id)
     for name, run in telemetry.services().items():
         agent.add_service(name, lambda a, run=run: run())
-    agent.on_shutdown("telemetry queue", lambda a: telemetry.close(), phase="final")
+    # teardown, not final: `plexd deregister --purge` is answered after the teardown and removes data_dir
+    agent.on_shutdown("telemetry queue", lambda a: telemetry.close())
     if cfg.metrics.enabled:
         from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
 
