@@ -10,6 +10,9 @@ import sys
 
 from plexd.errors import PlexdError
 
+# What `pip install 'plexd[devplane]'` brings; the node daemon itself never imports them.
+EXTRA_MODULES = frozenset({"starlette", "sse_starlette", "uvicorn"})
+
 
 def _duration(text: str) -> float:
     from plexd import gojson
@@ -94,6 +97,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRA_MODULES:
+            raise  # not the extra: a bug, with its traceback
+        print(f"plexd-devplane: the reference control plane needs the 'devplane' extra (module {missing} is "
+              "missing): pip install 'plexd[devplane]'", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

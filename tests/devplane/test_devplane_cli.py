@@ -154,3 +154,21 @@ def test_serve_defaults_and_private_files(dp):
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         db.close()
+
+
+def test_serve_without_the_devplane_extra_names_the_extra_in_one_line(tmp_path):
+    # The interpreter is made to lack the extra's modules (a finder that refuses them), as on a machine where
+    # only `pip install plexd` ran: the same process otherwise, the same CLI entry point.
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class NoExtra(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.partition('.')[0] in ('starlette', 'sse_starlette', 'uvicorn'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, NoExtra())\n"
+        "from plexd.devplane.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    proc = subprocess.run([sys.executable, "-c", blocker, "serve", "--listen", "127.0.0.1:0", "--db",
+                           str(tmp_path / "x.db")], capture_output=True, text=True, timeout=30)
+    line = one_line_error(proc)
+    assert "'devplane' extra" in line and "pip install 'plexd[devplane]'" in line
