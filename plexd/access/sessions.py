@@ -1,0 +1,255 @@
+"""The desired `sessions` block (plexd-access-protocol.md §1.1): what access the control plane grants on this node.
+
+The block is desired state, not a queue: a session is live while it is listed and before its `expires_at`; its
+disappearance is the teardown signal. `[]` means no sessions (tear every one down); `null` or an absent key means
+"not populated" and touches nothing (`parse_sessions` returns None). Each entry is validated on its own: a bad one
+is left out and listed with its reason, the others stand (fail closed for that session only).
+
+The older per-event shapes (`ssh_session_setup`, `session_revoked`) are deltas on the same tuple of sessions
+(`with_setup`, `without`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from plexd import gojson
+from plexd.errors import WireFormatError
+
+KINDS = ("ssh", "tcp", "k8s")
+MAX_SESSIONS = 10  # per node, ssh and tcp and k8s together (the Go agent's tunnel.max_sessions)
+MAX_COMMAND_BYTES = 1024
+MAX_COMMANDS = 64
+MAX_GROUPS = 32
+_SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
+# A login name as useradd accepts it: no '/', no '..', no NUL, nothing a path or a shell could misread.
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}\$?")
+_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                       r"[A-Za-z0-9])?)*")
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    user: str
+    allowed_commands: tuple[str, ...] = ()  # empty: a shell or any command
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"user": self.user}
+        if self.allowed_commands:
+            out["allowed_commands"] = list(self.allowed_commands)
+        return out
+
+
+@dataclass(frozen=True)
+class TcpTarget:
+    host: str
+    port: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"host": self.host, "port": self.port}
+
+
+@dataclass(frozen=True)
+class K8sTarget:
+    user: str
+    impersonate_groups: tuple[str, ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"user": self.user, "impersonate_groups": list(self.impersonate_groups)}
+
+
+Target = SshTarget | TcpTarget | K8sTarget
+
+
+@dataclass(frozen=True)
+class Session:
+    session_id: str
+    kind: str
+    target: Target
+    expires_at: float  # unix seconds
+    idle_timeout: float = 0.0  # seconds; 0: no idle window
+
+    def expired(self, now: float) -> bool:
+        return now >= self.expires_at
+
+    def to_wire(self) -> dict[str, Any]:
+        """The block's shape (the mirror persists sessions in it, so an offline restart refuses revoked tokens)."""
+        out: dict[str, Any] = {"session_id": self.session_id, "jti": self.session_id, "kind": self.kind,
+                               "target": {self.kind: self.target.to_wire()},
+                               "expires_at": gojson.format_unix(self.expires_at)}
+        if self.idle_timeout:
+            out["idle_timeout_seconds"] = int(self.idle_timeout)
+        return out
+
+
+@dataclass(frozen=True)
+class Sessions:
+    """The parsed block: the usable sessions by id, and the entries refused with their reason."""
+
+    by_id: dict[str, Session]
+    rejected: tuple[tuple[str, str], ...] = ()  # (session id or "[index]", reason)
+
+    def without(self, session_id: str) -> Sessions:
+        """`session_revoked`: the session leaves the block."""
+        if session_id not in self.by_id:
+            return self
+        return replace(self, by_id={k: v for k, v in self.by_id.items() if k != session_id})
+
+    def with_session(self, session: Session) -> Sessions:
+        """`ssh_session_setup` (and any delta that adds one): refused past MAX_SESSIONS like the block's."""
+        if session.session_id not in self.by_id and len(self.by_id) >= MAX_SESSIONS:
+            return replace(self, rejected=(*self.rejected, (session.session_id, _over_capacity())))
+        return replace(self, by_id={**self.by_id, session.session_id: session})
+
+    def to_wire(self) -> list[dict[str, Any]]:
+        return [s.to_wire() for s in self.by_id.values()]
+
+
+def _over_capacity() -> str:
+    return f"more than {MAX_SESSIONS} sessions on this node"
+
+
+def _string(obj: dict[str, Any], name: str, path: str, *, limit: int = 256, required: bool = True) -> str:
+    value = obj.get(name)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or not value:
+        raise WireFormatError(f"{path}.{name}", "must be a non-empty string")
+    if len(value) > limit:
+        raise WireFormatError(f"{path}.{name}", f"longer than {limit} characters")
+    return value
+
+
+def login_user(name: str, path: str) -> str:
+    if "\0" in name or "/" in name or ".." in name or not _USER.fullmatch(name):
+        raise WireFormatError(path, f"{name[:40]!r} is not a login name")
+    return name
+
+
+def _ssh_target(obj: Any, path: str) -> SshTarget:
+    if not isinstance(obj, dict):
+        raise WireFormatError(path, "must be an object")
+    user = login_user(_string(obj, "user", path, limit=32), f"{path}.user")
+    commands = obj.get("allowed_commands")
+    if commands is None:
+        return SshTarget(user)
+    # Fail closed: a list we cannot read must never widen into "any command".
+    if not isinstance(commands, list) or not all(isinstance(c, str) and c for c in commands):
+        raise WireFormatError(f"{path}.allowed_commands", "must be an array of non-empty strings")
+    if len(commands) > MAX_COMMANDS:
+        raise WireFormatError(f"{path}.allowed_commands", f"more than {MAX_COMMANDS} commands")
+    for i, c in enumerate(commands):
+        if len(c.encode()) > MAX_COMMAND_BYTES or "\0" in c:
+            raise WireFormatError(f"{path}.allowed_commands[{i}]", f"longer than {MAX_COMMAND_BYTES} bytes or NUL")
+    return SshTarget(user, tuple(commands))
+
+
+def _tcp_target(obj: Any, path: str) -> TcpTarget:
+    if not isinstance(obj, dict):
+        raise WireFormatError(path, "must be an object")
+    host = _string(obj, "host", path, limit=253)
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if not _HOSTNAME.fullmatch(host):
+            raise WireFormatError(f"{path}.host", f"{host[:60]!r} is not an IP address or host name") from None
+    port = obj.get("port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise WireFormatError(f"{path}.port", "must be 1-65535")
+    return TcpTarget(host, port)
+
+
+def _k8s_target(obj: Any, path: str) -> K8sTarget:
+    if not isinstance(obj, dict):
+        raise WireFormatError(path, "must be an object")
+    user = _string(obj, "user", path)
+    groups = obj.get("impersonate_groups") or []
+    if not isinstance(groups, list) or not all(isinstance(g, str) and g and len(g) <= 256 for g in groups):
+        raise WireFormatError(f"{path}.impersonate_groups", "must be an array of non-empty strings")
+    if len(groups) > MAX_GROUPS:
+        raise WireFormatError(f"{path}.impersonate_groups", f"more than {MAX_GROUPS} groups")
+    return K8sTarget(user, tuple(groups))
+
+
+_TARGETS = {"ssh": _ssh_target, "tcp": _tcp_target, "k8s": _k8s_target}
+
+
+def parse_session(obj: Any, path: str) -> Session:
+    """One entry of the block. WireFormatError names the field."""
+    if not isinstance(obj, dict):
+        raise WireFormatError(path, "must be an object")
+    sid = _string(obj, "session_id", path, limit=128)
+    if not _SESSION_ID.fullmatch(sid):
+        raise WireFormatError(f"{path}.session_id", "is not 1-128 printable ASCII characters")
+    jti = obj.get("jti")
+    if jti is not None and jti != sid:
+        raise WireFormatError(f"{path}.jti", "is not the session id")
+    kind = obj.get("kind")
+    if kind not in KINDS:
+        raise WireFormatError(f"{path}.kind", f"must be one of {', '.join(KINDS)}")
+    target = obj.get("target")
+    if not isinstance(target, dict) or set(target) != {kind}:
+        raise WireFormatError(f"{path}.target", f"must hold exactly the {kind!r} member")
+    try:
+        expires = gojson.parse_time(_string(obj, "expires_at", path, limit=64)).timestamp()
+    except ValueError as exc:
+        raise WireFormatError(f"{path}.expires_at", str(exc)) from None
+    idle = obj.get("idle_timeout_seconds") or 0
+    if isinstance(idle, bool) or not isinstance(idle, int) or not 0 <= idle <= 7 * 86400:
+        raise WireFormatError(f"{path}.idle_timeout_seconds", "must be 0-604800")
+    return Session(sid, kind, _TARGETS[kind](target[kind], f"{path}.target.{kind}"), expires, float(idle))
+
+
+def parse_sessions(raw: Any, path: str = "sessions") -> Sessions | None:
+    """The block, or None when it is null/absent ("not populated": touch nothing). A block that is not an array
+    raises WireFormatError; a bad entry, a duplicate id or one past MAX_SESSIONS is refused alone."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise WireFormatError(path, "must be an array or null")
+    by_id: dict[str, Session] = {}
+    rejected: list[tuple[str, str]] = []
+    for i, entry in enumerate(raw):
+        label = entry.get("session_id") if isinstance(entry, dict) else None
+        label = label if isinstance(label, str) and _SESSION_ID.fullmatch(label) else f"{path}[{i}]"
+        try:
+            session = parse_session(entry, f"{path}[{i}]")
+        except WireFormatError as exc:
+            rejected.append((label, str(exc)))
+            continue
+        if session.session_id in by_id:
+            rejected.append((label, "duplicate session id"))
+            continue
+        if len(by_id) >= MAX_SESSIONS:
+            rejected.append((label, _over_capacity()))
+            continue
+        by_id[session.session_id] = session
+    return Sessions(by_id, tuple(rejected))
+
+
+def setup_event_session(payload: Any, path: str = "payload") -> Session:
+    """The older `ssh_session_setup` event: a TCP forward from a listener on the mesh IP to `target_host:
+    target_port` (an sshd there does the authentication: `authorized_key` is for it, not for us)."""
+    if not isinstance(payload, dict):
+        raise WireFormatError(path, "must be an object")
+    entry = {"session_id": payload.get("session_id"), "kind": "tcp", "expires_at": payload.get("expires_at"),
+             "target": {"tcp": {"host": payload.get("target_host"), "port": payload.get("target_port", 22)}}}
+    return parse_session(entry, path)
+
+
+def revoked_session_id(payload: Any, path: str = "payload") -> str:
+    """The older `session_revoked` event's session id."""
+    if not isinstance(payload, dict):
+        raise WireFormatError(path, "must be an object")
+    return _string(payload, "session_id", path, limit=128)
+
+
+def live(sessions: Sessions | None, now: float) -> Iterable[Session]:
+    """The sessions that admit connections now: listed and not past `expires_at`."""
+    if sessions is None:
+        return ()
+    return (s for s in sessions.by_id.values() if not s.expired(now))

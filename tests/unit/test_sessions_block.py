@@ -1,0 +1,109 @@
+"""The desired `sessions` block: null touches nothing, [] tears everything down, each bad entry is refused alone
+with a reason naming the field, and the older events are deltas on the same sessions."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexd.access.sessions import (
+    MAX_SESSIONS,
+    SshTarget,
+    TcpTarget,
+    live,
+    parse_sessions,
+    revoked_session_id,
+    setup_event_session,
+)
+from plexd.errors import WireFormatError
+
+EXPIRES = "2026-11-24T12:30:00Z"
+
+
+def ssh(sid="ses_1", **target):
+    return {"session_id": sid, "jti": sid, "kind": "ssh", "expires_at": EXPIRES,
+            "target": {"ssh": {"user": "deploy", **target}}, "idle_timeout_seconds": 900}
+
+
+def test_null_and_absent_mean_not_populated_and_an_empty_list_means_none():
+    assert parse_sessions(None) is None
+    empty = parse_sessions([])
+    assert empty is not None and empty.by_id == {} and empty.rejected == ()
+
+
+def test_the_three_kinds_parse_into_their_targets():
+    got = parse_sessions([
+        ssh(allowed_commands=["systemctl status nginx"]),
+        {"session_id": "ses_2", "kind": "tcp", "expires_at": EXPIRES,
+         "target": {"tcp": {"host": "127.0.0.1", "port": 5432}}},
+        {"session_id": "ses_3", "kind": "k8s", "expires_at": EXPIRES,
+         "target": {"k8s": {"user": "alice@example.com", "impersonate_groups": ["dev"]}}},
+    ])
+    assert got.rejected == ()
+    assert got.by_id["ses_1"].target == SshTarget("deploy", ("systemctl status nginx",))
+    assert got.by_id["ses_1"].idle_timeout == 900
+    assert got.by_id["ses_2"].target == TcpTarget("127.0.0.1", 5432)
+    assert got.by_id["ses_3"].target.impersonate_groups == ("dev",)
+    assert got.by_id["ses_1"].expires_at == 1795523400.0
+
+
+@pytest.mark.parametrize("entry, field", [
+    (ssh(user="../root"), "target.ssh.user"),
+    (ssh(user="a/b"), "target.ssh.user"),
+    (ssh(user="ro\0ot"), "target.ssh.user"),
+    (ssh(allowed_commands="id"), "allowed_commands"),  # malformed list: fail closed, never "any command"
+    (ssh(allowed_commands=[1]), "allowed_commands"),
+    ({**ssh(), "kind": "vnc"}, "kind"),
+    ({**ssh(), "target": {"ssh": {"user": "deploy"}, "tcp": {"host": "x", "port": 1}}}, "target"),
+    ({**ssh(), "jti": "ses_other"}, "jti"),
+    ({**ssh(), "expires_at": "tomorrow"}, "expires_at"),
+    ({**ssh(), "idle_timeout_seconds": -1}, "idle_timeout_seconds"),
+    ({"session_id": "t", "kind": "tcp", "expires_at": EXPIRES, "target": {"tcp": {"host": "a b", "port": 1}}},
+     "host"),
+    ({"session_id": "t", "kind": "tcp", "expires_at": EXPIRES, "target": {"tcp": {"host": "h", "port": 70000}}},
+     "port"),
+])
+def test_a_bad_entry_is_refused_alone_naming_the_field(entry, field):
+    got = parse_sessions([entry, ssh("ses_ok")])
+    assert list(got.by_id) == ["ses_ok"]
+    assert len(got.rejected) == 1 and field in got.rejected[0][1]
+
+
+def test_duplicates_and_the_eleventh_session_are_refused_and_the_rest_kept():
+    got = parse_sessions([ssh("dup"), ssh("dup"), *(ssh(f"s{i}") for i in range(MAX_SESSIONS))])
+    assert len(got.by_id) == MAX_SESSIONS
+    reasons = [r for _, r in got.rejected]
+    assert reasons[0] == "duplicate session id" and "more than 10 sessions" in reasons[1]
+
+
+def test_a_block_that_is_not_a_list_is_a_wire_format_error():
+    with pytest.raises(WireFormatError, match="sessions"):
+        parse_sessions({"ses_1": ssh()})
+
+
+def test_older_events_are_deltas_on_the_same_sessions():
+    block = parse_sessions([ssh("ses_1")])
+    added = block.with_session(setup_event_session(
+        {"session_id": "legacy", "target_host": "10.0.0.5", "target_port": 22, "authorized_key": "ssh-ed25519 A",
+         "expires_at": EXPIRES}))
+    assert added.by_id["legacy"].target == TcpTarget("10.0.0.5", 22)
+    gone = added.without(revoked_session_id({"session_id": "ses_1", "revoked_at": EXPIRES}))
+    assert list(gone.by_id) == ["legacy"]
+
+
+def test_live_leaves_out_expired_sessions_and_round_trips_through_the_wire_shape():
+    block = parse_sessions([ssh("ses_1"), {**ssh("old"), "expires_at": "2020-01-01T00:00:00Z"}])
+    assert [s.session_id for s in live(block, 1795500000.0)] == ["ses_1"]
+    assert parse_sessions(block.to_wire()).by_id == block.by_id
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=5),
+                    max_leaves=30))
+def test_any_json_value_parses_or_is_refused_by_name(value):
+    try:
+        parse_sessions(value)
+    except WireFormatError:
+        pass
