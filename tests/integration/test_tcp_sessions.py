@@ -1,0 +1,173 @@
+"""TCP sessions on real loopback sockets: a listener of the session's own forwards to its target only, spliced
+in the kernel; connections are capped; revocation, idleness and expiry end it with the §1.4 reports."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+
+import pytest
+
+from plexd.access.sessions import Session, TcpTarget
+from plexd.access.tcp import TcpSession
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Target:
+    """The session's target: echoes everything it reads, after the client's FIN if `after_eof` (to show the
+    half-close passes through), and counts its connections."""
+
+    def __init__(self, after_eof: bool = False) -> None:
+        self.after_eof = after_eof
+        self.accepted = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> Target:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            if self.after_eof:
+                writer.write(await reader.read())
+            else:
+                while data := await reader.read(1 << 16):
+                    writer.write(data)
+                    await writer.drain()
+            await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+
+def session(port: int, *, ttl: float = 600.0, idle: float = 0.0, sid: str = "ses_t") -> Session:
+    return Session(sid, "tcp", TcpTarget("127.0.0.1", port), time.time() + ttl, idle)
+
+
+class Reports:
+    def __init__(self) -> None:
+        self.bodies: list[dict] = []
+        self.ended = asyncio.Event()
+
+    def __call__(self, session_id: str, body: dict) -> None:
+        self.bodies.append(body)
+        if body["tcp"]["phase"] == "session_ended":
+            self.ended.set()
+
+
+async def wait_for(pred, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def test_a_megabyte_each_way_is_forwarded_counted_and_reported_and_revocation_closes_the_listener():
+    reports = Reports()
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1", report=reports)
+        port = await tcp.start()
+        assert reports.bodies[0] == {"tcp": {"phase": "session_started", "target_host": "127.0.0.1",
+                                             "target_port": target.port, "listener_endpoint": f"127.0.0.1:{port}"}}
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        payload = os.urandom(1 << 20)
+        writer.write(payload)
+        await writer.drain()
+        echoed = await reader.readexactly(len(payload))
+        assert echoed == payload
+        writer.close()
+        await wait_for(lambda: tcp.live_connections == 0, "the connection to end")
+        await tcp.close("operator_revoke")
+        assert reports.bodies[-1] == {"tcp": {"phase": "session_ended", "bytes_in": 1 << 20, "bytes_out": 1 << 20,
+                                              "terminated_by": "operator_revoke"}}
+        assert target.accepted == 1
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", port)
+
+
+async def test_a_half_close_reaches_the_target_and_its_answer_still_comes_back():
+    async with Target(after_eof=True) as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1")
+        port = await tcp.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"question")
+        writer.write_eof()
+        assert await asyncio.wait_for(reader.read(), 10) == b"question"
+        await tcp.close("plexd_close")
+
+
+async def test_connections_past_the_cap_are_closed_at_once_and_counted():
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1", max_connections=2)
+        port = await tcp.start()
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for r, w in held:  # both really forwarded before the third arrives
+            w.write(b"x")
+            assert await asyncio.wait_for(r.readexactly(1), 10) == b"x"
+        r3, w3 = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(r3.read(), 10) == b""
+        assert tcp.counters.refused_over_cap == 1 and tcp.live_connections == 2
+        for _r, w in (*held, (r3, w3)):
+            w.close()
+        await tcp.close("plexd_close")
+
+
+async def test_revocation_ends_a_live_connection_within_a_second():
+    reports = Reports()
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1", report=reports)
+        port = await tcp.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hello")
+        assert await reader.readexactly(5) == b"hello"
+        started = time.monotonic()
+        await tcp.close("operator_revoke")
+        rest = await asyncio.wait_for(reader.read(), 1.0)
+        assert rest == b"" and time.monotonic() - started < 1.0
+        assert reports.bodies[-1]["tcp"]["terminated_by"] == "operator_revoke"
+        writer.close()
+
+
+@pytest.mark.parametrize("ttl, idle, reason", [(0.5, 0.0, "ttl_expired"), (600.0, 0.3, "idle_timeout")])
+async def test_expiry_and_idleness_close_the_session_by_themselves(ttl, idle, reason):
+    reports = Reports()
+    async with Target() as target:
+        tcp = TcpSession(session(target.port, ttl=ttl, idle=idle), "127.0.0.1", report=reports)
+        port = await tcp.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.wait_for(reports.ended.wait(), 10)
+        assert tcp.closed == reason and reports.bodies[-1]["tcp"]["terminated_by"] == reason
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+
+
+async def test_an_unreachable_target_closes_the_client_and_the_session_stays_up():
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        dead_port = unused.getsockname()[1]  # bound, never listening: connections to it are refused
+        tcp = TcpSession(session(dead_port), "127.0.0.1")
+        port = await tcp.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(), 15) == b""
+        assert tcp.counters.dial_failures == 1 and tcp.closed is None
+        writer.close()
+        await tcp.close("plexd_close")
+
+
+def test_a_session_of_another_kind_is_refused():
+    from plexd.access.sessions import SshTarget
+
+    with pytest.raises(ValueError, match="not tcp"):
+        TcpSession(Session("s", "ssh", SshTarget("deploy"), time.time() + 60), "127.0.0.1")
