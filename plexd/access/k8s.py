@@ -8,9 +8,10 @@ The proxy then forwards it with the node's own credentials and the session's ide
 
 The listener speaks TLS with the node's own certificate (`plexd.access.certificate`). One request per
 connection (the upstream request says `Connection: close`, the client's connection closes after the response),
-so no second request ever rides on the first one's authentication. After the request head the bytes pass untouched both ways: bodies, watch streams, and protocol upgrades (exec, attach, port-forward over
-WebSocket or SPDY) alike. Each request is reported as §1.4 `k8s` activity (verb, resource, namespace, name,
-status, duration).
+so no second request ever rides on the first one's authentication. After the request head the bytes pass
+untouched both ways: bodies, watch streams, and protocol upgrades (exec, attach, port-forward over WebSocket or
+SPDY) alike. Each request is reported as §1.4 `k8s` activity (verb, resource, namespace, name, status,
+duration).
 """
 
 from __future__ import annotations
