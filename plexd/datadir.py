@@ -12,6 +12,8 @@
                                      integrity violations not yet delivered (SQLite; see plexd.actions.journal)
     telemetry.db               0600  metrics, logs and audit not yet delivered, and where each source was read up
                                      to (SQLite, WAL; plexd.telemetry.queue; telemetry.queue_dir may move it)
+    uplink.db                  0600  reports for the control plane not delivered yet (drift reports), kept across
+                                     restarts until taken or refused for good (SQLite; plexd.controlplane.uplink)
     actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
     deregistered               0600  when the node last deregistered; its next start rejoins with the node secret
                                      first and removes it (plexd.node.departure)
@@ -32,6 +34,7 @@ EVENT_LEDGER = "events.db"
 ACTIONS_DB = "actions.db"
 LOCAL_AUDIT = "actions/local-audit.log"
 TELEMETRY_DB = "telemetry.db"
+UPLINK_DB = "uplink.db"
 DEPARTED = "deregistered"
 UPGRADE = "upgrade.json"
 NONCES = "nonces.json"  # before events.db: imported once, then removed

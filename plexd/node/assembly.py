@@ -48,6 +48,7 @@ from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.errors import PlexdError
 from plexd.integrity import HookScan
 from plexd.log import recent_lines
@@ -70,7 +71,7 @@ from plexd.nodeapi.routes import NodeApi, add_node_api_routes
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
-from plexd.services.reconciler import Reconciler
+from plexd.services.reconciler import Reconciler, drift_uplink
 from plexd.telemetry.service import Telemetry
 from plexd.upgrade.upgrader import Upgrader
 
@@ -132,10 +133,12 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     async def post_drift(report: dict[str, Any]) -> None:
         await agent.authed(lambda: agent.client.report_drift(node_id(), report))
 
+    uplink = drift_uplink(data_dir / datadir.UPLINK_DB, post_drift, _backoff(cfg))
+    agent.on_shutdown("uplink outbox", lambda a: _close(uplink))
     reconciler = Reconciler(
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
         state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
-        clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals)
+        clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink)
 
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
@@ -210,6 +213,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     http_token = read_http_token(cfg) if api_cfg.http_enabled else None
 
     agent.add_service("reconciler", lambda a: reconciler.run())
+    agent.add_service("uplink", lambda a: uplink.run())
     agent.add_service("event_converge", lambda a: mesh.converge_requested())
     agent.add_service("events", lambda a: stream.run())
     agent.add_service("heartbeat", lambda a: heartbeat.run())
@@ -391,8 +395,9 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     return dispatcher
 
 
-async def _close(journal: ActionJournal) -> None:
-    journal.close()
+async def _close(store: ActionJournal | UplinkOutbox) -> None:
+    store.close()
+
 
 
 def _node_view(node: Node, reloader: ConfigReloader) -> NodeView:

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 
 async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, Any]:
+    from plexd import datadir
+    from plexd.backoff import Backoff
     from plexd.clock import Clock
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.ledger import read_mirror
@@ -32,7 +34,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     from plexd.mesh.select import build_converger
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
     from plexd.node.protected import ProtectedAddresses
-    from plexd.services.reconciler import Reconciler
+    from plexd.services.reconciler import Reconciler, drift_uplink
 
     loaded = IdentityStore(config.data_dir).load()
     if loaded.identity is None:
@@ -60,8 +62,14 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
         # A dry run changes nothing local: no signing key installed or persisted.
         apply = state_applier(mesh, None, None) if dry_run else state_applier(mesh, verifier, Path(config.data_dir))
         fetch = state_fetcher(mesh, lambda: client.fetch_state(ident.node_id))
-        reconciler = Reconciler(fetch, apply, mesh.converge, post, refusals=mesh.take_refusals)
-        result = await reconciler.run_once(dry_run=dry_run, drift_phase=restored)
+        # The daemon's outbox file: a report the control plane cannot take now is sent by the next `plexd up`.
+        uplink = None if dry_run else drift_uplink(Path(config.data_dir) / datadir.UPLINK_DB, post, Backoff())
+        reconciler = Reconciler(fetch, apply, mesh.converge, post, refusals=mesh.take_refusals, outbox=uplink)
+        try:
+            result = await reconciler.run_once(dry_run=dry_run, drift_phase=restored)
+        finally:
+            if uplink is not None:
+                uplink.close()
     # The device belongs to the daemon: never stop or close a process this command did not start.
     doc = result.to_json()
     doc["errors"] = [result.error] if result.error else []

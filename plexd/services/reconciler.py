@@ -7,7 +7,9 @@ already had (what it corrects is drift) → `fetch_state()` → `apply_state(sta
 return changes of its own, e.g. new signing keys) → `converge()` again (updates, not drift) → ``POST /drift`` only
 when drift was corrected. `converge` returns a result whose ``.changes`` carry ``.correction_type`` and
 ``.detail``. The first cycle after start only brings the machine up: what it corrects is not drift. A drift
-report that could not be delivered is retried on the next cycle.
+report goes through the uplink outbox (`plexd.controlplane.uplink`): in the daemon it is on disk before it is
+sent, so one the control plane could not take is delivered once it is back, after a restart too; each cycle
+tries what is queued again, and the outbox's own service retries on its backoff in between.
 """
 
 from __future__ import annotations
@@ -16,18 +18,32 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 from plexd import gojson
+from plexd.backoff import Backoff
 from plexd.clock import Clock
-from plexd.controlplane.errors import AuthError, RetryAfterError, TransientError
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.correction import Correction
 from plexd.desired_store import StalePull
 from plexd.plan import Change
 
 log = logging.getLogger(__name__)
 
-MAX_UNSENT_REPORTS = 20
+DRIFT = "drift"  # the outbox kind of drift reports
+
+
+def drift_uplink(path: Path, post_drift: Callable[[dict[str, Any]], Awaitable[None]],
+                 backoff: Backoff | None = None) -> UplinkOutbox:
+    """The durable outbox (data_dir/uplink.db) that carries drift reports to the control plane."""
+
+    async def send(kind: str, body: dict[str, Any]) -> None:
+        if kind != DRIFT:
+            raise ValueError(f"no way to send a {kind!r} report")  # dropped and logged by the outbox
+        await post_drift(body)
+
+    return UplinkOutbox(path, send, backoff=backoff)
 
 
 @dataclass
@@ -85,6 +101,7 @@ class Reconciler(Generic[S]):
         clock: Clock | None = None,
         interval: float = 60.0,
         refusals: Callable[[], list[Correction]] | None = None,  # peers/routes refused since the last report
+        outbox: UplinkOutbox | None = None,  # the daemon's durable one; None: one in memory around post_drift
     ) -> None:
         self._fetch_state = fetch_state
         self._apply_state = apply_state
@@ -96,7 +113,7 @@ class Reconciler(Generic[S]):
         self._wake = asyncio.Event()
         self._reasons: list[str] = []
         self._lock = asyncio.Lock()
-        self._unsent: list[dict[str, Any]] = []
+        self._outbox = outbox if outbox is not None else UplinkOutbox(None, lambda kind, body: post_drift(body))
         self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
         self.cycles = 0
         self.failures = 0
@@ -218,33 +235,15 @@ class Reconciler(Generic[S]):
         if drift:
             log.warning("reconcile (%s) corrected %d drift(s): %s", why, len(drift),
                         "; ".join(f"{c.type}: {c.detail}" for c in drift))
+        seq: int | None = None
         if drift or refused:
             out.report = {
                 # Go marshals time.Now() in the local zone here; any RFC 3339 zone is valid on the wire.
                 "timestamp": gojson.format_time(self._clock.now().astimezone()),
                 "corrections": [c.to_wire() for c in [*drift, *refused]],
             }
-            self._unsent.append(out.report)
-            del self._unsent[:-MAX_UNSENT_REPORTS]
+            seq = self._outbox.put(DRIFT, out.report)
         if not error or drift or refused:
-            delivered = await self._flush_reports()
-            out.reported = any(r is out.report for r in delivered)
+            taken = await self._outbox.deliver()
+            out.reported = seq is not None and seq in taken
         return out
-
-    async def _flush_reports(self) -> list[dict[str, Any]]:
-        """Send the pending reports in order; returns those the control plane took."""
-        delivered: list[dict[str, Any]] = []
-        while self._unsent:
-            report = self._unsent[0]
-            try:
-                await self._post_drift(report)
-            except (TransientError, RetryAfterError, AuthError, OSError) as exc:  # may work next time
-                log.warning("posting the drift report failed (%d pending, retried next cycle): %s",
-                            len(self._unsent), exc)
-                return delivered
-            except Exception as exc:  # refused for good (4xx) or unsendable: never block the reports behind it
-                log.error("drift report dropped, it cannot be delivered: %s", exc)
-            else:
-                delivered.append(report)
-            self._unsent.pop(0)
-        return delivered

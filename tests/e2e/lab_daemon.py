@@ -52,15 +52,20 @@ class Daemon:
         self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
                                    stderr=subprocess.STDOUT)
 
-    def restart(self) -> None:
-        self.stop()
+    def restart(self, main_only: bool = False) -> None:
+        self.stop(main_only)
         self._start()
 
-    def stop(self) -> float:
-        """SIGTERM, wait for the exit (SIGKILL after 20 s); returns how long the shutdown took."""
+    def stop(self, main_only: bool = False) -> float:
+        """SIGTERM, wait for the exit (SIGKILL after 20 s); returns how long the shutdown took. `main_only`: the
+        signal goes to plexd alone, as systemd's KillMode=mixed sends it, so the wireguard-go it started (and a
+        stop that keeps the tunnels) survives; otherwise to the whole process group."""
         start = time.monotonic()
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            if main_only:
+                os.kill(self.proc.pid, signal.SIGTERM)
+            else:
+                os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:

@@ -6,6 +6,10 @@ Supervision is level-triggered: when the process dies, `observe()` returns None 
 the next converge calls `ensure_device()`, which starts a new process, and then re-applies the whole
 configuration because the fresh device is empty.
 
+Its output (stdout and stderr) goes to a file beside the socket (`<if>.out`), followed by a thread: never a
+pipe, whose read end dies with plexd, after which wireguard-go's next log line would kill it with SIGPIPE, taking
+down the very tunnels a restart that keeps them (shutdown.deregister: false, an upgrade) was meant to keep.
+
 A plexd killed with SIGKILL leaves its wireguard-go running (in its own session, on purpose: the tunnels stay up
 while plexd restarts). The next start finds the device answering on its socket and adopts it: it finds the
 process listening on that socket (`find_serving_process`), supervises it by pid, and stops it at teardown as if
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT = 5.0
 STOP_TIMEOUT = 5.0
+OUTPUT_POLL = 0.2  # how often the output file is looked at (one read a time; nothing while it is quiet)
+OUTPUT_LIMIT = 1 << 20  # the output file is emptied past this (LOG_LEVEL=error writes next to nothing)
 
 
 class UserspaceBackend:
@@ -62,6 +68,8 @@ class UserspaceBackend:
         self.uapi = UapiClient(interface, socket_dir)
         self._proc: asyncio.subprocess.Process | None = None
         self._output: collections.deque[str] = collections.deque(maxlen=20)
+        self._output_file = os.path.join(socket_dir, f"{interface}.out")
+        self._follower: threading.Event | None = None  # set: the thread following the output file stops
         self._reader: asyncio.Task[None] | None = None
         self._stopping = False
         self._adopted: int | None = None  # pid of a process left by an earlier plexd, serving our device
@@ -134,29 +142,30 @@ class UserspaceBackend:
         cmd = [*self.launch_prefix, binary, "-f", self.interface]
         self._output.clear()
         self._stopping = False
-        # The output is drained by a thread, not the event loop: wireguard-go blocks (holding its UAPI lock)
-        # when its stdout pipe is full, so a busy loop must never be able to stall the data plane.
-        read_fd, write_fd = os.pipe()
+        # The output goes to a file (see the module's docstring), followed by a thread, not the event loop.
+        try:
+            out_fd = os.open(self._output_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC,
+                             0o600)
+        except OSError as e:
+            raise WireGuardError(f"cannot create {self._output_file} for {binary}'s output: {e}") from None
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
+                *cmd, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=out_fd, stderr=out_fd,
                 start_new_session=True,
             )
         except OSError as e:
-            os.close(read_fd)
             raise WireGuardError(f"cannot start {binary} for {self.interface}: {e}") from None
         finally:
-            os.close(write_fd)
+            os.close(out_fd)
         if was_running:
             self.restarts += 1
-        threading.Thread(target=self._drain_output, args=(read_fd, self._proc.pid), daemon=True,
-                         name=f"wg-output-{self.interface}").start()
+        self._follow_output(self._proc.pid, from_end=False)
         self._reader = asyncio.create_task(self._watch_exit(self._proc), name=f"wg-exit-{self.interface}")
         log.info("started %s for %s (pid %d)", os.path.basename(binary), self.interface, self._proc.pid,
                  extra={"interface": self.interface, "pid": self._proc.pid})
         if not await self._wait_for_socket(self.start_timeout):
             rc = self._proc.returncode
-            output = " | ".join(self._output) or "no output"
+            output = " | ".join(self._last_output()) or "no output"
             await self._stop_process()
             state = f"exited with status {rc}" if rc is not None else f"did not open {self.uapi.path}"
             raise WireGuardError(f"{os.path.basename(binary)} for {self.interface} {state}: {output}")
@@ -174,13 +183,57 @@ class UserspaceBackend:
             await asyncio.sleep(0.02)
         return False
 
-    def _drain_output(self, fd: int, pid: int) -> None:
-        # Buffered: an unbuffered readline reads one byte per syscall (the idle bench saw thousands per second).
-        with open(fd, "rb") as pipe:
-            for line in pipe:
-                text = line.decode(errors="replace").rstrip()
-                self._output.append(text)
-                log.info("%s: %s", self.interface, text, extra={"interface": self.interface, "pid": pid})
+    def _follow_output(self, pid: int, *, from_end: bool) -> None:
+        if self._follower is not None:
+            self._follower.set()
+        stop = self._follower = threading.Event()
+        threading.Thread(target=self._output_lines, args=(pid, stop, from_end), daemon=True,
+                         name=f"wg-output-{self.interface}").start()
+
+    def _output_lines(self, pid: int, stop: threading.Event, from_end: bool) -> None:
+        """Follow the output file until the process is gone (and its last lines read) or `stop`. The file is
+        truncated past OUTPUT_LIMIT (the process appends, so it simply goes on at the new end)."""
+        try:
+            f = open(self._output_file, "rb")  # noqa: SIM115 - closed below, the loop may run for days
+        except OSError:
+            return
+        with f:
+            if from_end:
+                f.seek(0, os.SEEK_END)
+            partial = b""
+            while True:
+                chunk = f.read(1 << 16)
+                if chunk:
+                    *lines, partial = (partial + chunk).split(b"\n")
+                    for line in lines:
+                        self._note_output(line, pid)
+                    continue
+                if stop.is_set() or not _alive(pid):
+                    if partial:
+                        self._note_output(partial, pid)
+                    return
+                if f.tell() > OUTPUT_LIMIT:
+                    with contextlib.suppress(OSError):
+                        os.truncate(self._output_file, 0)
+                    f.seek(0)
+                stop.wait(OUTPUT_POLL)
+
+    def _last_output(self) -> list[str]:
+        """The output's last lines, read now (a process that failed at once may have exited before the follower
+        looked)."""
+        try:
+            with open(self._output_file, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return list(self._output)
+        return [line.rstrip() for line in lines if line.strip()][-20:]
+
+    def _note_output(self, line: bytes, pid: int) -> None:
+        text = line.decode(errors="replace").rstrip()
+        if text:
+            self._output.append(text)
+            log.info("%s: %s", self.interface, text, extra={"interface": self.interface, "pid": pid})
 
     async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
         rc = await proc.wait()
@@ -199,6 +252,7 @@ class UserspaceBackend:
                         self.interface, self.uapi.path)
             return
         self._adopted = pid
+        self._follow_output(pid, from_end=True)
         log.info("adopted %s for %s (pid %d), left running by an earlier plexd: the tunnels stay up",
                  self.implementation, self.interface, pid, extra={"interface": self.interface, "pid": pid})
 

@@ -1,0 +1,119 @@
+"""The uplink outbox: durable and ordered, bounded (oldest dropped and counted), one retry policy for every
+report (transient → backoff, 429 → Retry-After, 401 → retry, other 4xx → dropped), never blocked by one entry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from plexd.backoff import Backoff
+from plexd.controlplane.errors import AuthError, PermanentError, RetryAfterError, TransientError
+from plexd.controlplane.uplink import UplinkOutbox, retry_verdict
+
+NO_JITTER = dict(base=0.01, cap=0.05, jitter=0.0)
+
+
+class ControlPlane:
+    def __init__(self) -> None:
+        self.taken: list[tuple[str, dict]] = []
+        self.answers: list[Exception | None] = []
+
+    async def send(self, kind: str, body: dict) -> None:
+        answer = self.answers.pop(0) if self.answers else None
+        if answer is not None:
+            raise answer
+        self.taken.append((kind, body))
+
+
+@pytest.mark.parametrize("error, retry", [
+    (TransientError("drift", 0, "connection refused"), True),
+    (TransientError("drift", 503, "busy"), True),
+    (TransientError("drift", 408, "timeout"), True),
+    (AuthError("drift", 401, "who"), True),
+    (RetryAfterError("drift", 429, "slow", retry_after=30.0), True),
+    (TransientError("drift", 400, "bad"), False),
+    (PermanentError("drift", 404, "no node"), False),
+    (TransientError("drift", 409, "conflict"), False),
+    (TransientError("drift", 422, "no"), False),
+])
+def test_one_policy_says_retry_or_drop(error, retry):
+    verdict = retry_verdict(error, Backoff(**NO_JITTER))
+    assert verdict.retry is retry and str(error) in verdict.reason
+
+
+def test_retry_after_is_honoured_and_never_shorter_than_the_backoff():
+    assert retry_verdict(RetryAfterError("d", 429, "", retry_after=30.0), Backoff(**NO_JITTER)).delay == 30.0
+    assert retry_verdict(RetryAfterError("d", 429, "", retry_after=None), Backoff(**NO_JITTER)).delay == 0.01
+
+
+async def test_entries_go_in_order_and_a_transient_failure_keeps_them_for_the_next_try(tmp_path):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send, backoff=Backoff(**NO_JITTER))
+    first, second = box.put("drift", {"n": 1}), box.put("drift", {"n": 2})
+    cp.answers = [TransientError("drift", 503, "busy")]
+    assert await box.deliver() == [] and box.size() == 2
+    assert await box.deliver() == [first, second]
+    assert cp.taken == [("drift", {"n": 1}), ("drift", {"n": 2})] and box.size() == 0
+
+
+async def test_a_refused_entry_is_dropped_counted_and_does_not_block_the_next(tmp_path, caplog):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send)
+    box.put("drift", {"n": 1})
+    second = box.put("drift", {"n": 2})
+    cp.answers = [PermanentError("drift", 404, "no such node")]
+    assert await box.deliver() == [second]
+    assert box.status()["refused"] == 1 and "refused it for good" in caplog.text
+
+
+async def test_what_was_queued_survives_a_restart_and_is_delivered_once(tmp_path):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send)
+    cp.answers = [TransientError("drift", 0, "down")]
+    box.put("drift", {"n": 1})
+    await box.deliver()
+    box.close()
+    again = UplinkOutbox(tmp_path / "uplink.db", cp.send)
+    assert [e.body for e in again.pending()] == [{"n": 1}]
+    await again.deliver()
+    await again.deliver()
+    assert cp.taken == [("drift", {"n": 1})]
+    assert (tmp_path / "uplink.db").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_caps_drop_the_oldest_and_count_them(tmp_path, caplog):
+    box = UplinkOutbox(tmp_path / "uplink.db", ControlPlane().send, max_entries=3)
+    for n in range(5):
+        box.put("drift", {"n": n})
+    assert [e.body["n"] for e in box.pending()] == [2, 3, 4]
+    assert box.status()["dropped_full"] == 2 and "uplink outbox full" in caplog.text
+    small = UplinkOutbox(tmp_path / "small.db", ControlPlane().send, max_bytes=100)
+    for n in range(10):
+        small.put("drift", {"pad": "x" * 30, "n": n})
+    assert sum(len(str(e.body)) for e in small.pending()) <= 200 and small.pending()[-1].body["n"] == 9
+
+
+def test_an_unreadable_file_is_moved_aside_and_a_new_one_started(tmp_path, caplog):
+    path = tmp_path / "uplink.db"
+    path.write_bytes(b"this is not sqlite" * 100)
+    box = UplinkOutbox(path, ControlPlane().send)
+    box.put("drift", {"n": 1})
+    assert box.size() == 1
+    assert (tmp_path / "uplink.db.corrupt").exists() and "moved to" in caplog.text
+
+
+async def test_the_service_delivers_what_is_put_and_retries_on_its_backoff(tmp_path):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send, backoff=Backoff(**NO_JITTER))
+    service = asyncio.create_task(box.run())
+    try:
+        cp.answers = [TransientError("drift", 502, "x"), TransientError("drift", 502, "x")]
+        box.put("drift", {"n": 1})
+        async with asyncio.timeout(5):
+            while not cp.taken:
+                await asyncio.sleep(0.005)
+        assert cp.taken == [("drift", {"n": 1})] and box.size() == 0
+    finally:
+        service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
