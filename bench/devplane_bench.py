@@ -7,7 +7,9 @@ A real `plexd-devplane serve` process (started through the test harness) on loop
 1. N registrations over HTTP (concurrent clients). Every deployment starts with the `*`<->`*` policy, so
    registration k also returns k-1 peers and sends `peer_added` to k-1 nodes: the cost is the real full-mesh
    cost, not an empty insert.
-2. N SSE streams held open by raw asyncio sockets (a light client, so the bench measures the server).
+2. N SSE streams held open by raw asyncio sockets (a light client, so the bench measures the server). The
+   devplane admits stream opens at a steady rate and answers the rest 503 + Retry-After
+   (`plexd.devplane.admission`); the bench honours it as plexd does, and reports how many were told to wait.
 3. One admin broadcast event, then one more registration (a real `peer_added` to all N): time from the request
    to the moment the event's `id:` line has arrived on every stream (p50 / p99 / max).
 """
@@ -18,6 +20,7 @@ import argparse
 import asyncio
 import base64
 import os
+import random
 import resource
 import tempfile
 import time
@@ -70,8 +73,15 @@ class Stream:
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.task: asyncio.Task[None] | None = None
+        self.refusals = 0
 
     async def open(self, host: str, port: int, last_event_id: str) -> None:
+        """Open the stream; a 503 with Retry-After (load shedding) is waited out and tried again."""
+        while (wait := await self._try_open(host, port, last_event_id)) is not None:
+            self.refusals += 1
+            await asyncio.sleep(wait * (0.75 + random.random() / 2))  # jittered, as plexd's own backoff
+
+    async def _try_open(self, host: str, port: int, last_event_id: str) -> float | None:
         self.reader, self.writer = await asyncio.open_connection(host, port)
         self.writer.write(
             f"GET /v1/nodes/{self.node['node_id']}/events HTTP/1.1\r\nHost: {host}:{port}\r\n"
@@ -79,9 +89,15 @@ class Stream:
             f"Last-Event-ID: {last_event_id}\r\n\r\n".encode())
         await self.writer.drain()
         head = await self.reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"HTTP/1.1 503"):
+            self.writer.close()
+            retry = next((line.split(b":", 1)[1].strip() for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"retry-after:")), b"1")
+            return float(retry) if retry.isdigit() else 1.0
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(f"stream refused: {head[:80]!r}")
         self.task = asyncio.create_task(self._read())
+        return None
 
     async def _read(self) -> None:
         assert self.reader is not None
@@ -146,7 +162,8 @@ async def run(nodes_wanted: int, concurrency: int) -> None:
             await asyncio.gather(*(s.open(host, port, last) for s in streams[i:i + 100]))
         while dp.admin.status()["streams"] < len(streams):
             await asyncio.sleep(0.05)
-        print(f"streams: {len(streams)} open in {time.perf_counter() - t0:.2f} s")
+        print(f"streams: {len(streams)} open in {time.perf_counter() - t0:.2f} s "
+              f"({sum(s.refusals for s in streams)} opens told to come back later by the load shedding)")
         try:
             await fan_out(dp, streams, lambda: dp.admin.broadcast_event("bench", {"n": 1}),
                           "one admin event to all")
