@@ -70,13 +70,18 @@ class Capture:
 
 
 async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: int, kill_grace: float,
-                      cancel: asyncio.Event | None = None, on_output: OnOutput | None = None) -> Outcome:
+                      cancel: asyncio.Event | None = None, on_output: OnOutput | None = None,
+                      exec_fd: int | None = None) -> Outcome:
+    """Run `path` (its argv[0]); with `exec_fd`, what is executed is that descriptor (a hook's
+    `plexd.integrity.HookImage`), never the path: it is passed to the child, which execs /proc/self/fd/N."""
     started = time.monotonic()
+    executable, keep = (f"/proc/self/fd/{exec_fd}", (exec_fd,)) if exec_fd is not None else (path, ())
     try:
         # Popen, not asyncio's subprocess: its wait() returns only once the pipes close, which a leftover child
         # may hold open; a pidfd says when the hook itself has exited.
-        proc = subprocess.Popen([path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd="/", start_new_session=True, close_fds=True)
+        proc = subprocess.Popen([path], executable=executable, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd="/", start_new_session=True, close_fds=True,
+                                pass_fds=keep)
     except OSError as exc:
         return Outcome(ERROR, 1, "", f"cannot execute {path}: {exc.strerror or exc}\n", time.monotonic() - started,
                        detail=f"exec failed: {exc.strerror or exc}")

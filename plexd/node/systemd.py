@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
+import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
@@ -41,6 +44,31 @@ def notify(*lines: str, env: Mapping[str, str] | None = None) -> bool:
 def booted() -> bool:
     """sd_booted(3): systemd is PID 1 here."""
     return os.path.isdir("/run/systemd/system")
+
+
+def in_unit(env: Mapping[str, str] | None = None) -> bool:
+    """This process was started by systemd as (part of) a unit: systemd is PID 1 and set INVOCATION_ID."""
+    return booted() and bool((os.environ if env is None else env).get("INVOCATION_ID"))
+
+
+# The limits of wireguard-go's scope: outside plexd.service's cgroup, the unit's MemoryMax, TasksMax and device
+# policy no longer cover it (its sandbox does: seccomp, capabilities and mounts belong to the process).
+SCOPE_PROPERTIES = ("DevicePolicy=closed", "DeviceAllow=/dev/net/tun rw", "MemoryMax=256M", "TasksMax=64")
+
+
+def scope_command(interface: str, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The command prefix that runs a long-lived child (wireguard-go) in a transient scope of its own when
+    plexd runs as a systemd unit, else (). systemd-run --scope execs the command itself, so the pid plexd holds
+    stays the child's, and the child outlives plexd.service's KillMode=mixed (the tunnels stay up through a
+    restart, an upgrade, a stop with shutdown.deregister: false). The name is unique: a scope that is still
+    being emptied must not stop the next start."""
+    found = shutil.which("systemd-run")
+    if not in_unit(env) or found is None:
+        return ()
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", interface)
+    props = [arg for prop in SCOPE_PROPERTIES for arg in ("--property", prop)]
+    return (found, "--scope", "--quiet", "--collect", f"--unit=plexd-wireguard-{name}-{secrets.token_hex(4)}",
+            f"--description=userspace WireGuard of plexd for {interface}", *props, "--")
 
 
 def systemctl(*args: str, timeout: float = 60.0) -> str:
