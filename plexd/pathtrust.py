@@ -42,7 +42,7 @@ def trust_problem(path: str | os.PathLike[str]) -> str:
     for part in chain:
         try:
             st = os.lstat(part)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # not there (yet): creating it will say what is wrong
             continue
         except OSError as exc:
             return f"cannot check {part}: {exc.strerror}"
