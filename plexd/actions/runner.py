@@ -8,7 +8,11 @@ Ending: the hook's own exit; the deadline (status ``timeout``); or `cancel` bein
 is shutting down). On deadline or cancel the group gets SIGTERM, then SIGKILL after `kill_grace`. Once the hook
 itself has exited, what it left running in its group may hold the pipes open: after `DRAIN` seconds the rest of
 the group is killed — an action leaves nothing running behind. (A child that starts its own session escapes the
-group; containing that needs a cgroup, which systemd's unit gives the whole daemon.)
+group; containing that needs a cgroup: under systemd, KillMode=mixed kills what is left in the unit's once plexd
+exits.)
+
+A hook is executed from the descriptor of its image (`exec_fd`: the sealed memfd whose bytes were hashed), never
+by its path, so a file swapped after the hash cannot run in its place.
 """
 
 from __future__ import annotations
