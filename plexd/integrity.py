@@ -230,8 +230,8 @@ class HookUnusable(PlexdError):
 @dataclass
 class HookImage:
     """The exact bytes of a hook, hashed (`checksum`) and held by `fd`: a sealed memfd (no write, grow, shrink
-    or new seal), or, where the kernel forbids executable memfds, the hook file's own descriptor, which still
-    pins the file that was hashed against a rename.
+    or new seal), or, for a hook over `MAX_IMAGE` or where the kernel forbids executable memfds, the hook file's
+    own descriptor, which still pins the file that was hashed against a rename (not against a write in place).
 
     Executed as ``/proc/self/fd/N`` with the descriptor passed to the child without close-on-exec: for a binary
     the kernel opens it before the exec closes anything, and for a ``#!`` script the interpreter is handed that
@@ -253,6 +253,8 @@ class HookImage:
             self.fd = -1
 
 
+# A copy counts against the unit's MemoryMax for as long as the hook runs; a larger hook runs from its opened file.
+MAX_IMAGE = 128 << 20
 _MFD_EXEC = getattr(os, "MFD_EXEC", 0x10)  # Linux 6.3: memfds are no longer executable by default everywhere
 
 
@@ -261,7 +263,8 @@ def image_hook(path: str | os.PathLike[str]) -> HookImage:
     the descriptor is what runs, so it is what is checked), and copy it into a sealed memfd while hashing the
     bytes copied. Raises HookUnusable."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO swapped in after the scan must not hang the open (fstat refuses it below).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError as exc:
         raise HookUnusable(f"cannot open {path}: {exc.strerror}") from None
     try:
@@ -271,8 +274,8 @@ def image_hook(path: str | os.PathLike[str]) -> HookImage:
         problem = _unsafe(st, "file")
         if problem:
             raise HookUnusable(f"{path}: {problem}")
-        memfd = _memfd(os.path.basename(path))
-        if memfd is None:  # executable memfds forbidden here: run (and hash) the opened file itself
+        memfd = _memfd(os.path.basename(path)) if st.st_size <= MAX_IMAGE else None
+        if memfd is None:  # too large to copy, or executable memfds forbidden: run (and hash) the opened file
             return HookImage(fd, _hash_fd(fd), sealed=False)
     except BaseException:
         os.close(fd)

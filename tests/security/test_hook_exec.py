@@ -182,3 +182,28 @@ def test_the_image_is_sealed_and_not_leaked_to_other_children(tmp_path):
         assert fcntl.fcntl(image.fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC  # only the hook's own exec receives it
     finally:
         image.close()
+
+
+async def test_a_hook_too_large_to_copy_runs_from_its_opened_file_which_a_rename_cannot_swap(tmp_path, monkeypatch):
+    from plexd import integrity
+
+    monkeypatch.setattr(integrity, "MAX_IMAGE", 8)
+    hook, sentinel = tmp_path / "job", tmp_path / "swapped-ran"
+    write_hook(hook, "#!/bin/sh\necho original\n")
+    image = image_hook(hook)
+    try:
+        assert not image.sealed
+        write_hook(tmp_path / "evil", f"#!/bin/sh\ntouch {sentinel}\n")
+        os.rename(tmp_path / "evil", hook)
+        out = await run_process(str(hook), {"PATH": "/usr/bin:/bin"}, timeout=10, cap=4096, kill_grace=1,
+                                exec_fd=image.fd)
+    finally:
+        image.close()
+    assert out.stdout == "original\n" and not sentinel.exists()
+
+
+def test_a_fifo_swapped_in_is_refused_without_hanging(tmp_path):
+    fifo = tmp_path / "job"
+    os.mkfifo(fifo, 0o755)
+    with pytest.raises(HookUnusable, match="not an executable regular file"):
+        image_hook(fifo)  # O_NONBLOCK: a FIFO with no writer would otherwise block this open forever
