@@ -7,13 +7,17 @@ does; the fallback when systemd-run fails is tested with a stand-in that fails a
 
 from __future__ import annotations
 
+import grp
 import logging
+import os
 import re
 import shutil
+import stat
 import subprocess
 from pathlib import Path
 
 import pytest
+from lab_daemon import PLEXD, Daemon, wait_until, wireguard_go_pids
 
 from plexd.install.installer import unit_text
 from plexd.lab import Lab
@@ -155,3 +159,58 @@ async def test_without_a_usable_systemd_run_wireguard_go_still_starts_and_says_w
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:
         await backend.close()
+
+
+UNIT_CAPS = "-all,+net_admin,+net_raw,+net_bind_service"  # the unit's CapabilityBoundingSet, for setpriv
+
+
+class ConfinedDaemon(Daemon):
+    """`plexd up` with the unit's capability bounding set and a supplementary group, as systemd would start it
+    (setpriv after the lab's `ip netns exec`, which itself needs CAP_SYS_ADMIN)."""
+
+    def _start(self) -> None:
+        self.runs += 1
+        self.log_path = self.dir / f"plexd-{self.runs}.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **self.extra_env}
+        cmd = ["setpriv", "--bounding-set", UNIT_CAPS, "--groups", str(GROUP.gr_gid), "--", PLEXD, "up"]
+        self.proc = self.lab.spawn(self.node.wrap(cmd), env=env, stdout=self.log, stderr=subprocess.STDOUT)
+
+
+GROUP = grp.getgrnam("daemon")  # stands in for group plexd, which this machine may not have
+
+
+@pytest.mark.root
+def test_plexd_runs_its_mesh_hooks_and_socket_with_only_the_units_capabilities(lab_dp):
+    """The measured need: with no CAP_DAC_*, CAP_FOWNER, CAP_KILL or CAP_CHOWN, a real plexd registers, runs
+    wireguard-go, hands its socket to its group (the unit's SupplementaryGroups=), hashes and runs a hook, and
+    ends a timed-out hook's process group."""
+    lab, dp, daemons, tmp_path = lab_dp
+    hooks = tmp_path / lab.nodes[0].name / "hooks"
+    hooks.mkdir(mode=0o755, parents=True)
+    (hooks / "hello").write_text("#!/bin/sh\ngrep CapBnd /proc/self/status\n")
+    (hooks / "sleepy").write_text("#!/bin/sh\nsleep 6078 &\nsleep 6078\n")
+    for name in ("hello", "sleepy"):
+        (hooks / name).chmod(0o700)  # root's alone: no DAC override needed to hash it
+    sock = tmp_path / lab.nodes[0].name / "api.sock"
+    d = ConfinedDaemon(lab, lab.nodes[0], dp, tmp_path, "1h", extra_config="shutdown: {deregister: false}\n",
+                       node_api=f"socket_path: {sock}, socket_group: {GROUP.gr_name}")
+    daemons.append(d)
+    wait_until(lambda: sock.exists() and d.node_id() is not None and wireguard_go_pids(lab, lab.nodes[0]), 30,
+               "the confined daemon", daemons)
+    st = sock.stat()
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (GROUP.gr_gid, 0o660), d.logged()[-2000:]
+    status = Path(f"/proc/{d.proc.pid}/status").read_text()
+    bounding = int(re.search(r"CapBnd:\s+([0-9a-f]+)", status).group(1), 16)
+    assert bounding == (1 << 12) | (1 << 13) | (1 << 10)  # NET_ADMIN, NET_RAW, NET_BIND_SERVICE: nothing else
+    run = d.cli("actions", "run", "hello", "--local", check=False)
+    assert run.returncode == 0 and "CapBnd:\t0000000000003400" in run.stdout, run.stdout + run.stderr
+    slow = d.cli("actions", "run", "sleepy", "--local", "--timeout", "1s", check=False)
+    assert slow.returncode == 124, slow.stdout + slow.stderr  # timed out; its group was killed without CAP_KILL
+    wait_until(lambda: not _sleepers(hooks / "sleepy"), 10, "the timed-out hook's group gone", daemons)
+
+
+def _sleepers(hook: Path) -> list[str]:
+    """The hook's `sleep 6078` processes (a number no other test uses)."""
+    out = subprocess.run(["pgrep", "-f", "sleep 6078"], capture_output=True, text=True, check=False).stdout
+    return out.split()
