@@ -5,6 +5,9 @@ settings, ``NOTIFY_SOCKET`` through which a child could speak for the daemon, wh
 child gets ``PATH`` and the locale (``LANG``, ``LC_ALL``: taken from the daemon, they decide only how text is
 printed), ``HOME`` (``/root``: plexd runs as root) and what its caller adds explicitly (a hook's
 ``PLEXD_*`` variables and parameters, wireguard-go's settings).
+
+The one exception is plexd itself: the launcher's exec of the current release and the upgrade watcher are the
+daemon continuing, and need its configuration (``PLEXD_*``) and systemd's variables (``NOTIFY_SOCKET``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Mapping
 
+from plexd.childenv import child_environment
 from plexd.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ def scope_command(interface: str, env: Mapping[str, str] | None = None) -> tuple
 def systemctl(*args: str, timeout: float = 60.0) -> str:
     """Run ``systemctl ARGS``: "" when it worked, else why not (its stderr, or why it could not run)."""
     try:
-        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=timeout, check=False,
+                              env=child_environment())
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     return "" if done.returncode == 0 else (done.stderr.strip() or f"exit status {done.returncode}")
