@@ -50,6 +50,7 @@ from plexd.integrity import HookScan, binary_checksum, capabilities_document, sc
 from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
 from plexd.node.systemd import notify
+from plexd.pathtrust import require_trusted
 from plexd.registrar import Registrar
 from plexd.upgrade.launcher import EXIT_RESTART
 
@@ -207,7 +208,9 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start stage of the seed: data_dir usable, binary checksum, hook scan."""
+        """Start stage of the seed: data_dir and hooks.dir trustworthy, data_dir usable, binary checksum, hook
+        scan."""
+        require_trusted({"data_dir": self.config.data_dir, "hooks.dir": self.config.hooks.dir})
         await asyncio.to_thread(self.store.ensure_writable)
         self.binary_checksum = await asyncio.to_thread(binary_checksum)
         self.hooks = await asyncio.to_thread(scan_hooks, self.config.hooks.dir)

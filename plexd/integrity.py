@@ -11,10 +11,16 @@ Hooks (PROJECT-DECISIONS.md, Hooks row; plexd-protocol.md §7.1): every executab
 sandbox (a malformed sidecar is ignored with a warning). A hook must be owned by root and not writable by group
 or other, and the directory itself likewise, otherwise it is refused with a logged reason: whoever can write it
 could make plexd run anything as root.
+
+A hook runs from a `HookImage`: its bytes copied into a sealed memfd and hashed there, right before the request
+is acked; the process is started by executing that descriptor, not the path. Whatever happens to the file in
+between (renamed over, rewritten in place) the bytes that run are the bytes whose checksum was compared.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -24,6 +30,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from plexd.errors import PlexdError
+from plexd.pathtrust import trust_problem
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +149,15 @@ def _unsafe(st: os.stat_result, what: str) -> str:
     return ""
 
 
+def _directory_problem(directory: Path, st: os.stat_result) -> str:
+    """The hooks directory's own check, and its parents' (`plexd.pathtrust`): a hook is no safer than they."""
+    problem = _unsafe(st, f"hooks directory {directory}")
+    if problem:
+        return problem
+    problem = trust_problem(directory)
+    return f"hooks directory {directory}: {problem}" if problem else ""
+
+
 def scan_hooks(directory: str | os.PathLike[str]) -> HookScan:
     """Discover hooks in `directory` (non-recursive), sorted by name. Never raises for a bad hook: it is refused
     or its sidecar ignored, with the reason logged and returned."""
@@ -157,7 +175,7 @@ def scan_hooks(directory: str | os.PathLike[str]) -> HookScan:
     hooks: list[Hook] = []
     refused: list[RefusedHook] = []
     warnings: list[str] = []
-    dir_problem = _unsafe(dir_stat, f"hooks directory {directory}")
+    dir_problem = _directory_problem(directory, dir_stat)
     for name in names:
         if name.endswith(".json") or name.startswith("."):
             continue
@@ -185,7 +203,7 @@ def inspect_hook(directory: str | os.PathLike[str], name: str, dir_problem: str 
     path = directory / name
     if dir_problem is None:
         try:
-            dir_problem = _unsafe(directory.stat(), f"hooks directory {directory}")
+            dir_problem = _directory_problem(directory, directory.stat())
         except OSError as exc:
             return RefusedHook(name, str(path), f"cannot read hooks directory {directory}: {exc.strerror}")
     try:
@@ -203,6 +221,105 @@ def inspect_hook(directory: str | os.PathLike[str], name: str, dir_problem: str 
         return RefusedHook(name, str(path), f"cannot read: {exc.strerror}")
     sidecar, warning = _read_sidecar(Path(f"{path}.json"))
     return Hook(name=name, path=str(path), checksum=checksum, **sidecar), warning
+
+
+class HookUnusable(PlexdError):
+    """The hook file cannot be turned into an image: why, in one line."""
+
+
+@dataclass
+class HookImage:
+    """The exact bytes of a hook, hashed (`checksum`) and held by `fd`: a sealed memfd (no write, grow, shrink
+    or new seal), or, for a hook over `MAX_IMAGE` or where the kernel forbids executable memfds, the hook file's
+    own descriptor, which still pins the file that was hashed against a rename (not against a write in place).
+
+    Executed as ``/proc/self/fd/N`` with the descriptor passed to the child without close-on-exec: for a binary
+    the kernel opens it before the exec closes anything, and for a ``#!`` script the interpreter is handed that
+    path and opens it itself, after the exec, which works only because the child still holds the descriptor
+    (an fexecve with O_CLOEXEC fails for scripts with ENOENT). A script therefore sees ``$0`` as
+    ``/proc/self/fd/N``."""
+
+    fd: int
+    checksum: str
+    sealed: bool
+
+    @property
+    def exec_path(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# A copy counts against the unit's MemoryMax for as long as the hook runs; a larger hook runs from its opened file.
+MAX_IMAGE = 128 << 20
+_MFD_EXEC = getattr(os, "MFD_EXEC", 0x10)  # Linux 6.3: memfds are no longer executable by default everywhere
+
+
+def image_hook(path: str | os.PathLike[str]) -> HookImage:
+    """Open hook `path`, check the opened file (regular, executable, root's, not writable by group or other:
+    the descriptor is what runs, so it is what is checked), and copy it into a sealed memfd while hashing the
+    bytes copied. Raises HookUnusable."""
+    try:
+        # O_NONBLOCK: a FIFO swapped in after the scan must not hang the open (fstat refuses it below).
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise HookUnusable(f"cannot open {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not st.st_mode & 0o111:
+            raise HookUnusable(f"{path} is not an executable regular file")
+        problem = _unsafe(st, "file")
+        if problem:
+            raise HookUnusable(f"{path}: {problem}")
+        memfd = _memfd(os.path.basename(path)) if st.st_size <= MAX_IMAGE else None
+        if memfd is None:  # too large to copy, or executable memfds forbidden: run (and hash) the opened file
+            return HookImage(fd, _hash_fd(fd), sealed=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        digest = hashlib.sha256()
+        with open(fd, "rb", closefd=True) as src:
+            while chunk := src.read(_CHUNK):
+                digest.update(chunk)
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(memfd, view):]
+        fcntl.fcntl(memfd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SEAL | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+    except OSError as exc:
+        os.close(memfd)
+        raise HookUnusable(f"cannot read {path}: {exc.strerror}") from None
+    except BaseException:
+        os.close(memfd)
+        raise
+    return HookImage(memfd, digest.hexdigest(), sealed=True)
+
+
+def _memfd(name: str) -> int | None:
+    flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+    for extra in (_MFD_EXEC, 0):  # MFD_EXEC is EINVAL before Linux 6.3, where every memfd is executable
+        try:
+            return os.memfd_create(f"plexd-hook:{name}", flags | extra)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and extra:
+                continue
+            log.warning("cannot create an executable memfd for hook %s (%s): running it from its opened file, "
+                        "which a rename cannot swap but a write in place could change", name, exc.strerror)
+            return None
+    return None
+
+
+def _hash_fd(fd: int) -> str:
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
 
 
 def _leaves_directory(directory: Path, path: Path) -> str:

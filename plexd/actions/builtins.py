@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd import __version__
+from plexd.childenv import child_environment
 
 Json = dict[str, Any]
 
@@ -133,7 +134,7 @@ async def ping_peer(view: NodeView, params: dict[str, str]) -> Output:
         return Output(1, "", f"count {count_text!r}: must be a whole number from 1 to 20\n")
     proc = await asyncio.create_subprocess_exec(
         "ping", "-n", "-c", count_text, "-i", "0.2", "-W", "2", ip, stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=child_environment())
     out, err = await proc.communicate()
     text = out.decode(errors="replace")
     counts = _COUNTS.search(text)

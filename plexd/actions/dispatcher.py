@@ -16,6 +16,7 @@ Timeout: the request's, else the hook's sidecar's, else ``actions.timeout``; nev
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -34,7 +35,7 @@ from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
 from plexd.config import ActionsConfig
 from plexd.controlplane.envelope import Envelope
 from plexd.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
-from plexd.integrity import Hook, RefusedHook, inspect_hook
+from plexd.integrity import Hook, HookImage, HookUnusable, RefusedHook, image_hook, inspect_hook
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,14 @@ class Running:
     def to_json(self) -> dict[str, Any]:
         return {"execution_id": self.request.execution_id, "action": self.request.action, "origin": self.origin,
                 "running_seconds": round(time.monotonic() - self.started, 1)}
+
+
+@dataclass
+class VerifiedHook:
+    """A hook admitted to run: as on disk when it was verified, and the image of the bytes that were hashed
+    (what is executed; closed once the hook started or the request was refused)."""
+    hook: Hook
+    image: HookImage
 
 
 class ActionDispatcher:
@@ -93,6 +102,7 @@ class ActionDispatcher:
     async def submit(self, request: ActionRequest, origin: str, *, on_output: OnOutput | None = None,
                      caller: dict[str, Any] | None = None) -> Running:
         """Admit and start `request`; raise InvalidRequest (after acking and logging it) when it is refused."""
+        target: Builtin | VerifiedHook | None = None
         try:
             target = await self._admit(request, origin)
             # From here to the start nothing awaits: the duplicate and concurrency checks and the journal entry
@@ -105,6 +115,8 @@ class ActionDispatcher:
             except JournalError as exc:
                 raise InvalidRequest(f"cannot journal the execution ({exc}); not run") from None
         except InvalidRequest as exc:
+            if isinstance(target, VerifiedHook):
+                target.image.close()
             self._refuse(request.execution_id, request.action, origin, exc, caller)
             raise
         self.outbox.wake()
@@ -128,7 +140,7 @@ class ActionDispatcher:
 
     # -- admission ----------------------------------------------------------------------------------------------
 
-    async def _admit(self, request: ActionRequest, origin: str) -> Builtin | Hook:
+    async def _admit(self, request: ActionRequest, origin: str) -> Builtin | VerifiedHook:
         if not self.config.enabled:
             raise InvalidRequest("actions are disabled (actions.enabled: false)", rq.ACTIONS_DISABLED)
         if self.shutting_down:
@@ -162,9 +174,10 @@ class ActionDispatcher:
             raise InvalidRequest(f"{len(self.running)} actions running, the limit (actions.max_concurrent)",
                                  rq.MAX_CONCURRENT)
 
-    async def _verify(self, request: ActionRequest, origin: str, hook: Hook) -> Hook:
+    async def _verify(self, request: ActionRequest, origin: str, hook: Hook) -> VerifiedHook:
         """The hook as it is on disk now: still safe, and with the checksum the request (or, for a local run, the
-        last scan) and the last announcement name. Else a violation is reported and the request refused."""
+        last scan) and the last announcement name. Else a violation is reported and the request refused. The
+        checksum compared is that of the image that will be executed (`plexd.integrity.image_hook`)."""
         if origin == CONTROL_PLANE and not request.checksum:
             raise InvalidRequest(f"checksum: missing; hook {hook.name!r} runs only against the SHA-256 it was "
                                  "announced with")
@@ -175,12 +188,19 @@ class ActionDispatcher:
             self._violation(hook.path, hook.checksum, "", f"hook refused: {found.reason}")
             raise InvalidRequest(f"hook {hook.name!r} is no longer safe to run: {found.reason}",
                                  rq.INTEGRITY_VIOLATION)
-        now, _ = found
+        try:
+            image = await asyncio.to_thread(image_hook, found[0].path)
+        except HookUnusable as exc:
+            self._violation(hook.path, hook.checksum, "", f"hook refused: {exc}")
+            raise InvalidRequest(f"hook {hook.name!r} is no longer safe to run: {exc}",
+                                 rq.INTEGRITY_VIOLATION) from None
+        now = dataclasses.replace(found[0], checksum=image.checksum)
         problem, expected = self.hooks.checksum_problem(
             hook.name, now.checksum, request.checksum or hook.checksum,
             "differs from the request's checksum" if request.checksum else "changed since it was scanned")
         if not problem:
-            return now
+            return VerifiedHook(now, image)
+        image.close()
         self._violation(hook.path, expected, now.checksum, f"hook checksum mismatch: the file {problem}")
         raise InvalidRequest(f"hook {hook.name!r}: sha256 {now.checksum} {problem} ({expected or 'none'}); "
                              "not run", rq.INTEGRITY_VIOLATION)
@@ -213,23 +233,26 @@ class ActionDispatcher:
 
     # -- running ------------------------------------------------------------------------------------------------
 
-    def timeout_for(self, request: ActionRequest, target: Builtin | Hook) -> float:
+    def timeout_for(self, request: ActionRequest, target: Builtin | VerifiedHook) -> float:
         timeout = request.timeout
-        if timeout is None and isinstance(target, Hook) and target.timeout:
-            timeout = parse_duration(target.timeout)  # validated when the sidecar was read
+        if timeout is None and isinstance(target, VerifiedHook) and target.hook.timeout:
+            timeout = parse_duration(target.hook.timeout)  # validated when the sidecar was read
         return min(timeout or self.config.timeout, MAX_TIMEOUT)
 
-    async def _execute(self, running: Running, target: Builtin | Hook, on_output: OnOutput | None) -> None:
+    async def _execute(self, running: Running, target: Builtin | VerifiedHook, on_output: OnOutput | None) -> None:
         request = running.request
         timeout = self.timeout_for(request, target)
         try:
             if isinstance(target, Builtin):
                 outcome = await self._run_builtin(target, request, timeout, running.cancel, on_output)
             else:
-                outcome = await run_process(target.path, rq.hook_environment(self._node_id(), request),
-                                            timeout=timeout, cap=self.config.output_cap,
-                                            kill_grace=self.config.kill_grace, cancel=running.cancel,
-                                            on_output=on_output)
+                try:
+                    outcome = await run_process(target.hook.path, rq.hook_environment(self._node_id(), request),
+                                                timeout=timeout, cap=self.config.output_cap,
+                                                kill_grace=self.config.kill_grace, cancel=running.cancel,
+                                                on_output=on_output, exec_fd=target.image.fd)
+                finally:
+                    target.image.close()
         except Exception as exc:  # a bug must not lose the result
             log.exception("action %s (execution %s) failed inside plexd", request.action, request.execution_id)
             outcome = Outcome(rq.ERROR, 1, "", f"plexd: internal error: {exc}\n",

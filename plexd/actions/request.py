@@ -13,11 +13,11 @@ parameter's name with every character outside ``[A-Za-z0-9_]`` replaced by ``_``
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from plexd.childenv import child_environment
 from plexd.errors import PlexdError, WireFormatError
 from plexd.gojson import parse_duration
 from plexd.model import _fields  # Go's case-insensitive keys
@@ -41,7 +41,6 @@ MAX_PARAMETER_BYTES = 32 << 10  # one value; the kernel refuses a single environ
 MAX_PARAMETERS_BYTES = 256 << 10  # all of them
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 _ENV_UNSAFE = re.compile(r"[^A-Za-z0-9_]")
-DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class InvalidRequest(PlexdError):
@@ -205,9 +204,10 @@ def check_declared(parameters: dict[str, str], declared: Any) -> None:
 
 
 def hook_environment(node_id: str, request: ActionRequest) -> dict[str, str]:
-    env = {"PATH": os.environ.get("PATH") or DEFAULT_PATH, "HOME": os.environ.get("HOME") or "/root",
-           "PLEXD_NODE_ID": node_id, "PLEXD_EXECUTION_ID": request.execution_id,
-           "PLEXD_ACTION_NAME": request.action}
+    """The hook's whole environment: the allow-list of `plexd.childenv`, the execution's names and its
+    parameters; nothing else of the daemon's (its bootstrap token least of all)."""
+    extra = {"PLEXD_NODE_ID": node_id, "PLEXD_EXECUTION_ID": request.execution_id,
+             "PLEXD_ACTION_NAME": request.action}
     for name, value in request.parameters.items():
-        env[env_name(name)] = value
-    return env
+        extra[env_name(name)] = value
+    return child_environment(extra)

@@ -8,7 +8,11 @@ Ending: the hook's own exit; the deadline (status ``timeout``); or `cancel` bein
 is shutting down). On deadline or cancel the group gets SIGTERM, then SIGKILL after `kill_grace`. Once the hook
 itself has exited, what it left running in its group may hold the pipes open: after `DRAIN` seconds the rest of
 the group is killed — an action leaves nothing running behind. (A child that starts its own session escapes the
-group; containing that needs a cgroup, which systemd's unit gives the whole daemon.)
+group; containing that needs a cgroup: under systemd, KillMode=mixed kills what is left in the unit's once plexd
+exits.)
+
+A hook is executed from the descriptor of its image (`exec_fd`: the sealed memfd whose bytes were hashed), never
+by its path, so a file swapped after the hash cannot run in its place.
 """
 
 from __future__ import annotations
@@ -70,13 +74,18 @@ class Capture:
 
 
 async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: int, kill_grace: float,
-                      cancel: asyncio.Event | None = None, on_output: OnOutput | None = None) -> Outcome:
+                      cancel: asyncio.Event | None = None, on_output: OnOutput | None = None,
+                      exec_fd: int | None = None) -> Outcome:
+    """Run `path` (its argv[0]); with `exec_fd`, what is executed is that descriptor (a hook's
+    `plexd.integrity.HookImage`), never the path: it is passed to the child, which execs /proc/self/fd/N."""
     started = time.monotonic()
+    executable, keep = (f"/proc/self/fd/{exec_fd}", (exec_fd,)) if exec_fd is not None else (path, ())
     try:
         # Popen, not asyncio's subprocess: its wait() returns only once the pipes close, which a leftover child
         # may hold open; a pidfd says when the hook itself has exited.
-        proc = subprocess.Popen([path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=env, cwd="/", start_new_session=True, close_fds=True)
+        proc = subprocess.Popen([path], executable=executable, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=env, cwd="/", start_new_session=True, close_fds=True,
+                                pass_fds=keep)
     except OSError as exc:
         return Outcome(ERROR, 1, "", f"cannot execute {path}: {exc.strerror or exc}\n", time.monotonic() - started,
                        detail=f"exec failed: {exc.strerror or exc}")

@@ -22,8 +22,10 @@ UNIT_NAME = "plexd.service"
 UNIT_DIR = "etc/systemd/system"
 LINK = "usr/local/bin/plexd"
 GROUPS = ("plexd", "plexd-secrets", "plexd-admin")  # the socket's, the secrets', the control routes'
+# opt/plexd/releases: upgrade.dir's default, the one path the unit lets the daemon write under /opt (the venv
+# stays read-only); it must exist before the unit starts, since ProtectSystem=strict forbids creating it then.
 DIRECTORIES = (("etc/plexd", 0o755), ("etc/plexd/hooks.d", 0o755), ("var/lib/plexd", 0o700),
-               ("run/plexd", 0o755))
+               ("run/plexd", 0o755), ("opt/plexd/releases", 0o755))
 CONFIG = "etc/plexd/config.yaml"
 TOKEN = "etc/plexd/bootstrap-token"
 DEFAULT_EXEC = "/usr/local/bin/plexd"
@@ -128,7 +130,7 @@ def uninstall(root: str = "/", *, purge: bool = False, systemd: bool | None = No
     else:
         report.skipped.append(f"/{LINK} is not plexd's link")
     if purge:
-        for rel in ("var/lib/plexd", "etc/plexd", "run/plexd"):
+        for rel in ("var/lib/plexd", "etc/plexd", "run/plexd", "opt/plexd/releases"):
             path = base / rel
             if path.exists():
                 shutil.rmtree(path)

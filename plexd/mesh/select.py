@@ -29,7 +29,10 @@ def wireguard_backend(config: Config) -> WireGuardBackend:
 
     if backend_kind(config) == "kernel":
         return KernelBackend(config.mesh.interface)
-    return UserspaceBackend(config.mesh.interface, implementation=config.mesh.userspace_implementation)
+    from plexd.node.systemd import scope_command
+
+    return UserspaceBackend(config.mesh.interface, implementation=config.mesh.userspace_implementation,
+                            scope=scope_command(config.mesh.interface))
 
 
 def build_converger(config: Config) -> Converger:

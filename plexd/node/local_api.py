@@ -252,11 +252,14 @@ class LocalAPI:
                         "to let its members use the node API", self.group, path)
             return
         try:
-            os.chown(path, 0, gid)
+            # The group only: under the unit plexd has no CAP_CHOWN and may give its file to a group it is in
+            # (SupplementaryGroups=plexd).
+            os.chown(path, -1, gid)
             os.chmod(path, 0o660)
-        except OSError as exc:  # not root (tests): owner-only is the safe fallback
+        except OSError as exc:  # not root (tests), or a group the unit does not give plexd: owner-only is safe
             os.chmod(path, 0o600)
-            log.warning("cannot give %s to group %s (%s): socket is 0600", path, self.group, exc.strerror)
+            log.warning("cannot give %s to group %s (%s): socket is 0600 (under systemd, the unit's "
+                        "SupplementaryGroups= must name the group)", path, self.group, exc.strerror)
 
     async def stop(self, grace: float = 0.0) -> None:
         """Stop listening; give requests being answered up to `grace` seconds (the answer to `plexd

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import secrets
+import shutil
 import socket
 import subprocess
 from collections.abc import Callable, Mapping
 
+from plexd.childenv import child_environment
 from plexd.clock import Clock
 
 log = logging.getLogger(__name__)
@@ -43,10 +47,36 @@ def booted() -> bool:
     return os.path.isdir("/run/systemd/system")
 
 
+def in_unit(env: Mapping[str, str] | None = None) -> bool:
+    """This process was started by systemd as (part of) a unit: systemd is PID 1 and set INVOCATION_ID."""
+    return booted() and bool((os.environ if env is None else env).get("INVOCATION_ID"))
+
+
+# The limits of wireguard-go's scope: outside plexd.service's cgroup, the unit's MemoryMax, TasksMax and device
+# policy no longer cover it (its sandbox does: seccomp, capabilities and mounts belong to the process).
+SCOPE_PROPERTIES = ("DevicePolicy=closed", "DeviceAllow=/dev/net/tun rw", "MemoryMax=256M", "TasksMax=64")
+
+
+def scope_command(interface: str, env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The command prefix that runs a long-lived child (wireguard-go) in a transient scope of its own when
+    plexd runs as a systemd unit, else (). systemd-run --scope execs the command itself, so the pid plexd holds
+    stays the child's, and the child outlives plexd.service's KillMode=mixed (the tunnels stay up through a
+    restart, an upgrade, a stop with shutdown.deregister: false). The name is unique: a scope that is still
+    being emptied must not stop the next start."""
+    found = shutil.which("systemd-run")
+    if not in_unit(env) or found is None:
+        return ()
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", interface)
+    props = [arg for prop in SCOPE_PROPERTIES for arg in ("--property", prop)]
+    return (found, "--scope", "--quiet", "--collect", f"--unit=plexd-wireguard-{name}-{secrets.token_hex(4)}",
+            f"--description=userspace WireGuard of plexd for {interface}", *props, "--")
+
+
 def systemctl(*args: str, timeout: float = 60.0) -> str:
     """Run ``systemctl ARGS``: "" when it worked, else why not (its stderr, or why it could not run)."""
     try:
-        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=timeout, check=False)
+        done = subprocess.run(["systemctl", *args], capture_output=True, text=True, timeout=timeout, check=False,
+                              env=child_environment())
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     return "" if done.returncode == 0 else (done.stderr.strip() or f"exit status {done.returncode}")

@@ -20,6 +20,7 @@ import logging
 import os
 from typing import Any
 
+from plexd.childenv import child_environment
 from plexd.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, cap_line
 
@@ -123,7 +124,7 @@ class JournalLogs:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.command(), stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, limit=MAX_JSON_LINE)
+                stderr=asyncio.subprocess.PIPE, limit=MAX_JSON_LINE, env=child_environment())
         except OSError as exc:
             return None, f"cannot run journalctl: {exc.strerror or exc}"
         try:

@@ -34,6 +34,7 @@ from typing import Any
 
 from plexd import __version__
 from plexd.actions.builtins import Output, json_output
+from plexd.childenv import child_environment
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.errors import PlexdError
 from plexd.integrity import sha256_file, zipapp_of
@@ -166,7 +167,7 @@ class Upgrader:
         """The release must at least start with this Python and its dependencies and say it is `version`."""
         proc = await asyncio.create_subprocess_exec(
             sys.executable, str(path), "--version", stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=child_environment())
         try:
             async with asyncio.timeout(RUN_CHECK_TIMEOUT):
                 out, _ = await proc.communicate()

@@ -67,9 +67,10 @@ def test_install_then_uninstall_purge_in_a_scratch_root_leaves_nothing_behind(tm
     done = json.loads(r.stdout)["done"]
     assert "created group plexd" in done and "created group plexd-secrets" in done
     modes = {rel: stat.S_IMODE((root / rel).stat().st_mode) for rel in
-             ("etc/plexd", "etc/plexd/hooks.d", "var/lib/plexd", "run/plexd", "etc/plexd/config.yaml",
-              "etc/plexd/bootstrap-token", "etc/systemd/system/plexd.service")}
+             ("etc/plexd", "etc/plexd/hooks.d", "var/lib/plexd", "run/plexd", "opt/plexd/releases",
+              "etc/plexd/config.yaml", "etc/plexd/bootstrap-token", "etc/systemd/system/plexd.service")}
     assert modes == {"etc/plexd": 0o755, "etc/plexd/hooks.d": 0o755, "var/lib/plexd": 0o700, "run/plexd": 0o755,
+                     "opt/plexd/releases": 0o755,
                      "etc/plexd/config.yaml": 0o644, "etc/plexd/bootstrap-token": 0o600,
                      "etc/systemd/system/plexd.service": 0o644}
     assert load_config(str(root / "etc/plexd/config.yaml"), env={}).api.url == "https://cp.example.com:8443"
@@ -92,10 +93,10 @@ def test_install_then_uninstall_purge_in_a_scratch_root_leaves_nothing_behind(tm
     assert "done: removed /var/lib/plexd" in r.stdout and "done: removed group plexd-secrets" in r.stdout
     after = snapshot(root)
     # Everything install made is gone; only the directories it needed on the way stay empty (etc/systemd/system,
-    # usr/local/bin, var/lib, run), as a package manager leaves them.
+    # usr/local/bin, var/lib, run, opt/plexd), as a package manager leaves them.
     left = {p for p in after if p not in before}
     assert left == {"etc/systemd", "etc/systemd/system", "usr", "usr/local", "usr/local/bin", "var", "var/lib",
-                    "run"}, left
+                    "run", "opt", "opt/plexd"}, left
     assert all(after[p][1] == "dir" for p in left)
     for name in ("etc/group", "etc/gshadow"):
         assert after[name] == before[name], f"{name} differs from before the install"

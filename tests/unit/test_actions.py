@@ -70,11 +70,14 @@ def test_without_a_usable_execution_id_nothing_can_be_acked(payload):
 
 def test_the_environment_is_exactly_the_documented_one(monkeypatch):
     monkeypatch.setenv("PATH", "/bin")
-    monkeypatch.setenv("HOME", "/root")
+    monkeypatch.setenv("HOME", "/home/daemon")
+    monkeypatch.setenv("LANG", "C.UTF-8")
+    monkeypatch.delenv("LC_ALL", raising=False)
     monkeypatch.setenv("SECRET_FROM_DAEMON", "x")
+    monkeypatch.setenv("PLEXD_BOOTSTRAP_TOKEN", "plx_enroll_secret")
     req = rq.ActionRequest("e1", "h", {"my-param.name!": "v"})
     assert rq.hook_environment("n_1", req) == {
-        "PATH": "/bin", "HOME": "/root", "PLEXD_NODE_ID": "n_1", "PLEXD_EXECUTION_ID": "e1",
+        "PATH": "/bin", "LANG": "C.UTF-8", "HOME": "/root", "PLEXD_NODE_ID": "n_1", "PLEXD_EXECUTION_ID": "e1",
         "PLEXD_ACTION_NAME": "h", "PLEXD_PARAM_MY_PARAM_NAME_": "v"}
 
 

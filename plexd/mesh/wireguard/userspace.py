@@ -28,6 +28,7 @@ import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
+from plexd.childenv import child_environment
 from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, WireGuardError, check_interface_name
 from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
 from plexd.procstat import process_stat
@@ -45,7 +46,10 @@ class UserspaceBackend:
 
     `launch_prefix` is prepended to the command line, e.g. `ip netns exec NS sh -c '... exec "$@"' sh` in the lab;
     it must `exec` so the pid we hold stays the implementation's pid. `socket_dir` is where this process (not
-    the child) finds `<if>.sock`.
+    the child) finds `<if>.sock`. `scope` comes after it: under systemd, `systemd-run --scope ... --`
+    (`plexd.node.systemd.scope_command`), which moves the implementation out of plexd.service's cgroup so that
+    KillMode=mixed, which ends everything else of the unit when plexd exits, leaves the tunnels up; it too execs.
+    The implementation's environment is `plexd.childenv`'s allow-list plus `env`, never the daemon's.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class UserspaceBackend:
         implementation: str = "wireguard-go",
         socket_dir: str = DEFAULT_SOCKET_DIR,
         launch_prefix: Sequence[str] = (),
+        scope: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         start_timeout: float = START_TIMEOUT,
         on_exit: Callable[[int], None] | None = None,
@@ -62,6 +67,7 @@ class UserspaceBackend:
         self.interface = interface
         self.implementation = implementation
         self.launch_prefix = tuple(launch_prefix)
+        self.scope = tuple(scope)
         self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.on_exit = on_exit
@@ -137,9 +143,8 @@ class UserspaceBackend:
                         self.uapi.path)
             await self._stop_process()
         binary = self._binary()
-        env = {**os.environ, **self.env, "WG_PROCESS_FOREGROUND": "1"}
-        env.setdefault("LOG_LEVEL", "error")
-        cmd = [*self.launch_prefix, binary, "-f", self.interface]
+        env = child_environment({"LOG_LEVEL": "error", **self.env, "WG_PROCESS_FOREGROUND": "1"})
+        cmd = [*self.launch_prefix, *self.scope, binary, "-f", self.interface]
         self._output.clear()
         self._stopping = False
         # The output goes to a file (see the module's docstring), followed by a thread, not the event loop.
@@ -167,6 +172,13 @@ class UserspaceBackend:
             rc = self._proc.returncode
             output = " | ".join(self._last_output()) or "no output"
             await self._stop_process()
+            if self.scope:
+                # systemd-run could not make the scope (no bus, a policy): run it as a plain child instead.
+                log.warning("could not start %s for %s in a scope of its own (%s): starting it in plexd's own "
+                            "cgroup, where it will not outlive a restart of plexd.service (KillMode=mixed)",
+                            os.path.basename(binary), self.interface, output)
+                self.scope = ()
+                return await self.ensure_device()
             state = f"exited with status {rc}" if rc is not None else f"did not open {self.uapi.path}"
             raise WireGuardError(f"{os.path.basename(binary)} for {self.interface} {state}: {output}")
         return True
