@@ -72,7 +72,9 @@ DEFAULT_CONFIG_PATH = "/etc/plexd/config.yaml"
 def _f(default: Any, kind: str = "", **rules: Any) -> Any:
     """A leaf field: `kind` is how values are parsed (str, int, bool, float, duration, list, map, url), `rules`
     are checks (choices, min, max)."""
-    return field(default=default, metadata={"kind": kind or type(default).__name__, **rules})
+    # A secret leaf (secret=True) is left out of the repr: a Config printed or logged never shows it.
+    return field(default=default, repr=not rules.get("secret"), metadata={"kind": kind or type(default).__name__,
+                                                                          **rules})
 
 
 @dataclass(frozen=True)
