@@ -85,7 +85,7 @@ class Peer:
     mesh_ip: str
     endpoint: str = ""
     allowed_ips: tuple[str, ...] = ()
-    psk: str = ""
+    psk: str = field(default="", repr=False)  # a secret: never in a repr
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str = "peer") -> Peer:
@@ -289,7 +289,7 @@ class RegisterResponse:
     node_id: str
     mesh_ip: str
     signing_public_key: str
-    node_secret_key: str
+    node_secret_key: str = field(repr=False)  # a secret: never in a repr
     peers: tuple[Peer, ...] = ()
 
     @classmethod

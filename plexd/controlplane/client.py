@@ -84,7 +84,7 @@ def path_escape(value: str) -> str:
 class RegisterRequest:
     """``POST /v1/register`` (§1.3). `metadata` and `capabilities` are omitted when empty (omitempty)."""
 
-    token: str
+    token: str = field(repr=False)  # the bootstrap token: never in a repr
     public_key: str
     hostname: str
     metadata: Mapping[str, str] | None = None

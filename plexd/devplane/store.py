@@ -52,7 +52,7 @@ class Node:
     hostname: str
     public_key: str
     mesh_ip: str
-    secret: str
+    secret: str = field(repr=False)  # the node secret: never in a repr
     registered_at: str
     metadata: dict[str, str] = field(default_factory=dict)
     capabilities: Any = None
@@ -62,7 +62,7 @@ class Node:
     last_seen: float = 0.0  # wall-clock epoch seconds
     last_heartbeat: Any = None
     data: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> DataEntry wire dict
-    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {"value", "version"}
+    secrets: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)  # key -> {"value", "version"}
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> the ReportEntry the node last sent
     flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
     removed: bool = False

@@ -116,8 +116,8 @@ class Request:
     method: str
     path: str
     query: dict[str, list[str]]
-    headers: dict[str, str]
-    body: bytes
+    headers: dict[str, str] = field(repr=False)  # Authorization carries the TCP token: never in a repr
+    body: bytes = field(repr=False)
     cred: PeerCred | None
     via: str = "unix"  # "unix" (cred from SO_PEERCRED) or "tcp" (authenticated by the bearer token)
     remote: str = ""  # the TCP client's address
@@ -143,7 +143,7 @@ class Request:
 @dataclass
 class Response:
     status: int = 200
-    body: Any = None  # JSON document, or bytes/str sent as they are
+    body: Any = field(default=None, repr=False)  # JSON document, or bytes/str as they are (a secret's value too)
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
     # Sent chunk by chunk as it comes (chunked transfer encoding) instead of `body`: streamed action output.
