@@ -291,6 +291,9 @@ class RegisterResponse:
     signing_public_key: str
     node_secret_key: str = field(repr=False)  # a secret: never in a repr
     peers: tuple[Peer, ...] = ()
+    # Not in the Go control plane's answer: "hkdf-sha256" when the control plane took the derivation the node
+    # offered (plexd.node_secret); checked by the registrar before anything is saved.
+    node_secret_kdf: str = ""
 
     @classmethod
     def from_wire(cls, obj: JSON) -> RegisterResponse:
@@ -301,6 +304,7 @@ class RegisterResponse:
             signing_public_key=_str(f, "signing_public_key", ""),
             node_secret_key=_str(f, "node_secret_key", ""),
             peers=tuple(Peer.from_wire(p, f"peers[{i}]") for i, p in enumerate(_list(f, "peers", ""))),
+            node_secret_kdf=_str(f, "node_secret_kdf", ""),
         )
         for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
             if not getattr(resp, name):

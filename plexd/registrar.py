@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from plexd import node_secret
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.config import Config
@@ -228,7 +229,8 @@ class Registrar:
         """The node's identity and whether it was registered just now. Reuses a valid identity on disk."""
         loaded = self.store.load()
         if loaded.identity is not None:
-            self.client.set_token(loaded.identity.node_secret_key)
+            self.client.set_token(loaded.identity.bearer)
+            node_secret.note_mode(loaded.identity.node_secret_kdf)
             log.info("using the stored identity", extra={"node_id": loaded.identity.node_id,
                                                           "mesh_ip": loaded.identity.mesh_ip})
             return loaded.identity, False
@@ -264,6 +266,7 @@ class Registrar:
             hostname=self.hostname(),
             metadata=self.config.registration.metadata or None,
             capabilities=self._capabilities(),
+            node_secret_kdf=node_secret.HKDF_SHA256,
         )
         log.info("registering with the control plane", extra={"api": self.client.base_url,
                                                                "token": fingerprint(token.value),
@@ -310,9 +313,9 @@ class Registrar:
         self.store.ensure_writable()
         request = RegisterRequest(token="", public_key=identity.public_key, hostname=self.hostname(),
                                   metadata=self.config.registration.metadata or None,
-                                  capabilities=self._capabilities())
+                                  capabilities=self._capabilities(), node_secret_kdf=node_secret.HKDF_SHA256)
         log.info("re-registering with the stored identity", extra={"node_id": identity.node_id})
-        return await self._post(request, bearer=identity.node_secret_key, private_key=identity.private_key,
+        return await self._post(request, bearer=identity.bearer, private_key=identity.private_key,
                                 reregister=True)
 
     async def recover(
@@ -326,7 +329,7 @@ class Registrar:
             loaded.identity.node_secret_key != current.node_secret_key or loaded.identity.node_id != current.node_id
         ):
             log.info("identity on disk changed; using it", extra={"node_id": loaded.identity.node_id})
-            self.client.set_token(loaded.identity.node_secret_key)
+            self.client.set_token(loaded.identity.bearer)
             return loaded.identity
         base = loaded.identity or current
         refused: RegistrationError | None = None
@@ -355,6 +358,7 @@ class Registrar:
             try:
                 resp = await self.client.register(request, token=bearer)
                 decode_key(resp.signing_public_key, "signing_public_key in the register response")
+                kdf = node_secret.check(resp.node_secret_kdf or None, "the register response")
                 break
             except ValueError as exc:
                 # Checked before saving (the Go agent saves first, and then every restart fails).
@@ -386,9 +390,10 @@ class Registrar:
             else:
                 await self.clock.sleep(delay)
         identity = Identity(node_id=resp.node_id, mesh_ip=resp.mesh_ip, signing_public_key=resp.signing_public_key,
-                            node_secret_key=resp.node_secret_key, private_key=private_key)
+                            node_secret_key=resp.node_secret_key, private_key=private_key, node_secret_kdf=kdf)
         self.store.save(identity)
-        self.client.set_token(identity.node_secret_key)
+        self.client.set_token(identity.bearer)
+        node_secret.note_mode(kdf)
         log.info("registered", extra={"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
                                       "node_secret": fingerprint(identity.node_secret_key)})
         return identity

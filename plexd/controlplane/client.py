@@ -89,6 +89,8 @@ class RegisterRequest:
     hostname: str
     metadata: Mapping[str, str] | None = None
     capabilities: Mapping[str, JSON] | None = None
+    # The key derivation the node offers (plexd.node_secret); omitted when empty. A Go control plane ignores it.
+    node_secret_kdf: str = ""
 
     def to_wire(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {"token": self.token, "public_key": self.public_key, "hostname": self.hostname}
@@ -96,6 +98,8 @@ class RegisterRequest:
             out["metadata"] = dict(self.metadata)
         if self.capabilities:
             out["capabilities"] = dict(self.capabilities)
+        if self.node_secret_kdf:
+            out["node_secret_kdf"] = self.node_secret_kdf
         return out
 
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexd import node_secret
 from plexd.errors import PlexdError
 
 SCHEMA_VERSION = 2
@@ -67,6 +68,14 @@ class Node:
     flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
     removed: bool = False
     num: int = 0  # small per-deployment number, used to address events compactly
+    # "hkdf-sha256" when the node offered the derivation at registration (plexd.node_secret): its bearer and the
+    # key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent): `secret` is both
+    kdf: str = ""
+
+    @property
+    def bearer(self) -> str:
+        """What this node sends as its bearer token."""
+        return node_secret.bearer(self.secret, self.kdf)
 
     def to_doc(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

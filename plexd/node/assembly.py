@@ -207,7 +207,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         return await agent.client.fetch_secret(node_id(), key)
 
     add_node_api_routes(local_api, NodeApi(mesh.get_desired, reports, fetch_secret,
-                                           node_secret=lambda: agent.client.token or "",
+                                           node_secret=lambda: agent.identity.node_secret_key if agent.identity else "",
+                                           node_secret_kdf=lambda: agent.identity.node_secret_kdf if agent.identity
+                                           else "",
                                            secrets_group=api_cfg.secrets_group))
     http_token = read_http_token(cfg) if api_cfg.http_enabled else None
 

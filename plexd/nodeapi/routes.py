@@ -49,6 +49,7 @@ class NodeApi:
     fetch_secret: Callable[[str], Awaitable[SecretResponse]]
     node_secret: Callable[[], str]
     secrets_group: str = SECRETS_GROUP
+    node_secret_kdf: Callable[[], str] = lambda: ""  # plexd.node_secret: how the secrets' key is derived
 
 
 def secret_access(group: str) -> Callable[[Request], str | None]:
@@ -120,7 +121,7 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             log.warning("secret %r not served: %s", key[:100], exc)
             raise HTTPError(503, "control plane unavailable") from None
         try:
-            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret())
+            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret(), node.node_secret_kdf())
         except crypto.SecretDecryptError:
             log.error("secret %r: the control plane's answer cannot be decrypted with this node's key", key[:100])
             raise HTTPError(500, "internal error") from None
