@@ -70,38 +70,54 @@ def flood(address: str, connections: int, stop: multiprocessing.Event, out: mult
     out.put((opened, refused))
 
 
-def ask(sock_path: str, seconds: float) -> list[float]:
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(sock_path)
-    latencies = []
+def ask(sock_path: str, seconds: float) -> tuple[list[float], dict[str, int]]:
+    """Latencies of the answered requests (ms), and the count of each status (`closed`: no answer at all)."""
+    latencies: list[float] = []
+    statuses: dict[str, int] = {}
+    s: socket.socket | None = None
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
-        s.sendall(REQUEST)
-        buf = b""
-        while True:
-            head_end = buf.find(b"\r\n\r\n")
-            if head_end >= 0:
-                length = next(int(line.split(b":", 1)[1]) for line in buf[:head_end].split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                if len(buf) >= head_end + 4 + length:
-                    break
-            chunk = s.recv(65536)
-            if not chunk:
-                raise RuntimeError("the daemon closed the connection")
-            buf += chunk
-        if not buf.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"unexpected answer: {buf[:200]!r}")
-        latencies.append((time.perf_counter() - t0) * 1000)
+        try:
+            if s is None:
+                s = socket.socket(socket.AF_UNIX)
+                s.settimeout(30)
+                s.connect(sock_path)
+            s.sendall(REQUEST)
+            buf = b""
+            while True:
+                head_end = buf.find(b"\r\n\r\n")
+                if head_end >= 0:
+                    length = next(int(line.split(b":", 1)[1]) for line in buf[:head_end].split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:"))
+                    if len(buf) >= head_end + 4 + length:
+                        break
+                chunk = s.recv(65536)
+                if not chunk:
+                    raise ConnectionResetError
+                buf += chunk
+            status = buf[9:12].decode()
+        except OSError:
+            status = "closed"
+        if status != "200" and s is not None:
+            s.close()
+            s = None
+        statuses[status] = statuses.get(status, 0) + 1
+        if status == "200":
+            latencies.append((time.perf_counter() - t0) * 1000)
         time.sleep(0.01)  # a steady client, not a flood of its own
-    s.close()
-    return latencies
+    if s is not None:
+        s.close()
+    return latencies, statuses
 
 
-def summary(lat: list[float]) -> str:
+def summary(result: tuple[list[float], dict[str, int]]) -> str:
+    lat, statuses = result
+    if len(lat) < 2:
+        return f"statuses {statuses}: (almost) nothing answered"
     q = statistics.quantiles(lat, n=100)
-    return (f"{len(lat)} requests, p50 {statistics.median(lat):.2f} ms   p99 {q[98]:.2f} ms   "
-            f"max {max(lat):.2f} ms")
+    return (f"statuses {dict(sorted(statuses.items()))}, answered: p50 {statistics.median(lat):.2f} ms   "
+            f"p99 {q[98]:.2f} ms   max {max(lat):.2f} ms")
 
 
 def main() -> None:
