@@ -25,6 +25,9 @@ NOT_SECRET = {
     "plexd.nodeapi.routes.NodeApi.fetch_secret": "a function (its repr is the function's name)",
     "plexd.nodeapi.routes.NodeApi.node_secret": "a function (its repr is the function's name)",
     "plexd.nodeapi.routes.NodeApi.secrets_group": "a group name",
+    "plexd.nodeapi.routes.NodeApi.node_secret_kdf": "a function; the name of a key derivation",
+    "plexd.controlplane.client.RegisterRequest.node_secret_kdf": "the name of a key derivation (hkdf-sha256)",
+    "plexd.model.RegisterResponse.node_secret_kdf": "the name of a key derivation (hkdf-sha256)",
 }
 SENTINEL = "SENTINEL-SECRET-0xC0FFEE"
 
