@@ -7,7 +7,11 @@ import asyncio
 import json
 
 import pytest
-from node_api_helpers import TCP_TOKEN, unix_call
+from node_api_helpers import (
+    TCP_TOKEN,
+    node_api_fixture,  # noqa: F401 - provides the node_api fixture
+    unix_call,
+)
 from process_helpers import run_as
 
 pytestmark = pytest.mark.root

@@ -11,6 +11,7 @@ import os
 import socket
 
 import pytest
+from node_api_helpers import node_api_fixture  # noqa: F401 - provides the node_api fixture
 
 from plexd.nodeapi import reports as reports_mod
 from plexd.nodeapi.reports import ReportStore

@@ -9,7 +9,11 @@ import socket
 import time
 
 import pytest
-from node_api_helpers import TCP_TOKEN, unix_call
+from node_api_helpers import (
+    TCP_TOKEN,
+    node_api_fixture,  # noqa: F401 - provides the node_api fixture
+    unix_call,
+)
 
 from plexd.node import local_api
 from plexd.nodeapi.ratelimit import RateLimiter
