@@ -28,7 +28,9 @@ README (PROJECT-DECISIONS.md, Config row)::
     hooks: {dir: /etc/plexd/hooks.d, reverify: 5m}
     node_api: {socket_path: /var/run/plexd/api.sock, socket_group: plexd, admin_group: plexd-admin,
                secrets_group: plexd-secrets, http_enabled: false, http_listen: "127.0.0.1:9100",
-               http_token_file: "", rate_limit: 100, rate_burst: 200, request_timeout: 10s}
+               http_token_file: "", http_max_connections: 16, http_header_timeout: 5s,
+               rate_limit: 100, rate_burst: 200, request_timeout: 10s,
+               report_max_entries: 1000, report_max_bytes: 16777216, report_max_entry_bytes: 1048576}
     policy: {enabled: true}
     metrics: {enabled: false, listen: "127.0.0.1:9586"}   # Prometheus text format at GET /metrics
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864}   # service.upgrade
@@ -70,7 +72,9 @@ DEFAULT_CONFIG_PATH = "/etc/plexd/config.yaml"
 def _f(default: Any, kind: str = "", **rules: Any) -> Any:
     """A leaf field: `kind` is how values are parsed (str, int, bool, float, duration, list, map, url), `rules`
     are checks (choices, min, max)."""
-    return field(default=default, metadata={"kind": kind or type(default).__name__, **rules})
+    # A secret leaf (secret=True) is left out of the repr: a Config printed or logged never shows it.
+    return field(default=default, repr=not rules.get("secret"), metadata={"kind": kind or type(default).__name__,
+                                                                          **rules})
 
 
 @dataclass(frozen=True)
@@ -210,10 +214,17 @@ class NodeApiConfig:
     http_enabled: bool = _f(False)
     http_listen: str = _f("127.0.0.1:9100", host_port=True)
     http_token_file: str = _f("")
+    # TCP's own connection budget, apart from the socket's 64: strangers on the network never take the socket's
+    http_max_connections: int = _f(16, min=1, max=1024)
+    http_header_timeout: float = _f(5.0, "duration", min=0.5, max=60)  # a TCP request's head (and token) within this
     # requests per second per client (uid, or TCP address), refilled up to rate_burst; 0 turns the limit off
     rate_limit: float = _f(100.0, "float", min=0)
     rate_burst: int = _f(200, min=1, max=1_000_000)
     request_timeout: float = _f(10.0, "duration", min=0.5, max=300)  # a request must arrive whole within this
+    # The report store's caps (plexd.nodeapi.reports): past them a PUT is 507 (store full) or 413 (entry too large)
+    report_max_entries: int = _f(1000, min=1, max=1_000_000)
+    report_max_bytes: int = _f(16 << 20, min=1 << 12, max=1 << 34)
+    report_max_entry_bytes: int = _f(1 << 20, min=1 << 10, max=1 << 20)
 
 
 @dataclass(frozen=True)

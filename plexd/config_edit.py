@@ -1,5 +1,6 @@
-"""Writing one setting back into the config file a command used (``plexd join --api URL``), keeping the rest of
-the file, its comments included, as the operator wrote it."""
+"""Writing one setting back into the config file a command used (``plexd join --api URL``), or taking one out of
+it (the bootstrap token once it is spent), keeping the rest of the file, its comments included, as the operator
+wrote it."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from plexd.atomicfile import write_atomic
 from plexd.errors import ConfigError
@@ -77,3 +79,94 @@ def _mode(file: Path) -> int:
         return os.stat(file).st_mode & 0o777
     except OSError:
         return 0o644
+
+
+_TOP_TOKEN = re.compile(r"^token:[ \t]*(?P<value>[^#\n]*?)[ \t]*(#.*)?$")
+_NESTED_VALUE = re.compile(r"^[ \t]+value:")
+
+
+def remove_token_value(path: str) -> bool:
+    """Take ``token.value`` (the bootstrap token) out of the config file at `path`; False when it held none. The
+    rest of the file is kept as it was (a flow-style ``token: {...}`` line is rewritten without its value). The
+    result must load with every other setting unchanged, else the file is left as it was, with an error."""
+    from plexd import config as config_mod
+
+    file = Path(path)
+    try:
+        before = file.read_text(encoding="utf-8")
+        loaded = config_mod.load(path, env={})
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path} to remove token.value: {exc}") from None
+    if not loaded.token.value:
+        return False
+    after = _without_token_value(before, path)
+    mode = _mode(file)
+    write_atomic(file, after.encode(), mode=mode)
+    try:
+        reloaded: Any = config_mod.load(path, env={})
+        kept = _leaves(reloaded, skip="token.value") == _leaves(loaded, skip="token.value")
+        problem = "" if not reloaded.token.value and kept else "other settings would change"
+    except ConfigError as exc:
+        problem = str(exc)
+    if problem:
+        write_atomic(file, before.encode(), mode=mode)
+        raise ConfigError(f"could not remove token.value from {path} ({problem}); the file is unchanged: remove "
+                          "the token from it by hand")
+    return True
+
+
+def _without_token_value(text: str, path: str) -> str:
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        m = _TOP_TOKEN.match(line)
+        if m is None:
+            continue
+        if m.group("value"):  # flow style: rewrite the mapping without its value
+            import yaml
+
+            mapping = yaml.safe_load(m.group("value"))
+            if not isinstance(mapping, dict):
+                raise ConfigError(f"{path}: token is not a mapping; remove token.value by hand")
+            mapping.pop("value", None)
+            lines[i] = "token: " + yaml.safe_dump(mapping, default_flow_style=True, width=1 << 16).strip() \
+                if mapping else ""
+            return "\n".join(lines)
+        block = []  # the lines of the token block
+        for j in range(i + 1, len(lines)):
+            if lines[j].strip() and not lines[j][0].isspace():
+                break
+            block.append(j)
+        values = [j for j in block if _NESTED_VALUE.match(lines[j])]
+        if not values:
+            break
+        first = values[0]
+        indent = len(lines[first]) - len(lines[first].lstrip())
+        end = first + 1  # a value continued on deeper-indented lines goes with it
+        while end in block and lines[end].strip() and len(lines[end]) - len(lines[end].lstrip()) > indent:
+            end += 1
+        del lines[first:end]
+        rest = []
+        for line in lines[i + 1:]:
+            if line.strip() and not line[0].isspace():
+                break
+            rest.append(line.strip())
+        if not any(line and not line.startswith("#") for line in rest):
+            del lines[i]  # the block held nothing else: `token:` alone would read as null
+        return "\n".join(lines)
+    raise ConfigError(f"{path}: token.value is not written as a 'value:' line under 'token:'; remove it by hand")
+
+
+def _leaves(config: Any, skip: str, prefix: str = "") -> dict[str, Any]:
+    """Every setting of a Config by its dotted key (`skip` left out), to compare two loads of a file."""
+    import dataclasses
+
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if f.name in ("sources", "config_file"):
+            continue
+        key, value = prefix + f.name, getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_leaves(value, skip, key + "."))
+        elif key != skip:
+            out[key] = value
+    return out

@@ -3,7 +3,9 @@
     identity.json              0600  node id, mesh IP, signing key (the Go agent's format, plexd-protocol.md §5.4)
     private_key                0600  WireGuard private key, base64
     private_key.next           0600  a rotation's new key until the control plane took it (plexd.node.key_rotation)
-    node_secret_key            0600  the node's bearer secret
+    node_secret_key            0600  the node secret (the bearer and the secrets' key are derived from it, or
+                                     are it in compatibility mode: plexd.node_secret)
+    node_secret_kdf            0600  how they are derived ("hkdf-sha256"); absent: compatibility mode
     signing_public_key         0600  the control plane's current event-signing key (the file wins over identity)
     events.db                  0600  the event stream's replay cursor, the nonces of accepted events and the
                                      mirror of the desired model (no private key) for an offline start (SQLite,
@@ -29,6 +31,7 @@ IDENTITY = "identity.json"
 PRIVATE_KEY = "private_key"
 NEXT_PRIVATE_KEY = "private_key.next"
 NODE_SECRET = "node_secret_key"
+NODE_SECRET_KDF = "node_secret_kdf"
 SIGNING_KEY = "signing_public_key"
 EVENT_LEDGER = "events.db"
 ACTIONS_DB = "actions.db"

@@ -5,6 +5,8 @@
     private_key.next     0600  the same, for a key rotation not yet taken by the control plane (renamed over
                                private_key when it is: plexd.node.key_rotation)
     node_secret_key      0600  the raw node secret string from the register response
+    node_secret_kdf      0600  "hkdf-sha256" when the control plane took the derivation (plexd.node_secret);
+                               absent: compatibility mode (the node secret is bearer and AES key, as in Go)
     signing_public_key   0600  the control plane's Ed25519 public key, std base64 (wins over the JSON field)
 
 ``data_dir`` is created 0700. Every file is written as ``.tmp-<name>`` with its final mode, fsynced, renamed over
@@ -24,7 +26,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from plexd import datadir
+from plexd import datadir, node_secret
 from plexd.atomicfile import rename_atomic, write_atomic
 from plexd.errors import PlexdError
 
@@ -32,6 +34,7 @@ IDENTITY_FILE = datadir.IDENTITY
 PRIVATE_KEY_FILE = datadir.PRIVATE_KEY
 NEXT_PRIVATE_KEY_FILE = datadir.NEXT_PRIVATE_KEY
 NODE_SECRET_FILE = datadir.NODE_SECRET
+NODE_SECRET_KDF_FILE = datadir.NODE_SECRET_KDF
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
 IDENTITY_FILES = (PRIVATE_KEY_FILE, NODE_SECRET_FILE, SIGNING_KEY_FILE, IDENTITY_FILE)  # write order
 
@@ -77,6 +80,12 @@ class Identity:
     signing_public_key: str
     node_secret_key: str
     private_key: bytes
+    node_secret_kdf: str = ""  # plexd.node_secret: "" (compatibility mode) or "hkdf-sha256"
+
+    @property
+    def bearer(self) -> str:
+        """The Authorization bearer for the control plane: the node secret, or derived from it."""
+        return node_secret.bearer(self.node_secret_key, self.node_secret_kdf)
 
     @property
     def public_key(self) -> str:
@@ -158,9 +167,19 @@ class IdentityStore:
                 return IdentityLoad(None, f"{NODE_SECRET_FILE} is empty")
             signing = self._signing_key(doc)
             decode_key(signing, SIGNING_KEY_FILE)
+            kdf = self._kdf()
         except (OSError, ValueError) as exc:
             return IdentityLoad(None, str(exc))
-        return IdentityLoad(Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key))
+        return IdentityLoad(Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key, kdf))
+
+    def _kdf(self) -> str:
+        try:
+            text = self._read(NODE_SECRET_KDF_FILE)
+        except ValueError:
+            if self.path(NODE_SECRET_KDF_FILE).exists():
+                raise
+            return node_secret.COMPATIBLE  # registered before the derivation, or by a Go agent
+        return node_secret.check(text, NODE_SECRET_KDF_FILE)
 
     def _read(self, name: str) -> str:
         try:
@@ -208,6 +227,8 @@ class IdentityStore:
                 with contextlib.suppress(FileNotFoundError):
                     self.path(IDENTITY_FILE).unlink()
             for name in IDENTITY_FILES:
+                if name == IDENTITY_FILE:  # before the commit marker: a key the bearer depends on
+                    self._save_kdf(identity.node_secret_kdf)
                 write_atomic(self.path(name), contents[name].encode())
                 written.append(name)
         except OSError as exc:
@@ -217,6 +238,13 @@ class IdentityStore:
             self._remove_temp_files()
             raise DataDirError(f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} "
                                f"(errno {exc.errno}); nothing was kept") from None
+
+    def _save_kdf(self, kdf: str) -> None:
+        if kdf:
+            write_atomic(self.path(NODE_SECRET_KDF_FILE), kdf.encode())
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                self.path(NODE_SECRET_KDF_FILE).unlink()
 
     def _stored_private_key(self) -> str:
         try:
@@ -257,6 +285,8 @@ class IdentityStore:
 
     def remove(self) -> None:
         self.drop_next_private_key()
+        with contextlib.suppress(FileNotFoundError):
+            self.path(NODE_SECRET_KDF_FILE).unlink()
         for name in IDENTITY_FILES:
             with contextlib.suppress(FileNotFoundError):
                 self.path(name).unlink()

@@ -85,7 +85,7 @@ class Peer:
     mesh_ip: str
     endpoint: str = ""
     allowed_ips: tuple[str, ...] = ()
-    psk: str = ""
+    psk: str = field(default="", repr=False)  # a secret: never in a repr
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str = "peer") -> Peer:
@@ -289,8 +289,11 @@ class RegisterResponse:
     node_id: str
     mesh_ip: str
     signing_public_key: str
-    node_secret_key: str
+    node_secret_key: str = field(repr=False)  # a secret: never in a repr
     peers: tuple[Peer, ...] = ()
+    # Not in the Go control plane's answer: "hkdf-sha256" when the control plane took the derivation the node
+    # offered (plexd.node_secret); checked by the registrar before anything is saved.
+    node_secret_kdf: str = ""
 
     @classmethod
     def from_wire(cls, obj: JSON) -> RegisterResponse:
@@ -301,6 +304,7 @@ class RegisterResponse:
             signing_public_key=_str(f, "signing_public_key", ""),
             node_secret_key=_str(f, "node_secret_key", ""),
             peers=tuple(Peer.from_wire(p, f"peers[{i}]") for i, p in enumerate(_list(f, "peers", ""))),
+            node_secret_kdf=_str(f, "node_secret_kdf", ""),
         )
         for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
             if not getattr(resp, name):

@@ -9,7 +9,10 @@ read error is fatal) → the environment variable named by ``token.env`` → the
 by a fresh registration. ``POST /v1/register`` is retried with `plexd.backoff.Backoff` (1 s ×2 → 60 s, ±25 %) on
 network errors, 5xx and unlisted statuses, waits ``Retry-After`` on 429, and gives up after
 ``registration.max_wait``. 400/401/403/404/409 stop at once with a message saying what the operator should do.
-After success the token file is deleted when the token came from it.
+After success the token is removed from where it was kept: the token file is deleted when the token came from it,
+and ``token.value`` is taken out of the config file (`plexd.config_edit`) when it was written there, so a spent
+token does not stay in a file that is usually 0644. A config file holding a token and readable by others is
+warned about before registering.
 
 `Registrar.recover` is the 401 path (PROJECT-DECISIONS.md, Re-registration row): reload the identity from disk;
 re-register with the node secret as bearer, the same public key and an empty token; if that is refused and a
@@ -26,6 +29,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from plexd import node_secret
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.config import Config
@@ -225,7 +229,8 @@ class Registrar:
         """The node's identity and whether it was registered just now. Reuses a valid identity on disk."""
         loaded = self.store.load()
         if loaded.identity is not None:
-            self.client.set_token(loaded.identity.node_secret_key)
+            self.client.set_token(loaded.identity.bearer)
+            node_secret.note_mode(loaded.identity.node_secret_kdf)
             log.info("using the stored identity", extra={"node_id": loaded.identity.node_id,
                                                           "mesh_ip": loaded.identity.mesh_ip})
             return loaded.identity, False
@@ -261,10 +266,14 @@ class Registrar:
             hostname=self.hostname(),
             metadata=self.config.registration.metadata or None,
             capabilities=self._capabilities(),
+            node_secret_kdf=node_secret.HKDF_SHA256,
         )
         log.info("registering with the control plane", extra={"api": self.client.base_url,
                                                                "token": fingerprint(token.value),
                                                                "token_source": token.source})
+        in_config_file = token.source == "config" and self.config.source_of("token.value").startswith("file ")
+        if in_config_file:
+            self._warn_if_readable(self.config.config_file)
         identity = await self._post(request, bearer=token.value, private_key=private_key, reregister=False)
         if token.source == "file":
             try:
@@ -272,16 +281,41 @@ class Registrar:
                 log.info("deleted the used bootstrap token file %s", token.where)
             except OSError as exc:
                 log.warning("could not delete the used bootstrap token file %s: %s", token.where, exc.strerror)
+        elif in_config_file and self.config.config_file:
+            self._forget_config_token(self.config.config_file)
         return identity
+
+    @staticmethod
+    def _warn_if_readable(path: str | None) -> None:
+        try:
+            mode = os.stat(path).st_mode & 0o777 if path else 0
+        except OSError:
+            return
+        if mode & 0o077:
+            log.warning("the bootstrap token is in %s, which is mode %04o (readable by others); it is removed "
+                        "from the file once the node is registered. Keep tokens in token.file (0600) instead",
+                        path, mode)
+
+    @staticmethod
+    def _forget_config_token(path: str) -> None:
+        """A spent token has no business in a config file (often 0644): take token.value out of it."""
+        from plexd.config_edit import remove_token_value
+        from plexd.errors import ConfigError
+
+        try:
+            if remove_token_value(path):
+                log.info("removed the used bootstrap token (token.value) from %s", path)
+        except (ConfigError, OSError) as exc:
+            log.warning("the used bootstrap token is still in %s: %s", path, exc)
 
     async def reregister(self, identity: Identity) -> Identity:
         """Re-register a known node: node secret as bearer, the same public key, an empty token."""
         self.store.ensure_writable()
         request = RegisterRequest(token="", public_key=identity.public_key, hostname=self.hostname(),
                                   metadata=self.config.registration.metadata or None,
-                                  capabilities=self._capabilities())
+                                  capabilities=self._capabilities(), node_secret_kdf=node_secret.HKDF_SHA256)
         log.info("re-registering with the stored identity", extra={"node_id": identity.node_id})
-        return await self._post(request, bearer=identity.node_secret_key, private_key=identity.private_key,
+        return await self._post(request, bearer=identity.bearer, private_key=identity.private_key,
                                 reregister=True)
 
     async def recover(
@@ -295,7 +329,7 @@ class Registrar:
             loaded.identity.node_secret_key != current.node_secret_key or loaded.identity.node_id != current.node_id
         ):
             log.info("identity on disk changed; using it", extra={"node_id": loaded.identity.node_id})
-            self.client.set_token(loaded.identity.node_secret_key)
+            self.client.set_token(loaded.identity.bearer)
             return loaded.identity
         base = loaded.identity or current
         refused: RegistrationError | None = None
@@ -324,6 +358,7 @@ class Registrar:
             try:
                 resp = await self.client.register(request, token=bearer)
                 decode_key(resp.signing_public_key, "signing_public_key in the register response")
+                kdf = node_secret.check(resp.node_secret_kdf or None, "the register response")
                 break
             except ValueError as exc:
                 # Checked before saving (the Go agent saves first, and then every restart fails).
@@ -355,9 +390,10 @@ class Registrar:
             else:
                 await self.clock.sleep(delay)
         identity = Identity(node_id=resp.node_id, mesh_ip=resp.mesh_ip, signing_public_key=resp.signing_public_key,
-                            node_secret_key=resp.node_secret_key, private_key=private_key)
+                            node_secret_key=resp.node_secret_key, private_key=private_key, node_secret_kdf=kdf)
         self.store.save(identity)
-        self.client.set_token(identity.node_secret_key)
+        self.client.set_token(identity.bearer)
+        node_secret.note_mode(kdf)
         log.info("registered", extra={"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
                                       "node_secret": fingerprint(identity.node_secret_key)})
         return identity

@@ -84,11 +84,13 @@ def path_escape(value: str) -> str:
 class RegisterRequest:
     """``POST /v1/register`` (§1.3). `metadata` and `capabilities` are omitted when empty (omitempty)."""
 
-    token: str
+    token: str = field(repr=False)  # the bootstrap token: never in a repr
     public_key: str
     hostname: str
     metadata: Mapping[str, str] | None = None
     capabilities: Mapping[str, JSON] | None = None
+    # The key derivation the node offers (plexd.node_secret); omitted when empty. A Go control plane ignores it.
+    node_secret_kdf: str = ""
 
     def to_wire(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {"token": self.token, "public_key": self.public_key, "hostname": self.hostname}
@@ -96,6 +98,8 @@ class RegisterRequest:
             out["metadata"] = dict(self.metadata)
         if self.capabilities:
             out["capabilities"] = dict(self.capabilities)
+        if self.node_secret_kdf:
+            out["node_secret_kdf"] = self.node_secret_kdf
         return out
 
 

@@ -19,8 +19,11 @@ Behaviour worth knowing:
   - Event ids are `evt_<seq>` with one global sequence; `Last-Event-ID` replays everything after it (also after
     a restart). A stream opened without one first gets the events of the last `--replay-window` (5 min: what a
     signature window would still accept), so an event published just before a node connects is not lost.
-  - Registration answers 201. Re-registration with the node secret as Bearer, the same public key and an empty
-    token returns the same node id and mesh IP. A deregistered or forgotten node's secret gets 401.
+  - Registration answers 201. Re-registration with the node's bearer, the same public key and an empty token
+    returns the same node id and mesh IP. A deregistered or forgotten node's secret gets 401.
+  - A node that offers ``"node_secret_kdf": "hkdf-sha256"`` when it registers gets the same field back: its bearer
+    and the key of its secrets are derived from the node secret (plexd.node_secret); a node that does not (the Go
+    agent) uses the node secret for both, as §5.5 says.
   - Auth order on node endpoints: unknown/missing secret 401, secret of another node 403 (or 404 when the
     node in the path does not exist).
   - Nodes missing 3 heartbeat intervals are `unreachable` (kept as peers), 10 are `offline` (peers get

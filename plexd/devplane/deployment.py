@@ -19,7 +19,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from plexd import gojson
+from plexd import gojson, node_secret
 from plexd.clock import Clock
 from plexd.devplane.events import EventHub, Signer
 from plexd.devplane.store import Node, Store
@@ -80,10 +80,10 @@ class Deployment:
         self.signer = Signer(store)
         self.nodes: dict[str, Node] = {n.id: n for n in store.load_nodes()}
         self.hub = EventHub(store, self.signer, lambda node_id: self.nodes[node_id].num, clock_now=self.clock.now)
-        self.by_secret: dict[str, Node] = {n.secret: n for n in self.nodes.values() if not n.removed}
+        self.by_secret: dict[str, Node] = {n.bearer: n for n in self.nodes.values() if not n.removed}
         # A node that deregistered itself keeps its secret (for re-registration only) and its mesh IP until it is
         # purged or an admin forgets it, so it rejoins as the same node (PROJECT-DECISIONS.md, Restart and rejoin).
-        self.rejoinable: dict[str, Node] = {n.secret: n for n in self.nodes.values() if _rejoinable(n)}
+        self.rejoinable: dict[str, Node] = {n.bearer: n for n in self.nodes.values() if _rejoinable(n)}
         self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed or _rejoinable(n)}
         self.released_ips: dict[str, float] = store.released_ips()
         self._ip_scan_from = 1
@@ -268,6 +268,8 @@ class Deployment:
             public_key=public_key,
             mesh_ip=self._allocate_ip(),
             secret=secrets.token_urlsafe(24),  # 32 ASCII chars: its raw bytes are the AES-256 key (§5.5)
+            # The node offered separate keys for bearer and secrets (plexd.node_secret): take them.
+            kdf=node_secret.HKDF_SHA256 if body.get(node_secret.FIELD) == node_secret.HKDF_SHA256 else "",
             registered_at=self.now_text(),
             metadata=dict(body.get("metadata") or {}),
             capabilities=body.get("capabilities"),
@@ -280,7 +282,7 @@ class Deployment:
                 raise HTTPError(401, "bootstrap token already used; create a new one")
             self._save(node)
             self.nodes[node.id] = node
-            self.by_secret[node.secret] = node
+            self.by_secret[node.bearer] = node
             self.used_ips.add(node.mesh_ip)
             self.hub.publish(self.watchers(node), "peer_added", node.peer())
         log.info("node registered", extra={"node_id": node.id, "hostname": hostname, "mesh_ip": node.mesh_ip,
@@ -299,8 +301,8 @@ class Deployment:
             if rejoined:  # it deregistered itself earlier: it comes back as the same node, and its peers are told
                 node.removed = False
                 node.status = "online"
-                del self.rejoinable[node.secret]
-                self.by_secret[node.secret] = node
+                del self.rejoinable[node.bearer]
+                self.by_secret[node.bearer] = node
                 self.hub.publish(self.watchers(node), "peer_added", node.peer())
             self._mark_seen(node)
             self._save(node)
@@ -315,6 +317,7 @@ class Deployment:
             "signing_public_key": self.signer.public_key,
             "node_secret_key": node.secret,
             "peers": [p.peer() for p in self.visible_peers(node)],
+            **({node_secret.FIELD: node.kdf} if node.kdf else {}),  # the derivation taken: the node uses it
         }
 
     def remove(self, node: Node, reason: str, *, rejoinable: bool = False) -> None:
@@ -326,11 +329,11 @@ class Deployment:
             node.removed = True
             node.status = "deregistered" if rejoinable else "removed"
             self._save(node)
-            self.by_secret.pop(node.secret, None)
+            self.by_secret.pop(node.bearer, None)
             if rejoinable:
-                self.rejoinable[node.secret] = node
+                self.rejoinable[node.bearer] = node
             else:
-                self.rejoinable.pop(node.secret, None)
+                self.rejoinable.pop(node.bearer, None)
                 self._release_ip(node.mesh_ip)
             if watchers:
                 self.hub.publish(watchers, "peer_removed", {"peer_id": node.id})
@@ -442,7 +445,10 @@ class Deployment:
         if entry is None:
             raise HTTPError(404, f"node {node.id} has no secret {key!r}")
         nonce = os.urandom(12)
-        sealed = AESGCM(node.secret.encode("ascii")).encrypt(nonce, entry["value"].encode("utf-8"), None)
+        aes_key = node_secret.secrets_key(node.secret, node.kdf)
+        if aes_key is None:
+            raise HTTPError(500, f"node {node.id}'s secret is not a usable AES-256 key")
+        sealed = AESGCM(aes_key).encrypt(nonce, entry["value"].encode("utf-8"), None)
         return {"key": key, "ciphertext": base64.b64encode(sealed).decode(), "nonce": base64.b64encode(nonce).decode(),
                 "version": entry["version"]}
 

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexd import node_secret
 from plexd.errors import PlexdError
 
 SCHEMA_VERSION = 2
@@ -52,7 +53,7 @@ class Node:
     hostname: str
     public_key: str
     mesh_ip: str
-    secret: str
+    secret: str = field(repr=False)  # the node secret: never in a repr
     registered_at: str
     metadata: dict[str, str] = field(default_factory=dict)
     capabilities: Any = None
@@ -62,11 +63,19 @@ class Node:
     last_seen: float = 0.0  # wall-clock epoch seconds
     last_heartbeat: Any = None
     data: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> DataEntry wire dict
-    secrets: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> {"value", "version"}
+    secrets: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False)  # key -> {"value", "version"}
     reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> the ReportEntry the node last sent
     flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
     removed: bool = False
     num: int = 0  # small per-deployment number, used to address events compactly
+    # "hkdf-sha256" when the node offered the derivation at registration (plexd.node_secret): its bearer and the
+    # key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent): `secret` is both
+    kdf: str = ""
+
+    @property
+    def bearer(self) -> str:
+        """What this node sends as its bearer token."""
+        return node_secret.bearer(self.secret, self.kdf)
 
     def to_doc(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

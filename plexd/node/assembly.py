@@ -195,7 +195,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
                                  uptime=agent.uptime, refresh=observe_device)
     api_cfg = cfg.node_api
     local_api = LocalAPI(api_cfg.socket_path, group=api_cfg.socket_group, request_timeout=api_cfg.request_timeout,
-                         rate_limit=RateLimiter(api_cfg.rate_limit, api_cfg.rate_burst))
+                         rate_limit=RateLimiter(api_cfg.rate_limit, api_cfg.rate_burst),
+                         tcp_max_connections=api_cfg.http_max_connections,
+                         header_timeout=api_cfg.http_header_timeout)
     reports, report_sync = _build_reports(agent, node_id)
     node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, rotation, nat, reports,
                 report_sync)
@@ -208,7 +210,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         return await agent.client.fetch_secret(node_id(), key)
 
     add_node_api_routes(local_api, NodeApi(mesh.get_desired, reports, fetch_secret,
-                                           node_secret=lambda: agent.client.token or "",
+                                           node_secret=lambda: agent.identity.node_secret_key if agent.identity else "",
+                                           node_secret_kdf=lambda: agent.identity.node_secret_kdf if agent.identity
+                                           else "",
                                            secrets_group=api_cfg.secrets_group))
     http_token = read_http_token(cfg) if api_cfg.http_enabled else None
 
@@ -313,7 +317,9 @@ def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStor
     async def send(entries: Any, deleted: Any) -> None:
         await agent.authed(lambda: agent.client.sync_reports(node_id(), entries, deleted))
 
-    reports = ReportStore(cfg.data_dir)
+    api_cfg = cfg.node_api
+    reports = ReportStore(cfg.data_dir, max_entries=api_cfg.report_max_entries, max_bytes=api_cfg.report_max_bytes,
+                          max_entry_bytes=api_cfg.report_max_entry_bytes)
     sync = ReportSync(reports, send, cfg.data_dir,
                       backoff=_backoff(cfg))
     reports.on_change = sync.changed

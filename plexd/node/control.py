@@ -28,8 +28,9 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
     nat            enabled (false: reason), servers, public_endpoint, nat_type, local_endpoint, server,
                    last_success_at, last_attempt_at, last_error, consecutive_failures, reported_endpoint,
                    reported_nat_type, reported_at, report_error, refresh_interval_seconds
-    node_api       socket, tcp (null or host:port), reports, rate_limited, report_sync (pending, sent_batches,
-                   dropped_batches, last_sent_at, last_error)
+    node_api       socket, tcp (null or host:port), reports, report_bytes, rate_limited, tcp_refused (TCP
+                   connections turned away at the door: budget full or too many 401s), report_sync (pending,
+                   sent_batches, dropped_batches, last_sent_at, last_error)
     key_rotation   rotations, last_at, last_error, pending (a rotation the control plane has not taken yet)
     metrics        null (off) or listen, scrapes
     upgrade        release (the zipapp running, or "installed package"), dir, installing, pending (null or
@@ -128,7 +129,9 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["node_api"] = {"socket": api.socket_path,
                        "tcp": "{}:{}".format(*api.tcp_address) if api.tcp_address else None,
                        "reports": len(node.reports) if node.reports is not None else 0,
+                       "report_bytes": node.reports.total_bytes if node.reports is not None else 0,
                        "rate_limited": api.rate_limit.refused,
+                       "tcp_refused": api.tcp_refused,
                        "report_sync": node.report_sync.status() if node.report_sync is not None else None}
     doc["key_rotation"] = node.key_rotation.status()
     m = node.metrics

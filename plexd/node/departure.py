@@ -151,7 +151,7 @@ def _deregister_alone(config: Any, *, purge: bool, force: bool) -> dict[str, Any
         config.require_api()
 
         async def post() -> None:
-            async with ControlPlaneClient.for_config(config, token=ident.node_secret_key) as client:
+            async with ControlPlaneClient.for_config(config, token=ident.bearer) as client:
                 await client.deregister(ident.node_id, purge=purge)
 
         try:

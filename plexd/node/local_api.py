@@ -13,7 +13,15 @@ never world-writable — and it is removed at stop.
 
 Optional TCP listener (`listen_tcp`, the node API's ``node_api.http_enabled``): the same routes that are marked
 ``tcp=True`` (the §8 node API, never the daemon's control routes), each request with ``Authorization: Bearer
-<token>`` compared in constant time, else ``401 {"error":"unauthorized"}``.
+<token>`` compared in constant time, else ``401 {"error":"unauthorized"}``. TCP callers are strangers until the
+token says otherwise, so the listener is built to cost little whatever they do:
+
+- the token is checked as soon as the request head is parsed, and a 401 is sent before one byte of the body is
+  read; the head must arrive within `header_timeout` (a few seconds), or the connection is closed;
+- TCP connections have a budget of their own (`tcp_max_connections`, small), counted apart from the socket's:
+  a flood of TCP clients is refused at the door and never takes a slot the root socket needs;
+- 401s are limited per source address (`AUTH_FAILURE_BURST`, refilled at `AUTH_FAILURE_RATE`): past that, the
+  address's new connections are answered 429 at once, unread.
 
 Fair use, on both: a token bucket per client (uid, or TCP address) answers 429 when it is empty; a request must
 arrive whole within `request_timeout` (else 408 and the connection is closed); bodies are capped at 1 MiB.
@@ -50,6 +58,11 @@ MAX_HEADERS = 16 << 10
 REQUEST_TIMEOUT = 10.0  # a whole request (or an idle keep-alive connection): a slow client cannot hold a slot
 RATE_LIMIT_TARPIT = 0.25
 MAX_CONNECTIONS = 64  # a runaway script cannot take every file descriptor the daemon needs for the mesh
+TCP_MAX_CONNECTIONS = 16  # TCP's own budget, never the socket's: unauthenticated strangers get a small door
+HEADER_TIMEOUT = 5.0  # on TCP the request head (with its token) must arrive within this
+AUTH_FAILURE_BURST = 10  # 401s per source address before it is refused at the door ...
+AUTH_FAILURE_RATE = 0.2  # ... refilled at one every 5 s
+REFUSAL_LOG_INTERVAL = 60.0  # a flood at the door is one log line a minute, not one per connection
 
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+: the peer's supplementary groups
@@ -103,8 +116,8 @@ class Request:
     method: str
     path: str
     query: dict[str, list[str]]
-    headers: dict[str, str]
-    body: bytes
+    headers: dict[str, str] = field(repr=False)  # Authorization carries the TCP token: never in a repr
+    body: bytes = field(repr=False)
     cred: PeerCred | None
     via: str = "unix"  # "unix" (cred from SO_PEERCRED) or "tcp" (authenticated by the bearer token)
     remote: str = ""  # the TCP client's address
@@ -130,7 +143,7 @@ class Request:
 @dataclass
 class Response:
     status: int = 200
-    body: Any = None  # JSON document, or bytes/str sent as they are
+    body: Any = field(default=None, repr=False)  # JSON document, or bytes/str as they are (a secret's value too)
     content_type: str = "application/json"
     headers: dict[str, str] = field(default_factory=dict)
     # Sent chunk by chunk as it comes (chunked transfer encoding) instead of `body`: streamed action output.
@@ -154,10 +167,12 @@ class HTTPError(Exception):
 
 
 class _Refused(Exception):
-    """The request cannot be read to its end (too slow, too large): answer `response` and close."""
+    """The request cannot be read to its end (too slow, too large, unauthorized): answer `response` and close.
+    `linger`: read what the client still sends for a moment first (never for a stranger on TCP)."""
 
-    def __init__(self, response: Response) -> None:
+    def __init__(self, response: Response, *, linger: bool = True) -> None:
         self.response = response
+        self.linger = linger
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -193,12 +208,21 @@ class Route:
 
 class LocalAPI:
     def __init__(self, socket_path: str, *, group: str = SOCKET_GROUP, request_timeout: float = REQUEST_TIMEOUT,
-                 max_connections: int = MAX_CONNECTIONS, rate_limit: RateLimiter | None = None) -> None:
+                 max_connections: int = MAX_CONNECTIONS, rate_limit: RateLimiter | None = None,
+                 tcp_max_connections: int = TCP_MAX_CONNECTIONS, header_timeout: float = HEADER_TIMEOUT,
+                 auth_failures: RateLimiter | None = None) -> None:
         self.socket_path = socket_path
         self.group = group
         self.request_timeout = request_timeout
         self.max_connections = max_connections
         self.rate_limit = rate_limit or RateLimiter(0, 1)
+        self.tcp_max_connections = tcp_max_connections
+        self.header_timeout = min(header_timeout, request_timeout)
+        self.auth_failures = auth_failures or RateLimiter(AUTH_FAILURE_RATE, AUTH_FAILURE_BURST)
+        self.tcp_refused = 0  # TCP connections turned away at the door (budget full, or too many 401s)
+        self._tcp_connections: set[asyncio.Task[Any]] = set()
+        self._refusal_logged = -REFUSAL_LOG_INTERVAL
+        self._refused_since_log = 0
         self.routes: list[Route] = []
         self._server: asyncio.base_events.Server | None = None
         self._tcp_server: asyncio.base_events.Server | None = None
@@ -271,10 +295,11 @@ class LocalAPI:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(grace):
                     await self._answered.wait()
-        for task in list(self._connections):
+        connections = self._connections | self._tcp_connections
+        for task in connections:
             task.cancel()
-        if self._connections:
-            await asyncio.wait(self._connections, timeout=2)
+        if connections:
+            await asyncio.wait(connections, timeout=2)
         for server in servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2)
@@ -286,7 +311,41 @@ class LocalAPI:
 
     async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        await self._serve(reader, writer, via="tcp", remote=str(peer[0]) if peer else "")
+        remote = str(peer[0]) if peer else ""
+        # Refused at the door, unread: a stranger waiting here would hold the slot it is refused for.
+        if len(self._tcp_connections) >= self.tcp_max_connections:
+            self._refuse_at_door(writer, remote, Response(503, {"error": "too many TCP connections to the node API"},
+                                                          headers={"connection": "close"}), "the TCP budget is full")
+            return
+        if self.auth_failures.blocked(("tcp", remote)):
+            self._refuse_at_door(writer, remote, Response(429, {"error": "too many unauthorized requests from "
+                                                                          f"{remote}; retry later"},
+                                                          headers={"connection": "close", "retry-after": "5"}),
+                                 "too many 401s from it")
+            return
+        task = asyncio.current_task()
+        if task is not None:
+            self._tcp_connections.add(task)
+        try:
+            await self._serve(reader, writer, via="tcp", remote=remote)
+        finally:
+            if task is not None:
+                self._tcp_connections.discard(task)
+
+    def _refuse_at_door(self, writer: asyncio.StreamWriter, remote: str, response: Response, why: str) -> None:
+        self.tcp_refused += 1
+        self._refused_since_log += 1
+        now = asyncio.get_running_loop().time()
+        if now - self._refusal_logged >= REFUSAL_LOG_INTERVAL:
+            log.warning("node API (TCP): refused %d connection(s) (latest from %s: %s; %d TCP connections open)",
+                        self._refused_since_log, remote or "unknown peer", why, len(self._tcp_connections))
+            self._refusal_logged, self._refused_since_log = now, 0
+        conn = h11.Connection(h11.SERVER)
+        with contextlib.suppress(Exception):  # best effort: the answer goes into the send buffer, never awaited
+            conn.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # h11 answers only a request it has seen
+            conn.next_event()
+            writer.write(self._encode(conn, response))
+        writer.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, via: str = "unix",
                      remote: str = "") -> None:
@@ -294,7 +353,7 @@ class LocalAPI:
         sock = writer.get_extra_info("socket")
         cred = peer_cred(sock) if sock is not None and via == "unix" else None
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
-        if len(self._connections) >= self.max_connections:
+        if via == "unix" and len(self._connections) >= self.max_connections:
             log.warning("local API: %d connections open, refusing one more from %s", len(self._connections),
                         _who(cred, remote))
             with contextlib.suppress(Exception):
@@ -305,19 +364,22 @@ class LocalAPI:
                                                         headers={"connection": "close"}))
             writer.close()
             return
-        if task is not None:
+        if task is not None and via == "unix":  # TCP connections are counted in their own budget (_serve_tcp)
             self._connections.add(task)
+        authenticated = via == "unix"  # the socket's callers are known by SO_PEERCRED; TCP's by their token
         try:
             while True:
                 try:
-                    request = await self._read_request(conn, reader, cred, via, remote)
+                    request = await self._read_request(conn, reader, cred, via, remote, authenticated)
                 except _Refused as refused:
                     with contextlib.suppress(Exception):
                         await self._send(conn, writer, refused.response)
-                        await _linger(reader, writer)
+                        if refused.linger:
+                            await _linger(reader, writer)
                     break
                 if request is None:
                     break
+                authenticated = True
                 self._in_flight += 1
                 self._answered.clear()
                 try:
@@ -345,21 +407,30 @@ class LocalAPI:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                            cred: PeerCred | None, via: str = "unix", remote: str = "") -> Request | None:
+    async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader, cred: PeerCred | None,
+                            via: str = "unix", remote: str = "", authenticated: bool = True) -> Request | None:
         head: h11.Request | None = None
         body = bytearray()
         started = False  # a byte of this request arrived: a timeout is then answered, not just closed
-        deadline = asyncio.get_running_loop().time() + self.request_timeout
+        now = asyncio.get_running_loop().time()
+        deadline = now + self.request_timeout
+        # On TCP the head, which carries the token, must come quickly: a stranger cannot hold a slot for long.
+        head_deadline = now + self.header_timeout if via == "tcp" else deadline
         while True:
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 try:
-                    async with asyncio.timeout_at(deadline):
+                    async with asyncio.timeout_at(deadline if head is not None else head_deadline):
                         data = await reader.read(65536)
                 except TimeoutError:
+                    if not authenticated:  # a stranger that connected and never showed a token
+                        self.auth_failures.allow(("tcp", remote))
                     if not started:
                         raise  # an idle keep-alive connection: closed quietly
+                    if head is None and via == "tcp":
+                        raise _Refused(Response(408, {"error": "request head not completed within "
+                                                               f"{self.header_timeout:g}s"},
+                                                headers={"connection": "close"}), linger=False) from None
                     log.warning("local API: a request from %s did not arrive whole within %gs; connection closed",
                                 _who(cred, remote), self.request_timeout)
                     raise _Refused(Response(408, {"error": f"request not completed within {self.request_timeout:g}s"},
@@ -373,6 +444,8 @@ class LocalAPI:
                 return None
             if isinstance(event, h11.Request):
                 head = event
+                if via == "tcp":
+                    self._check_bearer(event, remote)  # before a byte of the body is read
                 length = next((v for k, v in event.headers if k == b"content-length"), b"0")
                 if length.isdigit() and int(length) > MAX_BODY:
                     raise _Refused(_too_large())
@@ -388,8 +461,23 @@ class LocalAPI:
                 return Request(head.method.decode("ascii", errors="replace").upper(), parts.path,
                                parse_qs(parts.query), headers, bytes(body), cred, via, remote)
 
+    def _check_bearer(self, head: h11.Request, remote: str) -> None:
+        """A TCP request's token, from its head alone: refused → 401 (429 once the address has failed too often),
+        sent before the body is read, and the connection closed."""
+        authorization = next((v for k, v in head.headers if k == b"authorization"), b"")
+        if self._token_ok(authorization.decode("latin-1")):
+            return
+        wait = self.auth_failures.allow(("tcp", remote))
+        if wait:
+            raise _Refused(Response(429, {"error": f"too many unauthorized requests from {remote}; retry later"},
+                                    headers={"connection": "close", "retry-after": str(max(1, round(wait + 0.5)))}),
+                           linger=False)
+        raise _Refused(Response(401, {"error": "unauthorized"},
+                                headers={"www-authenticate": "Bearer", "connection": "close"}), linger=False)
+
     async def _dispatch(self, request: Request) -> Response:
-        if request.via == "tcp" and not self._bearer_ok(request):
+        if request.via == "tcp" and not self._token_ok(request.headers.get("authorization", "")):
+            # _check_bearer refused such a request from its head already; this stays as a second lock
             return Response(401, {"error": "unauthorized"}, headers={"www-authenticate": "Bearer"})
         wait = self.rate_limit.allow(request.client)
         if wait:
@@ -418,25 +506,35 @@ class LocalAPI:
             log.exception("local API: %s %s failed", request.method, request.path)
             return Response(500, {"error": "internal error"})
 
-    def _bearer_ok(self, request: Request) -> bool:
-        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+    def _token_ok(self, authorization: str) -> bool:
+        scheme, _, token = authorization.strip().partition(" ")
         return (scheme.lower() == "bearer" and bool(self._tcp_token)
                 and hmac.compare_digest(token.strip().encode("latin-1"), self._tcp_token))
 
     async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response) -> None:
         stream = response.stream
-        body = b"" if stream is not None else response.encoded()
-        framing = ("transfer-encoding", "chunked") if stream is not None else ("content-length", str(len(body)))
-        headers = [("content-type", response.content_type), framing, *response.headers.items()]
+        if stream is None:
+            writer.write(self._encode(conn, response))
+        else:
+            headers = [("content-type", response.content_type), ("transfer-encoding", "chunked"),
+                       *response.headers.items()]
+            writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
+            await self._send_chunks(conn, writer, stream)
+            writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+    @staticmethod
+    def _encode(conn: h11.Connection, response: Response) -> bytes:
+        """A whole response with a body (not streamed), as bytes."""
+        body = response.encoded()
+        headers = [("content-type", response.content_type), ("content-length", str(len(body))),
+                   *response.headers.items()]
         if response.status == 204:
             headers = [h for h in headers if h[0] not in ("content-type", "content-length")]
-        writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
-        if stream is not None:
-            await self._send_chunks(conn, writer, stream)
-        elif body:
-            writer.write(conn.send(h11.Data(data=body)))
-        writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        out = conn.send(h11.Response(status_code=response.status, headers=headers)) or b""
+        if body:
+            out += conn.send(h11.Data(data=body)) or b""
+        return out + (conn.send(h11.EndOfMessage()) or b"")
 
     async def _send_chunks(self, conn: h11.Connection, writer: asyncio.StreamWriter,
                            stream: AsyncIterator[bytes]) -> None:

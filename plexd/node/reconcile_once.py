@@ -55,7 +55,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
                              "'plexd up' (or use --dry-run to see the plan)")
 
     verifier = build_verifier(config.data_dir, Clock(), ident.signing_public_key)
-    async with ControlPlaneClient.for_config(config, token=ident.node_secret_key) as client:
+    async with ControlPlaneClient.for_config(config, token=ident.bearer) as client:
         async def post(report: dict[str, Any]) -> None:
             await client.report_drift(ident.node_id, report)
 

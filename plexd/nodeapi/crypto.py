@@ -1,9 +1,10 @@
 """Secret decryption (§8.5): AES-256-GCM, 12-byte nonce, the 16-byte tag after the ciphertext, no AAD.
 
-The key is the node secret key (NSK, §5.5): its raw bytes when they are 32 long (what the Go agent does and the
-reference control plane issues), else its base64 decoding when that is 32 bytes (a compatibility shim for a
-control plane that hands out a base64 AES key). Every failure is one generic `SecretDecryptError`: which step
-failed says nothing useful to a workload and something to an attacker.
+The key is derived from the node secret with HKDF when the control plane took that at registration
+(`plexd.node_secret`). Otherwise (compatibility mode) it is the node secret key (NSK, §5.5) itself: its raw bytes
+when they are 32 long (what the Go agent does), else its base64 decoding when that is 32 bytes (a compatibility
+shim for a control plane that hands out a base64 AES key). Every failure is one generic `SecretDecryptError`:
+which step failed says nothing useful to a workload and something to an attacker.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import binascii
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from plexd import node_secret as derive
 from plexd.errors import PlexdError
 
 NONCE_BYTES = 12
@@ -23,20 +25,8 @@ class SecretDecryptError(PlexdError):
     pass
 
 
-def secret_key(node_secret: str) -> bytes | None:
-    """The AES-256 key the node secret stands for, or None when it stands for none."""
-    raw = node_secret.encode("utf-8")
-    if len(raw) == 32:
-        return raw
-    try:
-        decoded = base64.b64decode(raw, validate=True)
-    except (binascii.Error, ValueError):
-        return None
-    return decoded if len(decoded) == 32 else None
-
-
-def decrypt(ciphertext_b64: str, nonce_b64: str, node_secret: str) -> str:
-    key = secret_key(node_secret)
+def decrypt(ciphertext_b64: str, nonce_b64: str, node_secret: str, kdf: str = "") -> str:
+    key = derive.secrets_key(node_secret, kdf)
     if key is None:
         raise SecretDecryptError("secret decryption failed")
     try:

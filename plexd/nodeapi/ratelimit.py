@@ -43,6 +43,13 @@ class RateLimiter:
         self._buckets[client] = (tokens - 1.0, now)
         return 0.0
 
+    def blocked(self, client: Hashable) -> bool:
+        """Whether `client`'s bucket is empty now (nothing taken: a look at the door, not a request)."""
+        if self.rate <= 0 or client not in self._buckets:
+            return False
+        tokens, at = self._buckets[client]
+        return tokens + (self._clock() - at) * self.rate < 1.0
+
     def _forget_full(self, now: float) -> None:
         """Drop the buckets that have refilled (their clients are as good as new)."""
         full_after = self.burst / self.rate

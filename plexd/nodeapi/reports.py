@@ -4,6 +4,12 @@ Each entry is one file, data_dir/state/report/<file>.json (`keys.file_name`), wr
 request is answered, so a 200 means the entry survives a crash. The version is the node's: 1 for a new entry,
 +1 for every update; `If-Match` (a bare integer) makes a write conditional on it, and `0` means "only if new".
 Every change is handed to `on_change` (the sync queue), which carries it upstream.
+
+The store is bounded, so a workload cannot fill the disk or the daemon's memory: at most `max_entries` entries,
+`max_bytes` in all and `max_entry_bytes` each (sizes are those of the files). A PUT past a cap is refused with
+`StoreFull` (the routes' 507) or `EntryTooLarge` (413), naming the cap and its config key; a delete is always
+allowed. Entries already on disk are all loaded at start even when the caps were lowered meanwhile (nothing is
+thrown away); new ones are refused until the store is back under them.
 """
 
 from __future__ import annotations
@@ -56,21 +62,39 @@ def compact(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
+MAX_ENTRIES = 1000
+MAX_BYTES = 16 << 20
+MAX_ENTRY_BYTES = 1 << 20  # a PUT body is capped at 1 MiB anyway (plexd.node.local_api)
+
+
 class VersionConflict(Exception):
     """If-Match did not match the entry's version (or the entry does not exist and If-Match was not 0)."""
 
 
+class StoreFull(Exception):
+    """The entry would take the store past its count or byte cap (HTTP 507)."""
+
+
+class EntryTooLarge(Exception):
+    """The entry alone is larger than an entry may be (HTTP 413)."""
+
+
 class ReportStore:
-    def __init__(self, data_dir: str | Path, on_change: Callable[[str], None] | None = None) -> None:
+    def __init__(self, data_dir: str | Path, on_change: Callable[[str], None] | None = None, *,
+                 max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES,
+                 max_entry_bytes: int = MAX_ENTRY_BYTES) -> None:
         self.dir = Path(data_dir) / STATE_DIR / REPORT_DIR
         self.on_change = on_change or (lambda key: None)
+        self.max_entries, self.max_bytes, self.max_entry_bytes = max_entries, max_bytes, max_entry_bytes
         self._entries: dict[str, ReportEntry] = {}
+        self._sizes: dict[str, int] = {}  # key -> bytes of its file
         self._lock = asyncio.Lock()  # version check and write are one step, whatever else arrives meanwhile
 
     def load(self) -> int:
         """Read every entry from disk (at start). A file that cannot be used is left where it is, with a warning:
         an operator may want it, and a PUT to its key replaces it."""
         self._entries.clear()
+        self._sizes.clear()
         try:
             names = sorted(os.listdir(self.dir))
         except (FileNotFoundError, NotADirectoryError):
@@ -89,7 +113,16 @@ class ReportStore:
                             file_name(entry.key))
                 continue
             self._entries[entry.key] = entry
+            self._sizes[entry.key] = len(compact(entry.to_wire()))
+        if len(self._entries) > self.max_entries or self.total_bytes > self.max_bytes:
+            log.warning("report entries in %s (%d, %d bytes) are over the caps (node_api.report_max_entries %d, "
+                        "report_max_bytes %d): all kept, new ones refused until some are deleted", self.dir,
+                        len(self._entries), self.total_bytes, self.max_entries, self.max_bytes)
         return len(self._entries)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._sizes.values())
 
     def index(self) -> list[dict[str, Any]]:
         return [{"key": e.key, "version": e.version} for e in self._entries.values()]
@@ -107,8 +140,11 @@ class ReportStore:
                 raise VersionConflict(key)
             entry = ReportEntry(key, content_type, payload, (old.version + 1) if old is not None else 1,
                                 gojson.format_time(gojson.now_utc()))
-            await asyncio.to_thread(self._write, entry)
+            data = compact(entry.to_wire())
+            self._check_caps(key, len(data))
+            await asyncio.to_thread(self._write, entry, data)
             self._entries[key] = entry
+            self._sizes[key] = len(data)
         self.on_change(key)
         return entry
 
@@ -118,12 +154,26 @@ class ReportStore:
                 return False
             await asyncio.to_thread(self._remove, key)
             del self._entries[key]
+            self._sizes.pop(key, None)
         self.on_change(key)
         return True
 
-    def _write(self, entry: ReportEntry) -> None:
+    def _check_caps(self, key: str, size: int) -> None:
+        if size > self.max_entry_bytes:
+            raise EntryTooLarge(f"report entry too large: {size} bytes stored, at most {self.max_entry_bytes} "
+                                "(node_api.report_max_entry_bytes)")
+        if key not in self._entries and len(self._entries) >= self.max_entries:
+            raise StoreFull(f"report store full: {len(self._entries)} entries, at most {self.max_entries} "
+                            "(node_api.report_max_entries); delete entries that are no longer needed")
+        total = self.total_bytes - self._sizes.get(key, 0) + size
+        if total > self.max_bytes:
+            raise StoreFull(f"report store full: this entry ({size} bytes) would make {total} bytes, at most "
+                            f"{self.max_bytes} (node_api.report_max_bytes); delete entries that are no longer "
+                            "needed")
+
+    def _write(self, entry: ReportEntry, data: bytes) -> None:
         self.dir.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
-        write_atomic(self.dir / file_name(entry.key), compact(entry.to_wire()), FILE_MODE)
+        write_atomic(self.dir / file_name(entry.key), data, FILE_MODE)
 
     def _remove(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

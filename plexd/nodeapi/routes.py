@@ -1,11 +1,12 @@
 """The §8.2 endpoints, on the daemon's socket and (when enabled) the TCP listener.
 
-    GET    /v1/state                     summary: metadata, data keys, secret keys, report keys
+    GET    /v1/state                     summary: metadata, data keys, secret keys (secrets group only), report keys
     GET    /v1/state/metadata[/{key}]
     GET    /v1/state/data[/{key}]
     GET    /v1/state/secrets[/{key}]     uid 0 or a member of node_api.secrets_group (socket); the token (TCP)
     GET    /v1/state/report[/{key}]
-    PUT    /v1/state/report/{key}        {"content_type", "payload"}; If-Match: <version> → 200 entry
+    PUT    /v1/state/report/{key}        {"content_type", "payload"}; If-Match: <version> → 200 entry; 507 store
+                                         full, 413 entry too large (ReportStore's caps)
     DELETE /v1/state/report/{key}        → 204
 
 Metadata, data and the secret index are read from the desired model, which the reconciler and the
@@ -17,6 +18,7 @@ Errors are `{"error": "..."}` with the Go agent's messages, followed by what exa
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -26,7 +28,7 @@ from plexd.errors import PlexdError
 from plexd.node.local_api import HTTPError, LocalAPI, Request, Response
 from plexd.nodeapi import crypto
 from plexd.nodeapi.keys import BadKey, path_key, report_key_problem
-from plexd.nodeapi.reports import ReportStore, VersionConflict
+from plexd.nodeapi.reports import EntryTooLarge, ReportStore, StoreFull, VersionConflict
 
 if TYPE_CHECKING:
     from plexd.controlplane.client import SecretResponse
@@ -47,6 +49,7 @@ class NodeApi:
     fetch_secret: Callable[[str], Awaitable[SecretResponse]]
     node_secret: Callable[[], str]
     secrets_group: str = SECRETS_GROUP
+    node_secret_kdf: Callable[[], str] = lambda: ""  # plexd.node_secret: how the secrets' key is derived
 
 
 def secret_access(group: str) -> Callable[[Request], str | None]:
@@ -67,12 +70,17 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
     def add(method: str, path: str, handler: Any, **kw: Any) -> None:
         api.add(method, path, handler, tcp=True, **kw)
 
+    access = secret_access(node.secrets_group)
+
     async def summary(req: Request) -> Response:
         d = node.desired()
+        # The secret index is secret too (§8.1 gates the list): callers outside the secrets group get none of it.
+        # An empty list, not a missing key, keeps the Go agent's shape for clients that expect the field.
+        secret_keys = [r.to_wire() for r in d.secret_refs] if access(req) is None else []
         return Response(200, {
             "metadata": d.metadata,
             "data_keys": [{"key": e.key, "version": e.version, "content_type": e.content_type} for e in d.data],
-            "secret_keys": [r.to_wire() for r in d.secret_refs],
+            "secret_keys": secret_keys,
             "report_keys": node.reports.index(),
         })
 
@@ -113,7 +121,7 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             log.warning("secret %r not served: %s", key[:100], exc)
             raise HTTPError(503, "control plane unavailable") from None
         try:
-            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret())
+            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret(), node.node_secret_kdf())
         except crypto.SecretDecryptError:
             log.error("secret %r: the control plane's answer cannot be decrypted with this node's key", key[:100])
             raise HTTPError(500, "internal error") from None
@@ -127,6 +135,8 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
         if entry is None:
             raise HTTPError(404, "not found")
         return Response(200, entry.to_wire())
+
+    refusals_logged = [-60.0]
 
     async def report_put(req: Request) -> Response:
         key = _report_key(req)
@@ -143,6 +153,14 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             current = node.reports.get(key)
             have = f"the entry is at version {current.version}" if current else "the entry does not exist"
             raise HTTPError(409, f"version conflict: If-Match {if_match}, {have}") from None
+        except EntryTooLarge as exc:
+            raise HTTPError(413, str(exc)) from None
+        except StoreFull as exc:
+            now = time.monotonic()
+            if now - refusals_logged[0] >= 60:  # a workload that keeps trying is one line a minute
+                refusals_logged[0] = now
+                log.warning("report %r refused: %s", key[:100], exc)
+            raise HTTPError(507, str(exc)) from None
         return Response(200, entry.to_wire())
 
     async def report_delete(req: Request) -> Response:
@@ -155,7 +173,6 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
     add("GET", PREFIX + "/metadata/", metadata_key)
     add("GET", PREFIX + "/data", data)
     add("GET", PREFIX + "/data/", data_key)
-    access = secret_access(node.secrets_group)
     add("GET", PREFIX + "/secrets", secrets, authorize=access)
     add("GET", PREFIX + "/secrets/", secret_key, authorize=access)
     add("GET", PREFIX + "/report", reports)

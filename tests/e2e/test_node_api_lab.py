@@ -162,6 +162,9 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     assert curl("Authorization: Bearer tcp-token-1") == "200"
     api = d.status()["node_api"]
     assert api["tcp"] == "127.0.0.1:9100" and api["reports"] == 4 and api["report_sync"]["dropped_batches"] == 1
+    # two 401s are within the per-address allowance: nobody was turned away at the door; the store's size is shown
+    assert api["tcp_refused"] == 0 and api["report_bytes"] == sum(
+        p.stat().st_size for p in (d.dir / "data/state/report").glob("*.json"))
     assert "node API:" in d.cli("status").stdout
 
 

@@ -141,7 +141,10 @@ async def test_token_file_deleted_after_success_and_capabilities_sent(tmp_path, 
         identity, fresh = await reg.ensure_registered()
     assert fresh and not (tmp_path / "token").exists()
     body = rec.requests[0].json
-    assert list(body) == ["token", "public_key", "hostname", "metadata", "capabilities"]
+    # the Go agent's fields in its order, then the key derivation offered (plexd.node_secret), which a Go control
+    # plane ignores: this one does not answer it, so the node stays in compatibility mode
+    assert list(body) == ["token", "public_key", "hostname", "metadata", "capabilities", "node_secret_kdf"]
+    assert body["node_secret_kdf"] == "hkdf-sha256" and identity.node_secret_kdf == ""
     assert body["token"] == "plx_enroll_abc" and body["hostname"] == "node-a" and body["metadata"] == {"rack": "r1"}
     assert body["capabilities"] == caps and body["public_key"] == identity.public_key
     data = tmp_path / "data"

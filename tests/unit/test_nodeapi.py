@@ -284,3 +284,16 @@ def test_token_bucket_refills_per_client():
     now[0] += 0.1
     assert limiter.allow("a") == 0.0
     assert RateLimiter(rate=0, burst=1).allow("x") == 0.0  # off
+
+
+def test_blocked_looks_at_a_bucket_without_taking_from_it():
+    from plexd.nodeapi.ratelimit import RateLimiter
+
+    now = [0.0]
+    limiter = RateLimiter(rate=0.5, burst=2, clock=lambda: now[0])
+    assert not limiter.blocked("a")  # never seen
+    assert limiter.allow("a") == 0 and limiter.allow("a") == 0
+    assert limiter.blocked("a") and limiter.blocked("a")  # looking takes nothing
+    now[0] = 2.0  # one token back
+    assert not limiter.blocked("a") and limiter.allow("a") == 0 and limiter.blocked("a")
+    assert not RateLimiter(0, 1).blocked("a")  # the limit off: never blocked
