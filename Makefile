@@ -9,9 +9,13 @@ setup:
 demo: setup
 	$(PY) -m plexd.devplane.cli demo $(DEMO_ARGS)
 
+# The suite waits far more than it computes (labs, handshakes, reconciles): four workers on two cores. Tests of a
+# file stay together, and the files that use the root network namespace share one worker (tests/conftest.py).
+TEST_WORKERS ?= 4
+
 test: setup
 	$(PY) -m ruff check plexd tests bench
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: setup
 	$(PY) -m ruff check plexd tests bench

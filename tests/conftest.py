@@ -1,9 +1,17 @@
-"""Suite-wide guards: root-only tests never skip silently in CI, and nothing is left behind.
+"""Suite-wide guards: root-only tests never skip silently in CI, nothing is left behind, and the suite runs in
+parallel where the tests allow it.
 
 Every e2e test needs root (network namespaces, wireguard-go). Outside CI a non-root run skips them with a
 reason; in CI (CI=true, which runs as root) a missing privilege is a failure, never a silent skip.
-At the end of the session we fail if any lab namespace, wireguard-go process or plexd process that was not
-there before the tests is still alive.
+
+Parallel runs (pytest-xdist, `make test` uses `-n 4 --dist loadgroup`): labs have names of their own (plexd.lab),
+so they run side by side; the tests of one file stay on one worker (their module fixtures are built once); the
+files that run daemons in the root network namespace itself (its `inet plexd` table, `plexd0`) share one group
+and so one worker, one after another.
+
+At the end of the whole run (once, in the controlling process, after every worker is done) we fail if any lab
+namespace, wireguard-go, plexd, devplane or coturn process, root-namespace link or route, or the root namespace's
+`inet plexd` table that was not there before the tests is still there.
 """
 
 from __future__ import annotations
@@ -19,13 +27,32 @@ IS_ROOT = os.geteuid() == 0
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
+# Files whose tests run plexd (or its firewall) in the root network namespace: one worker, one at a time.
+ROOT_NAMESPACE_FILES = frozenset({
+    "integration/test_action_runner.py", "integration/test_cli_errors.py", "integration/test_cli_up.py",
+    "integration/test_connected_agent.py", "integration/test_events_devplane.py", "integration/test_local_api.py",
+    "integration/test_node_api_socket.py", "integration/test_reconcile_cli.py",
+    "integration/test_registration_devplane.py", "integration/test_registration_retry.py",
+    "integration/test_telemetry_sources.py", "integration/test_upgrade_install.py", "integration/test_install.py",
+    "security/test_bootstrap_token.py", "security/test_node_api_leaks.py", "security/test_node_api_reports.py",
+    "security/test_node_api_tcp.py", "security/test_node_secret_kdf.py", "security/test_trusted_dirs.py",
+})
+LAB_TIMEOUT = 240  # seconds, for a lab test that does not name its own (pyproject's default is for the rest)
+TESTS = Path(__file__).parent
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "/tests/e2e/" in str(item.fspath) or item.get_closest_marker("root"):
+        relative = Path(str(item.fspath)).relative_to(TESTS).as_posix()
+        if relative.startswith("e2e/") or item.get_closest_marker("root"):
             item.add_marker(pytest.mark.root)
             # In CI a non-root run lets the test run and fail on its own: never a silent skip there.
             if not IS_ROOT and not IN_CI:
                 item.add_marker(pytest.mark.skip(reason="needs root and network namespaces"))
+        if relative.startswith("e2e/") and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(LAB_TIMEOUT))
+        group = "root-namespace" if relative in ROOT_NAMESPACE_FILES else relative
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _netns() -> set[str]:
@@ -57,25 +84,69 @@ def _plexd_table() -> bool:
 _WATCHED = ("wireguard-go", "plexd up", "plexd-devplane", "plexd.devplane.cli", "turnserver")
 
 
-@pytest.fixture(scope="session", autouse=True)
-def nothing_left_behind():
-    namespaces_before = _netns()
-    procs_before = _processes(_WATCHED)
-    table_before = _plexd_table()
-    yield
-    leaked_ns = sorted(n for n in _netns() - namespaces_before if n.startswith("px"))
-    leaked_procs = sorted(_processes(_WATCHED) - procs_before)
+def _root_links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=False).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.count(":") >= 2}
+
+
+def _root_routes() -> set[str]:
+    out = subprocess.run(["ip", "route", "show", "table", "all"], capture_output=True, text=True,
+                         check=False).stdout
+    # the kernel's local/broadcast entries of an address come and go with it: the addresses are what we check
+    return {" ".join(line.split()) for line in out.splitlines() if line.strip() and not line.startswith(
+        ("local ", "broadcast ", "multicast ", "fe80::", "ff00::"))}
+
+
+def _snapshot() -> dict[str, object]:
+    return {"netns": _netns(), "procs": _processes(_WATCHED), "table": _plexd_table(), "links": _root_links(),
+            "routes": _root_routes()}
+
+
+def _leaks(before: dict) -> list[str]:
     problems = []
+    leaked_ns = sorted(n for n in _netns() - before["netns"] if n.startswith("px"))
+    leaked_procs = sorted(_processes(_WATCHED) - before["procs"])
     if leaked_ns:
         problems.append(f"network namespaces left behind: {leaked_ns}")
     if leaked_procs:
         problems.append(f"processes left behind: {leaked_procs}")
-    if _plexd_table() and not table_before:  # daemons run in the root namespace by the integration tests
+    if _plexd_table() and not before["table"]:  # daemons run in the root namespace by the integration tests
         problems.append("nftables table inet plexd left behind in the root network namespace")
-    assert not problems, "; ".join(problems)
+    links = sorted(_root_links() - before["links"])
+    if links:
+        problems.append(f"links left behind in the root network namespace: {links}")
+    routes = sorted(_root_routes() - before["routes"])
+    if routes:
+        problems.append(f"routes left behind in the root network namespace: {routes}")
+    return problems
 
 
+def _controller(config) -> bool:
+    """The process that runs the session as a whole: the only one without xdist, the controller with it."""
+    return not hasattr(config, "workerinput")
 
+
+def pytest_sessionstart(session):
+    if _controller(session.config):
+        session.config.stash[_BEFORE] = _snapshot()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if not _controller(session.config) or _BEFORE not in session.config.stash:
+        return
+    problems = _leaks(session.config.stash[_BEFORE])
+    if problems:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        message = "left behind by the test run: " + "; ".join(problems)
+        if reporter is not None:
+            reporter.write_line(message, red=True, bold=True)
+        else:
+            print(message)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[dict]()
 
 
 @pytest.fixture

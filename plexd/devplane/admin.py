@@ -442,6 +442,10 @@ async def set_faults(request: Request) -> Response:
         wire.check(value, want, key)
     dep.faults = {k: v for k, v in body.items() if v not in (None, False, 0, "")}
     log.warning("faults injected: %s", dep.faults)
+    if dep.faults.get("events_status") or dep.faults.get("all_status"):
+        # A refused event stream is no stream: the ones open now end too (their reconnects meet the fault).
+        for node_id in list(dep.hub.subscribers):
+            dep.hub.close_streams(node_id)
     return JSONResponse(dep.faults)
 
 

@@ -42,8 +42,15 @@ def notify(*lines: str, env: Mapping[str, str] | None = None) -> bool:
         return False
 
 
+NO_SYSTEMD_ENV = "PLEXD_TEST_NO_SYSTEMD"
+
+
 def booted() -> bool:
-    """sd_booted(3): systemd is PID 1 here."""
+    """sd_booted(3): systemd is PID 1 here. Test hook: PLEXD_TEST_NO_SYSTEMD=1 says no, so a test of
+    `deregister --purge` or `install` on a machine that does run systemd never disables or reloads the host's
+    real units."""
+    if os.environ.get(NO_SYSTEMD_ENV) == "1":
+        return False
     return os.path.isdir("/run/systemd/system")
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 from nacl.public import PrivateKey
+from waiting import scaled
 
 from plexd.devplane.harness import Devplane
 from plexd.lab import Lab, LabNode, MeshLab
@@ -48,7 +49,9 @@ class Daemon:
         self.runs += 1
         self.log_path = self.dir / ("plexd.log" if self.runs == 1 else f"plexd-{self.runs}.log")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **self.extra_env}
+        # systemd forced off: a purge in a test must never reach the host's own plexd.service
+        env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), "PLEXD_TEST_NO_SYSTEMD": "1",
+               **self.extra_env}
         self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
                                    stderr=subprocess.STDOUT)
 
@@ -80,7 +83,8 @@ class Daemon:
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """`plexd ARGS` with this daemon's config, in its node (as an operator on that machine would)."""
-        res = self.lab.exec(self.node, ["env", f"PLEXD_CONFIG={self.config}", PLEXD, *args], check=False)
+        res = self.lab.exec(self.node, ["env", f"PLEXD_CONFIG={self.config}", "PLEXD_TEST_NO_SYSTEMD=1", PLEXD, *args],
+                            check=False)
         if check and res.returncode != 0:
             raise AssertionError(f"plexd {' '.join(args)} exited {res.returncode}: {res.stderr}")
         return res
@@ -110,7 +114,10 @@ def wg_peers(lab: Lab, node: LabNode) -> dict[str, str]:
     return {f[0]: f[2] for f in (line.split("\t") for line in lines)}
 
 
-def wait_until(pred, timeout: float, what: str, daemons=()) -> float:
+def wait_until(pred, timeout: float, what: str, daemons=(), evidence=None) -> float:
+    """Wait for `pred()`; on giving up, fail naming `what` with the daemons' log tails, their devices and what
+    `evidence()` adds. `timeout` is stretched by the suite's load factor (tests/waiting.py)."""
+    timeout = scaled(timeout)
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if pred():
@@ -118,7 +125,8 @@ def wait_until(pred, timeout: float, what: str, daemons=()) -> float:
         time.sleep(0.1)
     logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}\n--- {d.node.name}: wg show (public fields)\n"
                      f"{_device(d)}" for d in daemons)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n{logs}")
+    extra = f"\n--- evidence\n{evidence()}" if evidence is not None else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}{extra}")
 
 
 def _device(d: Daemon) -> str:
@@ -204,11 +212,52 @@ def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, r
     daemons += [a, b]
     wait_until(lambda: a.mesh_ip() and b.mesh_ip() and len(wg_peers(lab, a.node)) == 1
                and len(wg_peers(lab, b.node)) == 1, 30, "the two nodes to see each other", daemons)
-    publish_endpoints(dp, daemons)
-    # 30 s, not 15: when a first handshake goes wrong anyway (a crossed initiation that plexd.mesh.first_contact
-    # did not prevent: a CI run saw one), WireGuard itself starts over after 15 s without an answer.
-    wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 30, "a first ping", daemons)
+    keys = {n["id"]: n["public_key"] for n in dp.admin.nodes()}
+    a_key, b_key = keys[a.node_id()], keys[b.node_id()]
+    publish_endpoints(dp, [a, b])
+    started = time.monotonic()
+
+    def endpoints_on_both() -> bool:
+        return (wg_endpoint(lab, a.node, b_key) == f"{b.node.address}:51820"
+                and wg_endpoint(lab, b.node, a_key) == f"{a.node.address}:51820")
+
+    # Pinging before both devices hold both endpoints would make wireguard-go initiate on its own for the first
+    # data packet, around plexd's first-contact ordering, and the two initiations can cross (5-15 s lost each).
+    try:
+        wait_until(endpoints_on_both, 15, "the published endpoints on both devices", [a, b])
+    except AssertionError:
+        # An endpoint event was lost (reconcile may be 1h here): the state pull carries the endpoints too.
+        for d in (a, b):
+            d.cli("reconcile", "--once", check=False)
+        wait_until(endpoints_on_both, 15, "the endpoints on both devices after a reconcile", [a, b])
+    wait_until(lambda: handshake_at(lab, a.node, b_key) > 0, 30, "the first handshake between a and b", [a, b],
+               evidence=lambda: f"{time.monotonic() - started:.1f}s after publishing the endpoints")
+    first_ping(lab, a.node, b.mesh_ip(), 15, [a, b])
     return a, b
+
+
+def handshake_at(lab: Lab, node: LabNode, key: str) -> int:
+    """The unix time of the latest handshake with `key` on the node's device (0: none yet)."""
+    out = lab.exec(node, ["wg", "show", "plexd0", "latest-handshakes"], check=False).stdout
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) == 2 and fields[0] == key:
+            return int(fields[1])
+    return 0
+
+
+def first_ping(lab: Lab, node: LabNode, ip: str, deadline: float, daemons=()) -> None:
+    """One long-lived ping (`-w`) that ends at its first answer; on failure its whole output, the route to `ip`
+    and both devices are in the message, instead of a count of throw-away single pings."""
+    deadline = scaled(deadline)
+    res = subprocess.run(node.wrap(["ping", "-n", "-c", "1", "-i", "0.2", "-w", str(int(deadline)), ip]),
+                         capture_output=True, text=True, timeout=deadline + 15)
+    if res.returncode == 0:
+        return
+    route = lab.exec(node, ["ip", "route", "get", ip], check=False)
+    devices = "\n".join(f"--- {d.node.name}: wg show\n{_device(d)}" for d in daemons)
+    raise AssertionError(f"no answer to ping {ip} from {node.name} within {deadline:.0f}s:\n{res.stdout}{res.stderr}"
+                         f"--- ip route get {ip}: {route.stdout.strip() or route.stderr.strip()}\n{devices}")
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from plexd.converge import Converger
 from plexd.desired import DesiredState
 from plexd.lab import Lab, LabNode
 from plexd.mesh.links import Links
+from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.model import Peer
 
@@ -29,8 +30,12 @@ class MeshNode:
     private_key: str
     public_key: str
     mesh_ip: str
-    backend: UserspaceBackend
+    backend: UserspaceBackend | KernelBackend
     converger: Converger
+
+    @property
+    def kind(self) -> str:
+        return "kernel" if isinstance(self.backend, KernelBackend) else "userspace"
 
     def desired(self, others: list[MeshNode], **kw) -> DesiredState:
         d = DesiredState.initial(interface="wg0", listen_port=51820, mtu=1420, private_key=self.private_key,
@@ -46,10 +51,12 @@ class MeshNode:
         return [line.split("\t") for line in out.splitlines()]
 
 
-def mesh_node(lab: Lab, index: int) -> MeshNode:
+def mesh_node(lab: Lab, index: int, kind: str = "userspace") -> MeshNode:
     node = lab.nodes[index - 1] if index <= len(lab.nodes) else lab.add_node()
     priv, pub = keypair()
-    backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
+    backend: UserspaceBackend | KernelBackend = (
+        KernelBackend("wg0", netns=node.netns) if kind == "kernel"
+        else UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([])))
     return MeshNode(node, f"n_{index}", priv, pub, f"10.100.0.{index}", backend,
                     Converger(backend, Links("wg0", netns=node.netns)))
 

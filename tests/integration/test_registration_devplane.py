@@ -47,7 +47,8 @@ class Node:
             "mesh: {interface: pxcore0, backend: userspace, userspace_implementation: /nonexistent/px-no-wg}\n")
 
     def env(self, **extra: str) -> dict[str, str]:
-        return {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), **extra}
+        # systemd forced off: `deregister --purge` here must never disable the host's own plexd.service
+        return {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), "PLEXD_TEST_NO_SYSTEMD": "1", **extra}
 
     def run(self, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([PLEXD, *args], env=self.env(**extra), capture_output=True, text=True, timeout=60,

@@ -181,7 +181,8 @@ def parse_dump(messages: Iterable[wgmsg]) -> DeviceConfig:
 
 
 class KernelBackend:
-    """`WireGuardBackend` over generic netlink. Not exercised here: these kernels have no WireGuard module."""
+    """`WireGuardBackend` over generic netlink, in the current or a named network namespace. Where the kernel has
+    the module, tests/e2e/test_converge.py runs its drift test through it; these machines have none."""
 
     def __init__(self, interface: str, netns: str | None = None) -> None:
         self.interface = interface
@@ -194,11 +195,19 @@ class KernelBackend:
         return os.path.isdir("/sys/module/wireguard")
 
     def _socket(self):
-        from pyroute2 import WireGuard
+        """The generic-netlink socket, opened in the backend's network namespace (a socket stays in the namespace
+        it was created in; `pushns` moves only this worker thread, and only for the moment of the open)."""
+        from pyroute2 import WireGuard, netns
         from pyroute2.netlink.exceptions import NetlinkError
 
         try:
-            return WireGuard()
+            if self.netns is None:
+                return WireGuard()
+            netns.pushns(self.netns)
+            try:
+                return WireGuard()
+            finally:
+                netns.popns()
         except NetlinkError as e:
             if e.code == errno.ENOENT:
                 raise WireGuardError("the kernel has no WireGuard generic-netlink family (module not loaded)") from None
