@@ -102,7 +102,7 @@ async def main() -> None:
     run = await idle_run(args.peers, args.seconds, via_events=args.via_events)
     print(f"connected plexd up, {args.peers} peers, no events, {run.seconds:.0f} s window "
           f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {run.heartbeats} heartbeats in total)")
-    print(f"  plexd:        {run.per_minute:.3f} CPU s/min   (goal <= 0.1; best peer agent ~0.12)")
+    print(f"  plexd:        {run.per_minute:.3f} CPU s/min   (goal <= 0.1)")
     print(f"  plexd RSS:    {run.rss_mib:.1f} MiB with {run.peers_at_end} peers on the device at the end   "
           "(goal <= 50 MB at 1,000, <= 100 MB at 10,000)")
     if run.snapshot is not None:

@@ -176,14 +176,24 @@ def ping_count(lab: Lab, node: LabNode, ip: str, count: int, interval: float = 0
 
 
 def ping_during(lab: Lab, src: LabNode, dst_ip: str, count: int, during):
-    """Ping `dst_ip` from `src` `count` times at 10 per second, calling `during()` after the first second.
+    """Ping `dst_ip` from `src` `count` times at 10 per second, calling `during()` once the first echo came back.
     Returns what `during` returned, then how many echoes were lost and sent."""
-    ping = lab.spawn(src.wrap(["ping", "-c", str(count), "-i", "0.1", "-W", "1", dst_ip]),
+    ping = lab.spawn(src.wrap(["ping", "-n", "-c", str(count), "-i", "0.1", "-W", "1", dst_ip]),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        time.sleep(1.0)
+        assert ping.stdout is not None
+        seen = []
+        deadline = time.monotonic() + scaled(10)
+        while time.monotonic() < deadline:  # the first answer: the tunnel carries traffic before `during`
+            line = ping.stdout.readline()
+            seen.append(line)
+            if "bytes from" in line or not line:
+                break
+        if not any("bytes from" in line for line in seen):
+            raise AssertionError(f"no first echo from {dst_ip} before the change: {''.join(seen)}")
         result = during()
-        out, _ = ping.communicate(timeout=count / 10 + 30)
+        rest, _ = ping.communicate(timeout=count / 10 + 30)
+        out = "".join(seen) + rest
     finally:
         if ping.poll() is None:
             ping.kill()

@@ -44,9 +44,7 @@ def test_admin_actions_reach_every_device_through_the_stream(lab_dp):
     daemons.append(new)
     wait_until(lambda: new.node_id() is not None, 30, "the 4th node to register", daemons)
     new_key = dp.admin.node(new.node_id())["public_key"]
-    took = wait_until(lambda: all(new_key in wg_peers(lab, n) for n in nodes), 15, "the new node everywhere",
-                      daemons)
-    assert took < 15
+    wait_until(lambda: all(new_key in wg_peers(lab, n) for n in nodes), 15, "the new node everywhere", daemons)
 
     # an endpoint changed by the admin is applied through the stream
     ghost, ghost_key = register_ghost(dp, "px-ghost")
@@ -73,6 +71,7 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     b_id, c_id = b.node_id(), c.node_id()
     mesh_ip_a = info[node_a]["mesh_ip"]
     drift_before = len(dp.admin.drift(node_a))
+    cycles_before = a.status()["reconcile"]["cycles"]
 
     lab.exec(a.node, ["wg", "set", "plexd0", "peer", info[b_id]["public_key"], "remove"])
     # plexd routes the peers' allowed IPs with the fewest prefixes (adjacent mesh IPs share one): delete the
@@ -90,8 +89,10 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
         text = " | ".join(f"{c['type']}: {c['detail']}" for c in corrected())
         return b_id in text and mesh_ip_a in text and f"route {route_c} missing" in text
 
-    took = wait_until(all_named, 10, "a drift report naming each correction", daemons)
-    assert took <= 3 + 4  # within one reconcile interval (plus the cycle itself)
+    wait_until(all_named, 15, "a drift report naming each correction", daemons)
+    # within one reconcile interval, counted in cycles rather than seconds (a loaded machine is slower, not
+    # wrong): the cycle that found it, one more if a cycle ran in the middle of the drift, and one just starting
+    assert a.status()["reconcile"]["cycles"] <= cycles_before + 3
     types = {c["type"] for c in corrected()}
     assert "peer_added" in types and "address_added" in types and "route_added" in types, corrected()
     # the peer correction is the [C] type (§4.4) with a detail naming the peer
@@ -134,8 +135,8 @@ def test_cursor_and_nonces_survive_a_plexd_up_restart(lab_dp):
     d, a, a_key, first = _kept_daemon_with_a_nonced_event(lab_dp, "px-ghost-a", "px-restart-nonce")
     node_id = d.node_id()
 
-    took = d.stop()
-    assert d.proc.returncode == 0 and took < 10, (d.proc.returncode, took)  # shutdown never hangs
+    d.stop()
+    assert d.proc.returncode == 0, d.proc.returncode  # shutdown never hangs (Daemon.stop kills one that does)
     b, b_key = register_ghost(dp, "px-ghost-b")  # its peer_added is published while the daemon is down
     d.restart()
     wait_until(lambda: "event stream connected" in d.logged(), 30, "the stream after the restart", [d])
@@ -364,7 +365,7 @@ def test_kill_9_at_any_moment_leaves_nothing_that_blocks_the_next_start(lab_dp):
     assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
     assert "Traceback" not in a.logged()
 
-    took = a.stop()  # shutdown.deregister (default): the adopted process is stopped like an own one
-    assert a.proc.returncode == 0 and took < 10
+    a.stop()  # shutdown.deregister (default): the adopted process is stopped like an own one
+    assert a.proc.returncode == 0
     wait_until(lambda: wireguard_go_pids(lab, a.node) == [], 10, "the adopted wireguard-go to stop", daemons)
     assert not (a.dir / "api.sock").exists()

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -46,7 +45,8 @@ def test_node_state_arrives_by_event_secrets_are_gated_and_the_cache_is_converge
 
     # metadata and data: one event each, no reconcile (its interval is 1 h)
     wait_until(lambda: d.status()["event_stream"]["state"] == "connected", 20, "the event stream", daemons)
-    time.sleep(1)  # the reconcile the connection triggers
+    wait_until(lambda: "event stream (re)connected" in ((d.status()["reconcile"]["last"] or {}).get("reasons") or []),
+               20, "the reconcile the connection triggers", daemons)
     cycles = d.status()["reconcile"]["cycles"]
     dp.admin.set_metadata(node_id, {"env": "prod", "role": "db"})
     dp.admin.set_data(node_id, "db/config", "application/json", {"host": "db.internal", "port": 5432})
@@ -130,7 +130,8 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     d.cli("state", "report", "delete", "tmp")
     res = d.cli("state", "get", "secret", "any", check=False)  # secrets are never cached: 503 while away
     assert res.returncode == 1 and "control plane unavailable (HTTP 503)" in res.stderr, res.stderr
-    time.sleep(6)  # past the debounce: the daemon tried, failed, and keeps the queue
+    # past the debounce: the daemon tried, failed, and keeps the queue
+    wait_until(lambda: "report sync failed" in d.logged(), 20, "a failed report sync", daemons)
     d.restart()
     wait_until(lambda: (api_dir / "api.sock").exists(), 30, "the restarted daemon's socket", daemons)
     queued = json.loads((d.dir / "data/state/report-queue.json").read_text())["pending"]

@@ -13,6 +13,8 @@ import time
 import pytest
 from lab_daemon import Daemon, ping_count, pinging_pair, wait_until
 
+from plexd import gojson
+
 pytestmark = pytest.mark.root
 
 SHADOW = [
@@ -137,14 +139,16 @@ def test_an_outage_with_a_restart_loses_nothing_but_what_a_cap_dropped_and_says_
     stop = threading.Event()
     kept = writer(tmp_path / "keeper.log", "keep", stop)
     capped_lines = writer(tmp_path / "capped.log", "cap", stop)
+    outage_began = time.time()
     dp.stop()
-    time.sleep(20)
+    time.sleep(20)  # the outage itself (what is measured, not a wait for something)
+    restarted_at = time.time()
     keeper.restart()  # in the middle of the outage: the queue and the file position are on disk
     capped.restart()
     time.sleep(20)
     stop.set()
     time.sleep(0.5)
-    outage_seconds = 40
+    outage_ended = time.time()
     dp.start()
 
     def messages(d: Daemon, prefix: str) -> list[str]:
@@ -157,9 +161,14 @@ def test_an_outage_with_a_restart_loses_nothing_but_what_a_cap_dropped_and_says_
     metrics = dp.admin.metrics(ids[keeper])
     stamps = [p["timestamp"] for p in metrics]
     assert stamps == sorted(stamps)
-    # one system point per collection, also while the devplane was away (less the restart's gap)
-    during = len([p for p in metrics[metrics_before:] if p["group"] == "system"])
-    assert during > outage_seconds / 0.2 * 0.6 and during * 2 > 200, during
+    # system points collected while the devplane was away arrived, from both sides of the restart (the queue on
+    # disk outlived it); how many depends on how loaded the machine was, so only a floor well below 5 Hz
+    during = [gojson.parse_time(p["timestamp"]).timestamp() for p in metrics[metrics_before:]
+              if p["group"] == "system"]
+    during = [t for t in during if outage_began <= t <= outage_ended]
+    assert any(t < restarted_at for t in during) and any(t > restarted_at for t in during), during
+    assert len(during) > (outage_ended - outage_began) / 0.2 / 4, len(during)
+    assert keeper.status()["telemetry"]["metrics"]["dropped"] == 0
 
     # the capped node: only the newest lines survive; the loss is counted, logged and sent upstream
     def notices() -> list[str]:

@@ -63,10 +63,12 @@ async def test_timeout_kills_the_whole_group_including_a_child_that_ignores_sigt
 
 
 async def test_cancel_ends_the_hook_as_cancelled(tmp_path):
-    path = hook(tmp_path, "long", "echo started\nsleep 300\n")
+    path = hook(tmp_path, "long", f"echo started\ntouch {tmp_path}/running\nsleep 300\n")
     cancel = asyncio.Event()
     task = asyncio.create_task(run(path, cancel=cancel))
-    await asyncio.sleep(0.3)
+    async with asyncio.timeout(10):  # the hook has written its line before it is cancelled
+        while not (tmp_path / "running").exists():
+            await asyncio.sleep(0.01)
     cancel.set()
     out = await task
     assert out.status == "cancelled" and out.stdout == "started\n"
