@@ -127,6 +127,12 @@ class FlowTable:
         if not candidates:
             self.drops.unknown_source += 1
             return []
+        # Behind a port-randomising NAT the port the control plane listed is not the one the relay sees: the
+        # initiation tells it. Only when every candidate side is one node (two nodes behind one IP stay put).
+        if len({self.flows[sid].sides[i].node_id for sid, i in candidates}) == 1:
+            for sid, i in candidates:
+                flow = self.flows[sid]
+                self._move(flow, flow.sides[i], source)
         self._pending[sender] = (source, candidates)
         self._pending.move_to_end(sender)
         while len(self._pending) > MAX_PENDING:

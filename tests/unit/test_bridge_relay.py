@@ -267,3 +267,30 @@ async def test_the_relay_forwards_between_real_sockets_on_loopback():
         b.close()
         await relay.stop()
     assert not relay.listening
+
+
+def test_behind_port_randomising_nats_the_initiations_teach_the_real_ports():
+    """The control plane lists ports the relay never sees (symmetric NAT): each side's initiation from its IP
+    moves that side to the port it really uses, so the other side's initiation reaches it."""
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    a_real, b_real = (A_ADDR[0], 31001), (B_ADDR[0], 42002)
+    assert table.route(initiation(100), a_real, 1.0) == [B_ADDR]  # lost at B's NAT: B's real port is unknown
+    assert table.route(initiation(200), b_real, 1.0) == [a_real]  # reaches A through A's mapping
+    assert table.route(response(101, 200), a_real, 1.0) == [b_real]
+    assert table.route(data(101), b_real, 2.0) == [a_real]
+    assert table.route(data(200), a_real, 2.0) == [b_real]
+    assert table.flows["rel_1"].stable
+
+
+def test_two_nodes_behind_one_ip_do_not_move_each_other():
+    table = FlowTable()
+    shared_ip = A_ADDR[0]
+    table.set_sessions([parse_session(doc("ab")),
+                        parse_session(doc("cb", a="n_c", a_ep=f"{shared_ip}:40002", b="n_d",
+                                          b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
+    assert sorted(table.route(initiation(100), (shared_ip, 9999), 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert [f.sides[0].address for f in table.flows.values()] == [A_ADDR, (shared_ip, 40002)]
+    assert table.route(response(200, 100), B_ADDR, 1.0) == [(shared_ip, 9999)]
+    assert table.flows["ab"].sides[0].address == (shared_ip, 9999)
+    assert table.flows["cb"].sides[0].address == (shared_ip, 40002)
