@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from plexd.bridge.fastpath import KernelFastPath
 from plexd.bridge.flows import FlowTable
 from plexd.bridge.sessions import MAX_TTL_SECONDS, RelaySession
 from plexd.clock import Clock
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 51821
 SWEEP_INTERVAL = 5.0
+FASTPATH_SYNC_INTERVAL = 1.0
 
 
 @dataclass
@@ -43,6 +45,9 @@ class Relay:
         self._leases: dict[str, _Lease] = {}
         self._transport: asyncio.DatagramTransport | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self.fastpath: KernelFastPath | None = None
+        self._fastpath_task: asyncio.Task[None] | None = None
+        self.fastpath_error = ""
         self.send_errors = 0
         self.expired = 0
 
@@ -57,13 +62,15 @@ class Relay:
         log.info("relay listening on %s:%d", self.host, self.port)
 
     async def stop(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            try:
-                await self._sweeper
-            except asyncio.CancelledError:
-                pass
-            self._sweeper = None
+        for task in (self._sweeper, self._fastpath_task):
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._sweeper = self._fastpath_task = None
+        await self.disable_fastpath()
         if self._transport is not None:
             self._transport.close()
             self._transport = None
@@ -101,6 +108,43 @@ class Relay:
             await self.clock.sleep(SWEEP_INTERVAL)
             self.sweep()
 
+    # The kernel fast path
+
+    async def enable_fastpath(self, relay_ip: str, fastpath: KernelFastPath | None = None) -> None:
+        """Install `inet plexd_relay` and keep its maps equal to the stable flows (synced every second)."""
+        self.fastpath = fastpath or KernelFastPath(relay_ip, self.port)
+        await asyncio.to_thread(self.fastpath.apply)
+        await self.sync_fastpath()
+        self._fastpath_task = asyncio.create_task(self._sync_forever(), name="relay-fastpath")
+
+    async def disable_fastpath(self) -> None:
+        if self._fastpath_task is not None:
+            self._fastpath_task.cancel()
+            try:
+                await self._fastpath_task
+            except asyncio.CancelledError:
+                pass
+            self._fastpath_task = None
+        if self.fastpath is not None and self.fastpath.installed:
+            await asyncio.to_thread(self.fastpath.remove)
+        self.fastpath = None
+
+    async def sync_fastpath(self) -> None:
+        if self.fastpath is None:
+            return
+        try:
+            await asyncio.to_thread(self.fastpath.sync, list(self.table.flows.values()))
+            self.fastpath_error = ""
+        except Exception as e:  # nftables refused: the userspace relay still forwards everything
+            if str(e) != self.fastpath_error:
+                log.warning("relay fast path not updated, userspace forwards meanwhile: %s", e)
+            self.fastpath_error = str(e)
+
+    async def _sync_forever(self) -> None:
+        while True:
+            await self.clock.sleep(FASTPATH_SYNC_INTERVAL)
+            await self.sync_fastpath()
+
     # Packets
 
     def datagram(self, data: bytes, source: tuple[Any, ...]) -> None:
@@ -131,8 +175,11 @@ class Relay:
                 "address_changes": c.address_changes,
                 "idle_seconds": None if c.last_activity is None else round(now - c.last_activity, 3),
             })
+        fastpath = None if self.fastpath is None else {
+            "installed": self.fastpath.installed, "elements": len(self.fastpath.current), "error": self.fastpath_error}
         return {"listening": self.listening, "port": self.port, "sessions": sessions,
-                "dropped": asdict(self.table.drops), "send_errors": self.send_errors, "expired": self.expired}
+                "dropped": asdict(self.table.drops), "send_errors": self.send_errors, "expired": self.expired,
+                "fastpath": fastpath}
 
 
 class _Protocol(asyncio.DatagramProtocol):

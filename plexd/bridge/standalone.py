@@ -7,6 +7,7 @@ One JSON command per stdin line, one JSON answer per stdout line:
     {"sessions": [RelaySessionAssignment, ...]}   -> {"ok": true, "refused": [...]}
     {"cp_reachable": false}                       -> {"ok": true}
     {"status": true}                              -> the relay's status document
+    {"fastpath": "RELAY_IPV4"} / {"fastpath": ""} -> the kernel fast path on / off: {"ok": true}
 EOF to stdin stops the relay.
 """
 
@@ -33,9 +34,27 @@ async def serve(host: str, port: int) -> None:
     print(json.dumps({"ok": True, "port": relay.port}), flush=True)
     try:
         while line := await reader.readline():
-            print(json.dumps(_command(relay, reachable, line)), flush=True)
+            answer = await _fastpath_command(relay, line)
+            print(json.dumps(answer or _command(relay, reachable, line)), flush=True)
     finally:
         await relay.stop()
+
+
+async def _fastpath_command(relay: Relay, line: bytes) -> dict[str, Any] | None:
+    try:
+        cmd = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(cmd, dict) or "fastpath" not in cmd:
+        return None
+    try:
+        if cmd["fastpath"]:
+            await relay.enable_fastpath(str(cmd["fastpath"]))
+        else:
+            await relay.disable_fastpath()
+    except (ValueError, PlexdError) as e:
+        return {"ok": False, "error": str(e)}
+    return {"ok": True}
 
 
 def _command(relay: Relay, reachable: list[bool], line: bytes) -> dict[str, Any]:

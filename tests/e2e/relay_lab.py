@@ -119,3 +119,30 @@ def wait(pred, timeout: float, what: str) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def kernel_forwarded(lab: Lab, relay: RelayProcess) -> int:
+    """Packets the fast path's prerouting rule rewrote (its counter, read with nft in the relay's namespace)."""
+    out = subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "-j", "list", "chain", "inet",
+                          "plexd_relay", "prerouting"], capture_output=True, text=True, timeout=30, check=True).stdout
+    for item in json.loads(out)["nftables"]:
+        for expr in item.get("rule", {}).get("expr", []):
+            if "counter" in expr:
+                return int(expr["counter"]["packets"])
+    raise AssertionError(f"no counter in the fast path rule: {out}")
+
+
+def fastpath_elements(lab: Lab, relay: RelayProcess) -> str:
+    return subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "list", "map", "inet", "plexd_relay",
+                           "fwd_port"], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+def relay_tables(relay: RelayProcess) -> str:
+    return subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "list", "tables"], capture_output=True,
+                          text=True, timeout=30, check=True).stdout
+
+
+def relay_forwards(relay: RelayProcess) -> None:
+    """The relay host forwards IPv4 (the fast path routes rewritten packets) without redirecting the routers."""
+    for key in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.send_redirects=0", "net.ipv4.conf.eth0.send_redirects=0"):
+        subprocess.run(["ip", "netns", "exec", relay.node.netns, "sysctl", "-qw", key], check=True, timeout=30)

@@ -11,7 +11,19 @@ import subprocess
 import sys
 
 import pytest
-from relay_lab import RelayProcess, flush_conntrack, nat_pair, ping, point_at, session_doc, wait
+from relay_lab import (
+    RelayProcess,
+    fastpath_elements,
+    flush_conntrack,
+    kernel_forwarded,
+    nat_pair,
+    ping,
+    point_at,
+    relay_forwards,
+    relay_tables,
+    session_doc,
+    wait,
+)
 
 from plexd.lab import Lab
 
@@ -103,3 +115,43 @@ def stray_transport() -> bytes:
 def stray_initiation() -> bytes:
     return bytes([1, 0, 0, 0]) + struct.pack("<I", 7) + b"\0" * 140
 
+
+
+def test_the_kernel_fast_path_forwards_a_stable_pair_and_follows_a_port_remap(lab) -> None:
+    relay = RelayProcess(lab, lab.add_node())
+    relay_forwards(relay)
+    a, b = nat_pair(lab, 1)
+    assert relay.command({"sessions": [session_doc("rel_1", a, b)]}) == {"ok": True, "refused": []}
+    point_at(lab, b, a, relay.address)
+    point_at(lab, a, b, relay.address)
+    wait(lambda: ping(lab, a, b.mesh_ip, 1).returncode == 0, 20, "a ping through the userspace relay")
+    wait(lambda: relay.session("rel_1")["stable"], 10, "the flow to be stable")
+
+    assert relay.command({"fastpath": relay.node.address}) == {"ok": True}
+    wait(lambda: relay.status()["fastpath"]["elements"] == 2, 10, "both directions in the kernel maps")
+    s = relay.session("rel_1")
+    assert f"{s['peer_a_address'].replace(':', ' . ')} : {port_of(s['peer_b_address'])}" in fastpath_elements(
+        lab, relay)
+    userspace_before = s["packets_a_to_b"] + s["packets_b_to_a"]
+    kernel_before = kernel_forwarded(lab, relay)
+    res = lab.exec(a.node, ["ping", "-c", "20", "-i", "0.05", "-W", "2", b.mesh_ip], check=False)
+    assert res.returncode == 0, res.stdout
+    s = relay.session("rel_1")
+    assert kernel_forwarded(lab, relay) - kernel_before >= 40  # 20 requests and 20 replies, in the kernel
+    assert s["packets_a_to_b"] + s["packets_b_to_a"] - userspace_before < 10, s  # handshakes at most
+
+    # a's NAT remaps: its packets miss the map, the userspace relay follows them, the next sync moves the element.
+    old = s["peer_a_address"]
+    flush_conntrack(a.router)
+    wait(lambda: relay.session("rel_1")["peer_a_address"] != old, 15, f"the relay to follow a's new port (was {old})")
+    new = relay.session("rel_1")["peer_a_address"]
+    wait(lambda: new.replace(":", " . ") in fastpath_elements(lab, relay), 10, f"{new} in the kernel maps")
+    kernel_before = kernel_forwarded(lab, relay)
+    res = lab.exec(b.node, ["ping", "-c", "10", "-i", "0.05", "-W", "2", a.mesh_ip], check=False)
+    assert res.returncode == 0, res.stdout
+    assert kernel_forwarded(lab, relay) - kernel_before >= 20
+
+    # Off again: the table goes, the userspace relay carries the pair.
+    assert relay.command({"fastpath": ""}) == {"ok": True}
+    assert "plexd_relay" not in relay_tables(relay)
+    assert ping(lab, a, b.mesh_ip, 3).returncode == 0

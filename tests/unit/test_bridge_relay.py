@@ -294,3 +294,47 @@ def test_two_nodes_behind_one_ip_do_not_move_each_other():
     assert table.route(response(200, 100), B_ADDR, 1.0) == [(shared_ip, 9999)]
     assert table.flows["ab"].sides[0].address == (shared_ip, 9999)
     assert table.flows["cb"].sides[0].address == (shared_ip, 40002)
+
+
+# The kernel fast path plan (applied for real in tests/e2e/test_relay_lab.py)
+
+
+def test_fast_path_elements_are_both_directions_of_stable_ipv4_flows_only():
+    from plexd.bridge.fastpath import desired_elements
+
+    table = FlowTable()
+    table.set_sessions([parse_session(doc("ab")), parse_session(doc("cd", a="n_c", a_ep="192.0.2.1:1", b="n_d",
+                                                                     b_ep="[2001:db8::2]:2")),
+                        parse_session(doc("ef", a="n_e", a_ep="192.0.2.5:5", b="n_f", b_ep="192.0.2.6:6"))])
+    handshake(table)
+    handshake(table, 300, 400, ("192.0.2.1", 1), ("2001:db8::2", 2))  # stable, but one side is IPv6
+    assert desired_elements(table.flows.values()) == {A_ADDR: B_ADDR, B_ADDR: A_ADDR}  # ef: no handshake yet
+
+
+def test_fast_path_element_changes_are_the_difference_only():
+    from plexd.bridge.fastpath import element_commands
+
+    moved = (A_ADDR[0], 55555)
+    current = {A_ADDR: B_ADDR, B_ADDR: A_ADDR}
+    desired = {moved: B_ADDR, B_ADDR: moved}
+    commands = element_commands(desired, current)
+    assert element_commands(current, current) == []
+    verbs = [(next(iter(c)), c[next(iter(c))]["element"]["name"]) for c in commands]
+    assert verbs == [("delete", "fwd_addr"), ("delete", "fwd_port"), ("add", "fwd_addr"), ("add", "fwd_port")]
+    deleted = commands[0]["delete"]["element"]["elem"]
+    added_ports = commands[3]["add"]["element"]["elem"]
+    assert deleted == [[{"concat": list(A_ADDR)}, B_ADDR[0]], [{"concat": list(B_ADDR)}, A_ADDR[0]]]
+    assert added_ports == [[{"concat": list(moved)}, B_ADDR[1]], [{"concat": list(B_ADDR)}, 55555]]
+
+
+def test_fast_path_rule_matches_only_transport_data_to_the_relay():
+    from plexd.bridge.fastpath import TRANSPORT_WORD, table_commands
+
+    pre = next(c["add"]["rule"] for c in table_commands("192.0.2.100", 51821)
+               if "rule" in c.get("add", {}) and c["add"]["rule"]["chain"] == "prerouting")
+    rights = [e["match"]["right"] for e in pre["expr"] if "match" in e]
+    assert rights == ["192.0.2.100", 51821, TRANSPORT_WORD, "@fwd_addr"]
+    assert TRANSPORT_WORD.to_bytes(4, "big") == data(1)[:4][:1] + b"\0\0\0"
+    with pytest.raises(ValueError, match="IPv4"):
+        from plexd.bridge.fastpath import KernelFastPath
+        KernelFastPath("2001:db8::1", 51821, nft=object())
