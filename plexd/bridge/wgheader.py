@@ -4,7 +4,8 @@ Layouts (WireGuard whitepaper §5.4): byte 0 type, bytes 1-3 reserved zero, then
   1 initiation   148 bytes  sender at 4
   2 response      92 bytes  sender at 4, receiver at 8
   3 cookie reply  64 bytes  receiver at 4
-  4 transport   >= 32 bytes, length a multiple of 16, receiver at 4
+  4 transport   >= 32 bytes, receiver at 4 (padded to 16 bytes, except a packet at the tunnel's MTU when the
+                 MTU is not a multiple of 16: 1420 gives 1452-byte datagrams, so the length is not checked)
 Total: any bytes give a `WgHeader` or None (not WireGuard), never an exception.
 """
 
@@ -32,7 +33,7 @@ def parse(data: bytes) -> WgHeader | None:
         if len(data) != _FIXED_LENGTH[kind]:
             return None
     elif kind == TRANSPORT:
-        if len(data) < _MIN_TRANSPORT or len(data) % 16:
+        if len(data) < _MIN_TRANSPORT:
             return None
     else:
         return None

@@ -54,6 +54,10 @@ def test_a_pair_behind_two_random_port_nats_pings_through_the_relay_and_survives
     wait(lambda: ping(lab, a, b.mesh_ip, 1).returncode == 0, 20, "a ping from a to b through the relay")
     res = ping(lab, b, a.mesh_ip, 5)
     assert res.returncode == 0, res.stdout
+    # Full-MTU packets (1420: datagrams of 1452 bytes, not a multiple of 16) pass too.
+    res = lab.exec(a.node, ["ping", "-c", "3", "-i", "0.2", "-W", "2", "-M", "do", "-s", "1392", b.mesh_ip],
+                   check=False)
+    assert res.returncode == 0, res.stdout + res.stderr
     s = relay.session("rel_1")
     assert s["stable"] and s["packets_a_to_b"] >= 5 and s["packets_b_to_a"] >= 5, s
     # The relay learned the ports the NATs really chose, not the 51820 the control plane listed.

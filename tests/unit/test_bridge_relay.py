@@ -113,11 +113,13 @@ def test_header_of_each_message_type():
     assert wgheader.parse(response(8, 7)) == wgheader.WgHeader(2, 8, 7)
     assert wgheader.parse(cookie(7)) == wgheader.WgHeader(3, None, 7)
     assert wgheader.parse(data(0xFFFFFFFF, 32)) == wgheader.WgHeader(4, None, 0xFFFFFFFF)
+    # A full-MTU packet of a 1420 tunnel: wireguard-go pads to 16 only up to the MTU (1452 = 16 + 1420 + 16).
+    assert wgheader.parse(data(9, 1452)) == wgheader.WgHeader(4, None, 9)
 
 
 @pytest.mark.parametrize("packet", [
     b"", b"\x01\x00\x00", initiation(1)[:-1], response(1, 2) + b"\x00", cookie(1)[:60],
-    data(1, 16), data(1, 64) + b"\x00", b"\x05\x00\x00\x00" + b"\x00" * 60, b"\x04\x01\x00\x00" + b"\x00" * 60,
+    data(1, 16), data(1, 31), b"\x05\x00\x00\x00" + b"\x00" * 60, b"\x04\x01\x00\x00" + b"\x00" * 60,
 ])
 def test_not_wireguard_is_none(packet):
     assert wgheader.parse(packet) is None
