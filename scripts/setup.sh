@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # systemd provides systemd-analyze (the unit test checks plexd.service offline); netbase gives /etc/services.
-APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase"
+APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase iperf3"
 
 missing=""
 for p in $APT_PACKAGES; do

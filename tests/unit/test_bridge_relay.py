@@ -1,0 +1,342 @@
+"""The relay's pure parts: session parsing and limits, the WireGuard header, the flow table (by index, not by
+source ip:port), leases refreshed during a control-plane outage. The relay's sockets are tested for real in
+tests/e2e/test_relay_lab.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexd.bridge import wgheader
+from plexd.bridge.flows import INDICES_PER_SIDE, FlowTable
+from plexd.bridge.relay import Relay
+from plexd.bridge.sessions import MAX_SESSIONS, RelaySessionSet, parse_session
+from plexd.clock import FakeClock
+from plexd.errors import WireFormatError
+
+NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
+A_ADDR, B_ADDR, C_ADDR = ("198.51.100.7", 40001), ("203.0.113.9", 51820), ("192.0.2.44", 7000)
+
+
+def doc(sid="rel_1", a="n_a", a_ep="198.51.100.7:40001", b="n_b", b_ep="203.0.113.9:51820",
+        expires=NOW + timedelta(hours=1)):
+    return {"session_id": sid, "peer_a_id": a, "peer_a_endpoint": a_ep, "peer_b_id": b, "peer_b_endpoint": b_ep,
+            "expires_at": expires.strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+def initiation(sender: int) -> bytes:
+    return bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + b"\x11" * 140
+
+
+def response(sender: int, receiver: int) -> bytes:
+    return bytes([2, 0, 0, 0]) + struct.pack("<II", sender, receiver) + b"\x22" * 80
+
+
+def cookie(receiver: int) -> bytes:
+    return bytes([3, 0, 0, 0]) + struct.pack("<I", receiver) + b"\x33" * 56
+
+
+def data(receiver: int, size: int = 64) -> bytes:
+    return bytes([4, 0, 0, 0]) + struct.pack("<I", receiver) + b"\x44" * (size - 8)
+
+
+# Sessions
+
+
+def test_session_parses_state_entry_and_event_payload_alike():
+    s = parse_session(doc())
+    assert (s.session_id, s.peer_a_endpoint, s.peer_b_endpoint) == ("rel_1", A_ADDR, B_ADDR)
+    assert s.ttl(NOW) == 300.0
+    assert s.ttl(NOW + timedelta(minutes=58)) == 120.0
+    assert parse_session(doc(a_ep="[2001:db8::1]:51820")).peer_a_endpoint == ("2001:db8::1", 51820)
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("session_id", "", "session.session_id"),
+    ("peer_a_id", 5, "session.peer_a_id"),
+    ("peer_b_id", "n_a", "session.peer_b_id"),
+    ("peer_a_endpoint", "198.51.100.7", "session.peer_a_endpoint"),
+    ("peer_a_endpoint", "host.example:80", "session.peer_a_endpoint"),
+    ("peer_b_endpoint", "203.0.113.9:70000", "session.peer_b_endpoint"),
+    ("peer_b_endpoint", "0.0.0.0:5", "session.peer_b_endpoint"),
+    ("expires_at", "tomorrow", "session.expires_at"),
+])
+def test_bad_session_error_names_the_field(field, value, named):
+    bad = doc()
+    bad[field] = value
+    with pytest.raises(WireFormatError) as e:
+        parse_session(bad)
+    assert e.value.path == named
+
+
+def test_both_state_shapes_give_one_set_and_bad_entries_are_refused_alone():
+    newer = {"bridge": {"relay": {"sessions": [doc("r1"), doc("r2", b_ep="nope"), doc("r3")]}}}
+    older = {"relay_config": {"sessions": [doc("r1"), doc("r2", b_ep="nope"), doc("r3")]}}
+    for state in (newer, older):
+        got = RelaySessionSet.from_state(state)
+        assert list(got.sessions) == ["r1", "r3"]
+        assert [r.session_id for r in got.refused] == ["r2"]
+        assert "relay.sessions[1].peer_b_endpoint" in got.refused[0].reason
+    assert len(RelaySessionSet.from_state({"bridge": {"relay": None}})) == 0
+
+
+def test_the_101st_session_and_duplicates_are_refused_the_rest_untouched():
+    entries = [doc(f"r{i}") for i in range(MAX_SESSIONS + 1)] + [doc("r0")]
+    got = RelaySessionSet.from_state({"bridge": {"relay": {"sessions": entries}}})
+    assert list(got.sessions) == [f"r{i}" for i in range(MAX_SESSIONS)]
+    assert [(r.session_id, "limit of 100" in r.reason) for r in got.refused] == [("r100", True), ("r0", False)]
+    assert "duplicate session_id" in got.refused[1].reason
+
+
+def test_events_assign_replace_and_revoke():
+    got = RelaySessionSet()
+    assert got.assigned(doc("r1")) is None
+    assert got.assigned(doc("r1", b_ep="203.0.113.9:1")) is None  # a newer assignment of the same id
+    assert got.sessions["r1"].peer_b_endpoint == ("203.0.113.9", 1)
+    assert got.revoked({"session_id": "r1"}) is True
+    assert got.revoked({"session_id": "r1"}) is False
+    with pytest.raises(WireFormatError, match=r"relay_session_revoked\.session_id"):
+        got.revoked({})
+
+
+# The WireGuard header
+
+
+def test_header_of_each_message_type():
+    assert wgheader.parse(initiation(7)) == wgheader.WgHeader(1, 7, None)
+    assert wgheader.parse(response(8, 7)) == wgheader.WgHeader(2, 8, 7)
+    assert wgheader.parse(cookie(7)) == wgheader.WgHeader(3, None, 7)
+    assert wgheader.parse(data(0xFFFFFFFF, 32)) == wgheader.WgHeader(4, None, 0xFFFFFFFF)
+    # A full-MTU packet of a 1420 tunnel: wireguard-go pads to 16 only up to the MTU (1452 = 16 + 1420 + 16).
+    assert wgheader.parse(data(9, 1452)) == wgheader.WgHeader(4, None, 9)
+
+
+@pytest.mark.parametrize("packet", [
+    b"", b"\x01\x00\x00", initiation(1)[:-1], response(1, 2) + b"\x00", cookie(1)[:60],
+    data(1, 16), data(1, 31), b"\x05\x00\x00\x00" + b"\x00" * 60, b"\x04\x01\x00\x00" + b"\x00" * 60,
+])
+def test_not_wireguard_is_none(packet):
+    assert wgheader.parse(packet) is None
+
+
+@settings(max_examples=500, deadline=None)
+@given(packets=st.lists(st.tuples(st.binary(max_size=200), st.sampled_from([A_ADDR, B_ADDR, C_ADDR])),
+                        max_size=30))
+def test_arbitrary_bytes_never_raise_only_drop_and_count(packets):
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    for packet, source in packets:
+        header = wgheader.parse(packet)
+        before = table.drops.malformed
+        targets = table.route(packet, source, 0.0)
+        assert all(t in (A_ADDR, B_ADDR) for t in targets)
+        if header is None:
+            assert targets == [] and table.drops.malformed == before + 1
+
+
+# The flow table
+
+
+def handshake(table, a_index=100, b_index=200, a=A_ADDR, b=B_ADDR):
+    assert table.route(initiation(a_index), a, 1.0) == [b]
+    assert table.route(response(b_index, a_index), b, 1.0) == [a]
+
+
+def test_a_handshake_binds_indices_and_data_flows_by_receiver_index():
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    handshake(table)
+    assert table.flows["rel_1"].stable
+    assert table.route(data(200), A_ADDR, 2.0) == [B_ADDR]
+    assert table.route(data(100, 128), B_ADDR, 3.0) == [A_ADDR]
+    assert table.route(cookie(100), B_ADDR, 3.0) == [A_ADDR]
+    c = table.flows["rel_1"].counters
+    assert (c.packets_a_to_b, c.bytes_a_to_b, c.packets_b_to_a, c.bytes_b_to_a) == (2, 148 + 64, 3, 92 + 128 + 64)
+    assert c.last_activity == 3.0
+
+
+def test_a_nat_port_remap_keeps_the_flow_and_moves_the_side():
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    handshake(table)
+    remapped = (A_ADDR[0], 55555)
+    assert table.route(data(200), remapped, 2.0) == [B_ADDR]
+    assert table.flows["rel_1"].sides[0].address == remapped
+    assert table.route(data(100), B_ADDR, 2.0) == [remapped]  # replies go to the new port
+    # The next rekey comes from the new port with a new index, and is still this session's.
+    handshake(table, a_index=101, b_index=201, a=remapped)
+    assert table.route(data(201), remapped, 3.0) == [B_ADDR]
+    assert table.flows["rel_1"].counters.address_changes == 1
+
+
+def test_a_known_index_from_another_ip_is_refused_and_counted():
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    handshake(table)
+    assert table.route(data(200), C_ADDR, 2.0) == []
+    assert table.drops.spoofed == 1
+    assert table.flows["rel_1"].sides[0].address == A_ADDR
+
+
+def test_unknown_packets_are_dropped_and_counted_by_kind():
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    assert table.route(initiation(1), C_ADDR, 1.0) == []
+    assert table.route(data(999), A_ADDR, 1.0) == []
+    assert table.route(response(5, 999), B_ADDR, 1.0) == []
+    assert table.route(b"hello", A_ADDR, 1.0) == []
+    assert (table.drops.unknown_source, table.drops.unknown_index, table.drops.malformed) == (1, 2, 1)
+
+
+def test_one_node_in_two_sessions_is_not_one_peer_per_bridge():
+    """A sends both its sessions' initiations from one port; the response tells which session it was."""
+    table = FlowTable()
+    table.set_sessions([parse_session(doc("ab")),
+                        parse_session(doc("ac", b="n_c", b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
+    assert sorted(table.route(initiation(100), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert sorted(table.route(initiation(101), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert table.route(response(300, 101), C_ADDR, 1.0) == [A_ADDR]
+    assert table.route(response(200, 100), B_ADDR, 1.0) == [A_ADDR]
+    assert table.route(data(200), A_ADDR, 2.0) == [B_ADDR]
+    assert table.route(data(300), A_ADDR, 2.0) == [C_ADDR]
+    assert table.flows["ab"].counters.packets_a_to_b == 3  # two fanned-out initiations and one data packet
+    assert table.flows["ac"].counters.packets_b_to_a == 1
+
+
+def test_old_indices_are_forgotten_and_removed_sessions_route_nothing():
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    for n in range(INDICES_PER_SIDE + 1):
+        handshake(table, a_index=100 + n, b_index=200 + n)
+    assert table.route(data(200), A_ADDR, 1.0) == []
+    assert table.route(data(200 + INDICES_PER_SIDE), A_ADDR, 1.0) == [B_ADDR]
+    table.set_sessions([parse_session(doc(expires=NOW + timedelta(hours=2)))])  # same pair: keeps its flow
+    assert table.route(data(200 + INDICES_PER_SIDE), A_ADDR, 1.0) == [B_ADDR]
+    table.set_sessions([])
+    assert table.route(data(200 + INDICES_PER_SIDE), A_ADDR, 1.0) == []
+
+
+# Leases
+
+
+def test_sessions_expire_at_their_ttl_only_while_the_control_plane_is_reachable():
+    clock = FakeClock(NOW)
+    reachable = [True]
+    relay = Relay(cp_reachable=lambda: reachable[0], clock=clock)
+    relay.set_sessions([parse_session(doc("long")), parse_session(doc("short", expires=NOW + timedelta(seconds=60)))])
+    clock.advance(61)
+    assert relay.sweep() == ["short"]
+    reachable[0] = False
+    clock.advance(3600)  # an hour-long outage: the session is refreshed, not expired
+    assert relay.sweep() == []
+    assert list(relay.table.flows) == ["long"]
+    reachable[0] = True
+    assert relay.sweep() == []  # back: its lease was refreshed during the outage
+    clock.advance(301)
+    assert relay.sweep() == ["long"]  # not listed again by the reachable control plane
+
+
+async def test_the_relay_forwards_between_real_sockets_on_loopback():
+    relay = Relay("127.0.0.1", 0, clock=FakeClock(NOW))
+    await relay.start()
+    a, b = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    try:
+        for s in (a, b):
+            s.bind(("127.0.0.1", 0))
+            s.setblocking(False)
+        a_ep, b_ep = a.getsockname(), b.getsockname()
+        relay.set_sessions([parse_session(doc(a_ep=f"127.0.0.1:{a_ep[1]}", b_ep=f"127.0.0.1:{b_ep[1]}"))])
+        loop = asyncio.get_running_loop()
+        target = ("127.0.0.1", relay.port)
+        await loop.sock_sendto(a, initiation(100), target)
+        assert await asyncio.wait_for(loop.sock_recvfrom(b, 2048), 5) == (initiation(100), target)
+        await loop.sock_sendto(b, response(200, 100), target)
+        assert await asyncio.wait_for(loop.sock_recvfrom(a, 2048), 5) == (response(200, 100), target)
+        await loop.sock_sendto(a, b"junk", target)
+        await loop.sock_sendto(a, data(200), target)
+        assert await asyncio.wait_for(loop.sock_recvfrom(b, 2048), 5) == (data(200), target)
+        status = relay.status()
+        assert status["dropped"]["malformed"] == 1
+        assert status["sessions"][0]["packets_a_to_b"] == 2 and status["sessions"][0]["stable"]
+    finally:
+        a.close()
+        b.close()
+        await relay.stop()
+    assert not relay.listening
+
+
+def test_behind_port_randomising_nats_the_initiations_teach_the_real_ports():
+    """The control plane lists ports the relay never sees (symmetric NAT): each side's initiation from its IP
+    moves that side to the port it really uses, so the other side's initiation reaches it."""
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    a_real, b_real = (A_ADDR[0], 31001), (B_ADDR[0], 42002)
+    assert table.route(initiation(100), a_real, 1.0) == [B_ADDR]  # lost at B's NAT: B's real port is unknown
+    assert table.route(initiation(200), b_real, 1.0) == [a_real]  # reaches A through A's mapping
+    assert table.route(response(101, 200), a_real, 1.0) == [b_real]
+    assert table.route(data(101), b_real, 2.0) == [a_real]
+    assert table.route(data(200), a_real, 2.0) == [b_real]
+    assert table.flows["rel_1"].stable
+
+
+def test_two_nodes_behind_one_ip_do_not_move_each_other():
+    table = FlowTable()
+    shared_ip = A_ADDR[0]
+    table.set_sessions([parse_session(doc("ab")),
+                        parse_session(doc("cb", a="n_c", a_ep=f"{shared_ip}:40002", b="n_d",
+                                          b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
+    assert sorted(table.route(initiation(100), (shared_ip, 9999), 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert [f.sides[0].address for f in table.flows.values()] == [A_ADDR, (shared_ip, 40002)]
+    assert table.route(response(200, 100), B_ADDR, 1.0) == [(shared_ip, 9999)]
+    assert table.flows["ab"].sides[0].address == (shared_ip, 9999)
+    assert table.flows["cb"].sides[0].address == (shared_ip, 40002)
+
+
+# The kernel fast path plan (applied for real in tests/e2e/test_relay_lab.py)
+
+
+def test_fast_path_elements_are_both_directions_of_stable_ipv4_flows_only():
+    from plexd.bridge.fastpath import desired_elements
+
+    table = FlowTable()
+    table.set_sessions([parse_session(doc("ab")), parse_session(doc("cd", a="n_c", a_ep="192.0.2.1:1", b="n_d",
+                                                                     b_ep="[2001:db8::2]:2")),
+                        parse_session(doc("ef", a="n_e", a_ep="192.0.2.5:5", b="n_f", b_ep="192.0.2.6:6"))])
+    handshake(table)
+    handshake(table, 300, 400, ("192.0.2.1", 1), ("2001:db8::2", 2))  # stable, but one side is IPv6
+    assert desired_elements(table.flows.values()) == {A_ADDR: B_ADDR, B_ADDR: A_ADDR}  # ef: no handshake yet
+
+
+def test_fast_path_element_changes_are_the_difference_only():
+    from plexd.bridge.fastpath import element_commands
+
+    moved = (A_ADDR[0], 55555)
+    current = {A_ADDR: B_ADDR, B_ADDR: A_ADDR}
+    desired = {moved: B_ADDR, B_ADDR: moved}
+    commands = element_commands(desired, current)
+    assert element_commands(current, current) == []
+    verbs = [(next(iter(c)), c[next(iter(c))]["element"]["name"]) for c in commands]
+    assert verbs == [("delete", "fwd_addr"), ("delete", "fwd_port"), ("add", "fwd_addr"), ("add", "fwd_port")]
+    deleted = commands[0]["delete"]["element"]["elem"]
+    added_ports = commands[3]["add"]["element"]["elem"]
+    assert deleted == [[{"concat": list(A_ADDR)}, B_ADDR[0]], [{"concat": list(B_ADDR)}, A_ADDR[0]]]
+    assert added_ports == [[{"concat": list(moved)}, B_ADDR[1]], [{"concat": list(B_ADDR)}, 55555]]
+
+
+def test_fast_path_rule_matches_only_transport_data_to_the_relay():
+    from plexd.bridge.fastpath import TRANSPORT_WORD, table_commands
+
+    pre = next(c["add"]["rule"] for c in table_commands("192.0.2.100", 51821)
+               if "rule" in c.get("add", {}) and c["add"]["rule"]["chain"] == "prerouting")
+    rights = [e["match"]["right"] for e in pre["expr"] if "match" in e]
+    assert rights == ["192.0.2.100", 51821, TRANSPORT_WORD, "@fwd_addr"]
+    assert TRANSPORT_WORD.to_bytes(4, "big") == data(1)[:4][:1] + b"\0\0\0"
+    with pytest.raises(ValueError, match="IPv4"):
+        from plexd.bridge.fastpath import KernelFastPath
+        KernelFastPath("2001:db8::1", 51821, nft=object())
