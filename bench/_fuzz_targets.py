@@ -25,6 +25,7 @@ from plexd.controlplane.sse import SSEParser, valid_event_id
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError, WireFormatError
 from plexd.model import Peer, RegisterResponse, State
+from plexd.node.metrics import bearer_matches
 from plexd.telemetry.auditd import AuditFormatError, audit_entry, local_action_entry, parse_record
 from plexd.telemetry.logs import SEVERITIES, journal_entry
 from plexd.telemetry.tail import MAX_LINE, TRUNCATED
@@ -73,6 +74,12 @@ def check_json_parse(text: str) -> None:
 
 def check_error_message(text: str) -> None:
     assert isinstance(_error_message(text.encode("utf-8", "surrogatepass")), str)
+
+
+def check_metrics_auth(head: bytes) -> None:
+    """Any request head: a bool, and True only when it carries exactly the token."""
+    if bearer_matches(head, b"tok"):
+        assert b"tok" in head
 
 
 def check_envelope(text: str) -> None:
@@ -286,6 +293,11 @@ TARGETS = [
         lambda d: json.dumps(d))), check_hook_sidecar),
     Target("json", json_texts, check_json),
     Target("json_parse", json_texts, check_json_parse),
+    Target("metrics_auth", st.one_of(st.binary(max_size=300), st.lists(st.sampled_from(
+        [b"GET /metrics HTTP/1.1", b"Authorization: Bearer tok", b"authorization:bearer tok",
+         b"Authorization: Basic tok", b"Authorization: Bearer tok2",
+         b"Authorization:", b":", b"\x00", b"Authorization: Bearer  tok "]),
+        max_size=5).map(b"\r\n".join)), check_metrics_auth),
     Target("error_message", st.one_of(json_texts, st.dictionaries(st.sampled_from(["error", "message"]),
                                                                   json_values).map(json.dumps)), check_error_message),
     Target("envelope", st.one_of(json_texts, st.builds(

@@ -235,13 +235,17 @@ class MetricsEndpoint:
         await _answer(writer, status, body, ctype, extra)
 
     def _authorized(self, head: bytes) -> bool:
-        assert self._token is not None
-        for line in head.split(b"\r\n")[1:]:
-            name, sep, value = line.partition(b":")
-            if sep and name.strip().lower() == b"authorization":
-                scheme, _, credential = value.strip().partition(b" ")
-                return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), self._token)
-        return False
+        return self._token is not None and bearer_matches(head, self._token)
+
+
+def bearer_matches(head: bytes, token: bytes) -> bool:
+    """True when the request head's first Authorization header is ``Bearer <token>`` (compared in constant time)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            scheme, _, credential = value.strip().partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), token)
+    return False
 
 
 async def _answer(writer: asyncio.StreamWriter, status: str, body: bytes, ctype: str, extra: str = "") -> None:
