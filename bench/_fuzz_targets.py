@@ -19,12 +19,13 @@ from typing import Any
 from hypothesis import strategies as st
 
 from plexd import boundedjson
-from plexd.controlplane.client import RETRY_AFTER_CAP, parse_retry_after
+from plexd.controlplane.client import RETRY_AFTER_CAP, _error_message, parse_retry_after
 from plexd.controlplane.envelope import parse_envelope
 from plexd.controlplane.sse import SSEParser, valid_event_id
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError, WireFormatError
 from plexd.model import Peer, RegisterResponse, State
+from plexd.node.metrics import bearer_matches
 from plexd.telemetry.auditd import AuditFormatError, audit_entry, local_action_entry, parse_record
 from plexd.telemetry.logs import SEVERITIES, journal_entry
 from plexd.telemetry.tail import MAX_LINE, TRUNCATED
@@ -44,7 +45,8 @@ peer_like = st.dictionaries(_peer_keys, st.one_of(json_values, st.lists(_text, m
                                                                   "[::1]:51820", "1.2.3.4:51820", _KEY]))
                             , max_size=7)
 json_texts = st.one_of(json_values.map(lambda v: json.dumps(v, ensure_ascii=False)), st.text(max_size=200),
-                       st.sampled_from(["NaN", "[Infinity]", "1e999", "[" * 100 + "]" * 100, '{"a":"\\ud800"}']))
+                       st.sampled_from(["NaN", "[Infinity]", "1e999", "[" * 100 + "]" * 100, '{"a":"\\ud800"}',
+                                        '{"a":' * 100_000 + "1" + "}" * 100_000, '"[[[' + "[" * 200 + '"']))
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,21 @@ def _only(errors: tuple[type[BaseException], ...], fn: Callable[[], Any]) -> Any
 
 def check_json(text: str) -> None:
     _only((WireFormatError,), lambda: boundedjson.loads(text, "doc"))
+
+
+def check_json_parse(text: str) -> None:
+    """The json.loads-shaped entry: every refusal, excessive nesting included, is a ValueError."""
+    _only((ValueError,), lambda: boundedjson.parse(text))
+
+
+def check_error_message(text: str) -> None:
+    assert isinstance(_error_message(text.encode("utf-8", "surrogatepass")), str)
+
+
+def check_metrics_auth(head: bytes) -> None:
+    """Any request head: a bool, and True only when it carries exactly the token."""
+    if bearer_matches(head, b"tok"):
+        assert b"tok" in head
 
 
 def check_envelope(text: str) -> None:
@@ -275,6 +292,14 @@ TARGETS = [
             st.sampled_from(["name", "type", "required", "description"]), json_values), max_size=3))).map(
         lambda d: json.dumps(d))), check_hook_sidecar),
     Target("json", json_texts, check_json),
+    Target("json_parse", json_texts, check_json_parse),
+    Target("metrics_auth", st.one_of(st.binary(max_size=300), st.lists(st.sampled_from(
+        [b"GET /metrics HTTP/1.1", b"Authorization: Bearer tok", b"authorization:bearer tok",
+         b"Authorization: Basic tok", b"Authorization: Bearer tok2",
+         b"Authorization:", b":", b"\x00", b"Authorization: Bearer  tok "]),
+        max_size=5).map(b"\r\n".join)), check_metrics_auth),
+    Target("error_message", st.one_of(json_texts, st.dictionaries(st.sampled_from(["error", "message"]),
+                                                                  json_values).map(json.dumps)), check_error_message),
     Target("envelope", st.one_of(json_texts, st.builds(
         lambda t, i, p: json.dumps({"event_type": t, "event_id": i, "payload": p, "nonce": i}, ensure_ascii=False),
         _text, _text, json_values)), check_envelope),

@@ -16,23 +16,28 @@ from typing import Any
 from plexd.errors import WireFormatError
 
 MAX_DEPTH = 64
-_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_BRACKET = re.compile(r"[\[\]{}]")
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)  # a string (skipped) or a bracket
 
 
 def nesting_depth_exceeds(text: str, limit: int = MAX_DEPTH) -> bool:
     """True when arrays/objects in `text` nest deeper than `limit` (brackets inside strings do not count)."""
+    return too_deep_at(text, limit) is not None
+
+
+def too_deep_at(text: str, limit: int = MAX_DEPTH) -> int | None:
+    """The offset of the first bracket past `limit` levels of nesting, None when `text` stays within it."""
     if text.count("[") + text.count("{") <= limit:  # the common case, without a scan
-        return False
+        return None
     depth = 0
-    for m in _BRACKET.finditer(_STRING.sub('""', text)):
-        if m.group() in "[{":
+    for m in _TOKEN.finditer(text):
+        token = m.group()
+        if token in "[{":
             depth += 1
             if depth > limit:
-                return True
-        else:
+                return m.start()
+        elif token in "]}":
             depth -= 1
-    return False
+    return None
 
 
 def check_depth(text: str, what: str = "", limit: int = MAX_DEPTH) -> None:
@@ -65,3 +70,14 @@ def loads(text: str | bytes, what: str = "") -> Any:
         raise WireFormatError(what, f"invalid JSON: {exc}") from None
     except RecursionError:  # belt and braces: the depth check should make this unreachable
         raise WireFormatError(what, f"JSON nested deeper than {MAX_DEPTH} levels") from None
+
+
+def parse(text: str | bytes, limit: int = MAX_DEPTH) -> Any:
+    """json.loads behind the same depth bound, for callers written against json.loads: every failure, excessive
+    nesting included, is a json.JSONDecodeError (a ValueError), so their `except ValueError` keeps holding."""
+    if isinstance(text, bytes | bytearray):
+        text = bytes(text).decode("utf-8")  # UnicodeDecodeError is a ValueError too
+    at = too_deep_at(text, limit)
+    if at is not None:
+        raise json.JSONDecodeError(f"JSON nested deeper than {limit} levels", text, at)
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)

@@ -32,13 +32,15 @@ README (PROJECT-DECISIONS.md, Config row)::
                rate_limit: 100, rate_burst: 200, request_timeout: 10s,
                report_max_entries: 1000, report_max_bytes: 16777216, report_max_entry_bytes: 1048576}
     policy: {enabled: true}
-    metrics: {enabled: false, listen: "127.0.0.1:9586"}   # Prometheus text format at GET /metrics
+    metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
+              token_file: "", max_connections: 8}       # token_file: bearer auth, needed off loopback
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864}   # service.upgrade
     telemetry:                            # reported upstream through an on-disk queue (plexd.telemetry)
       queue_dir: ""                       # telemetry.db's directory; empty: data_dir
       metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 1000,
                 queue_max_bytes: 33554432, latency_timeout: 2s}
-      logs: {enabled: true, source: auto, files: [], units: [], priority: info, journal_dir: "",
+      logs: {enabled: true, source: auto, files: [], units: [plexd.service, "plexd-wireguard-*.scope"],
+             priority: warning, journal_dir: "",
              collect_interval: 10s, report_interval: 30s, batch_size: 200, queue_max_bytes: 67108864}
       audit: {enabled: true, file: /var/log/audit/audit.log, local_actions: true, collect_interval: 5s,
               report_interval: 15s, batch_size: 500, queue_max_bytes: 67108864}
@@ -59,6 +61,7 @@ The result is a frozen `Config` tree. Every leaf remembers where its value came 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -232,7 +235,9 @@ class MetricsConfig:
     """The local Prometheus endpoint (plexd.node.metrics): plexd's own health, off by default."""
 
     enabled: bool = _f(False)
-    listen: str = _f("127.0.0.1:9586", host_port=True)
+    listen: str = _f("127.0.0.1:9586", host_port=True)  # beyond loopback only with token_file
+    token_file: str = _f("", "path")  # a scrape must send "Authorization: Bearer <the file's content>"
+    max_connections: int = _f(8, min=1, max=1024)  # past this, a connection is answered 503 and closed
 
 
 @dataclass(frozen=True)
@@ -256,8 +261,11 @@ class TelemetryLogsConfig:
     enabled: bool = _f(True)
     source: str = _f("auto", choices=("auto", "journal", "files"))
     files: tuple[str, ...] = _f((), "list")
-    units: tuple[str, ...] = _f((), "list")  # journal only; empty: every unit
-    priority: str = _f("info", choices=("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug"))
+    # journal only. Default: plexd's own unit and its wireguard-go scopes, warning and worse; the journal holds
+    # every service's secrets-in-passing and users' activity, so shipping more is the operator's explicit choice
+    # (units: [] ships every unit).
+    units: tuple[str, ...] = _f(("plexd.service", "plexd-wireguard-*.scope"), "list")
+    priority: str = _f("warning", choices=("emerg", "alert", "crit", "err", "warning", "notice", "info", "debug"))
     journal_dir: str = _f("")  # journalctl --directory: a journal other than the system's
     collect_interval: float = _f(10.0, "duration", min=0.1)
     report_interval: float = _f(30.0, "duration", min=0.1)
@@ -658,7 +666,24 @@ def load(
     if values.get("sse.backoff_base", 1.0) > values.get("sse.backoff_max", 60.0):
         raise ConfigError(f"sse.backoff_base ({sources.get('sse.backoff_base', 'default')}) is larger than "
                           f"sse.backoff_max ({sources.get('sse.backoff_max', 'default')})")
+    _check_metrics_exposure(values, sources)
     return _build(Config, "", values, sources, used_file)
+
+
+def _check_metrics_exposure(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """The metrics endpoint has no auth of its own unless metrics.token_file is set: off this machine's loopback
+    it needs one (peer names, traffic and the node's health are nobody else's business)."""
+    listen = values.get("metrics.listen", "127.0.0.1:9586")
+    if not values.get("metrics.enabled", False) or values.get("metrics.token_file", ""):
+        return
+    host = listen.rpartition(":")[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise ConfigError(f"metrics.listen {listen} ({sources.get('metrics.listen', 'default')}) is not a loopback "
+                          "address: set metrics.token_file (bearer auth) to serve metrics beyond this machine")
 
 
 def _build(cls: type, prefix: str, values: dict[str, Any], sources: dict[str, str], used_file: str | None) -> Any:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-import json
 import logging
 import os
 import stat
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexd import boundedjson
 from plexd.errors import PlexdError
 from plexd.pathtrust import trust_problem
 
@@ -337,7 +337,7 @@ def _leaves_directory(directory: Path, path: Path) -> str:
 def _read_sidecar(path: Path) -> tuple[dict[str, Any], str]:
     """Sidecar fields for `Hook`, and a warning when the sidecar exists but cannot be used (then no fields)."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = boundedjson.parse(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return {}, ""
     except (OSError, ValueError) as exc:

@@ -23,6 +23,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+from plexd import boundedjson
 from plexd.actions import request as rq
 from plexd.actions.dispatcher import LOCAL, ActionDispatcher
 from plexd.actions.request import InvalidRequest
@@ -115,7 +116,7 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
 
 def _requested_action(req: Request) -> str:
     try:
-        return rq.action_of(json.loads(req.body or b"{}"))
+        return rq.action_of(boundedjson.parse(req.body or b"{}"))
     except ValueError:
         return ""
 

@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import gzip
-import json
 import os
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -517,7 +516,7 @@ def _error_message(body: bytes) -> str:
     """The server's short reason: the ``error`` field of a JSON error body, else the text itself."""
     text = body.decode("utf-8", errors="replace").strip()
     try:
-        doc = json.loads(text)
+        doc = boundedjson.parse(text)
     except ValueError:
         return text
     if isinstance(doc, dict):

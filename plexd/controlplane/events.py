@@ -35,7 +35,7 @@ from plexd.clock import Clock
 from plexd.controlplane.client import _tls_context, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import EventRejected, Verifier
+from plexd.controlplane.signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser, valid_event_id
 from plexd.errors import PlexdError
 
@@ -473,6 +473,9 @@ class EventStream:
         self.rejected += 1
         self.rejected_by_reason[reason] += 1
         kind = f" ({event_type})" if event_type else ""
+        if reason == NONCE_STORE_FULL:  # a flood: the nonce store logs one line a minute for all of them
+            log.debug("event %s%s rejected [%s]: %s", event_id or "<no id>", kind, reason, message)
+            return
         log.warning("event %s%s rejected [%s]: %s", event_id or "<no id>", kind, reason, message,
                     extra={"event_id": event_id, "event_type": event_type, "reason": reason})
 

@@ -66,6 +66,7 @@ class EventLedger:
     def __init__(self, path: Path | str, *, max_nonces: int = 100_000) -> None:
         self.path = Path(path)
         self.max_nonces = max_nonces
+        self._sweep_notes_at = max_nonces
         self.on_pending: Callable[[], None] | None = None  # called when the first note after a commit arrives
         self._db_lock = threading.Lock()  # write() may run in a worker thread while `stored()` is asked
         self._cursor: str | None = None
@@ -160,12 +161,20 @@ class EventLedger:
         first = not self.pending
         if nonce:
             self._new_nonces[nonce] = issued_at
-            if len(self._new_nonces) > self.max_nonces:  # commits failing for long (disk full): stay bounded
-                del self._new_nonces[next(iter(self._new_nonces))]
+            if len(self._new_nonces) > self._sweep_notes_at:  # commits failing for long (disk full)
+                self._drop_expired_notes(issued_at)
+                self._sweep_notes_at = len(self._new_nonces) + self.max_nonces  # amortised: not a scan per note
         if event_id:
             self._cursor, self._cursor_dirty = event_id, True
         if first and self.pending and self.on_pending is not None:
             self.on_pending()
+
+    def _drop_expired_notes(self, newest: float) -> None:
+        """Notes that can no longer matter: issued more than two windows before the newest accepted one (which was
+        at most one window ahead of the clock), so expired. Unexpired notes are never dropped: the nonce store
+        refuses events past its cap instead, which bounds them."""
+        cutoff = newest - 2 * NONCE_TTL_SECONDS
+        self._new_nonces = {n: t for n, t in self._new_nonces.items() if t >= cutoff}
 
     @property
     def pending(self) -> bool:
@@ -180,12 +189,12 @@ class EventLedger:
             return None
         batch = Batch(self._cursor if self._cursor_dirty else None, list(self._new_nonces.items()))
         self._cursor_dirty, self._new_nonces = False, {}
+        self._sweep_notes_at = self.max_nonces
         return batch
 
     def write(self, batch: Batch | None, now: float, mirror: MirrorChange | None = None) -> bool:
         """Commit a batch and the mirror's changed rows in one transaction (blocking: may run in a worker thread).
-        Nonces issued before `now - NONCE_TTL` leave the table; beyond `max_nonces` the oldest go. False (logged)
-        if it failed."""
+        Nonces issued before `now - NONCE_TTL` leave the table; no other. False (logged) if it failed."""
         if batch is None and mirror is None:
             return True
         batch = batch or Batch(None, [])
@@ -196,11 +205,9 @@ class EventLedger:
                 self._db.executemany("INSERT OR IGNORE INTO nonces VALUES (?, ?)", batch.nonces)
                 if batch.cursor is not None:
                     self._db.execute("INSERT OR REPLACE INTO meta VALUES ('cursor', ?)", (batch.cursor,))
+                # expired nonces only: an unexpired one is never dropped (the nonce store caps their number by
+                # refusing events instead), so a committed event cannot be replayed after a restart
                 self._db.execute("DELETE FROM nonces WHERE issued_at < ?", (now - NONCE_TTL_SECONDS,))
-                over = self._db.execute("SELECT count(*) FROM nonces").fetchone()[0] - self.max_nonces
-                if over > 0:
-                    self._db.execute("DELETE FROM nonces WHERE nonce IN "
-                                     "(SELECT nonce FROM nonces ORDER BY issued_at LIMIT ?)", (over,))
             self.commits += 1
             return True
         except sqlite3.Error as exc:

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 STALENESS_WINDOW = timedelta(minutes=5)
 NONCE_TTL = timedelta(seconds=NONCE_TTL_SECONDS)
-MAX_NONCES = 100_000
+MAX_NONCES = 100_000  # unexpired at once: 333 events a second for the whole window
+NONCE_STORE_FULL = "nonce_store_full"  # the EventRejected reason, logged rate-limited by the store itself
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
 
 
@@ -85,20 +86,32 @@ def load_signing_key(data_dir: Path) -> str | None:
         return None
 
 
+class NonceStoreFull(Exception):
+    """The store holds `max_entries` unexpired nonces: the event is refused rather than one of them forgotten."""
+
+
 class NonceStore:
-    """Seen nonces → issued_at, bounded, expiring ``NONCE_TTL`` after issued_at; in memory. Seeded at start from
-    the event ledger (`plexd.controlplane.ledger`), which the event stream keeps (a nonce is committed there with
-    the cursor, once its event's effect is durable).
+    """Seen nonces → issued_at, expiring ``NONCE_TTL`` after issued_at; in memory. Seeded at start from the event
+    ledger (`plexd.controlplane.ledger`), which the event stream keeps (a nonce is committed there with the cursor,
+    once its event's effect is durable).
 
     Only nonces still inside the staleness window matter: an older event is refused by the window check before
-    the nonce is ever looked at, so expiring by issued_at loses nothing. Kept in arrival order, which is issued_at
-    order but for clock skew between events, so expiry and eviction take from the front: O(1) per event.
+    the nonce is ever looked at, so expiring by issued_at loses nothing. A nonce is never forgotten before then:
+    forgetting one would let its event be replayed. When `max_entries` unexpired nonces are held, a new event is
+    refused (NonceStoreFull) until some expire, at most five minutes later. Kept in arrival order, which is
+    issued_at order but for clock skew between events, so expiry takes from the front: O(1) per event; a full
+    store is swept whole once before it refuses (a skewed early entry cannot hold expired ones behind it).
     """
+
+    FULL_LOG_INTERVAL = 60.0  # seconds between two "store full" warnings: one line, not one per event
 
     def __init__(self, clock: Clock, ledger: EventLedger | None = None, max_entries: int = MAX_NONCES) -> None:
         self._clock = clock
         self._max = max_entries
         self._seen: dict[str, float] = {}  # nonce -> issued_at (unix seconds), oldest first
+        self.refused_full = 0  # events refused because the store was full (for status)
+        self._refused_since_log = 0
+        self._last_full_log: float | None = None
         if ledger is not None:
             self._seen.update(ledger.take_loaded_nonces())
             self._expire()
@@ -108,6 +121,10 @@ class NonceStore:
 
     def __contains__(self, nonce: str) -> bool:
         return nonce in self._seen
+
+    @property
+    def max_entries(self) -> int:
+        return self._max
 
     def _cutoff(self) -> float:
         return (self._clock.now() - NONCE_TTL).timestamp()
@@ -121,16 +138,33 @@ class NonceStore:
                 break
             del seen[oldest]
 
+    def _sweep(self) -> None:
+        cutoff = self._cutoff()
+        self._seen = {n: t for n, t in self._seen.items() if t >= cutoff}
+
     def add(self, nonce: str, issued_at: datetime) -> bool:
-        """Record `nonce`. Returns False (and records nothing) if it was already seen."""
+        """Record `nonce`. Returns False (and records nothing) if it was already seen; raises NonceStoreFull (and
+        records nothing) when `max_entries` unexpired nonces are held."""
         self._expire()
         if nonce in self._seen:
             return False
         if len(self._seen) >= self._max:
-            log.warning("nonce store full (%d entries); evicting the oldest", self._max)
-            del self._seen[next(iter(self._seen))]
+            self._sweep()
+            if len(self._seen) >= self._max:
+                self._note_full()
+                raise NonceStoreFull(f"nonce store full ({self._max} unexpired nonces)")
         self._seen[nonce] = issued_at.timestamp()
         return True
+
+    def _note_full(self) -> None:
+        self.refused_full += 1
+        self._refused_since_log += 1
+        now = self._clock.monotonic()
+        if self._last_full_log is None or now - self._last_full_log >= self.FULL_LOG_INTERVAL:
+            log.warning("nonce store full (%d unexpired nonces): refusing new events until nonces expire "
+                        "(%d refused since the last warning); unexpired nonces are never dropped, so no event "
+                        "can be replayed", self._max, self._refused_since_log)
+            self._last_full_log, self._refused_since_log = now, 0
 
 
 class Verifier:
@@ -216,7 +250,11 @@ class Verifier:
             if not (in_transition and self._verify_with(self._previous, message, signature)):
                 raise EventRejected("bad_signature", "signature verification failed")
         # 6. nonce, only now that the event is known to be genuine
-        if not self._nonces.add(env.nonce, issued):
+        try:
+            fresh = self._nonces.add(env.nonce, issued)
+        except NonceStoreFull as exc:
+            raise EventRejected(NONCE_STORE_FULL, f"{exc}: event refused rather than forget one") from None
+        if not fresh:
             raise EventRejected("duplicate_nonce", f"duplicate nonce {env.nonce!r} (replayed event)")
 
     @staticmethod

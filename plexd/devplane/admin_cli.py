@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from plexd import boundedjson
 from plexd.errors import ConfigError
 
 RECORD_COMMANDS = ("drift", "executions", "reports", "metrics", "logs", "audit", "integrity", "heartbeats",
@@ -204,7 +205,7 @@ def _read_json(path: str, what: str) -> Any:
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
     try:
-        return json.loads(text)
+        return boundedjson.parse(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what} {path}: not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
                           ) from None
@@ -212,7 +213,7 @@ def _read_json(path: str, what: str) -> Any:
 
 def _json_arg(text: str, what: str) -> Any:
     try:
-        return json.loads(text)
+        return boundedjson.parse(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{what}: not valid JSON: {exc.msg} at column {exc.colno}") from None
 

@@ -238,7 +238,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     if cfg.metrics.enabled:
         from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
 
-        node.metrics = MetricsEndpoint(node, cfg.metrics.listen)
+        node.metrics = MetricsEndpoint(node, cfg.metrics.listen, token_file=cfg.metrics.token_file,
+                                       max_connections=cfg.metrics.max_connections)
         agent.add_service("metrics", lambda a: node.metrics.serve())
     agent.ready = reconciler.started.wait
     agent.describe = lambda: describe(node)

@@ -13,6 +13,7 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
+from plexd import boundedjson
 from plexd.errors import PlexdError
 
 TIMEOUT = 120.0  # a reconcile cycle may take a while on a large mesh
@@ -76,7 +77,7 @@ def stream(socket_path: str, method: str, path: str, body: Any = None, *, admin_
         try:
             for line in response:
                 if line.strip():
-                    yield json.loads(line)
+                    yield boundedjson.parse(line)
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise PlexdError(f"the plexd daemon at {socket_path} broke off its answer: {exc}") from None
     finally:
@@ -113,7 +114,7 @@ def _request(conn: _UnixConnection, socket_path: str, method: str, path: str, bo
 
 def _decode(data: bytes) -> Any:
     try:
-        return json.loads(data) if data.strip() else None
+        return boundedjson.parse(data) if data.strip() else None
     except ValueError:
         return None
 

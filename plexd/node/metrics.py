@@ -19,14 +19,21 @@ pays for metrics nobody scrapes. Only the converge durations are observed as the
     plexd_peer_last_handshake_age_seconds{peer}            +Inf before the first handshake
     plexd_peer_receive_bytes_total{peer} / plexd_peer_transmit_bytes_total{peer}
 
-The listener speaks just enough HTTP/1.1 for a scraper: one bounded request per connection, then close.
+The listener speaks just enough HTTP/1.1 for a scraper: one bounded request per connection (8 KiB of head within
+5 s), then close. It serves at most ``metrics.max_connections`` at once (more are answered 503 and closed, so a
+flood of slow clients holds a few slots for 5 s each, never the daemon's memory or descriptors), and with
+``metrics.token_file`` a scrape must carry ``Authorization: Bearer <token>`` (401 otherwise, before anything is
+rendered). Without a token it is loopback only (the config refuses another listen address).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
+import os
+import stat
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -125,9 +132,37 @@ class NodeCollector:
         yield from (age, rx, tx)
 
 
+def read_metrics_token(path: str) -> str:
+    """metrics.token_file's token (whitespace trimmed). Unreadable, empty or readable by others: PlexdError naming
+    the file, and the endpoint does not start (it would otherwise be open, or its token anybody's)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            mode = os.fstat(fd).st_mode
+            raw = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        token = raw.decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise PlexdError(f"metrics.token_file: cannot read {path}: {reason}") from None
+    if mode & (stat.S_IROTH | stat.S_IWOTH):
+        raise PlexdError(f"metrics.token_file: {path} is readable or writable by everyone (mode "
+                         f"{stat.S_IMODE(mode):04o}); chmod 0600 or 0640")
+    if not token:
+        raise PlexdError(f"metrics.token_file: {path} is empty")
+    return token
+
+
 class MetricsEndpoint:
-    def __init__(self, node: Node, listen: str) -> None:
+    def __init__(self, node: Node, listen: str, *, token_file: str = "", max_connections: int = 8) -> None:
         self.node = node
+        self.token_file = token_file
+        self.max_connections = max_connections
+        self._token: bytes | None = None
+        self.active = 0
+        self.refused_busy = 0  # connections answered 503 because max_connections were being served
+        self.refused_auth = 0  # requests without the bearer token
         host, _, port = listen.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.registry = CollectorRegistry(auto_describe=False)
@@ -150,19 +185,41 @@ class MetricsEndpoint:
     async def serve(self) -> None:
         """The service: listen until cancelled. A port that cannot be bound fails the service (restarted with
         backoff by the supervisor, and named in the log and `plexd status`)."""
+        if self.token_file:  # read at each start: a new token takes a restart of the service
+            self._token = read_metrics_token(self.token_file).encode()
         try:
             server = await asyncio.start_server(self._handle, self.host, self.port, limit=REQUEST_LIMIT)
         except OSError as exc:
             raise PlexdError(f"metrics: cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
-        log.info("metrics endpoint on http://%s:%d/metrics", self.host, self.port)
+        self.port = server.sockets[0].getsockname()[1]  # the port bound, when 0 asked for any
+        log.info("metrics endpoint on http://%s:%d/metrics (%s, at most %d connections)", self.host, self.port,
+                 "bearer token required" if self._token else "no auth: loopback only", self.max_connections)
         async with server:
             await server.serve_forever()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.active >= self.max_connections:  # answered without reading: a slot is never waited for
+            self.refused_busy += 1
+            await _answer(writer, "503 Service Unavailable", b"too many connections to the metrics endpoint\n",
+                          "text/plain")
+            return
+        self.active += 1
+        try:
+            await self._serve_one(reader, writer)
+        finally:
+            self.active -= 1
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        extra = ""
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
             method, path = _request_line(head)
-            if path.split("?", 1)[0] != "/metrics":
+            if self._token is not None and not self._authorized(head):
+                self.refused_auth += 1
+                status, body, ctype = "401 Unauthorized", b"a bearer token is required (metrics.token_file)\n", \
+                    "text/plain"
+                extra = 'WWW-Authenticate: Bearer realm="plexd metrics"\r\n'
+            elif path.split("?", 1)[0] != "/metrics":
                 status, body, ctype = "404 Not Found", b"only /metrics is served here\n", "text/plain"
             elif method not in ("GET", "HEAD"):
                 status, body, ctype = "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
@@ -175,14 +232,31 @@ class MetricsEndpoint:
         except ConnectionError:
             writer.close()
             return
-        writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                     "Connection: close\r\n\r\n".encode() + body)
-        try:
-            await writer.drain()
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
+        await _answer(writer, status, body, ctype, extra)
+
+    def _authorized(self, head: bytes) -> bool:
+        return self._token is not None and bearer_matches(head, self._token)
+
+
+def bearer_matches(head: bytes, token: bytes) -> bool:
+    """True when the request head's first Authorization header is ``Bearer <token>`` (compared in constant time)."""
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"authorization":
+            scheme, _, credential = value.strip().partition(b" ")
+            return scheme.lower() == b"bearer" and hmac.compare_digest(credential.strip(), token)
+    return False
+
+
+async def _answer(writer: asyncio.StreamWriter, status: str, body: bytes, ctype: str, extra: str = "") -> None:
+    writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{extra}"
+                 "Connection: close\r\n\r\n".encode() + body)
+    try:
+        await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
 
 
 def _request_line(head: bytes) -> tuple[str, str]:

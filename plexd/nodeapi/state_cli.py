@@ -8,6 +8,7 @@ import sys
 from typing import Any
 from urllib.parse import quote
 
+from plexd import boundedjson
 from plexd.errors import PlexdError
 from plexd.nodeapi.keys import report_key_problem
 
@@ -43,7 +44,7 @@ def read_payload(source: str, content_type: str) -> Any:
     if not _is_json(content_type):
         return text
     try:
-        return json.loads(text)
+        return boundedjson.parse(text)
     except ValueError as exc:
         raise PlexdError(f"--file {where}: not valid JSON ({exc}); use --content-type for other payloads") from None
 

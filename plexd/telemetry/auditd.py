@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from plexd import boundedjson
 from plexd.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, Line, cap_line
 
@@ -221,7 +222,7 @@ def _position_before(records: list[tuple[AuditRecord, Line]], line: Line) -> dic
 def local_action_entry(line: str, hostname: str) -> dict[str, Any] | None:
     """A line of plexd's local actions audit log (plexd.actions.audit) as an audit entry; None if unreadable."""
     try:
-        doc = json.loads(line)
+        doc = boundedjson.parse(line)
     except ValueError:
         return None
     if not isinstance(doc, dict) or not isinstance(doc.get("event"), str):

@@ -15,11 +15,11 @@ Either way a message is capped at 16 KiB with ``[truncated]`` and bytes that are
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from typing import Any
 
+from plexd import boundedjson
 from plexd.childenv import child_environment
 from plexd.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, cap_line
@@ -148,7 +148,7 @@ class JournalLogs:
 
     def _take(self, line: bytes) -> None:
         try:
-            doc = json.loads(line)
+            doc = boundedjson.parse(line)
         except ValueError:
             self._skip("a line that is not JSON")
             return

@@ -251,3 +251,20 @@ def test_policy_mesh_range_must_be_cidrs(tmp_path):
         load(tmp_path, "policy: {mesh_range: [10.300.0.0/16]}")
     with pytest.raises(ConfigError, match=r"policy.mesh_range: .* must name at least one CIDR"):
         load(tmp_path, "policy: {mesh_range: []}")
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:9586", "10.100.0.1:9586", "[::]:9586", "node.example:9586"])
+def test_metrics_beyond_loopback_needs_a_token_file(tmp_path, listen):
+    with pytest.raises(ConfigError, match=r"metrics\.listen .* is not a loopback address: set metrics\.token_file"):
+        load(tmp_path, f"metrics: {{enabled: true, listen: '{listen}'}}\n")
+    c = load(tmp_path, f"metrics: {{enabled: true, listen: '{listen}', token_file: /etc/plexd/metrics.token}}\n")
+    assert c.metrics.token_file == "/etc/plexd/metrics.token"
+    for local in ("127.0.0.1:9586", "[::1]:9586", "localhost:9586"):
+        assert load(tmp_path, f"metrics: {{enabled: true, listen: '{local}'}}\n").metrics.listen == local
+
+
+def test_log_forwarding_ships_only_plexd_and_warnings_unless_asked():
+    c = cfg.load(env={"PLEXD_CONFIG": ""})
+    assert c.telemetry.logs.units == ("plexd.service", "plexd-wireguard-*.scope")
+    assert c.telemetry.logs.priority == "warning"
+    assert c.metrics.listen.startswith("127.0.0.1:") and c.metrics.token_file == ""

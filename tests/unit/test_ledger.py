@@ -66,14 +66,16 @@ def test_notes_are_one_group_and_nothing_is_on_disk_before_the_commit(tmp_path, 
     assert EventLedger(tmp_path / "events.db").stored() == ("evt_n49", {f"n{i}" for i in range(50)})
 
 
-def test_expired_and_excess_nonces_leave_the_table(tmp_path):
+def test_expired_nonces_leave_the_table_and_unexpired_ones_never_do(tmp_path):
+    """Past max_nonces nothing is evicted: forgetting an unexpired nonce would reopen a replay (the nonce store
+    refuses events instead, tests/security/test_nonce_store.py)."""
     ledger = EventLedger(tmp_path / "events.db", max_nonces=3)
     t = NOW.timestamp()
     ledger.note("e1", "old", t - 301)
     for i in range(5):
         ledger.note(f"e{i + 2}", f"n{i}", t + i)
     ledger.commit(t)
-    assert ledger.stored()[1] == {"n2", "n3", "n4"}
+    assert ledger.stored()[1] == {"n0", "n1", "n2", "n3", "n4"}
 
 
 def test_a_failed_write_keeps_the_notes_for_the_next_commit(tmp_path):
@@ -175,8 +177,12 @@ def test_no_database_no_mirror(tmp_path):
 
 
 def test_notes_stay_bounded_while_commits_keep_failing(tmp_path):
+    """Commits failing for long (disk full): expired notes go, unexpired ones stay (none can be forgotten)."""
     ledger = EventLedger(tmp_path / "events.db", max_nonces=3)
+    t = NOW.timestamp()
     for i in range(5):
-        ledger.note(f"e{i}", f"n{i}", NOW.timestamp() + i)
+        ledger.note(f"e{i}", f"old{i}", t - 1000 + i)  # long expired by the time of the newer ones
+    for i in range(5):
+        ledger.note(f"e{i + 5}", f"n{i}", t + i)
     batch = ledger.take()
-    assert batch.cursor == "e4" and [n for n, _ in batch.nonces] == ["n2", "n3", "n4"]
+    assert batch.cursor == "e9" and [n for n, _ in batch.nonces] == [f"n{i}" for i in range(5)]

@@ -16,6 +16,7 @@ from plexd.controlplane.signing import (
     EventRejected,
     InvalidSigningKeys,
     NonceStore,
+    NonceStoreFull,
     Verifier,
     load_signing_key,
     persist_signing_key,
@@ -219,12 +220,17 @@ def test_nonce_ttl_from_issued_at(clock):
     assert "a" not in store and "b" in store
 
 
-def test_nonce_store_is_bounded(clock):
+def test_nonce_store_refuses_when_full_and_forgets_nothing(clock):
     store = NonceStore(clock, max_entries=3)
-    for i in range(5):
+    for i in range(3):
         assert store.add(f"n{i}", NOW + timedelta(seconds=i))
-    assert len(store) == 3
-    assert "n0" not in store and "n4" in store
+    with pytest.raises(NonceStoreFull):
+        store.add("n3", NOW + timedelta(seconds=3))
+    assert len(store) == 3 and "n0" in store and "n3" not in store
+    assert not store.add("n0", NOW)  # still a replay
+    clock.advance(300 + 1)  # n0 expires: room for one
+    assert store.add("n3", NOW + timedelta(seconds=301))
+    assert "n0" not in store and store.refused_full == 1
 
 
 # --- signing key persistence ---------------------------------------------------------------------------------
