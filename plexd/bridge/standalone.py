@@ -19,6 +19,7 @@ import json
 import sys
 from typing import Any
 
+from plexd import boundedjson
 from plexd.bridge.relay import DEFAULT_PORT, Relay
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.errors import PlexdError
@@ -42,7 +43,7 @@ async def serve(host: str, port: int) -> None:
 
 async def _fastpath_command(relay: Relay, line: bytes) -> dict[str, Any] | None:
     try:
-        cmd = json.loads(line)
+        cmd = boundedjson.parse(line)
     except ValueError:
         return None
     if not isinstance(cmd, dict) or "fastpath" not in cmd:
@@ -59,7 +60,7 @@ async def _fastpath_command(relay: Relay, line: bytes) -> dict[str, Any] | None:
 
 def _command(relay: Relay, reachable: list[bool], line: bytes) -> dict[str, Any]:
     try:
-        cmd = json.loads(line)
+        cmd = boundedjson.parse(line)
         if "sessions" in cmd:
             got = RelaySessionSet.from_state({"bridge": {"relay": {"sessions": cmd["sessions"]}}})
             relay.set_sessions(list(got.sessions.values()))
