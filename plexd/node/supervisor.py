@@ -7,9 +7,10 @@ counted and shown in `plexd status`. Only a `FatalError` — something no restar
 control plane refuses with no token to register afresh — ends the daemon, with one clear line.
 
 Tests can make a service fail on purpose: ``PLEXD_TEST_FAULTS=events,heartbeat`` (read once at start) makes each
-named service raise `InjectedFault` once, ``PLEXD_TEST_FAULT_AFTER`` seconds (default 2) after it first started;
-``wedge:NAME`` instead blocks the whole event loop from inside that service (a bug that never yields), which is
-what the systemd watchdog is for.
+named service raise `InjectedFault` once, ``PLEXD_TEST_FAULT_AFTER`` seconds (default 2) after it first
+started, or, with ``PLEXD_TEST_FAULT_FILE=PATH``, once that file exists (a test fires the faults when its setup
+is done, whatever the machine's speed); ``wedge:NAME`` instead blocks the whole event loop from inside that
+service (a bug that never yields), which is what the systemd watchdog is for.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 HEALTHY_AFTER = 60.0
 FAULTS_ENV = "PLEXD_TEST_FAULTS"
 FAULT_AFTER_ENV = "PLEXD_TEST_FAULT_AFTER"
+FAULT_FILE_ENV = "PLEXD_TEST_FAULT_FILE"
 
 
 class FatalError(PlexdError):
@@ -62,6 +64,7 @@ class FaultPlan:
     services: set[str] = field(default_factory=set)
     after: float = 2.0
     wedges: set[str] = field(default_factory=set)
+    trigger_file: str = ""  # when set: the faults fire once this file exists, not `after` seconds from the start
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> FaultPlan:
@@ -74,7 +77,15 @@ class FaultPlan:
         if names:
             log.warning("test fault injection enabled for services: %s", ", ".join(sorted(names)))
         wedges = {n.removeprefix("wedge:") for n in names if n.startswith("wedge:")}
-        return cls({n for n in names if not n.startswith("wedge:")}, after, wedges)
+        return cls({n for n in names if not n.startswith("wedge:")}, after, wedges, env.get(FAULT_FILE_ENV, ""))
+
+    async def fired(self) -> None:
+        """Return when this plan's faults are due: `after` seconds from now, or once the trigger file exists."""
+        if not self.trigger_file:
+            await asyncio.sleep(self.after)
+            return
+        while not os.path.exists(self.trigger_file):
+            await asyncio.sleep(0.1)
 
     def take(self, name: str) -> bool:
         if name in self.services:
@@ -117,7 +128,7 @@ class Supervisor:
             started = self.clock.monotonic()
             health.state, health.running_since = "running", self.clock.now().timestamp()
             try:
-                await self._run(name, run, self.faults.after if self.faults.take(name) else None)
+                await self._run(name, run, self.faults.take(name))
                 health.state = "done"
                 return
             except asyncio.CancelledError:
@@ -154,15 +165,20 @@ class Supervisor:
             sleeper.cancel()
             stopper.cancel()
 
-    async def _run(self, name: str, run: Callable[[], Awaitable[None]], fault_after: float | None) -> None:
+    async def _run(self, name: str, run: Callable[[], Awaitable[None]], fault: bool) -> None:
         """Run the service as a child task, so that a cancellation it swallows (Python 3.11's wait_for can) is
-        repeated until it has really ended; with `fault_after`, crash it on purpose after that many seconds."""
+        repeated until it has really ended; with `fault`, crash it on purpose when the fault plan says so."""
         task = asyncio.ensure_future(run())
+        due = asyncio.ensure_future(self.faults.fired()) if fault else None
         try:
-            done, _ = await asyncio.wait({task}, timeout=fault_after)
+            done, _ = await asyncio.wait({task, due} if due is not None else {task},
+                                         return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
             await _cancel(task)
             raise
+        finally:
+            if due is not None:
+                due.cancel()
         if task in done:
             task.result()
             return

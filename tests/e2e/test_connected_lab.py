@@ -220,10 +220,12 @@ SERVICES = ("reconciler", "events", "heartbeat", "local_api")
 
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
 def test_each_service_crashes_once_and_comes_back_while_the_tunnel_pings(lab_dp):
-    """The test fault hook makes every service of a live `plexd up` raise once, 15 s after it started: the daemon
-    keeps running, the tunnel keeps pinging, every service comes back, and status shows each restart."""
+    """The test fault hook makes every service of a live `plexd up` raise once, when the test says so (a file
+    appears, once the pair pings: a fixed delay could fire in the middle of a slow setup): the daemon keeps
+    running, the tunnel keeps pinging, every service comes back, and status shows each restart."""
     lab, dp, daemons, tmp_path = lab_dp
-    faults = {"PLEXD_TEST_FAULTS": ",".join(SERVICES), "PLEXD_TEST_FAULT_AFTER": "15"}
+    trigger = tmp_path / "fire-the-faults"
+    faults = {"PLEXD_TEST_FAULTS": ",".join(SERVICES), "PLEXD_TEST_FAULT_FILE": str(trigger)}
     a, b = pinging_pair(lab, dp, daemons, tmp_path, a_env=faults)
     a_id = a.node_id()
     beats_before = len(dp.admin.heartbeats(a_id))
@@ -239,6 +241,7 @@ def test_each_service_crashes_once_and_comes_back_while_the_tunnel_pings(lab_dp)
 
     before = services()
     assert set(before) >= set(SERVICES) and all(s["restarts"] == 0 for s in before.values())  # faults ahead
+    trigger.touch()
     # ping b through the tunnel until every service of a has crashed and come back
     sent = received = 0
     deadline = time.monotonic() + 40
