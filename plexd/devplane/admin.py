@@ -405,7 +405,8 @@ async def put_artifact(request: Request) -> Response:
 
 
 async def start_upgrade(request: Request) -> Response:
-    """Ask a node to run service.upgrade to `version`. The checksum defaults to the stored artifact's (for `arch`,
+    """Ask a node to run service.upgrade to `version` (with allow_downgrade when the body says so; the signature
+    is the node's to fetch, at the artifact's path + .sig). The checksum defaults to the stored artifact's (for `arch`,
     or the one architecture stored for that version); a given one is sent as it is (tests send wrong ones)."""
     dep = _dep(request)
     node = dep.node(request.path_params["node_id"])
@@ -415,16 +416,21 @@ async def start_upgrade(request: Request) -> Response:
     if not checksum:
         stored = _artifacts_dir(request) / version / "linux"
         arch = _str(body, "arch", required=False)
-        candidates = [stored / _component(arch, "arch")] if arch else sorted(stored.glob("*"))
+        candidates = ([stored / _component(arch, "arch")] if arch
+                      else sorted(p for p in stored.glob("*") if not p.name.endswith(".sig")))
         files = [f for f in candidates if f.is_file()]
         if len(files) != 1:
             raise HTTPError(404 if not files else 400, f"no single artifact for plexd {version} under {stored} "
                             f"({len(files)} found); give arch or checksum")
         checksum = sha256_file(files[0])
-    execution_id = dep.request_action(node, "service.upgrade", {"version": version, "checksum": checksum}, None,
-                                      None)
-    return JSONResponse({"execution_id": execution_id, "version": version, "checksum": checksum},
-                        status_code=201)
+    params: dict[str, Any] = {"version": version, "checksum": checksum}
+    allow_downgrade = body.get("allow_downgrade", False)
+    if not isinstance(allow_downgrade, bool):
+        raise HTTPError(400, f"allow_downgrade: must be a boolean, got {wire.kind(allow_downgrade)}")
+    if allow_downgrade:
+        params["allow_downgrade"] = True  # an extra parameter of service.upgrade; the node's config must agree
+    execution_id = dep.request_action(node, "service.upgrade", params, None, None)
+    return JSONResponse({"execution_id": execution_id, **params}, status_code=201)
 
 
 # -- what nodes reported ----------------------------------------------------------------------------------------

@@ -251,3 +251,22 @@ def test_policy_mesh_range_must_be_cidrs(tmp_path):
         load(tmp_path, "policy: {mesh_range: [10.300.0.0/16]}")
     with pytest.raises(ConfigError, match=r"policy.mesh_range: .* must name at least one CIDR"):
         load(tmp_path, "policy: {mesh_range: []}")
+
+
+@pytest.mark.parametrize("value,why", [
+    ("['not base64!']", r"upgrade.release_keys: .* entry 0 'not base64!' is not base64"),
+    ("['AAAA']", r"upgrade.release_keys: .* entry 0 'AAAA' is 3 bytes; an Ed25519 public key is 32"),
+    ("'one-string'", r"upgrade.release_keys: 'one-string' from file .* is not a list of strings"),
+])
+def test_release_keys_are_checked_naming_the_bad_entry(tmp_path, value, why):
+    with pytest.raises(ConfigError, match=why):
+        load(tmp_path, f"upgrade: {{release_keys: {value}}}\n")
+
+
+def test_release_keys_and_allow_downgrade_load(tmp_path):
+    import base64
+
+    key = base64.b64encode(bytes(32)).decode()
+    loaded = load(tmp_path, f"upgrade: {{release_keys: ['{key}'], allow_downgrade: true}}\n")
+    assert loaded.upgrade.release_keys == (key,) and loaded.upgrade.allow_downgrade is True
+    assert load(tmp_path).upgrade.release_keys == () and load(tmp_path).upgrade.allow_downgrade is False
