@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make demo` and `make test`. Both install what they need first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint bench release clean
+.PHONY: setup demo test lint bench release release-key clean
 
 setup:
 	@scripts/setup.sh
@@ -23,10 +23,17 @@ lint: setup
 bench: setup
 	$(PY) -m bench
 
-# A release zipapp for service.upgrade: make release VERSION=0.2.0 → build/plexd-0.2.0.pyz
-release: setup
+# A signed release zipapp for service.upgrade:
+#   make release VERSION=0.2.0 RELEASE_KEY=~/plexd-release.key → build/plexd-0.2.0.pyz and build/plexd-0.2.0.pyz.sig
+# A key: python -m plexd.upgrade.signing keygen FILE (prints the public key for the nodes' upgrade.release_keys).
+release: release-key setup
 	@mkdir -p build
 	$(PY) -m plexd.upgrade.zipapp build/plexd-$(or $(VERSION),dev).pyz $(if $(VERSION),--version $(VERSION))
+	$(PY) -m plexd.upgrade.signing sign "$(RELEASE_KEY)" build/plexd-$(or $(VERSION),dev).pyz \
+		"$(or $(VERSION),$$($(PY) -c 'import plexd; print(plexd.__version__)'))"
+
+release-key:
+	@test -n "$(RELEASE_KEY)" -a -r "$(RELEASE_KEY)" || { echo "make release: RELEASE_KEY=FILE must name a readable release key (python -m plexd.upgrade.signing keygen FILE makes one); got '$(RELEASE_KEY)'" >&2; exit 1; }
 
 clean:
 	rm -rf .venv build *.egg-info .pytest_cache

@@ -34,7 +34,8 @@ README (PROJECT-DECISIONS.md, Config row)::
     policy: {enabled: true}
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
               token_file: "", max_connections: 8}       # token_file: bearer auth, needed off loopback
-    upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864}   # service.upgrade
+    upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864,   # service.upgrade
+              release_keys: [], allow_downgrade: false}   # Ed25519 release keys (base64); see README
     telemetry:                            # reported upstream through an on-disk queue (plexd.telemetry)
       queue_dir: ""                       # telemetry.db's directory; empty: data_dir
       metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 1000,
@@ -303,6 +304,11 @@ class UpgradeConfig:
     dir: str = _f("/opt/plexd/releases", "path")
     health_deadline: float = _f(60.0, "duration", min=5, max=1800)
     max_size: int = _f(64 << 20, min=1 << 16, max=1 << 30)  # bytes; a larger artifact is refused while streaming
+    # The Ed25519 public keys (base64, 32 bytes) a release must be signed by (plexd.upgrade.signing). Empty: this
+    # node installs and launches no release at all, only the package installed in the venv.
+    release_keys: tuple[str, ...] = _f((), "list", release_keys=True)
+    # A downgrade also needs the action's allow_downgrade: the operator and the control plane must both agree.
+    allow_downgrade: bool = _f(False)
 
 
 @dataclass(frozen=True)
@@ -572,6 +578,13 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
         host, sep, port = value.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"{where} is not HOST:PORT (e.g. 127.0.0.1:9100)")
+    if rules.get("release_keys"):
+        from plexd.upgrade.signing import key_problem
+
+        for i, text in enumerate(value):
+            problem = key_problem(text)
+            if problem:
+                raise ConfigError(f"{where}: entry {i} {text[:60]!r} {problem}")
     if rules.get("stun_servers"):
         from plexd.nat.servers import parse_server
 

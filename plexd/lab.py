@@ -462,7 +462,38 @@ class MeshLab:
                 raise LabError(f"the devplane did not start within {timeout:.0f}s: {f.read()[-500:]}")
         with open(os.path.join(ddir, "devplane.db.admin-token")) as f:
             self.admin = AdminClient(self.url, f.read().strip())
+        self._release_key()
         return self.url
+
+    @property
+    def release_key_file(self) -> str:
+        """The lab's demo release key (kept in its devplane directory): what signs the releases it publishes,
+        pinned in every lab node's upgrade.release_keys."""
+        return os.path.join(self.lab.workdir, "devplane", "release.key")
+
+    def _release_key(self):  # -> nacl.signing.SigningKey
+        from plexd.upgrade import signing
+
+        if os.path.exists(self.release_key_file):
+            return signing.load_signing_key(self.release_key_file)
+        return signing.write_signing_key(self.release_key_file)
+
+    def _public_release_key(self) -> str:
+        from plexd.upgrade import signing
+
+        return signing.public_key(self._release_key())
+
+    def publish_release(self, version: str) -> str:
+        """Build a release of this checkout as `version`, sign it with the demo key, store both in the devplane;
+        returns its checksum."""
+        from plexd.upgrade import signing, zipapp
+
+        assert self.admin is not None, "start_devplane() first"
+        path = os.path.join(self.lab.workdir, "devplane", f"plexd-{version}.pyz")
+        checksum = zipapp.build(path, version=version)
+        with open(path, "rb") as f:
+            self.admin.put_artifact(version, f.read(), signature=signing.sign(self._release_key(), version, checksum))
+        return checksum
 
     def start_node(self, node: LabNode, mesh_extra: str = "", *, stun: Sequence[str] = (),
                    nat_extra: str = "") -> LabDaemon:
@@ -481,7 +512,8 @@ class MeshLab:
                     f"hooks: {{dir: {ndir}/hooks}}\n"
                     f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"
-                    f"registration: {{hostname: {node.name}}}\nnode_api: {{socket_path: {ndir}/api.sock}}\n")
+                    f"registration: {{hostname: {node.name}}}\nnode_api: {{socket_path: {ndir}/api.sock}}\n"
+                    f"upgrade: {{dir: {ndir}/releases, release_keys: ['{self._public_release_key()}']}}\n")
             if stun:
                 f.write(f"nat_traversal: {{stun_servers: [{', '.join(stun)}]{nat_extra}}}\n")
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PLEXD_CONFIG": config}

@@ -7,8 +7,9 @@
     mesh.reconnect          reconnect the event stream, then run one reconcile cycle
     config.dump             the effective configuration and where each value came from (secrets hidden)
     service.reload_config   re-read the config file; apply what can change live, list what needs a restart
-    service.upgrade         version checksum → download, verify and install a release, restart into it with the
-                            tunnels up; the result is sent once the new release is healthy, or rolled back
+    service.upgrade         version checksum [allow_downgrade] → download, verify (signature, checksum,
+                            version) and install a release, restart into it with the tunnels up; the result
+                            is sent once the new release is healthy, or rolled back
 
 A built-in sees the node only through `NodeView`, which the composition root fills in: it cannot reach
 anything else. Output is JSON on stdout; an exception becomes status ``error`` with the message on stderr.
@@ -51,7 +52,7 @@ class NodeView:
     reload_config: Callable[[], Awaitable[Json]]
     recent_logs: Callable[[int], list[str]]
     # version, checksum, execution id → the install's output (plexd.upgrade.upgrader); None: not on this node
-    upgrade: Callable[[str, str, str], Awaitable[Output]] | None = None
+    upgrade: Callable[[str, str, str, bool], Awaitable[Output]] | None = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +176,8 @@ async def reload_config(view: NodeView, params: dict[str, str]) -> Output:
 async def upgrade(view: NodeView, params: dict[str, str]) -> Output:
     if view.upgrade is None:
         return Output(1, "", "self-upgrade is not available in this plexd\n")
-    return await view.upgrade(params["version"], params["checksum"], EXECUTION.get())
+    allow_downgrade = params.get("allow_downgrade", "").strip().lower() in ("true", "1", "yes")
+    return await view.upgrade(params["version"], params["checksum"], EXECUTION.get(), allow_downgrade)
 
 
 BUILTINS: dict[str, Builtin] = {b.name: b for b in (
@@ -195,7 +197,9 @@ BUILTINS: dict[str, Builtin] = {b.name: b for b in (
             "install it beside the running one and restart into it with the tunnels up; the result follows once "
             "it is healthy, or after an automatic rollback",
             (_param("version", "the release to install, e.g. 0.2.0", required=True),
-             _param("checksum", "its SHA-256, 64 hex digits", required=True)), upgrade),
+             _param("checksum", "its SHA-256, 64 hex digits", required=True),
+             _param("allow_downgrade", "install an older release (the node's upgrade.allow_downgrade must also be "
+                    "true)", type_="boolean")), upgrade),
 )}
 
 

@@ -15,9 +15,11 @@ import secrets
 from pathlib import Path
 from typing import Any
 
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plexd import gojson
 from plexd.devplane import wire
@@ -46,11 +48,32 @@ FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events"
               "ignore_visibility": "bool"}
 
 
+PREFIX = "/admin"
+
+
+class AdminTokenGuard:
+    """The one admin-token check: every route mounted under /admin passes through it, whatever the route's
+    handler does, so a route added later cannot forget it (tests/security/test_admin_routes.py walks the table).
+    Unknown admin paths get the 401 too: no route enumeration without the token."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            request = Request(scope)
+            token = wire.bearer(request) or ""
+            if not hmac.compare_digest(token.encode(), request.app.state.admin_token.encode()):
+                log.warning("admin API request refused: %s %s without the admin token", request.method,
+                            request.url.path)
+                await wire.error_response(401, "admin API needs Authorization: Bearer <admin token>")(
+                    scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _dep(request: Request) -> Deployment:
     dep: Deployment = request.app.state.deployment
-    token = wire.bearer(request) or ""
-    if not hmac.compare_digest(token.encode(), request.app.state.admin_token.encode()):
-        raise HTTPError(401, "admin API needs Authorization: Bearer <admin token>")
     return dep
 
 
@@ -382,7 +405,8 @@ async def put_artifact(request: Request) -> Response:
 
 
 async def start_upgrade(request: Request) -> Response:
-    """Ask a node to run service.upgrade to `version`. The checksum defaults to the stored artifact's (for `arch`,
+    """Ask a node to run service.upgrade to `version` (with allow_downgrade when the body says so; the signature
+    is the node's to fetch, at the artifact's path + .sig). The checksum defaults to the stored artifact's (for `arch`,
     or the one architecture stored for that version); a given one is sent as it is (tests send wrong ones)."""
     dep = _dep(request)
     node = dep.node(request.path_params["node_id"])
@@ -392,16 +416,21 @@ async def start_upgrade(request: Request) -> Response:
     if not checksum:
         stored = _artifacts_dir(request) / version / "linux"
         arch = _str(body, "arch", required=False)
-        candidates = [stored / _component(arch, "arch")] if arch else sorted(stored.glob("*"))
+        candidates = ([stored / _component(arch, "arch")] if arch
+                      else sorted(p for p in stored.glob("*") if not p.name.endswith(".sig")))
         files = [f for f in candidates if f.is_file()]
         if len(files) != 1:
             raise HTTPError(404 if not files else 400, f"no single artifact for plexd {version} under {stored} "
                             f"({len(files)} found); give arch or checksum")
         checksum = sha256_file(files[0])
-    execution_id = dep.request_action(node, "service.upgrade", {"version": version, "checksum": checksum}, None,
-                                      None)
-    return JSONResponse({"execution_id": execution_id, "version": version, "checksum": checksum},
-                        status_code=201)
+    params: dict[str, Any] = {"version": version, "checksum": checksum}
+    allow_downgrade = body.get("allow_downgrade", False)
+    if not isinstance(allow_downgrade, bool):
+        raise HTTPError(400, f"allow_downgrade: must be a boolean, got {wire.kind(allow_downgrade)}")
+    if allow_downgrade:
+        params["allow_downgrade"] = True  # an extra parameter of service.upgrade; the node's config must agree
+    execution_id = dep.request_action(node, "service.upgrade", params, None, None)
+    return JSONResponse({"execution_id": execution_id, **params}, status_code=201)
 
 
 # -- what nodes reported ----------------------------------------------------------------------------------------
@@ -469,17 +498,23 @@ async def status(request: Request) -> Response:
     })
 
 
+def mount() -> Mount:
+    """The admin API: its routes behind the admin-token guard."""
+    return Mount(PREFIX, routes=routes(), middleware=[Middleware(AdminTokenGuard)])
+
+
 def routes() -> list[Route]:
-    node = "/admin/v1/nodes/{node_id}"
+    """The admin routes, relative to /admin (mounted with the guard by `mount`)."""
+    node = "/v1/nodes/{node_id}"
     return [
-        Route("/admin/v1/status", status, methods=["GET"]),
-        Route("/admin/v1/tokens", create_token, methods=["POST"]),
-        Route("/admin/v1/tokens", list_tokens, methods=["GET"]),
-        Route("/admin/v1/nodes", list_nodes, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
+        Route("/v1/tokens", create_token, methods=["POST"]),
+        Route("/v1/tokens", list_tokens, methods=["GET"]),
+        Route("/v1/nodes", list_nodes, methods=["GET"]),
         Route(node, show_node, methods=["GET"]),
         Route(node, forget_node, methods=["DELETE"]),
-        Route("/admin/v1/policies", get_policies, methods=["GET"]),
-        Route("/admin/v1/policies", set_policies, methods=["PUT"]),
+        Route("/v1/policies", get_policies, methods=["GET"]),
+        Route("/v1/policies", set_policies, methods=["PUT"]),
         Route(node + "/metadata", set_metadata, methods=["PUT"]),
         Route(node + "/data/{key:path}", set_data, methods=["PUT"]),
         Route(node + "/secrets/{key:path}", set_secret, methods=["PUT"]),
@@ -489,12 +524,12 @@ def routes() -> list[Route]:
         Route(node + "/actions", request_action, methods=["POST"]),
         Route(node + "/actions/{execution_id}/resend", resend_action, methods=["POST"]),
         Route(node + "/upgrade", start_upgrade, methods=["POST"]),
-        Route("/admin/v1/artifacts/{version}/{os}/{arch}", put_artifact, methods=["PUT"]),
+        Route("/v1/artifacts/{version}/{os}/{arch}", put_artifact, methods=["PUT"]),
         Route(node + "/events", publish_event, methods=["POST"]),
-        Route("/admin/v1/events", broadcast_event, methods=["POST"]),
-        Route("/admin/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),
+        Route("/v1/events", broadcast_event, methods=["POST"]),
+        Route("/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),
         Route(node + "/report-entries", report_entries, methods=["GET"]),
         Route(node + "/{kind}", node_records, methods=["GET"]),
-        Route("/admin/v1/faults", set_faults, methods=["PUT"]),
-        Route("/admin/v1/faults", clear_faults, methods=["DELETE"]),
+        Route("/v1/faults", set_faults, methods=["PUT"]),
+        Route("/v1/faults", clear_faults, methods=["DELETE"]),
     ]

@@ -116,9 +116,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("execution_id")
 
     g = group("artifact", "plexd releases the devplane serves at /v1/artifacts/plexd/VERSION/OS/ARCH")
-    p = leaf(g, "put", do_artifact_put, "store a release file (python -m plexd.upgrade.zipapp builds one)")
+    p = leaf(g, "put", do_artifact_put, "store a release file (make release builds one) and its signature FILE.sig")
     p.add_argument("version")
     p.add_argument("file")
+    p.add_argument("--signature", help="the signature file (default: FILE.sig; none there: the file alone)")
     p.add_argument("--os", default="linux")
     p.add_argument("--arch", help="Go's name (default: this machine's)")
 
@@ -126,6 +127,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("node_id")
     p.add_argument("version")
     p.add_argument("--checksum", help="the SHA-256 to require (default: the stored artifact's)")
+    p.add_argument("--allow-downgrade", action="store_true",
+                   help="let the node install an older release (its upgrade.allow_downgrade must be true too)")
 
     g = group("event", "raw events")
     p = leaf(g, "publish", do_event_publish, "publish a signed event to a node; prints the event id")
@@ -344,12 +347,22 @@ def do_artifact_put(c: Any, args: argparse.Namespace) -> Any:
         data = Path(args.file).read_bytes()
     except OSError as exc:
         raise ConfigError(f"artifact put: cannot read {args.file}: {exc.strerror}") from None
-    doc = c.put_artifact(args.version, data, os_name=args.os, arch=args.arch)
-    return doc, f"stored plexd/{doc['path']}: {doc['size']} bytes, sha256 {doc['sha256']}"
+    sig_path = Path(args.signature or f"{args.file}.sig")
+    try:
+        signature = sig_path.read_bytes()
+    except FileNotFoundError:
+        if args.signature:
+            raise ConfigError(f"artifact put: no signature file {sig_path}") from None
+        signature = None
+    except OSError as exc:
+        raise ConfigError(f"artifact put: cannot read {sig_path}: {exc.strerror}") from None
+    doc = c.put_artifact(args.version, data, os_name=args.os, arch=args.arch, signature=signature)
+    signed = f", signature {sig_path}" if signature is not None else ", UNSIGNED (nodes will refuse it)"
+    return doc, f"stored plexd/{doc['path']}: {doc['size']} bytes, sha256 {doc['sha256']}{signed}"
 
 
 def do_upgrade(c: Any, args: argparse.Namespace) -> Any:
-    doc = c.start_upgrade(args.node_id, args.version, args.checksum)
+    doc = c.start_upgrade(args.node_id, args.version, args.checksum, allow_downgrade=args.allow_downgrade)
     return doc, doc["execution_id"]
 
 

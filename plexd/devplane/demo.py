@@ -97,6 +97,7 @@ def _nat_table(lab, mesh) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
+    from plexd import __version__
     from plexd.lab import DEFAULT_STATE_FILE, Lab, LabError, MeshLab
 
     if getattr(args, "down", False):
@@ -152,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
             ok = _policy_demo(lab, mesh) and ok
         if args.keep:
             keep = True
+            version = f"{__version__}+demo"
+            checksum = mesh.publish_release(version)
+            print(f"\nreleases: signed with the demo release key {mesh.release_key_file} (pinned in every node's "
+                  f"upgrade.release_keys); plexd {version} ({checksum[:12]}) is published: upgrade a node with "
+                  f"'plexd-devplane admin --url {mesh.url} --token-file {mesh.lab.workdir}/devplane/devplane.db"
+                  f".admin-token upgrade {mesh.daemons[0].node_id} {version}'")
             print(f"\nkept: state in {DEFAULT_STATE_FILE}; try 'ip netns exec {lab.nodes[0].netns} ping "
                   f"{mesh.daemons[1].mesh_ip}'; remove with 'plexd-devplane demo --down'")
         return 0 if ok else 1

@@ -119,20 +119,32 @@ class AdminClient:
         body = {"action": action, "parameters": parameters or {}, "timeout": timeout, "checksum": checksum}
         return self._call("POST", f"/nodes/{_q(node_id)}/actions", body)["execution_id"]
 
-    def put_artifact(self, version: str, data: bytes, *, os_name: str = "linux", arch: str | None = None) -> dict:
-        """Store a release for nodes to download; `arch` defaults to this machine's (Go's name)."""
+    def put_artifact(self, version: str, data: bytes, *, os_name: str = "linux", arch: str | None = None,
+                     signature: bytes | None = None) -> dict:
+        """Store a release for nodes to download, and its signature file (served at the artifact's path + .sig)
+        when given; `arch` defaults to this machine's (Go's name)."""
         from plexd.upgrade.upgrader import goarch
 
-        try:
-            resp = self.http.put(f"/artifacts/{_q(version)}/{_q(os_name)}/{_q(arch or goarch())}", content=data)
-        except httpx.HTTPError as exc:
-            raise PlexdError(f"devplane at {self.url} unreachable: {exc}") from None
-        if resp.status_code >= 300:
-            raise AdminError(resp.status_code, resp.text)
-        return resp.json()
+        path = f"/artifacts/{_q(version)}/{_q(os_name)}/{_q(arch or goarch())}"
+        doc = {}
+        for suffix, body in (("", data), (".sig", signature)):
+            if body is None:
+                continue
+            try:
+                resp = self.http.put(path + suffix, content=body)
+            except httpx.HTTPError as exc:
+                raise PlexdError(f"devplane at {self.url} unreachable: {exc}") from None
+            if resp.status_code >= 300:
+                raise AdminError(resp.status_code, resp.text)
+            doc = doc or resp.json()
+        return doc
 
-    def start_upgrade(self, node_id: str, version: str, checksum: str | None = None) -> dict[str, str]:
-        return self._call("POST", f"/nodes/{_q(node_id)}/upgrade", {"version": version, "checksum": checksum})
+    def start_upgrade(self, node_id: str, version: str, checksum: str | None = None, *,
+                      allow_downgrade: bool = False) -> dict[str, str]:
+        body: dict = {"version": version, "checksum": checksum}
+        if allow_downgrade:
+            body["allow_downgrade"] = True
+        return self._call("POST", f"/nodes/{_q(node_id)}/upgrade", body)
 
     def resend_action(self, node_id: str, execution_id: str) -> str:
         """Publish an execution's request again as a new event; returns the event id."""

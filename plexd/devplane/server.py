@@ -371,7 +371,7 @@ def create_app(
             await cancel_quietly(task)
 
     app = Starlette(
-        routes=ROUTES + admin.routes(),
+        routes=[*ROUTES, admin.mount()],
         exception_handlers={HTTPError: _http_error, HTTPException: _starlette_error, Exception: _internal_error},
         lifespan=lifespan,
     )

@@ -1,7 +1,11 @@
 """What `plexd up` does before anything else, and how a daemon restarts into a new release.
 
 `launch` settles an upgrade marker and then runs the release `current` points to, by exec, unless that is the
-code already running. Finding a marker in state "started" anywhere but in the new release's own first start means
+code already running. Before it runs a release it checks it again: the file's SHA-256 and version must be what
+its signature (beside it, ``.sig``) signs under a key pinned in ``upgrade.release_keys``; a swapped or unsigned
+file is never run (one loud error, and the installed package runs instead).
+
+Finding a marker in state "started" anywhere but in the new release's own first start means
 the new release was started and never became healthy (it died, hung or gave up): `current` goes back to the old
 release, the marker records why, and the old release starts and reports the failure. This runs from the installed
 package on every start systemd makes, so a release that cannot even import is still rolled back.
@@ -28,6 +32,7 @@ from plexd.integrity import zipapp_of
 from plexd.node.systemd import booted
 from plexd.upgrade import marker as markers
 from plexd.upgrade.releases import ReleaseError, Releases
+from plexd.upgrade.signing import SignatureError, verify_release
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,17 @@ def launch(config: Config, args: Sequence[str]) -> None:
     running = zipapp_of()
     if target == running:
         return
+    if target is not None:
+        try:
+            verify_release(target, config.upgrade.release_keys)
+        except (SignatureError, OSError) as exc:
+            # A swapped or unsigned file where a verified release was: never run it. The installed package is
+            # what a node without releases runs; `current` stays for the operator to see (and the upgrade
+            # service rolls a pending upgrade back from there).
+            why = str(exc) if isinstance(exc, SignatureError) else f"cannot read it: {exc}"
+            log.error("REFUSING to run the release %s: %s; running plexd from %s instead", target, why,
+                      running or "the installed package", extra={"release": str(target)})
+            return
     command = installed_command(args) if target is None else [sys.executable, str(target), *args]
     log.info("running %s", target or "the installed package", extra={"release": str(target or "")})
     _exec(command)

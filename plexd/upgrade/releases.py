@@ -1,6 +1,7 @@
 """The release directory (``upgrade.dir``, default /opt/plexd/releases)::
 
     plexd-0.2.0-1a2b3c4d5e6f.pyz     a release: version and the start of its SHA-256 in the name, 0644
+    plexd-0.2.0-1a2b3c4d5e6f.pyz.sig its signature (plexd.upgrade.signing), checked again before every launch
     current -> plexd-0.2.0-….pyz     what `plexd up` runs; absent: the plexd package installed in the venv
 
 `current` is switched by creating the new link beside it and renaming it over the old one, so a start sees the
@@ -61,9 +62,16 @@ class Releases:
     def part_path(self, version: str, checksum: str) -> Path:
         return self.dir / f".{release_name(version, checksum)}.part"
 
-    def commit(self, part: Path, version: str, checksum: str) -> Path:
-        """Move a verified download into place under its final name."""
+    def commit(self, part: Path, version: str, checksum: str, signature: bytes) -> Path:
+        """Move a verified download into place under its final name, its signature beside it (first: a release
+        file is never there without one)."""
         final = self.path_for(version, checksum)
+        sig_part = part.with_name(part.name + ".sig")
+        with open(sig_part, "wb") as fh:
+            fh.write(signature)
+            os.fsync(fh.fileno())
+        os.chmod(sig_part, 0o644)
+        rename_atomic(sig_part, Path(f"{final}.sig"))
         os.chmod(part, 0o644)
         rename_atomic(part, final)
         return final
@@ -95,4 +103,6 @@ class Releases:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(path.name)
+            with contextlib.suppress(FileNotFoundError):
+                Path(f"{path}.sig").unlink()
         return removed

@@ -2,11 +2,16 @@
 
 Install (the built-in, in the old daemon), with nothing changed until the artifact is proven:
 
-1. ``GET /v1/artifacts/plexd/{version}/linux/{arch}`` streamed into ``upgrade.dir`` as a ``.part`` file, capped at
+0. refused at once: no pinned release key (``upgrade.release_keys``), or a version older than the running one
+   unless the action says ``allow_downgrade`` AND the config has ``upgrade.allow_downgrade: true``;
+1. ``GET /v1/artifacts/plexd/{version}/linux/{arch}.sig``: the release's signature (plexd.upgrade.signing), which
+   must sign exactly this version and the action's checksum under a pinned key, before anything else is fetched;
+   then ``GET /v1/artifacts/plexd/{version}/linux/{arch}`` streamed into ``upgrade.dir`` as a ``.part`` file, capped at
    ``upgrade.max_size``, hashed on the way; a SHA-256 other than the action's ``checksum`` deletes it and fails
    the action (a release already there under that checksum is used without a download);
-2. the file must run here: ``python FILE --version`` answers ``plexd <version>``;
-3. rename into place, write the marker (state "installed"), point ``current`` at it;
+2. only now, signed and checksummed, the file must run here: ``python FILE --version`` answers ``plexd <version>``;
+3. rename into place (its signature beside it, for the launcher to check again at every start), write the
+   marker (state "installed"), point ``current`` at it;
 4. restart with the tunnels up (`Agent.restart`): the action's result is deferred, not sent.
 
 Outcome (this service, in whichever daemon starts next):
@@ -41,6 +46,7 @@ from plexd.integrity import sha256_file, zipapp_of
 from plexd.upgrade import marker as markers
 from plexd.upgrade.launcher import roll_back
 from plexd.upgrade.releases import ReleaseError, Releases
+from plexd.upgrade.signing import MAX_SIG_BYTES, SUFFIX, SignatureError, downgrade_problem, verify, verify_release
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +95,7 @@ class Upgrader:
 
     # -- install (the old daemon) -----------------------------------------------------------------------------
 
-    async def install(self, version: str, checksum: str, execution_id: str) -> Output:
+    async def install(self, version: str, checksum: str, execution_id: str, allow_downgrade: bool = False) -> Output:
         version, checksum = version.strip(), checksum.strip().lower()
         problem = check_request(version, checksum)
         if problem:
@@ -100,21 +106,47 @@ class Upgrader:
             return Output(1, "", f"an upgrade to plexd {what} is in progress; nothing installed\n")
         if checksum == self.agent.binary_checksum:
             return json_output({"status": "already running", "version": __version__, "binary_checksum": checksum})
+        problem = self._policy_problem(version, allow_downgrade)
+        if problem:
+            log.error("upgrade to plexd %s refused: %s", version, problem, extra={"execution_id": execution_id})
+            return Output(1, "", f"upgrade to plexd {version}: {problem}; nothing installed\n")
         self.installing = version
         try:
             return await self._install(version, checksum, execution_id)
-        except (UpgradeRefused, ControlPlaneError, ReleaseError, OSError) as exc:
+        except (UpgradeRefused, SignatureError, ControlPlaneError, ReleaseError, OSError) as exc:
             self.installing = ""
             why = str(exc) if isinstance(exc, PlexdError) else f"{exc.strerror or exc} ({self.releases.dir})"
+            if isinstance(exc, SignatureError):
+                why = f"release signature refused: {why}; nothing installed, nothing run"
             log.error("upgrade to plexd %s refused: %s", version, why, extra={"execution_id": execution_id})
             return Output(1, "", f"upgrade to plexd {version}: {why}\n")
+
+    def _policy_problem(self, version: str, allow_downgrade: bool) -> str:
+        """Why this node will not take `version` whatever the artifact is, or ""."""
+        if not self.config.release_keys:
+            return ("upgrade.release_keys is empty: this node trusts no release key, so it installs no release "
+                    "(pin the publisher's public key in the config)")
+        downgrade = downgrade_problem(version, __version__)
+        if not downgrade:
+            return ""
+        if allow_downgrade and self.config.allow_downgrade:
+            log.warning("downgrade allowed by the action and upgrade.allow_downgrade: %s", downgrade)
+            return ""
+        missing = [what for what, ok in (("the action's allow_downgrade", allow_downgrade),
+                                         ("upgrade.allow_downgrade: true in the config", self.config.allow_downgrade))
+                   if not ok]
+        return f"downgrade refused: {downgrade}; a downgrade needs {' and '.join(missing)}"
 
     async def _install(self, version: str, checksum: str, execution_id: str) -> Output:
         self.releases.prepare()
         previous = self.releases.current()
         path = self.releases.path_for(version, checksum)
         if path.is_file() and await asyncio.to_thread(sha256_file, path) == checksum:
-            log.info("release %s is already in %s; not downloaded again", path.name, self.releases.dir)
+            signed = await asyncio.to_thread(verify_release, path, self.config.release_keys)
+            if signed != (version, checksum):
+                raise SignatureError(f"{path.name} is signed as plexd {signed[0]}, not {version}")
+            log.info("release %s is already in %s (signature checked); not downloaded again", path.name,
+                     self.releases.dir)
         else:
             path = await self._download(version, checksum)
         marker = markers.UpgradeMarker(
@@ -136,9 +168,25 @@ class Upgrader:
                "a rollback"}
         return json_output(doc, deferred=True)
 
+    async def _signature(self, version: str, checksum: str, arch: str) -> bytes:
+        """The release's signature file from the control plane, verified for this version and checksum."""
+        data = b""
+        async with self.agent.client.open_artifact(version, "linux", arch + SUFFIX) as response:
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > MAX_SIG_BYTES:
+                    raise SignatureError(f"the signature file is larger than {MAX_SIG_BYTES} bytes")
+        signer = verify(data, self.config.release_keys, version, checksum)
+        log.info("plexd %s is signed by release key %s", version, signer[:12])
+        return data
+
     async def _download(self, version: str, checksum: str) -> Path:
         part = self.releases.part_path(version, checksum)
         arch, cap = goarch(), self.config.max_size
+        try:
+            signature = await self._signature(version, checksum, arch)
+        except ControlPlaneError as exc:
+            raise SignatureError(f"no signature for plexd/{version}/linux/{arch}: {exc}") from None
         digest, size = hashlib.sha256(), 0
         try:
             with open(part, "wb") as fh:
@@ -161,7 +209,7 @@ class Upgrader:
                 part.unlink()
             raise
         log.info("downloaded plexd %s (%d bytes, SHA-256 verified)", version, size)
-        return self.releases.commit(part, version, checksum)
+        return self.releases.commit(part, version, checksum, signature)
 
     async def _check_runs(self, path: Path, version: str) -> None:
         """The release must at least start with this Python and its dependencies and say it is `version`."""

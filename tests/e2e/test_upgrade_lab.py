@@ -3,7 +3,7 @@ from this checkout, real wireguard-go. No systemd here (it is not PID 1), so the
 the detached watcher stands in for systemd's restart; the systemd path differs only in who starts `plexd up`.
 
 On one node a, pinging b through the tunnel:
-1. a checksum that does not match the artifact: refused before anything is installed;
+1. a checksum that does not match the artifact's signature: refused before anything is downloaded;
 2. a good release (this checkout, another version string) under a continuous ping: at most one packet lost, the
    same process (re-executed) and the same wireguard-go, the new version and checksum reported upstream;
 3. a broken release (it exits as soon as `plexd up` starts): rolled back to the previous release by itself,
@@ -14,6 +14,7 @@ On one node a, pinging b through the tunnel:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -21,9 +22,12 @@ import time
 
 import pytest
 from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, wait_until, wireguard_go_pids
+from nacl.signing import SigningKey
 from test_actions_lab import execution, finished
 
-from plexd.upgrade import zipapp
+from plexd.upgrade import signing, zipapp
+
+RELEASE_KEY = SigningKey.generate()  # this lab's release key, pinned in node a's upgrade.release_keys
 
 BROKEN_MAIN = b"""import sys
 
@@ -51,7 +55,15 @@ sys.exit(main())
 
 
 def releases(d: Daemon) -> list[str]:
-    return sorted(p.name for p in (d.dir / "releases").iterdir()) if (d.dir / "releases").exists() else []
+    """The release files (their .sig files aside)."""
+    rel = d.dir / "releases"
+    return sorted(p.name for p in rel.iterdir() if not p.name.endswith(".sig")) if rel.exists() else []
+
+
+def put_signed(dp, version: str, path) -> str:
+    data = path.read_bytes()
+    checksum = hashlib.sha256(data).hexdigest()
+    return dp.admin.put_artifact(version, data, signature=signing.sign(RELEASE_KEY, version, checksum))["sha256"]
 
 
 def last_checksum(dp, node_id: str) -> str:
@@ -77,23 +89,25 @@ def stop_pid(pid: int) -> None:
 def test_upgrade_refuses_a_bad_checksum_installs_a_good_release_under_ping_and_rolls_back_a_broken_one(
         lab_dp, tmp_path):
     lab, dp, daemons, workdir = lab_dp
-    a_config = f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s}}\n"
+    a_config = (f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s, "
+                f"release_keys: ['{signing.public_key(RELEASE_KEY)}']}}\n")
     a, b = pinging_pair(lab, dp, daemons, workdir, reconcile="1h", a_config=a_config)
     a_id = a.node_id()
     before = a.status()["daemon"]
     good_sum = zipapp.build(tmp_path / "good.pyz", version="0.1.1-lab")
     broken_sum = zipapp.build(tmp_path / "broken.pyz", version="0.1.2-lab", overrides={"__main__.py": BROKEN_MAIN})
-    assert dp.admin.put_artifact("0.1.1-lab", (tmp_path / "good.pyz").read_bytes())["sha256"] == good_sum
-    dp.admin.put_artifact("0.1.2-lab", (tmp_path / "broken.pyz").read_bytes())
+    assert put_signed(dp, "0.1.1-lab", tmp_path / "good.pyz") == good_sum
+    put_signed(dp, "0.1.2-lab", tmp_path / "broken.pyz")
     zipapp.build(tmp_path / "unhealthy.pyz", version="0.1.3-lab", overrides={"__main__.py": UNHEALTHY_MAIN})
-    dp.admin.put_artifact("0.1.3-lab", (tmp_path / "unhealthy.pyz").read_bytes())
+    put_signed(dp, "0.1.3-lab", tmp_path / "unhealthy.pyz")
     relaunched = []
     try:
         # 1. The wrong checksum: nothing installed, nothing restarted.
         eid = dp.admin.start_upgrade(a_id, "0.1.1-lab", checksum="0" * 64)["execution_id"]
         result = finished(dp, a_id, eid, daemons)["result"]
-        assert result["status"] == "failed" and "checksum mismatch" in result["stderr"], result
-        assert good_sum in result["stderr"]
+        # (the signature names the real checksum: refused before the artifact is even downloaded)
+        assert result["status"] == "failed" and "release signature refused" in result["stderr"], result
+        assert f"the signature is for SHA-256 '{good_sum}', not {'0' * 64}" in result["stderr"], result
         assert releases(a) == [], "a refused artifact must leave nothing behind"
         assert a.status()["daemon"]["pid"] == before["pid"] and a.proc.poll() is None
 

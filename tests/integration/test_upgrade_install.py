@@ -3,7 +3,9 @@ HTTP, with real release zipapps built from this checkout and run by this Python.
 stand-in that records the restart it is asked for: the restart itself (re-exec, watcher, rollback) is shown with
 real daemons in tests/e2e/test_upgrade_lab.py.
 
-Every refusal must leave nothing installed: no release file, no `.part`, no `current` link, no marker.
+Every refusal must leave nothing installed: no release file, no `.part`, no `current` link, no marker. Releases
+are signed with a release key made for this module and pinned in the node's upgrade.release_keys; the attacks on
+signatures, checksums and versions are in tests/security/test_signed_upgrade.py.
 """
 
 from __future__ import annotations
@@ -19,13 +21,23 @@ from types import SimpleNamespace
 import httpx
 import pytest
 from nacl.public import PrivateKey
+from nacl.signing import SigningKey
 
 from plexd import config as config_mod
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.devplane.harness import Devplane
 from plexd.upgrade import marker as markers
-from plexd.upgrade import zipapp
+from plexd.upgrade import signing, zipapp
 from plexd.upgrade.upgrader import Upgrader
+
+RELEASE_KEY = SigningKey.generate()
+
+
+def put_signed(devplane, version: str, data: bytes) -> str:
+    """Store `data` as release `version` with its signature by RELEASE_KEY; returns its checksum."""
+    checksum = hashlib.sha256(data).hexdigest()
+    devplane.admin.put_artifact(version, data, signature=signing.sign(RELEASE_KEY, version, checksum))
+    return checksum
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,7 @@ def good(devplane, tmp_path_factory) -> tuple[str, str]:
     """A release 0.9.1-test stored in the devplane: (version, checksum)."""
     path = tmp_path_factory.mktemp("rel") / "good.pyz"
     checksum = zipapp.build(path, version="0.9.1-test")
-    devplane.admin.put_artifact("0.9.1-test", path.read_bytes())
+    assert put_signed(devplane, "0.9.1-test", path.read_bytes()) == checksum
     return "0.9.1-test", checksum
 
 
@@ -67,6 +79,7 @@ class Agent(SimpleNamespace):
 def upgrader(devplane, secret: str, tmp_path: Path, **upgrade: object) -> tuple[Upgrader, Agent]:
     (tmp_path / "config.yaml").write_text(
         f"api: {devplane.url}\ndata_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}"
+        f", release_keys: ['{signing.public_key(RELEASE_KEY)}']"
         + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
     (tmp_path / "data").mkdir(mode=0o700)
     cfg = config_mod.load(str(tmp_path / "config.yaml"), flags={})
@@ -104,8 +117,8 @@ async def test_a_malformed_request_is_refused_naming_the_field(devplane, secret,
 
 async def test_a_missing_artifact_is_refused(devplane, secret, tmp_path):
     up, agent = upgrader(devplane, secret, tmp_path)
-    out = await install(up, "0.0.404", "b" * 64)
-    assert out.exit_code == 1 and "404" in out.stderr and "no artifact plexd/0.0.404" in out.stderr, out.stderr
+    out = await install(up, "9.0.404", "b" * 64)
+    assert out.exit_code == 1 and "404" in out.stderr and "no artifact plexd/9.0.404" in out.stderr, out.stderr
     assert installed(tmp_path) == [] and agent.restarts == []
 
 
@@ -118,7 +131,7 @@ async def test_an_artifact_larger_than_max_size_is_cut_off_while_streaming(devpl
 
 async def test_an_artifact_that_is_not_a_plexd_release_is_refused_after_the_checksum(devplane, secret, tmp_path):
     junk = os.urandom(4096)
-    devplane.admin.put_artifact("0.9.2-junk", junk)
+    put_signed(devplane, "0.9.2-junk", junk)  # signed by the right key: the run check still refuses it
     up, agent = upgrader(devplane, secret, tmp_path)
     out = await install(up, "0.9.2-junk", hashlib.sha256(junk).hexdigest())
     assert out.exit_code == 1 and "does not run as plexd 0.9.2-junk" in out.stderr, out.stderr
@@ -128,7 +141,7 @@ async def test_an_artifact_that_is_not_a_plexd_release_is_refused_after_the_chec
 async def test_a_release_that_calls_itself_another_version_is_refused(devplane, secret, tmp_path):
     path = tmp_path / "liar.pyz"
     checksum = zipapp.build(path, version="0.9.9-other")
-    devplane.admin.put_artifact("0.9.3-liar", path.read_bytes())
+    put_signed(devplane, "0.9.3-liar", path.read_bytes())
     path.unlink()
     up, agent = upgrader(devplane, secret, tmp_path)
     out = await install(up, "0.9.3-liar", checksum)
@@ -143,7 +156,7 @@ async def test_a_good_release_is_installed_switched_and_marked_then_a_restart_is
     out = await install(up, version, checksum)
     assert out.exit_code == 0 and out.deferred, out.stderr
     name = f"plexd-{version}-{checksum[:12]}.pyz"
-    assert installed(tmp_path) == ["current", name, "upgrade.json"]
+    assert installed(tmp_path) == ["current", name, name + ".sig", "upgrade.json"]
     assert os.readlink(tmp_path / "releases" / "current") == name
     assert hashlib.sha256((tmp_path / "releases" / name).read_bytes()).hexdigest() == checksum
     marker = markers.read(tmp_path / "data")
@@ -171,6 +184,8 @@ async def test_a_release_already_on_disk_is_reused_without_a_download(devplane, 
     rel.mkdir()
     checksum = zipapp.build(tmp_path / "local.pyz", version="0.9.4-local")
     os.replace(tmp_path / "local.pyz", rel / f"plexd-0.9.4-local-{checksum[:12]}.pyz")
+    (rel / f"plexd-0.9.4-local-{checksum[:12]}.pyz.sig").write_bytes(signing.sign(RELEASE_KEY, "0.9.4-local",
+                                                                                   checksum))
     up, agent = upgrader(devplane, secret, tmp_path)
     out = await install(up, "0.9.4-local", checksum)
     assert out.exit_code == 0 and out.deferred, out.stderr

@@ -268,3 +268,22 @@ def test_log_forwarding_ships_only_plexd_and_warnings_unless_asked():
     assert c.telemetry.logs.units == ("plexd.service", "plexd-wireguard-*.scope")
     assert c.telemetry.logs.priority == "warning"
     assert c.metrics.listen.startswith("127.0.0.1:") and c.metrics.token_file == ""
+
+
+@pytest.mark.parametrize("value,why", [
+    ("['not base64!']", r"upgrade.release_keys: .* entry 0 'not base64!' is not base64"),
+    ("['AAAA']", r"upgrade.release_keys: .* entry 0 'AAAA' is 3 bytes; an Ed25519 public key is 32"),
+    ("'one-string'", r"upgrade.release_keys: 'one-string' from file .* is not a list of strings"),
+])
+def test_release_keys_are_checked_naming_the_bad_entry(tmp_path, value, why):
+    with pytest.raises(ConfigError, match=why):
+        load(tmp_path, f"upgrade: {{release_keys: {value}}}\n")
+
+
+def test_release_keys_and_allow_downgrade_load(tmp_path):
+    import base64
+
+    key = base64.b64encode(bytes(32)).decode()
+    loaded = load(tmp_path, f"upgrade: {{release_keys: ['{key}'], allow_downgrade: true}}\n")
+    assert loaded.upgrade.release_keys == (key,) and loaded.upgrade.allow_downgrade is True
+    assert load(tmp_path).upgrade.release_keys == () and load(tmp_path).upgrade.allow_downgrade is False

@@ -14,18 +14,22 @@ import time
 from pathlib import Path
 
 import pytest
+from nacl.signing import SigningKey
 from test_procstat import wait_for_zombie
 
 from plexd import config as config_mod
-from plexd.upgrade import launcher, watch, zipapp
+from plexd.upgrade import launcher, signing, watch, zipapp
 from plexd.upgrade import marker as markers
 from plexd.upgrade.releases import ReleaseError, Releases
+
+RELEASE_KEY = SigningKey.generate()
 
 
 def config(tmp_path: Path) -> config_mod.Config:
     (tmp_path / "data").mkdir(exist_ok=True)
     (tmp_path / "config.yaml").write_text(f"data_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'rel'}, "
-                                          "health_deadline: 42s}\n")
+                                          f"health_deadline: 42s, release_keys: ['{signing.public_key(RELEASE_KEY)}']}}"
+                                          "\n")
     return config_mod.load(str(tmp_path / "config.yaml"), flags={})
 
 
@@ -160,6 +164,9 @@ def test_launch_execs_the_current_release_with_the_same_arguments(tmp_path, monk
     rel.switch(rel.dir / "new.pyz")
     execs: list[list[str]] = []
     monkeypatch.setattr(launcher, "_exec", execs.append)
+    launcher.launch(cfg, ["up", "--config", "x"])
+    assert execs == [], "a release without a signature is never run"
+    signing.sign_file(RELEASE_KEY, rel.dir / "new.pyz", "0.2.0")
     launcher.launch(cfg, ["up", "--config", "x"])
     assert execs == [[sys.executable, str((rel.dir / "new.pyz").resolve()), "up", "--config", "x"]]
     monkeypatch.setattr(launcher, "zipapp_of", lambda: (rel.dir / "new.pyz").resolve())
