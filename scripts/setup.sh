@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # systemd provides systemd-analyze (the unit test checks plexd.service offline); netbase gives /etc/services.
-APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase"
+# openssh-client and sshpass: the real ssh client the SSH access-session tests and bench log in with.
+APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase openssh-client sshpass"
 
 missing=""
 for p in $APT_PACKAGES; do
