@@ -67,6 +67,7 @@ MAX_AUTH_TRIES = 3
 LOGIN_GRACE = 10.0
 RECORD_TIMEOUT = 15.0
 HANGUP_GRACE = 2.0
+_EARLY_INPUT_MAX = 1 << 20
 NOT_RECORDED = "the control plane did not record this command; it was not run"
 TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 _CLOSE_TEXT = {"ttl_expired": "the session expired", "idle_timeout": "the session was idle too long",
@@ -222,8 +223,9 @@ class _Connection(asyncssh.SSHServer):
             server.counters.refused_over_cap += 1
             self.ended = "refused"
             self._done.set_result(None)
-            conn.disconnect(asyncssh.DISC_TOO_MANY_CONNECTIONS,
-                            f"at most {server.max_connections} connections to this session")
+            # after asyncssh sent its version line (a disconnect before it is not SSH to the client)
+            asyncio.get_running_loop().call_soon(conn.disconnect, asyncssh.DISC_TOO_MANY_CONNECTIONS,
+                                                 f"at most {server.max_connections} connections to this session")
             return
         server.connections.add(self)
         server.counters.connections += 1
@@ -301,7 +303,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.conn = conn
         self.server = conn.server
         self.chan: asyncssh.SSHServerChannel | None = None  # type: ignore[type-arg]
-        self.term: str | None = None
+        self.pty = False
+        self.term: str | None = None  # the client's TERM (OpenSSH sends "" when it has none)
         self.size = (80, 24, 0, 0)
         self.command: str | None = None  # None: shell
         self.refusal: str | None = None
@@ -312,12 +315,15 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._writable.set()
         self._task: asyncio.Task[None] | None = None
         self._hung_up = False
+        self._early: list[bytes] = []  # what the client sent before the process existed (ssh sends at once)
+        self._early_eof = False
         conn.channels.add(self)
 
     def connection_made(self, chan: Any) -> None:
         self.chan = chan
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
+        self.pty = True
         self.term = term_type if term_type and term_type.isprintable() and len(term_type) <= 64 else None
         self.size = term_size
         return True
@@ -360,6 +366,13 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.server.touch()
         self.conn.bytes_in += len(data)
         self.server.counters.bytes_in += len(data)
+        if self.proc is None:
+            if sum(map(len, self._early)) < _EARLY_INPUT_MAX:
+                self._early.append(data)
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         try:
             if self.master is not None:
                 os.write(self.master, data)  # the pty's buffer is large; a full one drops the rest like a tty
@@ -369,7 +382,9 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             pass
 
     def eof_received(self) -> bool:
-        if self.master is None and self.proc is not None and self.proc.stdin is not None:
+        if self.proc is None:
+            self._early_eof = True
+        elif self.master is None and self.proc.stdin is not None:
             self.proc.stdin.close()
         return True  # keep sending the output
 
@@ -459,6 +474,11 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if self._hung_up:
             return
         await self._spawn(user)
+        for data in self._early:
+            self._feed(data)
+        self._early.clear()
+        if self._early_eof:
+            self.eof_received()
         returncode = await self._pump()
         await self._finish(exit_status(returncode))
 
@@ -483,7 +503,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         if os.geteuid() == 0:
             ids = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         cwd = user.home if os.path.isdir(user.home) else "/"
-        if self.term is not None:
+        if self.pty:
             master, slave = pty.openpty()
             _set_winsize(master, self.size)
             os.set_blocking(master, False)
