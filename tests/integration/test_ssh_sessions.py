@@ -204,14 +204,14 @@ async def test_close_ends_a_live_shell_within_a_second_with_a_message(account, k
 
 
 @pytest.mark.parametrize("ttl, idle, reason, text", [(600.0, 1.0, "idle_timeout", "idle too long"),
-                                                     (3.0, 0.0, "ttl_expired", "session expired")])
+                                                     (8.0, 0.0, "ttl_expired", "session expired")])
 async def test_idleness_and_expiry_close_a_shell_by_themselves(account, key_dir, ttl, idle, reason, text):
     async with Harness(account.name, key_dir, ttl=ttl, idle=idle) as h:
         client = await h.open_ssh(h.token(), "-tt")
         assert client.stdin is not None and client.stdout is not None and client.stderr is not None
         client.stdin.write(b"echo ready-$((1+1))\n")
         await read_until(client.stdout, b"ready-2")
-        await asyncio.wait_for(client.wait(), 15)
+        await asyncio.wait_for(client.wait(), 20)
         err = (await client.stderr.read()).decode(errors="replace")
         assert text in err + (await client.stdout.read()).decode(errors="replace"), err
         assert h.server.closed == reason
