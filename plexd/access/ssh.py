@@ -68,6 +68,7 @@ LOGIN_GRACE = 10.0
 RECORD_TIMEOUT = 15.0
 HANGUP_GRACE = 2.0
 _EARLY_INPUT_MAX = 1 << 20
+_STDIN_BUFFER_MAX = 1 << 20
 NOT_RECORDED = "the control plane did not record this command; it was not run"
 TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 _CLOSE_TEXT = {"ttl_expired": "the session expired", "idle_timeout": "the session was idle too long",
@@ -317,6 +318,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._hung_up = False
         self._early: list[bytes] = []  # what the client sent before the process existed (ssh sends at once)
         self._early_eof = False
+        self._stdin_paused: asyncio.Task[None] | None = None
+        self._recording: asyncio.Future[Any] | None = None
         conn.channels.add(self)
 
     def connection_made(self, chan: Any) -> None:
@@ -378,8 +381,25 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 os.write(self.master, data)  # the pty's buffer is large; a full one drops the rest like a tty
             elif self.proc is not None and self.proc.stdin is not None:
                 self.proc.stdin.write(data)
+                # A process that does not read must not make us buffer without end: stop taking the client's
+                # data (its SSH window closes) until the pipe drained.
+                if (self.chan is not None and self._stdin_paused is None
+                        and self.proc.stdin.transport.get_write_buffer_size() > _STDIN_BUFFER_MAX):
+                    self.chan.pause_reading()
+                    self._stdin_paused = asyncio.create_task(self._resume_after_drain())
         except (OSError, RuntimeError):
             pass
+
+    async def _resume_after_drain(self) -> None:
+        try:
+            assert self.proc is not None and self.proc.stdin is not None
+            await self.proc.stdin.drain()
+        except (OSError, RuntimeError):
+            return  # the process closed its stdin: the channel ends with it
+        finally:
+            self._stdin_paused = None
+        if self.chan is not None:
+            self.chan.resume_reading()
 
     def eof_received(self) -> bool:
         if self.proc is None:
@@ -419,6 +439,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)
         elif self._task is None and not self.done.done():
             self.done.set_result(None)
+        if self._recording is not None:
+            self._recording.cancel()
 
     def _kill(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -468,6 +490,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             await self._finish(1, refused=str(exc))
             return
         if self.command is not None and not await self._recorded(self.command):
+            if self._hung_up:
+                return
             await self._send(f"plexd: {NOT_RECORDED}\r\n".encode(), stderr=True)
             await self._finish(1, refused="not recorded")
             return
@@ -486,8 +510,13 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         try:
             result = self.server.record_command(self.server.session.session_id, command)
             if inspect.isawaitable(result):
-                result = await asyncio.wait_for(result, RECORD_TIMEOUT)
-            return result is True
+                self._recording = asyncio.ensure_future(result)  # a hang-up cancels it: nothing is run then
+                result = await asyncio.wait_for(self._recording, RECORD_TIMEOUT)
+            return result is True and not self._hung_up
+        except asyncio.CancelledError:
+            if self._hung_up:  # our own cancel; the channel's task goes on to end quietly
+                return False
+            raise
         except Exception as exc:  # a timeout or a failed report: the command is not run
             log.warning("ssh session %s: command not recorded (%s)", self.server.session.session_id,
                         type(exc).__name__)

@@ -59,6 +59,7 @@ class Harness:
     live: set[str] = field(default_factory=set)
     recorded: list[str] = field(default_factory=list)
     record_answer: bool = True
+    record_hangs: bool = False  # the control plane never answers the command-started report
     audit: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     server_options: dict[str, Any] = field(default_factory=dict)
     server: SshSessionServer | None = None
@@ -79,8 +80,10 @@ class Harness:
         assert self.server is not None
         await self.server.close("plexd_close")
 
-    def _record(self, session_id: str, command: str) -> bool:
+    async def _record(self, session_id: str, command: str) -> bool:
         self.recorded.append(command)
+        if self.record_hangs:
+            await asyncio.Event().wait()
         return self.record_answer
 
     def claims(self, **overrides: Any) -> dict[str, Any]:

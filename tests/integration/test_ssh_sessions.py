@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import os
 import re
 import signal
 import stat
@@ -107,6 +109,30 @@ async def test_a_command_the_control_plane_did_not_record_is_not_run(account, ke
         rc, _, err = await h.ssh(h.token(), f"touch {marker}")
         assert rc == 1 and NOT_RECORDED in err, err
         assert h.recorded == [f"touch {marker}"] and not marker.exists()
+
+
+async def test_a_client_that_hangs_up_while_the_report_is_pending_runs_nothing(account, key_dir, tmp_path):
+    marker = tmp_path / "ran"
+    async with Harness(account.name, key_dir, record_hangs=True) as h:
+        client = await h.open_ssh(h.token(), f"touch {marker}")
+        deadline = time.monotonic() + 15
+        while not h.recorded:
+            assert time.monotonic() < deadline, f"no command report asked for; audit {h.audit}"
+            await asyncio.sleep(0.05)
+        client.kill()
+        await client.wait()
+        await asyncio.wait_for(h.server.close("plexd_close"), 5)  # not held by the pending report
+        assert not marker.exists() and h.events("command") == []
+
+
+async def test_stdin_is_passed_whole_to_a_process_that_reads_it_late(account, key_dir):
+    data = os.urandom(8 << 20)  # more than the server buffers before it stops reading from the client
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "sleep 1; sha256sum", stdin=data, timeout=60)
+        assert rc == 0, err
+        assert out.split()[0] == hashlib.sha256(data).hexdigest()
+        ended, = h.events("connection_ended")
+        assert ended["bytes_in"] == len(data)
 
 
 def _other_key_token(h: Harness) -> str:
@@ -245,11 +271,19 @@ async def test_connections_past_four_are_refused_unauthenticated_ones_counted(ac
             reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
             assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
             held.append(writer)
-        rc, _, err = await h.ssh(h.token(), "true", log_level="INFO")  # INFO: ssh prints the disconnect reason
-        assert rc == 255 and "at most 4 connections" in err, err
-        assert h.server.counters.refused_over_cap == 1
+        # The fifth is dropped at once: the disconnect ("at most 4 connections", which ssh prints at LogLevel INFO)
+        # follows the version line, and ssh may see the closed socket first ("Broken pipe").
+        rc, _, err = await h.ssh(h.token(), "true", log_level="INFO")
+        assert rc == 255 and ("at most 4 connections" in err or "Broken pipe" in err), err
+        assert h.server.counters.refused_over_cap == 1 and h.events("connection_started") == []
         for writer in held:
             writer.close()
+        deadline = time.monotonic() + 10
+        while h.server.connections:
+            assert time.monotonic() < deadline, f"{len(h.server.connections)} connections still counted"
+            await asyncio.sleep(0.05)
+        rc, _, err = await h.ssh(h.token(), "true")  # below the cap again
+        assert rc == 0, err
 
 
 async def test_a_client_silent_after_connecting_is_dropped_after_the_login_grace(account, key_dir):
