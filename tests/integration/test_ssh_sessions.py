@@ -295,6 +295,27 @@ async def test_a_client_silent_after_connecting_is_dropped_after_the_login_grace
         writer.close()
 
 
+async def test_a_connection_gets_three_password_tries(account, key_dir):
+    # asyncssh as the client here: OpenSSH through sshpass gives up after the second prompt by itself
+    import asyncssh
+
+    class Guesser(asyncssh.SSHClient):
+        tries = 0
+
+        def password_auth_requested(self) -> str:
+            Guesser.tries += 1
+            return f"guess-{Guesser.tries}"
+
+    async with Harness(account.name, key_dir) as h:
+        with pytest.raises((asyncssh.PermissionDenied, asyncssh.DisconnectError, ConnectionError)):
+            conn, _ = await asyncio.wait_for(asyncssh.create_connection(
+                Guesser, "127.0.0.1", h.port, username=account.name, known_hosts=None,
+                preferred_auth="password"), 20)
+            conn.close()
+        assert [e["reason"] for e in h.events("auth_failed")] == ["malformed"] * 3
+        assert Guesser.tries <= 4
+
+
 async def test_failed_logins_from_one_address_are_rate_limited(account, key_dir):
     from plexd.access.ssh import auth_failure_limiter
 
