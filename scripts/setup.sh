@@ -6,7 +6,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # systemd provides systemd-analyze (the unit test checks plexd.service offline); netbase gives /etc/services.
-APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase iperf3"
+# iperf3: the relay and TCP-session benches; openssh-client and sshpass: the real ssh client the SSH
+# access-session tests and bench log in with.
+APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase iperf3
+              openssh-client sshpass"
 
 missing=""
 for p in $APT_PACKAGES; do

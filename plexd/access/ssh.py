@@ -1,0 +1,612 @@
+"""SSH sessions (plexd-access-protocol.md §1.3, `kind: ssh`): one asyncssh listener per session on the node's
+mesh IP, password authentication with the session token, the session's process run as its target user.
+
+    server = SshSessionServer(session, mesh_ip, host_key=load_or_create_host_key(data_dir),
+                              keys=current_verify_keys, is_live=lambda sid: sid in desired_sessions,
+                              record_command=post_command_started, audit=audit_line)
+    port = await server.start()          # listener_endpoint = server.listener_endpoint
+    ...
+    await server.close("operator_revoke")  # or ttl_expired / idle_timeout / plexd_close (deregistration)
+
+Admission: user = `target.ssh.user`, password = the session token, checked by `verify_session_token` against
+`keys()` (the trusted control-plane signing keys, read at each attempt) at `now()`, AND `is_live(session_id)`
+(the session is still in the desired block): a token alone never admits. Public-key, keyboard-interactive and
+`none` are refused; 3 tries per connection; a source address with too many failures is refused without a check.
+
+Limits: 4 connections per session (counted from the TCP accept, so unauthenticated ones count), 10 session
+channels per connection, login grace 10 s (handshake and authentication), commands <= 1,024 bytes. Only
+`session` channels: no subsystem (sftp), agent or X11 forwarding, direct-tcpip or tcpip-forward; an `env`
+request is acknowledged by asyncssh but its variables are never applied (the environment is built here).
+
+Each channel runs one process as the target user (uid, gid, supplementary groups, home, login shell), with the
+scrubbed environment of `ssh_process.login_environment`, in a session of its own, on a pty when one was asked
+for. With `allowed_commands`, `shell` is refused and `exec` must be an exact member; an exec runs only after
+`record_command(session_id, command)` returned True within 15 s (the control plane recorded it). A hang-up sends
+SIGHUP to the process group, then SIGKILL 2 s later.
+
+The session ends by itself at `expires_at` (`ttl_expired`) and after `idle_timeout` without a byte either way
+(`idle_timeout`); `close(reason)` ends it for the caller. Every connection is then disconnected with the reason,
+which OpenSSH prints ("Received disconnect ...: session closed: ...").
+
+Audit (`audit(event, fields)`, never the token): `auth_failed` (reason from TokenRefused, or `revoked`,
+`rate_limited`, `user`, `method`), `connection_started`, `connection_ended` (reason, bytes_in, bytes_out),
+`command` (command or "shell", exit_code, or `refused` with why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import inspect
+import logging
+import os
+import pty
+import signal
+import struct
+import termios
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import asyncssh
+from nacl.signing import VerifyKey
+
+from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
+from plexd.access.ssh_host_key import fingerprint
+from plexd.access.ssh_process import LocalUser, UserRefused, exit_status, login_environment, resolve_user
+from plexd.access.token import TokenRefused, verify_session_token
+from plexd.nodeapi.ratelimit import RateLimiter
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 4
+MAX_CHANNELS = 10
+MAX_AUTH_TRIES = 3
+LOGIN_GRACE = 10.0
+RECORD_TIMEOUT = 15.0
+HANGUP_GRACE = 2.0
+_EARLY_INPUT_MAX = 1 << 20
+_STDIN_BUFFER_MAX = 1 << 20
+NOT_RECORDED = "the control plane did not record this command; it was not run"
+TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
+_CLOSE_TEXT = {"ttl_expired": "the session expired", "idle_timeout": "the session was idle too long",
+               "plexd_close": "the node is leaving the mesh", "operator_revoke": "the session was revoked"}
+
+Keys = Callable[[], Iterable[VerifyKey]]
+RecordCommand = Callable[[str, str], Awaitable[bool] | bool]
+Audit = Callable[[str, dict[str, Any]], None]
+
+
+def auth_failure_limiter(clock: Callable[[], float] = time.monotonic) -> RateLimiter:
+    """Failed logins per source address: 10 at once, then one every 6 s (shared by all sessions' servers)."""
+    return RateLimiter(rate=1 / 6, burst=10, clock=clock)
+
+
+@dataclass
+class SshCounters:
+    connections: int = 0
+    refused_over_cap: int = 0
+    auth_failures: int = 0
+    bytes_in: int = 0  # client -> process
+    bytes_out: int = 0  # process -> client
+
+
+class SshSessionServer:
+    """One SSH session's listener and its connections. `start()` binds; `close(reason)` ends everything."""
+
+    def __init__(self, session: Session, bind_host: str, *, host_key: asyncssh.SSHKey, keys: Keys,
+                 is_live: Callable[[str], bool], record_command: RecordCommand, audit: Audit | None = None,
+                 now: Callable[[], float] = time.time, auth_limiter: RateLimiter | None = None,
+                 login_grace: float = LOGIN_GRACE, max_connections: int = MAX_CONNECTIONS) -> None:
+        if not isinstance(session.target, SshTarget):
+            raise ValueError(f"session {session.session_id} is a {session.kind} session, not ssh")
+        if bind_host in ("", "0.0.0.0", "::"):
+            raise ValueError("an SSH session listens on the node's mesh IP, never on all interfaces")
+        self.session = session
+        self.target: SshTarget = session.target
+        self.bind_host = bind_host
+        self.host_key = host_key
+        self.host_key_fingerprint = fingerprint(host_key)
+        self.keys = keys
+        self.is_live = is_live
+        self.record_command = record_command
+        self.now = now
+        self.auth_limiter = auth_limiter or auth_failure_limiter()
+        self.login_grace = login_grace
+        self.max_connections = max_connections
+        self.counters = SshCounters()
+        self._audit = audit
+        self._server: asyncssh.SSHAcceptor | None = None
+        self._watch: asyncio.Task[None] | None = None
+        self.connections: set[_Connection] = set()
+        self.last_activity = now()
+        self.port = 0
+        self.closed: str | None = None
+
+    @property
+    def listener_endpoint(self) -> str:
+        host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind `bind_host`:0 and watch expiry and idleness; the kernel-chosen port."""
+        self._server = await asyncssh.create_server(
+            lambda: _Connection(self), self.bind_host, 0, server_host_keys=[self.host_key],
+            login_timeout=self.login_grace, line_editor=False, agent_forwarding=False, x11_forwarding=False,
+            allow_pty=True, keepalive_interval=0, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self._watch = asyncio.create_task(self._watch_lifetime(), name=f"ssh-session-{self.session.session_id}")
+        log.info("ssh session %s listening on %s", self.session.session_id, self.listener_endpoint)
+        return self.port
+
+    async def close(self, reason: str) -> None:
+        """Stop listening and disconnect every connection with `reason` (one of TERMINATIONS) told to the client;
+        their processes get SIGHUP, then SIGKILL 2 s later."""
+        if self.closed is not None:
+            return
+        self.closed = reason
+        if self._server is not None:
+            self._server.close()
+        if self._watch is not None and self._watch is not asyncio.current_task():
+            self._watch.cancel()
+        conns = list(self.connections)
+        for conn in conns:
+            conn.end(reason)
+        await asyncio.gather(*(c.finished() for c in conns), return_exceptions=True)
+        log.info("ssh session %s closed: %s", self.session.session_id, reason)
+
+    def touch(self) -> None:
+        self.last_activity = self.now()
+
+    def audit(self, event: str, **fields: Any) -> None:
+        if self._audit is not None:
+            try:
+                self._audit(event, {"session_id": self.session.session_id, **fields})
+            except Exception:  # an audit sink that fails must not break the session
+                log.exception("ssh session audit callback failed")
+
+    async def _watch_lifetime(self) -> None:
+        idle = self.session.idle_timeout
+        step = min(1.0, idle / 4) if idle else 1.0
+        while self.closed is None:
+            now = self.now()
+            if now >= self.session.expires_at:
+                await self.close("ttl_expired")
+                return
+            if idle and now - self.last_activity >= idle:
+                await self.close("idle_timeout")
+                return
+            await asyncio.sleep(step)
+
+    # -- admission -------------------------------------------------------------------------------------------
+
+    def check_password(self, username: str, password: str, source: str) -> str | None:
+        """None when `password` admits `username`, else the failure reason (never the token)."""
+        if self.closed is not None:
+            return "closed"
+        if self.auth_limiter.blocked(source):
+            return "rate_limited"
+        if username != self.target.user:
+            return "user"
+        try:
+            verify_session_token(password, keys=list(self.keys()), session_id=self.session.session_id,
+                                 kind="ssh", target=self.target.to_wire(), now=self.now(), user=username)
+        except TokenRefused as exc:
+            return exc.reason
+        if not self.is_live(self.session.session_id):
+            return "revoked"
+        if self.session.expired(self.now()):
+            return "expired"
+        return None
+
+
+class _Connection(asyncssh.SSHServer):
+    def __init__(self, server: SshSessionServer) -> None:
+        self.server = server
+        self.conn: asyncssh.SSHServerConnection | None = None
+        self.source = "?"
+        self.failures = 0
+        self.authenticated = False
+        self.channels: set[_Channel] = set()
+        self.ended: str | None = None
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._done = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
+        self.conn = conn
+        peer = conn.get_extra_info("peername") or ("?", 0)
+        self.source = str(peer[0])
+        server = self.server
+        if server.closed is not None or len(server.connections) >= server.max_connections:
+            server.counters.refused_over_cap += 1
+            self.ended = "refused"
+            self._done.set_result(None)
+            # after asyncssh sent its version line (a disconnect before it is not SSH to the client)
+            asyncio.get_running_loop().call_soon(conn.disconnect, asyncssh.DISC_TOO_MANY_CONNECTIONS,
+                                                 f"at most {server.max_connections} connections to this session")
+            return
+        server.connections.add(self)
+        server.counters.connections += 1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.connections.discard(self)
+        if self.authenticated:
+            self.server.audit("connection_ended", source=self.source, reason=self.ended or "client_closed",
+                              bytes_in=self.bytes_in, bytes_out=self.bytes_out)
+        for chan in list(self.channels):
+            chan.hang_up()
+        if not self._done.done():
+            self._done.set_result(None)
+
+    def end(self, reason: str) -> None:
+        self.ended = reason
+        text = _CLOSE_TEXT.get(reason, reason)
+        for chan in list(self.channels):
+            chan.notify(f"\r\nplexd: {text}; closing.\r\n")
+        if self.conn is not None:
+            self.conn.disconnect(asyncssh.DISC_BY_APPLICATION, f"session closed: {text} ({reason})")
+
+    async def finished(self) -> None:
+        await self._done
+        await asyncio.gather(*(c.done for c in list(self.channels)), return_exceptions=True)
+
+    def begin_auth(self, username: str) -> bool:
+        return True
+
+    def password_auth_supported(self) -> bool:
+        return True
+
+    def public_key_auth_supported(self) -> bool:
+        return False
+
+    def kbdint_auth_supported(self) -> bool:
+        return False
+
+    def host_based_auth_supported(self) -> bool:
+        return False
+
+    def gss_auth_supported(self) -> bool:
+        return False
+
+    def validate_password(self, username: str, password: str) -> bool:
+        reason = self.server.check_password(username, password, self.source)
+        if reason is None:
+            self.authenticated = True
+            self.server.touch()
+            self.server.audit("connection_started", source=self.source, user=username)
+            return True
+        self.failures += 1
+        self.server.counters.auth_failures += 1
+        if reason != "rate_limited":
+            self.server.auth_limiter.allow(self.source)
+        log.info("ssh session %s: login from %s refused (%s)", self.server.session.session_id, self.source, reason)
+        self.server.audit("auth_failed", source=self.source, reason=reason)
+        if self.failures >= MAX_AUTH_TRIES and self.conn is not None:
+            conn = self.conn
+            asyncio.get_running_loop().call_soon(
+                conn.disconnect, asyncssh.DISC_NO_MORE_AUTH_METHODS_AVAILABLE, "too many authentication failures")
+        return False
+
+    def session_requested(self) -> Any:
+        if self.ended is not None or len(self.channels) >= MAX_CHANNELS or self.conn is None:
+            return False
+        chan = self.conn.create_server_channel(encoding=None)
+        return chan, _Channel(self)
+
+
+class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
+    """One session channel: at most one process (shell or exec)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+        self.server = conn.server
+        self.chan: asyncssh.SSHServerChannel | None = None  # type: ignore[type-arg]
+        self.pty = False
+        self.term: str | None = None  # the client's TERM (OpenSSH sends "" when it has none)
+        self.size = (80, 24, 0, 0)
+        self.command: str | None = None  # None: shell
+        self.refusal: str | None = None
+        self.proc: asyncio.subprocess.Process | None = None
+        self.master: int | None = None
+        self.done = asyncio.get_running_loop().create_future()
+        self._writable = asyncio.Event()
+        self._writable.set()
+        self._task: asyncio.Task[None] | None = None
+        self._hung_up = False
+        self._early: list[bytes] = []  # what the client sent before the process existed (ssh sends at once)
+        self._early_eof = False
+        self._stdin_paused: asyncio.Task[None] | None = None
+        self._recording: asyncio.Future[Any] | None = None
+        conn.channels.add(self)
+
+    def connection_made(self, chan: Any) -> None:
+        self.chan = chan
+
+    def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
+        self.pty = True
+        self.term = term_type if term_type and term_type.isprintable() and len(term_type) <= 64 else None
+        self.size = term_size
+        return True
+
+    def shell_requested(self) -> bool:
+        if self.target_commands:
+            self.refusal = "this session runs only its listed commands; a shell is not allowed"
+        self.command = None
+        return True
+
+    def exec_requested(self, command: Any) -> bool:
+        raw = command if isinstance(command, bytes) else str(command).encode("utf-8", "surrogateescape")
+        if len(raw) > MAX_COMMAND_BYTES:
+            self.refusal = f"the command is longer than {MAX_COMMAND_BYTES} bytes"
+            self.command = raw[:MAX_COMMAND_BYTES].decode("utf-8", "replace")
+            return True
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.refusal, self.command = "the command is not UTF-8", raw.decode("utf-8", "replace")
+            return True
+        self.command = text
+        if "\0" in text:
+            self.refusal = "the command holds a NUL byte"
+        elif self.target_commands and text not in self.target_commands:
+            self.refusal = "this command is not one of the session's allowed commands"
+        return True
+
+    def subsystem_requested(self, subsystem: str) -> bool:
+        return False
+
+    @property
+    def target_commands(self) -> tuple[str, ...]:
+        return self.server.target.allowed_commands
+
+    def session_started(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    def data_received(self, data: bytes, datatype: Any) -> None:
+        self.server.touch()
+        self.conn.bytes_in += len(data)
+        self.server.counters.bytes_in += len(data)
+        if self.proc is None:
+            if sum(map(len, self._early)) < _EARLY_INPUT_MAX:
+                self._early.append(data)
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            if self.master is not None:
+                os.write(self.master, data)  # the pty's buffer is large; a full one drops the rest like a tty
+            elif self.proc is not None and self.proc.stdin is not None:
+                self.proc.stdin.write(data)
+                # A process that does not read must not make us buffer without end: stop taking the client's
+                # data (its SSH window closes) until the pipe drained.
+                if (self.chan is not None and self._stdin_paused is None
+                        and self.proc.stdin.transport.get_write_buffer_size() > _STDIN_BUFFER_MAX):
+                    self.chan.pause_reading()
+                    self._stdin_paused = asyncio.create_task(self._resume_after_drain())
+        except (OSError, RuntimeError):
+            pass
+
+    async def _resume_after_drain(self) -> None:
+        try:
+            assert self.proc is not None and self.proc.stdin is not None
+            await self.proc.stdin.drain()
+        except (OSError, RuntimeError):
+            return  # the process closed its stdin: the channel ends with it
+        finally:
+            self._stdin_paused = None
+        if self.chan is not None:
+            self.chan.resume_reading()
+
+    def eof_received(self) -> bool:
+        if self.proc is None:
+            self._early_eof = True
+        elif self.master is None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+        return True  # keep sending the output
+
+    def terminal_size_changed(self, width: int, height: int, pixwidth: int, pixheight: int) -> None:
+        self.size = (width, height, pixwidth, pixheight)
+        if self.master is not None:
+            _set_winsize(self.master, self.size)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.hang_up()
+
+    def notify(self, text: str) -> None:
+        if self.chan is not None and self._task is not None:
+            try:
+                self.chan.write_stderr(text.encode())
+            except (OSError, asyncssh.Error, BrokenPipeError):
+                pass
+
+    def hang_up(self) -> None:
+        """The client went away: SIGHUP to the process group, SIGKILL 2 s later."""
+        if self._hung_up:
+            return
+        self._hung_up = True
+        if self.proc is not None and self.proc.returncode is None:
+            _signal_group(self.proc.pid, signal.SIGHUP)
+            asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)
+        elif self._task is None and not self.done.done():
+            self.done.set_result(None)
+        if self._recording is not None:
+            self._recording.cancel()
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+
+    async def _send(self, data: bytes, stderr: bool = False) -> None:
+        if not data or self.chan is None:
+            return
+        self.server.touch()
+        self.conn.bytes_out += len(data)
+        self.server.counters.bytes_out += len(data)
+        if stderr:
+            self.chan.write_stderr(data)
+        else:
+            self.chan.write(data)
+        await self._writable.wait()
+
+    async def _finish(self, status: int, **audit: Any) -> None:
+        self.server.audit("command", command=self.command if self.command is not None else "shell",
+                          exit_code=status, **audit)
+        if self.chan is not None:
+            try:
+                self.chan.exit(status)
+            except (OSError, asyncssh.Error):
+                pass
+
+    async def _run(self) -> None:
+        try:
+            await self._run_process()
+        except Exception:
+            log.exception("ssh session %s: channel failed", self.server.session.session_id)
+            await self._finish(1, refused="internal error")
+        finally:
+            self.conn.channels.discard(self)
+            if not self.done.done():
+                self.done.set_result(None)
+
+    async def _run_process(self) -> None:
+        if self.refusal is not None:
+            await self._send(f"plexd: {self.refusal}\r\n".encode(), stderr=True)
+            await self._finish(1, refused=self.refusal)
+            return
+        try:
+            user = resolve_user(self.server.target.user)
+        except UserRefused as exc:
+            await self._send(f"plexd: {exc}\r\n".encode(), stderr=True)
+            await self._finish(1, refused=str(exc))
+            return
+        if self.command is not None and not await self._recorded(self.command):
+            if self._hung_up:
+                return
+            await self._send(f"plexd: {NOT_RECORDED}\r\n".encode(), stderr=True)
+            await self._finish(1, refused="not recorded")
+            return
+        if self._hung_up:
+            return
+        await self._spawn(user)
+        for data in self._early:
+            self._feed(data)
+        self._early.clear()
+        if self._early_eof:
+            self.eof_received()
+        returncode = await self._pump()
+        await self._finish(exit_status(returncode))
+
+    async def _recorded(self, command: str) -> bool:
+        try:
+            result = self.server.record_command(self.server.session.session_id, command)
+            if inspect.isawaitable(result):
+                self._recording = asyncio.ensure_future(result)  # a hang-up cancels it: nothing is run then
+                result = await asyncio.wait_for(self._recording, RECORD_TIMEOUT)
+            return result is True and not self._hung_up
+        except asyncio.CancelledError:
+            if self._hung_up:  # our own cancel; the channel's task goes on to end quietly
+                return False
+            raise
+        except Exception as exc:  # a timeout or a failed report: the command is not run
+            log.warning("ssh session %s: command not recorded (%s)", self.server.session.session_id,
+                        type(exc).__name__)
+            return False
+
+    async def _spawn(self, user: LocalUser) -> None:
+        # A shell is a login shell (argv[0] "-bash", as login(1) starts it); an exec is `<shell> -c COMMAND`.
+        program = user.shell
+        name = os.path.basename(program)
+        args = ["-" + name] if self.command is None else [name, "-c", self.command]
+        env = login_environment(user, self.term)
+        ids: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            ids = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+        cwd = user.home if os.path.isdir(user.home) else "/"
+        if self.pty:
+            master, slave = pty.openpty()
+            _set_winsize(master, self.size)
+            os.set_blocking(master, False)
+            try:
+                self.proc = await asyncio.create_subprocess_exec(
+                    *args, executable=program, stdin=slave, stdout=slave, stderr=slave, env=env,
+                    cwd=cwd, start_new_session=True, preexec_fn=_take_controlling_tty, **ids)
+            finally:
+                os.close(slave)
+            self.master = master
+        else:
+            self.proc = await asyncio.create_subprocess_exec(
+                *args, executable=program, stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
+                start_new_session=True, **ids)
+
+    async def _pump(self) -> int:
+        proc = self.proc
+        assert proc is not None
+        if self.master is not None:
+            await self._pump_pty(self.master)
+        else:
+            assert proc.stdout is not None and proc.stderr is not None
+            await asyncio.gather(self._pump_stream(proc.stdout, False), self._pump_stream(proc.stderr, True))
+        returncode = await proc.wait()
+        if self._hung_up:
+            _signal_group(proc.pid, signal.SIGKILL)  # whatever of its group is left once it went
+        return returncode
+
+    async def _pump_stream(self, stream: asyncio.StreamReader, stderr: bool) -> None:
+        while data := await stream.read(1 << 16):
+            await self._send(data, stderr)
+
+    async def _pump_pty(self, master: int) -> None:
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        loop.add_reader(master, readable.set)
+        try:
+            while True:
+                await readable.wait()
+                readable.clear()
+                try:
+                    data = os.read(master, 1 << 16)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    if exc.errno == errno.EIO:  # every slave closed: the process and its children are gone
+                        return
+                    raise
+                if not data:
+                    return
+                await self._send(data)
+        finally:
+            loop.remove_reader(master)
+            os.close(master)
+            self.master = None
+
+
+def _take_controlling_tty() -> None:
+    """In the child, after setsid: make the pty on stdin its controlling terminal (job control, ^C)."""
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def _set_winsize(fd: int, size: tuple[int, int, int, int]) -> None:
+    width, height, pixwidth, pixheight = size
+    try:
+        fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", height, width, pixwidth, pixheight))
+    except OSError:
+        pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+

@@ -1,0 +1,51 @@
+"""What an SSH session's process runs as: the target user from the local user database, a scrubbed login
+environment, and the exit status the client is told."""
+
+from __future__ import annotations
+
+import os
+import pwd
+from dataclasses import dataclass
+
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+DEFAULT_TERM = "dumb"
+
+
+class UserRefused(Exception):
+    """The target user cannot be run as (unknown here, or another user while plexd is not root)."""
+
+
+@dataclass(frozen=True)
+class LocalUser:
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]  # supplementary, the primary included (as getgrouplist gives them)
+    home: str
+    shell: str
+
+
+def resolve_user(name: str) -> LocalUser:
+    """The local account `name`; UserRefused when it does not exist, or when plexd could not switch to it."""
+    try:
+        entry = pwd.getpwnam(name)
+    except (KeyError, ValueError):
+        raise UserRefused(f"no local user {name[:40]!r}") from None
+    euid = os.geteuid()
+    if euid != 0 and entry.pw_uid != euid:
+        raise UserRefused(f"cannot run as {name!r}: plexd is not root")
+    shell = entry.pw_shell or "/bin/sh"
+    return LocalUser(name, entry.pw_uid, entry.pw_gid, tuple(os.getgrouplist(name, entry.pw_gid)),
+                     entry.pw_dir or "/", shell)
+
+
+def login_environment(user: LocalUser, term: str | None) -> dict[str, str]:
+    """Only these: nothing of plexd's environment and nothing the client sent (env requests are never applied)."""
+    return {"HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell,
+            "PATH": SAFE_PATH, "TERM": term or DEFAULT_TERM}
+
+
+def exit_status(returncode: int) -> int:
+    """The SSH exit-status of a process's return code: a death by signal N is 128+N (as a shell reports it)."""
+    return 128 - returncode if returncode < 0 else returncode
+

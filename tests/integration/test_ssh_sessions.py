@@ -1,0 +1,352 @@
+"""SSH sessions against the real OpenSSH client (ssh through sshpass) on loopback: the session token is the
+password, the process runs as a real throw-away local user, and every refusal is seen from the client's side and
+in the audit. Root: the server switches to another uid, and the tests create and remove that user."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import re
+import signal
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from nacl.signing import SigningKey
+from ssh_session_helpers import Harness, read_until, throwaway_user, wait_gone
+
+from plexd.access.ssh import NOT_RECORDED
+from plexd.access.ssh_host_key import HOST_KEY_NAME, fingerprint, load_or_create_host_key
+from plexd.access.ssh_process import SAFE_PATH
+
+pytestmark = [pytest.mark.root, pytest.mark.timeout(90)]
+DENIED = "Permission denied"
+
+
+@pytest.fixture(scope="module")
+def account():
+    with throwaway_user() as acc:
+        yield acc
+
+
+@pytest.fixture
+def key_dir(tmp_path):
+    return tmp_path / "keys"
+
+
+@pytest.fixture(autouse=True)
+def _key_dir_exists(key_dir):
+    key_dir.mkdir()
+
+
+async def test_exec_runs_as_the_target_user_with_its_groups_and_only_the_login_environment(account, key_dir,
+                                                                                           monkeypatch):
+    monkeypatch.setenv("PLEXD_TEST_SECRET", "must-not-leak")  # in plexd's environment, never in the session's
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "id -un; id -Gn; pwd; env")
+        assert rc == 0, err
+        lines = out.splitlines()
+        assert lines[0] == account.name
+        assert account.group in lines[1].split()
+        assert lines[2] == f"/home/{account.name}"
+        env = dict(line.split("=", 1) for line in lines[3:] if "=" in line)
+        assert "PLEXD_TEST_SECRET" not in out
+        assert env["PATH"] == SAFE_PATH and env["USER"] == env["LOGNAME"] == account.name
+        assert env["HOME"] == f"/home/{account.name}" and env["SHELL"] == "/bin/bash"
+        assert set(env) <= {"HOME", "USER", "LOGNAME", "SHELL", "PATH", "TERM", "PWD", "SHLVL", "_"}, env
+        assert h.recorded == ["id -un; id -Gn; pwd; env"]
+        started, = h.events("connection_started")
+        assert started["user"] == account.name and started["source"] == "127.0.0.1"
+        command, = h.events("command")
+        assert command["exit_code"] == 0 and command["command"] == "id -un; id -Gn; pwd; env"
+
+
+async def test_exit_status_and_deaths_by_signal_reach_the_client(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        rc, _, _ = await h.ssh(h.token(), "exit 7")
+        assert rc == 7
+        rc, _, _ = await h.ssh(h.token(), "kill -TERM $$")
+        assert rc == 128 + signal.SIGTERM
+        assert [e["exit_code"] for e in h.events("command")] == [7, 128 + signal.SIGTERM]
+
+
+async def test_a_pty_session_runs_an_interactive_shell_and_command(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        stdin = b"tty; read -r -p 'name? ' who; echo hello-$who-$((6*7)); exit 3\nbob\n"
+        rc, out, err = await h.ssh(h.token(), "-tt", stdin=stdin)
+        assert "/dev/pts/" in out, out + err
+        assert "hello-bob-42" in out, out + err
+        assert rc == 3
+        command, = h.events("command")
+        assert command["command"] == "shell" and command["exit_code"] == 3
+        assert h.recorded == []  # a shell is a session, not a command report
+
+
+async def test_only_allowed_commands_run_and_others_are_refused_with_a_message(account, key_dir, tmp_path):
+    marker = tmp_path / "ran"
+    async with Harness(account.name, key_dir, allowed_commands=("id -un",)) as h:
+        rc, out, _ = await h.ssh(h.token(), "id -un")
+        assert (rc, out.strip()) == (0, account.name)
+        rc, out, err = await h.ssh(h.token(), f"touch {marker}")
+        assert rc == 1 and "not one of the session's allowed commands" in err, err
+        rc, out, err = await h.ssh(h.token(), "-tt", stdin=b"exit\n")
+        assert rc == 1 and "a shell is not allowed" in out + err, out + err
+        rc, _, err = await h.ssh(h.token(), "x" * 1025)
+        assert rc == 1 and "longer than 1024 bytes" in err, err
+        assert not marker.exists()
+        assert h.recorded == ["id -un"]  # refused commands are not reported as started
+        refused = [e for e in h.events("command") if "refused" in e]
+        assert len(refused) == 3 and all(e["exit_code"] == 1 for e in refused)
+
+
+async def test_a_command_the_control_plane_did_not_record_is_not_run(account, key_dir, tmp_path):
+    marker = tmp_path / "ran"
+    async with Harness(account.name, key_dir, record_answer=False) as h:
+        rc, _, err = await h.ssh(h.token(), f"touch {marker}")
+        assert rc == 1 and NOT_RECORDED in err, err
+        assert h.recorded == [f"touch {marker}"] and not marker.exists()
+
+
+async def test_a_client_that_hangs_up_while_the_report_is_pending_runs_nothing(account, key_dir, tmp_path):
+    marker = tmp_path / "ran"
+    async with Harness(account.name, key_dir, record_hangs=True) as h:
+        client = await h.open_ssh(h.token(), f"touch {marker}")
+        deadline = time.monotonic() + 15
+        while not h.recorded:
+            assert time.monotonic() < deadline, f"no command report asked for; audit {h.audit}"
+            await asyncio.sleep(0.05)
+        client.kill()
+        await client.wait()
+        await asyncio.wait_for(h.server.close("plexd_close"), 5)  # not held by the pending report
+        assert not marker.exists() and h.events("command") == []
+
+
+async def test_stdin_is_passed_whole_to_a_process_that_reads_it_late(account, key_dir):
+    data = os.urandom(8 << 20)  # more than the server buffers before it stops reading from the client
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "sleep 1; sha256sum", stdin=data, timeout=60)
+        assert rc == 0, err
+        assert out.split()[0] == hashlib.sha256(data).hexdigest()
+        ended, = h.events("connection_ended")
+        assert ended["bytes_in"] == len(data)
+
+
+def _other_key_token(h: Harness) -> str:
+    return h.token(key=SigningKey.generate())
+
+
+def _alg_none_token(h: Harness) -> str:
+    _head, body, signature = h.token().split(".")
+    none = base64.urlsafe_b64encode(b'{"alg":"none"}').rstrip(b"=").decode()
+    return f"{none}.{body}.{signature}"
+
+
+REFUSALS = {
+    "expired": (lambda h: h.token(exp=time.time() - 1), "expired"),
+    "not_yet_valid": (lambda h: h.token(nbf=time.time() + 120), "not_yet_valid"),
+    "another_session": (lambda h: h.token(jti="ses_other"), "session"),
+    "another_kind": (lambda h: h.token(kind="tcp", target={"kind": "tcp", "host": "127.0.0.1", "port": 22}),
+                     "kind"),
+    "another_user": (lambda h: h.token(target={"kind": "ssh", "user": "root"}), "target"),
+    "unknown_key": (_other_key_token, "signature"),
+    "alg_none": (_alg_none_token, "algorithm"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+async def test_a_bad_token_is_refused_and_audited_by_its_reason_never_by_its_value(account, key_dir, case):
+    make, reason = REFUSALS[case]
+    async with Harness(account.name, key_dir) as h:
+        token = make(h)
+        rc, out, err = await h.ssh(token, "id -un")
+        assert rc == 255 and DENIED in err and account.name not in out, (rc, out, err)
+        failure, = h.events("auth_failed")
+        assert failure["reason"] == reason and failure["source"] == "127.0.0.1"
+        assert token not in repr(h.audit)
+        assert h.events("connection_started") == [] and h.recorded == []
+
+
+async def test_a_valid_token_of_a_revoked_session_is_refused(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        token = h.token()
+        rc, _, err = await h.ssh(token, "true")
+        assert rc == 0, err
+        h.live.clear()  # the session left the desired block
+        rc, _, err = await h.ssh(token, "true")
+        assert rc == 255 and DENIED in err
+        assert h.events("auth_failed")[-1]["reason"] == "revoked"
+
+
+async def test_a_valid_token_for_another_login_user_is_refused(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        rc, _, err = await h.ssh(h.token(), "true", user="root")
+        assert rc == 255 and DENIED in err
+        assert h.events("auth_failed")[-1]["reason"] == "user"
+
+
+async def test_only_password_authentication_is_offered(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        argv = h.ssh_argv(h.token(), "true")
+        other_methods = "PreferredAuthentications=publickey,keyboard-interactive"
+        argv[argv.index("PreferredAuthentications=password")] = other_methods
+        proc = await asyncio.create_subprocess_exec(*argv[3:], stdin=asyncio.subprocess.DEVNULL,
+                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(), 20)
+        assert proc.returncode == 255 and "Permission denied (password)" in err.decode(), err
+
+
+async def test_sftp_and_forwarding_are_refused(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        rc, _, err = await h.ssh(h.token(), "-s", "sftp")
+        assert rc != 0 and "subsystem request failed" in err, err
+        rc, _, err = await h.ssh(h.token(), "-W", "127.0.0.1:22")
+        assert rc == 255 and "stdio forwarding failed" in err, err
+        assert h.recorded == []
+
+
+async def test_close_ends_a_live_shell_within_a_second_with_a_message(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        client = await h.open_ssh(h.token(), "-tt")
+        assert client.stdin is not None and client.stdout is not None and client.stderr is not None
+        client.stdin.write(b"echo pid-$$ ready-$((1+1))\n")  # the echoed input holds neither a pid nor "ready-2"
+        shell_pid = int(re.search(rb"pid-(\d+) ready-2", await read_until(client.stdout, b"ready-2")).group(1))
+        started = time.monotonic()
+        await h.server.close("operator_revoke")
+        await asyncio.wait_for(client.wait(), 1.0)
+        assert time.monotonic() - started < 1.0
+        err = (await client.stderr.read()).decode(errors="replace")
+        rest = (await client.stdout.read()).decode(errors="replace")
+        assert client.returncode == 255
+        assert "session was revoked" in err + rest, err + rest
+        await wait_gone(shell_pid)
+        ended, = h.events("connection_ended")
+        assert ended["reason"] == "operator_revoke" and ended["bytes_out"] > 0 and ended["bytes_in"] > 0
+        rc, _, err = await h.ssh(h.token(), "true")  # the listener is gone too
+        assert rc == 255
+
+
+@pytest.mark.parametrize("ttl, idle, reason, text", [(600.0, 1.0, "idle_timeout", "idle too long"),
+                                                     (8.0, 0.0, "ttl_expired", "session expired")])
+async def test_idleness_and_expiry_close_a_shell_by_themselves(account, key_dir, ttl, idle, reason, text):
+    async with Harness(account.name, key_dir, ttl=ttl, idle=idle) as h:
+        client = await h.open_ssh(h.token(), "-tt")
+        assert client.stdin is not None and client.stdout is not None and client.stderr is not None
+        client.stdin.write(b"echo ready-$((1+1))\n")
+        await read_until(client.stdout, b"ready-2")
+        await asyncio.wait_for(client.wait(), 20)
+        err = (await client.stderr.read()).decode(errors="replace")
+        assert text in err + (await client.stdout.read()).decode(errors="replace"), err
+        assert h.server.closed == reason
+        assert h.events("connection_ended")[0]["reason"] == reason
+
+
+async def test_a_hang_up_kills_the_process_group_even_when_it_ignores_sighup(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        client = await h.open_ssh(h.token(), "trap '' HUP; echo pid-$$-ready; sleep 300 & wait")
+        assert client.stdout is not None
+        seen = await read_until(client.stdout, b"-ready")
+        shell_pid = int(seen.split(b"pid-")[-1].split(b"-")[0])
+        assert _user_processes(account.name), "the session's shell and sleep should be running"
+        client.kill()  # the client dies without closing the channel
+        await client.wait()
+        await wait_gone(shell_pid, timeout=15)  # SIGHUP is ignored; SIGKILL follows 2 s later
+        deadline = time.monotonic() + 10
+        while (left := _user_processes(account.name)) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not left, f"processes of {account.name} left: {left}"
+
+
+def _user_processes(user: str) -> str:
+    return subprocess.run(["pgrep", "-a", "-u", user], capture_output=True, text=True).stdout.strip()
+
+
+async def test_connections_past_four_are_refused_unauthenticated_ones_counted(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        held = []
+        for _ in range(4):
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
+            held.append(writer)
+        # The fifth is dropped at once: the disconnect ("at most 4 connections", which ssh prints at LogLevel INFO)
+        # follows the version line, and ssh may see the closed socket first ("Broken pipe").
+        rc, _, err = await h.ssh(h.token(), "true", log_level="INFO")
+        assert rc == 255 and ("at most 4 connections" in err or "Broken pipe" in err), err
+        assert h.server.counters.refused_over_cap == 1 and h.events("connection_started") == []
+        for writer in held:
+            writer.close()
+        deadline = time.monotonic() + 10
+        while h.server.connections:
+            assert time.monotonic() < deadline, f"{len(h.server.connections)} connections still counted"
+            await asyncio.sleep(0.05)
+        rc, _, err = await h.ssh(h.token(), "true")  # below the cap again
+        assert rc == 0, err
+
+
+async def test_a_client_silent_after_connecting_is_dropped_after_the_login_grace(account, key_dir):
+    async with Harness(account.name, key_dir, server_options={"login_grace": 1.0}) as h:
+        reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
+        assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
+        rest = await asyncio.wait_for(reader.read(), 15)  # kex init, then the disconnect and EOF
+        assert reader.at_eof(), rest
+        writer.close()
+
+
+async def test_a_connection_gets_three_password_tries(account, key_dir):
+    # asyncssh as the client here: OpenSSH through sshpass gives up after the second prompt by itself
+    import asyncssh
+
+    class Guesser(asyncssh.SSHClient):
+        tries = 0
+
+        def password_auth_requested(self) -> str:
+            Guesser.tries += 1
+            return f"guess-{Guesser.tries}"
+
+    async with Harness(account.name, key_dir) as h:
+        with pytest.raises((asyncssh.PermissionDenied, asyncssh.DisconnectError, ConnectionError)):
+            conn, _ = await asyncio.wait_for(asyncssh.create_connection(
+                Guesser, "127.0.0.1", h.port, username=account.name, known_hosts=None,
+                preferred_auth="password"), 20)
+            conn.close()
+        assert [e["reason"] for e in h.events("auth_failed")] == ["malformed"] * 3
+        assert Guesser.tries <= 4
+
+
+async def test_failed_logins_from_one_address_are_rate_limited(account, key_dir):
+    from plexd.access.ssh import auth_failure_limiter
+
+    limiter = auth_failure_limiter()
+    limiter.rate = 1e-6  # no refill within the test: the burst of 10 is all
+    async with Harness(account.name, key_dir, server_options={"auth_limiter": limiter}) as h:
+        bad = h.token(key=SigningKey.generate())
+        for _ in range(10):
+            rc, _, _ = await h.ssh(bad, "true")
+            assert rc == 255
+        rc, _, err = await h.ssh(h.token(), "true")  # even the right token, from that address, now
+        assert rc == 255 and DENIED in err
+        assert h.events("auth_failed")[-1]["reason"] == "rate_limited"
+
+
+async def test_the_host_key_is_kept_0600_reused_and_its_fingerprint_pins_the_server(account, key_dir, tmp_path):
+    async with Harness(account.name, key_dir) as h:
+        path = key_dir / HOST_KEY_NAME
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert fingerprint(load_or_create_host_key(key_dir)) == h.server.host_key_fingerprint  # reused
+        public = h.server.host_key.export_public_key("openssh").decode().split()[:2]
+        known = tmp_path / "known_hosts"
+        known.write_text(f"[127.0.0.1]:{h.port} {' '.join(public)}\n")
+        listed = subprocess.run(["ssh-keygen", "-lf", str(known)], capture_output=True, text=True, check=True)
+        assert h.server.host_key_fingerprint in listed.stdout  # what the node reports is what ssh-keygen shows
+        rc, out, err = await h.ssh(h.token(), "id -un", known_hosts=str(known))
+        assert (rc, out.strip()) == (0, account.name), err
+        other = Path(tmp_path / "other")
+        other.mkdir()
+        wrong = load_or_create_host_key(other).export_public_key("openssh").decode().split()[:2]
+        known.write_text(f"[127.0.0.1]:{h.port} {' '.join(wrong)}\n")
+        rc, _, err = await h.ssh(h.token(), "id -un", known_hosts=str(known))
+        assert rc == 255 and "HOST IDENTIFICATION HAS CHANGED" in err, err
+

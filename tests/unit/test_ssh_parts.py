@@ -1,0 +1,146 @@
+"""The pure parts of SSH sessions: admission (token, liveness, user, rate limit), the login environment, exit
+statuses, the host key file, and what the server refuses to be built with."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+from nacl.signing import SigningKey
+
+from plexd.access.sessions import Session, SshTarget, TcpTarget
+from plexd.access.ssh import SshSessionServer, auth_failure_limiter
+from plexd.access.ssh_host_key import HOST_KEY_NAME, HostKeyError, fingerprint, load_or_create_host_key
+from plexd.access.ssh_process import SAFE_PATH, LocalUser, UserRefused, exit_status, login_environment, resolve_user
+from plexd.access.token import sign_session_token
+
+NOW = 1_800_000_000.0
+KEY = SigningKey.generate()
+
+
+@pytest.fixture(scope="module")
+def host_key(tmp_path_factory):
+    return load_or_create_host_key(tmp_path_factory.mktemp("hostkey"))
+
+
+def server(host_key, *, live=True, allowed=(), clock=None, limiter=None) -> SshSessionServer:
+    session = Session("ses_1", "ssh", SshTarget("deploy", tuple(allowed)), NOW + 600)
+    return SshSessionServer(session, "127.0.0.1", host_key=host_key, keys=lambda: [KEY.verify_key],
+                            is_live=lambda sid: live and sid == "ses_1", record_command=lambda s, c: True,
+                            now=clock or (lambda: NOW), auth_limiter=limiter)
+
+
+def token(key=KEY, **overrides) -> str:
+    claims = {"jti": "ses_1", "kind": "ssh", "target": {"kind": "ssh", "user": "deploy"}, "nbf": NOW - 1,
+              "exp": NOW + 600}
+    claims.update(overrides)
+    return sign_session_token(key, claims)
+
+
+def test_a_valid_token_of_a_live_session_admits_its_user(host_key):
+    assert server(host_key).check_password("deploy", token(), "10.100.0.2") is None
+
+
+@pytest.mark.parametrize("user, password, reason", [
+    ("root", token(), "user"),
+    ("deploy", token(exp=NOW), "expired"),
+    ("deploy", token(nbf=NOW + 31), "not_yet_valid"),
+    ("deploy", token(jti="ses_2"), "session"),
+    ("deploy", token(kind="tcp"), "kind"),
+    ("deploy", token(target={"kind": "ssh", "user": "other"}), "target"),
+    ("deploy", token(target={"kind": "ssh", "user": "deploy", "allowed_commands": ["id"]}), "target"),
+    ("deploy", token(key=SigningKey.generate()), "signature"),
+    ("deploy", "x" * 65536, "malformed"),
+    ("deploy", "", "malformed"),
+])
+def test_every_refusal_names_its_reason(host_key, user, password, reason):
+    assert server(host_key).check_password(user, password, "10.100.0.2") == reason
+
+
+def test_a_token_within_the_skew_is_admitted(host_key):
+    assert server(host_key).check_password("deploy", token(nbf=NOW + 29), "10.100.0.2") is None
+
+
+def test_a_revoked_session_refuses_a_valid_token(host_key):
+    assert server(host_key, live=False).check_password("deploy", token(), "10.100.0.2") == "revoked"
+
+
+def test_a_token_naming_the_sessions_allowed_commands_is_admitted(host_key):
+    t = token(target={"kind": "ssh", "user": "deploy", "allowed_commands": ["id"]})
+    assert server(host_key, allowed=["id"]).check_password("deploy", t, "10.100.0.2") is None
+
+
+def test_failures_are_limited_per_source_address_and_other_addresses_keep_working(host_key):
+    clock = [0.0]
+    limiter = auth_failure_limiter(clock=lambda: clock[0])
+    srv = server(host_key, limiter=limiter)
+    for _ in range(10):
+        assert srv.check_password("deploy", token(key=SigningKey.generate()), "10.100.0.9") == "signature"
+        limiter.allow("10.100.0.9")  # what the connection does with each failure
+    assert srv.check_password("deploy", token(), "10.100.0.9") == "rate_limited"
+    assert srv.check_password("deploy", token(), "10.100.0.3") is None
+    clock[0] += 6.0  # one failure's worth refilled
+    assert srv.check_password("deploy", token(), "10.100.0.9") is None
+
+
+def test_the_server_refuses_all_interfaces_and_other_kinds(host_key):
+    ssh = Session("s", "ssh", SshTarget("deploy"), NOW + 60)
+    for everywhere in ("0.0.0.0", "::", ""):
+        with pytest.raises(ValueError, match="never on all interfaces"):
+            SshSessionServer(ssh, everywhere, host_key=host_key, keys=list, is_live=bool,
+                             record_command=lambda s, c: True)
+    tcp = Session("s", "tcp", TcpTarget("127.0.0.1", 22), NOW + 60)
+    with pytest.raises(ValueError, match="not ssh"):
+        SshSessionServer(tcp, "127.0.0.1", host_key=host_key, keys=list, is_live=bool,
+                         record_command=lambda s, c: True)
+
+
+def test_the_login_environment_holds_only_the_login_variables():
+    user = LocalUser("deploy", 1001, 1001, (1001, 27), "/home/deploy", "/bin/bash")
+    assert login_environment(user, "xterm-256color") == {
+        "HOME": "/home/deploy", "USER": "deploy", "LOGNAME": "deploy", "SHELL": "/bin/bash", "PATH": SAFE_PATH,
+        "TERM": "xterm-256color"}
+    assert login_environment(user, None)["TERM"] == "dumb"
+
+
+def test_exit_statuses_of_signal_deaths_are_128_plus_the_signal():
+    assert [exit_status(rc) for rc in (0, 1, 255, -9, -15, -1)] == [0, 1, 255, 137, 143, 129]
+
+
+def test_an_unknown_user_is_refused_and_root_resolves_with_its_groups():
+    with pytest.raises(UserRefused, match="no local user"):
+        resolve_user("plexd-no-such-user")
+    if os.geteuid() == 0:
+        root = resolve_user("root")
+        assert (root.uid, root.gid, root.home) == (0, 0, "/root") and 0 in root.groups
+
+
+def test_the_host_key_is_made_once_0600_and_reused(tmp_path):
+    first = load_or_create_host_key(tmp_path)
+    path = tmp_path / HOST_KEY_NAME
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = load_or_create_host_key(tmp_path)
+    assert fingerprint(first) == fingerprint(again) and fingerprint(first).startswith("SHA256:")
+    assert first.algorithm == b"ssh-ed25519"
+
+
+def test_a_host_key_readable_by_others_or_not_a_key_is_refused(tmp_path):
+    load_or_create_host_key(tmp_path)
+    path = tmp_path / HOST_KEY_NAME
+    path.chmod(0o644)
+    with pytest.raises(HostKeyError, match="readable by others"):
+        load_or_create_host_key(tmp_path)
+    path.write_bytes(b"not a key")
+    path.chmod(0o600)
+    with pytest.raises(HostKeyError, match="not a usable private key") as exc:
+        load_or_create_host_key(tmp_path)
+    assert "not a key" not in str(exc.value)
+
+
+def test_the_auth_limiter_is_per_address():
+    limiter = auth_failure_limiter(clock=time.monotonic)
+    for _ in range(10):
+        limiter.allow("a")
+    assert limiter.blocked("a") and not limiter.blocked("b")
