@@ -255,6 +255,13 @@ class Deployment:
             raise HTTPError(401, "missing bootstrap token (body 'token' or Authorization: Bearer)")
         status = self.store.token_status(token)
         if status == "used":
+            # The same registration again (the same token and public key): its answer was lost on the way (a
+            # client timeout on a busy machine) and the node retries. It gets the same identity, not a spent token.
+            earlier = self.nodes.get(self.store.token_node(token) or "")
+            if earlier is not None and not earlier.removed and earlier.public_key == public_key:
+                log.info("registration repeated with the same token and key; same answer",
+                         extra={"node_id": earlier.id, "token": fingerprint(token)})
+                return self._register_response(earlier)
             raise HTTPError(401, "bootstrap token already used; create a new one")
         if status == "unknown":
             raise HTTPError(401, "unknown bootstrap token")

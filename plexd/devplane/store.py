@@ -159,6 +159,11 @@ class Store:
             return "unknown"
         return "unused" if row[0] is None else "used"
 
+    def token_node(self, token: str) -> str | None:
+        """The node a used token registered."""
+        row = self.db.execute("SELECT node_id FROM tokens WHERE token=? AND used_at IS NOT NULL", (token,)).fetchone()
+        return row[0] if row else None
+
     def use_token(self, token: str, node_id: str, used_at: str) -> bool:
         cur = self.db.execute("UPDATE tokens SET used_at=?, node_id=? WHERE token=? AND used_at IS NULL",
                               (used_at, node_id, token))

@@ -32,6 +32,7 @@ from pathlib import Path
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
+from plexd import boundedjson
 from plexd.errors import PlexdError
 
 FORMAT = "plexd-release-sig-v1"
@@ -114,7 +115,7 @@ def verify(data: bytes, keys: Iterable[str], version: str, sha256: str) -> str:
     if len(data) > MAX_SIG_BYTES:
         raise SignatureError(f"the signature file is {len(data)} bytes, more than {MAX_SIG_BYTES}")
     try:
-        doc = json.loads(data)
+        doc = boundedjson.parse(data)
     except (ValueError, RecursionError):
         doc = None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -148,7 +149,7 @@ def verify_release(path: Path, keys: Iterable[str]) -> tuple[str, str]:
     except FileNotFoundError:
         raise SignatureError(f"{path.name} has no signature file {sig.name}") from None
     try:
-        version = str(json.loads(data).get("version", ""))
+        version = str(boundedjson.parse(data).get("version", ""))
     except (ValueError, AttributeError, RecursionError):
         version = ""
     digest = hashlib.sha256()

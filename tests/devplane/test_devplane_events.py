@@ -16,7 +16,7 @@ import nacl.signing
 import pytest
 from devplane_helpers import new_public_key, register, wait_streams
 
-from plexd.devplane.harness import Devplane
+from plexd.devplane.harness import AdminError, Devplane
 
 
 def verify(signing_key_b64: str, canonical: bytes, signature_b64: str) -> bool:
@@ -231,8 +231,9 @@ def test_faults(fresh_dp, readers):
     assert silent.events.empty() and silent.comments == [] and not silent.closed.is_set()
     dp.admin.clear_faults()
     assert a.get("state").status_code == 200
-    with pytest.raises(Exception, match="unknown fault"):
+    with pytest.raises(AdminError, match="unknown fault") as refused:
         dp.admin.set_faults(explode=True)
+    assert refused.value.status == 400
 
 
 def test_signing_key_rotation(fresh_dp, readers):

@@ -14,7 +14,7 @@ from agentcore_recorder import Recorder, Reply
 from plexd.clock import FakeClock
 from plexd.config import load as load_config
 from plexd.controlplane.client import ControlPlaneClient
-from plexd.identity import IdentityStore
+from plexd.identity import DataDirError, IdentityStore
 from plexd.registrar import BootstrapToken, Registrar, RegistrationError, TokenError
 
 SIGNING = base64.b64encode(b"\x05" * 32).decode()
@@ -206,7 +206,7 @@ async def test_unwritable_data_dir_is_detected_before_the_token_is_spent(tmp_pat
     (tmp_path / "blocker").write_text("")
     config = make_config(tmp_path, rec.url, PLEXD_DATA_DIR=str(tmp_path / "blocker" / "data"))
     async with ControlPlaneClient(rec.url) as client:
-        with pytest.raises(Exception, match="is not writable"):
+        with pytest.raises(DataDirError, match="is not writable"):
             await Registrar(config, client, clock=clock, env={}).register(BootstrapToken("t", "env"))
     assert rec.requests == []
 

@@ -3,8 +3,6 @@ count it, positions committed with their entries, and a restart that loses nothi
 
 from __future__ import annotations
 
-import sqlite3
-
 from plexd.telemetry.queue import TelemetryQueue
 
 
@@ -82,4 +80,4 @@ def test_a_damaged_queue_file_is_moved_aside_and_a_fresh_one_started(tmp_path):
     queue.append("logs", entries(0, 1))
     assert (tmp_path / "t.db.corrupt").exists()
     assert drain(queue, "logs") == [0]
-    assert isinstance(queue._db, sqlite3.Connection)
+    assert (tmp_path / "t.db").read_bytes()[:16] == b"SQLite format 3\x00"  # a new database in its place
