@@ -23,7 +23,7 @@ import os
 import re
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from nacl.signing import VerifyKey
 
+from plexd.access.activity import Report, emit
 from plexd.access.sessions import K8sTarget, Session
 from plexd.access.token import TokenRefused, verify_session_token
 
@@ -48,7 +49,6 @@ IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 _DROPPED = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "host", "authorization"}
 _TOKEN_CHARS = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 
-Report = Callable[[str, dict[str, Any]], Awaitable[None] | None]
 
 
 @dataclass(frozen=True)
@@ -318,14 +318,7 @@ class K8sSession:
             await asyncio.gather(up, down, return_exceptions=True)
 
     async def _emit(self, body: dict[str, Any]) -> None:
-        if self._report is None:
-            return
-        try:
-            result = self._report(self.session.session_id, body)
-            if asyncio.iscoroutine(result):
-                await result
-        except Exception:
-            log.exception("k8s session %s: reporting activity failed", self.session.session_id)
+        await emit(self._report, self.session.session_id, "k8s", body)
 
     async def close(self, reason: str) -> None:
         if self.closed is not None:

@@ -18,10 +18,11 @@ import asyncio
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from plexd.access.activity import Report, emit
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
 
@@ -31,7 +32,6 @@ MAX_CONNECTIONS = 8
 DIAL_TIMEOUT = 10.0
 TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 
-Report = Callable[[str, dict[str, Any]], Awaitable[None] | None]
 
 
 @dataclass
@@ -98,14 +98,7 @@ class TcpSession:
         return self.port
 
     async def _emit(self, body: dict[str, Any]) -> None:
-        if self._report is None:
-            return
-        try:
-            result = self._report(self.session.session_id, body)
-            if asyncio.iscoroutine(result):
-                await result
-        except Exception:  # a report that cannot be queued must never take the session down
-            log.exception("tcp session %s: reporting activity failed", self.session.session_id)
+        await emit(self._report, self.session.session_id, "tcp", body)
 
     def _note(self, counter: str) -> Callable[[int], None]:
         def add(n: int) -> None:
