@@ -142,7 +142,8 @@ class IdentityStore:
     # -- load ----------------------------------------------------------------------------------------------------
 
     def load(self) -> IdentityLoad:
-        self._remove_temp_files()
+        # Temp files are the writer's to clean (`save`): a reader that removed them (plexd status, a test polling
+        # the identity) could delete the one a running save is about to rename, and the save fails with ENOENT.
         try:
             text = self.path(IDENTITY_FILE).read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -211,6 +212,7 @@ class IdentityStore:
     def save(self, identity: Identity) -> None:
         """Write all four files atomically (identity.json last). On failure, remove what this call wrote."""
         self.ensure_writable()
+        self._remove_temp_files()  # a save interrupted by a crash left them; readers never look at them
         doc = {"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
                "signing_public_key": identity.signing_public_key}
         contents = {
@@ -273,6 +275,7 @@ class IdentityStore:
             return None
 
     def write_next_private_key(self, private_key: bytes) -> None:
+        self._remove_temp_files()
         write_atomic(self.path(NEXT_PRIVATE_KEY_FILE), b64(private_key).encode())
 
     def commit_next_private_key(self) -> None:

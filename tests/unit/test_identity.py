@@ -104,12 +104,34 @@ def test_signing_key_file_wins_over_json(tmp_path, caplog):
     assert "differs from identity.json" in caplog.text
 
 
-def test_leftover_temp_files_are_removed_on_load(tmp_path):
+def test_leftover_temp_files_are_ignored_by_readers_and_removed_by_the_next_save(tmp_path):
     store = IdentityStore(tmp_path)
     store.save(ident())
     (tmp_path / ".tmp-private_key").write_text("half")
     assert store.load().identity is not None
+    assert (tmp_path / ".tmp-private_key").exists()  # a reader never touches a writer's files
+    store.save(ident())
     assert not (tmp_path / ".tmp-private_key").exists()
+
+
+def test_a_load_in_the_middle_of_a_save_never_breaks_it(tmp_path, monkeypatch):
+    """Another process reading the identity (plexd status, a test) while the daemon saves a new one: the save
+    used to fail with ENOENT when the reader removed the temp file it was about to rename."""
+    import plexd.identity as identity_module
+
+    store, reader = IdentityStore(tmp_path), IdentityStore(tmp_path)
+    real = identity_module.write_atomic
+
+    def write_with_a_reader_in_between(path, data, mode=0o600):
+        tmp = path.with_name(f".tmp-{path.name}")
+        tmp.write_bytes(data)  # the writer's temp file exists ...
+        reader.load()  # ... when a reader comes by
+        assert tmp.exists()
+        real(path, data, mode)
+
+    monkeypatch.setattr(identity_module, "write_atomic", write_with_a_reader_in_between)
+    store.save(ident())
+    assert reader.load().identity is not None
 
 
 def test_failed_save_leaves_nothing_behind(tmp_path):
@@ -262,9 +284,12 @@ def test_a_rotation_key_is_kept_apart_until_committed_by_a_rename(tmp_path, capl
     assert store.next_private_key() == new and store.load().identity.private_key == old  # not the node's yet
     store.commit_next_private_key()
     assert store.load().identity.private_key == new and store.next_private_key() is None
-    # a torn write (a crash before the rename) and an unusable file are dropped, never used
+    # a torn write (a crash before the rename) is never used and is dropped by the next write; an unusable file
+    # is dropped
     (tmp_path / ".tmp-private_key.next").write_text("half")
-    store.load()
+    assert store.next_private_key() is None
+    store.write_next_private_key(new)
+    store.drop_next_private_key()
     assert not (tmp_path / ".tmp-private_key.next").exists()
     (tmp_path / "private_key.next").write_text("not a key")
     assert store.next_private_key() is None and not (tmp_path / "private_key.next").exists()
