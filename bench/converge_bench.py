@@ -30,7 +30,7 @@ from plexd.converge import Converger
 from plexd.desired import DesiredState
 from plexd.identity import b64
 from plexd.lab import Lab, LabNode
-from plexd.mesh.links import Links
+from plexd.mesh.links import DEFAULT_TABLE, Links
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.model import Peer
@@ -78,7 +78,8 @@ def timed_wg(node: LabNode, *args: str) -> float:
 
 async def reset(conv: Converger, node: LabNode) -> None:
     await conv.wireguard.apply(DeviceUpdate(replace_peers=True))
-    subprocess.run(["ip", "-n", node.netns, "route", "flush", "dev", "wg0"], check=False, capture_output=True)
+    subprocess.run(["ip", "-n", node.netns, "route", "flush", "dev", "wg0", "table", str(DEFAULT_TABLE)], check=False,
+                   capture_output=True)
 
 
 async def device_only(conv: Converger, d: DesiredState) -> float:

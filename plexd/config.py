@@ -13,7 +13,10 @@ README (PROJECT-DECISIONS.md, Config row)::
     data_dir: /var/lib/plexd
     mesh: {interface: plexd0, listen_port: 51820, mtu: 1420, userspace_implementation: wireguard-go,
            backend: auto,                 # auto | kernel | userspace
-           allow_exit_routes: false}      # let a peer carry default routes (exit node)
+           allow_exit_routes: false,      # let a peer carry default routes (exit node)
+           allow_routes: [],              # prefixes the route guard lets through (site-to-site over a LAN)
+           max_route_percent: 0.1,        # of each address family peers may route, however split
+           route_table: 5182, route_rule_priority: 5182}   # mesh routes' own table, and its rule
     token: {value: "", file: /etc/plexd/bootstrap-token, env: PLEXD_BOOTSTRAP_TOKEN, use_metadata: false,
             metadata_url: "http://169.254.169.254"}
     registration: {hostname: "", metadata: {}, max_wait: 5m}
@@ -108,6 +111,12 @@ class MeshConfig:
     backend: str = _f("auto", choices=("auto", "kernel", "userspace"))
     # A peer may carry default routes (0/0, or pieces adding up to it) only when this is set (exit nodes).
     allow_exit_routes: bool = _f(False)
+    # The route guard (plexd.route_limits): prefixes a peer may route although they cover a resolver, a gateway,
+    # this node's LAN, link-local or metadata addresses, or count against max_route_percent.
+    allow_routes: tuple[str, ...] = _f((), "list", cidrs=True, may_be_empty=True)
+    max_route_percent: float = _f(0.1, min=0.000001, max=100.0)  # of each address family, however split
+    route_table: int = _f(5182, min=1, max=2**32 - 1, not_in=(253, 254, 255))  # the mesh routes' own table
+    route_rule_priority: int = _f(5182, min=1, max=32765)  # its rule, before main (32766)
 
 
 @dataclass(frozen=True)
@@ -556,6 +565,8 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
         raise ConfigError(f"{where} is too small (minimum {rules['min']}{unit})")
     if "max" in rules and value > rules["max"]:
         raise ConfigError(f"{where} is too large (maximum {rules['max']})")
+    if value in rules.get("not_in", ()):
+        raise ConfigError(f"{where} is reserved (not one of {', '.join(map(str, rules['not_in']))})")
     if kind == "url" and value:
         problem = _url_problem(value)
         if problem:
@@ -567,7 +578,7 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
     if rules.get("cidrs"):
         import ipaddress
 
-        if not value:
+        if not value and not rules.get("may_be_empty"):
             raise ConfigError(f"{where} must name at least one CIDR")
         for cidr in value:
             try:

@@ -38,6 +38,7 @@ from plexd.plan import (
     own_addresses,
     peer_config,
     peer_fields,
+    rules_for,
 )
 
 Net = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -96,7 +97,9 @@ def peer_delta(old: DesiredState, new: DesiredState, believed: Observed, now: fl
             wanted.extend(inside)
     for net in wanted:
         routes.cover(net)
-    route_changes: list[Change] = [RouteMissing(new.interface, r) for r in sorted(routes.added())]
+    added = sorted(routes.added())
+    route_changes: list[Change] = rules_for(new.interface, added, believed.link)
+    route_changes += [RouteMissing(new.interface, r) for r in added]
     route_changes += [RouteExtra(new.interface, r) for r in sorted(routes.removed())]
     return peer_changes + route_changes
 

@@ -156,23 +156,29 @@ class _With(Mapping[route_limits.IPAddress, str]):
 
 
 class _RouteIndex:
-    """The accepted peers' endpoints, mesh addresses and wide prefixes, kept up to date as peers enter and leave
-    one `_with_peers` call, so that a full state of n peers is checked in O(n), not O(n²)."""
+    """The accepted peers' endpoints, mesh addresses and routed prefixes, kept up to date as peers enter and leave
+    one `_with_peers` call, so that a full state of n peers is checked in O(n log n), not O(n²)."""
 
     def __init__(self, peers: Mapping[str, Peer]) -> None:
         self.keys: dict[str, str] = {}  # public key -> peer id
         self.mesh_strings: dict[str, str] = {}  # mesh IP as written -> peer id
         self.endpoints: dict[route_limits.IPAddress, str] = {}
         self.routed: dict[route_limits.IPNetwork, str] = {}  # every prefix routed to a peer -> that peer
-        self.wide: dict[str, list[route_limits.IPNetwork]] = {}
+        self.space = route_limits.RoutedSpace(self.routed)  # what `routed` covers (the share limit)
         for peer in peers.values():
             self.add(peer)
 
     def copy(self) -> _RouteIndex:
         new = _RouteIndex({})
         new.keys, new.mesh_strings = dict(self.keys), dict(self.mesh_strings)
-        new.endpoints, new.routed, new.wide = dict(self.endpoints), dict(self.routed), dict(self.wide)
+        new.endpoints, new.routed = dict(self.endpoints), dict(self.routed)
+        new.space = self.space.rebound(new.routed)
         return new
+
+    def claim(self, net: route_limits.IPNetwork, peer_id: str) -> None:
+        if net not in self.routed:
+            self.routed[net] = peer_id
+            self.space.add(net)
 
     def add(self, peer: Peer) -> None:
         self.keys[peer.public_key] = peer.id
@@ -181,12 +187,8 @@ class _RouteIndex:
         ip = _endpoint_ip(peer.endpoint)
         if ip is not None:
             self.endpoints.setdefault(ip, peer.id)
-        routes = _routes(peer)
-        for net in routes:
-            self.routed.setdefault(net, peer.id)
-        wide = [n for n in routes if route_limits.is_wide(n)]
-        if wide:
-            self.wide[peer.id] = wide
+        for net in _routes(peer):
+            self.claim(net, peer.id)
 
     def remove(self, peer: Peer) -> None:
         if self.keys.get(peer.public_key) == peer.id:
@@ -199,10 +201,7 @@ class _RouteIndex:
         for net in _routes(peer):
             if self.routed.get(net) == peer.id:
                 del self.routed[net]
-        self.wide.pop(peer.id, None)
-
-    def wide_nets(self) -> list[route_limits.IPNetwork]:
-        return [n for nets in self.wide.values() for n in nets]
+                self.space.remove(net)
 
 
 @dataclass(frozen=True)
@@ -346,20 +345,20 @@ class DesiredState:
             endpoints = _With(index.endpoints, own_endpoint, peer.id)
         kept: list[str] = []
         dropped: list[tuple[str, str]] = []
-        wide = list(index.wide_nets())
         claimed: set[route_limits.IPNetwork] = set()
         for prefix in prefixes:
             net = route_limits.network(prefix)
             if net is None:  # validate_peer refused such a peer already
                 continue
-            why = route_limits.refuse_prefix(net, self.route_limits, endpoints, index.routed, own_mesh, wide)
-            if why is None and net in claimed:
-                why = f"{net} is listed twice"
+            if net in claimed:
+                why: str | None = f"{net} is listed twice"
+            else:
+                why = route_limits.refuse_prefix(net, self.route_limits, endpoints, index.routed, own_mesh,
+                                                 index.space)
             if why is None:
                 claimed.add(net)
                 kept.append(prefix)
-                if route_limits.is_wide(net):
-                    wide.append(net)
+                index.claim(net, peer.id)  # the peer's next prefixes are checked with this one counted
             else:
                 dropped.append((prefix, why))
         if not dropped:

@@ -17,15 +17,19 @@ Correction types. The peer ones are the Go agent's names (plexd-protocol.md §4.
     address_removed       the interface had an address that is not the mesh address
     mtu_updated           the interface MTU differed from mesh.mtu
     link_up               the interface was down
-    route_added           a route for a peer's allowed IPs via the interface was missing
+    route_added           a route for a peer's allowed IPs via the interface was missing (in the mesh table)
     route_removed         the interface had a route for something no peer is allowed
+    route_moved           a route via the interface sat in the main table (plexd routes only in its own table)
+    route_rule_added      the rule sending lookups to the mesh table was missing for an address family
 
 Details read `<object>: <what> <live> != <desired>`, e.g. `peer n_x: endpoint 1.2.3.4:51820 != 5.6.7.8:51820`.
 
 Rules: a peer's endpoint is left alone while its latest handshake is younger than `ROAMING_WINDOW` seconds
 (it roamed; innernet's rule), and an empty desired endpoint never clears a learned one. Default routes (`/0`) in a
 peer's allowed IPs are not installed (that needs policy routing, as wg-quick does, and would cut the underlay);
-routes cover exactly the union of the peers' allowed IPs with the fewest prefixes (adjacent ones merge).
+routes cover exactly the union of the peers' allowed IPs with the fewest prefixes (adjacent ones merge). Routes
+live in the mesh table (`plexd.mesh.links`); a rule per address family that has routes sends lookups there. A
+rule no longer needed stays (it costs a lookup in an empty table; taking it away and back would be churn).
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ class Target:
     addresses: frozenset[str]
     mtu: int
     routes: frozenset[str]
+
+    @property
+    def rule_families(self) -> frozenset[int]:
+        """The address families whose lookups must reach the mesh table: those with routes in it."""
+        return frozenset(4 if ":" not in r else 6 for r in self.routes)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -434,6 +443,38 @@ class RouteExtra(LinkChange):
         return LinkOp("route_del", self.destination)
 
 
+@dataclass(frozen=True)
+class RouteInMainTable(LinkChange):
+    correction_type: ClassVar[str] = "route_moved"
+    destination: str
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: route {self.destination} in the main table (mesh routes have their own)"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("main_route_del", self.destination)
+
+
+@dataclass(frozen=True)
+class RouteRuleMissing(LinkChange):
+    correction_type: ClassVar[str] = "route_rule_added"
+    version: int
+
+    @property
+    def detail(self) -> str:
+        return f"interface {self.interface}: IPv{self.version} rule to the mesh routing table missing"
+
+    def link_op(self) -> LinkOp:
+        return LinkOp("rule_add", self.version)
+
+
+def rules_for(interface: str, routes: Iterable[str], link: LinkState) -> list[Change]:
+    """The rules the mesh table needs once `routes` are in it, and which `link` lacks."""
+    versions = {4 if ":" not in r else 6 for r in routes}
+    return [RouteRuleMissing(interface, v) for v in sorted(versions - link.rules)]
+
+
 # --- the diff -----------------------------------------------------------------------------------------------
 
 _EMPTY_LINK = LinkState(index=0, kind="", mtu=0, up=False)
@@ -514,6 +555,9 @@ def _link(t: Target, link: LinkState) -> Iterable[Change]:
         yield AddressExtra(t.interface, a)
     for a in sorted(t.addresses - link.addresses):
         yield AddressMissing(t.interface, a)
+    yield from rules_for(t.interface, t.routes, link)
+    for r in sorted(link.main_routes):
+        yield RouteInMainTable(t.interface, r)
     if link.routes == t.routes or _collapsed(link.routes) == t.routes:
         return  # the same addresses routed, in another form (event deltas add and split routes one at a time)
     for r in sorted(link.routes - t.routes):
@@ -590,10 +634,12 @@ def _merge(a: PeerUpdate, b: PeerUpdate) -> PeerUpdate:
 
 
 def link_ops(changes: Iterable[Change]) -> list[LinkOp]:
-    """Link operations in a safe order: MTU, up, addresses, then routes (routes need an up link). New routes go
-    in before old ones leave, so replacing a route by its parts (or parts by their union) never lets a packet
-    for a peer fall through to the default route in between."""
-    order = {"mtu": 0, "up": 1, "addr_del": 2, "addr_add": 3, "route_add": 4, "route_del": 5}
+    """Link operations in a safe order: MTU, up, addresses, rules, then routes (routes need an up link). New
+    routes go in before old ones leave (a main-table route moved to the mesh table included), so replacing a
+    route by its parts (or parts by their union) never lets a packet for a peer fall through to the default
+    route in between."""
+    order = {"mtu": 0, "up": 1, "addr_del": 2, "addr_add": 3, "rule_add": 4, "route_add": 5, "main_route_del": 6,
+             "route_del": 7}
     ops = [c.link_op() for c in changes if isinstance(c, LinkChange)]
     return sorted(ops, key=lambda op: order[op.action])
 
@@ -633,6 +679,7 @@ def simulate(observed: Observed, changes: Iterable[Change]) -> Observed:
                   private_key=update.private_key if update.private_key is not None else dev.private_key,
                   listen_port=update.listen_port if update.listen_port is not None else dev.listen_port)
     addresses, routes, mtu, up = set(link.addresses), set(link.routes), link.mtu, link.up
+    main_routes, rules = set(link.main_routes), set(link.rules)
     for op in link_ops(changes):
         if op.action == "mtu":
             mtu = int(op.value or 0)
@@ -646,6 +693,10 @@ def simulate(observed: Observed, changes: Iterable[Change]) -> Observed:
             routes.add(str(op.value))
         elif op.action == "route_del":
             routes.discard(str(op.value))
+        elif op.action == "main_route_del":
+            main_routes.discard(str(op.value))
+        elif op.action == "rule_add":
+            rules.add(int(op.value or 4))
     link = replace(link, mtu=mtu, up=up, addresses=frozenset(addresses), routes=frozenset(routes),
-                   kind=link.kind or "tun")
+                   main_routes=frozenset(main_routes), rules=frozenset(rules), kind=link.kind or "tun")
     return replace(observed, device=dev, link=link, process_gone=False)

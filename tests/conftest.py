@@ -10,7 +10,7 @@ files that run daemons in the root network namespace itself (its `inet plexd` ta
 and so one worker, one after another.
 
 At the end of the whole run (once, in the controlling process, after every worker is done) we fail if any lab
-namespace, wireguard-go, plexd, devplane or coturn process, root-namespace link or route, or the root namespace's
+namespace, wireguard-go, plexd, devplane or coturn process, root-namespace link, route or routing rule, or the root namespace's
 `inet plexd` table that was not there before the tests is still there.
 """
 
@@ -97,9 +97,17 @@ def _root_routes() -> set[str]:
         ("local ", "broadcast ", "multicast ", "fe80::", "ff00::"))}
 
 
+def _root_rules() -> set[str]:
+    rules = set()
+    for family in ("-4", "-6"):
+        out = subprocess.run(["ip", family, "rule", "show"], capture_output=True, text=True, check=False).stdout
+        rules.update(f"{family} {' '.join(line.split())}" for line in out.splitlines() if line.strip())
+    return rules
+
+
 def _snapshot() -> dict[str, object]:
     return {"netns": _netns(), "procs": _processes(_WATCHED), "table": _plexd_table(), "links": _root_links(),
-            "routes": _root_routes()}
+            "routes": _root_routes(), "rules": _root_rules()}
 
 
 def _leaks(before: dict) -> list[str]:
@@ -118,6 +126,9 @@ def _leaks(before: dict) -> list[str]:
     routes = sorted(_root_routes() - before["routes"])
     if routes:
         problems.append(f"routes left behind in the root network namespace: {routes}")
+    rules = sorted(_root_rules() - before["rules"])
+    if rules:
+        problems.append(f"routing rules left behind in the root network namespace: {rules}")
     return problems
 
 

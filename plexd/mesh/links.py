@@ -1,5 +1,11 @@
 """The mesh interface's link state: addresses, MTU, up/down and routes for peers' allowed IPs (pyroute2).
 
+Mesh routes live in a routing table of their own (`mesh.route_table`, default 5182), looked up through one policy
+rule per address family (`mesh.route_rule_priority`) before the main table: plexd never adds, replaces or deletes
+a main-table route, so a control plane cannot overwrite the machine's own routes, and removing plexd's table
+leaves the machine's routing as it was. A route via the mesh interface found in the main table (put there by
+hand, or by a plexd before this design) is drift and moves to the mesh table.
+
 Same two verbs as every adapter: `observe()` reads the live link, `apply(ops)` performs the minimal operations the
 plan asked for. Blocking netlink calls run in a worker thread. `observe()` opens an `IPRoute` per call; `apply()`
 keeps one in the daemon's own namespace (an event's apply is a route or two: the open was a third of its cost),
@@ -12,6 +18,7 @@ import asyncio
 import errno
 import ipaddress
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ from plexd.errors import PlexdError
 log = logging.getLogger(__name__)
 
 MAIN_TABLE = 254
+DEFAULT_TABLE = 5182
+DEFAULT_RULE_PRIORITY = 5182  # before main (32766); after local (0) and the low numbers other tools take
 RTPROT_KERNEL = 2
 RT_SCOPE_LINK = 253
 WIREGUARD_KINDS = frozenset({"wireguard", "tun"})  # wireguard-go's device is a TUN
@@ -37,7 +46,8 @@ class LinkError(PlexdError):
 @dataclass(frozen=True)
 class LinkState:
     """The live link. `addresses` are `addr/prefix` strings; `routes` are destination CIDRs routed via the link
-    (main table, excluding the kernel's own prefix routes)."""
+    in the mesh table; `main_routes` those routed via the link in the main table (excluding the kernel's own
+    prefix routes); `rules` the address families (4, 6) whose rule to the mesh table exists."""
 
     index: int
     kind: str
@@ -45,13 +55,15 @@ class LinkState:
     up: bool
     addresses: frozenset[str] = frozenset()
     routes: frozenset[str] = frozenset()
+    main_routes: frozenset[str] = frozenset()
+    rules: frozenset[int] = frozenset()
 
     @property
     def is_wireguard(self) -> bool:
         return self.kind in WIREGUARD_KINDS
 
 
-LinkAction = Literal["mtu", "up", "addr_add", "addr_del", "route_add", "route_del"]
+LinkAction = Literal["mtu", "up", "addr_add", "addr_del", "route_add", "route_del", "main_route_del", "rule_add"]
 
 
 @dataclass(frozen=True)
@@ -68,10 +80,25 @@ def _addr_args(cidr: str) -> dict:
     return args
 
 
+@dataclass(frozen=True)
+class Underlay:
+    """This machine outside the mesh: its addresses as `addr/prefix` (IPv6 link-local left out) and the gateways
+    of its default routes."""
+
+    addresses: frozenset[str] = frozenset()
+    gateways: frozenset[str] = frozenset()
+
+
+FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
+
+
 class Links:
-    def __init__(self, interface: str, netns: str | None = None) -> None:
+    def __init__(self, interface: str, netns: str | None = None, *, table: int = DEFAULT_TABLE,
+                 rule_priority: int = DEFAULT_RULE_PRIORITY) -> None:
         self.interface = interface
         self.netns = netns
+        self.table = table
+        self.rule_priority = rule_priority
         # apply() keeps one netlink socket in this namespace (opening one per call was a third of an event's
         # apply); dropped on any error and opened again. In another namespace (tests) each call opens its own.
         self._apply_ipr: IPRoute | None = None
@@ -85,20 +112,26 @@ class Links:
 
     # -- observe ------------------------------------------------------------------------------------------
 
-    async def underlay_addresses(self) -> set[str]:
-        """Every address of this machine outside the mesh interface (IPv6 link-local left out): what must never
-        be routed into the tunnel."""
-        return await asyncio.to_thread(self._underlay_addresses)
+    async def underlay(self) -> Underlay:
+        """This machine's addresses outside the mesh interface and its default gateways: what must never be
+        routed into the tunnel."""
+        return await asyncio.to_thread(self._underlay)
 
-    def _underlay_addresses(self) -> set[str]:
+    def _underlay(self) -> Underlay:
         with self._ipr() as ipr:
             try:
                 mesh = set(ipr.link_lookup(ifname=self.interface))
-                return {str(a.get("IFA_ADDRESS")) for a in ipr.get_addr()
-                        if a["index"] not in mesh and a.get("IFA_ADDRESS")
-                        and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
+                addresses = {f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}" for a in ipr.get_addr()
+                             if a["index"] not in mesh and a.get("IFA_ADDRESS")
+                             and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
+                gateways: set[str] = set()
+                for family in (socket.AF_INET, socket.AF_INET6):
+                    for r in ipr.get_routes(family=family, table=MAIN_TABLE):
+                        if r["dst_len"] == 0 and r.get("RTA_OIF") not in mesh:
+                            gateways.update(_gateways(r))
+                return Underlay(frozenset(addresses), frozenset(gateways))
             except NetlinkError as e:
-                raise LinkError(f"cannot list this machine's addresses: {e}") from None
+                raise LinkError(f"cannot list this machine's addresses and routes: {e}") from None
 
     async def observe(self) -> LinkState | None:
         return await asyncio.to_thread(self._observe)
@@ -126,15 +159,24 @@ class Links:
             if a["family"] == 10 and a["scope"] == RT_SCOPE_LINK:
                 continue  # IPv6 link-local: the kernel's, not ours
             addresses.add(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}")
-        routes = set()
+        routes: set[str] = set()
+        main_routes: set[str] = set()
         for family in (2, 10):
+            for r in ipr.get_routes(family=family, table=self.table):
+                if _ours(r, index):
+                    routes.add(_destination(r, family))
             for r in ipr.get_routes(family=family, table=MAIN_TABLE):
-                if r.get("RTA_OIF") != index or r["proto"] == RTPROT_KERNEL or r["type"] != 1:
-                    continue
-                dst = r.get("RTA_DST") or ("0.0.0.0" if family == 2 else "::")
-                routes.add(str(ipaddress.ip_network(f"{dst}/{r['dst_len']}", strict=False)))
+                if _ours(r, index):
+                    main_routes.add(_destination(r, family))
+        rules = {version for version, family in FAMILY.items()
+                 if any(self._is_our_rule(rule) for rule in ipr.get_rules(family=family))}
         return LinkState(index=index, kind=kind, mtu=link.get("IFLA_MTU") or 0, up=bool(link["flags"] & 1),
-                         addresses=frozenset(addresses), routes=frozenset(routes))
+                         addresses=frozenset(addresses), routes=frozenset(routes),
+                         main_routes=frozenset(main_routes), rules=frozenset(rules))
+
+    def _is_our_rule(self, rule: Any) -> bool:
+        table = rule.get("FRA_TABLE") or rule["table"]
+        return table == self.table and (rule.get("FRA_PRIORITY") or 0) == self.rule_priority and rule["action"] == 1
 
     # -- apply --------------------------------------------------------------------------------------------
 
@@ -182,8 +224,7 @@ class Links:
                 self._apply_ipr.close()
                 self._apply_ipr = None
 
-    @staticmethod
-    def _one(ipr: IPRoute, index: int, op: LinkOp) -> None:
+    def _one(self, ipr: IPRoute, index: int, op: LinkOp) -> None:
         if op.action == "mtu":
             ipr.link("set", index=index, mtu=int(op.value or 0))
         elif op.action == "up":
@@ -194,14 +235,20 @@ class Links:
             args = _addr_args(str(op.value))
             args.pop("flags", None)
             ipr.addr("del", index=index, **args)
-        elif op.action == "route_add":
-            ipr.route("replace", dst=str(op.value), oif=index)
+        elif op.action == "route_add":  # replace: only ever in the mesh table, never a main-table route
+            ipr.route("replace", dst=str(op.value), oif=index, table=self.table)
         elif op.action == "route_del":
+            ipr.route("del", dst=str(op.value), oif=index, table=self.table)
+        elif op.action == "main_route_del":
             ipr.route("del", dst=str(op.value), oif=index, table=MAIN_TABLE)
+        elif op.action == "rule_add":
+            ipr.rule("add", table=self.table, priority=self.rule_priority, family=FAMILY[int(op.value or 4)])
         else:  # pragma: no cover - LinkAction is closed
             raise ValueError(op.action)
 
     async def delete_link(self) -> None:
+        """The interface goes (its routes with it), and the rules with it unless the mesh table still holds routes
+        (another plexd interface on this machine uses them)."""
         await asyncio.to_thread(self._delete)
 
     def _delete(self) -> None:
@@ -213,3 +260,35 @@ class Links:
                 except NetlinkError as e:
                     if e.code != errno.ENODEV:
                         raise LinkError(f"cannot delete {self.interface}: {e}") from None
+            self._delete_rules(ipr)
+
+    def _delete_rules(self, ipr: IPRoute) -> None:
+        try:
+            if any(ipr.get_routes(family=family, table=self.table) for family in FAMILY.values()):
+                return
+            for family in FAMILY.values():
+                for rule in ipr.get_rules(family=family):
+                    if self._is_our_rule(rule):
+                        ipr.rule("del", table=self.table, priority=self.rule_priority, family=family)
+        except NetlinkError as e:
+            raise LinkError(f"cannot remove the rules to routing table {self.table}: {e}") from None
+
+
+def _ours(route: Any, index: int) -> bool:
+    """A unicast route via the mesh interface that the kernel did not add itself."""
+    return route.get("RTA_OIF") == index and route["proto"] != RTPROT_KERNEL and route["type"] == 1
+
+
+def _destination(route: Any, family: int) -> str:
+    dst = route.get("RTA_DST") or ("0.0.0.0" if family == 2 else "::")
+    return str(ipaddress.ip_network(f"{dst}/{route['dst_len']}", strict=False))
+
+
+def _gateways(route: Any) -> set[str]:
+    """The gateway of a route, or of each of its multipath hops."""
+    found = {str(route.get("RTA_GATEWAY"))} if route.get("RTA_GATEWAY") else set()
+    for hop in route.get("RTA_MULTIPATH") or ():
+        gateway = hop.get("RTA_GATEWAY")
+        if gateway:
+            found.add(str(gateway))
+    return found

@@ -44,5 +44,6 @@ def build_converger(config: Config) -> Converger:
 
     firewall = FirewallDomain(config.mesh.interface, enabled=config.policy.enabled,
                               log_denied=config.policy.log_denied)
-    return Converger(wireguard_backend(config), Links(config.mesh.interface),
+    links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
+    return Converger(wireguard_backend(config), links,
                      domains=(firewall, NodeStateCache(config.data_dir)))

@@ -296,7 +296,7 @@ def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
     converger = build_converger(cfg)
-    protected = ProtectedAddresses(cfg.api.url, converger.links, allow_exit_routes=cfg.mesh.allow_exit_routes)
+    protected = ProtectedAddresses.from_config(cfg, converger.links)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first
     # state pull. Without a live device the mirror brings the interface and the last known peers up.

@@ -45,7 +45,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
     # hold the machine to, so only the pulled state is applied.
     desired, restored = initial_desired(config, ident, read_mirror(config.data_dir))
-    protected = ProtectedAddresses(config.api.url, converger.links, allow_exit_routes=config.mesh.allow_exit_routes)
+    protected = ProtectedAddresses.from_config(config, converger.links)
     mesh = MeshHandle(converger, desired, protected=protected, known=restored)
 
     if not dry_run:

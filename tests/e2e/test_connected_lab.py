@@ -33,6 +33,7 @@ from lab_daemon import (
 from waiting import scaled
 
 from plexd.controlplane.ledger import read_mirror
+from plexd.mesh.links import DEFAULT_TABLE
 
 
 def test_admin_actions_reach_every_device_through_the_stream(lab_dp):
@@ -79,9 +80,10 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     # plexd routes the peers' allowed IPs with the fewest prefixes (adjacent mesh IPs share one): delete the
     # route that covers c's mesh IP, whatever its length
     route_c = next(str(ipaddress.ip_network(r.split()[0]))  # `ip route` prints a /32 as the bare address
-                   for r in lab.exec(a.node, ["ip", "route", "show", "dev", "plexd0"]).stdout.splitlines()
+                   for r in lab.exec(a.node, ["ip", "route", "show", "dev", "plexd0", "table", str(DEFAULT_TABLE)]
+                                     ).stdout.splitlines()
                    if ipaddress.ip_address(info[c_id]["mesh_ip"]) in ipaddress.ip_network(r.split()[0]))
-    lab.exec(a.node, ["ip", "route", "del", route_c, "dev", "plexd0"])
+    lab.exec(a.node, ["ip", "route", "del", route_c, "dev", "plexd0", "table", str(DEFAULT_TABLE)])
     lab.exec(a.node, ["ip", "addr", "del", f"{mesh_ip_a}/32", "dev", "plexd0"])
 
     def corrected() -> list[dict]:
@@ -103,7 +105,7 @@ def test_drift_made_by_hand_is_corrected_and_reported(lab_dp):
     assert info[b_id]["public_key"] in wg_peers(lab, a.node)
     addrs = lab.exec(a.node, ["ip", "-o", "addr", "show", "dev", "plexd0"]).stdout
     assert mesh_ip_a in addrs
-    routes = lab.exec(a.node, ["ip", "route", "show", "dev", "plexd0"]).stdout
+    routes = lab.exec(a.node, ["ip", "route", "show", "dev", "plexd0", "table", str(DEFAULT_TABLE)]).stdout
     assert route_c.removesuffix("/32") in routes
 
 

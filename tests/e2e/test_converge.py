@@ -17,6 +17,7 @@ from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.lab import Lab
 from plexd.mesh.first_contact import FOLLOW_DELAY
+from plexd.mesh.links import DEFAULT_TABLE
 from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.model import Peer
 
@@ -170,7 +171,7 @@ async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile
     assert {c.detail for c in r.changes} >= {"peer n_3: missing from the device", "peer n_4: missing from the device"}
     live = {row[0]: row for row in a.wg_dump(lab)[1:]}
     assert {k3, k4, b.public_key} == set(live) and live[k4][2] == "10.231.255.4:51820"
-    routes = lab.exec(a.lab_node, ["ip", "-j", "route", "show", "dev", "wg0"]).stdout
+    routes = lab.exec(a.lab_node, ["ip", "-j", "route", "show", "dev", "wg0", "table", str(DEFAULT_TABLE)]).stdout
     assert '"10.100.0.2/31"' in routes and '"10.100.0.4"' in routes
     assert ping(lab, a, b.mesh_ip)  # b's traffic kept its route through the merge
 

@@ -62,7 +62,7 @@ def state(peers=(), *, mesh_ip="10.100.9.9", mesh_ip6=None, keepalive=25) -> Des
 def converged(d: DesiredState) -> Observed:
     t = target(d)
     return Observed(device=t.device, link=LinkState(index=3, kind="tun", mtu=t.mtu, up=True, addresses=t.addresses,
-                                                    routes=t.routes))
+                                                    routes=t.routes, rules=t.rule_families))
 
 
 # --- strategies ---------------------------------------------------------------------------------------------
@@ -87,9 +87,11 @@ device_st = st.one_of(st.none(), st.builds(
     st.sampled_from(["", clamp_private_key(PRIVATE[0]), clamp_private_key(PRIVATE[1])]),
     st.sampled_from([0, 51820, 40000]), st.lists(live_peer_st, max_size=6)))
 link_st = st.one_of(st.none(), st.builds(
-    lambda mtu, up, addrs, routes: LinkState(index=3, kind="tun", mtu=mtu, up=up, addresses=frozenset(addrs),
-                                             routes=frozenset(routes)),
-    st.sampled_from([1420, 1500]), st.booleans(), st.sets(st.sampled_from(ADDRS)), st.sets(st.sampled_from(CIDRS))))
+    lambda mtu, up, addrs, routes, main, rules: LinkState(index=3, kind="tun", mtu=mtu, up=up,
+                                                          addresses=frozenset(addrs), routes=frozenset(routes),
+                                                          main_routes=frozenset(main), rules=frozenset(rules)),
+    st.sampled_from([1420, 1500]), st.booleans(), st.sets(st.sampled_from(ADDRS)), st.sets(st.sampled_from(CIDRS)),
+    st.sets(st.sampled_from(CIDRS), max_size=2), st.sets(st.sampled_from([4, 6]))))
 observed_st = st.builds(
     lambda dev, link, gone, names: Observed(device=dev, link=link if dev is not None else None, process_gone=gone,
                                             peer_names={KEYS[k]: f"n_{i}" for k, i in names.items()}),
@@ -122,6 +124,8 @@ def test_applying_the_plan_yields_the_desired_state_when_nothing_roams(d: Desire
     assert set(after.device.peers) == set(t.device.peers)
     assert (after.link.addresses, after.link.routes, after.link.mtu, after.link.up) == (
         t.addresses, t.routes, t.mtu, True)
+    # routes only in the mesh table, reachable through its rules; nothing of ours left in the main table
+    assert after.link.main_routes == frozenset() and t.rule_families <= after.link.rules
 
 
 @settings(max_examples=200, deadline=None)
@@ -162,7 +166,7 @@ def test_fresh_device_plans_everything_in_order() -> None:
     assert target(d).device.peers[KEYS[2]].allowed_ips == frozenset({"10.100.0.3/32"})
     # 10.100.0.2/32 and 10.100.0.3/32 are covered by one route
     assert [(op.action, op.value) for op in link_ops(changes)] == [
-        ("mtu", 1420), ("up", None), ("addr_add", "10.100.9.9/32"), ("route_add", "10.100.0.2/31")]
+        ("mtu", 1420), ("up", None), ("addr_add", "10.100.9.9/32"), ("rule_add", 4), ("route_add", "10.100.0.2/31")]
 
 
 def test_process_gone_is_named_as_such() -> None:

@@ -13,7 +13,7 @@ from nacl.public import PrivateKey
 
 from plexd.desired import DesiredState, canonical_key
 from plexd.model import Peer, State
-from plexd.route_limits import RouteLimits
+from plexd.route_limits import Coverage, Guarded, RouteLimits
 
 CP = ipaddress.ip_address("198.51.100.10")
 UNDERLAY = ipaddress.ip_address("192.0.2.5")
@@ -49,7 +49,7 @@ def test_a_default_route_is_refused_the_rest_of_the_peer_applies():
 
 
 def test_a_default_route_split_in_halves_over_two_peers_is_refused():
-    d = model(RouteLimits()).with_state(State(peers=(peer(2, "10.100.0.2/32", "0.0.0.0/1"),
+    d = model(RouteLimits(guarded=())).with_state(State(peers=(peer(2, "10.100.0.2/32", "0.0.0.0/1"),
                                                      peer(3, "10.100.0.3/32", "128.0.0.0/1"))))
     routes = {p for x in d.peers.values() for p in x.allowed_ips}
     assert not {"0.0.0.0/1", "128.0.0.0/1"} <= routes
@@ -136,9 +136,65 @@ def test_whatever_is_asked_no_accepted_route_covers_a_protected_address_or_half_
     for net in accepted:
         assert CP not in net and UNDERLAY not in net
     assert len(accepted) == len(set(accepted))  # one owner per prefix
-    wide = [n for n in accepted if n.prefixlen <= 16]
-    assert sum(n.num_addresses for n in ipaddress.collapse_addresses(wide)) < 2**31
+    covered = sum(n.num_addresses for n in ipaddress.collapse_addresses(accepted))
+    assert covered <= 2**32 * LIMITS.max_route_percent / 100
+    assert not any(n.overlaps(ipaddress.ip_network("169.254.0.0/16")) for n in accepted)
     # every asked-for prefix is either routed or named as refused
     for x, r in zip(d.peers.values(), routes, strict=False):
         named = {p for pid, p, _ in d.refused_routes if pid == x.id}
         assert set(r) <= set(x.allowed_ips) | named
+
+
+def test_guarded_prefixes_are_refused_by_name_and_opened_only_by_the_allow_list():
+    limits = RouteLimits(frozenset({CP}), guarded=(Guarded(ipaddress.ip_network("10.255.255.53/32"), "the resolver"),
+                                                   Guarded(ipaddress.ip_network("192.168.7.0/24"), "this node's LAN"),
+                                                   *RouteLimits().guarded))
+    d = model(limits).with_state(State(peers=(
+        peer(2, "10.100.0.2/32", "169.254.169.254/32"), peer(3, "10.100.0.3/32", "169.254.10.0/24"),
+        peer(4, "10.100.0.4/32", "10.255.0.0/16"), peer(5, "10.100.0.5/32", "192.168.7.128/25"),
+        peer(6, "10.100.0.6/32", "fe80::/64"), peer(7, "10.100.0.7/32", "10.8.0.0/16"))))
+    why = refused(d)
+    assert "cloud metadata service 169.254.169.254" in why[("n_2", "169.254.169.254/32")]
+    assert "link-local" in why[("n_3", "169.254.10.0/24")]
+    assert "the resolver" in why[("n_4", "10.255.0.0/16")]  # a prefix over it, not only the /32
+    assert "this node's LAN" in why[("n_5", "192.168.7.128/25")]  # a prefix inside it
+    assert "link-local" in why[("n_6", "fe80::/64")]
+    assert d.peers["n_7"].allowed_ips == ("10.100.0.7/32", "10.8.0.0/16")  # the rest applies
+    assert all("mesh.allow_routes" in w for w in why.values())
+    # the operator opens the LAN prefix (a site-to-site route over it): allowed; the control plane never
+    opened = RouteLimits(limits.protected, guarded=limits.guarded,
+                         allow=(ipaddress.ip_network("192.168.7.0/24"), ipaddress.ip_network("198.51.100.0/24")))
+    d = model(opened).with_state(State(peers=(peer(5, "10.100.0.5/32", "192.168.7.128/25"),
+                                             peer(8, "10.100.0.8/32", "198.51.100.0/24"))))
+    assert d.peers["n_5"].allowed_ips == ("10.100.0.5/32", "192.168.7.128/25")
+    assert "198.51.100.10" in refused(d)[("n_8", "198.51.100.0/24")]
+
+
+def test_a_share_of_the_address_space_is_refused_however_it_is_split():
+    # 16 × /4: the whole space in sixteenths, over sixteen peers
+    d = model().with_state(State(peers=tuple(peer(10 + i, f"10.100.0.{10 + i}/32", f"{16 * i}.0.0.0/4")
+                                             for i in range(16))))
+    assert len(refused(d)) == 16 and all(x.allowed_ips == (f"{x.mesh_ip}/32",) for x in d.peers.values())
+    assert all(("of the IPv4 address space" in w or "overlaps" in w or "would route" in w) for w in refused(d).values())
+    # a /9 split into 128 /16s over 8 peers: the share counts addresses, not prefixes
+    pieces = [f"44.{i}.0.0/16" for i in range(128)]
+    d = model().with_state(State(peers=tuple(peer(20 + i, f"10.100.0.{20 + i}/32", *pieces[16 * i:16 * i + 16])
+                                             for i in range(8))))
+    accepted = [ipaddress.ip_network(p) for x in d.peers.values() for p in x.allowed_ips if p.startswith("44.")]
+    assert 0 < sum(n.num_addresses for n in accepted) <= 2**32 * 0.001
+    assert "mesh.max_route_percent is 0.1" in str(refused(d))
+    # the operator may raise the share
+    wide = RouteLimits(max_route_percent=1.0)
+    d = model(wide).with_peer(peer(2, "10.100.0.2/32", "44.0.0.0/9"))
+    assert "44.0.0.0/9" in d.peers["n_2"].allowed_ips
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(cidr, max_size=30), cidr)
+def test_coverage_counts_what_collapsed_prefixes_cover(nets, extra):
+    parsed = [ipaddress.ip_network(n) for n in nets]
+    cov = Coverage(parsed)
+    assert cov.total[4] == sum(n.num_addresses for n in ipaddress.collapse_addresses(parsed))
+    new = ipaddress.ip_network(extra)
+    assert cov.added_by(new) == sum(n.num_addresses for n in ipaddress.collapse_addresses([*parsed, new])) \
+        - cov.total[4]
