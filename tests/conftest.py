@@ -10,8 +10,8 @@ files that run daemons in the root network namespace itself (its `inet plexd` ta
 and so one worker, one after another.
 
 At the end of the whole run (once, in the controlling process, after every worker is done) we fail if any lab
-namespace, wireguard-go, plexd, devplane or coturn process, root-namespace link, route or routing rule, or the root namespace's
-`inet plexd` table that was not there before the tests is still there.
+namespace, wireguard-go, plexd, devplane or coturn process, root-namespace link, route or routing rule, or the
+root namespace's `inet plexd` table that was not there before the tests is still there.
 """
 
 from __future__ import annotations
