@@ -36,6 +36,7 @@ DEFAULT_TABLE = 5182
 DEFAULT_RULE_PRIORITY = 5182  # before main (32766); after local (0) and the low numbers other tools take
 RTPROT_KERNEL = 2
 RT_SCOPE_LINK = 253
+RT_SCOPE_NOWHERE = 255  # in a delete request: match a route of any scope
 WIREGUARD_KINDS = frozenset({"wireguard", "tun"})  # wireguard-go's device is a TUN
 
 
@@ -237,10 +238,10 @@ class Links:
             ipr.addr("del", index=index, **args)
         elif op.action == "route_add":  # replace: only ever in the mesh table, never a main-table route
             ipr.route("replace", dst=str(op.value), oif=index, table=self.table)
-        elif op.action == "route_del":
-            ipr.route("del", dst=str(op.value), oif=index, table=self.table)
+        elif op.action == "route_del":  # any scope: a route added by hand (`ip route add`) has scope link
+            ipr.route("del", dst=str(op.value), oif=index, table=self.table, scope=RT_SCOPE_NOWHERE)
         elif op.action == "main_route_del":
-            ipr.route("del", dst=str(op.value), oif=index, table=MAIN_TABLE)
+            ipr.route("del", dst=str(op.value), oif=index, table=MAIN_TABLE, scope=RT_SCOPE_NOWHERE)
         elif op.action == "rule_add":
             ipr.rule("add", table=self.table, priority=self.rule_priority, family=FAMILY[int(op.value or 4)])
         else:  # pragma: no cover - LinkAction is closed
