@@ -1,8 +1,8 @@
 """A compromised control plane asks a running `plexd up` to route what would hijack the node's traffic
-(real devplane, real wireguard-go, real namespaces, routes read back with `ip`): the DNS resolver, the cloud
-metadata service, the node's LAN, the control plane, a default route in halves and in sixteen /4s. Each prefix
-is refused by name in the log and reported as a rejected change in the next drift report, the rest of the peer
-applies, nothing refused reaches any routing table, and the daemon keeps running.
+(real devplane, real wireguard-go, real namespaces, routes read back with `ip`): the DNS resolver, a default
+gateway, the cloud metadata service, the node's LAN, the control plane, a default route in halves and in
+sixteen /4s. Each prefix is refused by name in the log and reported as a rejected change in the next drift
+report, the rest of the peer applies, nothing refused reaches any routing table, and the daemon keeps running.
 
 Mesh routes live in a table of their own: a peer's route for a prefix the main table already routes goes into
 the mesh table and leaves the main-table route as it was, and a route put into the main table by hand via the
@@ -23,6 +23,7 @@ from plexd.mesh.links import DEFAULT_RULE_PRIORITY, DEFAULT_TABLE
 
 RESOLVER = "198.18.0.53"  # a benchmark-range address: in no LAN of the lab, so only the resolver guard names it
 ROUTED_ELSEWHERE = "198.18.50.0/24"  # the main table routes it via the gateway; a peer may still claim it
+SECOND_GATEWAY = "198.18.9.1"  # a second, on-link default gateway outside the LAN (the first is the devplane's)
 
 
 def routes(lab, node) -> list[dict]:
@@ -42,6 +43,8 @@ def test_routes_that_would_hijack_the_node_are_refused_and_reported(lab_dp):
     try:
         (netns_etc / "resolv.conf").write_text(f"nameserver {RESOLVER}\n")
         lab.exec(node, ["ip", "route", "add", ROUTED_ELSEWHERE, "via", lab.bridge_address])
+        lab.exec(node, ["ip", "route", "add", "default", "via", SECOND_GATEWAY, "dev", "eth0", "onlink",
+                        "metric", "500"])
         a = Daemon(lab, node, dp, tmp_path, reconcile="2s")
         daemons.append(a)
         wait_until(lambda: a.mesh_ip(), 30, "registration", daemons)
@@ -51,6 +54,7 @@ def test_routes_that_would_hijack_the_node_are_refused_and_reported(lab_dp):
         asks = {
             "n_resolver": ["198.18.0.0/24"],
             "n_metadata": ["169.254.169.254/32"],
+            "n_gateway": ["198.18.9.0/24"],
             "n_lan": [lan_part],
             "n_cp": [f"{lab.bridge_address}/32"],
             "n_halves": ["0.0.0.0/1", "128.0.0.0/1"],
@@ -79,6 +83,7 @@ def test_routes_that_would_hijack_the_node_are_refused_and_reported(lab_dp):
         why = reported()
         assert f"the DNS resolver {RESOLVER}" in why[("n_resolver", "198.18.0.0/24")]
         assert "cloud metadata service 169.254.169.254" in why[("n_metadata", "169.254.169.254/32")]
+        assert f"the default gateway {SECOND_GATEWAY}" in why[("n_gateway", "198.18.9.0/24")]
         assert f"this node's LAN {lan}" in why[("n_lan", lan_part)]
         assert "the control plane" in why[("n_cp", f"{lab.bridge_address}/32")]
         assert all(w for (pid, _), w in why.items() if pid in ("n_halves", "n_quarters"))

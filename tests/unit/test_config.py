@@ -287,3 +287,19 @@ def test_release_keys_and_allow_downgrade_load(tmp_path):
     loaded = load(tmp_path, f"upgrade: {{release_keys: ['{key}'], allow_downgrade: true}}\n")
     assert loaded.upgrade.release_keys == (key,) and loaded.upgrade.allow_downgrade is True
     assert load(tmp_path).upgrade.release_keys == () and load(tmp_path).upgrade.allow_downgrade is False
+
+
+def test_the_route_guard_settings_are_checked(tmp_path):
+    c = load(tmp_path, "mesh: {allow_routes: [192.168.7.0/24, 'fd00:7::/64'], max_route_percent: 2.5}",
+             env={"PLEXD_MESH_ROUTE_TABLE": "700"})
+    assert c.mesh.allow_routes == ("192.168.7.0/24", "fd00:7::/64") and c.mesh.max_route_percent == 2.5
+    assert c.mesh.route_table == 700 and c.mesh.route_rule_priority == 5182
+    assert load(tmp_path).mesh.allow_routes == ()
+    with pytest.raises(ConfigError, match=r"mesh.allow_routes: .*'192.168.300.0/24' is not a CIDR"):
+        load(tmp_path, "mesh: {allow_routes: [192.168.300.0/24]}")
+    with pytest.raises(ConfigError, match=r"mesh.route_table: 254 from file .* is reserved"):
+        load(tmp_path, "mesh: {route_table: 254}")
+    with pytest.raises(ConfigError, match=r"mesh.max_route_percent: 0 from file .* too small"):
+        load(tmp_path, "mesh: {max_route_percent: 0}")
+    with pytest.raises(ConfigError, match=r"mesh.route_rule_priority: 32766 from file .* too large"):
+        load(tmp_path, "mesh: {route_rule_priority: 32766}")
