@@ -88,8 +88,8 @@ def test_every_class_of_hostile_input_while_the_tunnel_pings(lab_dp):
     publish("peer_key_rotated", payload={**b_peer, "public_key": sloppy(b_peer["public_key"])})
     still_fine("routes and addresses a control plane may not ask for")
     log = a.logged()
-    for reason in ("0.0.0.0/0 refused: a default route", "allowed IP 0.0.0.0/1 refused: overlaps",
-                   "allowed IP 128.0.0.0/1 refused: overlaps",
+    for reason in ("0.0.0.0/0 refused: a default route", "allowed IP 0.0.0.0/1 refused: ",
+                   "allowed IP 128.0.0.0/1 refused: ",
                    f"would route {lab.bridge_address}", f"mesh IP {b.mesh_ip()} already belongs to peer {b_id}",
                    "public key is this node's own key", f"public key is already used by peer {b_id}"):
         assert reason in log, reason
