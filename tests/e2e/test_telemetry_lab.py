@@ -77,9 +77,11 @@ def test_metrics_logs_and_audit_reach_the_devplane_in_the_protocol_shapes(lab_dp
     # audit: a multi-record event joined by serial, a truncated record skipped, a local action included
     append(audit_log, ("\n".join([*SHADOW, "type=SYSCALL msg=audit(1700000001.2", LOGIN]) + "\n").encode())
     a.cli("actions", "run", "system.info", "--local", "--json")
+    # the local action's "started" and "finished" may ship in two batches: wait for both
     wait_until(lambda: {e["source"] for e in (dp.admin.audit(a_id))} == {"auditd", "plexd-actions"}
-               and len([e for e in (dp.admin.audit(a_id)) if e["source"] == "auditd"]) == 2, 20,
-               "the audit events", daemons)
+               and len([e for e in (dp.admin.audit(a_id)) if e["source"] == "auditd"]) == 2
+               and {e["action"] for e in dp.admin.audit(a_id) if e["source"] == "plexd-actions"}
+               >= {"started", "finished"}, 20, "the audit events", daemons)
     audit = (dp.admin.audit(a_id))
     shadow, login = [e for e in audit if e["source"] == "auditd"]
     assert (shadow["event_type"], shadow["action"], shadow["object"], shadow["result"]) == (
