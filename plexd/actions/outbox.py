@@ -1,11 +1,11 @@
 """Delivers the action outbox (acks, results, integrity violations) to the control plane, oldest first.
 
 It runs as its own service, so a slow or absent control plane never holds up the event stream or a hook. A
-message that fails for a transient reason (network, 5xx, 429) stays at the head and is retried with jittered
-backoff; one the control plane refuses for good (400, 404, 409, 410, 422) is dropped with one log line naming it,
-so it cannot block the queue. `flush` waits (bounded) for the queue to empty: the drain at shutdown uses it so
-that ``cancelled`` results are delivered before the daemon deregisters — and if they cannot be, they stay on disk
-and go out after the next start.
+message that fails for a transient reason stays at the head and is retried; one the control plane refuses for
+good is dropped with one log line naming it, so it cannot block the queue (the one retry policy of
+`plexd.controlplane.retry`: backoff, Retry-After, a 4xx other than 401/408/429 dropped). `flush` waits (bounded)
+for the queue to empty: the drain at shutdown uses it so that ``cancelled`` results are delivered before the
+daemon deregisters — and if they cannot be, they stay on disk and go out after the next start.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from plexd.actions.journal import ActionJournal, JournalError, Message
 from plexd.backoff import Backoff
 from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.retry import retry_verdict
 from plexd.gojson import parse_time
 
 if TYPE_CHECKING:
@@ -26,7 +27,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-REFUSED = (400, 404, 409, 410, 422)
 Send = Callable[[Message], Awaitable[None]]
 
 
@@ -66,7 +66,8 @@ class Outbox:
             try:
                 await self._send(message)
             except ControlPlaneError as exc:
-                if exc.status in REFUSED:
+                verdict = retry_verdict(exc, self.backoff)
+                if not verdict.retry:
                     self.refused += 1
                     log.warning("action %s for execution %s refused by the control plane: %s; dropped",
                                 message.kind, message.execution_id, exc,
@@ -74,11 +75,10 @@ class Outbox:
                     self.journal.delivered(message.seq)
                     continue
                 self.last_error = str(exc)
-                delay = self.backoff.next_delay()
                 self._note_attempt(message)
                 log.warning("action %s for execution %s not delivered: %s; retrying in %.1fs", message.kind,
-                            message.execution_id, exc, delay, extra={"execution_id": message.execution_id})
-                return delay
+                            message.execution_id, exc, verdict.delay, extra={"execution_id": message.execution_id})
+                return verdict.delay
             except JournalError as exc:
                 log.error("%s", exc)
                 return self.backoff.next_delay()

@@ -284,7 +284,7 @@ class ControlPlaneClient:
         message = _error_message(body[:MAX_ERROR_BYTES])
         if status == 401:
             return AuthError(what, status, message)
-        if status == 429:
+        if status == 429 or (status == 503 and "Retry-After" in headers):  # a server shedding load says when
             return RetryAfterError(what, status, message, parse_retry_after(headers.get("Retry-After"), self._now()))
         if status in (403, 404):
             return PermanentError(what, status, message)

@@ -45,7 +45,8 @@ class AuthError(ControlPlaneError):
 
 
 class RetryAfterError(ControlPlaneError):
-    """429: the server asked us to slow down. `retry_after` is seconds, or None when it gave no usable hint."""
+    """429, or a 503 with Retry-After: the server asked us to slow down. `retry_after` is seconds, or None when it
+    gave no usable hint."""
 
     def __init__(self, what: str, status: int = 429, message: str = "", retry_after: float | None = None) -> None:
         self.retry_after = retry_after

@@ -3,11 +3,8 @@
     UplinkOutbox(path, send)  data_dir/uplink.db (SQLite, WAL, 0600): entries of a kind with a JSON body, oldest
                               first; `put` is durable before it returns; past `max_entries`/`max_bytes` the oldest
                               are dropped, counted and logged; an unreadable file is moved aside, never fatal
-    retry_verdict(exc)        the one answer to "the control plane did not take it, now what":
-                                network, 5xx, 408        retry, jittered exponential backoff
-                                429                      retry after the server's Retry-After (at least the backoff)
-                                401                      retry (the caller's `authed` already re-authenticated once)
-                                any other 4xx            drop with one log line: it can never succeed
+    retry_verdict(exc)        the one retry policy (`plexd.controlplane.retry`), shared with action results,
+                              node-API report sync and telemetry
 
 Entries leave the outbox only when the control plane took them or refused them for good, so a report made while
 the control plane was down is delivered after it comes back, across a daemon restart too, exactly once (a crash
@@ -27,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from plexd.backoff import Backoff
-from plexd.controlplane.errors import AuthError, ControlPlaneError, RetryAfterError
+from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.retry import Verdict, retry_verdict
 from plexd.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
@@ -41,26 +39,6 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 """
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class Verdict:
-    retry: bool
-    delay: float = 0.0  # before the next attempt (retry only)
-    reason: str = ""
-
-
-def retry_verdict(exc: ControlPlaneError, backoff: Backoff) -> Verdict:
-    """What to do with an entry the control plane did not take (see the module's table)."""
-    status = exc.status
-    if isinstance(exc, RetryAfterError):
-        hint = exc.retry_after if exc.retry_after is not None else 0.0
-        return Verdict(True, max(hint, backoff.next_delay()), str(exc))
-    if isinstance(exc, AuthError) or status == 0 or status >= 500 or status == 408:
-        return Verdict(True, backoff.next_delay(), str(exc))
-    if 400 <= status < 500:
-        return Verdict(False, reason=str(exc))
-    return Verdict(True, backoff.next_delay(), str(exc))  # an unclassified status: the transient default
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ The queue is a set of keys, not of changes: at send time each key's current entr
 as deleted when it no longer exists, so any number of writes to one key cost one entry upstream (coalesced). The
 queue is written to data_dir/state/report-queue.json on every change, so what was not acknowledged is sent after
 a restart too (the Go agent keeps it in memory). A change waits `debounce` (5 s) for others to join it; a failed
-send is retried with jittered backoff, for as long as it takes. A 400 or 409 is the control plane refusing the
-batch itself: retrying it cannot succeed, so it is dropped with a logged reason (the Go agent retries a 409 every
-5 s forever).
+send is retried by the one retry policy (`plexd.controlplane.retry`: jittered backoff, the server's Retry-After)
+for as long as it takes. A 4xx other than 401/408/429 is the control plane refusing the batch itself: retrying it
+cannot succeed, so it is dropped with a logged reason (the Go agent retries a 409 every 5 s forever).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 from plexd.atomicfile import write_atomic
 from plexd.backoff import Backoff
 from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.retry import retry_verdict
 from plexd.errors import PlexdError
 from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR
 from plexd.nodeapi.keys import report_key_problem
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 QUEUE_FILE = "report-queue.json"
 DEBOUNCE = 5.0
 MAX_BATCH_KEYS = 100  # keys per POST: a backlog goes in several requests of bounded size
-REFUSED = (400, 409, 422)
 
 Send = Callable[[Sequence[dict[str, Any]], Sequence[str]], Awaitable[None]]
 
@@ -53,6 +53,7 @@ class ReportSync:
         self.dropped_batches = 0
         self.last_error = ""
         self.last_sent_at: float | None = None
+        self._retry_in = 0.0  # after a failed batch: the retry policy's delay
 
     # -- the queue ----------------------------------------------------------------------------------------------
 
@@ -106,7 +107,7 @@ class ReportSync:
             self._wake.clear()
             while self._pending:
                 if not await self._send_one_batch():
-                    await self._sleep(self.backoff.next_delay())
+                    await self._sleep(self._retry_in)
 
     async def _send_one_batch(self) -> bool:
         batch = dict(list(self._pending.items())[:MAX_BATCH_KEYS])
@@ -120,16 +121,19 @@ class ReportSync:
         try:
             await self.send(entries, deleted)
         except ControlPlaneError as exc:
-            if exc.status in REFUSED:
+            verdict = retry_verdict(exc, self.backoff)
+            if not verdict.retry:
                 log.error("report sync: the control plane refused a batch of %d entries and %d deletions (%s); "
                           "dropped, keys: %s", len(entries), len(deleted), exc, ", ".join(sorted(batch))[:500])
                 self.dropped_batches += 1
                 self._acknowledged(batch)
                 return True
             self._failed(exc)
+            self._retry_in = verdict.delay
             return False
         except PlexdError as exc:  # re-registration impossible: keep the queue, retry later
             self._failed(exc)
+            self._retry_in = self.backoff.next_delay()
             return False
         if self.last_error:
             log.info("report sync: delivered again after an outage")

@@ -1,10 +1,10 @@
 """Sends one telemetry stream's queue to the control plane, oldest first, one batch per POST.
 
-Every report interval the whole queue is drained, batch after batch. A transient failure (network, 5xx, 429)
-keeps the batch at the head and retries it with jittered exponential backoff capped at the report interval, so
-a control plane that comes back gets the backlog within about one interval, and a fleet's retries spread out.
-A batch the control plane refuses for good (400, 404, 413, 422) is dropped with one log line, so it cannot
-block the stream forever.
+Every report interval the whole queue is drained, batch after batch. The one retry policy decides what a failure
+means (`plexd.controlplane.retry`): a transient one keeps the batch at the head and retries it with jittered
+exponential backoff capped at the report interval (or after the server's Retry-After), so a control plane that
+comes back gets the backlog within about one interval, and a fleet's retries spread out; a batch refused for
+good (a 4xx other than 401/408/429) is dropped with one log line, so it cannot block the stream forever.
 
 Quiet by design: an outage is one warning when it starts and one info line when the backlog is delivered.
 """
@@ -19,11 +19,11 @@ from typing import Any
 
 from plexd.backoff import Backoff
 from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.retry import retry_verdict
 from plexd.telemetry.queue import TelemetryQueue
 
 log = logging.getLogger(__name__)
 
-REFUSED = (400, 404, 409, 410, 413, 422)
 Send = Callable[[Sequence[dict[str, Any]]], Awaitable[None]]
 # Entries to send ahead of the queue's (not stored in it), and what to call once they were taken.
 Preface = Callable[[], tuple[list[dict[str, Any]], Callable[[], None]]]
@@ -57,8 +57,9 @@ class Shipper:
             try:
                 await self._send(entries)
             except ControlPlaneError as exc:
-                if exc.status not in REFUSED:
-                    return self._failed(exc)
+                verdict = retry_verdict(exc, self.backoff)
+                if verdict.retry:
+                    return self._failed(exc, verdict.delay)
                 self.refused_entries += len(entries)
                 log.warning("%s batch of %d entries refused by the control plane: %s; dropped", self.stream,
                             len(entries), exc)
@@ -69,13 +70,13 @@ class Shipper:
             if batch is not None:
                 self.queue.delivered(batch)
 
-    def _failed(self, exc: ControlPlaneError) -> float:
+    def _failed(self, exc: ControlPlaneError, delay: float) -> float:
         self.last_error = str(exc)
         if self.failing_since is None:
             self.failing_since = time.monotonic()
             pending = self.queue.status(self.stream)["pending"]
             log.warning("%s not delivered: %s; %d entries kept on disk, retrying", self.stream, exc, pending)
-        return self.backoff.next_delay()
+        return delay
 
     def _recovered(self) -> None:
         self.backoff.reset()

@@ -1,0 +1,96 @@
+"""One retry policy for everything the node sends on its own: the drift-report outbox, action results, node-API
+report sync and telemetry all classify a control-plane answer the same way (retry with backoff, wait out the
+server's Retry-After, drop a 4xx that can never succeed). Each consumer is driven by its own queue with a send
+function standing in for the control plane (the real POST paths run against the devplane in the e2e labs);
+what is checked here is that the four agree, answer by answer."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from plexd.actions.journal import ActionJournal
+from plexd.actions.outbox import Outbox
+from plexd.backoff import Backoff
+from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError, RetryAfterError, TransientError
+from plexd.controlplane.uplink import UplinkOutbox
+from plexd.nodeapi.reports import ReportStore
+from plexd.nodeapi.sync import ReportSync
+from plexd.telemetry.queue import TelemetryQueue
+from plexd.telemetry.shipper import Shipper
+
+FAST = {"base": 0.01, "cap": 0.02, "jitter": 0}
+ANSWERS = [
+    (TransientError("x", 0, "connection refused"), True),
+    (TransientError("x", 500, "oops"), True),
+    (TransientError("x", 503, "busy"), True),
+    (TransientError("x", 408, "slow"), True),
+    (AuthError("x", 401, "who"), True),
+    (RetryAfterError("x", 429, "later", retry_after=30.0), True),
+    (RetryAfterError("x", 503, "shedding", retry_after=30.0), True),
+    (ControlPlaneError("x", 400, "bad"), False),
+    (PermanentError("x", 403, "no"), False),
+    (PermanentError("x", 404, "gone"), False),
+    (ControlPlaneError("x", 409, "conflict"), False),
+    (ControlPlaneError("x", 413, "too big"), False),
+    (ControlPlaneError("x", 422, "invalid"), False),
+]
+
+
+def failing_once(error: Exception):
+    calls = []
+
+    async def send(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise error
+
+    return send, calls
+
+
+async def uplink(tmp_path, error) -> tuple[bool, float]:
+    send, _ = failing_once(error)
+    box = UplinkOutbox(tmp_path / "uplink.db", send, backoff=Backoff(**FAST))
+    box.put("drift", {"n": 1})
+    await box.deliver()
+    kept = box.size() == 1
+    return kept, box._retry_at - time.monotonic() if kept else 0.0
+
+
+async def actions(tmp_path, error) -> tuple[bool, float]:
+    send, _ = failing_once(error)
+    journal = ActionJournal(tmp_path / "actions.db")
+    journal.queue("ack", "e1", {})
+    delay = await Outbox(journal, send, backoff=Backoff(**FAST))._deliver_all()
+    return journal.outbox_size() == 1, delay or 0.0
+
+
+async def reports(tmp_path, error) -> tuple[bool, float]:
+    send, _ = failing_once(error)
+    store = ReportStore(tmp_path)
+    sync = ReportSync(store, send, tmp_path, backoff=Backoff(**FAST))
+    store.on_change = sync.changed
+    await store.put("a", "text/plain", "1", None)
+    ok = await sync._send_one_batch()
+    return (not ok and sync.pending == 1), sync._retry_in
+
+
+async def telemetry(tmp_path, error) -> tuple[bool, float]:
+    send, _ = failing_once(error)
+    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
+    queue.append("logs", [{"n": 1}])
+    shipper = Shipper(queue, "logs", send, batch_size=10, interval=0.05, backoff=Backoff(**FAST))
+    delay = await shipper.drain()
+    return queue.batch("logs", 10) is not None, delay or 0.0
+
+
+@pytest.mark.parametrize("consumer", [uplink, actions, reports, telemetry])
+@pytest.mark.parametrize(("error", "retried"), ANSWERS, ids=[f"{e.status}-{type(e).__name__}" for e, _ in ANSWERS])
+async def test_every_uplink_consumer_answers_a_failure_the_same_way(tmp_path, consumer, error, retried):
+    kept, delay = await consumer(tmp_path, error)
+    assert kept == retried, f"{consumer.__name__}: {error.status} {'kept for a retry' if retried else 'dropped'}"
+    if isinstance(error, RetryAfterError):
+        assert delay >= 29.0, f"{consumer.__name__} did not wait out Retry-After: {delay}"
+    elif retried:
+        assert 0 < delay <= 0.05
