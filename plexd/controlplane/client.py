@@ -34,9 +34,10 @@ import asyncio
 import contextlib
 import functools
 import gzip
+import hashlib
 import os
 import ssl
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -181,6 +182,26 @@ class SecretResponse:
 # ---------------------------------------------------------------------------------------------------------------
 # The client
 
+def _parse_body(what: str, data: bytes) -> JSON:
+    """A 2xx answer's JSON body, bounded; a clear error naming the request otherwise."""
+    if not data.strip():
+        raise BadResponseError(what, 200, "empty response body (expected a JSON object)")
+    try:
+        return boundedjson.loads(data)
+    except WireFormatError as exc:
+        raise BadResponseError(what, 200, f"response is not JSON we can read: {exc}") from None
+
+
+MAX_ETAG = 256  # an ETag is an opaque short string; a longer one is not sent back
+
+
+@dataclass(frozen=True)
+class _PulledState:
+    path: str
+    etag: str
+    digest: bytes
+    state: State
+
 
 class ControlPlaneClient:
     def __init__(
@@ -201,6 +222,7 @@ class ControlPlaneClient:
         self.user_agent = user_agent
         self.request_timeout = request_timeout
         self._now = now or (lambda: datetime.now(UTC))  # for HTTP-date Retry-After
+        self._last_state: _PulledState | None = None  # the last state answer, for conditional pulls
         self._http = httpx.AsyncClient(
             verify=_tls_context(ca_file, insecure_skip_verify),
             timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
@@ -248,8 +270,15 @@ class ControlPlaneClient:
         what: str = "",
     ) -> bytes:
         """Send one request and return the (decompressed, capped) response body of a 2xx; raise typed errors."""
+        return (await self._exchange(method, path, body, has_body=has_body, token=token, what=what))[2]
+
+    async def _exchange(
+        self, method: str, path: str, body: JSON = None, *, has_body: bool = False, token: str | None = None,
+        what: str = "", extra_headers: Mapping[str, str] | None = None, also_ok: Collection[int] = (),
+    ) -> tuple[int, httpx.Headers, bytes]:
+        """`_call`, answering (status, headers, body); a status in `also_ok` (a 304) is an answer, not an error."""
         what = what or f"{method} {path}"
-        headers = self._headers(token)
+        headers = {**self._headers(token), **(extra_headers or {})}
         content: bytes | None = None
         if has_body:
             # A string that is not valid Unicode (a lone surrogate from outside input) becomes U+FFFD, as Go's
@@ -276,9 +305,9 @@ class ControlPlaneClient:
         except httpx.DecodingError as exc:
             # A body labelled gzip that is not: not a TransportError, and without this it escapes as a traceback.
             raise BadResponseError(what, response.status_code, f"response body cannot be decoded: {exc}") from None
-        if not 200 <= response.status_code < 300:
+        if not 200 <= response.status_code < 300 and response.status_code not in also_ok:
             raise self._status_error(what, response.status_code, data, response.headers)
-        return data
+        return response.status_code, response.headers, data
 
     def _status_error(self, what: str, status: int, body: bytes, headers: httpx.Headers) -> ControlPlaneError:
         message = _error_message(body[:MAX_ERROR_BYTES])
@@ -293,13 +322,7 @@ class ControlPlaneClient:
     async def _json(self, method: str, path: str, body: JSON = None, *, has_body: bool = False,
                     token: str | None = None, what: str = "") -> JSON:
         what = what or f"{method} {path}"
-        data = await self._call(method, path, body, has_body=has_body, token=token, what=what)
-        if not data.strip():
-            raise BadResponseError(what, 200, "empty response body (expected a JSON object)")
-        try:
-            return boundedjson.loads(data)
-        except WireFormatError as exc:
-            raise BadResponseError(what, 200, f"response is not JSON we can read: {exc}") from None
+        return _parse_body(what, await self._call(method, path, body, has_body=has_body, token=token, what=what))
 
     # -- §1.2 endpoints -------------------------------------------------------------------------------------------
 
@@ -348,10 +371,24 @@ class ControlPlaneClient:
         return _typed(what, _peer_endpoints, doc)
 
     async def fetch_state(self, node_id: str) -> State:
-        """#8 ``GET /v1/nodes/{id}/state``."""
+        """#8 ``GET /v1/nodes/{id}/state``. An unchanged state costs next to nothing: the request carries the last
+        answer's ``ETag`` (``If-None-Match``) and a 304 reuses the state parsed then; without ETags, a body with the
+        same digest as the last one is not parsed again."""
         what = "state fetch"
-        doc = await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/state", what=what)
-        return _typed(what, State.from_wire, doc)
+        path = f"/v1/nodes/{path_escape(node_id)}/state"
+        last = self._last_state if self._last_state is not None and self._last_state.path == path else None
+        conditional = {"If-None-Match": last.etag} if last is not None and last.etag else None
+        status, headers, data = await self._exchange("GET", path, what=what, extra_headers=conditional,
+                                                     also_ok=(304,) if conditional else ())
+        if status == 304 and last is not None:
+            return last.state
+        digest = hashlib.sha256(data).digest()
+        if last is not None and last.digest == digest:
+            return last.state
+        state = _typed(what, State.from_wire, _parse_body(what, data))
+        etag = headers.get("ETag", "")
+        self._last_state = _PulledState(path, etag if len(etag) <= MAX_ETAG else "", digest, state)
+        return state
 
     async def report_drift(self, node_id: str, report: Mapping[str, JSON]) -> None:
         """#9 ``POST /v1/nodes/{id}/drift``: ``{"timestamp": ..., "corrections": [{"type","detail"}...]}``."""

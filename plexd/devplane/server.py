@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import re
@@ -127,8 +128,14 @@ def _valid_endpoint(text: str) -> bool:
 # -- state, secrets, reports ------------------------------------------------------------------------------------
 
 async def state(request: Request) -> Response:
+    """The node's state, with an ETag of its bytes: a node asking again with `If-None-Match` and nothing changed
+    gets a 304 and parses nothing (the Go control plane has no ETag; plexd works either way)."""
     node = _node(request)
-    return JSONResponse(_dep(request).state(node))
+    body = JSONResponse(_dep(request).state(node)).body
+    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(body, media_type="application/json", headers={"ETag": etag})
 
 
 async def secret(request: Request) -> Response:
