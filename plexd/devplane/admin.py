@@ -22,7 +22,7 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plexd import gojson
-from plexd.devplane import wire
+from plexd.devplane import sessions, wire
 from plexd.devplane.deployment import Deployment, valid_public_key
 from plexd.devplane.events import event_id
 from plexd.devplane.store import Node
@@ -36,6 +36,7 @@ RECORD_KINDS = {
     "drift": "drift", "reports": "report", "integrity": "integrity", "heartbeats": "heartbeat",
     "metrics": "metrics", "logs": "logs", "audit": "audit", "tunnels": "tunnel_ready",
     "tunnels-closed": "tunnel_closed", "endpoints": "endpoint", "capabilities": "capabilities",
+    "session-activity": "session",
 }
 FLATTENED = {"metrics", "logs", "audit"}  # bodies are arrays; the admin view is one list of entries
 FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events": "int", "silent": "bool",
@@ -154,6 +155,37 @@ async def forget_node(request: Request) -> Response:
     dep = _dep(request)
     dep.remove(dep.node(request.path_params["node_id"], rejoinable=True), "forgotten by the admin")
     return JSONResponse({})
+
+
+# -- access sessions --------------------------------------------------------------------------------------------
+
+async def create_session(request: Request) -> Response:
+    """Mint a session: {kind, ttl_seconds, user | host+port | groups, allowed_commands, idle_timeout_seconds} →
+    {session, token}. The token is shown once (the devplane keeps only the session)."""
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    session, token = dep.create_session(node, _obj(await read_json(request)))
+    return JSONResponse({"session": sessions.summary(node, session, dep.clock.now()), "token": token},
+                        status_code=201)
+
+
+async def revoke_session(request: Request) -> Response:
+    dep = _dep(request)
+    dep.revoke_session(dep.node(request.path_params["node_id"]), request.path_params["session_id"])
+    return JSONResponse({})
+
+
+async def list_node_sessions(request: Request) -> Response:
+    dep = _dep(request)
+    node = _any_node(dep, request.path_params["node_id"])
+    now = dep.clock.now()
+    return JSONResponse([sessions.summary(node, s, now) for s in node.sessions.values()])
+
+
+async def list_sessions(request: Request) -> Response:
+    dep = _dep(request)
+    now = dep.clock.now()
+    return JSONResponse([sessions.summary(n, s, now) for n in dep.live_nodes() for s in n.sessions.values()])
 
 
 # -- policies ---------------------------------------------------------------------------------------------------
@@ -529,6 +561,10 @@ def routes() -> list[Route]:
         Route("/v1/events", broadcast_event, methods=["POST"]),
         Route("/v1/signing-key/rotate", rotate_signing_key, methods=["POST"]),
         Route(node + "/report-entries", report_entries, methods=["GET"]),
+        Route(node + "/sessions", create_session, methods=["POST"]),
+        Route(node + "/sessions", list_node_sessions, methods=["GET"]),
+        Route(node + "/sessions/{session_id}", revoke_session, methods=["DELETE"]),
+        Route("/v1/sessions", list_sessions, methods=["GET"]),
         Route(node + "/{kind}", node_records, methods=["GET"]),
         Route("/v1/faults", set_faults, methods=["PUT"]),
         Route("/v1/faults", clear_faults, methods=["DELETE"]),

@@ -140,6 +140,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = leaf(g, "rotate", do_signing_rotate, "new key; the old one stays valid for the transition")
     p.add_argument("--transition", default="24h", help="Go duration (default %(default)s)")
 
+    g = group("session", "access sessions (SSH, TCP, Kubernetes) into nodes, authorized by session tokens")
+    p = leaf(g, "create", do_session_create, "mint a session; prints its token and how to connect")
+    p.add_argument("--node", required=True, help="the node to enter")
+    p.add_argument("--kind", required=True, choices=("ssh", "tcp", "k8s"))
+    p.add_argument("--user", help="the login user (ssh) or the Kubernetes user impersonated (k8s)")
+    p.add_argument("--ttl", default="30m", help="lifetime, Go duration (default %(default)s; 2s works too)")
+    p.add_argument("--idle", default="0s", help="idle timeout, Go duration (default: none)")
+    p.add_argument("--target", help="tcp: HOST:PORT the node forwards to (HOST defaults to 127.0.0.1)")
+    p.add_argument("--group", action="append", default=[], help="k8s: a group impersonated (repeatable)")
+    p.add_argument("--allow", action="append", default=[], metavar="COMMAND",
+                   help="ssh: a command line the session may run (repeatable; default: any, and a shell)")
+    p.add_argument("--wait", type=float, default=5.0,
+                   help="seconds to wait for the node to report the session's listener (default %(default)s)")
+    p = leaf(g, "revoke", do_session_revoke, "end a session now (the node closes it)")
+    p.add_argument("--node", required=True)
+    p.add_argument("session_id")
+    p = leaf(g, "list", do_session_list, "sessions and where their listeners are")
+    p.add_argument("--node", help="only this node's")
+
     g = group("faults", "fault injection on the agent API (never on /admin)")
     p = leaf(g, "set", do_faults_set, "set faults, e.g. events_status=503 retry_after=2 silent=true")
     p.add_argument("pairs", nargs="+", metavar="KEY=VALUE")
@@ -414,3 +433,76 @@ def do_records(c: Any, args: argparse.Namespace) -> Any:
         return items, "\n".join(lines) or "(none)"
     return items, "\n".join(json.dumps(i, ensure_ascii=False) for i in items) or "(none)"
 
+
+
+def _seconds(text: str, what: str) -> float:
+    from plexd.gojson import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: not a Go duration (e.g. 30s, 10m, 1h30m)") from None
+
+
+def _target(args: argparse.Namespace) -> dict[str, Any]:
+    if args.kind == "tcp":
+        if not args.target:
+            raise ConfigError("--target HOST:PORT is required for a tcp session")
+        host, sep, port = args.target.rpartition(":")
+        if not port.isdigit():
+            raise ConfigError(f"--target {args.target!r}: expected HOST:PORT or :PORT")
+        return {"host": host if sep and host else "127.0.0.1", "port": int(port)}
+    if not args.user:
+        raise ConfigError(f"--user is required for a {args.kind} session")
+    if args.kind == "ssh":
+        return {"user": args.user, **({"allowed_commands": args.allow} if args.allow else {})}
+    return {"user": args.user, **({"groups": args.group} if args.group else {})}
+
+
+def _how_to_connect(session: dict[str, Any]) -> str:
+    endpoint = session.get("listener_endpoint") or ""
+    if not endpoint:
+        return ("the node has not reported the session's listener yet; "
+                f"`plexd-devplane admin session list --node {session['node_id']}` shows it once it has")
+    host, _, port = endpoint.rpartition(":")
+    kind = session["kind"]
+    if kind == "ssh":
+        user = session["target"]["ssh"]["user"]
+        return f"ssh -p {port} {user}@{host}    (password: the token)"
+    if kind == "tcp":
+        return f"connect to {endpoint} from an allowed mesh peer"
+    return f"kubectl --server https://{endpoint} --token <the token> --insecure-skip-tls-verify get pods"
+
+
+def do_session_create(c: Any, args: argparse.Namespace) -> Any:
+    import time
+
+    ttl = _seconds(args.ttl, "--ttl")
+    idle = int(_seconds(args.idle, "--idle"))
+    created = c.create_session(args.node, args.kind, ttl, idle_timeout_seconds=idle, **_target(args))
+    session, token = created["session"], created["token"]
+    deadline = time.monotonic() + max(args.wait, 0.0)
+    while not session.get("listener_endpoint") and time.monotonic() < deadline:
+        time.sleep(0.2)
+        session = next((s for s in c.sessions(args.node) if s["session_id"] == session["session_id"]), session)
+    created["session"] = session
+    lines = [f"session {session['session_id']} ({session['kind']}) on {args.node} until {session['expires_at']}",
+             f"token: {token}", _how_to_connect(session)]
+    return created, "\n".join(lines)
+
+
+def do_session_revoke(c: Any, args: argparse.Namespace) -> Any:
+    c.revoke_session(args.node, args.session_id)
+    return {"revoked": args.session_id}, f"session {args.session_id} revoked"
+
+
+def do_session_list(c: Any, args: argparse.Namespace) -> Any:
+    found = c.sessions(args.node)
+    rows = [[s["session_id"], s["node_id"], s["kind"], _who(s), s["expires_at"], "live" if s["live"] else "expired",
+             s["listener_endpoint"] or "-"] for s in found]
+    return found, table(rows, ["SESSION", "NODE", "KIND", "TARGET", "EXPIRES", "STATE", "LISTENER"])
+
+
+def _who(session: dict[str, Any]) -> str:
+    target = session["target"][session["kind"]]
+    return target.get("user") or f"{target.get('host')}:{target.get('port')}"

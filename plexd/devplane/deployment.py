@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from plexd import gojson, node_secret
 from plexd.clock import Clock
+from plexd.devplane import sessions
 from plexd.devplane.events import EventHub, Signer
 from plexd.devplane.store import Node, Store
 from plexd.devplane.wire import HTTPError
@@ -445,7 +446,36 @@ class Deployment:
             out["metadata"] = node.metadata
         out["data"] = list(node.data.values())
         out["secret_refs"] = node.secret_refs()
+        out["sessions"] = sessions.block(node, self.clock.now())
         return out
+
+    # -- access sessions (plexd.devplane.sessions) -------------------------------------------------------------
+
+    def create_session(self, node: Node, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        now = self.clock.now()
+        with self.store.transaction():
+            sessions.prune(node, now)
+            session, token = sessions.create(node, self.signer.key, now, body)
+            self._save(node)
+            self.hub.publish([node.id], "session_setup", {"session_id": session["session_id"]})
+        log.info("session %s (%s) created for node %s until %s", session["session_id"], session["kind"], node.id,
+                 session["expires_at"])
+        return session, token
+
+    def revoke_session(self, node: Node, session_id: str) -> None:
+        if session_id not in node.sessions:
+            raise HTTPError(404, f"node {node.id} has no session {session_id!r}")
+        with self.store.transaction():
+            del node.sessions[session_id]
+            self._save(node)
+            self.hub.publish([node.id], "session_revoked", {"session_id": session_id})
+        log.info("session %s of node %s revoked", session_id, node.id)
+
+    def session_activity(self, node: Node, session_id: str, body: Any) -> None:
+        with self.store.transaction():
+            record = sessions.record_activity(node, session_id, body)
+            self._save(node)
+            self.store.add_record(node.id, "session", self.now_text(), json.dumps(record, separators=(",", ":")))
 
     def secret(self, node: Node, key: str) -> dict[str, Any]:
         entry = node.secrets.get(key)

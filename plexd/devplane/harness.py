@@ -168,6 +168,21 @@ class AdminClient:
     def rotate_signing_key(self, transition: str = "24h") -> dict[str, str]:
         return self._call("POST", "/signing-key/rotate", {"transition": transition})
 
+    def create_session(self, node_id: str, kind: str, ttl_seconds: float, **target: Any) -> dict[str, Any]:
+        """Mint an access session: `target` is user= (ssh, k8s), host=/port= (tcp), groups=, allowed_commands=,
+        idle_timeout_seconds=. Returns {"session", "token"}."""
+        return self._call("POST", f"/nodes/{_q(node_id)}/sessions",
+                          {"kind": kind, "ttl_seconds": ttl_seconds, **target})
+
+    def revoke_session(self, node_id: str, session_id: str) -> None:
+        self._call("DELETE", f"/nodes/{_q(node_id)}/sessions/{_q(session_id)}")
+
+    def sessions(self, node_id: str | None = None) -> list[dict[str, Any]]:
+        return self._call("GET", f"/nodes/{_q(node_id)}/sessions" if node_id else "/sessions")
+
+    def session_activity(self, node_id: str) -> list[dict[str, Any]]:
+        return self.records(node_id, "session-activity")
+
     def set_faults(self, **faults: Any) -> dict[str, Any]:
         """events_status, retry_after, close_after_events, silent, all_status (agent endpoints only)."""
         return self._call("PUT", "/faults", faults)

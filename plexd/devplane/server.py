@@ -111,18 +111,13 @@ async def endpoint(request: Request) -> Response:
     node = _node(request)
     body = _object(await read_json(request, wire.ENDPOINT))
     public = body.get("public_endpoint") or ""
-    if public and not _valid_endpoint(public):
+    if public and not wire.is_host_port(public):
         raise HTTPError(400, f"public_endpoint: {public!r} is not HOST:PORT")
     dep = _dep(request)
     dep.store.add_record(node.id, "endpoint", dep.now_text(), wire_json(body))
     if public:
         dep.set_endpoint(node, public, body.get("nat_type") or "")
     return JSONResponse({"peer_endpoints": dep.peer_endpoints(node)})
-
-
-def _valid_endpoint(text: str) -> bool:
-    host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 # -- state, secrets, reports ------------------------------------------------------------------------------------
@@ -199,6 +194,14 @@ def _tunnel(kind: str, schema: Any) -> Any:
 
     handler.__name__ = kind
     return handler
+
+
+async def session_activity(request: Request) -> Response:
+    """§1.4: what happened in a session (a command, a Kubernetes request, a TCP phase with its listener)."""
+    node = _node(request)
+    body = await read_json(request)
+    _dep(request).session_activity(node, request.path_params["session_id"], body)
+    return ok()
 
 
 async def artifact(request: Request) -> Response:
@@ -358,6 +361,7 @@ ROUTES = [
     Route(NODE + "/tunnels/{session_id}/ready", _tunnel("tunnel_ready", wire.TUNNEL_READY), methods=["POST"]),
     Route(NODE + "/tunnels/{session_id}/closed", _tunnel("tunnel_closed", wire.TUNNEL_CLOSED), methods=["POST"]),
     Route(NODE + "/integrity/violations", _recorder("integrity", wire.INTEGRITY), methods=["POST"]),
+    Route(NODE + "/sessions/{session_id}", session_activity, methods=["POST"]),
     Route("/v1/ping", ping, methods=["GET"]),
 ]
 

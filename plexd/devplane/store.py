@@ -71,6 +71,7 @@ class Node:
     # "hkdf-sha256" when the node offered the derivation at registration (plexd.node_secret): its bearer and the
     # key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent): `secret` is both
     kdf: str = ""
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)  # session id -> session (plexd.devplane.sessions)
 
     @property
     def bearer(self) -> str:

@@ -213,6 +213,11 @@ INTEGRITY = {"type": "str", "path": "str", "expected_checksum": "str", "actual_c
 _SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9._+-]+$")
 
 
+def is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
 def safe_component(part: str) -> bool:
     """A path component that stays in its directory: no separator, not . or .."""
     return bool(_SAFE_COMPONENT.match(part)) and part not in (".", "..")

@@ -88,7 +88,8 @@ def test_state_has_the_wire_shape_and_admin_changes(dp):
     assert dp.admin.set_data(a.id, "database-config", "application/json", {"host": "db2"})["version"] == 2
     assert dp.admin.set_secret(a.id, "tls-cert", "s3cr3t") == 1
     state = a.get("state").json()
-    assert set(state) == {"peers", "policies", "signing_keys", "metadata", "data", "secret_refs"}
+    assert set(state) == {"peers", "policies", "signing_keys", "metadata", "data", "secret_refs", "sessions"}
+    assert state["sessions"] == []  # no sessions: an empty block, which a node reads as "close every session"
     assert b.id in {p["id"] for p in state["peers"]}
     assert state["policies"] == [{"id": "pol_default", "rules": [
         {"src": "*", "dst": "*", "port": 0, "protocol": "", "action": "allow"}]}]

@@ -1,0 +1,135 @@
+"""Access sessions in the reference control plane (plexd-access-protocol.md §1): minting, the `sessions` block of
+a node's state, revocation, and the activity nodes report.
+
+A session is desired state of its node: it is in the block from `create` until it is revoked or its
+`expires_at` passes (the block then simply no longer lists it: that is the node's teardown signal). The token is
+a compact EdDSA JWS signed with the deployment's current event-signing key (`plexd.access.token`), so a node
+checks it with the keys it already trusts. Sessions are kept in the node's document (they survive a restart of
+the devplane); the token is returned once and never stored.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime, timedelta
+from typing import Any
+
+from plexd import gojson
+from plexd.access.token import sign_session_token
+from plexd.devplane import wire
+from plexd.devplane.store import Node
+from plexd.devplane.wire import HTTPError
+
+KINDS = ("ssh", "tcp", "k8s")
+MAX_PER_NODE = 10  # the Go agent's tunnel.max_sessions: a node would refuse the eleventh
+MAX_COMMAND = 1024
+TERMINATED_BY = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
+_WIRE = ("session_id", "jti", "kind", "target", "expires_at", "idle_timeout_seconds")
+
+
+def target_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The session's `target.<kind>` object from an admin request, checked."""
+    if kind == "ssh":
+        user = _user(body)
+        commands = body.get("allowed_commands")
+        if commands is not None and (not isinstance(commands, list)
+                                     or not all(isinstance(c, str) and c for c in commands)):
+            raise HTTPError(400, "allowed_commands: must be an array of non-empty strings")
+        return {"user": user, **({"allowed_commands": commands} if commands else {})}
+    if kind == "tcp":
+        host, port = body.get("host", "127.0.0.1"), body.get("port")
+        if not isinstance(host, str) or not host:
+            raise HTTPError(400, "host: must be a non-empty string")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            raise HTTPError(400, f"port: must be an integer 1-65535, got {port!r}")
+        return {"host": host, "port": port}
+    groups = body.get("groups") or []
+    if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups):
+        raise HTTPError(400, "groups: must be an array of non-empty strings")
+    return {"user": _user(body), **({"impersonate_groups": groups} if groups else {})}
+
+
+def _user(body: dict[str, Any]) -> str:
+    user = body.get("user")
+    if not isinstance(user, str) or not user or any(c in user for c in "/\0") or user in (".", ".."):
+        raise HTTPError(400, "user: must be a user name (no '/', NUL, '.' or '..')")
+    return user
+
+
+def create(node: Node, signing_key: Any, now: datetime, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """A new session of `node` from an admin request {kind, ttl_seconds, idle_timeout_seconds, user | host/port
+    | groups, allowed_commands}; returns (the session as the node's state lists it, its token)."""
+    kind = body.get("kind")
+    if kind not in KINDS:
+        raise HTTPError(400, f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
+    ttl = body.get("ttl_seconds")
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= 7 * 86400:
+        raise HTTPError(400, f"ttl_seconds: must be a number of seconds in (0, 604800], got {ttl!r}")
+    idle = body.get("idle_timeout_seconds", 0)
+    if isinstance(idle, bool) or not isinstance(idle, int) or idle < 0:
+        raise HTTPError(400, f"idle_timeout_seconds: must be a whole number >= 0, got {idle!r}")
+    live = [s for s in node.sessions.values() if not expired(s, now)]
+    if len(live) >= MAX_PER_NODE:
+        raise HTTPError(409, f"node {node.id} already has {len(live)} live sessions (at most {MAX_PER_NODE})")
+    target = target_of(kind, body)
+    sid = "ses_" + secrets.token_hex(8)
+    expires = now + timedelta(seconds=float(ttl))
+    session = {"session_id": sid, "jti": sid, "kind": kind, "target": {kind: target},
+               "expires_at": gojson.format_time(expires), "idle_timeout_seconds": idle,
+               "created_at": gojson.format_time(now), "listener_endpoint": ""}
+    claims = {"jti": sid, "kind": kind, "target": {"kind": kind, **target},
+              "nbf": int(now.timestamp()), "exp": int(expires.timestamp())}
+    node.sessions[sid] = session
+    return session, sign_session_token(signing_key, claims)
+
+
+def expired(session: dict[str, Any], now: datetime) -> bool:
+    return gojson.parse_time(session["expires_at"]) <= now
+
+
+def prune(node: Node, now: datetime) -> bool:
+    """Forget the sessions past their expiry; True when there were any."""
+    gone = [sid for sid, s in node.sessions.items() if expired(s, now)]
+    for sid in gone:
+        del node.sessions[sid]
+    return bool(gone)
+
+
+def block(node: Node, now: datetime) -> list[dict[str, Any]]:
+    """The `sessions` block of the node's state: every live session, in the wire shape (always a list: `[]`
+    tells the node to close everything, where an absent block would touch nothing)."""
+    return [{k: s[k] for k in _WIRE} for s in sorted(node.sessions.values(), key=lambda s: s["created_at"])
+            if not expired(s, now)]
+
+
+def summary(node: Node, session: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """A session as the admin API lists it."""
+    return {**session, "node_id": node.id, "mesh_ip": node.mesh_ip, "live": not expired(session, now)}
+
+
+def record_activity(node: Node, session_id: str, body: Any) -> dict[str, Any]:
+    """Check a `POST /v1/nodes/{id}/sessions/{sid}` body (§1.4: exactly one of ssh, k8s, tcp) and note what it
+    says about the session (its listener); returns the body to record."""
+    session = node.sessions.get(session_id)
+    if session is None:
+        raise HTTPError(404, f"node {node.id} has no session {session_id!r}")
+    if not isinstance(body, dict):
+        raise HTTPError(400, f"body: must be a JSON object, got {wire.kind(body)}")
+    members = [k for k in KINDS if body.get(k) is not None]
+    if len(members) != 1 or set(body) - set(KINDS):
+        raise HTTPError(400, "body: exactly one of \"ssh\", \"k8s\", \"tcp\" must be set")
+    activity = body[members[0]]
+    if not isinstance(activity, dict):
+        raise HTTPError(400, f"{members[0]}: must be a JSON object, got {wire.kind(activity)}")
+    command = activity.get("command")
+    if command is not None and (not isinstance(command, str) or len(command.encode()) > MAX_COMMAND):
+        raise HTTPError(400, f"{members[0]}.command: must be a string of at most {MAX_COMMAND} bytes")
+    ended_by = activity.get("terminated_by")
+    if ended_by is not None and ended_by not in TERMINATED_BY:
+        raise HTTPError(400, f"{members[0]}.terminated_by: must be one of {', '.join(TERMINATED_BY)}")
+    listener = activity.get("listener_endpoint")
+    if listener is not None:
+        if not isinstance(listener, str) or not wire.is_host_port(listener):
+            raise HTTPError(400, f"{members[0]}.listener_endpoint: must be HOST:PORT, got {listener!r}")
+        session["listener_endpoint"] = listener
+    return {"session_id": session_id, **body}
