@@ -16,7 +16,7 @@ from plexd import boundedjson
 from plexd.errors import ConfigError
 
 RECORD_COMMANDS = ("drift", "executions", "reports", "metrics", "logs", "audit", "integrity", "heartbeats",
-                   "endpoints", "tunnels")
+                   "endpoints", "tunnels", "session-activity")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
