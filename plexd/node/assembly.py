@@ -137,7 +137,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.on_shutdown("uplink outbox", lambda a: _close(uplink))
     reconciler = Reconciler(
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
-        state_applier(mesh, verifier, data_dir), mesh.converge, post_drift,
+        state_applier(mesh, verifier), mesh.converge, post_drift,
         clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink)
 
     rotation = KeyRotation(agent, mesh)

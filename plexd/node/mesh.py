@@ -34,7 +34,6 @@ from plexd.model import SigningKeys, State
 from plexd.node.protected import ProtectedAddresses
 from plexd.nodeapi import cache as node_cache
 from plexd.route_limits import RouteLimits
-from plexd.services.event_handlers import apply_signing_keys
 
 log = logging.getLogger(__name__)
 
@@ -327,25 +326,20 @@ def state_fetcher(mesh: MeshHandle, fetch: Callable[[], Awaitable[State]]) -> Ca
     return fetch_state
 
 
-def state_applier(mesh: MeshHandle, verifier: Verifier | None,
-                  data_dir: Path | None) -> Callable[[PulledState], list[Correction]]:
+def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[PulledState], list[Correction]]:
     """`apply_state` for the reconciler: replace the desired model (replaying the events applied while the pull
-    was in flight), install new signing keys (reported). Without a verifier (a dry run) no key is installed."""
+    was in flight).
+
+    The state's `signing_keys` are never installed: the state body is not signed, so a key in it is only as good
+    as the channel it came over. Keys change only through a signed `signing_key_rotated` event (signed with a key
+    the node already trusts) or the registration response. A state that names a key this node does not trust is
+    logged once per key (a rotation event this node missed, or someone slipping a key in)."""
+    noted: set[str] = set()
 
     def apply(pulled: PulledState) -> list[Correction]:
         state = pulled.state
-        corrections: list[Correction] = []
-        keys = state.signing_keys
-        if verifier is not None and keys is not None and keys.current:
-            old = verifier.keys
-            try:
-                if apply_signing_keys(verifier, data_dir, keys):
-                    detail = f"signing keys rotated: current {key_fingerprint(keys.current)}"
-                    if old is not None:
-                        detail += f" (was {key_fingerprint(old.current)})"
-                    corrections.append(Correction("signing_keys_updated", detail))
-            except InvalidSigningKeys as exc:
-                log.error("state carries unusable signing keys, keeping the current ones: %s", exc)
+        _note_foreign_key(verifier, state.signing_keys, noted)
+
         def rebuild(d: DesiredState) -> DesiredState:
             return (replace(d, route_limits=pulled.limits) if pulled.limits is not None else d).with_state(state)
 
@@ -357,9 +351,21 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None,
         if replayed:
             log.info("state pull applied with %d event(s) that arrived during it replayed on top: %s",
                      len(replayed), ", ".join(replayed))
-        return corrections
+        return []
 
     return apply
+
+
+def _note_foreign_key(verifier: Verifier | None, keys: SigningKeys | None, noted: set[str]) -> None:
+    trusted = verifier.keys if verifier is not None else None
+    if trusted is None or keys is None or not keys.current or keys.current in noted:
+        return
+    if keys.current in (trusted.current, trusted.previous):
+        return
+    noted.add(keys.current)
+    log.warning("the state names signing key %s, which this node does not trust (it trusts %s); ignored: "
+                "signing keys change only through a signed signing_key_rotated event or a registration",
+                key_fingerprint(keys.current), key_fingerprint(trusted.current))
 
 
 def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str,
@@ -372,8 +378,8 @@ def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str,
     try:
         verifier.set_keys(SigningKeys(current=key))
     except InvalidSigningKeys as exc:
-        # Every event will be refused until the first state pull brings a usable key; say so once, loudly.
-        log.error("stored signing key unusable (%s); events are refused until the control plane sends one", exc)
+        # Every event will be refused until a re-registration brings a usable key; say so once, loudly.
+        log.error("stored signing key unusable (%s); events are refused until the node registers again", exc)
     return verifier
 
 

@@ -60,7 +60,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
             await client.report_drift(ident.node_id, report)
 
         # A dry run changes nothing local: no signing key installed or persisted.
-        apply = state_applier(mesh, None, None) if dry_run else state_applier(mesh, verifier, Path(config.data_dir))
+        apply = state_applier(mesh, None if dry_run else verifier)
         fetch = state_fetcher(mesh, lambda: client.fetch_state(ident.node_id))
         # The daemon's outbox file: a report the control plane cannot take now is sent by the next `plexd up`.
         uplink = None if dry_run else drift_uplink(Path(config.data_dir) / datadir.UPLINK_DB, post, Backoff())

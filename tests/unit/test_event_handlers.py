@@ -146,21 +146,22 @@ async def test_invalid_peer_is_kept_out_by_the_model(h):
     assert dict(h.desired.rejected)["n_bad"]
 
 
-def test_state_signing_keys_length_checked_and_persisted(h, tmp_path):
+def test_a_state_pull_never_changes_the_signing_keys(h, tmp_path, caplog):
+    """The state body is unsigned: a key in it is logged (once) and ignored; keys change only through a signed
+    signing_key_rotated event or a registration (tests/security/test_signing_key_sources.py attacks it)."""
     from plexd.model import State
     from plexd.node.mesh import MeshHandle, PulledState, state_applier
 
-    applier = state_applier(MeshHandle(None, h.desired), h.verifier, tmp_path)
+    applier = state_applier(MeshHandle(None, h.desired), h.verifier)
 
     def apply(state):
         return applier(PulledState(state, since=0))
 
     old = h.verifier.keys.current
-    assert apply(State(signing_keys=SigningKeys(current=base64.b64encode(os.urandom(31)).decode()))) == []
+    slipped = base64.b64encode(bytes(nacl.signing.SigningKey.generate().verify_key)).decode()
+    assert apply(State(signing_keys=SigningKeys(current=slipped))) == []
+    assert apply(State(signing_keys=SigningKeys(current=slipped))) == []
     assert h.verifier.keys.current == old and not (tmp_path / "signing_public_key").exists()
-    new = base64.b64encode(bytes(nacl.signing.SigningKey.generate().verify_key)).decode()
-    [correction] = apply(State(signing_keys=SigningKeys(current=new)))
-    assert correction.type == "signing_keys_updated"
-    assert h.verifier.keys.current == new
-    assert (tmp_path / "signing_public_key").read_text() == new
-    assert apply(State(signing_keys=SigningKeys(current=new))) == []  # unchanged: nothing reported
+    assert caplog.text.count("which this node does not trust") == 1  # once per key, not once per pull
+    assert apply(State(signing_keys=SigningKeys(current=old))) == []  # the trusted key: nothing to say
+    assert caplog.text.count("which this node does not trust") == 1
