@@ -140,7 +140,8 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
         dp.start()
         (workdir / "token").write_text(dp.admin.create_token())
         cfg = workdir / "config.yaml"
-        cfg.write_text(f"api: {dp.url}\ndata_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"
+        cfg.write_text(f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
+                       f"data_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"
                        f"hooks: {{dir: {workdir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
                        f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
                        f"node_api: {{socket_path: {workdir / 'api.sock'}{', ' + node_api if node_api else ''}}}\n"

@@ -55,7 +55,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp, "config.yaml")
-        config.write_text(f"api: http://127.0.0.1:9\ndata_dir: {tmp}/data\n")
+        config.write_text(f"api: {{url: http://127.0.0.1:9, allow_insecure: true}}\ndata_dir: {tmp}/data\n")
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(config)}
         rows = [
             ("python -c pass (floor)", [sys.executable, "-c", "pass"]),

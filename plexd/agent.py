@@ -41,7 +41,7 @@ from typing import Any, TypeVar
 from plexd import __version__
 from plexd.actions.builtins import builtin_capabilities
 from plexd.clock import Clock
-from plexd.config import Config
+from plexd.config import Config, insecure_control_plane
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import AuthError, ControlPlaneError
 from plexd.errors import PlexdError
@@ -218,6 +218,10 @@ class Agent:
         log.info("starting plexd %s", __version__, extra={"binary_checksum": self.binary_checksum,
                                                           "hooks": [h.name for h in self.hooks.hooks],
                                                           "refused_hooks": [h.name for h in self.hooks.refused]})
+        insecure = insecure_control_plane(self.config)
+        if insecure:  # allowed by api.allow_insecure, never silently: a line at every start
+            log.warning("INSECURE control plane connection (api.allow_insecure): %s; anyone on the path can read "
+                        "the node secret and forge the state; use https:// with verification outside labs", insecure)
 
     async def register(self) -> Identity:
         self._set_phase("registering")

@@ -8,6 +8,7 @@ README (PROJECT-DECISIONS.md, Config row)::
     api:
       url: https://cp.example.com
       tls: {ca_file: /etc/plexd/ca.pem, insecure_skip_verify: false}
+      allow_insecure: false               # needed for http:// or insecure_skip_verify (labs only)
     mode: node                            # node | bridge
     log_level: info                       # debug | info | warning | error
     data_dir: /var/lib/plexd
@@ -98,6 +99,9 @@ class ApiConfig:
 
     url: str = _f("", "url")
     tls: TlsConfig = field(default_factory=TlsConfig)
+    # Plain http:// or tls.insecure_skip_verify: anyone on the path could read the node secret and forge the
+    # state. Refused unless this is set (labs, the devplane demo); a warning at every start when it is used.
+    allow_insecure: bool = _f(False)
 
 
 @dataclass(frozen=True)
@@ -691,7 +695,34 @@ def load(
         raise ConfigError(f"sse.backoff_base ({sources.get('sse.backoff_base', 'default')}) is larger than "
                           f"sse.backoff_max ({sources.get('sse.backoff_max', 'default')})")
     _check_metrics_exposure(values, sources)
+    _check_insecure_api(values, sources)
     return _build(Config, "", values, sources, used_file)
+
+
+def _check_insecure_api(values: dict[str, Any], sources: dict[str, str]) -> None:
+    """A control plane reached over plain HTTP, or over TLS without verification, hands the node secret and the
+    desired state to whoever sits on the path: only with api.allow_insecure (`insecure_control_plane` names what
+    is insecure, for the warning at each start)."""
+    if values.get("api.allow_insecure", False):
+        return
+    url = values.get("api.url", "")
+    if url.lower().startswith("http://"):
+        raise ConfigError(f"api.url {url} ({sources.get('api.url', 'default')}) is plain http://: the node secret "
+                          "and the state would cross the network readable and forgeable; use https://, or set "
+                          "api.allow_insecure: true (labs only)")
+    if values.get("api.tls.insecure_skip_verify", False):
+        raise ConfigError(f"api.tls.insecure_skip_verify ({sources.get('api.tls.insecure_skip_verify')}) turns off "
+                          "the control plane's certificate check: set api.allow_insecure: true as well (labs only), "
+                          "or give the CA with api.tls.ca_file")
+
+
+def insecure_control_plane(config: Config) -> str:
+    """What makes the control-plane connection insecure ("" when nothing does)."""
+    if config.api.url.lower().startswith("http://"):
+        return f"plain http:// to {config.api.url}"
+    if config.api.tls.insecure_skip_verify:
+        return "TLS without certificate verification (api.tls.insecure_skip_verify)"
+    return ""
 
 
 def _check_metrics_exposure(values: dict[str, Any], sources: dict[str, str]) -> None:

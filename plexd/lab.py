@@ -508,7 +508,7 @@ class MeshLab:
             f.write(self.admin.create_token())
         config = os.path.join(ndir, "config.yaml")
         with open(config, "w") as f:
-            f.write(f"api: {self.url}\ndata_dir: {ndir}/data\ntoken: {{file: {token}}}\n"
+            f.write(f"api: {{url: {self.url}, allow_insecure: true}}\ndata_dir: {ndir}/data\ntoken: {{file: {token}}}\n"
                     f"hooks: {{dir: {ndir}/hooks}}\n"
                     f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"

@@ -36,7 +36,8 @@ class Daemon:
         api = node_api if "socket_path" in node_api else f"socket_path: {self.dir / 'api.sock'}"
         self.config = self.dir / "config.yaml"
         self.config.write_text(
-            f"api: {dp.url}\ndata_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
+            f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
+            f"data_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
             "registration: {hostname: " + node.name + "}\n"

@@ -93,7 +93,7 @@ def test_bad_input_is_logged_and_every_daemon_keeps_running(mesh) -> None:
 def test_interface_name_too_long_stops_plexd_up_in_one_line(tmp_path) -> None:
     """A config error, unlike the machine's state: `plexd up` refuses to start, naming the key, no traceback."""
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"api: http://127.0.0.1:9\ndata_dir: {tmp_path / 'data'}\n"
+    cfg.write_text(f"api: {{url: http://127.0.0.1:9, allow_insecure: true}}\ndata_dir: {tmp_path / 'data'}\n"
                    f"node_api: {{socket_path: {tmp_path / 'api.sock'}}}\n"
                    "mesh: {interface: a-very-long-interface-name}\n")
     plexd = os.path.join(os.path.dirname(sys.executable), "plexd")

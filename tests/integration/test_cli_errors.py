@@ -30,7 +30,7 @@ class Env:
 
     def write_config(self, extra: str = "") -> None:
         self.config.write_text(
-            f"api: {self.api}\ndata_dir: {self.data}\ntoken: {{file: {self.token}}}\n"
+            f"api: {{url: {self.api}, allow_insecure: true}}\ndata_dir: {self.data}\ntoken: {{file: {self.token}}}\n"
             f"hooks: {{dir: {self.tmp / 'hooks'}}}\nregistration: {{hostname: node-a, max_wait: 2s}}\n"
             f"node_api: {{socket_path: {self.tmp / 'api.sock'}}}\n{extra}")
 

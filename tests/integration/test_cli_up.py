@@ -39,7 +39,8 @@ def save_identity(data: Path, secret: str = "S" * 32) -> Identity:
 
 def write_config(tmp_path: Path, api: str, extra: str = "") -> Path:
     cfg = tmp_path / "config.yaml"
-    cfg.write_text(f"api: {api}\ndata_dir: {tmp_path / 'data'}\ntoken: {{file: {tmp_path / 'token'}}}\n"
+    cfg.write_text(f"api: {{url: {api}, allow_insecure: true}}\n"  # the test servers speak plain HTTP
+                   f"data_dir: {tmp_path / 'data'}\ntoken: {{file: {tmp_path / 'token'}}}\n"
                    f"hooks: {{dir: {tmp_path / 'hooks'}}}\nsse: {{backoff_base: 50ms, backoff_max: 200ms}}\n"
                    f"mesh: {{backend: userspace, userspace_implementation: {NO_WG}}}\n"
                    f"node_api: {{socket_path: {tmp_path / 'api.sock'}}}\n{extra}")
@@ -195,7 +196,8 @@ async def test_up_without_identity_or_token_fails_in_one_line(tmp_path, rec):
 
 
 def agent_config(tmp_path, api, **env):
-    base = {"PLEXD_CONFIG": "", "PLEXD_API": api, "PLEXD_DATA_DIR": str(tmp_path / "data"),
+    base = {"PLEXD_CONFIG": "", "PLEXD_API": api, "PLEXD_API_ALLOW_INSECURE": "true",
+            "PLEXD_DATA_DIR": str(tmp_path / "data"),
             "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
             "PLEXD_MESH_BACKEND": "userspace", "PLEXD_MESH_USERSPACE_IMPLEMENTATION": NO_WG,
             "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")}

@@ -108,7 +108,8 @@ def devplane(tmp_path):
 async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch, caplog):
     (tmp_path / "token").write_text(devplane.admin.create_token())
     config = load_config(env={
-        "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_DATA_DIR": str(tmp_path / "data"),
+        "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_API_ALLOW_INSECURE": "true",
+        "PLEXD_DATA_DIR": str(tmp_path / "data"),
         "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
         "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
         "PLEXD_SHUTDOWN_DEREGISTER": "false", "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")})

@@ -39,7 +39,7 @@ def registered(tmp_path):
 
 
 def plexd(tmp_path, dp, *args):
-    env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": "", "PLEXD_API": dp.url,
+    env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": "", "PLEXD_API": dp.url, "PLEXD_API_ALLOW_INSECURE": "true",
            "PLEXD_DATA_DIR": str(tmp_path / "data"), "PLEXD_MESH_INTERFACE": "pxrc0",
            "PLEXD_MESH_BACKEND": "userspace", "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"),
            "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")}

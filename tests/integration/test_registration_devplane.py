@@ -39,7 +39,8 @@ class Node:
         self.token = root / "bootstrap-token"
         self.config = root / "config.yaml"
         self.config.write_text(
-            f"api: {dp.url}\ndata_dir: {self.data}\ntoken: {{file: {self.token}}}\nhooks: {{dir: {root / 'hooks'}}}\n"
+            f"api: {{url: {dp.url}, allow_insecure: true}}\n"
+            f"data_dir: {self.data}\ntoken: {{file: {self.token}}}\nhooks: {{dir: {root / 'hooks'}}}\n"
             f"registration: {{hostname: {name}, max_wait: 5s}}\nnode_api: {{socket_path: {root / 'api.sock'}}}\n"
             "sse: {backoff_base: 50ms, backoff_max: 500ms}\n"
             # Registration is the subject here: keep the mesh device out of the host (its converge fails, is

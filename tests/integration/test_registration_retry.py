@@ -26,7 +26,8 @@ def ok_body(node_id="n_1", mesh_ip="10.100.0.2", secret="S" * 32, signing=SIGNIN
 
 
 def make_config(tmp_path, api, **env):
-    base = {"PLEXD_CONFIG": "", "PLEXD_API": api, "PLEXD_DATA_DIR": str(tmp_path / "data"),
+    base = {"PLEXD_CONFIG": "", "PLEXD_API": api, "PLEXD_API_ALLOW_INSECURE": "true",
+            "PLEXD_DATA_DIR": str(tmp_path / "data"),
             "PLEXD_TOKEN_FILE": str(tmp_path / "token"), "PLEXD_REGISTRATION_HOSTNAME": "node-a",
             "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")}
     base.update(env)

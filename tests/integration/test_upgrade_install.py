@@ -78,7 +78,8 @@ class Agent(SimpleNamespace):
 
 def upgrader(devplane, secret: str, tmp_path: Path, **upgrade: object) -> tuple[Upgrader, Agent]:
     (tmp_path / "config.yaml").write_text(
-        f"api: {devplane.url}\ndata_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}"
+        f"api: {{url: {devplane.url}, allow_insecure: true}}\n"
+        f"data_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}"
         f", release_keys: ['{signing.public_key(RELEASE_KEY)}']"
         + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
     (tmp_path / "data").mkdir(mode=0o700)

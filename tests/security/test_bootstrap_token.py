@@ -28,7 +28,7 @@ def dp(tmp_path):
 def write_config(root: Path, dp: Devplane, token_lines: str) -> Path:
     config = root / "config.yaml"
     config.write_text(
-        f"# written by hand\napi: {dp.url}\ndata_dir: {root / 'data'}\n{token_lines}"
+        f"# written by hand\napi: {{url: {dp.url}, allow_insecure: true}}\ndata_dir: {root / 'data'}\n{token_lines}"
         f"hooks: {{dir: {root / 'hooks'}}}   # no hooks here\n"
         f"registration: {{hostname: px-token-node, max_wait: 5s}}\nnode_api: {{socket_path: {root / 'api.sock'}}}\n")
     os.chmod(config, 0o644)

@@ -36,7 +36,8 @@ def dp(tmp_path):
 def test_a_node_that_joined_sends_a_derived_bearer_and_its_secrets_need_the_derived_key(tmp_path, dp):
     (tmp_path / "token").write_text(dp.admin.create_token())
     config = tmp_path / "config.yaml"
-    config.write_text(f"api: {dp.url}\ndata_dir: {tmp_path / 'data'}\ntoken: {{file: {tmp_path / 'token'}}}\n"
+    config.write_text(f"api: {{url: {dp.url}, allow_insecure: true}}\n"
+                      f"data_dir: {tmp_path / 'data'}\ntoken: {{file: {tmp_path / 'token'}}}\n"
                       f"registration: {{hostname: px-kdf, max_wait: 5s}}\n")
     r = subprocess.run([PLEXD, "join"], env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(config)},
                        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)

@@ -77,7 +77,8 @@ def node(devplane, secret: str, tmp_path: Path, **upgrade: object) -> tuple[Upgr
     keys = upgrade.pop("release_keys", [signing.public_key(RELEASE_KEY)])
     path = tmp_path / "config.yaml"
     path.write_text(
-        f"api: {devplane.url}\ndata_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}, "
+        f"api: {{url: {devplane.url}, allow_insecure: true}}\n"
+        f"data_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}, "
         f"release_keys: [{', '.join(repr(k) for k in keys)}]"
         + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
     (tmp_path / "data").mkdir(mode=0o700, exist_ok=True)

@@ -23,7 +23,8 @@ NOBODY = 65534
 
 def up(tmp_path: Path, data: Path, hooks: Path) -> subprocess.CompletedProcess[str]:
     config = tmp_path / "config.yaml"
-    config.write_text(f"api: http://127.0.0.1:9\ndata_dir: {data}\nhooks: {{dir: {hooks}}}\n"
+    config.write_text(f"api: {{url: http://127.0.0.1:9, allow_insecure: true}}\n"
+                      f"data_dir: {data}\nhooks: {{dir: {hooks}}}\n"
                       f"token: {{file: {tmp_path / 'token'}}}\nnode_api: {{socket_path: {tmp_path / 'api.sock'}}}\n"
                       f"upgrade: {{dir: {tmp_path / 'releases'}}}\n")
     return subprocess.run([PLEXD, "up"], env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(config)},

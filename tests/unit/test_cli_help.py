@@ -42,10 +42,10 @@ def test_command_help_explains_itself(capsys, argv, fragments):
 def test_status_in_words_and_json_hides_secrets(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("PLEXD_CONFIG", "/dev/null")
     data = tmp_path / "data"
-    argv = ["--api", "http://cp.example:8080", "--data-dir", str(data), "status"]
+    argv = ["--api", "https://cp.example:8080", "--data-dir", str(data), "status"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "registered:     no (run 'plexd join')" in out and "http://cp.example:8080" in out
+    assert "registered:     no (run 'plexd join')" in out and "https://cp.example:8080" in out
 
     ident = Identity(node_id="n_status", mesh_ip="10.100.0.9", signing_public_key=base64.b64encode(b"k" * 32).decode(),
                      node_secret_key="S3cr3t" * 5 + "xy", private_key=generate_private_key())
@@ -56,5 +56,5 @@ def test_status_in_words_and_json_hides_secrets(tmp_path, capsys, monkeypatch):
     assert main([*argv, "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["registered"] is True and doc["node_id"] == "n_status" and doc["mesh_ip"] == "10.100.0.9"
-    assert doc["control_plane"] == "http://cp.example:8080" and doc["data_dir"] == str(data)
+    assert doc["control_plane"] == "https://cp.example:8080" and doc["data_dir"] == str(data)
     assert "S3cr3t" not in json.dumps(doc) and ident.private_key_b64 not in json.dumps(doc)

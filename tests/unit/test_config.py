@@ -53,6 +53,7 @@ def test_yaml_file_values_and_sources(tmp_path):
 api:
   url: https://cp.example.com/
   tls: {ca_file: /etc/plexd/ca.pem, insecure_skip_verify: true}
+  allow_insecure: true
 mode: bridge
 mesh: {interface: wg7, listen_port: 51999}
 registration:
@@ -86,12 +87,12 @@ def test_api_short_form(tmp_path):
 
 
 def test_env_overrides_file_and_flags_override_env(tmp_path):
-    text = "api: http://file:1\nmesh: {listen_port: 1000}\nlog_level: warning\n"
-    env = {"PLEXD_API": "http://env:2", "PLEXD_MESH_LISTEN_PORT": "2000", "PLEXD_SHUTDOWN_DEREGISTER": "no",
+    text = "api: https://file:1\nmesh: {listen_port: 1000}\nlog_level: warning\n"
+    env = {"PLEXD_API": "https://env:2", "PLEXD_MESH_LISTEN_PORT": "2000", "PLEXD_SHUTDOWN_DEREGISTER": "no",
            "PLEXD_NAT_TRAVERSAL_STUN_SERVERS": "a:1, b:2", "PLEXD_REGISTRATION_METADATA": "x=1,y=2",
            "PLEXD_HEARTBEAT_INTERVAL": "1m30s", "PLEXD_BOOTSTRAP_TOKEN": "ignored: not a config key"}
-    c = load(tmp_path, text, env=env, flags={"api": "http://flag:3", "log_level": None, "data_dir": "/tmp/d"})
-    assert c.api.url == "http://flag:3" and c.source_of("api.url") == "flag --api"
+    c = load(tmp_path, text, env=env, flags={"api": "https://flag:3", "log_level": None, "data_dir": "/tmp/d"})
+    assert c.api.url == "https://flag:3" and c.source_of("api.url") == "flag --api"
     assert c.mesh.listen_port == 2000 and c.source_of("mesh.listen_port") == "env PLEXD_MESH_LISTEN_PORT"
     assert c.log_level == "warning" and c.source_of("log_level").startswith("file ")
     assert c.data_dir == "/tmp/d" and c.source_of("data_dir") == "flag --data-dir"
@@ -102,8 +103,8 @@ def test_env_overrides_file_and_flags_override_env(tmp_path):
 
 
 def test_plexd_api_url_beats_plexd_api():
-    c = cfg.load(env={"PLEXD_API": "http://short:1", "PLEXD_API_URL": "http://long:2", "PLEXD_CONFIG": ""})
-    assert c.api.url == "http://long:2" and c.source_of("api.url") == "env PLEXD_API_URL"
+    c = cfg.load(env={"PLEXD_API": "https://short:1", "PLEXD_API_URL": "https://long:2", "PLEXD_CONFIG": ""})
+    assert c.api.url == "https://long:2" and c.source_of("api.url") == "env PLEXD_API_URL"
 
 
 def test_every_key_has_an_env_name():
@@ -215,12 +216,12 @@ def test_config_show_human_and_json(tmp_path, capsys, monkeypatch):
     path = tmp_path / "c.yaml"
     path.write_text("mesh: {interface: wg9}\ntoken: {value: sekrit-token}\n")
     monkeypatch.setenv("PLEXD_HEARTBEAT_INTERVAL", "45s")
-    assert main(["--config", str(path), "config", "show", "--api", "http://cp:1"]) == 0
+    assert main(["--config", str(path), "config", "show", "--api", "https://cp:1"]) == 0
     out = capsys.readouterr().out
     assert f"# config file: {path}" in out
     assert "mesh.interface" in out and "wg9" in out and f"(file {path})" in out
     assert "45s  (env PLEXD_HEARTBEAT_INTERVAL)" in out
-    assert "http://cp:1  (flag --api)" in out
+    assert "https://cp:1  (flag --api)" in out
     assert "sekrit" not in out
     assert main(["--config", str(path), "config", "show", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -303,3 +304,19 @@ def test_the_route_guard_settings_are_checked(tmp_path):
         load(tmp_path, "mesh: {max_route_percent: 0}")
     with pytest.raises(ConfigError, match=r"mesh.route_rule_priority: 32766 from file .* too large"):
         load(tmp_path, "mesh: {route_rule_priority: 32766}")
+
+
+def test_an_insecure_control_plane_needs_allow_insecure(tmp_path):
+    with pytest.raises(ConfigError, match=r"api.url http://cp:8080 \(file .*\) is plain http://.*"
+                                          r"set api.allow_insecure: true"):
+        load(tmp_path, "api: http://cp:8080\n")
+    with pytest.raises(ConfigError, match=r"api.url http://cp:8080 \(env PLEXD_API\) is plain http://"):
+        load(tmp_path, env={"PLEXD_API": "http://cp:8080"})
+    with pytest.raises(ConfigError, match=r"api.tls.insecure_skip_verify .* set api.allow_insecure: true"):
+        load(tmp_path, "api: {url: https://cp, tls: {insecure_skip_verify: true}}\n")
+    c = load(tmp_path, "api: {url: http://cp:8080, allow_insecure: true}\n")
+    assert c.api.allow_insecure and cfg.insecure_control_plane(c) == "plain http:// to http://cp:8080"
+    c = load(tmp_path, env={"PLEXD_API": "https://cp", "PLEXD_API_TLS_INSECURE_SKIP_VERIFY": "true",
+                            "PLEXD_API_ALLOW_INSECURE": "yes"})
+    assert "without certificate verification" in cfg.insecure_control_plane(c)
+    assert cfg.insecure_control_plane(load(tmp_path, "api: https://cp\n")) == ""

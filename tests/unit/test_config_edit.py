@@ -13,11 +13,11 @@ from plexd.errors import ConfigError
 
 
 @pytest.mark.parametrize(("before", "after"), [
-    ("api: http://cp\ntoken:\n  value: tok-1  # from the admin\n  file: /t\nlog_level: debug\n",
-     "api: http://cp\ntoken:\n  file: /t\nlog_level: debug\n"),
-    ("api: http://cp\ntoken:\n  value: tok-1\nlog_level: debug\n", "api: http://cp\nlog_level: debug\n"),
+    ("api: https://cp\ntoken:\n  value: tok-1  # from the admin\n  file: /t\nlog_level: debug\n",
+     "api: https://cp\ntoken:\n  file: /t\nlog_level: debug\n"),
+    ("api: https://cp\ntoken:\n  value: tok-1\nlog_level: debug\n", "api: https://cp\nlog_level: debug\n"),
     ("token:\n  value: >-\n    tok-1\n  env: MY_TOKEN\n", "token:\n  env: MY_TOKEN\n"),
-    ("api: http://cp  # where\ntoken: {value: tok-1, file: /t}\n", "api: http://cp  # where\ntoken: {file: /t}\n"),
+    ("api: https://cp  # where\ntoken: {value: tok-1, file: /t}\n", "api: https://cp  # where\ntoken: {file: /t}\n"),
 ])
 def test_the_token_value_goes_and_everything_else_stays(tmp_path, before, after):
     path = tmp_path / "config.yaml"
@@ -32,7 +32,7 @@ def test_the_token_value_goes_and_everything_else_stays(tmp_path, before, after)
 
 def test_a_file_it_cannot_edit_safely_is_left_unchanged(tmp_path):
     path = tmp_path / "config.yaml"
-    text = 'api: http://cp\n"token": {"value": "tok-1"}\n'
+    text = 'api: https://cp\n"token": {"value": "tok-1"}\n'
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"token\.value is not written as a 'value:' line under 'token:'"):
         remove_token_value(str(path))

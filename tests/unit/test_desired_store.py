@@ -117,7 +117,7 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
         await answer.wait()
         return State(peers=(existing,))
 
-    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None, None), mesh.converge,
+    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None), mesh.converge,
                             lambda report: None)
     cycle = asyncio.ensure_future(reconciler.run_once(reasons=("event stream (re)connected",)))
     await asyncio.wait_for(asked.wait(), 5)
@@ -171,7 +171,7 @@ async def test_a_reconcile_whose_pull_changes_nothing_reads_the_machine_once():
     async def get_state():
         return state
 
-    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None, None), mesh.converge,
+    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None), mesh.converge,
                             lambda report: None)
     assert (await reconciler.run_once(reasons=("interval",))).ok
     assert len(converger.seen) == 2  # the first cycle: nothing was converged to this model yet

@@ -15,7 +15,7 @@ from plexd.node.mesh import MeshHandle
 
 def config(tmp_path, port: int, **env: str):
     return load(env={"PLEXD_CONFIG": "", "PLEXD_DATA_DIR": str(tmp_path), "PLEXD_MESH_LISTEN_PORT": str(port),
-                     "PLEXD_API": "http://127.0.0.1:9", **env})
+                     "PLEXD_API": "http://127.0.0.1:9", "PLEXD_API_ALLOW_INSECURE": "true", **env})
 
 
 def free_port() -> int:
