@@ -29,7 +29,7 @@ from plexd.atomicfile import write_atomic
 from plexd.clock import Clock
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.ledger import NONCE_TTL_SECONDS, EventLedger
-from plexd.errors import PlexdError
+from plexd.errors import PlexdError, WireFormatError
 from plexd.identity import decode_key
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ STALENESS_WINDOW = timedelta(minutes=5)
 NONCE_TTL = timedelta(seconds=NONCE_TTL_SECONDS)
 MAX_NONCES = 100_000  # unexpired at once: 333 events a second for the whole window
 NONCE_STORE_FULL = "nonce_store_full"  # the EventRejected reason, logged rate-limited by the store itself
+# The payload field naming the nodes an event is for (ours; the Go agent ignores unknown payload fields). Inside
+# the signed payload, so an event captured from one node's stream cannot be replayed into another's.
+TARGETS_FIELD = "target_node_ids"
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
 
 
@@ -176,7 +179,11 @@ class Verifier:
         nonce_store: NonceStore,
         clock: Clock,
         on_keys_changed: Callable[[SigningKeysLike], None] | None = None,
+        node_id: Callable[[], str] | None = None,
     ) -> None:
+        # this node's id, asked per event (a re-registration may change it): an event whose signed payload is
+        # bound to other nodes is refused
+        self._node_id = node_id
         self._clock = clock
         self._nonces = nonce_store
         self._on_keys_changed = on_keys_changed
@@ -249,13 +256,35 @@ class Verifier:
                 now < self._transition_expires)
             if not (in_transition and self._verify_with(self._previous, message, signature)):
                 raise EventRejected("bad_signature", "signature verification failed")
-        # 6. nonce, only now that the event is known to be genuine
+        # 6. for this node: the control plane's signed payload may name the nodes it addressed (the envelope
+        # itself cannot: its signed bytes are fixed by the wire format); an event for others is a replay
+        self._check_target(env)
+        # 7. nonce, only now that the event is known to be genuine and ours
         try:
             fresh = self._nonces.add(env.nonce, issued)
         except NonceStoreFull as exc:
             raise EventRejected(NONCE_STORE_FULL, f"{exc}: event refused rather than forget one") from None
         if not fresh:
             raise EventRejected("duplicate_nonce", f"duplicate nonce {env.nonce!r} (replayed event)")
+
+    def _check_target(self, env: Envelope) -> None:
+        if self._node_id is None or TARGETS_FIELD not in env.payload_raw:  # the Go control plane never binds
+            return
+        own = self._node_id()
+        try:
+            payload = env.payload()
+        except WireFormatError:
+            return  # not this check's business: the handler names what is wrong with the payload
+        targets = payload.get(TARGETS_FIELD) if isinstance(payload, dict) else None
+        if targets is None:
+            return
+        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            raise EventRejected("bad_target", f"payload {TARGETS_FIELD} is not a list of node ids")
+        if own not in targets:
+            shown = ", ".join(t[:40].encode("unicode_escape").decode() for t in targets[:3])
+            shown += " ..." if len(targets) > 3 else ""
+            raise EventRejected("wrong_node", f"event is addressed to {shown or 'no node'}, not to this node "
+                                              f"{own} (replayed from another node's stream?)")
 
     @staticmethod
     def _verify_with(key: VerifyKey | None, message: bytes, signature: bytes) -> bool:

@@ -23,6 +23,7 @@ import nacl.signing
 
 from plexd import gojson
 from plexd.controlplane.envelope import sign_event
+from plexd.controlplane.signing import TARGETS_FIELD
 from plexd.devplane.store import Store
 
 log = logging.getLogger(__name__)
@@ -115,6 +116,12 @@ class Subscriber:
         self.queue.put_nowait(None)
 
 
+# An object payload names the nodes it is for, inside the signature, when they are few: every event addressed to
+# one node (its state, secrets, actions, sessions, key rotation) and the peer events of small meshes. A fan-out to
+# more nodes is not bound (the list would grow every event with the mesh); those carry what every watcher may see.
+MAX_BOUND_TARGETS = 64
+
+
 class EventHub:
     def __init__(self, store: Store, signer: Signer, node_num: Callable[[str], int], clock_now: Any = None) -> None:
         self.store = store
@@ -157,6 +164,8 @@ class EventHub:
             data, event_type = raw_frame, RAW_FRAME  # the whole SSE block, its own id/retry/event lines included
         else:
             issued = issued_at or gojson.format_time(self._now())
+            if isinstance(payload, dict) and payload_raw is None and 0 < len(targets) <= MAX_BOUND_TARGETS:
+                payload = {**payload, TARGETS_FIELD: targets}  # signed: another node refuses it (replay)
             data = sign_event(self.signer.key, event_type, eid, payload, issued_at=issued, nonce=nonce,
                               payload_raw=payload_raw)
             if signature is not None:

@@ -121,11 +121,12 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         ledger.close(agent.clock.now().timestamp())
 
     agent.on_shutdown("event bookkeeping", close_bookkeeping)  # added last: runs first of the teardown steps
-    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger)
 
     def node_id() -> str:
         assert agent.identity is not None
         return agent.identity.node_id
+
+    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger, node_id)
 
     async def reauthenticate() -> None:
         await agent.reauthenticate(agent.client.token)

@@ -369,12 +369,12 @@ def _note_foreign_key(verifier: Verifier | None, keys: SigningKeys | None, noted
 
 
 def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str,
-                   ledger: EventLedger | None = None) -> Verifier:
+                   ledger: EventLedger | None = None, node_id: Callable[[], str] | None = None) -> Verifier:
     """The verifier with the persisted key (the file wins, §5.4) and the nonces the ledger holds (the daemon's;
-    `reconcile --once` verifies no events and opens none)."""
+    `reconcile --once` verifies no events and opens none), refusing events bound to nodes other than `node_id`."""
     data_dir = Path(data_dir)
     key = load_signing_key(data_dir) or fallback_key
-    verifier = Verifier(None, NonceStore(clock, ledger), clock)
+    verifier = Verifier(None, NonceStore(clock, ledger), clock, node_id=node_id)
     try:
         verifier.set_keys(SigningKeys(current=key))
     except InvalidSigningKeys as exc:

@@ -17,9 +17,10 @@ from plexd.lab import Lab
 
 
 @pytest.fixture
-def lab_dp(tmp_path):
-    """One lab node and a devplane on the lab bridge; every daemon appended is stopped, nothing is left."""
-    lab = Lab().up(1)
+def lab_dp(request, tmp_path):
+    """Lab nodes (one, or as many as `indirect` parametrization asks) and a devplane on the lab bridge; every
+    daemon appended is stopped, nothing is left."""
+    lab = Lab().up(getattr(request, "param", 1))
     dp = None
     daemons: list[Daemon] = []
     try:

@@ -246,3 +246,31 @@ def test_persist_signing_key(tmp_path, key):
     with pytest.raises(InvalidSigningKeys):
         persist_signing_key(tmp_path, "AAAA")
     assert path.read_text() == b64(key)
+
+
+# --- binding to the addressed nodes ----------------------------------------------------------------------------
+
+
+def test_an_event_bound_to_other_nodes_is_refused_before_its_nonce_is_taken(clock, key):
+    store = NonceStore(clock)
+    for_b = Verifier(SigningKeys(current=b64(key)), store, clock, node_id=lambda: "n_b")
+    env = signed(key, payload_raw='{"id":"n_x","target_node_ids":["n_a","n_c"]}', nonce="bound-1")
+    with pytest.raises(EventRejected, match=r"addressed to n_a, n_c, not to this node n_b") as info:
+        for_b.verify(env)
+    assert info.value.reason == "wrong_node"
+    for_a = Verifier(SigningKeys(current=b64(key)), store, clock, node_id=lambda: "n_a")
+    for_a.verify(env)  # the nonce was not spent by the refusal
+    # no binding (the Go control plane), or nothing to bind to: accepted as before
+    for_b.verify(signed(key, payload_raw='{"id":"n_x"}', nonce="free-1"))
+    for_b.verify(signed(key, payload_raw='[{"target_node_ids":["n_a"]}]', nonce="free-2"))
+    with pytest.raises(EventRejected, match="not a list of node ids"):
+        for_b.verify(signed(key, payload_raw='{"target_node_ids":"n_b"}', nonce="bad-1"))
+
+
+def test_the_binding_is_inside_the_signature(clock, key):
+    """Rewriting the target list to name another node breaks the signature: it cannot be moved."""
+    text = sign_event(key, "peer_added", "evt_9", {"id": "n_x", "target_node_ids": ["n_a"]},
+                      issued_at="2025-01-15T10:30:00Z", nonce="moved-1")
+    moved = parse_envelope(text.replace('"target_node_ids":["n_a"]', '"target_node_ids":["n_b"]'))
+    with pytest.raises(EventRejected, match="signature verification failed"):
+        Verifier(SigningKeys(current=b64(key)), NonceStore(clock), clock, node_id=lambda: "n_b").verify(moved)
