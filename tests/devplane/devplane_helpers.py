@@ -163,3 +163,12 @@ def wait_streams(dp: Devplane, node_id: str, count: int = 1, timeout: float = 5.
     raise AssertionError(f"node {node_id} never had {count} open streams")
 
 
+
+
+def addressed(payload: Any, node_id: str) -> Any:
+    """An event payload without the devplane's binding to the nodes it addressed, after checking that the
+    binding names `node_id` (plexd.devplane.events: `target_node_ids`, inside the signature)."""
+    assert isinstance(payload, dict), payload
+    targets = payload.pop("target_node_ids")
+    assert node_id in targets, (node_id, targets)
+    return payload

@@ -14,7 +14,7 @@ import httpx
 import nacl.exceptions
 import nacl.signing
 import pytest
-from devplane_helpers import new_public_key, register, wait_streams
+from devplane_helpers import addressed, new_public_key, register, wait_streams
 
 from plexd.devplane.harness import AdminError, Devplane
 
@@ -76,7 +76,8 @@ def test_sse_framing_and_live_peer_events(dp, readers):
     env = json.loads(added.data)
     assert added.id == env["event_id"] and added.event == env["event_type"] == "peer_added"
     assert "\n" not in added.data and len(added.data) < 64 * 1024
-    assert env["payload"] == {"id": c.id, "public_key": c.public_key, "mesh_ip": c.mesh_ip, "endpoint": "",
+    assert addressed(env["payload"], a.id) == {"id": c.id, "public_key": c.public_key, "mesh_ip": c.mesh_ip,
+                                               "endpoint": "",
                               "allowed_ips": [f"{c.mesh_ip}/32"], "psk": ""}
     assert verify(a.response["signing_public_key"], canonical_of(added.data), env["signature"])
     issued = env["issued_at"]
@@ -96,7 +97,7 @@ def test_sse_framing_and_live_peer_events(dp, readers):
 
     assert c.post("deregister").status_code == 200
     removed = json.loads(reader.wait_for("peer_removed").data)
-    assert removed["payload"] == {"peer_id": c.id}
+    assert addressed(removed["payload"], a.id) == {"peer_id": c.id}
     ids = [int(e.split("_")[1]) for e in (added.id,)]
     assert ids[0] > 0
 
@@ -105,15 +106,15 @@ def test_admin_events_reach_the_node(dp, readers):
     a = register(dp)
     reader = readers(a)
     eid = dp.admin.request_action(a.id, "backup", {"target": "/srv"}, timeout="30s", checksum="ab" * 32)
-    req = json.loads(reader.wait_for("action_request").data)["payload"]
+    req = addressed(json.loads(reader.wait_for("action_request").data)["payload"], a.id)
     assert req == {"execution_id": eid, "action": "backup", "parameters": {"target": "/srv"}, "timeout": "30s",
                    "checksum": "ab" * 32,
                    "triggered_by": {"type": "control_plane", "session_id": "", "user_id": "", "email": ""}}
     dp.admin.set_metadata(a.id, {"env": "prod"})
-    state = json.loads(reader.wait_for("node_state_updated").data)["payload"]
+    state = addressed(json.loads(reader.wait_for("node_state_updated").data)["payload"], a.id)
     assert state == {"metadata": {"env": "prod"}, "data": []}
     dp.admin.set_secret(a.id, "k1", "v1")
-    secrets = json.loads(reader.wait_for("node_secrets_updated").data)["payload"]
+    secrets = addressed(json.loads(reader.wait_for("node_secrets_updated").data)["payload"], a.id)
     assert secrets == {"secret_refs": [{"key": "k1", "version": 1}]}
     dp.admin.publish_event(a.id, "peer_added", {"id": "n_fake"}, signature="forge")
     forged = reader.wait_for("peer_added")
@@ -129,8 +130,8 @@ def test_policy_change_updates_visibility_and_notifies(fresh_dp, readers):
     ra, rc = readers(a, last_event_id="evt_999999"), readers(c, last_event_id="evt_999999")
     dp.admin.set_policies([{"id": "pol_ab", "rules": [{"src": a.id, "dst": b.id, "port": 443, "protocol": "tcp",
                                                        "action": "allow"}]}])
-    assert json.loads(ra.wait_for("policy_updated").data)["payload"] == {"policy_ids": ["pol_ab"]}
-    assert json.loads(ra.wait_for("peer_removed").data)["payload"] == {"peer_id": c.id}
+    assert addressed(json.loads(ra.wait_for("policy_updated").data)["payload"], a.id) == {"policy_ids": ["pol_ab"]}
+    assert addressed(json.loads(ra.wait_for("peer_removed").data)["payload"], a.id) == {"peer_id": c.id}
     rc.wait_for("policy_updated")
     removed_from_c = {json.loads(rc.wait_for("peer_removed").data)["payload"]["peer_id"] for _ in range(2)}
     assert removed_from_c == {a.id, b.id}
@@ -246,7 +247,7 @@ def test_signing_key_rotation(fresh_dp, readers):
     assert keys["previous"] == old and keys["current"] != old
     event = reader.wait_for("signing_key_rotated")
     env = json.loads(event.data)
-    assert env["payload"] == keys and set(keys) == {"current", "previous", "transition_expires"}
+    assert addressed(env["payload"], a.id) == keys and set(keys) == {"current", "previous", "transition_expires"}
     # Announced with the key the agent already trusts.
     assert verify(old, canonical_of(event.data), env["signature"])
     state = a.get("state").json()

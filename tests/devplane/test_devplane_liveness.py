@@ -10,7 +10,7 @@ import json
 import time
 
 import pytest
-from devplane_helpers import new_public_key, register
+from devplane_helpers import addressed, new_public_key, register
 
 from plexd.clock import FakeClock
 from plexd.devplane.deployment import Deployment
@@ -35,7 +35,7 @@ def _register(dep: Deployment, hostname: str):
 
 def _events(dep: Deployment, node_id: str) -> list[tuple[str, dict]]:
     rows = dep.store.events_after(dep.nodes[node_id].num, 0)
-    return [(etype, json.loads(data)["payload"]) for _, etype, data in rows]
+    return [(etype, addressed(json.loads(data)["payload"], node_id)) for _, etype, data in rows]
 
 
 def test_unreachable_after_3_offline_after_10_and_back(deployment):
@@ -126,7 +126,7 @@ def test_offline_end_to_end(tmp_path, readers):
                 break
             time.sleep(0.1)
         assert dp.admin.node(a.id)["status"] == "offline"
-        assert json.loads(reader.wait_for("peer_removed").data)["payload"] == {"peer_id": a.id}
+        assert addressed(json.loads(reader.wait_for("peer_removed").data)["payload"], b.id) == {"peer_id": a.id}
         assert a.post("heartbeat", {}).status_code == 200
         assert json.loads(reader.wait_for("peer_added").data)["payload"]["id"] == a.id
 

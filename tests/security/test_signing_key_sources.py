@@ -58,8 +58,9 @@ def test_an_event_for_one_node_replayed_to_another_is_refused(lab_dp):
     a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="1h")
     b = Daemon(lab, lab.nodes[1], dp, tmp_path, reconcile="1h")
     daemons += [a, b]
-    for d in (a, b):
-        wait_until(lambda d=d: "event stream connected" in d.logged(), 30, f"{d.node.name}'s event stream", daemons)
+    for d in (a, b):  # connected, and the start's state pull done (it would replace a's peers afterwards)
+        wait_until(lambda d=d: "event stream connected" in d.logged() and "reconcile (start)" in d.logged(), 30,
+                   f"{d.node.name}'s event stream", daemons)
     # a genuine event for a alone, signed by the control plane, taken from the devplane's own event log: the
     # exact bytes a's stream carried (a captures them too, and applies them)
     event_id = dp.admin.publish_event(a.node_id(), "peer_added", payload=peer_payload(7))
