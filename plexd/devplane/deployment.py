@@ -289,10 +289,12 @@ class Deployment:
             if not self.store.use_token(token, node.id, node.registered_at):
                 raise HTTPError(401, "bootstrap token already used; create a new one")
             self._save(node)
-            self.nodes[node.id] = node
-            self.by_secret[node.bearer] = node
-            self.used_ips.add(node.mesh_ip)
             self.hub.publish(self.watchers(node), "peer_added", node.peer())
+        # Known in memory only once the transaction is committed: a failure above leaves no half-registered node
+        # (its retry would be told "hostname already registered")
+        self.nodes[node.id] = node
+        self.by_secret[node.bearer] = node
+        self.used_ips.add(node.mesh_ip)
         log.info("node registered", extra={"node_id": node.id, "hostname": hostname, "mesh_ip": node.mesh_ip,
                                            "token": fingerprint(token)})
         return self._register_response(node)

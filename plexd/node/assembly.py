@@ -27,7 +27,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -47,7 +46,6 @@ from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import Verifier
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.errors import PlexdError
 from plexd.integrity import HookScan
@@ -60,6 +58,7 @@ from plexd.node.durable import GroupCommit
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.local_api import LocalAPI, require_admin
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
+from plexd.node.parts import Node
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
 from plexd.node.status_text import utc
@@ -81,28 +80,6 @@ COMMIT_DELAY_ENV = "PLEXD_TEST_COMMIT_DELAY"
 OUTBOX_FLUSH = 5.0  # at shutdown, how long undelivered action results may hold up the exit
 DRAIN_RESERVE = 4.0  # of the stop budget, kept after the actions drain: 1 s flush, deregister, teardown
 WATCHDOG_STUCK = 0.5  # of WatchdogSec: a converge running longer than this withholds the watchdog ping
-
-
-@dataclass
-class Node:
-    """Every long-lived part of a running daemon, for the control routes, tests and benches."""
-
-    agent: Agent
-    mesh: MeshHandle
-    verifier: Verifier
-    reconciler: Reconciler
-    handlers: EventHandlers
-    stream: EventStream
-    heartbeat: HeartbeatService
-    local_api: LocalAPI
-    key_rotation: KeyRotation
-    nat: NatService | None = None
-    reports: ReportStore | None = None
-    report_sync: ReportSync | None = None
-    actions: ActionDispatcher | None = None
-    metrics: Any = None  # plexd.node.metrics.MetricsEndpoint when config metrics.enabled
-    upgrader: Upgrader | None = None
-    telemetry: Telemetry | None = None
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:

@@ -49,25 +49,23 @@ files with ``daemon.running: false`` and no live sections.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plexd import __version__
+from plexd.config import Config
 from plexd.errors import PlexdError
 from plexd.nat.service import disabled_status
+from plexd.node.departure import DEREGISTER_PATH
 from plexd.node.local_api import HTTPError, LocalAPI, Request, Response, require_admin
-
-if TYPE_CHECKING:
-    from plexd.config import Config
-    from plexd.node.assembly import Node
-    from plexd.node.mesh import MeshHandle
-    from plexd.services.reconciler import Reconciler
+from plexd.node.mesh import MeshHandle
+from plexd.node.parts import Node
+from plexd.services.reconciler import Reconciler
 
 STATUS_VERSION = 1
 STATUS_PATH = "/v1/daemon/status"
 POLICIES_PATH = "/v1/daemon/policies"
 RECONCILE_PATH = "/v1/daemon/reconcile"
 HOLD_PATH = "/v1/daemon/reconcile/hold"
-DEREGISTER_PATH = "/v1/daemon/deregister"
 ROTATE_KEYS_PATH = "/v1/daemon/rotate-keys"
 
 

@@ -22,6 +22,8 @@ from plexd.gojson import format_time
 from plexd.node.systemd import booted, systemctl
 from plexd.steps import StepReport, format_steps
 
+DEREGISTER_PATH = "/v1/daemon/deregister"  # the running daemon's route that does all of this (plexd.node.control)
+
 log = logging.getLogger(__name__)
 
 
@@ -112,7 +114,6 @@ DAEMON_WAIT = 60.0  # the daemon's stop budget (34 s) and the answer's way back
 def deregister_command(config: Any, *, purge: bool, force: bool) -> dict[str, Any]:
     """``plexd deregister``: through the running daemon (it runs its stop sequence and answers when done), or
     alone when none runs. Then `purge`. A failed POST changes nothing, unless `force`."""
-    from plexd.node.control import DEREGISTER_PATH
     from plexd.node.control_client import DaemonNotRunning, DaemonRefused, call
 
     try:

@@ -24,17 +24,15 @@ import asyncio
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from plexd.agent import Agent
 from plexd.backoff import Backoff
 from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError
 from plexd.errors import PlexdError
 from plexd.identity import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
 from plexd.mesh.wireguard import key_fingerprint
-
-if TYPE_CHECKING:
-    from plexd.agent import Agent
-    from plexd.node.mesh import MeshHandle
+from plexd.node.mesh import MeshHandle
 
 log = logging.getLogger(__name__)
 

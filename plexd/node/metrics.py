@@ -36,7 +36,6 @@ import os
 import stat
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -44,9 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from plexd import __version__
 from plexd.errors import PlexdError
 from plexd.mesh.wireguard import DeviceConfig
-
-if TYPE_CHECKING:
-    from plexd.node.assembly import Node
+from plexd.node.parts import Node
 
 log = logging.getLogger(__name__)
 
