@@ -156,33 +156,36 @@ class FlowTable:
             flow = self.flows[sid]
             self._learn(sid, i, receiver, initiator_address, flow)
         else:
-            known = self._by_index.get(receiver)
-            if known is None:
-                self.drops.unknown_index += 1
+            found = self._established(receiver, source)
+            if found is None:
                 return []
-            sid, i = known
-            flow = self.flows[sid]
-            if flow.sides[1 - i].address[0] != source[0]:
-                self.drops.spoofed += 1
-                return []
+            sid, i, flow = found
         self._learn(sid, 1 - i, sender, source, flow)
         self._count(flow, 1 - i, len(data), now)
         return [flow.sides[i].address]
 
     def _to_receiver(self, receiver: int, data: bytes, source: Address, now: float) -> list[Address]:
+        found = self._established(receiver, source)
+        if found is None:
+            return []
+        _, i, flow = found
+        self._move(flow, flow.sides[1 - i], source)
+        self._count(flow, 1 - i, len(data), now)
+        return [flow.sides[i].address]
+
+    def _established(self, receiver: int, source: Address) -> tuple[str, int, Flow] | None:
+        """The flow whose side `i` owns index `receiver`, when the packet comes from the other side's host (its
+        port may change: NAT rebinding); None, counted as a drop, for an unknown index or another host."""
         known = self._by_index.get(receiver)
         if known is None:
             self.drops.unknown_index += 1
-            return []
+            return None
         sid, i = known
         flow = self.flows[sid]
-        sender_side = flow.sides[1 - i]
-        if sender_side.address[0] != source[0]:
+        if flow.sides[1 - i].address[0] != source[0]:
             self.drops.spoofed += 1
-            return []
-        self._move(flow, sender_side, source)
-        self._count(flow, 1 - i, len(data), now)
-        return [flow.sides[i].address]
+            return None
+        return sid, i, flow
 
     # Bookkeeping
 
