@@ -16,12 +16,18 @@ root namespace's `inet plexd` table that was not there before the tests is still
 
 from __future__ import annotations
 
+import base64
 import os
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
+from nacl.public import PrivateKey
 from process_helpers import run_as
+
+from plexd.devplane.harness import Devplane
 
 IS_ROOT = os.geteuid() == 0
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -189,3 +195,28 @@ def system_groups():
     yield make
     for name in made:
         subprocess.run(["groupdel", name], check=False, capture_output=True)
+
+
+# -- a devplane for a module, and a node registered with it (fixtures of the tests that need no lab) ----------
+
+
+@pytest.fixture(scope="module")
+def devplane(tmp_path_factory):
+    """A real `plexd-devplane serve` on loopback for the module's tests."""
+    dp = Devplane(tmp_path_factory.mktemp("devplane"))
+    dp.start()
+    try:
+        yield dp
+    finally:
+        dp.stop()
+
+
+@pytest.fixture(scope="module")
+def secret(devplane) -> str:
+    """The node secret of a node registered with the module's devplane (no daemon behind it)."""
+    token = devplane.admin.create_token()
+    public = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+    resp = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
+                      json={"token": token, "public_key": public, "hostname": f"px-node-{time.monotonic_ns()}"})
+    resp.raise_for_status()
+    return resp.json()["node_secret_key"]

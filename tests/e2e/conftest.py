@@ -8,28 +8,14 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from lab_daemon import Daemon
-
-from plexd.devplane.harness import Devplane
-from plexd.lab import Lab
+from lab_daemon import lab_with_devplane
 
 
 @pytest.fixture
 def lab_dp(tmp_path, request):
-    lab = Lab().up(getattr(request, "param", 3))
-    dp = None
-    daemons: list[Daemon] = []
-    try:
-        dp = Devplane(tmp_path / "dp", listen=f"{lab.bridge_address}:0", keepalive="5s")
-        dp.start()
-        yield lab, dp, daemons, tmp_path
-    finally:
-        for d in daemons:
-            d.stop()
-        if dp is not None:
-            dp.stop()
-        lab.down()
-        assert lab.leaks() == []
+    """Lab nodes (3, or as many as `indirect` parametrization asks) and a devplane on the lab bridge."""
+    with lab_with_devplane(tmp_path, getattr(request, "param", 3)) as parts:
+        yield parts
 
 
 @pytest.fixture

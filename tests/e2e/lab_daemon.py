@@ -286,3 +286,23 @@ def mesh_lab(nodes: int, **mesh_kwargs: str) -> Iterator[tuple[Lab, MeshLab]]:
         mesh.close()
         lab.down()
         assert lab.leaks() == []
+
+
+@contextlib.contextmanager
+def lab_with_devplane(tmp_path: Path, nodes: int) -> Iterator[tuple[Lab, Devplane, list[Daemon], Path]]:
+    """`nodes` lab nodes and a devplane on the lab bridge; every daemon the test appends to the list is stopped,
+    the devplane too, and the lab is taken down and checked for leftovers, whatever happened."""
+    lab = Lab().up(nodes)
+    dp = None
+    daemons: list[Daemon] = []
+    try:
+        dp = Devplane(tmp_path / "dp", listen=f"{lab.bridge_address}:0", keepalive="5s")
+        dp.start()
+        yield lab, dp, daemons, tmp_path
+    finally:
+        for d in daemons:
+            d.stop()
+        if dp is not None:
+            dp.stop()
+        lab.down()
+        assert lab.leaks() == []

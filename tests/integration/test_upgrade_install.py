@@ -11,21 +11,14 @@ signatures, checksums and versions are in tests/security/test_signed_upgrade.py.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import os
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
-import httpx
 import pytest
-from nacl.public import PrivateKey
 from nacl.signing import SigningKey
+from upgrade_node import Agent, left_behind, upgrade_node
 
-from plexd import config as config_mod
-from plexd.controlplane.client import ControlPlaneClient
-from plexd.devplane.harness import Devplane
 from plexd.upgrade import marker as markers
 from plexd.upgrade import signing, zipapp
 from plexd.upgrade.upgrader import Upgrader
@@ -41,26 +34,6 @@ def put_signed(devplane, version: str, data: bytes) -> str:
 
 
 @pytest.fixture(scope="module")
-def devplane(tmp_path_factory):
-    dp = Devplane(tmp_path_factory.mktemp("devplane"))
-    dp.start()
-    try:
-        yield dp
-    finally:
-        dp.stop()
-
-
-@pytest.fixture(scope="module")
-def secret(devplane) -> str:
-    token = devplane.admin.create_token()
-    public = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
-    resp = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
-                      json={"token": token, "public_key": public, "hostname": f"px-up-{time.monotonic_ns()}"})
-    resp.raise_for_status()
-    return resp.json()["node_secret_key"]
-
-
-@pytest.fixture(scope="module")
 def good(devplane, tmp_path_factory) -> tuple[str, str]:
     """A release 0.9.1-test stored in the devplane: (version, checksum)."""
     path = tmp_path_factory.mktemp("rel") / "good.pyz"
@@ -69,31 +42,11 @@ def good(devplane, tmp_path_factory) -> tuple[str, str]:
     return "0.9.1-test", checksum
 
 
-class Agent(SimpleNamespace):
-    """What Upgrader uses of the agent: config, client, the running checksum, and restart (recorded)."""
-
-    def restart(self, reason: str) -> None:
-        self.restarts.append(reason)
-
-
 def upgrader(devplane, secret: str, tmp_path: Path, **upgrade: object) -> tuple[Upgrader, Agent]:
-    (tmp_path / "config.yaml").write_text(
-        f"api: {{url: {devplane.url}, allow_insecure: true}}\n"
-        f"data_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}"
-        f", release_keys: ['{signing.public_key(RELEASE_KEY)}']"
-        + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
-    (tmp_path / "data").mkdir(mode=0o700)
-    cfg = config_mod.load(str(tmp_path / "config.yaml"), flags={})
-    agent = Agent(config=cfg, client=ControlPlaneClient(devplane.url, token=secret), binary_checksum="a" * 64,
-                  restarts=[])
-    return Upgrader(agent, healthy=lambda: None), agent
+    return upgrade_node(devplane, secret, tmp_path, [signing.public_key(RELEASE_KEY)], **upgrade)
 
 
-def installed(tmp_path: Path) -> list[str]:
-    """Everything an install leaves: release files (also half-written ones), the link, the marker."""
-    rel = tmp_path / "releases"
-    found = sorted(os.listdir(rel)) if rel.exists() else []
-    return found + (["upgrade.json"] if (tmp_path / "data" / "upgrade.json").exists() else [])
+installed = left_behind
 
 
 async def install(up: Upgrader, version: str, checksum: str):

@@ -10,27 +10,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # lab_daemon, shared with the e2e tests
 
-from lab_daemon import Daemon
-
-from plexd.devplane.harness import Devplane
-from plexd.lab import Lab
+from lab_daemon import lab_with_devplane
 
 
 @pytest.fixture
 def lab_dp(request, tmp_path):
     """Lab nodes (one, or as many as `indirect` parametrization asks) and a devplane on the lab bridge; every
     daemon appended is stopped, nothing is left."""
-    lab = Lab().up(getattr(request, "param", 1))
-    dp = None
-    daemons: list[Daemon] = []
-    try:
-        dp = Devplane(tmp_path / "dp", listen=f"{lab.bridge_address}:0", keepalive="5s")
-        dp.start()
-        yield lab, dp, daemons, tmp_path
-    finally:
-        for d in daemons:
-            d.stop()
-        if dp is not None:
-            dp.stop()
-        lab.down()
-        assert lab.leaks() == []
+    with lab_with_devplane(tmp_path, getattr(request, "param", 1)) as parts:
+        yield parts

@@ -19,7 +19,6 @@ from starlette.testclient import TestClient
 
 from plexd.devplane import admin
 from plexd.devplane.deployment import Deployment
-from plexd.devplane.harness import Devplane
 from plexd.devplane.server import create_app
 from plexd.devplane.store import Store
 
@@ -53,16 +52,6 @@ def test_the_route_table_has_the_admin_routes_under_one_guarded_mount(tmp_path):
         assert ("PUT", "/admin/v1/artifacts/x1/x1/x1") in calls and len(calls) >= 20, calls
     finally:
         store.close()
-
-
-@pytest.fixture(scope="module")
-def devplane(tmp_path_factory):
-    dp = Devplane(tmp_path_factory.mktemp("devplane"))
-    dp.start()
-    try:
-        yield dp
-    finally:
-        dp.stop()
 
 
 @pytest.mark.parametrize("headers", [{}, WRONG], ids=["no token", "wrong token"])

@@ -13,24 +13,17 @@ when a check lets it through, so the sentinel would catch a missing check.
 from __future__ import annotations
 
 import asyncio
-import base64
 import hashlib
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
-import httpx
 import pytest
-from nacl.public import PrivateKey
 from nacl.signing import SigningKey
+from upgrade_node import Agent, left_behind, upgrade_node
 
 from plexd import __version__
-from plexd import config as config_mod
-from plexd.controlplane.client import ControlPlaneClient
-from plexd.devplane.harness import Devplane
 from plexd.integrity import package_root
 from plexd.upgrade import signing, zipapp
 from plexd.upgrade.upgrader import Upgrader
@@ -48,50 +41,12 @@ def evil_release(path: Path, version: str, sentinel: Path) -> str:
     return zipapp.build(path, overrides={"plexd/__init__.py": plant + init, "__main__.py": main})
 
 
-@pytest.fixture(scope="module")
-def devplane(tmp_path_factory):
-    dp = Devplane(tmp_path_factory.mktemp("devplane"))
-    dp.start()
-    try:
-        yield dp
-    finally:
-        dp.stop()
-
-
-@pytest.fixture(scope="module")
-def secret(devplane) -> str:
-    token = devplane.admin.create_token()
-    public = base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
-    resp = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
-                      json={"token": token, "public_key": public, "hostname": f"px-sig-{time.monotonic_ns()}"})
-    resp.raise_for_status()
-    return resp.json()["node_secret_key"]
-
-
-class Agent(SimpleNamespace):
-    def restart(self, reason: str) -> None:
-        self.restarts.append(reason)
-
-
 def node(devplane, secret: str, tmp_path: Path, **upgrade: object) -> tuple[Upgrader, Agent]:
     keys = upgrade.pop("release_keys", [signing.public_key(RELEASE_KEY)])
-    path = tmp_path / "config.yaml"
-    path.write_text(
-        f"api: {{url: {devplane.url}, allow_insecure: true}}\n"
-        f"data_dir: {tmp_path / 'data'}\nupgrade: {{dir: {tmp_path / 'releases'}, "
-        f"release_keys: [{', '.join(repr(k) for k in keys)}]"
-        + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
-    (tmp_path / "data").mkdir(mode=0o700, exist_ok=True)
-    cfg = config_mod.load(str(path), flags={})
-    agent = Agent(config=cfg, client=ControlPlaneClient(devplane.url, token=secret), binary_checksum="a" * 64,
-                  restarts=[])
-    return Upgrader(agent, healthy=lambda: None), agent
+    return upgrade_node(devplane, secret, tmp_path, keys, **upgrade)  # type: ignore[arg-type]
 
 
-def left(tmp_path: Path) -> list[str]:
-    rel = tmp_path / "releases"
-    found = sorted(os.listdir(rel)) if rel.exists() else []
-    return found + (["upgrade.json"] if (tmp_path / "data" / "upgrade.json").exists() else [])
+left = left_behind
 
 
 async def install(up: Upgrader, version: str, checksum: str, allow_downgrade: bool = False):
