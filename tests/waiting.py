@@ -5,7 +5,10 @@ observable conditions; the factor only says how long to keep looking before givi
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from collections.abc import Callable
 
 try:
     LOAD_FACTOR = max(1.0, float(os.environ.get("PLEXD_TEST_LOAD_FACTOR", "1")))
@@ -16,3 +19,14 @@ except ValueError:
 def scaled(seconds: float) -> float:
     """`seconds` stretched by the load factor."""
     return seconds * LOAD_FACTOR
+
+
+async def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition", *,
+                   interval: float = 0.02) -> None:
+    """Poll `pred()` until true; fail naming `what` after `timeout` seconds (stretched by the load factor)."""
+    limit = scaled(timeout)
+    deadline = time.monotonic() + limit
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {limit:.0f}s waiting for {what}")
+        await asyncio.sleep(interval)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from agentcore_recorder import Recorder, Reply
-from waiting import scaled
+from waiting import scaled, wait_for
 
 from plexd import agent as agent_mod
 from plexd.clock import FakeClock
@@ -71,14 +71,6 @@ def notify_socket(tmp_path):
     sock.setblocking(False)
     yield path, sock
     sock.close()
-
-
-async def wait_for(predicate, timeout=15.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 async def start_up(cfg: Path, notify: str | None = None, **extra: str) -> asyncio.subprocess.Process:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from nacl.public import PrivateKey
+from waiting import wait_for
 
 from plexd import gojson
 from plexd.config import load as load_config
@@ -86,15 +86,6 @@ class RecordingConverger:
 
 def wg_public() -> str:
     return base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
-
-
-async def wait_for(pred, timeout=15.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ import httpx
 import nacl.signing
 import pytest
 from nacl.public import PrivateKey
+from waiting import wait_for
 
 from plexd import gojson
 from plexd.backoff import Backoff
@@ -119,15 +120,6 @@ class Consumer:
             except asyncio.CancelledError:
                 pass
             self.ledger.close(time.time())  # a clean stop commits what was noted
-
-
-async def wait_for(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def publish(devplane, *args, **kw) -> str:

@@ -9,6 +9,7 @@ import socket
 import time
 
 import pytest
+from waiting import wait_for
 
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.tcp import TcpSession
@@ -66,14 +67,6 @@ class Reports:
             self.ended.set()
 
 
-async def wait_for(pred, what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_a_megabyte_each_way_is_forwarded_counted_and_reported_and_revocation_closes_the_listener():
     reports = Reports()
     async with Target() as target:
@@ -88,7 +81,7 @@ async def test_a_megabyte_each_way_is_forwarded_counted_and_reported_and_revocat
         echoed = await reader.readexactly(len(payload))
         assert echoed == payload
         writer.close()
-        await wait_for(lambda: tcp.live_connections == 0, "the connection to end")
+        await wait_for(lambda: tcp.live_connections == 0, what="the connection to end")
         await tcp.close("operator_revoke")
         assert reports.bodies[-1] == {"tcp": {"phase": "session_ended", "bytes_in": 1 << 20, "bytes_out": 1 << 20,
                                               "terminated_by": "operator_revoke"}}
