@@ -64,6 +64,18 @@ def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfi
     return points
 
 
+def take_turn(items: Sequence[Any], budget: int, start: int) -> tuple[list[Any], int]:
+    """At most `budget` of `items` from position `start` on, wrapping around, and where the next turn starts: every
+    item comes round once every len(items) / budget turns. All of them when they fit."""
+    if budget <= 0 or not items:
+        return [], 0
+    if len(items) <= budget:
+        return list(items), 0
+    start %= len(items)
+    chosen = [*items[start:start + budget], *items[:max(0, start + budget - len(items))]]
+    return chosen, (start + budget) % len(items)
+
+
 class Telemetry:
     def __init__(self, cfg: TelemetryConfig, data_dir: str, hostname: str, post: Post, *,
                  observe_device: Callable[[], Awaitable[DeviceConfig | None]],
@@ -83,6 +95,7 @@ class Telemetry:
         self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
         self.system = SystemSampler()
         self._probe_problem = ""
+        self._latency_turn = 0  # where the next collection's share of the peers to probe starts
 
     # -- the services -------------------------------------------------------------------------------------------
 
@@ -163,7 +176,11 @@ class Telemetry:
         self.queue.append("metrics", points)
 
     async def _latency(self, peers: Mapping[str, Peer]) -> dict[str, int]:
-        targets = {peer_id: peer.mesh_ip for peer_id, peer in peers.items() if peer.mesh_ip}
+        every = sorted((peer_id, peer.mesh_ip) for peer_id, peer in peers.items() if peer.mesh_ip)
+        chosen, self._latency_turn = take_turn(every, self.cfg.metrics.latency_peers, self._latency_turn)
+        targets = dict(chosen)
+        if not targets:
+            return {}
         try:
             # answers later than most of an interval would make the next collection late
             timeout = min(self.cfg.metrics.latency_timeout, 0.8 * self.cfg.metrics.collect_interval)
