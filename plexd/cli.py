@@ -149,7 +149,7 @@ def _remember_api(args: argparse.Namespace, config: Config) -> str:
     from plexd.config_edit import store_api_url
 
     path = config_path(getattr(args, "config", None))
-    return path if store_api_url(path, config.api.url) else ""
+    return path if store_api_url(path, config.api.url, allow_insecure=config.api.allow_insecure) else ""
 
 
 def _show_retry(url: str, out: Any) -> Callable[..., Any]:

@@ -17,9 +17,13 @@ _TOP_API = re.compile(r"^api:[ \t]*(?P<value>[^#\n]*?)[ \t]*(#.*)?$")
 _NESTED_URL = re.compile(r"^(?P<indent>[ \t]+)url:[ \t]*[^#\n]*?[ \t]*(?P<comment>#.*)?$")
 
 
-def store_api_url(path: str, url: str) -> bool:
+INSECURE_NOTE = "  # plain HTTP or no TLS verification: allowed when 'plexd join' ran with it"
+
+
+def store_api_url(path: str, url: str, *, allow_insecure: bool = False) -> bool:
     """Make `path` say ``api: url``; False when it already did. The file is created (0644) when missing; a
-    file that would not load afterwards is left as it was, with an error."""
+    file that would not load afterwards is left as it was, with an error. `allow_insecure`: the join ran with
+    api.allow_insecure (a lab's plain-HTTP control plane): the file says so too, or `plexd up` would refuse it."""
     from plexd import config as config_mod
 
     file = Path(path)
@@ -29,15 +33,17 @@ def store_api_url(path: str, url: str) -> bool:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"cannot read {path} to store api.url: {exc}") from None
     if before is None:
-        after = f"# the control plane; written by 'plexd join'\napi: {quoted}\n"
+        api = f"api:\n  url: {quoted}\n  allow_insecure: true{INSECURE_NOTE}" if allow_insecure else f"api: {quoted}"
+        after = f"# the control plane; written by 'plexd join'\n{api}\n"
         file.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     else:
-        if config_mod.load(path, env={}).api.url == url:
+        current = config_mod.load(path, env={"PLEXD_API_ALLOW_INSECURE": "true"} if allow_insecure else {})
+        if current.api.url == url and (current.api.allow_insecure or not allow_insecure):
             return False
-        after = _with_api(before, quoted, path)
+        after = _with_api(before, quoted, path, allow_insecure)
     write_atomic(file, after.encode(), mode=0o644 if before is None else _mode(file))
     try:
-        stored = config_mod.load(path, env={}).api.url
+        stored = config_mod.load(path, env={}).api.url  # as `plexd up` will read it: without the join's env
     except ConfigError as exc:
         stored = f"an error: {exc}"
     if stored != url:
@@ -50,8 +56,9 @@ def store_api_url(path: str, url: str) -> bool:
     return True
 
 
-def _with_api(text: str, quoted: str, path: str) -> str:
+def _with_api(text: str, quoted: str, path: str, allow_insecure: bool = False) -> str:
     lines = text.split("\n")
+    insecure = [f"  allow_insecure: true{INSECURE_NOTE}"] if allow_insecure else []
     for i, line in enumerate(lines):
         m = _TOP_API.match(line)
         if m is None:
@@ -59,19 +66,26 @@ def _with_api(text: str, quoted: str, path: str) -> str:
         if m.group("value"):
             if m.group("value").startswith("{"):
                 raise ConfigError(f"{path}: api is written in flow style ({{...}}); set its url by hand")
-            lines[i] = f"api: {quoted}"
+            lines[i:i + 1] = ["api:", f"  url: {quoted}", *insecure] if insecure else [f"api: {quoted}"]
             return "\n".join(lines)
+        end = len(lines)
         for j in range(i + 1, len(lines)):  # the long form: replace or add url in the api block
             if lines[j].strip() and not lines[j][0].isspace():
+                end = j
                 break
-            nested = _NESTED_URL.match(lines[j])
+        block = [ln for ln in lines[i + 1:end] if not (insecure and ln.strip().startswith("allow_insecure:"))]
+        for j, nested_line in enumerate(block):
+            nested = _NESTED_URL.match(nested_line)
             if nested is not None:
                 comment = f"  {nested.group('comment')}" if nested.group("comment") else ""
-                lines[j] = f"{nested.group('indent')}url: {quoted}{comment}"
-                return "\n".join(lines)
-        lines.insert(i + 1, f"  url: {quoted}")
+                block[j] = f"{nested.group('indent')}url: {quoted}{comment}"
+                break
+        else:
+            block.insert(0, f"  url: {quoted}")
+        lines[i + 1:end] = [*block, *insecure]
         return "\n".join(lines)
-    return text + ("" if text.endswith("\n") or not text else "\n") + f"api: {quoted}\n"
+    api = ["api:", f"  url: {quoted}", *insecure] if insecure else [f"api: {quoted}"]
+    return text + ("" if text.endswith("\n") or not text else "\n") + "\n".join(api) + "\n"
 
 
 def _mode(file: Path) -> int:

@@ -37,3 +37,33 @@ def test_a_file_it_cannot_edit_safely_is_left_unchanged(tmp_path):
     with pytest.raises(ConfigError, match=r"token\.value is not written as a 'value:' line under 'token:'"):
         remove_token_value(str(path))
     assert path.read_text() == text
+
+
+def test_join_stores_the_api_and_says_when_it_is_insecure(tmp_path):
+    from plexd import config as config_mod
+    from plexd.config_edit import store_api_url
+
+    path = tmp_path / "config.yaml"
+    assert store_api_url(str(path), "https://cp.example.com")
+    assert config_mod.load(str(path), env={}).api.url == "https://cp.example.com"
+    assert not store_api_url(str(path), "https://cp.example.com")  # already so: untouched
+    # a lab's plain-HTTP control plane, joined with api.allow_insecure: `plexd up` (no such env) must load it too
+    assert store_api_url(str(path), "http://10.231.1.1:8080", allow_insecure=True)
+    loaded = config_mod.load(str(path), env={})
+    assert loaded.api.url == "http://10.231.1.1:8080" and loaded.api.allow_insecure
+    assert not store_api_url(str(path), "http://10.231.1.1:8080", allow_insecure=True)
+    # the long form, with a comment and another setting kept
+    path.write_text("api:\n  url: https://old  # the old one\n  tls: {ca_file: /etc/ca.pem}\nlog_level: debug\n")
+    assert store_api_url(str(path), "http://new:1", allow_insecure=True)
+    text = path.read_text()
+    assert "# the old one" in text and "ca_file: /etc/ca.pem" in text and "log_level: debug" in text
+    loaded = config_mod.load(str(path), env={})
+    assert (loaded.api.url, loaded.api.allow_insecure, loaded.api.tls.ca_file) == ("http://new:1", True, "/etc/ca.pem")
+    # a new file for a plain-HTTP control plane
+    fresh = tmp_path / "new.yaml"
+    assert store_api_url(str(fresh), "http://cp:8080", allow_insecure=True)
+    assert config_mod.load(str(fresh), env={}).api.allow_insecure
+    # without allow_insecure, an http:// URL cannot be stored: the file would not load
+    with pytest.raises(ConfigError, match=r"could not store api\.url"):
+        store_api_url(str(tmp_path / "other.yaml"), "http://cp:8080")
+    assert not (tmp_path / "other.yaml").exists()
