@@ -26,10 +26,11 @@ from dataclasses import replace
 
 from nacl.public import PrivateKey
 
-from plexd.converge import Converger
+from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
 from plexd.identity import b64
 from plexd.lab import Lab, LabNode
+from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import DEFAULT_TABLE, Links
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
@@ -76,20 +77,24 @@ def timed_wg(node: LabNode, *args: str) -> float:
     return int(out.split()[-1]) / 1e9
 
 
-async def reset(conv: Converger, node: LabNode) -> None:
-    await conv.wireguard.apply(DeviceUpdate(replace_peers=True))
+def device_of(conv: Engine) -> WireGuardDomain:
+    return conv.domains[0]  # type: ignore[return-value]  # the bench's engine has this one domain
+
+
+async def reset(conv: Engine, node: LabNode) -> None:
+    await device_of(conv).backend.apply(DeviceUpdate(replace_peers=True))
     subprocess.run(["ip", "-n", node.netns, "route", "flush", "dev", "wg0", "table", str(DEFAULT_TABLE)], check=False,
                    capture_output=True)
 
 
-async def device_only(conv: Converger, d: DesiredState) -> float:
+async def device_only(conv: Engine, d: DesiredState) -> float:
     t = time.perf_counter()
-    observed = await conv.observe()
-    await conv.wireguard.apply(device_update(diff(d, observed, time.time())))
+    observed = await device_of(conv).read()
+    await device_of(conv).backend.apply(device_update(diff(d, observed, time.time())))
     return time.perf_counter() - t
 
 
-async def converge_time(conv: Converger, d: DesiredState) -> float:
+async def converge_time(conv: Engine, d: DesiredState) -> float:
     t = time.perf_counter()
     r = await conv.converge(d)
     dt = time.perf_counter() - t
@@ -105,7 +110,7 @@ async def bench(sizes: list[int], repeat: int) -> None:
     with Lab().up(1) as lab:
         node = lab.nodes[0]
         backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
-        conv = Converger(backend, Links("wg0", netns=node.netns))
+        conv = Engine([WireGuardDomain(backend, Links("wg0", netns=node.netns))])
         try:
             priv = b64(os.urandom(32))
             await conv.converge(make_desired(0, priv))  # device up, address, mtu
@@ -157,7 +162,7 @@ async def rss_child(n: int) -> None:
         node = lab.nodes[0]
         backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
         try:
-            conv = Converger(backend, Links("wg0", netns=node.netns))
+            conv = Engine([WireGuardDomain(backend, Links("wg0", netns=node.netns))])
             d = make_desired(n, b64(os.urandom(32)))
             await converge_time(conv, d)
             d = replace(d)

@@ -1,7 +1,7 @@
 """Firewall benchmark: plexd's nftables domain against real nftables in a namespace of its own (issue 12).
 
 Figures, at 100 and 1,000 policy rules (each rule names its own source node, so as many sets as rules):
-  * apply the whole policy onto an empty table (`FirewallDomain.converge`, full: read, diff, one transaction);
+  * apply the whole policy onto an empty table (`Engine.converge` of the firewall domain: read, diff, one transaction);
   * a one-rule change on top (a rule inserted in the middle of the policy) through the event path (diff against
     the table as the last apply left it, one transaction); beside it the same change through a full converge
     (which reads the table back first, as the periodic reconcile does);
@@ -25,8 +25,9 @@ import uuid
 
 from pyroute2.netns import setns
 
+from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
-from plexd.firewall.nft import FirewallDomain
+from plexd.firewall.domain import FirewallDomain
 from plexd.model import Peer, Policy, PolicyRule
 
 KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
@@ -67,13 +68,14 @@ async def bench_size(n: int, repeat: int, pool: concurrent.futures.Executor, ns:
         return await loop.run_in_executor(pool, fn, *args)
 
     fw = FirewallDomain("plexd0", run_blocking=run)
+    engine = Engine([fw])
     peers = [_peer(i) for i in range(n - 1)]
     rules = _rules(n)
     base = _model(rules, peers)
-    await fw.converge(base, full=True)  # warm the contexts; then start from an empty table
+    await engine.converge(base)  # warm the contexts; then start from an empty table
     await fw.teardown()
     t = time.perf_counter()
-    result = await fw.converge(base, full=True)
+    result = await engine.converge(base)
     full = time.perf_counter() - t
     assert not result.errors, result.errors
     print(f"{n:5d} rules  full apply on an empty table: {full * 1000:7.1f} ms "
@@ -84,13 +86,13 @@ async def bench_size(n: int, repeat: int, pool: concurrent.futures.Executor, ns:
     for i in range(repeat):
         target = changed if i % 2 == 0 else base
         t = time.perf_counter()
-        r = await fw.converge(target, full=False)
+        r = await engine.apply_delta(target)
         event.append(time.perf_counter() - t)
         assert len(r.changes) == 2 and not r.errors, r  # the rule in input and in forward
     for i in range(repeat):
         target = changed if i % 2 == 0 else base
         t = time.perf_counter()
-        await fw.converge(target, full=True)
+        await engine.converge(target)
         reread.append(time.perf_counter() - t)
     print(f"{n:5d} rules  one-rule change, event path:   {_ms(event)}")
     print(f"{n:5d} rules  one-rule change, full converge:{_ms(reread)}")
@@ -100,7 +102,7 @@ async def bench_size(n: int, repeat: int, pool: concurrent.futures.Executor, ns:
     for i in range(repeat):
         target = joined if i % 2 == 0 else base
         t = time.perf_counter()
-        r = await fw.converge(target, full=False)
+        r = await engine.apply_delta(target)
         join.append(time.perf_counter() - t)
         assert len(r.changes) == 1 and not r.errors, r
     print(f"{n:5d} rules  one peer joining (one element): {_ms(join)}")

@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
-from plexd.correction import Correction
+from plexd.converge.change import Change
 from plexd.desired import DesiredState, split_endpoint
 from plexd.mesh.links import LinkOp, LinkState
 from plexd.mesh.wireguard import (
@@ -175,18 +175,6 @@ def target(desired: DesiredState) -> Target:
 
 
 # --- changes ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Change:
-    correction_type: ClassVar[str] = ""
-
-    @property
-    def detail(self) -> str:  # pragma: no cover - every subclass overrides
-        raise NotImplementedError
-
-    def correction(self) -> Correction:
-        return Correction(self.correction_type, self.detail)
 
 
 @dataclass(frozen=True)

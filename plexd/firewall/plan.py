@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from plexd.converge.change import Change
 from plexd.firewall.ruleset import (
     FAMILY,
     TABLE,
@@ -38,7 +39,6 @@ from plexd.firewall.ruleset import (
     RuleSpec,
     SetSpec,
 )
-from plexd.plan import Change
 
 JSON = Any
 _T = {"family": FAMILY, "table": TABLE}

@@ -35,8 +35,8 @@ def leads(own_key: str, peer_key: str) -> bool:
 class FirstContact:
     """The kicks this node held back (public key -> keepalive to turn on) and the one task that sends them.
 
-    `send` applies a device update under the converger's lock. A held peer's keepalive reads 0 on the device until
-    its kick: `hides` keeps a full converge from reporting that as drift."""
+    `send` applies a device update under the WireGuard domain's device lock. A held peer's keepalive reads 0 on the
+    device until its kick: `hides` keeps a full converge from reporting that as drift."""
 
     def __init__(self, send: Callable[[DeviceUpdate], Awaitable[None]], delay: float = FOLLOW_DELAY) -> None:
         self._send = send

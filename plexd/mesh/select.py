@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from plexd.config import Config
-    from plexd.converge import Converger
     from plexd.mesh.wireguard import WireGuardBackend
 
 
@@ -34,16 +33,3 @@ def wireguard_backend(config: Config) -> WireGuardBackend:
     return UserspaceBackend(config.mesh.interface, implementation=config.mesh.userspace_implementation,
                             scope=scope_command(config.mesh.interface))
 
-
-def build_converger(config: Config) -> Converger:
-    """A `Converger` for this machine's device and link, its firewall and the node API's cache files."""
-    from plexd.converge import Converger
-    from plexd.firewall.nft import FirewallDomain
-    from plexd.mesh.links import Links
-    from plexd.nodeapi.cache import NodeStateCache
-
-    firewall = FirewallDomain(config.mesh.interface, enabled=config.policy.enabled,
-                              log_denied=config.policy.log_denied)
-    links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
-    return Converger(wireguard_backend(config), links,
-                     domains=(firewall, NodeStateCache(config.data_dir)))

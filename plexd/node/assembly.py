@@ -2,7 +2,7 @@
 
     Agent (lifecycle: start → register → supervised services → shutdown)       plexd.agent
       └─ assemble(agent) → Node
-           mesh        MeshHandle: Converger (backend from plexd.mesh.select) + DesiredStore + mirror + hold
+           mesh        MeshHandle: Engine (domains from plexd.node.engine) + DesiredStore + mirror + hold
            verifier    signing key and persisted nonces
            reconciler  GET /state → DesiredStore.replace_from_pull → converge → POST /drift
            handlers    verified events → DesiredStore.edit → converge
@@ -18,7 +18,7 @@
                        (plexd.telemetry; services "telemetry_metrics", "telemetry_logs", "telemetry_audit")
 
 Every service is added to the agent by name and runs under its supervisor. Tests build a Node with their own
-parts through the keyword arguments of `assemble` (a recording converger, say) rather than by patching.
+parts through the keyword arguments of `assemble` (a recording engine, say) rather than by patching.
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ from plexd.controlplane.uplink import UplinkOutbox
 from plexd.errors import PlexdError
 from plexd.integrity import HookScan
 from plexd.log import recent_lines
-from plexd.mesh.select import build_converger
 from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
+from plexd.node.engine import build_engine, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.local_api import LocalAPI, require_admin
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
@@ -139,9 +139,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     on_device = [0]  # peers on the device, counted before each heartbeat
 
     async def observe_device() -> None:
-        # Idle stays idle: the count the converger keeps (the last full read of the device plus every change
+        # Idle stays idle: the count the WireGuard domain keeps (the last full read of the device plus every change
         # applied since) costs nothing; only without one is the device dumped.
-        believed = mesh.converger.believed_peer_count()
+        believed = wireguard(mesh.engine).believed_peer_count()
         if believed is not None:
             on_device[0] = believed
             return
@@ -237,7 +237,7 @@ def upgrade_health(reconciler: Reconciler, heartbeat: HeartbeatService) -> str |
 
 def describe(node: Node) -> str:
     """The node in one line, for systemd's STATUS=: "connected, 12 peers", "control plane unreachable since …"."""
-    believed = node.mesh.converger.believed_peer_count()
+    believed = wireguard(node.mesh.engine).believed_peer_count()
     peers = believed if believed is not None else len(node.mesh.get_desired().peers)
     stream = node.stream.status()
     if stream["state"] == "connected":
@@ -267,22 +267,22 @@ def _add_watchdog(node: Node) -> None:
 
 
 def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
-    """The converger for this machine and the desired model, seeded from the mirror of the last run."""
+    """The engine for this machine and the desired model, seeded from the mirror of the last run."""
     cfg = agent.config
     assert agent.identity is not None
     initial, restored = initial_desired(cfg, agent.identity, mirror)
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
-    converger = build_converger(cfg)
-    protected = ProtectedAddresses.from_config(cfg, converger.links)
+    engine = build_engine(cfg)
+    protected = ProtectedAddresses.from_config(cfg, wireguard(engine).links)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first
     # state pull. Without a live device the mirror brings the interface and the last known peers up.
-    mesh = MeshHandle(converger, initial, protected=protected, known=False)
+    mesh = MeshHandle(engine, initial, protected=protected, known=False)
 
     async def teardown(agent: Agent) -> None:
         if agent.tears_down:
-            await converger.teardown()
+            await engine.teardown()
             log.info("mesh interface %s removed", cfg.mesh.interface)
 
     agent.on_shutdown("mesh teardown", teardown)
@@ -319,7 +319,7 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
 
     async def observe_device() -> Any:
         try:
-            return await node.mesh.converger.wireguard.observe()
+            return await wireguard(node.mesh.engine).backend.observe()
         except PlexdError as exc:
             log.debug("telemetry: cannot read the device: %s", exc)
             return None

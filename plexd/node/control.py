@@ -172,7 +172,7 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         result = await node.reconciler.run_once(dry_run=dry_run, reasons=("plexd reconcile --once",))
         doc = result.to_json()
         doc["errors"] = [result.error] if result.error else []
-        last = node.mesh.converger.last_result
+        last = node.mesh.engine.last_result
         if last is not None:
             doc["errors"] += [e for e in last.errors if e not in doc["errors"]]
         doc["ok"] = result.ok and not doc["errors"]

@@ -53,14 +53,15 @@ def clear_departed(data_dir: str) -> None:
 async def take_down(config: Any) -> None:
     """Remove what a plexd left on this machine (peers, interface, userspace process, nftables table) when no
     daemon runs: after a stop with shutdown.deregister false, or a crash."""
-    from plexd.mesh.select import build_converger
+    from plexd.node.engine import build_engine, wireguard
 
-    converger = build_converger(config)
+    engine = build_engine(config)
+    device = wireguard(engine)
     try:
-        await converger.wireguard.observe()  # adopts a userspace process left behind, so that it is stopped too
-        await converger.teardown()
+        await device.backend.observe()  # adopts a userspace process left behind, so that it is stopped too
+        await engine.teardown()
     finally:
-        await converger.wireguard.close()
+        await device.backend.close()
 
 
 def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepReport:

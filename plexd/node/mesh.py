@@ -1,9 +1,9 @@
-"""The node's mesh: one converger, one desired model (mirrored to data_dir for an offline start), one hold.
+"""The node's mesh: one engine, one desired model (mirrored to data_dir for an offline start), one hold.
 
     events ──edit──▶ DesiredStore ◀──replace_from_pull── reconciler (GET /state)
                           │
-                     MeshHandle.converge() ──▶ Converger (observe live machine → diff → apply)
-                     MeshHandle.apply_events() ──▶ Converger.apply_delta (touched peers only, no device read)
+                     MeshHandle.converge() ──▶ Engine.converge (every domain: observe → plan → apply)
+                     MeshHandle.apply_events() ──▶ Engine.apply_delta (what the events touched, no machine read)
                           │
                      ReconcileHold: while an operator holds, converges only plan (drift is reported as held)
 """
@@ -24,13 +24,13 @@ from plexd.clock import Clock
 from plexd.controlplane.client import PeerEndpoint
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
-from plexd.converge import Converger, ConvergeResult
-from plexd.correction import Correction
+from plexd.converge.change import Correction
+from plexd.converge.engine import ConvergeResult, Engine
 from plexd.desired import DesiredState, split_endpoint
 from plexd.desired_store import DesiredStore
-from plexd.firewall.nft import FirewallDomain
 from plexd.identity import Identity
 from plexd.model import SigningKeys, State
+from plexd.node.engine import wireguard
 from plexd.node.protected import ProtectedAddresses
 from plexd.nodeapi import cache as node_cache
 from plexd.route_limits import RouteLimits
@@ -80,11 +80,11 @@ class ReconcileHold:
 
 
 class MeshHandle:
-    """Holds the desired model and converges the `Converger` to it; one per daemon."""
+    """Holds the desired model and converges the machine to it through the engine; one per daemon."""
 
-    def __init__(self, converger: Converger, desired: DesiredState, hold: ReconcileHold | None = None,
+    def __init__(self, engine: Engine, desired: DesiredState, hold: ReconcileHold | None = None,
                  protected: ProtectedAddresses | None = None, known: bool = True) -> None:
-        self.converger = converger
+        self.engine = engine
         self.store = DesiredStore(desired)  # its on_changed is the group commit's (set by the assembly)
         # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
         # than converged to a mirror that may be older than it; without a device the mirror brings it up.
@@ -219,18 +219,14 @@ class MeshHandle:
     def get_desired(self) -> DesiredState:
         return self.store.value
 
-    @property
-    def firewall(self) -> FirewallDomain | None:
-        return next((d for d in self.converger.domains if isinstance(d, FirewallDomain)), None)
-
     def enforcement(self) -> tuple[str, str]:
         """(enforced | degraded | disabled, why it is not enforced): for status, heartbeat and `plexd policies`."""
-        firewall = self.firewall
+        firewall = self.engine.status().get("firewall")
         if firewall is None:
             return "disabled", "no firewall domain in this daemon"
         if not self.store.value.enforce_policy:
-            return "disabled", firewall.reason
-        return firewall.status, firewall.reason
+            return "disabled", firewall["reason"]
+        return firewall["enforcement"], firewall["reason"]
 
     async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
         """Converge the machine; while held (or before the first pull, with a device up) only plan."""
@@ -277,18 +273,25 @@ class MeshHandle:
         self._pull_changed_nothing = self._fresh is not None and self._fresh == self.store.value
 
     async def _converge(self, dry_run: bool) -> ConvergeResult:
-        if not self.known and not dry_run and (await self.converger.observe()).device is not None:
+        if not self.known and not dry_run and await self._device_up():
             if not self._told_unknown:
                 self._told_unknown = True
                 log.info("the WireGuard device %s is already up: keeping it as it is until the control plane's "
                          "state arrives", self.store.value.interface)
-            return await self.converger.converge(self.store.value, dry_run=True)
+            return await self.engine.converge(self.store.value, dry_run=True)
         held = not dry_run and self.hold.current() is not None
         # While held the result only plans (dry_run=True); the reconciler shows what it did not correct.
-        return await self.converger.converge(self.store.value, dry_run=dry_run or held)
+        return await self.engine.converge(self.store.value, dry_run=dry_run or held)
+
+    async def _device_up(self) -> bool:
+        try:
+            device = wireguard(self.engine)
+        except LookupError:
+            return False
+        return await device.backend.observe() is not None
 
     async def apply_events(self) -> ConvergeResult:
-        """Apply what events changed in the model: only the touched peers and routes (`Converger.apply_delta`).
+        """Apply what events changed in the model: only the touched peers and routes (`Engine.apply_delta`).
         While held, or before the first state pull, this plans in full like any converge."""
         async with self._lock:
             with self._timed("events"):
@@ -296,11 +299,11 @@ class MeshHandle:
                     return await self._converge_locked(False)
                 touched = self.store.take_touched()
                 self._note_refusals(self.store.value)
-                return await self.converger.apply_delta(self.store.value, touched)
+                return await self.engine.apply_delta(self.store.value, touched)
 
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""
-        device = await self.converger.wireguard.observe()
+        device = await wireguard(self.engine).backend.observe()
         if device is None:
             return None
         now = time.time()

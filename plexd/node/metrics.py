@@ -1,7 +1,7 @@
 """The local Prometheus endpoint: plexd's own health at ``GET /metrics`` (config ``metrics``, off by default).
 
 Everything is read at scrape time from the parts that already count it (the event stream, the reconciler, the
-converger, the heartbeat, the queues) and from one read of the live device, so nothing on the daemon's paths
+engine, the heartbeat, the queues) and from one read of the live device, so nothing on the daemon's paths
 pays for metrics nobody scrapes. Only the converge durations are observed as they happen (a histogram).
 
     plexd_info{version}                                    1
@@ -43,6 +43,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from plexd import __version__
 from plexd.errors import PlexdError
 from plexd.mesh.wireguard import DeviceConfig
+from plexd.node.engine import wireguard
 from plexd.node.parts import Node
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class NodeCollector:
         yield _gauge("plexd_reconcile_held", "1 while corrections are on hold", int(held))
         corrections = CounterMetricFamily("plexd_corrections", "drift corrected by the converge, by type",
                                           labels=["type"])
-        for kind, count in sorted(node.mesh.converger.corrections.items()):
+        for kind, count in sorted(node.mesh.engine.corrections.items()):
             corrections.add_metric([kind], count)
         yield corrections
         hb = node.heartbeat
@@ -172,7 +173,7 @@ class MetricsEndpoint:
 
     async def render(self) -> bytes:
         try:
-            self.collector.device = await self.node.mesh.converger.wireguard.observe()
+            self.collector.device = await wireguard(self.node.mesh.engine).backend.observe()
         except PlexdError as exc:  # the other families still come out; the peers' are empty
             log.debug("metrics: cannot read the device: %s", exc)
             self.collector.device = None

@@ -16,17 +16,16 @@ Counters are read from the live table at the time of the request.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from plexd.firewall.nft import FirewallError
-
-if TYPE_CHECKING:
-    from plexd.node.mesh import MeshHandle
+from plexd.node.engine import firewall as firewall_of
+from plexd.node.mesh import MeshHandle
 
 
 async def policies_document(mesh: MeshHandle) -> dict[str, Any]:
     desired = mesh.get_desired()
-    firewall = mesh.firewall
+    firewall = firewall_of(mesh.engine)
     compiled = desired.compiled_policy
     enforcement, why = mesh.enforcement()
     doc: dict[str, Any] = {
@@ -42,7 +41,7 @@ async def policies_document(mesh: MeshHandle) -> dict[str, Any]:
     counters: dict[tuple[str, str], tuple[int, int]] = {}
     if firewall is not None and desired.enforce_policy and not firewall.unavailable:
         try:
-            live = await firewall.observe()
+            live = await firewall.read()
         except FirewallError as e:
             doc["reason"] = doc["reason"] or str(e)
             live = None

@@ -1,6 +1,6 @@
 """``plexd reconcile --once [--dry-run]``: one reconcile cycle from the command line.
 
-With a daemon running, the daemon does it (`POST /v1/daemon/reconcile` on its socket): one converger, one lock,
+With a daemon running, the daemon does it (`POST /v1/daemon/reconcile` on its socket): one engine, one lock,
 never two engines fighting over the device. Without one, the command runs the cycle itself: it pulls the state
 with the stored identity, diffs it against the live device and link, and prints the plan (``--dry-run``) or the
 corrections it made, which it also reports with ``POST /drift`` as the daemon does. Standalone it never starts
@@ -31,7 +31,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.ledger import read_mirror
     from plexd.identity import IdentityStore
-    from plexd.mesh.select import build_converger
+    from plexd.node.engine import build_engine, wireguard
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
     from plexd.node.protected import ProtectedAddresses
     from plexd.services.reconciler import Reconciler, drift_uplink
@@ -41,18 +41,16 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
         why = f" ({loaded.problem})" if loaded.problem else ""
         raise PlexdError(f"this node is not registered{why}; run 'plexd join' first")
     ident = loaded.identity
-    converger = build_converger(config)
+    engine = build_engine(config)
     # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
     # hold the machine to, so only the pulled state is applied.
     desired, restored = initial_desired(config, ident, read_mirror(config.data_dir))
-    protected = ProtectedAddresses.from_config(config, converger.links)
-    mesh = MeshHandle(converger, desired, protected=protected, known=restored)
+    protected = ProtectedAddresses.from_config(config, wireguard(engine).links)
+    mesh = MeshHandle(engine, desired, protected=protected, known=restored)
 
-    if not dry_run:
-        observed = await converger.observe()
-        if observed.device is None:
-            raise PlexdError(f"WireGuard interface {config.mesh.interface} is not up; start the daemon with "
-                             "'plexd up' (or use --dry-run to see the plan)")
+    if not dry_run and await wireguard(engine).backend.observe() is None:
+        raise PlexdError(f"WireGuard interface {config.mesh.interface} is not up; start the daemon with "
+                         "'plexd up' (or use --dry-run to see the plan)")
 
     verifier = build_verifier(config.data_dir, Clock(), ident.signing_public_key)
     async with ControlPlaneClient.for_config(config, token=ident.bearer) as client:
@@ -73,8 +71,8 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     # The device belongs to the daemon: never stop or close a process this command did not start.
     doc = result.to_json()
     doc["errors"] = [result.error] if result.error else []
-    if converger.last_result is not None:
-        doc["errors"] += list(converger.last_result.errors)
+    if engine.last_result is not None:
+        doc["errors"] += list(engine.last_result.errors)
     doc["ok"] = result.ok and not doc["errors"]
     doc["hold"] = None
     doc["by_daemon"] = False

@@ -1,4 +1,4 @@
-"""The node-state cache under data_dir/state/, converged like the firewall (plexd.converge.Domain).
+"""The node-state cache under data_dir/state/, a domain of the converge engine (plexd.converge).
 
     state/metadata.json     the node's metadata (a JSON object, or null)
     state/secrets.json      the secret index [{"key","version"}]: names and versions, never values
@@ -13,7 +13,7 @@ correction is a drift line:
     cache_file_updated   a cache file's content or mode differed
     cache_file_removed   a file in state/data/ that no data entry has
 
-Events (full=False) diff against what the last write left, without reading the disk, and an event that did not
+Events (`apply_delta`) diff against what the last write left, without reading the disk, and an event that did not
 touch the node state (a peer event) costs one identity check.
 """
 
@@ -25,17 +25,18 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from plexd.atomicfile import write_atomic
+from plexd.converge.change import Change
+from plexd.converge.domain import DomainResult
 from plexd.desired import DesiredState
 from plexd.errors import PlexdError
 from plexd.model import DataEntry, SecretRef
 from plexd.nodeapi.keys import file_name
-from plexd.plan import Change
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,10 @@ class CacheFileWrong(CacheChange):
 @dataclass(frozen=True)
 class CacheFileExtra(CacheChange):
     correction_type: ClassVar[str] = "cache_file_removed"
+
+
+def _node_state(desired: DesiredState) -> tuple[Any, Any, Any]:
+    return desired.metadata, desired.data, desired.secret_refs
 
 
 def want(desired: DesiredState) -> dict[str, bytes]:
@@ -135,10 +140,14 @@ def read_live(data_dir: Path, wanted: Mapping[str, bytes]) -> dict[str, LiveFile
     return out
 
 
+class CacheError(PlexdError):
+    """The cache files could not be read."""
+
+
 @dataclass(frozen=True)
-class CacheResult:
-    changes: tuple[CacheChange, ...] = ()
-    errors: tuple[str, ...] = ()
+class CacheSeen:
+    wanted: dict[str, bytes]
+    live: dict[str, LiveFile]
 
 
 class NodeStateCache:
@@ -152,32 +161,45 @@ class NodeStateCache:
         self._believed: dict[str, LiveFile] | None = None  # the files as the last read and write left them
         self._last: tuple[Any, Any, Any] | None = None  # the node state the believed files were written for
 
-    async def converge(self, desired: DesiredState, *, full: bool, dry_run: bool = False) -> CacheResult:
-        node_state = (desired.metadata, desired.data, desired.secret_refs)
-        if not full and self._believed is not None and self._last is not None and all(
-                a is b for a, b in zip(node_state, self._last, strict=True)):
-            return CacheResult()  # a peer event: the node state is the very same objects
+    def status(self) -> None:
+        return None
+
+    async def observe(self, desired: DesiredState) -> CacheSeen:
+        wanted = want(desired)
         try:
-            return await self._run(self._converge, desired, full, dry_run, node_state)
+            return CacheSeen(wanted, await self._run(read_live, self.data_dir, wanted))
+        except OSError as exc:
+            raise CacheError(f"node cache in {self.data_dir / STATE_DIR} not read: {exc.strerror or exc}") from None
+
+    def plan(self, desired: DesiredState, seen: CacheSeen) -> DomainResult:
+        return DomainResult(tuple(diff(seen.wanted, seen.live)))
+
+    async def apply(self, desired: DesiredState, planned: DomainResult, seen: CacheSeen) -> DomainResult:
+        return await self._write(desired, seen.wanted, planned.changes)  # type: ignore[arg-type]
+
+    async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
+        if self._believed is None or self._last is None:
+            return None
+        if all(a is b for a, b in zip(_node_state(desired), self._last, strict=True)):
+            return DomainResult()  # a peer event: the node state is the very same objects
+        wanted = want(desired)
+        return await self._write(desired, wanted, diff(wanted, self._believed))
+
+    async def _write(self, desired: DesiredState, wanted: dict[str, bytes],
+                     changes: Sequence[CacheChange]) -> DomainResult:
+        try:
+            if changes:
+                await self._run(self._apply, changes)
         except OSError as exc:
             self._believed = None
             msg = f"node cache in {self.data_dir / STATE_DIR} not written: {exc.strerror or exc}"
             log.error("%s", msg)
-            return CacheResult(errors=(msg,))
-
-    def _converge(self, desired: DesiredState, full: bool, dry_run: bool, node_state: tuple) -> CacheResult:
-        wanted = want(desired)
-        live = read_live(self.data_dir, wanted) if full or self._believed is None else self._believed
-        changes = diff(wanted, live)
-        if dry_run:
-            return CacheResult(tuple(changes))
-        if changes:
-            self._apply(changes)
+            return DomainResult(errors=(msg,))
         self._believed = {p: LiveFile(c, FILE_MODE) for p, c in wanted.items()}
-        self._last = node_state
-        return CacheResult(tuple(changes))
+        self._last = _node_state(desired)
+        return DomainResult(tuple(changes))
 
-    def _apply(self, changes: list[CacheChange]) -> None:
+    def _apply(self, changes: Sequence[CacheChange]) -> None:
         state = self.data_dir / STATE_DIR
         for directory in (state, state / DATA_DIR):
             directory.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)

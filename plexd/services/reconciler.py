@@ -25,9 +25,8 @@ from plexd import gojson
 from plexd.backoff import Backoff
 from plexd.clock import Clock
 from plexd.controlplane.uplink import UplinkOutbox
-from plexd.correction import Correction
+from plexd.converge.change import Change, Correction
 from plexd.desired_store import StalePull
-from plexd.plan import Change
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +68,7 @@ class CycleResult:
 
 
 class Outcome(Protocol):
-    """What a converge returns (`plexd.converge.ConvergeResult`): the changes it made (or only planned, when
+    """What a converge returns (`plexd.converge.engine.ConvergeResult`): the changes it made (or only planned, when
     `dry_run` — also when an operator holds the reconciler)."""
 
     @property

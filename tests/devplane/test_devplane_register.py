@@ -16,7 +16,8 @@ def _post(dp, body, token=None):
     return httpx.post(f"{dp.url}/v1/register", json=body, headers=headers, timeout=10)
 
 
-def test_register_returns_identity_and_consumes_token(dp):
+def test_register_returns_identity_and_consumes_token(fresh_dp):
+    dp = fresh_dp  # its first node: whatever order the module's tests run in
     token = dp.admin.create_token()
     key = new_public_key()
     resp = _post(dp, {"token": token, "public_key": key, "hostname": "reg-a", "metadata": {"env": "test"}}, token)

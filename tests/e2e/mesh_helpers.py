@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 from nacl.public import PrivateKey
 
-from plexd.converge import Converger
+from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
 from plexd.lab import Lab, LabNode
+from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.mesh.wireguard.userspace import UserspaceBackend
@@ -23,7 +24,8 @@ def keypair() -> tuple[str, str]:
 
 @dataclass
 class MeshNode:
-    """One lab node driven by a Converger in the test process (wireguard-go runs inside the node)."""
+    """One lab node driven from the test process by an engine with one WireGuard domain (wireguard-go runs inside
+    the node)."""
 
     lab_node: LabNode
     node_id: str
@@ -31,7 +33,8 @@ class MeshNode:
     public_key: str
     mesh_ip: str
     backend: UserspaceBackend | KernelBackend
-    converger: Converger
+    domain: WireGuardDomain
+    converger: Engine
 
     @property
     def kind(self) -> str:
@@ -57,8 +60,8 @@ def mesh_node(lab: Lab, index: int, kind: str = "userspace") -> MeshNode:
     backend: UserspaceBackend | KernelBackend = (
         KernelBackend("wg0", netns=node.netns) if kind == "kernel"
         else UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([])))
-    return MeshNode(node, f"n_{index}", priv, pub, f"10.100.0.{index}", backend,
-                    Converger(backend, Links("wg0", netns=node.netns)))
+    domain = WireGuardDomain(backend, Links("wg0", netns=node.netns))
+    return MeshNode(node, f"n_{index}", priv, pub, f"10.100.0.{index}", backend, domain, Engine([domain]))
 
 
 def ping(lab: Lab, node: MeshNode, ip: str) -> bool:

@@ -153,7 +153,7 @@ async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile
     assert (await b.converger.converge(b.desired([a]))).ok
     assert (await a.converger.converge(da)).ok
     reads = []
-    for adapter in (a.backend, a.converger.links):
+    for adapter in (a.backend, a.domain.links):
         real = adapter.observe
 
         async def counted(real=real):

@@ -1,6 +1,6 @@
-"""Bad input through the `Converger` itself, against real wireguard-go in namespaces: a UAPI `errno` reply for a
-setting or for one peer, and no permission to create the device. Each is one clear log line naming the setting or
-peer, the rest of the configuration is still applied, and the next converge tries again (nothing raises)."""
+"""Bad input through the engine and its WireGuard domain, against real wireguard-go in namespaces: a UAPI `errno`
+reply for a setting or for one peer, and no permission to create the device. Each is one clear log line naming the
+setting or peer, the rest of the configuration is still applied, and the next converge tries again (nothing raises)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from dataclasses import replace
 import pytest
 from mesh_helpers import keypair, mesh_node, ping
 
-from plexd.converge import Converger
+from plexd.converge.engine import Engine
 from plexd.lab import Lab
+from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
@@ -39,7 +40,8 @@ async def pair():
 
 
 def errors_logged(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and r.name == "plexd.converge"]
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.ERROR and r.name in ("plexd.converge.engine", "plexd.mesh.domain")]
 
 
 async def test_listen_port_refused_is_named_and_the_peers_are_still_configured(pair, caplog) -> None:
@@ -83,7 +85,7 @@ async def test_a_peer_the_device_refuses_is_named_and_the_rest_configured(pair, 
     lab, a, b = pair
     backend = RefusingBackend("wg0", socket_dir=a.lab_node.sock_dir, launch_prefix=a.lab_node.wrap([]))
     a.backend = backend  # closed by the fixture
-    a.converger = converger = Converger(backend, Links("wg0", netns=a.lab_node.netns))
+    a.converger = converger = Engine([WireGuardDomain(backend, Links("wg0", netns=a.lab_node.netns))])
     _, ghost_key = keypair()
     backend.refuse_key = ghost_key
     ghost = Peer(id="n_ghost", public_key=ghost_key, mesh_ip="10.100.0.77", endpoint="10.231.255.77:51820",
@@ -118,7 +120,7 @@ async def test_no_permission_to_create_the_device_is_one_clear_error(pair) -> No
     node = a.lab_node
     backend = UserspaceBackend("wg0", socket_dir=node.sock_dir,
                                launch_prefix=node.wrap(["setpriv", "--bounding-set", "-net_admin", "--"]))
-    converger = Converger(backend, Links("wg0", netns=node.netns))
+    converger = Engine([WireGuardDomain(backend, Links("wg0", netns=node.netns))])
     try:
         r = await converger.converge(a.desired([b]))
         assert not r.ok and r.changes == () and len(r.errors) == 1

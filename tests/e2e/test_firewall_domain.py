@@ -14,10 +14,11 @@ import subprocess
 import uuid
 
 import pytest
+from engine_helpers import converge
 from pyroute2.netns import setns
 
 from plexd.desired import DesiredState
-from plexd.firewall.nft import FirewallDomain
+from plexd.firewall.domain import FirewallDomain
 from plexd.model import Peer, Policy, PolicyRule
 
 KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
@@ -80,22 +81,22 @@ async def test_builds_the_table_leaves_it_alone_and_restores_drift(netns):
     peers = [Peer("n_a", _key(1), "10.100.0.2"), Peer("n_c", _key(2), "10.100.0.3")]
     fw = domain_in(pool)
     desired = model(SSH_ONLY, peers)
-    first = await fw.converge(desired, full=True)
+    first = await converge(fw, desired, full=True)
     assert [c.correction_type for c in first.changes] == ["firewall_table_added"] and not first.errors
-    assert fw.status == "enforced"
+    assert fw.enforcement == "enforced"
     comments = rules_of(ns, "input")
     assert [c.split(" ", 1)[1] for c in comments] == ["established", "policy ssh", "default-deny"]
     sets = {o["set"]["name"]: o["set"].get("elem") for o in ruleset(ns) if "set" in o}
     assert sets == {"node_n_a": ["10.100.0.2"], "node_n_self": ["10.100.0.1"]}
 
-    assert (await fw.converge(desired, full=True)).changes == ()  # nothing to do: nothing done
+    assert (await converge(fw, desired, full=True)).changes == ()  # nothing to do: nothing done
 
     # One deleted rule, one deleted set element: each restored, each named.
     handle = next(o["rule"]["handle"] for o in ruleset(ns)
                   if "rule" in o and o["rule"]["chain"] == "input" and "policy ssh" in o["rule"].get("comment", ""))
     nft(ns, "delete", "rule", "inet", "plexd", "input", "handle", str(handle))
     nft(ns, "delete", "element", "inet", "plexd", "node_n_a", "{ 10.100.0.2 }")
-    fixed = await fw.converge(desired, full=True)
+    fixed = await converge(fw, desired, full=True)
     lines = sorted(str(c.correction()) for c in fixed.changes)
     assert any(line.startswith("policy_added: policy ssh: chain input") for line in lines), lines
     assert any(line.startswith("firewall_set_element_added: firewall: set node_n_a") for line in lines), lines
@@ -103,13 +104,13 @@ async def test_builds_the_table_leaves_it_alone_and_restores_drift(netns):
 
     # A foreign rule slipped into our chain goes; the whole table deleted comes back.
     nft(ns, "add", "rule", "inet", "plexd", "input", "accept")
-    fixed = await fw.converge(desired, full=True)
+    fixed = await converge(fw, desired, full=True)
     assert [c.correction_type for c in fixed.changes] == ["firewall_rule_removed"]
     nft(ns, "delete", "table", "inet", "plexd")
-    fixed = await fw.converge(desired, full=True)
+    fixed = await converge(fw, desired, full=True)
     assert [c.correction_type for c in fixed.changes] == ["firewall_table_added"]
     nft(ns, "flush", "ruleset")
-    fixed = await fw.converge(desired, full=True)
+    fixed = await converge(fw, desired, full=True)
     assert [c.correction_type for c in fixed.changes] == ["firewall_table_added"]
     assert len(rules_of(ns, "forward")) == 3
 
@@ -123,8 +124,8 @@ async def test_foreign_tables_are_never_touched(netns):
         "  tcp dport 8080 accept\n }\n}\n"))
     before = [o for o in ruleset(ns) if "metainfo" not in o]
     fw = domain_in(pool)
-    await fw.converge(model(SSH_ONLY), full=True)
-    await fw.converge(model(()), full=True)
+    await converge(fw, model(SSH_ONLY), full=True)
+    await converge(fw, model(()), full=True)
     await fw.teardown()
     after = [o for o in ruleset(ns) if "metainfo" not in o]
     assert after == before  # plexd's table came and went; the others are byte for byte what they were
@@ -136,16 +137,16 @@ async def test_events_change_one_element_and_the_believed_table_recovers_from_ou
     policies = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
                                PolicyRule("n_b", "n_self", 0, "", "allow"))),)
     d0 = model(policies, [Peer("n_a", _key(1), "10.100.0.2")])
-    await fw.converge(d0, full=True)
+    await converge(fw, d0, full=True)
     d1 = d0.with_peer(Peer("n_b", _key(2), "10.100.0.4"))  # n_b joins: its set gets its address
-    joined = await fw.converge(d1, full=False)
+    joined = await converge(fw, d1, full=False)
     assert [str(c.correction()) for c in joined.changes] == [
         "firewall_set_element_added: firewall: set node_n_b: node n_b address 10.100.0.4 missing"]
     # Someone deletes n_b's element behind our back; the event for n_b leaving must still apply (a retry after
     # reading the table), not fail.
     nft(ns, "delete", "element", "inet", "plexd", "node_n_b", "{ 10.100.0.4 }")
-    left = await fw.converge(d1.without_peer("n_b"), full=False)
-    assert not left.errors and fw.status == "enforced"
+    left = await converge(fw, d1.without_peer("n_b"), full=False)
+    assert not left.errors and fw.enforcement == "enforced"
     sets = {o["set"]["name"]: o["set"].get("elem") for o in ruleset(ns) if "set" in o}
     assert "elem" not in sets or sets["node_n_b"] is None
 
@@ -153,7 +154,7 @@ async def test_events_change_one_element_and_the_believed_table_recovers_from_ou
     changed = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
                               PolicyRule("n_a", "n_self", 443, "tcp", "allow"),
                               PolicyRule("n_b", "n_self", 0, "", "allow"))),)
-    result = await fw.converge(model(changed, [Peer("n_a", _key(1), "10.100.0.2")]), full=False)
+    result = await converge(fw, model(changed, [Peer("n_a", _key(1), "10.100.0.2")]), full=False)
     assert [str(c.correction()) for c in result.changes] == [
         "policy_added: policy ssh: chain input: policy ssh rule 1 (allow tcp/443 from n_a to n_self) missing",
         "policy_added: policy ssh: chain forward: policy ssh rule 1 (allow tcp/443 from n_a to n_self) missing"]
@@ -169,7 +170,7 @@ async def test_events_change_one_element_and_the_believed_table_recovers_from_ou
 async def test_log_denied_adds_a_rate_limited_log_rule(netns):
     ns, pool = netns
     fw = domain_in(pool, log_denied=True)
-    await fw.converge(model(SSH_ONLY), full=True)
+    await converge(fw, model(SSH_ONLY), full=True)
     rules = [o["rule"] for o in ruleset(ns) if "rule" in o and o["rule"]["chain"] == "input"]
     log_rule = next(r for r in rules if r["comment"].endswith("log-denied"))
     kinds = [next(iter(e)) for e in log_rule["expr"]]
@@ -179,9 +180,9 @@ async def test_log_denied_adds_a_rate_limited_log_rule(netns):
 
 async def test_enforcement_off_removes_a_leftover_table(netns):
     ns, pool = netns
-    await domain_in(pool).converge(model(SSH_ONLY), full=True)
+    await converge(domain_in(pool), model(SSH_ONLY), full=True)
     off = domain_in(pool, enabled=False)
-    result = await off.converge(model(SSH_ONLY), full=True)
+    result = await converge(off, model(SSH_ONLY), full=True)
     assert [c.correction_type for c in result.changes] == ["firewall_table_removed"]
     assert not any("table" in o and o["table"]["name"] == "plexd" for o in ruleset(ns))
-    assert off.status == "disabled"
+    assert off.enforcement == "disabled"

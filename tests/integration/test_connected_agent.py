@@ -1,6 +1,6 @@
 """The connected stage wired into a real `Agent` (in-process) against the real devplane.
 
-The mesh here is a recording stand-in for the WireGuard converger (a dict of peers as "the device"), so this
+The mesh here is a recording stand-in for the WireGuard domain (a dict of peers as "the device"), so this
 test needs no namespaces; the same wiring against real wireguard-go in a lab is tests/e2e/test_connected_lab.py.
 """
 
@@ -9,79 +9,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from dataclasses import dataclass, field
 
 import httpx
 import pytest
 from nacl.public import PrivateKey
+from recording_device import RecordingDomain
 from waiting import wait_for
 
 from plexd import gojson
 from plexd.config import load as load_config
-from plexd.correction import Correction
+from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
 from plexd.node import assembly
 from plexd.node.mesh import MeshHandle
-
-
-@dataclass(frozen=True)
-class FakeChange:
-    correction_type: str
-    detail: str
-
-    def correction(self) -> Correction:
-        return Correction(self.correction_type, self.detail)
-
-
-@dataclass
-class FakeResult:
-    changes: tuple = ()
-    errors: tuple = ()
-    dry_run: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-
-@dataclass
-class RecordingDevice:
-    converger: RecordingConverger
-
-    async def observe(self):
-        return DeviceConfig(peers={k: PeerConfig(public_key=k) for k in self.converger.device.values()})
-
-
-@dataclass
-class RecordingConverger:
-    device: dict = field(default_factory=dict)  # peer id -> public key
-    domains: tuple = ()  # no firewall: this converger only records
-    calls: int = 0
-    last_result: FakeResult | None = None
-
-    @property
-    def wireguard(self):
-        return RecordingDevice(self)
-
-    async def converge(self, desired, *, dry_run=False):
-        self.calls += 1
-        changes = []
-        for pid, peer in desired.peers.items():
-            if self.device.get(pid) != peer.public_key:
-                changes.append(FakeChange("peer_added", f"peer {pid}: missing from the device"))
-        for pid in set(self.device) - set(desired.peers):
-            changes.append(FakeChange("peer_removed", f"peer {pid}: not desired"))
-        if not dry_run:
-            self.device = {pid: p.public_key for pid, p in desired.peers.items()}
-        return FakeResult(tuple(changes))
-
-    async def apply_delta(self, desired, touched=None):
-        return await self.converge(desired)
-
-    def believed_peer_count(self):
-        return None  # no baseline kept: the heartbeat reads the device (the fallback path)
 
 
 def wg_public() -> str:
@@ -104,7 +45,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
         "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
         "PLEXD_SHUTDOWN_DEREGISTER": "false", "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")})
-    converger = RecordingConverger()
+    domain = RecordingDomain()
     connected = {}
 
     def install(agent):
@@ -112,7 +53,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
                                        private_key=base64.b64encode(agent.identity.private_key).decode(),
                                        mesh_ip=agent.identity.mesh_ip)
-        connected["mesh"] = MeshHandle(converger, desired)
+        connected["mesh"] = MeshHandle(Engine([domain]), desired)
         connected["c"] = assembly.assemble(agent, mesh=connected["mesh"])
         return connected["c"]
 
@@ -132,7 +73,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         token = devplane.admin.create_token()
         other = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
                            json={"token": token, "public_key": wg_public(), "hostname": "px-other"}).json()
-        await wait_for(lambda: other["node_id"] in converger.device, what="the new peer on the device")
+        await wait_for(lambda: other["node_id"] in domain.device, what="the new peer on the device")
         # heartbeat values are real: the daemon's code checksum, its uptime, the peers it has
         await wait_for(lambda: devplane.admin.heartbeats(node_id)[-1]["mesh"]["peer_count"] == 1,
                        what="a heartbeat counting the new peer")
@@ -143,7 +84,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         assert 1 <= gojson.parse_duration(hb["uptime"]) <= connected["agent"].uptime() + 1
 
         # drift: the peer disappears from the "device" behind plexd's back; the reconciler reports it
-        converger.device.pop(other["node_id"])
+        domain.device.pop(other["node_id"])
         await wait_for(lambda: any(other["node_id"] in corr["detail"] for report in devplane.admin.drift(node_id)
                                    for corr in report["corrections"]), what="a drift report")
         report = devplane.admin.drift(node_id)[-1]

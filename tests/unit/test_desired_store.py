@@ -13,6 +13,8 @@ from nacl.public import PrivateKey
 from plexd.clock import Clock
 from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.signing import NonceStore, Verifier
+from plexd.converge.domain import DomainResult
+from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
 from plexd.desired_store import DesiredStore, StalePull
 from plexd.model import Peer, SigningKeys, State
@@ -67,43 +69,50 @@ def test_a_pull_overtaken_by_more_events_than_the_journal_holds_is_refused_and_c
     assert store.value is before
 
 
-class RecordingConverger:
-    domains = ()  # no firewall: this converger only records
+class RecordingDomain:
+    """A domain of the real engine that only records the peers of each model it is converged to."""
+
+    name = "recording"
 
     def __init__(self):
         self.seen: list[set[str]] = []
 
-    async def converge(self, desired, dry_run=False):
+    async def observe(self, desired):
         self.seen.append(set(desired.peers))
 
-        class Result:
-            changes = ()
-            errors = ()
-            dry_run = False
-            ok = True
-        return Result()
+    def plan(self, desired, observed):
+        return DomainResult()
 
-    async def apply_delta(self, desired, touched=None):
-        return await self.converge(desired)
+    async def apply(self, desired, planned, observed):
+        return DomainResult()
+
+    async def apply_delta(self, desired, touched):
+        return None  # converge me in full: recorded like a reconcile
+
+    async def teardown(self):
+        pass
+
+    def status(self):
+        return None
 
 
-class SlowConverger(RecordingConverger):
+class SlowDomain(RecordingDomain):
     """Every converge waits until `release` is set: a converge held in flight."""
 
     def __init__(self):
         super().__init__()
         self.release = asyncio.Event()
 
-    async def converge(self, desired, dry_run=False):
+    async def observe(self, desired):
         await self.release.wait()
-        return await super().converge(desired, dry_run)
+        return await super().observe(desired)
 
 
 async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_the_pull():
     """The e2e failure of test_cursor_and_nonces_survive_a_plexd_up_restart, without timing: the reconcile after
     a stream reconnect asks for the state; a peer_added event is applied before the (older) answer arrives."""
-    converger = RecordingConverger()
-    mesh = MeshHandle(converger, initial())
+    domain = RecordingDomain()
+    mesh = MeshHandle(Engine([domain]), initial())
     clock = Clock()
     verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                         NonceStore(clock), clock)
@@ -131,7 +140,7 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
     result = await asyncio.wait_for(cycle, 5)
     assert result.ok, result.error
     assert set(mesh.get_desired().peers) == {"n_2", "n_3"}  # the event was not undone
-    assert converger.seen[-1] == {"n_2", "n_3"}  # and the device was converged to both
+    assert domain.seen[-1] == {"n_2", "n_3"}  # and the device was converged to both
     assert not any(c.type == "peer_removed" for c in result.updates)
 
 
@@ -139,8 +148,8 @@ async def test_a_burst_of_events_coalesces_into_few_converges_that_see_every_cha
     """Events request converges; while one runs, any number of requests make exactly one more, and it applies the
     model as it is then (every event of the burst)."""
 
-    converger = SlowConverger()
-    mesh = MeshHandle(converger, initial())
+    domain = SlowDomain()
+    mesh = MeshHandle(Engine([domain]), initial())
     service = asyncio.create_task(mesh.converge_requested())
     first = peer(2)
     mesh.store.edit(lambda d: d.with_peer(first), "e0")
@@ -150,11 +159,11 @@ async def test_a_burst_of_events_coalesces_into_few_converges_that_see_every_cha
     for i, p in enumerate(burst):
         mesh.store.edit(lambda d, p=p: d.with_peer(p), f"e{i + 1}")
         mesh.request_converge(f"e{i + 1}")
-    converger.release.set()
+    domain.release.set()
     for _ in range(20):
         await asyncio.sleep(0)
-    assert len(converger.seen) == 2  # the one running, and one for the whole burst
-    assert converger.seen[-1] == {"n_2", *(p.id for p in burst)}
+    assert len(domain.seen) == 2  # the one running, and one for the whole burst
+    assert domain.seen[-1] == {"n_2", *(p.id for p in burst)}
     service.cancel()
     with pytest.raises(asyncio.CancelledError):
         await service
@@ -164,8 +173,8 @@ async def test_a_reconcile_whose_pull_changes_nothing_reads_the_machine_once():
     """Phase 1 (drift) converges the machine to the model; when the state pull leaves the model as it was, phase 2
     has nothing to do and does not read the machine again. A pull that changes the model, and every later cycle
     (drift can happen at any moment), still converge in full."""
-    converger = RecordingConverger()
-    mesh = MeshHandle(converger, initial().with_peer(peer(2)))
+    domain = RecordingDomain()
+    mesh = MeshHandle(Engine([domain]), initial().with_peer(peer(2)))
     state = State(peers=(peer(2),))
 
     async def get_state():
@@ -174,12 +183,12 @@ async def test_a_reconcile_whose_pull_changes_nothing_reads_the_machine_once():
     reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None), mesh.converge,
                             lambda report: None)
     assert (await reconciler.run_once(reasons=("interval",))).ok
-    assert len(converger.seen) == 2  # the first cycle: nothing was converged to this model yet
+    assert len(domain.seen) == 2  # the first cycle: nothing was converged to this model yet
     assert (await reconciler.run_once(reasons=("interval",))).ok
-    assert len(converger.seen) == 3  # drift phase only: the pull changed nothing
+    assert len(domain.seen) == 3  # drift phase only: the pull changed nothing
     state = State(peers=(peer(2), peer(3)))
     assert (await reconciler.run_once(reasons=("interval",))).ok
-    assert len(converger.seen) == 5 and converger.seen[-1] == {"n_2", "n_3"}
+    assert len(domain.seen) == 5 and domain.seen[-1] == {"n_2", "n_3"}
 
 
 def test_edits_name_the_peers_they_touch_and_a_pull_makes_them_unknown():
@@ -199,8 +208,8 @@ async def test_an_apply_waiting_behind_a_reconcile_applies_the_model_after_its_p
     """An event's apply queued while a reconcile converges reads the model when its turn comes, so it cannot put
     back the model from before the reconcile's state pull."""
 
-    converger = SlowConverger()
-    mesh = MeshHandle(converger, initial())
+    domain = SlowDomain()
+    mesh = MeshHandle(Engine([domain]), initial())
     reconcile = asyncio.create_task(mesh.converge())
     await asyncio.sleep(0)  # the reconcile's converge holds the turn
     since = mesh.store.mark()
@@ -208,9 +217,9 @@ async def test_an_apply_waiting_behind_a_reconcile_applies_the_model_after_its_p
     event_apply = asyncio.create_task(mesh.apply_events())
     await asyncio.sleep(0)
     mesh.store.replace_from_pull(lambda d: d.with_peer(peer(9)), since)  # the reconcile's pull lands meanwhile
-    converger.release.set()
+    domain.release.set()
     await asyncio.wait_for(asyncio.gather(reconcile, event_apply), 5)
-    assert converger.seen[-1] == {"n_5", "n_9"}  # not {"n_5"}: the pull's peer is not undone
+    assert domain.seen[-1] == {"n_5", "n_9"}  # not {"n_5"}: the pull's peer is not undone
 
 
 async def test_peer_endpoints_from_the_exchange_change_only_endpoints_and_refuse_what_is_not_host_port(caplog):
@@ -219,9 +228,9 @@ async def test_peer_endpoints_from_the_exchange_change_only_endpoints_and_refuse
     with a log line and the peer keeps the endpoint it had (it is not dropped from the mesh)."""
     from plexd.controlplane.client import PeerEndpoint
 
-    converger = RecordingConverger()
+    domain = RecordingDomain()
     p2, p3 = peer(2), peer(3)
-    mesh = MeshHandle(converger, initial().with_peers([p2, p3]))
+    mesh = MeshHandle(Engine([domain]), initial().with_peers([p2, p3]))
     before = mesh.store.value.peers["n_3"]
     since = mesh.store.mark()
     changed = mesh.set_peer_endpoints([

@@ -108,20 +108,21 @@ def test_kernel_backend_reports_missing_module() -> None:
 
 @needs_no_module
 async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch) -> None:
-    """Through the Converger: one clear error line, nothing raised (the daemon keeps running). The missing module
+    """Through the engine: one clear error line, nothing raised (the daemon keeps running). The missing module
     is this kernel's real answer; no permission (EPERM) cannot be produced without the module, so it is injected."""
     import errno
 
     import pyroute2
     from pyroute2.netlink.exceptions import NetlinkError
 
-    from plexd.converge import Converger
+    from plexd.converge.engine import Engine
     from plexd.desired import DesiredState
+    from plexd.mesh.domain import WireGuardDomain
     from plexd.mesh.links import Links
 
     desired = DesiredState.initial(interface="pxnokern0", listen_port=51820, mtu=1420, private_key=K[0],
                                    mesh_ip="10.100.0.1")
-    converger = Converger(KernelBackend("pxnokern0"), Links("pxnokern0"))
+    converger = Engine([WireGuardDomain(KernelBackend("pxnokern0"), Links("pxnokern0"))])
     r = await converger.converge(desired)
     assert r.errors == ("the kernel has no WireGuard generic-netlink family (module not loaded)",) and not r.changes
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from engine_helpers import converge
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -110,7 +111,7 @@ async def test_cache_files_are_written_then_drift_is_restored_and_reported(tmp_p
     domain = cache.NodeStateCache(tmp_path)
     entry = DataEntry("db/../../escape", "application/json", {"host": "db"}, 2, "2025-01-15T10:30:00Z")
     desired = model({"env": "prod"}, [entry], [SecretRef("tls", 1)])
-    first = await domain.converge(desired, full=True)
+    first = await converge(domain, desired, full=True)
     assert {c.correction_type for c in first.changes} == {"cache_file_added"} and len(first.changes) == 3
     state = tmp_path / "state"
     assert json.loads((state / "metadata.json").read_text()) == {"env": "prod"}
@@ -119,13 +120,13 @@ async def test_cache_files_are_written_then_drift_is_restored_and_reported(tmp_p
     [data_file] = os.listdir(state / "data")  # the key with '/' and '..' stays inside data/
     assert json.loads((state / "data" / data_file).read_text())["key"] == "db/../../escape"
     assert {oct(p.stat().st_mode & 0o777) for p in state.rglob("*")} == {"0o700", "0o600"}
-    assert (await domain.converge(desired, full=True)).changes == ()
+    assert (await converge(domain, desired, full=True)).changes == ()
 
     (state / "metadata.json").write_text('{"env": "hacked"}')
     (state / "secrets.json").unlink()
     (state / "data" / "stray.json").write_text("{}")
     os.chmod(state / "data" / data_file, 0o644)
-    fixed = await domain.converge(desired, full=True)
+    fixed = await converge(domain, desired, full=True)
     assert sorted(c.correction().to_wire()["type"] + " " + c.path for c in fixed.changes) == [
         f"cache_file_added {cache.STATE_DIR}/secrets.json",
         "cache_file_removed state/data/stray.json",
@@ -140,13 +141,13 @@ async def test_cache_files_are_written_then_drift_is_restored_and_reported(tmp_p
 async def test_event_path_writes_only_what_changed_and_skips_peer_events(tmp_path):
     domain = cache.NodeStateCache(tmp_path)
     desired = model({"a": "1"})
-    await domain.converge(desired, full=True)
+    await converge(domain, desired, full=True)
     peer_event = DesiredState.with_peers(desired, [])  # a peer edit keeps the node-state objects as they are
-    assert (await domain.converge(peer_event, full=False)).changes == ()
+    assert (await converge(domain, peer_event, full=False)).changes == ()
     changed = desired.with_node_state({"a": "2"}, [])
-    result = await domain.converge(changed, full=False)
+    result = await converge(domain, changed, full=False)
     assert [c.path for c in result.changes] == ["state/metadata.json"]
-    dry = await domain.converge(changed.with_node_state({"a": "3"}, []), full=True, dry_run=True)
+    dry = await converge(domain, changed.with_node_state({"a": "3"}, []), full=True, dry_run=True)
     assert len(dry.changes) == 1 and json.loads((tmp_path / "state/metadata.json").read_text()) == {"a": "2"}
 
 
@@ -163,10 +164,10 @@ async def test_a_data_entry_larger_than_the_load_bound_converges_once(tmp_path):
     fixed bound) instead of rewriting it and reporting drift on every reconcile."""
     domain = cache.NodeStateCache(tmp_path)
     desired = model(data=[DataEntry("big", "application/json", nested(60, 150_000), 1, "")])
-    first = await domain.converge(desired, full=True)
+    first = await converge(domain, desired, full=True)
     assert [c.correction_type for c in first.changes].count("cache_file_added") == 3
     assert (tmp_path / "state/data/big.json").stat().st_size > cache.MAX_CACHE_FILE
-    assert (await domain.converge(desired, full=True)).changes == ()
+    assert (await converge(domain, desired, full=True)).changes == ()
 
 
 async def test_a_deeply_nested_report_survives_a_restart(tmp_path):
@@ -182,7 +183,7 @@ async def test_a_deeply_nested_report_survives_a_restart(tmp_path):
 
 async def test_an_unwritable_cache_is_an_error_not_a_crash(tmp_path):
     (tmp_path / "state").write_text("a file where the directory should be")
-    result = await cache.NodeStateCache(tmp_path).converge(model({"a": "1"}), full=True)
+    result = await converge(cache.NodeStateCache(tmp_path), model({"a": "1"}), full=True)
     assert result.errors and "node cache" in result.errors[0]
 
 

@@ -3,6 +3,7 @@ firewall diff's rule ordering, property-tested against a model of how nftables i
 
 from __future__ import annotations
 
+from engine_helpers import converge
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -180,7 +181,7 @@ async def test_nftables_missing_is_one_clear_error_and_degraded_never_silent(mon
     import sys
 
     from plexd.controlplane.client import HeartbeatRequest
-    from plexd.firewall.nft import FirewallDomain
+    from plexd.firewall.domain import FirewallDomain
 
     monkeypatch.setitem(sys.modules, "nftables", None)
     fw = FirewallDomain("plexd0")
@@ -188,9 +189,9 @@ async def test_nftables_missing_is_one_clear_error_and_degraded_never_silent(mon
                              node_id="n_a", enforce_policy=True)
     d = d.with_peers([Peer("n_b", "B" * 43 + "=", "10.100.0.2"), Peer("n_c", "C" * 43 + "=", "10.100.0.3")])
     d = d.with_policies([Policy("p", (rule("n_b", "n_a"),))])
-    first = await fw.converge(d, full=True)
-    await fw.converge(d, full=True)
-    assert fw.status == "degraded"
+    first = await converge(fw, d, full=True)
+    await converge(fw, d, full=True)
+    assert fw.enforcement == "degraded"
     assert "the Python module nftables is missing (pip install pip-nftables)" in fw.reason
     assert first.errors == (fw.reason,)
     errors = [r for r in caplog.records if r.levelname == "ERROR"]

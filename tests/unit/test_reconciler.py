@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 from plexd import gojson
 from plexd.clock import FakeClock
-from plexd.correction import Correction
+from plexd.converge.change import Correction
 from plexd.services.reconciler import Reconciler
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)

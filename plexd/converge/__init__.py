@@ -1,0 +1,9 @@
+"""The converge engine: every piece of machine state is a domain observed, diffed and repaired by one engine.
+
+    change.py   `Change`: one typed change, also its drift-report line (`Correction`)
+    domain.py   `Domain`: observe / plan / apply, an event-delta entry point, teardown, status; `DomainResult`
+    engine.py   `Engine`: runs the domains in order, one converge at a time; `ConvergeResult`
+
+The domains live with what they own (`plexd.mesh.domain`, `plexd.firewall.domain`, `plexd.nodeapi.cache`) and
+are listed in one place, `plexd.node.engine.build_engine`.
+"""

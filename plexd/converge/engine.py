@@ -1,0 +1,163 @@
+"""The converge engine: every domain observed, diffed and repaired, one converge at a time.
+
+`await engine.converge(desired)` reads the live machine of every domain, plans and applies (start-up, the periodic
+reconcile, `reconcile --once`); `await engine.apply_delta(desired, touched)` applies what events changed, per
+domain without reading the machine where the domain can. Neither raises for what the machine or the control plane
+can cause: failures come back in `ConvergeResult.errors`, the other domains still converge, and the next converge
+tries again (level-triggered).
+
+Order: the domains apply in the order they are listed (`plexd.node.engine.build_engine`): the firewall before
+the WireGuard device, so a new peer meets its rules; teardown runs in the reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from plexd.converge.change import Change, Correction
+from plexd.converge.domain import Domain, DomainResult
+from plexd.desired import DesiredState
+from plexd.errors import PlexdError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ConvergeResult:
+    """What one converge did. `changes` lists only what was applied successfully (or planned, when dry_run)."""
+
+    changes: tuple[Change, ...] = ()
+    errors: tuple[str, ...] = ()
+    skipped_peers: tuple[tuple[str, str], ...] = ()  # (peer id, reason): invalid peers left out
+    dry_run: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def corrections(self) -> list[Correction]:
+        """What this converge changed, one drift-report line each."""
+        return [c.correction() for c in self.changes]
+
+
+class _Failed:
+    """A domain's observe that raised: the reason, in place of the observed state."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+class Engine:
+    """Runs the domains; one converge (full or delta) at a time."""
+
+    def __init__(self, domains: Sequence[Domain]) -> None:
+        names = [d.name for d in domains]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two domains share a name: {names}")
+        self.domains = tuple(domains)
+        self._lock = asyncio.Lock()
+        self.last_result: ConvergeResult | None = None
+        self.corrections: collections.Counter[str] = collections.Counter()  # drift corrected, by type (metrics)
+
+    def domain(self, name: str) -> Domain | None:
+        return next((d for d in self.domains if d.name == name), None)
+
+    def status(self) -> dict[str, Any]:
+        """Each domain's health, by name (those that have something to say)."""
+        out = {}
+        for d in self.domains:
+            s = d.status()
+            if s is not None:
+                out[d.name] = dict(s)
+        return out
+
+    async def converge(self, desired: DesiredState, *, dry_run: bool = False) -> ConvergeResult:
+        async with self._lock:
+            observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
+            total = DomainResult()
+            for domain, seen in zip(self.domains, observed, strict=True):
+                total += await self._converge_one(domain, desired, seen, dry_run)
+            if not dry_run:
+                self._corrected(total.changes)
+            result = ConvergeResult(total.changes, total.errors, desired.rejected, dry_run)
+            self.last_result = result
+            return result
+
+    async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None = None) -> ConvergeResult:
+        """Apply what changed in `desired` since the last apply: O(change) in every domain that can; a domain that
+        cannot (no baseline, the delta refused) converges in full, alone."""
+        async with self._lock:
+            total = DomainResult()
+            for domain in self.domains:
+                delta = await self._guard(domain, domain.apply_delta(desired, touched), None)
+                if delta is None:
+                    seen = await self._observe(domain, desired)
+                    full = await self._converge_one(domain, desired, seen, False)
+                    self._corrected(full.changes)
+                    total += full
+                else:
+                    for c in delta.changes:
+                        log.debug("applied: %s", c.detail)
+                    total += delta
+            result = ConvergeResult(total.changes, total.errors, desired.rejected, False)
+            self.last_result = result
+            return result
+
+    async def teardown(self) -> None:
+        """Every domain removes what it put on the machine, last listed first (deregistration)."""
+        async with self._lock:
+            for domain in reversed(self.domains):
+                await self._guard(domain, domain.teardown(), None)
+
+    async def _observe(self, domain: Domain, desired: DesiredState) -> Any:
+        try:
+            return await domain.observe(desired)
+        except PlexdError as e:
+            log.error("%s: %s", domain.name, e)
+            return _Failed(str(e))
+        except Exception as e:  # a bug in one domain must not stop the others
+            log.exception("%s: reading the machine failed", domain.name)
+            return _Failed(f"{domain.name}: internal error reading the machine: {e!r}")
+
+    async def _converge_one(self, domain: Domain, desired: DesiredState, seen: Any, dry_run: bool) -> DomainResult:
+        if isinstance(seen, _Failed):
+            return DomainResult(errors=(seen.error,))
+        try:
+            planned = domain.plan(desired, seen)
+        except PlexdError as e:
+            log.error("%s: %s", domain.name, e)
+            return DomainResult(errors=(str(e),))
+        except Exception as e:
+            log.exception("%s: planning failed", domain.name)
+            return DomainResult(errors=(f"{domain.name}: internal error planning: {e!r}",))
+        if dry_run:
+            return planned
+        applied = await self._guard(domain, domain.apply(desired, planned, seen), DomainResult())
+        return DomainResult(applied.changes, planned.errors + applied.errors)
+
+    async def _guard(self, domain: Domain, call: Awaitable[T], fallback: T) -> T:
+        """`call`, with what it raises logged and turned into `fallback` plus an error line for this domain."""
+        try:
+            return await call
+        except PlexdError as e:
+            log.error("%s: %s", domain.name, e)
+            error = str(e)
+        except Exception as e:
+            log.exception("%s failed", domain.name)
+            error = f"{domain.name}: internal error: {e!r}"
+        if isinstance(fallback, DomainResult):
+            return DomainResult(fallback.changes, (*fallback.errors, error))  # type: ignore[return-value]
+        return fallback
+
+    def _corrected(self, changes: Sequence[Change]) -> None:
+        for c in changes:
+            log.info("corrected: %s", c.detail, extra={"correction": c.correction_type})
+            self.corrections[c.correction_type] += 1
+

@@ -1,0 +1,295 @@
+"""The WireGuard domain: the mesh device, its link, addresses and routes (the engine's first citizen).
+
+Full converge: `observe` resolves peer host names (WireGuard takes IP endpoints only, as `wg` does) and reads the
+device and the link together; `plan` is the pure diff (`plexd.plan`), less the first handshakes this node leaves
+to the peer (`plexd.mesh.first_contact`); `apply` sends every device change as one transaction (retried piece by
+piece to name a refused peer) and the link changes after it. Events (`apply_delta`) diff only the touched peers
+against the machine as the last apply left it (`_Baseline`): no device read, O(change).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import ipaddress
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, replace
+
+from plexd.clock import Clock
+from plexd.converge.change import Change
+from plexd.converge.domain import DomainResult
+from plexd.delta import peer_delta, touched_peers
+from plexd.desired import DesiredState, split_endpoint
+from plexd.errors import PlexdError
+from plexd.mesh.first_contact import FirstContact
+from plexd.mesh.links import LinkOp, Links
+from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
+from plexd.plan import (
+    InterfaceMissing,
+    LinkChange,
+    ListenPortWrong,
+    Observed,
+    PeerChange,
+    PrivateKeyWrong,
+    UserspaceProcessGone,
+    device_update,
+    diff,
+    first_contacts,
+    link_ops,
+    simulate,
+)
+
+log = logging.getLogger(__name__)
+
+RESOLVE_TIMEOUT = 3.0
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _is_ip_endpoint(endpoint: str) -> bool:
+    try:
+        ipaddress.ip_address(split_endpoint(endpoint)[0])
+        return True
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class MeshObserved:
+    """The live device and link, and the desired model with its peers' host names resolved."""
+
+    machine: Observed
+    resolved: DesiredState
+    errors: tuple[str, ...]  # endpoints that did not resolve (those peers are configured without one)
+
+
+@dataclass(frozen=True)
+class _Baseline:
+    """What the last apply left: the model it was for, and the machine as it then was (observed at the last full
+    converge, with every change applied since). The event path diffs against this instead of reading the device."""
+
+    desired: DesiredState
+    believed: Observed
+
+
+class WireGuardDomain:
+    name = "wireguard"
+
+    def __init__(self, backend: WireGuardBackend, links: Links, *, clock: Clock | None = None) -> None:
+        self.backend = backend
+        self.links = links
+        self.clock = clock or Clock()
+        self._device_lock = asyncio.Lock()  # one device transaction at a time (converges and held kicks)
+        self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
+        self._baseline: _Baseline | None = None
+        self.first_contact = FirstContact(self._send_held_kicks)
+
+    # -- reading ----------------------------------------------------------------------------------------------
+
+    async def read(self) -> Observed:
+        """The device and the link; the link is read in a worker thread while the device is read on the loop."""
+        link, device = await asyncio.gather(self.links.observe(), self.backend.observe())
+        return Observed(device=device, link=link, process_gone=self.backend.process_gone(),
+                        peer_names=dict(self._names))
+
+    def believed_peer_count(self) -> int | None:
+        """Peers on the device as the last full read saw them plus every change applied since; None when that is
+        not known (start, or the last apply failed). Lets the heartbeat count without dumping the device."""
+        base = self._baseline
+        if base is None or base.believed.device is None:
+            return None
+        return len(base.believed.device.peers)
+
+    def status(self) -> None:
+        return None
+
+    # -- the domain -------------------------------------------------------------------------------------------
+
+    async def observe(self, desired: DesiredState) -> MeshObserved:
+        for pid, peer in desired.peers.items():
+            self._names[peer.public_key] = pid
+        resolved, errors = await self._resolve_endpoints(desired)
+        machine = await self.read()
+        if self._baseline is not None:  # the machine was read: believe what was seen (also when only planning)
+            self._baseline = replace(self._baseline, believed=machine)
+        return MeshObserved(machine, resolved, tuple(errors))
+
+    def plan(self, desired: DesiredState, observed: MeshObserved) -> DomainResult:
+        link = observed.machine.link
+        if link is not None and not link.is_wireguard:
+            raise WireGuardError(
+                f"interface {desired.interface} already exists and is a {link.kind or 'non-WireGuard'} "
+                "link, not WireGuard: delete it or set mesh.interface to another name"
+            )
+        changes = [c for c in diff(observed.resolved, observed.machine, self.clock.now().timestamp())
+                   if not self.first_contact.hides(c)]
+        return DomainResult(tuple(changes), observed.errors)
+
+    async def apply(self, desired: DesiredState, planned: DomainResult, observed: MeshObserved) -> DomainResult:
+        try:
+            applied, errors = await self._apply(observed.resolved, planned.changes)
+        except BaseException:
+            self._baseline = None  # the device is not known any more
+            raise
+        self.first_contact.applied(applied)
+        # The next event diffs against this (only when everything applied: otherwise the device is not known).
+        clean = not errors and not planned.errors
+        self._baseline = _Baseline(desired, simulate(observed.machine, applied)) if clean else None
+        return DomainResult(tuple(applied), tuple(errors))
+
+    async def _apply(self, desired: DesiredState, changes: Sequence[Change]) -> tuple[list[Change], list[str]]:
+        applied: list[Change] = []
+        errors: list[str] = []
+        if not changes:
+            return applied, errors
+        if isinstance(changes[0], InterfaceMissing | UserspaceProcessGone):
+            await self.backend.ensure_device()  # PlexdError (missing binary, ...) ends this converge
+            applied.append(changes[0])
+            log.info("%s", changes[0].detail, extra={"interface": desired.interface})
+
+        failed_keys, device_errors = await self._apply_device(self._device_update(desired, changes))
+        errors.extend(device_errors)
+        for c in changes:
+            if isinstance(c, InterfaceMissing | UserspaceProcessGone | LinkChange):
+                continue
+            if isinstance(c, PeerChange):
+                if c.public_key not in failed_keys:
+                    applied.append(c)
+            elif isinstance(c, PrivateKeyWrong | ListenPortWrong) and c.correction_type in failed_keys:
+                continue  # refused: named in errors, not reported as corrected
+            else:
+                applied.append(c)
+
+        failures = await self.links.apply(link_ops(changes))
+        failed_ops: set[LinkOp] = set()
+        for op, why in failures:
+            msg = f"interface {desired.interface}: {op.action} {op.value if op.value is not None else ''}: {why}"
+            log.error("%s", msg, extra={"interface": desired.interface})
+            errors.append(msg)
+            failed_ops.add(op)
+        applied.extend(c for c in changes if isinstance(c, LinkChange) and c.link_op() not in failed_ops)
+        return applied, errors
+
+    async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
+        """Apply what changed in `desired` since the last apply, without reading the device back: O(change).
+        None (converge me in full): no baseline (start, or the last apply failed), something other than peers
+        changed, a host name did not resolve, or the delta itself failed (the device went away, a peer refused)."""
+        try:
+            return await self._delta(desired, touched)
+        except PlexdError as e:
+            log.warning("applying an event's change failed (%s); converging in full", e)
+            self._baseline = None
+            return None
+
+    async def _delta(self, desired: DesiredState, named: Collection[str] | None) -> DomainResult | None:
+        base = self._baseline
+        if base is None:
+            return None
+        if named is None:
+            touched = touched_peers(base.desired, desired)
+        else:
+            before, after = base.desired.peers, desired.peers
+            touched = [pid for pid in named if before.get(pid) is not after.get(pid)]
+        resolved, errors = await self._resolve_endpoints(desired, touched)
+        if errors:
+            return None  # a full converge names them (and configures the peers without an endpoint)
+        for pid in touched:
+            peer = desired.peers.get(pid)
+            if peer is not None:
+                self._names[peer.public_key] = pid
+        changes = peer_delta(base.desired, resolved, base.believed, self.clock.now().timestamp(), touched)
+        if changes is None:
+            return None
+        if changes:
+            update = self._device_update(desired, changes)
+            if not update.is_empty():
+                async with self._device_lock:
+                    await self.backend.apply(update)  # WireGuardError: the full converge finds out why
+            if await self.links.apply(link_ops(changes)):
+                self._baseline = None
+                return None
+        self._baseline = _Baseline(desired, simulate(base.believed, changes))
+        self.first_contact.applied(changes)
+        return DomainResult(tuple(changes))
+
+    async def teardown(self) -> None:
+        """Remove the device and its link (shutdown with deregistration)."""
+        self._baseline = None
+        self.first_contact.cancel()
+        await self.backend.delete_device()
+        try:
+            await self.links.delete_link()
+        except PlexdError as e:
+            log.warning("%s", e)
+        self.links.close()
+
+    # -- the device -------------------------------------------------------------------------------------------
+
+    def _device_update(self, desired: DesiredState, changes: Sequence[Change]) -> DeviceUpdate:
+        """The changes as one device transaction, less the first handshakes this node leaves to the peer."""
+        held = self.first_contact.hold(desired.public_key, first_contacts(changes))
+        return device_update(changes, held)
+
+    async def _send_held_kicks(self, update: DeviceUpdate) -> None:
+        async with self._device_lock:
+            await self.backend.apply(update)
+
+    async def _apply_device(self, update: DeviceUpdate) -> tuple[set[str], list[str]]:
+        """Send all device changes in one transaction; if refused, retry piece by piece to name the culprit."""
+        if update.is_empty():
+            return set(), []
+        async with self._device_lock:
+            try:
+                await self.backend.apply(update)
+                return set(), []
+            except WireGuardError as first:
+                if len(update.peers) <= 1 and (update.private_key is None and update.listen_port is None):
+                    pieces = [update]
+                else:
+                    # Device fields one per piece too: a refused listen port must not be blamed on the private key.
+                    pieces = [u for u in (DeviceUpdate(private_key=update.private_key),
+                                          DeviceUpdate(listen_port=update.listen_port)) if not u.is_empty()]
+                    pieces += [DeviceUpdate(peers=(p,)) for p in update.peers]
+                log.debug("batched set refused (%s); retrying %d pieces", first, len(pieces))
+            failed: set[str] = set()
+            errors: list[str] = []
+            for piece in pieces:
+                try:
+                    await self.backend.apply(piece)
+                except WireGuardError as e:
+                    if piece.peers:
+                        key = piece.peers[0].public_key
+                        failed.add(key)
+                        pid = self._names.get(key, key_fingerprint(key))
+                        msg = f"peer {pid}: {e}"
+                        log.error("%s", msg, extra={"peer": pid})
+                    else:
+                        msg = str(e)
+                        log.error("%s", msg)
+                        failed.add(PrivateKeyWrong.correction_type if piece.private_key is not None
+                                   else ListenPortWrong.correction_type)
+                    errors.append(msg)
+            return failed, errors
+
+    async def _resolve_endpoints(self, desired: DesiredState,
+                                 only: Sequence[str] | None = None) -> tuple[DesiredState, list[str]]:
+        """WireGuard takes IP endpoints only (as `wg` does, resolve host names first). `only`: these peer ids."""
+        errors: list[str] = []
+        loop = asyncio.get_running_loop()
+        peers = desired.peers.items() if only is None else [(p, desired.peers[p]) for p in only if p in desired.peers]
+        for pid, peer in list(peers):
+            if not peer.endpoint or _is_ip_endpoint(peer.endpoint):
+                continue
+            host, port = split_endpoint(peer.endpoint)
+            try:
+                async with asyncio.timeout(RESOLVE_TIMEOUT):  # not wait_for: it can swallow a cancel on 3.11
+                    infos = await loop.getaddrinfo(host, port, type=2)
+                ip = infos[0][4][0]
+                endpoint = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            except (OSError, TimeoutError, IndexError) as e:
+                msg = f"peer {pid}: cannot resolve endpoint {peer.endpoint}: {e or 'timeout'}"
+                log.warning("%s; configuring it without an endpoint", msg, extra={"peer": pid})
+                errors.append(msg)
+                endpoint = ""
+            desired = replace(desired, peers={**desired.peers, pid: replace(peer, endpoint=endpoint)})
+        return desired, errors

@@ -1,0 +1,40 @@
+"""The one list of domains: `build_engine(config)` for the daemon, `reconcile --once`, `plexd deregister` and the
+lab. Adding a piece of machine state to plexd means writing its domain (`plexd.converge.domain.Domain`) and adding
+it here, in the order it must apply (the firewall before the device: a new peer meets its rules)."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from plexd.config import Config
+from plexd.converge.engine import Engine
+from plexd.firewall.domain import FirewallDomain
+from plexd.mesh.domain import WireGuardDomain
+from plexd.mesh.links import Links
+from plexd.mesh.select import wireguard_backend
+from plexd.nodeapi.cache import NodeStateCache
+
+
+def build_engine(config: Config) -> Engine:
+    links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
+    return Engine([
+        FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied),
+        NodeStateCache(config.data_dir),
+        WireGuardDomain(wireguard_backend(config), links),
+    ])
+
+
+# Typed access to the domains others read, by name (engines in tests may leave some out).
+
+
+def wireguard(engine: Engine) -> WireGuardDomain:
+    """The WireGuard domain: the device the heartbeat, the metrics and `plexd peers` read. LookupError: none."""
+    domain = engine.domain(WireGuardDomain.name)
+    if domain is None:
+        raise LookupError("this engine has no WireGuard domain")
+    return cast(WireGuardDomain, domain)
+
+
+def firewall(engine: Engine) -> FirewallDomain | None:
+    """The firewall domain: `plexd policies` reads its table and ruleset."""
+    return cast(FirewallDomain | None, engine.domain(FirewallDomain.name))

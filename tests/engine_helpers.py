@@ -1,0 +1,16 @@
+"""One domain converged alone through the real engine (tests and benches of a single domain)."""
+
+from __future__ import annotations
+
+from plexd.converge.domain import Domain
+from plexd.converge.engine import ConvergeResult, Engine
+from plexd.desired import DesiredState
+
+
+async def converge(domain: Domain, desired: DesiredState, *, full: bool = True,
+                   dry_run: bool = False) -> ConvergeResult:
+    """full: observe → plan → apply (the reconcile); otherwise the event path (`apply_delta`)."""
+    engine = Engine([domain])
+    if full:
+        return await engine.converge(desired, dry_run=dry_run)
+    return await engine.apply_delta(desired)

@@ -1,0 +1,69 @@
+"""A stand-in for the WireGuard domain in the real engine, for in-process daemons that need no namespaces: "the
+device" is a dict of peer ids to public keys, and drift is made by editing it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from plexd.converge.change import Correction
+from plexd.converge.domain import DomainResult
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+
+
+@dataclass(frozen=True)
+class FakeChange:
+    correction_type: str
+    detail: str
+
+    def correction(self) -> Correction:
+        return Correction(self.correction_type, self.detail)
+
+
+@dataclass
+class RecordingDevice:
+    domain: RecordingDomain
+
+    async def observe(self):
+        return DeviceConfig(peers={k: PeerConfig(public_key=k) for k in self.domain.device.values()})
+
+
+@dataclass
+class RecordingDomain:
+    """Stands in for the WireGuard domain in the real engine: "the device" is a dict of peers."""
+
+    name = "wireguard"
+    device: dict = field(default_factory=dict)  # peer id -> public key
+    calls: int = 0
+
+    @property
+    def backend(self):
+        return RecordingDevice(self)
+
+    async def observe(self, desired):
+        self.calls += 1
+        return dict(self.device)
+
+    def plan(self, desired, observed):
+        changes = []
+        for pid, peer in desired.peers.items():
+            if observed.get(pid) != peer.public_key:
+                changes.append(FakeChange("peer_added", f"peer {pid}: missing from the device"))
+        for pid in set(observed) - set(desired.peers):
+            changes.append(FakeChange("peer_removed", f"peer {pid}: not desired"))
+        return DomainResult(tuple(changes))
+
+    async def apply(self, desired, planned, observed):
+        self.device = {pid: p.public_key for pid, p in desired.peers.items()}
+        return DomainResult(planned.changes)
+
+    async def apply_delta(self, desired, touched):
+        return None  # no baseline kept: every event converges in full
+
+    async def teardown(self):
+        self.device.clear()
+
+    def status(self):
+        return None
+
+    def believed_peer_count(self):
+        return None  # no baseline kept: the heartbeat reads the device (the fallback path)

@@ -1,0 +1,161 @@
+"""The converge engine on its own, with small in-memory domains: order, isolation, the event path's fallback."""
+
+from __future__ import annotations
+
+import base64
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+import pytest
+
+from plexd.converge.change import Change
+from plexd.converge.domain import DomainResult
+from plexd.converge.engine import Engine
+from plexd.desired import DesiredState
+from plexd.errors import PlexdError
+from plexd.model import Peer
+
+
+@dataclass(frozen=True)
+class Set(Change):
+    correction_type: ClassVar[str] = "value_set"
+    domain: str
+    value: int
+
+    @property
+    def detail(self) -> str:
+        return f"{self.domain}: set to {self.value}"
+
+
+class Counter:
+    """Owns one number that should equal the number of desired peers."""
+
+    def __init__(self, name: str, log: list[str], *, value: int = 0) -> None:
+        self.name, self.log, self.value = name, log, value
+        self.baseline: int | None = None
+        self.fail_observe: BaseException | None = None
+        self.fail_apply: BaseException | None = None
+
+    async def observe(self, desired):
+        self.log.append(f"observe {self.name}")
+        if self.fail_observe is not None:
+            raise self.fail_observe
+        return self.value
+
+    def plan(self, desired, observed):
+        want = len(desired.peers)
+        return DomainResult((Set(self.name, want),) if observed != want else ())
+
+    async def apply(self, desired, planned, observed):
+        self.log.append(f"apply {self.name}")
+        if self.fail_apply is not None:
+            raise self.fail_apply
+        for c in planned.changes:
+            self.value = c.value
+        self.baseline = self.value
+        return DomainResult(planned.changes)
+
+    async def apply_delta(self, desired, touched):
+        if self.baseline is None:
+            return None
+        self.log.append(f"delta {self.name}")
+        want = len(desired.peers)
+        if want == self.baseline:
+            return DomainResult()
+        self.value = self.baseline = want
+        return DomainResult((Set(self.name, want),))
+
+    async def teardown(self):
+        self.log.append(f"teardown {self.name}")
+        self.value = 0
+
+    def status(self):
+        return {"value": self.value}
+
+
+def model(peers: int) -> DesiredState:
+    d = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.100.0.1")
+    return d.with_peers([Peer(f"n_{i}", base64.b64encode(bytes([i + 1]) * 32).decode(), f"10.100.0.{i + 2}")
+                         for i in range(peers)])
+
+
+async def test_domains_are_observed_then_applied_in_list_order_and_corrections_counted():
+    log: list[str] = []
+    a, b = Counter("a", log), Counter("b", log, value=2)
+    engine = Engine([a, b])
+    r = await engine.converge(model(2))
+    assert log == ["observe a", "observe b", "apply a", "apply b"]
+    assert r.ok and [c.detail for c in r.changes] == ["a: set to 2"] and a.value == 2
+    assert engine.corrections == {"value_set": 1} and engine.last_result is r
+    assert engine.status() == {"a": {"value": 2}, "b": {"value": 2}}
+
+
+async def test_dry_run_plans_every_domain_and_applies_none():
+    log: list[str] = []
+    a = Counter("a", log)
+    r = await Engine([a]).converge(model(3), dry_run=True)
+    assert r.dry_run and [c.detail for c in r.changes] == ["a: set to 3"] and a.value == 0
+    assert "apply a" not in log
+
+
+@pytest.mark.parametrize("where", ["observe", "apply"])
+@pytest.mark.parametrize("error", [PlexdError("the thing is gone"), RuntimeError("a bug")])
+async def test_a_failing_domain_is_an_error_line_and_the_others_still_converge(where, error, caplog):
+    log: list[str] = []
+    bad, good = Counter("bad", log), Counter("good", log)
+    setattr(bad, f"fail_{where}", error)
+    caplog.set_level(logging.ERROR, "plexd.converge.engine")
+    r = await Engine([bad, good]).converge(model(1))
+    assert good.value == 1 and [c.detail for c in r.changes] == ["good: set to 1"]
+    assert len(r.errors) == 1
+    if isinstance(error, PlexdError):
+        assert r.errors[0] == "the thing is gone"
+    else:
+        assert r.errors[0].startswith("bad: internal error") and "a bug" in r.errors[0]
+    assert any(rec.name == "plexd.converge.engine" for rec in caplog.records)
+
+
+async def test_the_event_path_uses_each_domains_delta_and_converges_in_full_only_the_one_that_cannot():
+    log: list[str] = []
+    a, b = Counter("a", log), Counter("b", log)
+    engine = Engine([a, b])
+    await engine.converge(model(1))
+    b.baseline = None  # b lost its baseline (say its last apply failed)
+    log.clear()
+    r = await engine.apply_delta(model(2), touched=["n_1"])
+    assert log == ["delta a", "observe b", "apply b"]
+    assert [c.detail for c in r.changes] == ["a: set to 2", "b: set to 2"] and a.value == b.value == 2
+    assert engine.corrections["value_set"] == 3  # 2 at the first converge, b's full one; a's delta is no drift
+
+
+async def test_a_delta_that_raises_falls_back_to_a_full_converge_of_that_domain():
+    log: list[str] = []
+    a = Counter("a", log)
+    engine = Engine([a])
+    await engine.converge(model(1))
+
+    async def broken(desired, touched):
+        raise PlexdError("device went away")
+
+    a.apply_delta = broken
+    r = await engine.apply_delta(model(2))
+    assert r.ok and a.value == 2 and log[-2:] == ["observe a", "apply a"]
+
+
+async def test_teardown_runs_last_listed_first_and_goes_on_past_a_failure():
+    log: list[str] = []
+    a, b = Counter("a", log), Counter("b", log)
+
+    async def fails():
+        log.append("teardown b")
+        raise PlexdError("cannot remove b")
+
+    b.teardown = fails
+    await Engine([a, b]).teardown()
+    assert log == ["teardown b", "teardown a"]
+
+
+def test_two_domains_with_one_name_are_refused():
+    with pytest.raises(ValueError, match="share a name"):
+        Engine([Counter("a", []), Counter("a", [])])
