@@ -19,7 +19,7 @@ from typing import Any
 from plexd.converge.domain import DomainResult
 from plexd.desired import DesiredState
 from plexd.firewall import plan
-from plexd.firewall.nft import JSON, FirewallError, Nftables
+from plexd.firewall.nft import FirewallError, Nftables
 from plexd.firewall.ruleset import FAMILY, TABLE, LiveTable, Ruleset, desired_ruleset, parse_table
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,8 @@ class FirewallDomain:
         changes = plan.diff(want, self._believed)
         if not changes:
             return DomainResult()
+        if any(plan.needs_unknown_handle(c) for c in changes):
+            return None  # a rule added since the last read is in the way: read the table
         try:
             await self._apply(changes, want, self._believed)
         except FirewallError as e:
@@ -178,10 +180,8 @@ class FirewallDomain:
 
     async def _apply(self, changes: Sequence[plan.FirewallChange], want: Ruleset | None,
                      live: LiveTable | None) -> None:
-        adds_rules = any(isinstance(c, plan.RuleMissing | plan.ChainMissing | plan.ChainWrong | plan.TableMissing)
-                         for c in changes)
-        echoed = await self._run(self.nft.run, plan.commands(changes), adds_rules)
-        self._believed, self._known = plan.simulate(live, want, _new_handles(echoed)), True
+        await self._run(self.nft.run, plan.commands(changes))
+        self._believed, self._known = plan.simulate(live, want), True
         for c in changes:
             log.debug("firewall: %s", c.detail)
 
@@ -197,16 +197,3 @@ class FirewallDomain:
         except FirewallError as e:
             log.warning("removing the firewall table: %s", e)
 
-
-def _new_handles(echoed: Sequence[JSON]) -> dict[tuple[str, str], int]:
-    """(chain, rule key) -> handle, for every rule the transaction added."""
-    out = {}
-    for cmd in echoed:
-        if not isinstance(cmd, dict):
-            continue
-        for verb in ("add", "insert"):
-            rule = (cmd.get(verb) or {}).get("rule") if isinstance(cmd.get(verb), dict) else None
-            if isinstance(rule, dict) and "handle" in rule:
-                key = str(rule.get("comment", "")).split(" ", 1)[0]
-                out[(str(rule.get("chain")), key)] = int(rule["handle"])
-    return out

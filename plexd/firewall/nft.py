@@ -20,61 +20,57 @@ class FirewallError(PlexdError):
 
 
 class Nftables:
-    """The two libnftables contexts plexd uses (listing, and applying with echo for the new rules' handles).
+    """The libnftables context plexd uses, for listing and for applying.
+
+    Applies are never echoed: echo makes libnftables load the whole table first (~55 ms at 1,000 rules and sets),
+    while a rule added after a known handle costs ~3 ms; the handles of the rules plexd adds are learnt at the
+    next read (`plexd.firewall.plan.UNKNOWN_HANDLE`).
 
     Blocking: called from a worker thread, one call at a time. A context works in the network namespace it was
     created in, so it is created lazily by the daemon itself."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._lister: Any = None
-        self._applier: Any = None
+        self._ctx: Any = None
 
-    def _contexts(self) -> tuple[Any, Any]:
-        if self._lister is None:
+    def _context(self) -> Any:
+        if self._ctx is None:
             try:
                 import nftables  # pip-nftables
             except ImportError:
                 raise FirewallError("the Python module nftables is missing (pip install pip-nftables)") from None
             try:
-                lister, applier = nftables.Nftables(), nftables.Nftables()
+                ctx = nftables.Nftables()
             except OSError as e:
                 raise FirewallError(f"libnftables cannot be loaded ({e}); install it: apt-get install libnftables1"
                                     ) from None
-            for ctx in (lister, applier):
-                ctx.set_json_output(True)
-                ctx.set_handle_output(True)
-            applier.set_echo_output(True)
-            self._lister, self._applier = lister, applier
-        return self._lister, self._applier
+            ctx.set_json_output(True)
+            ctx.set_handle_output(True)
+            self._ctx = ctx
+        return self._ctx
 
     def list_table(self) -> list[JSON] | None:
         """The table's objects, or None when it does not exist."""
         with self._lock:
-            lister, _ = self._contexts()
-            rc, out, err = lister.json_cmd({"nftables": [{"list": {"table": {"family": FAMILY, "name": TABLE}}}]})
+            rc, out, err = self._context().json_cmd(
+                {"nftables": [{"list": {"table": {"family": FAMILY, "name": TABLE}}}]})
         if rc != 0:
             if "No such file or directory" in err:
                 return None
             raise FirewallError(f"reading table {FAMILY} {TABLE}: {_first_line(err)}")
         return list(out.get("nftables", [])) if isinstance(out, dict) else []
 
-    def run(self, commands: Sequence[JSON], echo: bool = False) -> list[JSON]:
-        """One transaction; with `echo`, returns the commands as applied (with the handles of new rules). Echo
-        makes libnftables load the whole table first (~50 ms at 1,000 rules), so only rule additions ask for it:
-        a set element (a peer joining) costs ~3 ms at any size."""
+    def run(self, commands: Sequence[JSON]) -> None:
+        """One transaction: all of it or nothing."""
         with self._lock:
-            lister, applier = self._contexts()
-            rc, out, err = (applier if echo else lister).json_cmd({"nftables": list(commands)})
+            rc, _out, err = self._context().json_cmd({"nftables": list(commands)})
         if rc != 0:
             raise FirewallError(f"nftables refused the change: {_first_line(err)}")
-        return list(out.get("nftables", [])) if echo and isinstance(out, dict) else []
 
     def probe(self) -> None:
         """Raise FirewallError naming what is missing when nftables cannot be used here at all."""
         with self._lock:
-            lister, _ = self._contexts()
-            rc, _out, err = lister.json_cmd({"nftables": [{"list": {"tables": {"family": FAMILY}}}]})
+            rc, _out, err = self._context().json_cmd({"nftables": [{"list": {"tables": {"family": FAMILY}}}]})
         if rc != 0:
             raise FirewallError(f"the kernel refuses nftables ({_first_line(err)}); is nf_tables loaded?")
 

@@ -30,6 +30,7 @@ from plexd.converge.change import Change
 from plexd.firewall.ruleset import (
     FAMILY,
     TABLE,
+    UNKNOWN_HANDLE,
     ChainSpec,
     LiveChain,
     LiveRule,
@@ -214,10 +215,14 @@ class RuleExtra(FirewallChange):
 
 @dataclass(frozen=True)
 class RuleMissing(FirewallChange):
+    """Inserted in front of the kept rule after it (`before`, a handle), or appended (`before` None). Appending
+    costs ~3 ms at any size; placing by handle makes libnftables load every rule of the table first (~30 ms at
+    1,000 policy rules, measured with nftables 1.0.6; "add after a handle" is the same)."""
+
     stage: ClassVar[int] = 7
     chain: str
     rule: RuleSpec
-    before: int | None  # the handle of the live rule it goes in front of; None: at the end
+    before: int | None
 
     @property
     def correction_type(self) -> str:  # type: ignore[override]
@@ -325,9 +330,9 @@ def _chain_rules(want: ChainSpec, live: LiveChain) -> list[FirewallChange]:
         return []  # the usual case, in one comparison
     position = {k: i for i, k in enumerate(keys)}
     kept = _longest_in_order(live.rules, position)
-    kept_handles = {r.handle for r in kept}
+    kept_ids = {id(r) for r in kept}  # not handles: rules plexd added on the event path share UNKNOWN_HANDLE
     out: list[FirewallChange] = [RuleExtra(want.name, r.handle, r.comment)
-                                 for r in live.rules if r.handle not in kept_handles]
+                                 for r in live.rules if id(r) not in kept_ids]
     kept_at = {position[r.key]: r.handle for r in kept}
     following: int | None = None
     missing: list[RuleMissing] = []
@@ -338,6 +343,14 @@ def _chain_rules(want: ChainSpec, live: LiveChain) -> list[FirewallChange]:
             missing.append(RuleMissing(want.name, want.rules[i], following))
     out.extend(reversed(missing))
     return out
+
+
+def needs_unknown_handle(change: FirewallChange) -> bool:
+    """Whether `change` names a rule by a handle nobody has read (0: a rule plexd added without asking nftables to
+    echo its handle back). Only a table read can tell it: the event path leaves such changes to a full converge."""
+    if isinstance(change, RuleExtra):
+        return change.handle == UNKNOWN_HANDLE
+    return isinstance(change, RuleMissing) and change.before == UNKNOWN_HANDLE
 
 
 def _longest_in_order(live: Sequence[LiveRule], position: dict[str, int]) -> list[LiveRule]:
@@ -378,20 +391,23 @@ def commands(changes: Iterable[FirewallChange]) -> list[JSON]:
     return out
 
 
-def simulate(live: LiveTable | None, want: Ruleset | None,
-             handles: dict[tuple[str, str], int]) -> LiveTable | None:
-    """The table after a successful apply of `diff(want, live)`: `want`, with each rule's handle (kept ones from
-    `live`, new ones from the transaction's echo, `handles`: (chain, key) -> handle)."""
+def simulate(live: LiveTable | None, want: Ruleset | None) -> LiveTable | None:
+    """The table after a successful apply of `diff(want, live)`: `want`, each rule with its handle from `live`,
+    or UNKNOWN_HANDLE for a rule the apply added (the transaction is not echoed: that costs a whole-table load).
+    A chain the apply left as it was is kept as it was (the usual case: an event changes a set element)."""
     if want is None:
         return None
-    old = {}
-    if live is not None:
-        for c in live.chains.values():
-            for r in c.rules:
-                old.setdefault((c.name, r.key), r.handle)
     chains = {}
     for name, c in want.chains.items():
-        rules = tuple(LiveRule(handles.get((name, r.key), old.get((name, r.key), 0)), r.comment) for r in c.rules)
+        have = live.chains.get(name) if live is not None else None
+        if have is not None and have.props == c.props() and [r.key for r in have.rules] == [r.key for r in c.rules]:
+            chains[name] = have
+            continue
+        old = {}
+        if have is not None:
+            for r in have.rules:
+                old.setdefault(r.key, r.handle)
+        rules = tuple(LiveRule(old.get(r.key, UNKNOWN_HANDLE), r.comment) for r in c.rules)
         chains[name] = LiveChain(name, c.props(), rules)
     sets = {n: LiveSet(n, s.type, s.elements) for n, s in want.sets.items()}
     return LiveTable(chains, sets)

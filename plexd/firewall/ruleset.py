@@ -16,6 +16,7 @@ as this one, unchanged.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import json
@@ -85,6 +86,9 @@ class Ruleset:
 # -- what nftables shows ------------------------------------------------------------------------------------------
 
 
+UNKNOWN_HANDLE = 0  # nftables numbers from 1: a rule plexd added without reading its handle back
+
+
 @dataclass(frozen=True)
 class LiveRule:
     handle: int
@@ -92,8 +96,8 @@ class LiveRule:
     packets: int = 0
     bytes: int = 0
 
-    @property
-    def key(self) -> str:
+    @functools.cached_property
+    def key(self) -> str:  # cached: a diff at 1,000 rules asks ~100,000 times
         word = self.comment.split(" ", 1)[0]
         return word if word.startswith(KEY_PREFIX) else ""
 
@@ -316,13 +320,16 @@ def _with_right(match: JSON, right: JSON) -> JSON:
     return {"match": {**match["match"], "right": right}}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _family(address: str) -> int:
+    """Cached, as `_normal`: every event asks again for every node a rule names (1,000 parses were ~25 ms)."""
     try:
         return ipaddress.ip_address(address).version if address else 4
     except ValueError:
         return 4
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def _normal(address: str) -> str:
     return str(ipaddress.ip_address(address))
 
