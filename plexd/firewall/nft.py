@@ -67,6 +67,13 @@ class Nftables:
         if rc != 0:
             raise FirewallError(f"nftables refused the change: {_first_line(err)}")
 
+    def run_script(self, script: str) -> None:
+        """One transaction written as an nft script (`nft -f`): all of it or nothing."""
+        with self._lock:
+            rc, _out, err = self._context().cmd(script)
+        if rc != 0:
+            raise FirewallError(f"nftables refused the change: {_first_line(err)}")
+
     def probe(self) -> None:
         """Raise FirewallError naming what is missing when nftables cannot be used here at all."""
         with self._lock:

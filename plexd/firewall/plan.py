@@ -40,6 +40,7 @@ from plexd.firewall.ruleset import (
     RuleSpec,
     SetSpec,
 )
+from plexd.firewall.script import table_script
 
 JSON = Any
 _T = {"family": FAMILY, "table": TABLE}
@@ -92,6 +93,10 @@ class TableMissing(FirewallChange):
         if self.rebuilt:
             return f"firewall: {WHERE}: {self.rebuilt}; rebuilt ({what})"
         return f"firewall: {WHERE} missing; created ({what})"
+
+    def script(self) -> str:
+        """The same transaction as an nft script (about twice as fast to apply); Unrenderable: use commands()."""
+        return table_script(self.want, bool(self.rebuilt))
 
     def commands(self) -> list[JSON]:
         out: list[JSON] = []

@@ -18,8 +18,11 @@ from engine_helpers import converge
 from pyroute2.netns import setns
 
 from plexd.desired import DesiredState
+from plexd.firewall import plan as fwplan
 from plexd.firewall.domain import FirewallDomain
+from plexd.firewall.ruleset import desired_ruleset
 from plexd.model import Peer, Policy, PolicyRule
+from plexd.policy import compile_policies
 
 KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
 
@@ -196,3 +199,49 @@ async def test_enforcement_off_removes_a_leftover_table(netns):
     assert [c.correction_type for c in result.changes] == ["firewall_table_removed"]
     assert not any("table" in o and o["table"]["name"] == "plexd" for o in ruleset(ns))
     assert off.enforcement == "disabled"
+
+
+def listing(ns: str) -> list[dict]:
+    """The table as nftables lists it, without handles (they differ between two builds of the same table)."""
+    def strip(o):
+        if isinstance(o, dict):
+            return {k: strip(v) for k, v in o.items() if k != "handle"}
+        return [strip(v) for v in o] if isinstance(o, list) else o
+    return [strip(o) for o in json.loads(nft(ns, "-j", "list", "table", "inet", "plexd"))["nftables"]
+            if "metainfo" not in o]
+
+
+async def test_the_table_built_as_a_script_is_the_table_built_as_json(netns):
+    """Every kind of rule plexd writes, built once as an nft script (how a missing table is created: half the
+    time) and once as JSON commands: nftables lists the very same table."""
+    ns, pool = netns
+    rich = (Policy("mixed", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
+                             PolicyRule("n_six", "*", 53, "", "allow"),
+                             PolicyRule("10.100.7.0/24", "n_self", 0, "icmp", "allow"),
+                             PolicyRule("n_six", "n_self", 0, "icmp", "allow"),
+                             PolicyRule("n_a", "10.100.9.9/32", 0, "udp", "deny"),
+                             PolicyRule("*", "*", 8080, "tcp", "allow"),
+                             PolicyRule("n_gone", "n_self", 0, "", "allow"))),
+            Policy("web;db #1", (PolicyRule("*", "n_self", 443, "tcp", "allow"),)))
+    peers = [Peer("n_a", _key(1), "10.100.0.2"), Peer("n_six", _key(2), "fd00::6")]
+    fw = domain_in(pool, log_denied=True)
+    desired = model(rich, peers)
+    change = fwplan.diff(fw.want(desired), None)
+    assert len(change) == 1 and change[0].script()  # renders: no fallback to JSON for any of these
+
+    built = await converge(fw, desired, full=True)
+    assert [c.correction_type for c in built.changes] == ["firewall_table_added"] and not built.errors
+    as_script = listing(ns)
+    nft(ns, "delete", "table", "inet", "plexd")
+    await asyncio.get_running_loop().run_in_executor(pool, fw.nft.run, change[0].commands())
+    assert listing(ns) == as_script
+    assert (await converge(fw, desired, full=True)).changes == ()  # and the diff finds nothing to do
+
+
+def test_a_string_the_script_cannot_hold_falls_back_to_json():
+    from plexd.firewall.script import Unrenderable, table_script
+
+    compiled = compile_policies(SSH_ONLY, "n_self", ("10.100.0.1",))
+    rs = desired_ruleset(compiled, 'pl"x0', {"n_a": "10.100.0.2", "n_self": "10.100.0.1"}, False)
+    with pytest.raises(Unrenderable, match="pl"):
+        table_script(rs, rebuilt=False)
