@@ -116,11 +116,12 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     reconciler = Reconciler(
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
         state_applier(mesh, verifier), mesh.converge, post_drift,
-        clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink)
+        clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink,
+        apply_events=lambda dry_run=False: mesh.apply_events())
 
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
-                             rotate_keys=rotation.request)
+                             rotate_keys=rotation.request, refresh_state=reconciler.refresh)
     stream = EventStream(
         agent.client.base_url, node_id(), lambda: agent.client.token, ledger, verifier, handlers.dispatch,
         clock=agent.clock,

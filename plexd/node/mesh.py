@@ -99,6 +99,7 @@ class MeshHandle:
         self._limits_known = protected is None
         self._refusals_seen: set[tuple[str, ...]] = set()
         self._refusals_new: list[Correction] = []
+        self._policy_noted: object = None  # the compiled policy `_note_policy` last went through
         self._wanted = asyncio.Event()  # an event changed the model: converge soon
         self._wanted_by: list[str] = []  # why (the first and the last few, for the log)
         self._wanted_count = 0
@@ -174,11 +175,14 @@ class MeshHandle:
 
     def _note_policy(self, desired: DesiredState) -> None:
         """Log each skipped policy rule once and report it; a rule naming an unknown node is only logged (a
-        control plane that sends only visible peers makes that usual). Full converges only: policies change with
-        a state pull, never with an event, and this costs O(rules)."""
+        control plane that sends only visible peers makes that usual). O(rules), so once per policy version:
+        policies change with a state pull (a reconcile's or a refresh's), never with an event."""
         if not desired.enforce_policy:
             return
         compiled = desired.compiled_policy
+        if compiled is self._policy_noted:
+            return  # the same policies as last time (compiled once per version): already noted
+        self._policy_noted = compiled
         for skipped in compiled.skipped:
             if ("policy", str(skipped)) not in self._refusals_seen:
                 self._refusals_seen.add(("policy", str(skipped)))
@@ -294,11 +298,15 @@ class MeshHandle:
         """Apply what events changed in the model: only the touched peers and routes (`Engine.apply_delta`).
         While held, or before the first state pull, this plans in full like any converge."""
         async with self._lock:
+            # A refresh's pull went through `pulled()`, but this apply does not read the machine: the next full
+            # converge must not take the pull as one whose changes a full converge already made.
+            self._pull_changed_nothing = False
             with self._timed("events"):
                 if not self._limits_known or not self.known or self.hold.current() is not None:
                     return await self._converge_locked(False)
                 touched = self.store.take_touched()
                 self._note_refusals(self.store.value)
+                self._note_policy(self.store.value)
                 return await self.engine.apply_delta(self.store.value, touched)
 
     async def peers_on_device(self) -> tuple[int, int] | None:

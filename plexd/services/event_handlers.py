@@ -2,10 +2,11 @@
 
 Events are hints; the reconciler's state pull is the truth. A handler therefore only edits the desired model
 (`DesiredStore.edit` with a `DesiredState.with_*` change, journaled so that a state pull in flight cannot undo
-it) and requests a converge, or triggers a full reconcile where the event
-carries no usable data (``policy_updated``). ``rotate_keys`` starts a WireGuard key rotation when one is wired in
-(`plexd.node.key_rotation`), else a reconcile. A payload of the wrong shape raises WireFormatError,
-which the event stream logs with the event id as a rejected event.
+it) and requests a converge; an event that says the state changed without carrying the change
+(``policy_updated``) asks for a state refresh: the state is pulled and applied through the event path.
+``rotate_keys`` starts a WireGuard key rotation when one is wired in (`plexd.node.key_rotation`), else a
+reconcile. A payload of the wrong shape raises WireFormatError, which the event stream logs with the event id as
+a rejected event.
 
 Event types owned by other subsystems (``action_request``, tunnels, bridge, access, ingress, site-to-site) are
 routed to a handler registered with `register()`; until one exists they are logged as unsupported.
@@ -91,11 +92,13 @@ class EventHandlers:
         verifier: Verifier,
         data_dir: Path | str | None = None,
         rotate_keys: Callable[[str], None] | None = None,  # start a WireGuard key rotation; the argument says why
+        refresh_state: Callable[[str], None] | None = None,  # pull the state, apply it as events (coalesced)
     ) -> None:
         self._desired = desired
         self._rotate = rotate_keys
         self._converge = request_converge
         self._reconcile = trigger_reconcile
+        self._refresh = refresh_state or trigger_reconcile
         self._verifier = verifier
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._handlers: dict[str, Handler] = {
@@ -103,7 +106,7 @@ class EventHandlers:
             "peer_key_rotated": self._peer_upsert,
             "peer_removed": self._peer_removed,
             "peer_endpoint_changed": self._peer_endpoint_changed,
-            "policy_updated": self._reconcile_now,
+            "policy_updated": self._refresh_now,
             "rotate_keys": self._rotate_keys,
             "signing_key_rotated": self._signing_key_rotated,
             "node_state_updated": self._node_state_updated,
@@ -151,6 +154,11 @@ class EventHandlers:
         endpoint = _field(payload, "endpoint")
         log.info("event %s: peer %s endpoint → %s", env.event_id, peer_id, endpoint)
         await self._update(env, lambda d: d.with_peer_endpoint(peer_id, endpoint), (peer_id,))
+
+    async def _refresh_now(self, env: Envelope) -> None:
+        """The event names no change (the Go agent ignores its payload): pull the state, apply what changed."""
+        log.info("event %s: %s, pulling the state", env.event_id, env.event_type)
+        self._refresh(env.event_type)
 
     async def _reconcile_now(self, env: Envelope) -> None:
         log.info("event %s: %s, reconciling", env.event_id, env.event_type)

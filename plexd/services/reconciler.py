@@ -10,6 +10,11 @@ when drift was corrected. `converge` returns a result whose ``.changes`` carry `
 report goes through the uplink outbox (`plexd.controlplane.uplink`): in the daemon it is on disk before it is
 sent, so one the control plane could not take is delivered once it is back, after a restart too; each cycle
 tries what is queued again, and the outbox's own service retries on its backoff in between.
+
+`refresh(reason)` is the light cycle, for an event that says the state changed without carrying the change
+(``policy_updated``): pull the state and apply it like events (`apply_events`: each domain diffs against what
+its last apply left, no machine read, no drift phase). A full cycle pending at the same time covers it; a pull
+that fails or is overtaken by events turns into a full cycle.
 """
 
 from __future__ import annotations
@@ -101,6 +106,7 @@ class Reconciler(Generic[S]):
         interval: float = 60.0,
         refusals: Callable[[], list[Correction]] | None = None,  # peers/routes refused since the last report
         outbox: UplinkOutbox | None = None,  # the daemon's durable one; None: one in memory around post_drift
+        apply_events: Converge | None = None,  # the event path, for refresh(); None: refresh() is trigger()
     ) -> None:
         self._fetch_state = fetch_state
         self._apply_state = apply_state
@@ -111,6 +117,9 @@ class Reconciler(Generic[S]):
         self.interval = max(1.0, interval)
         self._wake = asyncio.Event()
         self._reasons: list[str] = []
+        self._apply_events = apply_events
+        self._refresh_reasons: list[str] = []
+        self.refreshes = 0
         self._lock = asyncio.Lock()
         self._outbox = outbox if outbox is not None else UplinkOutbox(None, lambda kind, body: post_drift(body))
         self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
@@ -123,6 +132,14 @@ class Reconciler(Generic[S]):
         self._reasons.append(reason)
         self._wake.set()
 
+    def refresh(self, reason: str) -> None:
+        """Ask for the state to be pulled and applied through the event path (coalesced like `trigger`)."""
+        if self._apply_events is None:
+            self.trigger(reason)
+            return
+        self._refresh_reasons.append(reason)
+        self._wake.set()
+
     async def run(self) -> None:
         """First cycle now, then every interval or on trigger, until cancelled."""
         # The first phase-1 converge brings the interface and the last known peers up (also offline): that is
@@ -133,10 +150,14 @@ class Reconciler(Generic[S]):
             self.started.set()  # crashed before its first converge finished: READY=1 must not wait forever
             self.trigger("reconciler restarted")
         while True:
-            reasons = await self._wait_next()
-            await self.run_once(reasons=reasons)
+            reasons, light = await self._wait_next()
+            if light:
+                await self.refresh_once(reasons)
+            else:
+                await self.run_once(reasons=reasons)
 
-    async def _wait_next(self) -> tuple[str, ...]:
+    async def _wait_next(self) -> tuple[tuple[str, ...], bool]:
+        """The reasons for the next cycle, and whether only `refresh` asked for it (the light cycle)."""
         if not self._wake.is_set():
             sleeper = asyncio.ensure_future(self._clock.sleep(self.interval))
             waker = asyncio.ensure_future(self._wake.wait())
@@ -147,9 +168,36 @@ class Reconciler(Generic[S]):
                     task.cancel()
                 await asyncio.wait({sleeper, waker})  # never swallow our own cancellation
         self._wake.clear()
-        reasons = tuple(dict.fromkeys(self._reasons)) or ("interval",)
+        full, light = tuple(dict.fromkeys(self._reasons)), tuple(dict.fromkeys(self._refresh_reasons))
         self._reasons.clear()
-        return reasons
+        self._refresh_reasons.clear()
+        if light and not full:
+            return light, True
+        return (*full, *light) or ("interval",), False
+
+    async def refresh_once(self, reasons: tuple[str, ...]) -> None:
+        """The light cycle: pull, replace the model, apply through the event path. Never reports drift (it reads
+        nothing of the machine); whatever goes wrong asks for a full cycle instead."""
+        assert self._apply_events is not None
+        why = ", ".join(reasons)
+        async with self._lock:
+            self.refreshes += 1
+            try:
+                state = await self._fetch_state()
+                updates = corrections_of(self._apply_state(state))
+                result = await self._apply_events()
+                updates += corrections_of(result.changes)
+            except StalePull as exc:
+                log.warning("state refresh (%s) overtaken by events, reconciling: %s", why, exc)
+                self.trigger("state pull overtaken by events")
+                return
+            except Exception as exc:
+                log.warning("state refresh (%s) failed, reconciling in full: %s", why, exc)
+                self.trigger(f"{why}: the state refresh failed")
+                return
+        if updates:
+            log.info("state refresh (%s) applied %d update(s): %s", why, len(updates),
+                     "; ".join(f"{c.type}: {c.detail}" for c in updates))
 
     async def run_once(self, dry_run: bool = False, reasons: tuple[str, ...] = ("once",),
                        startup: bool = False, drift_phase: bool = True) -> CycleResult:

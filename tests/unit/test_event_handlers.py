@@ -42,8 +42,10 @@ class Harness:
         self.verifier = Verifier(SigningKeys(current=base64.b64encode(bytes(SIGNER.verify_key)).decode()),
                                  NonceStore(clock), clock)
         self.rotations = []
+        self.refreshes = []
         self.handlers = EventHandlers(self.store, self.converges.append, self.reconciles.append, self.verifier,
-                                      tmp_path, rotate_keys=self.rotations.append)
+                                      tmp_path, rotate_keys=self.rotations.append,
+                                      refresh_state=self.refreshes.append)
 
     @property
     def desired(self):
@@ -71,10 +73,10 @@ async def test_peer_lifecycle(h):
     assert len(h.converges) == 4 and h.converges[0].startswith("peer_added evt_1")
 
 
-async def test_policy_updated_reconciles_and_rotate_keys_starts_a_key_rotation(h):
+async def test_policy_updated_refreshes_the_state_and_rotate_keys_starts_a_key_rotation(h):
     await h.handlers.dispatch(env("policy_updated"))
     await h.handlers.dispatch(env("rotate_keys", {}))
-    assert h.reconciles == ["policy_updated"]
+    assert h.refreshes == ["policy_updated"] and h.reconciles == []  # pulled and applied as events, not in full
     assert len(h.rotations) == 1 and h.rotations[0].startswith("event evt_")
     assert h.converges == []
 

@@ -241,3 +241,44 @@ async def test_a_report_that_can_never_be_delivered_does_not_block_the_next():
     w.next_changes = [Change("peer_added", "peer n_b: missing")]
     second = await r.run_once()
     assert second.reported and [c["detail"] for c in sent[0]["corrections"]] == ["peer n_b: missing"]
+
+
+async def test_a_refresh_pulls_and_applies_through_the_event_path_without_reading_the_machine():
+    w = World()
+    deltas = []
+
+    async def apply_events(dry_run=False):
+        deltas.append(w.applied[-1])
+        return Result([Change("policy_added", "policy p: rule missing")])
+
+    r = Reconciler(w.fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW), apply_events=apply_events)
+    converges = []
+    real = w.converge
+
+    async def counted(dry_run=False):
+        converges.append(dry_run)
+        return await real(dry_run)
+
+    r._converge = counted
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        assert len(converges) == 2 and w.fetches == 1  # the start cycle: both phases
+        r.refresh("policy_updated")
+        r.refresh("policy_updated")
+        await spin()
+        assert w.fetches == 2 and deltas == [{"state": 2}] and len(converges) == 2  # no full converge
+        assert r.refreshes == 1 and w.drift == []  # nothing read, so no drift to report
+        # a refresh and a trigger together: the full cycle covers both
+        r.refresh("policy_updated")
+        r.trigger("reconnect")
+        await spin()
+        assert w.fetches == 3 and len(converges) == 4 and r.refreshes == 1
+        assert r.last.reasons == ("reconnect", "policy_updated")
+        # the pull fails: a full cycle is asked for (and runs, and fails to fetch too, reported as such)
+        w.fail_fetch = True
+        r.refresh("policy_updated")
+        await spin()
+        assert r.refreshes == 2 and r.last.reasons == ("policy_updated: the state refresh failed",)
+    finally:
+        task.cancel()
