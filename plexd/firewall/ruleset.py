@@ -238,14 +238,19 @@ def _ct_established() -> JSON:
 
 
 def _base(chain: str, label: str, interface: str, tail: list[JSON]) -> RuleSpec:
-    return _spec(chain, [_iif(interface), *tail], label, "", label.replace(" ", "-"), 0)
+    return _spec(chain, _serialised([_iif(interface), *tail]), label, "", label.replace(" ", "-"), 0)
 
 
-def _spec(chain: str, expr: list[JSON], label: str, policy_id: str, origin: str, copy: int,
+def _serialised(expr: list[JSON]) -> str:
+    return json.dumps(expr, sort_keys=True, separators=(",", ":"))
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _spec(chain: str, expr_json: str, label: str, policy_id: str, origin: str, copy: int,
           rule_index: int = -1) -> RuleSpec:
     """The key hashes what the rule is (chain, policy, expression), not where it stands: a rule inserted in front
-    of others leaves their keys, and so the live rules, as they are. `copy` tells identical rules apart."""
-    expr_json = json.dumps(expr, sort_keys=True, separators=(",", ":"))
+    of others leaves their keys, and so the live rules, as they are. `copy` tells identical rules apart.
+    Cached: a policy change rebuilds the chains, and all but the changed rules come out as before."""
     digest = hashlib.sha256(f"{chain}\0{policy_id}\0{expr_json}\0{copy}".encode()).hexdigest()[:16]
     key = KEY_PREFIX + digest
     comment = f"{key} {origin}"
@@ -260,19 +265,29 @@ def _policy_rules(chain: str, rule: Rule, interface: str, family_of: Mapping[str
     CIDR and a node is v4 only; `*` to `*` needs no address match at all)."""
     out = []
     for family in _families(rule, family_of, to_self):
-        expr: list[JSON] = [_iif(interface)]
-        expr += _address_match(rule.src, "saddr", family, family_of)
-        if not to_self:
-            expr += _address_match(rule.dst, "daddr", family, family_of)
-        expr += _l4(rule, family)
-        expr += [{"counter": None}, {"accept": None} if rule.action == "allow" else {"drop": None}]
         label = f"{rule.label} ({rule.describe()})"
-        seen = (rule.policy_id, json.dumps(expr, sort_keys=True))
+        expr_json = _rule_expr(interface, rule.src, None if to_self else rule.dst, rule.protocol, rule.port,
+                               rule.action, family)
+        seen = (rule.policy_id, expr_json)
         copy = copies.get(seen, 0)
         copies[seen] = copy + 1
-        out.append(_spec(chain, expr, label, rule.policy_id, "policy " + _printable(rule.policy_id), copy,
+        out.append(_spec(chain, expr_json, label, rule.policy_id, "policy " + _printable(rule.policy_id), copy,
                          rule.index))
     return out
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _rule_expr(interface: str, src: Selector, dst: Selector | None, protocol: str, port: int, action: str,
+               family: int) -> str:
+    """A policy rule's expression, serialised. Cached by what it is made of, not by the rule (whose index, and so
+    identity, shifts when a rule is inserted before it): a policy change rebuilds only what changed."""
+    expr: list[JSON] = [_iif(interface)]
+    expr += _address_match(src, "saddr", family)
+    if dst is not None:
+        expr += _address_match(dst, "daddr", family)
+    expr += _l4(protocol, port, family)
+    expr += [{"counter": None}, {"accept": None} if action == "allow" else {"drop": None}]
+    return _serialised(expr)
 
 
 def _families(rule: Rule, family_of: Mapping[str, int], to_self: bool) -> list[int]:
@@ -291,7 +306,7 @@ def _families(rule: Rule, family_of: Mapping[str, int], to_self: bool) -> list[i
     return sorted(wanted)
 
 
-def _address_match(sel: Selector, field_name: str, family: int, family_of: Mapping[str, int]) -> list[JSON]:
+def _address_match(sel: Selector, field_name: str, family: int) -> list[JSON]:
     if sel.kind == "any":
         return []
     proto = "ip6" if family == 6 else "ip"
@@ -305,15 +320,15 @@ def _address_match(sel: Selector, field_name: str, family: int, family_of: Mappi
     return [{"match": {"op": "==", "left": left, "right": right}}]
 
 
-def _l4(rule: Rule, family: int) -> list[JSON]:
+def _l4(protocol: str, port: int, family: int) -> list[JSON]:
     l4proto = {"match": {"op": "==", "left": {"meta": {"key": "l4proto"}}}}
-    if rule.protocol == "icmp":
+    if protocol == "icmp":
         return [_with_right(l4proto, "ipv6-icmp" if family == 6 else "icmp")]
-    if not rule.port:
-        return [_with_right(l4proto, rule.protocol)] if rule.protocol else []
-    protos: JSON = rule.protocol if rule.protocol else {"set": ["tcp", "udp"]}
+    if not port:
+        return [_with_right(l4proto, protocol)] if protocol else []
+    protos: JSON = protocol if protocol else {"set": ["tcp", "udp"]}
     return [_with_right(l4proto, protos),
-            {"match": {"op": "==", "left": {"payload": {"protocol": "th", "field": "dport"}}, "right": rule.port}}]
+            {"match": {"op": "==", "left": {"payload": {"protocol": "th", "field": "dport"}}, "right": port}}]
 
 
 def _with_right(match: JSON, right: JSON) -> JSON:
@@ -334,5 +349,6 @@ def _normal(address: str) -> str:
     return str(ipaddress.ip_address(address))
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def _printable(text: str) -> str:
     return "".join(c if c.isprintable() and c.isascii() and c not in "\"\\" else "?" for c in text)
