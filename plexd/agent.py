@@ -20,7 +20,7 @@ set), ``agent.clock``, ``agent.store``, ``agent.binary_checksum``, ``agent.hooks
 A service that raises is restarted by the supervisor with backoff; the daemon and its tunnels keep running. Only
 a `FatalError` ends `plexd up` (exit status 1, one clear line). READY=1 goes to systemd (``NOTIFY_SOCKET``) once
 the services run and `agent.ready` (set by the assembly: the first converge, from data_dir when offline) is
-done; STATUS= lines follow `agent.status_line()` (plexd.node.systemd).
+done; STATUS= lines follow `agent.status_line()` (plexd.system.systemd).
 
 A node that deregistered (and so kept its identity) rejoins first thing on its next start: it re-registers with
 its node secret, as the same node (plexd.node.departure).
@@ -49,9 +49,9 @@ from plexd.identity import Identity, IdentityStore
 from plexd.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
 from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
-from plexd.node.systemd import notify
 from plexd.pathtrust import require_trusted
 from plexd.registrar import Registrar
+from plexd.system.systemd import notify
 from plexd.upgrade.launcher import EXIT_RESTART
 
 log = logging.getLogger(__name__)

@@ -21,8 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from plexd import identity, policy, route_limits
-from plexd.mesh.wireguard import is_valid_key
-from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State
+from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
 from plexd.route_limits import RouteLimits
 
 DEFAULT_KEEPALIVE = 25  # seconds; keeps NAT mappings open and makes a new tunnel handshake without traffic

@@ -8,12 +8,24 @@ checks each peer on its own so one bad peer never blocks the rest.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.errors import WireFormatError
 from plexd.gojson import GO_ZERO_TIME
+
+KEY_LEN = 32  # WireGuard keys (Curve25519) and the control plane's Ed25519 keys
+
+
+def is_valid_key(key: str) -> bool:
+    """True when `key` is standard base64 of exactly 32 bytes."""
+    try:
+        return len(base64.b64decode(key, validate=True)) == KEY_LEN
+    except (binascii.Error, ValueError):
+        return False
 
 JSON = Any
 

@@ -28,7 +28,7 @@ from plexd.actions import request as rq
 from plexd.actions.dispatcher import LOCAL, ActionDispatcher
 from plexd.actions.request import InvalidRequest
 from plexd.integrity import RefusedHook, inspect_hook
-from plexd.node.local_api import Authorize, HTTPError, LocalAPI, Request, Response
+from plexd.nodeapi.server import Authorize, HTTPError, LocalAPI, Request, Response
 
 ACTIONS_PATH = "/v1/daemon/actions"
 RUN_PATH = "/v1/daemon/actions/run"

@@ -40,7 +40,7 @@ import ssl
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import httpx
@@ -59,8 +59,21 @@ from plexd.gojson import format_time, go_marshal
 from plexd.model import Peer, RegisterResponse, State
 from plexd.model import _fields as _object  # Go's lenient decoding: case-insensitive keys
 
-if TYPE_CHECKING:
-    from plexd.config import Config
+
+class _Tls(Protocol):
+    ca_file: str
+    insecure_skip_verify: bool
+
+
+class _Api(Protocol):
+    url: str
+    tls: _Tls
+
+
+class HasApi(Protocol):
+    """What `for_config` reads of a `plexd.config.Config` (the adapter does not import the config)."""
+
+    api: _Api
 
 GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
 MAX_RESPONSE_BYTES = 10 * 1024 * 1024  # decompressed response cap (§1.1)
@@ -231,7 +244,7 @@ class ControlPlaneClient:
         )
 
     @classmethod
-    def for_config(cls, config: Config, *, token: str = "") -> ControlPlaneClient:
+    def for_config(cls, config: HasApi, *, token: str = "") -> ControlPlaneClient:
         """A client for ``config.api`` (URL and TLS settings). Callers that need a URL check `require_api` first;
         without one, calls fail as unreachable rather than at construction."""
         return cls(config.api.url or "http://unconfigured.invalid", token=token, ca_file=config.api.tls.ca_file,

@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 
 from plexd.errors import PlexdError
-from plexd.node.systemd import booted, systemctl
 from plexd.steps import StepReport
+from plexd.system.systemd import booted, systemctl
 
 UNIT_NAME = "plexd.service"
 UNIT_DIR = "etc/systemd/system"

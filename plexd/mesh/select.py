@@ -28,7 +28,7 @@ def wireguard_backend(config: Config) -> WireGuardBackend:
 
     if backend_kind(config) == "kernel":
         return KernelBackend(config.mesh.interface)
-    from plexd.node.systemd import scope_command
+    from plexd.system.systemd import scope_command
 
     return UserspaceBackend(config.mesh.interface, implementation=config.mesh.userspace_implementation,
                             scope=scope_command(config.mesh.interface))

@@ -56,21 +56,21 @@ from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
 from plexd.node.engine import build_engine, wireguard
 from plexd.node.key_rotation import KeyRotation
-from plexd.node.local_api import LocalAPI, require_admin
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
 from plexd.node.parts import Node
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
 from plexd.node.status_text import utc
 from plexd.node.supervisor import FatalError
-from plexd.node.systemd import Watchdog, watchdog_interval
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
+from plexd.nodeapi.server import LocalAPI, require_admin
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.reconciler import Reconciler, drift_uplink
+from plexd.system.systemd import Watchdog, watchdog_interval
 from plexd.telemetry.service import Telemetry
 from plexd.upgrade.upgrader import Upgrader
 

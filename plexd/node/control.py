@@ -56,9 +56,9 @@ from plexd.config import Config
 from plexd.errors import PlexdError
 from plexd.nat.service import disabled_status
 from plexd.node.departure import DEREGISTER_PATH
-from plexd.node.local_api import HTTPError, LocalAPI, Request, Response, require_admin
 from plexd.node.mesh import MeshHandle
 from plexd.node.parts import Node
+from plexd.nodeapi.server import HTTPError, LocalAPI, Request, Response, require_admin
 from plexd.services.reconciler import Reconciler
 
 STATUS_VERSION = 1

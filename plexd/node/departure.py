@@ -19,8 +19,8 @@ from plexd import datadir
 from plexd.atomicfile import write_atomic
 from plexd.errors import PlexdError
 from plexd.gojson import format_time
-from plexd.node.systemd import booted, systemctl
 from plexd.steps import StepReport, format_steps
+from plexd.system.systemd import booted, systemctl
 
 DEREGISTER_PATH = "/v1/daemon/deregister"  # the running daemon's route that does all of this (plexd.node.control)
 

@@ -15,9 +15,9 @@ from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import Verifier
 from plexd.nat.service import NatService
 from plexd.node.key_rotation import KeyRotation
-from plexd.node.local_api import LocalAPI
 from plexd.node.mesh import MeshHandle
 from plexd.nodeapi.reports import ReportStore
+from plexd.nodeapi.server import LocalAPI
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService

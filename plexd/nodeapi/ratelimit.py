@@ -1,7 +1,7 @@
 """Fair use of the node API: one token bucket per client (a uid on the socket, an address on TCP).
 
 `rate` requests per second are refilled up to `burst`; a request that finds the bucket empty is answered 429 with
-a Retry-After, a quarter second late (plexd.node.local_api), so a client flooding on one connection is slowed to a
+a Retry-After, a quarter second late (plexd.nodeapi.server), so a client flooding on one connection is slowed to a
 few requests per second and costs the daemon almost nothing (measured: bench/node_api.py --rate-limit default).
 Buckets of clients that went quiet are forgotten, so the table stays small whatever number of clients comes and
 goes. rate 0 turns the limit off.

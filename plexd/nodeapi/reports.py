@@ -64,7 +64,7 @@ def compact(value: Any) -> bytes:
 
 MAX_ENTRIES = 1000
 MAX_BYTES = 16 << 20
-MAX_ENTRY_BYTES = 1 << 20  # a PUT body is capped at 1 MiB anyway (plexd.node.local_api)
+MAX_ENTRY_BYTES = 1 << 20  # a PUT body is capped at 1 MiB anyway (plexd.nodeapi.server)
 
 
 class VersionConflict(Exception):

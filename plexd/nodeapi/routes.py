@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.errors import PlexdError
-from plexd.node.local_api import HTTPError, LocalAPI, Request, Response
 from plexd.nodeapi import crypto
 from plexd.nodeapi.keys import BadKey, path_key, report_key_problem
 from plexd.nodeapi.reports import EntryTooLarge, ReportStore, StoreFull, VersionConflict
+from plexd.nodeapi.server import HTTPError, LocalAPI, Request, Response
 
 if TYPE_CHECKING:
     from plexd.controlplane.client import SecretResponse

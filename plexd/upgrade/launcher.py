@@ -29,7 +29,7 @@ from pathlib import Path
 
 from plexd.config import Config
 from plexd.integrity import zipapp_of
-from plexd.node.systemd import booted
+from plexd.system.systemd import booted
 from plexd.upgrade import marker as markers
 from plexd.upgrade.releases import ReleaseError, Releases
 from plexd.upgrade.signing import SignatureError, verify_release

@@ -15,7 +15,7 @@ import pytest
 
 from plexd.errors import PlexdError
 from plexd.node import control_client
-from plexd.node.local_api import LocalAPI, Request, Response, require_admin
+from plexd.nodeapi.server import LocalAPI, Request, Response, require_admin
 
 
 @pytest.fixture

@@ -27,11 +27,11 @@ from plexd.controlplane.client import ControlPlaneClient
 from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
 from plexd.model import DataEntry, SecretRef
-from plexd.node.local_api import LocalAPI
 from plexd.nodeapi.keys import MAX_KEY_BYTES
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
+from plexd.nodeapi.server import LocalAPI
 
 pytestmark = pytest.mark.root
 OTHER_UID = 64_201
@@ -248,8 +248,8 @@ async def test_slowloris_is_timed_out_while_others_are_served(served):
 @given(header=st.text(max_size=30))
 def test_if_match_header_hypothesis(header):
     """Any If-Match value: a bare integer is a version, anything else is the documented 400 (never a 500)."""
-    from plexd.node.local_api import HTTPError, Request
     from plexd.nodeapi.routes import _if_match
+    from plexd.nodeapi.server import HTTPError, Request
 
     req = Request("PUT", "/v1/state/report/k", {}, {"if-match": header}, b"", None)
     stripped = header.strip()

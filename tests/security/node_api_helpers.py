@@ -1,5 +1,5 @@
 """Helpers for the node API attacks in tests/security: the daemon's local API as `plexd up` builds it
-(plexd.node.local_api with the node API routes of plexd.nodeapi), on a real Unix socket and a real TCP listener,
+(plexd.nodeapi.server with the node API routes of plexd.nodeapi), on a real Unix socket and a real TCP listener,
 with a real report store on disk, and plain clients for it. A test module imports the `node_api` fixture."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 
 from plexd.desired import DesiredState
 from plexd.model import DataEntry, SecretRef
-from plexd.node.local_api import LocalAPI
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
+from plexd.nodeapi.server import LocalAPI
 
 TCP_TOKEN = "tcp-token-5f1c0e9a"
 

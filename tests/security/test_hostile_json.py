@@ -34,7 +34,7 @@ from plexd.config import ActionsConfig
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.integrity import scan_hooks
-from plexd.node.local_api import LocalAPI, require_admin
+from plexd.nodeapi.server import LocalAPI, require_admin
 
 DEEP = 100_000
 DEEP_ARRAY = b"[" * DEEP + b"]" * DEEP

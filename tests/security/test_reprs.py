@@ -89,7 +89,7 @@ def test_instances_holding_secrets_never_print_them():
     from plexd.devplane.store import Node
     from plexd.identity import Identity
     from plexd.model import Peer, RegisterResponse
-    from plexd.node.local_api import Request, Response
+    from plexd.nodeapi.server import Request, Response
     from plexd.registrar import BootstrapToken
 
     key = SENTINEL.encode().ljust(32, b"!")

@@ -22,7 +22,7 @@ from lab_daemon import PLEXD, Daemon, wait_until, wireguard_go_pids
 from plexd.install.installer import unit_text
 from plexd.lab import Lab
 from plexd.mesh.wireguard.userspace import UserspaceBackend
-from plexd.node import systemd
+from plexd.system import systemd
 
 MAX_SCORE = 2.5  # issue 35; lower is better (the Go agent's unit 7.1, NetBird's 6.9)
 

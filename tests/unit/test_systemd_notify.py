@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from plexd.node.systemd import Watchdog, notify, watchdog_interval
+from plexd.system.systemd import Watchdog, notify, watchdog_interval
 
 
 @pytest.mark.parametrize("abstract", [False, True])

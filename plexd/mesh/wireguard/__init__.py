@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from plexd.errors import PlexdError
+from plexd.model import KEY_LEN
 
-KEY_LEN = 32
 ZERO_KEY = base64.b64encode(bytes(KEY_LEN)).decode()
 MAX_IFNAME = 15  # IFNAMSIZ - 1
 
@@ -39,14 +39,6 @@ class UapiError(WireGuardError):
 def key_fingerprint(key: str) -> str:
     """A short printable name for a public key (never use this on a private key)."""
     return key[:8] + "…" if key else "(none)"
-
-
-def is_valid_key(key: str) -> bool:
-    """True when `key` is standard base64 of exactly 32 bytes."""
-    try:
-        return len(base64.b64decode(key, validate=True)) == KEY_LEN
-    except (binascii.Error, ValueError):
-        return False
 
 
 def clamp_private_key(key: str) -> str:

@@ -47,7 +47,7 @@ class UserspaceBackend:
     `launch_prefix` is prepended to the command line, e.g. `ip netns exec NS sh -c '... exec "$@"' sh` in the lab;
     it must `exec` so the pid we hold stays the implementation's pid. `socket_dir` is where this process (not
     the child) finds `<if>.sock`. `scope` comes after it: under systemd, `systemd-run --scope ... --`
-    (`plexd.node.systemd.scope_command`), which moves the implementation out of plexd.service's cgroup so that
+    (`plexd.system.systemd.scope_command`), which moves the implementation out of plexd.service's cgroup so that
     KillMode=mixed, which ends everything else of the unit when plexd exits, leaves the tunnels up; it too execs.
     The implementation's environment is `plexd.childenv`'s allow-list plus `env`, never the daemon's.
     """

@@ -1,0 +1,1 @@
+"""What plexd asks of the operating system beyond networking: systemd (notify, watchdog, scopes)."""
