@@ -71,6 +71,9 @@ class Observed:
     link: LinkState | None
     process_gone: bool = False
     peer_names: Mapping[str, str] = field(default_factory=dict)
+    # The address families whose rule to the mesh table exists, read also when the interface is gone: a rule
+    # outlives the interface, and must not be reported as put back when it never went away.
+    rules: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -484,7 +487,7 @@ def diff(desired: DesiredState, observed: Observed, now: float) -> list[Change]:
         link = None
     changes.extend(_device_fields(t, dev))
     changes.extend(_peers(t, dev, observed.peer_names, now))
-    changes.extend(_link(t, link or _EMPTY_LINK))
+    changes.extend(_link(t, link or replace(_EMPTY_LINK, rules=observed.rules)))
     return changes
 
 

@@ -89,8 +89,9 @@ class WireGuardDomain:
     async def read(self) -> Observed:
         """The device and the link; the link is read in a worker thread while the device is read on the loop."""
         link, device = await asyncio.gather(self.links.observe(), self.backend.observe())
+        rules = link.rules if link is not None else await self.links.observe_rules()
         return Observed(device=device, link=link, process_gone=self.backend.process_gone(),
-                        peer_names=dict(self._names))
+                        peer_names=dict(self._names), rules=rules)
 
     def believed_peer_count(self) -> int | None:
         """Peers on the device as the last full read saw them plus every change applied since; None when that is

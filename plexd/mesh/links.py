@@ -169,11 +169,25 @@ class Links:
             for r in ipr.get_routes(family=family, table=MAIN_TABLE):
                 if _ours(r, index):
                     main_routes.add(_destination(r, family))
-        rules = {version for version, family in FAMILY.items()
-                 if any(self._is_our_rule(rule) for rule in ipr.get_rules(family=family))}
+        rules = self._rules(ipr)
         return LinkState(index=index, kind=kind, mtu=link.get("IFLA_MTU") or 0, up=bool(link["flags"] & 1),
                          addresses=frozenset(addresses), routes=frozenset(routes),
                          main_routes=frozenset(main_routes), rules=frozenset(rules))
+
+    async def observe_rules(self) -> frozenset[int]:
+        """The address families whose rule to the mesh table exists (rules do not go away with the interface)."""
+        def read() -> frozenset[int]:
+            with self._ipr() as ipr:
+                try:
+                    return self._rules(ipr)
+                except NetlinkError as e:
+                    raise LinkError(f"cannot list the routing rules: {e}") from None
+
+        return await asyncio.to_thread(read)
+
+    def _rules(self, ipr: Any) -> frozenset[int]:
+        return frozenset(version for version, family in FAMILY.items()
+                         if any(self._is_our_rule(rule) for rule in ipr.get_rules(family=family)))
 
     def _is_our_rule(self, rule: Any) -> bool:
         table = rule.get("FRA_TABLE") or rule["table"]

@@ -115,6 +115,7 @@ async def test_drift_is_corrected_and_named(pair) -> None:
     types = [t for t, _ in corrections(r)]
     assert types[0] == "userspace_restarted" and types.count("peer_added") == 2
     assert {"address_added", "route_added", "link_up", "private_key_updated"} <= set(types)
+    assert "route_rule_added" not in types  # the rule outlived the interface: nothing to put back, nor report
     assert a.backend.pid not in (None, old_pid)
     assert {row[0] for row in a.wg_dump(lab)[1:]} == {b.public_key, ghost_key}
     assert ping(lab, a, b.mesh_ip)
