@@ -5,7 +5,11 @@
   node's key file is unchanged;
 - an event the control plane signed for node A, captured and replayed into node B's stream, is refused by B
   (the devplane binds the nodes it addresses inside the signed payload) and changes nothing on B, while A takes
-  the very same bytes.
+  the very same bytes;
+- a legitimate signing_key_rotated event (the devplane rotating its key, announced under the old one) still rotates
+  the node's keys: the key file follows and events signed with the new key are applied;
+- a plain-HTTP control plane runs only with api.allow_insecure, and then a warning naming it is logged at the start
+  (the refusal without the key: tests/unit/test_config.py::test_an_insecure_control_plane_needs_allow_insecure).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from lab_daemon import Daemon, wait_until, wg_peers
 from nacl.signing import SigningKey
 
 from plexd.controlplane.envelope import sign_event
+from plexd.controlplane.signing import SIGNING_KEY_FILE
 
 
 def peer_payload(n: int) -> dict:
@@ -75,3 +80,20 @@ def test_an_event_for_one_node_replayed_to_another_is_refused(lab_dp):
     wait_until(lambda: f"not to this node {b.node_id()}" in b.logged(), 15, "b to refuse a's event", daemons)
     assert planted not in wg_peers(lab, b.node)
     assert b.proc.poll() is None and "Traceback" not in b.logged()
+
+
+def test_a_signed_rotation_still_rotates_the_keys_and_the_insecure_start_is_named(lab_dp):
+    lab, dp, daemons, tmp_path = lab_dp
+    a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="1h")
+    daemons.append(a)
+    wait_until(lambda: "event stream connected" in a.logged(), 30, "the event stream", daemons)
+    # the lab config's http:// devplane runs only because it says api.allow_insecure, and never silently
+    assert "INSECURE control plane connection (api.allow_insecure): plain http://" in a.logged()
+
+    key_file = a.dir / "data" / SIGNING_KEY_FILE
+    keys = dp.admin.rotate_signing_key("1h")
+    wait_until(lambda: key_file.exists() and key_file.read_text().strip() == keys["current"], 15,
+               "the rotated key persisted", daemons)
+    event_id = dp.admin.publish_event(a.node_id(), "peer_added", payload=peer_payload(9))  # signed with the new key
+    wait_until(lambda: peer_payload(9)["public_key"] in wg_peers(lab, a.node), 15, f"{event_id} applied", daemons)
+    assert "signature verification failed" not in a.logged() and "Traceback" not in a.logged()
