@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from plexd.converge.change import Change, Correction
 from plexd.converge.domain import Domain, DomainResult
+from plexd.converge.hold import ReconcileHold
 from plexd.desired import DesiredState
 from plexd.errors import PlexdError
 
@@ -55,13 +56,14 @@ class _Failed:
 
 
 class Engine:
-    """Runs the domains; one converge (full or delta) at a time."""
+    """Runs the domains; one converge (full or delta) at a time; while an operator holds, only plans."""
 
-    def __init__(self, domains: Sequence[Domain]) -> None:
+    def __init__(self, domains: Sequence[Domain], hold: ReconcileHold | None = None) -> None:
         names = [d.name for d in domains]
         if len(set(names)) != len(names):
             raise ValueError(f"two domains share a name: {names}")
         self.domains = tuple(domains)
+        self.hold = hold or ReconcileHold()
         self._lock = asyncio.Lock()
         self.last_result: ConvergeResult | None = None
         self.corrections: collections.Counter[str] = collections.Counter()  # drift corrected, by type (metrics)
@@ -79,21 +81,27 @@ class Engine:
         return out
 
     async def converge(self, desired: DesiredState, *, dry_run: bool = False) -> ConvergeResult:
+        """Read, plan and apply every domain; only plan with `dry_run` or while held (the result says dry_run)."""
         async with self._lock:
-            observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
-            total = DomainResult()
-            for domain, seen in zip(self.domains, observed, strict=True):
-                total += await self._converge_one(domain, desired, seen, dry_run)
-            if not dry_run:
-                self._corrected(total.changes)
-            result = ConvergeResult(total.changes, total.errors, desired.rejected, dry_run)
-            self.last_result = result
-            return result
+            return await self._converge(desired, dry_run or self.hold.current() is not None)
+
+    async def _converge(self, desired: DesiredState, dry_run: bool) -> ConvergeResult:
+        observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
+        total = DomainResult()
+        for domain, seen in zip(self.domains, observed, strict=True):
+            total += await self._converge_one(domain, desired, seen, dry_run)
+        if not dry_run:
+            self._corrected(total.changes)
+        result = ConvergeResult(total.changes, total.errors, desired.rejected, dry_run)
+        self.last_result = result
+        return result
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None = None) -> ConvergeResult:
         """Apply what changed in `desired` since the last apply: O(change) in every domain that can; a domain that
-        cannot (no baseline, the delta refused) converges in full, alone."""
+        cannot (no baseline, the delta refused) converges in full, alone. While held, plans in full instead."""
         async with self._lock:
+            if self.hold.current() is not None:
+                return await self._converge(desired, True)
             total = DomainResult()
             for domain in self.domains:
                 delta = await self._guard(domain, domain.apply_delta(desired, touched), None)

@@ -1,11 +1,11 @@
-"""The node's mesh: one engine, one desired model (mirrored to data_dir for an offline start), one hold.
+"""The node's mesh: one engine, one desired model (mirrored to data_dir for an offline start).
 
     events ──edit──▶ DesiredStore ◀──replace_from_pull── reconciler (GET /state)
                           │
                      MeshHandle.converge() ──▶ Engine.converge (every domain: observe → plan → apply)
                      MeshHandle.apply_events() ──▶ Engine.apply_delta (what the events touched, no machine read)
                           │
-                     ReconcileHold: while an operator holds, converges only plan (drift is reported as held)
+                     the engine's hold: while an operator holds, converges only plan (drift is reported as held)
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from plexd.controlplane.client import PeerEndpoint
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
 from plexd.converge.change import Correction
+from plexd.converge.coalesce import Requests
 from plexd.converge.engine import ConvergeResult, Engine
+from plexd.converge.hold import ReconcileHold
 from plexd.desired import DesiredState, split_endpoint
 from plexd.desired_store import DesiredStore
 from plexd.identity import Identity
@@ -37,52 +39,10 @@ from plexd.route_limits import RouteLimits
 
 log = logging.getLogger(__name__)
 
-MAX_HOLD = 24 * 3600.0
-
-
-@dataclass(frozen=True)
-class Hold:
-    until: float  # unix time
-    reason: str
-    since: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"until": _iso(self.until), "since": _iso(self.since), "reason": self.reason,
-                "remaining_seconds": max(0, round(self.until - time.time()))}
-
-
-class ReconcileHold:
-    """`plexd reconcile hold`: corrections paused for a bounded window (not persisted: a restart ends it)."""
-
-    def __init__(self, clock: Clock | None = None) -> None:
-        self._clock = clock or Clock()
-        self._hold: Hold | None = None
-
-    def set(self, seconds: float, reason: str) -> Hold:
-        if not 0 < seconds <= MAX_HOLD:
-            raise ValueError(f"a hold lasts more than 0 s and at most 24h, not {seconds:g} s")
-        now = self._clock.now().timestamp()
-        self._hold = Hold(now + seconds, reason, now)
-        log.warning("reconcile held until %s by an operator: %s", _iso(self._hold.until), reason or "(no reason)")
-        return self._hold
-
-    def release(self) -> Hold | None:
-        old, self._hold = self.current(), None
-        if old is not None:
-            log.info("reconcile hold released")
-        return old
-
-    def current(self) -> Hold | None:
-        if self._hold is not None and self._clock.now().timestamp() >= self._hold.until:
-            log.info("reconcile hold expired")
-            self._hold = None
-        return self._hold
-
-
 class MeshHandle:
     """Holds the desired model and converges the machine to it through the engine; one per daemon."""
 
-    def __init__(self, engine: Engine, desired: DesiredState, hold: ReconcileHold | None = None,
+    def __init__(self, engine: Engine, desired: DesiredState,
                  protected: ProtectedAddresses | None = None, known: bool = True) -> None:
         self.engine = engine
         self.store = DesiredStore(desired)  # its on_changed is the group commit's (set by the assembly)
@@ -94,15 +54,12 @@ class MeshHandle:
         # Set by the assembly: write the mirror now (after a state pull), not at the end of the group window.
         self.persist: Callable[[], None] | None = None
         self._told_unknown = False
-        self.hold = hold or ReconcileHold()
         self.protected = protected
         self._limits_known = protected is None
         self._refusals_seen: set[tuple[str, ...]] = set()
         self._refusals_new: list[Correction] = []
         self._policy_noted: object = None  # the compiled policy `_note_policy` last went through
-        self._wanted = asyncio.Event()  # an event changed the model: converge soon
-        self._wanted_by: list[str] = []  # why (the first and the last few, for the log)
-        self._wanted_count = 0
+        self._requests = Requests(self.apply_events)  # events ask for an apply; bursts coalesce
         # One apply at a time, and the model read once the turn has come: an apply that waited behind a reconcile
         # must not then apply the model as it was before that reconcile's state pull.
         self._lock = asyncio.Lock()
@@ -111,6 +68,11 @@ class MeshHandle:
         # Awaited once, before the first converge: the NAT discovery's hand-over of the listen port at start.
         self.before_first_converge: Callable[[], Awaitable[None]] | None = None
         self._pull_changed_nothing = False
+
+    @property
+    def hold(self) -> ReconcileHold:
+        """The engine's: `plexd reconcile hold` sets it, status shows it."""
+        return self.engine.hold
 
     @property
     def known(self) -> bool:
@@ -128,26 +90,17 @@ class MeshHandle:
         await self._known.wait()
 
     def request_converge(self, reason: str) -> None:
-        """An event changed the desired model: converge soon, without making the event stream wait.
+        """An event changed the desired model: apply it soon, without making the event stream wait (coalesced:
+        `plexd.converge.coalesce`)."""
+        self._requests.request(reason)
 
-        Requests coalesce: while a converge runs, any number of further events lead to one more converge, which
-        applies them all in one transaction. A burst of events costs a few converges, not one each."""
-        self._wanted_count += 1
-        if len(self._wanted_by) < 3:
-            self._wanted_by.append(reason)
-        self._wanted.set()
+    @property
+    def pending_requests(self) -> int:
+        return self._requests.pending
 
     async def converge_requested(self) -> None:
         """The service that serves `request_converge` (supervised like every other)."""
-        while True:
-            await self._wanted.wait()
-            self._wanted.clear()
-            count, reasons = self._wanted_count, self._wanted_by
-            self._wanted_count, self._wanted_by = 0, []
-            why = ", ".join(reasons) + (f" and {count - len(reasons)} more event(s)" if count > len(reasons) else "")
-            result = await self.apply_events()
-            for err in result.errors:
-                log.warning("converge after %s: %s", why, err)
+        await self._requests.serve()
 
     async def route_limits(self) -> RouteLimits:
         """Re-read the protected addresses (before every state pull)."""
@@ -283,9 +236,8 @@ class MeshHandle:
                 log.info("the WireGuard device %s is already up: keeping it as it is until the control plane's "
                          "state arrives", self.store.value.interface)
             return await self.engine.converge(self.store.value, dry_run=True)
-        held = not dry_run and self.hold.current() is not None
-        # While held the result only plans (dry_run=True); the reconciler shows what it did not correct.
-        return await self.engine.converge(self.store.value, dry_run=dry_run or held)
+        # While held the engine only plans (the result says dry_run); the reconciler shows what it did not correct.
+        return await self.engine.converge(self.store.value, dry_run=dry_run)
 
     async def _device_up(self) -> bool:
         try:
@@ -302,7 +254,7 @@ class MeshHandle:
             # converge must not take the pull as one whose changes a full converge already made.
             self._pull_changed_nothing = False
             with self._timed("events"):
-                if not self._limits_known or not self.known or self.hold.current() is not None:
+                if not self._limits_known or not self.known:
                     return await self._converge_locked(False)
                 touched = self.store.take_touched()
                 self._note_refusals(self.store.value)
@@ -431,9 +383,3 @@ def printable(text: str, limit: int = 80) -> str:
     """Outside text made safe to log and report: non-printable characters and lone surrogates escaped."""
     out = text[:limit].encode("ascii", "backslashreplace").decode("ascii")
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in out) + ("…" if len(text) > limit else "")
-
-
-def _iso(ts: float) -> str:
-    from datetime import UTC, datetime
-
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="seconds").replace("+00:00", "Z")

@@ -241,6 +241,6 @@ async def test_peer_endpoints_from_the_exchange_change_only_endpoints_and_refuse
     assert peers["n_2"].endpoint == "198.51.100.5:51820" and peers["n_2"].public_key == p2.public_key
     assert peers["n_3"] == before and "n_unknown" not in peers and not mesh.store.value.rejected
     assert "endpoint of peer n_3 refused" in caplog.text
-    assert mesh._wanted.is_set()  # one converge asked for
+    assert mesh.pending_requests == 1  # one converge asked for
     replayed = mesh.store.replace_from_pull(lambda d: d.with_state(State(peers=(p2, p3))), since)
     assert replayed == ["endpoint exchange"] and mesh.store.value.peers["n_2"].endpoint == "198.51.100.5:51820"

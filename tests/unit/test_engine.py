@@ -159,3 +159,17 @@ async def test_teardown_runs_last_listed_first_and_goes_on_past_a_failure():
 def test_two_domains_with_one_name_are_refused():
     with pytest.raises(ValueError, match="share a name"):
         Engine([Counter("a", []), Counter("a", [])])
+
+
+async def test_while_held_every_converge_and_every_event_only_plans():
+    log: list[str] = []
+    a = Counter("a", log)
+    engine = Engine([a])
+    await engine.converge(model(1))
+    engine.hold.set(60, "debugging by hand")
+    held = await engine.converge(model(2))
+    event = await engine.apply_delta(model(3), touched=["n_2"])
+    assert held.dry_run and event.dry_run and a.value == 1  # planned, not applied
+    assert [c.detail for c in event.changes] == ["a: set to 3"] and "delta a" not in log
+    engine.hold.release()
+    assert not (await engine.converge(model(3))).dry_run and a.value == 3
