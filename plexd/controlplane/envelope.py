@@ -9,6 +9,7 @@ Used by both the verifier in the agent and the signer in the reference control p
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import re
 import secrets
@@ -35,7 +36,18 @@ class Envelope:
     signature: str
 
     def payload(self) -> Any:
-        return boundedjson.loads(self.payload_raw, "payload")
+        """The parsed payload (parsed once: the verifier's target check and the handler both ask)."""
+        value, error = self._parsed
+        if error is not None:
+            raise error
+        return value
+
+    @functools.cached_property
+    def _parsed(self) -> tuple[Any, WireFormatError | None]:
+        try:
+            return boundedjson.loads(self.payload_raw, "payload"), None
+        except WireFormatError as e:
+            return None, e
 
     def canonical_bytes(self) -> bytes:
         return canonical_bytes(self.event_type, self.event_id, self.issued_at, self.nonce, self.payload_raw)

@@ -6,7 +6,7 @@ import json
 import nacl.signing
 import pytest
 
-from plexd.controlplane.envelope import canonical_bytes, parse_envelope, sign_event
+from plexd.controlplane.envelope import Envelope, canonical_bytes, parse_envelope, sign_event
 from plexd.errors import WireFormatError
 
 
@@ -49,3 +49,12 @@ def test_bad_envelopes_name_the_problem(data, field):
     with pytest.raises(WireFormatError) as info:
         parse_envelope(data)
     assert info.value.path == field
+
+
+def test_the_payload_is_parsed_once_and_a_bad_one_fails_each_time():
+    env = parse_envelope('{"event_type":"a","event_id":"1","payload":{"x":[1,2]}}')
+    assert env.payload() is env.payload() and env.payload() == {"x": [1, 2]}
+    bad = Envelope("a", "1", "", "", '{"x": [1, 2', "")  # not JSON (parse_envelope would not let it through)
+    for _ in range(2):
+        with pytest.raises(WireFormatError, match="payload"):
+            bad.payload()
