@@ -1,10 +1,12 @@
-"""A stand-in for the WireGuard domain in the real engine, for in-process daemons that need no namespaces: "the
-device" is a dict of peer ids to public keys, and drift is made by editing it."""
+"""In-process daemons that need no namespaces: their config, and a stand-in for the WireGuard domain in the real
+engine ("the device" is a dict of peer ids to public keys, and drift is made by editing it)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plexd.config import Config
+from plexd.config import load as load_config
 from plexd.converge.change import Correction
 from plexd.converge.domain import DomainResult
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
@@ -67,3 +69,14 @@ class RecordingDomain:
 
     def believed_peer_count(self):
         return None  # no baseline kept: the heartbeat reads the device (the fallback path)
+
+
+def in_process_config(devplane, tmp_path) -> Config:
+    """A daemon of the devplane's, everything under tmp_path, fast cycles, no deregistration at the end."""
+    (tmp_path / "token").write_text(devplane.admin.create_token())
+    return load_config(env={
+        "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_API_ALLOW_INSECURE": "true",
+        "PLEXD_DATA_DIR": str(tmp_path / "data"),
+        "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
+        "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
+        "PLEXD_SHUTDOWN_DEREGISTER": "false", "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")})

@@ -13,11 +13,10 @@ import logging
 import httpx
 import pytest
 from nacl.public import PrivateKey
-from recording_device import RecordingDomain
+from recording_device import RecordingDomain, in_process_config
 from waiting import wait_for
 
 from plexd import gojson
-from plexd.config import load as load_config
 from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
@@ -38,13 +37,7 @@ def devplane(tmp_path):
 
 
 async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch, caplog):
-    (tmp_path / "token").write_text(devplane.admin.create_token())
-    config = load_config(env={
-        "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_API_ALLOW_INSECURE": "true",
-        "PLEXD_DATA_DIR": str(tmp_path / "data"),
-        "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
-        "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
-        "PLEXD_SHUTDOWN_DEREGISTER": "false", "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")})
+    config = in_process_config(devplane, tmp_path)
     domain = RecordingDomain()
     connected = {}
 

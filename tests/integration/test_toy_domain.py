@@ -8,11 +8,10 @@ import base64
 
 import httpx
 import pytest
-from recording_device import RecordingDomain
+from recording_device import RecordingDomain, in_process_config
 from toy_domain import HostsFile
 from waiting import wait_for
 
-from plexd.config import load as load_config
 from plexd.converge.engine import Engine
 from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
@@ -35,13 +34,7 @@ def register_other(devplane) -> dict:
 
 
 async def test_a_toy_domain_is_observed_diffed_repaired_and_reported(devplane, tmp_path):
-    (tmp_path / "token").write_text(devplane.admin.create_token())
-    config = load_config(env={
-        "PLEXD_CONFIG": "", "PLEXD_API": devplane.url, "PLEXD_API_ALLOW_INSECURE": "true",
-        "PLEXD_DATA_DIR": str(tmp_path / "data"),
-        "PLEXD_HOOKS_DIR": str(tmp_path / "hooks"), "PLEXD_TOKEN_FILE": str(tmp_path / "token"),
-        "PLEXD_RECONCILE_INTERVAL": "1s", "PLEXD_HEARTBEAT_INTERVAL": "1s",
-        "PLEXD_SHUTDOWN_DEREGISTER": "false", "PLEXD_NODE_API_SOCKET_PATH": str(tmp_path / "api.sock")})
+    config = in_process_config(devplane, tmp_path)
     hosts = HostsFile(tmp_path / "mesh-hosts")
     connected = {}
 
