@@ -32,10 +32,10 @@ from plexd.identity import b64
 from plexd.lab import Lab, LabNode
 from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import DEFAULT_TABLE, Links
+from plexd.mesh.plan import device_update, diff
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.model import Peer
-from plexd.plan import device_update, diff
 
 MESH = ipaddress.ip_network("10.128.0.0/10")
 

@@ -1,6 +1,6 @@
 """The firewall's diff (pure): `diff(want, live) -> [Change]`, and the one nftables transaction that applies them.
 
-Each change is an instruction and a drift-report line, like the mesh's (`plexd.plan`). A rule that comes from a
+Each change is an instruction and a drift-report line, like the mesh's (`plexd.mesh.plan`). A rule that comes from a
 policy is reported with the [C] names `policy_added` / `policy_removed` (detail `policy <id>: ...`, §4.4); the
 table, the chains, the sets and the chains' own rules have names of ours:
 

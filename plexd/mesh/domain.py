@@ -1,7 +1,7 @@
 """The WireGuard domain: the mesh device, its link, addresses and routes (the engine's first citizen).
 
 Full converge: `observe` resolves peer host names (WireGuard takes IP endpoints only, as `wg` does) and reads the
-device and the link together; `plan` is the pure diff (`plexd.plan`), less the first handshakes this node leaves
+device and the link together; `plan` is the pure diff (`plexd.mesh.plan`), less the first handshakes this node leaves
 to the peer (`plexd.mesh.first_contact`); `apply` sends every device change as one transaction (retried piece by
 piece to name a refused peer) and the link changes after it. Events (`apply_delta`) diff only the touched peers
 against the machine as the last apply left it (`_Baseline`): no device read, O(change).
@@ -19,13 +19,12 @@ from dataclasses import dataclass, replace
 from plexd.clock import Clock
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.delta import peer_delta, touched_peers
 from plexd.desired import DesiredState, split_endpoint
 from plexd.errors import PlexdError
+from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.first_contact import FirstContact
 from plexd.mesh.links import LinkOp, Links
-from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
-from plexd.plan import (
+from plexd.mesh.plan import (
     InterfaceMissing,
     LinkChange,
     ListenPortWrong,
@@ -39,6 +38,7 @@ from plexd.plan import (
     link_ops,
     simulate,
 )
+from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The event path's diff (`plexd.delta`): applied on top of a converged machine it leaves nothing for the full
+"""The event path's diff (`plexd.mesh.delta`): applied on top of a converged machine it leaves nothing for the full
 diff to find, touches only what the events changed, and keeps routes collapsed. Pure; no I/O."""
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
-from plexd.delta import peer_delta, touched_peers
 from plexd.desired import DesiredState
+from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.links import LinkState
-from plexd.mesh.wireguard import DeviceConfig
-from plexd.model import Peer
-from plexd.plan import (
+from plexd.mesh.plan import (
     Observed,
     PeerAdded,
     PeerEndpointChanged,
@@ -26,6 +24,8 @@ from plexd.plan import (
     diff,
     simulate,
 )
+from plexd.mesh.wireguard import DeviceConfig
+from plexd.model import Peer
 
 NOW = 1_800_000_000.0
 KEYS = [base64.b64encode(bytes(PrivateKey(bytes([i + 1]) * 32).public_key)).decode() for i in range(12)]

@@ -9,8 +9,8 @@ import asyncio
 
 from plexd.desired import DesiredState
 from plexd.mesh.first_contact import FirstContact, leads
+from plexd.mesh.plan import PeerKeepaliveChanged, PeerRemoved
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardError
-from plexd.plan import PeerKeepaliveChanged, PeerRemoved
 
 LOW, MID, HIGH = "A" * 43 + "=", "M" * 43 + "=", "z" * 43 + "="
 

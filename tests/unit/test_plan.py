@@ -12,9 +12,7 @@ from nacl.public import PrivateKey
 
 from plexd.desired import DesiredState
 from plexd.mesh.links import LinkState
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig, clamp_private_key
-from plexd.model import Peer
-from plexd.plan import (
+from plexd.mesh.plan import (
     ROAMING_WINDOW,
     AddressExtra,
     AddressMissing,
@@ -39,6 +37,8 @@ from plexd.plan import (
     simulate,
     target,
 )
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig, clamp_private_key
+from plexd.model import Peer
 
 
 def _b64(raw: bytes) -> str:

@@ -98,7 +98,7 @@ def test_visibility_filters_the_device_but_not_the_model():
     d = d.with_policies([Policy("p", (rule("n_b", "n_a"),))])
     assert set(d.peers) == {"n_b", "n_c"} and set(d.shown_peers) == {"n_b"}
     assert d.shown_peer("n_c") is None
-    from plexd.plan import target
+    from plexd.mesh.plan import target
 
     assert set(target(d).peer_ids.values()) == {"n_b"}
 

@@ -24,9 +24,7 @@ import ipaddress
 from collections.abc import Iterable, Mapping
 
 from plexd.desired import DesiredState
-from plexd.mesh.wireguard import PeerConfig
-from plexd.model import Peer
-from plexd.plan import (
+from plexd.mesh.plan import (
     Change,
     Observed,
     PeerAdded,
@@ -40,6 +38,8 @@ from plexd.plan import (
     peer_fields,
     rules_for,
 )
+from plexd.mesh.wireguard import PeerConfig
+from plexd.model import Peer
 
 Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 
