@@ -46,6 +46,7 @@ from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
+from plexd.controlplane.signing import Verifier
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.errors import PlexdError
 from plexd.integrity import HookScan
@@ -56,7 +57,7 @@ from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
 from plexd.node.engine import build_engine, wireguard
 from plexd.node.key_rotation import KeyRotation
-from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
+from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
@@ -87,8 +88,14 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     data_dir = Path(cfg.data_dir)
     assert agent.identity is not None
     ledger = EventLedger(data_dir / datadir.EVENT_LEDGER)
+
+    def node_id() -> str:
+        assert agent.identity is not None
+        return agent.identity.node_id
+
+    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger, node_id)
     if mesh is None:
-        mesh = _build_mesh(agent, ledger.mirror())
+        mesh = _build_mesh(agent, ledger.mirror(), verifier)
     durable = GroupCommit(ledger, delay=_commit_delay(), touched=lambda: mesh.store.take_touched("mirror"))
     mesh.store.on_changed = durable.desired_changed
     mesh.persist = durable.persist_now
@@ -98,12 +105,6 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         ledger.close(agent.clock.now().timestamp())
 
     agent.on_shutdown("event bookkeeping", close_bookkeeping)  # added last: runs first of the teardown steps
-
-    def node_id() -> str:
-        assert agent.identity is not None
-        return agent.identity.node_id
-
-    verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger, node_id)
 
     async def reauthenticate() -> None:
         await agent.reauthenticate(agent.client.token)
@@ -267,14 +268,14 @@ def _add_watchdog(node: Node) -> None:
     agent.add_service("watchdog", lambda a: dog.run(), stop_last=True)  # pings through a long drain too
 
 
-def _build_mesh(agent: Agent, mirror: dict | None) -> MeshHandle:
+def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier) -> MeshHandle:
     """The engine for this machine and the desired model, seeded from the mirror of the last run."""
     cfg = agent.config
     assert agent.identity is not None
     initial, restored = initial_desired(cfg, agent.identity, mirror)
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, trusted_key(verifier))
     protected = ProtectedAddresses.from_config(cfg, wireguard(engine).links)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first

@@ -4,6 +4,7 @@ it here, in the order it must apply (the firewall before the device: a new peer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 from plexd.config import Config
@@ -13,13 +14,16 @@ from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.select import wireguard_backend
 from plexd.nodeapi.cache import NodeStateCache
+from plexd.trust.domain import SigningKeyFile
 
 
-def build_engine(config: Config) -> Engine:
+def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda: None) -> Engine:
+    """`trusted_key`: the signing key the verifier trusts now (None: no verifier here, the key file is left as is)."""
     links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
     return Engine([
         FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied),
         NodeStateCache(config.data_dir),
+        SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
     ])
 

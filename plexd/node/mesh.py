@@ -331,6 +331,11 @@ def _note_foreign_key(verifier: Verifier | None, keys: SigningKeys | None, noted
                 key_fingerprint(keys.current), key_fingerprint(trusted.current))
 
 
+def trusted_key(verifier: Verifier) -> Callable[[], str | None]:
+    """The signing key `verifier` trusts now, for the key file's domain (`plexd.trust.domain`)."""
+    return lambda: verifier.keys.current if verifier.keys is not None else None
+
+
 def build_verifier(data_dir: Path | str, clock: Clock, fallback_key: str,
                    ledger: EventLedger | None = None, node_id: Callable[[], str] | None = None) -> Verifier:
     """The verifier with the persisted key (the file wins, §5.4) and the nonces the ledger holds (the daemon's;

@@ -32,7 +32,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     from plexd.controlplane.ledger import read_mirror
     from plexd.identity import IdentityStore
     from plexd.node.engine import build_engine, wireguard
-    from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher
+    from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
     from plexd.node.protected import ProtectedAddresses
     from plexd.services.reconciler import Reconciler, drift_uplink
 
@@ -41,9 +41,10 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
         why = f" ({loaded.problem})" if loaded.problem else ""
         raise PlexdError(f"this node is not registered{why}; run 'plexd join' first")
     ident = loaded.identity
-    engine = build_engine(config)
     # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
     # hold the machine to, so only the pulled state is applied.
+    verifier = build_verifier(config.data_dir, Clock(), ident.signing_public_key)
+    engine = build_engine(config, trusted_key(verifier))
     desired, restored = initial_desired(config, ident, read_mirror(config.data_dir))
     protected = ProtectedAddresses.from_config(config, wireguard(engine).links)
     mesh = MeshHandle(engine, desired, protected=protected, known=restored)
@@ -52,7 +53,6 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
         raise PlexdError(f"WireGuard interface {config.mesh.interface} is not up; start the daemon with "
                          "'plexd up' (or use --dry-run to see the plan)")
 
-    verifier = build_verifier(config.data_dir, Clock(), ident.signing_public_key)
     async with ControlPlaneClient.for_config(config, token=ident.bearer) as client:
         async def post(report: dict[str, Any]) -> None:
             await client.report_drift(ident.node_id, report)
