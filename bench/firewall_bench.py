@@ -110,7 +110,7 @@ async def bench_size(n: int, repeat: int, pool: concurrent.futures.Executor, ns:
     for i in range(repeat):
         target = joined if i % 2 == 0 else base
         t = time.perf_counter()
-        r = await engine.apply_delta(target)
+        r = await engine.apply_delta(target, ["n_joiner"])  # the peer the event named, as the daemon passes it
         join.append(time.perf_counter() - t)
         assert len(r.changes) == 1 and not r.errors, r
     print(f"{n:5d} rules  one peer joining (one element): {_ms(join)}")

@@ -7,10 +7,11 @@ from plexd.converge.engine import ConvergeResult, Engine
 from plexd.desired import DesiredState
 
 
-async def converge(domain: Domain, desired: DesiredState, *, full: bool = True,
-                   dry_run: bool = False) -> ConvergeResult:
-    """full: observe → plan → apply (the reconcile); otherwise the event path (`apply_delta`)."""
+async def converge(domain: Domain, desired: DesiredState, *, full: bool = True, dry_run: bool = False,
+                   touched: list[str] | None = None) -> ConvergeResult:
+    """full: observe → plan → apply (the reconcile); otherwise the event path (`apply_delta`), with the peer ids
+    the events named (`touched`; None: find them)."""
     engine = Engine([domain])
     if full:
         return await engine.converge(desired, dry_run=dry_run)
-    return await engine.apply_delta(desired)
+    return await engine.apply_delta(desired, touched)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from plexd.converge.domain import DomainResult
 from plexd.desired import DesiredState
 from plexd.firewall import plan
 from plexd.firewall.nft import FirewallError, Nftables
-from plexd.firewall.ruleset import FAMILY, TABLE, LiveTable, Ruleset, desired_ruleset, parse_table
+from plexd.firewall.ruleset import FAMILY, TABLE, LiveTable, Ruleset, desired_ruleset, node_set, parse_table
 from plexd.firewall.script import Unrenderable
 
 log = logging.getLogger(__name__)
@@ -152,6 +152,9 @@ class FirewallDomain:
             return DomainResult(errors=(self.unavailable,)) if desired.enforce_policy else DomainResult()
         if not self._started or not self._known:
             return None
+        peer_event = self._peer_event(desired, touched)
+        if peer_event is not None:
+            return await peer_event
         want = self.want(desired)
         changes = plan.diff(want, self._believed)
         if not changes:
@@ -166,6 +169,51 @@ class FirewallDomain:
             self._known = False
             return None
         self._applied()
+        return DomainResult(tuple(changes))
+
+    def _peer_event(self, desired: DesiredState,
+                    touched: Collection[str] | None) -> Coroutine[Any, Any, DomainResult | None] | None:
+        """Peers' events with the policies unchanged: only the touched nodes' sets can differ, so only they are
+        built, diffed and applied (O(change), not O(rules)). None: not such an event, use the full diff."""
+        last = self._want
+        if touched is None or last is None or last[1] is None or self._believed is None:
+            return None
+        before, ruleset = last
+        if (desired.compiled_policy is not before.compiled_policy or desired.interface != before.interface
+                or desired.node_id != before.node_id or desired.mesh_ip != before.mesh_ip
+                or desired.enforce_policy != before.enforce_policy):
+            return None
+        referenced = desired.compiled_policy.referenced_nodes()
+        sets = dict(ruleset.sets)
+        names = []
+        for pid in touched:
+            if pid not in referenced or pid == desired.node_id:
+                continue
+            peer = desired.peers.get(pid)
+            spec = node_set(pid, peer.mesh_ip if peer is not None and peer.mesh_ip else "")
+            if spec.type != sets[spec.name].type:
+                return None  # the node's address family changed: so do the rules naming it
+            sets[spec.name] = spec
+            names.append(spec.name)
+        want = Ruleset(ruleset.chains, sets)
+        changes = plan.diff_sets(want, self._believed, names)
+        if changes is None:
+            return None
+        self._want = (desired, want)
+        return self._apply_sets(changes, want, names)
+
+    async def _apply_sets(self, changes: list[plan.FirewallChange], want: Ruleset,
+                          names: list[str]) -> DomainResult | None:
+        assert self._believed is not None
+        if changes:
+            try:
+                await self._run(self.nft.run, plan.commands(changes))
+            except FirewallError as e:
+                log.info("firewall: applying on the believed table failed (%s); reading the table", e)
+                self._known = False
+                return None
+            self._believed = plan.simulate_sets(self._believed, want, names)
+            self._applied()
         return DomainResult(tuple(changes))
 
     def _fail(self, why: str) -> str:

@@ -22,7 +22,7 @@ kept; the others are deleted, and the missing ones inserted before the kept rule
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -327,6 +327,30 @@ def diff(want: Ruleset | None, live: LiveTable | None) -> list[FirewallChange]:
     for name in sorted(live.sets.keys() - want.sets.keys()):
         changes.append(SetExtra(name))
     return sorted(changes, key=lambda ch: ch.stage)
+
+
+def diff_sets(want: Ruleset, live: LiveTable, names: Collection[str]) -> list[FirewallChange] | None:
+    """The changes to the sets `names` alone (a peer event: the chains cannot have changed). None: a set is
+    missing or has another type, which only the full diff handles."""
+    changes: list[FirewallChange] = []
+    for name in sorted(names):
+        s, have = want.sets[name], live.sets.get(name)
+        if have is None or have.type != s.type or have.flags:
+            return None
+        if s.elements - have.elements:
+            changes.append(SetElementsMissing(name, s.node, s.elements - have.elements))
+        if have.elements - s.elements:
+            changes.append(SetElementsExtra(name, have.elements - s.elements))
+    return sorted(changes, key=lambda ch: ch.stage)
+
+
+def simulate_sets(live: LiveTable, want: Ruleset, names: Collection[str]) -> LiveTable:
+    """`live` after a successful apply of `diff_sets(want, live, names)`: those sets as wanted, the rest as is."""
+    sets = dict(live.sets)
+    for name in names:
+        s = want.sets[name]
+        sets[name] = LiveSet(name, s.type, s.elements)
+    return LiveTable(live.chains, sets)
 
 
 def _chain_rules(want: ChainSpec, live: LiveChain) -> list[FirewallChange]:

@@ -191,11 +191,16 @@ def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping
         (n, _family(addresses.get(n, ""))) for n in compiled.referenced_nodes())))
     sets = {}
     for node in compiled.referenced_nodes():
-        addr = addresses.get(node, "")
-        name = set_name(node)
-        sets[name] = SetSpec(name, "ipv6_addr" if _family(addr) == 6 else "ipv4_addr",
-                             frozenset({_normal(addr)}) if addr else frozenset(), node)
+        spec = node_set(node, addresses.get(node, ""))
+        sets[spec.name] = spec
     return Ruleset(chains, sets)
+
+
+def node_set(node: str, address: str) -> SetSpec:
+    """The set of one node a rule names: its address ("" while the node is unknown: an empty set)."""
+    name = set_name(node)
+    return SetSpec(name, "ipv6_addr" if _family(address) == 6 else "ipv4_addr",
+                   frozenset({_normal(address)}) if address else frozenset(), node)
 
 
 _chain_cache = ByIdentity[Mapping[str, ChainSpec]]()

@@ -69,6 +69,11 @@ def dports(ns: str, chain: str) -> list[int]:
             if "match" in e and e["match"]["left"] == {"payload": {"protocol": "tcp", "field": "dport"}}]
 
 
+def fresh_ruleset(desired: DesiredState):
+    """The table for `desired` built whole, by a domain that has seen nothing before."""
+    return FirewallDomain("plexd0").want(desired)
+
+
 def domain_in(pool, **kw) -> FirewallDomain:
     async def run(fn, *args):
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
@@ -149,14 +154,18 @@ async def test_events_change_one_element_and_the_believed_table_recovers_from_ou
     d0 = model(policies, [Peer("n_a", _key(1), "10.100.0.2")])
     await converge(fw, d0, full=True)
     d1 = d0.with_peer(Peer("n_b", _key(2), "10.100.0.4"))  # n_b joins: its set gets its address
-    joined = await converge(fw, d1, full=False)
+    untouched = fw.want(d0).sets["node_n_a"]
+    joined = await converge(fw, d1, full=False, touched=["n_b"])  # a peer event: only n_b's set is looked at
+    assert fw.want(d1).sets["node_n_a"] is untouched  # not rebuilt: O(change), not O(rules)
+    assert fw.want(d1) == fresh_ruleset(d1)  # and the same table as built whole
     assert [str(c.correction()) for c in joined.changes] == [
         "firewall_set_element_added: firewall: set node_n_b: node n_b address 10.100.0.4 missing"]
     # Someone deletes n_b's element behind our back; the event for n_b leaving must still apply (a retry after
     # reading the table), not fail.
     nft(ns, "delete", "element", "inet", "plexd", "node_n_b", "{ 10.100.0.4 }")
-    left = await converge(fw, d1.without_peer("n_b"), full=False)
+    left = await converge(fw, d1.without_peer("n_b"), full=False, touched=["n_b"])
     assert not left.errors and fw.enforcement == "enforced"
+    assert fw.want(d1.without_peer("n_b")) == fresh_ruleset(d1.without_peer("n_b"))
     sets = {o["set"]["name"]: o["set"].get("elem") for o in ruleset(ns) if "set" in o}
     assert "elem" not in sets or sets["node_n_b"] is None
 
