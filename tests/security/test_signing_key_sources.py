@@ -86,7 +86,9 @@ def test_a_signed_rotation_still_rotates_the_keys_and_the_insecure_start_is_name
     lab, dp, daemons, tmp_path = lab_dp
     a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="1h")
     daemons.append(a)
-    wait_until(lambda: "event stream connected" in a.logged(), 30, "the event stream", daemons)
+    # connected, and the start's state pull done: it would replace the peer the event below adds
+    wait_until(lambda: "event stream connected" in a.logged() and "reconcile (start)" in a.logged(), 30,
+               "the event stream and the start's reconcile", daemons)
     # the lab config's http:// devplane runs only because it says api.allow_insecure, and never silently
     assert "INSECURE control plane connection (api.allow_insecure): plain http://" in a.logged()
 
