@@ -263,7 +263,9 @@ async def test_a_crashing_service_is_restarted_and_the_agent_keeps_running(tmp_p
     task = asyncio.create_task(assembly.run(config, stop_event=stop_event, assemble=install))
     rc = await asyncio.wait_for(task, 20)
     assert rc == 0 and len(runs) == 2
-    assert 0.7 <= runs[1] - runs[0] <= 1.5  # 1 s ±25 % backoff before the restart
+    # A backoff (1 s ±25 %) before the restart: at least its shortest; no upper bound, which a loaded machine
+    # would break (a run under stress-ng restarted it 1.52 s after the crash)
+    assert runs[1] - runs[0] >= 0.7  # (asyncio may wake a timer a hair early)
     crashes = [r for r in caplog.records if "service broken crashed" in r.getMessage()]
     assert len(crashes) == 1 and crashes[0].exc_info is not None  # once, with its traceback
     assert "RuntimeError: bug in a service" in caplog.text
