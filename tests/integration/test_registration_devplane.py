@@ -183,7 +183,9 @@ def test_up_re_registers_after_the_devplane_forgets_the_node(tmp_path, dp):
     proc = node.up(PLEXD_BOOTSTRAP_TOKEN=dp.admin.create_token())
     try:
         wait_until(lambda: len(dp.admin.nodes()) == 1, what="re-registration")
-        wait_until(lambda: node.identity() is not None and node.identity().node_id != old.node_id,
+        # One read per try: a save with a new key retracts identity.json first (its commit marker), so a second
+        # read a moment after the first can find no identity at all.
+        wait_until(lambda: getattr(node.identity(), "node_id", old.node_id) != old.node_id,
                    what="new identity saved")
     except AssertionError as exc:
         _, err = stop(proc)
