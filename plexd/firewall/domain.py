@@ -45,6 +45,7 @@ class FirewallDomain:
         self._believed: LiveTable | None = None
         self._known = False  # _believed is the table as the last read and apply left it
         self._started = False
+        self._inflight: asyncio.Future[Any] | None = None  # the last transaction sent, maybe still running
         self._want: tuple[DesiredState, Ruleset | None] | None = None  # the last model and its ruleset
         self.unavailable = ""  # nftables cannot be used at all (reason)
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
@@ -130,7 +131,7 @@ class FirewallDomain:
         if not self.enabled:  # a table an earlier run left would still drop mesh traffic: remove it, quietly
             try:
                 if changes:
-                    await self._run(self.nft.run, plan.commands(changes))
+                    await self._write(self.nft.run, plan.commands(changes))
             except FirewallError as e:
                 log.debug("firewall (enforcement off): %s", e)
                 return DomainResult()
@@ -207,7 +208,7 @@ class FirewallDomain:
         assert self._believed is not None
         if changes:
             try:
-                await self._run(self.nft.run, plan.commands(changes))
+                await self._write(self.nft.run, plan.commands(changes))
             except FirewallError as e:
                 log.info("firewall: applying on the believed table failed (%s); reading the table", e)
                 self._known = False
@@ -231,15 +232,23 @@ class FirewallDomain:
                      live: LiveTable | None) -> None:
         script = _script(changes)
         if script is not None:
-            await self._run(self.nft.run_script, script)
+            await self._write(self.nft.run_script, script)
         else:
-            await self._run(self.nft.run, plan.commands(changes))
+            await self._write(self.nft.run, plan.commands(changes))
         self._believed, self._known = plan.simulate(live, want), True
         for c in changes:
             log.debug("firewall: %s", c.detail)
 
+    async def _write(self, fn: Callable[..., Any], *args: Any) -> None:
+        """One nftables transaction. It runs in a worker thread, which a cancelled caller cannot stop: shielded
+        and remembered, so that teardown waits for it instead of reading the table before it lands."""
+        self._inflight = asyncio.ensure_future(self._run(fn, *args))
+        await asyncio.shield(self._inflight)
+
     async def teardown(self) -> None:
         """Remove the table (shutdown with deregistration): nothing of plexd's is left filtering."""
+        if self._inflight is not None and not self._inflight.done():
+            await asyncio.wait([self._inflight])  # a converge cancelled by the shutdown may still be writing
         self._known = False
         if not self.enabled or self.unavailable:
             return
