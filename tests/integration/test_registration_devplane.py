@@ -187,9 +187,9 @@ def test_up_re_registers_after_the_devplane_forgets_the_node(tmp_path, dp):
         # read a moment after the first can find no identity at all.
         wait_until(lambda: getattr(node.identity(), "node_id", old.node_id) != old.node_id,
                    what="new identity saved")
-    except AssertionError as exc:
+    except Exception as exc:  # any failure, not only a timed-out wait: the daemon must never outlive the test
         _, err = stop(proc)
-        raise AssertionError(f"{exc}; the daemon said:\n{err[:5000]}\n...\n{err[-3000:]}") from None
+        raise AssertionError(f"{exc!r}; the daemon said:\n{err[:5000]}\n...\n{err[-3000:]}") from None
     rc, err = stop(proc)
     assert rc == 0, err
     new = node.identity()
