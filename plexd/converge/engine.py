@@ -15,9 +15,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 from plexd.converge.change import Change, Correction
 from plexd.converge.domain import Domain, DomainResult
@@ -26,9 +26,6 @@ from plexd.desired import DesiredState
 from plexd.errors import PlexdError
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
 
 @dataclass(frozen=True)
 class ConvergeResult:
@@ -104,7 +101,11 @@ class Engine:
                 return await self._converge(desired, True)
             total = DomainResult()
             for domain in self.domains:
-                delta = await self._guard(domain, domain.apply_delta(desired, touched), None)
+                try:
+                    delta = await domain.apply_delta(desired, touched)
+                except Exception as e:  # the full converge below names it again if it persists
+                    self._failure(domain, "applying an event", e)
+                    delta = None
                 if delta is None:
                     seen = await self._observe(domain, desired)
                     full = await self._converge_one(domain, desired, seen, False)
@@ -122,47 +123,41 @@ class Engine:
         """Every domain removes what it put on the machine, last listed first (deregistration)."""
         async with self._lock:
             for domain in reversed(self.domains):
-                await self._guard(domain, domain.teardown(), None)
+                try:
+                    await domain.teardown()
+                except Exception as e:
+                    self._failure(domain, "tearing down", e)
 
     async def _observe(self, domain: Domain, desired: DesiredState) -> Any:
         try:
             return await domain.observe(desired)
-        except PlexdError as e:
-            log.error("%s: %s", domain.name, e)
-            return _Failed(str(e))
         except Exception as e:  # a bug in one domain must not stop the others
-            log.exception("%s: reading the machine failed", domain.name)
-            return _Failed(f"{domain.name}: internal error reading the machine: {e!r}")
+            return _Failed(self._failure(domain, "reading the machine", e))
 
     async def _converge_one(self, domain: Domain, desired: DesiredState, seen: Any, dry_run: bool) -> DomainResult:
         if isinstance(seen, _Failed):
             return DomainResult(errors=(seen.error,))
         try:
             planned = domain.plan(desired, seen)
-        except PlexdError as e:
-            log.error("%s: %s", domain.name, e)
-            return DomainResult(errors=(str(e),))
         except Exception as e:
-            log.exception("%s: planning failed", domain.name)
-            return DomainResult(errors=(f"{domain.name}: internal error planning: {e!r}",))
+            return DomainResult(errors=(self._failure(domain, "planning", e),))
         if dry_run:
             return planned
-        applied = await self._guard(domain, domain.apply(desired, planned, seen), DomainResult())
+        try:
+            applied = await domain.apply(desired, planned, seen)
+        except Exception as e:
+            return DomainResult(errors=(*planned.errors, self._failure(domain, "applying", e)))
         return DomainResult(applied.changes, planned.errors + applied.errors)
 
-    async def _guard(self, domain: Domain, call: Awaitable[T], fallback: T) -> T:
-        """`call`, with what it raises logged and turned into `fallback` plus an error line for this domain."""
-        try:
-            return await call
-        except PlexdError as e:
+    @staticmethod
+    def _failure(domain: Domain, doing: str, e: Exception) -> str:
+        """Log what a domain raised, and return its error line: a PlexdError says what the machine did, anything
+        else is a bug (logged with its traceback)."""
+        if isinstance(e, PlexdError):
             log.error("%s: %s", domain.name, e)
-            error = str(e)
-        except Exception as e:
-            log.exception("%s failed", domain.name)
-            error = f"{domain.name}: internal error: {e!r}"
-        if isinstance(fallback, DomainResult):
-            return DomainResult(fallback.changes, (*fallback.errors, error))  # type: ignore[return-value]
-        return fallback
+            return str(e)
+        log.error("%s: %s failed", domain.name, doing, exc_info=e)
+        return f"{domain.name}: internal error {doing}: {e!r}"
 
     def _corrected(self, changes: Sequence[Change]) -> None:
         for c in changes:

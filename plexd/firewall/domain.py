@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,17 +153,23 @@ class FirewallDomain:
             return DomainResult(errors=(self.unavailable,)) if desired.enforce_policy else DomainResult()
         if not self._started or not self._known:
             return None
-        peer_event = self._peer_event(desired, touched)
-        if peer_event is not None:
-            return await peer_event
-        want = self.want(desired)
-        changes = plan.diff(want, self._believed)
+        peer_sets = self._peer_sets(desired, touched)
+        if peer_sets is not None:
+            want, names, changes = peer_sets
+            self._want = (desired, want)
+        else:
+            want, names = self.want(desired), None
+            changes = plan.diff(want, self._believed)
+            if any(plan.needs_unknown_handle(c) for c in changes):
+                return None  # a rule added since the last read is in the way: read the table
         if not changes:
             return DomainResult()
-        if any(plan.needs_unknown_handle(c) for c in changes):
-            return None  # a rule added since the last read is in the way: read the table
         try:
-            await self._apply(changes, want, self._believed)
+            if names is not None:
+                await self._write(self.nft.run, plan.commands(changes))
+                self._believed = plan.simulate_sets(self._believed, want, names)
+            else:
+                await self._apply(changes, want, self._believed)
         except FirewallError as e:
             # The table was not as the last apply left it (someone changed it): the engine reads it and retries.
             log.info("firewall: applying on the believed table failed (%s); reading the table", e)
@@ -172,10 +178,11 @@ class FirewallDomain:
         self._applied()
         return DomainResult(tuple(changes))
 
-    def _peer_event(self, desired: DesiredState,
-                    touched: Collection[str] | None) -> Coroutine[Any, Any, DomainResult | None] | None:
+    def _peer_sets(self, desired: DesiredState, touched: Collection[str] | None
+                   ) -> tuple[Ruleset, list[str], list[plan.FirewallChange]] | None:
         """Peers' events with the policies unchanged: only the touched nodes' sets can differ, so only they are
-        built, diffed and applied (O(change), not O(rules)). None: not such an event, use the full diff."""
+        built and diffed (O(change), not O(rules)). Returns (the table wanted, those sets' names, the changes);
+        None: not such an event, use the full diff."""
         last = self._want
         if touched is None or last is None or last[1] is None or self._believed is None:
             return None
@@ -198,24 +205,7 @@ class FirewallDomain:
             names.append(spec.name)
         want = Ruleset(ruleset.chains, sets)
         changes = plan.diff_sets(want, self._believed, names)
-        if changes is None:
-            return None
-        self._want = (desired, want)
-        return self._apply_sets(changes, want, names)
-
-    async def _apply_sets(self, changes: list[plan.FirewallChange], want: Ruleset,
-                          names: list[str]) -> DomainResult | None:
-        assert self._believed is not None
-        if changes:
-            try:
-                await self._write(self.nft.run, plan.commands(changes))
-            except FirewallError as e:
-                log.info("firewall: applying on the believed table failed (%s); reading the table", e)
-                self._known = False
-                return None
-            self._believed = plan.simulate_sets(self._believed, want, names)
-            self._applied()
-        return DomainResult(tuple(changes))
+        return None if changes is None else (want, names, changes)
 
     def _fail(self, why: str) -> str:
         self._known = False
