@@ -498,7 +498,7 @@ def do_session_revoke(c: Any, args: argparse.Namespace) -> Any:
 
 def do_session_list(c: Any, args: argparse.Namespace) -> Any:
     found = c.sessions(args.node)
-    rows = [[s["session_id"], s["node_id"], s["kind"], _who(s), s["expires_at"], "live" if s["live"] else "expired",
+    rows = [[s["session_id"], s["node_id"], s["kind"], _who(s), s["expires_at"], _state(s),
              s["listener_endpoint"] or "-"] for s in found]
     return found, table(rows, ["SESSION", "NODE", "KIND", "TARGET", "EXPIRES", "STATE", "LISTENER"])
 
@@ -506,3 +506,9 @@ def do_session_list(c: Any, args: argparse.Namespace) -> Any:
 def _who(session: dict[str, Any]) -> str:
     target = session["target"][session["kind"]]
     return target.get("user") or f"{target.get('host')}:{target.get('port')}"
+
+
+def _state(session: dict) -> str:
+    if session["live"]:
+        return "live"
+    return "revoked" if session.get("revoked_at") else "expired"

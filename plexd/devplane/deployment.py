@@ -465,10 +465,8 @@ class Deployment:
         return session, token
 
     def revoke_session(self, node: Node, session_id: str) -> None:
-        if session_id not in node.sessions:
-            raise HTTPError(404, f"node {node.id} has no session {session_id!r}")
         with self.store.transaction():
-            del node.sessions[session_id]
+            sessions.revoke(node, session_id, self.clock.now())
             self._save(node)
             self.hub.publish([node.id], "session_revoked", {"session_id": session_id})
         log.info("session %s of node %s revoked", session_id, node.id)

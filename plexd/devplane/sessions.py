@@ -2,7 +2,8 @@
 a node's state, revocation, and the activity nodes report.
 
 A session is desired state of its node: it is in the block from `create` until it is revoked or its
-`expires_at` passes (the block then simply no longer lists it: that is the node's teardown signal). The token is
+`expires_at` passes (the block then simply no longer lists it: that is the node's teardown signal). An ended
+session is kept an hour more, so the node's `session_ended` report about it is still taken. The token is
 a compact EdDSA JWS signed with the deployment's current event-signing key (`plexd.access.token`), so a node
 checks it with the keys it already trusts. Sessions are kept in the node's document (they survive a restart of
 the devplane); the token is returned once and never stored.
@@ -24,6 +25,7 @@ KINDS = ("ssh", "tcp", "k8s")
 MAX_PER_NODE = 10  # the Go agent's tunnel.max_sessions: a node would refuse the eleventh
 MAX_COMMAND = 1024
 TERMINATED_BY = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
+RETAIN = timedelta(hours=1)  # an ended session is kept this long for the node's last reports about it
 _WIRE = ("session_id", "jti", "kind", "target", "expires_at", "idle_timeout_seconds")
 
 
@@ -68,7 +70,7 @@ def create(node: Node, signing_key: Any, now: datetime, body: dict[str, Any]) ->
     idle = body.get("idle_timeout_seconds", 0)
     if isinstance(idle, bool) or not isinstance(idle, int) or idle < 0:
         raise HTTPError(400, f"idle_timeout_seconds: must be a whole number >= 0, got {idle!r}")
-    live = [s for s in node.sessions.values() if not expired(s, now)]
+    live = [s for s in node.sessions.values() if not ended(s, now)]
     if len(live) >= MAX_PER_NODE:
         raise HTTPError(409, f"node {node.id} already has {len(live)} live sessions (at most {MAX_PER_NODE})")
     target = target_of(kind, body)
@@ -87,24 +89,40 @@ def expired(session: dict[str, Any], now: datetime) -> bool:
     return gojson.parse_time(session["expires_at"]) <= now
 
 
+def ended(session: dict[str, Any], now: datetime) -> bool:
+    """Revoked or expired: out of the block, but still known, so its node can report how it ended."""
+    return bool(session.get("revoked_at")) or expired(session, now)
+
+
+def revoke(node: Node, session_id: str, now: datetime) -> None:
+    session = node.sessions.get(session_id)
+    if session is None or session.get("revoked_at"):  # an expired one may still be revoked: its record says so
+        raise HTTPError(404, f"node {node.id} has no session {session_id!r} to revoke")
+    session["revoked_at"] = gojson.format_time(now)
+
+
 def prune(node: Node, now: datetime) -> bool:
-    """Forget the sessions past their expiry; True when there were any."""
-    gone = [sid for sid, s in node.sessions.items() if expired(s, now)]
-    for sid in gone:
+    """Forget the sessions that ended more than RETAIN ago; True when there were any."""
+    def gone(s: dict[str, Any]) -> bool:
+        end = min(gojson.parse_time(s["expires_at"]), gojson.parse_time(s.get("revoked_at") or s["expires_at"]))
+        return end + RETAIN <= now
+
+    old = [sid for sid, s in node.sessions.items() if gone(s)]
+    for sid in old:
         del node.sessions[sid]
-    return bool(gone)
+    return bool(old)
 
 
 def block(node: Node, now: datetime) -> list[dict[str, Any]]:
     """The `sessions` block of the node's state: every live session, in the wire shape (always a list: `[]`
     tells the node to close everything, where an absent block would touch nothing)."""
     return [{k: s[k] for k in _WIRE} for s in sorted(node.sessions.values(), key=lambda s: s["created_at"])
-            if not expired(s, now)]
+            if not ended(s, now)]
 
 
 def summary(node: Node, session: dict[str, Any], now: datetime) -> dict[str, Any]:
     """A session as the admin API lists it."""
-    return {**session, "node_id": node.id, "mesh_ip": node.mesh_ip, "live": not expired(session, now)}
+    return {**session, "node_id": node.id, "mesh_ip": node.mesh_ip, "live": not ended(session, now)}
 
 
 def record_activity(node: Node, session_id: str, body: Any) -> dict[str, Any]:
