@@ -490,6 +490,43 @@ def cmd_policies(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd sessions [--json]
+
+
+def _add_sessions(sub: Any) -> None:
+    p = sub.add_parser("sessions", parents=[_GLOBALS, _JSON], help="list the live access sessions (SSH, TCP, k8s)",
+                       description="Ask the running daemon: each access session it serves (kind, listener, user or "
+                                   "target, live connections), the sessions that ended by themselves and why, and "
+                                   "the entries of the control plane's sessions block it refused. Needs root or "
+                                   "the node_api.admin_group.")
+    p.set_defaults(func=cmd_sessions)
+
+
+def cmd_sessions(args: argparse.Namespace, config: Config) -> int:
+    from plexd.node.control import SESSIONS_PATH
+
+    doc = _ask_daemon(config, "GET", SESSIONS_PATH, otherwise="sessions are served by the daemon ('plexd up')")
+    if args.json:
+        _print_json(doc)
+        return 0
+    if not doc.get("enabled"):
+        print("access sessions are off (access.enabled: false)")
+        return 0
+    rows = [("SESSION", "KIND", "LISTENER", "FOR", "CONNECTIONS")]
+    for s in doc.get("live", []):
+        what = s.get("user") or s.get("target") or ""
+        rows.append((s["session_id"], s["kind"], s.get("listener_endpoint", ""), what, str(s.get("connections", 0))))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for sid, why in doc.get("ended", {}).items():
+        print(f"ended: {sid} ({why})")
+    for refused in doc.get("refused", []):
+        print(f"refused: {refused['session_id']}: {refused['reason']}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plexd state [get KIND [KEY] | report put KEY ... | report delete KEY] [--json]  (the node API, for scripts)
 
 
@@ -698,8 +735,8 @@ def cmd_uninstall(args: argparse.Namespace, config: Config) -> int:
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
-                                         _add_rotate_keys, _add_reconcile, _add_peers, _add_policies, _add_state,
-                                         _add_actions, _add_hooks, _add_install, _add_uninstall]
+                                         _add_rotate_keys, _add_reconcile, _add_peers, _add_policies, _add_sessions,
+                                         _add_state, _add_actions, _add_hooks, _add_install, _add_uninstall]
 
 
 def build_parser() -> argparse.ArgumentParser:

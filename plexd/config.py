@@ -36,6 +36,8 @@ README (PROJECT-DECISIONS.md, Config row)::
                rate_limit: 100, rate_burst: 200, request_timeout: 10s,
                report_max_entries: 1000, report_max_bytes: 16777216, report_max_entry_bytes: 1048576}
     policy: {enabled: true}
+    access: {enabled: true,                   # SSH/TCP/Kubernetes sessions the control plane grants (plexd.access)
+             kubernetes: {url: "", token_file: "", ca_file: ""}}   # empty url: the in-cluster environment, if any
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
               token_file: "", max_connections: 8}       # token_file: bearer auth, needed off loopback
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864,   # service.upgrade
@@ -338,6 +340,23 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    """The API server Kubernetes sessions proxy to, with the node's own credentials."""
+
+    url: str = _f("")  # https://HOST:PORT; empty: the in-cluster environment (KUBERNETES_SERVICE_HOST), if any
+    token_file: str = _f("", "path")  # the node's bearer token for it
+    ca_file: str = _f("", "path")  # the CA that signed its certificate
+
+
+@dataclass(frozen=True)
+class AccessConfig:
+    """The access proxy: the sessions of the state's `sessions` block (plexd-access-protocol.md §1)."""
+
+    enabled: bool = _f(True)  # false: no session is served, whatever the control plane grants
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+
+
+@dataclass(frozen=True)
 class Config:
     """The effective configuration; `sources` says where each leaf came from."""
 
@@ -357,6 +376,7 @@ class Config:
     hooks: HooksConfig = field(default_factory=HooksConfig)
     node_api: NodeApiConfig = field(default_factory=NodeApiConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    access: AccessConfig = field(default_factory=AccessConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     upgrade: UpgradeConfig = field(default_factory=UpgradeConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

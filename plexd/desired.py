@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from plexd import identity, policy, route_limits
+from plexd.access.sessions import Session, Sessions
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
 from plexd.route_limits import RouteLimits
 
@@ -218,6 +219,7 @@ class DesiredState:
     metadata: dict[str, str] | None = None
     data: tuple[DataEntry, ...] = ()
     secret_refs: tuple[SecretRef, ...] = ()
+    sessions: Sessions | None = None  # the access sessions granted (None: never populated, nothing to serve)
     persistent_keepalive: int = DEFAULT_KEEPALIVE
     route_limits: RouteLimits = field(default_factory=RouteLimits)  # machine facts, set by the node
     refused_routes: tuple[tuple[str, str, str], ...] = ()  # (peer id, prefix, reason) dropped by the limits
@@ -367,10 +369,12 @@ class DesiredState:
         return replace(peer, allowed_ips=tuple(kept)), dropped
 
     def with_state(self, state: State) -> DesiredState:
-        """Full replace from `GET /state`: peers, policies, signing keys and node state."""
+        """Full replace from `GET /state`: peers, policies, signing keys, node state and sessions (a null or
+        absent sessions block is "not populated": the sessions are kept as they are)."""
         new = replace(self, policies=tuple(state.policies), signing_keys=state.signing_keys,
                       metadata=None if state.metadata is None else dict(state.metadata), data=tuple(state.data),
-                      secret_refs=tuple(state.secret_refs))
+                      secret_refs=tuple(state.secret_refs),
+                      sessions=self.sessions if state.sessions is None else state.sessions)
         return new._with_peers(state.peers, {}, ())
 
     def with_peers(self, peers: Iterable[Peer]) -> DesiredState:
@@ -428,6 +432,16 @@ class DesiredState:
     def with_secret_refs(self, refs: Iterable[SecretRef]) -> DesiredState:
         return replace(self, secret_refs=tuple(refs))
 
+    def with_session(self, session: Session) -> DesiredState:
+        """An older `ssh_session_setup` event: one session added to the block (refused past its cap)."""
+        return replace(self, sessions=(self.sessions or Sessions({})).with_session(session))
+
+    def without_session(self, session_id: str) -> DesiredState:
+        """`session_revoked`: the session leaves the block, whatever the next state pull says later."""
+        if self.sessions is None:
+            return self
+        return replace(self, sessions=self.sessions.without(session_id))
+
     # -- mirror -----------------------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
@@ -440,7 +454,8 @@ class DesiredState:
             "mesh_ip6": self.mesh_ip6,
             "persistent_keepalive": self.persistent_keepalive,
             "state": State(peers=tuple(self.peers.values()), policies=self.policies, signing_keys=self.signing_keys,
-                           metadata=self.metadata, data=self.data, secret_refs=self.secret_refs).to_wire(),
+                           metadata=self.metadata, data=self.data, secret_refs=self.secret_refs,
+                           sessions=self.sessions).to_wire(),
         }
 
     @classmethod

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from plexd.access.sessions import Sessions, parse_sessions
 from plexd.errors import WireFormatError
 from plexd.gojson import GO_ZERO_TIME
 
@@ -258,6 +259,7 @@ class State:
     metadata: dict[str, str] | None = None
     data: tuple[DataEntry, ...] = ()
     secret_refs: tuple[SecretRef, ...] = ()
+    sessions: Sessions | None = None  # None: the block was null or absent ("not populated": touch nothing)
     extra: dict[str, JSON] = field(default_factory=dict)
 
     _EXTRA_KEYS = ("bridge_config", "relay_config", "user_access_config", "ingress_config", "site_to_site_config")
@@ -278,6 +280,7 @@ class State:
                 SecretRef.from_wire(s, _join(path, f"secret_refs[{i}]"))
                 for i, s in enumerate(_list(f, "secret_refs", path))
             ),
+            sessions=parse_sessions(f.get("sessions"), _join(path, "sessions")),
             extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
         )
 
@@ -292,6 +295,8 @@ class State:
             out["signing_keys"] = self.signing_keys.to_wire()
         if self.metadata is not None:
             out["metadata"] = self.metadata
+        if self.sessions is not None:
+            out["sessions"] = self.sessions.to_wire()
         out.update(self.extra)
         return out
 

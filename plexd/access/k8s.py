@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 from nacl.signing import VerifyKey
 
 from plexd.access.activity import Report, emit
+from plexd.access.lifetime import watch_lifetime
 from plexd.access.sessions import K8sTarget, Session
 from plexd.access.token import TokenRefused, verify_session_token
 
@@ -178,6 +179,7 @@ class K8sSession:
         self._keys, self._is_live, self._report, self._now = keys, is_live, report, now
         self.max_connections = max_connections
         self._server: asyncio.base_events.Server | None = None
+        self._watch: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
         self.port = 0
         self.closed: str | None = None
@@ -195,6 +197,11 @@ class K8sSession:
         self._server = await asyncio.start_server(self._accepted, self.bind_host, 0, limit=MAX_HEAD, ssl=self.tls,
                                                   ssl_handshake_timeout=HEAD_TIMEOUT)
         self.port = self._server.sockets[0].getsockname()[1]
+        self._watch = asyncio.create_task(
+            watch_lifetime(self.session, now=self._now, last_activity=lambda: self.last_activity,
+                           closed=lambda: self.closed is not None, close=self.close),
+            name=f"plexd:k8s-session:{self.session.session_id}")
+        await self._emit({"k8s": {"phase": "session_started", "listener_endpoint": self.listener_endpoint}})
         log.info("k8s session %s proxying on %s:%d to %s", self.session.session_id, self.bind_host, self.port,
                  self.api.url, extra={"session_id": self.session.session_id})
         return self.port
@@ -327,11 +334,23 @@ class K8sSession:
         if self._server is not None:
             self._server.close()
         conns = list(self._conns)
+        if self._watch is not None and self._watch is not asyncio.current_task():
+            conns.append(self._watch)
         for t in conns:
             t.cancel()
         await asyncio.gather(*conns, return_exceptions=True)
         log.info("k8s session %s ended (%s)", self.session.session_id, reason,
                  extra={"session_id": self.session.session_id})
+        await self._emit({"k8s": {"phase": "session_ended", "terminated_by": reason}})
+
+    def listening_sockets(self) -> list[Any]:
+        """The listener's sockets (the sessions domain marks them for the firewall's session rules)."""
+        return list(self._server.sockets) if self._server is not None and self.closed is None else []
+
+    @property
+    def listener_endpoint(self) -> str:
+        host = f"[{self.bind_host}]" if ":" in self.bind_host else self.bind_host
+        return f"{host}:{self.port}"
 
     def status(self) -> dict[str, Any]:
         return {"session_id": self.session.session_id, "kind": "k8s", "listener_endpoint":

@@ -11,6 +11,7 @@ The older per-event shapes (`ssh_session_setup`, `session_revoked`) are deltas o
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -246,6 +247,33 @@ def revoked_session_id(payload: Any, path: str = "payload") -> str:
     if not isinstance(payload, dict):
         raise WireFormatError(path, "must be an object")
     return _string(payload, "session_id", path, limit=128)
+
+
+# The socket mark of a session's listener, which the firewall's session rules match (the port is the kernel's
+# choice, known only once bound). The high half says "plexd session"; it is not a routing mark plexd uses, and
+# replies carry it, so a policy-routing rule on this exact mark would steer them (none is set by plexd).
+MARK_BASE = 0x706C0000
+SERVICE_PORTS = {"ssh": 22, "k8s": 6443}  # the service a session stands for, for the policy's say on who may
+
+
+def service_port(session: Session) -> int:
+    """The port whose policy rules decide who may reach `session`'s listener: 22 for SSH, 6443 for Kubernetes,
+    the target's own port for TCP."""
+    return session.target.port if isinstance(session.target, TcpTarget) else SERVICE_PORTS[session.kind]
+
+
+def socket_marks(session_ids: Iterable[str]) -> dict[str, int]:
+    """One distinct mark per session, from the ids alone (the firewall and the sessions domain agree without
+    talking): a hash of the id in the low 16 bits, the next free value on a collision, in id order."""
+    marks: dict[str, int] = {}
+    taken: set[int] = set()
+    for sid in sorted(session_ids):
+        low = int.from_bytes(hashlib.sha256(sid.encode()).digest()[:2], "big")
+        while MARK_BASE | low in taken:
+            low = (low + 1) & 0xFFFF
+        marks[sid] = MARK_BASE | low
+        taken.add(marks[sid])
+    return marks
 
 
 def live(sessions: Sessions | None, now: float) -> Iterable[Session]:

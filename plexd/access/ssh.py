@@ -53,6 +53,9 @@ from typing import Any
 import asyncssh
 from nacl.signing import VerifyKey
 
+from plexd import gojson
+from plexd.access.activity import Report, emit
+from plexd.access.lifetime import watch_lifetime
 from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_process import LocalUser, UserRefused, exit_status, login_environment, resolve_user
@@ -98,6 +101,7 @@ class SshSessionServer:
 
     def __init__(self, session: Session, bind_host: str, *, host_key: asyncssh.SSHKey, keys: Keys,
                  is_live: Callable[[str], bool], record_command: RecordCommand, audit: Audit | None = None,
+                 report: Report | None = None,
                  now: Callable[[], float] = time.time, auth_limiter: RateLimiter | None = None,
                  login_grace: float = LOGIN_GRACE, max_connections: int = MAX_CONNECTIONS) -> None:
         if not isinstance(session.target, SshTarget):
@@ -118,6 +122,7 @@ class SshSessionServer:
         self.max_connections = max_connections
         self.counters = SshCounters()
         self._audit = audit
+        self._report = report
         self._server: asyncssh.SSHAcceptor | None = None
         self._watch: asyncio.Task[None] | None = None
         self.connections: set[_Connection] = set()
@@ -139,6 +144,8 @@ class SshSessionServer:
         self.port = self._server.sockets[0].getsockname()[1]
         self._watch = asyncio.create_task(self._watch_lifetime(), name=f"ssh-session-{self.session.session_id}")
         log.info("ssh session %s listening on %s", self.session.session_id, self.listener_endpoint)
+        await self.emit({"phase": "session_started", "listener_endpoint": self.listener_endpoint,
+                         "host_key_fingerprint": self.host_key_fingerprint})
         return self.port
 
     async def close(self, reason: str) -> None:
@@ -156,6 +163,12 @@ class SshSessionServer:
             conn.end(reason)
         await asyncio.gather(*(c.finished() for c in conns), return_exceptions=True)
         log.info("ssh session %s closed: %s", self.session.session_id, reason)
+        await self.emit({"phase": "session_ended", "terminated_by": reason, "bytes_in": self.counters.bytes_in,
+                         "bytes_out": self.counters.bytes_out})
+
+    async def emit(self, activity: dict[str, Any]) -> None:
+        """One §1.4 `ssh` activity report (never raises: see plexd.access.activity)."""
+        await emit(self._report, self.session.session_id, "ssh", {"ssh": activity})
 
     def touch(self) -> None:
         self.last_activity = self.now()
@@ -168,17 +181,19 @@ class SshSessionServer:
                 log.exception("ssh session audit callback failed")
 
     async def _watch_lifetime(self) -> None:
-        idle = self.session.idle_timeout
-        step = min(1.0, idle / 4) if idle else 1.0
-        while self.closed is None:
-            now = self.now()
-            if now >= self.session.expires_at:
-                await self.close("ttl_expired")
-                return
-            if idle and now - self.last_activity >= idle:
-                await self.close("idle_timeout")
-                return
-            await asyncio.sleep(step)
+        await watch_lifetime(self.session, now=self.now, last_activity=lambda: self.last_activity,
+                             closed=lambda: self.closed is not None, close=self.close)
+
+    def listening_sockets(self) -> list[Any]:
+        """The listener's sockets (the sessions domain marks them for the firewall's session rules)."""
+        return list(self._server.sockets) if self._server is not None and self.closed is None else []
+
+    def status(self) -> dict[str, Any]:
+        return {"session_id": self.session.session_id, "kind": "ssh", "listener_endpoint": self.listener_endpoint,
+                "user": self.target.user, "host_key_fingerprint": self.host_key_fingerprint,
+                "connections": len(self.connections), "accepted": self.counters.connections,
+                "refused_over_cap": self.counters.refused_over_cap, "auth_failures": self.counters.auth_failures,
+                "closed": self.closed}
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -309,6 +324,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.size = (80, 24, 0, 0)
         self.command: str | None = None  # None: shell
         self.refusal: str | None = None
+        self.started_at: float | None = None  # when its process was started (none: refused before)
         self.proc: asyncio.subprocess.Process | None = None
         self.master: int | None = None
         self.done = asyncio.get_running_loop().create_future()
@@ -459,8 +475,12 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         await self._writable.wait()
 
     async def _finish(self, status: int, **audit: Any) -> None:
-        self.server.audit("command", command=self.command if self.command is not None else "shell",
-                          exit_code=status, **audit)
+        command = self.command if self.command is not None else "shell"
+        self.server.audit("command", command=command, exit_code=status, **audit)
+        if self.started_at is not None:  # a process ran: §1.4 `ssh` activity with its exit code and times
+            await self.server.emit({"command": command, "exit_code": status,
+                                    "started_at": gojson.format_unix(self.started_at),
+                                    "completed_at": gojson.format_unix(time.time())})
         if self.chan is not None:
             try:
                 self.chan.exit(status)
@@ -497,6 +517,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         if self._hung_up:
             return
+        self.started_at = time.time()
         await self._spawn(user)
         for data in self._early:
             self._feed(data)

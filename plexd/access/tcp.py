@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.access.activity import Report, emit
+from plexd.access.lifetime import watch_lifetime
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
 
@@ -157,17 +158,12 @@ class TcpSession:
             client.close()
 
     async def _watch_lifetime(self) -> None:
-        session = self.session
-        while self.closed is None:
-            now = self._now()
-            if session.expired(now):
-                await self.close("ttl_expired")
-                return
-            if session.idle_timeout and now - self.last_activity >= session.idle_timeout:
-                await self.close("idle_timeout")
-                return
-            await asyncio.sleep(min(1.0, max(0.05, session.expires_at - now),
-                                    session.idle_timeout / 4 if session.idle_timeout else 1.0))
+        await watch_lifetime(self.session, now=self._now, last_activity=lambda: self.last_activity,
+                             closed=lambda: self.closed is not None, close=self.close)
+
+    def listening_sockets(self) -> list[socket.socket]:
+        """The listener's socket (the sessions domain marks it for the firewall's session rules)."""
+        return [self._listener] if self._listener is not None and self._listener.fileno() != -1 else []
 
     async def close(self, reason: str) -> None:
         """Stop listening, end every connection, report `session_ended`. Idempotent."""

@@ -431,6 +431,11 @@ class ControlPlaneClient:
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/executions/{path_escape(execution_id)}/result",
                          dict(result), has_body=True, what="execution result")
 
+    async def report_session_activity(self, node_id: str, session_id: str, activity: Mapping[str, JSON]) -> None:
+        """``POST /v1/nodes/{id}/sessions/{sid}`` (plexd-access-protocol.md §1.4): exactly one of ssh, k8s, tcp."""
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/sessions/{path_escape(session_id)}",
+                         dict(activity), has_body=True, what="session activity report")
+
     async def send_metrics(self, node_id: str, points: Sequence[Mapping[str, JSON]]) -> None:
         """#14 ``POST /v1/nodes/{id}/metrics``: a JSON array."""
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/metrics", [dict(p) for p in points],

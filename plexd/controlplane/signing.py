@@ -198,6 +198,15 @@ class Verifier:
     def keys(self) -> SigningKeysLike | None:
         return self._keys
 
+    def trusted_keys(self) -> list[VerifyKey]:
+        """The keys that sign for the control plane now: the current one, and the previous one while the
+        transition lasts (session tokens are checked against these, as events are)."""
+        out = [self._current] if self._current is not None else []
+        if self._previous is not None and self._transition_expires is not None and (
+                self._clock.now() < self._transition_expires):
+            out.append(self._previous)
+        return out
+
     def set_keys(self, keys: SigningKeysLike) -> bool:
         """Replace the keys after checking them all; raise InvalidSigningKeys and keep the old ones otherwise.
 

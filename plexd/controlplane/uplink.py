@@ -39,6 +39,7 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 """
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
+Poster = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -194,3 +195,15 @@ class UplinkOutbox:
 
     def close(self) -> None:
         self._db.close()
+
+
+def by_kind(senders: dict[str, Poster]) -> Send:
+    """One `send` for an outbox that carries several kinds of report, each posted its own way."""
+
+    async def send(kind: str, body: dict[str, Any]) -> None:
+        post = senders.get(kind)
+        if post is None:
+            raise ValueError(f"no way to send a {kind!r} report")  # dropped and logged by the outbox
+        await post(body)
+
+    return send

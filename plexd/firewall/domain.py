@@ -16,11 +16,21 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plexd.access.sessions import Sessions, service_port, socket_marks
 from plexd.converge.domain import DomainResult
 from plexd.desired import DesiredState
 from plexd.firewall import plan
 from plexd.firewall.nft import FirewallError, Nftables
-from plexd.firewall.ruleset import FAMILY, TABLE, LiveTable, Ruleset, desired_ruleset, node_set, parse_table
+from plexd.firewall.ruleset import (
+    FAMILY,
+    TABLE,
+    LiveTable,
+    Ruleset,
+    SessionGate,
+    desired_ruleset,
+    node_set,
+    parse_table,
+)
 from plexd.firewall.script import Unrenderable
 
 log = logging.getLogger(__name__)
@@ -95,7 +105,8 @@ class FirewallDomain:
                     peer = desired.peers.get(node)
                     if peer is not None and peer.mesh_ip:
                         addresses[node] = peer.mesh_ip
-            ruleset = desired_ruleset(compiled, desired.interface, addresses, self.log_denied)
+            ruleset = desired_ruleset(compiled, desired.interface, addresses, self.log_denied,
+                                      session_gates(desired.sessions))
         self._want = (desired, ruleset)
         return ruleset
 
@@ -189,7 +200,7 @@ class FirewallDomain:
         before, ruleset = last
         if (desired.compiled_policy is not before.compiled_policy or desired.interface != before.interface
                 or desired.node_id != before.node_id or desired.mesh_ip != before.mesh_ip
-                or desired.enforce_policy != before.enforce_policy):
+                or desired.enforce_policy != before.enforce_policy or desired.sessions is not before.sessions):
             return None
         referenced = desired.compiled_policy.referenced_nodes()
         sets = dict(ruleset.sets)
@@ -259,3 +270,11 @@ def _script(changes: Sequence[plan.FirewallChange]) -> str | None:
     except Unrenderable as e:
         log.debug("firewall: the table goes as JSON: %s", e)
         return None
+
+
+def session_gates(sessions: Sessions | None) -> tuple[SessionGate, ...]:
+    """Every session in the block gets its listener's rules (its mark, the service port it stands for)."""
+    if sessions is None or not sessions.by_id:
+        return ()
+    marks = socket_marks(sessions.by_id)
+    return tuple(SessionGate(sid, marks[sid], service_port(s)) for sid, s in sorted(sessions.by_id.items()))

@@ -212,6 +212,8 @@ class RuleExtra(FirewallChange):
         what = f"rule handle {self.handle}" + (f" ({self.comment})" if self.comment else "")
         if self.policy_id:
             return f"policy {self.policy_id}: chain {self.chain}: {what} is not wanted; removed"
+        if self.comment.split(" ", 2)[1:2] == ["session"]:  # "plexd:<digest> session <id>": that session ended
+            return f"firewall: chain {self.chain}: {what}: its session is no longer granted; removed"
         return f"firewall: chain {self.chain}: {what} is not plexd's or was altered; removed"
 
     def commands(self) -> list[JSON]:

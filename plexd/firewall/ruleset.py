@@ -4,6 +4,8 @@ One table, `inet plexd`, owned by plexd; nothing outside it is read or written. 
 to this node) and `forward` (traffic through it), each filtering only packets that arrive on the mesh interface:
 
     iifname "plexd0" ct state established,related accept          replies of allowed flows
+    iifname "plexd0" socket mark 0x706c1a2b ip saddr @node_n_a meta l4proto tcp counter accept
+                                                                    an access session's listener (below)
     iifname "plexd0" ip saddr @node_n_a tcp dport 22 counter accept  one rule per policy rule, in policy order
     iifname "plexd0" limit rate 10/second log prefix "plexd denied "  with policy.log_denied
     iifname "plexd0" counter drop                                   default deny, counted
@@ -12,6 +14,13 @@ A rule naming a node matches that node's mesh address through a named set (`node
 leaving changes one set element, never a chain. Every rule carries a comment `plexd:<digest> <origin>`: the digest
 covers the chain, the policy and the expression (not the rule's position), and is how a live rule is recognised
 as this one, unchanged.
+
+An access session's listener (plexd-access-protocol.md §1.3) sits on a port the kernel chose, so its rules match
+the listener's socket mark instead (`plexd.access.sessions.socket_marks`; the sessions domain marks the socket),
+and they come from the sessions block and the policy alone: the policy's inbound rules for the service the session
+stands for (tcp/22 for SSH, the target port for TCP, tcp/6443 for Kubernetes), in order, allows and denies alike,
+each rewritten to match the session's socket instead of that port. A source the policy would not let reach the
+service cannot reach the session; with no such rule nobody can (the default deny).
 """
 
 from __future__ import annotations
@@ -183,12 +192,21 @@ def set_name(node_id: str) -> str:
     return "node_h" + hashlib.sha256(node_id.encode()).hexdigest()[:20]
 
 
+@dataclass(frozen=True)
+class SessionGate:
+    """An access session's listener as the firewall sees it: the socket mark and the service port it stands for."""
+
+    session_id: str
+    mark: int
+    service_port: int
+
+
 def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping[str, str],
-                    log_denied: bool) -> Ruleset:
+                    log_denied: bool, sessions: tuple[SessionGate, ...] = ()) -> Ruleset:
     """The table for these policies. `addresses`: node id -> its mesh address, for every node a rule names
-    (this node included); a node not in it gets an empty set."""
+    (this node included); a node not in it gets an empty set. `sessions`: the live access sessions' gates."""
     chains = _chains(compiled, interface, log_denied, tuple(sorted(
-        (n, _family(addresses.get(n, ""))) for n in compiled.referenced_nodes())))
+        (n, _family(addresses.get(n, ""))) for n in compiled.referenced_nodes())), sessions)
     sets = {}
     for node in compiled.referenced_nodes():
         spec = node_set(node, addresses.get(node, ""))
@@ -207,22 +225,25 @@ _chain_cache = ByIdentity[Mapping[str, ChainSpec]]()
 
 
 def _chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
-            families: tuple[tuple[str, int], ...]) -> Mapping[str, ChainSpec]:
+            families: tuple[tuple[str, int], ...], sessions: tuple[SessionGate, ...]) -> Mapping[str, ChainSpec]:
     """The chains depend on the policies, not on the peers: built once per policy version (1,000 rules take
     milliseconds to build, and a peer event must not pay that). By identity: `compile_policies` returns the same
     object for the same policies, and hashing 1,000 rules per event would cost what the cache saves."""
-    return _chain_cache.get(compiled, (interface, log_denied, families),
-                            lambda: _build_chains(compiled, interface, log_denied, families))
+    return _chain_cache.get(compiled, (interface, log_denied, families, sessions),
+                            lambda: _build_chains(compiled, interface, log_denied, families, sessions))
 
 
 def _build_chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
-                  families: tuple[tuple[str, int], ...]) -> Mapping[str, ChainSpec]:
+                  families: tuple[tuple[str, int], ...], sessions: tuple[SessionGate, ...]) -> Mapping[str, ChainSpec]:
     family_of = dict(families)
     out = {}
     for name, hook in CHAINS.items():
         rules = [_base(name, "established", interface, [_ct_established(), {"accept": None}])]
         source = compiled.inbound() if name == "input" else compiled.rules
         copies: dict[tuple[str, str], int] = {}
+        if name == "input":
+            for gate in sessions:
+                rules.extend(_session_rules(gate, source, interface, family_of, copies))
         for r in source:
             rules.extend(_policy_rules(name, r, interface, family_of, name == "input", copies))
         if log_denied:
@@ -278,6 +299,29 @@ def _policy_rules(chain: str, rule: Rule, interface: str, family_of: Mapping[str
         copies[seen] = copy + 1
         out.append(_spec(chain, expr_json, label, rule.policy_id, "policy " + _printable(rule.policy_id), copy,
                          rule.index))
+    return out
+
+
+def _session_rules(gate: SessionGate, inbound: tuple[Rule, ...], interface: str, family_of: Mapping[str, int],
+                   copies: dict[tuple[str, str], int]) -> list[RuleSpec]:
+    """The policy's inbound rules that decide who reaches `gate.service_port` over TCP, in order, each matching
+    the session's listener socket instead of the port."""
+    out = []
+    for rule in inbound:
+        if rule.protocol not in ("tcp", "") or rule.port not in (0, gate.service_port):
+            continue
+        for family in _families(rule, family_of, True):
+            expr: list[JSON] = [_iif(interface), {"match": {"op": "==", "left": {"socket": {"key": "mark"}},
+                                                             "right": gate.mark}}]
+            expr += _address_match(rule.src, "saddr", family)
+            expr += _l4("tcp", 0, family)
+            expr += [{"counter": None}, {"accept": None} if rule.action == "allow" else {"drop": None}]
+            expr_json = _serialised(expr)
+            seen = (gate.session_id, expr_json)
+            copy = copies.get(seen, 0)
+            copies[seen] = copy + 1
+            out.append(_spec("input", expr_json, f"session {gate.session_id} as {rule.label} ({rule.describe()})",
+                             "", "session " + _printable(gate.session_id), copy))
     return out
 
 

@@ -71,6 +71,8 @@ def _match(op: str, left: JSON, right: JSON) -> str:
         return f"iifname {_quoted(right)}"
     if left == {"meta": {"key": "l4proto"}}:
         return f"meta l4proto {_values(right)}"
+    if left == {"socket": {"key": "mark"}} and op == "==" and isinstance(right, int) and not isinstance(right, bool):
+        return f"socket mark {right:#x}"
     if left == {"ct": {"key": "state"}} and op == "in" and isinstance(right, list):
         return "ct state " + ",".join(_name(v) for v in right)  # flags (op "in"), not a set lookup
     payload = left.get("payload") if isinstance(left, dict) else None

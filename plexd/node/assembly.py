@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from plexd import datadir
+from plexd.access.domain import AccessHooks
 from plexd.actions.audit import LocalAudit
 from plexd.actions.builtins import NodeView
 from plexd.actions.dispatcher import ActionDispatcher
@@ -48,14 +49,16 @@ from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
 from plexd.controlplane.uplink import UplinkOutbox
+from plexd.converge.engine import Engine
 from plexd.errors import PlexdError
 from plexd.integrity import HookScan
 from plexd.log import recent_lines
 from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService, PortHandover, disabled_status
+from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import build_engine, wireguard
+from plexd.node.engine import build_engine, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
@@ -79,6 +82,7 @@ log = logging.getLogger(__name__)
 
 COMMIT_DELAY_ENV = "PLEXD_TEST_COMMIT_DELAY"
 OUTBOX_FLUSH = 5.0  # at shutdown, how long undelivered action results may hold up the exit
+SESSION_REPORTS_FLUSH = 2.0  # at shutdown, how long the sessions' last reports may hold up the exit
 DRAIN_RESERVE = 4.0  # of the stop budget, kept after the actions drain: 1 s flush, deregister, teardown
 WATCHDOG_STUCK = 0.5  # of WatchdogSec: a converge running longer than this withholds the watchdog ping
 
@@ -95,7 +99,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
 
     verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger, node_id)
     if mesh is None:
-        mesh = _build_mesh(agent, ledger.mirror(), verifier)
+        access = access_hooks(agent, verifier, node_id, data_dir / datadir.LOCAL_AUDIT, lambda: uplink)
+        mesh = _build_mesh(agent, ledger.mirror(), verifier, access)
     durable = GroupCommit(ledger, delay=_commit_delay(), touched=lambda: mesh.store.take_touched("mirror"))
     mesh.store.on_changed = durable.desired_changed
     mesh.persist = durable.persist_now
@@ -112,8 +117,11 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     async def post_drift(report: dict[str, Any]) -> None:
         await agent.authed(lambda: agent.client.report_drift(node_id(), report))
 
-    uplink = drift_uplink(data_dir / datadir.UPLINK_DB, post_drift, _backoff(cfg))
+    uplink = drift_uplink(data_dir / datadir.UPLINK_DB, post_drift, _backoff(cfg),
+                          **{SESSION_ACTIVITY: post_session_activity(agent, node_id)})
     agent.on_shutdown("uplink outbox", lambda a: _close(uplink))
+    # In the drain, on every stop (a plain stop too: the listeners die with the process anyway).
+    agent.on_shutdown("access sessions", lambda a: close_sessions(a, mesh.engine, uplink), phase="drain")
     reconciler = Reconciler(
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
         state_applier(mesh, verifier), mesh.converge, post_drift,
@@ -268,14 +276,14 @@ def _add_watchdog(node: Node) -> None:
     agent.add_service("watchdog", lambda a: dog.run(), stop_last=True)  # pings through a long drain too
 
 
-def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier) -> MeshHandle:
+def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier, access: AccessHooks) -> MeshHandle:
     """The engine for this machine and the desired model, seeded from the mirror of the last run."""
     cfg = agent.config
     assert agent.identity is not None
     initial, restored = initial_desired(cfg, agent.identity, mirror)
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
-    engine = build_engine(cfg, trusted_key(verifier))
+    engine = build_engine(cfg, trusted_key(verifier), access)
     protected = ProtectedAddresses.from_config(cfg, wireguard(engine).links)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first
@@ -289,6 +297,19 @@ def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier) -> MeshHa
 
     agent.on_shutdown("mesh teardown", teardown)
     return mesh
+
+
+async def close_sessions(agent: Agent, engine: Engine, uplink: UplinkOutbox) -> None:
+    """Every access session closed (clients told, processes hung up), then their session_ended reports sent
+    while the node is still registered (what does not go in time stays queued in uplink.db)."""
+    domain = sessions(engine)
+    if domain is None:
+        return
+    await domain.close_all("plexd_close")
+    try:
+        await asyncio.wait_for(uplink.deliver(), timeout=min(SESSION_REPORTS_FLUSH, agent.time_left(DRAIN_RESERVE)))
+    except TimeoutError:
+        log.warning("session_ended reports not all sent before leaving; %d queued", uplink.size())
 
 
 def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStore, ReportSync]:

@@ -56,6 +56,7 @@ from plexd.config import Config
 from plexd.errors import PlexdError
 from plexd.nat.service import disabled_status
 from plexd.node.departure import DEREGISTER_PATH
+from plexd.node.engine import sessions as sessions_domain
 from plexd.node.mesh import MeshHandle
 from plexd.node.parts import Node
 from plexd.nodeapi.server import HTTPError, LocalAPI, Request, Response, require_admin
@@ -64,6 +65,7 @@ from plexd.services.reconciler import Reconciler
 STATUS_VERSION = 1
 STATUS_PATH = "/v1/daemon/status"
 POLICIES_PATH = "/v1/daemon/policies"
+SESSIONS_PATH = "/v1/daemon/sessions"
 RECONCILE_PATH = "/v1/daemon/reconcile"
 HOLD_PATH = "/v1/daemon/reconcile/hold"
 ROTATE_KEYS_PATH = "/v1/daemon/rotate-keys"
@@ -164,6 +166,11 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
 
         return Response(200, await policies_document(node.mesh))
 
+    async def sessions(req: Request) -> Response:
+        domain = sessions_domain(node.mesh.engine)
+        doc = domain.status() if domain is not None else None
+        return Response(200, {"enabled": domain is not None, **(doc or {"live": [], "ended": {}, "refused": []})})
+
     async def reconcile(req: Request) -> Response:
         body = _object(req)
         dry_run = body.get("dry_run", False)
@@ -228,6 +235,7 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
     api.add("POST", ROTATE_KEYS_PATH, rotate_keys, admin)
     api.add("POST", DEREGISTER_PATH, deregister, admin)
     api.add("GET", POLICIES_PATH, policies, admin)
+    api.add("GET", SESSIONS_PATH, sessions, admin)
     api.add("POST", RECONCILE_PATH, reconcile, admin)
     api.add("POST", HOLD_PATH, hold, admin)
     api.add("DELETE", HOLD_PATH, release, admin)

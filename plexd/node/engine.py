@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import cast
 
+from plexd.access.domain import AccessHooks, SessionsDomain
 from plexd.config import Config
 from plexd.converge.engine import Engine
 from plexd.firewall.domain import FirewallDomain
@@ -17,14 +18,18 @@ from plexd.nodeapi.cache import NodeStateCache
 from plexd.trust.domain import SigningKeyFile
 
 
-def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda: None) -> Engine:
-    """`trusted_key`: the signing key the verifier trusts now (None: no verifier here, the key file is left as is)."""
+def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda: None,
+                 access: AccessHooks | None = None) -> Engine:
+    """`trusted_key`: the signing key the verifier trusts now (None: no verifier here, the key file is left as is).
+    `access`: the daemon's hooks for the access sessions; without them (`reconcile --once`, `plexd deregister`)
+    no session is served: a short-lived command must not open listeners it cannot keep."""
     links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
     return Engine([
         FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied),
         NodeStateCache(config.data_dir),
         SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
+        *([SessionsDomain(config.data_dir, access)] if access is not None and config.access.enabled else []),
     ])
 
 
@@ -37,6 +42,11 @@ def wireguard(engine: Engine) -> WireGuardDomain:
     if domain is None:
         raise LookupError("this engine has no WireGuard domain")
     return cast(WireGuardDomain, domain)
+
+
+def sessions(engine: Engine) -> SessionsDomain | None:
+    """The access sessions domain: `plexd sessions` lists it, a plain stop closes its sessions."""
+    return cast(SessionsDomain | None, engine.domain(SessionsDomain.name))
 
 
 def firewall(engine: Engine) -> FirewallDomain | None:

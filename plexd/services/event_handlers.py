@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from plexd.access.sessions import revoked_session_id, setup_event_session
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.desired_store import DesiredStore, Edit
@@ -31,8 +32,6 @@ Handler = Callable[[Envelope], Awaitable[None]]
 
 OWNED_ELSEWHERE = (
     "action_request",
-    "session_revoked",
-    "ssh_session_setup",
     "bridge_config_updated",
     "relay_session_assigned",
     "relay_session_revoked",
@@ -111,6 +110,11 @@ class EventHandlers:
             "signing_key_rotated": self._signing_key_rotated,
             "node_state_updated": self._node_state_updated,
             "node_secrets_updated": self._node_secrets_updated,
+            # Sessions (plexd-access-protocol.md §1.1): the block in the state is the truth. A new one is pulled
+            # with it; a revocation is applied at once (a live shell closes within a second), the pull confirms.
+            "session_setup": self._refresh_now,
+            "session_revoked": self._session_revoked,
+            "ssh_session_setup": self._ssh_session_setup,
         }
 
     def register(self, event_type: str, handler: Handler) -> None:
@@ -176,6 +180,16 @@ class EventHandlers:
         apply_signing_keys(self._verifier, self._data_dir, keys)  # InvalidSigningKeys → event rejected
         log.info("event %s: signing key rotated to %s", env.event_id, key_fingerprint(keys.current))
         self._desired.edit(lambda d: d.with_signing_keys(keys), f"{env.event_type} {env.event_id}", ())
+
+    async def _session_revoked(self, env: Envelope) -> None:
+        session_id = revoked_session_id(env.payload())
+        log.info("event %s: session %s revoked", env.event_id, session_id)
+        await self._update(env, lambda d: d.without_session(session_id))
+
+    async def _ssh_session_setup(self, env: Envelope) -> None:
+        session = setup_event_session(env.payload())
+        log.info("event %s: session %s set up (older event shape)", env.event_id, session.session_id)
+        await self._update(env, lambda d: d.with_session(session))
 
     async def _node_state_updated(self, env: Envelope) -> None:
         payload = _payload_object(env)

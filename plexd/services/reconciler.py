@@ -29,7 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from plexd import gojson
 from plexd.backoff import Backoff
 from plexd.clock import Clock
-from plexd.controlplane.uplink import UplinkOutbox
+from plexd.controlplane.uplink import Poster, UplinkOutbox, by_kind
 from plexd.converge.change import Change, Correction
 from plexd.desired_store import StalePull
 
@@ -39,15 +39,10 @@ DRIFT = "drift"  # the outbox kind of drift reports
 
 
 def drift_uplink(path: Path, post_drift: Callable[[dict[str, Any]], Awaitable[None]],
-                 backoff: Backoff | None = None) -> UplinkOutbox:
-    """The durable outbox (data_dir/uplink.db) that carries drift reports to the control plane."""
-
-    async def send(kind: str, body: dict[str, Any]) -> None:
-        if kind != DRIFT:
-            raise ValueError(f"no way to send a {kind!r} report")  # dropped and logged by the outbox
-        await post_drift(body)
-
-    return UplinkOutbox(path, send, backoff=backoff)
+                 backoff: Backoff | None = None, **others: Poster) -> UplinkOutbox:
+    """The durable outbox (data_dir/uplink.db) that carries drift reports to the control plane, and the other
+    kinds of report in `others` (kind -> how it is posted)."""
+    return UplinkOutbox(path, by_kind({DRIFT: post_drift, **others}), backoff=backoff)
 
 
 @dataclass

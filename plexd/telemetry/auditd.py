@@ -228,6 +228,18 @@ def local_action_entry(line: str, hostname: str) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("event"), str):
         return None
     event = doc["event"]
+    if doc.get("origin") == "plexd-access":  # an access session's line (plexd.node.access)
+        return {
+            "timestamp": doc.get("time") if isinstance(doc.get("time"), str) else now_text(),
+            "source": "plexd-access",
+            "event_type": "access_session",
+            "subject": {"uid": -1, "gid": -1, "pid": -1},
+            "object": json.dumps(str(doc.get("session_id", "")), ensure_ascii=False),
+            "action": event,
+            "result": "failure" if event == "auth_failed" or "refused" in doc else "success",
+            "hostname": hostname,
+            "raw": line,
+        }
     failed = event == "refused" or (event == "finished" and doc.get("status") not in (None, "success"))
     return {
         "timestamp": doc.get("time") if isinstance(doc.get("time"), str) else now_text(),

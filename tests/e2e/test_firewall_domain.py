@@ -17,6 +17,7 @@ import pytest
 from engine_helpers import converge
 from pyroute2.netns import setns
 
+from plexd.access.sessions import Session, SshTarget, TcpTarget
 from plexd.desired import DesiredState
 from plexd.firewall import plan as fwplan
 from plexd.firewall.domain import FirewallDomain
@@ -234,7 +235,9 @@ async def test_the_table_built_as_a_script_is_the_table_built_as_json(netns):
             Policy("web;db #1", (PolicyRule("*", "n_self", 443, "tcp", "allow"),)))
     peers = [Peer("n_a", _key(1), "10.100.0.2"), Peer("n_six", _key(2), "fd00::6")]
     fw = domain_in(pool, log_denied=True)
-    desired = model(rich, peers)
+    desired = model(rich, peers).with_session(Session("ses_ssh", "ssh", SshTarget("deploy"), 4e9)).with_session(
+        Session("ses_web", "tcp", TcpTarget("127.0.0.1", 8080), 4e9))  # rules matching the listeners' marks
+    assert sum("socket" in r.expr_json for r in fw.want(desired).chains["input"].rules) == 4
     change = fwplan.diff(fw.want(desired), None)
     assert len(change) == 1 and change[0].script()  # renders: no fallback to JSON for any of these
 

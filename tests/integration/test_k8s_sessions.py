@@ -92,7 +92,10 @@ async def test_kubectl_get_and_exec_reach_the_api_server_as_the_session_user_wit
     for seen in standin.seen:  # every request: the node's credentials and the session's identity, nothing else
         assert seen.authorization == f"Bearer {NODE_TOKEN}", seen
         assert (seen.impersonate_user, seen.impersonate_groups) == ("alice@example.com", ["dev", "ops"]), seen
-    rows = [r["k8s"] for r in reports]
+    phases = [(r["k8s"]["phase"], r["k8s"].get("terminated_by")) for r in reports if "phase" in r["k8s"]]
+    assert phases == [("session_started", None), ("session_ended", "plexd_close")], phases
+    assert reports[0]["k8s"]["listener_endpoint"] == f"127.0.0.1:{port}"
+    rows = [r["k8s"] for r in reports if "verb" in r["k8s"]]
     assert any((r["verb"], r["resource_kind"], r["namespace"], r["status_code"]) == ("list", "pods", "default", 200)
                for r in rows), rows
     assert any(r["resource_kind"] == "pods/exec" and r["name"] == "web-0" and r["status_code"] == 101 for r in rows)

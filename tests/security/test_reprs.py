@@ -19,6 +19,7 @@ NOT_SECRET = {
     "plexd.config.NodeApiConfig.secrets_group": "a group name",
     "plexd.config.NodeApiConfig.http_token_file": "a path; the token is read from it, never kept here",
     "plexd.config.MetricsConfig.token_file": "a path; the scrape token is read from it, never kept here",
+    "plexd.config.KubernetesConfig.token_file": "a path; the node's API-server token is read from it at each use",
     "plexd.config.Config.token": "TokenConfig, whose own secret leaf (value) is walked and left out",
     "plexd.desired.DesiredState.secret_refs": "names and versions of secrets, never their values",
     "plexd.model.State.secret_refs": "names and versions of secrets, never their values",

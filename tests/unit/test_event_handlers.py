@@ -16,7 +16,7 @@ from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier
 from plexd.desired import DesiredState
 from plexd.desired_store import DesiredStore
 from plexd.errors import WireFormatError
-from plexd.model import SigningKeys
+from plexd.model import SigningKeys, State
 from plexd.services.event_handlers import EventHandlers
 
 
@@ -140,6 +140,36 @@ async def test_unsupported_and_unknown_types(h, caplog):
     h.handlers.register("action_request", handler)
     await h.handlers.dispatch(env("action_request", {}, event_id="evt_b"))
     assert seen == ["evt_b"]
+
+
+async def test_session_events_are_deltas_on_the_sessions_block(h):
+    block = [{"session_id": "ses_a", "jti": "ses_a", "kind": "ssh", "target": {"ssh": {"user": "deploy"}},
+              "expires_at": "2999-01-01T00:00:00Z"}]
+    h.store.edit(lambda d: d.with_state(State.from_wire({"sessions": block})), "pull", ())
+    await h.handlers.dispatch(env("session_setup", {"session_id": "ses_b"}))
+    assert h.refreshes == ["session_setup"]  # a new session comes with the state it is listed in
+    await h.handlers.dispatch(env("ssh_session_setup", {"session_id": "ses_old", "target_host": "127.0.0.1",
+                                                        "target_port": 22, "expires_at": "2999-01-01T00:00:00Z"}))
+    assert set(h.desired.sessions.by_id) == {"ses_a", "ses_old"}  # the older shape: a TCP forward to sshd
+    assert h.desired.sessions.by_id["ses_old"].kind == "tcp"
+    await h.handlers.dispatch(env("session_revoked", {"session_id": "ses_a"}))
+    assert set(h.desired.sessions.by_id) == {"ses_old"}  # at once: the pull only confirms it
+    assert [c.split()[0] for c in h.converges] == ["ssh_session_setup", "session_revoked"]
+    # A pull whose block is null or absent leaves the sessions as they are; [] ends them all.
+    h.store.edit(lambda d: d.with_state(State.from_wire({"sessions": None})), "pull", ())
+    assert set(h.desired.sessions.by_id) == {"ses_old"}
+    h.store.edit(lambda d: d.with_state(State.from_wire({"sessions": []})), "pull", ())
+    assert h.desired.sessions.by_id == {}
+
+
+async def test_bad_session_events_name_the_field_and_change_nothing(h):
+    before = h.desired
+    with pytest.raises(WireFormatError, match=r"payload\.session_id"):
+        await h.handlers.dispatch(env("session_revoked", {"session_id": 7}))
+    with pytest.raises(WireFormatError, match="target"):
+        await h.handlers.dispatch(env("ssh_session_setup", {"session_id": "ses_x", "target_host": "a b",
+                                                            "expires_at": "2999-01-01T00:00:00Z"}))
+    assert h.desired is before and h.converges == []
 
 
 async def test_invalid_peer_is_kept_out_by_the_model(h):

@@ -3,13 +3,24 @@ firewall diff's rule ordering, property-tested against a model of how nftables i
 
 from __future__ import annotations
 
+import json
+
 from engine_helpers import converge
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexd.desired import DesiredState
 from plexd.firewall import plan as fwplan
-from plexd.firewall.ruleset import ChainSpec, LiveChain, LiveRule, LiveTable, Ruleset, RuleSpec, desired_ruleset
+from plexd.firewall.ruleset import (
+    ChainSpec,
+    LiveChain,
+    LiveRule,
+    LiveTable,
+    Ruleset,
+    RuleSpec,
+    SessionGate,
+    desired_ruleset,
+)
 from plexd.model import Peer, Policy, PolicyRule, State
 from plexd.policy import compile_policies
 
@@ -133,6 +144,29 @@ def test_every_usable_rule_reaches_the_forward_chain_and_the_chains_end_in_defau
         assert chain.rules[0].label == "established" and chain.rules[-1].label == "default deny"
         assert len({r.key for r in chain.rules}) == len(chain.rules)  # keys are unique in a chain
     assert {s.node for s in rs.sets.values()} == c.referenced_nodes()
+
+
+def test_a_session_listener_gets_the_policy_rules_of_the_service_it_stands_for():
+    """Who may reach a session is who the policy lets reach its service (tcp/22 for SSH, the target port for
+    TCP): those inbound rules, in order, denies too, matched on the listener's socket mark instead of the port."""
+    c = compiled([Policy("p", (rule("n_b", "n_a", 22, "tcp", "deny"), rule("n_b", "n_a", 22, "udp"),
+                               rule("*", "n_a"), rule("n_c", "n_a", 5432, "tcp"), rule("n_d", "n_b", 22, "tcp")))])
+    gates = (SessionGate("ses_ssh", 0x706C0001, 22), SessionGate("ses_db", 0x706C0002, 5432))
+    chain = desired_ruleset(c, "plexd0", NODES, False, gates).chains["input"]
+    sessions = [(r.label.split()[1], json.loads(r.expr_json)) for r in chain.rules if r.label.startswith("session")]
+    assert [(sid, e[1]["match"]["right"], e[-1]) for sid, e in sessions] == [
+        ("ses_ssh", 0x706C0001, {"drop": None}),  # n_b is denied tcp/22, so it is denied the session
+        ("ses_ssh", 0x706C0001, {"accept": None}),  # "*" any protocol
+        ("ses_db", 0x706C0002, {"accept": None}),
+        ("ses_db", 0x706C0002, {"accept": None}),  # n_c: tcp/5432
+    ]
+    labels = [r.label for r in chain.rules]
+    assert labels.index(chain.rules[1].label) == 1 and labels[0] == "established"  # right after established
+    assert all(r.label.startswith("session") for r in chain.rules[1:5])
+    assert not any("socket" in r.expr_json for r in desired_ruleset(c, "plexd0", NODES, False).chains["input"].rules)
+    no_say = compiled([Policy("p", (rule("n_b", "n_a", 80, "tcp"),))])
+    only_web = desired_ruleset(no_say, "plexd0", NODES, False, gates).chains["input"]
+    assert not any(r.label.startswith("session") for r in only_web.rules)  # nobody: the default deny
 
 
 # -- the chain diff keeps order with the fewest changes, whatever the live chain looks like -----------------------

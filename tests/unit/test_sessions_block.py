@@ -3,6 +3,8 @@ with a reason naming the field, and the older events are deltas on the same sess
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -107,3 +109,27 @@ def test_any_json_value_parses_or_is_refused_by_name(value):
         parse_sessions(value)
     except WireFormatError:
         pass
+
+
+def test_the_mirror_keeps_the_sessions_so_a_restart_serves_the_same_ones():
+    from plexd.desired import DesiredState
+    from plexd.model import State
+
+    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.1.0.1")
+    desired = base.with_state(State.from_wire({"sessions": [ssh("ses_1"), ssh("ses_2")]})).without_session("ses_2")
+    restored = DesiredState.from_json(desired.to_json())
+    assert set(restored.sessions.by_id) == {"ses_1"}  # the revoked one stays gone
+    assert restored.sessions.by_id["ses_1"] == desired.sessions.by_id["ses_1"]
+    assert DesiredState.from_json(base.to_json()).sessions is None  # never populated stays "not populated"
+
+
+def test_socket_marks_are_distinct_stable_and_found_from_the_ids_alone():
+    from plexd.access.sessions import MARK_BASE, socket_marks
+
+    ids = [f"ses_{i}" for i in range(2000)]  # far past any block: 16 bits of hash must collide here
+    marks = socket_marks(ids)
+    assert len(set(marks.values())) == len(ids)
+    assert all(m & 0xFFFF0000 == MARK_BASE for m in marks.values())
+    assert socket_marks(reversed(ids)) == marks  # the order they are listed in does not matter
+    alone = socket_marks(["ses_1"])["ses_1"]
+    assert alone == MARK_BASE | int.from_bytes(hashlib.sha256(b"ses_1").digest()[:2], "big")

@@ -1,0 +1,312 @@
+"""The sessions domain: the access proxy's listeners and live sessions, converged to the desired sessions block
+(plexd-access-protocol.md §1).
+
+Desired: `desired.sessions`, the block of the last state pull, with the session events applied on it, and
+persisted with the rest of the model (a revoked session's token stays refused across a restart). Observed: the
+listeners this daemon runs and whether the kernel still lists each one's socket as listening (/proc/net/tcp).
+The plan, each change also its drift line:
+
+    SessionOpened      session_started             a session in the block, not expired, without a listener
+    SessionClosed      session_closed              a listener whose session left the block or expired
+    ListenerRestarted  session_listener_restarted  a listener the kernel no longer lists: a new one, reported
+
+A session that ended by itself (its idle timeout, its `expires_at`) is not reopened while it stays in the block.
+Every listener binds the node's mesh IP (port chosen by the kernel), and its socket carries the session's mark
+(`socket_marks`), which the firewall's session rules match: who may connect is the policy's say, from the same
+block (`plexd.firewall.ruleset`). Activity (§1.4) goes to `hooks.report`, the durable uplink.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+from nacl.signing import VerifyKey
+
+from plexd.access.activity import Report
+from plexd.access.certificate import load_or_create
+from plexd.access.k8s import ApiServer, K8sSession
+from plexd.access.sessions import Session, Sessions, socket_marks
+from plexd.access.ssh import Audit, RecordCommand, SshSessionServer, auth_failure_limiter
+from plexd.access.ssh_host_key import HostKeyError, load_or_create_host_key
+from plexd.access.tcp import TcpSession
+from plexd.converge.change import Change
+from plexd.converge.domain import DomainResult
+from plexd.desired import DesiredState
+
+log = logging.getLogger(__name__)
+
+PROC_TCP = ("/proc/net/tcp", "/proc/net/tcp6")
+_LISTEN = "0A"
+
+
+@dataclass(frozen=True)
+class SessionOpened(Change):
+    correction_type: ClassVar[str] = "session_started"
+    session_id: str
+    kind: str
+
+    @property
+    def detail(self) -> str:
+        return f"session {self.session_id} ({self.kind}): no listener"
+
+
+@dataclass(frozen=True)
+class SessionClosed(Change):
+    correction_type: ClassVar[str] = "session_closed"
+    session_id: str
+    reason: str  # operator_revoke (left the block) or ttl_expired
+
+    @property
+    def detail(self) -> str:
+        why = "expired" if self.reason == "ttl_expired" else "no longer granted"
+        return f"session {self.session_id}: {why}, its listener still open"
+
+
+@dataclass(frozen=True)
+class ListenerRestarted(Change):
+    correction_type: ClassVar[str] = "session_listener_restarted"
+    session_id: str
+    endpoint: str
+
+    @property
+    def detail(self) -> str:
+        return f"session {self.session_id}: listener {self.endpoint} is no longer listening"
+
+
+@dataclass
+class AccessHooks:
+    """What the sessions need from the daemon, as callables (the uplink is built after the engine)."""
+
+    keys: Callable[[], Iterable[VerifyKey]]  # the control plane's signing keys trusted now
+    report: Report  # §1.4 activity, durable
+    record_command: RecordCommand  # an exec runs only once this returned True
+    audit: Audit
+    k8s_api: Callable[[], ApiServer | None] = lambda: None
+    now: Callable[[], float] = time.time
+
+
+class Listener(Protocol):
+    session: Session
+    bind_host: str
+    port: int
+    closed: str | None
+
+    @property
+    def listener_endpoint(self) -> str: ...
+
+    async def start(self) -> int: ...
+
+    async def close(self, reason: str) -> None: ...
+
+    def listening_sockets(self) -> list[Any]: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Seen:
+    endpoint: str
+    closed: str | None  # it ended by itself (ttl_expired, idle_timeout)
+    listening: bool
+
+
+@dataclass
+class _Muted:
+    """A replaced listener's reports stop: the session did not end, only its socket was replaced."""
+
+    on: bool = False
+    sent: list[str] = field(default_factory=list)
+
+
+class SessionsDomain:
+    name = "sessions"
+
+    def __init__(self, data_dir: str | Path, hooks: AccessHooks) -> None:
+        self.data_dir = Path(data_dir)
+        self.hooks = hooks
+        self._live: dict[str, Listener] = {}
+        self._muted: dict[str, _Muted] = {}
+        self._ended: dict[str, str] = {}  # sessions still in the block that ended by themselves -> why
+        self._granted: Sessions | None = None  # the block the last apply served: tokens admit only these
+        self._auth_limiter = auth_failure_limiter()  # shared by every session: failures count per source
+        self._logged_refusals: set[tuple[str, str]] = set()
+
+    # -- the domain --------------------------------------------------------------------------------------------
+
+    async def observe(self, desired: DesiredState) -> dict[str, Seen]:
+        listening = await asyncio.to_thread(kernel_listeners) if self._live else set()
+        return {sid: Seen(lst.listener_endpoint, lst.closed, (_normal(lst.bind_host), lst.port) in listening)
+                for sid, lst in self._live.items()}
+
+    def plan(self, desired: DesiredState, observed: dict[str, Seen]) -> DomainResult:
+        want = desired.sessions.by_id if desired.sessions is not None else {}
+        now = self.hooks.now()
+        changes: list[Change] = []
+        for sid, seen in sorted(observed.items()):
+            if seen.closed is not None:
+                continue
+            session = want.get(sid)
+            if session is None:
+                changes.append(SessionClosed(sid, "operator_revoke"))
+            elif session.expired(now):
+                changes.append(SessionClosed(sid, "ttl_expired"))
+            elif not seen.listening:
+                changes.append(ListenerRestarted(sid, seen.endpoint))
+        for sid, session in sorted(want.items()):
+            if sid not in observed and sid not in self._ended and not session.expired(now):
+                changes.append(SessionOpened(sid, session.kind))
+        return DomainResult(tuple(changes))
+
+    async def apply(self, desired: DesiredState, planned: DomainResult, observed: Any) -> DomainResult:
+        self._granted = desired.sessions  # first: a revoked token is refused before its listener closes
+        self._note_refusals(desired.sessions)
+        want = desired.sessions.by_id if desired.sessions is not None else {}
+        applied: list[Change] = []
+        errors: list[str] = []
+        for change in planned.changes:
+            sid = getattr(change, "session_id", "")
+            try:
+                if isinstance(change, SessionClosed):
+                    await self._close(sid, change.reason)
+                elif isinstance(change, ListenerRestarted):
+                    self._muted[sid].on = True
+                    await self._close(sid, "plexd_close")
+                    await self._open(want[sid], desired.mesh_ip)
+                elif isinstance(change, SessionOpened):
+                    await self._open(want[sid], desired.mesh_ip)
+                applied.append(change)
+            except (OSError, ValueError, HostKeyError) as exc:
+                errors.append(f"sessions: session {sid}: {exc}")
+        self._forget(want)
+        errors += self._mark(want)
+        return DomainResult(tuple(applied), tuple(errors))
+
+    async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
+        # No machine read: the listeners are this process's own. A dead socket is found by the next full converge.
+        seen = {sid: Seen(lst.listener_endpoint, lst.closed, True) for sid, lst in self._live.items()}
+        return await self.apply(desired, self.plan(desired, seen), seen)
+
+    async def teardown(self) -> None:
+        await self.close_all("plexd_close")
+
+    def status(self) -> dict[str, Any] | None:
+        if not self._live and not self._ended and self._granted is None:
+            return None
+        return {"live": [lst.status() for _, lst in sorted(self._live.items())],
+                "ended": dict(sorted(self._ended.items())),
+                "refused": [{"session_id": sid, "reason": why}
+                            for sid, why in (self._granted.rejected if self._granted is not None else ())]}
+
+    # -- the listeners -----------------------------------------------------------------------------------------
+
+    async def close_all(self, reason: str) -> None:
+        """Every session closed with `reason` (the daemon stops: clients are told, processes hung up)."""
+        self._granted = None
+        await asyncio.gather(*(self._close(sid, reason) for sid in list(self._live)), return_exceptions=True)
+
+    def granted(self, session_id: str) -> bool:
+        return self._granted is not None and session_id in self._granted.by_id
+
+    async def _close(self, sid: str, reason: str) -> None:
+        listener = self._live.pop(sid, None)
+        if listener is not None:
+            await listener.close(reason)
+
+    async def _open(self, session: Session, mesh_ip: str) -> None:
+        if not mesh_ip:
+            raise ValueError("this node has no mesh IP yet to listen on")
+        muted = self._muted[session.session_id] = _Muted()
+        listener = self._listener(session, mesh_ip, self._reporter(muted))
+        await listener.start()
+        self._live[session.session_id] = listener
+
+    def _listener(self, session: Session, mesh_ip: str, report: Report) -> Listener:
+        hooks = self.hooks
+        if session.kind == "ssh":
+            return SshSessionServer(session, mesh_ip, host_key=load_or_create_host_key(self.data_dir),
+                                    keys=hooks.keys, is_live=self.granted, record_command=hooks.record_command,
+                                    audit=hooks.audit, report=report, now=hooks.now,
+                                    auth_limiter=self._auth_limiter)
+        if session.kind == "tcp":
+            return TcpSession(session, mesh_ip, report=report, now=hooks.now)
+        api = hooks.k8s_api()
+        if api is None:
+            raise ValueError("no Kubernetes API server to proxy to (set access.kubernetes.url, or run in a cluster)")
+        tls = load_or_create(self.data_dir, [mesh_ip]).server_context()
+        return K8sSession(session, mesh_ip, api, tls=tls, keys=hooks.keys, is_live=self.granted, report=report,
+                          now=hooks.now)
+
+    def _reporter(self, muted: _Muted) -> Report:
+        async def report(session_id: str, body: dict[str, Any]) -> None:
+            if not muted.on:
+                result = self.hooks.report(session_id, body)
+                if isinstance(result, Awaitable):
+                    await result
+        return report
+
+    def _forget(self, want: dict[str, Session]) -> None:
+        """Listeners that ended by themselves leave `_live`; sessions gone from the block leave `_ended`."""
+        for sid, listener in list(self._live.items()):
+            if listener.closed is not None:
+                self._ended[sid] = listener.closed
+                del self._live[sid]
+        self._ended = {sid: why for sid, why in self._ended.items() if sid in want}
+        self._muted = {sid: m for sid, m in self._muted.items() if sid in self._live}
+
+    def _mark(self, want: dict[str, Session]) -> list[str]:
+        """Each listener's socket gets its session's mark (marks are a function of the whole block, so a session
+        coming or going can move another's on a hash collision: all are set every time)."""
+        marks = socket_marks(want)
+        errors = []
+        for sid, listener in self._live.items():
+            try:
+                for sock in listener.listening_sockets():
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, marks[sid])
+            except OSError as exc:
+                errors.append(f"sessions: session {sid}: cannot mark its listener for the firewall ({exc.strerror}); "
+                              "while the policy is enforced nobody can reach it")
+        return errors
+
+    def _note_refusals(self, sessions: Sessions | None) -> None:
+        for sid, why in sessions.rejected if sessions is not None else ():
+            if (sid, why) not in self._logged_refusals:
+                self._logged_refusals.add((sid, why))
+                log.error("session %s refused: %s", sid, why)
+
+
+def kernel_listeners(paths: Iterable[str] = PROC_TCP) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the kernel lists as listening in this network namespace."""
+    out: set[tuple[str, int]] = set()
+    for path in paths:
+        try:
+            with open(path) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 4 or fields[3] != _LISTEN:
+                continue
+            address, _, port = fields[1].partition(":")
+            out.add((_address(address), int(port, 16)))
+    return out
+
+
+def _normal(address: str) -> str:
+    return str(ipaddress.ip_address(address))
+
+
+def _address(hex_text: str) -> str:
+    """/proc/net/tcp prints an address as 32-bit words in host (little-endian) order."""
+    raw = bytes.fromhex(hex_text)
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(words) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, words)

@@ -1,0 +1,140 @@
+"""The sessions domain through the real engine, with real listeners on loopback (the mesh IP is 127.0.0.1 here):
+a session in the block is opened and reported, its socket marked for the firewall; a listener the kernel no
+longer lists is drift, restarted and reported anew; a session that leaves the block is closed; one that ended by
+itself is not reopened; an expired one is never opened. The firewall side is in tests/e2e/test_access_lab.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+from engine_helpers import converge
+from waiting import wait_for
+
+from plexd.access.domain import AccessHooks, SessionsDomain, kernel_listeners
+from plexd.access.sessions import socket_marks
+from plexd.desired import DesiredState
+from plexd.model import State
+
+FAR = "2999-01-01T00:00:00Z"
+
+pytestmark = pytest.mark.root  # SO_MARK needs CAP_NET_ADMIN
+
+
+def tcp(sid: str, port: int, expires: str = FAR, idle: int = 0) -> dict:
+    return {"session_id": sid, "jti": sid, "kind": "tcp", "target": {"tcp": {"host": "127.0.0.1", "port": port}},
+            "expires_at": expires, "idle_timeout_seconds": idle}
+
+
+def model(*sessions: dict) -> DesiredState:
+    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="127.0.0.1")
+    return base.with_state(State.from_wire({"sessions": list(sessions)}))
+
+
+@pytest.fixture
+async def echo():
+    async def serve(reader, writer):
+        while data := await reader.read(65536):
+            writer.write(data)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    yield server.sockets[0].getsockname()[1]
+    server.close()
+
+
+@pytest.fixture
+async def sessions(tmp_path):
+    reports: list[tuple[str, dict]] = []
+    domain = SessionsDomain(tmp_path, AccessHooks(keys=list, report=lambda sid, body: reports.append((sid, body)),
+                                                  record_command=lambda sid, cmd: False, audit=lambda e, f: None))
+    domain.reports = reports
+    yield domain
+    await domain.teardown()
+
+
+def phases(reports, sid):
+    return [(b["tcp"]["phase"], b["tcp"].get("listener_endpoint") or b["tcp"].get("terminated_by"))
+            for s, b in reports if s == sid]
+
+
+async def roundtrip(endpoint: str, text: bytes = b"ping") -> bytes:
+    host, port = endpoint.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(text)
+    await writer.drain()
+    writer.write_eof()
+    got = await reader.read()
+    writer.close()
+    return got
+
+
+async def test_a_session_is_opened_marked_restarted_when_its_listener_dies_and_closed_when_revoked(sessions, echo):
+    desired = model(tcp("ses_a", echo))
+    opened = await converge(sessions, desired)
+    assert [str(c.correction()) for c in opened.changes] == ["session_started: session ses_a (tcp): no listener"]
+    [live] = sessions.status()["live"]
+    first = live["listener_endpoint"]
+    assert phases(sessions.reports, "ses_a") == [("session_started", first)]
+    assert await roundtrip(first) == b"ping"
+    listener = sessions._live["ses_a"]
+    [sock] = listener.listening_sockets()
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_MARK) == socket_marks(["ses_a"])["ses_a"]
+    assert (await converge(sessions, desired)).changes == ()  # nothing to do: nothing reported
+
+    sock.shutdown(socket.SHUT_RDWR)  # the listener dies: the kernel stops listening on it
+    assert ("127.0.0.1", int(first.rsplit(":", 1)[1])) not in kernel_listeners()
+    repaired = await converge(sessions, desired)
+    assert [c.correction().type for c in repaired.changes] == ["session_listener_restarted"]
+    assert first in repaired.changes[0].detail
+    second = sessions.status()["live"][0]["listener_endpoint"]
+    assert second != first and await roundtrip(second, b"again") == b"again"
+    assert phases(sessions.reports, "ses_a") == [("session_started", first), ("session_started", second)]
+
+    revoked = await sessions.apply_delta(model(), None)  # the event path: gone from the block
+    assert [str(c.correction()) for c in revoked.changes] == [
+        "session_closed: session ses_a: no longer granted, its listener still open"]
+    assert phases(sessions.reports, "ses_a")[-1] == ("session_ended", "operator_revoke")
+    with pytest.raises(OSError):
+        await roundtrip(second)
+
+
+async def test_a_session_that_ended_by_itself_stays_ended_and_an_expired_one_never_opens(sessions, echo):
+    desired = model(tcp("ses_idle", echo, idle=1), tcp("ses_old", echo, expires="2001-01-01T00:00:00Z"))
+    opened = await converge(sessions, desired)
+    assert [c.session_id for c in opened.changes] == ["ses_idle"]  # the expired one is not opened
+    await wait_for(lambda: sessions._live["ses_idle"].closed == "idle_timeout", 10, "the idle timeout")
+    assert (await converge(sessions, desired)).changes == ()  # not reopened while it stays in the block
+    assert sessions.status()["ended"] == {"ses_idle": "idle_timeout"}
+    assert phases(sessions.reports, "ses_idle")[-1] == ("session_ended", "idle_timeout")
+    await converge(sessions, model())
+    assert sessions.status()["ended"] == {}  # forgotten once it left the block
+
+
+async def test_a_refused_entry_is_named_and_the_others_are_served(sessions, echo, caplog):
+    desired = model(tcp("ses_ok", echo), {"session_id": "ses_bad", "kind": "tcp", "expires_at": FAR,
+                                          "target": {"tcp": {"host": "127.0.0.1", "port": 0}}})
+    await converge(sessions, desired)
+    status = sessions.status()
+    assert [s["session_id"] for s in status["live"]] == ["ses_ok"]
+    assert [r["session_id"] for r in status["refused"]] == ["ses_bad"] and "port" in status["refused"][0]["reason"]
+    assert "session ses_bad refused" in caplog.text
+
+
+async def test_a_kubernetes_session_without_an_api_server_is_an_error_line_not_a_crash(sessions, echo):
+    k8s = {"session_id": "ses_k", "jti": "ses_k", "kind": "k8s", "target": {"k8s": {"user": "alice"}},
+           "expires_at": FAR}
+    result = await converge(sessions, model(k8s, tcp("ses_t", echo)))
+    assert [c.session_id for c in result.changes] == ["ses_t"]
+    assert any("ses_k" in e and "Kubernetes API server" in e for e in result.errors), result.errors
+
+
+def test_kernel_listeners_reads_both_families():
+    with socket.socket() as four, socket.socket(socket.AF_INET6) as six:
+        four.bind(("127.0.0.1", 0))
+        four.listen()
+        six.bind(("::1", 0))
+        six.listen()
+        found = kernel_listeners()
+        assert ("127.0.0.1", four.getsockname()[1]) in found and ("::1", six.getsockname()[1]) in found
