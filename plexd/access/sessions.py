@@ -23,6 +23,7 @@ from plexd.errors import WireFormatError
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_SESSIONS = 10  # per node, ssh and tcp and k8s together (the Go agent's tunnel.max_sessions)
+MAX_PER_USER = 5  # per login user (ssh) or impersonated user (k8s): one account cannot take every slot
 MAX_COMMAND_BYTES = 1024
 MAX_COMMANDS = 64
 MAX_GROUPS = 32
@@ -227,6 +228,10 @@ def parse_sessions(raw: Any, path: str = "sessions") -> Sessions | None:
             continue
         if len(by_id) >= MAX_SESSIONS:
             rejected.append((label, _over_capacity()))
+            continue
+        user = getattr(session.target, "user", None)
+        if user is not None and sum(getattr(s.target, "user", None) == user for s in by_id.values()) >= MAX_PER_USER:
+            rejected.append((label, f"more than {MAX_PER_USER} sessions for user {user}"))
             continue
         by_id[session.session_id] = session
     return Sessions(by_id, tuple(rejected))

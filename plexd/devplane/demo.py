@@ -4,7 +4,9 @@ A bridge and N network namespaces (unique `px*` names, veth, addresses on a priv
 devplane on the bridge address, and a real `plexd up` in each namespace with its own private /run/wireguard
 (wireguard-go). It waits until every pair of nodes has a WireGuard handshake, prints a table and a ping matrix
 over the mesh IPs. With three nodes or more it then applies a policy (only tcp/22 from the first node to the
-second) and prints which flows pass and which the nodes' firewalls drop, and who still sees whom. Then it tears
+second) and prints which flows pass and which the nodes' firewalls drop, and who still sees whom; and it opens an
+SSH access session on the second node (for a throw-away local account), logs in from the first with the real
+`ssh` client and the session token as the password, lists it with `plexd sessions` and revokes it. Then it tears
 everything down, unless `--keep` (then `plexd-devplane demo --down` removes it).
 
 With `--nat` every node sits behind its own masquerading router namespace, coturn runs on the "public" bridge,
@@ -74,6 +76,44 @@ def _policy_demo(lab, mesh) -> bool:
     out = mesh.run_plexd(b, "policies", check=False).stdout
     print(f"\n'plexd policies' on {b.node.name}:\n" + out.rstrip())
     return all(got == want for _, got, want in results)
+
+
+def _session_demo(lab, mesh) -> bool:
+    """An SSH access session over the mesh: minted by the devplane for the second node, used from the first with
+    the real OpenSSH client (the token is the password), listed by `plexd sessions`, then revoked."""
+    import secrets
+    import subprocess
+
+    a, b = mesh.daemons[:2]
+    user = f"pxdemo{secrets.token_hex(3)}"  # a throw-away local account to log in as, removed below
+    subprocess.run(["useradd", "-m", "-s", "/bin/sh", user], check=True, capture_output=True)
+    try:
+        created = mesh.admin.create_session(b.node_id, "ssh", 300, user=user)
+        sid, token = created["session"]["session_id"], created["token"]
+        endpoint = ""
+        deadline = time.monotonic() + 20
+        while not endpoint and time.monotonic() < deadline:
+            endpoint = next((s["listener_endpoint"] for s in mesh.admin.sessions(b.node_id)
+                             if s["session_id"] == sid), "")
+            time.sleep(0.2)
+        if not endpoint:
+            print(f"\nSSH session {sid}: {b.node.name} never reported its listener")
+            return False
+        host, port = endpoint.rsplit(":", 1)
+        print(f"\nSSH access session {sid} for {user} on {b.node.name}, listening on {endpoint} (mesh IP, port "
+              f"chosen by the kernel); the policy's tcp/22 rule decides who may connect. From {a.node.name}:")
+        print(f"  sshpass -p <token> ssh -p {port} {user}@{host} id -un")
+        done = lab.exec(a.node, ["sshpass", "-p", token, "ssh", "-o", "UserKnownHostsFile=/dev/null", "-o",
+                                 "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=5",
+                                 "-p", port, f"{user}@{host}", "id -un"], check=False)
+        print("  " + (done.stdout.strip() or done.stderr.strip()).replace("\n", "\n  "))
+        print(f"\n'plexd sessions' on {b.node.name}:\n" + mesh.run_plexd(b, "sessions", check=False).stdout.rstrip())
+        mesh.admin.revoke_session(b.node_id, sid)
+        print(f"session {sid} revoked: its listener is closed and the token refused from now on")
+        return done.returncode == 0 and done.stdout.strip() == user
+    finally:
+        subprocess.run(["pkill", "-KILL", "-u", user], check=False)
+        subprocess.run(["userdel", "-r", user], check=False, capture_output=True)
 
 
 def _nat_table(lab, mesh) -> bool:
@@ -151,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
             ok = _nat_table(lab, mesh) and ok
         if n >= 3:
             ok = _policy_demo(lab, mesh) and ok
+            ok = _session_demo(lab, mesh) and ok  # over the policy's tcp/22 from the first node to the second
         if args.keep:
             keep = True
             version = f"{__version__}+demo"

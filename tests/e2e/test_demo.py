@@ -49,7 +49,14 @@ def test_demo_forms_a_full_mesh_and_cleans_up():
                      "node1 -> node2 ping": "dropped", "node2 -> node1 ping": "dropped",
                      "node3 -> node2 tcp/22": "dropped"}, out
     assert "UNEXPECTED" not in out and "enforcement: enforced" in out
+    # Then an SSH access session on node2, logged into from node1 with the real ssh client, and revoked.
+    session = out.split("SSH access session", 1)[1]
+    user = session.split()[2]
+    assert re.search(rf"^  {user}$", session, re.M), out  # `id -un` over the session printed the account
+    assert re.search(r"^ses_\w+\s+ssh\s+10\.100\.\d+\.\d+:\d+\s+" + user, session, re.M), out  # plexd sessions
+    assert "revoked: its listener is closed" in session, out
     assert _lab_namespaces(out) == set()
+    assert subprocess.run(["id", user], capture_output=True).returncode != 0  # the throw-away account is gone
 
 
 @pytest.mark.timeout(240)

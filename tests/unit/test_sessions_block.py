@@ -73,7 +73,7 @@ def test_a_bad_entry_is_refused_alone_naming_the_field(entry, field):
 
 
 def test_duplicates_and_the_eleventh_session_are_refused_and_the_rest_kept():
-    got = parse_sessions([ssh("dup"), ssh("dup"), *(ssh(f"s{i}") for i in range(MAX_SESSIONS))])
+    got = parse_sessions([ssh("dup"), ssh("dup"), *(ssh(f"s{i}", user=f"u{i}") for i in range(MAX_SESSIONS))])
     assert len(got.by_id) == MAX_SESSIONS
     reasons = [r for _, r in got.rejected]
     assert reasons[0] == "duplicate session id" and "more than 10 sessions" in reasons[1]
@@ -133,3 +133,12 @@ def test_socket_marks_are_distinct_stable_and_found_from_the_ids_alone():
     assert socket_marks(reversed(ids)) == marks  # the order they are listed in does not matter
     alone = socket_marks(["ses_1"])["ses_1"]
     assert alone == MARK_BASE | int.from_bytes(hashlib.sha256(b"ses_1").digest()[:2], "big")
+
+
+def test_one_user_cannot_take_every_session_of_the_node():
+    from plexd.access.sessions import MAX_PER_USER
+
+    block = [ssh(f"ses_{i}") for i in range(MAX_PER_USER + 1)] + [ssh("ses_other", user="ops")]
+    parsed = parse_sessions(block)
+    assert len(parsed.by_id) == MAX_PER_USER + 1 and "ses_other" in parsed.by_id
+    assert parsed.rejected == ((f"ses_{MAX_PER_USER}", f"more than {MAX_PER_USER} sessions for user deploy"),)
