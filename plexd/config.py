@@ -36,6 +36,8 @@ README (PROJECT-DECISIONS.md, Config row)::
                rate_limit: 100, rate_burst: 200, request_timeout: 10s,
                report_max_entries: 1000, report_max_bytes: 16777216, report_max_entry_bytes: 1048576}
     policy: {enabled: true}
+    bridge: {relay: {listen: "0.0.0.0:51821",          # mode bridge: the UDP relay (plexd.bridge)
+                     fastpath_address: ""}}            # the relay's IPv4 address: forward stable flows in nftables
     access: {enabled: true,                   # SSH/TCP/Kubernetes sessions the control plane grants (plexd.access)
              kubernetes: {url: "", token_file: "", ca_file: ""}}   # empty url: the in-cluster environment, if any
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
@@ -349,6 +351,21 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True)
+class RelayConfig:
+    """Bridge mode's relay: where it listens, and whether stable flows are forwarded in the kernel."""
+
+    listen: str = _f("0.0.0.0:51821", host_port=True)
+    fastpath_address: str = _f("")  # the IPv4 address relayed packets arrive on; empty: the userspace relay only
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    """What a node in `mode: bridge` serves for the mesh (plexd-access-protocol.md §2)."""
+
+    relay: RelayConfig = field(default_factory=RelayConfig)
+
+
+@dataclass(frozen=True)
 class AccessConfig:
     """The access proxy: the sessions of the state's `sessions` block (plexd-access-protocol.md §1)."""
 
@@ -377,6 +394,7 @@ class Config:
     node_api: NodeApiConfig = field(default_factory=NodeApiConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     access: AccessConfig = field(default_factory=AccessConfig)
+    bridge: BridgeConfig = field(default_factory=BridgeConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     upgrade: UpgradeConfig = field(default_factory=UpgradeConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)

@@ -15,13 +15,14 @@ import binascii
 import functools
 import ipaddress
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 from plexd import identity, policy, route_limits
 from plexd.access.sessions import Session, Sessions
+from plexd.bridge.sessions import RelaySessionSet
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
 from plexd.route_limits import RouteLimits
 
@@ -220,6 +221,7 @@ class DesiredState:
     data: tuple[DataEntry, ...] = ()
     secret_refs: tuple[SecretRef, ...] = ()
     sessions: Sessions | None = None  # the access sessions granted (None: never populated, nothing to serve)
+    relay: RelaySessionSet | None = None  # bridge mode: the relay sessions assigned (a new object per listing)
     persistent_keepalive: int = DEFAULT_KEEPALIVE
     route_limits: RouteLimits = field(default_factory=RouteLimits)  # machine facts, set by the node
     refused_routes: tuple[tuple[str, str, str], ...] = ()  # (peer id, prefix, reason) dropped by the limits
@@ -374,7 +376,8 @@ class DesiredState:
         new = replace(self, policies=tuple(state.policies), signing_keys=state.signing_keys,
                       metadata=None if state.metadata is None else dict(state.metadata), data=tuple(state.data),
                       secret_refs=tuple(state.secret_refs),
-                      sessions=self.sessions if state.sessions is None else state.sessions)
+                      sessions=self.sessions if state.sessions is None else state.sessions,
+                      relay=self.relay if state.relay is None else state.relay)
         return new._with_peers(state.peers, {}, ())
 
     def with_peers(self, peers: Iterable[Peer]) -> DesiredState:
@@ -435,6 +438,14 @@ class DesiredState:
     def with_session(self, session: Session) -> DesiredState:
         """An older `ssh_session_setup` event: one session added to the block (refused past its cap)."""
         return replace(self, sessions=(self.sessions or Sessions({})).with_session(session))
+
+    def with_relay_event(self, change: Callable[[RelaySessionSet], object]) -> DesiredState:
+        """`relay_session_assigned` / `_revoked`: `change` applied to a copy of the relay sessions (a new listing:
+        the relay restarts their leases)."""
+        relay = RelaySessionSet(dict(self.relay.sessions) if self.relay else {},
+                                list(self.relay.refused) if self.relay else [])
+        change(relay)
+        return replace(self, relay=relay)
 
     def without_session(self, session_id: str) -> DesiredState:
         """`session_revoked`: the session leaves the block, whatever the next state pull says later."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.access.sessions import Sessions, parse_sessions
+from plexd.bridge.sessions import RelaySessionSet, relay_block
 from plexd.errors import WireFormatError
 from plexd.gojson import GO_ZERO_TIME
 
@@ -260,9 +261,11 @@ class State:
     data: tuple[DataEntry, ...] = ()
     secret_refs: tuple[SecretRef, ...] = ()
     sessions: Sessions | None = None  # None: the block was null or absent ("not populated": touch nothing)
+    relay: RelaySessionSet | None = None  # a bridge's relay sessions; None: no relay block in this state
     extra: dict[str, JSON] = field(default_factory=dict)
 
-    _EXTRA_KEYS = ("bridge_config", "relay_config", "user_access_config", "ingress_config", "site_to_site_config")
+    _EXTRA_KEYS = ("bridge", "bridge_config", "relay_config", "user_access_config", "ingress_config",
+                   "site_to_site_config")
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str = "") -> State:
@@ -281,6 +284,7 @@ class State:
                 for i, s in enumerate(_list(f, "secret_refs", path))
             ),
             sessions=parse_sessions(f.get("sessions"), _join(path, "sessions")),
+            relay=RelaySessionSet.from_state(f) if relay_block(f) is not None else None,
             extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
         )
 

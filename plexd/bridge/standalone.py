@@ -1,11 +1,13 @@
-"""A relay on its own, driven over stdin/stdout: for the lab tests and the bench until the relay is a domain of
-the converge engine (issue 32). Not a daemon: nothing in plexd/node starts it.
+"""The relay domain on its own, driven over stdin/stdout: for the lab tests and the bench (the daemon runs the same
+domain in `mode: bridge`, from the control plane's state). Not a daemon.
 
     python -m plexd.bridge.standalone --listen 0.0.0.0:51821
 
 One JSON command per stdin line, one JSON answer per stdout line:
-    {"sessions": [RelaySessionAssignment, ...]}   -> {"ok": true, "refused": [...]}
+    {"sessions": [RelaySessionAssignment, ...]}   -> {"ok": true, "refused": [...]}   a new listing (event path)
+    {"converge": true}                            -> {"ok": true, "changes": [...], "errors": [...]}   the reconcile
     {"cp_reachable": false}                       -> {"ok": true}
+    {"sweep": true}                               -> {"ok": true, "expired": [...]}
     {"status": true}                              -> the relay's status document
     {"fastpath": "RELAY_IPV4"} / {"fastpath": ""} -> the kernel fast path on / off: {"ok": true}
 EOF to stdin stops the relay.
@@ -20,59 +22,69 @@ import sys
 from typing import Any
 
 from plexd import boundedjson
-from plexd.bridge.relay import DEFAULT_PORT, Relay
-from plexd.bridge.sessions import RelaySessionSet
+from plexd.bridge.domain import RelayDomain
+from plexd.bridge.relay import DEFAULT_PORT
+from plexd.converge.engine import Engine
+from plexd.desired import DesiredState
 from plexd.errors import PlexdError
+from plexd.model import State
+
+
+class Standalone:
+    def __init__(self, host: str, port: int) -> None:
+        self.reachable = True
+        self.domain = RelayDomain(host, port, cp_reachable=lambda: self.reachable)
+        self.engine = Engine([self.domain])
+        self.desired = DesiredState.initial(interface="plexd0", listen_port=0, mtu=1420, private_key="",
+                                            mesh_ip="")
+
+    async def command(self, line: bytes) -> dict[str, Any]:
+        relay = self.domain.relay
+        try:
+            cmd = boundedjson.parse(line)
+            if not isinstance(cmd, dict):
+                raise ValueError("a command is a JSON object")
+            if "sessions" in cmd:
+                self.desired = self.desired.with_state(State.from_wire({"bridge": {"relay": {
+                    "sessions": cmd["sessions"]}}}))
+                await self.engine.apply_delta(self.desired)
+                return {"ok": True, "refused": [r.reason for r in self.desired.relay.refused]}
+            if "converge" in cmd:
+                result = await self.engine.converge(self.desired)
+                return {"ok": True, "changes": [str(c.correction()) for c in result.changes],
+                        "errors": list(result.errors)}
+            if "cp_reachable" in cmd:
+                self.reachable = bool(cmd["cp_reachable"])
+                return {"ok": True}
+            if "sweep" in cmd:
+                return {"ok": True, "expired": relay.sweep()}
+            if "fastpath" in cmd:
+                self.domain.fastpath_address = str(cmd["fastpath"] or "")
+                if self.domain.fastpath_address:
+                    await relay.enable_fastpath(self.domain.fastpath_address)
+                else:
+                    await relay.disable_fastpath()
+                return {"ok": True}
+            return relay.status()
+        except (ValueError, PlexdError) as e:
+            return {"ok": False, "error": str(e)}
 
 
 async def serve(host: str, port: int) -> None:
-    reachable = [True]
-    relay = Relay(host, port, cp_reachable=lambda: reachable[0])
-    await relay.start()
+    standalone = Standalone(host, port)
+    first = await standalone.engine.converge(standalone.desired)
+    if first.errors:
+        print(json.dumps({"ok": False, "errors": list(first.errors)}), flush=True)
+        return
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    print(json.dumps({"ok": True, "port": relay.port}), flush=True)
+    print(json.dumps({"ok": True, "port": standalone.domain.relay.port}), flush=True)
     try:
         while line := await reader.readline():
-            answer = await _fastpath_command(relay, line)
-            print(json.dumps(answer or _command(relay, reachable, line)), flush=True)
+            print(json.dumps(await standalone.command(line)), flush=True)
     finally:
-        await relay.stop()
-
-
-async def _fastpath_command(relay: Relay, line: bytes) -> dict[str, Any] | None:
-    try:
-        cmd = boundedjson.parse(line)
-    except ValueError:
-        return None
-    if not isinstance(cmd, dict) or "fastpath" not in cmd:
-        return None
-    try:
-        if cmd["fastpath"]:
-            await relay.enable_fastpath(str(cmd["fastpath"]))
-        else:
-            await relay.disable_fastpath()
-    except (ValueError, PlexdError) as e:
-        return {"ok": False, "error": str(e)}
-    return {"ok": True}
-
-
-def _command(relay: Relay, reachable: list[bool], line: bytes) -> dict[str, Any]:
-    try:
-        cmd = boundedjson.parse(line)
-        if "sessions" in cmd:
-            got = RelaySessionSet.from_state({"bridge": {"relay": {"sessions": cmd["sessions"]}}})
-            relay.set_sessions(list(got.sessions.values()))
-            return {"ok": True, "refused": [r.reason for r in got.refused]}
-        if "cp_reachable" in cmd:
-            reachable[0] = bool(cmd["cp_reachable"])
-            return {"ok": True}
-        if "sweep" in cmd:
-            return {"ok": True, "expired": relay.sweep()}
-        return relay.status()
-    except (ValueError, PlexdError) as e:
-        return {"ok": False, "error": str(e)}
+        await standalone.engine.teardown()
 
 
 def main() -> None:

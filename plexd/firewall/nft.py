@@ -49,15 +49,15 @@ class Nftables:
             self._ctx = ctx
         return self._ctx
 
-    def list_table(self) -> list[JSON] | None:
-        """The table's objects, or None when it does not exist."""
+    def list_table(self, family: str = FAMILY, name: str = TABLE) -> list[JSON] | None:
+        """The table's objects (plexd's own by default), or None when it does not exist."""
         with self._lock:
             rc, out, err = self._context().json_cmd(
-                {"nftables": [{"list": {"table": {"family": FAMILY, "name": TABLE}}}]})
+                {"nftables": [{"list": {"table": {"family": family, "name": name}}}]})
         if rc != 0:
             if "No such file or directory" in err:
                 return None
-            raise FirewallError(f"reading table {FAMILY} {TABLE}: {_first_line(err)}")
+            raise FirewallError(f"reading table {family} {name}: {_first_line(err)}")
         return list(out.get("nftables", [])) if isinstance(out, dict) else []
 
     def run(self, commands: Sequence[JSON]) -> None:

@@ -100,7 +100,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger, node_id)
     if mesh is None:
         access = access_hooks(agent, verifier, node_id, data_dir / datadir.LOCAL_AUDIT, lambda: uplink)
-        mesh = _build_mesh(agent, ledger.mirror(), verifier, access)
+        # A bridge's relay keeps its sessions through an outage: the control plane is "reachable" until the
+        # heartbeat, which runs every interval, fails.
+        mesh = _build_mesh(agent, ledger.mirror(), verifier, access, lambda: heartbeat.consecutive_failures == 0)
     durable = GroupCommit(ledger, delay=_commit_delay(), touched=lambda: mesh.store.take_touched("mirror"))
     mesh.store.on_changed = durable.desired_changed
     mesh.persist = durable.persist_now
@@ -276,14 +278,15 @@ def _add_watchdog(node: Node) -> None:
     agent.add_service("watchdog", lambda a: dog.run(), stop_last=True)  # pings through a long drain too
 
 
-def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier, access: AccessHooks) -> MeshHandle:
+def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier, access: AccessHooks,
+                cp_reachable: Callable[[], bool]) -> MeshHandle:
     """The engine for this machine and the desired model, seeded from the mirror of the last run."""
     cfg = agent.config
     assert agent.identity is not None
     initial, restored = initial_desired(cfg, agent.identity, mirror)
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
-    engine = build_engine(cfg, trusted_key(verifier), access)
+    engine = build_engine(cfg, trusted_key(verifier), access, cp_reachable)
     protected = ProtectedAddresses.from_config(cfg, wireguard(engine).links)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import cast
 
 from plexd.access.domain import AccessHooks, SessionsDomain
+from plexd.bridge.domain import RelayDomain
 from plexd.config import Config
 from plexd.converge.engine import Engine
 from plexd.firewall.domain import FirewallDomain
@@ -19,18 +20,28 @@ from plexd.trust.domain import SigningKeyFile
 
 
 def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda: None,
-                 access: AccessHooks | None = None) -> Engine:
+                 access: AccessHooks | None = None, cp_reachable: Callable[[], bool] | None = None) -> Engine:
     """`trusted_key`: the signing key the verifier trusts now (None: no verifier here, the key file is left as is).
     `access`: the daemon's hooks for the access sessions; without them (`reconcile --once`, `plexd deregister`)
-    no session is served: a short-lived command must not open listeners it cannot keep."""
+    no session is served: a short-lived command must not open listeners it cannot keep. `cp_reachable`: whether
+    the control plane answers now (the daemon's; a bridge's relay keeps its sessions while it does not); without
+    it no relay runs, for the same reason."""
     links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
+    host, port = split_host_port(config.bridge.relay.listen)
     return Engine([
         FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied),
         NodeStateCache(config.data_dir),
         SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
         *([SessionsDomain(config.data_dir, access)] if access is not None and config.access.enabled else []),
+        *([RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
+                       cp_reachable=cp_reachable)] if cp_reachable is not None and config.mode == "bridge" else []),
     ])
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 # Typed access to the domains others read, by name (engines in tests may leave some out).

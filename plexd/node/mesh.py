@@ -302,6 +302,9 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[Pull
     def apply(pulled: PulledState) -> list[Correction]:
         state = pulled.state
         _note_foreign_key(verifier, state.signing_keys, noted)
+        if state.relay is not None and mesh.engine.domain("relay") is None and "relay" not in noted:
+            noted.add("relay")
+            log.info("the state assigns relay sessions, which only a bridge serves (mode: bridge); ignored here")
 
         def rebuild(d: DesiredState) -> DesiredState:
             return (replace(d, route_limits=pulled.limits) if pulled.limits is not None else d).with_state(state)

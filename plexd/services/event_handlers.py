@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from plexd.access.sessions import revoked_session_id, setup_event_session
+from plexd.bridge.sessions import parse_revoked as parse_relay_revoked
+from plexd.bridge.sessions import parse_session as parse_relay_session
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.desired_store import DesiredStore, Edit
@@ -33,8 +35,6 @@ Handler = Callable[[Envelope], Awaitable[None]]
 OWNED_ELSEWHERE = (
     "action_request",
     "bridge_config_updated",
-    "relay_session_assigned",
-    "relay_session_revoked",
     "user_access_config_updated",
     "user_access_peer_assigned",
     "user_access_peer_revoked",
@@ -115,6 +115,9 @@ class EventHandlers:
             "session_setup": self._refresh_now,
             "session_revoked": self._session_revoked,
             "ssh_session_setup": self._ssh_session_setup,
+            # Bridge mode's relay (plexd-access-protocol.md §2): deltas on the relay sessions (a node ignores them)
+            "relay_session_assigned": self._relay_session_assigned,
+            "relay_session_revoked": self._relay_session_revoked,
         }
 
     def register(self, event_type: str, handler: Handler) -> None:
@@ -190,6 +193,18 @@ class EventHandlers:
         session = setup_event_session(env.payload())
         log.info("event %s: session %s set up (older event shape)", env.event_id, session.session_id)
         await self._update(env, lambda d: d.with_session(session))
+
+    async def _relay_session_assigned(self, env: Envelope) -> None:
+        payload = env.payload()
+        parse_relay_session(payload, "payload")  # a bad one is refused here, with its field, before any change
+        log.info("event %s: relay session assigned", env.event_id)
+        await self._update(env, lambda d: d.with_relay_event(lambda relay: relay.assigned(payload)))
+
+    async def _relay_session_revoked(self, env: Envelope) -> None:
+        session_id = parse_relay_revoked(env.payload(), "payload")
+        log.info("event %s: relay session %s revoked", env.event_id, session_id)
+        await self._update(env, lambda d: d.with_relay_event(
+            lambda relay: relay.revoked({"session_id": session_id})))
 
     async def _node_state_updated(self, env: Envelope) -> None:
         payload = _payload_object(env)

@@ -144,6 +144,23 @@ def test_the_kernel_fast_path_forwards_a_stable_pair_and_follows_a_port_remap(la
     assert kernel_forwarded(lab, relay) - kernel_before >= 40  # 20 requests and 20 replies, in the kernel
     assert s["packets_a_to_b"] + s["packets_b_to_a"] - userspace_before < 10, s  # handshakes at most
 
+    # Drift: the maps flushed by hand, then the whole table deleted; the reconcile restores them and says so.
+    for name in ("fwd_addr", "fwd_port"):
+        lab.exec(relay.node, ["nft", "flush", "map", "inet", "plexd_relay", name])
+    fixed = relay.command({"converge": True})
+    assert fixed["changes"] == ["relay_fastpath_restored: relay fast path inet plexd_relay: 2 element(s) missing, "
+                                "0 not the relay's; synced"] and not fixed["errors"], fixed
+    assert f"{s['peer_a_address'].replace(':', ' . ')} : {port_of(s['peer_b_address'])}" in fastpath_elements(
+        lab, relay)
+    lab.exec(relay.node, ["nft", "delete", "table", "inet", "plexd_relay"])
+    fixed = relay.command({"converge": True})
+    assert fixed["changes"] == ["relay_fastpath_restored: relay fast path inet plexd_relay: table missing; "
+                                "recreated"] and not fixed["errors"], fixed
+    assert relay.command({"converge": True})["changes"] == []  # and then nothing to do
+    kernel_before = kernel_forwarded(lab, relay)
+    assert lab.exec(a.node, ["ping", "-c", "5", "-i", "0.05", "-W", "2", b.mesh_ip], check=False).returncode == 0
+    assert kernel_forwarded(lab, relay) - kernel_before >= 10  # in the kernel again
+
     # a's NAT remaps: its packets miss the map, the userspace relay follows them, the next sync moves the element.
     old = s["peer_a_address"]
     flush_conntrack(a.router)

@@ -1,0 +1,114 @@
+"""The relay domain (bridge mode) through the real engine, with a real UDP relay and real sockets on loopback
+standing in for two WireGuard ends: sessions from the state's bridge block are served, a relay socket that dies is
+drift (reopened and reported), an event revokes a session, and a bridge node's daemon lists only what it was
+assigned. The kernel fast path's drift is in tests/e2e/test_relay_lab.py (it needs a namespace of its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from engine_helpers import converge
+
+from plexd.bridge.domain import RelayDomain, live_elements
+from plexd.desired import DesiredState
+from plexd.errors import WireFormatError
+from plexd.model import State
+
+LATER = (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def entry(sid: str, a: tuple[str, int], b: tuple[str, int]) -> dict:
+    return {"session_id": sid, "peer_a_id": f"n_{sid}_a", "peer_a_endpoint": f"{a[0]}:{a[1]}",
+            "peer_b_id": f"n_{sid}_b", "peer_b_endpoint": f"{b[0]}:{b[1]}", "expires_at": LATER}
+
+
+def model(state: dict) -> DesiredState:
+    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.1.0.1")
+    return base.with_state(State.from_wire(state))
+
+
+def initiation(sender: int) -> bytes:
+    return bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + b"\x11" * 140
+
+
+@pytest.fixture
+def ends():
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+        s.setblocking(False)
+    yield socks
+    for s in socks:
+        s.close()
+
+
+async def relayed(domain: RelayDomain, src: socket.socket, dst: socket.socket, packet: bytes) -> bytes:
+    loop = asyncio.get_running_loop()
+    await loop.sock_sendto(src, packet, ("127.0.0.1", domain.relay.port))
+    data, _ = await asyncio.wait_for(loop.sock_recvfrom(dst, 2048), 5)
+    return data
+
+
+async def test_sessions_are_served_a_dead_socket_is_reopened_and_a_revocation_applies(ends):
+    a, b = ends
+    domain = RelayDomain("127.0.0.1", 0)
+    desired = model({"bridge": {"relay": {"sessions": [entry("rel_1", a.getsockname(), b.getsockname())]}}})
+    try:
+        started = await converge(domain, desired)
+        assert [c.correction().type for c in started.changes] == ["relay_listener_started", "relay_session_added"]
+        assert await relayed(domain, a, b, initiation(100)) == initiation(100)
+        assert [s["session_id"] for s in domain.status()["sessions"]] == ["rel_1"]
+        assert (await converge(domain, desired)).changes == ()
+
+        domain.relay._transport.close()  # the relay's socket dies under it
+        repaired = await converge(domain, desired)
+        assert [str(c.correction()) for c in repaired.changes] == [
+            "relay_listener_started: relay 127.0.0.1:0: its socket is closed; reopened"]
+        assert await relayed(domain, a, b, initiation(101)) == initiation(101)
+
+        revoked = desired.with_relay_event(lambda relay: relay.revoked({"session_id": "rel_1"}))
+        gone = await domain.apply_delta(revoked, None)
+        assert [c.correction().type for c in gone.changes] == ["relay_session_removed"]
+        assert domain.status()["sessions"] == []
+    finally:
+        await domain.teardown()
+    assert not domain.relay.listening
+
+
+async def test_the_101st_session_is_refused_and_listed_the_rest_served(ends):
+    a, b = ends
+    entries = [entry(f"rel_{i}", a.getsockname(), b.getsockname()) for i in range(101)]
+    domain = RelayDomain("127.0.0.1", 0)
+    try:
+        result = await converge(domain, model({"relay_config": {"sessions": entries}}))  # the older shape
+        assert sum(c.correction().type == "relay_session_added" for c in result.changes) == 100
+        assert [r["session_id"] for r in domain.status()["refused"]] == ["rel_100"]
+    finally:
+        await domain.teardown()
+
+
+async def test_a_port_in_use_is_an_error_line_and_nothing_else_breaks(ends):
+    a, _ = ends
+    domain = RelayDomain("127.0.0.1", a.getsockname()[1])
+    # UDP: the end's socket holds the port without SO_REUSEADDR, so the relay cannot bind it
+    result = await converge(domain, model({}))
+    assert any("cannot listen on 127.0.0.1:" in e for e in result.errors), result.errors
+    await domain.teardown()
+
+
+def test_a_bad_relay_event_is_refused_with_its_field():
+    from plexd.bridge.sessions import parse_session
+
+    with pytest.raises(WireFormatError, match="peer_a_endpoint"):
+        parse_session({"session_id": "r", "peer_a_id": "a", "peer_a_endpoint": "nowhere", "peer_b_id": "b",
+                       "peer_b_endpoint": "192.0.2.1:1", "expires_at": LATER}, "payload")
+
+
+def test_live_elements_reads_both_maps_back_into_pairs():
+    listed = [{"map": {"name": "fwd_addr", "elem": [[{"concat": ["192.0.2.1", 40001]}, "192.0.2.2"]]}},
+              {"map": {"name": "fwd_port", "elem": [[{"concat": ["192.0.2.1", 40001]}, 51820]]}}]
+    assert live_elements(listed) == {("192.0.2.1", 40001): ("192.0.2.2", 51820)}
