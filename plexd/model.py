@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.access.sessions import Sessions, parse_sessions
-from plexd.bridge.sessions import RelaySessionSet, relay_block
+from plexd.bridge.sessions import RelaySessionSet
 from plexd.errors import WireFormatError
 from plexd.gojson import GO_ZERO_TIME
 
@@ -284,7 +284,9 @@ class State:
                 for i, s in enumerate(_list(f, "secret_refs", path))
             ),
             sessions=parse_sessions(f.get("sessions"), _join(path, "sessions")),
-            relay=RelaySessionSet.from_state(f) if relay_block(f) is not None else None,
+            # A bridge or relay_config block, even null, says what is desired (null: no relay sessions); a state
+            # without either (a node, an older control plane) changes nothing.
+            relay=RelaySessionSet.from_state(f) if "bridge" in f or "relay_config" in f else None,
             extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
         )
 

@@ -188,6 +188,21 @@ async def list_sessions(request: Request) -> Response:
     return JSONResponse([sessions.summary(n, s, now) for n in dep.live_nodes() for s in n.sessions.values()])
 
 
+# -- bridge mode ------------------------------------------------------------------------------------------------
+
+async def set_bridge(request: Request) -> Response:
+    """A bridge node's `bridge` block ({relay, user_access, ingress, site_to_site}, each nullable), or null."""
+    dep = _dep(request)
+    body = await read_json(request, allow_empty=True)  # empty or null: not a bridge any more
+    if body is not None:
+        body = _obj(body, "bridge")
+        unknown = set(body) - {"relay", "user_access", "ingress", "site_to_site"}
+        if unknown:
+            raise HTTPError(400, f"bridge: unknown member(s) {', '.join(sorted(unknown))}")
+    dep.set_bridge(dep.node(request.path_params["node_id"]), body)
+    return JSONResponse({})
+
+
 # -- policies ---------------------------------------------------------------------------------------------------
 
 def validate_policies(value: Any) -> list[dict[str, Any]]:
@@ -565,6 +580,7 @@ def routes() -> list[Route]:
         Route(node + "/sessions", list_node_sessions, methods=["GET"]),
         Route(node + "/sessions/{session_id}", revoke_session, methods=["DELETE"]),
         Route("/v1/sessions", list_sessions, methods=["GET"]),
+        Route(node + "/bridge", set_bridge, methods=["PUT"]),
         Route(node + "/{kind}", node_records, methods=["GET"]),
         Route("/v1/faults", set_faults, methods=["PUT"]),
         Route("/v1/faults", clear_faults, methods=["DELETE"]),

@@ -449,7 +449,17 @@ class Deployment:
         out["data"] = list(node.data.values())
         out["secret_refs"] = node.secret_refs()
         out["sessions"] = sessions.block(node, self.clock.now())
+        out["bridge"] = node.bridge  # null: nothing desired from this node as a bridge
         return out
+
+    def set_bridge(self, node: Node, block: dict[str, Any] | None) -> None:
+        """A bridge node's `bridge` block (plexd-access-protocol.md §2.1), served in its state from now on; the
+        node is told to pull it (`bridge_config_updated`, which only triggers a pull, as in Go)."""
+        with self.store.transaction():
+            node.bridge = block
+            self._save(node)
+            self.hub.publish([node.id], "bridge_config_updated", {})
+        log.info("bridge block of node %s set (%s)", node.id, "none" if block is None else ", ".join(sorted(block)))
 
     # -- access sessions (plexd.devplane.sessions) -------------------------------------------------------------
 

@@ -180,6 +180,10 @@ class AdminClient:
     def sessions(self, node_id: str | None = None) -> list[dict[str, Any]]:
         return self._call("GET", f"/nodes/{_q(node_id)}/sessions" if node_id else "/sessions")
 
+    def set_bridge(self, node_id: str, block: dict[str, Any] | None) -> None:
+        """The node's `bridge` block ({"relay": {"sessions": [...]}, ...}), or None for none."""
+        self._call("PUT", f"/nodes/{_q(node_id)}/bridge", block)
+
     def session_activity(self, node_id: str) -> list[dict[str, Any]]:
         return self.records(node_id, "session-activity")
 

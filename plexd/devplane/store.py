@@ -72,6 +72,7 @@ class Node:
     # key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent): `secret` is both
     kdf: str = ""
     sessions: dict[str, dict[str, Any]] = field(default_factory=dict)  # session id -> session (plexd.devplane.sessions)
+    bridge: dict[str, Any] | None = None  # the `bridge` block of a bridge node's state, as the admin set it
 
     @property
     def bearer(self) -> str:

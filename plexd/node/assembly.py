@@ -42,6 +42,7 @@ from plexd.actions.outbox import Outbox, deliver
 from plexd.actions.routes import add_action_routes
 from plexd.agent import Agent
 from plexd.backoff import Backoff
+from plexd.bridge.domain import heartbeat_block
 from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
@@ -58,7 +59,7 @@ from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import build_engine, sessions, wireguard
+from plexd.node.engine import build_engine, relay, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
@@ -172,6 +173,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
             mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),
             nat=nat.info() if nat is not None else None,
+            extra={"bridge": heartbeat_block(relay(mesh.engine))} if cfg.mode == "bridge" else {},
         )
 
     async def send(body: dict[str, Any]) -> dict[str, bool]:

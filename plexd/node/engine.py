@@ -60,6 +60,11 @@ def sessions(engine: Engine) -> SessionsDomain | None:
     return cast(SessionsDomain | None, engine.domain(SessionsDomain.name))
 
 
+def relay(engine: Engine) -> RelayDomain | None:
+    """Bridge mode's relay: the heartbeat's `bridge` object reads it."""
+    return cast(RelayDomain | None, engine.domain(RelayDomain.name))
+
+
 def firewall(engine: Engine) -> FirewallDomain | None:
     """The firewall domain: `plexd policies` reads its table and ruleset."""
     return cast(FirewallDomain | None, engine.domain(FirewallDomain.name))

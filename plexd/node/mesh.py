@@ -302,7 +302,7 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[Pull
     def apply(pulled: PulledState) -> list[Correction]:
         state = pulled.state
         _note_foreign_key(verifier, state.signing_keys, noted)
-        if state.relay is not None and mesh.engine.domain("relay") is None and "relay" not in noted:
+        if state.relay and mesh.engine.domain("relay") is None and "relay" not in noted:
             noted.add("relay")
             log.info("the state assigns relay sessions, which only a bridge serves (mode: bridge); ignored here")
 

@@ -34,7 +34,6 @@ Handler = Callable[[Envelope], Awaitable[None]]
 
 OWNED_ELSEWHERE = (
     "action_request",
-    "bridge_config_updated",
     "user_access_config_updated",
     "user_access_peer_assigned",
     "user_access_peer_revoked",
@@ -116,6 +115,7 @@ class EventHandlers:
             "session_revoked": self._session_revoked,
             "ssh_session_setup": self._ssh_session_setup,
             # Bridge mode's relay (plexd-access-protocol.md §2): deltas on the relay sessions (a node ignores them)
+            "bridge_config_updated": self._refresh_now,
             "relay_session_assigned": self._relay_session_assigned,
             "relay_session_revoked": self._relay_session_revoked,
         }

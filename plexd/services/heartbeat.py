@@ -9,8 +9,8 @@ re-authentication. Three consecutive failures log one warning; the recovery is l
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from plexd import gojson
@@ -31,6 +31,7 @@ class HeartbeatSnapshot:
     mesh: MeshInfo | None = None
     nat: NatInfo | None = None
     status_reason: str = ""  # why the status is degraded (sent only then)
+    extra: Mapping[str, Any] = field(default_factory=dict)  # bridge / user_access / ingress / site_to_site objects
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -89,6 +90,7 @@ class HeartbeatService:
             mesh=snap.mesh,
             nat=snap.nat if snap.nat is not None and snap.nat.public_endpoint else None,
             status_reason=snap.status_reason,
+            extra=snap.extra,
         ).to_wire()
 
     async def run(self) -> None:

@@ -88,8 +88,10 @@ def test_state_has_the_wire_shape_and_admin_changes(dp):
     assert dp.admin.set_data(a.id, "database-config", "application/json", {"host": "db2"})["version"] == 2
     assert dp.admin.set_secret(a.id, "tls-cert", "s3cr3t") == 1
     state = a.get("state").json()
-    assert set(state) == {"peers", "policies", "signing_keys", "metadata", "data", "secret_refs", "sessions"}
+    assert set(state) == {"peers", "policies", "signing_keys", "metadata", "data", "secret_refs", "sessions",
+                          "bridge"}
     assert state["sessions"] == []  # no sessions: an empty block, which a node reads as "close every session"
+    assert state["bridge"] is None  # not a bridge: nothing desired from it as one
     assert b.id in {p["id"] for p in state["peers"]}
     assert state["policies"] == [{"id": "pol_default", "rules": [
         {"src": "*", "dst": "*", "port": 0, "protocol": "", "action": "allow"}]}]
@@ -365,3 +367,16 @@ def test_admin_api_needs_the_admin_token(dp):
     with pytest.raises(AdminError) as err:
         dp.admin.node("n_missing")
     assert err.value.status == 404
+
+
+def test_a_bridge_block_is_served_to_its_node_and_a_bad_one_refused(dp, readers):
+    node = register(dp)
+    stream = readers(node)
+    block = {"relay": {"sessions": []}, "user_access": None}
+    dp.admin.set_bridge(node.id, block)
+    assert node.get("state").json()["bridge"] == block
+    assert stream.events.get(timeout=10).event == "bridge_config_updated"
+    with pytest.raises(AdminError, match="unknown member"):
+        dp.admin.set_bridge(node.id, {"wormhole": {}})
+    dp.admin.set_bridge(node.id, None)
+    assert node.get("state").json()["bridge"] is None

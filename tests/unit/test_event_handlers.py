@@ -197,3 +197,21 @@ def test_a_state_pull_never_changes_the_signing_keys(h, tmp_path, caplog):
     assert caplog.text.count("which this node does not trust") == 1  # once per key, not once per pull
     assert apply(State(signing_keys=SigningKeys(current=old))) == []  # the trusted key: nothing to say
     assert caplog.text.count("which this node does not trust") == 1
+
+
+async def test_relay_events_are_deltas_on_the_relay_sessions_and_a_bridge_change_pulls(h):
+    entry = {"session_id": "rel_1", "peer_a_id": "n_a", "peer_a_endpoint": "192.0.2.1:51820", "peer_b_id": "n_b",
+             "peer_b_endpoint": "192.0.2.2:51820", "expires_at": "2999-01-01T00:00:00Z"}
+    await h.handlers.dispatch(env("relay_session_assigned", entry))
+    first = h.desired.relay
+    assert list(first.sessions) == ["rel_1"]
+    await h.handlers.dispatch(env("relay_session_assigned", {**entry, "session_id": "rel_2"}))
+    assert list(h.desired.relay.sessions) == ["rel_1", "rel_2"] and list(first.sessions) == ["rel_1"]  # a copy
+    await h.handlers.dispatch(env("relay_session_revoked", {"session_id": "rel_1"}))
+    assert list(h.desired.relay.sessions) == ["rel_2"]
+    before = h.desired
+    with pytest.raises(WireFormatError, match="peer_b_endpoint"):
+        await h.handlers.dispatch(env("relay_session_assigned", {**entry, "peer_b_endpoint": "nowhere"}))
+    assert h.desired is before
+    await h.handlers.dispatch(env("bridge_config_updated", {}))
+    assert h.refreshes == ["bridge_config_updated"]  # only a pull, as in Go: the block is the truth
