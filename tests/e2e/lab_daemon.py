@@ -106,6 +106,12 @@ class Daemon:
         return json.loads(ident.read_text())["node_id"]
 
 
+def connects(lab: Lab, node: LabNode, ip: str, port: int, timeout: float = 1.5) -> bool:
+    """Whether a TCP connection from `node` to ip:port is accepted (a drop times out, a reset fails fast)."""
+    code = f"import socket; socket.create_connection(({ip!r}, {port}), timeout={timeout}); print('ok')"
+    return lab.exec(node, [sys.executable, "-c", code], check=False).stdout.strip() == "ok"
+
+
 def wg_peers(lab: Lab, node: LabNode) -> dict[str, str]:
     """public key -> endpoint, as `wg show plexd0 dump` sees the live device."""
     out = lab.exec(node, ["wg", "show", "plexd0", "dump"], check=False)

@@ -15,7 +15,7 @@ import time
 
 import pytest
 from integration.ssh_session_helpers import throwaway_user
-from lab_daemon import ping_count, publish_endpoints, start_mesh, wait_until
+from lab_daemon import connects, ping_count, publish_endpoints, start_mesh, wait_until
 
 ECHO_PORT = 7007
 ECHO = f"""
@@ -36,10 +36,6 @@ c.sendall(sys.argv[3].encode()); c.shutdown(socket.SHUT_WR)
 print(c.recv(65536).decode())
 """
 
-
-def connects(lab, node, ip: str, port: int) -> bool:
-    code = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=2); print('ok')"
-    return lab.exec(node, [sys.executable, "-c", code], check=False).stdout.strip() == "ok"
 
 
 def ssh_argv(token: str, user: str, endpoint: str, *command: str) -> list[str]:

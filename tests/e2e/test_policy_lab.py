@@ -13,14 +13,9 @@ import sys
 import time
 
 import pytest
-from lab_daemon import Daemon, ping_count, publish_endpoints, start_mesh, wait_until, wg_peers
+from lab_daemon import Daemon, connects, ping_count, publish_endpoints, start_mesh, wait_until, wg_peers
 
 from plexd.devplane.demo import LISTENER as LISTEN
-
-
-def connects(lab, node, ip: str, port: int) -> bool:
-    code = f"import socket; socket.create_connection(({ip!r}, {port}), timeout=1.5); print('ok')"
-    return lab.exec(node, [sys.executable, "-c", code], check=False).stdout.strip() == "ok"
 
 
 def nft_json(lab, node, *what: str) -> list[dict]:
