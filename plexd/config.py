@@ -17,7 +17,8 @@ README (PROJECT-DECISIONS.md, Config row)::
            allow_exit_routes: false,      # let a peer carry default routes (exit node)
            allow_routes: [],              # prefixes the route guard lets through (site-to-site over a LAN)
            max_route_percent: 0.1,        # of each address family peers may route, however split
-           route_table: 5182, route_rule_priority: 5182}   # mesh routes' own table, and its rule
+           route_table: 5182, route_rule_priority: 5182,    # mesh routes' own table, and its rule
+           path_probe_interval: 60s}        # a relayed peer tries its direct path again (fallback_endpoint)
     token: {value: "", file: /etc/plexd/bootstrap-token, env: PLEXD_BOOTSTRAP_TOKEN, use_metadata: false,
             metadata_url: "http://169.254.169.254"}
     registration: {hostname: "", metadata: {}, max_wait: 5m}
@@ -125,6 +126,9 @@ class MeshConfig:
     max_route_percent: float = _f(0.1, min=0.000001, max=100.0)  # of each address family, however split
     route_table: int = _f(5182, min=1, max=2**32 - 1, not_in=(253, 254, 255))  # the mesh routes' own table
     route_rule_priority: int = _f(5182, min=1, max=32765)  # its rule, before main (32766)
+    # Peers with a bridge's fallback endpoint: how often a relayed peer tries the direct path again (plexd.services
+    # .paths; both sides try in the same wall-clock window, so two NATs that filter by endpoint can punch through).
+    path_probe_interval: float = _f(60.0, "duration", min=40, max=3600)
 
 
 @dataclass(frozen=True)

@@ -94,8 +94,6 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
         return f"peer id {peer.id[:40]!r} is not 1-128 printable ASCII characters"
     if len(peer.allowed_ips) > MAX_ALLOWED_IPS:
         return f"{len(peer.allowed_ips)} allowed IPs (at most {MAX_ALLOWED_IPS})"
-    if len(peer.endpoint) > 300:
-        return "endpoint longer than 300 characters"
     if not is_valid_key(peer.public_key):
         return f"public key {peer.public_key[:60]!r} is not base64 of 32 bytes"
     if own_public_key and peer.public_key == own_public_key:
@@ -110,11 +108,14 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
             return f"allowed IP {ip[:60]!r} is not a CIDR"
     if not peer.allowed_ips and not peer.mesh_ip:
         return "peer has neither allowed IPs nor a mesh IP"
-    if peer.endpoint:
-        try:
-            split_endpoint(peer.endpoint)
-        except ValueError as e:
-            return str(e)
+    for name, endpoint in (("endpoint", peer.endpoint), ("fallback endpoint", peer.fallback_endpoint)):
+        if len(endpoint) > 300:
+            return f"{name} longer than 300 characters"
+        if endpoint:
+            try:
+                split_endpoint(endpoint)
+            except ValueError as e:
+                return f"{name}: {e}" if name != "endpoint" else str(e)
     return None
 
 
@@ -222,6 +223,9 @@ class DesiredState:
     secret_refs: tuple[SecretRef, ...] = ()
     sessions: Sessions | None = None  # the access sessions granted (None: never populated, nothing to serve)
     relay: RelaySessionSet | None = None  # bridge mode: the relay sessions assigned (a new object per listing)
+    # Peers whose direct path showed no handshake, configured on their `fallback_endpoint` (the bridge's relay)
+    # instead; chosen by the node (plexd.services.paths), never sent by the control plane, not mirrored.
+    relayed: frozenset[str] = frozenset()
     persistent_keepalive: int = DEFAULT_KEEPALIVE
     route_limits: RouteLimits = field(default_factory=RouteLimits)  # machine facts, set by the node
     refused_routes: tuple[tuple[str, str, str], ...] = ()  # (peer id, prefix, reason) dropped by the limits
@@ -249,19 +253,33 @@ class DesiredState:
         return policy.compiled_for(self.policies, self.node_id, own, self.mesh_range)
 
     def shown_peer(self, peer_id: str) -> Peer | None:
-        """The peer if it goes on the device: accepted, and (when enforcing) allowed by some rule."""
+        """The peer as it goes on the device: accepted, (when enforcing) allowed by some rule, and on its
+        fallback endpoint while it is relayed."""
         peer = self.peers.get(peer_id)
         if peer is None or not self.enforce_policy or self.compiled_policy.sees(peer):
-            return peer
+            return self._on_path(peer) if peer is not None and peer_id in self.relayed else peer
         return None
 
     @cached_property
     def shown_peers(self) -> Mapping[str, Peer]:
-        """Every peer that goes on the device (peer visibility, §9.2)."""
+        """Every peer that goes on the device (peer visibility, §9.2), relayed ones on their fallback endpoint."""
         if not self.enforce_policy:
-            return self.peers
-        sees = self.compiled_policy.sees
-        return {pid: p for pid, p in self.peers.items() if sees(p)}
+            shown: Mapping[str, Peer] = self.peers
+        else:
+            sees = self.compiled_policy.sees
+            shown = {pid: p for pid, p in self.peers.items() if sees(p)}
+        relayed = [pid for pid in self.relayed if pid in shown]
+        if not relayed:
+            return shown
+        return {**shown, **{pid: self._on_path(shown[pid]) for pid in relayed}}
+
+    @staticmethod
+    def _on_path(peer: Peer) -> Peer:
+        return replace(peer, endpoint=peer.fallback_endpoint) if peer.fallback_endpoint else peer
+
+    def with_relayed(self, relayed: frozenset[str]) -> DesiredState:
+        """These peers on their fallback endpoint (the bridge's relay), the others on their direct one."""
+        return self if relayed == self.relayed else replace(self, relayed=relayed)
 
     @cached_property
     def public_key(self) -> str:

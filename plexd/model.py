@@ -100,6 +100,7 @@ class Peer:
     endpoint: str = ""
     allowed_ips: tuple[str, ...] = ()
     psk: str = field(default="", repr=False)  # a secret: never in a repr
+    fallback_endpoint: str = ""  # a bridge's relay, for when the direct path shows no handshake (§2.1)
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str = "peer") -> Peer:
@@ -115,10 +116,11 @@ class Peer:
             endpoint=_str(f, "endpoint", path),
             allowed_ips=tuple(ips),
             psk=_str(f, "psk", path),
+            fallback_endpoint=_str(f, "fallback_endpoint", path),
         )
 
     def to_wire(self) -> dict[str, JSON]:
-        return {
+        out: dict[str, JSON] = {
             "id": self.id,
             "public_key": self.public_key,
             "mesh_ip": self.mesh_ip,
@@ -126,6 +128,9 @@ class Peer:
             "allowed_ips": list(self.allowed_ips),
             "psk": self.psk,
         }
+        if self.fallback_endpoint:
+            out["fallback_endpoint"] = self.fallback_endpoint
+        return out
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from plexd.bridge.sessions import Address, RelaySession
 INDICES_PER_SIDE = 4
 # Initiations waiting for their response (bounded: a flood of initiations cannot grow memory).
 MAX_PENDING = 1024
+RETIRED_KEPT = 100  # withdrawn flows remembered, oldest forgotten first
 
 A, B = 0, 1
 
@@ -71,6 +72,9 @@ class FlowTable:
         # sender index of an initiation -> (source, candidate (session id, side) pairs)
         self._pending: OrderedDict[int, tuple[Address, list[tuple[str, int]]]] = OrderedDict()
         self.drops = Drops()
+        # Flows of sessions withdrawn lately (never routed): the same session assigned again resumes with what it
+        # had learned, instead of waiting for both ends' next handshake (WireGuard's ~15 s of silence first).
+        self._retired: OrderedDict[str, Flow] = OrderedDict()
 
     # The desired sessions
 
@@ -87,6 +91,10 @@ class FlowTable:
                 continue
             if flow is not None:
                 self.remove(sid)
+            retired = self._retired.pop(sid, None)
+            if retired is not None and _same_pair(retired.session, session):
+                self._restore(retired, session)
+                continue
             self.flows[sid] = Flow(session, (Side(session.peer_a_id, session.peer_a_endpoint),
                                              Side(session.peer_b_id, session.peer_b_endpoint)))
 
@@ -98,6 +106,16 @@ class FlowTable:
             for index in side.indices:
                 if self._by_index.get(index, ("", 0))[0] == session_id:
                     del self._by_index[index]
+        self._retired[session_id] = flow
+        while len(self._retired) > RETIRED_KEPT:
+            self._retired.popitem(last=False)
+
+    def _restore(self, flow: Flow, session: RelaySession) -> None:
+        flow.session = session
+        self.flows[session.session_id] = flow
+        for n, side in enumerate(flow.sides):
+            for index in side.indices:
+                self._by_index.setdefault(index, (session.session_id, n))
 
     # Packets
 

@@ -439,8 +439,10 @@ class Deployment:
     # -- state (§4.1) and secrets (§8.5) ------------------------------------------------------------------------
 
     def state(self, node: Node) -> dict[str, Any]:
+        fallback = self.fallbacks(node)
         out: dict[str, Any] = {
-            "peers": [p.peer() for p in self.visible_peers(node)],
+            "peers": [p.peer() | ({"fallback_endpoint": fallback[p.id]} if p.id in fallback else {})
+                      for p in self.visible_peers(node)],
             "policies": self.policies,
             "signing_keys": self.signer.keys(self.clock.now()),
         }
@@ -452,13 +454,42 @@ class Deployment:
         out["bridge"] = node.bridge  # null: nothing desired from this node as a bridge
         return out
 
+    @staticmethod
+    def fallbacks_paired(bridge: Node) -> list[str]:
+        relay = (bridge.bridge or {}).get("relay") or {}
+        return [x for s in relay.get("sessions") or [] if isinstance(s, dict)
+                for x in (s.get("peer_a_id"), s.get("peer_b_id")) if isinstance(x, str)]
+
+    def fallbacks(self, node: Node) -> dict[str, str]:
+        """Peer id -> the relay that carries its pair with `node`: every relay session a bridge serves names a
+        pair, and each side gets the bridge's relay as the other's `fallback_endpoint`. The relay's address is
+        the block's `relay.endpoint` (the devplane's own key; a bridge ignores it)."""
+        out: dict[str, str] = {}
+        for bridge in self.live_nodes():
+            relay = (bridge.bridge or {}).get("relay") or {}
+            endpoint = relay.get("endpoint")
+            if not isinstance(endpoint, str) or not endpoint:
+                continue
+            for s in relay.get("sessions") or []:
+                pair = (s.get("peer_a_id"), s.get("peer_b_id")) if isinstance(s, dict) else ()
+                if node.id in pair:
+                    other = pair[1] if pair[0] == node.id else pair[0]
+                    if isinstance(other, str):
+                        out[other] = endpoint
+        return out
+
     def set_bridge(self, node: Node, block: dict[str, Any] | None) -> None:
         """A bridge node's `bridge` block (plexd-access-protocol.md §2.1), served in its state from now on; the
         node is told to pull it (`bridge_config_updated`, which only triggers a pull, as in Go)."""
+        relay = (block or {}).get("relay") or {}
+        paired = {x for s in relay.get("sessions") or [] if isinstance(s, dict)
+                  for x in (s.get("peer_a_id"), s.get("peer_b_id")) if isinstance(x, str) and x in self.nodes}
         with self.store.transaction():
+            paired |= {x for x in self.fallbacks_paired(node) if x in self.nodes}  # pairs it relayed lose theirs
             node.bridge = block
             self._save(node)
-            self.hub.publish([node.id], "bridge_config_updated", {})
+            # Only a pull, as in Go: the bridge for its block, the relayed nodes for their peers' fallbacks.
+            self.hub.publish(sorted({node.id} | paired), "bridge_config_updated", {})
         log.info("bridge block of node %s set (%s)", node.id, "none" if block is None else ", ".join(sorted(block)))
 
     # -- access sessions (plexd.devplane.sessions) -------------------------------------------------------------

@@ -50,12 +50,13 @@ _POLICY_FIELDS = ("policies", "enforce_policy", "node_id", "mesh_range")
 def touched_peers(old: DesiredState, new: DesiredState) -> list[str]:
     """Peer ids whose value differs between the two models. An event's edit keeps every other peer object as it
     was, so identity settles nearly all of them; a state pull builds new objects, compared by value (~1 µs)."""
+    moved = sorted(old.relayed ^ new.relayed)  # the same peer object, put on its other path (plexd.services.paths)
     if old.peers is new.peers:
-        return []
+        return moved
     before = old.peers
     changed = [pid for pid, p in new.peers.items() if (b := before.get(pid)) is not p and b != p]
     changed.extend(pid for pid in before if pid not in new.peers)
-    return changed
+    return changed + [pid for pid in moved if pid not in changed]
 
 
 def peer_delta(old: DesiredState, new: DesiredState, believed: Observed, now: float,

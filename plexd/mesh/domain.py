@@ -190,7 +190,8 @@ class WireGuardDomain:
             touched = touched_peers(base.desired, desired)
         else:
             before, after = base.desired.peers, desired.peers
-            touched = [pid for pid in named if before.get(pid) is not after.get(pid)]
+            moved = base.desired.relayed ^ desired.relayed  # the same peer, put on its other path
+            touched = [pid for pid in named if before.get(pid) is not after.get(pid) or pid in moved]
         resolved, errors = await self._resolve_endpoints(desired, touched)
         if errors:
             return None  # a full converge names them (and configures the peers without an endpoint)

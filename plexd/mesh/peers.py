@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from plexd.controlplane.ledger import read_mirror
 from plexd.errors import PlexdError
+from plexd.mesh.plan import normalize_endpoint
 from plexd.mesh.wireguard import DeviceConfig, key_fingerprint
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class PeerRow:
     latest_handshake: float  # Unix seconds, 0 = never
     rx_bytes: int
     tx_bytes: int
+    path: str | None = None  # "relay" on its fallback endpoint (a bridge's relay), "direct"; None: it has no fallback
 
     def to_json(self, now: float) -> dict[str, Any]:
         hs = self.latest_handshake
@@ -36,28 +38,31 @@ class PeerRow:
             "allowed_ips": list(self.allowed_ips),
             "latest_handshake": datetime.fromtimestamp(hs, UTC).isoformat().replace("+00:00", "Z") if hs else None,
             "latest_handshake_age_seconds": round(now - hs, 1) if hs else None,
-            "rx_bytes": self.rx_bytes, "tx_bytes": self.tx_bytes,
+            "rx_bytes": self.rx_bytes, "tx_bytes": self.tx_bytes, "path": self.path,
         }
 
 
-def names_from_mirror(data_dir: str | Path) -> dict[str, tuple[str, str]]:
-    """public key -> (peer id, mesh IP) from the daemon's desired-state mirror; {} when there is none."""
+def names_from_mirror(data_dir: str | Path) -> dict[str, tuple[str, str, str]]:
+    """public key -> (peer id, mesh IP, fallback endpoint) from the daemon's desired-state mirror; {} without one."""
     try:
         doc = read_mirror(data_dir) or {}
         peers = (doc.get("state") or {}).get("peers") or []
-        return {p["public_key"]: (p.get("id", ""), p.get("mesh_ip", "")) for p in peers if p.get("public_key")}
+        return {p["public_key"]: (p.get("id", ""), p.get("mesh_ip", ""), p.get("fallback_endpoint") or "")
+                for p in peers if p.get("public_key")}
     except (OSError, ValueError, AttributeError, TypeError):
         return {}
 
 
-def rows(device: DeviceConfig, names: dict[str, tuple[str, str]]) -> list[PeerRow]:
+def rows(device: DeviceConfig, names: dict[str, tuple[str, str, str]]) -> list[PeerRow]:
     out = []
     for key, p in device.peers.items():
-        pid, mesh_ip = names.get(key, ("", ""))
+        pid, mesh_ip, fallback = names.get(key, ("", "", ""))
         if not mesh_ip and len(p.allowed_ips) == 1:
             mesh_ip = next(iter(p.allowed_ips)).split("/")[0]
+        # The path is what the device is given: its fallback endpoint (the relay), or not (plexd.services.paths).
+        path = None if not fallback else ("relay" if p.endpoint == normalize_endpoint(fallback) else "direct")
         out.append(PeerRow(pid or f"(unknown {key_fingerprint(key)})", key, mesh_ip, p.endpoint,
-                           tuple(sorted(p.allowed_ips)), p.last_handshake, p.rx, p.tx))
+                           tuple(sorted(p.allowed_ips)), p.last_handshake, p.rx, p.tx, path))
     return sorted(out, key=lambda r: r.id)
 
 
@@ -79,8 +84,8 @@ def human_bytes(n: int) -> str:
 
 
 def format_table(peer_rows: list[PeerRow], now: float) -> str:
-    header = ["PEER", "MESH IP", "ENDPOINT", "ALLOWED IPS", "HANDSHAKE", "RX", "TX"]
-    data = [[r.id, r.mesh_ip or "-", r.endpoint or "-", ",".join(r.allowed_ips) or "-",
+    header = ["PEER", "MESH IP", "ENDPOINT", "PATH", "ALLOWED IPS", "HANDSHAKE", "RX", "TX"]
+    data = [[r.id, r.mesh_ip or "-", r.endpoint or "-", r.path or "-", ",".join(r.allowed_ips) or "-",
              age(now - r.latest_handshake) if r.latest_handshake else "never", human_bytes(r.rx_bytes),
              human_bytes(r.tx_bytes)] for r in peer_rows]
     if not data:

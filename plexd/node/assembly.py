@@ -74,6 +74,7 @@ from plexd.nodeapi.server import LocalAPI, require_admin
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
+from plexd.services.paths import PathSelector
 from plexd.services.reconciler import Reconciler, drift_uplink
 from plexd.system.systemd import Watchdog, watchdog_interval
 from plexd.telemetry.service import Telemetry
@@ -220,6 +221,10 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
                       stop_last=True)
     agent.on_shutdown("local socket", lambda a: local_api.stop(grace=2.0), phase="final")
     agent.add_service("report_sync", lambda a: report_sync.run())
+    # Peers with a bridge's fallback endpoint: direct first, the relay when the direct path shows no handshake.
+    paths = node.paths = PathSelector(mesh.store, wireguard(mesh.engine).backend.observe, mesh.request_converge,
+                                      probe_interval=cfg.mesh.path_probe_interval)
+    agent.add_service("paths", lambda a: paths.run())
     if nat is not None:
         agent.add_service("nat", lambda a: nat.run())
     telemetry = node.telemetry = _build_telemetry(node, node_id)

@@ -139,6 +139,7 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["upgrade"] = node.upgrader.status() if node.upgrader is not None else None
     doc["actions"] = node.actions.status() if node.actions is not None else None
     doc["telemetry"] = node.telemetry.status() if node.telemetry is not None else None
+    doc["paths"] = node.paths.status() if node.paths is not None else {}  # peer id -> direct/relay/probing
     doc["domains"] = node.mesh.engine.status()  # each piece of machine state: the firewall, sessions, relay...
     doc["services"] = agent.supervisor.to_json()
     return doc

@@ -128,6 +128,15 @@ class NodeCollector:
             rx.add_metric(label, peer.rx)
             tx.add_metric(label, peer.tx)
         yield from (age, rx, tx)
+        if self.node.paths is not None and self.node.paths.paths:
+            relayed = GaugeMetricFamily("plexd_peer_relayed", "1 while the peer is reached through a bridge's relay",
+                                        labels=["peer"])
+            switches = CounterMetricFamily("plexd_peer_path_switches", "switches between direct and relay",
+                                           labels=["peer"])
+            for pid, st in self.node.paths.paths.items():
+                relayed.add_metric([pid], 1 if st.path == "relay" else 0)
+                switches.add_metric([pid], st.switches)
+            yield from (relayed, switches)
 
 
 def read_metrics_token(path: str) -> str:

@@ -21,6 +21,7 @@ from plexd.nodeapi.server import LocalAPI
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService
+from plexd.services.paths import PathSelector
 from plexd.services.reconciler import Reconciler
 from plexd.telemetry.service import Telemetry
 from plexd.upgrade.upgrader import Upgrader
@@ -46,3 +47,4 @@ class Node:
     metrics: Any = None  # plexd.node.metrics.MetricsEndpoint when config metrics.enabled
     upgrader: Upgrader | None = None
     telemetry: Telemetry | None = None
+    paths: PathSelector | None = None  # automatic path selection (peers with a bridge's fallback endpoint)

@@ -222,6 +222,19 @@ def test_old_indices_are_forgotten_and_removed_sessions_route_nothing():
     assert table.route(data(200 + INDICES_PER_SIDE), A_ADDR, 1.0) == []
 
 
+def test_a_withdrawn_session_assigned_again_resumes_and_another_pair_starts_afresh():
+    table = FlowTable()
+    table.set_sessions([parse_session(doc())])
+    handshake(table)
+    table.set_sessions([])
+    assert table.route(data(200), A_ADDR, 2.0) == []  # withdrawn: nothing passes
+    table.set_sessions([parse_session(doc())])
+    assert table.route(data(200), A_ADDR, 3.0) == [B_ADDR]  # the same pair again: what it learned stands
+    table.set_sessions([])
+    table.set_sessions([parse_session(doc(b="n_other"))])  # the same id for another pair: learns anew
+    assert table.route(data(200), A_ADDR, 4.0) == []
+
+
 # Leases
 
 

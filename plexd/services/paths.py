@@ -1,0 +1,132 @@
+"""Automatic path selection (issue 34 item 3): a peer with a `fallback_endpoint` (a bridge's relay) is configured on
+its direct endpoint first, moved to the relay when the direct path shows no handshake, and taken back when the
+direct path works again.
+
+Per peer, every `TICK` seconds, from the live device (latest handshake, endpoint, bytes received):
+
+    direct   no handshake in the last 3 minutes for `DIRECT_GRACE` (10 s) since the path was set → relay; the
+             device roamed to the relay (the other side moved there) → relay
+    relay    the device roamed to a direct address with a recent handshake (the other side came through
+             directly) → direct; otherwise, at the start of each probe window → probing
+    probing  configured direct again until the window ends; then direct if packets kept arriving and the
+             device's endpoint is not the relay's (WireGuard roams to wherever the other side's packets come
+             from), else back to the relay
+
+Probe windows are the first 30 s of each `interval` (60 s by default) of wall-clock time,
+the same for every node: both sides of a relayed pair try the direct path at the same moment, which is what
+two NATs that filter by endpoint need to let each other's packets in (a one-sided try can never get through
+them). So a relayed peer tries at most once a minute, and a pair whose direct path never works loses at most the
+packets of one window's first exchange. The decision is a model edit (`DesiredState.relayed`), applied by the
+engine like any event (a switch is news that wins over WireGuard's roaming); the reconcile keeps it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from plexd.desired_store import DesiredStore
+from plexd.mesh.plan import normalize_endpoint
+from plexd.mesh.wireguard import DeviceConfig
+
+log = logging.getLogger(__name__)
+
+TICK = 2.0
+DIRECT_GRACE = 10.0  # a working direct path handshakes within ~1 s, or 5 s after one lost initiation
+FRESH = 180.0  # a handshake younger than this: the path carries the session (WireGuard rekeys every 2 min)
+PROBE_INTERVAL = 60.0
+PROBE_WINDOW = 30.0
+
+DIRECT, RELAY, PROBING = "direct", "relay", "probing"
+
+
+@dataclass
+class PeerPath:
+    path: str
+    since: float  # monotonic: when this path was set
+    switches: int = 0
+    rx_at_probe: int = 0
+    last_switch: float = 0.0  # wall clock, for status
+    probed_slot: int = -1  # the probe window last used (wall-clock intervals since the epoch)
+
+
+class PathSelector:
+    def __init__(self, store: DesiredStore, read_device: Callable[[], Awaitable[DeviceConfig | None]],
+                 request_converge: Callable[[str], None], *, probe_interval: float = PROBE_INTERVAL,
+                 monotonic: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+        self.interval = probe_interval
+        # Longer than a persistent keepalive (25 s): the side whose first packet the other NAT dropped (it sent
+        # before the other side had) gets one more through before the window ends.
+        self.window = min(PROBE_WINDOW, probe_interval - 10)
+        self._store = store
+        self._read = read_device
+        self._converge = request_converge
+        self._monotonic, self._wall = monotonic, wall
+        self.paths: dict[str, PeerPath] = {}
+
+    async def run(self) -> None:
+        while True:
+            await self.tick()
+            await asyncio.sleep(TICK)
+
+    async def tick(self) -> None:
+        desired = self._store.value
+        candidates = {pid: p for pid, p in desired.peers.items() if p.fallback_endpoint}
+        self.paths = {pid: st for pid, st in self.paths.items() if pid in candidates}
+        if not candidates:
+            return
+        device = await self._read()
+        if device is None:
+            return
+        now = self._monotonic()
+        changed: list[str] = []
+        for pid, peer in candidates.items():
+            st = self.paths.setdefault(pid, PeerPath(RELAY if pid in desired.relayed else DIRECT, now))
+            live = device.peers.get(peer.public_key)
+            if live is None:
+                continue
+            path = self._decide(st, live.last_handshake, live.endpoint, live.rx,
+                                normalize_endpoint(peer.fallback_endpoint), now)
+            if path != st.path:
+                log.info("peer %s: path %s -> %s", pid, st.path, path,
+                         extra={"peer_id": pid, "path": path})
+                if (path == RELAY) != (st.path == RELAY):  # the endpoint the device is given changes
+                    changed.append(pid)
+                    st.switches += 1
+                    st.last_switch = self._wall()
+                st.path, st.since, st.rx_at_probe = path, now, live.rx
+        if changed:
+            relayed = frozenset(pid for pid, st in self.paths.items() if st.path == RELAY)
+            self._store.edit(lambda d: d.with_relayed(relayed), "path selection", tuple(changed))
+            self._converge(f"path selection ({', '.join(sorted(changed))})")
+
+    def _decide(self, st: PeerPath, handshake: float, endpoint: str, rx: int, relay: str, now: float) -> str:
+        wall = self._wall()
+        fresh = handshake > 0 and wall - handshake < FRESH
+        if st.path == DIRECT:
+            if fresh and endpoint == relay:
+                return RELAY  # the other side moved to the relay and the device roamed to it: follow
+            return RELAY if not fresh and now - st.since >= DIRECT_GRACE else DIRECT
+        slot, into = int(wall // self.interval), wall % self.interval
+        if st.path == RELAY:
+            if fresh and endpoint and endpoint != relay:
+                return DIRECT  # the other side reached us directly and the device roamed to it
+            if into < self.window / 2 and slot != st.probed_slot:
+                st.probed_slot = slot
+                return PROBING
+            return RELAY
+        # probing: configured direct until the window is over
+        if slot == st.probed_slot and into < self.window:
+            return PROBING
+        return DIRECT if endpoint != relay and rx > st.rx_at_probe and fresh else RELAY
+
+    def status(self) -> dict[str, Any]:
+        return {pid: {"path": st.path, "switches": st.switches, "last_switch": st.last_switch or None}
+                for pid, st in sorted(self.paths.items())}
+
+    def paths_by_peer(self) -> Mapping[str, str]:
+        return {pid: st.path for pid, st in self.paths.items()}

@@ -1,0 +1,153 @@
+"""Path selection (plexd.services.paths), driven by a device read the test sets and clocks it moves: direct until
+the direct path shows no handshake for 10 s, then the relay; back to direct when the other side comes through
+directly, or after a probe a minute later whose packets arrive directly; a failed probe back on the relay. The
+decision lands in the desired model, where the device's endpoint comes from. (Real wireguard-go paths through a
+real relay: tests/e2e/test_bridge_lab.py.)"""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from nacl.public import PrivateKey
+
+from plexd.desired import DesiredState
+from plexd.desired_store import DesiredStore
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.model import Peer
+from plexd.services.paths import DIRECT, PROBING, RELAY, PathSelector
+
+
+def key() -> str:
+    return base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
+
+
+DIRECT_EP, RELAY_EP = "198.51.100.7:51820", "203.0.113.1:51821"
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.peer = Peer("n_b", key(), "10.100.0.2", DIRECT_EP, fallback_endpoint=RELAY_EP)
+        self.plain = Peer("n_c", key(), "10.100.0.3", "198.51.100.9:51820")
+        base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
+                                    private_key=base64.b64encode(bytes(PrivateKey.generate())).decode(),
+                                    mesh_ip="10.100.0.1")
+        self.store = DesiredStore(base.with_peers([self.peer, self.plain]))
+        # 35 s into a probe interval (1_699_999_980 is a whole number of minutes): outside the probe window
+        self.mono, self.wall = 1000.0, 1_699_999_980.0 + 35
+        self.live = {"endpoint": DIRECT_EP, "handshake": 0.0, "rx": 0}
+        self.converges: list[str] = []
+        self.selector = PathSelector(self.store, self.device, self.converges.append,
+                                     monotonic=lambda: self.mono, wall=lambda: self.wall)
+
+    async def device(self) -> DeviceConfig:
+        peers = {self.peer.public_key: PeerConfig(self.peer.public_key, self.live["endpoint"],
+                                                  last_handshake=self.live["handshake"], rx=self.live["rx"]),
+                 self.plain.public_key: PeerConfig(self.plain.public_key, self.plain.endpoint)}
+        return DeviceConfig(peers=peers)
+
+    async def after(self, seconds: float) -> str:
+        self.mono += seconds
+        self.wall += seconds
+        await self.selector.tick()
+        return self.selector.paths["n_b"].path
+
+    def configured(self) -> str:
+        return self.store.value.shown_peer("n_b").endpoint
+
+    def handshake_now(self) -> None:
+        self.live["handshake"] = self.wall
+
+
+@pytest.fixture
+def h():
+    return Harness()
+
+
+async def test_no_handshake_on_the_direct_path_moves_the_peer_to_the_relay_after_10_s(h):
+    assert await h.after(0) == DIRECT and h.configured() == DIRECT_EP
+    assert await h.after(9) == DIRECT
+    assert await h.after(2) == RELAY
+    assert h.configured() == RELAY_EP and h.store.value.relayed == {"n_b"}
+    assert h.converges == ["path selection (n_b)"]
+    assert set(h.selector.paths) == {"n_b"}  # a peer without a fallback is never looked at
+    assert h.selector.status()["n_b"]["switches"] == 1
+
+
+async def test_a_working_direct_path_stays(h):
+    h.handshake_now()
+    for _ in range(10):
+        h.handshake_now()
+        assert await h.after(30) == DIRECT
+    assert h.converges == []
+
+
+async def test_a_probe_whose_packets_arrive_directly_takes_the_peer_back(h):
+    await h.after(0)
+    assert await h.after(11) == RELAY  # 46 s into the minute
+    h.live["endpoint"] = RELAY_EP
+    h.handshake_now()  # relayed: the handshake goes through the relay
+    assert await h.after(10) == RELAY  # 56 s: not in a probe window
+    assert await h.after(6) == PROBING and h.configured() == DIRECT_EP  # 2 s into the next minute: every node tries
+    h.live["endpoint"] = DIRECT_EP  # the other side's packets come directly, so the device keeps the endpoint
+    h.live["rx"] += 148
+    assert await h.after(10) == PROBING  # the window lasts 30 s, whatever happens in it
+    assert await h.after(20) == DIRECT and h.configured() == DIRECT_EP
+    assert h.selector.status()["n_b"]["switches"] == 2  # to the relay, and back (the probe itself is not one)
+
+
+async def test_a_failed_probe_goes_back_to_the_relay_when_its_window_ends_and_waits_for_the_next(h):
+    await h.after(0)
+    await h.after(11)
+    h.live["endpoint"] = RELAY_EP
+    h.handshake_now()
+    assert await h.after(16) == PROBING  # 2 s into the next minute
+    h.live["endpoint"] = RELAY_EP  # the other side's packets still come through the relay: the device roamed back
+    assert await h.after(10) == PROBING  # the other side may start a moment later: the window is waited out
+    assert await h.after(20) == RELAY and h.configured() == RELAY_EP
+    assert await h.after(20) == RELAY  # 52 s: no second try in the same minute
+    assert await h.after(10) == PROBING  # the next minute's window
+
+
+async def test_two_nodes_that_went_relayed_at_different_moments_probe_in_the_same_window():
+    """What makes hole punching work: both sides of a pair send directly at once, whenever each went relayed."""
+    one, other = Harness(), Harness()
+    other.mono += 7
+    other.wall += 7  # its own start, 7 s later
+    for h in (one, other):
+        await h.after(0)
+        assert await h.after(11) == RELAY
+        h.live["endpoint"] = RELAY_EP
+        h.handshake_now()
+    seen = []
+    for _ in range(30):  # a minute, in 2 s ticks, both clocks moving together
+        seen.append((await one.after(2), await other.after(2)))
+    both = [i for i, (x, y) in enumerate(seen) if x == PROBING and y == PROBING]
+    assert both and one.selector.paths["n_b"].probed_slot == other.selector.paths["n_b"].probed_slot
+
+
+async def test_the_other_side_coming_through_directly_ends_the_relay_at_once(h):
+    await h.after(0)
+    await h.after(16)
+    h.live["endpoint"] = "198.51.100.7:40123"  # roamed to where the other side's direct packets came from
+    h.handshake_now()
+    assert await h.after(2) == DIRECT and h.configured() == DIRECT_EP
+
+
+async def test_a_direct_peer_whose_other_side_went_to_the_relay_follows_it(h):
+    h.handshake_now()
+    assert await h.after(0) == DIRECT
+    h.live["endpoint"] = RELAY_EP  # the device roamed: the other side's packets come through the relay
+    h.handshake_now()
+    assert await h.after(2) == RELAY and h.configured() == RELAY_EP
+
+
+def test_a_malformed_fallback_endpoint_refuses_the_peer_by_name():
+    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.1.0.1")
+    bad = Peer("n_x", key(), "10.100.0.5", "198.51.100.7:51820", fallback_endpoint="relay-without-port")
+    d = base.with_peers([bad])
+    assert "n_x" not in d.peers and "fallback endpoint" in dict(d.rejected)["n_x"]
+    wire = Peer.from_wire({"id": "n_y", "public_key": key(), "mesh_ip": "10.100.0.6",
+                           "fallback_endpoint": RELAY_EP})
+    assert wire.fallback_endpoint == RELAY_EP and wire.to_wire()["fallback_endpoint"] == RELAY_EP
+    assert "fallback_endpoint" not in Peer("n_z", key(), "10.100.0.7").to_wire()  # the older shape stays as it was
