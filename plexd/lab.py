@@ -496,10 +496,10 @@ class MeshLab:
         return checksum
 
     def start_node(self, node: LabNode, mesh_extra: str = "", *, stun: Sequence[str] = (),
-                   nat_extra: str = "") -> LabDaemon:
+                   nat_extra: str = "", extra: str = "") -> LabDaemon:
         """`plexd up` in `node`; `mesh_extra` (", key: value") extends its `mesh:` config (tests). With `stun`
         servers the node discovers and reports its own endpoint (`nat_extra` extends `nat_traversal:`); without,
-        the lab reports it (`publish_endpoints`)."""
+        the lab reports it (`publish_endpoints`). `extra`: more top-level config lines (`mode: bridge\n`)."""
         assert self.admin is not None, "start_devplane() first"
         ndir = os.path.join(self.lab.workdir, node.name)
         os.makedirs(ndir, exist_ok=True)
@@ -516,6 +516,7 @@ class MeshLab:
                     f"upgrade: {{dir: {ndir}/releases, release_keys: ['{self._public_release_key()}']}}\n")
             if stun:
                 f.write(f"nat_traversal: {{stun_servers: [{', '.join(stun)}]{nat_extra}}}\n")
+            f.write(extra)
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), "PLEXD_CONFIG": config}
         with open(os.path.join(ndir, "plexd.log"), "w") as log:
             proc = self.lab.spawn(node.wrap([self.plexd, "up"]), env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", type=int, default=3, help="number of nodes (default 3)")
     demo.add_argument("--nat", action="store_true",
                       help="put every node behind its own NAT router; they find each other over STUN (coturn)")
+    demo.add_argument("--bridge", action="store_true",
+                      help="a bridge and two nodes behind symmetric NATs, which reach each other through its relay")
     demo.add_argument("--keep", action="store_true", help="leave the lab running (remove it later with --down)")
     demo.add_argument("--down", action="store_true", help="remove a lab left by --keep")
     demo.set_defaults(func=cmd_demo)

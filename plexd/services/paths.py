@@ -7,7 +7,8 @@ Per peer, every `TICK` seconds, from the live device (latest handshake, endpoint
     direct   no handshake in the last 3 minutes for `DIRECT_GRACE` (10 s) since the path was set → relay; the
              device roamed to the relay (the other side moved there) → relay
     relay    the device roamed to a direct address with a recent handshake (the other side came through
-             directly) → direct; otherwise, at the start of each probe window → probing
+             directly) → direct; otherwise, at the start of a probe window at least one interval after it
+             went to the relay → probing
     probing  configured direct again until the window ends; then direct if packets kept arriving and the
              device's endpoint is not the relay's (WireGuard roams to wherever the other side's packets come
              from), else back to the relay
@@ -52,6 +53,7 @@ class PeerPath:
     rx_at_probe: int = 0
     last_switch: float = 0.0  # wall clock, for status
     probed_slot: int = -1  # the probe window last used (wall-clock intervals since the epoch)
+    relayed_at: float = 0.0  # monotonic: when it last went from direct to the relay (failed probes do not count)
 
 
 class PathSelector:
@@ -85,7 +87,7 @@ class PathSelector:
         now = self._monotonic()
         changed: list[str] = []
         for pid, peer in candidates.items():
-            st = self.paths.setdefault(pid, PeerPath(RELAY if pid in desired.relayed else DIRECT, now))
+            st = self.paths.setdefault(pid, PeerPath(RELAY if pid in desired.relayed else DIRECT, now, relayed_at=now))
             live = device.peers.get(peer.public_key)
             if live is None:
                 continue
@@ -98,6 +100,8 @@ class PathSelector:
                     changed.append(pid)
                     st.switches += 1
                     st.last_switch = self._wall()
+                if path == RELAY and st.path == DIRECT:
+                    st.relayed_at = now
                 st.path, st.since, st.rx_at_probe = path, now, live.rx
         if changed:
             relayed = frozenset(pid for pid, st in self.paths.items() if st.path == RELAY)
@@ -115,7 +119,9 @@ class PathSelector:
         if st.path == RELAY:
             if fresh and endpoint and endpoint != relay:
                 return DIRECT  # the other side reached us directly and the device roamed to it
-            if into < self.window / 2 and slot != st.probed_slot:
+            # Not in its first interval on the relay (the direct path just failed); after that, every window, so
+            # the two sides of a pair, whenever each went relayed, keep trying together.
+            if into < self.window / 2 and slot != st.probed_slot and now - st.relayed_at >= self.interval:
                 st.probed_slot = slot
                 return PROBING
             return RELAY

@@ -93,7 +93,7 @@ def test_nodes_behind_random_port_nats_move_to_the_bridges_relay_by_themselves(t
             lab.set_router_nat(router, "masquerade")
             flush_conntrack(router)
         took = wait_until(lambda: {a.status()["paths"][b.node_id()]["path"], b.status()["paths"][a.node_id()]["path"]}
-                          == {"direct"}, 120, "both nodes to take the direct path back", daemons)
+                          == {"direct"}, 150, "both nodes to take the direct path back", daemons)
         print(f"both back on the direct path {took:.1f} s after the NATs changed")
         before = relay_status(bridge)["sessions"][0]
         assert ping(lab, a, b.mesh_ip(), 5).returncode == 0

@@ -78,3 +78,17 @@ def test_demo_keep_leaves_a_working_lab_and_down_removes_it():
         down = subprocess.run([*cli, "--down"], capture_output=True, text=True, timeout=60)
     assert down.returncode == 0, down.stderr
     assert _lab_namespaces(proc.stdout) == set()
+
+
+@pytest.mark.timeout(240)
+def test_demo_bridge_joins_two_nodes_behind_symmetric_nats_through_the_relay():
+    proc = subprocess.run([sys.executable, "-m", "plexd.devplane.cli", "demo", "--bridge"], capture_output=True,
+                          text=True, timeout=180)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "reaches node3" in out and "through the relay" in out, out
+    path = next(line.split() for line in out.splitlines() if re.match(r"^n_\w+\s", line) and "10.231." in line
+                and ":51821" in line)
+    assert "relay" in path, out  # `plexd peers` on node2: node3 is on the bridge's relay
+    assert re.search(r"^rel_demo\s+\S+\s+\S+\s+[1-9]\d*\s+[1-9]\d*$", out, re.M), out  # packets both ways
+    assert _lab_namespaces(out) == set()

@@ -87,8 +87,10 @@ async def test_a_probe_whose_packets_arrive_directly_takes_the_peer_back(h):
     assert await h.after(11) == RELAY  # 46 s into the minute
     h.live["endpoint"] = RELAY_EP
     h.handshake_now()  # relayed: the handshake goes through the relay
-    assert await h.after(10) == RELAY  # 56 s: not in a probe window
-    assert await h.after(6) == PROBING and h.configured() == DIRECT_EP  # 2 s into the next minute: every node tries
+    assert await h.after(16) == RELAY  # 2 s into the next minute, but on the relay for less than a minute
+    assert await h.after(40) == RELAY  # 42 s: not in a probe window
+    h.handshake_now()
+    assert await h.after(20) == PROBING and h.configured() == DIRECT_EP  # 2 s into the next: every node tries
     h.live["endpoint"] = DIRECT_EP  # the other side's packets come directly, so the device keeps the endpoint
     h.live["rx"] += 148
     assert await h.after(10) == PROBING  # the window lasts 30 s, whatever happens in it
@@ -101,29 +103,33 @@ async def test_a_failed_probe_goes_back_to_the_relay_when_its_window_ends_and_wa
     await h.after(11)
     h.live["endpoint"] = RELAY_EP
     h.handshake_now()
-    assert await h.after(16) == PROBING  # 2 s into the next minute
+    assert await h.after(76) == PROBING  # 2 s into the second minute after it went to the relay
     h.live["endpoint"] = RELAY_EP  # the other side's packets still come through the relay: the device roamed back
     assert await h.after(10) == PROBING  # the other side may start a moment later: the window is waited out
     assert await h.after(20) == RELAY and h.configured() == RELAY_EP
     assert await h.after(20) == RELAY  # 52 s: no second try in the same minute
-    assert await h.after(10) == PROBING  # the next minute's window
+    assert await h.after(10) == PROBING  # the next minute's window: every window from now on, so the two sides of
+    # a pair that went relayed at different moments still try together
 
 
 async def test_two_nodes_that_went_relayed_at_different_moments_probe_in_the_same_window():
     """What makes hole punching work: both sides of a pair send directly at once, whenever each went relayed."""
     one, other = Harness(), Harness()
-    other.mono += 7
-    other.wall += 7  # its own start, 7 s later
-    for h in (one, other):
-        await h.after(0)
-        assert await h.after(11) == RELAY
-        h.live["endpoint"] = RELAY_EP
-        h.handshake_now()
+    other.selector = PathSelector(other.store, other.device, other.converges.append,  # one shared clock
+                                  monotonic=lambda: one.mono, wall=lambda: one.wall)
     seen = []
-    for _ in range(30):  # a minute, in 2 s ticks, both clocks moving together
-        seen.append((await one.after(2), await other.after(2)))
+    for step in range(120):  # four minutes in 2 s ticks; the second node starts 30 s after the first
+        one.mono += 2
+        one.wall += 2
+        for h in (one, other) if step >= 15 else (one,):
+            await h.selector.tick()
+            if h.selector.paths["n_b"].path == RELAY:
+                h.live["endpoint"] = RELAY_EP  # nobody answers directly while the other side is on the relay
+                h.live["handshake"] = one.wall
+        seen.append(tuple(h.selector.paths["n_b"].path if "n_b" in h.selector.paths else None for h in (one, other)))
     both = [i for i, (x, y) in enumerate(seen) if x == PROBING and y == PROBING]
-    assert both and one.selector.paths["n_b"].probed_slot == other.selector.paths["n_b"].probed_slot
+    assert both, seen
+    assert any(x == PROBING and y == RELAY for x, y in seen[:both[0]]), seen  # the first one tried alone first
 
 
 async def test_the_other_side_coming_through_directly_ends_the_relay_at_once(h):
