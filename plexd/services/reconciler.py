@@ -208,8 +208,9 @@ class Reconciler(Generic[S]):
                      apply: bool = True) -> CycleResult:
         """Drift first, then the new state.
 
-        1. converge the machine to the desired model we already had: whatever that corrects is drift (someone
-           or something changed the machine), and is reported — even when the control plane is unreachable;
+        1. apply the events already in the model, then converge the machine to the desired model we already had:
+           whatever that corrects is drift (someone or something changed the machine), and is reported — even
+           when the control plane is unreachable;
         2. replace the model with the pulled state and converge again: those changes are updates the control
            plane asked for (a new peer, a rotated key), logged but not reported as drift.
         The Go agent reports every difference from its last snapshot, so its first cycle after each start
@@ -223,6 +224,10 @@ class Reconciler(Generic[S]):
         error = ""
         if not skip_phase1:
             try:
+                if not startup and self._apply_events is not None:
+                    # Events edited into the model but not applied yet (their apply is queued behind this cycle)
+                    # are the control plane's news, not drift: apply them on their own path first.
+                    await self._apply_events()
                 result = await self._converge()
                 drift = corrections_of(result.changes)
                 if result.dry_run:  # held by an operator (or, at start, a live device kept): planned, not applied

@@ -282,3 +282,28 @@ async def test_a_refresh_pulls_and_applies_through_the_event_path_without_readin
         assert r.refreshes == 2 and r.last.reasons == ("policy_updated: the state refresh failed",)
     finally:
         task.cancel()
+
+
+async def test_events_in_the_model_not_yet_applied_are_applied_as_events_not_reported_as_drift():
+    """A peer_added edited into the model whose apply is still queued when a cycle starts (a stream reconnect
+    triggered it): phase 1 applies it on the event path first, so only what the machine lost is drift."""
+    w = World()
+    pending = [Change("peer_added", "peer n_new: missing from the device")]
+    order = []
+
+    async def apply_events(dry_run=False):
+        order.append("events")
+        applied, pending[:] = list(pending), []
+        return Result(applied)
+
+    async def converge(dry_run=False):
+        order.append("converge")
+        return Result(list(pending))  # without the event path first, the event's peer would be found missing
+
+    r = Reconciler(w.fetch, w.apply, converge, w.post, clock=FakeClock(NOW), apply_events=apply_events)
+    res = await r.run_once(reasons=("event stream (re)connected",))
+    assert res.corrections == [] and w.drift == []
+    assert order[:2] == ["events", "converge"]
+    pending.append(Change("peer_added", "peer n_new: missing from the device"))
+    start = await r.run_once(reasons=("start",), startup=True)  # at start there is no event path yet
+    assert order[-2:] == ["converge", "converge"] and start.corrections == []
