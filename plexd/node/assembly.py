@@ -130,7 +130,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
         state_applier(mesh, verifier), mesh.converge, post_drift,
         clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink,
-        apply_events=lambda dry_run=False: mesh.apply_events())
+        apply_events=lambda dry_run=False: mesh.apply_events(), events_pending=lambda: mesh.pending_requests)
 
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,

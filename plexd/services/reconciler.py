@@ -102,6 +102,7 @@ class Reconciler(Generic[S]):
         refusals: Callable[[], list[Correction]] | None = None,  # peers/routes refused since the last report
         outbox: UplinkOutbox | None = None,  # the daemon's durable one; None: one in memory around post_drift
         apply_events: Converge | None = None,  # the event path, for refresh(); None: refresh() is trigger()
+        events_pending: Callable[[], int] = lambda: 0,  # event applies requested and not yet served
     ) -> None:
         self._fetch_state = fetch_state
         self._apply_state = apply_state
@@ -113,6 +114,7 @@ class Reconciler(Generic[S]):
         self._wake = asyncio.Event()
         self._reasons: list[str] = []
         self._apply_events = apply_events
+        self._events_pending = events_pending
         self._refresh_reasons: list[str] = []
         self.refreshes = 0
         self._lock = asyncio.Lock()
@@ -224,9 +226,11 @@ class Reconciler(Generic[S]):
         error = ""
         if not skip_phase1:
             try:
-                if not startup and self._apply_events is not None:
+                if not startup and self._apply_events is not None and self._events_pending():
                     # Events edited into the model but not applied yet (their apply is queued behind this cycle)
-                    # are the control plane's news, not drift: apply them on their own path first.
+                    # are the control plane's news, not drift: apply them on their own path first. Only then: a
+                    # domain without a delta of its own converges in full on that path, and would repair drift
+                    # without it being reported.
                     await self._apply_events()
                 result = await self._converge()
                 drift = corrections_of(result.changes)

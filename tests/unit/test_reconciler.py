@@ -300,10 +300,15 @@ async def test_events_in_the_model_not_yet_applied_are_applied_as_events_not_rep
         order.append("converge")
         return Result(list(pending))  # without the event path first, the event's peer would be found missing
 
-    r = Reconciler(w.fetch, w.apply, converge, w.post, clock=FakeClock(NOW), apply_events=apply_events)
+    r = Reconciler(w.fetch, w.apply, converge, w.post, clock=FakeClock(NOW), apply_events=apply_events,
+                   events_pending=lambda: len(pending))
     res = await r.run_once(reasons=("event stream (re)connected",))
     assert res.corrections == [] and w.drift == []
     assert order[:2] == ["events", "converge"]
+    w.next_changes = []
+    order.clear()
+    await r.run_once(reasons=("interval",))  # nothing pending: no event apply, which could repair drift unseen
+    assert order[0] == "converge" and "events" not in order
     pending.append(Change("peer_added", "peer n_new: missing from the device"))
     start = await r.run_once(reasons=("start",), startup=True)  # at start there is no event path yet
     assert order[-2:] == ["converge", "converge"] and start.corrections == []
