@@ -38,7 +38,8 @@ README (PROJECT-DECISIONS.md, Config row)::
                report_max_entries: 1000, report_max_bytes: 16777216, report_max_entry_bytes: 1048576}
     policy: {enabled: true}
     bridge: {relay: {listen: "0.0.0.0:51821",          # mode bridge: the UDP relay (plexd.bridge)
-                     fastpath_address: ""}}            # the relay's IPv4 address: forward stable flows in nftables
+                     fastpath_address: ""},            # the relay's IPv4 address: forward stable flows in nftables
+             site_to_site: {allow_default_route: false}}  # a tunnel whose remote subnet is 0.0.0.0/0 or ::/0
     access: {enabled: true,                   # SSH/TCP/Kubernetes sessions the control plane grants (plexd.access)
              kubernetes: {url: "", token_file: "", ca_file: ""}}   # empty url: the in-cluster environment, if any
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
@@ -363,10 +364,20 @@ class RelayConfig:
 
 
 @dataclass(frozen=True)
+class SiteToSiteConfig:
+    """What only this machine's operator may open for site-to-site tunnels."""
+
+    # Remote subnets that are a default route (0.0.0.0/0, ::/0) send all of this machine's traffic to a remote
+    # site: refused unless allowed here.
+    allow_default_route: bool = _f(False)
+
+
+@dataclass(frozen=True)
 class BridgeConfig:
     """What a node in `mode: bridge` serves for the mesh (plexd-access-protocol.md §2)."""
 
     relay: RelayConfig = field(default_factory=RelayConfig)
+    site_to_site: SiteToSiteConfig = field(default_factory=SiteToSiteConfig)
 
 
 @dataclass(frozen=True)

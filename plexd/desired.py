@@ -22,6 +22,7 @@ from typing import Any
 
 from plexd import identity, policy, route_limits
 from plexd.access.sessions import Session, Sessions
+from plexd.bridge.blocks import SiteToSite, UserAccess
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
 from plexd.route_limits import RouteLimits
@@ -223,6 +224,8 @@ class DesiredState:
     secret_refs: tuple[SecretRef, ...] = ()
     sessions: Sessions | None = None  # the access sessions granted (None: never populated, nothing to serve)
     relay: RelaySessionSet | None = None  # bridge mode: the relay sessions assigned (a new object per listing)
+    user_access: UserAccess | None = None  # bridge mode: the access interface and its peers (None: never said)
+    site_to_site: SiteToSite | None = None  # bridge mode: the site-to-site tunnels (None: never said)
     # Peers whose direct path showed no handshake, configured on their `fallback_endpoint` (the bridge's relay)
     # instead; chosen by the node (plexd.services.paths), never sent by the control plane, not mirrored.
     relayed: frozenset[str] = frozenset()
@@ -395,7 +398,9 @@ class DesiredState:
                       metadata=None if state.metadata is None else dict(state.metadata), data=tuple(state.data),
                       secret_refs=tuple(state.secret_refs),
                       sessions=self.sessions if state.sessions is None else state.sessions,
-                      relay=self.relay if state.relay is None else state.relay)
+                      relay=self.relay if state.relay is None else state.relay,
+                      user_access=self.user_access if state.user_access is None else state.user_access,
+                      site_to_site=self.site_to_site if state.site_to_site is None else state.site_to_site)
         return new._with_peers(state.peers, {}, ())
 
     def with_peers(self, peers: Iterable[Peer]) -> DesiredState:

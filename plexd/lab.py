@@ -144,6 +144,31 @@ class Lab:
         self._on_bridge(node.netns, node.veth, "eth0", [node.address], default_route=False)
         return node
 
+    def add_lan_host(self, gateway: LabNode, lan: str) -> LabNode:
+        """A host on a LAN of its own behind `gateway` (a site's subnet): `lan`'s first address on the gateway's
+        `lanN`, the second on the host, whose default route is the gateway. Nothing forwards it yet."""
+        i = len(self.nodes) + 1
+        net = ipaddress.ip_network(lan)
+        host = LabNode(name=f"node{i}", netns=f"px{self.tag}n{i}", address=str(net[2]), veth=f"px{self.tag}h{i}",
+                       sock_dir=os.path.join(self.workdir, f"run-wireguard-{i}"))
+        os.makedirs(host.sock_dir, mode=0o700, exist_ok=True)
+        self.nodes.append(host)
+        self._save()
+        _run(["ip", "netns", "add", host.netns])
+        _run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", f"{host.veth}x"])
+        _run(["ip", "link", "set", host.veth, "netns", gateway.netns])
+        _run(["ip", "link", "set", f"{host.veth}x", "netns", host.netns])
+        gns, ns = ["ip", "-n", gateway.netns], ["ip", "-n", host.netns]
+        _run([*gns, "link", "set", host.veth, "name", f"lan{i}"])
+        _run([*gns, "addr", "add", f"{net[1]}/{net.prefixlen}", "dev", f"lan{i}"])
+        _run([*gns, "link", "set", f"lan{i}", "up"])
+        _run([*ns, "link", "set", f"{host.veth}x", "name", "eth0"])
+        _run([*ns, "addr", "add", f"{host.address}/{net.prefixlen}", "dev", "eth0"])
+        _run([*ns, "link", "set", "eth0", "up"])
+        _run([*ns, "link", "set", "lo", "up"])
+        _run([*ns, "route", "add", "default", "via", str(net[1]), "dev", "eth0"])
+        return host
+
     def add_router(self, snat: str = "masquerade") -> LabRouter:
         """A NAT router on the bridge (`add_node(behind=router)` puts nodes behind it)."""
         i = len(self.routers) + 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.access.sessions import Sessions, parse_sessions
+from plexd.bridge.blocks import SiteToSite, UserAccess, has_block, parse_site_to_site, parse_user_access
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.errors import WireFormatError
 from plexd.gojson import GO_ZERO_TIME
@@ -267,6 +268,8 @@ class State:
     secret_refs: tuple[SecretRef, ...] = ()
     sessions: Sessions | None = None  # None: the block was null or absent ("not populated": touch nothing)
     relay: RelaySessionSet | None = None  # a bridge's relay sessions; None: no relay block in this state
+    user_access: UserAccess | None = None  # a bridge's access interface; None: no block in this state
+    site_to_site: SiteToSite | None = None  # a bridge's tunnels; None: no block in this state
     extra: dict[str, JSON] = field(default_factory=dict)
 
     _EXTRA_KEYS = ("bridge", "bridge_config", "relay_config", "user_access_config", "ingress_config",
@@ -292,6 +295,8 @@ class State:
             # A bridge or relay_config block, even null, says what is desired (null: no relay sessions); a state
             # without either (a node, an older control plane) changes nothing.
             relay=RelaySessionSet.from_state(f) if "bridge" in f or "relay_config" in f else None,
+            user_access=parse_user_access(f) if has_block(f, "user_access_config") else None,
+            site_to_site=parse_site_to_site(f) if has_block(f, "site_to_site_config") else None,
             extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
         )
 

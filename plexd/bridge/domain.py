@@ -198,11 +198,3 @@ def live_elements(objects: list[Any]) -> Elements:
     return {sender: (str(ip), int(maps["fwd_port"][sender])) for sender, ip in maps["fwd_addr"].items()
             if sender in maps["fwd_port"]}
 
-
-def heartbeat_block(relay: RelayDomain | None) -> dict[str, Any]:
-    """The heartbeat's `bridge` object (older contract): what this bridge serves; the parts not built yet are off."""
-    status = relay.relay.status() if relay is not None else {}
-    return {"enabled": True, "access_interface": "", "active_routes": 0,
-            "relay_enabled": bool(status.get("listening")), "active_relay_sessions": len(status.get("sessions", [])),
-            "ingress_enabled": False, "active_ingress_rules": 0,
-            "site_to_site_enabled": False, "active_site_to_site_tunnels": 0}

@@ -486,8 +486,11 @@ class Deployment:
                   for x in (s.get("peer_a_id"), s.get("peer_b_id")) if isinstance(x, str) and x in self.nodes}
         with self.store.transaction():
             paired |= {x for x in self.fallbacks_paired(node) if x in self.nodes}  # pairs it relayed lose theirs
+            routed = node.routed()
             node.bridge = block
             self._save(node)
+            if node.routed() != routed:  # the prefixes it carries changed: every node that sees it pulls
+                paired |= set(self.watchers(node))
             # Only a pull, as in Go: the bridge for its block, the relayed nodes for their peers' fallbacks.
             self.hub.publish(sorted({node.id} | paired), "bridge_config_updated", {})
         log.info("bridge block of node %s set (%s)", node.id, "none" if block is None else ", ".join(sorted(block)))

@@ -99,9 +99,26 @@ class Node:
             "public_key": self.public_key,
             "mesh_ip": self.mesh_ip,
             "endpoint": self.endpoint,
-            "allowed_ips": [f"{self.mesh_ip}/32"],
+            "allowed_ips": [f"{self.mesh_ip}/32", *self.routed()],
             "psk": "",
         }
+
+    def routed(self) -> list[str]:
+        """What a bridge carries for the mesh besides itself: its access peers' prefixes and its site-to-site
+        tunnels' remote subnets (the other nodes route them to it; the bridge's firewall decides who gets through)."""
+        block = self.bridge if isinstance(self.bridge, dict) else {}
+        out: list[str] = []
+        access = block.get("user_access")
+        if isinstance(access, dict) and access.get("enabled", True) is not False:
+            for peer in access.get("peers") or []:
+                out += [c for c in (peer.get("allowed_ips") or []) if isinstance(c, str)] if isinstance(peer, dict) \
+                    else []
+        s2s = block.get("site_to_site")
+        if isinstance(s2s, dict) and s2s.get("enabled", True) is not False:
+            for tunnel in s2s.get("tunnels") or []:
+                out += [c for c in (tunnel.get("remote_subnets") or []) if isinstance(c, str)] \
+                    if isinstance(tunnel, dict) else []
+        return list(dict.fromkeys(out))
 
 
 class Store:

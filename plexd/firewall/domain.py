@@ -24,9 +24,11 @@ from plexd.firewall.nft import FirewallError, Nftables
 from plexd.firewall.ruleset import (
     FAMILY,
     TABLE,
+    BridgeGuards,
     LiveTable,
     Ruleset,
     SessionGate,
+    TunnelGuard,
     desired_ruleset,
     node_set,
     parse_table,
@@ -46,8 +48,10 @@ class FirewallDomain:
     name = "firewall"
 
     def __init__(self, interface: str, *, enabled: bool = True, log_denied: bool = False,
-                 nft: Nftables | None = None, run_blocking: Callable[..., Any] | None = None) -> None:
+                 nft: Nftables | None = None, run_blocking: Callable[..., Any] | None = None,
+                 bridge: bool = False) -> None:
         self.interface = interface
+        self.bridge = bridge  # mode bridge: the access interface and the site-to-site tunnels are filtered too
         self.enabled = enabled
         self.log_denied = log_denied
         self.nft = nft or Nftables()
@@ -106,9 +110,17 @@ class FirewallDomain:
                     if peer is not None and peer.mesh_ip:
                         addresses[node] = peer.mesh_ip
             ruleset = desired_ruleset(compiled, desired.interface, addresses, self.log_denied,
-                                      session_gates(desired.sessions))
+                                      session_gates(desired.sessions), self._guards(desired))
         self._want = (desired, ruleset)
         return ruleset
+
+    def _guards(self, desired: DesiredState) -> BridgeGuards:
+        if not self.bridge:
+            return BridgeGuards()
+        access = desired.user_access
+        tunnels = desired.site_to_site.tunnels if desired.site_to_site and desired.site_to_site.enabled else ()
+        return BridgeGuards(access.interface if access is not None and access.enabled else "",
+                            tuple(TunnelGuard(t.interface, t.local_subnets) for t in tunnels))
 
     async def read(self) -> LiveTable | None:
         objects = await self._run(self.nft.list_table)
@@ -200,7 +212,8 @@ class FirewallDomain:
         before, ruleset = last
         if (desired.compiled_policy is not before.compiled_policy or desired.interface != before.interface
                 or desired.node_id != before.node_id or desired.mesh_ip != before.mesh_ip
-                or desired.enforce_policy != before.enforce_policy or desired.sessions is not before.sessions):
+                or desired.enforce_policy != before.enforce_policy or desired.sessions is not before.sessions
+                or desired.user_access is not before.user_access or desired.site_to_site is not before.site_to_site):
             return None
         referenced = desired.compiled_policy.referenced_nodes()
         sets = dict(ruleset.sets)

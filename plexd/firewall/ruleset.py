@@ -201,12 +201,31 @@ class SessionGate:
     service_port: int
 
 
+@dataclass(frozen=True)
+class TunnelGuard:
+    """A site-to-site tunnel: what arrives on it may reach its local subnets, and nothing else."""
+
+    interface: str
+    local_subnets: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BridgeGuards:
+    """A bridge's other interfaces: the access interface, policed by the policy as the mesh interface is (its
+    peers are sources like any other: a rule allowing their prefix lets them through, nothing else does), and
+    the site-to-site tunnels."""
+
+    access_interface: str = ""
+    tunnels: tuple[TunnelGuard, ...] = ()
+
+
 def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping[str, str],
-                    log_denied: bool, sessions: tuple[SessionGate, ...] = ()) -> Ruleset:
+                    log_denied: bool, sessions: tuple[SessionGate, ...] = (),
+                    bridge: BridgeGuards = BridgeGuards()) -> Ruleset:
     """The table for these policies. `addresses`: node id -> its mesh address, for every node a rule names
     (this node included); a node not in it gets an empty set. `sessions`: the live access sessions' gates."""
     chains = _chains(compiled, interface, log_denied, tuple(sorted(
-        (n, _family(addresses.get(n, ""))) for n in compiled.referenced_nodes())), sessions)
+        (n, _family(addresses.get(n, ""))) for n in compiled.referenced_nodes())), sessions, bridge)
     sets = {}
     for node in compiled.referenced_nodes():
         spec = node_set(node, addresses.get(node, ""))
@@ -224,34 +243,55 @@ def node_set(node: str, address: str) -> SetSpec:
 _chain_cache = ByIdentity[Mapping[str, ChainSpec]]()
 
 
-def _chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
-            families: tuple[tuple[str, int], ...], sessions: tuple[SessionGate, ...]) -> Mapping[str, ChainSpec]:
+def _chains(compiled: CompiledPolicy, interface: str, log_denied: bool, families: tuple[tuple[str, int], ...],
+            sessions: tuple[SessionGate, ...], bridge: BridgeGuards) -> Mapping[str, ChainSpec]:
     """The chains depend on the policies, not on the peers: built once per policy version (1,000 rules take
     milliseconds to build, and a peer event must not pay that). By identity: `compile_policies` returns the same
     object for the same policies, and hashing 1,000 rules per event would cost what the cache saves."""
-    return _chain_cache.get(compiled, (interface, log_denied, families, sessions),
-                            lambda: _build_chains(compiled, interface, log_denied, families, sessions))
+    return _chain_cache.get(compiled, (interface, log_denied, families, sessions, bridge),
+                            lambda: _build_chains(compiled, interface, log_denied, families, sessions, bridge))
 
 
-def _build_chains(compiled: CompiledPolicy, interface: str, log_denied: bool,
-                  families: tuple[tuple[str, int], ...], sessions: tuple[SessionGate, ...]) -> Mapping[str, ChainSpec]:
+def _build_chains(compiled: CompiledPolicy, interface: str, log_denied: bool, families: tuple[tuple[str, int], ...],
+                  sessions: tuple[SessionGate, ...], bridge: BridgeGuards) -> Mapping[str, ChainSpec]:
     family_of = dict(families)
     out = {}
+    policed = [interface] + ([bridge.access_interface] if bridge.access_interface else [])
     for name, hook in CHAINS.items():
-        rules = [_base(name, "established", interface, [_ct_established(), {"accept": None}])]
+        rules: list[RuleSpec] = []
         source = compiled.inbound() if name == "input" else compiled.rules
-        copies: dict[tuple[str, str], int] = {}
-        if name == "input":
-            for gate in sessions:
-                rules.extend(_session_rules(gate, source, interface, family_of, copies))
-        for r in source:
-            rules.extend(_policy_rules(name, r, interface, family_of, name == "input", copies))
-        if log_denied:
-            rules.append(_base(name, "log denied", interface, [
-                {"limit": {"rate": LOG_RATE, "burst": 5 * LOG_RATE, "per": "second"}},
-                {"log": {"prefix": f"{LOG_PREFIX}{name}: ", "level": "info"}}]))
-        rules.append(_base(name, "default deny", interface, [{"counter": None}, {"drop": None}]))
+        for iface in policed:
+            rules.append(_base(name, "established", iface, [_ct_established(), {"accept": None}]))
+            copies: dict[tuple[str, str], int] = {}
+            if name == "input" and iface == interface:
+                for gate in sessions:
+                    rules.extend(_session_rules(gate, source, iface, family_of, copies))
+            for r in source:
+                if iface == interface or r.src.kind != "node":  # an access peer is never a node
+                    rules.extend(_policy_rules(name, r, iface, family_of, name == "input", copies))
+            if log_denied:
+                rules.append(_base(name, "log denied", iface, [
+                    {"limit": {"rate": LOG_RATE, "burst": 5 * LOG_RATE, "per": "second"}},
+                    {"log": {"prefix": f"{LOG_PREFIX}{name}: ", "level": "info"}}]))
+            rules.append(_base(name, "default deny", iface, [{"counter": None}, {"drop": None}]))
+        for tunnel in bridge.tunnels:
+            rules.extend(_tunnel_rules(name, tunnel))
         out[name] = ChainSpec(name, hook, tuple(rules))
+    return out
+
+
+def _tunnel_rules(chain: str, tunnel: TunnelGuard) -> list[RuleSpec]:
+    """Replies pass; new traffic from a remote site may go to its local subnets (forward), nowhere else."""
+    iface = tunnel.interface
+    out = [_base(chain, "established", iface, [_ct_established(), {"accept": None}])]
+    if chain == "forward":
+        for cidr in tunnel.local_subnets:
+            sel = Selector("cidr", cidr)
+            family = sel.network.version if sel.network is not None else 4
+            expr = [_iif(iface), *_address_match(sel, "daddr", family), {"counter": None}, {"accept": None}]
+            out.append(_spec(chain, _serialised(expr), f"site-to-site {iface} to {cidr}", "",
+                             f"site-to-site {iface}", 0))
+    out.append(_base(chain, "default deny", iface, [{"counter": None}, {"drop": None}]))
     return out
 
 

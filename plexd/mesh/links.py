@@ -88,6 +88,7 @@ class Underlay:
 
     addresses: frozenset[str] = frozenset()
     gateways: frozenset[str] = frozenset()
+    on: frozenset[tuple[str, str]] = frozenset()  # (address, interface name): where each address is
 
 
 FAMILY = {4: socket.AF_INET, 6: socket.AF_INET6}
@@ -122,15 +123,17 @@ class Links:
         with self._ipr() as ipr:
             try:
                 mesh = set(ipr.link_lookup(ifname=self.interface))
-                addresses = {f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}" for a in ipr.get_addr()
-                             if a["index"] not in mesh and a.get("IFA_ADDRESS")
-                             and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
+                names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+                on = {(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}", names.get(a["index"], "")) for a in ipr.get_addr()
+                      if a["index"] not in mesh and a.get("IFA_ADDRESS")
+                      and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
+                addresses = {address for address, _ in on}
                 gateways: set[str] = set()
                 for family in (socket.AF_INET, socket.AF_INET6):
                     for r in ipr.get_routes(family=family, table=MAIN_TABLE):
                         if r["dst_len"] == 0 and r.get("RTA_OIF") not in mesh:
                             gateways.update(_gateways(r))
-                return Underlay(frozenset(addresses), frozenset(gateways))
+                return Underlay(frozenset(addresses), frozenset(gateways), frozenset(on))
             except NetlinkError as e:
                 raise LinkError(f"cannot list this machine's addresses and routes: {e}") from None
 

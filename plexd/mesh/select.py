@@ -22,14 +22,16 @@ def backend_kind(config: Config) -> str:
     return kind
 
 
-def wireguard_backend(config: Config) -> WireGuardBackend:
+def wireguard_backend(config: Config, interface: str = "") -> WireGuardBackend:
+    """The mesh device's backend, or (`interface`) one of the same kind for another interface plexd serves."""
     from plexd.mesh.wireguard.kernel import KernelBackend
     from plexd.mesh.wireguard.userspace import UserspaceBackend
 
+    interface = interface or config.mesh.interface
     if backend_kind(config) == "kernel":
-        return KernelBackend(config.mesh.interface)
+        return KernelBackend(interface)
     from plexd.system.systemd import scope_command
 
-    return UserspaceBackend(config.mesh.interface, implementation=config.mesh.userspace_implementation,
-                            scope=scope_command(config.mesh.interface))
+    return UserspaceBackend(interface, implementation=config.mesh.userspace_implementation,
+                            scope=scope_command(interface))
 

@@ -42,7 +42,7 @@ from plexd.actions.outbox import Outbox, deliver
 from plexd.actions.routes import add_action_routes
 from plexd.agent import Agent
 from plexd.backoff import Backoff
-from plexd.bridge.domain import heartbeat_block
+from plexd.bridge.status import heartbeat_blocks
 from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
@@ -59,7 +59,7 @@ from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import build_engine, relay, sessions, wireguard
+from plexd.node.engine import SITE_TO_SITE, USER_ACCESS, bridge_part, build_engine, relay, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
@@ -166,6 +166,13 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
             counts = None
         on_device[0] = counts[0] if counts is not None else 0
 
+    def bridge_heartbeat(engine: Any) -> dict[str, Any]:
+        served = relay(engine)
+        access, tunnels = (bridge_part(engine, name) for name in (USER_ACCESS, SITE_TO_SITE))
+        return heartbeat_blocks(served.relay.status() if served is not None else None,
+                                access.status() if access is not None else None,
+                                tunnels.status() if tunnels is not None else None)
+
     def snapshot() -> HeartbeatSnapshot:
         status, reason = health(reconciler, mesh)
         return HeartbeatSnapshot(
@@ -174,7 +181,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
             mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),
             nat=nat.info() if nat is not None else None,
-            extra={"bridge": heartbeat_block(relay(mesh.engine))} if cfg.mode == "bridge" else {},
+            extra=bridge_heartbeat(mesh.engine) if cfg.mode == "bridge" else {},
         )
 
     async def send(body: dict[str, Any]) -> dict[str, bool]:

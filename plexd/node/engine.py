@@ -9,6 +9,11 @@ from typing import cast
 
 from plexd.access.domain import AccessHooks, SessionsDomain
 from plexd.bridge.domain import RelayDomain
+from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.interfaces import InterfacesDomain
+from plexd.bridge.site_to_site import tunnel_specs
+from plexd.bridge.user_access import access_specs
+from plexd.bridge.wgif import WgInterface
 from plexd.config import Config
 from plexd.converge.engine import Engine
 from plexd.firewall.domain import FirewallDomain
@@ -29,14 +34,41 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
     links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
     host, port = split_host_port(config.bridge.relay.listen)
     return Engine([
-        FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied),
+        FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied,
+                       bridge=config.mode == "bridge"),
         NodeStateCache(config.data_dir),
         SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
         *([SessionsDomain(config.data_dir, access)] if access is not None and config.access.enabled else []),
         *([RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
                        cp_reachable=cp_reachable)] if cp_reachable is not None and config.mode == "bridge" else []),
+        *(bridge_interfaces(config) if config.mode == "bridge" else []),
     ])
+
+
+def bridge_interfaces(config: Config) -> list[InterfacesDomain]:
+    """Bridge mode's WireGuard interfaces besides the mesh: user access and the site-to-site tunnels. Also in
+    `reconcile --once` and `plexd deregister`: they are machine state like the mesh device (and must go with it)."""
+    ledger = ForwardingLedger(config.data_dir)
+    mesh = config.mesh
+
+    def interface(name: str) -> WgInterface:
+        return WgInterface(wireguard_backend(config, name),
+                           Links(name, table=mesh.route_table, rule_priority=mesh.route_rule_priority), ledger)
+
+    underlay = Links(mesh.interface)
+    mesh_range = config.policy.mesh_range
+    return [
+        InterfacesDomain(USER_ACCESS, "user access", access_specs(config.data_dir, mesh.interface),
+                         lambda d: d.user_access, interface, underlay, ledger, config.data_dir),
+        InterfacesDomain(SITE_TO_SITE, "site-to-site", tunnel_specs(
+            config.data_dir, mesh.interface, mesh_range, config.bridge.site_to_site.allow_default_route),
+            lambda d: d.site_to_site, interface, underlay, ledger, config.data_dir),
+    ]
+
+
+USER_ACCESS = "user_access"
+SITE_TO_SITE = "site_to_site"
 
 
 def split_host_port(text: str) -> tuple[str, int]:
@@ -63,6 +95,11 @@ def sessions(engine: Engine) -> SessionsDomain | None:
 def relay(engine: Engine) -> RelayDomain | None:
     """Bridge mode's relay: the heartbeat's `bridge` object reads it."""
     return cast(RelayDomain | None, engine.domain(RelayDomain.name))
+
+
+def bridge_part(engine: Engine, name: str) -> InterfacesDomain | None:
+    """`USER_ACCESS` or `SITE_TO_SITE`: the status and heartbeat read them."""
+    return cast(InterfacesDomain | None, engine.domain(name))
 
 
 def firewall(engine: Engine) -> FirewallDomain | None:

@@ -1,0 +1,164 @@
+"""A domain of bridge WireGuard interfaces: user access (one interface) and site-to-site (one per tunnel) are the
+same engine part with a different reading of the desired model.
+
+A `Specs` function turns the desired model and this machine's own networks into the interfaces wanted (by
+name) and the refusals; this domain observes each wanted interface and each one it made that is no longer
+wanted, plans their differences (`plexd.bridge.wgif`; every change is a drift line), applies them, and removes
+what is no longer wanted, putting back the forwarding knobs it turned on. A refusal is an error line naming the
+entry; the other entries apply.
+
+Events do not carry these parts' changes (the state pull does): `apply_delta` costs nothing while the part of
+the model this domain reads is the same object it last applied, and converges it in full otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from plexd.atomicfile import write_atomic
+from plexd.boundedjson import loads
+from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.wgif import InterfaceRemoved, InterfaceSeen, InterfaceSpec, WgInterface
+from plexd.converge.change import Change
+from plexd.converge.domain import DomainResult
+from plexd.desired import DesiredState
+from plexd.errors import WireFormatError
+from plexd.mesh.links import Links, Underlay
+
+log = logging.getLogger(__name__)
+
+MAX_MADE = 1 << 14
+
+
+@dataclass(frozen=True)
+class Wanted:
+    specs: Mapping[str, InterfaceSpec]
+    refused: tuple[str, ...] = ()
+    status: Mapping[str, Any] | None = None  # what `status()` adds for these specs (public keys, ...)
+
+
+Specs = Callable[[DesiredState, Underlay], Wanted]
+
+
+@dataclass(frozen=True)
+class InterfacesSeen:
+    wanted: Wanted
+    interfaces: Mapping[str, InterfaceSeen]  # by name: the wanted ones and the ones made that are not
+
+
+class InterfacesDomain:
+    def __init__(self, name: str, part: str, specs: Specs, source: Callable[[DesiredState], object],
+                 make_interface: Callable[[str], WgInterface], underlay: Links, ledger: ForwardingLedger,
+                 data_dir: str) -> None:
+        self.name = name
+        self.part = part
+        self._specs = specs
+        self._source = source  # the part of the model this domain reads: unchanged (same object), nothing to do
+        self._make = make_interface
+        self._underlay = underlay
+        self.ledger = ledger
+        self._interfaces: dict[str, WgInterface] = {}
+        self._applied: object = None
+        self._applied_once = False
+        self._last: Wanted = Wanted({})
+        # The interfaces this domain made, kept across restarts: one no longer wanted after a restart (or at
+        # `plexd deregister`, another process) is still found and removed.
+        self._made_file = Path(data_dir) / "bridge" / f"{name}.interfaces"
+        for made in self._load_made():
+            self._interface(made).created = True
+
+    def _load_made(self) -> list[str]:
+        try:
+            doc = loads(self._made_file.read_bytes()[:MAX_MADE], str(self._made_file))
+        except FileNotFoundError:
+            return []
+        except (OSError, WireFormatError) as e:
+            log.error("%s: cannot read %s (%s): interfaces made before this start are not looked after",
+                      self.part, self._made_file, e)
+            return []
+        return [n for n in doc if isinstance(n, str) and 0 < len(n) <= 15] if isinstance(doc, list) else []
+
+    def _save_made(self) -> None:
+        made = sorted(n for n, iface in self._interfaces.items() if iface.created)
+        if made != self._load_made():
+            self._made_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_atomic(self._made_file, json.dumps(made).encode(), mode=0o600)
+
+    def _interface(self, name: str) -> WgInterface:
+        if name not in self._interfaces:
+            self._interfaces[name] = self._make(name)
+        return self._interfaces[name]
+
+    async def observe(self, desired: DesiredState) -> InterfacesSeen:
+        wanted = self._specs(desired, await self._underlay.underlay())
+        seen = {}
+        for name, spec in wanted.specs.items():
+            seen[name] = await self._interface(name).observe(spec)
+        for name, iface in self._interfaces.items():
+            if name not in wanted.specs and iface.created:
+                device = await iface.backend.observe()
+                seen[name] = InterfaceSeen(device, None)
+        return InterfacesSeen(wanted, seen)
+
+    def plan(self, desired: DesiredState, observed: InterfacesSeen) -> DomainResult:
+        changes: list[Change] = []
+        for name, spec in observed.wanted.specs.items():
+            changes += self._interfaces[name].plan(spec, observed.interfaces[name])
+        for name in observed.interfaces:
+            if name not in observed.wanted.specs:
+                changes.append(InterfaceRemoved(self.part, name))
+        return DomainResult(tuple(changes), observed.wanted.refused)
+
+    async def apply(self, desired: DesiredState, planned: DomainResult, observed: Any) -> DomainResult:
+        errors: list[str] = []
+        wanted: Wanted = observed.wanted if isinstance(observed, InterfacesSeen) else self._last
+        for name, spec in wanted.specs.items():
+            mine = [c for c in planned.changes if getattr(c, "interface", None) == name]
+            if mine:
+                errors += await self._interfaces[name].apply(spec, mine)
+        for change in planned.changes:
+            if isinstance(change, InterfaceRemoved):
+                iface = self._interfaces.pop(change.interface, None)
+                if iface is not None:
+                    errors += await iface.remove()
+        self._save_made()
+        self._last = wanted
+        self._applied = self._source(desired)
+        self._applied_once = True
+        return DomainResult(planned.changes, tuple(errors))
+
+    async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
+        if self._applied_once and self._source(desired) is self._applied:
+            return DomainResult()
+        return None
+
+    async def teardown(self) -> None:
+        for iface in list(self._interfaces.values()):
+            for error in await iface.remove():
+                log.error("%s: %s", self.part, error)
+        self._interfaces.clear()
+        self._save_made()
+
+    def status(self) -> Mapping[str, Any] | None:
+        if not self._applied_once:
+            return None
+        return {**(self._last.status or {}), "interfaces": sorted(self._last.specs),
+                "refused": list(self._last.refused)}
+
+
+def own_networks(underlay: Underlay) -> list[Any]:
+    """This machine's networks outside the mesh (what no access peer or remote site may claim)."""
+    out = []
+    for text in underlay.addresses:
+        try:
+            out.append(ipaddress.ip_interface(text).network)
+        except ValueError:
+            continue
+    return out
+

@@ -1,0 +1,92 @@
+"""Site-to-site: WireGuard tunnels (`wg-s2s-*`) from this bridge to remote sites' gateways.
+
+Each tunnel is one interface with its own kept key (`plexd.bridge.keys`, by tunnel id: the remote end is
+configured with it once), one peer (the remote gateway, its `remote_subnets` as allowed IPs), a route per remote
+subnet in the mesh table, and forwarding turned on for the tunnel, the mesh interface and the interfaces that
+hold the tunnel's `local_subnets` (their previous values are put back when the tunnel goes: never forced to 0).
+What a remote site may reach is only its `local_subnets` (`plexd.firewall.ruleset`): the Go agent let it reach
+everything the bridge could (its D8).
+
+Refused, each tunnel by itself with the reason: a remote subnet inside the mesh range or this machine's own
+networks, a default route unless `bridge.site_to_site.allow_default_route`, a local subnet inside the mesh, a
+remote subnet another tunnel already has.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+
+from plexd.bridge.interfaces import Wanted, own_networks
+from plexd.bridge.keys import interface_key
+from plexd.bridge.user_access import overlap_reason
+from plexd.bridge.wgif import InterfaceSpec
+from plexd.desired import DesiredState
+from plexd.mesh.links import Underlay
+from plexd.mesh.wireguard import PeerConfig
+
+KEEPALIVE = 25  # a remote gateway behind NAT stays reachable
+
+
+def lan_interfaces(subnets: Sequence[str], underlay: Underlay) -> tuple[str, ...]:
+    """The interfaces holding an address inside one of `subnets` (where the local sites are)."""
+    found = []
+    for text in subnets:
+        net = ipaddress.ip_network(text)
+        for address, name in sorted(underlay.on):
+            iface = ipaddress.ip_interface(address)
+            if name and iface.version == net.version and (iface.ip in net or iface.network.overlaps(net)):
+                found.append(name)
+    return tuple(dict.fromkeys(n for n in found if n != "lo"))
+
+
+def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], allow_default_route: bool):
+    keys: dict[str, tuple[str, str]] = {}
+
+    def specs(desired: DesiredState, underlay: Underlay) -> Wanted:
+        s2s = desired.site_to_site
+        if s2s is None or not s2s.enabled:
+            return Wanted({}, s2s.refused if s2s is not None else ())
+        own = own_networks(underlay)
+        refused = list(s2s.refused)
+        wanted: dict[str, InterfaceSpec] = {}
+        taken: dict[str, str] = {}
+        status = []
+        for tunnel in s2s.tunnels:
+            problems = []
+            for cidr in tunnel.remote_subnets:
+                reason = overlap_reason(cidr, mesh_range, own)
+                if reason == "a default route" and allow_default_route:
+                    reason = ""
+                elif reason == "a default route":
+                    reason += " (bridge.site_to_site.allow_default_route is off)"
+                if cidr in taken:
+                    reason = f"already tunnel {taken[cidr]}'s"
+                if reason:
+                    problems.append(f"remote subnet {cidr}: {reason}")
+            for cidr in tunnel.local_subnets:
+                reason = overlap_reason(cidr, mesh_range, ())
+                if reason:
+                    problems.append(f"local subnet {cidr}: {reason}")
+            if problems:
+                refused.append(f"site-to-site tunnel {tunnel.tunnel_id}: refused: " + "; ".join(problems))
+                continue
+            taken.update(dict.fromkeys(tunnel.remote_subnets, tunnel.tunnel_id))
+            if tunnel.tunnel_id not in keys:
+                keys[tunnel.tunnel_id] = interface_key(data_dir, tunnel.tunnel_id)
+            private, public = keys[tunnel.tunnel_id]
+            host, port = tunnel.remote_endpoint
+            endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            peer = PeerConfig(tunnel.remote_public_key, endpoint=endpoint,
+                              allowed_ips=frozenset(tunnel.remote_subnets), psk=tunnel.psk,
+                              persistent_keepalive=KEEPALIVE)
+            forwarding = (tunnel.interface, mesh_interface, *lan_interfaces(tunnel.local_subnets, underlay))
+            wanted[tunnel.interface] = InterfaceSpec(
+                f"site-to-site {tunnel.tunnel_id}", tunnel.interface, private, tunnel.listen_port,
+                {peer.public_key: peer}, frozenset(tunnel.remote_subnets), tuple(dict.fromkeys(forwarding)))
+            status.append({"tunnel_id": tunnel.tunnel_id, "interface": tunnel.interface, "public_key": public,
+                           "listen_port": tunnel.listen_port, "local_subnets": list(tunnel.local_subnets),
+                           "remote_subnets": list(tunnel.remote_subnets)})
+        return Wanted(wanted, tuple(refused), {"tunnels": status})
+
+    return specs

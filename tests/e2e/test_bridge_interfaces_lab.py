@@ -1,0 +1,175 @@
+"""A bridge's user access and site-to-site tunnels in a real lab (issue 34): `plexd up --mode bridge` with real
+wireguard-go, real nftables, and plain `wg` ends on the other side (no plexd), checked with ping, `wg`, `nft` and
+/proc.
+
+- A user-access client (a plain WireGuard client with the bridge's published key) pings the node the policy lets
+  its address reach and not another (dropped by the bridge's own firewall, counted); the bridge's key is the same
+  after a restart; a deleted `wg-access` is put back by the next reconcile and reported.
+- A host on a remote site's subnet reaches a host on the bridge's local subnet through a `wg-s2s-*` tunnel; a
+  tunnel whose remote subnet overlaps the mesh is refused with the reason, the other one works; after the tunnel
+  is withdrawn the per-interface forwarding knobs are what they were before, and `ip_forward` was never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from lab_daemon import Daemon, lab_with_devplane, wait_until
+from mesh_helpers import keypair
+
+from plexd.lab import Lab, LabNode
+
+CLIENT_IP = "10.100.250.5"
+
+
+def plain_wireguard(lab: Lab, node: LabNode, address: str, listen_port: int) -> tuple[str, str]:
+    """wireguard-go `wg0` in `node` with a fresh key and `address` (none when empty); returns (private, public)."""
+    lab.spawn(node.wrap(["wireguard-go", "-f", "wg0"]), env={**os.environ, "WG_PROCESS_FOREGROUND": "1"},
+              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sock = os.path.join(node.sock_dir, "wg0.sock")
+    wait_until(lambda: os.path.exists(sock), 10, f"wireguard-go's socket {sock}")
+    private, public = keypair()
+    keyfile = os.path.join(node.sock_dir, "client.key")
+    with open(os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(private + "\n")
+    lab.exec(node, ["wg", "set", "wg0", "private-key", keyfile, "listen-port", str(listen_port)])
+    if address:
+        lab.exec(node, ["ip", "addr", "add", address, "dev", "wg0"])
+    lab.exec(node, ["ip", "link", "set", "wg0", "up"])
+    return private, public
+
+
+def ping(lab: Lab, node: LabNode, ip: str, count: int = 1) -> bool:
+    return lab.exec(node, ["ping", "-c", str(count), "-i", "0.2", "-W", "2", ip], check=False).returncode == 0
+
+
+def domain(d: Daemon, name: str) -> dict:
+    return d.status().get("domains", {}).get(name) or {}
+
+
+def deny_counter(lab: Lab, node: LabNode, chain: str, interface: str) -> int:
+    """Packets the default-deny rule of `chain` dropped for what arrived on `interface` (nft -j, in the node)."""
+    out = lab.exec(node, ["nft", "-j", "list", "chain", "inet", "plexd", chain]).stdout
+    for item in json.loads(out)["nftables"]:
+        rule = item.get("rule")
+        if not rule or "default-deny" not in rule.get("comment", ""):
+            continue
+        exprs = rule["expr"]
+        if any(e.get("match", {}).get("right") == interface for e in exprs):
+            return next(int(e["counter"]["packets"]) for e in exprs if "counter" in e)
+    raise AssertionError(f"no default-deny rule for {interface} in {chain}: {out}")
+
+
+def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(tmp_path):
+    with lab_with_devplane(tmp_path, 4) as (lab, dp, daemons, workdir):
+        bridge, a, b = (Daemon(lab, lab.nodes[i], dp, workdir, reconcile="10m",
+                               extra_config="mode: bridge\n" if i == 0 else "") for i in range(3))
+        daemons += [bridge, a, b]
+        wait_until(lambda: all(d.node_id() and d.mesh_ip() for d in daemons), 30, "the nodes to register", daemons)
+        for d in daemons:
+            dp.admin.set_node_endpoint(d.node_id(), f"{d.node.address}:51820")
+        ids = {name: d.node_id() for name, d in (("bridge", bridge), ("a", a), ("b", b))}
+        dp.admin.set_policies([
+            {"id": "mesh", "rules": [{"src": ids["bridge"], "dst": x, "action": "allow"} for x in (ids["a"], ids["b"])]
+             + [{"src": x, "dst": ids["bridge"], "action": "allow"} for x in (ids["a"], ids["b"])]},
+            {"id": "alice", "rules": [{"src": f"{CLIENT_IP}/32", "dst": ids["a"], "protocol": "icmp",
+                                       "action": "allow"}]},
+        ])
+        client = lab.nodes[3]
+        _, client_key = plain_wireguard(lab, client, f"{CLIENT_IP}/32", 0)
+        dp.admin.set_bridge(ids["bridge"], {"user_access": {"enabled": True, "peers": [
+            {"public_key": client_key, "allowed_ips": [f"{CLIENT_IP}/32"], "label": "alice-laptop"}]}})
+        wait_until(lambda: domain(bridge, "user_access").get("public_key"), 30, "the access interface", daemons)
+        access = domain(bridge, "user_access")
+        assert access["interface"] == "wg-access" and access["listen_port"] == 51822 and access["peer_count"] == 1
+        lab.exec(client, ["wg", "set", "wg0", "peer", access["public_key"], "endpoint",
+                          f"{bridge.node.address}:51822", "allowed-ips", "10.100.0.0/16", "persistent-keepalive", "1"])
+        lab.exec(client, ["ip", "route", "add", "10.100.0.0/16", "dev", "wg0"])
+
+        took = wait_until(lambda: ping(lab, client, a.mesh_ip()), 40, "the access client to reach a", daemons)
+        print(f"the access client reached a {took:.1f} s after its peer was configured")
+        before = deny_counter(lab, bridge.node, "forward", "wg-access")
+        assert not ping(lab, client, b.mesh_ip(), 2), "the access client reached b, which no rule lets it reach"
+        assert deny_counter(lab, bridge.node, "forward", "wg-access") > before  # dropped at the bridge itself
+        heartbeat = dp.admin.node(ids["bridge"])["last_heartbeat"] or {}
+        assert heartbeat.get("user_access", {}).get("public_key") == access["public_key"], heartbeat
+
+        # The key is kept: after a restart the same client, unchanged, still gets through.
+        bridge.restart()
+        wait_until(lambda: domain(bridge, "user_access").get("public_key"), 30, "the access interface again",
+                   daemons)
+        assert domain(bridge, "user_access")["public_key"] == access["public_key"]
+        key_file = bridge.dir / "data" / "bridge" / "access.key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        wait_until(lambda: ping(lab, client, a.mesh_ip()), 30, "the client through the restarted bridge", daemons)
+
+        # Drift: the interface deleted by hand comes back at the next reconcile, which says so.
+        lab.exec(bridge.node, ["ip", "link", "del", "wg-access"])
+        fixed = json.loads(bridge.cli("reconcile", "--once", "--json", check=False).stdout)
+        assert any(c["type"] == "bridge_interface_created" and "wg-access" in c["detail"]
+                   for c in fixed["corrections"]), fixed
+        wait_until(lambda: ping(lab, client, a.mesh_ip()), 30, "the client through the re-created interface",
+                   daemons)
+
+        # Withdrawn: the interface goes, and the forwarding knob plexd turned on is back off.
+        dp.admin.set_bridge(ids["bridge"], {"user_access": None})
+        wait_until(lambda: "wg-access" not in lab.exec(bridge.node, ["ip", "-o", "link"]).stdout, 30,
+                   "wg-access to be removed", daemons)
+        assert lab.exec(bridge.node, ["sysctl", "-n", "net.ipv4.conf.plexd0.forwarding"]).stdout.strip() == "0"
+
+
+def sysctl(lab: Lab, node: LabNode, key: str) -> str:
+    return lab.exec(node, ["sysctl", "-n", key]).stdout.strip()
+
+
+def test_a_remote_site_reaches_the_local_subnet_through_a_tunnel_and_teardown_restores_forwarding(tmp_path):
+    with lab_with_devplane(tmp_path, 2) as (lab, dp, daemons, workdir):
+        bridge = Daemon(lab, lab.nodes[0], dp, workdir, reconcile="10m", extra_config="mode: bridge\n")
+        daemons.append(bridge)
+        gateway = lab.nodes[1]  # the remote site's router: a plain WireGuard end, no plexd
+        local = lab.add_lan_host(bridge.node, "172.20.1.0/24")
+        remote = lab.add_lan_host(gateway, "172.30.1.0/24")
+        lan = f"lan{lab.nodes.index(local) + 1}"  # the local subnet's side on the bridge (Lab.add_lan_host)
+        knobs = ("net.ipv4.ip_forward", f"net.ipv4.conf.{lan}.forwarding")
+        before = {k: sysctl(lab, bridge.node, k) for k in knobs}
+        assert before[knobs[1]] == "0", before  # so that turning it on and back is seen
+        lab.exec(gateway, ["sysctl", "-qw", "net.ipv4.ip_forward=1"])
+        _, gateway_key = plain_wireguard(lab, gateway, "", 51823)
+        lab.exec(gateway, ["ip", "route", "add", "172.20.0.0/16", "dev", "wg0"])
+        lab.exec(gateway, ["ip", "route", "add", "10.100.0.0/16", "dev", "wg0"])
+        wait_until(lambda: bridge.node_id(), 30, "the bridge to register", daemons)
+
+        tunnel = {"tunnel_id": "s2s_1", "remote_endpoint": f"{gateway.address}:51823",
+                  "remote_public_key": gateway_key, "local_subnets": ["172.20.1.0/24"],
+                  "remote_subnets": ["172.30.1.0/24"]}
+        bad = {**tunnel, "tunnel_id": "s2s_bad", "remote_subnets": ["10.100.5.0/24"], "listen_port": 51830}
+        dp.admin.set_bridge(bridge.node_id(), {"site_to_site": {"enabled": True, "tunnels": [tunnel, bad]}})
+        wait_until(lambda: domain(bridge, "site_to_site").get("tunnels"), 30, "the tunnel", daemons)
+        s2s = domain(bridge, "site_to_site")
+        [shown] = s2s["tunnels"]
+        assert (shown["tunnel_id"], shown["interface"], shown["listen_port"]) == ("s2s_1", "wg-s2s-1", 51823)
+        assert any("s2s_bad" in r and "overlaps the mesh" in r for r in s2s["refused"]), s2s
+        lab.exec(gateway, ["wg", "set", "wg0", "peer", shown["public_key"], "endpoint", f"{bridge.node.address}:51823",
+                           "allowed-ips", "172.20.0.0/16,10.100.0.0/16", "persistent-keepalive", "1"])
+
+        took = wait_until(lambda: ping(lab, remote, local.address), 30, "the remote host to reach the local one",
+                          daemons, evidence=lambda: "\n".join(
+                              lab.exec(n, cmd, check=False).stdout for n in (bridge.node, gateway) for cmd in (
+                                  ["wg", "show", "all"], ["ip", "route", "show", "table", "all"], ["ip", "rule"],
+                                  ["nft", "list", "ruleset"])))
+        print(f"the remote site reached the local subnet {took:.1f} s after the tunnel was up")
+        assert ping(lab, local, remote.address)  # and back, from the local side
+        assert sysctl(lab, bridge.node, "net.ipv4.ip_forward") == before["net.ipv4.ip_forward"]  # never machine-wide
+        assert sysctl(lab, bridge.node, knobs[1]) == "1"
+        # What arrives through the tunnel may reach the local subnet only: not the bridge itself.
+        dropped = deny_counter(lab, bridge.node, "input", "wg-s2s-1")
+        assert not ping(lab, remote, bridge.mesh_ip(), 2)
+        assert deny_counter(lab, bridge.node, "input", "wg-s2s-1") > dropped
+
+        dp.admin.set_bridge(bridge.node_id(), {"site_to_site": None})
+        wait_until(lambda: "wg-s2s-1" not in lab.exec(bridge.node, ["ip", "-o", "link"]).stdout, 30,
+                   "the tunnel to be removed", daemons)
+        assert {k: sysctl(lab, bridge.node, k) for k in knobs} == before
+        assert not ping(lab, remote, local.address, 2)
