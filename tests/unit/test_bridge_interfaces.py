@@ -1,0 +1,274 @@
+"""User access and site-to-site, their pure parts: the blocks of either contract with their limits and refusals
+(fuzzed), the forwarding ledger (against a directory laid out like /proc/sys/net/ipv4/conf: writing the real
+knobs of this machine from a unit test is not something a test may do), the interface diff, the specs' refusals,
+the firewall's guards and the devplane's routed prefixes. The real interfaces are tested in
+tests/e2e/test_bridge_interfaces_lab.py."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from plexd.bridge.blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
+from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.keys import interface_key
+from plexd.bridge.site_to_site import tunnel_specs
+from plexd.bridge.user_access import access_specs
+from plexd.bridge.wgif import InterfaceSeen, InterfaceSpec, WgInterface
+from plexd.desired import DesiredState
+from plexd.devplane.store import Node
+from plexd.firewall.ruleset import BridgeGuards, TunnelGuard, desired_ruleset
+from plexd.mesh.links import LinkState, Underlay
+from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.model import Peer, Policy, PolicyRule, State
+from plexd.policy import compile_policies
+
+
+def key(i: int) -> str:
+    return base64.b64encode(bytes([i % 256]) * 32).decode()
+
+
+def access_doc(peers: list[dict]) -> dict:
+    return {"bridge": {"user_access": {"enabled": True, "peers": peers}}}
+
+
+def tunnel(i: int, **over) -> dict:
+    return {"tunnel_id": f"s2s_{i}", "remote_endpoint": f"192.0.2.{i + 1}:51823", "remote_public_key": key(i),
+            "local_subnets": ["172.20.0.0/16"], "remote_subnets": [f"172.{30 + i}.0.0/16"], **over}
+
+
+# -- the blocks ------------------------------------------------------------------------------------------------
+
+
+def test_both_contracts_give_the_same_user_access_and_null_means_nothing_desired():
+    peer = {"public_key": key(1), "allowed_ips": ["10.100.250.5/32"], "label": "alice"}
+    newer = parse_user_access(access_doc([peer]))
+    older = parse_user_access({"user_access_config": {"enabled": True, "peers": [peer]}})
+    assert newer == older and newer.enabled and newer.interface == "wg-access" and newer.listen_port == 51822
+    assert [p.allowed_ips for p in newer.peers] == [("10.100.250.5/32",)]
+    assert parse_user_access({"bridge": {"user_access": None}}).enabled is False
+    assert parse_user_access({"bridge": None}).enabled is False
+    state = State.from_wire({"peers": [], "bridge": {"user_access": None, "site_to_site": None}})
+    assert state.user_access is not None and not state.user_access.enabled
+    assert State.from_wire({"peers": []}).user_access is None  # no block: nothing said, nothing changes
+
+
+def test_the_51st_access_peer_and_bad_entries_are_refused_by_index_and_the_others_apply():
+    peers = [{"public_key": key(i), "allowed_ips": [f"10.100.{200 + i // 250}.{i % 250 + 1}/32"]}
+             for i in range(MAX_ACCESS_PEERS + 1)]
+    peers += [{"public_key": key(0), "allowed_ips": ["10.100.251.1/32"]},  # a duplicate key
+              {"public_key": "not-a-key", "allowed_ips": ["10.100.251.2/32"]},
+              {"public_key": key(200), "allowed_ips": ["nonsense"]}, "not an object"]
+    access = parse_user_access(access_doc(peers))
+    assert len(access.peers) == MAX_ACCESS_PEERS
+    reasons = "\n".join(access.refused)
+    assert f"limit of {MAX_ACCESS_PEERS} access peers" in reasons and "duplicate public_key" in reasons
+    assert "peers[52].public_key" in reasons and "is not a WireGuard key" in reasons
+    assert "peers[53].allowed_ips[0]" in reasons and "'nonsense' is not a CIDR" in reasons
+    assert "peers[54]: must be an object" in reasons
+
+
+def test_the_11th_tunnel_duplicates_and_other_providers_are_refused_with_reasons():
+    tunnels = [tunnel(i) for i in range(MAX_TUNNELS + 1)]
+    tunnels += [tunnel(0, listen_port=52000, interface_name="wg-s2s-x"), tunnel(20, provider_type="ipsec"),
+                tunnel(21, interface_name="eth0"), tunnel(22, remote_endpoint="nowhere")]
+    s2s = parse_site_to_site({"site_to_site_config": {"enabled": True, "tunnels": tunnels}})
+    assert [t.interface for t in s2s.tunnels] == [f"wg-s2s-{i + 1}" for i in range(MAX_TUNNELS)]
+    assert [t.listen_port for t in s2s.tunnels][:2] == [51823, 51824]
+    reasons = "\n".join(s2s.refused)
+    assert f"limit of {MAX_TUNNELS} site-to-site tunnels" in reasons and "duplicate tunnel_id 's2s_0'" in reasons
+    assert "'ipsec' is not supported" in reasons and "'eth0' must start with 'wg-s2s-'" in reasons
+    assert "tunnels[14].remote_endpoint" in reasons
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.sampled_from(
+                        ["enabled", "peers", "tunnels", "public_key", "allowed_ips", "tunnel_id", "remote_endpoint",
+                         "remote_public_key", "remote_subnets", "local_subnets", "interface_name", "listen_port",
+                         "psk", "provider_type", "user_access", "site_to_site"]), inner, max_size=5), max_leaves=30))
+def test_any_block_parses_to_a_value_or_refusals_never_an_exception(doc):
+    for state in ({"bridge": doc}, {"bridge": {"user_access": doc, "site_to_site": doc}},
+                  {"user_access_config": doc, "site_to_site_config": doc}):
+        access, s2s = parse_user_access(state), parse_site_to_site(state)
+        assert len(access.peers) <= MAX_ACCESS_PEERS and len(s2s.tunnels) <= MAX_TUNNELS
+        assert all(isinstance(r, str) and r for r in access.refused + s2s.refused)
+
+
+# -- the forwarding ledger -------------------------------------------------------------------------------------
+
+
+def knobs(tmp_path, **values: str) -> str:
+    proc = tmp_path / "conf"
+    for name, value in values.items():
+        (proc / name).mkdir(parents=True)
+        (proc / name / "forwarding").write_text(value + "\n")
+    return str(proc)
+
+
+def knob(proc: str, name: str) -> str:
+    with open(os.path.join(proc, name, "forwarding")) as f:
+        return f.read().strip()
+
+
+def test_the_ledger_turns_knobs_on_and_puts_back_only_what_it_changed_when_the_last_holder_lets_go(tmp_path):
+    proc = knobs(tmp_path, plexd0="0", lan1="1", eth9="0")
+    ledger = ForwardingLedger(tmp_path / "data", proc)
+    assert ledger.enable("plexd0", "wg-access") and not ledger.enable("lan1", "wg-s2s-1")
+    ledger.enable("plexd0", "wg-s2s-1")
+    assert knob(proc, "plexd0") == "1" and knob(proc, "lan1") == "1"
+    assert ledger.release("wg-access") == [] and knob(proc, "plexd0") == "1"  # the tunnel still needs it
+    # A restart in between: the original value is on disk, written before the knob was.
+    again = ForwardingLedger(tmp_path / "data", proc)
+    assert again.saved == {"plexd0": "0"}
+    again.enable("plexd0", "wg-s2s-1")
+    assert again.release("wg-s2s-1") == []
+    assert knob(proc, "plexd0") == "0" and knob(proc, "lan1") == "1"  # put back; the one already on untouched
+    assert json.loads((tmp_path / "data" / "bridge" / "forwarding.json").read_text()) == {}
+    for bad in ("all", "default", "../x", ""):
+        try:
+            ledger.enable(bad, "x")
+        except ValueError as e:
+            assert "not an interface name" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
+
+
+def test_a_corrupt_ledger_is_reported_and_the_daemon_goes_on(tmp_path, caplog):
+    (tmp_path / "bridge").mkdir()
+    (tmp_path / "bridge" / "forwarding.json").write_text("{not json")
+    assert ForwardingLedger(tmp_path, knobs(tmp_path)).saved == {}
+    assert "will not be restored" in caplog.text
+
+
+# -- keys ------------------------------------------------------------------------------------------------------
+
+
+def test_the_interface_key_is_made_once_and_kept(tmp_path):
+    first = interface_key(tmp_path, "access")
+    assert interface_key(tmp_path, "access") == first and interface_key(tmp_path, "s2s_1") != first
+    assert (tmp_path / "bridge" / "access.key").stat().st_mode & 0o777 == 0o600
+    (tmp_path / "bridge" / "access.key").write_text("garbage")
+    try:
+        interface_key(tmp_path, "access")
+    except OSError as e:
+        assert "not valid base64" in str(e) and "remove it to make a new one" in str(e)
+    else:
+        raise AssertionError("a corrupt key was replaced silently")
+
+
+# -- the diff --------------------------------------------------------------------------------------------------
+
+
+class NoBackend:
+    interface = "wg-access"
+
+
+def spec(peers: dict[str, PeerConfig], routes: frozenset[str]) -> InterfaceSpec:
+    return InterfaceSpec("user access", "wg-access", key(9), 51822, peers, routes, ("wg-access", "plexd0"))
+
+
+def test_the_diff_names_every_difference_and_nothing_when_the_machine_matches(tmp_path):
+    iface = WgInterface(NoBackend(), None, ForwardingLedger(tmp_path))  # type: ignore[arg-type]
+    want = {key(1): PeerConfig(key(1), allowed_ips=frozenset({"10.100.250.5/32"}))}
+    routes = frozenset({"10.100.250.5/32"})
+    link = LinkState(index=7, kind="tun", mtu=1420, up=True, routes=routes, rules=frozenset({4}))
+    live = DeviceConfig(private_key=key(9), listen_port=51822, peers=dict(want))
+    assert iface.plan(spec(want, routes), InterfaceSeen(live, link)) == []
+    drifted = DeviceConfig(private_key=key(8), listen_port=1, peers={
+        key(1): PeerConfig(key(1), allowed_ips=frozenset({"10.100.250.6/32"})), key(2): PeerConfig(key(2))})
+    lines = [str(c.correction()) for c in iface.plan(spec(want, routes), InterfaceSeen(
+        drifted, LinkState(index=7, kind="tun", mtu=1420, up=False), frozenset({"plexd0"})))]
+    assert lines == [
+        "bridge_interface_updated: user access wg-access: private key is not the kept one; restored",
+        "bridge_interface_updated: user access wg-access: listen port 1; set to 51822",
+        f"bridge_peer_updated: user access wg-access: peer {key(1)[:8]}…: differs; updated",
+        f"bridge_peer_updated: user access wg-access: peer {key(2)[:8]}…: not wanted; removed",
+        "bridge_interface_updated: user access wg-access: link down; set up",
+        "bridge_route_updated: user access wg-access: the IPv4 rule to the mesh routing table is missing; added",
+        "bridge_route_updated: user access wg-access: route 10.100.250.5/32 missing; added",
+        "bridge_forwarding_enabled: user access wg-access: net.ipv4.conf.plexd0.forwarding was off; on",
+    ]
+    assert [c.correction().type for c in iface.plan(spec(want, routes), InterfaceSeen(None, None))] == [
+        "bridge_interface_created"]
+
+
+# -- the specs: what the machine and the mesh refuse ------------------------------------------------------------
+
+
+def desired(**blocks) -> DesiredState:
+    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key=key(9),
+                                mesh_ip="10.100.0.1", node_id="n_bridge")
+    state = State.from_wire({"peers": [Peer("n_a", key(3), "10.100.0.2", "", ("10.100.0.2/32",)).to_wire()],
+                             "bridge": blocks})
+    return base.with_state(state)
+
+
+UNDERLAY = Underlay(frozenset({"192.168.7.2/24"}), frozenset(), frozenset({("192.168.7.2/24", "lan1")}))
+
+
+def test_access_peers_holding_a_node_or_this_machines_network_or_everything_are_refused(tmp_path):
+    specs = access_specs(str(tmp_path), "plexd0")
+    d = desired(user_access={"enabled": True, "peers": [
+        {"public_key": key(1), "allowed_ips": ["10.100.250.5/32"], "label": "ok"},
+        {"public_key": key(2), "allowed_ips": ["10.100.0.0/24"], "label": "holds-a"},
+        {"public_key": key(4), "allowed_ips": ["192.168.7.0/25"], "label": "lan"},
+        {"public_key": key(5), "allowed_ips": ["0.0.0.0/0"], "label": "all"},
+        {"public_key": key(6), "allowed_ips": ["10.100.250.5/32"], "label": "twice"}]})
+    wanted = specs(d, UNDERLAY)
+    [only] = wanted.specs.values()
+    assert list(only.peers) == [key(1)] and only.routes == {"10.100.250.5/32"}
+    assert only.forwarding == ("wg-access", "plexd0")
+    text = "\n".join(wanted.refused)
+    assert "holds-a: refused: 10.100.0.0/24: holds the mesh address 10.100.0.1 of a node" in text
+    assert "lan: refused: 192.168.7.0/25: overlaps this machine's own network 192.168.7.0/24" in text
+    assert "all: refused: 0.0.0.0/0: a default route" in text and "twice: refused" in text
+    assert wanted.status["public_key"] == interface_key(tmp_path, "access")[1]
+
+
+def test_tunnels_overlapping_the_mesh_or_routing_everything_are_refused_unless_the_operator_allows(tmp_path):
+    doc = {"enabled": True, "tunnels": [tunnel(0), tunnel(1, remote_subnets=["10.100.5.0/24"]),
+                                        tunnel(2, remote_subnets=["0.0.0.0/0"], local_subnets=["192.168.7.0/24"])]}
+    wanted = tunnel_specs(str(tmp_path), "plexd0", ("10.100.0.0/16",), False)(desired(site_to_site=doc), UNDERLAY)
+    assert list(wanted.specs) == ["wg-s2s-1"]
+    text = "\n".join(wanted.refused)
+    assert "s2s_1: refused: remote subnet 10.100.5.0/24: overlaps the mesh (10.100.0.0/16)" in text
+    assert "s2s_2: refused: remote subnet 0.0.0.0/0: a default route (bridge.site_to_site.allow_default_route" in text
+    allowed = tunnel_specs(str(tmp_path), "plexd0", ("10.100.0.0/16",), True)(desired(site_to_site=doc), UNDERLAY)
+    assert list(allowed.specs) == ["wg-s2s-1", "wg-s2s-3"]
+    assert allowed.specs["wg-s2s-3"].forwarding == ("wg-s2s-3", "plexd0", "lan1")  # the local subnet's LAN too
+    [peer] = allowed.specs["wg-s2s-1"].peers.values()
+    assert peer.endpoint == "192.0.2.1:51823" and peer.allowed_ips == {"172.30.0.0/16"}
+
+
+# -- the firewall and the devplane ---------------------------------------------------------------------------------
+
+
+def test_the_access_interface_is_policed_by_the_policy_and_a_tunnel_reaches_only_its_local_subnets():
+    policies = (Policy("p", (PolicyRule("10.100.250.5/32", "n_a", 0, "icmp", "allow"),
+                             PolicyRule("n_b", "n_a", 22, "tcp", "allow"))),)
+    compiled = compile_policies(policies, "n_bridge", ("10.100.0.1",))
+    ruleset = desired_ruleset(compiled, "plexd0", {"n_a": "10.100.0.2", "n_b": "10.100.0.3"}, False,
+                              bridge=BridgeGuards("wg-access", (TunnelGuard("wg-s2s-1", ("172.20.0.0/16",)),)))
+    forward = [r.expr_json for r in ruleset.chains["forward"].rules]
+    on = lambda iface: [e for e in forward if f'"right":"{iface}"' in e]  # noqa: E731
+    assert len(on("plexd0")) == 4  # established, both policy rules, default deny
+    access = on("wg-access")
+    assert len(access) == 3 and '"addr":"10.100.250.5"' not in access[1] and "10.100.250.5" in access[1]
+    assert '"drop"' in access[-1]  # the node-to-node rule is not copied: an access peer is never a node
+    tunnel_rules = on("wg-s2s-1")
+    assert len(tunnel_rules) == 3 and '"addr":"172.20.0.0","len":16' in tunnel_rules[1]
+    assert len([e for e in (r.expr_json for r in ruleset.chains["input"].rules) if "wg-s2s-1" in e]) == 2
+
+
+def test_the_devplane_routes_a_bridges_access_prefixes_and_remote_subnets_to_it():
+    node = Node(id="n_br", hostname="br", public_key=key(1), mesh_ip="10.100.0.9", secret="s", registered_at="")
+    node.bridge = {"user_access": {"peers": [{"public_key": key(2), "allowed_ips": ["10.100.250.5/32"]}]},
+                   "site_to_site": {"tunnels": [{"remote_subnets": ["172.30.0.0/16"]}]}}
+    assert node.peer()["allowed_ips"] == ["10.100.0.9/32", "10.100.250.5/32", "172.30.0.0/16"]
+    node.bridge = {"user_access": {"enabled": False, "peers": [{"allowed_ips": ["10.100.250.5/32"]}]}}
+    assert node.peer()["allowed_ips"] == ["10.100.0.9/32"]
