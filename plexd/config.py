@@ -39,7 +39,8 @@ README (PROJECT-DECISIONS.md, Config row)::
     policy: {enabled: true}
     bridge: {relay: {listen: "0.0.0.0:51821",          # mode bridge: the UDP relay (plexd.bridge)
                      fastpath_address: ""},            # the relay's IPv4 address: forward stable flows in nftables
-             site_to_site: {allow_default_route: false}}  # a tunnel whose remote subnet is 0.0.0.0/0 or ::/0
+             site_to_site: {allow_default_route: false},  # a tunnel whose remote subnet is 0.0.0.0/0 or ::/0
+             ingress: {listen_address: "0.0.0.0", allowed_sources: []}}  # empty: any source may connect
     access: {enabled: true,                   # SSH/TCP/Kubernetes sessions the control plane grants (plexd.access)
              kubernetes: {url: "", token_file: "", ca_file: ""}}   # empty url: the in-cluster environment, if any
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
@@ -373,11 +374,20 @@ class SiteToSiteConfig:
 
 
 @dataclass(frozen=True)
+class IngressConfig:
+    """Where a bridge's ingress ports listen, and who may connect to them."""
+
+    listen_address: str = _f("0.0.0.0")  # the bridge's public address; all IPv4 addresses by default
+    allowed_sources: tuple[str, ...] = _f((), "list", cidrs=True)  # empty: anyone (ingress is public)
+
+
+@dataclass(frozen=True)
 class BridgeConfig:
     """What a node in `mode: bridge` serves for the mesh (plexd-access-protocol.md §2)."""
 
     relay: RelayConfig = field(default_factory=RelayConfig)
     site_to_site: SiteToSiteConfig = field(default_factory=SiteToSiteConfig)
+    ingress: IngressConfig = field(default_factory=IngressConfig)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from plexd import identity, policy, route_limits
 from plexd.access.sessions import Session, Sessions
-from plexd.bridge.blocks import SiteToSite, UserAccess
+from plexd.bridge.blocks import Ingress, SiteToSite, UserAccess
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
 from plexd.route_limits import RouteLimits
@@ -226,6 +226,7 @@ class DesiredState:
     relay: RelaySessionSet | None = None  # bridge mode: the relay sessions assigned (a new object per listing)
     user_access: UserAccess | None = None  # bridge mode: the access interface and its peers (None: never said)
     site_to_site: SiteToSite | None = None  # bridge mode: the site-to-site tunnels (None: never said)
+    ingress: Ingress | None = None  # bridge mode: TCP from outside to mesh services (None: never said)
     # Peers whose direct path showed no handshake, configured on their `fallback_endpoint` (the bridge's relay)
     # instead; chosen by the node (plexd.services.paths), never sent by the control plane, not mirrored.
     relayed: frozenset[str] = frozenset()
@@ -400,7 +401,8 @@ class DesiredState:
                       sessions=self.sessions if state.sessions is None else state.sessions,
                       relay=self.relay if state.relay is None else state.relay,
                       user_access=self.user_access if state.user_access is None else state.user_access,
-                      site_to_site=self.site_to_site if state.site_to_site is None else state.site_to_site)
+                      site_to_site=self.site_to_site if state.site_to_site is None else state.site_to_site,
+                      ingress=self.ingress if state.ingress is None else state.ingress)
         return new._with_peers(state.peers, {}, ())
 
     def with_peers(self, peers: Iterable[Peer]) -> DesiredState:

@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.access.sessions import Sessions, parse_sessions
-from plexd.bridge.blocks import SiteToSite, UserAccess, has_block, parse_site_to_site, parse_user_access
+from plexd.bridge.blocks import (
+    Ingress,
+    SiteToSite,
+    UserAccess,
+    has_block,
+    parse_ingress,
+    parse_site_to_site,
+    parse_user_access,
+)
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.errors import WireFormatError
 from plexd.gojson import GO_ZERO_TIME
@@ -270,6 +278,7 @@ class State:
     relay: RelaySessionSet | None = None  # a bridge's relay sessions; None: no relay block in this state
     user_access: UserAccess | None = None  # a bridge's access interface; None: no block in this state
     site_to_site: SiteToSite | None = None  # a bridge's tunnels; None: no block in this state
+    ingress: Ingress | None = None  # a bridge's ingress rules; None: no block in this state
     extra: dict[str, JSON] = field(default_factory=dict)
 
     _EXTRA_KEYS = ("bridge", "bridge_config", "relay_config", "user_access_config", "ingress_config",
@@ -297,6 +306,7 @@ class State:
             relay=RelaySessionSet.from_state(f) if "bridge" in f or "relay_config" in f else None,
             user_access=parse_user_access(f) if has_block(f, "user_access_config") else None,
             site_to_site=parse_site_to_site(f) if has_block(f, "site_to_site_config") else None,
+            ingress=parse_ingress(f) if has_block(f, "ingress_config") else None,
             extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
         )
 

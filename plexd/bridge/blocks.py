@@ -25,6 +25,8 @@ from plexd.errors import WireFormatError
 
 MAX_ACCESS_PEERS = 50
 MAX_TUNNELS = 10
+MAX_INGRESS_RULES = 20
+MAX_PEM = 64 * 1024  # a certificate chain or a key
 MAX_PREFIXES = 64  # per peer or tunnel side: a list longer than this is not a site, it is a mistake
 MAX_TEXT = 128
 ACCESS_INTERFACE = "wg-access"
@@ -69,6 +71,24 @@ class Tunnel:
 class SiteToSite:
     enabled: bool = False
     tunnels: tuple[Tunnel, ...] = ()
+    refused: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class IngressRule:
+    rule_id: str
+    listen_port: int
+    target: Address
+    mode: str  # "tcp" (passthrough; by SNI when `hostname` is set) or "terminate"
+    hostname: str = ""
+    cert_pem: str = field(default="", repr=False)
+    key_pem: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class Ingress:
+    enabled: bool = False
+    rules: tuple[IngressRule, ...] = ()
     refused: tuple[str, ...] = ()
 
 
@@ -249,3 +269,75 @@ def _tunnel(entry: object, where: str, index: int) -> Tunnel:
         remote_subnets=_prefixes(entry, "remote_subnets", where, required=True),
         psk=_key(entry, "psk", where, required=False),
     )
+
+
+def parse_ingress(state: Mapping[str, object]) -> Ingress:
+    """Rules sharing a listen port must all be `tcp` with distinct hostnames (the listener picks by SNI); any
+    other clash on a port is refused."""
+    doc = _block(state, "ingress", "ingress_config")
+    path = "bridge.ingress" if "bridge" in state else "ingress_config"
+    if doc is None:
+        return Ingress()
+    try:
+        if not isinstance(doc, Mapping):
+            raise WireFormatError(path, "must be an object")
+        enabled = _enabled(doc, path)
+        entries = doc.get("rules") or []
+        if not isinstance(entries, list):
+            raise WireFormatError(f"{path}.rules", "must be a list")
+    except WireFormatError as e:
+        return Ingress(refused=(str(e),))
+    rules: dict[str, IngressRule] = {}
+    refused: list[str] = []
+    for i, entry in enumerate(entries):
+        where = f"{path}.rules[{i}]"
+        try:
+            rule = _ingress_rule(entry, where)
+        except WireFormatError as e:
+            refused.append(str(e))
+            continue
+        sharing = [r for r in rules.values() if r.listen_port == rule.listen_port]
+        if rule.rule_id in rules:
+            refused.append(f"{where}: duplicate rule_id {rule.rule_id!r}")
+        elif sharing and not (rule.mode == "tcp" and rule.hostname and all(
+                r.mode == "tcp" and r.hostname and r.hostname != rule.hostname for r in sharing)):
+            refused.append(f"{where}: listen_port {rule.listen_port} is rule {sharing[0].rule_id!r}'s (rules may "
+                           "share a port only as tcp rules with distinct hostnames)")
+        elif len(rules) >= MAX_INGRESS_RULES:
+            refused.append(f"{where}: limit of {MAX_INGRESS_RULES} ingress rules reached")
+        else:
+            rules[rule.rule_id] = rule
+    return Ingress(enabled, tuple(rules.values()), tuple(refused))
+
+
+def _ingress_rule(entry: object, where: str) -> IngressRule:
+    if not isinstance(entry, Mapping):
+        raise WireFormatError(where, "must be an object")
+    rule_id = _text(entry, "rule_id", where)
+    mode = entry.get("mode") or "tcp"
+    if mode == "acme":
+        raise WireFormatError(f"{where}.mode", "'acme' is not supported: this bridge obtains no certificates; use "
+                              "'terminate' with cert_pem and key_pem, or 'tcp' to pass TLS through")
+    if mode not in ("tcp", "terminate"):
+        raise WireFormatError(f"{where}.mode", f"{str(mode)[:32]!r} is not a mode ('tcp' or 'terminate')")
+    port = _port(entry, "listen_port", where, 0)
+    if not port:
+        raise WireFormatError(f"{where}.listen_port", "must be a port number 1-65535")
+    hostname = _text(entry, "hostname", where, required=False).lower().rstrip(".")
+    if hostname and not all(part and len(part) <= 63 and all(c.isalnum() or c in "-_*" for c in part)
+                            for part in hostname.split(".")):
+        raise WireFormatError(f"{where}.hostname", f"{hostname!r} is not a host name")
+    cert = key = ""
+    if mode == "terminate":
+        cert, key = (_pem(entry, name, where) for name in ("cert_pem", "key_pem"))
+    return IngressRule(rule_id, port, parse_endpoint(entry.get("target_addr"), f"{where}.target_addr"), mode,
+                       hostname, cert, key)
+
+
+def _pem(doc: Mapping[str, object], key: str, path: str) -> str:
+    value = doc.get(key)
+    if not isinstance(value, str) or "-----BEGIN " not in value:
+        raise WireFormatError(f"{path}.{key}", "must be PEM text (mode 'terminate' needs cert_pem and key_pem)")
+    if len(value) > MAX_PEM:
+        raise WireFormatError(f"{path}.{key}", f"is longer than {MAX_PEM} bytes")
+    return value

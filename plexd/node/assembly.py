@@ -59,7 +59,7 @@ from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import SITE_TO_SITE, USER_ACCESS, bridge_part, build_engine, relay, sessions, wireguard
+from plexd.node.engine import SITE_TO_SITE, USER_ACCESS, bridge_part, build_engine, ingress, relay, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
@@ -169,9 +169,11 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     def bridge_heartbeat(engine: Any) -> dict[str, Any]:
         served = relay(engine)
         access, tunnels = (bridge_part(engine, name) for name in (USER_ACCESS, SITE_TO_SITE))
+        served_ingress = ingress(engine)
         return heartbeat_blocks(served.relay.status() if served is not None else None,
                                 access.status() if access is not None else None,
-                                tunnels.status() if tunnels is not None else None)
+                                tunnels.status() if tunnels is not None else None,
+                                served_ingress.status() if served_ingress is not None else None)
 
     def snapshot() -> HeartbeatSnapshot:
         status, reason = health(reconciler, mesh)

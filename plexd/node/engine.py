@@ -10,6 +10,7 @@ from typing import cast
 from plexd.access.domain import AccessHooks, SessionsDomain
 from plexd.bridge.domain import RelayDomain
 from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.ingress import IngressDomain
 from plexd.bridge.interfaces import InterfacesDomain
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.user_access import access_specs
@@ -43,6 +44,9 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
         *([RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
                        cp_reachable=cp_reachable)] if cp_reachable is not None and config.mode == "bridge" else []),
         *(bridge_interfaces(config) if config.mode == "bridge" else []),
+        *([IngressDomain(config.data_dir, host=config.bridge.ingress.listen_address,
+                         mesh_range=config.policy.mesh_range, allowed_sources=config.bridge.ingress.allowed_sources)]
+          if cp_reachable is not None and config.mode == "bridge" else []),
     ])
 
 
@@ -100,6 +104,10 @@ def relay(engine: Engine) -> RelayDomain | None:
 def bridge_part(engine: Engine, name: str) -> InterfacesDomain | None:
     """`USER_ACCESS` or `SITE_TO_SITE`: the status and heartbeat read them."""
     return cast(InterfacesDomain | None, engine.domain(name))
+
+
+def ingress(engine: Engine) -> IngressDomain | None:
+    return cast(IngressDomain | None, engine.domain(IngressDomain.name))
 
 
 def firewall(engine: Engine) -> FirewallDomain | None:

@@ -32,12 +32,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Envelope], Awaitable[None]]
 
-OWNED_ELSEWHERE = (
-    "action_request",
-    "ingress_config_updated",
-    "ingress_rule_assigned",
-    "ingress_rule_revoked",
-)
+OWNED_ELSEWHERE = ("action_request",)
 
 
 def _payload_object(env: Envelope) -> dict[str, Any]:
@@ -112,11 +107,12 @@ class EventHandlers:
             "bridge_config_updated": self._refresh_now,
             "relay_session_assigned": self._relay_session_assigned,
             "relay_session_revoked": self._relay_session_revoked,
-            # User access and site-to-site: the state's blocks are the truth, and these events only name a change
-            # the pull brings whole (as the newer contract does for all of them).
+            # User access, site-to-site and ingress: the state's blocks are the truth, and these events only name
+            # a change the pull brings whole (as the newer contract does for all of them).
             **dict.fromkeys(("user_access_config_updated", "user_access_peer_assigned", "user_access_peer_revoked",
                              "site_to_site_config_updated", "site_to_site_tunnel_assigned",
-                             "site_to_site_tunnel_revoked"), self._refresh_now),
+                             "site_to_site_tunnel_revoked", "ingress_config_updated", "ingress_rule_assigned",
+                             "ingress_rule_revoked"), self._refresh_now),
         }
 
     def register(self, event_type: str, handler: Handler) -> None:

@@ -5,6 +5,10 @@ wireguard-go, real nftables, and plain `wg` ends on the other side (no plexd), c
 - A user-access client (a plain WireGuard client with the bridge's published key) pings the node the policy lets
   its address reach and not another (dropped by the bridge's own firewall, counted); the bridge's key is the same
   after a restart; a deleted `wg-access` is put back by the next reconcile and reported.
+- Ingress: a TCP client outside the mesh reaches a mesh service through the bridge by port, two TLS services on
+  one port by SNI (passed through untouched: the client sees each service's own certificate), and one whose TLS
+  the bridge ends with the rule's certificate; a rule pointing outside the mesh, an `acme` rule and a port another
+  program holds are refused with the reason, the others serve.
 - A host on a remote site's subnet reaches a host on the bridge's local subnet through a `wg-s2s-*` tunnel; a
   tunnel whose remote subnet overlaps the mesh is refused with the reason, the other one works; after the tunnel
   is withdrawn the per-interface forwarding knobs are what they were before, and `ip_forward` was never touched.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 from lab_daemon import Daemon, lab_with_devplane, wait_until
 from mesh_helpers import keypair
@@ -173,3 +178,141 @@ def test_a_remote_site_reaches_the_local_subnet_through_a_tunnel_and_teardown_re
                    "the tunnel to be removed", daemons)
         assert {k: sysctl(lab, bridge.node, k) for k in knobs} == before
         assert not ping(lab, remote, local.address, 2)
+
+
+BACKENDS = """
+import socket, ssl, sys, threading
+host, certs = sys.argv[1], sys.argv[2]
+
+def serve(port, name, tls):
+    ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); ls.bind((host, port)); ls.listen()
+    ctx = None
+    if tls:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER); ctx.load_cert_chain(f"{certs}/{name}.pem")
+    while True:
+        c, _ = ls.accept()
+        def talk(c=c):
+            try:
+                s = ctx.wrap_socket(c, server_side=True) if ctx else c
+                data = s.recv(100)
+                s.sendall(name.encode() + b":" + data)
+                s.close()
+            except OSError:
+                c.close()
+        threading.Thread(target=talk, daemon=True).start()
+
+for port, name, tls in ((9000, "a", False), (9001, "app1.example", True), (9002, "app2.example", True)):
+    threading.Thread(target=serve, args=(port, name, tls), daemon=True).start()
+print("ready", flush=True)
+threading.Event().wait()
+"""
+
+
+def self_signed(name: str) -> tuple[str, str]:
+    """A certificate and key for `name` (PEM), made here: the lab has no CA."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .sign(key, hashes.SHA256()))
+    return (cert.public_bytes(serialization.Encoding.PEM).decode(),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                              serialization.NoEncryption()).decode())
+
+
+def talk(address: str, port: int, server_name: str = "") -> tuple[str, str]:
+    """Connect from outside the mesh (the test's own namespace, on the lab bridge); with `server_name`, over TLS
+    (no verification: the lab's certificates are self-signed). Returns (the reply, the certificate's name)."""
+    import socket
+    import ssl
+
+    from cryptography import x509
+
+    raw = socket.create_connection((address, port), timeout=5)
+    try:
+        if not server_name:
+            raw.sendall(b"ping")
+            return raw.recv(100).decode(), ""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        with ctx.wrap_socket(raw, server_hostname=server_name) as tls:
+            cert = x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+            tls.sendall(b"ping")
+            return tls.recv(100).decode(), cert.subject.rfc4514_string()
+    finally:
+        raw.close()
+
+
+def test_ingress_forwards_tcp_from_outside_to_mesh_services_by_port_and_by_sni(tmp_path):
+    with lab_with_devplane(tmp_path, 2) as (lab, dp, daemons, workdir):
+        bridge, a = (Daemon(lab, lab.nodes[i], dp, workdir, reconcile="10m",
+                            extra_config="mode: bridge\n" if i == 0 else "") for i in range(2))
+        daemons += [bridge, a]
+        wait_until(lambda: all(d.node_id() and d.mesh_ip() for d in daemons), 30, "the nodes to register", daemons)
+        for d in daemons:
+            dp.admin.set_node_endpoint(d.node_id(), f"{d.node.address}:51820")
+        dp.admin.set_policies([{"id": "ingress", "rules": [
+            {"src": bridge.node_id(), "dst": a.node_id(), "protocol": "tcp", "action": "allow"}]}])
+        certs = workdir / "certs"
+        certs.mkdir()
+        for name in ("app1.example", "app2.example"):
+            (certs / f"{name}.pem").write_text("".join(self_signed(name)))
+        (workdir / "backends.py").write_text(BACKENDS)
+        backends = lab.spawn(a.node.wrap([sys.executable, str(workdir / "backends.py"), a.mesh_ip(), str(certs)]),
+                             stdout=subprocess.PIPE, text=True)
+        assert backends.stdout.readline().strip() == "ready"
+        # A program of the bridge's own already holds port 8082.
+        lab.spawn(bridge.node.wrap([sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                                    "s.bind(('0.0.0.0', 8082)); s.listen(); time.sleep(3600)"]))
+        front_cert, front_key = self_signed("front.example")
+        target = lambda port: f"{a.mesh_ip()}:{port}"  # noqa: E731
+        dp.admin.set_bridge(bridge.node_id(), {"ingress": {"enabled": True, "rules": [
+            {"rule_id": "plain", "listen_port": 8080, "target_addr": target(9000), "mode": "tcp"},
+            {"rule_id": "app1", "listen_port": 8443, "target_addr": target(9001), "mode": "tcp",
+             "hostname": "app1.example"},
+            {"rule_id": "app2", "listen_port": 8443, "target_addr": target(9002), "mode": "tcp",
+             "hostname": "app2.example"},
+            {"rule_id": "front", "listen_port": 9443, "target_addr": target(9000), "mode": "terminate",
+             "cert_pem": front_cert, "key_pem": front_key},
+            {"rule_id": "outside", "listen_port": 8081, "target_addr": "192.0.2.1:80", "mode": "tcp"},
+            {"rule_id": "acme", "listen_port": 8444, "target_addr": target(9000), "mode": "acme"},
+            {"rule_id": "taken", "listen_port": 8082, "target_addr": target(9000), "mode": "tcp"},
+        ]}})
+        wait_until(lambda: len(domain(bridge, "ingress").get("rules", [])) == 4, 30, "the ingress rules", daemons)
+        address = bridge.node.address
+        wait_until(lambda: _replies(address, 8080) == "a:ping", 30, "a reply from a's service through port 8080",
+                   daemons)
+        assert talk(address, 8443, "app1.example") == ("app1.example:ping", "CN=app1.example")
+        assert talk(address, 8443, "app2.example") == ("app2.example:ping", "CN=app2.example")
+        assert talk(address, 9443, "front.example") == ("a:ping", "CN=front.example")  # TLS ended at the bridge
+        assert _replies(address, 8443, "other.example") is None  # no rule for that name: closed, counted
+        ingress = domain(bridge, "ingress")
+        [sni_port] = [p for p in ingress["ports"] if p["listen_port"] == 8443]
+        assert sni_port["no_rule"] == 1 and sni_port["accepted"] == 3, sni_port
+        refused = "\n".join(ingress["refused"])
+        assert "ingress rule outside: refused: target 192.0.2.1 is outside the mesh" in refused, refused
+        assert "rules[5].mode: 'acme' is not supported" in refused, refused
+        assert "ingress port 8082: cannot listen on 0.0.0.0:8082: Address already in use" in bridge.logged()
+        wait_until(lambda: (dp.admin.node(bridge.node_id())["last_heartbeat"] or {}).get("ingress", {}).get(
+            "rule_count") == 4, 10, "the heartbeat's ingress object", daemons)
+        assert dp.admin.node(bridge.node_id())["last_heartbeat"]["bridge"]["active_ingress_rules"] == 4
+
+        dp.admin.set_bridge(bridge.node_id(), {"ingress": None})
+        wait_until(lambda: _replies(address, 8080) is None, 30, "port 8080 to close", daemons)
+
+
+def _replies(address: str, port: int, server_name: str = "") -> str | None:
+    try:
+        return talk(address, port, server_name)[0]
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,240 @@
+"""One ingress port of a bridge: accepts TCP from outside the mesh and forwards it to a mesh target.
+
+A port serves one rule, or several `tcp` rules told apart by the server name of the client's TLS ClientHello
+(SNI, read with MSG_PEEK so the bytes still go to the target untouched). `tcp` rules splice bytes both ways
+(`plexd.access.splice`); `terminate` rules end TLS here with the rule's certificate and forward plain TCP.
+
+Bounded: connections per port are capped (over the cap: closed, counted), a client has 10 s to send a
+ClientHello where one is needed and the target 10 s to answer a dial; sources outside
+`bridge.ingress.allowed_sources` (when set) are closed at once, counted. Nothing is logged per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import ssl
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from plexd.access.splice import relay
+from plexd.bridge.blocks import IngressRule
+from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
+
+log = logging.getLogger(__name__)
+
+MAX_CONNECTIONS = 256  # per port
+HELLO_TIMEOUT = 10.0
+DIAL_TIMEOUT = 10.0
+CHUNK = 1 << 16
+
+
+@dataclass
+class PortCounters:
+    accepted: int = 0
+    refused_over_cap: int = 0
+    refused_source: int = 0
+    no_rule: int = 0  # no rule for the server name the client asked for (or no name, or not TLS)
+    dial_failures: int = 0
+    tls_failures: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+class IngressPort:
+    def __init__(self, host: str, port: int, *, allowed_sources: Sequence[str] = (),
+                 tls_context: Callable[[IngressRule], ssl.SSLContext]) -> None:
+        self.host, self.port = host, port
+        self.rules: dict[str, IngressRule] = {}  # by hostname ("" for the port's only rule)
+        self.allowed = [ipaddress.ip_network(c, strict=False) for c in allowed_sources]
+        self._tls_context = tls_context
+        self.counters = PortCounters()
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+
+    @property
+    def listening(self) -> bool:
+        return (self._listener is not None and self._listener.fileno() != -1 and self._accepting is not None
+                and not self._accepting.done())
+
+    @property
+    def active(self) -> int:
+        return len(self._conns)
+
+    def set_rules(self, rules: Sequence[IngressRule]) -> None:
+        self.rules = {r.hostname: r for r in rules}
+
+    async def start(self) -> None:
+        """Listen (OSError when the port is taken: the caller reports it)."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+            sock.setblocking(False)
+        except OSError:
+            sock.close()
+            raise
+        self._listener = sock
+        self._accepting = asyncio.create_task(self._accept(), name=f"plexd:ingress:{self.port}")
+
+    async def close(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._listener is not None:
+            self._listener.close()
+        conns = list(self._conns)
+        for task in conns:
+            task.cancel()
+        await asyncio.gather(*conns, return_exceptions=True)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            client, address = await loop.sock_accept(self._listener)
+            if self.allowed and not self._admitted(address[0]):
+                self.counters.refused_source += 1
+                client.close()
+                continue
+            if len(self._conns) >= MAX_CONNECTIONS:
+                self.counters.refused_over_cap += 1
+                client.close()
+                continue
+            client.setblocking(False)
+            self.counters.accepted += 1
+            task = asyncio.create_task(self._serve(client), name=f"plexd:ingress-conn:{self.port}")
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    def _admitted(self, source: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(source.split("%")[0])
+        except ValueError:
+            return False
+        if ip.version == 6 and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip.version == net.version and ip in net for net in self.allowed)
+
+    async def _serve(self, client: socket.socket) -> None:
+        try:
+            rule = await self._pick(client)
+            if rule is None:
+                self.counters.no_rule += 1
+                return
+            try:
+                async with asyncio.timeout(DIAL_TIMEOUT):
+                    upstream = await _dial(rule.target)
+            except (OSError, TimeoutError):
+                self.counters.dial_failures += 1
+                return
+            try:
+                if rule.mode == "terminate":
+                    await self._terminate(client, upstream, rule)
+                else:
+                    await relay(client, upstream, a_to_b=self._count("bytes_in"), b_to_a=self._count("bytes_out"))
+            finally:
+                upstream.close()
+        except (OSError, ValueError, TimeoutError):
+            pass  # the client or the target went away, or sent nonsense: this connection ends, the port goes on
+        finally:
+            client.close()
+
+    async def _pick(self, client: socket.socket) -> IngressRule | None:
+        if set(self.rules) == {""}:
+            return self.rules[""]
+        if not self.rules:
+            return None
+        async with asyncio.timeout(HELLO_TIMEOUT):
+            record = await _peek_record(client)
+        return self.rules.get(server_name(record))
+
+    async def _terminate(self, client: socket.socket, upstream: socket.socket, rule: IngressRule) -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=CHUNK)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        try:
+            transport, _ = await loop.connect_accepted_socket(lambda: protocol, client,
+                                                              ssl=self._tls_context(rule),
+                                                              ssl_handshake_timeout=HELLO_TIMEOUT)
+        except (ssl.SSLError, OSError, TimeoutError, ConnectionError):
+            self.counters.tls_failures += 1
+            return
+        writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+        up_reader, up_writer = await asyncio.open_connection(sock=upstream)
+        try:
+            await asyncio.gather(_pump(reader, up_writer, self._count("bytes_in")),
+                                 _pump(up_reader, writer, self._count("bytes_out")))
+        finally:
+            for w in (writer, up_writer):
+                w.close()
+                with contextlib.suppress(Exception):
+                    await w.wait_closed()
+
+    def _count(self, counter: str) -> Callable[[int], None]:
+        def add(n: int) -> None:
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+        return add
+
+    def status(self) -> Mapping[str, Any]:
+        c = self.counters
+        return {"listen_port": self.port, "listening": self.listening, "connections": self.active,
+                "accepted": c.accepted, "refused_over_cap": c.refused_over_cap, "refused_source": c.refused_source,
+                "no_rule": c.no_rule, "dial_failures": c.dial_failures, "tls_failures": c.tls_failures,
+                "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
+
+
+async def _dial(target: tuple[str, int]) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
+    up = socket.socket(family, socket.SOCK_STREAM)
+    up.setblocking(False)
+    try:
+        await loop.sock_connect(up, target)
+    except BaseException:
+        up.close()
+        raise
+    return up
+
+
+async def _peek_record(client: socket.socket) -> bytes:
+    """The client's first TLS record, left in the socket (MSG_PEEK): the target still gets every byte."""
+    loop = asyncio.get_running_loop()
+    want = RECORD_HEADER
+    while True:
+        ready: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(client.fileno(), _settle, ready)
+        try:
+            await ready
+        finally:
+            loop.remove_reader(client.fileno())
+        data = client.recv(want, socket.MSG_PEEK)
+        if not data:
+            raise ValueError("the client closed before its ClientHello")
+        if len(data) >= RECORD_HEADER:
+            want = record_length(data)
+            if len(data) >= want:
+                return data[:want]
+        await asyncio.sleep(0.01)  # part of it is here: the peek does not consume, so wait for more
+
+
+def _settle(ready: asyncio.Future[None]) -> None:
+    if not ready.done():
+        ready.set_result(None)
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, note: Callable[[int], None]) -> None:
+    while data := await reader.read(CHUNK):
+        note(len(data))
+        writer.write(data)
+        await writer.drain()
+    with contextlib.suppress(OSError, RuntimeError):
+        if writer.can_write_eof():
+            writer.write_eof()
