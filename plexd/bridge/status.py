@@ -31,3 +31,8 @@ def heartbeat_blocks(relay: Mapping[str, Any] | None, access: Mapping[str, Any] 
                                      for t in listed]},
     }
     return out
+
+
+def status_reports(blocks: Mapping[str, Any]) -> dict[str, Any]:
+    """The newer contract's report keys for the same objects: status.bridge, status.user-access, ..."""
+    return {"status." + name.replace("_", "-"): value for name, value in blocks.items()}

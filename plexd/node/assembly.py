@@ -42,7 +42,7 @@ from plexd.actions.outbox import Outbox, deliver
 from plexd.actions.routes import add_action_routes
 from plexd.agent import Agent
 from plexd.backoff import Backoff
-from plexd.bridge.status import heartbeat_blocks
+from plexd.bridge.status import heartbeat_blocks, status_reports
 from plexd.clock import Clock
 from plexd.config import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
@@ -76,6 +76,7 @@ from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.paths import PathSelector
 from plexd.services.reconciler import Reconciler, drift_uplink
+from plexd.services.status_reports import StatusReports
 from plexd.system.systemd import Watchdog, watchdog_interval
 from plexd.telemetry.service import Telemetry
 from plexd.upgrade.upgrader import Upgrader
@@ -230,6 +231,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
                       stop_last=True)
     agent.on_shutdown("local socket", lambda a: local_api.stop(grace=2.0), phase="final")
     agent.add_service("report_sync", lambda a: report_sync.run())
+    if cfg.mode == "bridge":  # the bridge's state as status.* report entries, republished when it changes
+        status = StatusReports(reports, lambda: status_reports(bridge_heartbeat(mesh.engine)), cfg.heartbeat.interval)
+        agent.add_service("status_reports", lambda a: status.run())
     # Peers with a bridge's fallback endpoint: direct first, the relay when the direct path shows no handshake.
     paths = node.paths = PathSelector(mesh.store, wireguard(mesh.engine).backend.observe, mesh.request_converge,
                                       probe_interval=cfg.mesh.path_probe_interval)

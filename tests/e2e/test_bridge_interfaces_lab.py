@@ -100,6 +100,14 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
         assert deny_counter(lab, bridge.node, "forward", "wg-access") > before  # dropped at the bridge itself
         heartbeat = dp.admin.node(ids["bridge"])["last_heartbeat"] or {}
         assert heartbeat.get("user_access", {}).get("public_key") == access["public_key"], heartbeat
+        # The newer contract's status reports: node state entries, through the report sync.
+        reports = lambda: {e["key"]: e["payload"] for e in dp.admin.report_entries(ids["bridge"])}  # noqa: E731
+        wait_until(lambda: reports().get("status.user-access", {}).get("peer_count") == 1, 20,
+                   "the status.user-access report", daemons)
+        published = reports()
+        assert published["status.user-access"]["public_key"] == access["public_key"]
+        assert published["status.bridge"]["access_interface"] == "wg-access", published
+        assert set(published) >= {"status.bridge", "status.user-access", "status.ingress", "status.site-to-site"}
 
         # The key is kept: after a restart the same client, unchanged, still gets through.
         bridge.restart()
