@@ -147,8 +147,18 @@ async def show_node(request: Request) -> Response:
         "secret_refs": node.secret_refs(),
         "pending_flags": node.flags,
         "peers": [p.id for p in dep.visible_peers(node)] if not node.removed else [],
+        "bridge": _redacted(node.bridge),
     })
     return JSONResponse(out)
+
+
+def _redacted(doc: Any) -> Any:
+    """A bridge block as an admin may see it: preshared and private keys only said to be set."""
+    if isinstance(doc, dict):
+        return {k: ("(set)" if v else "") if k in ("psk", "key_pem") else _redacted(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_redacted(v) for v in doc]
+    return doc
 
 
 async def forget_node(request: Request) -> Response:

@@ -64,6 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     leaf(g, "set", do_policies_set, "replace all policies from a JSON file (or - for stdin)"
          ).add_argument("file", nargs="?", default="-", help="JSON array of policies (default: stdin)")
 
+    g = group("bridge", "a bridge node's block: relay sessions, user access, ingress, site-to-site")
+    p = leaf(g, "set", do_bridge_set, "replace a node's bridge block from a JSON file (or - for stdin; null: "
+             "not a bridge any more)")
+    p.add_argument("node_id")
+    p.add_argument("file", nargs="?", default="-", help="JSON object {relay, user_access, ingress, site_to_site}")
+    leaf(g, "show", do_bridge_show, "print a node's bridge block and what it last reported").add_argument("node_id")
+
     g = group("metadata", "node metadata")
     p = leaf(g, "set", do_metadata_set, "replace a node's metadata")
     p.add_argument("node_id")
@@ -298,6 +305,19 @@ def do_policies_show(c: Any, args: argparse.Namespace) -> Any:
 def do_policies_set(c: Any, args: argparse.Namespace) -> Any:
     policies = c.set_policies(_read_json(args.file, "policies file"))
     return policies, f"{len(policies)} policies set"
+
+
+def do_bridge_set(c: Any, args: argparse.Namespace) -> Any:
+    block = _read_json(args.file, "bridge file")
+    c.set_bridge(args.node_id, block)
+    return block, f"bridge block of {args.node_id} set ({', '.join(sorted(block)) if block else 'none'})"
+
+
+def do_bridge_show(c: Any, args: argparse.Namespace) -> Any:
+    node = c.node(args.node_id)
+    reports = {e["key"]: e["payload"] for e in c.report_entries(args.node_id) if e["key"].startswith("status.")}
+    doc = {"bridge": node.get("bridge"), "status": reports}
+    return doc, json.dumps(doc, indent=2)
 
 
 def do_metadata_set(c: Any, args: argparse.Namespace) -> Any:

@@ -102,6 +102,13 @@ def test_admin_cli_tables_and_json(dp, admin, tmp_path):
     assert admin("data", "set", node.id, "cfg", "--payload", '{"a": 1}').stdout.strip().endswith("version 1")
     assert admin("secret", "set", node.id, "pw", "--value", "x").stdout.strip().endswith("version 1")
     assert admin("endpoint", "set", node.id, "192.0.2.1:51820").returncode == 0
+    block = {"user_access": {"enabled": True, "peers": [{"public_key": "A" * 43 + "=", "psk": "B" * 43 + "=",
+                                                         "allowed_ips": ["10.100.250.5/32"]}]}}
+    assert admin("bridge", "set", node.id, stdin=json.dumps(block)).stdout.strip().endswith("set (user_access)")
+    shown = json.loads(admin("--json", "bridge", "show", node.id).stdout)
+    assert shown["bridge"]["user_access"]["peers"][0]["psk"] == "(set)"  # never printed
+    assert shown["bridge"]["user_access"]["peers"][0]["allowed_ips"] == ["10.100.250.5/32"]
+    assert admin("bridge", "set", node.id, stdin="null").stdout.strip().endswith("set (none)")
     assert admin("flags", "set", node.id, "--reconcile").returncode == 0
     assert node.post("heartbeat", {}).json()["reconcile"] is True
     eid = admin("action", "request", node.id, "backup", "--param", "target=/srv", "--timeout", "30s").stdout.strip()
