@@ -166,7 +166,7 @@ class HeartbeatRequest:
             out["mesh"] = self.mesh.to_wire()
         if self.nat is not None:
             out["nat"] = self.nat.to_wire()
-        for key in ("bridge", "user_access", "ingress", "site_to_site"):
+        for key in ("bridge", "user_access", "ingress", "site_to_site", "paths"):
             if self.extra.get(key) is not None:
                 out[key] = self.extra[key]
         return out

@@ -176,6 +176,15 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
                                 tunnels.status() if tunnels is not None else None,
                                 served_ingress.status() if served_ingress is not None else None)
 
+    def path_heartbeat() -> dict[str, Any]:
+        """Peers with a bridge's fallback: which path each is on (an addition of plexd's; a control plane that
+        does not know the key ignores it). Nothing when no peer has a fallback."""
+        by_peer = node.paths.status() if node.paths is not None else {}
+        if not by_peer:
+            return {}
+        return {"paths": {"relayed": sum(1 for p in by_peer.values() if p["path"] == "relay"),
+                          "peers": {pid: {"path": p["path"], "switches": p["switches"]} for pid, p in by_peer.items()}}}
+
     def snapshot() -> HeartbeatSnapshot:
         status, reason = health(reconciler, mesh)
         return HeartbeatSnapshot(
@@ -184,7 +193,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
             mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),
             nat=nat.info() if nat is not None else None,
-            extra=bridge_heartbeat(mesh.engine) if cfg.mode == "bridge" else {},
+            extra={**(bridge_heartbeat(mesh.engine) if cfg.mode == "bridge" else {}), **path_heartbeat()},
         )
 
     async def send(body: dict[str, Any]) -> dict[str, bool]:

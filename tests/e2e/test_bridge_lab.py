@@ -86,6 +86,10 @@ def test_nodes_behind_random_port_nats_move_to_the_bridges_relay_by_themselves(t
         assert path["path"] == "relay" and path["switches"] >= 1, path
         [session] = relay_status(bridge)["sessions"]
         assert session["packets_a_to_b"] > 0 and session["packets_b_to_a"] > 0, session
+        wait_until(lambda: ((dp.admin.node(a.node_id())["last_heartbeat"] or {}).get("paths") or {}).get(
+            "relayed") == 1, 10, "a's heartbeat to say one peer is relayed", daemons)
+        beat = dp.admin.node(a.node_id())["last_heartbeat"]["paths"]["peers"][b.node_id()]
+        assert beat["path"] == "relay" and beat["switches"] >= 1, beat
 
         # The routers start keeping ports (a simpler NAT): at the next probe window both sides try the direct
         # path at once, it works, they keep it, and the relay carries nothing more.
