@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 from plexd.atomicfile import write_atomic
 from plexd.bridge.blocks import Ingress, IngressRule
 from plexd.bridge.ingress_port import IngressPort
+from plexd.bridge.once import OnceLog
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.desired import DesiredState
@@ -95,6 +96,7 @@ class IngressDomain:
         self._applied_once = False
         self._last = Wanted({}, ())
         self._started_ports: set[int] = set()
+        self._said = OnceLog(log)
 
     def _wanted(self, desired: DesiredState) -> Wanted:
         ingress = desired.ingress
@@ -191,7 +193,12 @@ class IngressDomain:
         self._last = wanted
         self._applied = desired.ingress
         self._applied_once = True
-        return DomainResult(planned.changes, tuple(errors))
+        self._said.errors((*planned.errors, *errors))
+        # What could not be done is an error line, not a correction (it would be reported at every reconcile).
+        done = tuple(c for c in planned.changes if not (isinstance(c, IngressListening) and c.port not in self._ports)
+                     and not (isinstance(c, IngressRuleSynced) and c.rule_id not in self._served
+                              and not c.what.endswith("removed")))
+        return DomainResult(done, tuple(errors))
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
         if self._applied_once and desired.ingress is self._applied:

@@ -24,6 +24,7 @@ from typing import Any
 from plexd.atomicfile import write_atomic
 from plexd.boundedjson import loads
 from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.once import OnceLog
 from plexd.bridge.wgif import InterfaceRemoved, InterfaceSeen, InterfaceSpec, WgInterface
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
@@ -67,6 +68,7 @@ class InterfacesDomain:
         self._applied: object = None
         self._applied_once = False
         self._last: Wanted = Wanted({})
+        self._said = OnceLog(log)
         # The interfaces this domain made, kept across restarts: one no longer wanted after a restart (or at
         # `plexd deregister`, another process) is still found and removed.
         self._made_file = Path(data_dir) / "bridge" / f"{name}.interfaces"
@@ -128,6 +130,7 @@ class InterfacesDomain:
                 if iface is not None:
                     errors += await iface.remove()
         self._save_made()
+        self._said.errors((*planned.errors, *errors))
         self._last = wanted
         self._applied = self._source(desired)
         self._applied_once = True

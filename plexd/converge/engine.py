@@ -63,7 +63,6 @@ class Engine:
         self.hold = hold or ReconcileHold()
         self._lock = asyncio.Lock()
         self.last_result: ConvergeResult | None = None
-        self._standing: set[str] = set()  # the error lines of the last converge, each logged once
         self.corrections: collections.Counter[str] = collections.Counter()  # drift corrected, by type (metrics)
 
     def domain(self, name: str) -> Domain | None:
@@ -92,17 +91,7 @@ class Engine:
             self._corrected(total.changes)
         result = ConvergeResult(total.changes, total.errors, desired.rejected, dry_run)
         self.last_result = result
-        if not dry_run:
-            self._name_errors(total.errors, full=True)
         return result
-
-    def _name_errors(self, errors: Sequence[str], *, full: bool) -> None:
-        """Each error line is logged once when it appears (a refused rule would otherwise be logged at every
-        reconcile, or never): a full converge also forgets the ones that are gone, so a recurrence is logged."""
-        for line in errors:
-            if line not in self._standing:
-                log.error("%s", line)
-        self._standing = set(errors) if full else self._standing | set(errors)
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None = None) -> ConvergeResult:
         """Apply what changed in `desired` since the last apply: O(change) in every domain that can; a domain that
@@ -128,7 +117,6 @@ class Engine:
                     total += delta
             result = ConvergeResult(total.changes, total.errors, desired.rejected, False)
             self.last_result = result
-            self._name_errors(total.errors, full=False)
             return result
 
     async def teardown(self) -> None:
@@ -161,17 +149,15 @@ class Engine:
             return DomainResult(errors=(*planned.errors, self._failure(domain, "applying", e)))
         return DomainResult(applied.changes, planned.errors + applied.errors)
 
-    def _failure(self, domain: Domain, doing: str, e: Exception) -> str:
+    @staticmethod
+    def _failure(domain: Domain, doing: str, e: Exception) -> str:
         """Log what a domain raised, and return its error line: a PlexdError says what the machine did, anything
         else is a bug (logged with its traceback)."""
         if isinstance(e, PlexdError):
             log.error("%s: %s", domain.name, e)
-            line = str(e)
-        else:
-            log.error("%s: %s failed", domain.name, doing, exc_info=e)
-            line = f"{domain.name}: internal error {doing}: {e!r}"
-        self._standing.add(line)  # logged here already
-        return line
+            return str(e)
+        log.error("%s: %s failed", domain.name, doing, exc_info=e)
+        return f"{domain.name}: internal error {doing}: {e!r}"
 
     def _corrected(self, changes: Sequence[Change]) -> None:
         for c in changes:

@@ -173,27 +173,3 @@ async def test_while_held_every_converge_and_every_event_only_plans():
     assert [c.detail for c in event.changes] == ["a: set to 3"] and "delta a" not in log
     engine.hold.release()
     assert not (await engine.converge(model(3))).dry_run and a.value == 3
-
-
-class Refusing(Counter):
-    """Plans an error line of its own (a refused entry), as the bridge domains do."""
-
-    refusal = "ingress rule r1: refused: target 192.0.2.1 is outside the mesh"
-
-    def plan(self, desired, observed):
-        return DomainResult(errors=(self.refusal,) if self.refusal else ())
-
-
-async def test_a_planned_error_line_is_logged_once_while_it_stands_and_again_when_it_comes_back(caplog):
-    domain = Refusing("ingress", [])
-    engine = Engine([domain])
-    caplog.set_level(logging.ERROR, "plexd.converge.engine")
-    for _ in range(3):
-        assert (await engine.converge(model(0))).errors == (Refusing.refusal,)
-        await engine.apply_delta(model(0))
-    assert [r.getMessage() for r in caplog.records] == [Refusing.refusal]
-    domain.refusal = ""
-    await engine.converge(model(0))
-    domain.refusal = Refusing.refusal
-    await engine.converge(model(0))
-    assert [r.getMessage() for r in caplog.records] == [Refusing.refusal] * 2
