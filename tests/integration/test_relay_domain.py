@@ -64,7 +64,7 @@ async def test_sessions_are_served_a_dead_socket_is_reopened_and_a_revocation_ap
         assert [s["session_id"] for s in domain.status()["sessions"]] == ["rel_1"]
         assert (await converge(domain, desired)).changes == ()
 
-        domain.relay._transport.close()  # the relay's socket dies under it
+        domain.relay.close_socket()  # the relay's socket dies under it
         repaired = await converge(domain, desired)
         assert [str(c.correction()) for c in repaired.changes] == [
             "relay_listener_started: relay 127.0.0.1:0: its socket is closed; reopened"]
