@@ -20,9 +20,9 @@ from nacl.public import PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from plexd.base.errors import PlexdError
 from plexd.devplane.harness import Devplane
-from plexd.errors import PlexdError
-from plexd.lab import Lab, LabNode
+from plexd.devplane.lab import Lab, LabNode
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 # PLEXD_BENCH_PROFILE=/path/out.prof runs the daemon under cProfile (written when it exits).

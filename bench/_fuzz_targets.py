@@ -18,14 +18,14 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from plexd import boundedjson
+from plexd.base import boundedjson
+from plexd.base.errors import PlexdError, WireFormatError
 from plexd.controlplane.client import RETRY_AFTER_CAP, _error_message, parse_retry_after
 from plexd.controlplane.envelope import parse_envelope
 from plexd.controlplane.sse import SSEParser, valid_event_id
-from plexd.desired import DesiredState, split_endpoint
-from plexd.errors import PlexdError, WireFormatError
-from plexd.model import Peer, RegisterResponse, State
 from plexd.node.metrics import bearer_matches
+from plexd.state.desired import DesiredState, split_endpoint
+from plexd.state.model import Peer, RegisterResponse, State
 from plexd.telemetry.auditd import AuditFormatError, audit_entry, local_action_entry, parse_record
 from plexd.telemetry.logs import SEVERITIES, journal_entry
 from plexd.telemetry.tail import MAX_LINE, TRUNCATED
@@ -128,7 +128,7 @@ def check_endpoint(text: str) -> None:
 
 
 def check_config(text: str) -> None:
-    from plexd import config
+    from plexd.config import settings as config
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(text)
@@ -228,7 +228,7 @@ def check_hook_sidecar(text: str) -> None:
     """A hook's sidecar file: its fields, or a warning and none of them; never an exception."""
     from pathlib import Path
 
-    from plexd.integrity import _read_sidecar
+    from plexd.trust.integrity import _read_sidecar
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp, "hook.json")

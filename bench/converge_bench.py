@@ -27,15 +27,15 @@ from dataclasses import replace
 from nacl.public import PrivateKey
 
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
-from plexd.identity import b64
-from plexd.lab import Lab, LabNode
+from plexd.devplane.lab import Lab, LabNode
+from plexd.identity.store import b64
 from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import DEFAULT_TABLE, Links
 from plexd.mesh.plan import device_update, diff
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
-from plexd.model import Peer
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
 
 MESH = ipaddress.ip_network("10.128.0.0/10")
 

@@ -12,7 +12,7 @@ import argparse
 import statistics
 import time
 
-from plexd.lab import Lab, MeshLab
+from plexd.devplane.lab import Lab, MeshLab
 
 
 def one_run(nodes: int) -> tuple[float, float, float]:

@@ -2,8 +2,8 @@
 
     .venv/bin/python -m bench desired_model [--peers 1000] [--repeat 200]
 
-Measures the validation and route-limit checks every peer goes through as it enters the model (plexd/desired.py,
-plexd/route_limits.py), in process, with warm caches (as in a running daemon) and cold.
+Measures the validation and route-limit checks every peer goes through as it enters the model (plexd/state/desired.py,
+plexd/state/route_limits.py), in process, with warm caches (as in a running daemon) and cold.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import os
 import statistics
 import time
 
-from plexd.desired import DesiredState
-from plexd.model import Peer, State
-from plexd.route_limits import RouteLimits, address
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer, State
+from plexd.state.route_limits import RouteLimits, address
 
 
 def key() -> str:

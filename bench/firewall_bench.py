@@ -28,9 +28,9 @@ import uuid
 from pyroute2.netns import setns
 
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
 from plexd.firewall.domain import FirewallDomain
-from plexd.model import Peer, Policy, PolicyRule
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer, Policy, PolicyRule
 
 KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
 

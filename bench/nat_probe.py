@@ -21,7 +21,7 @@ import statistics
 import sys
 import time
 
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 
 PROBE = r"""
 import asyncio, json, socket, sys, time

@@ -8,7 +8,7 @@ attempts the devplane had to absorb.
 
     .venv/bin/python bench/reconnect_storm.py [--clients 1000] [--kill] [--down 3]
 
-The clients use the daemon's defaults (`sse.*` of `plexd.config`): the seed's backoff for ordinary failures, a
+The clients use the daemon's defaults (`sse.*` of `plexd.config.settings`): the seed's backoff for ordinary failures, a
 random 0-5 s before the first reconnect after a stream closes, Retry-After spread by up to 50 %. The devplane
 sheds stream opens beyond 5 % of its fleet per second with 503 + Retry-After (`plexd.devplane.admission`).
 
@@ -35,12 +35,12 @@ from nacl.public import PrivateKey
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plexd.clock import Clock
-from plexd.config import SseConfig
+from plexd.base.clock import Clock
+from plexd.config.settings import SseConfig
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.devplane.harness import Devplane
-from plexd.model import SigningKeys
+from plexd.state.model import SigningKeys
 
 
 def register(dp: Devplane, n: int) -> list[dict]:

@@ -36,7 +36,7 @@ from relay_lab import (
     wait,
 )
 
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 
 TICKS = os.sysconf("SC_CLK_TCK")
 

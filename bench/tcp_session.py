@@ -84,7 +84,7 @@ def run_mesh(seconds: int, runs: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))  # the relay lab helpers
     from relay_lab import nat_pair, point_at
 
-    from plexd.lab import Lab
+    from plexd.devplane.lab import Lab
 
     def iperf_from(lab, node, ip: str, port: int) -> float:
         out = lab.exec(node, ["iperf3", "-c", ip, "-p", str(port), "-t", str(seconds), "-J"]).stdout

@@ -25,7 +25,7 @@ import httpx
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.devplane.harness import Devplane
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
-from plexd.model import Peer
+from plexd.state.model import Peer
 from plexd.telemetry.auditd import audit_entry, parse_record
 from plexd.telemetry.queue import TelemetryQueue
 from plexd.telemetry.service import metric_points

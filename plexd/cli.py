@@ -26,10 +26,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from plexd import __version__
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 if TYPE_CHECKING:
-    from plexd.config import Config
+    from plexd.config.settings import Config
 
 EXIT_USER_ERROR = 1
 EXIT_USAGE = 2
@@ -88,10 +88,10 @@ def _add_join(sub: Any) -> None:
 def cmd_join(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
+    from plexd.base.log import setup_logging
     from plexd.controlplane.client import ControlPlaneClient
-    from plexd.identity import IdentityStore
-    from plexd.log import setup_logging
-    from plexd.registrar import Registrar
+    from plexd.identity.registrar import Registrar
+    from plexd.identity.store import IdentityStore
 
     # join talks to a person: its outcome is printed, logs only when asked for with log_level.
     setup_logging(config.log_level if config.source_of("log_level") != "default" else "error")
@@ -145,8 +145,8 @@ def _remember_api(args: argparse.Namespace, config: Config) -> str:
     find it. Returns the file's path when it changed."""
     if not config.source_of("api.url").startswith("flag"):
         return ""
-    from plexd.config import config_path
-    from plexd.config_edit import store_api_url
+    from plexd.config.edit import store_api_url
+    from plexd.config.settings import config_path
 
     path = config_path(getattr(args, "config", None))
     return path if store_api_url(path, config.api.url, allow_insecure=config.api.allow_insecure) else ""
@@ -182,7 +182,7 @@ def _show_retry(url: str, out: Any) -> Callable[..., Any]:
 def _join_capabilities(config: Config) -> Callable[[], dict[str, Any]]:
     def build() -> dict[str, Any]:
         from plexd.actions.builtins import builtin_capabilities
-        from plexd.integrity import binary_checksum, capabilities_document, scan_hooks
+        from plexd.trust.integrity import binary_checksum, capabilities_document, scan_hooks
 
         return capabilities_document(__version__, binary_checksum(), scan_hooks(config.hooks.dir).hooks,
                                      builtin_capabilities())
@@ -216,7 +216,7 @@ def _add_up(sub: Any) -> None:
 def cmd_up(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
-    from plexd.log import setup_logging
+    from plexd.base.log import setup_logging
     from plexd.node import assembly
     from plexd.upgrade import launcher
 
@@ -278,7 +278,7 @@ def _add_config(sub: Any) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace, config: Config) -> int:
-    from plexd.config import display_value
+    from plexd.config.settings import display_value
 
     if args.json:
         _print_json(config.shown())
@@ -414,7 +414,7 @@ def _ask_daemon(config: Config, method: str, path: str, body: Any = None, *, oth
 
 
 def _reconcile_hold(args: argparse.Namespace, config: Config) -> int:
-    from plexd.gojson import parse_duration
+    from plexd.base.gojson import parse_duration
     from plexd.node.control import HOLD_PATH
 
     nothing = "there is nothing to hold or release"
@@ -672,7 +672,7 @@ def cmd_hooks(args: argparse.Namespace, config: Config) -> int:
 
 
 def _scanned_hooks(config: Config) -> dict[str, Any]:
-    from plexd.integrity import scan_hooks
+    from plexd.trust.integrity import scan_hooks
 
     return {**scan_hooks(config.hooks.dir).to_json(config.hooks.dir), "daemon": False}
 
@@ -764,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `plexd up` runs a release or itself again with them
     try:
-        from plexd import config as config_mod
+        from plexd.config import settings as config_mod
 
         flags = {name: getattr(args, name, None) for name in config_mod.FLAG_KEYS}
         config = config_mod.load(getattr(args, "config", None), flags=flags)

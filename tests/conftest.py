@@ -4,7 +4,8 @@ parallel where the tests allow it.
 Every e2e test needs root (network namespaces, wireguard-go). Outside CI a non-root run skips them with a
 reason; in CI (CI=true, which runs as root) a missing privilege is a failure, never a silent skip.
 
-Parallel runs (pytest-xdist, `make test` uses `-n 4 --dist loadgroup`): labs have names of their own (plexd.lab),
+Parallel runs (pytest-xdist, `make test` uses `-n 4 --dist loadgroup`): labs have names of their own
+(plexd.devplane.lab),
 so they run side by side; the tests of one file stay on one worker (their module fixtures are built once); the
 files that run daemons in the root network namespace itself (its `inet plexd` table, `plexd0`) share one group
 and so one worker, one after another.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plexd.converge.domain import Domain
 from plexd.converge.engine import ConvergeResult, Engine
-from plexd.desired import DesiredState
+from plexd.state.desired import DesiredState
 
 
 async def converge(domain: Domain, desired: DesiredState, *, full: bool = True, dry_run: bool = False,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from plexd.config import Config
-from plexd.config import load as load_config
+from plexd.config.settings import Config
+from plexd.config.settings import load as load_config
 from plexd.converge.change import Correction
 from plexd.converge.domain import DomainResult
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig

@@ -17,7 +17,7 @@ from typing import ClassVar
 
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
+from plexd.state.desired import DesiredState
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 
-from plexd import config as config_mod
+from plexd.config import settings as config_mod
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.upgrade.upgrader import Upgrader
 

@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from plexd.atomicfile import write_atomic
+from plexd.base.atomicfile import write_atomic
 
 CERT_FILE = "access-proxy.crt"
 KEY_FILE = "access-proxy.key"

@@ -39,7 +39,7 @@ from plexd.access.ssh_host_key import HostKeyError, load_or_create_host_key
 from plexd.access.tcp import TcpSession
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plexd import gojson
-from plexd.errors import WireFormatError
+from plexd.base import gojson
+from plexd.base.errors import WireFormatError
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_SESSIONS = 10  # per node, ssh and tcp and k8s together (the Go agent's tunnel.max_sessions)

@@ -53,13 +53,13 @@ from typing import Any
 import asyncssh
 from nacl.signing import VerifyKey
 
-from plexd import gojson
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_process import LocalUser, UserRefused, exit_status, login_environment, resolve_user
 from plexd.access.token import TokenRefused, verify_session_token
+from plexd.base import gojson
 from plexd.nodeapi.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)

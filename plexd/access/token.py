@@ -35,8 +35,8 @@ from typing import Any
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from plexd.boundedjson import nesting_depth_exceeds
-from plexd.errors import PlexdError
+from plexd.base.boundedjson import nesting_depth_exceeds
+from plexd.base.errors import PlexdError
 
 MAX_TOKEN_BYTES = 8192
 NBF_SKEW = 30.0

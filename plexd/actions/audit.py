@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from plexd.gojson import format_time, now_utc
+from plexd.base.gojson import format_time, now_utc
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd import __version__
-from plexd.childenv import child_environment
+from plexd.base.childenv import child_environment
 
 Json = dict[str, Any]
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 EXIT_TIMEOUT = 124
 EXIT_CANCELLED = 125

@@ -32,10 +32,10 @@ from plexd.actions.journal import RUNNING, ActionJournal, Execution, JournalErro
 from plexd.actions.outbox import Outbox
 from plexd.actions.request import ActionRequest, InvalidRequest
 from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
-from plexd.config import ActionsConfig
+from plexd.base.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
+from plexd.config.settings import ActionsConfig
 from plexd.controlplane.envelope import Envelope
-from plexd.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
-from plexd.integrity import Hook, HookImage, HookUnusable, RefusedHook, image_hook, inspect_hook
+from plexd.trust.integrity import Hook, HookImage, HookUnusable, RefusedHook, image_hook, inspect_hook
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class ActionDispatcher:
     async def _verify(self, request: ActionRequest, origin: str, hook: Hook) -> VerifiedHook:
         """The hook as it is on disk now: still safe, and with the checksum the request (or, for a local run, the
         last scan) and the last announcement name. Else a violation is reported and the request refused. The
-        checksum compared is that of the image that will be executed (`plexd.integrity.image_hook`)."""
+        checksum compared is that of the image that will be executed (`plexd.trust.integrity.image_hook`)."""
         if origin == CONTROL_PLANE and not request.checksum:
             raise InvalidRequest(f"checksum: missing; hook {hook.name!r} runs only against the SHA-256 it was "
                                  "announced with")

@@ -21,10 +21,10 @@ from typing import Any
 import watchfiles
 
 from plexd.actions.journal import ActionJournal, JournalError
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
+from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
-from plexd.errors import PlexdError
-from plexd.integrity import Hook, HookScan, scan_hooks
+from plexd.trust.integrity import Hook, HookScan, scan_hooks
 
 log = logging.getLogger(__name__)
 

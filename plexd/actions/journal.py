@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.errors import PlexdError
-from plexd.sqlitefile import connect_private, immediate, open_or_start_empty
+from plexd.base.errors import PlexdError
+from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from plexd.actions.journal import ActionJournal, JournalError, Message
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
+from plexd.base.gojson import parse_time
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.retry import retry_verdict
-from plexd.gojson import parse_time
 
 if TYPE_CHECKING:
     from plexd.controlplane.client import ControlPlaneClient

@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.childenv import child_environment
-from plexd.errors import PlexdError, WireFormatError
-from plexd.gojson import parse_duration
-from plexd.model import _fields  # Go's case-insensitive keys
+from plexd.base.childenv import child_environment
+from plexd.base.errors import PlexdError, WireFormatError
+from plexd.base.gojson import parse_duration
+from plexd.state.model import _fields  # Go's case-insensitive keys
 
 # Ack reasons ([C] vocabulary, plus the two the project decisions add).
 ACTIONS_DISABLED = "actions_disabled"
@@ -204,7 +204,7 @@ def check_declared(parameters: dict[str, str], declared: Any) -> None:
 
 
 def hook_environment(node_id: str, request: ActionRequest) -> dict[str, str]:
-    """The hook's whole environment: the allow-list of `plexd.childenv`, the execution's names and its
+    """The hook's whole environment: the allow-list of `plexd.base.childenv`, the execution's names and its
     parameters; nothing else of the daemon's (its bootstrap token least of all)."""
     extra = {"PLEXD_NODE_ID": node_id, "PLEXD_EXECUTION_ID": request.execution_id,
              "PLEXD_ACTION_NAME": request.action}

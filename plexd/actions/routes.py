@@ -23,12 +23,12 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-from plexd import boundedjson
 from plexd.actions import request as rq
 from plexd.actions.dispatcher import LOCAL, ActionDispatcher
 from plexd.actions.request import InvalidRequest
-from plexd.integrity import RefusedHook, inspect_hook
+from plexd.base import boundedjson
 from plexd.nodeapi.server import Authorize, HTTPError, LocalAPI, Request, Response
+from plexd.trust.integrity import RefusedHook, inspect_hook
 
 ACTIONS_PATH = "/v1/daemon/actions"
 RUN_PATH = "/v1/daemon/actions/run"

@@ -77,7 +77,7 @@ async def run_process(path: str, env: dict[str, str], *, timeout: float, cap: in
                       cancel: asyncio.Event | None = None, on_output: OnOutput | None = None,
                       exec_fd: int | None = None) -> Outcome:
     """Run `path` (its argv[0]); with `exec_fd`, what is executed is that descriptor (a hook's
-    `plexd.integrity.HookImage`), never the path: it is passed to the child, which execs /proc/self/fd/N."""
+    `plexd.trust.integrity.HookImage`), never the path: it is passed to the child, which execs /proc/self/fd/N."""
     started = time.monotonic()
     executable, keep = (f"/proc/self/fd/{exec_fd}", (exec_fd,)) if exec_fd is not None else (path, ())
     try:

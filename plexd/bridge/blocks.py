@@ -20,8 +20,8 @@ import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from plexd.base.errors import WireFormatError
 from plexd.bridge.sessions import Address, parse_endpoint
-from plexd.errors import WireFormatError
 
 MAX_ACCESS_PEERS = 50
 MAX_TUNNELS = 10

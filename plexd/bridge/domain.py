@@ -24,14 +24,14 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
 from plexd.bridge.fastpath import FAMILY, TABLE, Elements
 from plexd.bridge.relay import Relay
 from plexd.bridge.sessions import RelaySessionSet
-from plexd.clock import Clock
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
-from plexd.errors import PlexdError
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from plexd.atomicfile import write_atomic
-from plexd.boundedjson import loads
-from plexd.errors import WireFormatError
+from plexd.base.atomicfile import write_atomic
+from plexd.base.boundedjson import loads
+from plexd.base.errors import WireFormatError
 
 log = logging.getLogger(__name__)
 

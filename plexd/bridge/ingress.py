@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from plexd.atomicfile import write_atomic
+from plexd.base.atomicfile import write_atomic
 from plexd.bridge.blocks import Ingress, IngressRule
 from plexd.bridge.ingress_port import IngressPort
 from plexd.bridge.once import OnceLog
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

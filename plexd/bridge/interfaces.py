@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.atomicfile import write_atomic
-from plexd.boundedjson import loads
+from plexd.base.atomicfile import write_atomic
+from plexd.base.boundedjson import loads
+from plexd.base.errors import WireFormatError
 from plexd.bridge.forwarding import ForwardingLedger
 from plexd.bridge.once import OnceLog
 from plexd.bridge.wgif import InterfaceRemoved, InterfaceSeen, InterfaceSpec, WgInterface
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
-from plexd.errors import WireFormatError
 from plexd.mesh.links import Links, Underlay
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

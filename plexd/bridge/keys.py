@@ -11,8 +11,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from plexd.atomicfile import write_atomic
-from plexd.identity import b64, decode_key, generate_private_key, public_key_of
+from plexd.base.atomicfile import write_atomic
+from plexd.identity.store import b64, decode_key, generate_private_key, public_key_of
 
 
 class BridgeKeyError(OSError):

@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from plexd.base.clock import Clock
 from plexd.bridge.fastpath import KernelFastPath
 from plexd.bridge.flows import FlowTable
 from plexd.bridge.sessions import MAX_TTL_SECONDS, RelaySession
-from plexd.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from plexd.errors import WireFormatError
-from plexd.gojson import parse_time
+from plexd.base.errors import WireFormatError
+from plexd.base.gojson import parse_time
 
 MAX_SESSIONS = 100
 MAX_TTL_SECONDS = 300.0

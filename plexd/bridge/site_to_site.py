@@ -21,9 +21,9 @@ from plexd.bridge.interfaces import Wanted, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.user_access import overlap_reason
 from plexd.bridge.wgif import InterfaceSpec
-from plexd.desired import DesiredState
 from plexd.mesh.links import Underlay
 from plexd.mesh.wireguard import PeerConfig
+from plexd.state.desired import DesiredState
 
 KEEPALIVE = 25  # a remote gateway behind NAT stays reachable
 

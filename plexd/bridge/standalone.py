@@ -21,13 +21,13 @@ import json
 import sys
 from typing import Any
 
-from plexd import boundedjson
+from plexd.base import boundedjson
+from plexd.base.errors import PlexdError
 from plexd.bridge.domain import RelayDomain
 from plexd.bridge.relay import DEFAULT_PORT
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
-from plexd.errors import PlexdError
-from plexd.model import State
+from plexd.state.desired import DesiredState
+from plexd.state.model import State
 
 
 class Standalone:

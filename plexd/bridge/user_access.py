@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from plexd.bridge.interfaces import Wanted, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.wgif import InterfaceSpec
-from plexd.desired import DesiredState
 from plexd.mesh.links import Underlay
 from plexd.mesh.wireguard import PeerConfig
+from plexd.state.desired import DesiredState
 
 PART = "user access"
 

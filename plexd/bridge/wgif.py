@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from plexd.base.errors import PlexdError
 from plexd.bridge.forwarding import ForwardingLedger
 from plexd.converge.change import Change
-from plexd.errors import PlexdError
 from plexd.mesh.links import LinkOp, Links, LinkState
 from plexd.mesh.wireguard import (
     DeviceConfig,

@@ -5,7 +5,7 @@ Usage::
     async with ControlPlaneClient("https://cp.example", token=bootstrap_token) as cp:
         resp = await cp.register(RegisterRequest(token=..., public_key=..., hostname=...))
         cp.set_token(resp.node_secret_key)          # bearer switching: bootstrap token → node secret
-        state = await cp.fetch_state(resp.node_id)  # plexd.model.State
+        state = await cp.fetch_state(resp.node_id)  # plexd.state.model.State
 
 Transport rules (§1.1): ``User-Agent: plexd/<version>``, ``Accept: application/json``, ``Accept-Encoding: gzip``,
 ``Content-Type: application/json`` only when a body is sent, request bodies larger than 1024 bytes gzipped with
@@ -45,7 +45,10 @@ from urllib.parse import quote
 
 import httpx
 
-from plexd import __version__, boundedjson
+from plexd import __version__
+from plexd.base import boundedjson
+from plexd.base.errors import WireFormatError
+from plexd.base.gojson import format_time, go_marshal
 from plexd.controlplane.errors import (
     AuthError,
     BadResponseError,
@@ -54,10 +57,8 @@ from plexd.controlplane.errors import (
     RetryAfterError,
     TransientError,
 )
-from plexd.errors import WireFormatError
-from plexd.gojson import format_time, go_marshal
-from plexd.model import Peer, RegisterResponse, State
-from plexd.model import _fields as _object  # Go's lenient decoding: case-insensitive keys
+from plexd.state.model import Peer, RegisterResponse, State
+from plexd.state.model import _fields as _object  # Go's lenient decoding: case-insensitive keys
 
 
 class _Tls(Protocol):
@@ -71,7 +72,7 @@ class _Api(Protocol):
 
 
 class HasApi(Protocol):
-    """What `for_config` reads of a `plexd.config.Config` (the adapter does not import the config)."""
+    """What `for_config` reads of a `plexd.config.settings.Config` (the adapter does not import the config)."""
 
     api: _Api
 
@@ -102,7 +103,8 @@ class RegisterRequest:
     hostname: str
     metadata: Mapping[str, str] | None = None
     capabilities: Mapping[str, JSON] | None = None
-    # The key derivation the node offers (plexd.node_secret); omitted when empty. A Go control plane ignores it.
+    # The key derivation the node offers (plexd.identity.node_secret); omitted when empty. A Go control plane
+    # ignores it.
     node_secret_kdf: str = ""
 
     def to_wire(self) -> dict[str, JSON]:
@@ -372,7 +374,7 @@ class ControlPlaneClient:
         return _typed(what, _peer_list, doc, "updated_peers")
 
     async def put_capabilities(self, node_id: str, capabilities: Mapping[str, JSON]) -> None:
-        """#6 ``PUT /v1/nodes/{id}/capabilities`` (body from `plexd.integrity.capabilities_document`)."""
+        """#6 ``PUT /v1/nodes/{id}/capabilities`` (body from `plexd.trust.integrity.capabilities_document`)."""
         await self._call("PUT", f"/v1/nodes/{path_escape(node_id)}/capabilities", dict(capabilities),
                          has_body=True, what="capabilities announcement")
 
@@ -537,7 +539,7 @@ def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
     try:
         ctx = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
-        from plexd.errors import ConfigError
+        from plexd.base.errors import ConfigError
 
         raise ConfigError(f"api.tls.ca_file: cannot load CA certificates from {ca_file}: {exc}") from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2

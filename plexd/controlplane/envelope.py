@@ -16,9 +16,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from plexd import boundedjson, gojson
+from plexd.base import boundedjson, gojson
+from plexd.base.errors import WireFormatError
 from plexd.controlplane.sse import valid_event_id
-from plexd.errors import WireFormatError
 
 _DECODER = json.JSONDecoder()
 _EVENT_TYPE = re.compile(r"[a-z][a-z0-9_]{0,63}")

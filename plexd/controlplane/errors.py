@@ -13,7 +13,7 @@ generic class of §1.1).
 
 from __future__ import annotations
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 # How much of an error body we keep: enough to explain, never a whole HTML page in a log line.
 _MESSAGE_LIMIT = 300

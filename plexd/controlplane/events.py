@@ -29,15 +29,16 @@ from typing import Any
 import httpx
 
 import plexd
-from plexd import datadir, gojson
-from plexd.backoff import Backoff
-from plexd.clock import Clock
+from plexd.base import gojson
+from plexd.base.backoff import Backoff
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
 from plexd.controlplane.client import _tls_context, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser, valid_event_id
-from plexd.errors import PlexdError
+from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
 

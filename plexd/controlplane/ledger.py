@@ -27,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from plexd import datadir, gojson
-from plexd.sqlitefile import immediate, open_or_start_empty
+from plexd.base import gojson
+from plexd.base.sqlitefile import immediate, open_or_start_empty
+from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
 from plexd.controlplane.errors import AuthError, ControlPlaneError, RetryAfterError
 
 

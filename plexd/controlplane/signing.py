@@ -24,13 +24,14 @@ from typing import Protocol
 from nacl.exceptions import BadSignatureError
 from nacl.signing import VerifyKey
 
-from plexd import datadir, gojson
-from plexd.atomicfile import write_atomic
-from plexd.clock import Clock
+from plexd.base import gojson
+from plexd.base.atomicfile import write_atomic
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError, WireFormatError
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.ledger import NONCE_TTL_SECONDS, EventLedger
-from plexd.errors import PlexdError, WireFormatError
-from plexd.identity import decode_key
+from plexd.identity import datadir
+from plexd.identity.store import decode_key
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
+from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.retry import Verdict, retry_verdict
-from plexd.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from plexd.converge.change import Change
-from plexd.desired import DesiredState
+from plexd.state.desired import DesiredState
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,11 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plexd.base.errors import PlexdError
 from plexd.converge.change import Change, Correction
 from plexd.converge.domain import Domain, DomainResult
 from plexd.converge.hold import ReconcileHold
-from plexd.desired import DesiredState
-from plexd.errors import PlexdError
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

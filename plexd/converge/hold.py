@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from plexd.clock import Clock
+from plexd.base.clock import Clock
 
 log = logging.getLogger(__name__)
 

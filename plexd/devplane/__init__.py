@@ -22,8 +22,8 @@ Behaviour worth knowing:
   - Registration answers 201. Re-registration with the node's bearer, the same public key and an empty token
     returns the same node id and mesh IP. A deregistered or forgotten node's secret gets 401.
   - A node that offers ``"node_secret_kdf": "hkdf-sha256"`` when it registers gets the same field back: its bearer
-    and the key of its secrets are derived from the node secret (plexd.node_secret); a node that does not (the Go
-    agent) uses the node secret for both, as §5.5 says.
+    and the key of its secrets are derived from the node secret (plexd.identity.node_secret); a node that does
+    not (the Go agent) uses the node secret for both, as §5.5 says.
   - Auth order on node endpoints: unknown/missing secret 401, secret of another node 403 (or 404 when the
     node in the path does not exist).
   - Nodes missing 3 heartbeat intervals are `unreachable` (kept as peers), 10 are `offline` (peers get

@@ -21,14 +21,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from plexd import gojson
+from plexd.base import gojson
+from plexd.base.log import fingerprint
 from plexd.devplane import sessions, wire
 from plexd.devplane.deployment import Deployment, valid_public_key
 from plexd.devplane.events import event_id
 from plexd.devplane.store import Node
 from plexd.devplane.wire import HTTPError, read_json
-from plexd.integrity import sha256_file
-from plexd.log import fingerprint
+from plexd.trust.integrity import sha256_file
 
 log = logging.getLogger(__name__)
 

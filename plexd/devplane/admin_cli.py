@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from plexd import boundedjson
-from plexd.errors import ConfigError
+from plexd.base import boundedjson
+from plexd.base.errors import ConfigError
 
 RECORD_COMMANDS = ("drift", "executions", "reports", "metrics", "logs", "audit", "integrity", "heartbeats",
                    "endpoints", "tunnels", "session-activity")
@@ -456,7 +456,7 @@ def do_records(c: Any, args: argparse.Namespace) -> Any:
 
 
 def _seconds(text: str, what: str) -> float:
-    from plexd.gojson import parse_duration
+    from plexd.base.gojson import parse_duration
 
     try:
         return parse_duration(text)

@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 # What `pip install 'plexd[devplane]'` brings; the node daemon itself never imports them.
 EXTRA_MODULES = frozenset({"starlette", "sse_starlette", "uvicorn"})
 
 
 def _duration(text: str) -> float:
-    from plexd import gojson
+    from plexd.base import gojson
 
     try:
         seconds = gojson.parse_duration(text)
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from plexd.base.log import setup_logging
     from plexd.devplane.serve import ServeOptions, serve
-    from plexd.log import setup_logging
 
     setup_logging(args.log_level)
     serve(ServeOptions(listen=args.listen, db=args.db, admin_token_file=args.admin_token_file,

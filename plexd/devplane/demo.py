@@ -185,7 +185,7 @@ def _bridge_scenario(lab, mesh) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     from plexd import __version__
-    from plexd.lab import DEFAULT_STATE_FILE, Lab, LabError, MeshLab
+    from plexd.devplane.lab import DEFAULT_STATE_FILE, Lab, LabError, MeshLab
 
     if getattr(args, "down", False):
         if Lab.down_from_state(DEFAULT_STATE_FILE):

@@ -19,13 +19,14 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from plexd import gojson, node_secret
-from plexd.clock import Clock
+from plexd.base import gojson
+from plexd.base.clock import Clock
+from plexd.base.log import fingerprint
 from plexd.devplane import sessions
 from plexd.devplane.events import EventHub, Signer
 from plexd.devplane.store import Node, Store
 from plexd.devplane.wire import HTTPError
-from plexd.log import fingerprint
+from plexd.identity import node_secret
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ class Deployment:
             public_key=public_key,
             mesh_ip=self._allocate_ip(),
             secret=secrets.token_urlsafe(24),  # 32 ASCII chars: its raw bytes are the AES-256 key (§5.5)
-            # The node offered separate keys for bearer and secrets (plexd.node_secret): take them.
+            # The node offered separate keys for bearer and secrets (plexd.identity.node_secret): take them.
             kdf=node_secret.HKDF_SHA256 if body.get(node_secret.FIELD) == node_secret.HKDF_SHA256 else "",
             registered_at=self.now_text(),
             metadata=dict(body.get("metadata") or {}),

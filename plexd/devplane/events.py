@@ -21,7 +21,7 @@ from typing import Any
 
 import nacl.signing
 
-from plexd import gojson
+from plexd.base import gojson
 from plexd.controlplane.envelope import sign_event
 from plexd.controlplane.signing import TARGETS_FIELD
 from plexd.devplane.store import Store

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 READY_PREFIX = "plexd-devplane listening on "
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import uvicorn
 
-from plexd.atomicfile import write_atomic
+from plexd.base.atomicfile import write_atomic
+from plexd.base.errors import ConfigError, PlexdError
 from plexd.devplane.deployment import Deployment
 from plexd.devplane.server import create_app
 from plexd.devplane.store import Store
-from plexd.errors import ConfigError, PlexdError
 
 log = logging.getLogger(__name__)
 

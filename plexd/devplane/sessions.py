@@ -15,8 +15,8 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from plexd import gojson
 from plexd.access.token import sign_session_token
+from plexd.base import gojson
 from plexd.devplane import wire
 from plexd.devplane.store import Node
 from plexd.devplane.wire import HTTPError

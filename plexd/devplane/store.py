@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plexd import node_secret
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
+from plexd.identity import node_secret
 
 SCHEMA_VERSION = 2
 
@@ -68,8 +68,9 @@ class Node:
     flags: dict[str, bool] = field(default_factory=dict)  # one-shot heartbeat flags
     removed: bool = False
     num: int = 0  # small per-deployment number, used to address events compactly
-    # "hkdf-sha256" when the node offered the derivation at registration (plexd.node_secret): its bearer and the
-    # key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent): `secret` is both
+    # "hkdf-sha256" when the node offered the derivation at registration (plexd.identity.node_secret): its bearer
+    # and the key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent):
+    # `secret` is both
     kdf: str = ""
     sessions: dict[str, dict[str, Any]] = field(default_factory=dict)  # session id -> session (plexd.devplane.sessions)
     bridge: dict[str, Any] | None = None  # the `bridge` block of a bridge node's state, as the admin set it

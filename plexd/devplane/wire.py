@@ -15,7 +15,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from plexd import gojson
+from plexd.base import gojson
 
 MAX_BODY = 1 << 20  # 1 MiB, compressed and uncompressed, for the agent API
 ADMIN_MAX_BODY = 16 << 20  # admin tests publish 1 MiB events on purpose

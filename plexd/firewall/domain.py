@@ -18,7 +18,6 @@ from typing import Any
 
 from plexd.access.sessions import Sessions, service_port, socket_marks
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
 from plexd.firewall import plan
 from plexd.firewall.nft import FirewallError, Nftables
 from plexd.firewall.ruleset import (
@@ -34,6 +33,7 @@ from plexd.firewall.ruleset import (
     parse_table,
 )
 from plexd.firewall.script import Unrenderable
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

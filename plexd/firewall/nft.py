@@ -9,7 +9,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 from plexd.firewall.ruleset import FAMILY, TABLE
 
 JSON = Any

@@ -34,8 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.memo import ByIdentity
-from plexd.policy import CompiledPolicy, Rule, Selector
+from plexd.base.memo import ByIdentity
+from plexd.state.policy import CompiledPolicy, Rule, Selector
 
 FAMILY = "inet"
 TABLE = "plexd"

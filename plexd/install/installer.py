@@ -14,8 +14,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from plexd.errors import PlexdError
-from plexd.steps import StepReport
+from plexd.base.errors import PlexdError
+from plexd.system.steps import StepReport
 from plexd.system.systemd import booted, systemctl
 
 UNIT_NAME = "plexd.service"
@@ -185,7 +185,7 @@ def _group_exists(base: Path, name: str) -> bool:
 
 
 def _write(path: Path, text: str, mode: int) -> None:
-    from plexd.atomicfile import write_atomic
+    from plexd.base.atomicfile import write_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text.encode(), mode=mode)

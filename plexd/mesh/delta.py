@@ -23,7 +23,6 @@ import functools
 import ipaddress
 from collections.abc import Iterable, Mapping
 
-from plexd.desired import DesiredState
 from plexd.mesh.plan import (
     Change,
     Observed,
@@ -39,7 +38,8 @@ from plexd.mesh.plan import (
     rules_for,
 )
 from plexd.mesh.wireguard import PeerConfig
-from plexd.model import Peer
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
 
 Net = ipaddress.IPv4Network | ipaddress.IPv6Network
 

@@ -16,11 +16,10 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
-from plexd.clock import Clock
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState, split_endpoint
-from plexd.errors import PlexdError
 from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.first_contact import FirstContact
 from plexd.mesh.links import LinkOp, Links
@@ -39,6 +38,7 @@ from plexd.mesh.plan import (
     simulate,
 )
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
+from plexd.state.desired import DesiredState, split_endpoint
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 from plexd.mesh.plan import Change, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
 from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate
 

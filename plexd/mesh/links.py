@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 log = logging.getLogger(__name__)
 

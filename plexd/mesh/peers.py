@@ -9,13 +9,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from plexd.base.errors import PlexdError
 from plexd.controlplane.ledger import read_mirror
-from plexd.errors import PlexdError
 from plexd.mesh.plan import normalize_endpoint
 from plexd.mesh.wireguard import DeviceConfig, key_fingerprint
 
 if TYPE_CHECKING:
-    from plexd.config import Config
+    from plexd.config.settings import Config
 
 
 

@@ -41,7 +41,6 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from plexd.converge.change import Change
-from plexd.desired import DesiredState, split_endpoint
 from plexd.mesh.links import LinkOp, LinkState
 from plexd.mesh.wireguard import (
     DeviceConfig,
@@ -51,7 +50,8 @@ from plexd.mesh.wireguard import (
     clamp_private_key,
     key_fingerprint,
 )
-from plexd.model import Peer
+from plexd.state.desired import DesiredState, split_endpoint
+from plexd.state.model import Peer
 
 ROAMING_WINDOW = 180.0
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from plexd.config import Config
+    from plexd.config.settings import Config
     from plexd.mesh.wireguard import WireGuardBackend
 
 

@@ -22,10 +22,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plexd.backoff import Backoff
-from plexd.config import NatTraversalConfig
+from plexd.base.backoff import Backoff
+from plexd.base.errors import PlexdError
+from plexd.config.settings import NatTraversalConfig
 from plexd.controlplane.client import NatInfo, PeerEndpoint
-from plexd.errors import PlexdError
 from plexd.nat.discovery import Discovery, discover
 from plexd.nat.probe import BoundTransport, RawTransport, Transport, source_address
 from plexd.nat.servers import StunServer, resolve

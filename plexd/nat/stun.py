@@ -18,7 +18,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 MAGIC_COOKIE = 0x2112A442
 BINDING_REQUEST = 0x0001

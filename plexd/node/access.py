@@ -16,15 +16,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from plexd import gojson
 from plexd.access.domain import AccessHooks
 from plexd.access.k8s import ApiServer
 from plexd.actions.audit import LocalAudit
-from plexd.agent import Agent
-from plexd.config import Config
+from plexd.base import gojson
+from plexd.base.errors import PlexdError
+from plexd.config.settings import Config
 from plexd.controlplane.signing import Verifier
 from plexd.controlplane.uplink import UplinkOutbox
-from plexd.errors import PlexdError
+from plexd.node.agent import Agent
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The composition root: the one place that builds the daemon's parts from the config and wires them together.
 
-    Agent (lifecycle: start → register → supervised services → shutdown)       plexd.agent
+    Agent (lifecycle: start → register → supervised services → shutdown)       plexd.node.agent
       └─ assemble(agent) → Node
            mesh        MeshHandle: Engine (domains from plexd.node.engine) + DesiredStore + mirror + hold
            verifier    signing key and persisted nonces
@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from plexd import datadir
 from plexd.access.domain import AccessHooks
 from plexd.actions.audit import LocalAudit
 from plexd.actions.builtins import NodeView
@@ -40,23 +39,23 @@ from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal, Message
 from plexd.actions.outbox import Outbox, deliver
 from plexd.actions.routes import add_action_routes
-from plexd.agent import Agent
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
+from plexd.base.log import recent_lines
 from plexd.bridge.status import heartbeat_blocks, status_reports
-from plexd.clock import Clock
-from plexd.config import Config
+from plexd.config.settings import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.engine import Engine
-from plexd.errors import PlexdError
-from plexd.integrity import HookScan
-from plexd.log import recent_lines
+from plexd.identity import datadir
 from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
+from plexd.node.agent import Agent
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
 from plexd.node.engine import SITE_TO_SITE, USER_ACCESS, bridge_part, build_engine, ingress, relay, sessions, wireguard
@@ -79,6 +78,7 @@ from plexd.services.reconciler import Reconciler, drift_uplink
 from plexd.services.status_reports import StatusReports
 from plexd.system.systemd import Watchdog, watchdog_interval
 from plexd.telemetry.service import Telemetry
+from plexd.trust.integrity import HookScan
 from plexd.upgrade.upgrader import Upgrader
 
 log = logging.getLogger(__name__)
@@ -550,7 +550,7 @@ async def _serve_local_api(api: LocalAPI, http_listen: str, http_token: str | No
 async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio.Event | None = None,
               client: ControlPlaneClient | None = None, assemble: Callable[[Agent], Node] = assemble) -> int:
     """``plexd up``: the lifecycle with this assembly."""
-    from plexd import agent as lifecycle
+    from plexd.node import agent as lifecycle
 
     if config.node_api.http_enabled:
         read_http_token(config)  # refuse to start at once, before registering, with one clear line

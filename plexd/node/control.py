@@ -52,8 +52,8 @@ import os
 from typing import Any
 
 from plexd import __version__
-from plexd.config import Config
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
+from plexd.config.settings import Config
 from plexd.nat.service import disabled_status
 from plexd.node.departure import DEREGISTER_PATH
 from plexd.node.engine import sessions as sessions_domain
@@ -73,7 +73,7 @@ ROTATE_KEYS_PATH = "/v1/daemon/rotate-keys"
 
 def stored_status(config: Config) -> dict[str, Any]:
     """What the files in data_dir say (no daemon needed)."""
-    from plexd.identity import IdentityStore
+    from plexd.identity.store import IdentityStore
 
     loaded = IdentityStore(config.data_dir).load()
     ident = loaded.identity

@@ -13,8 +13,8 @@ import socket
 from collections.abc import Iterator
 from typing import Any
 
-from plexd import boundedjson
-from plexd.errors import PlexdError
+from plexd.base import boundedjson
+from plexd.base.errors import PlexdError
 
 TIMEOUT = 120.0  # a reconcile cycle may take a while on a large mesh
 

@@ -15,11 +15,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from plexd import datadir
-from plexd.atomicfile import write_atomic
-from plexd.errors import PlexdError
-from plexd.gojson import format_time
-from plexd.steps import StepReport, format_steps
+from plexd.base.atomicfile import write_atomic
+from plexd.base.errors import PlexdError
+from plexd.base.gojson import format_time
+from plexd.identity import datadir
+from plexd.system.steps import StepReport, format_steps
 from plexd.system.systemd import booted, systemctl
 
 DEREGISTER_PATH = "/v1/daemon/deregister"  # the running daemon's route that does all of this (plexd.node.control)
@@ -137,7 +137,7 @@ def _deregister_alone(config: Any, *, purge: bool, force: bool) -> dict[str, Any
 
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.errors import ControlPlaneError
-    from plexd.identity import IdentityStore
+    from plexd.identity.store import IdentityStore
 
     loaded = IdentityStore(config.data_dir).load()
     ident = loaded.identity

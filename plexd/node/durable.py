@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from plexd.controlplane.ledger import Batch, EventLedger, MirrorChange
-from plexd.desired import DesiredState
 from plexd.mesh.delta import touched_peers
+from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 

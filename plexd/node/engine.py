@@ -15,7 +15,7 @@ from plexd.bridge.interfaces import InterfacesDomain
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.user_access import access_specs
 from plexd.bridge.wgif import WgInterface
-from plexd.config import Config
+from plexd.config.settings import Config
 from plexd.converge.engine import Engine
 from plexd.firewall.domain import FirewallDomain
 from plexd.mesh.domain import WireGuardDomain

@@ -26,12 +26,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from plexd.agent import Agent
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
+from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError
-from plexd.errors import PlexdError
-from plexd.identity import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
+from plexd.identity.store import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
 from plexd.mesh.wireguard import key_fingerprint
+from plexd.node.agent import Agent
 from plexd.node.mesh import MeshHandle
 
 log = logging.getLogger(__name__)

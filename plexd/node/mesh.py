@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from plexd.clock import Clock
+from plexd.base.clock import Clock
 from plexd.controlplane.client import PeerEndpoint
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
@@ -28,14 +28,14 @@ from plexd.converge.change import Correction
 from plexd.converge.coalesce import Requests
 from plexd.converge.engine import ConvergeResult, Engine
 from plexd.converge.hold import ReconcileHold
-from plexd.desired import DesiredState, split_endpoint
-from plexd.desired_store import DesiredStore
-from plexd.identity import Identity
-from plexd.model import SigningKeys, State
+from plexd.identity.store import Identity
 from plexd.node.engine import wireguard
 from plexd.node.protected import ProtectedAddresses
 from plexd.nodeapi import cache as node_cache
-from plexd.route_limits import RouteLimits
+from plexd.state.desired import DesiredState, split_endpoint
+from plexd.state.model import SigningKeys, State
+from plexd.state.route_limits import RouteLimits
+from plexd.state.store import DesiredStore
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class MeshHandle:
 
 @dataclass(frozen=True)
 class PulledState:
-    """A state pull and the desired model's sequence number when it was requested (see `plexd.desired_store`)."""
+    """A state pull and the desired model's sequence number when it was requested (see `plexd.state.store`)."""
 
     state: State
     since: int

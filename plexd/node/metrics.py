@@ -41,7 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from plexd import __version__
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 from plexd.mesh.wireguard import DeviceConfig
 from plexd.node.engine import wireguard
 from plexd.node.parts import Node

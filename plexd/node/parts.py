@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.actions.dispatcher import ActionDispatcher
-from plexd.agent import Agent
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import Verifier
 from plexd.nat.service import NatService
+from plexd.node.agent import Agent
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle
 from plexd.nodeapi.reports import ReportStore

@@ -2,7 +2,7 @@
 gateways and DNS resolvers.
 
 Read at start and before every state pull (addresses change: DHCP, a second NIC, a new control-plane IP behind
-DNS, a new resolver), and handed to the desired model as `RouteLimits` (see `plexd.route_limits`). A lookup
+DNS, a new resolver), and handed to the desired model as `RouteLimits` (see `plexd.state.route_limits`). A lookup
 that fails keeps what was known before: failing to learn an address must not open a route it protects.
 """
 
@@ -16,10 +16,10 @@ from collections.abc import Iterable
 from dataclasses import replace
 from urllib.parse import urlsplit
 
-from plexd.config import Config
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
+from plexd.config.settings import Config
 from plexd.mesh.links import Links, Underlay
-from plexd.route_limits import ALWAYS_GUARDED, Guarded, RouteLimits, address, network
+from plexd.state.route_limits import ALWAYS_GUARDED, Guarded, RouteLimits, address, network
 
 log = logging.getLogger(__name__)
 

@@ -16,21 +16,20 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 if TYPE_CHECKING:
-    from plexd.config import Config
+    from plexd.config.settings import Config
 
 log = logging.getLogger(__name__)
 
 
 async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, Any]:
-    from plexd import datadir
-    from plexd.backoff import Backoff
-    from plexd.clock import Clock
+    from plexd.base.backoff import Backoff
+    from plexd.base.clock import Clock
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.ledger import read_mirror
-    from plexd.identity import IdentityStore
+    from plexd.identity.store import IdentityStore, datadir
     from plexd.node.engine import build_engine, wireguard
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
     from plexd.node.protected import ProtectedAddresses

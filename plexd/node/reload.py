@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from plexd import config as config_mod
-from plexd.config import Config
-from plexd.errors import PlexdError
-from plexd.log import LEVELS
+from plexd.base.errors import PlexdError
+from plexd.base.log import LEVELS
+from plexd.config import settings as config_mod
+from plexd.config.settings import Config
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.backoff import Backoff
-from plexd.clock import Clock
-from plexd.errors import PlexdError
+from plexd.base.backoff import Backoff
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
 
 log = logging.getLogger(__name__)
 

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from plexd.atomicfile import write_atomic
+from plexd.base.atomicfile import write_atomic
+from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
-from plexd.errors import PlexdError
-from plexd.model import DataEntry, SecretRef
 from plexd.nodeapi.keys import file_name
+from plexd.state.desired import DesiredState
+from plexd.state.model import DataEntry, SecretRef
 
 log = logging.getLogger(__name__)
 

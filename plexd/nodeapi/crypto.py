@@ -1,10 +1,10 @@
 """Secret decryption (§8.5): AES-256-GCM, 12-byte nonce, the 16-byte tag after the ciphertext, no AAD.
 
 The key is derived from the node secret with HKDF when the control plane took that at registration
-(`plexd.node_secret`). Otherwise (compatibility mode) it is the node secret key (NSK, §5.5) itself: its raw bytes
-when they are 32 long (what the Go agent does), else its base64 decoding when that is 32 bytes (a compatibility
-shim for a control plane that hands out a base64 AES key). Every failure is one generic `SecretDecryptError`:
-which step failed says nothing useful to a workload and something to an attacker.
+(`plexd.identity.node_secret`). Otherwise (compatibility mode) it is the node secret key (NSK, §5.5) itself:
+its raw bytes when they are 32 long (what the Go agent does), else its base64 decoding when that is 32 bytes (a
+compatibility shim for a control plane that hands out a base64 AES key). Every failure is one generic
+`SecretDecryptError`: which step failed says nothing useful to a workload and something to an attacker.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import binascii
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from plexd import node_secret as derive
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
+from plexd.identity import node_secret as derive
 
 NONCE_BYTES = 12
 

@@ -23,11 +23,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from plexd import gojson
-from plexd.atomicfile import write_atomic
-from plexd.model import DataEntry
+from plexd.base import gojson
+from plexd.base.atomicfile import write_atomic
 from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, read_json_file
 from plexd.nodeapi.keys import file_name, report_key_problem
+from plexd.state.model import DataEntry
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
-from plexd.errors import PlexdError
 from plexd.nodeapi import crypto
 from plexd.nodeapi.keys import BadKey, path_key, report_key_problem
 from plexd.nodeapi.reports import EntryTooLarge, ReportStore, StoreFull, VersionConflict
@@ -32,7 +32,7 @@ from plexd.nodeapi.server import HTTPError, LocalAPI, Request, Response
 
 if TYPE_CHECKING:
     from plexd.controlplane.client import SecretResponse
-    from plexd.desired import DesiredState
+    from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class NodeApi:
     fetch_secret: Callable[[str], Awaitable[SecretResponse]]
     node_secret: Callable[[], str]
     secrets_group: str = SECRETS_GROUP
-    node_secret_kdf: Callable[[], str] = lambda: ""  # plexd.node_secret: how the secrets' key is derived
+    node_secret_kdf: Callable[[], str] = lambda: ""  # plexd.identity.node_secret: how the secrets' key is derived
 
 
 def secret_access(group: str) -> Callable[[Request], str | None]:
@@ -216,7 +216,7 @@ def _if_match(req: Request) -> int | None:
 
 
 def _json_object(req: Request) -> dict[str, Any]:
-    from plexd import boundedjson
+    from plexd.base import boundedjson
 
     try:
         body = boundedjson.loads(req.body, "body")

@@ -47,7 +47,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 from plexd.nodeapi.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class Request:
     def json(self) -> Any:
         if not self.body.strip():
             return {}
-        from plexd import boundedjson
+        from plexd.base import boundedjson
 
         try:
             return boundedjson.loads(self.body, "body")

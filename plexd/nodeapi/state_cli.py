@@ -8,8 +8,8 @@ import sys
 from typing import Any
 from urllib.parse import quote
 
-from plexd import boundedjson
-from plexd.errors import PlexdError
+from plexd.base import boundedjson
+from plexd.base.errors import PlexdError
 from plexd.nodeapi.keys import report_key_problem
 
 MAX_PAYLOAD = 1 << 20

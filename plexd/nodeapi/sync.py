@@ -19,11 +19,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from plexd.atomicfile import write_atomic
-from plexd.backoff import Backoff
+from plexd.base.atomicfile import write_atomic
+from plexd.base.backoff import Backoff
+from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.retry import retry_verdict
-from plexd.errors import PlexdError
 from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR
 from plexd.nodeapi.keys import report_key_problem
 from plexd.nodeapi.reports import ReportStore

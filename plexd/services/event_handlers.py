@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from plexd.access.sessions import revoked_session_id, setup_event_session
+from plexd.base.errors import WireFormatError
 from plexd.bridge.sessions import parse_revoked as parse_relay_revoked
 from plexd.bridge.sessions import parse_session as parse_relay_session
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
-from plexd.desired_store import DesiredStore, Edit
-from plexd.errors import WireFormatError
-from plexd.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
+from plexd.state.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
+from plexd.state.store import DesiredStore, Edit
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd import gojson
-from plexd.clock import Clock
+from plexd.base import gojson
+from plexd.base.clock import Clock
 from plexd.controlplane.client import HeartbeatRequest, MeshInfo, NatInfo
 
 __all__ = ["HeartbeatService", "HeartbeatSnapshot", "MeshInfo", "NatInfo", "http_status"]

@@ -30,9 +30,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plexd.desired_store import DesiredStore
 from plexd.mesh.plan import normalize_endpoint
 from plexd.mesh.wireguard import DeviceConfig
+from plexd.state.store import DesiredStore
 
 log = logging.getLogger(__name__)
 

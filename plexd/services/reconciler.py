@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
-from plexd import gojson
-from plexd.backoff import Backoff
-from plexd.clock import Clock
+from plexd.base import gojson
+from plexd.base.backoff import Backoff
+from plexd.base.clock import Clock
 from plexd.controlplane.uplink import Poster, UplinkOutbox, by_kind
 from plexd.converge.change import Change, Correction
-from plexd.desired_store import StalePull
+from plexd.state.store import StalePull
 
 log = logging.getLogger(__name__)
 

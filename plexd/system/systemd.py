@@ -20,8 +20,8 @@ import socket
 import subprocess
 from collections.abc import Callable, Mapping
 
-from plexd.childenv import child_environment
-from plexd.clock import Clock
+from plexd.base.childenv import child_environment
+from plexd.base.clock import Clock
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from plexd import boundedjson
-from plexd.gojson import format_unix, now_text
+from plexd.base import boundedjson
+from plexd.base.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, Line, cap_line
 
 log = logging.getLogger(__name__)

@@ -19,9 +19,9 @@ import logging
 import os
 from typing import Any
 
-from plexd import boundedjson
-from plexd.childenv import child_environment
-from plexd.gojson import format_unix, now_text
+from plexd.base import boundedjson
+from plexd.base.childenv import child_environment
+from plexd.base.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, cap_line
 
 log = logging.getLogger(__name__)

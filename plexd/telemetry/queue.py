@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.sqlitefile import connect_private, immediate, open_or_start_empty
+from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
 

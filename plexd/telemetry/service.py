@@ -23,11 +23,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from plexd import datadir
-from plexd.config import TelemetryConfig
-from plexd.gojson import GO_ZERO_TIME, format_unix, now_text
+from plexd.base.gojson import GO_ZERO_TIME, format_unix, now_text
+from plexd.config.settings import TelemetryConfig
+from plexd.identity import datadir
 from plexd.mesh.wireguard import DeviceConfig
-from plexd.model import Peer
+from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
 from plexd.telemetry.ping import ProbeUnavailable, round_trips

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.retry import retry_verdict
 from plexd.telemetry.queue import TelemetryQueue

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from plexd import datadir
 from plexd.controlplane.signing import key_fingerprint, persist_signing_key
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.desired import DesiredState
+from plexd.identity import datadir
+from plexd.state.desired import DesiredState
 
 FILE_MODE = 0o600
 MAX_KEY_FILE = 4096  # a key is 44 characters: anything bigger is not ours, and is not read whole

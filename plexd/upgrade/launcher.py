@@ -27,9 +27,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from plexd.config import Config
-from plexd.integrity import zipapp_of
+from plexd.config.settings import Config
 from plexd.system.systemd import booted
+from plexd.trust.integrity import zipapp_of
 from plexd.upgrade import marker as markers
 from plexd.upgrade.releases import ReleaseError, Releases
 from plexd.upgrade.signing import SignatureError, verify_release

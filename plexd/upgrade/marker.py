@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd import boundedjson, datadir
-from plexd.atomicfile import write_atomic
-from plexd.errors import PlexdError
+from plexd.base import boundedjson
+from plexd.base.atomicfile import write_atomic
+from plexd.base.errors import PlexdError
+from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
 

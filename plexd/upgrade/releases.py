@@ -15,8 +15,8 @@ import contextlib
 import os
 from pathlib import Path
 
-from plexd.atomicfile import fsync_directory, rename_atomic
-from plexd.errors import PlexdError
+from plexd.base.atomicfile import fsync_directory, rename_atomic
+from plexd.base.errors import PlexdError
 
 CURRENT = "current"
 KEEP = 3  # releases kept besides the current one (rollbacks without a download)

@@ -32,8 +32,8 @@ from pathlib import Path
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from plexd import boundedjson
-from plexd.errors import PlexdError
+from plexd.base import boundedjson
+from plexd.base.errors import PlexdError
 
 FORMAT = "plexd-release-sig-v1"
 SUFFIX = ".sig"

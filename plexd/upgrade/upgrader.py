@@ -39,10 +39,10 @@ from typing import Any
 
 from plexd import __version__
 from plexd.actions.builtins import Output, json_output
-from plexd.childenv import child_environment
+from plexd.base.childenv import child_environment
+from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
-from plexd.errors import PlexdError
-from plexd.integrity import sha256_file, zipapp_of
+from plexd.trust.integrity import sha256_file, zipapp_of
 from plexd.upgrade import marker as markers
 from plexd.upgrade.launcher import roll_back
 from plexd.upgrade.releases import ReleaseError, Releases

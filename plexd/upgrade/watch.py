@@ -22,8 +22,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from plexd.log import setup_logging
-from plexd.procstat import process_stat
+from plexd.base.log import setup_logging
+from plexd.base.procstat import process_stat
 from plexd.upgrade import marker as markers
 from plexd.upgrade.launcher import installed_command
 

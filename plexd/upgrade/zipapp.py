@@ -23,7 +23,7 @@ import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from plexd.integrity import package_files, package_root
+from plexd.trust.integrity import package_files, package_root
 
 MAIN = b"import sys\n\nfrom plexd.cli import main\n\nsys.exit(main())\n"
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # the oldest time a zip entry can carry

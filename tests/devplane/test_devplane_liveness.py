@@ -12,7 +12,7 @@ import time
 import pytest
 from devplane_helpers import addressed, new_public_key, register
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
 from plexd.devplane.deployment import Deployment
 from plexd.devplane.harness import Devplane
 from plexd.devplane.store import Store

@@ -20,7 +20,7 @@ from nacl.public import PrivateKey
 from waiting import scaled
 
 from plexd.devplane.harness import Devplane
-from plexd.lab import Lab, LabNode, MeshLab
+from plexd.devplane.lab import Lab, LabNode, MeshLab
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

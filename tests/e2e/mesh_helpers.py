@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from nacl.public import PrivateKey
 
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
-from plexd.lab import Lab, LabNode
+from plexd.devplane.lab import Lab, LabNode
 from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.mesh.wireguard.userspace import UserspaceBackend
-from plexd.model import Peer
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
 
 
 def keypair() -> tuple[str, str]:

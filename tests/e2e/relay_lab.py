@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from mesh_helpers import keypair
 
-from plexd.lab import Lab, LabNode, LabRouter
+from plexd.devplane.lab import Lab, LabNode, LabRouter
 
 RELAY_PORT = 51821
 RANDOM_NAT = "masquerade random,fully-random"

@@ -24,7 +24,7 @@ import sys
 from lab_daemon import Daemon, lab_with_devplane, wait_until
 from mesh_helpers import keypair
 
-from plexd.lab import Lab, LabNode
+from plexd.devplane.lab import Lab, LabNode
 
 CLIENT_IP = "10.100.250.5"
 

@@ -327,7 +327,7 @@ def test_status_reconcile_and_hold_go_through_the_running_daemon(lab_dp, run_as_
     # to uid 65534 cannot read the interpreter's files under /root: import what the commands use first.
     import http.client  # noqa: F401
 
-    import plexd.config
+    import plexd.config.settings
     import plexd.node.control
     import plexd.node.control_client
     import plexd.node.reconcile_once  # noqa: F401

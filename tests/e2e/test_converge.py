@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 from mesh_helpers import keypair, mesh_node, ping
 
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 from plexd.mesh.first_contact import FOLLOW_DELAY
 from plexd.mesh.links import DEFAULT_TABLE
 from plexd.mesh.wireguard.kernel import KernelBackend
-from plexd.model import Peer
+from plexd.state.model import Peer
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ import pytest
 from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.converge.engine import Engine
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
-from plexd.model import Peer
+from plexd.state.model import Peer
 
 HOLD_PORT = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('0.0.0.0', 51820))\n"
              "print('bound', flush=True)\nsys.stdin.read()\n")

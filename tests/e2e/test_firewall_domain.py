@@ -18,12 +18,12 @@ from engine_helpers import converge
 from pyroute2.netns import setns
 
 from plexd.access.sessions import Session, SshTarget, TcpTarget
-from plexd.desired import DesiredState
 from plexd.firewall import plan as fwplan
 from plexd.firewall.domain import FirewallDomain
 from plexd.firewall.ruleset import desired_ruleset
-from plexd.model import Peer, Policy, PolicyRule
-from plexd.policy import compile_policies
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer, Policy, PolicyRule
+from plexd.state.policy import compile_policies
 
 KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
 

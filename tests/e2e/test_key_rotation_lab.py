@@ -17,8 +17,8 @@ import signal
 import pytest
 from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, wait_until, wg_peers
 
-from plexd.identity import public_key_of
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
+from plexd.identity.store import public_key_of
 
 
 def own_key(lab: Lab, d: Daemon) -> str:

@@ -14,7 +14,7 @@ import time
 import pytest
 from lab_daemon import Daemon, ping_count, pinging_pair, wait_until, wg_peers, wireguard_go_pids
 
-from plexd.lab import Lab, LabNode
+from plexd.devplane.lab import Lab, LabNode
 
 pytestmark = pytest.mark.root
 

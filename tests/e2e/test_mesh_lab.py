@@ -15,7 +15,7 @@ import pytest
 from lab_daemon import mesh_lab
 from waiting import scaled
 
-from plexd.lab import MeshLab
+from plexd.devplane.lab import MeshLab
 
 RECONCILE_S = 3
 

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from plexd import __version__
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 
 LISTEN = "127.0.0.1:9586"
 

@@ -19,7 +19,7 @@ import time
 import pytest
 from lab_daemon import mesh_lab
 
-from plexd.lab import Lab, MeshLab
+from plexd.devplane.lab import Lab, MeshLab
 
 pytestmark = pytest.mark.root
 

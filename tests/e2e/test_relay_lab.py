@@ -25,7 +25,7 @@ from relay_lab import (
     wait,
 )
 
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 
 pytestmark = pytest.mark.root
 

@@ -13,7 +13,7 @@ import time
 import pytest
 from lab_daemon import Daemon, ping_count, pinging_pair, wait_until
 
-from plexd import gojson
+from plexd.base import gojson
 
 pytestmark = pytest.mark.root
 

@@ -19,7 +19,7 @@ import pytest
 from lab_daemon import mesh_lab
 from nacl.public import PrivateKey
 
-from plexd.lab import MeshLab
+from plexd.devplane.lab import MeshLab
 
 HOLD_PORT = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('0.0.0.0', 51820))\n"
              "print('bound', flush=True)\nsys.stdin.read()\n")

@@ -9,7 +9,7 @@ import signal
 import pytest
 from mesh_helpers import keypair
 
-from plexd.lab import Lab
+from plexd.devplane.lab import Lab
 from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate, UapiError, WireGuardError
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 

@@ -17,7 +17,7 @@ from process_helpers import alive
 from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal
 from plexd.actions.runner import TRUNCATED, run_process
-from plexd.integrity import scan_hooks
+from plexd.trust.integrity import scan_hooks
 
 pytestmark = pytest.mark.root  # hooks must be root-owned
 

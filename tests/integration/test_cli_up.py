@@ -19,10 +19,10 @@ import pytest
 from agentcore_recorder import Recorder, Reply
 from waiting import scaled, wait_for
 
-from plexd import agent as agent_mod
-from plexd.clock import FakeClock
-from plexd.config import load as load_config
-from plexd.identity import Identity, IdentityStore, generate_private_key
+from plexd.base.clock import FakeClock
+from plexd.config.settings import load as load_config
+from plexd.identity.store import Identity, IdentityStore, generate_private_key
+from plexd.node import agent as agent_mod
 from plexd.node import assembly
 from plexd.node.supervisor import FatalError
 

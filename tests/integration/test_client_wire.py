@@ -17,6 +17,7 @@ import pytest
 from agentcore_recorder import Recorded, Recorder, Reply
 
 from plexd import __version__
+from plexd.base.gojson import go_marshal
 from plexd.controlplane.client import (
     ControlPlaneClient,
     HeartbeatRequest,
@@ -33,7 +34,6 @@ from plexd.controlplane.errors import (
     RetryAfterError,
     TransientError,
 )
-from plexd.gojson import go_marshal
 
 NODE = "n_abc123"
 SECRET = "s" * 32
@@ -478,7 +478,7 @@ async def test_tls_insecure_skip_verify(tls_rec):
 
 
 def test_tls_bad_ca_file_is_a_config_error(tmp_path):
-    from plexd.errors import ConfigError
+    from plexd.base.errors import ConfigError
 
     bad = tmp_path / "ca.pem"
     bad.write_text("not a certificate")

@@ -16,12 +16,12 @@ from nacl.public import PrivateKey
 from recording_device import RecordingDomain, in_process_config
 from waiting import wait_for
 
-from plexd import gojson
+from plexd.base import gojson
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
 from plexd.node import assembly
 from plexd.node.mesh import MeshHandle
+from plexd.state.desired import DesiredState
 
 
 def wg_public() -> str:
@@ -91,7 +91,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
 
         # 401 on the stream (after the devplane restarts): the agent re-registers with its node secret (same
         # node id) and the stream comes back once the control plane accepts it again
-        caplog.set_level(logging.INFO, "plexd.registrar")
+        caplog.set_level(logging.INFO, "plexd.identity.registrar")
         await asyncio.to_thread(devplane.stop)
         await asyncio.to_thread(devplane.start)
         devplane.admin.set_faults(events_status=401)

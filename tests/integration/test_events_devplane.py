@@ -24,18 +24,18 @@ import pytest
 from nacl.public import PrivateKey
 from waiting import wait_for
 
-from plexd import gojson
-from plexd.backoff import Backoff
-from plexd.clock import Clock
+from plexd.base import gojson
+from plexd.base.backoff import Backoff
+from plexd.base.clock import Clock
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import NonceStore, Verifier
-from plexd.desired import DesiredState
-from plexd.desired_store import DesiredStore
 from plexd.devplane.harness import Devplane
-from plexd.model import SigningKeys
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
+from plexd.state.desired import DesiredState
+from plexd.state.model import SigningKeys
+from plexd.state.store import DesiredStore
 
 EVENTS_LOG = "plexd.controlplane.events"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plexd.config import load as load_config
+from plexd.config.settings import load as load_config
 from plexd.install.installer import unit_text
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))

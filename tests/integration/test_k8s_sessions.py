@@ -75,7 +75,7 @@ async def test_the_daemons_sessions_domain_serves_a_kubernetes_session_until_it_
     from engine_helpers import converge
 
     from plexd.access.domain import AccessHooks, SessionsDomain
-    from plexd.desired import DesiredState
+    from plexd.state.desired import DesiredState
 
     standin = ApiServerStandIn(NODE_TOKEN)
     reports: list[dict] = []

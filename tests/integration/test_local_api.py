@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 from plexd.node import control_client
 from plexd.nodeapi.server import LocalAPI, Request, Response, require_admin
 

@@ -24,14 +24,14 @@ from nacl.public import PrivateKey
 from process_helpers import run_as
 
 from plexd.controlplane.client import ControlPlaneClient
-from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
-from plexd.model import DataEntry, SecretRef
 from plexd.nodeapi.keys import MAX_KEY_BYTES
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
 from plexd.nodeapi.server import LocalAPI
+from plexd.state.desired import DesiredState
+from plexd.state.model import DataEntry, SecretRef
 
 pytestmark = pytest.mark.root
 OTHER_UID = 64_201
@@ -295,7 +295,7 @@ async def test_tcp_listener_needs_the_bearer_token(served):
 
 
 async def test_tcp_listener_refuses_an_empty_token(served):
-    from plexd.errors import PlexdError
+    from plexd.base.errors import PlexdError
 
     with pytest.raises(PlexdError, match="the token is empty"):
         await served.api.listen_tcp("127.0.0.1", 0, "")

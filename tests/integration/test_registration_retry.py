@@ -11,11 +11,11 @@ import stat
 import pytest
 from agentcore_recorder import Recorder, Reply
 
-from plexd.clock import FakeClock
-from plexd.config import load as load_config
+from plexd.base.clock import FakeClock
+from plexd.config.settings import load as load_config
 from plexd.controlplane.client import ControlPlaneClient
-from plexd.identity import DataDirError, IdentityStore
-from plexd.registrar import BootstrapToken, Registrar, RegistrationError, TokenError
+from plexd.identity.registrar import BootstrapToken, Registrar, RegistrationError, TokenError
+from plexd.identity.store import DataDirError, IdentityStore
 
 SIGNING = base64.b64encode(b"\x05" * 32).decode()
 
@@ -142,8 +142,8 @@ async def test_token_file_deleted_after_success_and_capabilities_sent(tmp_path, 
         identity, fresh = await reg.ensure_registered()
     assert fresh and not (tmp_path / "token").exists()
     body = rec.requests[0].json
-    # the Go agent's fields in its order, then the key derivation offered (plexd.node_secret), which a Go control
-    # plane ignores: this one does not answer it, so the node stays in compatibility mode
+    # the Go agent's fields in its order, then the key derivation offered (plexd.identity.node_secret), which a Go
+    # control plane ignores: this one does not answer it, so the node stays in compatibility mode
     assert list(body) == ["token", "public_key", "hostname", "metadata", "capabilities", "node_secret_kdf"]
     assert body["node_secret_kdf"] == "hkdf-sha256" and identity.node_secret_kdf == ""
     assert body["token"] == "plx_enroll_abc" and body["hostname"] == "node-a" and body["metadata"] == {"rack": "r1"}

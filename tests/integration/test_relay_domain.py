@@ -13,10 +13,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from engine_helpers import converge
 
+from plexd.base.errors import WireFormatError
 from plexd.bridge.domain import RelayDomain, live_elements
-from plexd.desired import DesiredState
-from plexd.errors import WireFormatError
-from plexd.model import State
+from plexd.state.desired import DesiredState
+from plexd.state.model import State
 
 LATER = (datetime.now(UTC) + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%SZ")
 

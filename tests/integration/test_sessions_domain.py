@@ -14,8 +14,8 @@ from waiting import wait_for
 
 from plexd.access.domain import AccessHooks, SessionsDomain, kernel_listeners
 from plexd.access.sessions import socket_marks
-from plexd.desired import DesiredState
-from plexd.model import State
+from plexd.state.desired import DesiredState
+from plexd.state.model import State
 
 FAR = "2999-01-01T00:00:00Z"
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
+from plexd.base.errors import PlexdError
 from plexd.controlplane.client import PeerEndpoint
-from plexd.errors import PlexdError
 from plexd.nat.discovery import discover
 from plexd.nat.probe import BoundTransport
 from plexd.nat.servers import parse_server

@@ -13,10 +13,10 @@ from toy_domain import HostsFile
 from waiting import wait_for
 
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
 from plexd.devplane.harness import Devplane
 from plexd.node import assembly
 from plexd.node.mesh import MeshHandle
+from plexd.state.desired import DesiredState
 
 
 @pytest.fixture

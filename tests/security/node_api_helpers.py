@@ -13,11 +13,11 @@ import tempfile
 
 import pytest
 
-from plexd.desired import DesiredState
-from plexd.model import DataEntry, SecretRef
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
 from plexd.nodeapi.server import LocalAPI
+from plexd.state.desired import DesiredState
+from plexd.state.model import DataEntry, SecretRef
 
 TCP_TOKEN = "tcp-token-5f1c0e9a"
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from plexd import config as config_mod
+from plexd.config import settings as config_mod
 from plexd.devplane.harness import Devplane
-from plexd.identity import IdentityStore
+from plexd.identity.store import IdentityStore
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

@@ -1,6 +1,6 @@
 """Attack: swap a hook between the moment plexd hashes it and the moment it runs, so that the control plane's
 checksum vouches for one program and another runs as root. plexd hashes a sealed memfd copy of the file and
-executes that descriptor (`plexd.integrity.image_hook`, `runner.run_process(exec_fd=...)`), so what runs is the
+executes that descriptor (`plexd.trust.integrity.image_hook`, `runner.run_process(exec_fd=...)`), so what runs is the
 hashed bytes whatever the file became. The seam is entered deterministically: the real dispatcher's call of
 `run_process` (after the hash and the ack, before the exec) is wrapped to swap the file first."""
 
@@ -22,9 +22,9 @@ from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
 from plexd.actions.runner import run_process
-from plexd.config import ActionsConfig
+from plexd.config.settings import ActionsConfig
 from plexd.controlplane.envelope import Envelope
-from plexd.integrity import HookUnusable, image_hook, scan_hooks
+from plexd.trust.integrity import HookUnusable, image_hook, scan_hooks
 
 pytestmark = pytest.mark.root  # hooks must be root's
 
@@ -185,7 +185,7 @@ def test_the_image_is_sealed_and_not_leaked_to_other_children(tmp_path):
 
 
 async def test_a_hook_too_large_to_copy_runs_from_its_opened_file_which_a_rename_cannot_swap(tmp_path, monkeypatch):
-    from plexd import integrity
+    from plexd.trust import integrity
 
     monkeypatch.setattr(integrity, "MAX_IMAGE", 8)
     hook, sentinel = tmp_path / "job", tmp_path / "swapped-ran"

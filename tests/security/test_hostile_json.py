@@ -30,11 +30,11 @@ from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
 from plexd.actions.routes import ACTIONS_PATH, RUN_PATH, add_action_routes
-from plexd.config import ActionsConfig
+from plexd.config.settings import ActionsConfig
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import ControlPlaneError
-from plexd.integrity import scan_hooks
 from plexd.nodeapi.server import LocalAPI, require_admin
+from plexd.trust.integrity import scan_hooks
 
 DEEP = 100_000
 DEEP_ARRAY = b"[" * DEEP + b"]" * DEEP

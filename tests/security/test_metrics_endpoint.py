@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 from plexd.node.metrics import MetricsEndpoint
 
 TOKEN = "s3cret-metrics-token"

@@ -20,9 +20,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from nacl.public import PrivateKey
 
-from plexd import node_secret
 from plexd.devplane.harness import Devplane
-from plexd.identity import IdentityStore
+from plexd.identity.store import IdentityStore, node_secret
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 
@@ -91,11 +90,11 @@ def test_an_unknown_derivation_in_the_answer_is_refused_and_compatibility_mode_i
         node_secret.check("aes-ctr-v9", "the register response")
     assert node_secret.check(None, "x") == "" and node_secret.check("hkdf-sha256", "x") == "hkdf-sha256"
     monkeypatch.setattr(node_secret, "_compat_logged", False)
-    with caplog.at_level(logging.INFO, logger="plexd.node_secret"):
+    with caplog.at_level(logging.INFO, logger="plexd.identity.node_secret"):
         for _ in range(3):
             node_secret.note_mode("")
         node_secret.note_mode("hkdf-sha256")
-    said = [r.getMessage() for r in caplog.records if r.name == "plexd.node_secret"]
+    said = [r.getMessage() for r in caplog.records if r.name == "plexd.identity.node_secret"]
     assert len(said) == 1 and "compatibility mode" in said[0], said
 
 

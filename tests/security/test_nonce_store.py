@@ -16,14 +16,14 @@ from datetime import UTC, datetime, timedelta
 import nacl.signing
 import pytest
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
+from plexd.base.gojson import format_time
 from plexd.controlplane.envelope import Envelope, sign_event
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import NONCE_STORE_FULL, NonceStore, Verifier
 from plexd.controlplane.sse import SSEEvent
-from plexd.gojson import format_time
-from plexd.model import SigningKeys
+from plexd.state.model import SigningKeys
 
 CAP = 50
 NOW = datetime(2026, 11, 25, 12, 0, tzinfo=UTC)

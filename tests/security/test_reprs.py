@@ -16,20 +16,21 @@ SECRET_NAME = re.compile(r"private|secret|token|psk|preshared|password|passphras
 
 # Fields whose names match but that hold no secret value, each with the reason.
 NOT_SECRET = {
-    "plexd.config.NodeApiConfig.secrets_group": "a group name",
-    "plexd.config.NodeApiConfig.http_token_file": "a path; the token is read from it, never kept here",
-    "plexd.config.MetricsConfig.token_file": "a path; the scrape token is read from it, never kept here",
-    "plexd.config.KubernetesConfig.token_file": "a path; the node's API-server token is read from it at each use",
-    "plexd.config.Config.token": "TokenConfig, whose own secret leaf (value) is walked and left out",
-    "plexd.desired.DesiredState.secret_refs": "names and versions of secrets, never their values",
-    "plexd.model.State.secret_refs": "names and versions of secrets, never their values",
+    "plexd.config.settings.NodeApiConfig.secrets_group": "a group name",
+    "plexd.config.settings.NodeApiConfig.http_token_file": "a path; the token is read from it, never kept here",
+    "plexd.config.settings.MetricsConfig.token_file": "a path; the scrape token is read from it, never kept here",
+    "plexd.config.settings.KubernetesConfig.token_file":
+        "a path; the node's API-server token is read from it at each use",
+    "plexd.config.settings.Config.token": "TokenConfig, whose own secret leaf (value) is walked and left out",
+    "plexd.state.desired.DesiredState.secret_refs": "names and versions of secrets, never their values",
+    "plexd.state.model.State.secret_refs": "names and versions of secrets, never their values",
     "plexd.devplane.serve.ServeOptions.admin_token_file": "a path",
     "plexd.nodeapi.routes.NodeApi.fetch_secret": "a function (its repr is the function's name)",
     "plexd.nodeapi.routes.NodeApi.node_secret": "a function (its repr is the function's name)",
     "plexd.nodeapi.routes.NodeApi.secrets_group": "a group name",
     "plexd.nodeapi.routes.NodeApi.node_secret_kdf": "a function; the name of a key derivation",
     "plexd.controlplane.client.RegisterRequest.node_secret_kdf": "the name of a key derivation (hkdf-sha256)",
-    "plexd.model.RegisterResponse.node_secret_kdf": "the name of a key derivation (hkdf-sha256)",
+    "plexd.state.model.RegisterResponse.node_secret_kdf": "the name of a key derivation (hkdf-sha256)",
 }
 SENTINEL = "SENTINEL-SECRET-0xC0FFEE"
 
@@ -66,10 +67,10 @@ def test_no_dataclass_field_named_for_a_secret_is_in_a_generated_repr():
                 shown.append(name)
     assert not shown, f"secret fields shown by a repr (field(repr=False) or a __repr__ of the class): {shown}"
     # the walk saw the ones this issue is about
-    for expected in ("plexd.identity.Identity.private_key", "plexd.identity.Identity.node_secret_key",
-                     "plexd.config.TokenConfig.value", "plexd.model.RegisterResponse.node_secret_key",
-                     "plexd.model.Peer.psk", "plexd.controlplane.client.RegisterRequest.token",
-                     "plexd.devplane.store.Node.secret", "plexd.registrar.BootstrapToken.value"):
+    for expected in ("plexd.identity.store.Identity.private_key", "plexd.identity.store.Identity.node_secret_key",
+                     "plexd.config.settings.TokenConfig.value", "plexd.state.model.RegisterResponse.node_secret_key",
+                     "plexd.state.model.Peer.psk", "plexd.controlplane.client.RegisterRequest.token",
+                     "plexd.devplane.store.Node.secret", "plexd.identity.registrar.BootstrapToken.value"):
         assert expected in checked, expected
     stale = set(NOT_SECRET) - {f"{c.__module__}.{c.__qualname__}.{f.name}" for c in classes
                                for f in dataclasses.fields(c)}
@@ -77,7 +78,7 @@ def test_no_dataclass_field_named_for_a_secret_is_in_a_generated_repr():
 
 
 def test_config_secret_leaves_are_out_of_the_repr():
-    from plexd import config
+    from plexd.config import settings as config
 
     leaves = [f.name for f in dataclasses.fields(config.TokenConfig) if f.metadata.get("secret")]
     assert leaves == ["value"]
@@ -88,10 +89,10 @@ def test_config_secret_leaves_are_out_of_the_repr():
 def test_instances_holding_secrets_never_print_them():
     from plexd.controlplane.client import RegisterRequest
     from plexd.devplane.store import Node
-    from plexd.identity import Identity
-    from plexd.model import Peer, RegisterResponse
+    from plexd.identity.registrar import BootstrapToken
+    from plexd.identity.store import Identity
     from plexd.nodeapi.server import Request, Response
-    from plexd.registrar import BootstrapToken
+    from plexd.state.model import Peer, RegisterResponse
 
     key = SENTINEL.encode().ljust(32, b"!")
     values = [

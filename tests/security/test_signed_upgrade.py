@@ -24,7 +24,7 @@ from nacl.signing import SigningKey
 from upgrade_node import Agent, left_behind, upgrade_node
 
 from plexd import __version__
-from plexd.integrity import package_root
+from plexd.trust.integrity import package_root
 from plexd.upgrade import signing, zipapp
 from plexd.upgrade.upgrader import Upgrader
 
@@ -153,7 +153,7 @@ def _arch() -> str:
 
 LAUNCH = """
 import logging, sys
-from plexd import config
+from plexd.config import settings as config
 from plexd.upgrade import launcher
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 launcher.launch(config.load(sys.argv[1], flags={}), ["--version"])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from plexd.integrity import scan_hooks
-from plexd.pathtrust import trust_problem
+from plexd.trust.integrity import scan_hooks
+from plexd.trust.pathtrust import trust_problem
 
 pytestmark = pytest.mark.root  # chown to another uid; paths owned by root
 

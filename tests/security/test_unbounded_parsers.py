@@ -1,6 +1,6 @@
 """Attack: outside input reaching a parser without a nesting bound. Python's json and yaml decoders recurse once
 per level, so a few kilobytes of brackets raise RecursionError wherever a plain json.loads meets them. Every
-json.load(s)/yaml.(safe_)load call in plexd/ must either go through plexd.boundedjson or be listed here with the
+json.load(s)/yaml.(safe_)load call in plexd/ must either go through plexd.base.boundedjson or be listed here with the
 reason its input is not outside input (or is bounded just before)."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ OWN_FILE = "plexd's own file or database, written 0600 by plexd itself"
 DEVPLANE_OWN = "the reference control plane's own database, written by itself"
 # (path relative to plexd/, enclosing function) -> why the call needs no bound
 ALLOWED: dict[tuple[str, str], str] = {
-    ("boundedjson.py", "loads"): "the bounded parser itself, after check_depth",
-    ("boundedjson.py", "parse"): "the bounded parser itself, after too_deep_at",
+    ("base/boundedjson.py", "loads"): "the bounded parser itself, after check_depth",
+    ("base/boundedjson.py", "parse"): "the bounded parser itself, after too_deep_at",
     ("telemetry/queue.py", "batch"): OWN_FILE,
     ("telemetry/queue.py", "position"): OWN_FILE,
     ("actions/journal.py", "next_message"): OWN_FILE,
     ("actions/journal.py", "_execution"): OWN_FILE,
-    ("config.py", "_read_file"): "the operator's root-owned config file, not outside input",
-    ("config_edit.py", "_without_token_value"): "one flow mapping of the operator's root-owned config file",
+    ("config/settings.py", "_read_file"): "the operator's root-owned config file, not outside input",
+    ("config/edit.py", "_without_token_value"): "one flow mapping of the operator's root-owned config file",
     ("controlplane/ledger.py", "_import_legacy"): OWN_FILE,
     ("controlplane/ledger.py", "_read_mirror"): OWN_FILE,
     ("controlplane/envelope.py", "string_field"): "parse_envelope ran boundedjson.check_depth on the whole text",
@@ -41,11 +41,11 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("devplane/store.py", "from_doc"): DEVPLANE_OWN,
     ("devplane/store.py", "execution"): DEVPLANE_OWN,
     ("devplane/store.py", "executions"): DEVPLANE_OWN,
-    ("lab.py", "down_from_state"): "the lab's own state file (test tooling)",
-    ("lab.py", "_identity"): "the lab's own state file (test tooling)",
+    ("devplane/lab.py", "down_from_state"): "the lab's own state file (test tooling)",
+    ("devplane/lab.py", "_identity"): "the lab's own state file (test tooling)",
     ("nodeapi/sync.py", "load"): OWN_FILE,
     ("nodeapi/cache.py", "read_json_file"): OWN_FILE,
-    ("identity.py", "load"): OWN_FILE,
+    ("identity/store.py", "load"): OWN_FILE,
     ("firewall/ruleset.py", "expr"): "a rule expression plexd itself serialised",
 }
 
@@ -72,7 +72,7 @@ def _parser_calls() -> list[tuple[str, int, str]]:
 def test_every_parse_of_outside_input_is_bounded():
     unbounded = [f"plexd/{rel}:{line} in {func}()" for rel, line, func in _parser_calls()
                  if (rel, func) not in ALLOWED]
-    assert not unbounded, ("json/yaml parsed without plexd.boundedjson (use boundedjson.loads/parse, or add the "
+    assert not unbounded, ("json/yaml parsed without plexd.base.boundedjson (use boundedjson.loads/parse, or add the "
                            "call to ALLOWED with the reason its input is not outside input):\n  "
                            + "\n  ".join(unbounded))
 
@@ -86,4 +86,4 @@ def test_allow_list_has_no_stale_entries():
 def test_the_scan_sees_the_calls_it_must_see():
     """The scanner itself: it finds the bounded parser's own json.loads (were it blind, the test above would
     pass with nothing checked)."""
-    assert ("boundedjson.py", "loads") in {(rel, func) for rel, _, func in _parser_calls()}
+    assert ("base/boundedjson.py", "loads") in {(rel, func) for rel, _, func in _parser_calls()}

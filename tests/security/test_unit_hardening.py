@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from lab_daemon import PLEXD, Daemon, wait_until, wireguard_go_pids
 
+from plexd.devplane.lab import Lab
 from plexd.install.installer import unit_text
-from plexd.lab import Lab
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.system import systemd
 

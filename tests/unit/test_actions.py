@@ -20,11 +20,11 @@ from plexd.actions.dispatcher import CONTROL_PLANE, LOCAL, ActionDispatcher
 from plexd.actions.hooks import HookSet, describe_changes
 from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
-from plexd.backoff import Backoff
-from plexd.config import ActionsConfig
+from plexd.base.backoff import Backoff
+from plexd.config.settings import ActionsConfig
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.errors import ControlPlaneError, TransientError
-from plexd.integrity import scan_hooks
+from plexd.trust.integrity import scan_hooks
 
 # -- the request ----------------------------------------------------------------------------------------------
 
@@ -338,7 +338,7 @@ async def test_drain_cancels_what_outlives_the_window_and_its_result_is_queued(t
 
 
 def test_describe_changes_names_each_change():
-    from plexd.integrity import Hook, HookScan, RefusedHook
+    from plexd.trust.integrity import Hook, HookScan, RefusedHook
 
     a, b = Hook("a", "/a", "1" * 64), Hook("b", "/b", "2" * 64)
     old = HookScan((a, b))
@@ -366,8 +366,8 @@ async def test_verify_names_a_hook_edited_since_the_scan_and_one_never_announced
 
 async def test_an_announcement_that_cannot_re_register_waits_the_backoff_cap(tmp_path, caplog):
     """Without a token to re-register with, retrying fast only repeats the refusal: wait the cap, say why."""
-    from plexd.errors import PlexdError
-    from plexd.integrity import HookScan
+    from plexd.base.errors import PlexdError
+    from plexd.trust.integrity import HookScan
 
     failures = [TransientError("capabilities", 503), PlexdError("no bootstrap token to re-register with")]
 

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from plexd.backoff import Backoff
-from plexd.clock import FakeClock
+from plexd.base.backoff import Backoff
+from plexd.base.clock import FakeClock
 
 
 def test_backoff_doubles_to_cap_without_jitter():

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexd import boundedjson
+from plexd.base import boundedjson
+from plexd.base.errors import WireFormatError
 from plexd.controlplane.client import RETRY_AFTER_CAP, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope, sign_event
-from plexd.errors import WireFormatError
 
 NOW = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
 SIGNER = nacl.signing.SigningKey.generate()

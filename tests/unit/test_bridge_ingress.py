@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from plexd.bridge.blocks import MAX_INGRESS_RULES, parse_ingress
 from plexd.bridge.ingress import IngressDomain
 from plexd.bridge.sni import record_length, server_name
-from plexd.desired import DesiredState
-from plexd.model import State
 from plexd.services.status_reports import MAX_PAYLOAD, StatusReports, bounded
+from plexd.state.desired import DesiredState
+from plexd.state.model import State
 
 
 def client_hello(name: str | None) -> bytes:

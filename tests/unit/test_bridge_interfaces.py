@@ -19,13 +19,13 @@ from plexd.bridge.keys import interface_key
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.user_access import access_specs
 from plexd.bridge.wgif import InterfaceSeen, InterfaceSpec, WgInterface
-from plexd.desired import DesiredState
 from plexd.devplane.store import Node
 from plexd.firewall.ruleset import BridgeGuards, TunnelGuard, desired_ruleset
 from plexd.mesh.links import LinkState, Underlay
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
-from plexd.model import Peer, Policy, PolicyRule, State
-from plexd.policy import compile_policies
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer, Policy, PolicyRule, State
+from plexd.state.policy import compile_policies
 
 
 def key(i: int) -> str:

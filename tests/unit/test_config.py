@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plexd import config as cfg
+from plexd.base.errors import ConfigError
+from plexd.base.gojson import format_duration
 from plexd.cli import main
-from plexd.errors import ConfigError
-from plexd.gojson import format_duration
+from plexd.config import settings as cfg
 
 
 def load(tmp_path, text=None, env=None, flags=None):

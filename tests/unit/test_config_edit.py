@@ -1,4 +1,4 @@
-"""Taking the spent bootstrap token out of a config file (plexd.config_edit.remove_token_value): the rest of the
+"""Taking the spent bootstrap token out of a config file (plexd.config.edit.remove_token_value): the rest of the
 file stays as the operator wrote it, and a file it cannot edit safely is left unchanged with a clear error."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from plexd import config
-from plexd.config_edit import remove_token_value
-from plexd.errors import ConfigError
+from plexd.base.errors import ConfigError
+from plexd.config import settings as config
+from plexd.config.edit import remove_token_value
 
 
 @pytest.mark.parametrize(("before", "after"), [
@@ -40,8 +40,8 @@ def test_a_file_it_cannot_edit_safely_is_left_unchanged(tmp_path):
 
 
 def test_join_stores_the_api_and_says_when_it_is_insecure(tmp_path):
-    from plexd import config as config_mod
-    from plexd.config_edit import store_api_url
+    from plexd.config import settings as config_mod
+    from plexd.config.edit import store_api_url
 
     path = tmp_path / "config.yaml"
     assert store_api_url(str(path), "https://cp.example.com")

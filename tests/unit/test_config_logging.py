@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from plexd.log import fingerprint, setup_logging
+from plexd.base.log import fingerprint, setup_logging
 
 
 class FakeTTY(io.StringIO):

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
-from plexd.desired import DesiredState
 from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.links import LinkState
 from plexd.mesh.plan import (
@@ -25,7 +24,8 @@ from plexd.mesh.plan import (
     simulate,
 )
 from plexd.mesh.wireguard import DeviceConfig
-from plexd.model import Peer
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
 
 NOW = 1_800_000_000.0
 KEYS = [base64.b64encode(bytes(PrivateKey(bytes([i + 1]) * 32).public_key)).decode() for i in range(12)]

@@ -6,8 +6,8 @@ import base64
 
 from nacl.public import PrivateKey
 
-from plexd.desired import DesiredState, public_key_of
-from plexd.model import Peer, SigningKeys, State
+from plexd.state.desired import DesiredState, public_key_of
+from plexd.state.model import Peer, SigningKeys, State
 
 PRIV = base64.b64encode(bytes([7]) * 32).decode()
 OWN = public_key_of(PRIV)

@@ -10,17 +10,17 @@ import nacl.signing
 import pytest
 from nacl.public import PrivateKey
 
-from plexd.clock import Clock
+from plexd.base.clock import Clock
 from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.converge.domain import DomainResult
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
-from plexd.desired_store import DesiredStore, StalePull
-from plexd.model import Peer, SigningKeys, State
 from plexd.node.mesh import MeshHandle, state_applier, state_fetcher
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.reconciler import Reconciler
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer, SigningKeys, State
+from plexd.state.store import DesiredStore, StalePull
 
 SIGNER = nacl.signing.SigningKey.generate()
 

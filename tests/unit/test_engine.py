@@ -9,12 +9,12 @@ from typing import ClassVar
 
 import pytest
 
+from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
-from plexd.errors import PlexdError
-from plexd.model import Peer
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
 
 
 @dataclass(frozen=True)

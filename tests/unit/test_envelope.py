@@ -6,8 +6,8 @@ import json
 import nacl.signing
 import pytest
 
+from plexd.base.errors import WireFormatError
 from plexd.controlplane.envelope import Envelope, canonical_bytes, parse_envelope, sign_event
-from plexd.errors import WireFormatError
 
 
 def test_canonical_bytes_built_by_hand():

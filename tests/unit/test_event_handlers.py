@@ -10,14 +10,14 @@ import nacl.signing
 import pytest
 from nacl.public import PrivateKey
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
+from plexd.base.errors import WireFormatError
 from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier
-from plexd.desired import DesiredState
-from plexd.desired_store import DesiredStore
-from plexd.errors import WireFormatError
-from plexd.model import SigningKeys, State
 from plexd.services.event_handlers import EventHandlers
+from plexd.state.desired import DesiredState
+from plexd.state.model import SigningKeys, State
+from plexd.state.store import DesiredStore
 
 
 def wgkey() -> str:
@@ -181,8 +181,8 @@ async def test_invalid_peer_is_kept_out_by_the_model(h):
 def test_a_state_pull_never_changes_the_signing_keys(h, tmp_path, caplog):
     """The state body is unsigned: a key in it is logged (once) and ignored; keys change only through a signed
     signing_key_rotated event or a registration (tests/security/test_signing_key_sources.py attacks it)."""
-    from plexd.model import State
     from plexd.node.mesh import MeshHandle, PulledState, state_applier
+    from plexd.state.model import State
 
     applier = state_applier(MeshHandle(None, h.desired), h.verifier)
 

@@ -18,13 +18,13 @@ import httpx
 import nacl.signing
 import pytest
 
-from plexd.backoff import Backoff
-from plexd.clock import FakeClock
+from plexd.base.backoff import Backoff
+from plexd.base.clock import FakeClock
 from plexd.controlplane.client import parse_retry_after
 from plexd.controlplane.envelope import sign_event
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import NonceStore, Verifier
-from plexd.model import SigningKeys
+from plexd.state.model import SigningKeys
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 KEY = nacl.signing.SigningKey.generate()

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
-from plexd.desired import DesiredState
 from plexd.mesh.first_contact import FirstContact, leads
 from plexd.mesh.plan import PeerKeepaliveChanged, PeerRemoved
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardError
+from plexd.state.desired import DesiredState
 
 LOW, MID, HIGH = "A" * 43 + "=", "M" * 43 + "=", "z" * 43 + "="
 

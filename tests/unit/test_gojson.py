@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plexd import gojson
+from plexd.base import gojson
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import httpx
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo, http_status
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)

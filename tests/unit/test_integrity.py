@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from plexd.integrity import (
+from plexd.trust.integrity import (
     binary_checksum,
     capabilities_document,
     package_root,

@@ -116,9 +116,9 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
     from pyroute2.netlink.exceptions import NetlinkError
 
     from plexd.converge.engine import Engine
-    from plexd.desired import DesiredState
     from plexd.mesh.domain import WireGuardDomain
     from plexd.mesh.links import Links
+    from plexd.state.desired import DesiredState
 
     desired = DesiredState.initial(interface="pxnokern0", listen_port=51820, mtu=1420, private_key=K[0],
                                    mesh_ip="10.100.0.1")

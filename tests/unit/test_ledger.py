@@ -12,11 +12,11 @@ from datetime import UTC, datetime
 import nacl.signing
 import pytest
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
 from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import EventRejected, NonceStore, Verifier
-from plexd.model import SigningKeys
+from plexd.state.model import SigningKeys
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 KEY = nacl.signing.SigningKey.generate()
@@ -122,7 +122,7 @@ def test_a_torn_legacy_nonce_file_is_ignored(tmp_path, clock):
 
 
 def _model(peers):
-    from plexd.desired import DesiredState
+    from plexd.state.desired import DesiredState
 
     d = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
                              private_key=base64.b64encode(bytes([7]) * 32).decode(), mesh_ip="10.100.0.1")
@@ -130,7 +130,7 @@ def _model(peers):
 
 
 def _peer(i):
-    from plexd.model import Peer
+    from plexd.state.model import Peer
 
     key = base64.b64encode(bytes(nacl.signing.SigningKey(bytes([i + 1]) * 32).verify_key)).decode()
     return Peer(id=f"n_{i}", public_key=key, mesh_ip=f"10.100.0.{i + 10}")
@@ -153,7 +153,7 @@ def test_the_mirror_is_written_by_changed_rows_and_read_back_whole(tmp_path):
     ledger.close(NOW.timestamp())
 
     from plexd.controlplane.ledger import read_mirror
-    from plexd.desired import DesiredState
+    from plexd.state.desired import DesiredState
 
     restored = DesiredState.from_json(read_mirror(tmp_path), private_key=second.private_key)
     assert set(restored.peers) == set(second.peers) == {"n_0", "n_2", "n_3", "n_4", "n_7"}

@@ -2,8 +2,8 @@
 
 import pytest
 
-from plexd.errors import WireFormatError
-from plexd.model import Peer, RegisterResponse, State
+from plexd.base.errors import WireFormatError
+from plexd.state.model import Peer, RegisterResponse, State
 
 
 def test_state_accepts_nulls_and_unknown_keys():

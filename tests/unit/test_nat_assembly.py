@@ -7,7 +7,7 @@ import asyncio
 import socket
 from types import SimpleNamespace
 
-from plexd.config import load
+from plexd.config.settings import load
 from plexd.nat.service import disabled_status
 from plexd.node.assembly import _build_nat
 from plexd.node.mesh import MeshHandle

@@ -16,13 +16,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexd.controlplane.errors import ControlPlaneError, TransientError
-from plexd.desired import DesiredState
-from plexd.model import DataEntry, SecretRef
 from plexd.nodeapi import cache, crypto
 from plexd.nodeapi.keys import MAX_KEY_BYTES, file_name, report_key_problem
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.sync import ReportSync
+from plexd.state.desired import DesiredState
+from plexd.state.model import DataEntry, SecretRef
 
 # -- keys ---------------------------------------------------------------------------------------------------------
 

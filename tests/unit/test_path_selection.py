@@ -11,11 +11,11 @@ import base64
 import pytest
 from nacl.public import PrivateKey
 
-from plexd.desired import DesiredState
-from plexd.desired_store import DesiredStore
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
-from plexd.model import Peer
 from plexd.services.paths import DIRECT, PROBING, RELAY, PathSelector
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
+from plexd.state.store import DesiredStore
 
 
 def key() -> str:

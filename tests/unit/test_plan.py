@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
-from plexd.desired import DesiredState
 from plexd.mesh.links import LinkState
 from plexd.mesh.plan import (
     ROAMING_WINDOW,
@@ -38,7 +37,8 @@ from plexd.mesh.plan import (
     target,
 )
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig, clamp_private_key
-from plexd.model import Peer
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer
 
 
 def _b64(raw: bytes) -> str:

@@ -9,7 +9,6 @@ from engine_helpers import converge
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexd.desired import DesiredState
 from plexd.firewall import plan as fwplan
 from plexd.firewall.ruleset import (
     ChainSpec,
@@ -21,8 +20,9 @@ from plexd.firewall.ruleset import (
     SessionGate,
     desired_ruleset,
 )
-from plexd.model import Peer, Policy, PolicyRule, State
-from plexd.policy import compile_policies
+from plexd.state.desired import DesiredState
+from plexd.state.model import Peer, Policy, PolicyRule, State
+from plexd.state.policy import compile_policies
 
 NODES = {"n_a": "10.100.0.1", "n_b": "10.100.0.2", "n_c": "10.100.0.3", "n_d": "10.100.1.4"}
 

@@ -1,4 +1,4 @@
-"""plexd.procstat against real processes: one whose command name holds ") " (fields are counted after the last
+"""plexd.base.procstat against real processes: one whose command name holds ") " (fields are counted after the last
 parenthesis), a zombie, and a pid that is gone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-from plexd.procstat import process_stat
+from plexd.base.procstat import process_stat
 
 
 def wait_for_zombie(pid: int, timeout: float = 5.0):

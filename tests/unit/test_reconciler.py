@@ -6,8 +6,8 @@ import asyncio
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from plexd import gojson
-from plexd.clock import FakeClock
+from plexd.base import gojson
+from plexd.base.clock import FakeClock
 from plexd.converge.change import Correction
 from plexd.services.reconciler import Reconciler
 

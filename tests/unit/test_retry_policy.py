@@ -12,7 +12,7 @@ import pytest
 
 from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
 from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError, RetryAfterError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nodeapi.reports import ReportStore

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
-from plexd.desired import DesiredState, canonical_key
-from plexd.model import Peer, State
-from plexd.route_limits import Coverage, Guarded, RouteLimits
+from plexd.state.desired import DesiredState, canonical_key
+from plexd.state.model import Peer, State
+from plexd.state.route_limits import Coverage, Guarded, RouteLimits
 
 CP = ipaddress.ip_address("198.51.100.10")
 UNDERLAY = ipaddress.ip_address("192.0.2.5")

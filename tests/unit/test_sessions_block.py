@@ -18,7 +18,7 @@ from plexd.access.sessions import (
     revoked_session_id,
     setup_event_session,
 )
-from plexd.errors import WireFormatError
+from plexd.base.errors import WireFormatError
 
 EXPIRES = "2026-11-24T12:30:00Z"
 
@@ -112,8 +112,8 @@ def test_any_json_value_parses_or_is_refused_by_name(value):
 
 
 def test_the_mirror_keeps_the_sessions_so_a_restart_serves_the_same_ones():
-    from plexd.desired import DesiredState
-    from plexd.model import State
+    from plexd.state.desired import DesiredState
+    from plexd.state.model import State
 
     base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.1.0.1")
     desired = base.with_state(State.from_wire({"sessions": [ssh("ses_1"), ssh("ses_2")]})).without_session("ses_2")

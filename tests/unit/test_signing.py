@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import nacl.signing
 import pytest
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
 from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.signing import (
     EventRejected,
@@ -21,7 +21,7 @@ from plexd.controlplane.signing import (
     load_signing_key,
     persist_signing_key,
 )
-from plexd.model import SigningKeys
+from plexd.state.model import SigningKeys
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 

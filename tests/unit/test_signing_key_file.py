@@ -9,8 +9,8 @@ import os
 import nacl.signing
 
 from plexd.converge.engine import Engine
-from plexd.desired import DesiredState
-from plexd.model import SigningKeys
+from plexd.state.desired import DesiredState
+from plexd.state.model import SigningKeys
 from plexd.trust.domain import SigningKeyFile
 
 

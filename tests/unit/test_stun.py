@@ -118,8 +118,8 @@ def test_bad_server_names_say_why(text: str, problem: str) -> None:
 
 
 def test_a_bad_server_in_the_config_names_the_key(tmp_path) -> None:
-    from plexd.config import load
-    from plexd.errors import ConfigError
+    from plexd.base.errors import ConfigError
+    from plexd.config.settings import load
 
     cfg = tmp_path / "config.yaml"
     cfg.write_text("nat_traversal: {stun_servers: ['192.0.2.1:3478', '[::1]:3478']}\n")

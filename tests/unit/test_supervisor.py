@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from plexd.clock import FakeClock
+from plexd.base.clock import FakeClock
 from plexd.node.supervisor import FatalError, FaultPlan, InjectedFault, Supervisor
 
 

@@ -17,7 +17,7 @@ import pytest
 from nacl.signing import SigningKey
 from test_procstat import wait_for_zombie
 
-from plexd import config as config_mod
+from plexd.config import settings as config_mod
 from plexd.upgrade import launcher, signing, watch, zipapp
 from plexd.upgrade import marker as markers
 from plexd.upgrade.releases import ReleaseError, Releases

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from plexd.backoff import Backoff
+from plexd.base.backoff import Backoff
 from plexd.controlplane.errors import AuthError, PermanentError, RetryAfterError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, retry_verdict
 

@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from plexd.errors import PlexdError
-from plexd.model import KEY_LEN
+from plexd.base.errors import PlexdError
+from plexd.state.model import KEY_LEN
 
 ZERO_KEY = base64.b64encode(bytes(KEY_LEN)).decode()
 MAX_IFNAME = 15  # IFNAMSIZ - 1

@@ -28,10 +28,10 @@ import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 
-from plexd.childenv import child_environment
+from plexd.base.childenv import child_environment
+from plexd.base.procstat import process_stat
 from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, WireGuardError, check_interface_name
 from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
-from plexd.procstat import process_stat
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class UserspaceBackend:
     the child) finds `<if>.sock`. `scope` comes after it: under systemd, `systemd-run --scope ... --`
     (`plexd.system.systemd.scope_command`), which moves the implementation out of plexd.service's cgroup so that
     KillMode=mixed, which ends everything else of the unit when plexd exits, leaves the tunnels up; it too execs.
-    The implementation's environment is `plexd.childenv`'s allow-list plus `env`, never the daemon's.
+    The implementation's environment is `plexd.base.childenv`'s allow-list plus `env`, never the daemon's.
     """
 
     def __init__(

@@ -5,7 +5,7 @@
     private_key.next     0600  the same, for a key rotation not yet taken by the control plane (renamed over
                                private_key when it is: plexd.node.key_rotation)
     node_secret_key      0600  the raw node secret string from the register response
-    node_secret_kdf      0600  "hkdf-sha256" when the control plane took the derivation (plexd.node_secret);
+    node_secret_kdf      0600  "hkdf-sha256" when the control plane took the derivation (plexd.identity.node_secret);
                                absent: compatibility mode (the node secret is bearer and AES key, as in Go)
     signing_public_key   0600  the control plane's Ed25519 public key, std base64 (wins over the JSON field)
 
@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from plexd import datadir, node_secret
-from plexd.atomicfile import rename_atomic, write_atomic
-from plexd.errors import PlexdError
+from plexd.base.atomicfile import rename_atomic, write_atomic
+from plexd.base.errors import PlexdError
+from plexd.identity import datadir, node_secret
 
 IDENTITY_FILE = datadir.IDENTITY
 PRIVATE_KEY_FILE = datadir.PRIVATE_KEY
@@ -80,7 +80,7 @@ class Identity:
     signing_public_key: str
     node_secret_key: str
     private_key: bytes
-    node_secret_kdf: str = ""  # plexd.node_secret: "" (compatibility mode) or "hkdf-sha256"
+    node_secret_kdf: str = ""  # plexd.identity.node_secret: "" (compatibility mode) or "hkdf-sha256"
 
     @property
     def bearer(self) -> str:

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.access.sessions import Sessions, parse_sessions
+from plexd.base.errors import WireFormatError
+from plexd.base.gojson import GO_ZERO_TIME
 from plexd.bridge.blocks import (
     Ingress,
     SiteToSite,
@@ -25,8 +27,6 @@ from plexd.bridge.blocks import (
     parse_user_access,
 )
 from plexd.bridge.sessions import RelaySessionSet
-from plexd.errors import WireFormatError
-from plexd.gojson import GO_ZERO_TIME
 
 KEY_LEN = 32  # WireGuard keys (Curve25519) and the control plane's Ed25519 keys
 
@@ -335,7 +335,7 @@ class RegisterResponse:
     node_secret_key: str = field(repr=False)  # a secret: never in a repr
     peers: tuple[Peer, ...] = ()
     # Not in the Go control plane's answer: "hkdf-sha256" when the control plane took the derivation the node
-    # offered (plexd.node_secret); checked by the registrar before anything is saved.
+    # offered (plexd.identity.node_secret); checked by the registrar before anything is saved.
     node_secret_kdf: str = ""
 
     @classmethod

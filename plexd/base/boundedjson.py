@@ -13,7 +13,7 @@ import math
 import re
 from typing import Any
 
-from plexd.errors import WireFormatError
+from plexd.base.errors import WireFormatError
 
 MAX_DEPTH = 64
 _TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)  # a string (skipped) or a bracket

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from plexd.memo import ByIdentity
-from plexd.model import Peer, Policy, PolicyRule
+from plexd.base.memo import ByIdentity
+from plexd.state.model import Peer, Policy, PolicyRule
 
 ANY = "*"
 PROTOCOLS = ("tcp", "udp", "icmp", "")

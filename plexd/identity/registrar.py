@@ -6,11 +6,11 @@ read error is fatal) → the environment variable named by ``token.env`` → the
 (0x20–0x7E) or registration stops (no falling through to the next source).
 
 `Registrar.ensure_registered` reuses a valid identity without a request; a corrupt one is reported and replaced
-by a fresh registration. ``POST /v1/register`` is retried with `plexd.backoff.Backoff` (1 s ×2 → 60 s, ±25 %) on
+by a fresh registration. ``POST /v1/register`` is retried with `plexd.base.backoff.Backoff` (1 s ×2 → 60 s, ±25 %) on
 network errors, 5xx and unlisted statuses, waits ``Retry-After`` on 429, and gives up after
 ``registration.max_wait``. 400/401/403/404/409 stop at once with a message saying what the operator should do.
 After success the token is removed from where it was kept: the token file is deleted when the token came from it,
-and ``token.value`` is taken out of the config file (`plexd.config_edit`) when it was written there, so a spent
+and ``token.value`` is taken out of the config file (`plexd.config.edit`) when it was written there, so a spent
 token does not stay in a file that is usually 0644. A config file holding a token and readable by others is
 warned about before registering.
 
@@ -29,10 +29,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from plexd import node_secret
-from plexd.backoff import Backoff
-from plexd.clock import Clock
-from plexd.config import Config
+from plexd.base.backoff import Backoff
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
+from plexd.base.gojson import format_duration
+from plexd.base.log import fingerprint
+from plexd.config.settings import Config
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
 from plexd.controlplane.errors import (
     AuthError,
@@ -41,10 +43,15 @@ from plexd.controlplane.errors import (
     PermanentError,
     RetryAfterError,
 )
-from plexd.errors import PlexdError
-from plexd.gojson import format_duration
-from plexd.identity import Identity, IdentityStore, b64, decode_key, generate_private_key, public_key_of
-from plexd.log import fingerprint
+from plexd.identity.store import (
+    Identity,
+    IdentityStore,
+    b64,
+    decode_key,
+    generate_private_key,
+    node_secret,
+    public_key_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -299,8 +306,8 @@ class Registrar:
     @staticmethod
     def _forget_config_token(path: str) -> None:
         """A spent token has no business in a config file (often 0644): take token.value out of it."""
-        from plexd.config_edit import remove_token_value
-        from plexd.errors import ConfigError
+        from plexd.base.errors import ConfigError
+        from plexd.config.edit import remove_token_value
 
         try:
             if remove_token_value(path):

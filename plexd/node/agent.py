@@ -40,18 +40,18 @@ from typing import Any, TypeVar
 
 from plexd import __version__
 from plexd.actions.builtins import builtin_capabilities
-from plexd.clock import Clock
-from plexd.config import Config, insecure_control_plane
+from plexd.base.clock import Clock
+from plexd.base.errors import PlexdError
+from plexd.config.settings import Config, insecure_control_plane
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.errors import AuthError, ControlPlaneError
-from plexd.errors import PlexdError
-from plexd.identity import Identity, IdentityStore
-from plexd.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
+from plexd.identity.registrar import Registrar
+from plexd.identity.store import Identity, IdentityStore
 from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
-from plexd.pathtrust import require_trusted
-from plexd.registrar import Registrar
 from plexd.system.systemd import notify
+from plexd.trust.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
+from plexd.trust.pathtrust import require_trusted
 from plexd.upgrade.launcher import EXIT_RESTART
 
 log = logging.getLogger(__name__)

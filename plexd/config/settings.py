@@ -79,7 +79,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.errors import ConfigError
+from plexd.base.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = "/etc/plexd/config.yaml"
 
@@ -122,7 +122,7 @@ class MeshConfig:
     backend: str = _f("auto", choices=("auto", "kernel", "userspace"))
     # A peer may carry default routes (0/0, or pieces adding up to it) only when this is set (exit nodes).
     allow_exit_routes: bool = _f(False)
-    # The route guard (plexd.route_limits): prefixes a peer may route although they cover a resolver, a gateway,
+    # The route guard (plexd.state.route_limits): prefixes a peer may route although they cover a resolver, a gateway,
     # this node's LAN, link-local or metadata addresses, or count against max_route_percent.
     allow_routes: tuple[str, ...] = _f((), "list", cidrs=True, may_be_empty=True)
     max_route_percent: float = _f(0.1, min=0.000001, max=100.0)  # of each address family, however split
@@ -585,7 +585,7 @@ def _convert(key: str, raw: Any, origin: str) -> Any:
         except ValueError:
             raise bad("a number") from None
     elif kind == "duration":
-        from plexd.gojson import parse_duration
+        from plexd.base.gojson import parse_duration
 
         if not isinstance(raw, str):
             raise ConfigError(f"{key}: {raw!r} from {origin} is not a duration; write it with a unit, "
@@ -828,11 +828,11 @@ def display_value(key: str, value: Any) -> Any:
     if is_secret(key):
         if not value:
             return ""
-        from plexd.log import fingerprint
+        from plexd.base.log import fingerprint
 
         return f"<hidden {fingerprint(value)}>"
     if _LEAVES[key].metadata["kind"] == "duration":
-        from plexd.gojson import format_duration
+        from plexd.base.gojson import format_duration
 
         return format_duration(value)
     return value

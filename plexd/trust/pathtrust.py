@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from plexd.errors import PlexdError
+from plexd.base.errors import PlexdError
 
 
 class UntrustedPath(PlexdError):

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from plexd import identity, policy, route_limits
 from plexd.access.sessions import Session, Sessions
 from plexd.bridge.blocks import Ingress, SiteToSite, UserAccess
 from plexd.bridge.sessions import RelaySessionSet
-from plexd.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
-from plexd.route_limits import RouteLimits
+from plexd.identity import store as identity
+from plexd.state import policy, route_limits
+from plexd.state.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
+from plexd.state.route_limits import RouteLimits
 
 DEFAULT_KEEPALIVE = 25  # seconds; keeps NAT mappings open and makes a new tunnel handshake without traffic
 

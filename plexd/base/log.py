@@ -55,7 +55,7 @@ class JsonFormatter(logging.Formatter):
 
 
 class HumanFormatter(logging.Formatter):
-    """``12:00:01 INFO  plexd.agent: registered node_id=n_1`` for people watching a terminal."""
+    """``12:00:01 INFO  plexd.node.agent: registered node_id=n_1`` for people watching a terminal."""
 
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%H:%M:%S", time.localtime(record.created))

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from plexd.desired import DesiredState
+from plexd.state.desired import DesiredState
 
 Edit = Callable[[DesiredState], DesiredState]
 JOURNAL_SIZE = 1024

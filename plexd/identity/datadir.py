@@ -4,7 +4,7 @@
     private_key                0600  WireGuard private key, base64
     private_key.next           0600  a rotation's new key until the control plane took it (plexd.node.key_rotation)
     node_secret_key            0600  the node secret (the bearer and the secrets' key are derived from it, or
-                                     are it in compatibility mode: plexd.node_secret)
+                                     are it in compatibility mode: plexd.identity.node_secret)
     node_secret_kdf            0600  how they are derived ("hkdf-sha256"); absent: compatibility mode
     signing_public_key         0600  the control plane's current event-signing key (the file wins over identity)
     events.db                  0600  the event stream's replay cursor, the nonces of accepted events and the
@@ -22,7 +22,7 @@
     upgrade.json               0600  an upgrade between its install and its outcome, across the restart
                                      (plexd.upgrade.marker)
 
-The directory is 0700 and every write is atomic (`plexd.atomicfile`).
+The directory is 0700 and every write is atomic (`plexd.base.atomicfile`).
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from plexd import boundedjson
-from plexd.errors import PlexdError
-from plexd.pathtrust import trust_problem
+from plexd.base import boundedjson
+from plexd.base.errors import PlexdError
+from plexd.trust.pathtrust import trust_problem
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ def _unsafe(st: os.stat_result, what: str) -> str:
 
 
 def _directory_problem(directory: Path, st: os.stat_result) -> str:
-    """The hooks directory's own check, and its parents' (`plexd.pathtrust`): a hook is no safer than they."""
+    """The hooks directory's own check, and its parents' (`plexd.trust.pathtrust`): a hook is no safer than they."""
     problem = _unsafe(st, f"hooks directory {directory}")
     if problem:
         return problem
@@ -351,7 +351,7 @@ def _read_sidecar(path: Path) -> tuple[dict[str, Any], str]:
             return {}, f"sidecar {path.name} ignored: {key} must be a string"
         out[key] = value
     if out["timeout"]:
-        from plexd.gojson import parse_duration
+        from plexd.base.gojson import parse_duration
 
         try:
             parse_duration(out["timeout"])

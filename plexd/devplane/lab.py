@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from plexd import datadir
-from plexd.atomicfile import write_atomic
-from plexd.errors import PlexdError
-from plexd.procstat import process_stat
+from plexd.base.atomicfile import write_atomic
+from plexd.base.errors import PlexdError
+from plexd.base.procstat import process_stat
+from plexd.identity import datadir
 
 _BIND_RUN_WIREGUARD = 'mkdir -p /run/wireguard && mount --bind "$0" /run/wireguard && exec "$@"'
 DEFAULT_STATE_FILE = "/run/plexd-lab.json"

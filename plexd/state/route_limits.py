@@ -6,7 +6,7 @@ control plane, the tunnel its own carrier); the DNS resolver, the default gatewa
 cloud metadata service (the node's names, its way out and its cloud credentials would go to a peer); this node's
 LAN; a large share of the address space, however it is split (a default route as 0/1 + 128/1, 16 × /4, or
 thousands of /17s); or another peer's mesh address. Each such prefix is refused on its own, with the reason —
-the peer keeps its other prefixes; `plexd.desired` applies these checks as peers enter the model and records
+the peer keeps its other prefixes; `plexd.state.desired` applies these checks as peers enter the model and records
 what it refused, which the next drift report carries as rejected changes.
 
 Two strengths of refusal:

@@ -10,8 +10,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from plexd.atomicfile import write_atomic
-from plexd.errors import ConfigError
+from plexd.base.atomicfile import write_atomic
+from plexd.base.errors import ConfigError
 
 _TOP_API = re.compile(r"^api:[ \t]*(?P<value>[^#\n]*?)[ \t]*(#.*)?$")
 _NESTED_URL = re.compile(r"^(?P<indent>[ \t]+)url:[ \t]*[^#\n]*?[ \t]*(?P<comment>#.*)?$")
@@ -24,7 +24,7 @@ def store_api_url(path: str, url: str, *, allow_insecure: bool = False) -> bool:
     """Make `path` say ``api: url``; False when it already did. The file is created (0644) when missing; a
     file that would not load afterwards is left as it was, with an error. `allow_insecure`: the join ran with
     api.allow_insecure (a lab's plain-HTTP control plane): the file says so too, or `plexd up` would refuse it."""
-    from plexd import config as config_mod
+    from plexd.config import settings as config_mod
 
     file = Path(path)
     quoted = json.dumps(url)  # a YAML double-quoted scalar, whatever the URL holds
@@ -103,7 +103,7 @@ def remove_token_value(path: str) -> bool:
     """Take ``token.value`` (the bootstrap token) out of the config file at `path`; False when it held none. The
     rest of the file is kept as it was (a flow-style ``token: {...}`` line is rewritten without its value). The
     result must load with every other setting unchanged, else the file is left as it was, with an error."""
-    from plexd import config as config_mod
+    from plexd.config import settings as config_mod
 
     file = Path(path)
     try:

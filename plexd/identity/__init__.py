@@ -1,0 +1,3 @@
+"""Who this node is: its keys and identity files under data_dir (`store`, `datadir`), the node secret's derivation
+and the registration with a bootstrap token (`registrar`).
+"""
