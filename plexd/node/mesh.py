@@ -302,9 +302,7 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[Pull
     def apply(pulled: PulledState) -> list[Correction]:
         state = pulled.state
         _note_foreign_key(verifier, state.signing_keys, noted)
-        if state.relay and mesh.engine.domain("relay") is None and "relay" not in noted:
-            noted.add("relay")
-            log.info("the state assigns relay sessions, which only a bridge serves (mode: bridge); ignored here")
+        _note_bridge_block(state, mesh.engine, noted)
 
         def rebuild(d: DesiredState) -> DesiredState:
             return (replace(d, route_limits=pulled.limits) if pulled.limits is not None else d).with_state(state)
@@ -320,6 +318,22 @@ def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[Pull
         return []
 
     return apply
+
+
+BRIDGE_PARTS = ("relay", "user_access", "site_to_site", "ingress")
+
+
+def _note_bridge_block(state: State, engine: Engine, noted: set[str]) -> None:
+    """A node (mode: node) has none of the bridge's domains: a bridge block in its state is said once, not served."""
+    said = [name for name, wanted in (
+        ("relay", bool(state.relay)),
+        ("user_access", state.user_access is not None and state.user_access.enabled),
+        ("site_to_site", state.site_to_site is not None and state.site_to_site.enabled),
+        ("ingress", state.ingress is not None and state.ingress.enabled)) if wanted]
+    if said and not any(engine.domain(name) for name in BRIDGE_PARTS) and "bridge" not in noted:
+        noted.add("bridge")
+        log.info("the state has a bridge block (%s), which only a bridge serves (mode: bridge); ignored here",
+                 ", ".join(said))
 
 
 def _note_foreign_key(verifier: Verifier | None, keys: SigningKeys | None, noted: set[str]) -> None:

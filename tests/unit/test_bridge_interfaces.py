@@ -272,3 +272,18 @@ def test_the_devplane_routes_a_bridges_access_prefixes_and_remote_subnets_to_it(
     assert node.peer()["allowed_ips"] == ["10.100.0.9/32", "10.100.250.5/32", "172.30.0.0/16"]
     node.bridge = {"user_access": {"enabled": False, "peers": [{"allowed_ips": ["10.100.250.5/32"]}]}}
     assert node.peer()["allowed_ips"] == ["10.100.0.9/32"]
+
+
+def test_a_node_says_once_that_it_does_not_serve_a_bridge_block(caplog):
+    from plexd.converge.engine import Engine
+    from plexd.node.mesh import _note_bridge_block
+
+    noted: set[str] = set()
+    state = State.from_wire({"peers": [], "bridge": {"user_access": {"peers": []}, "site_to_site": None}})
+    caplog.set_level("INFO", "plexd.node.mesh")
+    for _ in range(3):
+        _note_bridge_block(state, Engine([]), noted)
+    assert [r.getMessage() for r in caplog.records] == [
+        "the state has a bridge block (user_access), which only a bridge serves (mode: bridge); ignored here"]
+    _note_bridge_block(State.from_wire({"peers": [], "bridge": None}), Engine([]), set())
+    assert len(caplog.records) == 1  # nothing wanted: nothing to say
