@@ -11,6 +11,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 Report = Callable[[str, dict[str, Any]], Awaitable[None] | None]
+RecordCommand = Callable[[str, str], Awaitable[bool] | bool]  # an SSH exec runs only once this returned True
+Audit = Callable[[str, dict[str, Any]], None]  # audit(event, fields), never the token
 
 
 async def emit(report: Report | None, session_id: str, kind: str, body: dict[str, Any]) -> None:

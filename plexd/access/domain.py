@@ -30,12 +30,11 @@ from typing import Any, ClassVar, Protocol
 
 from nacl.signing import VerifyKey
 
-from plexd.access.activity import Report
-from plexd.access.certificate import load_or_create
+from plexd.access.activity import Audit, RecordCommand, Report
 from plexd.access.k8s import ApiServer, K8sSession
 from plexd.access.sessions import Session, Sessions, socket_marks
-from plexd.access.ssh import Audit, RecordCommand, SshSessionServer, auth_failure_limiter
 from plexd.access.ssh_host_key import HostKeyError, load_or_create_host_key
+from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.tcp import TcpSession
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
@@ -231,6 +230,9 @@ class SessionsDomain:
     def _listener(self, session: Session, mesh_ip: str, report: Report) -> Listener:
         hooks = self.hooks
         if session.kind == "ssh":
+            # Lazily: asyncssh is ~20 MiB a node without SSH sessions never needs (plexd's RSS goal is 50 MiB).
+            from plexd.access.ssh import SshSessionServer
+
             return SshSessionServer(session, mesh_ip, host_key=load_or_create_host_key(self.data_dir),
                                     keys=hooks.keys, is_live=self.granted, record_command=hooks.record_command,
                                     audit=hooks.audit, report=report, now=hooks.now,
@@ -240,6 +242,8 @@ class SessionsDomain:
         api = hooks.k8s_api()
         if api is None:
             raise ValueError("no Kubernetes API server to proxy to (set access.kubernetes.url, or run in a cluster)")
+        from plexd.access.certificate import load_or_create  # lazily, as SSH: cryptography's x509 for k8s only
+
         tls = load_or_create(self.data_dir, [mesh_ip]).server_context()
         return K8sSession(session, mesh_ip, api, tls=tls, keys=hooks.keys, is_live=self.granted, report=report,
                           now=hooks.now)

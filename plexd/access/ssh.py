@@ -46,17 +46,18 @@ import signal
 import struct
 import termios
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import asyncssh
 from nacl.signing import VerifyKey
 
-from plexd.access.activity import Report, emit
+from plexd.access.activity import Audit, RecordCommand, Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
+from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import LocalUser, UserRefused, exit_status, login_environment, resolve_user
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
@@ -78,15 +79,6 @@ _CLOSE_TEXT = {"ttl_expired": "the session expired", "idle_timeout": "the sessio
                "plexd_close": "the node is leaving the mesh", "operator_revoke": "the session was revoked"}
 
 Keys = Callable[[], Iterable[VerifyKey]]
-RecordCommand = Callable[[str, str], Awaitable[bool] | bool]
-Audit = Callable[[str, dict[str, Any]], None]
-
-
-def auth_failure_limiter(clock: Callable[[], float] = time.monotonic) -> RateLimiter:
-    """Failed logins per source address: 10 at once, then one every 6 s (shared by all sessions' servers)."""
-    return RateLimiter(rate=1 / 6, burst=10, clock=clock)
-
-
 @dataclass
 class SshCounters:
     connections: int = 0

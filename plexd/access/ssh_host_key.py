@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import asyncssh
+if TYPE_CHECKING:
+    import asyncssh
 
 HOST_KEY_NAME = "ssh_host_ed25519_key"
 
@@ -17,6 +19,8 @@ class HostKeyError(Exception):
 
 def load_or_create_host_key(directory: str | os.PathLike[str]) -> asyncssh.SSHKey:
     """The key in `directory`/ssh_host_ed25519_key, created (O_EXCL, 0600) when there is none."""
+    import asyncssh  # lazily: only a node that opens an SSH session pays for asyncssh (~20 MiB)
+
     path = Path(directory) / HOST_KEY_NAME
     if not path.exists():
         key = asyncssh.generate_private_key("ssh-ed25519")

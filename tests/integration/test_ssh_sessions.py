@@ -317,7 +317,7 @@ async def test_a_connection_gets_three_password_tries(account, key_dir):
 
 
 async def test_failed_logins_from_one_address_are_rate_limited(account, key_dir):
-    from plexd.access.ssh import auth_failure_limiter
+    from plexd.access.ssh_limits import auth_failure_limiter
 
     limiter = auth_failure_limiter()
     limiter.rate = 1e-6  # no refill within the test: the burst of 10 is all

@@ -11,8 +11,9 @@ import pytest
 from nacl.signing import SigningKey
 
 from plexd.access.sessions import Session, SshTarget, TcpTarget
-from plexd.access.ssh import SshSessionServer, auth_failure_limiter
+from plexd.access.ssh import SshSessionServer
 from plexd.access.ssh_host_key import HOST_KEY_NAME, HostKeyError, fingerprint, load_or_create_host_key
+from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import SAFE_PATH, LocalUser, UserRefused, exit_status, login_environment, resolve_user
 from plexd.access.token import sign_session_token
 
