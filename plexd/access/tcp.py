@@ -24,6 +24,7 @@ from typing import Any
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
+from plexd.access.serving import stop_serving
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
 
@@ -172,15 +173,7 @@ class TcpSession:
         if reason not in TERMINATIONS:
             raise ValueError(f"unknown termination {reason!r}")
         self.closed = reason
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
-        conns = list(self._conns)
-        for task in conns:
-            task.cancel()
-        await asyncio.gather(*conns, return_exceptions=True)
+        await stop_serving(self._accepting, self._listener, self._conns)
         watch, current = self._watch, asyncio.current_task()
         if watch is not None and watch is not current:
             watch.cancel()

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from plexd.access.serving import stop_serving
 from plexd.access.splice import relay
 from plexd.bridge.blocks import IngressRule
 from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
@@ -85,15 +86,7 @@ class IngressPort:
         self._accepting = asyncio.create_task(self._accept(), name=f"plexd:ingress:{self.port}")
 
     async def close(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
-            await asyncio.gather(self._accepting, return_exceptions=True)
-        if self._listener is not None:
-            self._listener.close()
-        conns = list(self._conns)
-        for task in conns:
-            task.cancel()
-        await asyncio.gather(*conns, return_exceptions=True)
+        await stop_serving(self._accepting, self._listener, self._conns)
 
     async def _accept(self) -> None:
         loop = asyncio.get_running_loop()
