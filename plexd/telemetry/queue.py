@@ -15,9 +15,11 @@ dropped, one log line says so when it starts and one when writes work again, and
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import sqlite3
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,14 @@ class Batch:
 OnDrop = Callable[[str, int, int, str], None]  # stream, entries, bytes, why ("full" or the write error)
 
 
+def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def call(self: TelemetryQueue, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return call
+
+
 class TelemetryQueue:
     def __init__(self, path: str | Path, caps: Mapping[str, int], *, on_drop: OnDrop | None = None) -> None:
         self.path = Path(path)
@@ -59,6 +69,9 @@ class TelemetryQueue:
         self.on_drop = on_drop or (lambda *_: None)
         self._unwritable: dict[str, int] = {}  # stream → entries lost since writes started failing
         self._sent_upto: dict[str, int] = {}  # delivered even if the delete failed (a full disk): not sent twice
+        # The collectors and shippers run the queue's work in worker threads (a batch of 1,000 entries is
+        # milliseconds of JSON and SQLite the event loop should not wait for): one at a time.
+        self._lock = threading.RLock()
         self._db = open_or_start_empty(self.path, self._connect, "telemetry queue",
                                        "telemetry collected before this start is lost")
 
@@ -69,11 +82,13 @@ class TelemetryQueue:
             db.execute("INSERT OR IGNORE INTO streams(stream) VALUES(?)", (stream,))
         return db
 
+    @_locked
     def close(self) -> None:
         self._db.close()
 
     # -- writing ------------------------------------------------------------------------------------------------
 
+    @_locked
     def append(self, stream: str, entries: Iterable[Mapping[str, Any]], *,
                position: tuple[str, Any] | None = None) -> bool:
         """Queue `entries` (and, in the same transaction, move `position` = (source, value)); drop the oldest
@@ -135,6 +150,7 @@ class TelemetryQueue:
 
     # -- reading ------------------------------------------------------------------------------------------------
 
+    @_locked
     def batch(self, stream: str, limit: int, max_bytes: int = MAX_BATCH_BYTES) -> Batch | None:
         """The oldest entries of `stream`: at most `limit`, and at most `max_bytes` unless one entry is larger."""
         entries, size, last = [], 0, 0
@@ -147,6 +163,7 @@ class TelemetryQueue:
             size, last = size + length, seq
         return Batch(stream, last, entries) if entries else None
 
+    @_locked
     def delivered(self, batch: Batch) -> None:
         """The control plane took `batch`: forget it."""
         self._sent_upto[batch.stream] = max(batch.last_seq, self._sent_upto.get(batch.stream, 0))
@@ -161,12 +178,14 @@ class TelemetryQueue:
             log.debug("telemetry queue %s: cannot delete a delivered %s batch yet: %s", self.path, batch.stream,
                       exc)
 
+    @_locked
     def unreported_drops(self) -> dict[str, int]:
         """Per stream, entries dropped (cap or unwritable) that the control plane has not been told of."""
         rows = self._db.execute("SELECT stream, dropped, reported FROM streams")
         out = {stream: dropped - reported + self._unwritable.get(stream, 0) for stream, dropped, reported in rows}
         return {stream: count for stream, count in out.items() if count > 0}
 
+    @_locked
     def drops_reported(self, counts: dict[str, int]) -> None:
         try:
             self._db.executemany("UPDATE streams SET reported = reported + ? WHERE stream=?",
@@ -174,10 +193,12 @@ class TelemetryQueue:
         except sqlite3.Error as exc:  # told again next time: a repeated notice, never a silent loss
             log.debug("telemetry queue %s: cannot record a reported drop: %s", self.path, exc)
 
+    @_locked
     def position(self, source: str) -> Any:
         row = self._db.execute("SELECT value FROM positions WHERE source=?", (source,)).fetchone()
         return json.loads(row[0]) if row else None
 
+    @_locked
     def status(self, stream: str) -> dict[str, int]:
         nbytes, count, dropped, dropped_bytes = self._db.execute(
             "SELECT bytes, count, dropped, dropped_bytes FROM streams WHERE stream=?", (stream,)).fetchone()
