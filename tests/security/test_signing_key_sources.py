@@ -35,6 +35,16 @@ def frame(event_id: str, event_type: str, data: str) -> str:
     return f"id: {event_id}\nevent: {event_type}\ndata: {data}\n\n"
 
 
+def settled(d: Daemon, daemons: list[Daemon]) -> None:
+    """Connected, and both state pulls of a start done: the start's own and the one the connection triggers. Run
+    after a test's planted peer, either would remove it (the control plane never listed it); a full run saw the
+    second do exactly that."""
+    wait_until(lambda: "event stream connected" in d.logged() and "reconcile (start)" in d.logged(), 30,
+               f"{d.node.name}'s event stream and the start's reconcile", daemons)
+    wait_until(lambda: "event stream (re)connected" in ((d.status()["reconcile"]["last"] or {}).get("reasons") or []),
+               20, f"the reconcile {d.node.name}'s connection triggers", daemons)
+
+
 def test_a_signing_key_slipped_into_a_state_pull_is_never_trusted(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
     a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="2s")
@@ -63,9 +73,8 @@ def test_an_event_for_one_node_replayed_to_another_is_refused(lab_dp):
     a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="1h")
     b = Daemon(lab, lab.nodes[1], dp, tmp_path, reconcile="1h")
     daemons += [a, b]
-    for d in (a, b):  # connected, and the start's state pull done (it would replace a's peers afterwards)
-        wait_until(lambda d=d: "event stream connected" in d.logged() and "reconcile (start)" in d.logged(), 30,
-                   f"{d.node.name}'s event stream", daemons)
+    for d in (a, b):
+        settled(d, daemons)
     # a genuine event for a alone, signed by the control plane, taken from the devplane's own event log: the
     # exact bytes a's stream carried (a captures them too, and applies them)
     event_id = dp.admin.publish_event(a.node_id(), "peer_added", payload=peer_payload(7))
@@ -87,8 +96,7 @@ def test_a_signed_rotation_still_rotates_the_keys_and_the_insecure_start_is_name
     a = Daemon(lab, lab.nodes[0], dp, tmp_path, reconcile="1h")
     daemons.append(a)
     # connected, and the start's state pull done: it would replace the peer the event below adds
-    wait_until(lambda: "event stream connected" in a.logged() and "reconcile (start)" in a.logged(), 30,
-               "the event stream and the start's reconcile", daemons)
+    settled(a, daemons)
     # the lab config's http:// devplane runs only because it says api.allow_insecure, and never silently
     assert "INSECURE control plane connection (api.allow_insecure): plain http://" in a.logged()
 
