@@ -128,9 +128,10 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
 
         # Withdrawn: the interface goes, and the forwarding knob plexd turned on is back off.
         dp.admin.set_bridge(ids["bridge"], {"user_access": None})
-        wait_until(lambda: "wg-access" not in lab.exec(bridge.node, ["ip", "-o", "link"]).stdout, 30,
-                   "wg-access to be removed", daemons)
-        assert lab.exec(bridge.node, ["sysctl", "-n", "net.ipv4.conf.plexd0.forwarding"]).stdout.strip() == "0"
+        # The knob goes back after the interface is gone (the same teardown, a moment later): wait for both.
+        wait_until(lambda: "wg-access" not in lab.exec(bridge.node, ["ip", "-o", "link"]).stdout
+                   and sysctl(lab, bridge.node, "net.ipv4.conf.plexd0.forwarding") == "0", 30,
+                   "wg-access to be removed and plexd0's forwarding put back", daemons)
 
 
 def sysctl(lab: Lab, node: LabNode, key: str) -> str:
@@ -182,9 +183,9 @@ def test_a_remote_site_reaches_the_local_subnet_through_a_tunnel_and_teardown_re
         assert deny_counter(lab, bridge.node, "input", "wg-s2s-1") > dropped
 
         dp.admin.set_bridge(bridge.node_id(), {"site_to_site": None})
-        wait_until(lambda: "wg-s2s-1" not in lab.exec(bridge.node, ["ip", "-o", "link"]).stdout, 30,
-                   "the tunnel to be removed", daemons)
-        assert {k: sysctl(lab, bridge.node, k) for k in knobs} == before
+        wait_until(lambda: "wg-s2s-1" not in lab.exec(bridge.node, ["ip", "-o", "link"]).stdout
+                   and {k: sysctl(lab, bridge.node, k) for k in knobs} == before, 30,
+                   "the tunnel to be removed and the knobs put back", daemons)
         assert not ping(lab, remote, local.address, 2)
 
         # Given back, then the bridge leaves the mesh (`plexd deregister`): the tunnel goes with it, the knobs too,
