@@ -99,6 +99,7 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     telemetry = doc.get("telemetry")
     if telemetry:
         lines.append(f"telemetry:      {_telemetry_line(telemetry)}")
+    lines += _bridge_lines(doc.get("domains") or {})
     lines.append("services:")
     for svc in doc["services"]:
         extra = f", last error {_ago(svc['last_error_at'], now)}: {svc['last_error']}" if svc["last_error"] else ""
@@ -160,3 +161,34 @@ def _actions_line(a: dict[str, Any]) -> str:
         line += f"; {outbox['pending']} message(s) to deliver" + (
             f" ({outbox['last_error']})" if outbox["last_error"] else "")
     return line
+
+
+def _bridge_lines(domains: dict[str, Any]) -> list[str]:
+    """A bridge's parts, with the public keys the other ends are configured with (not secret, and needed)."""
+    lines = []
+    relay = domains.get("relay")
+    if relay:
+        lines.append(f"relay:          {'listening' if relay.get('listening') else 'NOT listening'} on port "
+                     f"{relay.get('port')}, {len(relay.get('sessions') or [])} session(s)")
+    access = domains.get("user_access")
+    if access:
+        if access.get("interface"):
+            lines.append(f"user access:    {access['interface']} port {access['listen_port']}, public key "
+                         f"{access['public_key']}, {access['peer_count']} peer(s)")
+        else:
+            lines.append("user access:    off")
+    tunnels = domains.get("site_to_site")
+    if tunnels:
+        shown = tunnels.get("tunnels") or []
+        lines.append(f"site-to-site:   {len(shown)} tunnel(s)")
+        lines += [f"                  {t['tunnel_id']}: {t['interface']} port {t['listen_port']}, public key "
+                  f"{t['public_key']}, remote {', '.join(t['remote_subnets'])}" for t in shown]
+    ingress = domains.get("ingress")
+    if ingress:
+        rules = ingress.get("rules") or []
+        lines.append(f"ingress:        {len(rules)} rule(s) on {len(ingress.get('ports') or [])} port(s), "
+                     f"{ingress.get('connections', 0)} connection(s) now")
+    for part in (relay, access, tunnels, ingress):
+        for r in (part or {}).get("refused") or []:
+            lines.append(f"                  refused: {r if isinstance(r, str) else r.get('reason', r)}")
+    return lines

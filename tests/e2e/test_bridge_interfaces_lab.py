@@ -89,6 +89,8 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
         wait_until(lambda: domain(bridge, "user_access").get("public_key"), 30, "the access interface", daemons)
         access = domain(bridge, "user_access")
         assert access["interface"] == "wg-access" and access["listen_port"] == 51822 and access["peer_count"] == 1
+        # what an operator configures a client with, in plain `plexd status`
+        assert f"wg-access port 51822, public key {access['public_key']}, 1 peer(s)" in bridge.cli("status").stdout
         lab.exec(client, ["wg", "set", "wg0", "peer", access["public_key"], "endpoint",
                           f"{bridge.node.address}:51822", "allowed-ips", "10.100.0.0/16", "persistent-keepalive", "1"])
         lab.exec(client, ["ip", "route", "add", "10.100.0.0/16", "dev", "wg0"])

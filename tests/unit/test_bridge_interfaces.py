@@ -287,3 +287,24 @@ def test_a_node_says_once_that_it_does_not_serve_a_bridge_block(caplog):
         "the state has a bridge block (user_access), which only a bridge serves (mode: bridge); ignored here"]
     _note_bridge_block(State.from_wire({"peers": [], "bridge": None}), Engine([]), set())
     assert len(caplog.records) == 1  # nothing wanted: nothing to say
+
+
+def test_plexd_status_shows_a_bridges_parts_with_the_keys_the_other_ends_need():
+    from plexd.node.status_text import _bridge_lines
+
+    lines = _bridge_lines({
+        "relay": {"listening": True, "port": 51821, "sessions": [{}], "refused": [
+            {"session_id": "r9", "reason": "relay session 'r9': limit of 100 sessions reached"}]},
+        "user_access": {"interface": "wg-access", "listen_port": 51822, "public_key": key(1), "peer_count": 2,
+                        "refused": ["user access peer bob: refused: 0.0.0.0/0: a default route"]},
+        "site_to_site": {"tunnels": [{"tunnel_id": "s2s_1", "interface": "wg-s2s-1", "listen_port": 51823,
+                                      "public_key": key(2), "remote_subnets": ["172.30.0.0/16"]}], "refused": []},
+        "ingress": {"rules": [{}, {}], "ports": [{}], "connections": 3, "refused": []}})
+    text = "\n".join(lines)
+    assert "relay:          listening on port 51821, 1 session(s)" in text
+    assert f"user access:    wg-access port 51822, public key {key(1)}, 2 peer(s)" in text
+    assert f"s2s_1: wg-s2s-1 port 51823, public key {key(2)}, remote 172.30.0.0/16" in text
+    assert "ingress:        2 rule(s) on 1 port(s), 3 connection(s) now" in text
+    assert "refused: relay session 'r9': limit of 100 sessions reached" in text
+    assert "refused: user access peer bob: refused: 0.0.0.0/0: a default route" in text
+    assert _bridge_lines({"firewall": {"enforcement": "enforced"}}) == []  # a node: nothing of the sort
