@@ -21,14 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from plexd.base.errors import WireFormatError
-from plexd.bridge.sessions import Address, parse_endpoint
+from plexd.bridge.sessions import Address, parse_endpoint, text_field
 
 MAX_ACCESS_PEERS = 50
 MAX_TUNNELS = 10
 MAX_INGRESS_RULES = 20
 MAX_PEM = 64 * 1024  # a certificate chain or a key
 MAX_PREFIXES = 64  # per peer or tunnel side: a list longer than this is not a site, it is a mistake
-MAX_TEXT = 128
 ACCESS_INTERFACE = "wg-access"
 ACCESS_PORT = 51822
 TUNNEL_PREFIX = "wg-s2s-"
@@ -104,17 +103,6 @@ def has_block(state: Mapping[str, object], legacy: str) -> bool:
     return "bridge" in state or legacy in state
 
 
-def _text(doc: Mapping[str, object], key: str, path: str, *, required: bool = True) -> str:
-    value = doc.get(key)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or (required and not value):
-        raise WireFormatError(f"{path}.{key}", "must be a non-empty string" if required else "must be a string")
-    if len(value) > MAX_TEXT or not value.isprintable() or not value.isascii():
-        raise WireFormatError(f"{path}.{key}", f"must be printable ASCII of at most {MAX_TEXT} characters")
-    return value
-
-
 def _key(doc: Mapping[str, object], key: str, path: str, *, required: bool = True) -> str:
     value = doc.get(key)
     if value in (None, "") and not required:
@@ -160,7 +148,7 @@ def _port(doc: Mapping[str, object], key: str, path: str, default: int) -> int:
 
 
 def _interface(doc: Mapping[str, object], path: str, default: str, prefix: str) -> str:
-    name = _text(doc, "interface_name", path, required=False) or default
+    name = text_field(doc, "interface_name", path, required=False) or default
     if not name.startswith(prefix) or len(name) > IFNAME_MAX or any(c in name for c in "/: \t.") :
         raise WireFormatError(f"{path}.interface_name", f"{name!r} must start with {prefix!r}, be at most "
                               f"{IFNAME_MAX} characters and hold no '/', ':', '.' or spaces (plexd never "
@@ -199,7 +187,8 @@ def parse_user_access(state: Mapping[str, object]) -> UserAccess:
             if not isinstance(entry, Mapping):
                 raise WireFormatError(where, "must be an object")
             peer = AccessPeer(_key(entry, "public_key", where), _prefixes(entry, "allowed_ips", where, required=True),
-                              _key(entry, "psk", where, required=False), _text(entry, "label", where, required=False))
+                              _key(entry, "psk", where, required=False),
+                              text_field(entry, "label", where, required=False))
         except WireFormatError as e:
             refused.append(str(e))
             continue
@@ -260,7 +249,7 @@ def _tunnel(entry: object, where: str, index: int) -> Tunnel:
         raise WireFormatError(f"{where}.provider_type", f"{str(provider)[:32]!r} is not supported (only WireGuard "
                               "tunnels: '' or 'wireguard')")
     return Tunnel(
-        tunnel_id=_text(entry, "tunnel_id", where),
+        tunnel_id=text_field(entry, "tunnel_id", where),
         interface=_interface(entry, where, f"{TUNNEL_PREFIX}{index + 1}", TUNNEL_PREFIX),
         listen_port=_port(entry, "listen_port", where, TUNNEL_PORT + index),
         remote_endpoint=parse_endpoint(entry.get("remote_endpoint"), f"{where}.remote_endpoint"),
@@ -313,7 +302,7 @@ def parse_ingress(state: Mapping[str, object]) -> Ingress:
 def _ingress_rule(entry: object, where: str) -> IngressRule:
     if not isinstance(entry, Mapping):
         raise WireFormatError(where, "must be an object")
-    rule_id = _text(entry, "rule_id", where)
+    rule_id = text_field(entry, "rule_id", where)
     mode = entry.get("mode") or "tcp"
     if mode == "acme":
         raise WireFormatError(f"{where}.mode", "'acme' is not supported: this bridge obtains no certificates; use "
@@ -323,7 +312,7 @@ def _ingress_rule(entry: object, where: str) -> IngressRule:
     port = _port(entry, "listen_port", where, 0)
     if not port:
         raise WireFormatError(f"{where}.listen_port", "must be a port number 1-65535")
-    hostname = _text(entry, "hostname", where, required=False).lower().rstrip(".")
+    hostname = text_field(entry, "hostname", where, required=False).lower().rstrip(".")
     if hostname and not all(part and len(part) <= 63 and all(c.isalnum() or c in "-_*" for c in part)
                             for part in hostname.split(".")):
         raise WireFormatError(f"{where}.hostname", f"{hostname!r} is not a host name")

@@ -90,11 +90,12 @@ class ForwardingLedger:
                 free.append(interface)
         return self.restore(free)
 
-    def restore(self, interfaces: Iterable[str] | None = None) -> list[str]:
-        """Put back what plexd changed (all, or these interfaces); errors, one line each. An interface that is
-        gone (plexd's own, deleted) has nothing left to restore."""
+    def restore(self, interfaces: Iterable[str]) -> list[str]:
+        """Put back what plexd changed on these interfaces; errors, one line each. An interface that is gone
+        (plexd's own, deleted) has nothing left to restore."""
         errors = []
-        for interface in list(self.saved if interfaces is None else interfaces):
+        restored = False
+        for interface in interfaces:
             before = self.saved.get(interface)
             if before is None:
                 continue
@@ -105,5 +106,7 @@ class ForwardingLedger:
                 errors.append(f"net.ipv4.conf.{interface}.forwarding: cannot restore it to {before}: {e}")
                 continue
             del self.saved[interface]
-        self._save()
+            restored = True
+        if restored:
+            self._save()
         return errors

@@ -72,7 +72,8 @@ class InterfacesDomain:
         # The interfaces this domain made, kept across restarts: one no longer wanted after a restart (or at
         # `plexd deregister`, another process) is still found and removed.
         self._made_file = Path(data_dir) / "bridge" / f"{name}.interfaces"
-        for made in self._load_made():
+        self._made_saved = self._load_made()  # what the file holds: written again only when it changes
+        for made in self._made_saved:
             self._interface(made).created = True
 
     def _load_made(self) -> list[str]:
@@ -88,9 +89,10 @@ class InterfacesDomain:
 
     def _save_made(self) -> None:
         made = sorted(n for n, iface in self._interfaces.items() if iface.created)
-        if made != self._load_made():
+        if made != self._made_saved:
             self._made_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_atomic(self._made_file, json.dumps(made).encode(), mode=0o600)
+            self._made_saved = made
 
     def _interface(self, name: str) -> WgInterface:
         if name not in self._interfaces:

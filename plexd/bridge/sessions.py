@@ -64,10 +64,13 @@ def parse_endpoint(text: object, path: str) -> Address:
     return (str(ip), int(port_text))
 
 
-def _text(doc: Mapping[str, object], key: str, path: str) -> str:
+def text_field(doc: Mapping[str, object], key: str, path: str, *, required: bool = True) -> str:
+    """An id or a name from the bridge's blocks: printable ASCII, bounded; "" for an absent optional one."""
     value = doc.get(key)
-    if not isinstance(value, str) or not value:
-        raise WireFormatError(f"{path}.{key}", "must be a non-empty string")
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str) or (required and not value):
+        raise WireFormatError(f"{path}.{key}", "must be a non-empty string" if required else "must be a string")
     if len(value) > MAX_ID_LENGTH or not value.isprintable() or not value.isascii():
         raise WireFormatError(f"{path}.{key}", f"must be printable ASCII of at most {MAX_ID_LENGTH} characters")
     return value
@@ -77,9 +80,9 @@ def parse_session(doc: object, path: str = "session") -> RelaySession:
     """One `RelaySessionAssignment` (state entry or `relay_session_assigned` payload); errors name the field."""
     if not isinstance(doc, Mapping):
         raise WireFormatError(path, "must be an object")
-    session_id = _text(doc, "session_id", path)
-    peer_a_id = _text(doc, "peer_a_id", path)
-    peer_b_id = _text(doc, "peer_b_id", path)
+    session_id = text_field(doc, "session_id", path)
+    peer_a_id = text_field(doc, "peer_a_id", path)
+    peer_b_id = text_field(doc, "peer_b_id", path)
     if peer_a_id == peer_b_id:
         raise WireFormatError(f"{path}.peer_b_id", f"is the same node as peer_a_id ({peer_a_id!r})")
     a = parse_endpoint(doc.get("peer_a_endpoint"), f"{path}.peer_a_endpoint")
@@ -99,7 +102,7 @@ def parse_session(doc: object, path: str = "session") -> RelaySession:
 def parse_revoked(doc: object, path: str = "relay_session_revoked") -> str:
     if not isinstance(doc, Mapping):
         raise WireFormatError(path, "must be an object")
-    return _text(doc, "session_id", path)
+    return text_field(doc, "session_id", path)
 
 
 def relay_block(state: Mapping[str, object]) -> object | None:

@@ -10,7 +10,7 @@ also its drift line; `apply` performs them, per peer (a peer whose prefixes chan
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from plexd.base.errors import PlexdError
@@ -213,8 +213,7 @@ class WgInterface:
                 ops.append(LinkOp("up"))
             elif isinstance(change, RouteSynced):
                 ops.append(LinkOp("route_add" if change.add else "route_del", change.cidr))
-        update = DeviceUpdate(private_key=settings.private_key, listen_port=settings.listen_port,
-                              replace_peers=settings.replace_peers, peers=tuple(peers))
+        update = replace(settings, peers=tuple(peers))
         if not update.is_empty():
             try:
                 await self.backend.apply(update)
