@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT = 5.0
 STOP_TIMEOUT = 5.0
-OUTPUT_POLL = 0.2  # how often the output file is looked at (one read a time; nothing while it is quiet)
+OUTPUT_POLL = 0.2  # how soon the output file is looked at again after it grew
+OUTPUT_POLL_QUIET = 2.0  # ... and at most this long while it stays quiet (an idle daemon wakes rarely)
 OUTPUT_LIMIT = 1 << 20  # the output file is emptied past this (LOG_LEVEL=error writes next to nothing)
 
 
@@ -213,12 +214,14 @@ class UserspaceBackend:
             if from_end:
                 f.seek(0, os.SEEK_END)
             partial = b""
+            wait = OUTPUT_POLL
             while True:
                 chunk = f.read(1 << 16)
                 if chunk:
                     *lines, partial = (partial + chunk).split(b"\n")
                     for line in lines:
                         self._note_output(line, pid)
+                    wait = OUTPUT_POLL
                     continue
                 if stop.is_set() or not _alive(pid):
                     if partial:
@@ -228,7 +231,8 @@ class UserspaceBackend:
                     with contextlib.suppress(OSError):
                         os.truncate(self._output_file, 0)
                     f.seek(0)
-                stop.wait(OUTPUT_POLL)
+                stop.wait(wait)
+                wait = min(wait * 2, OUTPUT_POLL_QUIET)  # five looks a second cost 1/4 of an idle daemon's CPU
 
     def _last_output(self) -> list[str]:
         """The output's last lines, read now (a process that failed at once may have exited before the follower
