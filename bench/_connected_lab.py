@@ -125,6 +125,10 @@ async def preload(node: Node, n: int) -> float:
         await asyncio.sleep(0.2)
 
 
+# For a bench's `--without-telemetry`: how much of a figure is the daemon itself, and how much its telemetry.
+WITHOUT_TELEMETRY = "telemetry: {metrics: {enabled: false}, logs: {enabled: false}, audit: {enabled: false}}\n"
+
+
 @contextlib.contextmanager
 def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
                    peer_heartbeat: str | None = None, node_api: str = "", extra_config: str = "") -> Iterator[Node]:

@@ -19,7 +19,7 @@ import asyncio
 import statistics
 import time
 
-from _connected_lab import connected_node, preload, random_peer
+from _connected_lab import WITHOUT_TELEMETRY, connected_node, preload, random_peer
 from _route_watch import RouteWatch
 
 from plexd.mesh.wireguard.uapi import b64_to_hex
@@ -44,8 +44,8 @@ async def on_device(sock: str, public_key: str) -> bool:
 PUBLISH_CALLS: list[float] = []  # the admin API call alone (the devplane signs and queues the event)
 
 
-async def measure(n_events: int, n_peers: int) -> list[float]:
-    with connected_node(reconcile="10m") as node:
+async def measure(n_events: int, n_peers: int, extra_config: str = "") -> list[float]:
+    with connected_node(reconcile="10m", extra_config=extra_config) as node:
         sock = f"{node.lab_node.sock_dir}/plexd0.sock"
         admin = node.dp.admin
         node_id = node.node_id
@@ -78,8 +78,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--events", type=int, default=200)
     ap.add_argument("--peers", type=int, default=0, help="peers put on the device before measuring")
+    ap.add_argument("--without-telemetry", action="store_true", help="telemetry off: its share of the outliers")
     args = ap.parse_args()
-    lat = sorted(x * 1000 for x in asyncio.run(measure(args.events, args.peers)))
+    lat = sorted(x * 1000 for x in asyncio.run(measure(args.events, args.peers,
+                                                        WITHOUT_TELEMETRY if args.without_telemetry else "")))
     q = statistics.quantiles(lat, n=100)
     print(f"event → device latency over {len(lat)} peer_added events, {args.peers} peers already on the device")
     print(f"  min {lat[0]:.1f} ms   p50 {statistics.median(lat):.1f} ms   p90 {q[89]:.1f} ms   "

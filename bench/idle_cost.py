@@ -8,6 +8,7 @@ plexd's code; the peers' endpoints are on the lab bridge where nothing answers, 
 
     sudo .venv/bin/python bench/idle_cost.py [--peers 100] [--seconds 120]
     sudo .venv/bin/python bench/idle_cost.py --peers 1000 --seconds 300    # idle after the burst of 1,000 joins
+    sudo .venv/bin/python bench/idle_cost.py --peers 1000 --without-telemetry   # the daemon without its telemetry
     sudo .venv/bin/python bench/idle_cost.py --peers 10000 --seconds 30 --via-events   # RSS with 10,000 peers
 """
 
@@ -21,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from _connected_lab import _cpu, connected_node, preload
+from _connected_lab import WITHOUT_TELEMETRY, _cpu, connected_node, preload
 from nacl.public import PrivateKey
 
 from plexd.mesh.wireguard.uapi import UapiClient
@@ -98,9 +99,13 @@ async def main() -> None:
     ap.add_argument("--via-events", action="store_true",
                     help="put the peers on the device as peer_added events (no registrations, reconcile 10 min): "
                          "fast at 10,000 peers, for the RSS figure; the CPU figure then has no reconcile in it")
+    ap.add_argument("--without-telemetry", action="store_true",
+                    help="telemetry off (metrics, logs, audit): how much of the idle cost is the daemon itself")
     args = ap.parse_args()
-    run = await idle_run(args.peers, args.seconds, via_events=args.via_events)
-    print(f"connected plexd up, {args.peers} peers, no events, {run.seconds:.0f} s window "
+    extra = WITHOUT_TELEMETRY if args.without_telemetry else ""
+    run = await idle_run(args.peers, args.seconds, via_events=args.via_events, extra_config=extra)
+    print(f"connected plexd up, {args.peers} peers, no events{', telemetry off' if args.without_telemetry else ''}, "
+          f"{run.seconds:.0f} s window "
           f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {run.heartbeats} heartbeats in total)")
     print(f"  plexd:        {run.per_minute:.3f} CPU s/min   (goal <= 0.1)")
     print(f"  plexd RSS:    {run.rss_mib:.1f} MiB with {run.peers_at_end} peers on the device at the end   "

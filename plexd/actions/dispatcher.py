@@ -119,7 +119,6 @@ class ActionDispatcher:
                 target.image.close()
             self._refuse(request.execution_id, request.action, origin, exc, caller)
             raise
-        self.outbox.wake()
         self.accepted += 1
         running = Running(request, origin, time.monotonic(), caller=caller or {})
         self.running[request.execution_id] = running
@@ -226,7 +225,6 @@ class ActionDispatcher:
                                    {"execution_id": execution_id, "status": "rejected", "reason": exc.reason})
             except JournalError as err:
                 log.error("%s; the rejection of %s is not queued", err, execution_id)
-            self.outbox.wake()
         else:
             self.audit.record("refused", execution_id=execution_id, action=action, reason=exc.reason,
                               detail=str(exc), **(caller or {}))
@@ -265,7 +263,6 @@ class ActionDispatcher:
             self.journal.finish(request.execution_id, outcome.status, result)
         except JournalError as exc:
             log.error("%s; the result of execution %s is lost", exc, request.execution_id)
-        self.outbox.wake()
         self.running.pop(request.execution_id, None)
         log.info("action %s (execution %s) finished: %s, %s, after %s", request.action, request.execution_id,
                  outcome.status, outcome.detail, format_duration(outcome.duration),
@@ -340,7 +337,6 @@ class ActionDispatcher:
         except JournalError as exc:
             log.error("%s", exc)
             return False
-        self.outbox.wake()
         if execution.origin == LOCAL:
             self.audit.record("finished", execution_id=execution.execution_id, action=execution.action,
                               status=outcome.status, exit_code=outcome.exit_code)

@@ -1,5 +1,6 @@
-"""What actions must keep across a crash, in one SQLite database (``data_dir/actions.db``, 0600, WAL,
-``synchronous=FULL``): the journal of executions and the outbox of messages for the control plane.
+"""What actions must keep across a crash: the journal of executions, in the uplink outbox's SQLite file
+(``data_dir/uplink.db``, 0600, WAL, ``synchronous=FULL``), whose ``actions`` lane carries the messages for the
+control plane.
 
 Exactly-once: an execution is written to the journal, together with its ``accepted`` ack in the outbox, in one
 committed transaction *before* the hook starts. So a replayed ``action_request`` (a new event with the same
@@ -8,12 +9,13 @@ still marked running when the daemon starts was cut short by a crash: it is fini
 reason and never run again (`interrupted`). Finishing writes the result into the outbox in the same
 transaction, so a result is never lost between the two.
 
-The outbox is delivered oldest first (`plexd.actions.outbox`); an ack therefore always precedes its result.
-Journal rows are kept `RETENTION` after they finish (replays come within minutes: the event window is ±5 min),
-and the outbox holds at most `MAX_OUTBOX` messages; beyond that the oldest are dropped with a warning.
+The lane is delivered oldest first (`plexd.actions.outbox`); an ack therefore always precedes its result.
+Journal rows are kept `RETENTION` after they finish (replays come within minutes: the event window is ±5 min);
+the outbox's caps bound the messages (the oldest dropped and counted).
 
 Why SQLite and not files: the journal entry and its ack, or the finish and its result, must commit together,
-and the outbox is a queue read in order; one transaction each is what a database gives.
+and the outbox is a queue read in order; one transaction each is what a database gives. Versions before the
+uplink outbox kept both in ``data_dir/actions.db``; `ActionJournal` takes such a file over once (`adopt`).
 """
 
 from __future__ import annotations
@@ -29,22 +31,21 @@ from pathlib import Path
 from typing import Any
 
 from plexd.base.errors import PlexdError
-from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
+from plexd.base.sqlitefile import immediate
+from plexd.controlplane.uplink import Entry, UplinkOutbox
 
 log = logging.getLogger(__name__)
 
 RETENTION = 30 * 86400.0
-MAX_OUTBOX = 10_000
+LANE = "actions"  # the uplink outbox's lane of acks, results and integrity violations
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS executions (
     execution_id TEXT PRIMARY KEY, action TEXT NOT NULL, origin TEXT NOT NULL, state TEXT NOT NULL,
     accepted_at REAL NOT NULL, finished_at REAL, status TEXT NOT NULL DEFAULT '', request TEXT NOT NULL DEFAULT '');
 CREATE INDEX IF NOT EXISTS executions_by_state ON executions (state, finished_at);
-CREATE TABLE IF NOT EXISTS outbox (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, execution_id TEXT NOT NULL, body TEXT NOT NULL,
-    queued_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS announced (name TEXT PRIMARY KEY, checksum TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS journal_flags (name TEXT PRIMARY KEY) WITHOUT ROWID;
 """
 
 RUNNING, FINISHED = "running", "finished"
@@ -68,26 +69,30 @@ class Message:
     kind: str  # ack | result | violation
     execution_id: str
     body: dict[str, Any]
-    queued_at: float
-    attempts: int
+
+    @classmethod
+    def of(cls, entry: Entry) -> Message:
+        return cls(entry.seq, entry.kind, entry.body["execution_id"], entry.body["body"])
 
 
 class ActionJournal:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.dropped = 0  # outbox messages dropped because the outbox was full
-        self._db = self._open()
-
-    def _open(self) -> sqlite3.Connection:
-        return open_or_start_empty(self.path, self._connect, "action journal",
-                                   "executions from before cannot be recognised as replays")
-
-    def _connect(self) -> sqlite3.Connection:
-        # FULL: an accepted execution is on disk before the hook runs
-        return connect_private(self.path, _SCHEMA, synchronous="FULL", probe_table="executions")
+    def __init__(self, store: UplinkOutbox | str | Path, *, adopt: Path | None = None) -> None:
+        """`store`: the daemon's uplink outbox, or a path for a journal with an outbox of its own (tests, tools).
+        `adopt`: an ``actions.db`` of an older version, taken over and removed."""
+        self._owns_store = not isinstance(store, UplinkOutbox)
+        self.uplink = store if isinstance(store, UplinkOutbox) else UplinkOutbox(store, _no_default_lane)
+        self._db = self.uplink.db
+        try:
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as err:
+            raise JournalError(f"action journal: cannot write: {err}") from None
+        if adopt is not None and adopt.exists():
+            self._adopt(adopt)
 
     def close(self) -> None:
-        self._db.close()
+        """The daemon's journal lives in the uplink outbox's file, which whoever made the outbox closes."""
+        if self._owns_store:
+            self.uplink.close()
 
     # -- journal ------------------------------------------------------------------------------------------------
 
@@ -104,14 +109,14 @@ class ActionJournal:
                              "VALUES(?,?,?,?,?,?)", (execution_id, action, origin, RUNNING, now,
                                                      json.dumps(request, separators=(",", ":"))))
             if ack is not None:
-                self._queue("ack", execution_id, ack, now)
+                self._queue("ack", execution_id, ack)
 
     def finish(self, execution_id: str, status: str, result: dict[str, Any]) -> None:
         now = time.time()
         with self._transaction():
             self._db.execute("UPDATE executions SET state=?, finished_at=?, status=? WHERE execution_id=?",
                              (FINISHED, now, status, execution_id))
-            self._queue("result", execution_id, result, now)
+            self._queue("result", execution_id, result)
 
     def interrupted(self) -> list[Execution]:
         """Executions a crash cut short (running in the journal while no daemon runs them)."""
@@ -128,42 +133,23 @@ class ActionJournal:
 
     def queue(self, kind: str, execution_id: str, body: dict[str, Any]) -> None:
         with self._transaction():
-            self._queue(kind, execution_id, body, time.time())
+            self._queue(kind, execution_id, body)
 
-    def _queue(self, kind: str, execution_id: str, body: dict[str, Any], now: float) -> None:
-        self._db.execute("INSERT INTO outbox(kind, execution_id, body, queued_at) VALUES(?,?,?,?)",
-                         (kind, execution_id, json.dumps(body, separators=(",", ":"), ensure_ascii=False), now))
-        (count,) = self._db.execute("SELECT count(*) FROM outbox").fetchone()
-        if count > MAX_OUTBOX:
-            excess = count - MAX_OUTBOX
-            self._db.execute("DELETE FROM outbox WHERE seq IN (SELECT seq FROM outbox ORDER BY seq LIMIT ?)",
-                             (excess,))
-            self.dropped += excess
-            log.warning("action outbox full (%d messages): dropped the %d oldest undelivered", MAX_OUTBOX, excess)
+    def _queue(self, kind: str, execution_id: str, body: dict[str, Any]) -> None:
+        self.uplink.put(kind, {"execution_id": execution_id, "body": body}, lane=LANE)
 
-    def next_message(self) -> Message | None:
-        row = self._db.execute("SELECT seq, kind, execution_id, body, queued_at, attempts FROM outbox "
-                               "ORDER BY seq LIMIT 1").fetchone()
-        if row is None:
-            return None
-        return Message(row[0], row[1], row[2], json.loads(row[3]), row[4], row[5])
-
-    def delivered(self, seq: int) -> None:
-        with self._transaction():
-            self._db.execute("DELETE FROM outbox WHERE seq=?", (seq,))
-
-    def attempted(self, seq: int) -> None:
-        with self._transaction():
-            self._db.execute("UPDATE outbox SET attempts=attempts+1 WHERE seq=?", (seq,))
+    def messages(self) -> list[Message]:
+        """The messages not delivered yet, oldest first."""
+        return [Message.of(e) for e in self.uplink.pending(LANE)]
 
     def outbox_size(self) -> int:
-        return self._db.execute("SELECT count(*) FROM outbox").fetchone()[0]
+        return self.uplink.size(LANE)
 
     # -- announced hook checksums ---------------------------------------------------------------------------------
 
     def announced(self) -> dict[str, str] | None:
         """The hooks and checksums the control plane was last told about (None: never told)."""
-        if not self._db.execute("PRAGMA user_version").fetchone()[0]:
+        if self._db.execute("SELECT 1 FROM journal_flags WHERE name = 'announced'").fetchone() is None:
             return None
         return dict(self._db.execute("SELECT name, checksum FROM announced").fetchall())
 
@@ -171,7 +157,7 @@ class ActionJournal:
         with self._transaction():
             self._db.execute("DELETE FROM announced")
             self._db.executemany("INSERT INTO announced(name, checksum) VALUES(?,?)", sorted(hooks.items()))
-            self._db.execute("PRAGMA user_version=1")
+            self._db.execute("INSERT OR IGNORE INTO journal_flags VALUES ('announced')")
 
     # ---------------------------------------------------------------------------------------------------------
 
@@ -182,6 +168,41 @@ class ActionJournal:
                 yield
         except sqlite3.Error as err:
             raise JournalError(f"action journal: cannot write: {err}") from None
+
+    def _adopt(self, legacy: Path) -> None:
+        """Executions, announced checksums and undelivered messages of an older version's actions.db, moved into
+        this file in one transaction; the old file is removed (moved aside when it cannot be read)."""
+        try:
+            old = sqlite3.connect(legacy)
+            try:
+                executions = old.execute("SELECT * FROM executions").fetchall()
+                announced = old.execute("SELECT name, checksum FROM announced").fetchall()
+                ever = old.execute("PRAGMA user_version").fetchone()[0]
+                messages = old.execute("SELECT kind, execution_id, body FROM outbox ORDER BY seq").fetchall()
+            finally:
+                old.close()
+            with self._transaction():
+                self._db.executemany("INSERT OR IGNORE INTO executions VALUES (?,?,?,?,?,?,?,?)", executions)
+                if ever:
+                    self._db.executemany("INSERT OR REPLACE INTO announced VALUES (?, ?)", announced)
+                    self._db.execute("INSERT OR IGNORE INTO journal_flags VALUES ('announced')")
+                for kind, execution_id, body in messages:
+                    self._queue(kind, execution_id, json.loads(body))
+        except (sqlite3.Error, ValueError, JournalError) as exc:
+            aside = legacy.with_name(legacy.name + ".unreadable")
+            with contextlib.suppress(OSError):
+                legacy.replace(aside)
+            log.warning("old action journal %s not taken over (%s); moved to %s: executions from before cannot be "
+                        "recognised as replays", legacy, exc, aside)
+            return
+        for suffix in ("", "-wal", "-shm"):
+            legacy.with_name(legacy.name + suffix).unlink(missing_ok=True)
+        log.info("action journal taken over from %s: %d executions, %d undelivered messages", legacy,
+                 len(executions), len(messages))
+
+
+async def _no_default_lane(kind: str, body: dict[str, Any]) -> None:
+    raise ValueError(f"no way to send a {kind!r} message")  # a journal on its own path: lanes are added by name
 
 
 class JournalError(PlexdError):

@@ -10,12 +10,13 @@
     events.db                  0600  the event stream's replay cursor, the nonces of accepted events and the
                                      mirror of the desired model (no private key) for an offline start (SQLite,
                                      WAL, committed together; see plexd.controlplane.ledger)
-    actions.db                 0600  the action journal (exactly-once) and the outbox of acks, results and
-                                     integrity violations not yet delivered (SQLite; see plexd.actions.journal)
+    actions.db                 0600  older versions' action journal: taken over into uplink.db and removed
     telemetry.db               0600  metrics, logs and audit not yet delivered, and where each source was read up
                                      to (SQLite, WAL; plexd.telemetry.queue; telemetry.queue_dir may move it)
-    uplink.db                  0600  reports for the control plane not delivered yet (drift reports), kept across
-                                     restarts until taken or refused for good (SQLite; plexd.controlplane.uplink)
+    uplink.db                  0600  what the control plane has not taken yet (drift and session reports, action
+                                     acks and results, report changes), kept across restarts until taken or
+                                     refused for good, and the action journal (exactly-once), committed with its
+                                     messages (SQLite; plexd.controlplane.uplink, plexd.actions.journal)
     actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
     deregistered               0600  when the node last deregistered; its next start rejoins with the node secret
                                      first and removes it (plexd.node.departure)

@@ -10,10 +10,14 @@
            heartbeat   live values (peers on the device); reconcile:true → reconcile
            local_api   the daemon's Unix socket: status, reconcile, hold (plexd.node.control) and the node API
                        (plexd.nodeapi), which is also on TCP when node_api.http_enabled
-           report_sync report entries written through the node API → POST /report, queued on disk
-           actions     action_request → validate, ack, run (plexd.actions); its outbox delivers acks, results
-                       and integrity violations; hooks are watched and re-announced (services "hooks",
-                       "capabilities", "action_outbox"); running actions are drained at shutdown
+           uplink      the one outbox (data_dir/uplink.db) of what the control plane has not taken yet, a lane
+                       per stream: drift reports, session reports, action messages, report changes (service
+                       "uplink")
+           report_sync report entries written through the node API → POST /report, by the uplink's lane
+           actions     action_request → validate, ack, run (plexd.actions); acks, results and integrity
+                       violations go by the uplink's lane, queued with their journal rows (in uplink.db); hooks
+                       are watched and re-announced (services "hooks", "capabilities"); running actions are
+                       drained at shutdown
            telemetry   metrics, logs and audit → an on-disk queue per stream → POST /metrics, /logs, /audit
                        (plexd.telemetry; services "telemetry_metrics", "telemetry_logs", "telemetry_audit")
 
@@ -210,9 +214,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
                          rate_limit=RateLimiter(api_cfg.rate_limit, api_cfg.rate_burst),
                          tcp_max_connections=api_cfg.http_max_connections,
                          header_timeout=api_cfg.http_header_timeout)
-    reports, report_sync = _build_reports(agent, node_id)
+    reports, report_sync = _build_reports(agent, node_id, uplink)
     node = Node(agent, mesh, verifier, reconciler, handlers, stream, heartbeat, local_api, rotation, nat, reports,
-                report_sync)
+                report_sync, uplink=uplink)
     add_control_routes(local_api, node)
     node.upgrader = Upgrader(agent, lambda: upgrade_health(reconciler, heartbeat))
     node.actions = _build_actions(node, node_id)
@@ -239,7 +243,6 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     agent.add_service("local_api", lambda a: _serve_local_api(local_api, api_cfg.http_listen, http_token),
                       stop_last=True)
     agent.on_shutdown("local socket", lambda a: local_api.stop(grace=2.0), phase="final")
-    agent.add_service("report_sync", lambda a: report_sync.run())
     if cfg.mode == "bridge":  # the bridge's state as status.* report entries, republished when it changes
         status = StatusReports(reports, lambda: status_reports(bridge_heartbeat(mesh.engine)), cfg.heartbeat.interval)
         agent.add_service("status_reports", lambda a: status.run())
@@ -344,8 +347,9 @@ async def close_sessions(agent: Agent, engine: Engine, uplink: UplinkOutbox) -> 
         log.warning("session_ended reports not all sent before leaving; %d queued", uplink.size())
 
 
-def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStore, ReportSync]:
-    """Report entries from disk, and the queue of changes the control plane has not acknowledged yet."""
+def _build_reports(agent: Agent, node_id: Callable[[], str],
+                   uplink: UplinkOutbox) -> tuple[ReportStore, ReportSync]:
+    """Report entries from disk, and their lane of the uplink outbox (changes not acknowledged yet)."""
     cfg = agent.config
 
     async def send(entries: Any, deleted: Any) -> None:
@@ -354,11 +358,10 @@ def _build_reports(agent: Agent, node_id: Callable[[], str]) -> tuple[ReportStor
     api_cfg = cfg.node_api
     reports = ReportStore(cfg.data_dir, max_entries=api_cfg.report_max_entries, max_bytes=api_cfg.report_max_bytes,
                           max_entry_bytes=api_cfg.report_max_entry_bytes)
-    sync = ReportSync(reports, send, cfg.data_dir,
-                      backoff=_backoff(cfg))
+    sync = ReportSync(reports, send, uplink, backoff=_backoff(cfg))
     reports.on_change = sync.changed
     count = reports.load()
-    sync.load()
+    sync.load(cfg.data_dir)
     if count:
         log.info("%d report entries loaded from %s", count, reports.dir)
     return reports, sync
@@ -387,7 +390,8 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
 def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
     """The action dispatcher with its journal and outbox, the watched hook set, and their socket routes."""
     agent, cfg = node.agent, node.agent.config
-    journal = ActionJournal(Path(cfg.data_dir) / datadir.ACTIONS_DB)
+    assert node.uplink is not None
+    journal = ActionJournal(node.uplink, adopt=Path(cfg.data_dir) / datadir.ACTIONS_DB)
 
     async def send(message: Message) -> None:
         await agent.authed(lambda: deliver(agent.client, node_id(), message))
@@ -414,9 +418,7 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
                                   LocalAudit(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
     # An upgrade's execution is finished by the upgrader once its outcome is known, not as "interrupted".
     pending = node.upgrader.found if node.upgrader is not None else None
-    recovered = dispatcher.recover(keep=frozenset({pending.execution_id} if pending else ()))
-    if recovered:
-        outbox.wake()
+    dispatcher.recover(keep=frozenset({pending.execution_id} if pending else ()))
     node.handlers.register("action_request", dispatcher.handle_event)
     add_action_routes(node.local_api, dispatcher, require_admin(cfg.node_api.admin_group))
 
@@ -428,14 +430,12 @@ def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:
                         journal.outbox_size())
 
     agent.on_shutdown("actions drain", drain, phase="drain")
-    agent.on_shutdown("action journal", lambda a: _close(journal))
     agent.add_service("hooks", lambda a: hooks.watch())
     agent.add_service("capabilities", lambda a: hooks.announce())
-    agent.add_service("action_outbox", lambda a: outbox.run())
     return dispatcher
 
 
-async def _close(store: ActionJournal | UplinkOutbox) -> None:
+async def _close(store: UplinkOutbox) -> None:
     store.close()
 
 

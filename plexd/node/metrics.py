@@ -108,7 +108,7 @@ class NodeCollector:
         if self.node.report_sync is not None:
             sync = self.node.report_sync.status()
             depth.add_metric(["node_api_reports"], sync["pending"])
-            dropped.add_metric(["node_api_reports"], sync["dropped_batches"])
+            dropped.add_metric(["node_api_reports"], sync["dropped"])
         if self.node.telemetry is not None:
             for stream, status in self.node.telemetry.status().items():
                 depth.add_metric([f"telemetry_{stream}"], status["pending"])

@@ -12,6 +12,7 @@ from typing import Any
 from plexd.actions.dispatcher import ActionDispatcher
 from plexd.controlplane.events import EventStream
 from plexd.controlplane.signing import Verifier
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nat.service import NatService
 from plexd.node.agent import Agent
 from plexd.node.key_rotation import KeyRotation
@@ -48,3 +49,4 @@ class Node:
     upgrader: Upgrader | None = None
     telemetry: Telemetry | None = None
     paths: PathSelector | None = None  # automatic path selection (peers with a bridge's fallback endpoint)
+    uplink: UplinkOutbox | None = None  # what waits for the control plane: drift, sessions, actions, reports

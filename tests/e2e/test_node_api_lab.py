@@ -5,8 +5,10 @@ listener wants its token. Callers are `plexd state` (root) and forked processes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,12 @@ def test_node_state_arrives_by_event_secrets_are_gated_and_the_cache_is_converge
 
 
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
+def queued_reports(d: Daemon) -> list[str]:
+    """The keys in the reports lane of the daemon's uplink outbox (read beside the running daemon: WAL)."""
+    with contextlib.closing(sqlite3.connect(d.dir / "data/uplink.db")) as db:
+        return sorted(key for (key,) in db.execute("SELECT key FROM outbox WHERE lane = 'reports'"))
+
+
 def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp, api_dir):
     lab, dp, daemons, tmp_path = lab_dp
     (api_dir / "token").write_text("  tcp-token-1  \n")
@@ -131,21 +139,21 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     res = d.cli("state", "get", "secret", "any", check=False)  # secrets are never cached: 503 while away
     assert res.returncode == 1 and "control plane unavailable (HTTP 503)" in res.stderr, res.stderr
     # past the debounce: the daemon tried, failed, and keeps the queue
-    wait_until(lambda: "report sync failed" in d.logged(), 20, "a failed report sync", daemons)
+    wait_until(lambda: "reports batch of 3 (keys: app-health, disk, tmp) report not delivered" in d.logged(), 20,
+               "a failed report sync", daemons)
     d.restart()
     wait_until(lambda: (api_dir / "api.sock").exists(), 30, "the restarted daemon's socket", daemons)
-    queued = json.loads((d.dir / "data/state/report-queue.json").read_text())["pending"]
-    assert set(queued) == {"app-health", "disk", "tmp"}
+    assert queued_reports(d) == ["app-health", "disk", "tmp"]
     dp.start()
     wait_until(lambda: upstream() == {"app-health": (2, {"status": "healthy"}), "disk": (1, {"free": 17})}, 60,
                "the reports written during the outage", daemons)
-    wait_until(lambda: json.loads((d.dir / "data/state/report-queue.json").read_text())["pending"] == [], 10,
-               "the queue to empty", daemons)
+    wait_until(lambda: queued_reports(d) == [], 10, "the queue to empty", daemons)
 
     # a batch the control plane refuses (409) is dropped with a logged reason, not retried forever
     dp.admin.set_faults(report_status=409)
     put("refused", {"n": 1})
-    wait_until(lambda: "refused a batch" in d.logged(), 20, "the 409 to be logged", daemons)
+    wait_until(lambda: "reports batch of 1 (keys: refused) report dropped: the control plane refused it for good"
+               in d.logged(), 20, "the 409 to be logged", daemons)
     dp.admin.clear_faults()
     put("after", {"n": 2})
     wait_until(lambda: "after" in upstream(), 20, "a later report", daemons)
@@ -162,7 +170,7 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     assert curl("Authorization: Bearer nope") == "401"
     assert curl("Authorization: Bearer tcp-token-1") == "200"
     api = d.status()["node_api"]
-    assert api["tcp"] == "127.0.0.1:9100" and api["reports"] == 4 and api["report_sync"]["dropped_batches"] == 1
+    assert api["tcp"] == "127.0.0.1:9100" and api["reports"] == 4 and api["report_sync"]["dropped"] == 1
     # two 401s are within the per-address allowance: nobody was turned away at the door; the store's size is shown
     assert api["tcp_refused"] == 0 and api["report_bytes"] == sum(
         p.stat().st_size for p in (d.dir / "data/state/report").glob("*.json"))

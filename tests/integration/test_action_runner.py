@@ -102,7 +102,7 @@ async def test_the_watcher_sees_edits_broken_sidecars_and_a_vanishing_directory(
     async def publish(scan):
         published.append(sorted(h.name for h in scan.hooks))
 
-    journal = ActionJournal(tmp_path / "actions.db")
+    journal = ActionJournal(tmp_path / "uplink.db")
     hs = HookSet(str(hooks), journal, scan_hooks(hooks), publish, reverify=60)
     hs.mark_announced(hs.current)
     tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]

@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import os
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,7 @@ from plexd.base.backoff import Backoff
 from plexd.config.settings import ActionsConfig
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.errors import ControlPlaneError, TransientError
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.trust.integrity import scan_hooks
 
 # -- the request ----------------------------------------------------------------------------------------------
@@ -95,36 +98,65 @@ def test_declared_parameters_are_enforced():
 
 
 def test_accepted_executions_are_known_after_reopening_and_crashes_are_found(tmp_path):
-    j = ActionJournal(tmp_path / "actions.db")
+    j = ActionJournal(tmp_path / "uplink.db")
     j.accept("e1", "h", CONTROL_PLANE, {"execution_id": "e1"}, {"execution_id": "e1", "status": "accepted",
                                                                  "reason": ""})
     j.accept("e2", "h", LOCAL, {}, None)
     j.finish("e2", "success", {"execution_id": "e2"})
     j.close()
-    assert oct(os.stat(tmp_path / "actions.db").st_mode & 0o777) == "0o600"
-    j = ActionJournal(tmp_path / "actions.db")
+    assert oct(os.stat(tmp_path / "uplink.db").st_mode & 0o777) == "0o600"
+    j = ActionJournal(tmp_path / "uplink.db")
     assert j.known("e1").state == "running" and j.known("e2").status == "success"
     assert [e.execution_id for e in j.interrupted()] == ["e1"]
     assert [(m.kind, m.execution_id) for m in _drain(j)] == [("ack", "e1"), ("result", "e2")]
 
 
 def test_a_corrupt_journal_is_moved_aside_and_an_empty_one_started(tmp_path, caplog):
-    (tmp_path / "actions.db").write_bytes(b"not a database" * 100)
-    j = ActionJournal(tmp_path / "actions.db")
-    assert j.known("x") is None and (tmp_path / "actions.db.corrupt").exists()
+    (tmp_path / "uplink.db").write_bytes(b"not a database" * 100)
+    j = ActionJournal(tmp_path / "uplink.db")
+    assert j.known("x") is None and (tmp_path / "uplink.db.corrupt").exists()
     assert "cannot be recognised as replays" in caplog.text
 
 
-def test_a_full_outbox_drops_the_oldest_and_counts_them(tmp_path, monkeypatch):
-    monkeypatch.setattr("plexd.actions.journal.MAX_OUTBOX", 3)
-    j = ActionJournal(tmp_path / "actions.db")
+def test_an_older_actions_db_is_taken_over_with_its_executions_messages_and_announcement(tmp_path, caplog):
+    """The layout before the uplink outbox: journal and outbox in actions.db (schema as that version wrote it)."""
+    caplog.set_level(logging.INFO)
+    old = sqlite3.connect(tmp_path / "actions.db")
+    old.executescript("""
+        CREATE TABLE executions (execution_id TEXT PRIMARY KEY, action TEXT NOT NULL, origin TEXT NOT NULL,
+            state TEXT NOT NULL, accepted_at REAL NOT NULL, finished_at REAL, status TEXT NOT NULL DEFAULT '',
+            request TEXT NOT NULL DEFAULT '');
+        CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, execution_id TEXT NOT NULL,
+            body TEXT NOT NULL, queued_at REAL NOT NULL, attempts INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE announced (name TEXT PRIMARY KEY, checksum TEXT NOT NULL) WITHOUT ROWID;
+        INSERT INTO executions VALUES ('e1', 'h', 'control_plane', 'finished', 1.0, 2.0, 'success', '{}');
+        INSERT INTO executions VALUES ('e2', 'h', 'control_plane', 'running', 3.0, NULL, '', '{}');
+        INSERT INTO outbox (kind, execution_id, body, queued_at) VALUES ('result', 'e1', '{"status":"success"}', 2);
+        INSERT INTO announced VALUES ('h', 'abc');
+        PRAGMA user_version=1;
+    """)
+    old.close()
+    j = ActionJournal(tmp_path / "uplink.db", adopt=tmp_path / "actions.db")
+    assert j.known("e1").status == "success" and [e.execution_id for e in j.interrupted()] == ["e2"]
+    assert j.announced() == {"h": "abc"}
+    assert [(m.kind, m.execution_id, m.body) for m in j.messages()] == [("result", "e1", {"status": "success"})]
+    assert not (tmp_path / "actions.db").exists() and "taken over" in caplog.text
+    # an unreadable one is moved aside, the daemon goes on with what it has
+    (tmp_path / "actions.db").write_bytes(b"garbage" * 100)
+    j = ActionJournal(tmp_path / "uplink.db", adopt=tmp_path / "actions.db")
+    assert (tmp_path / "actions.db.unreadable").exists() and j.known("e1") is not None
+
+
+def test_a_full_outbox_drops_the_oldest_and_counts_them(tmp_path):
+    j = ActionJournal(UplinkOutbox(tmp_path / "uplink.db", _refuse, max_entries=3))
     for i in range(5):
         j.queue("result", f"e{i}", {})
-    assert [m.execution_id for m in _drain(j)] == ["e2", "e3", "e4"] and j.dropped == 2
+    assert [m.execution_id for m in _drain(j)] == ["e2", "e3", "e4"]
+    assert j.uplink.counter("dropped_full", "actions") == 2
 
 
 def test_finished_executions_are_forgotten_after_the_retention(tmp_path):
-    j = ActionJournal(tmp_path / "actions.db")
+    j = ActionJournal(tmp_path / "uplink.db")
     j.accept("old", "h", LOCAL, {}, None)
     j.finish("old", "success", {})
     j.accept("running", "h", LOCAL, {}, None)
@@ -135,18 +167,21 @@ def test_finished_executions_are_forgotten_after_the_retention(tmp_path):
 
 
 def test_announced_checksums_survive_a_restart(tmp_path):
-    j = ActionJournal(tmp_path / "actions.db")
+    j = ActionJournal(tmp_path / "uplink.db")
     assert j.announced() is None
     j.set_announced({"a": "1"})
     j.close()
-    assert ActionJournal(tmp_path / "actions.db").announced() == {"a": "1"}
+    assert ActionJournal(tmp_path / "uplink.db").announced() == {"a": "1"}
+
+
+async def _refuse(kind, body):
+    raise AssertionError("no default lane in these tests")
 
 
 def _drain(j: ActionJournal) -> list:
-    out = []
-    while (m := j.next_message()) is not None:
-        out.append(m)
-        j.delivered(m.seq)
+    """The messages queued so far, taken out of the outbox as if delivered."""
+    out = j.messages()
+    j.uplink.db.execute("DELETE FROM outbox WHERE lane = 'actions'")
     return out
 
 
@@ -154,7 +189,7 @@ def _drain(j: ActionJournal) -> list:
 
 
 async def test_outbox_delivers_in_order_drops_refusals_and_retries_transient_failures(tmp_path):
-    j = ActionJournal(tmp_path / "actions.db")
+    j = ActionJournal(tmp_path / "uplink.db")
     sent, fail = [], {"e2": [TransientError("result", 503), None], "e3": [ControlPlaneError("ack", 422)]}
 
     async def send(m):
@@ -166,10 +201,10 @@ async def test_outbox_delivers_in_order_drops_refusals_and_retries_transient_fai
     outbox = Outbox(j, send, backoff=Backoff(base=0.01, cap=0.02, jitter=0))
     for e in ("e1", "e2", "e3", "e4"):
         j.queue("ack", e, {})
-    task = asyncio.create_task(outbox.run())
+    task = asyncio.create_task(j.uplink.run())
     assert await outbox.flush(5)
     task.cancel()
-    assert sent == ["e1", "e2", "e4"] and outbox.refused == 1 and j.outbox_size() == 0
+    assert sent == ["e1", "e2", "e4"] and outbox.status()["refused"] == 1 and j.outbox_size() == 0
 
 
 # -- the dispatcher -------------------------------------------------------------------------------------------
@@ -179,7 +214,7 @@ class Harness:
     def __init__(self, tmp: Path, *, max_concurrent: int = 5, builtins: dict | None = None) -> None:
         self.hooks_dir = tmp / "hooks"
         self.hooks_dir.mkdir(mode=0o755)
-        self.journal = ActionJournal(tmp / "actions.db")
+        self.journal = ActionJournal(tmp / "uplink.db")
         self.hookset = HookSet(str(self.hooks_dir), self.journal, scan_hooks(self.hooks_dir), self._publish)
         self.outbox = Outbox(self.journal, self._send)
         view = NodeView(lambda: "n_1", lambda: "10.100.0.1", _status, dict, _none, _none, dict, _none, _none,
@@ -374,7 +409,7 @@ async def test_an_announcement_that_cannot_re_register_waits_the_backoff_cap(tmp
     async def publish(scan):
         raise failures.pop(0)
 
-    hs = HookSet(str(tmp_path), ActionJournal(tmp_path / "actions.db"), HookScan(), publish,
+    hs = HookSet(str(tmp_path), ActionJournal(tmp_path / "uplink.db"), HookScan(), publish,
                  backoff=Backoff(base=1, cap=60, jitter=0))
     assert await hs._announce_once(HookScan()) == 1
     assert await hs._announce_once(HookScan()) == 60

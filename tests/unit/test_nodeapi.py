@@ -15,7 +15,9 @@ from engine_helpers import converge
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from plexd.base.backoff import Backoff
 from plexd.controlplane.errors import ControlPlaneError, TransientError
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nodeapi import cache, crypto
 from plexd.nodeapi.keys import MAX_KEY_BYTES, file_name, report_key_problem
 from plexd.nodeapi.ratelimit import RateLimiter
@@ -215,15 +217,20 @@ class Upstream:
         self.batches.append(([e["key"] for e in entries], list(deleted)))
 
 
-async def no_wait(seconds):
-    await asyncio.sleep(0)
+async def _no_default(kind, body):
+    raise AssertionError("the reports lane has its own sender")
+
+
+def report_sync(store: ReportStore, up: Upstream, tmp_path) -> ReportSync:
+    return ReportSync(store, up, UplinkOutbox(tmp_path / "uplink.db", _no_default), debounce=0.0,
+                      backoff=Backoff(base=0.01, cap=0.02, jitter=0))
 
 
 async def run_until(sync: ReportSync, pred) -> None:
-    task = asyncio.create_task(sync.run())
+    task = asyncio.create_task(sync.uplink.run())
     try:
-        for _ in range(200):
-            await asyncio.sleep(0)
+        for _ in range(500):
+            await asyncio.sleep(0.002)
             if pred():
                 return
         raise AssertionError("condition not reached")
@@ -234,45 +241,52 @@ async def run_until(sync: ReportSync, pred) -> None:
 async def test_changes_coalesce_per_key_and_survive_a_restart(tmp_path):
     up = Upstream()
     store = ReportStore(tmp_path)
-    sync = ReportSync(store, up, tmp_path, sleep=no_wait)
+    sync = report_sync(store, up, tmp_path)
     store.on_change = sync.changed
     for i in range(5):
         await store.put("a", "text/plain", f"v{i}", None)
     await store.put("b", "text/plain", "x", None)
     await store.delete("b")
     assert sync.pending == 2
-    # a restart before anything was sent: the queue is read back
+    sync.uplink.close()
+    # a restart before anything was sent: the queue is read back from uplink.db
     store2 = ReportStore(tmp_path)
     store2.load()
-    sync2 = ReportSync(store2, up, tmp_path, sleep=no_wait)
-    assert sync2.load() == 2
+    sync2 = report_sync(store2, up, tmp_path)
+    assert sync2.load(tmp_path) == 2
     await run_until(sync2, lambda: sync2.pending == 0)
     assert up.batches == [(["a"], ["b"])]  # five writes to a: one entry; b written then deleted: one deletion
-    assert json.loads((tmp_path / "state" / "report-queue.json").read_text())["pending"] == []
+
+
+async def test_an_older_versions_queue_file_is_taken_over(tmp_path):
+    up = Upstream()
+    store = ReportStore(tmp_path)
+    await store.put("a", "text/plain", "1", None)
+    (tmp_path / "state" / "report-queue.json").write_text(json.dumps({"version": 1, "pending": ["a", "gone"]}))
+    sync = report_sync(store, up, tmp_path)
+    assert sync.load(tmp_path) == 2 and not (tmp_path / "state" / "report-queue.json").exists()
+    await run_until(sync, lambda: sync.pending == 0)
+    assert up.batches == [(["a"], ["gone"])]
 
 
 async def test_a_failed_send_is_retried_and_a_409_drops_the_batch(tmp_path, caplog):
     up = Upstream()
     store = ReportStore(tmp_path)
-    sync = ReportSync(store, up, tmp_path, sleep=no_wait)
+    sync = report_sync(store, up, tmp_path)
     store.on_change = sync.changed
     await store.put("a", "text/plain", "1", None)
     up.fail = TransientError("report sync", 503, "down")
-    task = asyncio.create_task(sync.run())
-    for _ in range(50):
-        await asyncio.sleep(0)
-    assert sync.pending == 1 and "503" in sync.last_error
+    await run_until(sync, lambda: "503" in sync.status()["last_error"])
+    assert sync.pending == 1
     up.fail = None
-    for _ in range(50):
-        await asyncio.sleep(0)
-    task.cancel()
-    assert up.batches == [(["a"], [])] and sync.pending == 0 and sync.last_error == ""
+    await run_until(sync, lambda: sync.pending == 0)
+    assert up.batches == [(["a"], [])] and sync.status()["last_error"] == ""
 
     await store.put("c", "text/plain", "1", None)
     up.fail = ControlPlaneError("report sync", 409, "version conflict")
     await run_until(sync, lambda: sync.pending == 0)
-    assert sync.dropped_batches == 1
-    assert "refused a batch of 1 entries and 0 deletions" in caplog.text and "keys: c" in caplog.text
+    assert sync.status()["dropped"] == 1
+    assert "reports batch of 1 (keys: c) report dropped: the control plane refused it for good" in caplog.text
 
 
 # -- rate limit ------------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """One retry policy for everything the node sends on its own: the drift-report outbox, action results, node-API
 report sync and telemetry all classify a control-plane answer the same way (retry with backoff, wait out the
-server's Retry-After, drop a 4xx that can never succeed). Each consumer is driven by its own queue with a send
-function standing in for the control plane (the real POST paths run against the devplane in the e2e labs);
-what is checked here is that the four agree, answer by answer."""
+server's Retry-After, drop a 4xx that can never succeed). Drift reports, action messages and report changes are
+lanes of the one uplink outbox, telemetry has its own queue; each is driven with a send function standing in for
+the control plane (the real POST paths run against the devplane in the e2e labs); what is checked here is that
+the four agree, answer by answer."""
 
 from __future__ import annotations
 
@@ -56,25 +57,31 @@ async def uplink(tmp_path, error) -> tuple[bool, float]:
     before = time.monotonic()  # the retry is scheduled from a moment after this: never negative, however slow
     await box.deliver()
     kept = box.size() == 1
-    return kept, box._retry_at - before if kept else 0.0
+    return kept, box.retry_at("drift") - before if kept else 0.0
 
 
 async def actions(tmp_path, error) -> tuple[bool, float]:
     send, _ = failing_once(error)
-    journal = ActionJournal(tmp_path / "actions.db")
+    journal = ActionJournal(tmp_path / "uplink.db")
     journal.queue("ack", "e1", {})
-    delay = await Outbox(journal, send, backoff=Backoff(**FAST))._deliver_all()
-    return journal.outbox_size() == 1, delay or 0.0
+    Outbox(journal, send, backoff=Backoff(**FAST))
+    before = time.monotonic()
+    await journal.uplink.deliver()
+    kept = journal.outbox_size() == 1
+    return kept, journal.uplink.retry_at("actions") - before if kept else 0.0
 
 
 async def reports(tmp_path, error) -> tuple[bool, float]:
     send, _ = failing_once(error)
     store = ReportStore(tmp_path)
-    sync = ReportSync(store, send, tmp_path, backoff=Backoff(**FAST))
+    uplink = UplinkOutbox(tmp_path / "uplink.db", send)
+    sync = ReportSync(store, send, uplink, backoff=Backoff(**FAST))
     store.on_change = sync.changed
     await store.put("a", "text/plain", "1", None)
-    ok = await sync._send_one_batch()
-    return (not ok and sync.pending == 1), sync._retry_in
+    before = time.monotonic()
+    await uplink.deliver()
+    kept = sync.pending == 1
+    return kept, uplink.retry_at("reports") - before if kept else 0.0
 
 
 async def telemetry(tmp_path, error) -> tuple[bool, float]:

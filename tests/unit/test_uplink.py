@@ -117,3 +117,62 @@ async def test_the_service_delivers_what_is_put_and_retries_on_its_backoff(tmp_p
     finally:
         service.cancel()
         await asyncio.gather(service, return_exceptions=True)
+
+
+async def test_a_lane_the_control_plane_refuses_for_a_while_does_not_hold_up_another(tmp_path):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send, backoff=Backoff(**NO_JITTER))
+    taken: list[list[dict]] = []
+    answers: list[Exception | None] = [TransientError("report", 503, "busy")]
+
+    async def reports(entries):
+        if answers and (answer := answers.pop(0)) is not None:
+            raise answer
+        taken.append([e.body for e in entries])
+
+    box.add_lane("reports", reports, batch=2)
+    box.put("report", {"key": "a"}, lane="reports", key="a")
+    box.put("drift", {"n": 1})
+    box.put("report", {"key": "b"}, lane="reports", key="b")
+    box.put("report", {"key": "a", "again": True}, lane="reports", key="a")  # replaces a's entry, moves it last
+    await box.deliver()
+    assert cp.taken == [("drift", {"n": 1})] and box.size("reports") == 2 and box.size("drift") == 0
+    assert "503" in box.status("reports")["last_error"] and box.status("drift")["last_error"] == ""
+    await box.deliver("reports")
+    assert taken == [[{"key": "b"}, {"key": "a", "again": True}]] and box.size() == 0
+
+
+async def test_a_lane_waits_its_debounce_so_a_burst_goes_in_one_batch(tmp_path):
+    box = UplinkOutbox(tmp_path / "uplink.db", ControlPlane().send)
+    batches: list[int] = []
+
+    async def reports(entries):
+        batches.append(len(entries))
+
+    box.add_lane("reports", reports, batch=100, debounce=0.2)
+    service = asyncio.create_task(box.run())
+    try:
+        for key in "abcde":
+            box.put("report", {"key": key}, lane="reports", key=key)
+            await asyncio.sleep(0.01)
+        async with asyncio.timeout(5):
+            while not batches:
+                await asyncio.sleep(0.01)
+        assert batches == [5]
+    finally:
+        service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
+
+
+def test_a_file_of_the_first_version_gets_lanes_and_keeps_its_entries(tmp_path):
+    import sqlite3
+
+    old = sqlite3.connect(tmp_path / "uplink.db")
+    old.executescript("""
+        CREATE TABLE outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, body TEXT NOT NULL,
+                             size INTEGER NOT NULL, queued_at REAL NOT NULL, attempts INTEGER DEFAULT 0);
+        INSERT INTO outbox (kind, body, size, queued_at) VALUES ('drift', '{"n":1}', 7, 1.0);
+    """)
+    old.close()
+    box = UplinkOutbox(tmp_path / "uplink.db", ControlPlane().send)
+    assert box.size("drift") == 1 and [e.body for e in box.pending("drift")] == [{"n": 1}]
