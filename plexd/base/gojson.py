@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -202,8 +204,22 @@ def go_string(value: str) -> str:
     return _html_escape(json.dumps(value, ensure_ascii=False))
 
 
+@dataclass(frozen=True)
+class EncodedJSON:
+    """A value already encoded as compact JSON (``json.dumps(v, ensure_ascii=False, separators=(",", ":"))``):
+    queued telemetry is sent as the text it was stored as, not decoded and encoded again."""
+
+    text: str
+
+    @classmethod
+    def array(cls, items: Iterable[str]) -> EncodedJSON:
+        return cls("[" + ",".join(items) + "]")
+
+
 def go_marshal(value: object) -> str:
     """Compact JSON as Go writes it for maps/slices/strings (keys in the given order)."""
+    if isinstance(value, EncodedJSON):
+        return _html_escape(value.text)
     return _html_escape(json.dumps(value, ensure_ascii=False, separators=(",", ":")))
 
 

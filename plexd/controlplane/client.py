@@ -48,7 +48,7 @@ import httpx
 from plexd import __version__
 from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
-from plexd.base.gojson import format_time, go_marshal
+from plexd.base.gojson import EncodedJSON, format_time, go_marshal
 from plexd.controlplane.errors import (
     AuthError,
     BadResponseError,
@@ -83,6 +83,7 @@ CONNECT_TIMEOUT = 10.0
 REQUEST_TIMEOUT = 30.0
 
 JSON = Any
+Batch = Sequence[Mapping[str, JSON]] | EncodedJSON  # telemetry entries, or the JSON array the queue already holds
 
 
 def path_escape(value: str) -> str:
@@ -196,6 +197,10 @@ class SecretResponse:
 
 # ---------------------------------------------------------------------------------------------------------------
 # The client
+
+def _array(entries: Batch) -> JSON:
+    return entries if isinstance(entries, EncodedJSON) else [dict(e) for e in entries]
+
 
 def _parse_body(what: str, data: bytes) -> JSON:
     """A 2xx answer's JSON body, bounded; a clear error naming the request otherwise."""
@@ -438,20 +443,20 @@ class ControlPlaneClient:
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/sessions/{path_escape(session_id)}",
                          dict(activity), has_body=True, what="session activity report")
 
-    async def send_metrics(self, node_id: str, points: Sequence[Mapping[str, JSON]]) -> None:
+    async def send_metrics(self, node_id: str, points: Batch) -> None:
         """#14 ``POST /v1/nodes/{id}/metrics``: a JSON array."""
-        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/metrics", [dict(p) for p in points],
-                         has_body=True, what="metrics batch")
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/metrics", _array(points), has_body=True,
+                         what="metrics batch")
 
-    async def send_logs(self, node_id: str, entries: Sequence[Mapping[str, JSON]]) -> None:
+    async def send_logs(self, node_id: str, entries: Batch) -> None:
         """#15 ``POST /v1/nodes/{id}/logs``: a JSON array."""
-        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/logs", [dict(e) for e in entries],
-                         has_body=True, what="logs batch")
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/logs", _array(entries), has_body=True,
+                         what="logs batch")
 
-    async def send_audit(self, node_id: str, entries: Sequence[Mapping[str, JSON]]) -> None:
+    async def send_audit(self, node_id: str, entries: Batch) -> None:
         """#16 ``POST /v1/nodes/{id}/audit``: a JSON array."""
-        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/audit", [dict(e) for e in entries],
-                         has_body=True, what="audit batch")
+        await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/audit", _array(entries), has_body=True,
+                         what="audit batch")
 
     @contextlib.asynccontextmanager
     async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[httpx.Response]:

@@ -48,7 +48,11 @@ CREATE TABLE IF NOT EXISTS positions (source TEXT PRIMARY KEY, value TEXT NOT NU
 class Batch:
     stream: str
     last_seq: int
-    entries: list[dict[str, Any]]
+    texts: list[str]  # each entry as it was stored (compact JSON): sent as is, never decoded
+
+    @property
+    def entries(self) -> list[dict[str, Any]]:
+        return [json.loads(text) for text in self.texts]
 
 
 OnDrop = Callable[[str, int, int, str], None]  # stream, entries, bytes, why ("full" or the write error)
@@ -93,7 +97,7 @@ class TelemetryQueue:
                position: tuple[str, Any] | None = None) -> bool:
         """Queue `entries` (and, in the same transaction, move `position` = (source, value)); drop the oldest
         past the stream's cap. False when the write failed (the entries are counted as dropped)."""
-        rows = [(stream, len(text), text) for text in map(_encode, entries)]
+        rows = [(stream, len(text), text) for text in map(encode, entries)]
         if not rows and position is None:
             return True
         try:
@@ -153,15 +157,15 @@ class TelemetryQueue:
     @_locked
     def batch(self, stream: str, limit: int, max_bytes: int = MAX_BATCH_BYTES) -> Batch | None:
         """The oldest entries of `stream`: at most `limit`, and at most `max_bytes` unless one entry is larger."""
-        entries, size, last = [], 0, 0
+        texts, size, last = [], 0, 0
         for seq, length, body in self._db.execute(
                 "SELECT seq, size, body FROM entries WHERE stream=? AND seq>? ORDER BY seq LIMIT ?",
                 (stream, self._sent_upto.get(stream, 0), limit)):
-            if entries and size + length > max_bytes:
+            if texts and size + length > max_bytes:
                 break
-            entries.append(json.loads(body))
+            texts.append(body)
             size, last = size + length, seq
-        return Batch(stream, last, entries) if entries else None
+        return Batch(stream, last, texts) if texts else None
 
     @_locked
     def delivered(self, batch: Batch) -> None:
@@ -206,5 +210,5 @@ class TelemetryQueue:
                 "dropped_bytes": dropped_bytes, "cap_bytes": self.caps.get(stream, 0)}
 
 
-def _encode(entry: Mapping[str, Any]) -> str:
+def encode(entry: Mapping[str, Any]) -> str:
     return json.dumps(entry, ensure_ascii=False, separators=(",", ":"))

@@ -14,17 +14,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from plexd.base.backoff import Backoff
+from plexd.base.gojson import EncodedJSON
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.retry import retry_verdict
-from plexd.telemetry.queue import TelemetryQueue
+from plexd.telemetry.queue import TelemetryQueue, encode
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[Sequence[dict[str, Any]]], Awaitable[None]]
+Send = Callable[[EncodedJSON], Awaitable[None]]  # a JSON array of entries
 # Entries to send ahead of the queue's (not stored in it), and what to call once they were taken.
 Preface = Callable[[], tuple[list[dict[str, Any]], Callable[[], None]]]
 
@@ -52,11 +53,12 @@ class Shipper:
             # Reading and forgetting a batch run off the event loop (JSON and SQLite, milliseconds at 1,000 entries).
             batch = await asyncio.to_thread(self.queue.batch, self.stream, self.batch_size)
             extra, taken = self.preface() if self.preface is not None else ([], _nothing)
-            entries = extra + (batch.entries if batch is not None else [])
+            # Sent as stored: the queue's text is already the entry's compact JSON.
+            entries = [encode(e) for e in extra] + (batch.texts if batch is not None else [])
             if not entries:
                 return None
             try:
-                await self._send(entries)
+                await self._send(EncodedJSON.array(entries))
             except ControlPlaneError as exc:
                 verdict = retry_verdict(exc, self.backoff)
                 if verdict.retry:

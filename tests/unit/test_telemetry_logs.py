@@ -4,6 +4,7 @@ a stream's shipper draining its queue through failures (plexd.telemetry.shipper)
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -61,11 +62,11 @@ async def test_a_shipper_sends_in_order_retries_transient_failures_and_drops_ref
     received, answers = [], [TransientError("logs batch", 503, "busy"), None,
                               PermanentError("logs batch", 404, "gone"), None, None]
 
-    async def send(entries):
+    async def send(body):  # the JSON array as the queue stored its entries: sent without decoding them
         answer = answers.pop(0) if answers else None
         if answer is not None:
             raise answer
-        received.append([e["n"] for e in entries])
+        received.append([e["n"] for e in json.loads(body.text)])
 
     shipper = Shipper(queue, "logs", send, batch_size=3, interval=0.05)
     delay = await shipper.drain()
