@@ -47,6 +47,7 @@ from plexd.actions.routes import add_action_routes
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
+from plexd.base.heap import HeapSettler
 from plexd.base.log import recent_lines
 from plexd.bridge.status import heartbeat_blocks, status_reports
 from plexd.config.settings import Config
@@ -563,4 +564,5 @@ async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio
     if config.node_api.http_enabled:
         read_http_token(config)  # refuse to start at once, before registering, with one clear line
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    return await lifecycle.run(config, assemble, clock=clock, stop_event=stop_event, client=client)
+    with HeapSettler(asyncio.get_running_loop()):
+        return await lifecycle.run(config, assemble, clock=clock, stop_event=stop_event, client=client)

@@ -1,0 +1,66 @@
+"""Keeping Python's cyclic garbage collector out of the event path.
+
+With 5,000 peers the daemon holds about a million long-lived objects (the desired model, the device as last read,
+the mirror). A full (generation 2) collection walks all of them: 30-60 ms during which no event is applied, a few
+times a minute after the state grew (bench/event_latency.py --peers 5000: they were its maximum and most of its
+p99). Python runs one when enough objects were promoted since the last: what survives a few young collections is
+therefore frozen (`gc.freeze`) soon after, on the event loop, so a later full collection walks only what came since.
+
+What a freeze keeps is never collected as a cycle while frozen (reference counting still frees the rest), so the
+young garbage is collected first, and once an hour the heap is unfrozen and collected in full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from typing import Any
+
+FREEZE_AFTER = 4  # young (generation 1) collections between freezes; Python goes full after 10 at the most
+FULL_EVERY = 3600.0  # seconds between collections of the whole heap
+
+
+class HeapSettler:
+    """Installed for the daemon's lifetime (a context manager): freezes what survived young collections."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, freeze_after: int = FREEZE_AFTER,
+                 full_every: float = FULL_EVERY) -> None:
+        self._loop = loop
+        self.freeze_after, self.full_every = freeze_after, full_every
+        self._young = 0
+        self._scheduled = False
+        self._full_at = time.monotonic()
+        self.freezes = 0
+
+    def __enter__(self) -> HeapSettler:
+        gc.callbacks.append(self._collected)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._collected)
+        gc.unfreeze()
+
+    def _collected(self, phase: str, info: dict[str, Any]) -> None:
+        """gc's callback, in whichever thread collected: count, and ask the loop to settle (never from here)."""
+        if phase != "stop" or info["generation"] != 1 or self._scheduled:
+            return
+        self._young += 1
+        if self._young >= self.freeze_after:
+            self._scheduled = True
+            try:
+                self._loop.call_soon_threadsafe(self.settle)
+            except RuntimeError:  # the loop is closed: the daemon is leaving
+                pass
+
+    def settle(self) -> None:
+        now = time.monotonic()
+        if now - self._full_at >= self.full_every:
+            gc.unfreeze()
+            gc.collect()
+            self._full_at = now
+        else:
+            gc.collect(1)  # the young generations: garbage made since the last freeze, cheap
+        gc.freeze()
+        self.freezes += 1
+        self._young, self._scheduled = 0, False
