@@ -32,7 +32,7 @@ from typing import Any
 
 from plexd.base.errors import PlexdError
 from plexd.base.sqlitefile import immediate
-from plexd.controlplane.uplink import Entry, UplinkOutbox
+from plexd.controlplane.uplink import Entry, NoSender, UplinkOutbox
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class ActionJournal:
 
 
 async def _no_default_lane(kind: str, body: dict[str, Any]) -> None:
-    raise ValueError(f"no way to send a {kind!r} message")  # a journal on its own path: lanes are added by name
+    raise NoSender(kind)  # a journal on its own path: the actions lane is added by `Outbox`
 
 
 class JournalError(PlexdError):

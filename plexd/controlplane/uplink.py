@@ -54,7 +54,14 @@ CREATE INDEX IF NOT EXISTS outbox_by_lane ON outbox (lane, seq);
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_by_key ON outbox (lane, key) WHERE key IS NOT NULL;
 """
 
+PARKED = 3600.0  # how long a lane nobody here can send waits before it is looked at again
+
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+class NoSender(Exception):
+    """Raised by a `send` for a kind this process does not deliver (`plexd reconcile --once` sends drift reports
+    only): the lane's entries stay queued for the daemon, untouched."""
 Poster = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -227,6 +234,10 @@ class UplinkOutbox:
             what = _describe(name, entries)
             try:
                 await lane.send(entries)
+            except NoSender:
+                lane.retry_at = time.monotonic() + PARKED
+                log.debug("%s: left queued, nobody here sends it", what)
+                return taken
             except (ControlPlaneError, OSError) as exc:
                 verdict = (retry_verdict(exc, lane.backoff) if isinstance(exc, ControlPlaneError)
                            else Verdict(True, lane.backoff.next_delay(), str(exc) or type(exc).__name__))
@@ -365,7 +376,7 @@ def by_kind(senders: dict[str, Poster]) -> Send:
     async def send(kind: str, body: dict[str, Any]) -> None:
         post = senders.get(kind)
         if post is None:
-            raise ValueError(f"no way to send a {kind!r} report")  # dropped and logged by the outbox
+            raise NoSender(kind)  # left queued for a process that sends it
         await post(body)
 
     return send

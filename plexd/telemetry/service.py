@@ -31,7 +31,7 @@ from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
 from plexd.telemetry.ping import ProbeUnavailable, round_trips
-from plexd.telemetry.queue import STREAMS, TelemetryQueue
+from plexd.telemetry.queue import PACK_ENTRIES, STREAMS, TelemetryQueue
 from plexd.telemetry.shipper import Shipper
 from plexd.telemetry.system import SystemSampler
 from plexd.telemetry.tail import FileTail
@@ -85,7 +85,8 @@ class Telemetry:
         self.local_audit = local_audit
         stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
         caps = {name: c.queue_max_bytes for name, c in stream_cfg.items()}
-        self.queue = TelemetryQueue(Path(cfg.queue_dir or data_dir) / datadir.TELEMETRY_DB, caps, on_drop=self._dropped)
+        self.queue = TelemetryQueue(Path(cfg.queue_dir or data_dir) / datadir.TELEMETRY_DB, caps, on_drop=self._dropped,
+                                    pack=min([PACK_ENTRIES] + [c.batch_size for c in stream_cfg.values()]))
         # the logs stream also carries the notices of what any stream lost
         self.shippers = {name: Shipper(self.queue, name, functools.partial(post, name), batch_size=c.batch_size,
                                        interval=c.report_interval,

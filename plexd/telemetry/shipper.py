@@ -57,17 +57,18 @@ class Shipper:
             entries = [encode(e) for e in extra] + (batch.texts if batch is not None else [])
             if not entries:
                 return None
+            count = len(extra) + (batch.count if batch is not None else 0)
             try:
                 await self._send(EncodedJSON.array(entries))
             except ControlPlaneError as exc:
                 verdict = retry_verdict(exc, self.backoff)
                 if verdict.retry:
                     return self._failed(exc, verdict.delay)
-                self.refused_entries += len(entries)
+                self.refused_entries += count
                 log.warning("%s batch of %d entries refused by the control plane: %s; dropped", self.stream,
-                            len(entries), exc)
+                            count, exc)
             else:
-                self.sent_entries += len(entries)
+                self.sent_entries += count
                 self._recovered()
             taken()
             if batch is not None:

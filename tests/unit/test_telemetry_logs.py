@@ -57,7 +57,7 @@ def test_the_system_sample_reads_this_machine():
 
 @pytest.mark.asyncio
 async def test_a_shipper_sends_in_order_retries_transient_failures_and_drops_refused_batches(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
+    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20}, pack=3)  # as the service sizes it: ≤ a batch
     queue.append("logs", [{"n": i} for i in range(10)])
     received, answers = [], [TransientError("logs batch", 503, "busy"), None,
                               PermanentError("logs batch", 404, "gone"), None, None]

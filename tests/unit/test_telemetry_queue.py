@@ -3,6 +3,10 @@ count it, positions committed with their entries, and a restart that loses nothi
 
 from __future__ import annotations
 
+import json
+import sqlite3
+
+from plexd.base.gojson import EncodedJSON
 from plexd.telemetry.queue import TelemetryQueue
 
 
@@ -19,7 +23,7 @@ def drain(queue: TelemetryQueue, stream: str, limit: int = 7) -> list[int]:
 
 
 def test_entries_come_out_in_order_per_stream_and_survive_a_reopen(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"metrics": 1 << 20, "logs": 1 << 20})
+    queue = TelemetryQueue(tmp_path / "t.db", {"metrics": 1 << 20, "logs": 1 << 20}, pack=4)
     queue.append("metrics", entries(0, 10))
     queue.append("logs", entries(100, 3))
     queue.append("metrics", entries(10, 5))
@@ -69,9 +73,35 @@ def test_a_position_is_committed_with_the_entries_read_up_to_it(tmp_path):
 
 def test_a_batch_stays_under_the_byte_limit_unless_one_entry_is_larger(tmp_path):
     queue = TelemetryQueue(tmp_path / "t.db", {"audit": 1 << 24})
-    queue.append("audit", entries(0, 5, pad=400))
+    for n in range(5):  # five appends: five rows
+        queue.append("audit", entries(n, 1, pad=400))
     assert len(queue.batch("audit", 100, max_bytes=1000).entries) == 2
     assert len(queue.batch("audit", 100, max_bytes=10).entries) == 1
+
+
+def test_one_collection_is_stored_in_a_few_rows_and_sent_as_one_array_never_over_the_batch_size(tmp_path):
+    queue = TelemetryQueue(tmp_path / "t.db", {"metrics": 1 << 24}, pack=100)
+    queue.append("metrics", entries(0, 1000))
+    assert queue._db.execute("SELECT count(*) FROM entries").fetchone()[0] == 10
+    assert queue.status("metrics")["pending"] == 1000
+    batch = queue.batch("metrics", 250)  # whole rows only: two of them
+    assert batch.count == 200 and [e["n"] for e in batch.entries] == list(range(200))
+    assert json.loads(EncodedJSON.array(batch.texts).text) == batch.entries  # what the shipper sends
+    queue.delivered(batch)
+    assert queue.status("metrics")["pending"] == 800 and drain(queue, "metrics", 1000) == list(range(200, 1000))
+
+
+def test_a_file_of_an_older_version_one_entry_a_row_is_read_and_extended(tmp_path):
+    old = sqlite3.connect(tmp_path / "t.db")
+    old.executescript("""
+        CREATE TABLE entries (seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL,
+                              body TEXT NOT NULL);
+        INSERT INTO entries (stream, size, body) VALUES ('logs', 8, '{"n":7}');
+    """)
+    old.close()
+    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
+    queue.append("logs", entries(8, 2))
+    assert drain(queue, "logs") == [7, 8, 9]
 
 
 def test_a_damaged_queue_file_is_moved_aside_and_a_fresh_one_started(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 
 from plexd.base.backoff import Backoff
 from plexd.controlplane.errors import AuthError, PermanentError, RetryAfterError, TransientError
-from plexd.controlplane.uplink import UplinkOutbox, retry_verdict
+from plexd.controlplane.uplink import UplinkOutbox, by_kind, retry_verdict
 
 NO_JITTER = dict(base=0.01, cap=0.05, jitter=0.0)
 
@@ -176,3 +176,19 @@ def test_a_file_of_the_first_version_gets_lanes_and_keeps_its_entries(tmp_path):
     old.close()
     box = UplinkOutbox(tmp_path / "uplink.db", ControlPlane().send)
     assert box.size("drift") == 1 and [e.body for e in box.pending("drift")] == [{"n": 1}]
+
+
+async def test_a_lane_nobody_here_sends_stays_queued_for_the_daemon(tmp_path):
+    """`plexd reconcile --once` opens the daemon's file to send drift reports only: the action results and report
+    changes queued there are neither sent nor dropped."""
+    taken: list[dict] = []
+
+    async def post_drift(body):
+        taken.append(body)
+
+    box = UplinkOutbox(tmp_path / "uplink.db", by_kind({"drift": post_drift}))
+    box.put("result", {"execution_id": "e1", "body": {}}, lane="actions")
+    box.put("drift", {"n": 1})
+    assert await box.deliver() != [] and taken == [{"n": 1}]
+    assert box.size("actions") == 1 and box.status()["refused"] == 0
+    assert box.retry_at("actions") > 0  # parked: the service does not spin on it
