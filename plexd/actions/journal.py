@@ -171,34 +171,59 @@ class ActionJournal:
 
     def _adopt(self, legacy: Path) -> None:
         """Executions, announced checksums and undelivered messages of an older version's actions.db, moved into
-        this file in one transaction; the old file is removed (moved aside when it cannot be read)."""
+        this file in one transaction that also records the move (a crash before the old file is removed does not
+        queue its messages twice); the old file is then removed, or moved aside when it cannot be read."""
         try:
-            old = sqlite3.connect(legacy)
-            try:
-                executions = old.execute("SELECT * FROM executions").fetchall()
-                announced = old.execute("SELECT name, checksum FROM announced").fetchall()
-                ever = old.execute("PRAGMA user_version").fetchone()[0]
-                messages = old.execute("SELECT kind, execution_id, body FROM outbox ORDER BY seq").fetchall()
-            finally:
-                old.close()
-            with self._transaction():
-                self._db.executemany("INSERT OR IGNORE INTO executions VALUES (?,?,?,?,?,?,?,?)", executions)
-                if ever:
-                    self._db.executemany("INSERT OR REPLACE INTO announced VALUES (?, ?)", announced)
-                    self._db.execute("INSERT OR IGNORE INTO journal_flags VALUES ('announced')")
-                for kind, execution_id, body in messages:
-                    self._queue(kind, execution_id, json.loads(body))
-        except (sqlite3.Error, ValueError, JournalError) as exc:
-            aside = legacy.with_name(legacy.name + ".unreadable")
-            with contextlib.suppress(OSError):
-                legacy.replace(aside)
-            log.warning("old action journal %s not taken over (%s); moved to %s: executions from before cannot be "
-                        "recognised as replays", legacy, exc, aside)
+            stat = legacy.stat()
+        except OSError:
             return
-        for suffix in ("", "-wal", "-shm"):
-            legacy.with_name(legacy.name + suffix).unlink(missing_ok=True)
-        log.info("action journal taken over from %s: %d executions, %d undelivered messages", legacy,
-                 len(executions), len(messages))
+        done = f"adopted {legacy.name} {stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"  # this very file
+        if self._db.execute("SELECT 1 FROM journal_flags WHERE name = ?", (done,)).fetchone() is None:
+            try:
+                executions, announced, messages = _read_legacy(legacy)
+            except (sqlite3.Error, ValueError) as exc:
+                aside = legacy.with_name(legacy.name + ".unreadable")
+                with contextlib.suppress(OSError):
+                    legacy.replace(aside)
+                _remove_sidecars(legacy)
+                log.warning("old action journal %s not taken over (%s); moved to %s: executions from before cannot "
+                            "be recognised as replays", legacy, exc, aside)
+                return
+            try:
+                with self._transaction():
+                    self._db.executemany("INSERT OR IGNORE INTO executions VALUES (?,?,?,?,?,?,?,?)", executions)
+                    if announced is not None:
+                        self._db.executemany("INSERT OR REPLACE INTO announced VALUES (?, ?)", announced)
+                        self._db.execute("INSERT OR IGNORE INTO journal_flags VALUES ('announced')")
+                    for kind, execution_id, body in messages:
+                        self._queue(kind, execution_id, body)
+                    self._db.execute("INSERT INTO journal_flags VALUES (?)", (done,))
+            except JournalError as exc:  # this file cannot be written now: the old one stays, tried next start
+                log.error("old action journal %s not taken over yet: %s", legacy, exc)
+                return
+            log.info("action journal taken over from %s: %d executions, %d undelivered messages", legacy,
+                     len(executions), len(messages))
+        legacy.unlink(missing_ok=True)
+        _remove_sidecars(legacy)
+
+
+def _read_legacy(legacy: Path) -> tuple[list[Any], list[Any] | None, list[tuple[str, str, Any]]]:
+    """(executions, announced checksums or None when never announced, messages) of an older actions.db."""
+    old = sqlite3.connect(legacy)
+    try:
+        executions = old.execute("SELECT * FROM executions").fetchall()
+        announced = old.execute("SELECT name, checksum FROM announced").fetchall()
+        ever = old.execute("PRAGMA user_version").fetchone()[0]
+        messages = [(kind, eid, json.loads(body)) for kind, eid, body in
+                    old.execute("SELECT kind, execution_id, body FROM outbox ORDER BY seq")]
+    finally:
+        old.close()
+    return executions, announced if ever else None, messages
+
+
+def _remove_sidecars(db: Path) -> None:
+    for suffix in ("-wal", "-shm"):
+        db.with_name(db.name + suffix).unlink(missing_ok=True)
 
 
 async def _no_default_lane(kind: str, body: dict[str, Any]) -> None:

@@ -31,13 +31,16 @@ class HeapSettler:
         self._young = 0
         self._scheduled = False
         self._full_at = time.monotonic()
+        self._installed = False
         self.freezes = 0
 
     def __enter__(self) -> HeapSettler:
         gc.callbacks.append(self._collected)
+        self._installed = True
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._installed = False  # a settle already on its way does nothing
         gc.callbacks.remove(self._collected)
         gc.unfreeze()
 
@@ -54,6 +57,8 @@ class HeapSettler:
                 pass
 
     def settle(self) -> None:
+        if not self._installed:
+            return
         now = time.monotonic()
         if now - self._full_at >= self.full_every:
             gc.unfreeze()

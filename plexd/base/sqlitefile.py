@@ -20,6 +20,8 @@ def open_or_start_empty(path: Path, connect: Callable[[], sqlite3.Connection], w
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     try:
         return connect()
+    except sqlite3.OperationalError:
+        raise  # locked by another process, a read-only or full disk: the file is fine, moving it would lose it
     except sqlite3.DatabaseError as exc:
         aside = path.with_name(path.name + ".corrupt")
         path.replace(aside)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.base.backoff import Backoff
+from plexd.base.errors import PlexdError
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.controlplane.retry import Verdict, retry_verdict
@@ -88,7 +89,8 @@ class _Lane:
     waiting_since: float | None = None  # monotonic: when the lane's oldest unsent entry was noticed
     sent: int = 0
     last_error: str = ""
-    failing: bool = field(default=False)
+    failing: bool = False
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one delivery of this lane at a time
 
     def due(self) -> float:
         since = self.waiting_since if self.waiting_since is not None else 0.0
@@ -113,7 +115,6 @@ class UplinkOutbox:
                                            "reports and action results queued for the control plane are lost, "
                                            "and executions from before cannot be recognised as replays")
         self._lanes: dict[str, _Lane] = {}
-        self._lock = asyncio.Lock()  # one delivery pass at a time
         self._wake = asyncio.Event()
         self._full_warned_at = 0.0
 
@@ -156,7 +157,7 @@ class UplinkOutbox:
         """Queue one entry, on disk before this returns (or with the enclosing `transaction`); the oldest go when
         the caps are reached. `lane` defaults to the kind. A `key` replaces the lane's entry of that key, which
         moves to the end. Returns its sequence number (`deliver` lists those the control plane took)."""
-        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+        text = json.dumps(body, separators=(",", ":"))  # ASCII: a lone surrogate from outside input is escaped
         size = len(text.encode())
         lane = lane or kind
         outer = self._db.in_transaction
@@ -166,7 +167,7 @@ class UplinkOutbox:
             seq = self._db.execute(
                 "INSERT INTO outbox (kind, body, size, queued_at, lane, key) VALUES (?, ?, ?, ?, ?, ?)",
                 (kind, text, size, time.time(), lane, key)).lastrowid
-            dropped = self._enforce_caps()
+            dropped = self._enforce_caps(lane)
         if dropped:
             self._warn_full(dropped)
         waiting = self._lane(lane)
@@ -175,14 +176,18 @@ class UplinkOutbox:
         self._wake.set()
         return int(seq or 0)
 
-    def _enforce_caps(self) -> int:
-        count, total = self._db.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox").fetchone()
+    def _enforce_caps(self, lane: str) -> int:
+        """The caps hold per lane: a flood of one kind of report never pushes out another kind."""
+        count, total = self._db.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE lane = ?",
+                                        (lane,)).fetchone()
         dropped = 0
         while count > 1 and (count > self.max_entries or total > self.max_bytes):
-            seq, size, lane = self._db.execute("SELECT seq, size, lane FROM outbox ORDER BY seq LIMIT 1").fetchone()
+            seq, size = self._db.execute("SELECT seq, size FROM outbox WHERE lane = ? ORDER BY seq LIMIT 1",
+                                         (lane,)).fetchone()
             self._db.execute("DELETE FROM outbox WHERE seq = ?", (seq,))
-            self._count("dropped_full", lane, 1)
             count, total, dropped = count - 1, total - size, dropped + 1
+        if dropped:
+            self._count("dropped_full", lane, dropped)
         return dropped
 
     def _count(self, name: str, lane: str, n: int) -> None:
@@ -194,7 +199,7 @@ class UplinkOutbox:
         now = time.monotonic()
         if now - self._full_warned_at >= 60:
             self._full_warned_at = now
-            log.warning("uplink outbox full (%d entries / %d bytes at most): %d oldest report(s) dropped",
+            log.warning("uplink outbox full (%d entries / %d bytes at most per kind): %d oldest report(s) dropped",
                         self.max_entries, self.max_bytes, dropped)
 
     def pending(self, lane: str | None = None) -> list[Entry]:
@@ -212,6 +217,7 @@ class UplinkOutbox:
             self._db.executemany("DELETE FROM outbox WHERE seq = ?", [(e.seq,) for e in entries])
             if counter is not None:
                 self._count(counter, lane, len(entries))
+                self._count(counter + "_batches", lane, 1)
 
     # -- delivering -------------------------------------------------------------------------------------------
 
@@ -222,10 +228,18 @@ class UplinkOutbox:
         when it is due."""
         names = [lane] if lane is not None else self._lanes_waiting()
         taken: list[int] = []
-        async with self._lock:
-            for name in names:
+        for name in names:
+            async with self._lane(name).lock:
                 taken += await self._deliver_lane(name)
         return taken
+
+    async def _deliver_when_due(self, name: str) -> None:
+        """The service's delivery of one lane: unless a caller of `deliver` just failed it (and so moved its
+        backoff on), in which case its next try waits for that."""
+        lane = self._lane(name)
+        async with lane.lock:
+            if lane.due() <= time.monotonic():
+                await self._deliver_lane(name)
 
     async def _deliver_lane(self, name: str) -> list[int]:
         lane = self._lane(name)
@@ -238,7 +252,9 @@ class UplinkOutbox:
                 lane.retry_at = time.monotonic() + PARKED
                 log.debug("%s: left queued, nobody here sends it", what)
                 return taken
-            except (ControlPlaneError, OSError) as exc:
+            except (PlexdError, OSError) as exc:
+                # A control-plane answer goes by the one policy; anything else the node could not do (no network,
+                # a failed re-registration) is retried on the backoff.
                 verdict = (retry_verdict(exc, lane.backoff) if isinstance(exc, ControlPlaneError)
                            else Verdict(True, lane.backoff.next_delay(), str(exc) or type(exc).__name__))
                 if verdict.retry:
@@ -277,26 +293,36 @@ class UplinkOutbox:
         return [lane for lane, _ in rows.fetchall()]
 
     async def run(self) -> None:
-        """The service: deliver each lane when it is due (something queued, its debounce and backoff over)."""
-        while True:
-            self._wake.clear()
-            now = time.monotonic()
-            due = []
-            for name in self._lanes_waiting():
-                lane = self._lane(name)
-                if lane.waiting_since is None:
-                    lane.waiting_since = now  # queued by an earlier run of the daemon
-                due.append((lane.due(), name))
-            ready = [name for at, name in due if at <= now]
-            if ready:
-                async with self._lock:
-                    for name in ready:
-                        await self._deliver_lane(name)
-                continue
-            try:
-                await asyncio.wait_for(self._wake.wait(), min((at for at, _ in due), default=now + 3600) - now)
-            except TimeoutError:
-                pass
+        """The service: deliver each lane when it is due (something queued, its debounce and backoff over), each
+        lane in a task of its own, so a lane whose request hangs until its timeout holds up no other."""
+        busy: dict[str, asyncio.Task[None]] = {}
+
+        def done(name: str) -> None:
+            busy.pop(name, None)
+            self._wake.set()
+
+        try:
+            while True:
+                self._wake.clear()
+                now = time.monotonic()
+                waits = []
+                for name in self._lanes_waiting():
+                    if name in busy:
+                        continue
+                    lane = self._lane(name)
+                    if lane.waiting_since is None:
+                        lane.waiting_since = now  # queued by an earlier run of the daemon
+                    if lane.due() <= now:
+                        busy[name] = task = asyncio.create_task(self._deliver_when_due(name))
+                        task.add_done_callback(lambda _t, n=name: done(n))
+                    else:
+                        waits.append(lane.due())
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), min(waits, default=now + 3600) - now)
+        finally:
+            for task in busy.values():
+                task.cancel()
+            await asyncio.gather(*busy.values(), return_exceptions=True)
 
     async def flush(self, timeout: float, lane: str | None = None) -> bool:
         """Deliver until the lane (every lane: None) is empty, retrying on its backoff, at most `timeout`
@@ -348,9 +374,10 @@ class UplinkOutbox:
 
 
 def _describe(lane: str, entries: Sequence[Entry]) -> str:
-    """An entry's kind, or a batch's lane, size and keys, for a log line."""
+    """An entry's kind (and execution), or a batch's lane, size and keys, for a log line."""
     if len(entries) == 1 and entries[0].key is None:
-        return entries[0].kind
+        execution = entries[0].body.get("execution_id")
+        return entries[0].kind + (f" for execution {execution}" if execution else "")
     keys = ", ".join(sorted(e.key for e in entries if e.key is not None))
     return f"{lane} batch of {len(entries)}" + (f" (keys: {keys[:300]})" if keys else "")
 

@@ -344,9 +344,10 @@ async def close_sessions(agent: Agent, engine: Engine, uplink: UplinkOutbox) -> 
         return
     await domain.close_all("plexd_close")
     try:
-        await asyncio.wait_for(uplink.deliver(), timeout=min(SESSION_REPORTS_FLUSH, agent.time_left(DRAIN_RESERVE)))
+        await asyncio.wait_for(uplink.deliver(SESSION_ACTIVITY),
+                               timeout=min(SESSION_REPORTS_FLUSH, agent.time_left(DRAIN_RESERVE)))
     except TimeoutError:
-        log.warning("session_ended reports not all sent before leaving; %d queued", uplink.size())
+        log.warning("session_ended reports not all sent before leaving; %d queued", uplink.size(SESSION_ACTIVITY))
 
 
 def _build_reports(agent: Agent, node_id: Callable[[], str],
@@ -563,6 +564,10 @@ async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio
 
     if config.node_api.http_enabled:
         read_http_token(config)  # refuse to start at once, before registering, with one clear line
+    switch_interval = sys.getswitchinterval()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL)
-    with HeapSettler(asyncio.get_running_loop()):
-        return await lifecycle.run(config, assemble, clock=clock, stop_event=stop_event, client=client)
+    try:
+        with HeapSettler(asyncio.get_running_loop()):
+            return await lifecycle.run(config, assemble, clock=clock, stop_event=stop_event, client=client)
+    finally:
+        sys.setswitchinterval(switch_interval)  # run in-process (tests): leave the interpreter as it was

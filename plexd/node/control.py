@@ -30,7 +30,8 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
                    reported_nat_type, reported_at, report_error, refresh_interval_seconds
     node_api       socket, tcp (null or host:port), reports, report_bytes, rate_limited, tcp_refused (TCP
                    connections turned away at the door: budget full or too many 401s), report_sync (pending,
-                   sent_batches, dropped (entries refused or over the cap), last_sent_at, last_error)
+                   sent_batches, dropped_batches (refused), dropped (entries refused or over the cap),
+                   last_sent_at, last_error)
     key_rotation   rotations, last_at, last_error, pending (a rotation the control plane has not taken yet)
     metrics        null (off) or listen, scrapes
     upgrade        release (the zipapp running, or "installed package"), dir, installing, pending (null or

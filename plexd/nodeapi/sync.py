@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -45,6 +46,7 @@ class ReportSync:
                         backoff=backoff or Backoff(base=1.0, cap=60.0, jitter=0.25))
         self.sent_batches = 0
         self.last_sent_at: float | None = None
+        self._unqueued: set[str] = set()
 
     def load(self, data_dir: str | Path) -> int:
         """Take over the queue file an older version left (its keys join the lane); the lane's own entries are on
@@ -69,12 +71,20 @@ class ReportSync:
         return self.pending
 
     def changed(self, key: str) -> None:
-        """A report entry was written or deleted (ReportStore.on_change): its key is queued, once."""
-        self.uplink.put("report", {"key": key}, lane=LANE, key=key)
+        """A report entry was written or deleted (ReportStore.on_change): its key is queued, once. A key the outbox
+        cannot take now (disk full, the daemon closing) is kept here and queued with the next change."""
+        self._unqueued.add(key)
+        try:
+            for waiting in sorted(self._unqueued):
+                self.uplink.put("report", {"key": waiting}, lane=LANE, key=waiting)
+                self._unqueued.discard(waiting)
+        except sqlite3.Error as exc:
+            log.error("report change of %r not queued for the control plane (%s); %d change(s) wait to be queued",
+                      key, exc, len(self._unqueued))
 
     @property
     def pending(self) -> int:
-        return self.uplink.size(LANE)
+        return self.uplink.size(LANE) + len(self._unqueued)
 
     async def _send_batch(self, batch: Sequence[Entry]) -> None:
         entries, deleted = [], []
@@ -91,7 +101,8 @@ class ReportSync:
 
     def status(self) -> dict[str, Any]:
         lane = self.uplink.status(LANE)
-        return {"pending": lane["pending"], "sent_batches": self.sent_batches,
+        return {"pending": self.pending, "sent_batches": self.sent_batches,
+                "dropped_batches": self.uplink.counter("refused_batches", LANE),
                 "dropped": lane["refused"] + lane["dropped_full"],
                 "last_sent_at": round(self.last_sent_at, 1) if self.last_sent_at else None,
                 "last_error": lane["last_error"]}

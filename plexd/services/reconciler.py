@@ -295,6 +295,6 @@ class Reconciler(Generic[S]):
             }
             seq = self._outbox.put(DRIFT, out.report)
         if not error or drift or refused:
-            taken = await self._outbox.deliver()
+            taken = await self._outbox.deliver(DRIFT)  # its own lane: the others go on their own schedule
             out.reported = seq is not None and seq in taken
         return out

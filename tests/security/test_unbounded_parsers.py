@@ -20,7 +20,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("base/boundedjson.py", "parse"): "the bounded parser itself, after too_deep_at",
     ("telemetry/queue.py", "entries"): OWN_FILE,
     ("telemetry/queue.py", "position"): OWN_FILE,
-    ("actions/journal.py", "_adopt"): OWN_FILE + " (an older version's actions.db)",
+    ("actions/journal.py", "_read_legacy"): OWN_FILE + " (an older version's actions.db)",
     ("actions/journal.py", "_execution"): OWN_FILE,
     ("config/settings.py", "_read_file"): "the operator's root-owned config file, not outside input",
     ("config/edit.py", "_without_token_value"): "one flow mapping of the operator's root-owned config file",

@@ -136,11 +136,16 @@ def test_an_older_actions_db_is_taken_over_with_its_executions_messages_and_anno
         PRAGMA user_version=1;
     """)
     old.close()
+    os.link(tmp_path / "actions.db", tmp_path / "kept.db")  # the same file, to put back below
     j = ActionJournal(tmp_path / "uplink.db", adopt=tmp_path / "actions.db")
     assert j.known("e1").status == "success" and [e.execution_id for e in j.interrupted()] == ["e2"]
     assert j.announced() == {"h": "abc"}
     assert [(m.kind, m.execution_id, m.body) for m in j.messages()] == [("result", "e1", {"status": "success"})]
     assert not (tmp_path / "actions.db").exists() and "taken over" in caplog.text
+    # a crash after the move committed but before the old file was removed: it is removed, not taken twice
+    os.link(tmp_path / "kept.db", tmp_path / "actions.db")
+    j = ActionJournal(tmp_path / "uplink.db", adopt=tmp_path / "actions.db")
+    assert len(j.messages()) == 1 and not (tmp_path / "actions.db").exists()
     # an unreadable one is moved aside, the daemon goes on with what it has
     (tmp_path / "actions.db").write_bytes(b"garbage" * 100)
     j = ActionJournal(tmp_path / "uplink.db", adopt=tmp_path / "actions.db")

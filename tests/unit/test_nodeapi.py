@@ -312,3 +312,14 @@ def test_blocked_looks_at_a_bucket_without_taking_from_it():
     now[0] = 2.0  # one token back
     assert not limiter.blocked("a") and limiter.allow("a") == 0 and limiter.blocked("a")
     assert not RateLimiter(0, 1).blocked("a")  # the limit off: never blocked
+
+
+def test_a_change_the_outbox_cannot_take_now_is_queued_with_the_next(tmp_path, caplog):
+    store = ReportStore(tmp_path)
+    sync = report_sync(store, Upstream(), tmp_path)
+    sync.uplink.db.execute("CREATE TRIGGER refuse BEFORE INSERT ON outbox BEGIN SELECT RAISE(FAIL, 'disk full'); END")
+    sync.changed("a")  # no exception into the node-API handler that wrote the entry
+    assert "not queued for the control plane (disk full)" in caplog.text and sync.pending == 1
+    sync.uplink.db.execute("DROP TRIGGER refuse")
+    sync.changed("b")
+    assert sorted(e.body["key"] for e in sync.uplink.pending("reports")) == ["a", "b"] and sync.pending == 2

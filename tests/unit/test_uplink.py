@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from plexd.base.backoff import Backoff
+from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import AuthError, PermanentError, RetryAfterError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, by_kind, retry_verdict
 
@@ -192,3 +193,48 @@ async def test_a_lane_nobody_here_sends_stays_queued_for_the_daemon(tmp_path):
     assert await box.deliver() != [] and taken == [{"n": 1}]
     assert box.size("actions") == 1 and box.status()["refused"] == 0
     assert box.retry_at("actions") > 0  # parked: the service does not spin on it
+
+
+async def test_a_failed_re_registration_keeps_the_entries_for_a_retry(tmp_path):
+    """`agent.authed` raises a PlexdError that is not a control-plane answer when it cannot register again: the
+    node could not send, the control plane refused nothing."""
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send, backoff=Backoff(**NO_JITTER))
+    cp.answers = [PlexdError("re-registration impossible: the bootstrap token was used")]
+    box.put("drift", {"n": 1})
+    assert await box.deliver() == [] and box.size() == 1 and box.status()["refused"] == 0
+    assert await box.deliver() != [] and cp.taken == [("drift", {"n": 1})]
+
+
+async def test_a_lane_whose_request_hangs_holds_up_no_other_in_the_service(tmp_path):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send)
+    hung = asyncio.Event()
+
+    async def reports(entries):
+        hung.set()
+        await asyncio.sleep(3600)  # a request waiting for its timeout
+
+    box.add_lane("reports", reports)
+    box.put("report", {"key": "a"}, lane="reports", key="a")
+    service = asyncio.create_task(box.run())
+    try:
+        async with asyncio.timeout(5):
+            await hung.wait()
+            box.put("drift", {"n": 1})
+            while not cp.taken:
+                await asyncio.sleep(0.01)
+        assert cp.taken == [("drift", {"n": 1})] and box.size("reports") == 1
+    finally:
+        service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
+
+
+def test_the_caps_hold_per_lane_and_text_that_is_not_unicode_is_still_queued(tmp_path):
+    box = UplinkOutbox(tmp_path / "uplink.db", ControlPlane().send, max_entries=2)
+    box.put("result", {"n": 0}, lane="actions")
+    for n in range(5):
+        box.put("drift", {"n": n})
+    assert box.size("actions") == 1 and box.size("drift") == 2 and box.counter("dropped_full", "drift") == 3
+    box.put("drift", {"name": "bad \udc80 byte"})  # a lone surrogate, as json.loads of outside input can give
+    assert box.pending("drift")[-1].body == {"name": "bad \udc80 byte"}
