@@ -15,7 +15,7 @@ from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.converge.domain import DomainResult
 from plexd.converge.engine import Engine
-from plexd.node.mesh import MeshHandle, state_applier, state_fetcher
+from plexd.node.mesh import MeshHandle, PulledState, state_applier, state_fetcher
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.reconciler import Reconciler
 from plexd.state.desired import DesiredState
@@ -244,3 +244,20 @@ async def test_peer_endpoints_from_the_exchange_change_only_endpoints_and_refuse
     assert mesh.pending_requests == 1  # one converge asked for
     replayed = mesh.store.replace_from_pull(lambda d: d.with_state(State(peers=(p2, p3))), since)
     assert replayed == ["endpoint exchange"] and mesh.store.value.peers["n_2"].endpoint == "198.51.100.5:51820"
+
+
+def test_the_same_pulled_state_with_no_event_since_rebuilds_nothing():
+    """The client hands back the state it parsed last time when nothing changed (304 or the same bytes): the model
+    is kept as it is, not rebuilt; after an event, or with another state, the pull is applied as always."""
+    mesh = MeshHandle(Engine([RecordingDomain()]), initial())
+    apply = state_applier(mesh, None)
+    state = State(peers=(peer(2),))
+    apply(PulledState(state, mesh.store.mark()))
+    model = mesh.store.value
+    apply(PulledState(state, mesh.store.mark()))
+    assert mesh.store.value is model  # kept, not rebuilt
+    mesh.store.edit(lambda d: d.with_peer(peer(3)), "peer_added", ("n_3",))
+    apply(PulledState(state, mesh.store.mark()))
+    assert set(mesh.store.value.peers) == {"n_2"}  # the pull applied again: the event's peer is not in the state
+    apply(PulledState(State(peers=(peer(2), peer(4))), mesh.store.mark()))
+    assert set(mesh.store.value.peers) == {"n_2", "n_4"}
