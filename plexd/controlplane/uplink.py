@@ -238,8 +238,15 @@ class UplinkOutbox:
         backoff on), in which case its next try waits for that."""
         lane = self._lane(name)
         async with lane.lock:
-            if lane.due() <= time.monotonic():
+            if lane.due() > time.monotonic():
+                return
+            try:
                 await self._deliver_lane(name)
+            except sqlite3.Error as exc:  # the file cannot be read or written now: tried again on the backoff
+                delay = lane.backoff.next_delay()
+                lane.retry_at = time.monotonic() + delay
+                log.error("uplink outbox %s: the %s lane cannot be delivered now (%s); tried again in %.0fs",
+                          self.path or "(memory)", name, exc, delay)
 
     async def _deliver_lane(self, name: str) -> list[int]:
         lane = self._lane(name)

@@ -238,3 +238,20 @@ def test_the_caps_hold_per_lane_and_text_that_is_not_unicode_is_still_queued(tmp
     assert box.size("actions") == 1 and box.size("drift") == 2 and box.counter("dropped_full", "drift") == 3
     box.put("drift", {"name": "bad \udc80 byte"})  # a lone surrogate, as json.loads of outside input can give
     assert box.pending("drift")[-1].body == {"name": "bad \udc80 byte"}
+
+
+async def test_a_file_that_cannot_be_written_while_delivering_makes_the_lane_wait_not_spin(tmp_path, caplog):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send, backoff=Backoff(base=30.0, cap=60.0, jitter=0.0))
+    box.put("drift", {"n": 1})
+    box.db.execute("CREATE TRIGGER refuse BEFORE DELETE ON outbox BEGIN SELECT RAISE(FAIL, 'disk I/O error'); END")
+    service = asyncio.create_task(box.run())
+    try:
+        async with asyncio.timeout(5):
+            while "cannot be delivered now (disk I/O error)" not in caplog.text:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        assert len(cp.taken) == 1 and box.retry_at("drift") > 0  # sent once, then waiting on the backoff
+    finally:
+        service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
