@@ -22,6 +22,7 @@ import watchfiles
 
 from plexd.actions.journal import ActionJournal, JournalError
 from plexd.base.backoff import Backoff
+from plexd.base.clock import wait_event
 from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.trust.integrity import Hook, HookScan, scan_hooks
@@ -165,9 +166,7 @@ class HookSet:
             delay = await self._announce_once(scan)
             if delay is None:
                 continue
-            try:  # a newer scan, or the backoff, whichever comes first
-                await asyncio.wait_for(self._announce_wake.wait(), delay)
-            except TimeoutError:
+            if not await wait_event(self._announce_wake, delay):  # a newer scan, or the backoff, whichever first
                 self._announce_wake.set()
 
     async def _announce_once(self, scan: HookScan) -> float | None:

@@ -60,3 +60,14 @@ class FakeClock(Clock):
     @property
     def pending_sleepers(self) -> int:
         return sum(1 for _, _, f in self._sleepers if not f.done())
+
+
+async def wait_event(event: asyncio.Event, timeout: float) -> bool:
+    """Wait for `event`, at most `timeout` seconds; True when it was set. Unlike `asyncio.wait_for` on Python 3.11,
+    a cancellation that arrives as the event is set is never swallowed (a service being stopped stays stopped)."""
+    try:
+        async with asyncio.timeout(max(0.0, timeout)):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.base.backoff import Backoff
+from plexd.base.clock import wait_event
 from plexd.base.errors import PlexdError
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 from plexd.controlplane.errors import ControlPlaneError
@@ -324,8 +325,7 @@ class UplinkOutbox:
                         task.add_done_callback(lambda _t, n=name: done(n))
                     else:
                         waits.append(lane.due())
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), min(waits, default=now + 3600) - now)
+                await wait_event(self._wake, min(waits, default=now + 3600) - now)
         finally:
             for task in busy.values():
                 task.cancel()

@@ -13,7 +13,9 @@ pays for metrics nobody scrapes. Only the converge durations are observed as the
     plexd_converge_duration_seconds{kind}                  histogram; kind: full (reconcile) or events (deltas)
     plexd_heartbeats_sent_total / plexd_heartbeat_failures_total / plexd_heartbeat_consecutive_failures
     plexd_queue_depth{queue} / plexd_queue_dropped_total{queue}   actions_outbox, node_api_reports,
-                                                           telemetry_metrics, telemetry_logs, telemetry_audit
+                                                           drift_reports, session_reports (the uplink
+                                                           outbox's lanes), telemetry_metrics, telemetry_logs,
+                                                           telemetry_audit
     plexd_policy_enforced                                  1 enforced, 0 degraded or disabled
     plexd_peers_desired
     plexd_peer_last_handshake_age_seconds{peer}            +Inf before the first handshake
@@ -43,8 +45,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from plexd import __version__
 from plexd.base.errors import PlexdError
 from plexd.mesh.wireguard import DeviceConfig
+from plexd.node.access import SESSION_ACTIVITY
 from plexd.node.engine import wireguard
 from plexd.node.parts import Node
+from plexd.services.reconciler import DRIFT
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +113,10 @@ class NodeCollector:
             sync = self.node.report_sync.status()
             depth.add_metric(["node_api_reports"], sync["pending"])
             dropped.add_metric(["node_api_reports"], sync["dropped"])
+        if self.node.uplink is not None:
+            for label, lane in (("drift_reports", DRIFT), ("session_reports", SESSION_ACTIVITY)):
+                depth.add_metric([label], self.node.uplink.size(lane))
+                dropped.add_metric([label], self.node.uplink.counter("dropped_full", lane))
         if self.node.telemetry is not None:
             for stream, status in self.node.telemetry.status().items():
                 depth.add_metric([f"telemetry_{stream}"], status["pending"])

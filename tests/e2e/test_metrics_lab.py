@@ -61,6 +61,8 @@ def test_the_metrics_endpoint_is_parsed_by_prometheus_and_counts_a_corrected_dri
     assert before[("plexd_peer_receive_bytes_total", peer)] > 0  # the first ping went through
     assert 0 <= before[("plexd_peer_last_handshake_age_seconds", peer)] < 180
     assert before[("plexd_queue_depth", (("queue", "actions_outbox"),))] == 0
+    assert before[("plexd_queue_depth", (("queue", "drift_reports"),))] == 0  # lanes of the uplink outbox
+    assert before[("plexd_queue_dropped_total", (("queue", "session_reports"),))] == 0
     for stream in ("metrics", "logs", "audit"):  # the telemetry queues (plexd.telemetry) are scraped too
         assert before[("plexd_queue_dropped_total", (("queue", f"telemetry_{stream}"),))] == 0
     full = (("kind", "full"),)

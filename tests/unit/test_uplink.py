@@ -255,3 +255,19 @@ async def test_a_file_that_cannot_be_written_while_delivering_makes_the_lane_wai
     finally:
         service.cancel()
         await asyncio.gather(service, return_exceptions=True)
+
+
+async def test_the_service_stops_when_cancelled_even_as_an_entry_wakes_it(tmp_path):
+    """asyncio.wait_for on Python 3.11 returns instead of raising when the awaited event is set as the
+    cancellation comes: the service went on waiting (an hour) and the daemon's stop hung."""
+    cp = ControlPlane()
+    for settle in range(6):  # the cancellation lands at a different step of the wake-up each time
+        box = UplinkOutbox(tmp_path / f"u{settle}.db", cp.send)
+        service = asyncio.create_task(box.run())
+        await asyncio.sleep(0.01)
+        box.put("drift", {"n": settle})
+        for _ in range(settle):
+            await asyncio.sleep(0)
+        service.cancel()
+        done, _ = await asyncio.wait({service}, timeout=2)
+        assert service in done, f"the service did not stop (cancelled {settle} steps after the wake-up)"
