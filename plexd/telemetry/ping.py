@@ -79,7 +79,8 @@ async def round_trips(targets: dict[str, str], timeout: float) -> dict[str, int]
         deadline = loop.time() + timeout
         while sent and (left := deadline - loop.time()) > 0:
             try:
-                data, (source, _) = await asyncio.wait_for(loop.sock_recvfrom(sock, 2048), left)
+                async with asyncio.timeout(left):  # not wait_for: on 3.11 it can swallow a stop
+                    data, (source, _) = await loop.sock_recvfrom(sock, 2048)
             except TimeoutError:
                 break
             received = time.monotonic_ns()
