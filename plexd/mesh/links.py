@@ -28,6 +28,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from plexd.base.errors import PlexdError
+from plexd.mesh.rtdump import RouteDumpError, dump_routes
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,8 @@ class Links:
                 if e.code == errno.ENODEV:  # gone between the lookup and the read (its wireguard-go died)
                     return None
                 raise LinkError(f"cannot read {self.interface}: {e}") from None
+            except RouteDumpError as e:
+                raise LinkError(f"cannot read the routes of {self.interface}: {e}") from None
 
     def _read(self, ipr: Any, index: int) -> LinkState:
         (link,) = ipr.get_links(index)
@@ -165,13 +168,14 @@ class Links:
             addresses.add(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}")
         routes: set[str] = set()
         main_routes: set[str] = set()
-        for family in (2, 10):
-            for r in ipr.get_routes(family=family, table=self.table):
-                if _ours(r, index):
-                    routes.add(_destination(r, family))
-            for r in ipr.get_routes(family=family, table=MAIN_TABLE):
-                if _ours(r, index):
-                    main_routes.add(_destination(r, family))
+        for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table (see plexd.mesh.rtdump)
+            for r in dump_routes(family, self.netns):
+                if r.oif != index or r.protocol == RTPROT_KERNEL or r.type != 1:
+                    continue  # ours: unicast via the mesh interface, not added by the kernel itself
+                if r.table == self.table:
+                    routes.add(r.dst)
+                elif r.table == MAIN_TABLE:
+                    main_routes.add(r.dst)
         rules = self._rules(ipr)
         return LinkState(index=index, kind=kind, mtu=link.get("IFLA_MTU") or 0, up=bool(link["flags"] & 1),
                          addresses=frozenset(addresses), routes=frozenset(routes),
@@ -290,16 +294,6 @@ class Links:
                         ipr.rule("del", table=self.table, priority=self.rule_priority, family=family)
         except NetlinkError as e:
             raise LinkError(f"cannot remove the rules to routing table {self.table}: {e}") from None
-
-
-def _ours(route: Any, index: int) -> bool:
-    """A unicast route via the mesh interface that the kernel did not add itself."""
-    return route.get("RTA_OIF") == index and route["proto"] != RTPROT_KERNEL and route["type"] == 1
-
-
-def _destination(route: Any, family: int) -> str:
-    dst = route.get("RTA_DST") or ("0.0.0.0" if family == 2 else "::")
-    return str(ipaddress.ip_network(f"{dst}/{route['dst_len']}", strict=False))
 
 
 def _gateways(route: Any) -> set[str]:

@@ -1,0 +1,62 @@
+"""The route reader (plexd.mesh.rtdump) against the real kernel: what it decodes from a raw rtnetlink dump is what
+pyroute2 decodes of the same tables (tables past 255, IPv6, the default route, kernel and unicast routes), and
+the mesh link's routes are read from it."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+
+import pytest
+from pyroute2 import IPRoute
+
+from plexd.mesh.links import Links
+from plexd.mesh.rtdump import dump_routes
+
+pytestmark = pytest.mark.root
+
+TABLE = 51820
+
+
+def _ip(netns: str, *args: str) -> None:
+    subprocess.run(["ip", "-n", netns, *args], check=True)
+
+
+@pytest.fixture
+def netns():
+    name = f"pxt-rtdump-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        _ip(name, "link", "add", "mesh0", "type", "veth", "peer", "name", "mesh1")
+        for link in ("mesh0", "mesh1"):
+            _ip(name, "link", "set", link, "up")
+        _ip(name, "addr", "add", "10.99.0.1/24", "dev", "mesh1")
+        _ip(name, "addr", "add", "fd00::1/64", "dev", "mesh1", "nodad")
+        _ip(name, "route", "add", "default", "via", "10.99.0.2")
+        batch = [f"route add 10.100.{i // 250}.{i % 250 + 1}/32 dev mesh0 table {TABLE}" for i in range(600)]
+        batch += ["route add 10.100.200.0/24 dev mesh0", "route add fd01::/64 dev mesh0 table 51820",
+                  "route add blackhole 10.100.201.0/24 table 51820"]
+        subprocess.run(["ip", "-n", name, "-batch", "-"], input="\n".join(batch) + "\n", text=True, check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def test_the_raw_dump_reads_what_pyroute2_reads(netns):
+    for family in (socket.AF_INET, socket.AF_INET6):
+        ours = {(r.table, r.dst, r.oif, r.protocol, r.type) for r in dump_routes(family, netns)}
+        with IPRoute(netns=netns) as ipr:
+            theirs = {(r.get("RTA_TABLE"), str(ipaddress.ip_network(
+                f"{r.get('RTA_DST') or ('0.0.0.0' if family == socket.AF_INET else '::')}/{r['dst_len']}")),
+                r.get("RTA_OIF"), r["proto"], r["type"]) for r in ipr.get_routes(family=family)}
+        assert ours == theirs and len(ours) > (600 if family == socket.AF_INET else 1)
+
+
+async def test_the_mesh_link_reads_its_routes_from_the_dump(netns):
+    state = await Links("mesh0", netns=netns, table=TABLE).observe()
+    assert state is not None
+    assert len(state.routes) == 601 and "10.100.0.1/32" in state.routes and "fd01::/64" in state.routes
+    assert "10.100.201.0/24" not in state.routes  # a blackhole route is not via the interface
+    assert state.main_routes == frozenset({"10.100.200.0/24"})  # the kernel's own (link) routes are left out
