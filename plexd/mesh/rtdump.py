@@ -17,7 +17,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pyroute2.netns import popns, pushns
+from pyroute2.netns import setns
 
 _NETLINK_ROUTE = 0
 _RTM_NEWROUTE, _RTM_GETROUTE = 24, 26
@@ -56,11 +56,21 @@ def dump_routes(family: int, netns: str | None = None) -> list[Route]:
 def _open(netns: str | None) -> socket.socket:
     if netns is None:
         return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
-    pushns(netns)  # this thread, for the socket's creation only: the socket stays in that namespace
+    # A named namespace (tests, benches): this thread enters it for the socket's creation only (the socket stays
+    # there), by descriptors of its own, so threads doing the same at once never restore each other's namespace.
+    here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
+        there = os.open(f"/run/netns/{netns}", os.O_RDONLY)  # never created here: a wrong name is an error
+        try:
+            setns(there)
+            try:
+                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
+            finally:
+                setns(here)
+        finally:
+            os.close(there)
     finally:
-        popns()
+        os.close(here)
 
 
 def _dump_once(family: int, netns: str | None) -> tuple[list[Route], bool]:
