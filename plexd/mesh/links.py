@@ -129,13 +129,11 @@ class Links:
                       if a["index"] not in mesh and a.get("IFA_ADDRESS")
                       and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
                 addresses = {address for address, _ in on}
-                gateways: set[str] = set()
-                for family in (socket.AF_INET, socket.AF_INET6):
-                    for r in ipr.get_routes(family=family, table=MAIN_TABLE):
-                        if r["dst_len"] == 0 and r.get("RTA_OIF") not in mesh:
-                            gateways.update(_gateways(r))
+                gateways = {gateway for family in (socket.AF_INET, socket.AF_INET6)
+                            for r in dump_routes(family, self.netns)
+                            if r.table == MAIN_TABLE and r.default and r.oif not in mesh for gateway in r.gateways}
                 return Underlay(frozenset(addresses), frozenset(gateways), frozenset(on))
-            except NetlinkError as e:
+            except (NetlinkError, RouteDumpError) as e:
                 raise LinkError(f"cannot list this machine's addresses and routes: {e}") from None
 
     async def observe(self) -> LinkState | None:
@@ -294,13 +292,3 @@ class Links:
                         ipr.rule("del", table=self.table, priority=self.rule_priority, family=family)
         except NetlinkError as e:
             raise LinkError(f"cannot remove the rules to routing table {self.table}: {e}") from None
-
-
-def _gateways(route: Any) -> set[str]:
-    """The gateway of a route, or of each of its multipath hops."""
-    found = {str(route.get("RTA_GATEWAY"))} if route.get("RTA_GATEWAY") else set()
-    for hop in route.get("RTA_MULTIPATH") or ():
-        gateway = hop.get("RTA_GATEWAY")
-        if gateway:
-            found.add(str(gateway))
-    return found

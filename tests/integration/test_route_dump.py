@@ -1,6 +1,6 @@
 """The route reader (plexd.mesh.rtdump) against the real kernel: what it decodes from a raw rtnetlink dump is what
-pyroute2 decodes of the same tables (tables past 255, IPv6, the default route, kernel and unicast routes), and
-the mesh link's routes are read from it."""
+pyroute2 decodes of the same tables (tables past 255, IPv6, default routes with one gateway and with several,
+kernel and unicast routes), and the mesh link's routes and the machine's gateways are read from it."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def netns():
             _ip(name, "link", "set", link, "up")
         _ip(name, "addr", "add", "10.99.0.1/24", "dev", "mesh1")
         _ip(name, "addr", "add", "fd00::1/64", "dev", "mesh1", "nodad")
-        _ip(name, "route", "add", "default", "via", "10.99.0.2")
+        _ip(name, "route", "add", "default", "nexthop", "via", "10.99.0.2", "nexthop", "via", "10.99.0.3")
+        _ip(name, "-6", "route", "add", "default", "via", "fd00::2")
         batch = [f"route add 10.100.{i // 250}.{i % 250 + 1}/32 dev mesh0 table {TABLE}" for i in range(600)]
         batch += ["route add 10.100.200.0/24 dev mesh0", "route add fd01::/64 dev mesh0 table 51820",
                   "route add blackhole 10.100.201.0/24 table 51820"]
@@ -44,14 +45,21 @@ def netns():
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
+def _gateways(route) -> tuple[str, ...]:
+    """A route's gateway, or each of its multipath hops', as pyroute2 decodes them."""
+    hops = [route, *(route.get("RTA_MULTIPATH") or ())]
+    return tuple(str(hop.get("RTA_GATEWAY")) for hop in hops if hop.get("RTA_GATEWAY"))
+
+
 def test_the_raw_dump_reads_what_pyroute2_reads(netns):
     for family in (socket.AF_INET, socket.AF_INET6):
-        ours = {(r.table, r.dst, r.oif, r.protocol, r.type) for r in dump_routes(family, netns)}
+        ours = {(r.table, r.dst, r.oif, r.protocol, r.type, r.gateways) for r in dump_routes(family, netns)}
         with IPRoute(netns=netns) as ipr:
             theirs = {(r.get("RTA_TABLE"), str(ipaddress.ip_network(
                 f"{r.get('RTA_DST') or ('0.0.0.0' if family == socket.AF_INET else '::')}/{r['dst_len']}")),
-                r.get("RTA_OIF"), r["proto"], r["type"]) for r in ipr.get_routes(family=family)}
+                r.get("RTA_OIF"), r["proto"], r["type"], _gateways(r)) for r in ipr.get_routes(family=family)}
         assert ours == theirs and len(ours) > (600 if family == socket.AF_INET else 1)
+    assert ("10.99.0.2", "10.99.0.3") in {r.gateways for r in dump_routes(socket.AF_INET, netns) if r.default}
 
 
 async def test_the_mesh_link_reads_its_routes_from_the_dump(netns):
@@ -60,3 +68,8 @@ async def test_the_mesh_link_reads_its_routes_from_the_dump(netns):
     assert len(state.routes) == 601 and "10.100.0.1/32" in state.routes and "fd01::/64" in state.routes
     assert "10.100.201.0/24" not in state.routes  # a blackhole route is not via the interface
     assert state.main_routes == frozenset({"10.100.200.0/24"})  # the kernel's own (link) routes are left out
+
+
+async def test_the_machines_gateways_are_read_from_the_dump(netns):
+    underlay = await Links("mesh0", netns=netns, table=TABLE).underlay()
+    assert underlay.gateways == frozenset({"10.99.0.2", "10.99.0.3", "fd00::2"})
