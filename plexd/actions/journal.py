@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.base.errors import PlexdError
-from plexd.base.sqlitefile import immediate
+from plexd.base.sqlitefile import immediate, move_aside, remove_sidecars
 from plexd.controlplane.uplink import Entry, NoSender, UplinkOutbox
 
 log = logging.getLogger(__name__)
@@ -182,10 +182,10 @@ class ActionJournal:
             try:
                 executions, announced, messages = _read_legacy(legacy)
             except (sqlite3.Error, ValueError) as exc:
-                aside = legacy.with_name(legacy.name + ".unreadable")
-                with contextlib.suppress(OSError):
-                    legacy.replace(aside)
-                _remove_sidecars(legacy)
+                try:
+                    aside: Path | str = move_aside(legacy, ".unreadable")
+                except OSError as error:
+                    aside = f"nowhere ({error.strerror})"
                 log.warning("old action journal %s not taken over (%s); moved to %s: executions from before cannot "
                             "be recognised as replays", legacy, exc, aside)
                 return
@@ -204,7 +204,7 @@ class ActionJournal:
             log.info("action journal taken over from %s: %d executions, %d undelivered messages", legacy,
                      len(executions), len(messages))
         legacy.unlink(missing_ok=True)
-        _remove_sidecars(legacy)
+        remove_sidecars(legacy)
 
 
 def _read_legacy(legacy: Path) -> tuple[list[Any], list[Any] | None, list[tuple[str, str, Any]]]:
@@ -219,11 +219,6 @@ def _read_legacy(legacy: Path) -> tuple[list[Any], list[Any] | None, list[tuple[
     finally:
         old.close()
     return executions, announced if ever else None, messages
-
-
-def _remove_sidecars(db: Path) -> None:
-    for suffix in ("-wal", "-shm"):
-        db.with_name(db.name + suffix).unlink(missing_ok=True)
 
 
 async def _no_default_lane(kind: str, body: dict[str, Any]) -> None:

@@ -23,12 +23,23 @@ def open_or_start_empty(path: Path, connect: Callable[[], sqlite3.Connection], w
     except sqlite3.OperationalError:
         raise  # locked by another process, a read-only or full disk: the file is fine, moving it would lose it
     except sqlite3.DatabaseError as exc:
-        aside = path.with_name(path.name + ".corrupt")
-        path.replace(aside)
-        for suffix in ("-wal", "-shm"):
-            path.with_name(path.name + suffix).unlink(missing_ok=True)
+        aside = move_aside(path, ".corrupt")
         log.warning("%s %s unreadable (%s); moved to %s, starting empty: %s", what, path, exc, aside, consequence)
         return connect()
+
+
+def move_aside(path: Path, suffix: str) -> Path:
+    """Rename a SQLite file to `path` + `suffix` and remove its WAL and shared-memory files; the new path."""
+    aside = path.with_name(path.name + suffix)
+    path.replace(aside)
+    remove_sidecars(path)
+    return aside
+
+
+def remove_sidecars(path: Path) -> None:
+    """The WAL and shared-memory files of a SQLite file that is gone or moved."""
+    for suffix in ("-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
 
 
 def connect_private(path: Path, schema: str, *, synchronous: str, probe_table: str) -> sqlite3.Connection:
