@@ -29,7 +29,7 @@ import json
 import logging
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,12 +59,12 @@ CREATE UNIQUE INDEX IF NOT EXISTS outbox_by_key ON outbox (lane, key) WHERE key 
 PARKED = 3600.0  # how long a lane nobody here can send waits before it is looked at again
 
 Send = Callable[[str, dict[str, Any]], Awaitable[None]]
+Poster = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class NoSender(Exception):
     """Raised by a `send` for a kind this process does not deliver (`plexd reconcile --once` sends drift reports
     only): the lane's entries stay queued for the daemon, untouched."""
-Poster = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -148,16 +148,10 @@ class UplinkOutbox:
         and must queue an entry in the transaction that changes them."""
         return self._db
 
-    @contextlib.contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; `put` inside it commits with it."""
-        with immediate(self._db):
-            yield self._db
-
     def put(self, kind: str, body: dict[str, Any], *, lane: str | None = None, key: str | None = None) -> int:
-        """Queue one entry, on disk before this returns (or with the enclosing `transaction`); the oldest go when
-        the caps are reached. `lane` defaults to the kind. A `key` replaces the lane's entry of that key, which
-        moves to the end. Returns its sequence number (`deliver` lists those the control plane took)."""
+        """Queue one entry, on disk before this returns (or with the caller's open transaction on `db`); the oldest
+        go when the caps are reached. `lane` defaults to the kind. A `key` replaces the lane's entry of that key,
+        which moves to the end. Returns its sequence number (`deliver` lists those the control plane took)."""
         text = json.dumps(body, separators=(",", ":"))  # ASCII: a lone surrogate from outside input is escaped
         size = len(text.encode())
         lane = lane or kind
@@ -203,15 +197,11 @@ class UplinkOutbox:
             log.warning("uplink outbox full (%d entries / %d bytes at most per kind): %d oldest report(s) dropped",
                         self.max_entries, self.max_bytes, dropped)
 
-    def pending(self, lane: str | None = None) -> list[Entry]:
-        rows = self._db.execute("SELECT seq, kind, body FROM outbox WHERE ?1 IS NULL OR lane = ?1 ORDER BY seq",
-                                (lane,)).fetchall()
-        return [Entry(seq, kind, json.loads(body)) for seq, kind, body in rows]  # our own 0600 file
-
-    def _head(self, lane: str, limit: int) -> list[Entry]:
-        rows = self._db.execute("SELECT seq, kind, body, key FROM outbox WHERE lane = ? ORDER BY seq LIMIT ?",
-                                (lane, limit)).fetchall()
-        return [Entry(seq, kind, json.loads(body), key) for seq, kind, body, key in rows]
+    def pending(self, lane: str | None = None, limit: int = -1) -> list[Entry]:
+        """The entries of `lane` (every lane: None), oldest first, at most `limit` (-1: all)."""
+        rows = self._db.execute("SELECT seq, kind, body, key FROM outbox WHERE ?1 IS NULL OR lane = ?1 ORDER BY seq "
+                                "LIMIT ?2", (lane, limit)).fetchall()
+        return [Entry(seq, kind, json.loads(body), key) for seq, kind, body, key in rows]  # our own 0600 file
 
     def _remove(self, lane: str, entries: Sequence[Entry], counter: str | None = None) -> None:
         with immediate(self._db):
@@ -252,7 +242,7 @@ class UplinkOutbox:
     async def _deliver_lane(self, name: str) -> list[int]:
         lane = self._lane(name)
         taken: list[int] = []
-        while entries := self._head(name, lane.batch):
+        while entries := self.pending(name, lane.batch):
             what = _describe(name, entries)
             try:
                 await lane.send(entries)

@@ -76,7 +76,7 @@ class ReportSync:
         self._unqueued.add(key)
         try:
             for waiting in sorted(self._unqueued):
-                self.uplink.put("report", {"key": waiting}, lane=LANE, key=waiting)
+                self.uplink.put("report", {}, lane=LANE, key=waiting)  # the key says it all
                 self._unqueued.discard(waiting)
         except sqlite3.Error as exc:
             log.error("report change of %r not queued for the control plane (%s); %d change(s) wait to be queued",
@@ -88,7 +88,7 @@ class ReportSync:
 
     async def _send_batch(self, batch: Sequence[Entry]) -> None:
         entries, deleted = [], []
-        for key in (e.body["key"] for e in batch):
+        for key in (e.key for e in batch if e.key is not None):
             entry = self.store.get(key)
             if entry is None:
                 deleted.append(key)

@@ -322,4 +322,4 @@ def test_a_change_the_outbox_cannot_take_now_is_queued_with_the_next(tmp_path, c
     assert "not queued for the control plane (disk full)" in caplog.text and sync.pending == 1
     sync.uplink.db.execute("DROP TRIGGER refuse")
     sync.changed("b")
-    assert sorted(e.body["key"] for e in sync.uplink.pending("reports")) == ["a", "b"] and sync.pending == 2
+    assert sorted(e.key for e in sync.uplink.pending("reports")) == ["a", "b"] and sync.pending == 2
