@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from plexd.base.gojson import EncodedJSON
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class Batch:
 
     @property
     def entries(self) -> list[dict[str, Any]]:
-        return json.loads("[" + ",".join(self.texts) + "]")
+        return json.loads(EncodedJSON.array(self.texts).text)
 
 
 OnDrop = Callable[[str, int, int, str], None]  # stream, entries, bytes, why ("full" or the write error)
