@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.base.errors import PlexdError
-from plexd.base.sqlitefile import immediate, move_aside, remove_sidecars
+from plexd.base.sqlitefile import immediate, take_over
 from plexd.controlplane.uplink import Entry, NoSender, UplinkOutbox
 
 log = logging.getLogger(__name__)
@@ -171,53 +171,34 @@ class ActionJournal:
 
     def _adopt(self, legacy: Path) -> None:
         """Executions, announced checksums and undelivered messages of an older version's actions.db, moved into
-        this file in one transaction that also records the move (a crash before the old file is removed does not
-        queue its messages twice); the old file is then removed, or moved aside when it cannot be read."""
-        try:
-            stat = legacy.stat()
-        except OSError:
-            return
-        done = f"adopted {legacy.name} {stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"  # this very file
-        if self._db.execute("SELECT 1 FROM journal_flags WHERE name = ?", (done,)).fetchone() is None:
-            try:
-                executions, announced, messages = _read_legacy(legacy)
-            except (sqlite3.Error, ValueError) as exc:
-                try:
-                    aside: Path | str = move_aside(legacy, ".unreadable")
-                except OSError as error:
-                    aside = f"nowhere ({error.strerror})"
-                log.warning("old action journal %s not taken over (%s); moved to %s: executions from before cannot "
-                            "be recognised as replays", legacy, exc, aside)
-                return
-            try:
-                with self._transaction():
-                    self._db.executemany("INSERT OR IGNORE INTO executions VALUES (?,?,?,?,?,?,?,?)", executions)
-                    if announced is not None:
-                        self._db.executemany("INSERT OR REPLACE INTO announced VALUES (?, ?)", announced)
-                        self._db.execute("INSERT OR IGNORE INTO journal_flags VALUES ('announced')")
-                    for kind, execution_id, body in messages:
-                        self._queue(kind, execution_id, body)
-                    self._db.execute("INSERT INTO journal_flags VALUES (?)", (done,))
-            except JournalError as exc:  # this file cannot be written now: the old one stays, tried next start
-                log.error("old action journal %s not taken over yet: %s", legacy, exc)
-                return
+        this file once (`plexd.base.sqlitefile.take_over`)."""
+        def taken(flag: str) -> bool:
+            return self._db.execute("SELECT 1 FROM journal_flags WHERE name = ?", (flag,)).fetchone() is not None
+
+        def write(rows: tuple[list[Any], list[Any] | None, list[tuple[str, str, Any]]], flag: str) -> None:
+            executions, announced, messages = rows
+            with self._transaction():
+                self._db.executemany("INSERT OR IGNORE INTO executions VALUES (?,?,?,?,?,?,?,?)", executions)
+                if announced is not None:
+                    self._db.executemany("INSERT OR REPLACE INTO announced VALUES (?, ?)", announced)
+                    self._db.execute("INSERT OR IGNORE INTO journal_flags VALUES ('announced')")
+                for kind, execution_id, body in messages:
+                    self._queue(kind, execution_id, body)
+                self._db.execute("INSERT INTO journal_flags VALUES (?)", (flag,))
             log.info("action journal taken over from %s: %d executions, %d undelivered messages", legacy,
                      len(executions), len(messages))
-        legacy.unlink(missing_ok=True)
-        remove_sidecars(legacy)
+
+        take_over(legacy, what="action journal", lost="executions from before cannot be recognised as replays",
+                  taken=taken, read=_read_legacy, write=write)
 
 
-def _read_legacy(legacy: Path) -> tuple[list[Any], list[Any] | None, list[tuple[str, str, Any]]]:
+def _read_legacy(old: sqlite3.Connection) -> tuple[list[Any], list[Any] | None, list[tuple[str, str, Any]]]:
     """(executions, announced checksums or None when never announced, messages) of an older actions.db."""
-    old = sqlite3.connect(legacy)
-    try:
-        executions = old.execute("SELECT * FROM executions").fetchall()
-        announced = old.execute("SELECT name, checksum FROM announced").fetchall()
-        ever = old.execute("PRAGMA user_version").fetchone()[0]
-        messages = [(kind, eid, json.loads(body)) for kind, eid, body in
-                    old.execute("SELECT kind, execution_id, body FROM outbox ORDER BY seq")]
-    finally:
-        old.close()
+    executions = old.execute("SELECT * FROM executions").fetchall()
+    announced = old.execute("SELECT name, checksum FROM announced").fetchall()
+    ever = old.execute("PRAGMA user_version").fetchone()[0]
+    messages = [(kind, eid, json.loads(body)) for kind, eid, body in
+                old.execute("SELECT kind, execution_id, body FROM outbox ORDER BY seq")]
     return executions, announced if ever else None, messages
 
 

@@ -1,6 +1,7 @@
-"""Opening plexd's SQLite files (the event ledger, the action journal) so that a damaged one never stops the
+"""Opening plexd's SQLite files (the event ledger, the uplink outbox) so that a damaged one never stops the
 daemon: a file SQLite cannot read is moved aside (``<name>.corrupt``, with its WAL and shared-memory files
-removed) and an empty one started, with one log line saying what that costs."""
+removed) and an empty one started, with one log line saying what that costs. And taking over the file of an older
+version once (`take_over`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ import logging
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
+
+from plexd.base.errors import PlexdError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def open_or_start_empty(path: Path, connect: Callable[[], sqlite3.Connection], what: str,
@@ -68,3 +74,38 @@ def immediate(db: sqlite3.Connection) -> Iterator[None]:
             with contextlib.suppress(sqlite3.Error):  # the original error is the one worth reporting
                 db.execute("ROLLBACK")
         raise
+
+
+def take_over(legacy: Path, *, what: str, lost: str, taken: Callable[[str], bool],
+              read: Callable[[sqlite3.Connection], T], write: Callable[[T, str], None]) -> None:
+    """Move an older version's SQLite file into the current one, once: `read(old)` its rows, then `write(rows,
+    flag)` them in one transaction that also records `flag` (this very file: inode, size, mtime), so a crash
+    before the old file is removed does not take it over twice (`taken(flag)`). The old file is then removed. An
+    unreadable one is moved aside (``.unreadable``; `lost` says what that costs); a write that fails leaves it
+    for the next start."""
+    try:
+        stat = legacy.stat()
+    except OSError:
+        return
+    flag = f"adopted {legacy.name} {stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+    if not taken(flag):
+        try:
+            old = sqlite3.connect(legacy)
+            try:
+                rows = read(old)
+            finally:
+                old.close()
+        except (sqlite3.Error, ValueError) as exc:
+            try:
+                aside: Path | str = move_aside(legacy, ".unreadable")
+            except OSError as error:
+                aside = f"nowhere ({error.strerror})"
+            log.warning("old %s %s not taken over (%s); moved to %s: %s", what, legacy, exc, aside, lost)
+            return
+        try:
+            write(rows, flag)
+        except (sqlite3.Error, PlexdError) as exc:  # this file cannot be written now: the old one stays
+            log.error("old %s %s not taken over yet: %s", what, legacy, exc)
+            return
+    legacy.unlink(missing_ok=True)
+    remove_sidecars(legacy)
