@@ -3,11 +3,12 @@ away, and what queueing it cost.
 
     .venv/bin/python -m bench.telemetry_backlog [--peers 100] [--minutes 10] [--log-rate 10] [--audit-rate 5]
 
-A real `plexd-devplane serve` on loopback and one registered node. The queue (plexd.telemetry.queue, a real
-SQLite file) is filled with what the collectors make in `--minutes` at the default intervals: metrics every 15 s
-for `--peers` peers (system + tunnel and latency per peer), `--log-rate` log lines and `--audit-rate` audit
-events per second. Then the three real shippers (batches of 1,000 / 200 / 500, gzip above 1 KiB, the node's bearer
-secret) drain it into the devplane, which stores every batch; the clock stops when all three queues are empty.
+A real `plexd-devplane serve` on loopback and one registered node. The telemetry lanes of an uplink outbox
+(plexd.telemetry.queue, a real SQLite file) are filled with what the collectors make in `--minutes` at the default
+intervals: metrics every 15 s for `--peers` peers (system + tunnel and latency per peer), `--log-rate` log lines
+and `--audit-rate` audit events per second. Then the outbox delivers the three lanes (batches of 1,000 / 200 /
+500, gzip above 1 KiB, the node's bearer secret) into the devplane, which stores every batch; the clock stops when
+all three lanes are empty.
 """
 
 from __future__ import annotations
@@ -22,14 +23,15 @@ from pathlib import Path
 
 import httpx
 
+from plexd.base.gojson import EncodedJSON
 from plexd.controlplane.client import ControlPlaneClient
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.devplane.harness import Devplane
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import audit_entry, parse_record
-from plexd.telemetry.queue import TelemetryQueue
+from plexd.telemetry.queue import TelemetryQueue, lane
 from plexd.telemetry.service import metric_points
-from plexd.telemetry.shipper import Shipper
 from plexd.telemetry.system import SystemSampler
 
 AUDIT = [
@@ -84,7 +86,11 @@ async def main() -> None:
                                 "hostname": "bench-node"})
         resp.raise_for_status()
         node_id, secret = resp.json()["node_id"], resp.json()["node_secret_key"]
-        queue = TelemetryQueue(workdir / "telemetry.db", {"metrics": 32 << 20, "logs": 64 << 20, "audit": 64 << 20})
+        async def no_other_lane(kind, body):
+            raise RuntimeError(f"no lane for {kind}")
+
+        box = UplinkOutbox(workdir / "uplink.db", no_other_lane)
+        queue = TelemetryQueue(box, {"metrics": 32 << 20, "logs": 64 << 20, "audit": 64 << 20})
         start = time.perf_counter()
         counts = fill(queue, args.peers, args.minutes, args.log_rate, args.audit_rate)
         filled = time.perf_counter() - start
@@ -95,12 +101,13 @@ async def main() -> None:
 
             async def drain(stream: str) -> float:
                 async def send(entries):
-                    await posts[stream](node_id, entries)
+                    await posts[stream](node_id, EncodedJSON.array([e.text for e in entries]))
 
-                shipper = Shipper(queue, stream, send, batch_size=batch[stream], interval=1.0)
+                queue.add_lane(stream, send, batch_size=batch[stream], interval=1.0)
                 begun = time.perf_counter()
-                while await shipper.drain() is not None:
-                    raise RuntimeError(f"{stream}: {shipper.last_error}")
+                await box.deliver(lane(stream))
+                if queue.status(stream)["pending"]:
+                    raise RuntimeError(f"{stream}: {queue.status(stream)['last_error']}")
                 return time.perf_counter() - begun
 
             start = time.perf_counter()
@@ -109,12 +116,13 @@ async def main() -> None:
         stored = {s: len(getattr(dp.admin, s)(node_id)) for s in counts}
         assert stored == counts, (stored, counts)
         queue.close()
+        box.close()
     finally:
         dp.stop()
     entries = sum(counts.values())
     print(f"{args.minutes:g} min backlog, {args.peers} peers: {counts['metrics']} metrics points, {counts['logs']} "
           f"log lines, {counts['audit']} audit events ({entries} entries, {size / 1e6:.1f} MB queued)")
-    print(f"  queueing them:   {filled:.2f} s ({entries / filled:,.0f} entries/s into telemetry.db)")
+    print(f"  queueing them:   {filled:.2f} s ({entries / filled:,.0f} entries/s into the uplink outbox)")
     print(f"  draining them:   {total:.2f} s until all three queues were empty "
           f"({entries / total:,.0f} entries/s; metrics {times[0]:.2f} s, logs {times[1]:.2f} s, "
           f"audit {times[2]:.2f} s), every entry stored by the devplane")

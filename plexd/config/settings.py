@@ -48,7 +48,7 @@ README (PROJECT-DECISIONS.md, Config row)::
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864,   # service.upgrade
               release_keys: [], allow_downgrade: false}   # Ed25519 release keys (base64); see README
     telemetry:                            # reported upstream through an on-disk queue (plexd.telemetry)
-      queue_dir: ""                       # telemetry.db's directory; empty: data_dir
+      queue_dir: ""                       # where an older version kept telemetry.db (taken over into uplink.db)
       metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 1000,
                 queue_max_bytes: 33554432, latency_timeout: 2s, latency_peers: 64}
       logs: {enabled: true, source: auto, files: [], units: [plexd.service, "plexd-wireguard-*.scope"],
@@ -315,9 +315,12 @@ class TelemetryAuditConfig:
 
 @dataclass(frozen=True)
 class TelemetryConfig:
-    """What is reported upstream, and the on-disk queue that carries it through outages (plexd.telemetry)."""
+    """What is reported upstream, through lanes of the uplink outbox that carry it through outages
+    (plexd.telemetry)."""
 
-    queue_dir: str = _f("")  # where telemetry.db lives; empty: data_dir
+    # Where versions before the one uplink outbox kept telemetry.db (empty: data_dir): a file left there is taken
+    # over into data_dir/uplink.db once and removed. Nothing is written there any more.
+    queue_dir: str = _f("")
     metrics: TelemetryMetricsConfig = field(default_factory=TelemetryMetricsConfig)
     logs: TelemetryLogsConfig = field(default_factory=TelemetryLogsConfig)
     audit: TelemetryAuditConfig = field(default_factory=TelemetryAuditConfig)

@@ -13,8 +13,12 @@
                                                    (`plexd.actions.journal` keeps its tables in this file)
                                 reports            node-API report changes, one entry per key (a key written again
                                                    replaces its entry), sent in batches (`plexd.nodeapi.sync`)
-    retry_verdict(exc)        the one retry policy (`plexd.controlplane.retry`), shared with telemetry, whose queue
-                              stays its own file (see `plexd.telemetry.queue`)
+                                telemetry_metrics  telemetry, each entry a row of up to 100 points, log lines or
+                                telemetry_logs     audit records stored as their JSON texts and sent as they are,
+                                telemetry_audit    with the byte caps of `telemetry.*.queue_max_bytes`; queued
+                                                   from worker threads through a `writer()`, with the log sources'
+                                                   positions in the same transaction (`plexd.telemetry.queue`)
+    retry_verdict(exc)        the one retry policy (`plexd.controlplane.retry`)
 
 Entries leave the outbox only when the control plane took them or refused them for good, so a report made while
 the control plane was down is delivered after it comes back, across a daemon restart too, exactly once (a crash
@@ -25,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import sqlite3
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +61,7 @@ _LANES = """
 CREATE INDEX IF NOT EXISTS outbox_by_lane ON outbox (lane, seq);
 CREATE UNIQUE INDEX IF NOT EXISTS outbox_by_key ON outbox (lane, key) WHERE key IS NOT NULL;
 """
+UNLIMITED = 1 << 62
 
 PARKED = 3600.0  # how long a lane nobody here can send waits before it is looked at again
 
@@ -69,10 +76,18 @@ class NoSender(Exception):
 
 @dataclass(frozen=True)
 class Entry:
+    """One row of a lane: a JSON object (`body`), or for a packed lane (telemetry) `n` JSON texts joined by commas,
+    sent as they are (`text`)."""
+
     seq: int
     kind: str
-    body: dict[str, Any]
+    text: str
     key: str | None = None
+    n: int = 1
+
+    @functools.cached_property
+    def body(self) -> dict[str, Any]:
+        return json.loads(self.text)  # our own 0600 file
 
 
 BatchSend = Callable[[Sequence[Entry]], Awaitable[None]]
@@ -83,9 +98,14 @@ class _Lane:
     """One stream: how it is sent, and where its delivery stands."""
 
     send: BatchSend
-    batch: int
+    batch: int  # rows a send carries at most
     debounce: float  # after the first entry of a quiet lane, wait this long for others to join it
     backoff: Backoff
+    max_entries: int
+    max_bytes: int
+    batch_entries: int = UNLIMITED  # and at most this many entries (packed rows hold several)
+    batch_bytes: int = UNLIMITED  # and at most this much (one larger row alone)
+    on_drop: Callable[[int, int], None] | None = None  # (entries, bytes) the caps dropped; any thread
     retry_at: float = 0.0  # monotonic: the backoff's next try
     waiting_since: float | None = None  # monotonic: when the lane's oldest unsent entry was noticed
     sent: int = 0
@@ -117,6 +137,7 @@ class UplinkOutbox:
                                            "and executions from before cannot be recognised as replays")
         self._lanes: dict[str, _Lane] = {}
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one `run` serves on (writers in threads wake it)
         self._full_warned_at = 0.0
 
     def _connect(self) -> sqlite3.Connection:
@@ -126,18 +147,27 @@ class UplinkOutbox:
         return db
 
     def add_lane(self, name: str, send: BatchSend, *, batch: int = 1, debounce: float = 0.0,
-                 backoff: Backoff | None = None) -> None:
-        """A lane whose entries `send` delivers, up to `batch` at once."""
-        self._lanes[name] = _Lane(send, batch, debounce, backoff or _like(self.backoff))
+                 backoff: Backoff | None = None, max_entries: int | None = None, max_bytes: int | None = None,
+                 batch_entries: int = UNLIMITED, batch_bytes: int = UNLIMITED,
+                 on_drop: Callable[[int, int], None] | None = None) -> None:
+        """A lane whose entries `send` delivers, up to `batch` rows, `batch_entries` entries and `batch_bytes` at
+        once (one larger row alone); its caps are the outbox's unless given. `on_drop(entries, bytes)`, when
+        given, says what the caps dropped instead of the outbox's own warning."""
+        self._lanes[name] = _Lane(send, batch, debounce, backoff or _like(self.backoff),
+                                  max_entries or self.max_entries, max_bytes or self.max_bytes, batch_entries,
+                                  batch_bytes, on_drop)
 
     def _lane(self, name: str) -> _Lane:
         lane = self._lanes.get(name)
         if lane is None:
             async def one_at_a_time(entries: Sequence[Entry]) -> None:
                 for entry in entries:
+                    if entry.n != 1:  # a packed lane (telemetry) whose sender is not in this process
+                        raise NoSender(entry.kind)
                     await self._send(entry.kind, entry.body)
 
-            lane = self._lanes[name] = _Lane(one_at_a_time, 1, 0.0, _like(self.backoff))
+            lane = self._lanes[name] = _Lane(one_at_a_time, 1, 0.0, _like(self.backoff), self.max_entries,
+                                             self.max_bytes)
         return lane
 
     # -- queueing ---------------------------------------------------------------------------------------------
@@ -145,7 +175,8 @@ class UplinkOutbox:
     @property
     def db(self) -> sqlite3.Connection:
         """The outbox's connection, for a store that keeps its own tables in the same file (the action journal)
-        and must queue an entry in the transaction that changes them."""
+        and must queue an entry in the transaction that changes them. The event loop's thread only: a worker
+        thread queues through a `writer()`."""
         return self._db
 
     def put(self, kind: str, body: dict[str, Any], *, lane: str | None = None, key: str | None = None) -> int:
@@ -153,62 +184,104 @@ class UplinkOutbox:
         go when the caps are reached. `lane` defaults to the kind. A `key` replaces the lane's entry of that key,
         which moves to the end. Returns its sequence number (`deliver` lists those the control plane took)."""
         text = json.dumps(body, separators=(",", ":"))  # ASCII: a lone surrogate from outside input is escaped
-        size = len(text.encode())
         lane = lane or kind
-        outer = self._db.in_transaction
-        with contextlib.nullcontext() if outer else immediate(self._db):
-            if key is not None:
-                self._db.execute("DELETE FROM outbox WHERE lane = ? AND key = ?", (lane, key))
-            seq = self._db.execute(
-                "INSERT INTO outbox (kind, body, size, queued_at, lane, key) VALUES (?, ?, ?, ?, ?, ?)",
-                (kind, text, size, time.time(), lane, key)).lastrowid
-            dropped = self._enforce_caps(lane)
-        if dropped:
-            self._warn_full(dropped)
-        waiting = self._lane(lane)
-        if waiting.waiting_since is None:
-            waiting.waiting_since = time.monotonic()
-        self._wake.set()
-        return int(seq or 0)
+        with contextlib.nullcontext() if self._db.in_transaction else immediate(self._db):
+            seq, dropped = self._insert(self._db, lane, kind, [(text, 1)], key)
+        self._dropped(lane, *dropped)
+        self._queued(lane)
+        return seq
 
-    def _enforce_caps(self, lane: str) -> int:
-        """The caps hold per lane: a flood of one kind of report never pushes out another kind."""
-        count, total = self._db.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE lane = ?",
-                                        (lane,)).fetchone()
-        dropped = 0
-        while count > 1 and (count > self.max_entries or total > self.max_bytes):
-            seq, size = self._db.execute("SELECT seq, size FROM outbox WHERE lane = ? ORDER BY seq LIMIT 1",
-                                         (lane,)).fetchone()
-            self._db.execute("DELETE FROM outbox WHERE seq = ?", (seq,))
-            count, total, dropped = count - 1, total - size, dropped + 1
-        if dropped:
-            self._count("dropped_full", lane, dropped)
-        return dropped
+    def writer(self, *, durable: bool = True) -> UplinkWriter:
+        """A connection of its own to this outbox's file, for one worker thread (the event loop's `db` is never
+        used from another thread). `durable=False`: commits are safe from a crash of the process, and may be lost
+        with the machine's power (synchronous=NORMAL: telemetry, written every few seconds)."""
+        if self.path is None:
+            raise ValueError("an outbox in memory has no writer for other threads")
+        return UplinkWriter(self, connect_private(self.path, _SCHEMA, synchronous="FULL" if durable else "NORMAL",
+                                                  probe_table="outbox"))
 
-    def _count(self, name: str, lane: str, n: int) -> None:
-        for counter in (name, f"{name}:{lane}"):
-            self._db.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + ?",
-                             (counter, n, n))
+    def _insert(self, db: sqlite3.Connection, lane: str, kind: str, rows: Sequence[tuple[str, int]],
+                key: str | None = None) -> tuple[int, tuple[int, int]]:
+        """Insert `rows` (text, entries in it) in `db`'s open transaction and hold the lane's caps: (the last
+        sequence number, (entries, bytes) dropped)."""
+        if key is not None:
+            db.execute("DELETE FROM outbox WHERE lane = ? AND key = ?", (lane, key))
+        now, seq = time.time(), 0
+        for text, n in rows:
+            seq = db.execute("INSERT INTO outbox (kind, body, size, queued_at, lane, key, n) VALUES (?, ?, ?, ?, ?, ?, "
+                             "?)", (kind, text, len(text.encode()), now, lane, key, n)).lastrowid or 0
+        return int(seq), self._enforce_caps(db, lane)
 
-    def _warn_full(self, dropped: int) -> None:
+    def _enforce_caps(self, db: sqlite3.Connection, lane: str) -> tuple[int, int]:
+        """The caps hold per lane: a flood of one kind of report never pushes out another kind. The newest row is
+        always kept."""
+        caps = self._lane(lane)
+        count, total = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE lane = ?",
+                                  (lane,)).fetchone()
+        if count <= caps.max_entries and total <= caps.max_bytes:
+            return 0, 0
+        entries = freed = 0
+        last = None
+        for seq, size, n in db.execute("SELECT seq, size, n FROM outbox WHERE lane = ? ORDER BY seq", (lane,)):
+            if count <= 1 or (count <= caps.max_entries and total <= caps.max_bytes):
+                break
+            count, total, entries, freed, last = count - 1, total - size, entries + n, freed + size, seq
+        db.execute("DELETE FROM outbox WHERE lane = ? AND seq <= ?", (lane, last))
+        _count(db, "dropped_full", lane, entries)
+        _count(db, "dropped_bytes", lane, freed)
+        return entries, freed
+
+    def _dropped(self, lane: str, entries: int, nbytes: int) -> None:
+        if not entries:
+            return
+        on_drop = self._lane(lane).on_drop
+        if on_drop is not None:
+            on_drop(entries, nbytes)
+            return
         now = time.monotonic()
         if now - self._full_warned_at >= 60:
             self._full_warned_at = now
             log.warning("uplink outbox full (%d entries / %d bytes at most per kind): %d oldest report(s) dropped",
-                        self.max_entries, self.max_bytes, dropped)
+                        self.max_entries, self.max_bytes, entries)
+
+    def _queued(self, lane: str) -> None:
+        """Something was queued on `lane`: its debounce starts, and the service looks again. From another thread
+        (a writer's), handed to the event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._queued, lane)
+                return
+        waiting = self._lane(lane)
+        if waiting.waiting_since is None:
+            waiting.waiting_since = time.monotonic()
+        self._wake.set()
 
     def pending(self, lane: str | None = None, limit: int = -1) -> list[Entry]:
-        """The entries of `lane` (every lane: None), oldest first, at most `limit` (-1: all)."""
-        rows = self._db.execute("SELECT seq, kind, body, key FROM outbox WHERE ?1 IS NULL OR lane = ?1 ORDER BY seq "
-                                "LIMIT ?2", (lane, limit)).fetchall()
-        return [Entry(seq, kind, json.loads(body), key) for seq, kind, body, key in rows]  # our own 0600 file
+        """The entries of `lane` (every lane: None), oldest first, at most `limit` rows (-1: all)."""
+        rows = self._db.execute("SELECT seq, kind, body, key, n FROM outbox WHERE ?1 IS NULL OR lane = ?1 "
+                                "ORDER BY seq LIMIT ?2", (lane, limit)).fetchall()
+        return [Entry(*row) for row in rows]
+
+    def _batch(self, name: str, lane: _Lane) -> list[Entry]:
+        """The lane's next batch: at most `batch` rows, `batch_entries` and `batch_bytes` (the first row whatever
+        its size)."""
+        entries: list[Entry] = []
+        size = count = 0
+        for entry in self.pending(name, lane.batch):
+            size, count = size + len(entry.text), count + entry.n
+            if entries and (size > lane.batch_bytes or count > lane.batch_entries):
+                break
+            entries.append(entry)
+        return entries
 
     def _remove(self, lane: str, entries: Sequence[Entry], counter: str | None = None) -> None:
         with immediate(self._db):
             self._db.executemany("DELETE FROM outbox WHERE seq = ?", [(e.seq,) for e in entries])
             if counter is not None:
-                self._count(counter, lane, len(entries))
-                self._count(counter + "_batches", lane, 1)
+                _count(self._db, counter, lane, sum(e.n for e in entries))
+                _count(self._db, counter + "_batches", lane, 1)
 
     # -- delivering -------------------------------------------------------------------------------------------
 
@@ -242,7 +315,7 @@ class UplinkOutbox:
     async def _deliver_lane(self, name: str) -> list[int]:
         lane = self._lane(name)
         taken: list[int] = []
-        while entries := self.pending(name, lane.batch):
+        while entries := self._batch(name, lane):
             what = _describe(name, entries)
             try:
                 await lane.send(entries)
@@ -267,7 +340,7 @@ class UplinkOutbox:
                 continue
             self._remove(name, entries)
             taken += [e.seq for e in entries]
-            lane.sent += len(entries)
+            lane.sent += sum(e.n for e in entries)
             if lane.failing:
                 log.info("%s reports delivered again", name)
             lane.last_error, lane.failing, lane.retry_at = "", False, 0.0
@@ -294,6 +367,7 @@ class UplinkOutbox:
         """The service: deliver each lane when it is due (something queued, its debounce and backoff over), each
         lane in a task of its own, so a lane whose request hangs until its timeout holds up no other."""
         busy: dict[str, asyncio.Task[None]] = {}
+        self._loop = asyncio.get_running_loop()
 
         def done(name: str) -> None:
             busy.pop(name, None)
@@ -341,6 +415,11 @@ class UplinkOutbox:
         return int(self._db.execute("SELECT count(*) FROM outbox WHERE ?1 IS NULL OR lane = ?1",
                                     (lane,)).fetchone()[0])
 
+    def count(self, name: str, lane: str, n: int) -> None:
+        """Add `n` to a persisted counter of `lane` (`counter` reads it)."""
+        with immediate(self._db):
+            _count(self._db, name, lane, n)
+
     def counter(self, name: str, lane: str | None = None) -> int:
         row = self._db.execute("SELECT value FROM counters WHERE name = ?",
                                (name if lane is None else f"{name}:{lane}",)).fetchone()
@@ -359,24 +438,63 @@ class UplinkOutbox:
         return self._lane(lane).retry_at
 
     def status(self, lane: str | None = None) -> dict[str, Any]:
-        if lane is None:
-            return {"pending": self.size(), "sent": self.sent, "refused": self.counter("refused"),
-                    "dropped_full": self.counter("dropped_full"), "last_error": self.last_error}
-        state = self._lane(lane)
-        return {"pending": self.size(lane), "sent": state.sent, "refused": self.counter("refused", lane),
-                "dropped_full": self.counter("dropped_full", lane), "last_error": state.last_error}
+        """`pending` counts entries (a packed row holds several), `bytes` what they take on disk."""
+        entries, nbytes = self._db.execute("SELECT coalesce(sum(n), 0), coalesce(sum(size), 0) FROM outbox "
+                                           "WHERE ?1 IS NULL OR lane = ?1", (lane,)).fetchone()
+        state = self._lane(lane) if lane is not None else None
+        return {"pending": entries, "bytes": nbytes, "sent": state.sent if state else self.sent,
+                "refused": self.counter("refused", lane), "dropped_full": self.counter("dropped_full", lane),
+                "dropped_bytes": self.counter("dropped_bytes", lane),
+                "last_error": state.last_error if state else self.last_error}
 
     def close(self) -> None:
         self._db.close()
 
 
+class UplinkWriter:
+    """A worker thread's way into the outbox: its own connection to the file, one transaction at a time.
+
+        with writer.transaction() as db:      BEGIN IMMEDIATE on the writer's connection; `db` for the caller's
+            writer.put_texts(...)             own tables (positions), committed with the entries
+    """
+
+    def __init__(self, outbox: UplinkOutbox, db: sqlite3.Connection) -> None:
+        self._outbox, self.db = outbox, db
+        self._lock = threading.Lock()  # collectors in several threads share one writer
+        self._queued: list[tuple[str, int, int]] = []  # lanes written in the open transaction, and drops
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._queued = []
+            with immediate(self.db):
+                yield self.db
+            for lane, entries, nbytes in self._queued:  # committed: now they may be announced
+                self._outbox._dropped(lane, entries, nbytes)
+                self._outbox._queued(lane)
+
+    def put_texts(self, lane: str, kind: str, rows: Sequence[tuple[str, int]]) -> None:
+        """Queue rows of (JSON texts joined by commas, how many) in the open transaction."""
+        if rows:
+            _, dropped = self._outbox._insert(self.db, lane, kind, rows)
+            self._queued.append((lane, *dropped))
+
+    def count(self, name: str, lane: str, n: int) -> None:
+        """Add `n` to a persisted counter of `lane`, in the open transaction."""
+        _count(self.db, name, lane, n)
+
+    def close(self) -> None:
+        with self._lock:
+            self.db.close()
+
+
 def _describe(lane: str, entries: Sequence[Entry]) -> str:
     """An entry's kind (and execution), or a batch's lane, size and keys, for a log line."""
-    if len(entries) == 1 and entries[0].key is None:
+    if len(entries) == 1 and entries[0].key is None and entries[0].n == 1:
         execution = entries[0].body.get("execution_id")
         return entries[0].kind + (f" for execution {execution}" if execution else "")
     keys = ", ".join(sorted(e.key for e in entries if e.key is not None))
-    return f"{lane} batch of {len(entries)}" + (f" (keys: {keys[:300]})" if keys else "")
+    return f"{lane} batch of {sum(e.n for e in entries)}" + (f" (keys: {keys[:300]})" if keys else "")
 
 
 def _add_lanes(db: sqlite3.Connection) -> None:
@@ -386,7 +504,16 @@ def _add_lanes(db: sqlite3.Connection) -> None:
             db.execute("ALTER TABLE outbox ADD COLUMN lane TEXT NOT NULL DEFAULT ''")
             db.execute("ALTER TABLE outbox ADD COLUMN key TEXT")
             db.execute("UPDATE outbox SET lane = kind")
+    if "n" not in columns:  # before packed lanes: one entry a row
+        db.execute("ALTER TABLE outbox ADD COLUMN n INTEGER NOT NULL DEFAULT 1")
     db.executescript(_LANES)
+
+
+def _count(db: sqlite3.Connection, name: str, lane: str, n: int) -> None:
+    """Add `n` to a persisted counter, in all and for the lane (in the caller's transaction)."""
+    for counter in (name, f"{name}:{lane}"):
+        db.execute("INSERT INTO counters VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = value + ?",
+                   (counter, n, n))
 
 
 def _like(backoff: Backoff) -> Backoff:

@@ -11,12 +11,14 @@
                                      mirror of the desired model (no private key) for an offline start (SQLite,
                                      WAL, committed together; see plexd.controlplane.ledger)
     actions.db                 0600  older versions' action journal: taken over into uplink.db and removed
-    telemetry.db               0600  metrics, logs and audit not yet delivered, and where each source was read up
-                                     to (SQLite, WAL; plexd.telemetry.queue; telemetry.queue_dir may move it)
+    telemetry.db               0600  older versions' telemetry queue (here or in telemetry.queue_dir): taken over
+                                     into uplink.db and removed
     uplink.db                  0600  what the control plane has not taken yet (drift and session reports, action
-                                     acks and results, report changes), kept across restarts until taken or
-                                     refused for good, and the action journal (exactly-once), committed with its
-                                     messages (SQLite; plexd.controlplane.uplink, plexd.actions.journal)
+                                     acks and results, report changes, telemetry), kept across restarts until taken
+                                     or refused for good; the action journal (exactly-once), committed with its
+                                     messages; where each telemetry source was read up to, committed with its
+                                     entries (SQLite, WAL; plexd.controlplane.uplink, plexd.actions.journal,
+                                     plexd.telemetry.queue)
     actions/local-audit.log    0600  who ran which action locally (plexd.actions.audit)
     deregistered               0600  when the node last deregistered; its next start rejoins with the node secret
                                      first and removes it (plexd.node.departure)

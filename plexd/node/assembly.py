@@ -11,15 +11,15 @@
            local_api   the daemon's Unix socket: status, reconcile, hold (plexd.node.control) and the node API
                        (plexd.nodeapi), which is also on TCP when node_api.http_enabled
            uplink      the one outbox (data_dir/uplink.db) of what the control plane has not taken yet, a lane
-                       per stream: drift reports, session reports, action messages, report changes (service
-                       "uplink")
+                       per stream: drift reports, session reports, action messages, report changes, telemetry
+                       (service "uplink")
            report_sync report entries written through the node API → POST /report, by the uplink's lane
            actions     action_request → validate, ack, run (plexd.actions); acks, results and integrity
                        violations go by the uplink's lane, queued with their journal rows (in uplink.db); hooks
                        are watched and re-announced (services "hooks", "capabilities"); running actions are
                        drained at shutdown
-           telemetry   metrics, logs and audit → an on-disk queue per stream → POST /metrics, /logs, /audit
-                       (plexd.telemetry; services "telemetry_metrics", "telemetry_logs", "telemetry_audit")
+           telemetry   metrics, logs and audit, collected (plexd.telemetry; services "telemetry_metrics",
+                       "telemetry_logs", "telemetry_audit") → the uplink's lanes → POST /metrics, /logs, /audit
 
 Every service is added to the agent by name and runs under its supervisor. Tests build a Node with their own
 parts through the keyword arguments of `assemble` (a recording engine, say) rather than by patching.
@@ -83,7 +83,7 @@ from plexd.services.paths import PathSelector
 from plexd.services.reconciler import Reconciler, drift_uplink
 from plexd.services.status_reports import StatusReports
 from plexd.system.systemd import Watchdog, watchdog_interval
-from plexd.telemetry.service import Telemetry
+from plexd.telemetry.service import Telemetry, telemetry_db_paths
 from plexd.trust.integrity import HookScan
 from plexd.upgrade.upgrader import Upgrader
 
@@ -385,9 +385,11 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
             log.debug("telemetry: cannot read the device: %s", exc)
             return None
 
-    return Telemetry(cfg.telemetry, cfg.data_dir, agent.registrar.hostname(), post,
+    assert node.uplink is not None
+    return Telemetry(cfg.telemetry, node.uplink, agent.registrar.hostname(), post,
                      observe_device=observe_device, desired_peers=lambda: node.mesh.get_desired().peers,
-                     local_audit=str(Path(cfg.data_dir) / datadir.LOCAL_AUDIT))
+                     local_audit=str(Path(cfg.data_dir) / datadir.LOCAL_AUDIT),
+                     older_queues=telemetry_db_paths(cfg.telemetry, cfg.data_dir))
 
 
 def _build_actions(node: Node, node_id: Callable[[], str]) -> ActionDispatcher:

@@ -78,7 +78,7 @@ def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepRepo
     else:
         report.skipped.append(f"{data_dir} does not exist")
     queue_dir = config.telemetry.queue_dir
-    if queue_dir:  # telemetry.db kept outside data_dir
+    if queue_dir:  # an older version's telemetry.db, kept outside data_dir
         base = os.path.join(queue_dir, datadir.TELEMETRY_DB)
         removed = [p for p in (base, base + "-wal", base + "-shm") if _unlink(p)]
         if removed:

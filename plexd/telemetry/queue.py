@@ -1,36 +1,41 @@
-"""The telemetry spool: one bounded, ordered, on-disk queue per stream (metrics, logs, audit) in one SQLite file
-(``data_dir/telemetry.db``, 0600, WAL).
+"""The telemetry streams (metrics, logs, audit) as lanes of the one uplink outbox (``data_dir/uplink.db``):
+``telemetry_metrics``, ``telemetry_logs``, ``telemetry_audit``, each with the byte cap of its
+``telemetry.<stream>.queue_max_bytes``, delivered by the outbox's service with the one retry policy.
 
 Why on disk and bounded in bytes: the Go agent keeps at most twice a batch in memory, so an outage of a few
 minutes loses data and a restart loses all of it. Here an outage of hours and any number of restarts lose
 nothing until a stream's byte cap is reached; then the *oldest* entries go first, and every such loss is counted
-(``dropped``, persisted) and handed to `on_drop` (a log line, a metric, a log entry for the control plane).
+(persisted in the outbox's counters) and handed to `on_drop` (a log line, a metric, a log entry for the control
+plane).
 
 The entries of one append are stored together, up to `pack` (and `PACK_BYTES`) to a row, as their JSON
 texts joined by commas, and a batch is sent as those texts inside one array: at 1,000 peers a collection is 10 rows
 instead of 1,000, and no entry is decoded and encoded again on its way out.
 
-Where a source stands (a journal cursor, a file's inode and offset) is stored in the same transaction as the
-entries read up to it, so a restart neither sends a line twice nor skips one.
+Collectors append from worker threads, through a writer of their own on the outbox's file (synchronous=NORMAL: a
+process crash loses nothing committed; a power loss may lose the last seconds, as it would lose their
+collection). Where a source stands (a journal cursor, a file's inode and offset) is stored in the same transaction
+as the entries read up to it, so a restart neither sends a line twice nor skips one.
 
 A write that fails (a full disk, an I/O error) loses only the entries of that write: they are counted as
 dropped, one log line says so when it starts and one when writes work again, and the daemon carries on.
+
+Versions before the one outbox kept all this in ``telemetry.db`` (in data_dir or ``telemetry.queue_dir``): such a
+file is taken over once, entries, counts and positions, and removed.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import sqlite3
-import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from plexd.base.gojson import EncodedJSON
-from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
+from plexd.base.backoff import Backoff
+from plexd.base.sqlitefile import take_over
+from plexd.controlplane.uplink import BatchSend, UplinkOutbox
 
 log = logging.getLogger(__name__)
 
@@ -40,192 +45,149 @@ PACK_ENTRIES = 100  # entries of one append stored in one row, at most
 PACK_BYTES = 64 << 10
 
 _SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL, body TEXT NOT NULL);
--- body: n entries' JSON texts joined by commas (a file of an older version has no n: one entry a row)
-CREATE INDEX IF NOT EXISTS entries_by_stream ON entries (stream, seq);
-CREATE TABLE IF NOT EXISTS streams (
-    stream TEXT PRIMARY KEY, bytes INTEGER NOT NULL DEFAULT 0, count INTEGER NOT NULL DEFAULT 0,
-    dropped INTEGER NOT NULL DEFAULT 0, dropped_bytes INTEGER NOT NULL DEFAULT 0,
-    reported INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS positions (source TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS telemetry_positions (source TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS telemetry_flags (name TEXT PRIMARY KEY) WITHOUT ROWID;
 """
-
-
-@dataclass(frozen=True)
-class Batch:
-    stream: str
-    last_seq: int
-    texts: list[str]  # the entries as stored (compact JSON, comma-joined per row): sent as is, never decoded
-    count: int  # entries
-
-    @property
-    def entries(self) -> list[dict[str, Any]]:
-        return json.loads(EncodedJSON.array(self.texts).text)
-
 
 OnDrop = Callable[[str, int, int, str], None]  # stream, entries, bytes, why ("full" or the write error)
 
 
-def _locked(method: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(method)
-    def call(self: TelemetryQueue, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return call
+def lane(stream: str) -> str:
+    """The stream's lane in the uplink outbox (also its `queue` label in the metrics)."""
+    return f"telemetry_{stream}"
 
 
 class TelemetryQueue:
-    def __init__(self, path: str | Path, caps: Mapping[str, int], *, on_drop: OnDrop | None = None,
-                 pack: int = PACK_ENTRIES) -> None:
-        """`pack`: entries to a row at most; no larger than the smallest batch a shipper asks for, since a batch
-        holds whole rows."""
-        self.path = Path(path)
+    def __init__(self, outbox: UplinkOutbox, caps: Mapping[str, int], *, on_drop: OnDrop | None = None,
+                 pack: int = PACK_ENTRIES, adopt: Iterable[Path] = ()) -> None:
+        """`pack`: entries to a row at most; no larger than the smallest batch a lane sends, since a batch holds
+        whole rows. `adopt`: where an older version may have left a telemetry.db."""
+        self.outbox = outbox
         self.caps = dict(caps)
         self.pack = max(1, pack)
         self.on_drop = on_drop or (lambda *_: None)
         self._unwritable: dict[str, int] = {}  # stream → entries lost since writes started failing
-        self._sent_upto: dict[str, int] = {}  # delivered even if the delete failed (a full disk): not sent twice
-        # The collectors and shippers run the queue's work in worker threads (a batch of 1,000 entries is
-        # milliseconds of JSON and SQLite the event loop should not wait for): one at a time.
-        self._lock = threading.RLock()
-        self._db = open_or_start_empty(self.path, self._connect, "telemetry queue",
-                                       "telemetry collected before this start is lost")
+        self._writer = outbox.writer(durable=False)
+        self._writer.db.executescript(_SCHEMA)
+        for path in adopt:
+            self._adopt(path)
 
-    def _connect(self) -> sqlite3.Connection:
-        # NORMAL: a process crash loses nothing committed; a power loss may lose the last moments
-        db = connect_private(self.path, _SCHEMA, synchronous="NORMAL", probe_table="entries")
-        if "n" not in {row[1] for row in db.execute("PRAGMA table_info(entries)")}:
-            db.execute("ALTER TABLE entries ADD COLUMN n INTEGER NOT NULL DEFAULT 1")
-        for stream in STREAMS:
-            db.execute("INSERT OR IGNORE INTO streams(stream) VALUES(?)", (stream,))
-        return db
+    def add_lane(self, stream: str, send: BatchSend, *, batch_size: int, interval: float) -> None:
+        """Deliver `stream` with `send`: at most `batch_size` entries (and MAX_BATCH_BYTES) a batch, gathered for
+        `interval` after the first, retried with a backoff capped at `interval`."""
+        self.outbox.add_lane(lane(stream), send, batch=batch_size, batch_entries=batch_size,
+                             batch_bytes=MAX_BATCH_BYTES, debounce=interval,
+                             backoff=Backoff(base=min(1.0, interval), cap=interval),
+                             max_bytes=self.caps[stream], max_entries=1 << 62,
+                             on_drop=lambda entries, nbytes: self.on_drop(stream, entries, nbytes, "full"))
 
-    @_locked
     def close(self) -> None:
-        self._db.close()
+        self._writer.close()
 
     # -- writing ------------------------------------------------------------------------------------------------
 
-    @_locked
     def append(self, stream: str, entries: Iterable[Mapping[str, Any]], *,
                position: tuple[str, Any] | None = None) -> bool:
-        """Queue `entries` (and, in the same transaction, move `position` = (source, value)); drop the oldest
-        past the stream's cap. False when the write failed (the entries are counted as dropped)."""
-        rows = [(stream, len(body), body, n) for body, n in _packed(map(encode, entries), self.pack)]
-        count = sum(r[3] for r in rows)
+        """Queue `entries` (and, in the same transaction, move `position` = (source, value)); the oldest go past
+        the stream's cap. Any thread. False when the write failed (the entries are counted as dropped)."""
+        rows = list(_packed(map(encode, entries), self.pack))
+        count = sum(n for _, n in rows)
         if not rows and position is None:
             return True
         try:
-            with immediate(self._db):
-                self._db.executemany("INSERT INTO entries(stream, size, body, n) VALUES(?,?,?,?)", rows)
-                self._db.execute("UPDATE streams SET bytes = bytes + ?, count = count + ? WHERE stream=?",
-                                 (sum(r[1] for r in rows), count, stream))
+            with self._writer.transaction() as db:
+                self._writer.put_texts(lane(stream), stream, rows)
                 if position is not None:
-                    self._db.execute("INSERT OR REPLACE INTO positions(source, value) VALUES(?,?)",
-                                     (position[0], json.dumps(position[1])))
-                dropped = self._trim(stream)
+                    db.execute("INSERT OR REPLACE INTO telemetry_positions(source, value) VALUES(?,?)",
+                               (position[0], json.dumps(position[1])))
+                lost = self._unwritable.get(stream, 0)
+                if lost:  # writes work again: what was lost meanwhile is counted for good
+                    self._writer.count("dropped_unwritable", lane(stream), lost)
         except sqlite3.Error as exc:
             self._write_failed(stream, count, exc)
             return False
         self._write_worked(stream)
-        if dropped[0]:
-            self.on_drop(stream, dropped[0], dropped[1], "full")
         return True
-
-    def _trim(self, stream: str) -> tuple[int, int]:
-        """Delete the oldest entries until the stream fits its cap; (entries, bytes) deleted."""
-        total, _ = self._db.execute("SELECT bytes, count FROM streams WHERE stream=?", (stream,)).fetchone()
-        excess = total - self.caps.get(stream, total)
-        if excess <= 0:
-            return 0, 0
-        freed, count, last = 0, 0, None
-        for seq, size, n in self._db.execute("SELECT seq, size, n FROM entries WHERE stream=? ORDER BY seq",
-                                             (stream,)):
-            freed, count, last = freed + size, count + n, seq
-            if freed >= excess:
-                break
-        self._db.execute("DELETE FROM entries WHERE stream=? AND seq<=?", (stream, last))
-        self._db.execute("UPDATE streams SET bytes = bytes - ?, count = count - ?, dropped = dropped + ?, "
-                         "dropped_bytes = dropped_bytes + ? WHERE stream=?", (freed, count, count, freed, stream))
-        return count, freed
 
     def _write_failed(self, stream: str, count: int, exc: sqlite3.Error) -> None:
         first = stream not in self._unwritable
         self._unwritable[stream] = self._unwritable.get(stream, 0) + count
         if first:
             log.error("telemetry queue %s cannot be written (%s): %s entries lost, and every %s entry until it "
-                      "can be; the mesh is not affected", self.path, exc, count, stream)
+                      "can be; the mesh is not affected", self.outbox.path, exc, count, stream)
         self.on_drop(stream, count, 0, f"unwritable: {exc}")
 
     def _write_worked(self, stream: str) -> None:
         lost = self._unwritable.pop(stream, None)
-        if lost is None:
-            return
-        log.warning("telemetry queue %s writable again; %d %s entries were lost while it was not", self.path, lost,
-                    stream)
-        try:
-            self._db.execute("UPDATE streams SET dropped = dropped + ? WHERE stream=?", (lost, stream))
-        except sqlite3.Error:
-            pass
+        if lost is not None:
+            log.warning("telemetry queue %s writable again; %d %s entries were lost while it was not",
+                        self.outbox.path, lost, stream)
 
     # -- reading ------------------------------------------------------------------------------------------------
 
-    @_locked
-    def batch(self, stream: str, limit: int, max_bytes: int = MAX_BATCH_BYTES) -> Batch | None:
-        """The oldest entries of `stream`: at most `limit`, and at most `max_bytes`, unless the first stored row
-        alone is more."""
-        texts, size, count, last = [], 0, 0, 0
-        for seq, length, body, n in self._db.execute(
-                "SELECT seq, size, body, n FROM entries WHERE stream=? AND seq>? ORDER BY seq LIMIT ?",
-                (stream, self._sent_upto.get(stream, 0), limit)):
-            if texts and (size + length > max_bytes or count + n > limit):
-                break
-            texts.append(body)
-            size, count, last = size + length, count + n, seq
-        return Batch(stream, last, texts, count) if texts else None
+    def position(self, source: str) -> Any:
+        with self._writer.transaction() as db:
+            row = db.execute("SELECT value FROM telemetry_positions WHERE source=?", (source,)).fetchone()
+        return json.loads(row[0]) if row else None  # our own 0600 file
 
-    @_locked
-    def delivered(self, batch: Batch) -> None:
-        """The control plane took `batch`: forget it."""
-        self._sent_upto[batch.stream] = max(batch.last_seq, self._sent_upto.get(batch.stream, 0))
-        with_size = self._db.execute("SELECT coalesce(sum(size), 0), coalesce(sum(n), 0) FROM entries WHERE "
-                                     "stream=? AND seq<=?", (batch.stream, batch.last_seq)).fetchone()
-        try:
-            with immediate(self._db):
-                self._db.execute("DELETE FROM entries WHERE stream=? AND seq<=?", (batch.stream, batch.last_seq))
-                self._db.execute("UPDATE streams SET bytes = bytes - ?, count = count - ? WHERE stream=?",
-                                 (*with_size, batch.stream))
-        except sqlite3.Error as exc:  # skipped by batch(); deleted with the next delivered batch
-            log.debug("telemetry queue %s: cannot delete a delivered %s batch yet: %s", self.path, batch.stream,
-                      exc)
+    def dropped(self, stream: str) -> int:
+        return (self.outbox.counter("dropped_full", lane(stream)) + self.outbox.counter("dropped_unwritable",
+                lane(stream)) + self._unwritable.get(stream, 0))
 
-    @_locked
     def unreported_drops(self) -> dict[str, int]:
         """Per stream, entries dropped (cap or unwritable) that the control plane has not been told of."""
-        rows = self._db.execute("SELECT stream, dropped, reported FROM streams")
-        out = {stream: dropped - reported + self._unwritable.get(stream, 0) for stream, dropped, reported in rows}
+        out = {s: self.dropped(s) - self.outbox.counter("drops_reported", lane(s)) for s in STREAMS}
         return {stream: count for stream, count in out.items() if count > 0}
 
-    @_locked
     def drops_reported(self, counts: dict[str, int]) -> None:
         try:
-            self._db.executemany("UPDATE streams SET reported = reported + ? WHERE stream=?",
-                                 [(count, stream) for stream, count in counts.items()])
+            for stream, count in counts.items():
+                self.outbox.count("drops_reported", lane(stream), count)
         except sqlite3.Error as exc:  # told again next time: a repeated notice, never a silent loss
-            log.debug("telemetry queue %s: cannot record a reported drop: %s", self.path, exc)
+            log.debug("telemetry queue %s: cannot record a reported drop: %s", self.outbox.path, exc)
 
-    @_locked
-    def position(self, source: str) -> Any:
-        row = self._db.execute("SELECT value FROM positions WHERE source=?", (source,)).fetchone()
-        return json.loads(row[0]) if row else None
+    def status(self, stream: str) -> dict[str, Any]:
+        st = self.outbox.status(lane(stream))
+        return {"pending": st["pending"], "bytes": st["bytes"], "dropped": self.dropped(stream),
+                "dropped_bytes": st["dropped_bytes"], "cap_bytes": self.caps.get(stream, 0), "sent": st["sent"],
+                "refused": st["refused"], "last_error": st["last_error"]}
 
-    @_locked
-    def status(self, stream: str) -> dict[str, int]:
-        nbytes, count, dropped, dropped_bytes = self._db.execute(
-            "SELECT bytes, count, dropped, dropped_bytes FROM streams WHERE stream=?", (stream,)).fetchone()
-        return {"pending": count, "bytes": nbytes, "dropped": dropped + self._unwritable.get(stream, 0),
-                "dropped_bytes": dropped_bytes, "cap_bytes": self.caps.get(stream, 0)}
+    # -- an older version's file --------------------------------------------------------------------------------
+
+    def _adopt(self, legacy: Path) -> None:
+        def taken(flag: str) -> bool:
+            with self._writer.transaction() as db:
+                return db.execute("SELECT 1 FROM telemetry_flags WHERE name = ?", (flag,)).fetchone() is not None
+
+        def write(rows: tuple[list[Any], list[Any], list[Any]], flag: str) -> None:
+            entries, streams, positions = rows
+            with self._writer.transaction() as db:
+                for stream in STREAMS:  # one put per stream: the caps are checked once
+                    self._writer.put_texts(lane(stream), stream, [(body, n) for s, body, n in entries if s == stream])
+                for stream, dropped, dropped_bytes, reported in streams:
+                    if stream in STREAMS:
+                        self._writer.count("dropped_full", lane(stream), dropped)
+                        self._writer.count("dropped_bytes", lane(stream), dropped_bytes)
+                        self._writer.count("drops_reported", lane(stream), reported)
+                db.executemany("INSERT OR REPLACE INTO telemetry_positions(source, value) VALUES(?,?)", positions)
+                db.execute("INSERT INTO telemetry_flags VALUES (?)", (flag,))
+            log.info("telemetry queue taken over from %s: %d undelivered entries, %d source positions", legacy,
+                     sum(n for _, _, n in entries), len(positions))
+
+        take_over(legacy, what="telemetry queue", lost="telemetry collected before this start is lost",
+                  taken=taken, read=_read_legacy, write=write)
+
+
+def _read_legacy(old: sqlite3.Connection) -> tuple[list[Any], list[Any], list[Any]]:
+    """(entries as (stream, body, n), streams' (stream, dropped, dropped_bytes, reported), positions) of an
+    older telemetry.db (the first version had no `n`: one entry a row)."""
+    tables = {name for (name,) in old.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    packed = "n" in {row[1] for row in old.execute("PRAGMA table_info(entries)")}
+    entries = old.execute(f"SELECT stream, body, {'n' if packed else '1'} FROM entries ORDER BY seq").fetchall()
+    streams = (old.execute("SELECT stream, dropped, dropped_bytes, reported FROM streams").fetchall()
+               if "streams" in tables else [])
+    positions = old.execute("SELECT source, value FROM positions").fetchall() if "positions" in tables else []
+    return entries, streams, positions
 
 
 def _packed(texts: Iterable[str], pack: int) -> Iterator[tuple[str, int]]:
@@ -243,4 +205,9 @@ def _packed(texts: Iterable[str], pack: int) -> Iterator[tuple[str, int]]:
 
 
 def encode(entry: Mapping[str, Any]) -> str:
-    return json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(entry, ensure_ascii=False, separators=(",", ":"))
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate from outside input (a journal field): escaped, as JSON allows
+        return json.dumps(entry, separators=(",", ":"))
+    return text

@@ -1,38 +1,39 @@
-"""Telemetry for the control plane: three streams, each a collector that queues on disk and a shipper that
-drains the queue (plexd-protocol.md §1.14 shapes, §6 intervals, all configurable under ``telemetry``).
+"""Telemetry for the control plane: three streams, each a collector that queues in a lane of the one uplink
+outbox, which delivers it (plexd-protocol.md §1.14 shapes, §6 intervals, all configurable under ``telemetry``).
 
     metrics  every collect_interval: system (/proc, statvfs), tunnel per peer on the live device, latency per
              peer (ICMP over the mesh, -1 when unanswered)             → POST /metrics every report_interval
     logs     the journal (journalctl, cursor kept) or log files (followed across rotation)  → POST /logs
     audit    auditd's log (records joined by serial) and the local actions audit log       → POST /audit
 
-Each stream is one supervised service (``telemetry_metrics``, ``telemetry_logs``, ``telemetry_audit``): a bug or a
-bad input in one restarts that stream only, and none of them touches the mesh. When a queue's byte cap drops
-entries, the count goes to the log (at most a line a minute per stream), to ``plexd status`` and the Prometheus
-endpoint, and — as one ``warning`` entry from ``plexd`` with the count — to the control plane ahead of the
-next logs batch.
+Each stream's collection is one supervised service (``telemetry_metrics``, ``telemetry_logs``,
+``telemetry_audit``): a bug or a bad input in one restarts that stream only, and none of them touches the mesh.
+Delivery is the uplink outbox's (its ``uplink`` service, each stream a lane: batches of ``batch_size`` gathered for
+``report_interval``, the one retry policy with a backoff capped at ``report_interval``). When a lane's byte cap
+drops entries, the count goes to the log (at most a line a minute per stream), to ``plexd status`` and the
+Prometheus endpoint, and — as one ``warning`` entry from ``plexd`` with the count — to the control plane ahead of
+the next logs batch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from plexd.base.gojson import GO_ZERO_TIME, format_unix, now_text
+from plexd.base.gojson import GO_ZERO_TIME, EncodedJSON, format_unix, now_text
 from plexd.config.settings import TelemetryConfig
+from plexd.controlplane.uplink import BatchSend, Entry, UplinkOutbox
 from plexd.identity import datadir
 from plexd.mesh.wireguard import DeviceConfig
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
 from plexd.telemetry.ping import ProbeUnavailable, round_trips
-from plexd.telemetry.queue import PACK_ENTRIES, STREAMS, TelemetryQueue
-from plexd.telemetry.shipper import Shipper
+from plexd.telemetry.queue import PACK_ENTRIES, STREAMS, TelemetryQueue, encode
 from plexd.telemetry.system import SystemSampler
 from plexd.telemetry.tail import FileTail
 
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 
 STALE_HANDSHAKE = 300.0  # §1.14: handshake_stale when older than 5 min
 DROP_LOG_EVERY = 60.0
-Post = Callable[[str, Sequence[dict[str, Any]]], Awaitable[None]]  # (stream, entries): one POST to the control plane
+Post = Callable[[str, EncodedJSON], Awaitable[None]]  # (stream, a JSON array of entries): one POST to the control plane
 
 
 def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfig | None,
@@ -77,21 +78,20 @@ def take_turn(items: Sequence[Any], budget: int, start: int) -> tuple[list[Any],
 
 
 class Telemetry:
-    def __init__(self, cfg: TelemetryConfig, data_dir: str, hostname: str, post: Post, *,
+    def __init__(self, cfg: TelemetryConfig, outbox: UplinkOutbox, hostname: str, post: Post, *,
                  observe_device: Callable[[], Awaitable[DeviceConfig | None]],
-                 desired_peers: Callable[[], Mapping[str, Peer]], local_audit: str = "") -> None:
+                 desired_peers: Callable[[], Mapping[str, Peer]], local_audit: str = "",
+                 older_queues: Sequence[Path] = ()) -> None:
+        """`older_queues`: where an older version may have left its telemetry.db (`telemetry_db_paths`)."""
         self.cfg, self.hostname = cfg, hostname
         self.observe_device, self.desired_peers = observe_device, desired_peers
         self.local_audit = local_audit
         stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
         caps = {name: c.queue_max_bytes for name, c in stream_cfg.items()}
-        self.queue = TelemetryQueue(Path(cfg.queue_dir or data_dir) / datadir.TELEMETRY_DB, caps, on_drop=self._dropped,
+        self.queue = TelemetryQueue(outbox, caps, on_drop=self._dropped, adopt=older_queues,
                                     pack=min([PACK_ENTRIES] + [c.batch_size for c in stream_cfg.values()]))
-        # the logs stream also carries the notices of what any stream lost
-        self.shippers = {name: Shipper(self.queue, name, functools.partial(post, name), batch_size=c.batch_size,
-                                       interval=c.report_interval,
-                                       preface=self._drop_notices if name == "logs" else None)
-                         for name, c in stream_cfg.items()}
+        for name, c in stream_cfg.items():  # every stream, enabled or not: what an earlier run queued still goes
+            self.queue.add_lane(name, self._sender(name, post), batch_size=c.batch_size, interval=c.report_interval)
         self.enabled = [name for name in STREAMS if stream_cfg[name].enabled]
         self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
         self.system = SystemSampler()
@@ -159,8 +159,18 @@ class Telemetry:
                 await asyncio.sleep(due - loop.time())
 
         async with asyncio.TaskGroup() as group:
-            for job in (collecting(), self.shippers[name].run(), *extra):
+            for job in (collecting(), *extra):
                 group.create_task(job)
+
+    def _sender(self, stream: str, post: Post) -> BatchSend:
+        """How a batch of the stream's lane goes: its stored texts inside one array (never decoded), the logs
+        stream's with the notices of what any stream lost ahead of them."""
+        async def send(entries: Sequence[Entry]) -> None:
+            notices, told = self._drop_notices() if stream == "logs" else ([], None)
+            await post(stream, EncodedJSON.array([encode(e) for e in notices] + [e.text for e in entries]))
+            if told is not None:
+                told()
+        return send
 
     # -- metrics ------------------------------------------------------------------------------------------------
 
@@ -198,14 +208,14 @@ class Telemetry:
     # -- losses -------------------------------------------------------------------------------------------------
 
     def _dropped(self, stream: str, count: int, nbytes: int, why: str) -> None:
+        """In the collector's worker thread: the log line only (the counts are the outbox's, `plexd status`)."""
         if why == "full":
             pending = self._drops.setdefault(stream, [0, 0.0])
             pending[0] += count
             if time.monotonic() - pending[1] >= DROP_LOG_EVERY:
-                total = self.queue.status(stream)["dropped"]
-                log.warning("telemetry: %s queue full (%d bytes): dropped the %d oldest entries (%d in all); "
-                            "raise telemetry.%s.queue_max_bytes to keep more through an outage", stream,
-                            self.queue.caps[stream], pending[0], total, stream)
+                log.warning("telemetry: %s queue full (%d bytes): dropped the %d oldest entries since the last "
+                            "line; raise telemetry.%s.queue_max_bytes to keep more through an outage", stream,
+                            self.queue.caps[stream], pending[0], stream)
                 pending[:] = [0, time.monotonic()]
 
     def _drop_notices(self) -> tuple[list[dict[str, Any]], Callable[[], None]]:
@@ -220,8 +230,13 @@ class Telemetry:
         return entries, lambda: self.queue.drops_reported(counts)
 
     def status(self) -> dict[str, Any]:
-        return {name: {**self.shippers[name].status(), "enabled": name in self.enabled} for name in STREAMS}
+        return {name: {**self.queue.status(name), "enabled": name in self.enabled} for name in STREAMS}
 
     async def close(self) -> None:
         self.queue.close()
 
+
+
+def telemetry_db_paths(cfg: TelemetryConfig, data_dir: str) -> list[Path]:
+    """Where versions before the one outbox kept their telemetry queue: data_dir, and `queue_dir` when set."""
+    return list(dict.fromkeys(Path(d) / datadir.TELEMETRY_DB for d in (data_dir, cfg.queue_dir) if d))

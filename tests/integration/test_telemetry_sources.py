@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.telemetry.logs import JournalLogs
-from plexd.telemetry.queue import TelemetryQueue
+from plexd.telemetry.queue import TelemetryQueue, lane
 from plexd.telemetry.tail import MAX_LINE, TRUNCATED
 
 pytestmark = pytest.mark.root
@@ -113,12 +114,17 @@ def test_latency_is_measured_with_real_icmp_and_minus_one_without_an_answer():
     assert rtts["unrouted"] == rtts["blackholed"] == rtts["v6"] == -1
 
 
+async def no_sender(kind, body):
+    raise AssertionError("nothing is delivered here")
+
+
 def test_a_full_disk_under_the_queue_costs_only_what_could_not_be_written(tmp_path, caplog):
     mount = tmp_path / "small"
     mount.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)], check=True)
     try:
-        queue = TelemetryQueue(mount / "telemetry.db", {"logs": 1 << 30})
+        box = UplinkOutbox(mount / "uplink.db", no_sender)
+        queue = TelemetryQueue(box, {"logs": 1 << 30})
         entry = {"message": "m" * 2000}
         assert queue.append("logs", [entry | {"n": 0}]) is True
         filler = mount / "filler"
@@ -138,9 +144,10 @@ def test_a_full_disk_under_the_queue_costs_only_what_could_not_be_written(tmp_pa
         with caplog.at_level(logging.WARNING, logger="plexd.telemetry.queue"):
             assert queue.append("logs", [entry | {"n": 99}]) is True
         assert [r.getMessage() for r in caplog.records] == [
-            f"telemetry queue {mount / 'telemetry.db'} writable again; 40 logs entries were lost while it was not"]
-        batch = queue.batch("logs", 100)
-        assert [e["n"] for e in batch.entries] == [0, 99] and queue.status("logs")["dropped"] == 40
+            f"telemetry queue {mount / 'uplink.db'} writable again; 40 logs entries were lost while it was not"]
+        stored = [json.loads(f"[{e.text}]") for e in box.pending(lane("logs"))]
+        assert [e["n"] for row in stored for e in row] == [0, 99] and queue.status("logs")["dropped"] == 40
         queue.close()
+        box.close()
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -1,7 +1,7 @@
 """One retry policy for everything the node sends on its own: the drift-report outbox, action results, node-API
 report sync and telemetry all classify a control-plane answer the same way (retry with backoff, wait out the
-server's Retry-After, drop a 4xx that can never succeed). Drift reports, action messages and report changes are
-lanes of the one uplink outbox, telemetry has its own queue; each is driven with a send function standing in for
+server's Retry-After, drop a 4xx that can never succeed). Drift reports, action messages, report changes and
+telemetry are lanes of the one uplink outbox; each is driven with a send function standing in for
 the control plane (the real POST paths run against the devplane in the e2e labs); what is checked here is that
 the four agree, answer by answer."""
 
@@ -18,8 +18,7 @@ from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentErr
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.sync import ReportSync
-from plexd.telemetry.queue import TelemetryQueue
-from plexd.telemetry.shipper import Shipper
+from plexd.telemetry.queue import TelemetryQueue, lane
 
 FAST = {"base": 0.01, "cap": 0.02, "jitter": 0}
 ANSWERS = [
@@ -86,11 +85,14 @@ async def reports(tmp_path, error) -> tuple[bool, float]:
 
 async def telemetry(tmp_path, error) -> tuple[bool, float]:
     send, _ = failing_once(error)
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
+    box = UplinkOutbox(tmp_path / "uplink.db", send)
+    queue = TelemetryQueue(box, {"logs": 1 << 20})
+    queue.add_lane("logs", send, batch_size=10, interval=0.05)
     queue.append("logs", [{"n": 1}])
-    shipper = Shipper(queue, "logs", send, batch_size=10, interval=0.05, backoff=Backoff(**FAST))
-    delay = await shipper.drain()
-    return queue.batch("logs", 10) is not None, delay or 0.0
+    before = time.monotonic()
+    await box.deliver()
+    kept = queue.status("logs")["pending"] == 1
+    return kept, box.retry_at(lane("logs")) - before if kept else 0.0
 
 
 @pytest.mark.parametrize("consumer", [uplink, actions, reports, telemetry])

@@ -1,5 +1,5 @@
 """Journal entries as §1.14 log entries (plexd.telemetry.logs), the system sampler on this machine's /proc, and
-a stream's shipper draining its queue through failures (plexd.telemetry.shipper)."""
+a stream's lane of the uplink outbox delivered through failures (plexd.telemetry.queue)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import json
 
 import pytest
 
+from plexd.base.gojson import EncodedJSON
 from plexd.controlplane.errors import PermanentError, TransientError
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.telemetry.logs import JournalLogs, journal_entry, severity
-from plexd.telemetry.queue import TelemetryQueue
-from plexd.telemetry.shipper import Shipper
+from plexd.telemetry.queue import TelemetryQueue, lane
 from plexd.telemetry.system import SystemSampler
 from plexd.telemetry.tail import MAX_LINE, TRUNCATED
 
@@ -56,22 +57,24 @@ def test_the_system_sample_reads_this_machine():
 
 
 @pytest.mark.asyncio
-async def test_a_shipper_sends_in_order_retries_transient_failures_and_drops_refused_batches(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20}, pack=3)  # as the service sizes it: ≤ a batch
-    queue.append("logs", [{"n": i} for i in range(10)])
+async def test_a_stream_is_sent_in_order_transient_failures_retried_and_refused_batches_dropped(tmp_path):
     received, answers = [], [TransientError("logs batch", 503, "busy"), None,
                               PermanentError("logs batch", 404, "gone"), None, None]
 
-    async def send(body):  # the JSON array as the queue stored its entries: sent without decoding them
+    async def send(entries):  # the JSON array as the queue stored its entries: sent without decoding them
         answer = answers.pop(0) if answers else None
         if answer is not None:
             raise answer
-        received.append([e["n"] for e in json.loads(body.text)])
+        received.append([e["n"] for e in json.loads(EncodedJSON.array([e.text for e in entries]).text)])
 
-    shipper = Shipper(queue, "logs", send, batch_size=3, interval=0.05)
-    delay = await shipper.drain()
-    assert delay is not None and 0 < delay <= 0.05 * 1.25 and received == []  # the 503: kept, retried later
-    await asyncio.sleep(delay)
-    assert await shipper.drain() is None
+    box = UplinkOutbox(tmp_path / "uplink.db", send)
+    queue = TelemetryQueue(box, {"logs": 1 << 20}, pack=3)  # as the service sizes it: ≤ a batch
+    queue.add_lane("logs", send, batch_size=3, interval=0.05)
+    queue.append("logs", [{"n": i} for i in range(10)])
+    await box.deliver(lane("logs"))
+    assert received == [] and queue.status("logs")["pending"] == 10  # the 503: kept, retried later
+    await asyncio.sleep(0.07)
+    await box.deliver(lane("logs"))
     assert received == [[0, 1, 2], [6, 7, 8], [9]]  # [3, 4, 5] was refused for good and dropped
-    assert shipper.status()["refused"] == 3 and shipper.status()["sent"] == 7 and queue.batch("logs", 10) is None
+    status = queue.status("logs")
+    assert (status["refused"], status["sent"], status["pending"]) == (3, 7, 0)

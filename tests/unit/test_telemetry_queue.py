@@ -1,113 +1,208 @@
-"""The telemetry spool (plexd.telemetry.queue) on a real SQLite file: order, byte caps that drop the oldest and
-count it, positions committed with their entries, and a restart that loses nothing."""
+"""Telemetry's lanes of the one uplink outbox (plexd.telemetry.queue) on a real SQLite file: order, byte caps that
+drop the oldest of one stream only and count it, positions committed with their entries, batches of whole packed
+rows sent as one array, appends from worker threads, a restart that loses nothing, and an older version's
+telemetry.db taken over once."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import sqlite3
 
 from plexd.base.gojson import EncodedJSON
-from plexd.telemetry.queue import TelemetryQueue
+from plexd.controlplane.uplink import UplinkOutbox
+from plexd.telemetry.queue import TelemetryQueue, lane
 
 
 def entries(start: int, count: int, pad: int = 0) -> list[dict]:
     return [{"n": i, "pad": "x" * pad} for i in range(start, start + count)]
 
 
-def drain(queue: TelemetryQueue, stream: str, limit: int = 7) -> list[int]:
-    seen = []
-    while (batch := queue.batch(stream, limit)) is not None:
-        seen += [e["n"] for e in batch.entries]
-        queue.delivered(batch)
-    return seen
+class Control:
+    """Stands in for the control plane: records each POSTed array."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[dict]] = []
+
+    async def send(self, batch) -> None:
+        self.batches.append(json.loads(EncodedJSON.array([e.text for e in batch]).text))
+
+    def numbers(self) -> list[int]:
+        return [e["n"] for batch in self.batches for e in batch]
 
 
-def test_entries_come_out_in_order_per_stream_and_survive_a_reopen(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"metrics": 1 << 20, "logs": 1 << 20}, pack=4)
+async def no_default_lane(kind, body):
+    raise AssertionError(f"{kind} has no lane")
+
+
+def open_queue(path, caps, control: Control, *, pack: int = 100, batch_size: int = 1000, **kw):
+    box = UplinkOutbox(path, no_default_lane)
+    queue = TelemetryQueue(box, caps, pack=pack, **kw)
+    for stream in caps:
+        queue.add_lane(stream, control.send, batch_size=batch_size, interval=0.05)
+    return box, queue
+
+
+async def test_entries_come_out_in_order_per_stream_and_survive_a_restart(tmp_path):
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"metrics": 1 << 20, "logs": 1 << 20}, control, pack=4,
+                            batch_size=4)
     queue.append("metrics", entries(0, 10))
     queue.append("logs", entries(100, 3))
     queue.append("metrics", entries(10, 5))
-    batch = queue.batch("metrics", 4)
-    assert [e["n"] for e in batch.entries] == [0, 1, 2, 3]
-    queue.delivered(batch)
+    box.add_lane(lane("metrics"), control.send, batch=1)  # one row only, then "crash"
+    entry = box.pending(lane("metrics"), 1)
+    await control.send(entry)
+    box._remove(lane("metrics"), entry)
+    assert control.numbers() == [0, 1, 2, 3]
     queue.close()
+    box.close()
 
-    again = TelemetryQueue(tmp_path / "t.db", {"metrics": 1 << 20, "logs": 1 << 20})
-    assert again.status("metrics")["pending"] == 11
-    assert drain(again, "metrics") == list(range(4, 15))
-    assert drain(again, "logs") == [100, 101, 102]
-    assert again.status("metrics") | {"cap_bytes": 0} == {"pending": 0, "bytes": 0, "dropped": 0,
-                                                          "dropped_bytes": 0, "cap_bytes": 0}
-    assert oct((tmp_path / "t.db").stat().st_mode & 0o777) == "0o600"
+    again = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"metrics": 1 << 20, "logs": 1 << 20}, again)
+    assert queue.status("metrics")["pending"] == 11
+    await box.deliver(lane("metrics"))
+    await box.deliver(lane("logs"))
+    assert again.numbers() == [*range(4, 15), 100, 101, 102]
+    status = queue.status("metrics")
+    assert (status["pending"], status["bytes"], status["dropped"], status["sent"]) == (0, 0, 0, 11)
+    assert oct((tmp_path / "uplink.db").stat().st_mode & 0o777) == "0o600"
 
 
-def test_a_full_stream_drops_its_oldest_entries_and_counts_them(tmp_path):
+async def test_a_full_stream_drops_its_oldest_entries_counts_them_and_no_other_lane_loses_anything(tmp_path):
     drops = []
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 2000}, on_drop=lambda *a: drops.append(a))
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"logs": 2000, "audit": 1 << 20}, control,
+                            on_drop=lambda *a: drops.append(a))
+    box.put("drift_report", {"drift": 1}, lane="drift")
+    queue.append("audit", entries(500, 2))
     for start in range(0, 100, 10):
         queue.append("logs", entries(start, 10, pad=30))
-    left = drain(queue, "logs", 1000)
+    await box.deliver(lane("logs"))
+    left = control.numbers()
     assert left == list(range(100 - len(left), 100))  # the newest are kept, in order
     status = queue.status("logs")
-    assert status["dropped"] == 100 - len(left) > 0
+    assert status["dropped"] == 100 - len(left) > 0 and status["dropped_bytes"] > 0
     assert sum(d[1] for d in drops) == status["dropped"] and {d[3] for d in drops} == {"full"}
+    assert box.size("drift") == 1 and queue.status("audit")["pending"] == 2  # the cap is the logs lane's
+    assert queue.unreported_drops() == {"logs": status["dropped"]}
+    queue.drops_reported({"logs": status["dropped"]})
     queue.close()
-    assert TelemetryQueue(tmp_path / "t.db", {"logs": 2000}).status("logs")["dropped"] == status["dropped"]
+    box.close()
+    box, queue = open_queue(tmp_path / "uplink.db", {"logs": 2000, "audit": 1 << 20}, Control())
+    assert queue.status("logs")["dropped"] == status["dropped"] and queue.unreported_drops() == {}
 
 
-def test_a_position_is_committed_with_the_entries_read_up_to_it(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
+async def test_a_position_is_committed_with_the_entries_read_up_to_it(tmp_path):
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"logs": 1 << 20}, control)
     assert queue.position("file:/x") is None
     queue.append("logs", entries(0, 2), position=("file:/x", {"ino": 5, "offset": 80}))
     assert queue.position("file:/x") == {"ino": 5, "offset": 80}
     # a write that fails moves neither: the entries are counted as lost, the position stays where it was
-    queue._db.execute("CREATE TRIGGER refuse BEFORE INSERT ON entries BEGIN SELECT RAISE(FAIL, 'disk full'); END")
+    box.db.execute("CREATE TRIGGER refuse BEFORE INSERT ON outbox BEGIN SELECT RAISE(FAIL, 'disk full'); END")
     assert queue.append("logs", entries(2, 2), position=("file:/x", {"ino": 5, "offset": 160})) is False
     assert queue.position("file:/x") == {"ino": 5, "offset": 80}
-    assert queue.status("logs")["dropped"] == 2
-    queue._db.execute("DROP TRIGGER refuse")
+    assert queue.status("logs")["dropped"] == 2 and queue.unreported_drops() == {"logs": 2}
+    box.db.execute("DROP TRIGGER refuse")
     assert queue.append("logs", entries(4, 1)) is True
-    assert drain(queue, "logs") == [0, 1, 4]
-    assert queue.status("logs")["dropped"] == 2  # persisted once writes work again
+    await box.deliver(lane("logs"))
+    assert control.numbers() == [0, 1, 4]
+    queue.close()
+    box.close()
+    box, queue = open_queue(tmp_path / "uplink.db", {"logs": 1 << 20}, control)
+    assert queue.status("logs")["dropped"] == 2  # persisted once writes worked again
 
 
-def test_a_batch_stays_under_the_byte_limit_unless_one_entry_is_larger(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"audit": 1 << 24})
-    for n in range(5):  # five appends: five rows
-        queue.append("audit", entries(n, 1, pad=400))
-    assert len(queue.batch("audit", 100, max_bytes=1000).entries) == 2
-    assert len(queue.batch("audit", 100, max_bytes=10).entries) == 1
-
-
-def test_one_collection_is_stored_in_a_few_rows_and_sent_as_one_array_never_over_the_batch_size(tmp_path):
-    queue = TelemetryQueue(tmp_path / "t.db", {"metrics": 1 << 24}, pack=100)
+async def test_one_collection_is_stored_in_a_few_rows_and_sent_as_one_array_never_over_the_batch_size(tmp_path):
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"metrics": 1 << 24}, control, batch_size=250)
     queue.append("metrics", entries(0, 1000))
-    assert queue._db.execute("SELECT count(*) FROM entries").fetchone()[0] == 10
+    assert box.size(lane("metrics")) == 10  # rows
     assert queue.status("metrics")["pending"] == 1000
-    batch = queue.batch("metrics", 250)  # whole rows only: two of them
-    assert batch.count == 200 and [e["n"] for e in batch.entries] == list(range(200))
-    assert json.loads(EncodedJSON.array(batch.texts).text) == batch.entries  # what the shipper sends
-    queue.delivered(batch)
-    assert queue.status("metrics")["pending"] == 800 and drain(queue, "metrics", 1000) == list(range(200, 1000))
+    await box.deliver(lane("metrics"))
+    assert [len(b) for b in control.batches] == [200] * 5  # whole rows only: two of them a batch
+    assert control.numbers() == list(range(1000))
 
 
-def test_a_file_of_an_older_version_one_entry_a_row_is_read_and_extended(tmp_path):
-    old = sqlite3.connect(tmp_path / "t.db")
-    old.executescript("""
-        CREATE TABLE entries (seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL,
-                              body TEXT NOT NULL);
-        INSERT INTO entries (stream, size, body) VALUES ('logs', 8, '{"n":7}');
-    """)
+async def test_a_batch_stays_under_its_byte_limit_unless_one_row_is_larger(tmp_path):
+    control = Control()
+    box = UplinkOutbox(tmp_path / "uplink.db", no_default_lane)
+    box.add_lane("audit", control.send, batch=100, batch_bytes=1000)
+    for n in range(5):
+        box.put("audit", {"n": n, "pad": "x" * 400})
+    box.put("audit", {"n": 5, "pad": "x" * 3000})
+    await box.deliver("audit")
+    assert [len(b) for b in control.batches] == [2, 2, 1, 1]
+
+
+async def test_appends_from_worker_threads_are_delivered_by_the_outbox_service(tmp_path):
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"metrics": 1 << 20, "logs": 1 << 20}, control)
+    service = asyncio.create_task(box.run())
+    try:
+        await asyncio.gather(*(asyncio.to_thread(queue.append, "metrics", entries(i * 10, 10)) for i in range(8)),
+                             asyncio.to_thread(queue.append, "logs", entries(900, 1), position=("journal", "c1")))
+        async with asyncio.timeout(10):
+            while len(control.numbers()) < 81:
+                await asyncio.sleep(0.02)
+    finally:
+        service.cancel()
+    assert sorted(control.numbers()) == [*range(80), 900] and queue.position("journal") == "c1"
+
+
+def old_queue(path, *, packed: bool = True) -> None:
+    old = sqlite3.connect(path)
+    if not packed:  # the first version: one entry a row, no counts, no positions
+        old.executescript("""
+            CREATE TABLE entries (seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL,
+                                  body TEXT NOT NULL);
+            INSERT INTO entries (stream, size, body) VALUES ('logs', 7, '{"n":7}'), ('logs', 7, '{"n":8}');
+        """)
+    else:
+        old.executescript("""
+            CREATE TABLE entries (seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL,
+                                  body TEXT NOT NULL, n INTEGER NOT NULL DEFAULT 1);
+            CREATE TABLE streams (stream TEXT PRIMARY KEY, bytes INTEGER NOT NULL DEFAULT 0,
+                                  count INTEGER NOT NULL DEFAULT 0, dropped INTEGER NOT NULL DEFAULT 0,
+                                  dropped_bytes INTEGER NOT NULL DEFAULT 0, reported INTEGER NOT NULL DEFAULT 0);
+            CREATE TABLE positions (source TEXT PRIMARY KEY, value TEXT NOT NULL);
+            INSERT INTO entries (stream, size, body, n) VALUES ('logs', 15, '{"n":7},{"n":8}', 2),
+                                                               ('metrics', 7, '{"n":1}', 1);
+            INSERT INTO streams VALUES ('logs', 15, 2, 30, 900, 20), ('metrics', 7, 1, 0, 0, 0);
+            INSERT INTO positions VALUES ('file:/var/log/x', '{"ino":5,"offset":80}');
+        """)
     old.close()
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
-    queue.append("logs", entries(8, 2))
-    assert drain(queue, "logs") == [7, 8, 9]
 
 
-def test_a_damaged_queue_file_is_moved_aside_and_a_fresh_one_started(tmp_path):
-    (tmp_path / "t.db").write_bytes(b"this is not sqlite" * 100)
-    queue = TelemetryQueue(tmp_path / "t.db", {"logs": 1 << 20})
-    queue.append("logs", entries(0, 1))
-    assert (tmp_path / "t.db.corrupt").exists()
-    assert drain(queue, "logs") == [0]
-    assert (tmp_path / "t.db").read_bytes()[:16] == b"SQLite format 3\x00"  # a new database in its place
+async def test_an_older_versions_telemetry_db_is_taken_over_once_entries_counts_and_positions(tmp_path):
+    old_queue(tmp_path / "telemetry.db")
+    os.link(tmp_path / "telemetry.db", tmp_path / "same-file")
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"metrics": 1 << 20, "logs": 1 << 20}, control,
+                            adopt=[tmp_path / "telemetry.db"])
+    assert not (tmp_path / "telemetry.db").exists()
+    assert queue.position("file:/var/log/x") == {"ino": 5, "offset": 80}  # the next read resumes there
+    assert queue.status("logs")["dropped"] == 30 and queue.unreported_drops() == {"logs": 10}
+    queue.append("logs", entries(9, 1))
+    await box.deliver(lane("logs"))
+    await box.deliver(lane("metrics"))
+    assert control.numbers() == [7, 8, 9, 1]
+    # the very same file again (a crash between the takeover's commit and its removal): removed, not queued twice
+    os.link(tmp_path / "same-file", tmp_path / "telemetry.db")
+    queue._adopt(tmp_path / "telemetry.db")
+    assert not (tmp_path / "telemetry.db").exists()
+    assert queue.status("logs")["pending"] == queue.status("metrics")["pending"] == 0
+
+
+async def test_a_telemetry_db_of_the_first_version_and_an_unreadable_one(tmp_path):
+    old_queue(tmp_path / "telemetry.db", packed=False)
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "telemetry.db").write_bytes(b"this is not sqlite" * 100)
+    control = Control()
+    box, _ = open_queue(tmp_path / "uplink.db", {"logs": 1 << 20}, control,
+                        adopt=[tmp_path / "telemetry.db", tmp_path / "q" / "telemetry.db"])
+    await box.deliver(lane("logs"))
+    assert control.numbers() == [7, 8]
+    assert not (tmp_path / "telemetry.db").exists() and (tmp_path / "q" / "telemetry.db.unreadable").exists()

@@ -189,10 +189,14 @@ async def test_a_lane_nobody_here_sends_stays_queued_for_the_daemon(tmp_path):
 
     box = UplinkOutbox(tmp_path / "uplink.db", by_kind({"drift": post_drift}))
     box.put("result", {"execution_id": "e1", "body": {}}, lane="actions")
+    writer = box.writer(durable=False)  # telemetry: packed rows, queued from the daemon's threads
+    with writer.transaction():
+        writer.put_texts("telemetry_logs", "logs", [('{"n":1},{"n":2}', 2), ('{"n":3}', 1)])
     box.put("drift", {"n": 1})
     assert await box.deliver() != [] and taken == [{"n": 1}]
     assert box.size("actions") == 1 and box.status()["refused"] == 0
-    assert box.retry_at("actions") > 0  # parked: the service does not spin on it
+    assert box.status("telemetry_logs")["pending"] == 3
+    assert box.retry_at("actions") > 0 and box.retry_at("telemetry_logs") > 0  # parked: the service won't spin
 
 
 async def test_a_failed_re_registration_keeps_the_entries_for_a_retry(tmp_path):
