@@ -233,8 +233,10 @@ def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping
     return Ruleset(chains, sets)
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def node_set(node: str, address: str) -> SetSpec:
-    """The set of one node a rule names: its address ("" while the node is unknown: an empty set)."""
+    """The set of one node a rule names: its address ("" while the node is unknown: an empty set). Cached, as
+    `_family`: a policy change builds the sets of every node its rules name, nearly all of them as before."""
     name = set_name(node)
     return SetSpec(name, "ipv6_addr" if _family(address) == 6 else "ipv4_addr",
                    frozenset({_normal(address)}) if address else frozenset(), node)
@@ -259,7 +261,9 @@ def _build_chains(compiled: CompiledPolicy, interface: str, log_denied: bool, fa
     policed = [interface] + ([bridge.access_interface] if bridge.access_interface else [])
     for name, hook in CHAINS.items():
         rules: list[RuleSpec] = []
-        source = compiled.inbound() if name == "input" else compiled.rules
+        # forward leaves out the rules to this node alone: they could never match there, and every rule in the
+        # table makes a positioned insert slower (libnftables reads all of them first)
+        source = compiled.inbound() if name == "input" else compiled.forwarded()
         for iface in policed:
             rules.append(_base(name, "established", iface, [_ct_established(), {"accept": None}]))
             copies: dict[tuple[str, str], int] = {}

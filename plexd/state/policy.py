@@ -128,6 +128,11 @@ class CompiledPolicy:
         """Rules for traffic to this node: those whose destination covers it, in order."""
         return tuple(r for r in self.rules if self._is_self(r.dst))
 
+    def forwarded(self) -> tuple[Rule, ...]:
+        """Rules that can match traffic routed through this node: all but those whose destination is this node
+        alone (a packet to this node's own address is delivered here, never forwarded), in order."""
+        return tuple(r for r in self.rules if not (r.dst.kind == "node" and r.dst.value == self.node_id))
+
     def referenced_nodes(self) -> frozenset[str]:
         return self._referenced
 

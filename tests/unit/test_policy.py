@@ -63,6 +63,16 @@ def test_cidr_ends_inside_the_mesh_range():
     assert [r.src.value for r in c.inbound()] == ["10.100.1.0/24"]
 
 
+def test_forwarded_rules_leave_out_only_those_to_this_node_alone():
+    """Routed traffic is never addressed to this node's own mesh IP: forward needs no copy of those rules (and a
+    smaller table makes libnftables' positioned inserts cheaper)."""
+    pol = [Policy("p", (rule("n_b", "n_a", 22, "tcp"), rule("n_b", "*", 53), rule("n_b", "10.100.1.0/24"),
+                        rule("n_b", "n_c", 80, "tcp"), rule("*", "n_a", action="deny")))]
+    c = compiled(pol)
+    assert [r.dst.value or r.dst.kind for r in c.forwarded()] == ["any", "10.100.1.0/24", "n_c"]
+    assert [r.dst.value or r.dst.kind for r in c.inbound()] == ["n_a", "any", "n_a"]  # n_a is not in the /24
+
+
 def test_bad_rules_are_skipped_by_name_and_the_rest_applies():
     wire = {"policies": [
         {"id": "web", "rules": [
