@@ -28,7 +28,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.rtdump import RouteDumpError, dump_routes
+from plexd.mesh.rtdump import RouteDumpError, dump_addresses, dump_links, dump_routes
 
 log = logging.getLogger(__name__)
 
@@ -121,20 +121,19 @@ class Links:
         return await asyncio.to_thread(self._underlay)
 
     def _underlay(self) -> Underlay:
-        with self._ipr() as ipr:
-            try:
-                mesh = set(ipr.link_lookup(ifname=self.interface))
-                names = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
-                on = {(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}", names.get(a["index"], "")) for a in ipr.get_addr()
-                      if a["index"] not in mesh and a.get("IFA_ADDRESS")
-                      and not (a["family"] == 10 and a["scope"] == RT_SCOPE_LINK)}
-                addresses = {address for address, _ in on}
-                gateways = {gateway for family in (socket.AF_INET, socket.AF_INET6)
-                            for r in dump_routes(family, self.netns)
-                            if r.table == MAIN_TABLE and r.default and r.oif not in mesh for gateway in r.gateways}
-                return Underlay(frozenset(addresses), frozenset(gateways), frozenset(on))
-            except (NetlinkError, RouteDumpError) as e:
-                raise LinkError(f"cannot list this machine's addresses and routes: {e}") from None
+        # Raw dumps (plexd.mesh.rtdump): read before every state pull, where opening an IPRoute cost more than
+        # the reading.
+        try:
+            names = dump_links(self.netns)
+            mesh = {index for index, name in names.items() if name == self.interface}
+            on = {(f"{a.address}/{a.prefixlen}", names.get(a.index, "")) for a in dump_addresses(self.netns)
+                  if a.index not in mesh and not (a.family == socket.AF_INET6 and a.scope == RT_SCOPE_LINK)}
+            gateways = {gateway for family in (socket.AF_INET, socket.AF_INET6)
+                        for r in dump_routes(family, self.netns)
+                        if r.table == MAIN_TABLE and r.default and r.oif not in mesh for gateway in r.gateways}
+        except (OSError, ValueError) as e:  # RouteDumpError is an OSError
+            raise LinkError(f"cannot list this machine's addresses and routes: {e}") from None
+        return Underlay(frozenset(address for address, _ in on), frozenset(gateways), frozenset(on))
 
     async def observe(self) -> LinkState | None:
         return await asyncio.to_thread(self._observe)

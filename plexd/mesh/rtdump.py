@@ -1,11 +1,14 @@
-"""Reading the routing tables over rtnetlink, without pyroute2's message objects.
+"""Reading the routing tables, addresses and link names over rtnetlink, without pyroute2's message objects.
 
 pyroute2 0.9 decodes every route of a dump into a full message object: ~40 µs a route, so 40 ms for each dump
 of a machine with 1,000 mesh routes, four dumps at every reconcile. What the mesh link needs of a route is four
 numbers, its destination and its gateways; decoding just those from the raw dump takes ~1.5 ms for the same
-1,000 routes. Writes stay with pyroute2 (plexd.mesh.links).
+1,000 routes. Opening a pyroute2 `IPRoute` alone costs ~1.5 ms (it starts an event loop of its own), which the
+machine's addresses, read before every state pull, paid each time. Writes stay with pyroute2 (plexd.mesh.links).
 
     dump_routes(family, netns)   every route of one address family, all tables: [Route(table, dst, oif, ...)]
+    dump_addresses(netns)        every address: [Address(index, family, prefixlen, scope, address)]
+    dump_links(netns)            every link's name by index
 """
 
 from __future__ import annotations
@@ -14,22 +17,30 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pyroute2.netns import setns
 
 _NETLINK_ROUTE = 0
+_RTM_NEWLINK, _RTM_GETLINK = 16, 18
+_RTM_NEWADDR, _RTM_GETADDR = 20, 22
 _RTM_NEWROUTE, _RTM_GETROUTE = 24, 26
 _NLM_F_REQUEST, _NLM_F_DUMP, _NLM_F_DUMP_INTR = 0x1, 0x300, 0x10
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _RTA_DST, _RTA_OIF, _RTA_GATEWAY, _RTA_MULTIPATH, _RTA_TABLE = 1, 4, 5, 9, 15
+_IFA_ADDRESS = 1
+_IFLA_IFNAME = 3
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
 _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
+_IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
+_IFINFOMSG = struct.Struct("=BBHiII")  # family, pad, type, index, flags, change
 _ATTR = struct.Struct("=HH")
 _NEXTHOP = struct.Struct("=HBBi")  # rtnexthop: length, flags, hops, ifindex; its own attributes follow
 _U32 = struct.Struct("=I")
 _ATTEMPTS = 3  # a dump the kernel marks interrupted (the table changed under it) is read again
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -46,17 +57,44 @@ class Route:
         return self.dst.endswith("/0")
 
 
+@dataclass(frozen=True)
+class Address:
+    index: int  # the link's
+    family: int
+    prefixlen: int
+    scope: int  # RT_SCOPE_*: 253 is link-local
+    address: str  # IFA_ADDRESS (for a point-to-point IPv4 link, the peer's end, as pyroute2 shows it)
+
+
 class RouteDumpError(OSError):
     pass
 
 
 def dump_routes(family: int, netns: str | None = None) -> list[Route]:
     """Every route of `family` (socket.AF_INET / AF_INET6) in every table, in `netns` (None: this one)."""
+    return _dump(netns, _RTM_GETROUTE, _RTMSG.pack(family, 0, 0, 0, 0, 0, 0, 0, 0), _RTM_NEWROUTE, _route,
+                 "routing table")
+
+
+def dump_addresses(netns: str | None = None) -> list[Address]:
+    """Every address of every link, both families, in `netns` (None: this one)."""
+    return [a for a in _dump(netns, _RTM_GETADDR, _IFADDRMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0), _RTM_NEWADDR,
+                             _address, "address list") if a is not None]
+
+
+def dump_links(netns: str | None = None) -> dict[int, str]:
+    """Every link's name by its index, in `netns` (None: this one)."""
+    return dict(_dump(netns, _RTM_GETLINK, _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0), _RTM_NEWLINK, _link,
+                      "link list"))
+
+
+def _dump(netns: str | None, request_type: int, request: bytes, reply_type: int,
+          decode: Callable[[memoryview], T], what: str) -> list[T]:
     for _ in range(_ATTEMPTS):
-        routes, interrupted = _dump_once(family, netns)
+        items, interrupted = _dump_once(netns, request_type, request, reply_type, decode)
         if not interrupted:
-            return routes
-    raise RouteDumpError(f"the routing table kept changing during {_ATTEMPTS} dumps")
+            return items
+    raise RouteDumpError(f"the {what} kept changing during {_ATTEMPTS} dumps")
 
 
 def _open(netns: str | None) -> socket.socket:
@@ -79,27 +117,27 @@ def _open(netns: str | None) -> socket.socket:
         os.close(here)
 
 
-def _dump_once(family: int, netns: str | None) -> tuple[list[Route], bool]:
+def _dump_once(netns: str | None, request_type: int, request: bytes, reply_type: int,
+               decode: Callable[[memoryview], T]) -> tuple[list[T], bool]:
     with _open(netns) as sock:
         sock.bind((0, 0))
-        request = _RTMSG.pack(family, 0, 0, 0, 0, 0, 0, 0, 0)
-        sock.send(_HEADER.pack(_HEADER.size + len(request), _RTM_GETROUTE, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
+        sock.send(_HEADER.pack(_HEADER.size + len(request), request_type, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
                   + request)
-        routes: list[Route] = []
+        items: list[T] = []
         interrupted = False
         while True:
             data = sock.recv(1 << 20)
             if not data:
-                raise RouteDumpError("the route dump ended without its last message")
+                raise RouteDumpError("the dump ended without its last message")
             for kind, flags, body in _messages(data):
                 if kind == _NLMSG_DONE:
-                    return routes, interrupted
+                    return items, interrupted
                 if kind == _NLMSG_ERROR:
                     (code,) = struct.unpack_from("=i", body)
-                    raise RouteDumpError(-code, f"route dump refused: {os.strerror(-code)}")
+                    raise RouteDumpError(-code, f"dump refused: {os.strerror(-code)}")
                 interrupted |= bool(flags & _NLM_F_DUMP_INTR)
-                if kind == _RTM_NEWROUTE:
-                    routes.append(_route(body))
+                if kind == reply_type:
+                    items.append(decode(body))
 
 
 def _messages(data: bytes) -> Iterator[tuple[int, int, memoryview]]:
@@ -130,6 +168,22 @@ def _route(body: memoryview) -> Route:
         elif attr == _RTA_MULTIPATH:
             gateways += _hop_gateways(family, value)
     return Route(table, _network(family, dst, dst_len), oif, protocol, kind, tuple(gateways))
+
+
+def _address(body: memoryview) -> Address | None:
+    family, prefixlen, _, scope, index = _IFADDRMSG.unpack_from(body)
+    for attr, value in _attributes(body[_IFADDRMSG.size:]):
+        if attr == _IFA_ADDRESS and family in (socket.AF_INET, socket.AF_INET6):
+            return Address(index, family, prefixlen, scope, socket.inet_ntop(family, value))
+    return None  # no address attribute: nothing to protect
+
+
+def _link(body: memoryview) -> tuple[int, str]:
+    _, _, _, index, _, _ = _IFINFOMSG.unpack_from(body)
+    for attr, value in _attributes(body[_IFINFOMSG.size:]):
+        if attr == _IFLA_IFNAME:
+            return index, bytes(value).split(b"\0", 1)[0].decode("utf-8", "replace")
+    return index, ""
 
 
 def _attributes(data: memoryview) -> Iterator[tuple[int, memoryview]]:

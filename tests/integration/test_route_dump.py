@@ -1,6 +1,7 @@
 """The route reader (plexd.mesh.rtdump) against the real kernel: what it decodes from a raw rtnetlink dump is what
 pyroute2 decodes of the same tables (tables past 255, IPv6, default routes with one gateway and with several,
-kernel and unicast routes), and the mesh link's routes and the machine's gateways are read from it."""
+kernel and unicast routes), addresses and link names, and the mesh link's routes and the machine's addresses and
+gateways are read from it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from pyroute2 import IPRoute
 
 from plexd.mesh.links import Links
-from plexd.mesh.rtdump import dump_routes
+from plexd.mesh.rtdump import dump_addresses, dump_links, dump_routes
 
 pytestmark = pytest.mark.root
 
@@ -73,3 +74,22 @@ async def test_the_mesh_link_reads_its_routes_from_the_dump(netns):
 async def test_the_machines_gateways_are_read_from_the_dump(netns):
     underlay = await Links("mesh0", netns=netns, table=TABLE).underlay()
     assert underlay.gateways == frozenset({"10.99.0.2", "10.99.0.3", "fd00::2"})
+
+
+def test_addresses_and_link_names_are_what_pyroute2_reads(netns):
+    _ip(netns, "addr", "add", "192.0.2.7/32", "peer", "192.0.2.8", "dev", "mesh0")  # point-to-point: IFA_ADDRESS
+    with IPRoute(netns=netns) as ipr:
+        links = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+        addresses = {(a["index"], a["family"], a["prefixlen"], a["scope"], a.get("IFA_ADDRESS"))
+                     for a in ipr.get_addr() if a.get("IFA_ADDRESS")}
+    assert dump_links(netns) == links and {"lo", "mesh0", "mesh1"} <= set(links.values())
+    assert {(a.index, a.family, a.prefixlen, a.scope, a.address) for a in dump_addresses(netns)} == addresses
+    assert len(addresses) >= 4
+
+
+async def test_the_machines_addresses_leave_out_the_mesh_link_and_ipv6_link_local(netns):
+    _ip(netns, "addr", "add", "10.100.0.9/32", "dev", "mesh0")
+    underlay = await Links("mesh0", netns=netns, table=TABLE).underlay()
+    assert {"10.99.0.1/24", "fd00::1/64"} <= underlay.addresses
+    assert "10.100.0.9/32" not in underlay.addresses and not any(a.startswith("fe80") for a in underlay.addresses)
+    assert ("10.99.0.1/24", "mesh1") in underlay.on
