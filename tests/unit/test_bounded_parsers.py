@@ -50,6 +50,35 @@ def test_nesting_at_the_limit_is_accepted():
     assert boundedjson.loads(nested(64)) is not None
 
 
+def exact_too_deep_at(text: str, limit: int) -> int | None:
+    """The token scan alone (what `too_deep_at` falls back to), as the reference for its fast path."""
+    depth = 0
+    for m in boundedjson._TOKEN.finditer(text):
+        depth += 1 if m.group() in "[{" else -1 if m.group() in "]}" else 0
+        if depth > limit:
+            return m.start()
+    return None
+
+
+_JSONISH = st.text(alphabet='[]{}"\\n:,1ab ', max_size=200)
+_VALUES = st.recursive(st.none() | st.integers() | st.text(alphabet='[]{}"\\\n\tab', max_size=8),
+                       lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                           st.text(alphabet='[]{}"\\ab', max_size=4), inner, max_size=3), max_leaves=40)
+
+
+@settings(max_examples=400)
+@given(st.one_of(_JSONISH, _VALUES.map(json.dumps)), st.integers(min_value=1, max_value=8))
+def test_the_fast_depth_check_agrees_with_the_token_scan(text, limit):
+    """Brackets in strings, escaped quotes and backslashes, unpaired brackets: the C path says "within" only when
+    the exact scan finds nothing too deep."""
+    assert boundedjson.too_deep_at(text, limit) == exact_too_deep_at(text, limit)
+
+
+def test_an_escape_before_a_closing_quote_hides_no_bracket():
+    text = '["\\n", ' + nested(10) + "]"  # after the escapes go, the quote must still close the string
+    assert boundedjson.too_deep_at(text, 10) == len('["\\n", ') + 9  # the nested run's tenth bracket: level 11
+
+
 @pytest.mark.parametrize("value, expected", [
     ("9" * 400, RETRY_AFTER_CAP),  # an int too large for a float: OverflowError before
     ("9" * 5000, RETRY_AFTER_CAP),  # longer than Python's int-from-str digit limit
