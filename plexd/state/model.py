@@ -157,6 +157,12 @@ class PolicyRule:
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str) -> PolicyRule:
+        if type(obj) is dict and len(obj) == 5:  # the usual rule, every field present and well typed, in one go
+            src, dst, port = obj.get("src"), obj.get("dst"), obj.get("port")
+            protocol, action = obj.get("protocol"), obj.get("action")
+            if (type(src) is str and type(dst) is str and type(port) is int and type(protocol) is str
+                    and type(action) is str and 0 <= port < 2**63):
+                return cls(src, dst, port, protocol, action)
         try:
             f = _fields(obj, path)
             return cls(
