@@ -18,6 +18,7 @@ import asyncio
 import errno
 import ipaddress
 import logging
+import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -28,7 +29,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.rtdump import RouteDumpError, dump_addresses, dump_links, dump_routes
+from plexd.mesh.rtnl import RouteDumpError, RouteWrite, dump_addresses, dump_links, dump_routes, write_routes
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ DEFAULT_TABLE = 5182
 DEFAULT_RULE_PRIORITY = 5182  # before main (32766); after local (0) and the low numbers other tools take
 RTPROT_KERNEL = 2
 RT_SCOPE_LINK = 253
-RT_SCOPE_NOWHERE = 255  # in a delete request: match a route of any scope
 WIREGUARD_KINDS = frozenset({"wireguard", "tun"})  # wireguard-go's device is a TUN
 
 
@@ -121,7 +121,7 @@ class Links:
         return await asyncio.to_thread(self._underlay)
 
     def _underlay(self) -> Underlay:
-        # Raw dumps (plexd.mesh.rtdump): read before every state pull, where opening an IPRoute cost more than
+        # Raw dumps (plexd.mesh.rtnl): read before every state pull, where opening an IPRoute cost more than
         # the reading.
         try:
             names = dump_links(self.netns)
@@ -165,7 +165,7 @@ class Links:
             addresses.add(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}")
         routes: set[str] = set()
         main_routes: set[str] = set()
-        for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table (see plexd.mesh.rtdump)
+        for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table (see plexd.mesh.rtnl)
             for r in dump_routes(family, self.netns):
                 if r.oif != index or r.protocol == RTPROT_KERNEL or r.type != 1:
                     continue  # ours: unicast via the mesh interface, not added by the kernel itself
@@ -206,35 +206,72 @@ class Links:
         return await asyncio.to_thread(self._apply, list(ops))
 
     def _apply(self, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
+        index = self._index()
+        if index is None:
+            return [(op, f"interface {self.interface} does not exist") for op in ops]
+        failures: list[tuple[LinkOp, str]] = []
+        start = 0
+        while start < len(ops):  # in order: runs of route writes in one raw batch, the rest through pyroute2
+            routes = ops[start].action in _ROUTE_WRITES
+            end = start
+            while end < len(ops) and (ops[end].action in _ROUTE_WRITES) == routes:
+                end += 1
+            run = ops[start:end]
+            failures += self._write_routes(index, run) if routes else self._apply_pyroute2(index, run)
+            start = end
+        return failures
+
+    def _index(self) -> int | None:
+        try:
+            if self.netns is None:
+                return socket.if_nametoindex(self.interface)
+            return next((i for i, name in dump_links(self.netns).items() if name == self.interface), None)
+        except OSError:
+            return None
+
+    def _write_routes(self, index: int, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
+        failures: list[tuple[LinkOp, str]] = []
+        writes: list[tuple[LinkOp, RouteWrite]] = []
+        for op in ops:
+            try:
+                ipaddress.ip_network(str(op.value), strict=False)
+            except ValueError as e:
+                failures.append((op, str(e)))
+                continue
+            writes.append((op, RouteWrite(op.action == "route_add", str(op.value), index,
+                                          MAIN_TABLE if op.action == "main_route_del" else self.table)))
+        try:
+            codes = write_routes([w for _, w in writes], self.netns)
+        except OSError as e:
+            return failures + [(op, f"netlink: {e.strerror or e}") for op, _ in writes]
+        for (op, _), code in zip(writes, codes, strict=True):
+            # Already there / already gone means the goal is met (another actor raced us).
+            if code and not _goal_met(op, code):
+                failures.append((op, f"{os.strerror(code)} (errno {code})"))
+        return failures
+
+    def _apply_pyroute2(self, index: int, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
         if self.netns:
             with self._ipr() as ipr:
-                return self._apply_with(ipr, ops)
+                return self._apply_with(ipr, index, ops)
         with self._apply_lock:
             if self._apply_ipr is None:
                 self._apply_ipr = self._ipr()
             try:
-                return self._apply_with(self._apply_ipr, ops)
+                return self._apply_with(self._apply_ipr, index, ops)
             except Exception:
                 self._apply_ipr.close()
                 self._apply_ipr = None
                 raise
 
-    def _apply_with(self, ipr: IPRoute, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
+    def _apply_with(self, ipr: IPRoute, index: int, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
         failures: list[tuple[LinkOp, str]] = []
-        found = ipr.link_lookup(ifname=self.interface)
-        if not found:
-            return [(op, f"interface {self.interface} does not exist") for op in ops]
-        index = found[0]
         for op in ops:
             try:
                 self._one(ipr, index, op)
             except NetlinkError as e:
-                # Already there / already gone means the goal is met (another actor raced us).
-                if (op.action.endswith("_add") and e.code == errno.EEXIST) or (
-                    op.action.endswith("_del") and e.code in (errno.ESRCH, errno.EADDRNOTAVAIL, errno.ENOENT)
-                ):
-                    continue
-                failures.append((op, f"{e.args[1] if len(e.args) > 1 else e} (errno {e.code})"))
+                if not _goal_met(op, e.code):
+                    failures.append((op, f"{e.args[1] if len(e.args) > 1 else e} (errno {e.code})"))
         return failures
 
     def close(self) -> None:
@@ -254,15 +291,9 @@ class Links:
             args = _addr_args(str(op.value))
             args.pop("flags", None)
             ipr.addr("del", index=index, **args)
-        elif op.action == "route_add":  # replace: only ever in the mesh table, never a main-table route
-            ipr.route("replace", dst=str(op.value), oif=index, table=self.table)
-        elif op.action == "route_del":  # any scope: a route added by hand (`ip route add`) has scope link
-            ipr.route("del", dst=str(op.value), oif=index, table=self.table, scope=RT_SCOPE_NOWHERE)
-        elif op.action == "main_route_del":
-            ipr.route("del", dst=str(op.value), oif=index, table=MAIN_TABLE, scope=RT_SCOPE_NOWHERE)
         elif op.action == "rule_add":
             ipr.rule("add", table=self.table, priority=self.rule_priority, family=FAMILY[int(op.value or 4)])
-        else:  # pragma: no cover - LinkAction is closed
+        else:  # pragma: no cover - LinkAction is closed; routes go by _write_routes
             raise ValueError(op.action)
 
     async def delete_link(self) -> None:
@@ -291,3 +322,12 @@ class Links:
                         ipr.rule("del", table=self.table, priority=self.rule_priority, family=family)
         except NetlinkError as e:
             raise LinkError(f"cannot remove the rules to routing table {self.table}: {e}") from None
+
+
+_ROUTE_WRITES = frozenset({"route_add", "route_del", "main_route_del"})
+
+
+def _goal_met(op: LinkOp, code: int) -> bool:
+    """An add that found it there, or a delete that found it gone: another actor raced us to the same end."""
+    return (op.action.endswith("_add") and code == errno.EEXIST) or (
+        op.action.endswith("_del") and code in (errno.ESRCH, errno.EADDRNOTAVAIL, errno.ENOENT))

@@ -1,10 +1,11 @@
-"""The route reader (plexd.mesh.rtdump) against the real kernel: what it decodes from a raw rtnetlink dump is what
+"""The route reader (plexd.mesh.rtnl) against the real kernel: what it decodes from a raw rtnetlink dump is what
 pyroute2 decodes of the same tables (tables past 255, IPv6, default routes with one gateway and with several,
 kernel and unicast routes), addresses and link names, and the mesh link's routes and the machine's addresses and
 gateways are read from it."""
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
@@ -14,7 +15,7 @@ import pytest
 from pyroute2 import IPRoute
 
 from plexd.mesh.links import Links
-from plexd.mesh.rtdump import dump_addresses, dump_links, dump_routes
+from plexd.mesh.rtnl import RouteWrite, dump_addresses, dump_links, dump_routes, write_routes
 
 pytestmark = pytest.mark.root
 
@@ -93,3 +94,37 @@ async def test_the_machines_addresses_leave_out_the_mesh_link_and_ipv6_link_loca
     assert {"10.99.0.1/24", "fd00::1/64"} <= underlay.addresses
     assert "10.100.0.9/32" not in underlay.addresses and not any(a.startswith("fe80") for a in underlay.addresses)
     assert ("10.99.0.1/24", "mesh1") in underlay.on
+
+
+def test_route_writes_in_one_batch_put_routes_as_pyroute2_did_and_name_each_failure(netns):
+    index = next(i for i, name in dump_links(netns).items() if name == "mesh0")
+    with IPRoute(netns=netns) as ipr:  # the reference: how plexd wrote routes before
+        ipr.route("replace", dst="10.98.0.1/32", oif=index, table=TABLE)
+    writes = [RouteWrite(True, f"10.97.{i // 250}.{i % 250 + 1}/32", index, TABLE) for i in range(300)]
+    writes += [RouteWrite(True, "fd02::7/128", index, TABLE), RouteWrite(True, "10.96.0.0/24", index, 254),
+               RouteWrite(True, "10.97.0.1/32", index, TABLE),  # again: replace is idempotent
+               RouteWrite(False, "10.95.0.1/32", index, TABLE),  # not there
+               RouteWrite(False, "10.97.0.2/32", index, TABLE)]
+    codes = write_routes(writes, netns)
+    assert codes[:-2] == [0] * (len(writes) - 2) and codes[-2] == errno.ESRCH and codes[-1] == 0
+    routes = {r.dst: r for family in (socket.AF_INET, socket.AF_INET6) for r in dump_routes(family, netns)}
+    ours, theirs = routes["10.97.0.1/32"], routes["10.98.0.1/32"]
+    assert (ours.table, ours.oif, ours.protocol, ours.type) == (theirs.table, theirs.oif, theirs.protocol,
+                                                                theirs.type) == (TABLE, index, 4, 1)
+    assert "10.97.0.2/32" not in routes and "10.97.1.50/32" in routes and routes["fd02::7/128"].table == TABLE
+    assert routes["10.96.0.0/24"].table == 254
+
+
+async def test_the_mesh_link_writes_routes_in_order_and_reports_only_real_failures(netns):
+    from plexd.mesh.links import LinkOp
+
+    links = Links("mesh0", netns=netns, table=TABLE)
+    failures = await links.apply([LinkOp("route_add", "10.94.0.1/32"), LinkOp("route_add", "fd03::1/128"),
+                                  LinkOp("route_del", "10.94.9.9/32"),  # already gone: the goal is met
+                                  LinkOp("mtu", 1380), LinkOp("route_del", "10.94.0.1/32"),
+                                  LinkOp("route_add", "not-a-prefix")])
+    assert [(op.value, "does not appear to be" in why) for op, why in failures] == [("not-a-prefix", True)]
+    state = await links.observe()
+    assert "fd03::1/128" in state.routes and "10.94.0.1/32" not in state.routes and state.mtu == 1380
+    assert await Links("nope0", netns=netns, table=TABLE).apply([LinkOp("route_add", "10.94.0.2/32")]) == [
+        (LinkOp("route_add", "10.94.0.2/32"), "interface nope0 does not exist")]

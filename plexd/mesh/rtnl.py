@@ -1,14 +1,18 @@
-"""Reading the routing tables, addresses and link names over rtnetlink, without pyroute2's message objects.
+"""Reading the routing tables, addresses and link names, and writing routes, over rtnetlink, without pyroute2's
+message objects.
 
 pyroute2 0.9 decodes every route of a dump into a full message object: ~40 µs a route, so 40 ms for each dump
 of a machine with 1,000 mesh routes, four dumps at every reconcile. What the mesh link needs of a route is four
 numbers, its destination and its gateways; decoding just those from the raw dump takes ~1.5 ms for the same
 1,000 routes. Opening a pyroute2 `IPRoute` alone costs ~1.5 ms (it starts an event loop of its own), which the
-machine's addresses, read before every state pull, paid each time. Writes stay with pyroute2 (plexd.mesh.links).
+machine's addresses, read before every state pull, paid each time. Route writes likewise: pyroute2 spent ~0.5 ms
+on each route a joining peer brings; here a batch of them is one send and its acknowledgements (~20 µs a route).
+Links, addresses and rules are still written with pyroute2 (plexd.mesh.links): a few at start-up.
 
     dump_routes(family, netns)   every route of one address family, all tables: [Route(table, dst, oif, ...)]
     dump_addresses(netns)        every address: [Address(index, family, prefixlen, scope, address)]
     dump_links(netns)            every link's name by index
+    write_routes(writes, netns)  replace or delete routes in one batch: the errno of each (0: done)
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -26,8 +30,11 @@ from pyroute2.netns import setns
 _NETLINK_ROUTE = 0
 _RTM_NEWLINK, _RTM_GETLINK = 16, 18
 _RTM_NEWADDR, _RTM_GETADDR = 20, 22
-_RTM_NEWROUTE, _RTM_GETROUTE = 24, 26
-_NLM_F_REQUEST, _NLM_F_DUMP, _NLM_F_DUMP_INTR = 0x1, 0x300, 0x10
+_RTM_NEWROUTE, _RTM_DELROUTE, _RTM_GETROUTE = 24, 25, 26
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP, _NLM_F_DUMP_INTR = 0x1, 0x4, 0x300, 0x10
+_NLM_F_REPLACE, _NLM_F_CREATE = 0x100, 0x400
+_RTPROT_STATIC, _RTN_UNICAST, _RT_SCOPE_UNIVERSE, _RT_SCOPE_NOWHERE = 4, 1, 0, 255
+_BATCH = 256  # route writes sent at once: their acknowledgements fit the socket's receive buffer
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _RTA_DST, _RTA_OIF, _RTA_GATEWAY, _RTA_MULTIPATH, _RTA_TABLE = 1, 4, 5, 9, 15
 _IFA_ADDRESS = 1
@@ -66,8 +73,60 @@ class Address:
     address: str  # IFA_ADDRESS (for a point-to-point IPv4 link, the peer's end, as pyroute2 shows it)
 
 
+@dataclass(frozen=True)
+class RouteWrite:
+    """One route to put in place (`replace`, what `ip route replace` does) or to delete (any scope)."""
+
+    replace: bool
+    dst: str  # "10.100.0.2/32"
+    oif: int
+    table: int
+
+
 class RouteDumpError(OSError):
     pass
+
+
+def write_routes(writes: Sequence[RouteWrite], netns: str | None = None) -> list[int]:
+    """Apply `writes` in order, in batches of one send each; the errno of each (0: done), in the same order.
+    Routes go in as pyroute2 put them: protocol static, scope universe, unicast."""
+    out: list[int] = []
+    with _open(netns) as sock:
+        sock.bind((0, 0))
+        for start in range(0, len(writes), _BATCH):
+            out += _write_batch(sock, writes[start:start + _BATCH])
+    return out
+
+
+def _write_batch(sock: socket.socket, writes: Sequence[RouteWrite]) -> list[int]:
+    request = bytearray()
+    for seq, w in enumerate(writes, 1):
+        network = ipaddress.ip_network(w.dst, strict=False)
+        family = socket.AF_INET if network.version == 4 else socket.AF_INET6
+        body = _RTMSG.pack(family, network.prefixlen, 0, 0, w.table if w.table < 256 else 0,
+                           _RTPROT_STATIC if w.replace else 0,
+                           _RT_SCOPE_UNIVERSE if w.replace else _RT_SCOPE_NOWHERE,
+                           _RTN_UNICAST if w.replace else 0, 0)
+        body += _attr(_RTA_TABLE, _U32.pack(w.table)) + _attr(_RTA_DST, network.network_address.packed)
+        body += _attr(_RTA_OIF, _U32.pack(w.oif))
+        kind, flags = ((_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE) if w.replace else (_RTM_DELROUTE, 0))
+        request += _HEADER.pack(_HEADER.size + len(body), kind, _NLM_F_REQUEST | _NLM_F_ACK | flags, seq, 0) + body
+    sock.sendall(request)
+    results: dict[int, int] = {}
+    while len(results) < len(writes):
+        data = sock.recv(1 << 20)
+        if not data:
+            raise RouteDumpError("the route writes ended without all their acknowledgements")
+        for kind, _, body, seq in _messages_with_seq(data):
+            if kind == _NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", body)
+                results[seq] = -code
+    return [results.get(seq, 0) for seq in range(1, len(writes) + 1)]
+
+
+def _attr(kind: int, value: bytes) -> bytes:
+    length = _ATTR.size + len(value)
+    return _ATTR.pack(length, kind) + value + b"\0" * (-length % 4)
 
 
 def dump_routes(family: int, netns: str | None = None) -> list[Route]:
@@ -141,13 +200,18 @@ def _dump_once(netns: str | None, request_type: int, request: bytes, reply_type:
 
 
 def _messages(data: bytes) -> Iterator[tuple[int, int, memoryview]]:
+    for kind, flags, body, _ in _messages_with_seq(data):
+        yield kind, flags, body
+
+
+def _messages_with_seq(data: bytes) -> Iterator[tuple[int, int, memoryview, int]]:
     view = memoryview(data)
     offset = 0
     while offset + _HEADER.size <= len(data):
-        length, kind, flags, _, _ = _HEADER.unpack_from(data, offset)
+        length, kind, flags, seq, _ = _HEADER.unpack_from(data, offset)
         if length < _HEADER.size or offset + length > len(data):
             raise RouteDumpError(f"malformed netlink message (length {length} at {offset} of {len(data)})")
-        yield kind, flags, view[offset + _HEADER.size:offset + length]
+        yield kind, flags, view[offset + _HEADER.size:offset + length], seq
         offset += (length + 3) & ~3
 
 
