@@ -11,7 +11,6 @@ import asyncio
 
 import pytest
 
-from plexd.mesh.wireguard import uapi
 from plexd.mesh.wireguard.uapi import UapiClient
 
 
@@ -23,22 +22,18 @@ async def test_cancel_racing_the_connect_is_not_swallowed(tmp_path, monkeypatch)
         writer.close()
 
     server = await asyncio.start_unix_server(serve, path=str(tmp_path / "pxc0.sock"))
-    real_open = asyncio.open_unix_connection
     loop = asyncio.get_running_loop()
+    real_connect = loop.sock_connect
     task: asyncio.Task | None = None
 
-    async def racing_open(path):
-        conn = await real_open(path)
+    async def racing_connect(sock, address):
+        await real_connect(sock, address)
         done = loop.create_future()
-        loop.call_soon(done.set_result, conn)
+        loop.call_soon(done.set_result, None)
         loop.call_soon(task.cancel)  # lands in the same iteration as the connect's completion
-        try:
-            return await done
-        except asyncio.CancelledError:
-            conn[1].close()
-            raise
+        return await done
 
-    monkeypatch.setattr(uapi.asyncio, "open_unix_connection", racing_open)
+    monkeypatch.setattr(loop, "sock_connect", racing_connect)
     try:
         client = UapiClient("pxc0", socket_dir=str(tmp_path))
         task = asyncio.ensure_future(client.set_raw(["listen_port=51820"]))
