@@ -517,10 +517,17 @@ def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -
     yield from (PeerRemoved(name(k), k) for k in removed)
     for key in sorted(renamed, key=name):
         yield PeerKeyChanged(name(key), key, renamed[key], want[key])
-    for key in sorted((k for k in want if k in live and want[k] != live[k]), key=name):
+    for key in sorted((k for k in want if k in live and _differs(want[k], live[k])), key=name):
         yield from peer_fields(name(key), want[key], live[key], now)
     for key in sorted((k for k in missing if k not in renamed), key=name):
         yield PeerAdded(name(key), key, want[key])
+
+
+def _differs(w: PeerConfig, h: PeerConfig) -> bool:
+    """Whether `peer_fields` can find anything: the fields it compares, not the observed counters and handshake
+    (a live peer never equals its desired one on those, so comparing whole peers sent every peer through it)."""
+    return (w.endpoint != h.endpoint or w.allowed_ips != h.allowed_ips or w.psk != h.psk
+            or w.persistent_keepalive != h.persistent_keepalive)
 
 
 def peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float, *, moved: bool = False) -> Iterable[PeerChange]:
