@@ -12,9 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
 from plexd.base.errors import PlexdError
 from plexd.identity import node_secret as derive
 
@@ -26,6 +23,10 @@ class SecretDecryptError(PlexdError):
 
 
 def decrypt(ciphertext_b64: str, nonce_b64: str, node_secret: str, kdf: str = "") -> str:
+    # Lazily: `cryptography` is ~7 MiB of memory a daemon that never reads a secret need not carry.
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     key = derive.secrets_key(node_secret, kdf)
     if key is None:
         raise SecretDecryptError("secret decryption failed")
