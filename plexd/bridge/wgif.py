@@ -237,8 +237,6 @@ class WgInterface:
             await self.links.delete_link()
         except (PlexdError, OSError) as e:
             errors.append(f"removing {self.name}: {e}")
-        finally:
-            self.links.close()
         return errors + self.ledger.release(self.name)
 
 

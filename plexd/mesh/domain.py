@@ -223,7 +223,6 @@ class WireGuardDomain:
             await self.links.delete_link()
         except PlexdError as e:
             log.warning("%s", e)
-        self.links.close()
 
     # -- the device -------------------------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The mesh interface's link state: addresses, MTU, up/down and routes for peers' allowed IPs (pyroute2).
+"""The mesh interface's link state: addresses, MTU, up/down and routes for peers' allowed IPs (raw rtnetlink,
+plexd.mesh.rtnl).
 
 Mesh routes live in a routing table of their own (`mesh.route_table`, default 5182), looked up through one policy
 rule per address family (`mesh.route_rule_priority`) before the main table: plexd never adds, replaces or deletes
@@ -7,29 +8,38 @@ leaves the machine's routing as it was. A route via the mesh interface found in 
 hand, or by a plexd before this design) is drift and moves to the mesh table.
 
 Same two verbs as every adapter: `observe()` reads the live link, `apply(ops)` performs the minimal operations the
-plan asked for. Blocking netlink calls run in a worker thread. `observe()` opens an `IPRoute` per call; `apply()`
-keeps one in the daemon's own namespace (an event's apply is a route or two: the open was a third of its cost),
-closed on any error and at teardown.
+plan asked for, in order, as one batch of netlink requests. Blocking netlink calls run in a worker thread, but an
+event's few route writes, which take tens of microseconds, run on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
-import ipaddress
 import logging
 import os
 import socket
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
-
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
+from typing import Literal
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.rtnl import RouteDumpError, RouteWrite, dump_addresses, dump_links, dump_routes, write_routes
+from plexd.mesh.rtnl import (
+    Link,
+    Message,
+    Rule,
+    address_write,
+    dump_addresses,
+    dump_links,
+    dump_routes,
+    dump_rules,
+    link_delete,
+    link_names,
+    link_set,
+    route_write,
+    rule_write,
+    write,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,14 +84,6 @@ class LinkOp:
     value: str | int | None = None
 
 
-def _addr_args(cidr: str) -> dict:
-    iface = ipaddress.ip_interface(cidr)
-    args: dict = {"address": str(iface.ip), "prefixlen": iface.network.prefixlen}
-    if iface.version == 6:
-        args["flags"] = 0x02  # IFA_F_NODAD: DAD would keep the address tentative for ~2 s
-    return args
-
-
 @dataclass(frozen=True)
 class Underlay:
     """This machine outside the mesh: its addresses as `addr/prefix` (IPv6 link-local left out) and the gateways
@@ -102,16 +104,6 @@ class Links:
         self.netns = netns
         self.table = table
         self.rule_priority = rule_priority
-        # apply() keeps one netlink socket in this namespace (opening one per call was a third of an event's
-        # apply); dropped on any error and opened again. In another namespace (tests) each call opens its own.
-        self._apply_ipr: IPRoute | None = None
-        self._apply_lock = threading.Lock()
-
-    def _ipr(self) -> IPRoute:
-        try:
-            return IPRoute(netns=self.netns) if self.netns else IPRoute()
-        except (OSError, NetlinkError) as e:
-            raise LinkError(f"cannot open netlink for {self.interface}: {e}") from None
 
     # -- observe ------------------------------------------------------------------------------------------
 
@@ -121,10 +113,8 @@ class Links:
         return await asyncio.to_thread(self._underlay)
 
     def _underlay(self) -> Underlay:
-        # Raw dumps (plexd.mesh.rtnl): read before every state pull, where opening an IPRoute cost more than
-        # the reading.
         try:
-            names = dump_links(self.netns)
+            names = link_names(self.netns)
             mesh = {index for index, name in names.items() if name == self.interface}
             on = {(f"{a.address}/{a.prefixlen}", names.get(a.index, "")) for a in dump_addresses(self.netns)
                   if a.index not in mesh and not (a.family == socket.AF_INET6 and a.scope == RT_SCOPE_LINK)}
@@ -139,33 +129,24 @@ class Links:
         return await asyncio.to_thread(self._observe)
 
     def _observe(self) -> LinkState | None:
-        with self._ipr() as ipr:
-            try:
-                found = ipr.link_lookup(ifname=self.interface)
-            except NetlinkError as e:
-                raise LinkError(f"cannot look up {self.interface}: {e}") from None
-            if not found:
+        try:
+            link = next((k for k in dump_links(self.netns) if k.name == self.interface), None)
+            if link is None:
                 return None
-            try:
-                return self._read(ipr, found[0])
-            except NetlinkError as e:
-                if e.code == errno.ENODEV:  # gone between the lookup and the read (its wireguard-go died)
-                    return None
-                raise LinkError(f"cannot read {self.interface}: {e}") from None
-            except RouteDumpError as e:
-                raise LinkError(f"cannot read the routes of {self.interface}: {e}") from None
+            state = self._read(link)
+            # Gone while it was read (its wireguard-go died): absent, as it will be at the next look, rather
+            # than a link without addresses or routes that the plan would try to fill.
+            return state if self._index() == link.index else None
+        except OSError as e:  # a dump the kernel refused, or kept changing (RouteDumpError)
+            raise LinkError(f"cannot read {self.interface}: {e.strerror or e}") from None
 
-    def _read(self, ipr: Any, index: int) -> LinkState:
-        (link,) = ipr.get_links(index)
-        kind = link.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND") or ""
-        addresses = set()
-        for a in ipr.get_addr(index=index):
-            if a["family"] == 10 and a["scope"] == RT_SCOPE_LINK:
-                continue  # IPv6 link-local: the kernel's, not ours
-            addresses.add(f"{a.get('IFA_ADDRESS')}/{a['prefixlen']}")
+    def _read(self, link: Link) -> LinkState:
+        index = link.index
+        addresses = {f"{a.address}/{a.prefixlen}" for a in dump_addresses(self.netns)
+                     if a.index == index and not (a.family == socket.AF_INET6 and a.scope == RT_SCOPE_LINK)}
         routes: set[str] = set()
         main_routes: set[str] = set()
-        for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table (see plexd.mesh.rtnl)
+        for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table
             for r in dump_routes(family, self.netns):
                 if r.oif != index or r.protocol == RTPROT_KERNEL or r.type != 1:
                     continue  # ours: unicast via the mesh interface, not added by the kernel itself
@@ -173,29 +154,25 @@ class Links:
                     routes.add(r.dst)
                 elif r.table == MAIN_TABLE:
                     main_routes.add(r.dst)
-        rules = self._rules(ipr)
-        return LinkState(index=index, kind=kind, mtu=link.get("IFLA_MTU") or 0, up=bool(link["flags"] & 1),
-                         addresses=frozenset(addresses), routes=frozenset(routes),
-                         main_routes=frozenset(main_routes), rules=frozenset(rules))
+        return LinkState(index=index, kind=link.kind, mtu=link.mtu, up=link.up, addresses=frozenset(addresses),
+                         routes=frozenset(routes), main_routes=frozenset(main_routes), rules=self._rules())
 
     async def observe_rules(self) -> frozenset[int]:
         """The address families whose rule to the mesh table exists (rules do not go away with the interface)."""
         def read() -> frozenset[int]:
-            with self._ipr() as ipr:
-                try:
-                    return self._rules(ipr)
-                except NetlinkError as e:
-                    raise LinkError(f"cannot list the routing rules: {e}") from None
+            try:
+                return self._rules()
+            except OSError as e:
+                raise LinkError(f"cannot list the routing rules: {e.strerror or e}") from None
 
         return await asyncio.to_thread(read)
 
-    def _rules(self, ipr: Any) -> frozenset[int]:
+    def _rules(self) -> frozenset[int]:
         return frozenset(version for version, family in FAMILY.items()
-                         if any(self._is_our_rule(rule) for rule in ipr.get_rules(family=family)))
+                         if any(self._is_our_rule(rule) for rule in dump_rules(family, self.netns)))
 
-    def _is_our_rule(self, rule: Any) -> bool:
-        table = rule.get("FRA_TABLE") or rule["table"]
-        return table == self.table and (rule.get("FRA_PRIORITY") or 0) == self.rule_priority and rule["action"] == 1
+    def _is_our_rule(self, rule: Rule) -> bool:
+        return rule.table == self.table and rule.priority == self.rule_priority and rule.action == 1
 
     # -- apply --------------------------------------------------------------------------------------------
 
@@ -212,91 +189,44 @@ class Links:
         if index is None:
             return [(op, f"interface {self.interface} does not exist") for op in ops]
         failures: list[tuple[LinkOp, str]] = []
-        start = 0
-        while start < len(ops):  # in order: runs of route writes in one raw batch, the rest through pyroute2
-            routes = ops[start].action in _ROUTE_WRITES
-            end = start
-            while end < len(ops) and (ops[end].action in _ROUTE_WRITES) == routes:
-                end += 1
-            run = ops[start:end]
-            failures += self._write_routes(index, run) if routes else self._apply_pyroute2(index, run)
-            start = end
+        requests: list[tuple[LinkOp, Message]] = []
+        for op in ops:
+            try:
+                requests.append((op, self._message(index, op)))
+            except ValueError as e:  # not an address or a network: named, and the rest still run
+                failures.append((op, str(e)))
+        try:
+            codes = write([m for _, m in requests], self.netns)
+        except OSError as e:
+            return failures + [(op, f"netlink: {e.strerror or e}") for op, _ in requests]
+        for (op, _), code in zip(requests, codes, strict=True):
+            # Already there / already gone means the goal is met (another actor raced us).
+            if code and not _goal_met(op, code):
+                failures.append((op, f"{os.strerror(code)} (errno {code})"))
         return failures
 
     def _index(self) -> int | None:
         try:
             if self.netns is None:
                 return socket.if_nametoindex(self.interface)
-            return next((i for i, name in dump_links(self.netns).items() if name == self.interface), None)
+            return next((i for i, name in link_names(self.netns).items() if name == self.interface), None)
         except OSError:
             return None
 
-    def _write_routes(self, index: int, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
-        failures: list[tuple[LinkOp, str]] = []
-        writes: list[tuple[LinkOp, RouteWrite]] = []
-        for op in ops:
-            try:
-                ipaddress.ip_network(str(op.value), strict=False)
-            except ValueError as e:
-                failures.append((op, str(e)))
-                continue
-            writes.append((op, RouteWrite(op.action == "route_add", str(op.value), index,
-                                          MAIN_TABLE if op.action == "main_route_del" else self.table)))
-        try:
-            codes = write_routes([w for _, w in writes], self.netns)
-        except OSError as e:
-            return failures + [(op, f"netlink: {e.strerror or e}") for op, _ in writes]
-        for (op, _), code in zip(writes, codes, strict=True):
-            # Already there / already gone means the goal is met (another actor raced us).
-            if code and not _goal_met(op, code):
-                failures.append((op, f"{os.strerror(code)} (errno {code})"))
-        return failures
-
-    def _apply_pyroute2(self, index: int, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
-        if self.netns:
-            with self._ipr() as ipr:
-                return self._apply_with(ipr, index, ops)
-        with self._apply_lock:
-            if self._apply_ipr is None:
-                self._apply_ipr = self._ipr()
-            try:
-                return self._apply_with(self._apply_ipr, index, ops)
-            except Exception:
-                self._apply_ipr.close()
-                self._apply_ipr = None
-                raise
-
-    def _apply_with(self, ipr: IPRoute, index: int, ops: list[LinkOp]) -> list[tuple[LinkOp, str]]:
-        failures: list[tuple[LinkOp, str]] = []
-        for op in ops:
-            try:
-                self._one(ipr, index, op)
-            except NetlinkError as e:
-                if not _goal_met(op, e.code):
-                    failures.append((op, f"{e.args[1] if len(e.args) > 1 else e} (errno {e.code})"))
-        return failures
-
-    def close(self) -> None:
-        with self._apply_lock:
-            if self._apply_ipr is not None:
-                self._apply_ipr.close()
-                self._apply_ipr = None
-
-    def _one(self, ipr: IPRoute, index: int, op: LinkOp) -> None:
+    def _message(self, index: int, op: LinkOp) -> Message:
         if op.action == "mtu":
-            ipr.link("set", index=index, mtu=int(op.value or 0))
-        elif op.action == "up":
-            ipr.link("set", index=index, state="up")
-        elif op.action == "addr_add":
-            ipr.addr("add", index=index, **_addr_args(str(op.value)))
-        elif op.action == "addr_del":
-            args = _addr_args(str(op.value))
-            args.pop("flags", None)
-            ipr.addr("del", index=index, **args)
-        elif op.action == "rule_add":
-            ipr.rule("add", table=self.table, priority=self.rule_priority, family=FAMILY[int(op.value or 4)])
-        else:  # pragma: no cover - LinkAction is closed; routes go by _write_routes
-            raise ValueError(op.action)
+            return link_set(index, mtu=int(op.value or 0))
+        if op.action == "up":
+            return link_set(index, up=True)
+        if op.action in ("addr_add", "addr_del"):
+            return address_write(op.action == "addr_add", index, str(op.value))
+        if op.action in ("route_add", "route_del"):  # add is replace: only ever in the mesh table
+            return route_write(op.action == "route_add", str(op.value), index, self.table)
+        if op.action == "main_route_del":  # any scope: a route added by hand (`ip route add`) has scope link
+            return route_write(False, str(op.value), index, MAIN_TABLE)
+        if op.action == "rule_add":
+            return rule_write(True, int(op.value or 4), self.table, self.rule_priority)
+        raise ValueError(f"unknown link operation {op.action}")  # pragma: no cover - LinkAction is closed
 
     async def delete_link(self) -> None:
         """The interface goes (its routes with it), and the rules with it unless the mesh table still holds routes
@@ -304,26 +234,22 @@ class Links:
         await asyncio.to_thread(self._delete)
 
     def _delete(self) -> None:
-        with self._ipr() as ipr:
-            found = ipr.link_lookup(ifname=self.interface)
-            if found:
-                try:
-                    ipr.link("del", index=found[0])
-                except NetlinkError as e:
-                    if e.code != errno.ENODEV:
-                        raise LinkError(f"cannot delete {self.interface}: {e}") from None
-            self._delete_rules(ipr)
-
-    def _delete_rules(self, ipr: IPRoute) -> None:
+        index = self._index()
         try:
-            if any(ipr.get_routes(family=family, table=self.table) for family in FAMILY.values()):
+            if index is not None:
+                (code,) = write([link_delete(index)], self.netns)
+                if code and code != errno.ENODEV:
+                    raise LinkError(f"cannot delete {self.interface}: {os.strerror(code)}")
+            if any(r.table == self.table for family in FAMILY.values() for r in dump_routes(family, self.netns)):
                 return
-            for family in FAMILY.values():
-                for rule in ipr.get_rules(family=family):
-                    if self._is_our_rule(rule):
-                        ipr.rule("del", table=self.table, priority=self.rule_priority, family=family)
-        except NetlinkError as e:
-            raise LinkError(f"cannot remove the rules to routing table {self.table}: {e}") from None
+            for version, family in FAMILY.items():
+                if any(self._is_our_rule(rule) for rule in dump_rules(family, self.netns)):
+                    (code,) = write([rule_write(False, version, self.table, self.rule_priority)], self.netns)
+                    if code and code != errno.ENOENT:
+                        raise LinkError(f"cannot remove the rule to routing table {self.table}: "
+                                        f"{os.strerror(code)}")
+        except OSError as e:
+            raise LinkError(f"cannot remove {self.interface} and its rules: {e.strerror or e}") from None
 
 
 _ROUTE_WRITES = frozenset({"route_add", "route_del", "main_route_del"})

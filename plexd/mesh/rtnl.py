@@ -1,22 +1,28 @@
-"""Reading the routing tables, addresses and link names, and writing routes, over rtnetlink, without pyroute2's
-message objects.
+"""The mesh link's netlink, raw: reading links, addresses, routes and rules, and writing them, over rtnetlink,
+without pyroute2 (whose import alone is ~11 MiB of the daemon's memory, and whose message objects were most of the
+cost of each read and write).
 
 pyroute2 0.9 decodes every route of a dump into a full message object: ~40 µs a route, so 40 ms for each dump
 of a machine with 1,000 mesh routes, four dumps at every reconcile. What the mesh link needs of a route is four
 numbers, its destination and its gateways; decoding just those from the raw dump takes ~1.5 ms for the same
 1,000 routes. Opening a pyroute2 `IPRoute` alone costs ~1.5 ms (it starts an event loop of its own), which the
-machine's addresses, read before every state pull, paid each time. Route writes likewise: pyroute2 spent ~0.5 ms
-on each route a joining peer brings; here a batch of them is one send and its acknowledgements (~20 µs a route).
-Links, addresses and rules are still written with pyroute2 (plexd.mesh.links): a few at start-up.
+machine's addresses, read before every state pull, paid each time. Writes likewise: pyroute2 spent ~0.5 ms on
+each route a joining peer brings; here a batch of writes is one send and its acknowledgements (~20 µs a route).
+The kernel WireGuard backend still uses pyroute2's generic netlink (plexd.mesh.wireguard.kernel), imported only
+when that backend is chosen.
 
     dump_routes(family, netns)   every route of one address family, all tables: [Route(table, dst, oif, ...)]
     dump_addresses(netns)        every address: [Address(index, family, prefixlen, scope, address)]
-    dump_links(netns)            every link's name by index
-    write_routes(writes, netns)  replace or delete routes in one batch: the errno of each (0: done)
+    dump_links(netns)            every link: [Link(index, name, kind, mtu, up)]
+    dump_rules(family, netns)    every routing rule of one family: [Rule(table, priority, action)]
+    write(messages, netns)       requests in order, in batches of one send each: the errno of each (0: done),
+                                 made by route_write, link_set, link_delete, address_write, rule_write
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import ipaddress
 import os
 import socket
@@ -25,24 +31,29 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from pyroute2.netns import setns
-
 _NETLINK_ROUTE = 0
-_RTM_NEWLINK, _RTM_GETLINK = 16, 18
-_RTM_NEWADDR, _RTM_GETADDR = 20, 22
+_CLONE_NEWNET = 0x40000000
+_RTM_NEWLINK, _RTM_DELLINK, _RTM_GETLINK = 16, 17, 18
+_RTM_NEWADDR, _RTM_DELADDR, _RTM_GETADDR = 20, 21, 22
 _RTM_NEWROUTE, _RTM_DELROUTE, _RTM_GETROUTE = 24, 25, 26
+_RTM_NEWRULE, _RTM_DELRULE, _RTM_GETRULE = 32, 33, 34
 _NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP, _NLM_F_DUMP_INTR = 0x1, 0x4, 0x300, 0x10
-_NLM_F_REPLACE, _NLM_F_CREATE = 0x100, 0x400
+_NLM_F_REPLACE, _NLM_F_EXCL, _NLM_F_CREATE = 0x100, 0x200, 0x400
+_IFF_UP = 0x1
+_IFA_F_NODAD = 0x02  # IPv6: no duplicate address detection (it would keep the address tentative for ~2 s)
+_FR_ACT_TO_TBL = 1
 _RTPROT_STATIC, _RTN_UNICAST, _RT_SCOPE_UNIVERSE, _RT_SCOPE_NOWHERE = 4, 1, 0, 255
 _BATCH = 256  # route writes sent at once: their acknowledgements fit the socket's receive buffer
 _NLMSG_ERROR, _NLMSG_DONE = 2, 3
 _RTA_DST, _RTA_OIF, _RTA_GATEWAY, _RTA_MULTIPATH, _RTA_TABLE = 1, 4, 5, 9, 15
-_IFA_ADDRESS = 1
-_IFLA_IFNAME = 3
+_IFA_ADDRESS, _IFA_LOCAL = 1, 2
+_IFLA_IFNAME, _IFLA_MTU, _IFLA_LINKINFO, _IFLA_INFO_KIND = 3, 4, 18, 1
+_FRA_PRIORITY, _FRA_TABLE = 6, 15
 _HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
 _RTMSG = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, protocol, scope, type, flags
 _IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
 _IFINFOMSG = struct.Struct("=BBHiII")  # family, pad, type, index, flags, change
+_FIB_RULE_HDR = struct.Struct("=BBBBBBBBI")  # family, dst_len, src_len, tos, table, res1, res2, action, flags
 _ATTR = struct.Struct("=HH")
 _NEXTHOP = struct.Struct("=HBBi")  # rtnexthop: length, flags, hops, ifindex; its own attributes follow
 _U32 = struct.Struct("=I")
@@ -74,54 +85,105 @@ class Address:
 
 
 @dataclass(frozen=True)
-class RouteWrite:
-    """One route to put in place (`replace`, what `ip route replace` does) or to delete (any scope)."""
+class Link:
+    index: int
+    name: str
+    kind: str  # IFLA_INFO_KIND: "wireguard", "veth", ... ("" for a TUN device without one)
+    mtu: int
+    up: bool
 
-    replace: bool
-    dst: str  # "10.100.0.2/32"
-    oif: int
+
+@dataclass(frozen=True)
+class Rule:
     table: int
+    priority: int
+    action: int  # FR_ACT_*: 1 is "look up a table"
+
+
+@dataclass(frozen=True)
+class Message:
+    """One write request: a message type, its flags besides REQUEST|ACK, and its body."""
+
+    kind: int
+    flags: int
+    body: bytes
 
 
 class RouteDumpError(OSError):
     pass
 
 
-def write_routes(writes: Sequence[RouteWrite], netns: str | None = None) -> list[int]:
-    """Apply `writes` in order, in batches of one send each; the errno of each (0: done), in the same order.
-    Routes go in as pyroute2 put them: protocol static, scope universe, unicast."""
+def write(messages: Sequence[Message], netns: str | None = None) -> list[int]:
+    """Send `messages` in order, in batches of one send each (the kernel handles them one after the other); the
+    errno of each (0: done), in the same order."""
     out: list[int] = []
     with _open(netns) as sock:
         sock.bind((0, 0))
-        for start in range(0, len(writes), _BATCH):
-            out += _write_batch(sock, writes[start:start + _BATCH])
+        for start in range(0, len(messages), _BATCH):
+            out += _write_batch(sock, messages[start:start + _BATCH])
     return out
 
 
-def _write_batch(sock: socket.socket, writes: Sequence[RouteWrite]) -> list[int]:
+def route_write(replace: bool, dst: str, oif: int, table: int) -> Message:
+    """Put a route in place (`ip route replace`: protocol static, scope universe, unicast, as pyroute2 did) or
+    delete it (any scope). `dst` is a network ("10.100.0.2/32"); ValueError when it is not one."""
+    network = ipaddress.ip_network(dst, strict=False)
+    body = _RTMSG.pack(_family(network.version), network.prefixlen, 0, 0, table if table < 256 else 0,
+                       _RTPROT_STATIC if replace else 0, _RT_SCOPE_UNIVERSE if replace else _RT_SCOPE_NOWHERE,
+                       _RTN_UNICAST if replace else 0, 0)
+    body += _attr(_RTA_TABLE, _U32.pack(table)) + _attr(_RTA_DST, network.network_address.packed)
+    body += _attr(_RTA_OIF, _U32.pack(oif))
+    return Message(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body) if replace else Message(_RTM_DELROUTE, 0,
+                                                                                                   body)
+
+
+def link_set(index: int, *, mtu: int | None = None, up: bool = False) -> Message:
+    body = _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, index, _IFF_UP if up else 0, _IFF_UP if up else 0)
+    if mtu is not None:
+        body += _attr(_IFLA_MTU, _U32.pack(mtu))
+    return Message(_RTM_NEWLINK, 0, body)
+
+
+def link_delete(index: int) -> Message:
+    return Message(_RTM_DELLINK, 0, _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, index, 0, 0))
+
+
+def address_write(add: bool, index: int, cidr: str) -> Message:
+    """Add (EEXIST when it is there) or delete an address, "10.100.0.1/16". ValueError when it is not one."""
+    iface = ipaddress.ip_interface(cidr)
+    flags = _IFA_F_NODAD if iface.version == 6 and add else 0
+    body = _IFADDRMSG.pack(_family(iface.version), iface.network.prefixlen, flags, 0, index)
+    body += _attr(_IFA_LOCAL, iface.ip.packed) + _attr(_IFA_ADDRESS, iface.ip.packed)
+    return Message(_RTM_NEWADDR, _NLM_F_CREATE | _NLM_F_EXCL, body) if add else Message(_RTM_DELADDR, 0, body)
+
+
+def rule_write(add: bool, version: int, table: int, priority: int) -> Message:
+    """The rule "look up `table` at `priority`" of one address family: add (EEXIST when there) or delete."""
+    body = _FIB_RULE_HDR.pack(_family(version), 0, 0, 0, table if table < 256 else 0, 0, 0, _FR_ACT_TO_TBL, 0)
+    body += _attr(_FRA_TABLE, _U32.pack(table)) + _attr(_FRA_PRIORITY, _U32.pack(priority))
+    return Message(_RTM_NEWRULE, _NLM_F_CREATE | _NLM_F_EXCL, body) if add else Message(_RTM_DELRULE, 0, body)
+
+
+def _family(version: int) -> int:
+    return socket.AF_INET if version == 4 else socket.AF_INET6
+
+
+def _write_batch(sock: socket.socket, messages: Sequence[Message]) -> list[int]:
     request = bytearray()
-    for seq, w in enumerate(writes, 1):
-        network = ipaddress.ip_network(w.dst, strict=False)
-        family = socket.AF_INET if network.version == 4 else socket.AF_INET6
-        body = _RTMSG.pack(family, network.prefixlen, 0, 0, w.table if w.table < 256 else 0,
-                           _RTPROT_STATIC if w.replace else 0,
-                           _RT_SCOPE_UNIVERSE if w.replace else _RT_SCOPE_NOWHERE,
-                           _RTN_UNICAST if w.replace else 0, 0)
-        body += _attr(_RTA_TABLE, _U32.pack(w.table)) + _attr(_RTA_DST, network.network_address.packed)
-        body += _attr(_RTA_OIF, _U32.pack(w.oif))
-        kind, flags = ((_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE) if w.replace else (_RTM_DELROUTE, 0))
-        request += _HEADER.pack(_HEADER.size + len(body), kind, _NLM_F_REQUEST | _NLM_F_ACK | flags, seq, 0) + body
+    for seq, m in enumerate(messages, 1):
+        request += _HEADER.pack(_HEADER.size + len(m.body), m.kind, _NLM_F_REQUEST | _NLM_F_ACK | m.flags, seq, 0)
+        request += m.body
     sock.sendall(request)
     results: dict[int, int] = {}
-    while len(results) < len(writes):
+    while len(results) < len(messages):
         data = sock.recv(1 << 20)
         if not data:
-            raise RouteDumpError("the route writes ended without all their acknowledgements")
+            raise RouteDumpError("the writes ended without all their acknowledgements")
         for kind, _, body, seq in _messages_with_seq(data):
             if kind == _NLMSG_ERROR:
                 (code,) = struct.unpack_from("=i", body)
                 results[seq] = -code
-    return [results.get(seq, 0) for seq in range(1, len(writes) + 1)]
+    return [results.get(seq, 0) for seq in range(1, len(messages) + 1)]
 
 
 def _attr(kind: int, value: bytes) -> bytes:
@@ -141,10 +203,21 @@ def dump_addresses(netns: str | None = None) -> list[Address]:
                              _address, "address list") if a is not None]
 
 
-def dump_links(netns: str | None = None) -> dict[int, str]:
-    """Every link's name by its index, in `netns` (None: this one)."""
-    return dict(_dump(netns, _RTM_GETLINK, _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0), _RTM_NEWLINK, _link,
-                      "link list"))
+def dump_links(netns: str | None = None) -> list[Link]:
+    """Every link, in `netns` (None: this one)."""
+    return _dump(netns, _RTM_GETLINK, _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0), _RTM_NEWLINK, _link,
+                 "link list")
+
+
+def link_names(netns: str | None = None) -> dict[int, str]:
+    """Every link's name by its index."""
+    return {link.index: link.name for link in dump_links(netns)}
+
+
+def dump_rules(family: int, netns: str | None = None) -> list[Rule]:
+    """Every routing rule of `family`, in `netns` (None: this one)."""
+    return _dump(netns, _RTM_GETRULE, _FIB_RULE_HDR.pack(family, 0, 0, 0, 0, 0, 0, 0, 0), _RTM_NEWRULE, _rule,
+                 "rule list")
 
 
 def _dump(netns: str | None, request_type: int, request: bytes, reply_type: int,
@@ -165,15 +238,30 @@ def _open(netns: str | None) -> socket.socket:
     try:
         there = os.open(f"/run/netns/{netns}", os.O_RDONLY)  # never created here: a wrong name is an error
         try:
-            setns(there)
+            _setns(there)
             try:
                 return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
             finally:
-                setns(here)
+                _setns(here)
         finally:
             os.close(there)
     finally:
         os.close(here)
+
+
+def _setns(fd: int) -> None:
+    """Move this thread into the network namespace open at `fd` (os.setns from Python 3.12 on)."""
+    if hasattr(os, "setns"):
+        os.setns(fd, _CLONE_NEWNET)
+        return
+    if _libc().setns(fd, _CLONE_NEWNET) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"setns: {os.strerror(code)}")
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _dump_once(netns: str | None, request_type: int, request: bytes, reply_type: int,
@@ -242,12 +330,32 @@ def _address(body: memoryview) -> Address | None:
     return None  # no address attribute: nothing to protect
 
 
-def _link(body: memoryview) -> tuple[int, str]:
-    _, _, _, index, _, _ = _IFINFOMSG.unpack_from(body)
+def _link(body: memoryview) -> Link:
+    _, _, _, index, flags, _ = _IFINFOMSG.unpack_from(body)
+    name, kind, mtu = "", "", 0
     for attr, value in _attributes(body[_IFINFOMSG.size:]):
         if attr == _IFLA_IFNAME:
-            return index, bytes(value).split(b"\0", 1)[0].decode("utf-8", "replace")
-    return index, ""
+            name = _string(value)
+        elif attr == _IFLA_MTU and len(value) == 4:
+            (mtu,) = _U32.unpack(value)
+        elif attr == _IFLA_LINKINFO:
+            kind = next((_string(v) for a, v in _attributes(value) if a == _IFLA_INFO_KIND), "")
+    return Link(index, name, kind, mtu, bool(flags & _IFF_UP))
+
+
+def _rule(body: memoryview) -> Rule:
+    _, _, _, _, table, _, _, action, _ = _FIB_RULE_HDR.unpack_from(body)
+    priority = 0
+    for attr, value in _attributes(body[_FIB_RULE_HDR.size:]):
+        if attr == _FRA_TABLE and len(value) == 4:
+            (table,) = _U32.unpack(value)  # tables past 255 are only here
+        elif attr == _FRA_PRIORITY and len(value) == 4:
+            (priority,) = _U32.unpack(value)
+    return Rule(table, priority, action)
+
+
+def _string(value: memoryview) -> str:
+    return bytes(value).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
 def _attributes(data: memoryview) -> Iterator[tuple[int, memoryview]]:

@@ -9,14 +9,15 @@ import subprocess
 import pytest
 
 from plexd.mesh.links import Links, LinkState
+from plexd.mesh.rtnl import Link
 
 pytestmark = pytest.mark.root
 
 
 class VanishingLinks(Links):
-    def _read(self, ipr, index: int) -> LinkState:
+    def _read(self, link: Link) -> LinkState:
         subprocess.run(["ip", "-n", self.netns, "link", "del", self.interface], check=True)  # the real kernel
-        return super()._read(ipr, index)
+        return super()._read(link)
 
 
 async def test_an_interface_deleted_between_lookup_and_read_is_absent():

@@ -1,7 +1,7 @@
-"""The route reader (plexd.mesh.rtnl) against the real kernel: what it decodes from a raw rtnetlink dump is what
-pyroute2 decodes of the same tables (tables past 255, IPv6, default routes with one gateway and with several,
-kernel and unicast routes), addresses and link names, and the mesh link's routes and the machine's addresses and
-gateways are read from it."""
+"""Raw rtnetlink (plexd.mesh.rtnl) against the real kernel: what it decodes from a dump is what pyroute2 decodes of
+the same tables (tables past 255, IPv6, default routes with one gateway and with several, kernel and unicast
+routes), links, addresses and rules; what it writes is what pyroute2 wrote; and the mesh link (plexd.mesh.links)
+reads and changes its routes, addresses, MTU, state and rules through it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from pyroute2 import IPRoute
 
 from plexd.mesh.links import Links
-from plexd.mesh.rtnl import RouteWrite, dump_addresses, dump_links, dump_routes, write_routes
+from plexd.mesh.rtnl import dump_addresses, dump_links, dump_routes, dump_rules, link_names, route_write, write
 
 pytestmark = pytest.mark.root
 
@@ -77,15 +77,26 @@ async def test_the_machines_gateways_are_read_from_the_dump(netns):
     assert underlay.gateways == frozenset({"10.99.0.2", "10.99.0.3", "fd00::2"})
 
 
-def test_addresses_and_link_names_are_what_pyroute2_reads(netns):
+def test_links_addresses_and_rules_are_what_pyroute2_reads(netns):
     _ip(netns, "addr", "add", "192.0.2.7/32", "peer", "192.0.2.8", "dev", "mesh0")  # point-to-point: IFA_ADDRESS
+    _ip(netns, "link", "set", "mesh1", "mtu", "1380")
+    _ip(netns, "rule", "add", "table", str(TABLE), "priority", "5182")
+    _ip(netns, "-6", "rule", "add", "table", "100", "priority", "77")
     with IPRoute(netns=netns) as ipr:
-        links = {link["index"]: link.get_attr("IFLA_IFNAME") for link in ipr.get_links()}
+        links = {(link["index"], link.get_attr("IFLA_IFNAME"),
+                  link.get_nested("IFLA_LINKINFO", "IFLA_INFO_KIND") or "", link.get_attr("IFLA_MTU"),
+                  bool(link["flags"] & 1)) for link in ipr.get_links()}
         addresses = {(a["index"], a["family"], a["prefixlen"], a["scope"], a.get("IFA_ADDRESS"))
                      for a in ipr.get_addr() if a.get("IFA_ADDRESS")}
-    assert dump_links(netns) == links and {"lo", "mesh0", "mesh1"} <= set(links.values())
+        rules = {family: {(r.get("FRA_TABLE") or r["table"], r.get("FRA_PRIORITY") or 0, r["action"])
+                          for r in ipr.get_rules(family=family)} for family in (socket.AF_INET, socket.AF_INET6)}
+    assert {(k.index, k.name, k.kind, k.mtu, k.up) for k in dump_links(netns)} == links
+    assert ("veth", 1380) in {(k.kind, k.mtu) for k in dump_links(netns) if k.name == "mesh1"}
     assert {(a.index, a.family, a.prefixlen, a.scope, a.address) for a in dump_addresses(netns)} == addresses
     assert len(addresses) >= 4
+    for family, theirs in rules.items():
+        assert {(r.table, r.priority, r.action) for r in dump_rules(family, netns)} == theirs
+    assert (TABLE, 5182, 1) in rules[socket.AF_INET] and (100, 77, 1) in rules[socket.AF_INET6]
 
 
 async def test_the_machines_addresses_leave_out_the_mesh_link_and_ipv6_link_local(netns):
@@ -97,15 +108,15 @@ async def test_the_machines_addresses_leave_out_the_mesh_link_and_ipv6_link_loca
 
 
 def test_route_writes_in_one_batch_put_routes_as_pyroute2_did_and_name_each_failure(netns):
-    index = next(i for i, name in dump_links(netns).items() if name == "mesh0")
+    index = next(i for i, name in link_names(netns).items() if name == "mesh0")
     with IPRoute(netns=netns) as ipr:  # the reference: how plexd wrote routes before
         ipr.route("replace", dst="10.98.0.1/32", oif=index, table=TABLE)
-    writes = [RouteWrite(True, f"10.97.{i // 250}.{i % 250 + 1}/32", index, TABLE) for i in range(300)]
-    writes += [RouteWrite(True, "fd02::7/128", index, TABLE), RouteWrite(True, "10.96.0.0/24", index, 254),
-               RouteWrite(True, "10.97.0.1/32", index, TABLE),  # again: replace is idempotent
-               RouteWrite(False, "10.95.0.1/32", index, TABLE),  # not there
-               RouteWrite(False, "10.97.0.2/32", index, TABLE)]
-    codes = write_routes(writes, netns)
+    writes = [route_write(True, f"10.97.{i // 250}.{i % 250 + 1}/32", index, TABLE) for i in range(300)]
+    writes += [route_write(True, "fd02::7/128", index, TABLE), route_write(True, "10.96.0.0/24", index, 254),
+               route_write(True, "10.97.0.1/32", index, TABLE),  # again: replace is idempotent
+               route_write(False, "10.95.0.1/32", index, TABLE),  # not there
+               route_write(False, "10.97.0.2/32", index, TABLE)]
+    codes = write(writes, netns)
     assert codes[:-2] == [0] * (len(writes) - 2) and codes[-2] == errno.ESRCH and codes[-1] == 0
     routes = {r.dst: r for family in (socket.AF_INET, socket.AF_INET6) for r in dump_routes(family, netns)}
     ours, theirs = routes["10.97.0.1/32"], routes["10.98.0.1/32"]
@@ -128,3 +139,28 @@ async def test_the_mesh_link_writes_routes_in_order_and_reports_only_real_failur
     assert "fd03::1/128" in state.routes and "10.94.0.1/32" not in state.routes and state.mtu == 1380
     assert await Links("nope0", netns=netns, table=TABLE).apply([LinkOp("route_add", "10.94.0.2/32")]) == [
         (LinkOp("route_add", "10.94.0.2/32"), "interface nope0 does not exist")]
+
+
+async def test_the_mesh_link_sets_its_state_addresses_and_rules_and_goes_with_them(netns):
+    from plexd.mesh.links import LinkOp
+
+    _ip(netns, "link", "add", "mesh9", "type", "veth", "peer", "name", "mesh8")
+    links = Links("mesh9", netns=netns, table=TABLE, rule_priority=5190)
+    before = await links.observe()
+    assert before is not None and not before.up and before.kind == "veth" and before.rules == frozenset()
+    ops = [LinkOp("mtu", 1300), LinkOp("up"), LinkOp("addr_add", "10.93.0.1/16"), LinkOp("addr_add", "fd09::1/64"),
+           LinkOp("addr_add", "10.93.0.1/16"),  # there already: the goal is met
+           LinkOp("rule_add", 4), LinkOp("rule_add", 6), LinkOp("route_add", "10.93.5.0/24")]
+    assert await links.apply(ops) == []
+    state = await links.observe()
+    assert (state.mtu, state.up, state.rules) == (1300, True, frozenset({4, 6}))
+    assert state.addresses == frozenset({"10.93.0.1/16", "fd09::1/64"}) and state.routes == frozenset({"10.93.5.0/24"})
+    assert await links.apply([LinkOp("addr_del", "fd09::1/64")]) == []
+    assert (await links.observe()).addresses == frozenset({"10.93.0.1/16"})
+
+    await links.delete_link()  # the mesh table still holds mesh0's routes: the rules stay for them
+    assert await links.observe() is None and await links.observe_rules() == frozenset({4, 6})
+    _ip(netns, "route", "flush", "table", str(TABLE))
+    _ip(netns, "-6", "route", "flush", "table", str(TABLE))
+    await links.delete_link()  # nothing left in the table: the rules go too
+    assert await links.observe_rules() == frozenset()
