@@ -101,7 +101,7 @@ async def main() -> None:
 
             async def drain(stream: str) -> float:
                 async def send(entries):
-                    await posts[stream](node_id, EncodedJSON.array([e.text for e in entries]))
+                    await posts[stream](node_id, EncodedJSON.array([e.items for e in entries]))
 
                 queue.add_lane(stream, send, batch_size=batch[stream], interval=1.0)
                 begun = time.perf_counter()

@@ -55,6 +55,9 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS outbox (seq INTEGER PRIMARY KEY AUTOINCREMENT, kind TEXT NOT NULL, body TEXT NOT NULL,
                                    size INTEGER NOT NULL, queued_at REAL NOT NULL, attempts INTEGER DEFAULT 0);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- what each lane holds, kept with every insert and delete (the caps and the status read it, never the rows)
+CREATE TABLE IF NOT EXISTS lane_totals (lane TEXT PRIMARY KEY, rows INTEGER NOT NULL, entries INTEGER NOT NULL,
+                                        bytes INTEGER NOT NULL) WITHOUT ROWID;
 """
 # Lanes and keys came after the first files were written: added to an older file when it is opened.
 _LANES = """
@@ -76,8 +79,8 @@ class NoSender(Exception):
 
 @dataclass(frozen=True)
 class Entry:
-    """One row of a lane: a JSON object (`body`), or for a packed lane (telemetry) `n` JSON texts joined by commas,
-    sent as they are (`text`)."""
+    """One row of a lane: a JSON object (`body`), or for a packed lane (telemetry) a JSON array of `n` entries,
+    sent as they are (`text`; `items` is the array's inside)."""
 
     seq: int
     kind: str
@@ -88,6 +91,11 @@ class Entry:
     @functools.cached_property
     def body(self) -> dict[str, Any]:
         return json.loads(self.text)  # our own 0600 file
+
+    @property
+    def items(self) -> str:
+        """A packed row's entries, comma-joined, to go inside a larger array."""
+        return self.text[1:-1]
 
 
 BatchSend = Callable[[Sequence[Entry]], Awaitable[None]]
@@ -106,6 +114,8 @@ class _Lane:
     batch_entries: int = UNLIMITED  # and at most this many entries (packed rows hold several)
     batch_bytes: int = UNLIMITED  # and at most this much (one larger row alone)
     on_drop: Callable[[int, int], None] | None = None  # (entries, bytes) the caps dropped; any thread
+    has_news: Callable[[], bool] | None = None  # something to send with no entry queued (telemetry's drop notices)
+    sent_upto: int = 0  # the highest sequence number the control plane took (not sent again if its delete failed)
     retry_at: float = 0.0  # monotonic: the backoff's next try
     waiting_since: float | None = None  # monotonic: when the lane's oldest unsent entry was noticed
     sent: int = 0
@@ -131,31 +141,38 @@ class UplinkOutbox:
             self._db = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
             self._db.executescript(_SCHEMA)
             _add_lanes(self._db)
+            _recount(self._db)
         else:
             self._db = open_or_start_empty(self.path, self._connect, "uplink outbox",
                                            "reports and action results queued for the control plane are lost, "
                                            "and executions from before cannot be recognised as replays")
         self._lanes: dict[str, _Lane] = {}
         self._wake = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None  # the one `run` serves on (writers in threads wake it)
+        try:  # the loop `run` will serve on: writers in worker threads wake it
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
         self._full_warned_at = 0.0
 
     def _connect(self) -> sqlite3.Connection:
         assert self.path is not None
         db = connect_private(self.path, _SCHEMA, synchronous="FULL", probe_table="outbox")
         _add_lanes(db)
+        _recount(db)
         return db
 
     def add_lane(self, name: str, send: BatchSend, *, batch: int = 1, debounce: float = 0.0,
                  backoff: Backoff | None = None, max_entries: int | None = None, max_bytes: int | None = None,
                  batch_entries: int = UNLIMITED, batch_bytes: int = UNLIMITED,
-                 on_drop: Callable[[int, int], None] | None = None) -> None:
+                 on_drop: Callable[[int, int], None] | None = None,
+                 has_news: Callable[[], bool] | None = None) -> None:
         """A lane whose entries `send` delivers, up to `batch` rows, `batch_entries` entries and `batch_bytes` at
         once (one larger row alone); its caps are the outbox's unless given. `on_drop(entries, bytes)`, when
-        given, says what the caps dropped instead of the outbox's own warning."""
+        given, says what the caps dropped instead of the outbox's own warning. `has_news()`: the lane has
+        something to send although no entry is queued (`send` is then called with none; `notify` wakes it)."""
         self._lanes[name] = _Lane(send, batch, debounce, backoff or _like(self.backoff),
                                   max_entries or self.max_entries, max_bytes or self.max_bytes, batch_entries,
-                                  batch_bytes, on_drop)
+                                  batch_bytes, on_drop, has_news)
 
     def _lane(self, name: str) -> _Lane:
         lane = self._lanes.get(name)
@@ -205,28 +222,33 @@ class UplinkOutbox:
         """Insert `rows` (text, entries in it) in `db`'s open transaction and hold the lane's caps: (the last
         sequence number, (entries, bytes) dropped)."""
         if key is not None:
-            db.execute("DELETE FROM outbox WHERE lane = ? AND key = ?", (lane, key))
+            for n, size in db.execute("DELETE FROM outbox WHERE lane = ? AND key = ? RETURNING n, size",
+                                      (lane, key)).fetchall():
+                _tally(db, lane, -1, -n, -size)
         now, seq = time.time(), 0
         for text, n in rows:
+            size = len(text.encode())
             seq = db.execute("INSERT INTO outbox (kind, body, size, queued_at, lane, key, n) VALUES (?, ?, ?, ?, ?, ?, "
-                             "?)", (kind, text, len(text.encode()), now, lane, key, n)).lastrowid or 0
+                             "?)", (kind, text, size, now, lane, key, n)).lastrowid or 0
+            _tally(db, lane, 1, n, size)
         return int(seq), self._enforce_caps(db, lane)
 
     def _enforce_caps(self, db: sqlite3.Connection, lane: str) -> tuple[int, int]:
         """The caps hold per lane: a flood of one kind of report never pushes out another kind. The newest row is
         always kept."""
         caps = self._lane(lane)
-        count, total = db.execute("SELECT count(*), coalesce(sum(size), 0) FROM outbox WHERE lane = ?",
-                                  (lane,)).fetchone()
+        count, _, total = _totals(db, lane)
         if count <= caps.max_entries and total <= caps.max_bytes:
             return 0, 0
-        entries = freed = 0
+        entries = freed = dropped_rows = 0
         last = None
         for seq, size, n in db.execute("SELECT seq, size, n FROM outbox WHERE lane = ? ORDER BY seq", (lane,)):
             if count <= 1 or (count <= caps.max_entries and total <= caps.max_bytes):
                 break
             count, total, entries, freed, last = count - 1, total - size, entries + n, freed + size, seq
+            dropped_rows += 1
         db.execute("DELETE FROM outbox WHERE lane = ? AND seq <= ?", (lane, last))
+        _tally(db, lane, -dropped_rows, -entries, -freed)
         _count(db, "dropped_full", lane, entries)
         _count(db, "dropped_bytes", lane, freed)
         return entries, freed
@@ -243,6 +265,10 @@ class UplinkOutbox:
             self._full_warned_at = now
             log.warning("uplink outbox full (%d entries / %d bytes at most per kind): %d oldest report(s) dropped",
                         self.max_entries, self.max_bytes, entries)
+
+    def notify(self, lane: str) -> None:
+        """`lane` has something to send (queued, or news): from any thread."""
+        self._queued(lane)
 
     def _queued(self, lane: str) -> None:
         """Something was queued on `lane`: its debounce starts, and the service looks again. From another thread
@@ -266,10 +292,12 @@ class UplinkOutbox:
 
     def _batch(self, name: str, lane: _Lane) -> list[Entry]:
         """The lane's next batch: at most `batch` rows, `batch_entries` and `batch_bytes` (the first row whatever
-        its size)."""
+        its size), past what the control plane already took. Read row by row: only what goes is fetched."""
         entries: list[Entry] = []
         size = count = 0
-        for entry in self.pending(name, lane.batch):
+        for row in self._db.execute("SELECT seq, kind, body, key, n FROM outbox WHERE lane = ? AND seq > ? "
+                                    "ORDER BY seq LIMIT ?", (name, lane.sent_upto, lane.batch)):
+            entry = Entry(*row)
             size, count = size + len(entry.text), count + entry.n
             if entries and (size > lane.batch_bytes or count > lane.batch_entries):
                 break
@@ -277,10 +305,16 @@ class UplinkOutbox:
         return entries
 
     def _remove(self, lane: str, entries: Sequence[Entry], counter: str | None = None) -> None:
+        self._delete(lane, ",".join(str(e.seq) for e in entries), counter, sum(e.n for e in entries))
+
+    def _delete(self, lane: str, seqs: str, counter: str | None = None, counted: int = 0) -> None:
+        """Delete the rows `seqs` (comma-separated sequence numbers, plexd's own integers) of `lane`."""
         with immediate(self._db):
-            self._db.executemany("DELETE FROM outbox WHERE seq = ?", [(e.seq,) for e in entries])
+            for n, size in self._db.execute(f"DELETE FROM outbox WHERE lane = ? AND seq IN ({seqs}) RETURNING n, "
+                                            "size", (lane,)).fetchall():
+                _tally(self._db, lane, -1, -n, -size)
             if counter is not None:
-                _count(self._db, counter, lane, sum(e.n for e in entries))
+                _count(self._db, counter, lane, counted)
                 _count(self._db, counter + "_batches", lane, 1)
 
     # -- delivering -------------------------------------------------------------------------------------------
@@ -315,8 +349,15 @@ class UplinkOutbox:
     async def _deliver_lane(self, name: str) -> list[int]:
         lane = self._lane(name)
         taken: list[int] = []
-        while entries := self._batch(name, lane):
-            what = _describe(name, entries)
+        if lane.sent_upto:  # taken by the control plane, not deleted then (a full disk): deleted now
+            with immediate(self._db):
+                for n, size in self._db.execute("DELETE FROM outbox WHERE lane = ? AND seq <= ? RETURNING n, size",
+                                                (name, lane.sent_upto)).fetchall():
+                    _tally(self._db, name, -1, -n, -size)
+        news = lane.has_news is not None and lane.has_news()
+        while (entries := self._batch(name, lane)) or news:
+            news = False  # news alone goes once, with no entry
+            what = _describe(name, entries) if entries else f"{name} notice"
             try:
                 await lane.send(entries)
             except NoSender:
@@ -338,7 +379,10 @@ class UplinkOutbox:
                 log.exception("%s report dropped: it cannot be sent", what)
                 self._remove(name, entries, "refused")
                 continue
-            self._remove(name, entries)
+            if entries:
+                # Taken: never sent again, even if the delete below fails (a full disk) and the rows stay a while.
+                lane.sent_upto = max(lane.sent_upto, entries[-1].seq)
+                self._remove(name, entries)
             taken += [e.seq for e in entries]
             lane.sent += sum(e.n for e in entries)
             if lane.failing:
@@ -356,12 +400,18 @@ class UplinkOutbox:
         level = logging.INFO if lane.failing else logging.WARNING  # once per outage, not once per retry
         lane.failing = True
         log.log(level, "%s report not delivered (%s); %d queued, retrying in %.0fs", what, verdict.reason,
-                self.size(name), verdict.delay)
+                _totals(self._db, name)[1], verdict.delay)
 
     def _lanes_waiting(self) -> list[str]:
-        """Lanes with entries, the one holding the oldest first."""
-        rows = self._db.execute("SELECT lane, min(seq) AS first FROM outbox GROUP BY lane ORDER BY first")
-        return [lane for lane, _ in rows.fetchall()]
+        """Lanes with entries, the one holding the oldest first, then lanes with news only."""
+        firsts = []
+        for (name,) in self._db.execute("SELECT lane FROM lane_totals WHERE rows > 0").fetchall():
+            (first,) = self._db.execute("SELECT min(seq) FROM outbox WHERE lane = ?", (name,)).fetchone()
+            if first is not None:
+                firsts.append((first, name))
+        waiting = [name for _, name in sorted(firsts)]
+        return waiting + [name for name, lane in self._lanes.items()
+                          if name not in waiting and lane.has_news is not None and lane.has_news()]
 
     async def run(self) -> None:
         """The service: deliver each lane when it is due (something queued, its debounce and backoff over), each
@@ -412,7 +462,8 @@ class UplinkOutbox:
     # -- state ------------------------------------------------------------------------------------------------
 
     def size(self, lane: str | None = None) -> int:
-        return int(self._db.execute("SELECT count(*) FROM outbox WHERE ?1 IS NULL OR lane = ?1",
+        """Rows queued (a packed row holds several entries)."""
+        return int(self._db.execute("SELECT coalesce(sum(rows), 0) FROM lane_totals WHERE ?1 IS NULL OR lane = ?1",
                                     (lane,)).fetchone()[0])
 
     def count(self, name: str, lane: str, n: int) -> None:
@@ -439,8 +490,8 @@ class UplinkOutbox:
 
     def status(self, lane: str | None = None) -> dict[str, Any]:
         """`pending` counts entries (a packed row holds several), `bytes` what they take on disk."""
-        entries, nbytes = self._db.execute("SELECT coalesce(sum(n), 0), coalesce(sum(size), 0) FROM outbox "
-                                           "WHERE ?1 IS NULL OR lane = ?1", (lane,)).fetchone()
+        entries, nbytes = self._db.execute("SELECT coalesce(sum(entries), 0), coalesce(sum(bytes), 0) FROM "
+                                           "lane_totals WHERE ?1 IS NULL OR lane = ?1", (lane,)).fetchone()
         state = self._lane(lane) if lane is not None else None
         return {"pending": entries, "bytes": nbytes, "sent": state.sent if state else self.sent,
                 "refused": self.counter("refused", lane), "dropped_full": self.counter("dropped_full", lane),
@@ -491,7 +542,8 @@ class UplinkWriter:
 def _describe(lane: str, entries: Sequence[Entry]) -> str:
     """An entry's kind (and execution), or a batch's lane, size and keys, for a log line."""
     if len(entries) == 1 and entries[0].key is None and entries[0].n == 1:
-        execution = entries[0].body.get("execution_id")
+        body = entries[0].body
+        execution = body.get("execution_id") if isinstance(body, dict) else None
         return entries[0].kind + (f" for execution {execution}" if execution else "")
     keys = ", ".join(sorted(e.key for e in entries if e.key is not None))
     return f"{lane} batch of {sum(e.n for e in entries)}" + (f" (keys: {keys[:300]})" if keys else "")
@@ -505,8 +557,31 @@ def _add_lanes(db: sqlite3.Connection) -> None:
             db.execute("ALTER TABLE outbox ADD COLUMN key TEXT")
             db.execute("UPDATE outbox SET lane = kind")
     if "n" not in columns:  # before packed lanes: one entry a row
-        db.execute("ALTER TABLE outbox ADD COLUMN n INTEGER NOT NULL DEFAULT 1")
+        try:
+            db.execute("ALTER TABLE outbox ADD COLUMN n INTEGER NOT NULL DEFAULT 1")
+        except sqlite3.OperationalError as exc:  # `plexd reconcile --once` added it at the same moment
+            if "duplicate column" not in str(exc):
+                raise
     db.executescript(_LANES)
+
+
+def _recount(db: sqlite3.Connection) -> None:
+    """The lanes' totals from their rows, once at open: an older file has none, and nothing else keeps them in
+    step with a row changed from outside."""
+    with immediate(db):
+        db.execute("DELETE FROM lane_totals")
+        db.execute("INSERT INTO lane_totals SELECT lane, count(*), sum(n), sum(size) FROM outbox GROUP BY lane")
+
+
+def _tally(db: sqlite3.Connection, lane: str, rows: int, entries: int, nbytes: int) -> None:
+    db.execute("INSERT INTO lane_totals VALUES (?, ?, ?, ?) ON CONFLICT(lane) DO UPDATE SET rows = rows + ?, "
+               "entries = entries + ?, bytes = bytes + ?", (lane, rows, entries, nbytes, rows, entries, nbytes))
+
+
+def _totals(db: sqlite3.Connection, lane: str) -> tuple[int, int, int]:
+    """(rows, entries, bytes) the lane holds."""
+    row = db.execute("SELECT rows, entries, bytes FROM lane_totals WHERE lane = ?", (lane,)).fetchone()
+    return (int(row[0]), int(row[1]), int(row[2])) if row else (0, 0, 0)
 
 
 def _count(db: sqlite3.Connection, name: str, lane: str, n: int) -> None:

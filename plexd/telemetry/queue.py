@@ -8,9 +8,10 @@ nothing until a stream's byte cap is reached; then the *oldest* entries go first
 (persisted in the outbox's counters) and handed to `on_drop` (a log line, a metric, a log entry for the control
 plane).
 
-The entries of one append are stored together, up to `pack` (and `PACK_BYTES`) to a row, as their JSON
-texts joined by commas, and a batch is sent as those texts inside one array: at 1,000 peers a collection is 10 rows
-instead of 1,000, and no entry is decoded and encoded again on its way out.
+The entries of one append are stored together, up to `pack` (and `PACK_BYTES`) to a row, as one JSON array of
+their texts, and a batch is sent as the rows' insides inside one array: at 1,000 peers a collection is 10 rows
+instead of 1,000, and no entry is decoded and encoded again on its way out. (A row is valid JSON on its own: a
+version of plexd that knows no telemetry lane, after a rollback, reads it as an entry it has no sender for.)
 
 Collectors append from worker threads, through a writer of their own on the outbox's file (synchronous=NORMAL: a
 process crash loses nothing committed; a power loss may lose the last seconds, as it would lose their
@@ -21,7 +22,8 @@ A write that fails (a full disk, an I/O error) loses only the entries of that wr
 dropped, one log line says so when it starts and one when writes work again, and the daemon carries on.
 
 Versions before the one outbox kept all this in ``telemetry.db`` (in data_dir or ``telemetry.queue_dir``): such a
-file is taken over once, entries, counts and positions, and removed.
+file is taken over once, entries, counts and positions, and removed (`adopt`, once the lanes and their caps are
+known).
 """
 
 from __future__ import annotations
@@ -59,9 +61,9 @@ def lane(stream: str) -> str:
 
 class TelemetryQueue:
     def __init__(self, outbox: UplinkOutbox, caps: Mapping[str, int], *, on_drop: OnDrop | None = None,
-                 pack: int = PACK_ENTRIES, adopt: Iterable[Path] = ()) -> None:
+                 pack: int = PACK_ENTRIES) -> None:
         """`pack`: entries to a row at most; no larger than the smallest batch a lane sends, since a batch holds
-        whole rows. `adopt`: where an older version may have left a telemetry.db."""
+        whole rows."""
         self.outbox = outbox
         self.caps = dict(caps)
         self.pack = max(1, pack)
@@ -69,17 +71,23 @@ class TelemetryQueue:
         self._unwritable: dict[str, int] = {}  # stream → entries lost since writes started failing
         self._writer = outbox.writer(durable=False)
         self._writer.db.executescript(_SCHEMA)
-        for path in adopt:
-            self._adopt(path)
 
-    def add_lane(self, stream: str, send: BatchSend, *, batch_size: int, interval: float) -> None:
+    def add_lane(self, stream: str, send: BatchSend, *, batch_size: int, interval: float,
+                 has_news: Callable[[], bool] | None = None) -> None:
         """Deliver `stream` with `send`: at most `batch_size` entries (and MAX_BATCH_BYTES) a batch, gathered for
-        `interval` after the first, retried with a backoff capped at `interval`."""
+        `interval` after the first, retried with a backoff capped at `interval`. `has_news`: see
+        `UplinkOutbox.add_lane`."""
         self.outbox.add_lane(lane(stream), send, batch=batch_size, batch_entries=batch_size,
                              batch_bytes=MAX_BATCH_BYTES, debounce=interval,
                              backoff=Backoff(base=min(1.0, interval), cap=interval),
                              max_bytes=self.caps[stream], max_entries=1 << 62,
-                             on_drop=lambda entries, nbytes: self.on_drop(stream, entries, nbytes, "full"))
+                             on_drop=lambda entries, nbytes: self.on_drop(stream, entries, nbytes, "full"),
+                             has_news=has_news)
+
+    def adopt(self, paths: Iterable[Path]) -> None:
+        """Take over the telemetry.db an older version left at any of `paths` (after `add_lane`: the caps)."""
+        for path in paths:
+            self._adopt(path)
 
     def close(self) -> None:
         self._writer.close()
@@ -94,19 +102,26 @@ class TelemetryQueue:
         count = sum(n for _, n in rows)
         if not rows and position is None:
             return True
+        lost = 0
         try:
             with self._writer.transaction() as db:
                 self._writer.put_texts(lane(stream), stream, rows)
                 if position is not None:
                     db.execute("INSERT OR REPLACE INTO telemetry_positions(source, value) VALUES(?,?)",
                                (position[0], json.dumps(position[1])))
-                lost = self._unwritable.get(stream, 0)
-                if lost:  # writes work again: what was lost meanwhile is counted for good
+                # Writes work again: what was lost meanwhile is counted for good, and no longer in memory (taken
+                # under the writer's lock, so no reader counts it twice).
+                lost = self._unwritable.pop(stream, 0)
+                if lost:
                     self._writer.count("dropped_unwritable", lane(stream), lost)
         except sqlite3.Error as exc:
+            if lost:
+                self._unwritable[stream] = self._unwritable.get(stream, 0) + lost
             self._write_failed(stream, count, exc)
             return False
-        self._write_worked(stream)
+        if lost:
+            log.warning("telemetry queue %s writable again; %d %s entries were lost while it was not",
+                        self.outbox.path, lost, stream)
         return True
 
     def _write_failed(self, stream: str, count: int, exc: sqlite3.Error) -> None:
@@ -116,12 +131,6 @@ class TelemetryQueue:
             log.error("telemetry queue %s cannot be written (%s): %s entries lost, and every %s entry until it "
                       "can be; the mesh is not affected", self.outbox.path, exc, count, stream)
         self.on_drop(stream, count, 0, f"unwritable: {exc}")
-
-    def _write_worked(self, stream: str) -> None:
-        lost = self._unwritable.pop(stream, None)
-        if lost is not None:
-            log.warning("telemetry queue %s writable again; %d %s entries were lost while it was not",
-                        self.outbox.path, lost, stream)
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -163,7 +172,8 @@ class TelemetryQueue:
             entries, streams, positions = rows
             with self._writer.transaction() as db:
                 for stream in STREAMS:  # one put per stream: the caps are checked once
-                    self._writer.put_texts(lane(stream), stream, [(body, n) for s, body, n in entries if s == stream])
+                    self._writer.put_texts(lane(stream), stream,
+                                           [(f"[{body}]", n) for s, body, n in entries if s == stream])
                 for stream, dropped, dropped_bytes, reported in streams:
                     if stream in STREAMS:
                         self._writer.count("dropped_full", lane(stream), dropped)
@@ -171,6 +181,7 @@ class TelemetryQueue:
                         self._writer.count("drops_reported", lane(stream), reported)
                 db.executemany("INSERT OR REPLACE INTO telemetry_positions(source, value) VALUES(?,?)", positions)
                 db.execute("INSERT INTO telemetry_flags VALUES (?)", (flag,))
+            self._writer.db.execute("PRAGMA wal_checkpoint(FULL)")  # on disk before the old file goes
             log.info("telemetry queue taken over from %s: %d undelivered entries, %d source positions", legacy,
                      sum(n for _, _, n in entries), len(positions))
 
@@ -191,17 +202,17 @@ def _read_legacy(old: sqlite3.Connection) -> tuple[list[Any], list[Any], list[An
 
 
 def _packed(texts: Iterable[str], pack: int) -> Iterator[tuple[str, int]]:
-    """Entries' texts joined into rows of at most `pack` entries and PACK_BYTES (one larger entry alone)."""
+    """Entries' texts in JSON arrays of at most `pack` entries and PACK_BYTES (one larger entry alone)."""
     chunk: list[str] = []
     size = 0
     for text in texts:
         if chunk and (len(chunk) >= pack or size + len(text) > PACK_BYTES):
-            yield ",".join(chunk), len(chunk)
+            yield f"[{','.join(chunk)}]", len(chunk)
             chunk, size = [], 0
         chunk.append(text)
         size += len(text) + 1
     if chunk:
-        yield ",".join(chunk), len(chunk)
+        yield f"[{','.join(chunk)}]", len(chunk)
 
 
 def encode(entry: Mapping[str, Any]) -> str:

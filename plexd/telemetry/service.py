@@ -26,14 +26,14 @@ from typing import Any
 
 from plexd.base.gojson import GO_ZERO_TIME, EncodedJSON, format_unix, now_text
 from plexd.config.settings import TelemetryConfig
-from plexd.controlplane.uplink import BatchSend, Entry, UplinkOutbox
+from plexd.controlplane.uplink import BatchSend, Entry, NoSender, UplinkOutbox
 from plexd.identity import datadir
 from plexd.mesh.wireguard import DeviceConfig
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
 from plexd.telemetry.ping import ProbeUnavailable, round_trips
-from plexd.telemetry.queue import PACK_ENTRIES, STREAMS, TelemetryQueue, encode
+from plexd.telemetry.queue import PACK_ENTRIES, STREAMS, TelemetryQueue, encode, lane
 from plexd.telemetry.system import SystemSampler
 from plexd.telemetry.tail import FileTail
 
@@ -88,11 +88,14 @@ class Telemetry:
         self.local_audit = local_audit
         stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
         caps = {name: c.queue_max_bytes for name, c in stream_cfg.items()}
-        self.queue = TelemetryQueue(outbox, caps, on_drop=self._dropped, adopt=older_queues,
+        self.queue = TelemetryQueue(outbox, caps, on_drop=self._dropped,
                                     pack=min([PACK_ENTRIES] + [c.batch_size for c in stream_cfg.values()]))
-        for name, c in stream_cfg.items():  # every stream, enabled or not: what an earlier run queued still goes
-            self.queue.add_lane(name, self._sender(name, post), batch_size=c.batch_size, interval=c.report_interval)
         self.enabled = [name for name in STREAMS if stream_cfg[name].enabled]
+        # Every stream has its lane and caps; a disabled one keeps what an earlier run queued, unsent.
+        for name, c in stream_cfg.items():
+            self.queue.add_lane(name, self._sender(name, post), batch_size=c.batch_size, interval=c.report_interval,
+                                has_news=self._has_notices if name == "logs" and name in self.enabled else None)
+        self.queue.adopt(older_queues)
         self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
         self.system = SystemSampler()
         self._probe_problem = ""
@@ -163,14 +166,21 @@ class Telemetry:
                 group.create_task(job)
 
     def _sender(self, stream: str, post: Post) -> BatchSend:
-        """How a batch of the stream's lane goes: its stored texts inside one array (never decoded), the logs
-        stream's with the notices of what any stream lost ahead of them."""
+        """How a batch of the stream's lane goes: its stored rows inside one array (never decoded), the logs
+        stream's with the notices of what any stream lost ahead of them (alone when nothing else is queued)."""
         async def send(entries: Sequence[Entry]) -> None:
+            if stream not in self.enabled:
+                raise NoSender(stream)  # kept for when the stream is enabled again
             notices, told = self._drop_notices() if stream == "logs" else ([], None)
-            await post(stream, EncodedJSON.array([encode(e) for e in notices] + [e.text for e in entries]))
+            texts = [encode(e) for e in notices] + [e.items for e in entries]
+            if texts:
+                await post(stream, EncodedJSON.array(texts))
             if told is not None:
                 told()
         return send
+
+    def _has_notices(self) -> bool:
+        return bool(self.queue.unreported_drops())
 
     # -- metrics ------------------------------------------------------------------------------------------------
 
@@ -208,7 +218,9 @@ class Telemetry:
     # -- losses -------------------------------------------------------------------------------------------------
 
     def _dropped(self, stream: str, count: int, nbytes: int, why: str) -> None:
-        """In the collector's worker thread: the log line only (the counts are the outbox's, `plexd status`)."""
+        """In the collector's worker thread: the log line (the counts are the outbox's, `plexd status`), and the
+        logs lane woken for its notice."""
+        self.queue.outbox.notify(lane("logs"))
         if why == "full":
             pending = self._drops.setdefault(stream, [0, 0.0])
             pending[0] += count

@@ -65,7 +65,7 @@ async def test_a_stream_is_sent_in_order_transient_failures_retried_and_refused_
         answer = answers.pop(0) if answers else None
         if answer is not None:
             raise answer
-        received.append([e["n"] for e in json.loads(EncodedJSON.array([e.text for e in entries]).text)])
+        received.append([e["n"] for e in json.loads(EncodedJSON.array([e.items for e in entries]).text)])
 
     box = UplinkOutbox(tmp_path / "uplink.db", send)
     queue = TelemetryQueue(box, {"logs": 1 << 20}, pack=3)  # as the service sizes it: ≤ a batch

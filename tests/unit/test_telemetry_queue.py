@@ -10,6 +10,8 @@ import json
 import os
 import sqlite3
 
+import pytest
+
 from plexd.base.gojson import EncodedJSON
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.telemetry.queue import TelemetryQueue, lane
@@ -26,7 +28,9 @@ class Control:
         self.batches: list[list[dict]] = []
 
     async def send(self, batch) -> None:
-        self.batches.append(json.loads(EncodedJSON.array([e.text for e in batch]).text))
+        # a telemetry row is an array of entries; a plain lane's row, one object
+        self.batches.append(json.loads(EncodedJSON.array([e.items if e.text[0] == "[" else e.text
+                                                          for e in batch]).text))
 
     def numbers(self) -> list[int]:
         return [e["n"] for batch in self.batches for e in batch]
@@ -36,11 +40,12 @@ async def no_default_lane(kind, body):
     raise AssertionError(f"{kind} has no lane")
 
 
-def open_queue(path, caps, control: Control, *, pack: int = 100, batch_size: int = 1000, **kw):
+def open_queue(path, caps, control: Control, *, pack: int = 100, batch_size: int = 1000, adopt=(), **kw):
     box = UplinkOutbox(path, no_default_lane)
     queue = TelemetryQueue(box, caps, pack=pack, **kw)
     for stream in caps:
         queue.add_lane(stream, control.send, batch_size=batch_size, interval=0.05)
+    queue.adopt(adopt)
     return box, queue
 
 
@@ -206,3 +211,76 @@ async def test_a_telemetry_db_of_the_first_version_and_an_unreadable_one(tmp_pat
     await box.deliver(lane("logs"))
     assert control.numbers() == [7, 8]
     assert not (tmp_path / "telemetry.db").exists() and (tmp_path / "q" / "telemetry.db.unreadable").exists()
+
+
+async def test_a_taken_over_backlog_keeps_to_telemetrys_caps_not_the_outboxs_defaults(tmp_path):
+    old = sqlite3.connect(tmp_path / "telemetry.db")
+    old.executescript("""
+        CREATE TABLE entries (seq INTEGER PRIMARY KEY AUTOINCREMENT, stream TEXT NOT NULL, size INTEGER NOT NULL,
+                              body TEXT NOT NULL, n INTEGER NOT NULL DEFAULT 1);
+    """)
+    old.executemany("INSERT INTO entries (stream, size, body) VALUES ('logs', 9, ?)",
+                    [(f'{{"n":{i}}}',) for i in range(12_000)])  # more rows than the outbox's default cap
+    old.commit()
+    old.close()
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"logs": 64 << 20}, control, batch_size=5000,
+                            adopt=[tmp_path / "telemetry.db"])
+    assert queue.status("logs")["pending"] == 12_000 and queue.status("logs")["dropped"] == 0
+    await box.deliver(lane("logs"))
+    assert control.numbers() == list(range(12_000))
+
+
+async def test_a_batch_the_control_plane_took_is_not_sent_again_when_its_delete_fails(tmp_path):
+    control = Control()
+    box, queue = open_queue(tmp_path / "uplink.db", {"logs": 1 << 20}, control)
+    queue.append("logs", entries(0, 3))
+    real_delete = box._delete
+    failures = []
+
+    def full_disk_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise sqlite3.OperationalError("database or disk is full")
+        return real_delete(*args, **kwargs)
+
+    box._delete = full_disk_once
+    with pytest.raises(sqlite3.OperationalError):
+        await box.deliver(lane("logs"))
+    assert control.numbers() == [0, 1, 2] and box.size(lane("logs")) == 1  # taken, still on disk
+    queue.append("logs", entries(3, 1))
+    await box.deliver(lane("logs"))
+    assert control.numbers() == [0, 1, 2, 3] and box.size(lane("logs")) == 0  # the leftover went, unsent
+
+
+async def test_news_goes_out_with_nothing_queued(tmp_path):
+    sent = []
+    news = [True]
+
+    async def send(batch):
+        sent.append(list(batch))
+        news[0] = False
+
+    box = UplinkOutbox(tmp_path / "uplink.db", no_default_lane)
+    box.add_lane("telemetry_logs", send, has_news=lambda: news[0])
+    await box.deliver()
+    assert sent == [[]] and not news[0]
+    await box.deliver()
+    assert sent == [[]]  # nothing more to say
+
+
+def test_the_lane_totals_follow_every_change_and_are_recounted_at_open(tmp_path):
+    box = UplinkOutbox(tmp_path / "uplink.db", no_default_lane, max_entries=3)
+    for i in range(5):
+        box.put("drift", {"i": i})  # two dropped by the cap
+    box.put("report", {"v": 1}, lane="reports", key="a")
+    box.put("report", {"v": 2}, lane="reports", key="a")  # replaces
+    box._remove("drift", box.pending("drift", 1))
+    assert (box.size("drift"), box.size("reports"), box.size()) == (2, 1, 3)
+    rows = {lane: (n, size) for lane, n, size in box.db.execute(
+        "SELECT lane, sum(n), sum(size) FROM outbox GROUP BY lane")}
+    assert {lane: (box.status(lane)["pending"], box.status(lane)["bytes"]) for lane in rows} == rows
+    box.db.execute("DELETE FROM outbox WHERE lane = 'reports'")  # behind its back
+    box.close()
+    again = UplinkOutbox(tmp_path / "uplink.db", no_default_lane)
+    assert (again.size("drift"), again.size("reports")) == (2, 0)

@@ -191,7 +191,7 @@ async def test_a_lane_nobody_here_sends_stays_queued_for_the_daemon(tmp_path):
     box.put("result", {"execution_id": "e1", "body": {}}, lane="actions")
     writer = box.writer(durable=False)  # telemetry: packed rows, queued from the daemon's threads
     with writer.transaction():
-        writer.put_texts("telemetry_logs", "logs", [('{"n":1},{"n":2}', 2), ('{"n":3}', 1)])
+        writer.put_texts("telemetry_logs", "logs", [('[{"n":1},{"n":2}]', 2), ('[{"n":3}]', 1)])
     box.put("drift", {"n": 1})
     assert await box.deliver() != [] and taken == [{"n": 1}]
     assert box.size("actions") == 1 and box.status()["refused"] == 0
