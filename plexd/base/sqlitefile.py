@@ -84,10 +84,9 @@ def take_over(legacy: Path, *, what: str, lost: str, taken: Callable[[str], bool
     unreadable one is moved aside (``.unreadable``; `lost` says what that costs); a write that fails leaves it
     for the next start."""
     try:
-        stat = legacy.stat()
+        flag = _identity(legacy)
     except OSError:
         return
-    flag = f"adopted {legacy.name} {stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
     if not taken(flag):
         try:
             old = sqlite3.connect(legacy)
@@ -95,7 +94,8 @@ def take_over(legacy: Path, *, what: str, lost: str, taken: Callable[[str], bool
                 rows = read(old)
             finally:
                 old.close()
-        except (sqlite3.Error, ValueError) as exc:
+            flag = _identity(legacy)  # closing it may have folded its WAL in: the file as it now stays
+        except (sqlite3.Error, ValueError, OSError) as exc:
             try:
                 aside: Path | str = move_aside(legacy, ".unreadable")
             except OSError as error:
@@ -109,3 +109,8 @@ def take_over(legacy: Path, *, what: str, lost: str, taken: Callable[[str], bool
             return
     legacy.unlink(missing_ok=True)
     remove_sidecars(legacy)
+
+
+def _identity(path: Path) -> str:
+    stat = path.stat()
+    return f"adopted {path.name} {stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
