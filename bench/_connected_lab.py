@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,8 @@ _PROFILE = os.environ.get("PLEXD_BENCH_PROFILE")
 DAEMON = [sys.executable, "-m", "cProfile", "-o", _PROFILE, PLEXD, "up"] if _PROFILE else [PLEXD, "up"]
 # PLEXD_BENCH_TRACEMALLOC=/path/out.snap runs the daemon under tracemalloc; `Node.tracemalloc_snapshot()` takes one.
 _TRACEMALLOC = os.environ.get("PLEXD_BENCH_TRACEMALLOC")
+# PLEXD_BENCH_KEEP=1 keeps the bench's workdir (config, data_dir, plexd.log), which goes after a run that finished.
+_KEEP = bool(os.environ.get("PLEXD_BENCH_KEEP") or os.environ.get("PLEXD_BENCH_TRACEMALLOC"))
 # PLEXD_BENCH_LOG_LEVEL=info (default warning) sets the daemon's log level, to see what it did in workdir/plexd.log.
 if _TRACEMALLOC:
     DAEMON = [sys.executable, str(Path(__file__).with_name("_traced_daemon.py"))]
@@ -139,6 +142,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
     lab = Lab().up(1)
     workdir = Path(tempfile.mkdtemp(prefix="plexd-bench-"))
     dp = proc = None
+    finished = False
     try:
         dp = Devplane(workdir / "dp", listen=f"{lab.bridge_address}:0", heartbeat_interval=peer_heartbeat)
         dp.start()
@@ -168,6 +172,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
                 raise RuntimeError(f"plexd up did not connect:\n{(workdir / 'plexd.log').read_text()[-3000:]}")
             time.sleep(0.1)
         yield Node(lab, node, dp, proc, workdir)
+        finished = True
     finally:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -178,3 +183,6 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
         if dp is not None:
             dp.stop()
         lab.down()
+        # Its data_dir holds the bench node's keys: kept only to look into a failure, or when asked to
+        if finished and not _KEEP:
+            shutil.rmtree(workdir, ignore_errors=True)
