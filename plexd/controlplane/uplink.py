@@ -222,15 +222,14 @@ class UplinkOutbox:
         """Insert `rows` (text, entries in it) in `db`'s open transaction and hold the lane's caps: (the last
         sequence number, (entries, bytes) dropped)."""
         if key is not None:
-            for n, size in db.execute("DELETE FROM outbox WHERE lane = ? AND key = ? RETURNING n, size",
-                                      (lane, key)).fetchall():
-                _tally(db, lane, -1, -n, -size)
-        now, seq = time.time(), 0
+            _delete_rows(db, lane, "key = ?", (key,))
+        now, seq, total = time.time(), 0, 0
         for text, n in rows:
             size = len(text.encode())
+            total += size
             seq = db.execute("INSERT INTO outbox (kind, body, size, queued_at, lane, key, n) VALUES (?, ?, ?, ?, ?, ?, "
                              "?)", (kind, text, size, now, lane, key, n)).lastrowid or 0
-            _tally(db, lane, 1, n, size)
+        _tally(db, lane, len(rows), sum(n for _, n in rows), total)
         return int(seq), self._enforce_caps(db, lane)
 
     def _enforce_caps(self, db: sqlite3.Connection, lane: str) -> tuple[int, int]:
@@ -240,15 +239,12 @@ class UplinkOutbox:
         count, _, total = _totals(db, lane)
         if count <= caps.max_entries and total <= caps.max_bytes:
             return 0, 0
-        entries = freed = dropped_rows = 0
         last = None
-        for seq, size, n in db.execute("SELECT seq, size, n FROM outbox WHERE lane = ? ORDER BY seq", (lane,)):
+        for seq, size in db.execute("SELECT seq, size FROM outbox WHERE lane = ? ORDER BY seq", (lane,)):
             if count <= 1 or (count <= caps.max_entries and total <= caps.max_bytes):
                 break
-            count, total, entries, freed, last = count - 1, total - size, entries + n, freed + size, seq
-            dropped_rows += 1
-        db.execute("DELETE FROM outbox WHERE lane = ? AND seq <= ?", (lane, last))
-        _tally(db, lane, -dropped_rows, -entries, -freed)
+            count, total, last = count - 1, total - size, seq
+        entries, freed = _delete_rows(db, lane, "seq <= ?", (last,))
         _count(db, "dropped_full", lane, entries)
         _count(db, "dropped_bytes", lane, freed)
         return entries, freed
@@ -305,16 +301,12 @@ class UplinkOutbox:
         return entries
 
     def _remove(self, lane: str, entries: Sequence[Entry], counter: str | None = None) -> None:
-        self._delete(lane, ",".join(str(e.seq) for e in entries), counter, sum(e.n for e in entries))
-
-    def _delete(self, lane: str, seqs: str, counter: str | None = None, counted: int = 0) -> None:
-        """Delete the rows `seqs` (comma-separated sequence numbers, plexd's own integers) of `lane`."""
+        """Delete `entries` of `lane`, counting them under `counter` when given ("refused")."""
         with immediate(self._db):
-            for n, size in self._db.execute(f"DELETE FROM outbox WHERE lane = ? AND seq IN ({seqs}) RETURNING n, "
-                                            "size", (lane,)).fetchall():
-                _tally(self._db, lane, -1, -n, -size)
+            seqs = ",".join(str(e.seq) for e in entries)  # plexd's own integers
+            _delete_rows(self._db, lane, f"seq IN ({seqs})", ())
             if counter is not None:
-                _count(self._db, counter, lane, counted)
+                _count(self._db, counter, lane, sum(e.n for e in entries))
                 _count(self._db, counter + "_batches", lane, 1)
 
     # -- delivering -------------------------------------------------------------------------------------------
@@ -351,9 +343,7 @@ class UplinkOutbox:
         taken: list[int] = []
         if lane.sent_upto:  # taken by the control plane, not deleted then (a full disk): deleted now
             with immediate(self._db):
-                for n, size in self._db.execute("DELETE FROM outbox WHERE lane = ? AND seq <= ? RETURNING n, size",
-                                                (name, lane.sent_upto)).fetchall():
-                    _tally(self._db, name, -1, -n, -size)
+                _delete_rows(self._db, name, "seq <= ?", (lane.sent_upto,))
         news = lane.has_news is not None and lane.has_news()
         while (entries := self._batch(name, lane)) or news:
             news = False  # news alone goes once, with no entry
@@ -525,7 +515,7 @@ class UplinkWriter:
                 self._outbox._queued(lane)
 
     def put_texts(self, lane: str, kind: str, rows: Sequence[tuple[str, int]]) -> None:
-        """Queue rows of (JSON texts joined by commas, how many) in the open transaction."""
+        """Queue rows of (a JSON array of entries, how many) in the open transaction."""
         if rows:
             _, dropped = self._outbox._insert(self.db, lane, kind, rows)
             self._queued.append((lane, *dropped))
@@ -571,6 +561,15 @@ def _recount(db: sqlite3.Connection) -> None:
     with immediate(db):
         db.execute("DELETE FROM lane_totals")
         db.execute("INSERT INTO lane_totals SELECT lane, count(*), sum(n), sum(size) FROM outbox GROUP BY lane")
+
+
+def _delete_rows(db: sqlite3.Connection, lane: str, where: str, params: tuple[Any, ...]) -> tuple[int, int]:
+    """Delete `lane`'s rows matching `where` in the open transaction, keeping the lane's totals; (entries, bytes)
+    deleted."""
+    gone = db.execute(f"DELETE FROM outbox WHERE lane = ? AND {where} RETURNING n, size", (lane, *params)).fetchall()
+    entries, nbytes = sum(n for n, _ in gone), sum(size for _, size in gone)
+    _tally(db, lane, -len(gone), -entries, -nbytes)
+    return entries, nbytes
 
 
 def _tally(db: sqlite3.Connection, lane: str, rows: int, entries: int, nbytes: int) -> None:

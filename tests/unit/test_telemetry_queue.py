@@ -235,16 +235,16 @@ async def test_a_batch_the_control_plane_took_is_not_sent_again_when_its_delete_
     control = Control()
     box, queue = open_queue(tmp_path / "uplink.db", {"logs": 1 << 20}, control)
     queue.append("logs", entries(0, 3))
-    real_delete = box._delete
+    real_remove = box._remove
     failures = []
 
     def full_disk_once(*args, **kwargs):
         if not failures:
             failures.append(1)
             raise sqlite3.OperationalError("database or disk is full")
-        return real_delete(*args, **kwargs)
+        return real_remove(*args, **kwargs)
 
-    box._delete = full_disk_once
+    box._remove = full_disk_once
     with pytest.raises(sqlite3.OperationalError):
         await box.deliver(lane("logs"))
     assert control.numbers() == [0, 1, 2] and box.size(lane("logs")) == 1  # taken, still on disk
