@@ -25,6 +25,7 @@ from typing import Literal
 
 from plexd.base.errors import PlexdError
 from plexd.mesh.rtnl import (
+    Address,
     Link,
     Message,
     Rule,
@@ -117,7 +118,7 @@ class Links:
             names = link_names(self.netns)
             mesh = {index for index, name in names.items() if name == self.interface}
             on = {(f"{a.address}/{a.prefixlen}", names.get(a.index, "")) for a in dump_addresses(self.netns)
-                  if a.index not in mesh and not (a.family == socket.AF_INET6 and a.scope == RT_SCOPE_LINK)}
+                  if a.index not in mesh and not _ipv6_link_local(a)}
             gateways = {gateway for family in (socket.AF_INET, socket.AF_INET6)
                         for r in dump_routes(family, self.netns)
                         if r.table == MAIN_TABLE and r.default and r.oif not in mesh for gateway in r.gateways}
@@ -143,7 +144,7 @@ class Links:
     def _read(self, link: Link) -> LinkState:
         index = link.index
         addresses = {f"{a.address}/{a.prefixlen}" for a in dump_addresses(self.netns)
-                     if a.index == index and not (a.family == socket.AF_INET6 and a.scope == RT_SCOPE_LINK)}
+                     if a.index == index and not _ipv6_link_local(a)}
         routes: set[str] = set()
         main_routes: set[str] = set()
         for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table
@@ -242,18 +243,21 @@ class Links:
                     raise LinkError(f"cannot delete {self.interface}: {os.strerror(code)}")
             if any(r.table == self.table for family in FAMILY.values() for r in dump_routes(family, self.netns)):
                 return
-            for version, family in FAMILY.items():
-                if any(self._is_our_rule(rule) for rule in dump_rules(family, self.netns)):
-                    (code,) = write([rule_write(False, version, self.table, self.rule_priority)], self.netns)
-                    if code and code != errno.ENOENT:
-                        raise LinkError(f"cannot remove the rule to routing table {self.table}: "
-                                        f"{os.strerror(code)}")
+            for version in self._rules():
+                (code,) = write([rule_write(False, version, self.table, self.rule_priority)], self.netns)
+                if code and code != errno.ENOENT:
+                    raise LinkError(f"cannot remove the rule to routing table {self.table}: {os.strerror(code)}")
         except OSError as e:
             raise LinkError(f"cannot remove {self.interface} and its rules: {e.strerror or e}") from None
 
 
 _ROUTE_WRITES = frozenset({"route_add", "route_del", "main_route_del"})
 INLINE_ROUTES = 16  # route writes done on the event loop itself (tens of µs each); more go to a worker thread
+
+
+def _ipv6_link_local(address: Address) -> bool:
+    """The kernel's own addresses on every IPv6 link: neither ours nor the machine's to protect."""
+    return address.family == socket.AF_INET6 and address.scope == RT_SCOPE_LINK
 
 
 def _goal_met(op: LinkOp, code: int) -> bool:
