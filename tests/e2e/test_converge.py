@@ -14,11 +14,13 @@ from dataclasses import replace
 
 import pytest
 from mesh_helpers import keypair, mesh_node, ping
+from waiting import wait_for
 
 from plexd.devplane.lab import Lab
 from plexd.mesh.first_contact import FOLLOW_DELAY
 from plexd.mesh.links import DEFAULT_TABLE
 from plexd.mesh.wireguard.kernel import KernelBackend
+from plexd.mesh.wireguard.userspace import OUTPUT_POLL_QUIET
 from plexd.state.model import Peer
 
 
@@ -226,6 +228,11 @@ async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(p
         # (pings in a thread: the event loop must stay free to send the held kick)
         assert await asyncio.to_thread(ping, lab, leader, follower.mesh_ip)
         await asyncio.sleep(FOLLOW_DELAY + 0.5)  # the follower's held kick has gone out
+        # wireguard-go's output is read by a thread that looks at most every OUTPUT_POLL_QUIET while it is quiet:
+        # wait until the leader's initiation has been read, then one more look each, so every line up to now is in
+        await wait_for(lambda: any("Sending handshake initiation" in m for _, m in wg_lines(caplog, leader)), 10,
+                       "the leader's handshake initiation in its wireguard-go output")
+        await asyncio.sleep(OUTPUT_POLL_QUIET + 0.2)
         logs = {n.public_key: wg_lines(caplog, n) for n in (leader, follower)}
         assert not any("invalid response" in m for lines in logs.values() for _, m in lines), (meeting, logs)
         # The follower initiates only after the leader (when the leader's initiation reached it before it knew
