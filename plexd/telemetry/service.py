@@ -96,6 +96,9 @@ class Telemetry:
             self.queue.add_lane(name, self._sender(name, post), batch_size=c.batch_size, interval=c.report_interval,
                                 has_news=self._has_notices if name == "logs" and name in self.enabled else None)
         self.queue.adopt(older_queues)
+        if cfg.queue_dir:
+            log.warning("telemetry.queue_dir (%s) is no longer used: telemetry waits in the uplink outbox, %s; a "
+                        "telemetry.db found there is taken over", cfg.queue_dir, outbox.path)
         self._drops: dict[str, list[float]] = {}  # stream → [entries since the last line, when it was]
         self.system = SystemSampler()
         self._probe_problem = ""

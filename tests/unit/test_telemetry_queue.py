@@ -284,3 +284,25 @@ def test_the_lane_totals_follow_every_change_and_are_recounted_at_open(tmp_path)
     box.close()
     again = UplinkOutbox(tmp_path / "uplink.db", no_default_lane)
     assert (again.size("drift"), again.size("reports")) == (2, 0)
+
+
+async def test_a_configured_queue_dir_is_taken_over_and_said_to_be_unused(tmp_path, caplog):
+    from dataclasses import replace
+
+    from plexd.config.settings import TelemetryConfig
+    from plexd.telemetry.service import Telemetry, telemetry_db_paths
+
+    old_queue(tmp_path / "telemetry.db")
+    cfg = replace(TelemetryConfig(), queue_dir=str(tmp_path))
+    box = UplinkOutbox(tmp_path / "data" / "uplink.db", no_default_lane)
+
+    async def nothing(*_):
+        return None
+
+    with caplog.at_level("WARNING", logger="plexd.telemetry.service"):
+        telemetry = Telemetry(cfg, box, "host", nothing, observe_device=nothing, desired_peers=dict,
+                              older_queues=telemetry_db_paths(cfg, str(tmp_path / "data")))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"telemetry.queue_dir ({tmp_path}) is no longer used: telemetry waits in the uplink outbox, "
+        f"{tmp_path / 'data' / 'uplink.db'}; a telemetry.db found there is taken over"]
+    assert not (tmp_path / "telemetry.db").exists() and telemetry.status()["logs"]["pending"] == 2
