@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ class Daemon:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "token").write_text(dp.admin.create_token())
         api = node_api if "socket_path" in node_api else f"socket_path: {self.dir / 'api.sock'}"
+        self.api_socket = Path(re.search(r"socket_path:\s*([^,}\s]+)", api).group(1))
         self.config = self.dir / "config.yaml"
         self.config.write_text(
             f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
@@ -79,6 +81,14 @@ class Daemon:
             self.log.close()
         return time.monotonic() - start
 
+    def api_listening(self) -> bool:
+        """Whether the node API socket accepts a connection (the file alone may be a previous run's)."""
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(1)
+            s.connect(str(self.api_socket))
+            return True
+        return False
+
     def logged(self) -> str:
         return self.log_path.read_text()
 
@@ -101,8 +111,6 @@ class Daemon:
         ident = self.dir / "data" / "identity.json"
         if not ident.exists():
             return None
-        import json
-
         return json.loads(ident.read_text())["node_id"]
 
 

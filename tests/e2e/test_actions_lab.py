@@ -58,7 +58,7 @@ def start(lab, dp, daemons, tmp_path, extra: str = "", node_api: str = "") -> Da
     d = Daemon(lab, lab.nodes[0], dp, tmp_path, "1h", node_api=node_api, extra_config=shutdown + extra)
     daemons.append(d)
     wait_until(lambda: d.node_id() is not None, 30, "registration", daemons)
-    wait_until(lambda: (d.dir / "api.sock").exists() or "socket_path" in node_api, 30, "the socket", daemons)
+    wait_until(d.api_listening, 30, "the node API socket", daemons)
     return d
 
 

@@ -30,8 +30,8 @@ def started(lab, dp, daemons, tmp_path, *, node_api: str, extra: str = "") -> Da
     d = Daemon(lab, lab.nodes[0], dp, tmp_path, "1h", node_api=node_api,
                extra_config="log_level: debug\nshutdown: {deregister: false}\n" + extra)
     daemons.append(d)
-    wait_until(lambda: d.node_id() is not None and (d.dir / "data/state/metadata.json").exists(), 30,
-               "registration and the first cache write", daemons)
+    wait_until(lambda: d.node_id() is not None and (d.dir / "data/state/metadata.json").exists()
+               and d.api_listening(), 30, "registration, the first cache write and the node API socket", daemons)
     return d
 
 
@@ -142,7 +142,7 @@ def test_reports_reach_the_control_plane_through_an_outage_and_a_restart(lab_dp,
     wait_until(lambda: "reports batch of 3 (keys: app-health, disk, tmp) report not delivered" in d.logged(), 20,
                "a failed report sync", daemons)
     d.restart()
-    wait_until(lambda: (api_dir / "api.sock").exists(), 30, "the restarted daemon's socket", daemons)
+    wait_until(d.api_listening, 30, "the restarted daemon's socket", daemons)
     assert queued_reports(d) == ["app-health", "disk", "tmp"]
     dp.start()
     wait_until(lambda: upstream() == {"app-health": (2, {"status": "healthy"}), "disk": (1, {"free": 17})}, 60,

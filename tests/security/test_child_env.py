@@ -37,7 +37,7 @@ def test_a_hook_and_wireguard_go_never_see_the_daemons_environment(lab_dp):
                env={"PLEXD_BOOTSTRAP_TOKEN": token, "AWS_SECRET_ACCESS_KEY": secret, "PLEXD_LOG_LEVEL": "info",
                     "LANG": "C.UTF-8"})
     daemons.append(d)
-    wait_until(lambda: (d.dir / "api.sock").exists() and d.node_id() is not None, 30, "the daemon", daemons)
+    wait_until(lambda: d.api_listening() and d.node_id() is not None, 30, "the daemon", daemons)
 
     run = d.cli("actions", "run", "dump-env", "--local", "--param", "target=db1", check=False)
     assert run.returncode == 0, run.stdout + run.stderr
