@@ -30,8 +30,8 @@ from plexd.devplane.harness import Devplane
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import audit_entry, parse_record
+from plexd.telemetry.points import MetricPoints
 from plexd.telemetry.queue import TelemetryQueue, lane
-from plexd.telemetry.service import metric_points
 from plexd.telemetry.system import SystemSampler
 
 AUDIT = [
@@ -54,9 +54,9 @@ def fill(queue: TelemetryQueue, peers: int, minutes: float, log_rate: float, aud
     for second in range(seconds):
         stamp = f"2026-11-23T10:{second // 60 % 60:02d}:{second % 60:02d}Z"
         if second % 15 == 0:
-            points = metric_points(stamp, sampler.sample(), device, desired,
-                                   {pid: 420_000 for pid in desired}, now)
-            queue.append("metrics", points)
+            points = MetricPoints().texts(stamp, sampler.sample(), device, desired,
+                                          {pid: 420_000 for pid in desired}, now)
+            queue.append_texts("metrics", points)
             counts["metrics"] += len(points)
         logs = [{"timestamp": stamp, "source": "journald", "unit": "sshd", "severity": "info",
                  "hostname": "bench-node", "message": f"Accepted publickey for deploy from 203.0.113.{n} port 22"}

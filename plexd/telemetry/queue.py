@@ -98,7 +98,11 @@ class TelemetryQueue:
                position: tuple[str, Any] | None = None) -> bool:
         """Queue `entries` (and, in the same transaction, move `position` = (source, value)); the oldest go past
         the stream's cap. Any thread. False when the write failed (the entries are counted as dropped)."""
-        rows = list(_packed(map(encode, entries), self.pack))
+        return self.append_texts(stream, map(encode, entries), position=position)
+
+    def append_texts(self, stream: str, texts: Iterable[str], *, position: tuple[str, Any] | None = None) -> bool:
+        """`append` for entries already encoded (each a JSON object's text, as `encode` writes it)."""
+        rows = list(_packed(texts, self.pack))
         count = sum(n for _, n in rows)
         if not rows and position is None:
             return True

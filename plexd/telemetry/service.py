@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from plexd.base.gojson import GO_ZERO_TIME, EncodedJSON, format_unix, now_text
+from plexd.base.gojson import EncodedJSON, now_text
 from plexd.config.settings import TelemetryConfig
 from plexd.controlplane.uplink import BatchSend, Entry, NoSender, UplinkOutbox
 from plexd.identity import datadir
@@ -33,36 +33,15 @@ from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
 from plexd.telemetry.ping import ProbeUnavailable, round_trips
+from plexd.telemetry.points import MetricPoints
 from plexd.telemetry.queue import PACK_ENTRIES, STREAMS, TelemetryQueue, encode, lane
 from plexd.telemetry.system import SystemSampler
 from plexd.telemetry.tail import FileTail
 
 log = logging.getLogger(__name__)
 
-STALE_HANDSHAKE = 300.0  # §1.14: handshake_stale when older than 5 min
 DROP_LOG_EVERY = 60.0
 Post = Callable[[str, EncodedJSON], Awaitable[None]]  # (stream, a JSON array of entries): one POST to the control plane
-
-
-def metric_points(stamp: str, system: dict[str, Any] | None, device: DeviceConfig | None,
-                  peers: Mapping[str, Peer], rtts: Mapping[str, int], now: float) -> list[dict[str, Any]]:
-    points: list[dict[str, Any]] = []
-    if system is not None:
-        points.append({"timestamp": stamp, "group": "system", "data": system})
-    on_device = device.peers if device is not None else {}
-    for peer_id, peer in peers.items():
-        live = on_device.get(peer.public_key)
-        if live is None:
-            continue
-        handshake = live.last_handshake
-        points.append({"timestamp": stamp, "group": "tunnel", "peer_id": peer_id, "data": {
-            "peer_id": peer_id, "last_handshake_time": format_unix(handshake) if handshake else GO_ZERO_TIME,
-            "rx_bytes": live.rx, "tx_bytes": live.tx, "handshake_succeeded": handshake > 0,
-            "handshake_stale": now - handshake > STALE_HANDSHAKE}})
-    for peer_id, rtt in rtts.items():
-        points.append({"timestamp": stamp, "group": "latency", "peer_id": peer_id,
-                       "data": {"peer_id": peer_id, "rtt_nano": rtt}})
-    return points
 
 
 def take_turn(items: Sequence[Any], budget: int, start: int) -> tuple[list[Any], int]:
@@ -103,6 +82,7 @@ class Telemetry:
         self.system = SystemSampler()
         self._probe_problem = ""
         self._latency_turn = 0  # where the next collection's share of the peers to probe starts
+        self.points = MetricPoints()
 
     # -- the services -------------------------------------------------------------------------------------------
 
@@ -197,9 +177,9 @@ class Telemetry:
         peers = dict(self.desired_peers())
         rtts = await self._latency(peers)
         stamp, now = now_text(), time.time()
-        # Off the event loop: at 1,000 peers the points and their queueing are ~10 ms an event would wait for.
-        await asyncio.to_thread(lambda: self.queue.append("metrics", metric_points(stamp, system, device, peers,
-                                                                                  rtts, now)))
+        # Off the event loop: at 1,000 peers the points and their queueing are a few ms an event would wait for.
+        await asyncio.to_thread(lambda: self.queue.append_texts("metrics", self.points.texts(stamp, system, device,
+                                                                                              peers, rtts, now)))
 
     async def _latency(self, peers: Mapping[str, Peer]) -> dict[str, int]:
         every = sorted((peer_id, peer.mesh_ip) for peer_id, peer in peers.items() if peer.mesh_ip)
