@@ -61,6 +61,20 @@ class Node:
                 return int(line.split()[1]) / 1024
         raise RuntimeError("no VmRSS line")
 
+    def rss_by_mapping(self, top: int = 8) -> list[tuple[str, float]]:
+        """Where the RSS is, from /proc/<pid>/smaps: MiB per mapped file (by name) and for anonymous memory
+        (the Python heap and the threads' arenas), largest first."""
+        totals: dict[str, int] = {}
+        name = "[anon]"
+        for line in Path(f"/proc/{self.proc.pid}/smaps").read_text().splitlines():
+            fields = line.split()
+            if not fields[0].endswith(":"):  # a mapping's header: address perms offset dev inode [path]
+                name = Path(fields[5]).name if len(fields) > 5 else "[anon]"
+            elif fields[0] == "Rss:":
+                totals[name] = totals.get(name, 0) + int(fields[1])
+        ranked = sorted(totals.items(), key=lambda kv: -kv[1])
+        return [(n, kb / 1024) for n, kb in ranked[:top]]
+
     def tracemalloc_snapshot(self) -> Path | None:
         """With PLEXD_BENCH_TRACEMALLOC set: ask the daemon for a snapshot (SIGUSR1) and wait until it is written."""
         if not _TRACEMALLOC:

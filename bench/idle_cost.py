@@ -50,6 +50,7 @@ class IdleRun:
     heartbeats: int
     snapshot: str | None
     workdir: str
+    rss_parts: list[tuple[str, float]]  # MiB per mapping, largest first
 
     @property
     def per_minute(self) -> float:
@@ -87,9 +88,9 @@ async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extr
         plexd1, wg1, t1 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
         still = len((await uapi.get()).peers)  # the window was idle only if no peer came or went
         heartbeats = len(node.dp.admin.heartbeats(node.node_id))
-        rss = node.rss_mib()
+        rss, rss_parts = node.rss_mib(), node.rss_by_mapping()
         snap, workdir = node.tracemalloc_snapshot(), node.workdir
-    return IdleRun(t1 - t0, plexd1 - plexd0, wg1 - wg0, rss, still, heartbeats, snap, str(workdir))
+    return IdleRun(t1 - t0, plexd1 - plexd0, wg1 - wg0, rss, still, heartbeats, snap, str(workdir), rss_parts)
 
 
 async def main() -> None:
@@ -110,6 +111,7 @@ async def main() -> None:
     print(f"  plexd:        {run.per_minute:.3f} CPU s/min   (goal <= 0.1)")
     print(f"  plexd RSS:    {run.rss_mib:.1f} MiB with {run.peers_at_end} peers on the device at the end   "
           "(goal <= 50 MB at 1,000, <= 100 MB at 10,000)")
+    print("  RSS by mapping (MiB): " + ", ".join(f"{name} {mib:.1f}" for name, mib in run.rss_parts))
     if run.snapshot is not None:
         print(f"  tracemalloc snapshot (taken after the RSS reading): {run.snapshot}; allocator stats in "
               f"{run.workdir}/plexd.log")
