@@ -149,7 +149,9 @@ def test_integrity_timeouts_and_the_concurrency_limit(lab_dp):
 
     # a timeout kills the whole group, the child that ignores SIGTERM included
     eid = dp.admin.request_action(node_id, "forker.sh", timeout="2s")
-    wait_until(lambda: (work / "child.pid").exists(), 10, "the child started", daemons)
+    # the shell creates the file before echo writes into it
+    wait_until(lambda: (work / "child.pid").exists() and (work / "child.pid").read_text().endswith("\n"), 10,
+               "the child started", daemons)
     child = int((work / "child.pid").read_text())
     result = finished(dp, node_id, eid, daemons)["result"]
     assert result["status"] == "timeout" and result["exit_code"] == -1

@@ -100,8 +100,9 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
         before = deny_counter(lab, bridge.node, "forward", "wg-access")
         assert not ping(lab, client, b.mesh_ip(), 2), "the access client reached b, which no rule lets it reach"
         assert deny_counter(lab, bridge.node, "forward", "wg-access") > before  # dropped at the bridge itself
-        heartbeat = dp.admin.node(ids["bridge"])["last_heartbeat"] or {}
-        assert heartbeat.get("user_access", {}).get("public_key") == access["public_key"], heartbeat
+        # the heartbeat after the access interface came up carries it (beats are 2 s apart)
+        wait_until(lambda: ((dp.admin.node(ids["bridge"])["last_heartbeat"] or {}).get("user_access") or {})
+                   .get("public_key") == access["public_key"], 10, "a heartbeat with the access interface", daemons)
         # The newer contract's status reports: node state entries, through the report sync.
         reports = lambda: {e["key"]: e["payload"] for e in dp.admin.report_entries(ids["bridge"])}  # noqa: E731
         wait_until(lambda: reports().get("status.user-access", {}).get("peer_count") == 1, 20,

@@ -109,10 +109,7 @@ async def test_drift_is_corrected_and_named(pair) -> None:
     # 5. the userspace process killed: restarted and fully re-configured
     old_pid = a.backend.pid
     os.kill(old_pid, signal.SIGKILL)
-    for _ in range(200):
-        if a.backend.process_gone():
-            break
-        await asyncio.sleep(0.01)
+    await wait_for(a.backend.process_gone, 10, "wireguard-go's death noticed")
     r = await a.converger.converge(da)
     types = [t for t, _ in corrections(r)]
     assert types[0] == "userspace_restarted" and types.count("peer_added") == 2
@@ -195,7 +192,7 @@ async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile
 
     # the device gone (wireguard-go killed): the delta fails and falls back to a full converge that restarts it
     os.kill(a.backend.pid, signal.SIGKILL)
-    await asyncio.sleep(0.3)
+    await wait_for(a.backend.process_gone, 10, "wireguard-go's death noticed")
     _, k5 = keypair()
     r = await a.converger.apply_delta(shrunk.with_peer(Peer(id="n_5", public_key=k5, mesh_ip="10.100.0.5")))
     assert r.ok and "userspace_restarted" in {c.correction_type for c in r.changes}

@@ -39,7 +39,7 @@ def test_a_drift_report_made_while_the_control_plane_was_down_arrives_once_after
 
     tunnel = wireguard_go_pids(lab, d.node)
     d.restart(main_only=True)  # the report is only on disk now; the tunnels stay up (deregister: false)
-    wait_until(lambda: "ready" in d.logged(), 30, "the restarted daemon", [d])
+    wait_until(lambda: '"msg": "ready"' in d.logged(), 30, "the restarted daemon", [d])
     assert queued(d) == 1
 
     dp.start()

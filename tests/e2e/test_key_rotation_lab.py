@@ -37,8 +37,9 @@ def assert_rotated(lab: Lab, dp, a: Daemon, b: Daemon, old: str, daemons) -> str
     new = dp.admin.node(a.node_id())["public_key"]
     assert new != old
     wait_until(lambda: set(wg_peers(lab, b.node)) == {new}, 15, "b to swap a's key", daemons)
-    assert own_key(lab, a) == new == stored_key(a)
-    assert not (a.dir / "data" / "private_key.next").exists()
+    # b may hear of the new key (the devplane publishes it first) before a has read the answer and committed it
+    wait_until(lambda: own_key(lab, a) == new == stored_key(a) and not (a.dir / "data" / "private_key.next").exists(),
+               15, "a to commit its new key", daemons)
     assert old not in {n["public_key"] for n in dp.admin.nodes()}
     return new
 

@@ -83,7 +83,7 @@ def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp):
     try:
         time.sleep(1.5)
         a.restart()
-        wait_until(lambda: "ready" in a.logged() and "event stream connected" in a.logged(), 20, "the restart",
+        wait_until(lambda: '"msg": "ready"' in a.logged() and "event stream connected" in a.logged(), 20, "the restart",
                    daemons)
         out, _ = ping.communicate(timeout=30)
     finally:

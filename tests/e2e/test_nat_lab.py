@@ -75,8 +75,9 @@ def test_two_nodes_behind_two_nats_find_each_other_and_follow_a_mapping_change(l
     text = m.run_plexd(d1, "status").stdout
     assert f"nat:            public endpoint {r1.public}:51820 (full_cone), discovered " in text, text
     assert f"s ago via {stun[0]}:3478" in text, text
-    hb = m.admin.heartbeats(d1.node_id)[-1]
-    assert hb["nat"] == {"public_endpoint": f"{r1.public}:51820", "type": "full_cone"}
+    # the heartbeats after the endpoint report was answered carry what the control plane was told
+    m.wait(lambda: m.admin.heartbeats(d1.node_id)[-1].get("nat") == {"public_endpoint": f"{r1.public}:51820",
+                                                                     "type": "full_cone"}, 10, "a heartbeat's nat")
 
     # Router 1 gets a new public address: its mappings are gone and the tunnel breaks until node1 finds out.
     changed_at = time.monotonic()

@@ -133,7 +133,8 @@ def test_an_outage_with_a_restart_loses_nothing_but_what_a_cap_dropped_and_says_
 
     keeper = start(lab.nodes[0], "keeper", "")
     capped = start(lab.nodes[1], "capped", ", queue_max_bytes: 4096")
-    wait_until(lambda: keeper.node_id() and capped.node_id() and keeper.status()["telemetry"]["logs"]["sent"] == 0
+    wait_until(lambda: keeper.node_id() and capped.node_id() and keeper.api_listening()
+               and keeper.status()["telemetry"]["logs"]["sent"] == 0
                and (dp.admin.metrics(keeper.node_id())), 30, "both nodes reporting", daemons)
     ids = {d: d.node_id() for d in (keeper, capped)}
     metrics_before = len(dp.admin.metrics(ids[keeper]))

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from lab_daemon import mesh_lab
 from nacl.public import PrivateKey
+from waiting import scaled
 
 from plexd.devplane.lab import MeshLab
 
@@ -81,7 +82,7 @@ def test_bad_input_is_logged_and_every_daemon_keeps_running(mesh) -> None:
         return {p["id"]: p for p in json.loads(res.stdout)}
 
     # ids come from the daemon's desired-state mirror, written within a second of a change
-    m.wait(lambda: set(peers_json()) == valid - {d2.node_id}, 5, "plexd peers to name every peer")
+    m.wait(lambda: set(peers_json()) == valid - {d2.node_id}, scaled(15), "plexd peers to name every peer")
     peers = peers_json()
     p1 = peers[d1.node_id]
     assert p1["mesh_ip"] == d1.mesh_ip and p1["allowed_ips"] == [f"{d1.mesh_ip}/32"]

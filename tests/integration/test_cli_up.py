@@ -140,6 +140,16 @@ async def test_sigint_with_deregister_disabled_keeps_the_node(tmp_path, rec):
     assert [r.method for r in lifecycle(rec)] == ["PUT"]
 
 
+def announcements(cfg: Path) -> int:
+    """Capability announcements the daemon has had answered, from `plexd status --json` (0 while it can't say)."""
+    res = subprocess.run([PLEXD, "status", "--json"], env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(cfg)},
+                         capture_output=True, text=True)
+    try:
+        return json.loads(res.stdout)["actions"]["hooks"]["announcements"]
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
 async def test_up_keeps_running_while_the_control_plane_is_down(tmp_path, rec):
     """Offline start: with a stored identity, up runs and keeps retrying the announcement in the background."""
     save_identity(tmp_path / "data")
@@ -149,6 +159,8 @@ async def test_up_keeps_running_while_the_control_plane_is_down(tmp_path, rec):
     try:
         await wait_for(lambda: len(lifecycle(rec)) >= 3)
         assert proc.returncode is None
+        # the third PUT is recorded before it is answered: wait until the daemon read the answer
+        await wait_for(lambda: announcements(cfg) >= 1, what="the announcement's answer read")
     finally:
         rc, err = await stop(proc, signal.SIGTERM)
     assert rc == 0 and "capabilities announced" in err

@@ -68,12 +68,29 @@ async def collect_until(source: JournalLogs, count: int, timeout: float = 10.0) 
     return got
 
 
+async def until_following(source: JournalLogs, write, timeout: float = 10.0) -> None:
+    """journalctl started at the end of the journal sees only what is written after it opened it: write numbered
+    markers until one comes through, then collect until the last one written has (none is left to arrive)."""
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout
+    n = 0
+    while time.monotonic() < deadline:
+        if not seen:
+            n += 1
+            write(f"marker {n}\n".encode())
+        await asyncio.sleep(0.1)
+        seen |= {e["message"] for entries, _ in source.collect() for e in entries if e["unit"] == "pxtest"}
+        if f"marker {n}" in seen:
+            return
+    raise AssertionError(f"journalctl never followed: markers seen {sorted(seen)} of {n}")
+
+
 @pytest.mark.skipif(not shutil.which("journalctl") or not Path(JOURNALD).exists(), reason="no systemd-journald")
 async def test_the_journal_is_followed_with_a_cursor_that_survives_a_restart(tmp_path):
     with private_journald(tmp_path) as (write, journal_dir):
         first = JournalLogs(None, "h", priority="info", directory=str(journal_dir))
         task = asyncio.create_task(first.run())
-        await asyncio.sleep(1.0)  # journalctl started at the end of the journal
+        await until_following(first, write)
         write(b"started \xff\xfe here\n", "err")
         write(b"x" * 40000 + b"\n")
         write(b"too chatty\n", "debug")  # above the priority filter
