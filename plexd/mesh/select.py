@@ -8,28 +8,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from plexd.mesh.wireguard import kernel_module_loaded
+
 if TYPE_CHECKING:
     from plexd.config.settings import Config
     from plexd.mesh.wireguard import WireGuardBackend
 
 
 def backend_kind(config: Config) -> str:
-    from plexd.mesh.wireguard.kernel import KernelBackend
-
     kind = config.mesh.backend
     if kind == "auto":
-        kind = "kernel" if KernelBackend.available() else "userspace"
+        kind = "kernel" if kernel_module_loaded() else "userspace"
     return kind
 
 
 def wireguard_backend(config: Config, interface: str = "") -> WireGuardBackend:
-    """The mesh device's backend, or (`interface`) one of the same kind for another interface plexd serves."""
-    from plexd.mesh.wireguard.kernel import KernelBackend
-    from plexd.mesh.wireguard.userspace import UserspaceBackend
-
+    """The mesh device's backend, or (`interface`) one of the same kind for another interface plexd serves.
+    Each backend is imported only when chosen: the kernel one brings pyroute2 (~160 modules, several MiB)."""
     interface = interface or config.mesh.interface
     if backend_kind(config) == "kernel":
+        from plexd.mesh.wireguard.kernel import KernelBackend
+
         return KernelBackend(interface)
+    from plexd.mesh.wireguard.userspace import UserspaceBackend
     from plexd.system.systemd import scope_command
 
     return UserspaceBackend(interface, implementation=config.mesh.userspace_implementation,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -52,6 +53,12 @@ def clamp_private_key(key: str) -> str:
     raw[0] &= 248
     raw[31] = (raw[31] & 127) | 64
     return base64.b64encode(bytes(raw)).decode()
+
+
+def kernel_module_loaded() -> bool:
+    """True when the kernel has WireGuard (loaded module or built in: both show /sys/module/wireguard, since
+    the module declares a version). Cheaper and quieter than opening the genl family, and needs no pyroute2."""
+    return os.path.isdir("/sys/module/wireguard")
 
 
 def check_interface_name(name: str) -> None:

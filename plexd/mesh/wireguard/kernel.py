@@ -14,7 +14,6 @@ import asyncio
 import errno
 import ipaddress
 import logging
-import os
 from collections.abc import Iterable
 from socket import AF_INET, AF_INET6, inet_ntop, inet_pton
 
@@ -38,6 +37,7 @@ from plexd.mesh.wireguard import (
     PeerUpdate,
     WireGuardError,
     check_interface_name,
+    kernel_module_loaded,
 )
 
 log = logging.getLogger(__name__)
@@ -188,11 +188,7 @@ class KernelBackend:
         self.interface = interface
         self.netns = netns
 
-    @staticmethod
-    def available() -> bool:
-        """True when the kernel has WireGuard (loaded module or built in: both show /sys/module/wireguard, since
-        the module declares a version). Cheaper and quieter than opening the genl family."""
-        return os.path.isdir("/sys/module/wireguard")
+    available = staticmethod(kernel_module_loaded)
 
     def _socket(self):
         """The generic-netlink socket, opened in the backend's network namespace (a socket stays in the namespace
