@@ -3,7 +3,8 @@
 SIGUSR1 writes a tracemalloc snapshot to that path (load it with `tracemalloc.Snapshot.load`), so a bench can
 take it while the daemon is connected and idle, not at shutdown when most of it is already freed. It also prints
 the traced peak and the allocators' own statistics (pymalloc arenas, glibc arenas) to stderr (the daemon's log):
-live objects vs. memory the allocators hold. PLEXD_BENCH_TRACEMALLOC_FRAMES=0: statistics only, no tracing."""
+live objects vs. memory the allocators hold, and writes the modules imported so far to path.modules.
+PLEXD_BENCH_TRACEMALLOC_FRAMES=0: statistics only, no tracing."""
 
 import ctypes
 import os
@@ -24,6 +25,8 @@ def _dump(*_: object) -> None:
         tracemalloc.take_snapshot().dump(path + ".tmp")
     else:
         open(path + ".tmp", "wb").close()
+    with open(path + ".modules", "w") as out:  # what the daemon has imported by now, lazily imported ones too
+        out.write("\n".join(sorted(sys.modules)) + "\n")
     sys._debugmallocstats()
     sys.stderr.flush()
     ctypes.CDLL("libc.so.6").malloc_stats()
