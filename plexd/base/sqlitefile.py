@@ -48,6 +48,11 @@ def remove_sidecars(path: Path) -> None:
         path.with_name(path.name + suffix).unlink(missing_ok=True)
 
 
+# Pages a connection keeps in memory (KiB): SQLite's default is 2 MiB per connection, which a queue that appends
+# at its tail and reads at its head never needs (the OS page cache holds the file anyway); the daemon keeps a few.
+CACHE_KIB = 256
+
+
 def connect_private(path: Path, schema: str, *, synchronous: str, probe_table: str) -> sqlite3.Connection:
     """A 0600 SQLite file in WAL mode, autocommit, with `schema` applied. Reading `probe_table` makes a garbage
     file fail here (for `open_or_start_empty`) rather than at its first use."""
@@ -56,6 +61,7 @@ def connect_private(path: Path, schema: str, *, synchronous: str, probe_table: s
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute(f"PRAGMA synchronous={synchronous}")
+    db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
     db.executescript(schema)
     db.execute(f"SELECT count(*) FROM {probe_table}").fetchone()
     return db

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plexd.base import gojson
-from plexd.base.sqlitefile import immediate, open_or_start_empty
+from plexd.base.sqlitefile import CACHE_KIB, immediate, open_or_start_empty
 from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class EventLedger:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns (one fsync per group)
+            db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
             db.executescript(_SCHEMA)
             db.execute("SELECT count(*) FROM nonces").fetchone()  # a torn file fails here, not later
         except sqlite3.DatabaseError:
