@@ -27,7 +27,7 @@ from plexd.base.gojson import EncodedJSON
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.devplane.harness import Devplane
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.mesh.wireguard import PeerCounters
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import audit_entry, parse_record
 from plexd.telemetry.points import MetricPoints
@@ -45,8 +45,7 @@ def fill(queue: TelemetryQueue, peers: int, minutes: float, log_rate: float, aud
     keys = {f"n_{i}": base64.b64encode(os.urandom(32)).decode() for i in range(peers)}
     desired = {pid: Peer(pid, key, f"10.100.{i // 250}.{i % 250 + 1}") for i, (pid, key) in enumerate(keys.items())}
     now = time.time()
-    device = DeviceConfig(peers={key: PeerConfig(key, last_handshake=now - 30, rx=123456, tx=654321)
-                                 for key in keys.values()})
+    device = {key: PeerCounters(now - 30, 123456, 654321) for key in keys.values()}
     sampler = SystemSampler()
     counts = {"metrics": 0, "logs": 0, "audit": 0}
     seconds = int(minutes * 60)

@@ -378,16 +378,16 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
     async def post(stream: str, entries: Any) -> None:
         await agent.authed(lambda: posts[stream](node_id(), entries))
 
-    async def observe_device() -> Any:
+    async def read_counters() -> Any:
         try:
-            return await wireguard(node.mesh.engine).backend.observe()
+            return await wireguard(node.mesh.engine).backend.counters()
         except PlexdError as exc:
             log.debug("telemetry: cannot read the device: %s", exc)
             return None
 
     assert node.uplink is not None
     return Telemetry(cfg.telemetry, node.uplink, agent.registrar.hostname(), post,
-                     observe_device=observe_device, desired_peers=lambda: node.mesh.get_desired().peers,
+                     read_counters=read_counters, desired_peers=lambda: node.mesh.get_desired().peers,
                      local_audit=str(Path(cfg.data_dir) / datadir.LOCAL_AUDIT),
                      older_queues=telemetry_db_paths(cfg.telemetry, cfg.data_dir))
 

@@ -37,14 +37,14 @@ import math
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from plexd import __version__
 from plexd.base.errors import PlexdError
-from plexd.mesh.wireguard import DeviceConfig
+from plexd.mesh.wireguard import PeerCounters
 from plexd.node.access import SESSION_ACTIVITY
 from plexd.node.engine import wireguard
 from plexd.node.parts import Node
@@ -62,7 +62,7 @@ class NodeCollector:
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        self.device: DeviceConfig | None = None
+        self.counters: Mapping[str, PeerCounters] | None = None  # the device's peers, read just before
 
     def collect(self) -> Iterator[Metric]:
         node = self.node
@@ -130,7 +130,7 @@ class NodeCollector:
         rx = CounterMetricFamily("plexd_peer_receive_bytes", "bytes received from the peer", labels=["peer"])
         tx = CounterMetricFamily("plexd_peer_transmit_bytes", "bytes sent to the peer", labels=["peer"])
         now = time.time()
-        for key, peer in (self.device.peers.items() if self.device is not None else ()):
+        for key, peer in (self.counters.items() if self.counters is not None else ()):
             label = [ids.get(key) or key]
             age.add_metric(label, max(0.0, now - peer.last_handshake) if peer.last_handshake else math.inf)
             rx.add_metric(label, peer.rx)
@@ -190,10 +190,10 @@ class MetricsEndpoint:
 
     async def render(self) -> bytes:
         try:
-            self.collector.device = await wireguard(self.node.mesh.engine).backend.observe()
+            self.collector.counters = await wireguard(self.node.mesh.engine).backend.counters()
         except PlexdError as exc:  # the other families still come out; the peers' are empty
             log.debug("metrics: cannot read the device: %s", exc)
-            self.collector.device = None
+            self.collector.counters = None
         self.scrapes += 1
         return generate_latest(self.registry)
 

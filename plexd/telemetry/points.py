@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from plexd.base.gojson import GO_ZERO_TIME, format_unix
-from plexd.mesh.wireguard import DeviceConfig
+from plexd.mesh.wireguard import PeerCounters
 from plexd.state.model import Peer
 from plexd.telemetry.queue import encode
 
@@ -28,13 +28,13 @@ class MetricPoints:
         self._ids: dict[str, str] = {}
         self._times: dict[float, str] = {0.0: json.dumps(GO_ZERO_TIME)}
 
-    def texts(self, stamp: str, system: dict[str, Any] | None, device: DeviceConfig | None,
+    def texts(self, stamp: str, system: dict[str, Any] | None, counters: Mapping[str, PeerCounters] | None,
               peers: Mapping[str, Peer], rtts: Mapping[str, int], now: float) -> list[str]:
         """The points, in order: system (when sampled), a tunnel point per desired peer on the device, latency."""
         out: list[str] = []
         if system is not None:
             out.append(encode({"timestamp": stamp, "group": "system", "data": system}))
-        on_device = device.peers if device is not None else {}
+        on_device = counters if counters is not None else {}
         head = '{"timestamp":' + json.dumps(stamp) + ',"group":"tunnel","peer_id":'
         ids, times = self._ids, self._times
         kept_ids: dict[str, str] = {}

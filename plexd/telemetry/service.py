@@ -28,7 +28,7 @@ from plexd.base.gojson import EncodedJSON, now_text
 from plexd.config.settings import TelemetryConfig
 from plexd.controlplane.uplink import BatchSend, Entry, NoSender, UplinkOutbox
 from plexd.identity import datadir
-from plexd.mesh.wireguard import DeviceConfig
+from plexd.mesh.wireguard import PeerCounters
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
@@ -58,12 +58,12 @@ def take_turn(items: Sequence[Any], budget: int, start: int) -> tuple[list[Any],
 
 class Telemetry:
     def __init__(self, cfg: TelemetryConfig, outbox: UplinkOutbox, hostname: str, post: Post, *,
-                 observe_device: Callable[[], Awaitable[DeviceConfig | None]],
+                 read_counters: Callable[[], Awaitable[Mapping[str, PeerCounters] | None]],
                  desired_peers: Callable[[], Mapping[str, Peer]], local_audit: str = "",
                  older_queues: Sequence[Path] = ()) -> None:
         """`older_queues`: where an older version may have left its telemetry.db (`telemetry_db_paths`)."""
         self.cfg, self.hostname = cfg, hostname
-        self.observe_device, self.desired_peers = observe_device, desired_peers
+        self.read_counters, self.desired_peers = read_counters, desired_peers
         self.local_audit = local_audit
         stream_cfg = {"metrics": cfg.metrics, "logs": cfg.logs, "audit": cfg.audit}
         caps = {name: c.queue_max_bytes for name, c in stream_cfg.items()}
@@ -173,12 +173,12 @@ class Telemetry:
         except (OSError, ValueError, IndexError) as exc:
             log.warning("metrics: cannot read system figures: %s", exc)
             system = None
-        device = await self.observe_device()
+        counters = await self.read_counters()
         peers = dict(self.desired_peers())
         rtts = await self._latency(peers)
         stamp, now = now_text(), time.time()
         # Off the event loop: at 1,000 peers the points and their queueing are a few ms an event would wait for.
-        await asyncio.to_thread(lambda: self.queue.append_texts("metrics", self.points.texts(stamp, system, device,
+        await asyncio.to_thread(lambda: self.queue.append_texts("metrics", self.points.texts(stamp, system, counters,
                                                                                               peers, rtts, now)))
 
     async def _latency(self, peers: Mapping[str, Peer]) -> dict[str, int]:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from plexd.base.gojson import format_unix
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.mesh.wireguard import PeerCounters
 from plexd.state.model import Peer
 from plexd.telemetry.points import MetricPoints
 
@@ -32,8 +32,8 @@ def tunnel(peer_id: str, handshake: float, rx: int, tx: int) -> dict:
 def test_points_in_order_with_the_go_shapes_and_key_order():
     peers = {"n_a": Peer("n_a", key(1), "10.100.0.2"), "n_b": Peer("n_b", key(2), "10.100.0.3"),
              "n_off": Peer("n_off", key(3), "10.100.0.4")}
-    device = DeviceConfig(peers={key(1): PeerConfig(key(1), last_handshake=NOW - 30.25, rx=10, tx=20),
-                                 key(2): PeerConfig(key(2))})  # never shook hands; n_off is not on the device
+    device = {key(1): PeerCounters(NOW - 30.25, 10, 20),
+              key(2): PeerCounters(0.0, 0, 0)}  # never shook hands; n_off is not on the device
     texts = MetricPoints().texts(STAMP, {"cpu": 1.5}, device, peers, {"n_a": 420_000, "n_b": -1}, NOW)
     assert [json.loads(t) for t in texts] == [
         {"timestamp": STAMP, "group": "system", "data": {"cpu": 1.5}},
@@ -48,7 +48,7 @@ def test_points_in_order_with_the_go_shapes_and_key_order():
 
 def test_a_stale_handshake_and_no_device():
     peers = {"n_a": Peer("n_a", key(1), "10.100.0.2")}
-    device = DeviceConfig(peers={key(1): PeerConfig(key(1), last_handshake=NOW - 301, rx=1, tx=2)})
+    device = {key(1): PeerCounters(NOW - 301, 1, 2)}
     [text] = MetricPoints().texts(STAMP, None, device, peers, {}, NOW)
     assert json.loads(text)["data"]["handshake_stale"] is True
     assert MetricPoints().texts(STAMP, None, None, peers, {}, NOW) == []
@@ -57,10 +57,9 @@ def test_a_stale_handshake_and_no_device():
 def test_texts_kept_from_the_collection_before_follow_the_device():
     points = MetricPoints()
     peers = {"n_a": Peer("n_a", key(1), "10.100.0.2"), "n_b": Peer("n_b", key(2), "10.100.0.3")}
-    first = DeviceConfig(peers={key(1): PeerConfig(key(1), last_handshake=NOW - 100, rx=1, tx=1),
-                                key(2): PeerConfig(key(2), last_handshake=NOW - 100, rx=1, tx=1)})
+    first = {key(1): PeerCounters(NOW - 100, 1, 1), key(2): PeerCounters(NOW - 100, 1, 1)}
     points.texts(STAMP, None, first, peers, {}, NOW)
-    second = DeviceConfig(peers={key(1): PeerConfig(key(1), last_handshake=NOW - 5, rx=9, tx=8)})
+    second = {key(1): PeerCounters(NOW - 5, 9, 8)}
     [text] = points.texts(STAMP, None, second, {"n_a": peers["n_a"]}, {}, NOW)
     assert json.loads(text) == tunnel("n_a", NOW - 5, 9, 8)
     assert len(points._ids) == 1 and set(points._times) == {0.0, NOW - 5}  # nothing of n_b or the old handshake
@@ -70,7 +69,7 @@ def test_texts_kept_from_the_collection_before_follow_the_device():
        rx=st.integers(0, 2**64 - 1), tx=st.integers(0, 2**64 - 1))
 def test_any_peer_id_and_counters_make_valid_encodable_json(peer_id, handshake, rx, tx):
     peers = {peer_id: Peer(peer_id, key(1), "10.100.0.2")}
-    device = DeviceConfig(peers={key(1): PeerConfig(key(1), last_handshake=handshake, rx=rx, tx=tx)})
+    device = {key(1): PeerCounters(handshake, rx, tx)}
     [text] = MetricPoints().texts(STAMP, None, device, peers, {}, NOW)
     text.encode()  # a lone surrogate in an id is escaped, never an unencodable row
     assert json.loads(text) == tunnel(peer_id, handshake, rx, tx)

@@ -300,7 +300,7 @@ async def test_a_configured_queue_dir_is_taken_over_and_said_to_be_unused(tmp_pa
         return None
 
     with caplog.at_level("WARNING", logger="plexd.telemetry.service"):
-        telemetry = Telemetry(cfg, box, "host", nothing, observe_device=nothing, desired_peers=dict,
+        telemetry = Telemetry(cfg, box, "host", nothing, read_counters=nothing, desired_peers=dict,
                               older_queues=telemetry_db_paths(cfg, str(tmp_path / "data")))
     assert [r.getMessage() for r in caplog.records] == [
         f"telemetry.queue_dir ({tmp_path}) is no longer used: telemetry waits in the uplink outbox, "

@@ -8,8 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate, UapiError, WireGuardError
-from plexd.mesh.wireguard.uapi import describe_update, encode_set, hex_to_b64, parse_errno, parse_get
+from plexd.mesh.wireguard import DeviceUpdate, PeerCounters, PeerUpdate, UapiError, WireGuardError
+from plexd.mesh.wireguard.uapi import (
+    describe_update,
+    encode_set,
+    hex_to_b64,
+    parse_counters,
+    parse_errno,
+    parse_get,
+)
 
 K1 = base64.b64encode(bytes(range(32))).decode()
 K2 = base64.b64encode(bytes(range(32, 64))).decode()
@@ -53,6 +60,25 @@ def test_parse_get_reads_device_peers_handshake_and_counters() -> None:
     assert (p.rx, p.tx, p.persistent_keepalive) == (532, 476, 25)
     q = dev.peers[K1]
     assert q.psk == K2 and q.endpoint == "[fd00::1]:51820" and q.allowed_ips == frozenset() and q.last_handshake == 0
+
+
+def test_parse_counters_reads_what_parse_get_reads_of_each_peer() -> None:
+    assert parse_counters(GET_REPLY) == {K2: PeerCounters(pytest.approx(1795299633.903067696), 532, 476),
+                                         K1: PeerCounters(0.0, 0, 0)}
+    for key, p in parse_get(GET_REPLY).peers.items():
+        assert parse_counters(GET_REPLY)[key] == (p.last_handshake, p.rx, p.tx)
+    assert parse_counters("private_key=00\nlisten_port=1\nerrno=0\n\n") == {}  # no peers
+
+
+def test_parse_counters_errors() -> None:
+    with pytest.raises(WireGuardError, match="no errno"):
+        parse_counters(f"public_key={H1}\nrx_bytes=1\n")  # cut short
+    with pytest.raises(UapiError):
+        parse_counters("errno=-19\n\n")
+    with pytest.raises(WireGuardError, match="malformed UAPI get reply"):
+        parse_counters(f"public_key={H1}\nrx_bytes=many\nerrno=0\n\n")
+    with pytest.raises(WireGuardError, match="malformed UAPI get reply"):
+        parse_counters("public_key=zz\nerrno=0\n\n")
 
 
 def test_parse_get_errors() -> None:
@@ -100,3 +126,4 @@ def test_key_and_number_round_trip(raw: bytes, port: int, counter: int) -> None:
     assert dev.listen_port == port and dev.peers[key].rx == counter
     assert dev.private_key == ("" if raw == bytes(32) else key)
     assert hex_to_b64(raw.hex()) == key
+    assert parse_counters(reply) == {key: (0.0, counter, 0)}

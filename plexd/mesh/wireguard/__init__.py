@@ -15,7 +15,7 @@ import binascii
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from plexd.base.errors import PlexdError
 from plexd.state.model import KEY_LEN
@@ -98,6 +98,14 @@ class DeviceConfig:
     peers: Mapping[str, PeerConfig] = field(default_factory=dict)
 
 
+class PeerCounters(NamedTuple):
+    """What telemetry and metrics read of a peer, every collection: `last_handshake` in Unix seconds (0 = never)."""
+
+    last_handshake: float
+    rx: int
+    tx: int
+
+
 @dataclass(frozen=True)
 class PeerUpdate:
     """A change to one peer. Fields left `None` are not sent (the device keeps its value).
@@ -137,6 +145,10 @@ class WireGuardBackend(Protocol):
 
     async def observe(self) -> DeviceConfig | None:
         """The live device, or None when it does not exist (or its process is gone)."""
+        ...
+
+    async def counters(self) -> Mapping[str, PeerCounters] | None:
+        """Each peer's handshake and byte counters by public key (None: no device); cheaper than `observe`."""
         ...
 
     async def apply(self, update: DeviceUpdate) -> None:

@@ -14,7 +14,7 @@ import asyncio
 import errno
 import ipaddress
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from socket import AF_INET, AF_INET6, inet_ntop, inet_pton
 
 from pyroute2.netlink import NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST
@@ -34,6 +34,7 @@ from plexd.mesh.wireguard import (
     DeviceConfig,
     DeviceUpdate,
     PeerConfig,
+    PeerCounters,
     PeerUpdate,
     WireGuardError,
     check_interface_name,
@@ -217,6 +218,12 @@ class KernelBackend:
 
     async def observe(self) -> DeviceConfig | None:
         return await asyncio.to_thread(self._observe)
+
+    async def counters(self) -> Mapping[str, PeerCounters] | None:
+        device = await self.observe()  # the netlink dump has no lighter form
+        if device is None:
+            return None
+        return {key: PeerCounters(p.last_handshake, p.rx, p.tx) for key, p in device.peers.items()}
 
     def _observe(self) -> DeviceConfig | None:
         from pyroute2.netlink.exceptions import NetlinkError

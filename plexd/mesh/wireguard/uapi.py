@@ -22,6 +22,7 @@ from plexd.mesh.wireguard import (
     DeviceConfig,
     DeviceUpdate,
     PeerConfig,
+    PeerCounters,
     PeerUpdate,
     UapiError,
     WireGuardError,
@@ -122,16 +123,7 @@ def _parse_get(reply: str) -> DeviceConfig:
     Written for speed (a 5,000-peer reply is ~1.7 MB): the text is cut into peer blocks at `public_key=` and each
     block's lines go into a dict; only allowed IPs repeat. Order inside a block is not assumed.
     """
-    if not reply.rstrip("\n").endswith(("errno=0", "\nerrno=0")):
-        for line in reply.splitlines():
-            if line.startswith("errno="):
-                try:
-                    errno = int(line[6:])
-                except ValueError:
-                    break
-                if errno != 0:
-                    raise UapiError(errno, "get")
-        raise WireGuardError("malformed UAPI get reply: no errno line")
+    _check_get_reply(reply)
     blocks = ("\n" + reply).split("\npublic_key=")
     device: dict[str, str] = {}
     for lineno, line in enumerate(blocks[0].split("\n")[1:], 1):
@@ -181,6 +173,44 @@ def _parse_get(reply: str) -> DeviceConfig:
         raise WireGuardError("malformed UAPI get reply: private_key is not hex") from None
     return DeviceConfig(private_key=private_b64, listen_port=numbers["listen_port"], fwmark=numbers["fwmark"],
                         peers=peers)
+
+
+def _check_get_reply(reply: str) -> None:
+    """Raise unless the reply ends in errno=0 (the device's error, or a reply cut short)."""
+    if reply.rstrip("\n").endswith(("errno=0", "\nerrno=0")):
+        return
+    for line in reply.splitlines():
+        if line.startswith("errno="):
+            try:
+                errno = int(line[6:])
+            except ValueError:
+                break
+            if errno != 0:
+                raise UapiError(errno, "get")
+    raise WireGuardError("malformed UAPI get reply: no errno line")
+
+
+def parse_counters(reply: str) -> dict[str, PeerCounters]:
+    """Only each peer's handshake time and byte counters from a `get=1` reply: what telemetry reads four times a
+    minute, at half the cost of `parse_get` (no line split, no allowed IPs, no PeerConfig)."""
+    _check_get_reply(reply)
+    out: dict[str, PeerCounters] = {}
+    try:
+        for block in ("\n" + reply).split("\npublic_key=")[1:]:
+            out[hex_to_b64(block[:block.find("\n")])] = PeerCounters(
+                _number(block, "\nlast_handshake_time_sec=") + _number(block, "\nlast_handshake_time_nsec=") / 1e9,
+                _number(block, "\nrx_bytes="), _number(block, "\ntx_bytes="))
+    except ValueError as e:
+        raise WireGuardError(f"malformed UAPI get reply: {e}") from None
+    return out
+
+
+def _number(block: str, key: str) -> int:
+    at = block.find(key)
+    if at < 0:
+        return 0
+    at += len(key)
+    return int(block[at:block.find("\n", at)])
 
 
 def describe_update(update: DeviceUpdate, interface: str) -> str:
@@ -270,6 +300,12 @@ class UapiClient:
             return parse_get(reply)
         # Thousands of peers: ~3 ms per 1,000 of parsing that events on the loop would otherwise wait for.
         return await asyncio.to_thread(parse_get, reply)
+
+    async def counters(self) -> dict[str, PeerCounters]:
+        reply = await self._exchange("get=1\n\n")
+        if len(reply) < PARSE_INLINE:
+            return parse_counters(reply)
+        return await asyncio.to_thread(parse_counters, reply)
 
     async def set(self, update: DeviceUpdate) -> None:
         if update.is_empty():

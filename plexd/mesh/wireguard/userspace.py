@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from plexd.base.childenv import child_environment
 from plexd.base.procstat import process_stat
-from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, WireGuardError, check_interface_name
+from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerCounters, WireGuardError, check_interface_name
 from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,12 @@ class UserspaceBackend:
         if self._adopted is not None:
             return not _alive(self._adopted) and not self._stopping
         return self._proc is not None and self._proc.returncode is not None and not self._stopping
+
+    async def counters(self) -> Mapping[str, PeerCounters] | None:
+        try:
+            return await self.uapi.counters()
+        except UapiUnavailable:
+            return None
 
     async def observe(self) -> DeviceConfig | None:
         try:
