@@ -30,8 +30,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from plexd.base.memo import ByIdentity
 from plexd.mesh.plan import normalize_endpoint
 from plexd.mesh.wireguard import DeviceConfig
+from plexd.state.model import Peer
 from plexd.state.store import DesiredStore
 
 log = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ class PathSelector:
         self._converge = request_converge
         self._monotonic, self._wall = monotonic, wall
         self.paths: dict[str, PeerPath] = {}
+        self._candidates = ByIdentity[dict[str, Peer]](size=2)  # every 2 s over 1,000 peers: only when they change
 
     async def run(self) -> None:
         while True:
@@ -77,7 +80,8 @@ class PathSelector:
 
     async def tick(self) -> None:
         desired = self._store.value
-        candidates = {pid: p for pid, p in desired.peers.items() if p.fallback_endpoint}
+        candidates = self._candidates.get(desired.peers, None, lambda: {
+            pid: p for pid, p in desired.peers.items() if p.fallback_endpoint})
         self.paths = {pid: st for pid, st in self.paths.items() if pid in candidates}
         if not candidates:
             return
