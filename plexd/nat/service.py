@@ -1,16 +1,16 @@
-"""The NAT service: discover the public endpoint, report it, apply the peers' endpoints; refresh for ever.
+"""The NAT service: discover the public endpoint, refresh for ever; the control plane is told through the engine.
 
     start      the assembly binds the listen port before the device exists (`PortHandover`): the first
                discovery asks from it, then lets the device have the port (at most HANDOVER_DEADLINE later)
     refresh    every nat_traversal.refresh_interval, from a raw socket while the device holds the port
     failure    retried with jittered backoff, never abandoned (the Go agent gives up after a failed start);
                logged once per failure streak, with each server and why
-    report     PUT /endpoint when the mapping changes, after a failed report, and at least every REPORT_EVERY;
-               the answer's peer endpoints go into the desired model and through the converge engine
-    no answer  until a server has answered, the node reports its local endpoint (type unknown), so a node on a
+    no answer  until a server has answered, the node's endpoint is its local one (type unknown), so a node on a
                public address joins even with every STUN server unreachable
+    report     not here: `current()` is what the NAT domain (`plexd.nat.domain`) converges the control plane's
+               record to; when it changes, `on_change` asks the engine for a converge
 
-`status()` is the `nat` section of `plexd status`; `info()` the heartbeat's `nat` block.
+`status()` is the discovery's part of the `nat` section of `plexd status` (the domain adds what was reported).
 """
 
 from __future__ import annotations
@@ -18,15 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from plexd.base.backoff import Backoff
-from plexd.base.errors import PlexdError
 from plexd.config.settings import NatTraversalConfig
-from plexd.controlplane.client import NatInfo, PeerEndpoint
 from plexd.nat.discovery import Discovery, discover
+from plexd.nat.domain import Endpoint
 from plexd.nat.probe import BoundTransport, RawTransport, Transport, source_address
 from plexd.nat.servers import StunServer, resolve
 from plexd.nat.stun import Mapped, StunError
@@ -35,7 +34,6 @@ log = logging.getLogger(__name__)
 
 HANDOVER_DEADLINE = 3.5  # seconds the device may wait for the first discovery at start
 HANDOVER_TIMEOUT = 1.5  # per server, during the hand-over: two servers fit before the deadline
-REPORT_EVERY = 600.0  # an unchanged endpoint is reported again this often (the control plane may have lost it)
 
 
 class PortHandover:
@@ -87,9 +85,7 @@ class NatState:
     last_success_at: float | None = None
     last_error: str = ""
     consecutive_failures: int = 0
-    reported: tuple[str, str] | None = None  # (endpoint, nat type) the control plane last accepted
-    reported_at: float | None = None
-    report_error: str = ""
+    local: Endpoint | None = None  # the local endpoint, while no server has answered yet
 
 
 class NatService:
@@ -97,8 +93,7 @@ class NatService:
         self,
         servers: Sequence[StunServer],
         listen_port: int,
-        report: Callable[[str, str], Awaitable[list[PeerEndpoint]]],
-        apply_peer_endpoints: Callable[[list[PeerEndpoint]], int],
+        on_change: Callable[[str], None] = lambda why: None,
         *,
         refresh_interval: float = 60.0,
         timeout: float = 5.0,
@@ -109,8 +104,7 @@ class NatService:
     ) -> None:
         self.servers = tuple(servers)
         self.listen_port = listen_port
-        self._report = report
-        self._apply = apply_peer_endpoints
+        self._on_change = on_change  # the endpoint to report changed: the engine converges the NAT domain
         self.refresh_interval = refresh_interval
         self.timeout = timeout
         self._handover = handover
@@ -130,13 +124,26 @@ class NatService:
                 self._handover.release()
 
     async def refresh_once(self) -> float:
-        """One discovery and, when due, one report; returns the seconds until the next attempt."""
+        """One discovery; returns the seconds until the next attempt."""
+        before = self.current()
         discovery = await self._discover()
-        ok = await self._report_if_due(discovery)
-        if discovery.ok and ok:
+        if not discovery.ok and self.state.discovery is None:
+            self.state.local = await self._local_endpoint()
+        now = self.current()
+        if now is not None and now != before:
+            self._on_change(f"NAT discovery: public endpoint {now}")
+        if discovery.ok:
             self._backoff.reset()
             return self.refresh_interval
         return self._backoff.next_delay()
+
+    def current(self) -> Endpoint | None:
+        """What the control plane should know: the last mapping found, or the local endpoint until a server has
+        answered (a failed refresh keeps the last mapping); None when neither is known."""
+        d = self.state.discovery
+        if d is not None:
+            return Endpoint(str(d.public), d.nat_type)
+        return self.state.local
 
     async def _discover(self) -> Discovery:
         self.state.last_attempt_at = time.time()
@@ -194,56 +201,18 @@ class NatService:
             log.info("public endpoint %s, NAT type %s, seen by %s%s", found.public, found.nat_type, found.server, was,
                      extra={"public_endpoint": str(found.public), "nat_type": found.nat_type})
 
-    async def _to_report(self, found: Discovery) -> tuple[str, str] | None:
-        if found.ok:
-            return str(found.public), found.nat_type
-        if self.state.discovery is not None:
-            return None  # a failed refresh keeps the last mapping (already reported)
-        local = await self._local_endpoint()
-        return (str(local), "unknown") if local is not None else None
-
-    async def _local_endpoint(self) -> Mapped | None:
-        """The machine's address towards the control plane, and the listen port."""
+    async def _local_endpoint(self) -> Endpoint | None:
+        """The machine's address towards the control plane, and the listen port (type unknown)."""
         host = self._local_target()
         if not host:
             return None
         try:
             ip = await resolve(host)
-            return Mapped(source_address(ip, self.listen_port), self.listen_port)  # any port: only the route counts
+            local = Mapped(source_address(ip, self.listen_port), self.listen_port)  # any port: only the route counts
         except StunError as exc:
             log.debug("no local endpoint to report: %s", exc)
             return None
-
-    async def _report_if_due(self, found: Discovery) -> bool:
-        """PUT /endpoint when the value changed, the last report failed, or REPORT_EVERY passed. False: failed."""
-        st = self.state
-        value = await self._to_report(found)
-        if value is None:
-            return True
-        due = (value != st.reported or st.report_error
-               or st.reported_at is None or time.time() - st.reported_at >= REPORT_EVERY)
-        if not due:
-            return True
-        try:
-            peers = await self._report(*value)
-        except (PlexdError, OSError) as exc:
-            if not st.report_error:
-                log.warning("endpoint report failed: %s; retrying with backoff", exc)
-            st.report_error = str(exc)
-            return False
-        if value != st.reported:
-            log.info("endpoint %s (%s) reported to the control plane", *value)
-        st.reported, st.reported_at, st.report_error = value, time.time(), ""
-        changed = self._apply([p for p in peers if p.endpoint])
-        if changed:
-            log.info("endpoint exchange: %d peer endpoint(s) changed", changed)
-        return True
-
-    def info(self) -> NatInfo | None:
-        """The heartbeat's `nat` block: what the control plane was last told."""
-        if self.state.reported is None:
-            return None
-        return NatInfo(*self.state.reported)
+        return Endpoint(str(local), "unknown")
 
     def status(self) -> dict[str, Any]:
         st = self.state
@@ -259,10 +228,6 @@ class NatService:
             "last_attempt_at": st.last_attempt_at,
             "last_error": st.last_error,
             "consecutive_failures": st.consecutive_failures,
-            "reported_endpoint": st.reported[0] if st.reported else "",
-            "reported_nat_type": st.reported[1] if st.reported else "",
-            "reported_at": st.reported_at,
-            "report_error": st.report_error,
             "refresh_interval_seconds": self.refresh_interval,
         }
 

@@ -55,16 +55,28 @@ from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
-from plexd.controlplane.uplink import UplinkOutbox
+from plexd.controlplane.uplink import NoSender, UplinkOutbox
 from plexd.converge.engine import Engine
 from plexd.identity import datadir
+from plexd.nat.domain import KIND as NAT_KIND
+from plexd.nat.domain import Endpoint, NatHooks
 from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
 from plexd.node.agent import Agent
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import SITE_TO_SITE, USER_ACCESS, bridge_part, build_engine, ingress, relay, sessions, wireguard
+from plexd.node.engine import (
+    SITE_TO_SITE,
+    USER_ACCESS,
+    bridge_part,
+    build_engine,
+    ingress,
+    nat_endpoint,
+    relay,
+    sessions,
+    wireguard,
+)
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
@@ -107,11 +119,13 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         return agent.identity.node_id
 
     verifier = build_verifier(data_dir, agent.clock, agent.identity.signing_public_key, ledger, node_id)
+    nat_service: list[NatService | None] = [None]  # built after the mesh: its hand-over holds the first converge
     if mesh is None:
         access = access_hooks(agent, verifier, node_id, data_dir / datadir.LOCAL_AUDIT, lambda: uplink)
         # A bridge's relay keeps its sessions through an outage: the control plane is "reachable" until the
         # heartbeat, which runs every interval, fails.
-        mesh = _build_mesh(agent, ledger.mirror(), verifier, access, lambda: heartbeat.consecutive_failures == 0)
+        mesh = _build_mesh(agent, ledger.mirror(), verifier, access, lambda: heartbeat.consecutive_failures == 0,
+                           _nat_hooks(agent, node_id, lambda: nat_service[0], lambda: uplink, lambda: mesh))
     durable = GroupCommit(ledger, delay=_commit_delay(), touched=lambda: mesh.store.take_touched("mirror"))
     mesh.store.on_changed = durable.desired_changed
     mesh.persist = durable.persist_now
@@ -128,8 +142,14 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     async def post_drift(report: dict[str, Any]) -> None:
         await agent.authed(lambda: agent.client.report_drift(node_id(), report))
 
+    async def post_endpoint(body: dict[str, Any]) -> None:
+        part = nat_endpoint(mesh.engine)
+        if part is None:
+            raise NoSender(NAT_KIND)  # NAT traversal off since it was queued: left for a daemon that reports
+        await part.deliver(body)
+
     uplink = drift_uplink(data_dir / datadir.UPLINK_DB, post_drift, _backoff(cfg),
-                          **{SESSION_ACTIVITY: post_session_activity(agent, node_id)})
+                          **{SESSION_ACTIVITY: post_session_activity(agent, node_id), NAT_KIND: post_endpoint})
     agent.on_shutdown("uplink outbox", lambda a: _close(uplink))
     # In the drain, on every stop (a plain stop too: the listeners die with the process anyway).
     agent.on_shutdown("access sessions", lambda a: close_sessions(a, mesh.engine, uplink), phase="drain")
@@ -156,7 +176,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         reconnect_spread=cfg.sse.reconnect_spread,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
     )
-    nat = _build_nat(agent, mesh, node_id)
+    nat = nat_service[0] = _build_nat(agent, mesh)
     on_device = [0]  # peers on the device, counted before each heartbeat
 
     async def observe_device() -> None:
@@ -198,7 +218,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
             binary_checksum=agent.binary_checksum,
             # peers on the live device, not desired peers: the heartbeat reports what is, not what should be
             mesh=MeshInfo(cfg.mesh.interface, on_device[0], cfg.mesh.listen_port),
-            nat=nat.info() if nat is not None else None,
+            nat=nat_part.info() if (nat_part := nat_endpoint(mesh.engine)) is not None else None,
             extra={**(bridge_heartbeat(mesh.engine) if cfg.mode == "bridge" else {}), **path_heartbeat()},
         )
 
@@ -313,14 +333,14 @@ def _add_watchdog(node: Node) -> None:
 
 
 def _build_mesh(agent: Agent, mirror: dict | None, verifier: Verifier, access: AccessHooks,
-                cp_reachable: Callable[[], bool]) -> MeshHandle:
+                cp_reachable: Callable[[], bool], nat: NatHooks | None) -> MeshHandle:
     """The engine for this machine and the desired model, seeded from the mirror of the last run."""
     cfg = agent.config
     assert agent.identity is not None
     initial, restored = initial_desired(cfg, agent.identity, mirror)
     if restored:
         log.info("desired state restored from the mirror in %s (%d peers)", cfg.data_dir, len(initial.peers))
-    engine = build_engine(cfg, trusted_key(verifier), access, cp_reachable)
+    engine = build_engine(cfg, trusted_key(verifier), access, cp_reachable, nat)
     protected = ProtectedAddresses.from_config(cfg, wireguard(engine).links)
     # known=False: a device that survived the last plexd (killed, or stopped without deregistering) is at least
     # as new as the mirror, which is written a moment after each change; it is left as it is until the first
@@ -498,9 +518,10 @@ def read_http_token(config: Config) -> str:
     return token
 
 
-def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> NatService | None:
-    """STUN discovery and the endpoint exchange (plexd.nat), when enabled and a server is configured. The listen
-    port is bound here, before any converge, so the first discovery asks from it before the device takes it."""
+def _build_nat(agent: Agent, mesh: MeshHandle) -> NatService | None:
+    """STUN discovery (plexd.nat), when enabled and a server is configured. The listen port is bound here, before
+    any converge, so the first discovery asks from it before the device takes it. What it finds, the NAT domain
+    reports (`_nat_hooks`): a new mapping asks the engine for a converge."""
     cfg = agent.config
     nat = cfg.nat_traversal
     off = disabled_status(nat)
@@ -510,16 +531,29 @@ def _build_nat(agent: Agent, mesh: MeshHandle, node_id: Callable[[], str]) -> Na
     handover = PortHandover.try_bind(cfg.mesh.listen_port)
     if handover is not None:
         mesh.before_first_converge = handover.released
-
-    async def report(endpoint: str, nat_type: str) -> list[PeerEndpoint]:
-        return await agent.authed(lambda: agent.client.report_endpoint(node_id(), endpoint, nat_type))
-
     return NatService(
-        [parse_server(s) for s in nat.stun_servers], cfg.mesh.listen_port, report, mesh.set_peer_endpoints,
+        [parse_server(s) for s in nat.stun_servers], cfg.mesh.listen_port, mesh.request_converge,
         refresh_interval=nat.refresh_interval, timeout=nat.stun_timeout, handover=handover,
         local_target=lambda: urlsplit(cfg.api.url).hostname,
         backoff=Backoff(base=min(cfg.sse.backoff_base * 5, nat.refresh_interval), cap=nat.refresh_interval,
                         jitter=cfg.sse.jitter))
+
+
+def _nat_hooks(agent: Agent, node_id: Callable[[], str], service: Callable[[], NatService | None],
+               uplink: Callable[[], UplinkOutbox], mesh: Callable[[], MeshHandle]) -> NatHooks | None:
+    """What the NAT domain needs, when NAT traversal is on; the service, the uplink and the mesh are built after
+    the engine, so each is asked for when used."""
+    if disabled_status(agent.config.nat_traversal) is not None:
+        return None
+
+    async def report(endpoint: str, nat_type: str) -> list[PeerEndpoint]:
+        return await agent.authed(lambda: agent.client.report_endpoint(node_id(), endpoint, nat_type))
+
+    def current() -> Endpoint | None:
+        nat = service()
+        return nat.current() if nat is not None else None
+
+    return NatHooks(current, uplink, report, lambda peers: mesh().set_peer_endpoints(peers))
 
 
 def _backoff(cfg: Config) -> Backoff:

@@ -26,8 +26,9 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
     health         status (healthy | degraded), reason
     policy         enforcement (enforced | degraded | disabled), reason, policies, rules, skipped_rules
     nat            enabled (false: reason), servers, public_endpoint, nat_type, local_endpoint, server,
-                   last_success_at, last_attempt_at, last_error, consecutive_failures, reported_endpoint,
-                   reported_nat_type, reported_at, report_error, refresh_interval_seconds
+                   last_success_at, last_attempt_at, last_error, consecutive_failures, refresh_interval_seconds,
+                   reported_endpoint, reported_nat_type, reported_at, report_pending (queued in the uplink),
+                   report_error
     node_api       socket, tcp (null or host:port), reports, report_bytes, rate_limited, tcp_refused (TCP
                    connections turned away at the door: budget full or too many 401s), report_sync (pending,
                    sent_batches, dropped_batches (refused), dropped (entries refused or over the cap),
@@ -57,6 +58,7 @@ from plexd.base.errors import PlexdError
 from plexd.config.settings import Config
 from plexd.nat.service import disabled_status
 from plexd.node.departure import DEREGISTER_PATH
+from plexd.node.engine import nat_endpoint
 from plexd.node.engine import sessions as sessions_domain
 from plexd.node.mesh import MeshHandle
 from plexd.node.parts import Node
@@ -125,7 +127,9 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["policy"] = {"enforcement": enforcement, "reason": why,
                      "policies": len({r.policy_id for r in compiled.rules}), "rules": len(compiled.rules),
                      "skipped_rules": len(compiled.skipped)}
-    doc["nat"] = node.nat.status() if node.nat is not None else disabled_status(agent.config.nat_traversal)
+    reported = nat_endpoint(node.mesh.engine)  # what the control plane was told: the domain (discovery: the service)
+    doc["nat"] = ({**node.nat.status(), **(reported.status() if reported is not None else {})} if node.nat is not None
+                  else disabled_status(agent.config.nat_traversal))
     api = node.local_api
     doc["node_api"] = {"socket": api.socket_path,
                        "tcp": "{}:{}".format(*api.tcp_address) if api.tcp_address else None,

@@ -21,17 +21,20 @@ from plexd.firewall.domain import FirewallDomain
 from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.select import wireguard_backend
+from plexd.nat.domain import NatEndpointDomain, NatHooks
 from plexd.nodeapi.cache import NodeStateCache
 from plexd.trust.domain import SigningKeyFile
 
 
 def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda: None,
-                 access: AccessHooks | None = None, cp_reachable: Callable[[], bool] | None = None) -> Engine:
+                 access: AccessHooks | None = None, cp_reachable: Callable[[], bool] | None = None,
+                 nat: NatHooks | None = None) -> Engine:
     """`trusted_key`: the signing key the verifier trusts now (None: no verifier here, the key file is left as is).
     `access`: the daemon's hooks for the access sessions; without them (`reconcile --once`, `plexd deregister`)
     no session is served: a short-lived command must not open listeners it cannot keep. `cp_reachable`: whether
     the control plane answers now (the daemon's; a bridge's relay keeps its sessions while it does not); without
-    it no relay runs, for the same reason."""
+    it no relay runs, for the same reason. `nat`: the daemon's NAT discovery and uplink, when NAT traversal is on
+    (the control plane's record of this node's endpoint is converged only by a daemon that discovers it)."""
     links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
     host, port = split_host_port(config.bridge.relay.listen)
     return Engine([
@@ -47,6 +50,7 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
         *([IngressDomain(config.data_dir, host=config.bridge.ingress.listen_address,
                          mesh_range=config.policy.mesh_range, allowed_sources=config.bridge.ingress.allowed_sources)]
           if cp_reachable is not None and config.mode == "bridge" else []),
+        *([NatEndpointDomain(nat)] if nat is not None else []),
     ])
 
 
@@ -108,6 +112,11 @@ def bridge_part(engine: Engine, name: str) -> InterfacesDomain | None:
 
 def ingress(engine: Engine) -> IngressDomain | None:
     return cast(IngressDomain | None, engine.domain(IngressDomain.name))
+
+
+def nat_endpoint(engine: Engine) -> NatEndpointDomain | None:
+    """The control plane's record of this node's endpoint: the heartbeat's `nat` block and the status read it."""
+    return cast(NatEndpointDomain | None, engine.domain(NatEndpointDomain.name))
 
 
 def firewall(engine: Engine) -> FirewallDomain | None:

@@ -15,9 +15,8 @@ from collections.abc import Callable
 
 import pytest
 
-from plexd.base.errors import PlexdError
-from plexd.controlplane.client import PeerEndpoint
 from plexd.nat.discovery import discover
+from plexd.nat.domain import Endpoint
 from plexd.nat.probe import BoundTransport
 from plexd.nat.servers import parse_server
 from plexd.nat.service import NatService
@@ -136,57 +135,34 @@ async def test_a_lost_request_is_sent_again(servers) -> None:
     assert found.ok and len(seen) == 2 and seen[0] == seen[1]  # the same transaction, resent
 
 
-def service(srv_list, reports, *, fail_reports=0, apply=lambda peers: len(peers)) -> NatService:
-    port = free_port()
-    calls = {"n": 0}
-
-    async def report(endpoint: str, nat_type: str) -> list[PeerEndpoint]:
-        calls["n"] += 1
-        if calls["n"] <= fail_reports:
-            raise PlexdError("control plane unreachable")
-        reports.append((endpoint, nat_type))
-        return [PeerEndpoint("n_peer", "198.51.100.5:51820"), PeerEndpoint("n_quiet", "")]
-
-    return NatService([parse_server(s) for s in srv_list], port, report, apply, refresh_interval=30, timeout=0.5,
-                      local_target=lambda: "127.0.0.1", raw_transport=BoundTransport.bind)
+def service(srv_list, changes: list[str]) -> NatService:
+    return NatService([parse_server(s) for s in srv_list], free_port(), changes.append, refresh_interval=30,
+                      timeout=0.5, local_target=lambda: "127.0.0.1", raw_transport=BoundTransport.bind)
 
 
-async def test_the_service_reports_on_change_only_and_applies_the_peers_endpoints(servers, caplog) -> None:
+async def test_the_service_says_when_the_endpoint_to_report_changes(servers, caplog) -> None:
     srv, _ = await servers(good)
-    reports: list[tuple[str, str]] = []
-    applied: list[list[PeerEndpoint]] = []
-    svc = service([srv], reports, apply=lambda peers: applied.append(peers) or len(peers))
+    changes: list[str] = []
+    svc = service([srv], changes)
+    assert svc.current() is None
     assert await svc.refresh_once() == 30
     assert await svc.refresh_once() == 30
-    assert reports == [(f"127.0.0.1:{svc.listen_port}", "none")]  # unchanged: not reported again (yet)
-    assert applied == [[PeerEndpoint("n_peer", "198.51.100.5:51820")]]  # empty endpoints are not applied
-    assert svc.info().to_wire() == {"public_endpoint": f"127.0.0.1:{svc.listen_port}", "type": "none"}
-    svc.state.reported_at -= 601  # ten minutes later the same endpoint is reported again
-    await svc.refresh_once()
-    assert len(reports) == 2
+    assert svc.current() == Endpoint(f"127.0.0.1:{svc.listen_port}", "none")
+    assert changes == [f"NAT discovery: public endpoint 127.0.0.1:{svc.listen_port} (none)"]  # unchanged: once
 
 
-async def test_silence_reports_the_local_endpoint_logs_once_and_backs_off(servers, caplog) -> None:
+async def test_silence_means_the_local_endpoint_logs_once_and_backs_off(servers, caplog) -> None:
     srv, _ = await servers(BROKEN["silent"][0])
-    reports: list[tuple[str, str]] = []
-    svc = service([srv], reports)
+    changes: list[str] = []
+    svc = service([srv], changes)
     caplog.set_level(logging.DEBUG, logger="plexd.nat")
     delays = [await svc.refresh_once() for _ in range(3)]
-    assert reports == [(f"127.0.0.1:{svc.listen_port}", "unknown")]
+    assert svc.current() == Endpoint(f"127.0.0.1:{svc.listen_port}", "unknown") and len(changes) == 1
     assert all(d < 30 for d in delays) and delays[0] < delays[2]  # backoff towards the refresh interval
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert sum("NAT discovery failed" in w for w in warnings) == 1
     assert sum(f"STUN server {srv}: no answer" in w for w in warnings) == 1
     assert svc.status()["consecutive_failures"] == 3 and "no answer within 0.5s" in svc.status()["last_error"]
-
-
-async def test_a_failed_report_is_retried_with_backoff(servers) -> None:
-    srv, _ = await servers(good)
-    reports: list[tuple[str, str]] = []
-    svc = service([srv], reports, fail_reports=2)
-    assert await svc.refresh_once() < 30 and svc.status()["report_error"] == "control plane unreachable"
-    assert await svc.refresh_once() < 30
-    assert await svc.refresh_once() == 30 and len(reports) == 1 and svc.status()["report_error"] == ""
 
 
 async def test_the_start_hand_over_ends_at_its_deadline_whatever_the_servers_do(servers) -> None:
@@ -204,8 +180,8 @@ async def test_the_start_hand_over_ends_at_its_deadline_whatever_the_servers_do(
         opened.append(p)
         return BoundTransport.bind(p)
 
-    svc = NatService([parse_server(silent), parse_server(silent)], port, lambda *a: None, lambda p: 0,
-                     timeout=5, handover=handover, raw_transport=raw)
+    svc = NatService([parse_server(silent), parse_server(silent)], port, timeout=5, handover=handover,
+                     raw_transport=raw)
     loop = asyncio.get_running_loop()
     start = loop.time()
     found = await svc._discover()

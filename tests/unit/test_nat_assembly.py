@@ -31,7 +31,7 @@ async def test_disabled_or_without_servers_there_is_no_nat_service(tmp_path) -> 
                      ({}, "no nat_traversal.stun_servers configured")):
         cfg = config(tmp_path, port, **env)
         mesh = MeshHandle(None, None)  # type: ignore[arg-type]  # only its hooks are read here
-        assert _build_nat(SimpleNamespace(config=cfg), mesh, lambda: "n_x") is None  # type: ignore[arg-type]
+        assert _build_nat(SimpleNamespace(config=cfg), mesh) is None  # type: ignore[arg-type]
         assert mesh.before_first_converge is None
         assert disabled_status(cfg.nat_traversal) == {"enabled": False, "reason": why}
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -42,10 +42,10 @@ async def test_enabled_binds_the_listen_port_until_the_first_discovery_lets_it_g
     port = free_port()
     cfg = config(tmp_path, port, PLEXD_NAT_TRAVERSAL_STUN_SERVERS="192.0.2.1,192.0.2.2:3479")
     mesh = MeshHandle(None, None)  # type: ignore[arg-type]
-    nat = _build_nat(SimpleNamespace(config=cfg), mesh, lambda: "n_x")  # type: ignore[arg-type]
+    nat = _build_nat(SimpleNamespace(config=cfg), mesh)  # type: ignore[arg-type]
     assert nat is not None and [str(s) for s in nat.servers] == ["192.0.2.1:3478", "192.0.2.2:3479"]
     assert disabled_status(cfg.nat_traversal) is None
-    assert nat.info() is None and nat.status()["public_endpoint"] == ""
+    assert nat.current() is None and nat.status()["public_endpoint"] == ""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             s.bind(("0.0.0.0", port))
