@@ -25,12 +25,15 @@ class Verdict:
 
 def retry_verdict(exc: ControlPlaneError, backoff: Backoff) -> Verdict:
     """What to do with an entry the control plane did not take (see the module's table)."""
-    status = exc.status
     if isinstance(exc, RetryAfterError):
         hint = exc.retry_after if exc.retry_after is not None else 0.0
         return Verdict(True, max(hint, backoff.next_delay()), str(exc))
-    if isinstance(exc, AuthError) or status == 0 or status >= 500 or status == 408:
-        return Verdict(True, backoff.next_delay(), str(exc))
-    if 400 <= status < 500:
+    if refused_for_good(exc):
         return Verdict(False, reason=str(exc))
-    return Verdict(True, backoff.next_delay(), str(exc))  # an unclassified status: the transient default
+    return Verdict(True, backoff.next_delay(), str(exc))  # network, 5xx, 408, 401, an unclassified status
+
+
+def refused_for_good(exc: ControlPlaneError) -> bool:
+    """A 4xx other than 401, 408 and 429: sending the same request again can never succeed."""
+    return (not isinstance(exc, (RetryAfterError, AuthError)) and exc.status != 408
+            and 400 <= exc.status < 500)

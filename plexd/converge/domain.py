@@ -44,6 +44,9 @@ class DomainResult:
 
 class Domain(Protocol):
     name: str  # short, stable: logs, errors and `plexd status --json` use it
+    # A domain may set `touches_machine = False` (read with a default of True): what it converges is not this
+    # machine (the NAT domain: what the control plane is told), so an operator's hold, or a device kept as it is
+    # until the first state pull, does not stop it; `dry_run` still does.
 
     async def observe(self, desired: DesiredState) -> Any:
         """The live state of what this domain owns (`desired` says where to look: an interface, a directory)."""

@@ -13,13 +13,18 @@ What is converged is the control plane's record of where this node can be reache
                change, an endpoint last reported more than REPORT_EVERY ago is queued again (the control plane
                may have lost it): a keepalive, not drift, so not a change line
 
-So a report made during an outage waits on disk, a restart does not lose it, and a failing control plane is
-retried like every other uplink message, never by a loop of the NAT's own. The service asks for a converge (an
-event-like delta) when discovery finds a new mapping; the periodic reconcile re-reports what is due.
+So a report made during an outage waits on disk, and a failing control plane is retried like every other uplink
+message, never by a loop of the NAT's own. A queued report is sent only if it is still what discovery finds (one
+left by an earlier run, or overtaken by a newer mapping, is dropped unsent). One the control plane refuses for
+good (a 4xx) is not queued again for REPORT_EVERY unless the endpoint changes; `report_error` shows the refusal.
+The service asks for a converge (an event-like delta) when discovery finds a new mapping; the periodic reconcile
+re-reports what is due. Nothing here touches the machine (`touches_machine = False`): an operator's hold, or a
+device kept as it is until the first state pull, does not stop the reports; a dry run does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sqlite3
 import time
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from plexd.controlplane.client import NatInfo, PeerEndpoint
+from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.retry import refused_for_good
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
@@ -57,6 +64,8 @@ class NatObserved:
     queued: Endpoint | None  # waiting in the uplink lane
     reported: Endpoint | None  # the control plane's answer was 2xx for this one
     reported_at: float | None
+    refused: Endpoint | None = None  # the control plane refused this one for good (a 4xx) ...
+    refused_at: float | None = None  # ... then: asked again only after REPORT_EVERY, or for another endpoint
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class NatHooks:
 
 class NatEndpointDomain:
     name = "nat"
+    touches_machine = False  # what it converges is the control plane's record: a hold does not stop it
 
     def __init__(self, hooks: NatHooks) -> None:
         self._current, self._uplink = hooks.current, hooks.uplink
@@ -94,16 +104,23 @@ class NatEndpointDomain:
         self._clock = hooks.clock
         self.reported: Endpoint | None = None
         self.reported_at: float | None = None
+        self.refused: Endpoint | None = None
+        self.refused_at: float | None = None
+        self.refusal = ""
 
     # -- the engine's side ------------------------------------------------------------------------------------
 
     async def observe(self, desired: DesiredState) -> NatObserved:
-        return NatObserved(self._current(), self._queued(), self.reported, self.reported_at)
+        return NatObserved(self._current(), self._queued(), self.reported, self.reported_at, self.refused,
+                           self.refused_at)
 
     def plan(self, desired: DesiredState, observed: NatObserved) -> DomainResult:
         now, was = observed.current, observed.reported
         if now is None or now == observed.queued or now == was:
             return DomainResult()
+        if (now == observed.refused and observed.refused_at is not None
+                and self._clock() - observed.refused_at < REPORT_EVERY):
+            return DomainResult()  # refused for good: not asked again each reconcile (`report_error` says so)
         why = "not reported to the control plane yet" if was is None else f"the control plane has {was}"
         return DomainResult((EndpointReported(now, why),))
 
@@ -127,16 +144,18 @@ class NatEndpointDomain:
         return None
 
     async def teardown(self) -> None:
-        """Nothing on the machine. A report still queued stays (a purge removes the outbox with the rest); the
-        next daemon's first discovery replaces it before it matters."""
+        """Nothing on the machine. A report still queued stays (a purge removes the outbox with the rest): the
+        next daemon drops it unsent unless its own discovery finds the same endpoint (`deliver`)."""
 
     def status(self) -> dict[str, Any] | None:
+        lane: dict[str, Any] = {}
         uplink = self._uplink()
-        lane = uplink.status(LANE) if uplink is not None else {}
+        with contextlib.suppress(sqlite3.Error):  # the outbox closed at shutdown: the status still answers
+            lane = uplink.status(LANE) if uplink is not None else {}
         return {"reported_endpoint": self.reported.address if self.reported else "",
                 "reported_nat_type": self.reported.nat_type if self.reported else "",
                 "reported_at": self.reported_at, "report_pending": self._queued() is not None,
-                "report_error": lane.get("last_error", "")}
+                "report_error": lane.get("last_error") or self.refusal}
 
     def info(self) -> NatInfo | None:
         """The heartbeat's `nat` block: what the control plane was last told (and took)."""
@@ -147,10 +166,20 @@ class NatEndpointDomain:
     async def deliver(self, body: dict[str, Any]) -> None:
         """How the uplink sends a queued report (kind KIND): PUT, then the peers' endpoints it answered."""
         sent = Endpoint(str(body["public_endpoint"]), str(body["nat_type"]))
-        peers = await self._report(sent.address, sent.nat_type)
+        current = self._current()
+        if sent != current:  # left by an earlier run, or overtaken: the next converge queues what is current
+            log.debug("endpoint report %s dropped unsent: discovery has %s now", sent, current)
+            return
+        try:
+            peers = await self._report(sent.address, sent.nat_type)
+        except ControlPlaneError as exc:
+            if refused_for_good(exc):
+                self.refused, self.refused_at, self.refusal = sent, self._clock(), str(exc)
+            raise  # the outbox's one policy: retried, or dropped with its log line
         if sent != self.reported:
             log.info("endpoint %s reported to the control plane", sent)
         self.reported, self.reported_at = sent, self._clock()
+        self.refused, self.refused_at, self.refusal = None, None, ""
         changed = self._apply_peers([p for p in peers if p.endpoint])
         if changed:
             log.info("endpoint exchange: %d peer endpoint(s) changed", changed)

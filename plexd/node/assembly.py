@@ -55,7 +55,7 @@ from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import Verifier
-from plexd.controlplane.uplink import NoSender, UplinkOutbox
+from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.engine import Engine
 from plexd.identity import datadir
 from plexd.nat.domain import KIND as NAT_KIND
@@ -144,8 +144,9 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
 
     async def post_endpoint(body: dict[str, Any]) -> None:
         part = nat_endpoint(mesh.engine)
-        if part is None:
-            raise NoSender(NAT_KIND)  # NAT traversal off since it was queued: left for a daemon that reports
+        if part is None:  # NAT traversal turned off since it was queued: stale by the time it could be sent
+            log.info("a queued endpoint report was dropped unsent: NAT traversal is off")
+            return
         await part.deliver(body)
 
     uplink = drift_uplink(data_dir / datadir.UPLINK_DB, post_drift, _backoff(cfg),

@@ -235,7 +235,7 @@ class MeshHandle:
                 self._told_unknown = True
                 log.info("the WireGuard device %s is already up: keeping it as it is until the control plane's "
                          "state arrives", self.store.value.interface)
-            return await self.engine.converge(self.store.value, dry_run=True)
+            return await self.engine.converge(self.store.value, keep_machine=True)
         # While held the engine only plans (the result says dry_run); the reconciler shows what it did not correct.
         return await self.engine.converge(self.store.value, dry_run=dry_run)
 

@@ -131,6 +131,8 @@ def _nat_line(nat: dict[str, Any], now: float) -> str:
         line += f"; last attempt {_ago(nat['last_attempt_at'], now)} failed: {nat['last_error']}"
     if nat.get("report_error"):
         line += f"; report failing: {nat['report_error']}"
+    elif nat.get("report_pending"):
+        line += "; report queued"
     return line
 
 

@@ -2,14 +2,17 @@
 engine: the first endpoint found is planned and queued as one drift line, delivered through the outbox (which
 keeps it through a failing control plane), the answer's peer endpoints applied; a new mapping replaces a report
 still waiting; an unchanged endpoint is re-reported after REPORT_EVERY without a drift line; a restart re-reads
-what waits on disk."""
+what waits on disk and still sends it when discovery agrees; a report overtaken by a new mapping is dropped
+unsent; a 4xx refusal is shown and not asked again every reconcile; an operator's hold does not stop reports (they
+touch no machine), a dry run does."""
 
 from __future__ import annotations
 
 from plexd.controlplane.client import PeerEndpoint
-from plexd.controlplane.errors import TransientError
+from plexd.controlplane.errors import PermanentError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, by_kind
 from plexd.converge.engine import Engine
+from plexd.converge.hold import ReconcileHold
 from plexd.nat.domain import KIND, LANE, REPORT_EVERY, Endpoint, NatEndpointDomain, NatHooks
 from plexd.state.desired import DesiredState
 
@@ -24,6 +27,7 @@ class World:
         self.current: Endpoint | None = None
         self.reports: list[tuple[str, str]] = []
         self.failing = 0
+        self.refusing = False
         self.applied: list[list[PeerEndpoint]] = []
         self.now = 1_000_000.0
         self.path = tmp_path / "uplink.db"
@@ -37,6 +41,8 @@ class World:
         return UplinkOutbox(self.path, by_kind({KIND: self.domain.deliver}))
 
     async def report(self, endpoint: str, nat_type: str) -> list[PeerEndpoint]:
+        if self.refusing:
+            raise PermanentError("endpoint report", 404, "no such node")
         if self.failing:
             self.failing -= 1
             raise TransientError("control plane unreachable")
@@ -118,4 +124,52 @@ async def test_an_unchanged_endpoint_is_reported_again_after_report_every_withou
     assert w.queued() == [{"public_endpoint": "203.0.113.7:51820", "nat_type": "full_cone"}]
     await w.uplink.deliver()
     assert len(w.reports) == 2 and w.domain.reported_at == w.now
+    w.uplink.close()
+
+
+async def test_a_report_overtaken_by_a_new_mapping_is_dropped_unsent(tmp_path):
+    w = World(tmp_path)
+    w.current = Endpoint("203.0.113.7:51820", "full_cone")
+    await w.engine.converge(DESIRED)
+    w.current = Endpoint("203.0.113.8:51820", "full_cone")  # remapped before the uplink got to it
+    await w.uplink.deliver()
+    assert w.reports == [] and w.queued() == [] and w.domain.reported is None
+    await w.engine.converge(DESIRED)
+    await w.uplink.deliver()
+    assert w.reports == [("203.0.113.8:51820", "full_cone")]
+    w.uplink.close()
+
+
+async def test_a_refusal_is_shown_and_not_asked_again_every_reconcile(tmp_path):
+    w = World(tmp_path)
+    w.refusing = True
+    w.current = Endpoint("203.0.113.7:51820", "full_cone")
+    await w.engine.converge(DESIRED)
+    await w.uplink.deliver()  # refused for good: the outbox drops it, counted
+    assert w.queued() == [] and w.uplink.status(LANE)["refused"] == 1
+    assert "HTTP 404" in w.domain.status()["report_error"]
+    for _ in range(3):
+        assert (await w.engine.converge(DESIRED)).changes == ()
+    assert w.queued() == []
+    w.now += REPORT_EVERY  # asked again, once, after a while
+    w.refusing = False
+    assert [c.type for c in (await w.engine.converge(DESIRED)).corrections()] == ["endpoint_reported"]
+    await w.uplink.deliver()
+    assert w.reports == [("203.0.113.7:51820", "full_cone")] and w.domain.status()["report_error"] == ""
+    w.uplink.close()
+
+
+async def test_a_hold_keeps_the_machine_but_not_the_reports_and_a_dry_run_sends_nothing(tmp_path):
+    w = World(tmp_path)
+    w.current = Endpoint("203.0.113.7:51820", "full_cone")
+    assert (await w.engine.converge(DESIRED, dry_run=True)).changes != () and w.queued() == []
+    hold = ReconcileHold()
+    hold.set(300, "debugging routes")
+    held = Engine([w.domain], hold=hold)
+    r = await held.converge(DESIRED)
+    assert r.dry_run and r.changes == ()  # nothing listed as "not corrected": the report was made
+    assert len(w.queued()) == 1 and held.corrections["endpoint_reported"] == 1
+    w.current = Endpoint("203.0.113.9:51820", "full_cone")
+    await held.apply_delta(DESIRED, ())  # an event while held: plans in full, and reports still go
+    assert w.queued() == [{"public_endpoint": "203.0.113.9:51820", "nat_type": "full_cone"}]
     w.uplink.close()
