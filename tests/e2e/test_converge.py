@@ -19,8 +19,8 @@ from waiting import wait_for
 from plexd.devplane.lab import Lab
 from plexd.mesh.first_contact import FOLLOW_DELAY
 from plexd.mesh.links import DEFAULT_TABLE
+from plexd.mesh.wireguard import userspace
 from plexd.mesh.wireguard.kernel import KernelBackend
-from plexd.mesh.wireguard.userspace import OUTPUT_POLL_QUIET
 from plexd.state.model import Peer
 
 
@@ -205,12 +205,16 @@ def wg_lines(caplog, node) -> list[tuple[float, str]]:
             if r.name == "plexd.mesh.wireguard.userspace" and getattr(r, "pid", None) == node.backend.pid]
 
 
-async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(pair, caplog) -> None:
+async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(pair, caplog, monkeypatch) -> None:
     """Both nodes configure each other at the same moment, as one control-plane event makes them. Only the node
     with the lower public key initiates; the other answers, and kicks its own keepalive a beat later
     (`plexd.mesh.first_contact`). If both initiated, both would drop the answer to their own initiation
     ("Received invalid response message") and the tunnel would wait for WireGuard's 5 s retry."""
     lab, a, b = pair
+    # The order is read from when plexd read each line: each node's output follower must look often (an idle
+    # daemon's looks up to 2 s apart would order two nodes' lines by chance, FOLLOW_DELAY is 1 s).
+    monkeypatch.setattr(userspace, "OUTPUT_POLL", 0.01)
+    monkeypatch.setattr(userspace, "OUTPUT_POLL_QUIET", 0.01)
     for n in (a, b):
         n.backend.env["LOG_LEVEL"] = "verbose"
         assert (await n.converger.converge(n.desired([]))).ok  # both devices up, as for nodes already meshed
@@ -225,11 +229,10 @@ async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(p
         # (pings in a thread: the event loop must stay free to send the held kick)
         assert await asyncio.to_thread(ping, lab, leader, follower.mesh_ip)
         await asyncio.sleep(FOLLOW_DELAY + 0.5)  # the follower's held kick has gone out
-        # wireguard-go's output is read by a thread that looks at most every OUTPUT_POLL_QUIET while it is quiet:
-        # wait until the leader's initiation has been read, then one more look each, so every line up to now is in
+        # wait until the leader's initiation has been read, then a few more looks each, so every line up to now is in
         await wait_for(lambda: any("Sending handshake initiation" in m for _, m in wg_lines(caplog, leader)), 10,
                        "the leader's handshake initiation in its wireguard-go output")
-        await asyncio.sleep(OUTPUT_POLL_QUIET + 0.2)
+        await asyncio.sleep(0.2)
         logs = {n.public_key: wg_lines(caplog, n) for n in (leader, follower)}
         assert not any("invalid response" in m for lines in logs.values() for _, m in lines), (meeting, logs)
         # The follower initiates only after the leader (when the leader's initiation reached it before it knew

@@ -52,6 +52,12 @@ class World:
     def queued(self) -> list[dict]:
         return [e.body for e in self.uplink.pending(LANE)]
 
+    async def reported(self, endpoint: Endpoint) -> None:
+        """Discovery finds `endpoint`; a converge queues it and the uplink delivers it."""
+        self.current = endpoint
+        await self.engine.converge(DESIRED)
+        await self.uplink.deliver()
+
 
 def lines(result) -> list[tuple[str, str]]:
     return [(c.type, c.detail) for c in result.corrections()]
@@ -102,9 +108,7 @@ async def test_a_failing_control_plane_keeps_the_report_and_a_new_mapping_replac
 
 async def test_a_changed_mapping_names_what_the_control_plane_has(tmp_path):
     w = World(tmp_path)
-    w.current = Endpoint("203.0.113.7:51820", "full_cone")
-    await w.engine.converge(DESIRED)
-    await w.uplink.deliver()
+    await w.reported(Endpoint("203.0.113.7:51820", "full_cone"))
     w.current = Endpoint("198.51.100.20:51820", "full_cone")
     r = await w.engine.converge(DESIRED)
     assert lines(r) == [("endpoint_reported", "public endpoint 198.51.100.20:51820 (full_cone): the control plane "
@@ -114,9 +118,7 @@ async def test_a_changed_mapping_names_what_the_control_plane_has(tmp_path):
 
 async def test_an_unchanged_endpoint_is_reported_again_after_report_every_without_a_drift_line(tmp_path):
     w = World(tmp_path)
-    w.current = Endpoint("203.0.113.7:51820", "full_cone")
-    await w.engine.converge(DESIRED)
-    await w.uplink.deliver()
+    await w.reported(Endpoint("203.0.113.7:51820", "full_cone"))
     w.now += REPORT_EVERY - 1
     assert (await w.engine.converge(DESIRED)).changes == () and w.queued() == []
     w.now += 2
@@ -143,9 +145,7 @@ async def test_a_report_overtaken_by_a_new_mapping_is_dropped_unsent(tmp_path):
 async def test_a_refusal_is_shown_and_not_asked_again_every_reconcile(tmp_path):
     w = World(tmp_path)
     w.refusing = True
-    w.current = Endpoint("203.0.113.7:51820", "full_cone")
-    await w.engine.converge(DESIRED)
-    await w.uplink.deliver()  # refused for good: the outbox drops it, counted
+    await w.reported(Endpoint("203.0.113.7:51820", "full_cone"))  # refused for good: the outbox drops it, counted
     assert w.queued() == [] and w.uplink.status(LANE)["refused"] == 1
     assert "HTTP 404" in w.domain.status()["report_error"]
     for _ in range(3):
