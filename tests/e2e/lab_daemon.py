@@ -101,6 +101,11 @@ class Daemon:
         return res
 
     def status(self) -> dict:
+        """`plexd status --json` of the running daemon. Until its node API listens (at a start or a restart) the
+        CLI answers from stored files, without the live sections: wait for it a little first."""
+        deadline = time.monotonic() + scaled(15)
+        while not self.api_listening() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         return json.loads(self.cli("status", "--json").stdout)
 
     def mesh_ip(self) -> str | None:
