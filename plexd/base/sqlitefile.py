@@ -59,11 +59,15 @@ def connect_private(path: Path, schema: str, *, synchronous: str, probe_table: s
     path.touch(mode=0o600, exist_ok=True)
     path.chmod(0o600)
     db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute(f"PRAGMA synchronous={synchronous}")
-    db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
-    db.executescript(schema)
-    db.execute(f"SELECT count(*) FROM {probe_table}").fetchone()
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
+        db.executescript(schema)
+        db.execute(f"SELECT count(*) FROM {probe_table}").fetchone()
+    except sqlite3.DatabaseError:
+        db.close()  # the file goes aside next: no connection left holding it
+        raise
     return db
 
 

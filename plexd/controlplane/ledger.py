@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plexd.base import gojson
-from plexd.base.sqlitefile import CACHE_KIB, immediate, open_or_start_empty
+from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
@@ -85,18 +85,8 @@ class EventLedger:
 
     def _connect(self) -> sqlite3.Connection:
         fresh = not self.path.exists()
-        if fresh:
-            self.path.touch(mode=0o600)
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=FULL")  # a commit is on disk when it returns (one fsync per group)
-            db.execute(f"PRAGMA cache_size=-{CACHE_KIB}")
-            db.executescript(_SCHEMA)
-            db.execute("SELECT count(*) FROM nonces").fetchone()  # a torn file fails here, not later
-        except sqlite3.DatabaseError:
-            db.close()
-            raise
+        # FULL: a commit is on disk when it returns (one fsync per group); a torn file fails here, not later
+        db = connect_private(self.path, _SCHEMA, synchronous="FULL", probe_table="nonces")
         for suffix in ("-wal", "-shm"):
             side = self.path.with_name(self.path.name + suffix)
             if side.exists():
