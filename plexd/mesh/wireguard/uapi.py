@@ -15,7 +15,8 @@ import gc
 import ipaddress
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from plexd.mesh.wireguard import (
     ZERO_KEY,
@@ -28,6 +29,8 @@ from plexd.mesh.wireguard import (
     WireGuardError,
     key_fingerprint,
 )
+
+T = TypeVar("T")
 
 DEFAULT_SOCKET_DIR = "/run/wireguard"
 _ZERO_HEX = "00" * 32
@@ -295,17 +298,17 @@ class UapiClient:
             sock.close()
 
     async def get(self) -> DeviceConfig:
-        reply = await self._exchange("get=1\n\n")
-        if len(reply) < PARSE_INLINE:
-            return parse_get(reply)
-        # Thousands of peers: ~3 ms per 1,000 of parsing that events on the loop would otherwise wait for.
-        return await asyncio.to_thread(parse_get, reply)
+        return await self._get(parse_get)
 
     async def counters(self) -> dict[str, PeerCounters]:
+        return await self._get(parse_counters)
+
+    async def _get(self, parse: Callable[[str], T]) -> T:
         reply = await self._exchange("get=1\n\n")
         if len(reply) < PARSE_INLINE:
-            return parse_counters(reply)
-        return await asyncio.to_thread(parse_counters, reply)
+            return parse(reply)
+        # Thousands of peers: ~3 ms per 1,000 of parsing that events on the loop would otherwise wait for.
+        return await asyncio.to_thread(parse, reply)
 
     async def set(self, update: DeviceUpdate) -> None:
         if update.is_empty():
