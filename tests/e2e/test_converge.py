@@ -19,8 +19,7 @@ from waiting import wait_for
 from plexd.devplane.lab import Lab
 from plexd.mesh.first_contact import FOLLOW_DELAY
 from plexd.mesh.links import DEFAULT_TABLE
-from plexd.mesh.wireguard import userspace
-from plexd.mesh.wireguard.kernel import KernelBackend
+from plexd.mesh.wireguard import kernel_module_loaded, userspace
 from plexd.state.model import Peer
 
 
@@ -29,7 +28,7 @@ async def pair(request):
     """Two lab nodes with their convergers; the WireGuard backend is `request.param` (userspace by default;
     "kernel" runs only where the kernel has the module, and says so when it is skipped)."""
     kind = getattr(request, "param", "userspace")
-    if kind == "kernel" and not KernelBackend.available():
+    if kind == "kernel" and not kernel_module_loaded():
         pytest.skip("the kernel WireGuard backend needs the wireguard module, which this kernel does not have "
                     "(/sys/module/wireguard is absent); the same test runs through wireguard-go above")
     lab = Lab().up(2)

@@ -38,7 +38,6 @@ from plexd.mesh.wireguard import (
     PeerUpdate,
     WireGuardError,
     check_interface_name,
-    kernel_module_loaded,
 )
 
 log = logging.getLogger(__name__)
@@ -188,8 +187,6 @@ class KernelBackend:
     def __init__(self, interface: str, netns: str | None = None) -> None:
         self.interface = interface
         self.netns = netns
-
-    available = staticmethod(kernel_module_loaded)
 
     def _socket(self):
         """The generic-netlink socket, opened in the backend's network namespace (a socket stays in the namespace
