@@ -57,6 +57,15 @@ class Endpoint:
     def __str__(self) -> str:
         return f"{self.address} ({self.nat_type})"
 
+    def to_wire(self) -> dict[str, str]:
+        """The report's body, as queued in the uplink lane."""
+        return {"public_endpoint": self.address, "nat_type": self.nat_type}
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> Endpoint:
+        """A queued body; one without the fields (never written by this domain) matches no discovered endpoint."""
+        return cls(str(body.get("public_endpoint", "")), str(body.get("nat_type", "")))
+
 
 @dataclass(frozen=True)
 class NatObserved:
@@ -132,11 +141,11 @@ class NatEndpointDomain:
             return DomainResult()
         if uplink is None:
             return DomainResult(errors=("nat: no uplink outbox to queue the endpoint report in",))
-        for endpoint in [c.endpoint for c in planned.changes if isinstance(c, EndpointReported)] or [
-                observed.current]:
-            assert endpoint is not None
-            uplink.put(KIND, {"public_endpoint": endpoint.address, "nat_type": endpoint.nat_type}, lane=LANE,
-                       key=LANE)
+        change = planned.changes[0] if planned.changes else None  # a plan holds one report at most
+        assert change is None or isinstance(change, EndpointReported)
+        endpoint = change.endpoint if change is not None else observed.current
+        assert endpoint is not None
+        uplink.put(KIND, endpoint.to_wire(), lane=LANE, key=LANE)
         return planned
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
@@ -165,7 +174,7 @@ class NatEndpointDomain:
 
     async def deliver(self, body: dict[str, Any]) -> None:
         """How the uplink sends a queued report (kind KIND): PUT, then the peers' endpoints it answered."""
-        sent = Endpoint(str(body["public_endpoint"]), str(body["nat_type"]))
+        sent = Endpoint.from_wire(body)
         current = self._current()
         if sent != current:  # left by an earlier run, or overtaken: the next converge queues what is current
             log.debug("endpoint report %s dropped unsent: discovery has %s now", sent, current)
@@ -192,7 +201,4 @@ class NatEndpointDomain:
             waiting = uplink.pending(LANE)
         except sqlite3.Error:  # the outbox's file is in trouble: the uplink says so; plan as if nothing waits
             return None
-        if not waiting:
-            return None
-        body = waiting[-1].body
-        return Endpoint(str(body.get("public_endpoint", "")), str(body.get("nat_type", "")))
+        return Endpoint.from_wire(waiting[-1].body) if waiting else None
