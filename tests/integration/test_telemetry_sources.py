@@ -131,6 +131,34 @@ def test_latency_is_measured_with_real_icmp_and_minus_one_without_an_answer():
     assert rtts["unrouted"] == rtts["blackholed"] == rtts["v6"] == -1
 
 
+_FILTERED = """
+import socket, struct, time
+from plexd.telemetry.ping import ICMP_FILTER, SOL_RAW, _open
+sock, raw = _open()
+assert raw
+lo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(20):  # nothing listens there: each datagram comes back as an ICMP port unreachable
+    lo.sendto(b"x", ("127.0.0.1", 9))
+time.sleep(0.2)
+got = []
+while True:
+    try:
+        got.append(sock.recv(2048))
+    except BlockingIOError:
+        break
+print(len(got), struct.unpack("I", sock.getsockopt(SOL_RAW, ICMP_FILTER, 4))[0])
+"""
+
+
+def test_the_raw_probe_socket_is_not_handed_the_hosts_other_icmp():
+    # port unreachables (what a WireGuard handshake to a gone peer brings back) never reach the probe's socket
+    script = "import subprocess; subprocess.run(['ip', 'link', 'set', 'lo', 'up'], check=True)\n" + _FILTERED
+    received, mask = subprocess.run(["unshare", "-n", sys.executable, "-c", script], capture_output=True,
+                                    text=True, check=True).stdout.split()
+    assert int(received) == 0
+    assert int(mask) == 0xFFFFFFFE  # every type but echo reply (0) filtered
+
+
 async def no_sender(kind, body):
     raise AssertionError("nothing is delivered here")
 
