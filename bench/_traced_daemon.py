@@ -4,7 +4,9 @@ SIGUSR1 writes a tracemalloc snapshot to that path (load it with `tracemalloc.Sn
 take it while the daemon is connected and idle, not at shutdown when most of it is already freed. It also prints
 the traced peak and the allocators' own statistics (pymalloc arenas, glibc arenas) to stderr (the daemon's log):
 live objects vs. memory the allocators hold, and writes the modules imported so far to path.modules.
-PLEXD_BENCH_TRACEMALLOC_FRAMES=0: statistics only, no tracing."""
+PLEXD_BENCH_TRACEMALLOC_FRAMES=0: statistics only, no tracing.
+PLEXD_BENCH_TRACEMALLOC_PROFILE=/path/out.prof:SECONDS: cProfile the event loop's thread from SECONDS after the start
+(past the set-up) until the snapshot; read it with `python -m pstats`."""
 
 import ctypes
 import os
@@ -15,9 +17,26 @@ import tracemalloc
 FRAMES = int(os.environ.get("PLEXD_BENCH_TRACEMALLOC_FRAMES", "12"))
 if FRAMES:
     tracemalloc.start(FRAMES)
+_PROFILE = os.environ.get("PLEXD_BENCH_TRACEMALLOC_PROFILE", "")  # path:delay — cProfile the event loop's thread
+_profiler = None
+if _PROFILE:
+    import cProfile
+    import threading
+
+    _profiler = cProfile.Profile()
+
+    def _start_profile() -> None:
+        # enabled from a timer thread would profile that thread: ask the loop's thread through a signal
+        os.kill(os.getpid(), signal.SIGUSR2)
+
+    signal.signal(signal.SIGUSR2, lambda *_: _profiler.enable())
+    threading.Timer(float(_PROFILE.split(":")[1]), _start_profile).start()
 
 
 def _dump(*_: object) -> None:
+    if _profiler is not None:
+        _profiler.disable()
+        _profiler.dump_stats(_PROFILE.split(":")[0])
     path = os.environ["PLEXD_BENCH_TRACEMALLOC"]
     if FRAMES:
         current, peak = tracemalloc.get_traced_memory()

@@ -10,6 +10,7 @@ plexd's code; the peers' endpoints are on the lab bridge where nothing answers, 
     sudo .venv/bin/python bench/idle_cost.py --peers 1000 --seconds 300    # idle after the burst of 1,000 joins
     sudo .venv/bin/python bench/idle_cost.py --peers 1000 --without-telemetry   # the daemon without its telemetry
     sudo .venv/bin/python bench/idle_cost.py --peers 10000 --seconds 30 --via-events   # RSS with 10,000 peers
+    sudo .venv/bin/python bench/idle_cost.py --peers 1000 --config 'telemetry: {metrics: {latency_peers: 0}}'
 """
 
 from __future__ import annotations
@@ -102,10 +103,13 @@ async def main() -> None:
                          "fast at 10,000 peers, for the RSS figure; the CPU figure then has no reconcile in it")
     ap.add_argument("--without-telemetry", action="store_true",
                     help="telemetry off (metrics, logs, audit): how much of the idle cost is the daemon itself")
+    ap.add_argument("--config", default="", metavar="YAML",
+                    help="more daemon configuration, as YAML (what one setting costs: run with and without it)")
     args = ap.parse_args()
-    extra = WITHOUT_TELEMETRY if args.without_telemetry else ""
+    extra = (WITHOUT_TELEMETRY if args.without_telemetry else "") + (args.config + "\n" if args.config else "")
     run = await idle_run(args.peers, args.seconds, via_events=args.via_events, extra_config=extra)
-    print(f"connected plexd up, {args.peers} peers, no events{', telemetry off' if args.without_telemetry else ''}, "
+    print(f"connected plexd up, {args.peers} peers, no events{', telemetry off' if args.without_telemetry else ''}"
+          f"{', with ' + args.config if args.config else ''}, "
           f"{run.seconds:.0f} s window "
           f"(heartbeat 30 s, reconcile 60 s, keepalive 15 s; {run.heartbeats} heartbeats in total)")
     print(f"  plexd:        {run.per_minute:.3f} CPU s/min   (goal <= 0.1)")
