@@ -8,17 +8,49 @@ therefore frozen (`gc.freeze`) soon after, on the event loop, so a later full co
 
 What a freeze keeps is never collected as a cycle while frozen (reference counting still frees the rest), so the
 young garbage is collected first, and once an hour the heap is unfrozen and collected in full.
+
+Memory freed is handed back to the system at the same moments (glibc's `malloc_trim`): a state pull, a device read or
+a telemetry collection frees most of what it allocated, but glibc keeps the freed pages, and keeps a heap ("arena")
+per thread that allocated at the same time as another. Measured with bench/idle_cost.py at 1,000 peers: 60.4 MiB
+RSS with glibc's defaults, 55.8 with one arena, a fixed mmap threshold (large transient buffers — a 350 KB device
+reply — mapped and unmapped rather than left in a heap) and the trims.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import time
 from typing import Any
 
 FREEZE_AFTER = 4  # young (generation 1) collections between freezes; Python goes full after 10 at the most
 FULL_EVERY = 3600.0  # seconds between collections of the whole heap
+M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # <malloc.h>
+MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept: it otherwise rises to the largest block freed so far
+ARENAS = 1  # the GIL runs one thread at a time anyway: per-thread heaps only held freed memory
+
+
+class _Glibc:
+    """glibc's malloc knobs, when the C library is glibc (each call a no-op elsewhere)."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None)
+        self._mallopt = getattr(libc, "mallopt", None)
+        self._trim = getattr(libc, "malloc_trim", None)
+
+    def tune(self) -> bool:
+        """Fewer heaps, large blocks mapped: set before the daemon's threads start. True when glibc took both."""
+        if self._mallopt is None:
+            return False
+        return bool(self._mallopt(M_ARENA_MAX, ARENAS)) & bool(self._mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+    def give_back(self) -> bool:
+        """Return the free pages of every heap to the system (True when any was)."""
+        return bool(self._trim(0)) if self._trim is not None else False
+
+
+glibc = _Glibc()
 
 
 class HeapSettler:
@@ -35,6 +67,7 @@ class HeapSettler:
         self.freezes = 0
 
     def __enter__(self) -> HeapSettler:
+        glibc.tune()
         gc.callbacks.append(self._collected)
         self._installed = True
         return self
@@ -67,5 +100,6 @@ class HeapSettler:
         else:
             gc.collect(1)  # the young generations: garbage made since the last freeze, cheap
         gc.freeze()
+        glibc.give_back()  # what the collections (and the work before them) freed
         self.freezes += 1
         self._young, self._scheduled = 0, False

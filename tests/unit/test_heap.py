@@ -41,3 +41,19 @@ async def test_a_settle_after_the_full_interval_collects_cycles_that_a_freeze_wo
         assert alive() is not None  # frozen: kept
         settler.settle()  # full: unfreeze, collect everything, freeze what is left
         assert alive() is None
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+async def test_a_settle_hands_freed_heap_memory_back_to_the_system():
+    with HeapSettler(asyncio.get_running_loop()) as settler:
+        blocks = [bytes(1000) + bytes([i % 256]) for i in range(40_000)]  # ~40 MB of malloc'd blocks (> 512 B)
+        kept = bytes(1000) + b"top"  # in use above them: glibc cannot just shrink its heap when they are freed
+        del blocks
+        before = _rss_kib()
+        settler.settle()
+        assert before - _rss_kib() > 20_000, "the freed 40 MB stayed resident"
+        assert kept
