@@ -9,11 +9,13 @@ therefore frozen (`gc.freeze`) soon after, on the event loop, so a later full co
 What a freeze keeps is never collected as a cycle while frozen (reference counting still frees the rest), so the
 young garbage is collected first, and once an hour the heap is unfrozen and collected in full.
 
-Memory freed is handed back to the system at the same moments (glibc's `malloc_trim`): a state pull, a device read or
-a telemetry collection frees most of what it allocated, but glibc keeps the freed pages, and keeps a heap ("arena")
-per thread that allocated at the same time as another. Measured with bench/idle_cost.py at 1,000 peers: 60.4 MiB
-RSS with glibc's defaults, 55.8 with one arena, a fixed mmap threshold (large transient buffers — a 350 KB device
-reply — mapped and unmapped rather than left in a heap) and the trims.
+Memory freed is handed back to the system after a settle too (glibc's `malloc_trim`): a state pull, a device read
+or a telemetry collection frees most of what it allocated, but glibc keeps the freed pages, and keeps a heap
+("arena") per thread that allocated at the same time as another. A trim walks every free block (1-5 ms on a
+fragmented heap), so it runs in a worker thread and at most every TRIM_EVERY seconds, a skipped one done when due.
+Measured with bench/idle_cost.py: idle RSS 60-62 MiB → 57.0 at 1,000 peers and 94-106 → 86-88 at 10,000 with
+one arena, a fixed mmap threshold (large transient buffers — a 350 KB device reply — mapped and unmapped rather
+than left in a heap) and the trims.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ FULL_EVERY = 3600.0  # seconds between collections of the whole heap
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # <malloc.h>
 MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept: it otherwise rises to the largest block freed so far
 ARENAS = 1  # the GIL runs one thread at a time anyway: per-thread heaps only held freed memory
+TRIM_EVERY = 30.0  # seconds between trims at the most (a burst of events settles many times a second)
 
 
 class _Glibc:
@@ -65,6 +68,9 @@ class HeapSettler:
         self._full_at = time.monotonic()
         self._installed = False
         self.freezes = 0
+        self._trimmed_at = -TRIM_EVERY
+        self._trim_pending: asyncio.Handle | None = None
+        self.giving_back: asyncio.Future[bool] | None = None  # the latest trim, for tests to wait on
 
     def __enter__(self) -> HeapSettler:
         glibc.tune()
@@ -74,6 +80,8 @@ class HeapSettler:
 
     def __exit__(self, *exc: object) -> None:
         self._installed = False  # a settle already on its way does nothing
+        if self._trim_pending is not None:
+            self._trim_pending.cancel()
         gc.callbacks.remove(self._collected)
         gc.unfreeze()
 
@@ -100,6 +108,23 @@ class HeapSettler:
         else:
             gc.collect(1)  # the young generations: garbage made since the last freeze, cheap
         gc.freeze()
-        glibc.give_back()  # what the collections (and the work before them) freed
         self.freezes += 1
         self._young, self._scheduled = 0, False
+        self._give_back_when_due(now)
+
+    def _give_back_when_due(self, now: float) -> None:
+        """What the collections (and the work before them) freed, back to the system: now, or when due."""
+        if self._trim_pending is not None:
+            return  # one is already set for when it is due
+        wait = self._trimmed_at + TRIM_EVERY - now
+        if wait > 0:
+            self._trim_pending = self._loop.call_later(wait, self._give_back)
+        else:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        self._trim_pending = None
+        if not self._installed:
+            return
+        self._trimmed_at = time.monotonic()
+        self.giving_back = self._loop.run_in_executor(None, glibc.give_back)

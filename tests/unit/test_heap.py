@@ -8,6 +8,7 @@ import asyncio
 import gc
 import weakref
 
+from plexd.base import heap
 from plexd.base.heap import HeapSettler
 
 
@@ -55,5 +56,21 @@ async def test_a_settle_hands_freed_heap_memory_back_to_the_system():
         del blocks
         before = _rss_kib()
         settler.settle()
+        assert settler.giving_back is not None
+        assert await settler.giving_back is True  # off the loop: a trim walks every free block
         assert before - _rss_kib() > 20_000, "the freed 40 MB stayed resident"
         assert kept
+
+
+async def test_trims_come_at_most_every_trim_every_and_a_skipped_one_when_due(monkeypatch):
+    monkeypatch.setattr(heap, "TRIM_EVERY", 0.2)
+    with HeapSettler(asyncio.get_running_loop()) as settler:
+        settler.settle()
+        first = settler.giving_back
+        assert first is not None and await first is not None
+        settler.settle()
+        settler.settle()  # within TRIM_EVERY of the first: one trim set for when it is due, not two, not now
+        assert settler.giving_back is first
+        await asyncio.sleep(0.3)
+        assert settler.giving_back is not first
+        await settler.giving_back
