@@ -12,7 +12,9 @@ young garbage is collected first, and once an hour the heap is unfrozen and coll
 Memory freed is handed back to the system after a settle too (glibc's `malloc_trim`): a state pull, a device read
 or a telemetry collection frees most of what it allocated, but glibc keeps the freed pages, and keeps a heap
 ("arena") per thread that allocated at the same time as another. A trim walks every free block (1-5 ms on a
-fragmented heap), so it runs in a worker thread and at most every TRIM_EVERY seconds, a skipped one done when due.
+fragmented heap) holding the heap's lock, so it runs at most every TRIM_EVERY seconds (a skipped one when due) and
+in a worker thread: the loop goes on meanwhile, except that an allocation glibc cannot serve from its per-thread
+cache waits for the walk to end.
 Measured with bench/idle_cost.py: idle RSS 60-62 MiB → 57.0 at 1,000 peers and 94-106 → 86-88 at 10,000 with
 one arena, a fixed mmap threshold (large transient buffers — a 350 KB device reply — mapped and unmapped rather
 than left in a heap) and the trims.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import os
 import time
 from typing import Any
 
@@ -30,7 +33,10 @@ FREEZE_AFTER = 4  # young (generation 1) collections between freezes; Python goe
 FULL_EVERY = 3600.0  # seconds between collections of the whole heap
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # <malloc.h>
 MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept: it otherwise rises to the largest block freed so far
-ARENAS = 1  # the GIL runs one thread at a time anyway: per-thread heaps only held freed memory
+# One heap for every thread: the per-thread heaps held mostly freed memory (~9 MiB at 1,000 peers). Threads that
+# allocate with the GIL released (sqlite3, libnftables) share its lock; glibc's per-thread cache serves most small
+# blocks without it.
+ARENAS = 1
 TRIM_EVERY = 30.0  # seconds between trims at the most (a burst of events settles many times a second)
 
 
@@ -41,10 +47,17 @@ class _Glibc:
         libc = ctypes.CDLL(None)
         self._mallopt = getattr(libc, "mallopt", None)
         self._trim = getattr(libc, "malloc_trim", None)
+        if self._mallopt is not None:
+            self._mallopt.argtypes, self._mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        if self._trim is not None:
+            self._trim.argtypes, self._trim.restype = [ctypes.c_size_t], ctypes.c_int
 
     def tune(self) -> bool:
-        """Fewer heaps, large blocks mapped: set before the daemon's threads start. True when glibc took both."""
-        if self._mallopt is None:
+        """Fewer heaps, large blocks mapped; True when glibc took both. Process-wide and for good (glibc cannot say
+        what was set before), and only heaps made afterwards are limited: called before the daemon's threads start.
+        An operator's own MALLOC_ARENA_MAX / GLIBC_TUNABLES malloc settings win: then nothing is changed."""
+        if self._mallopt is None or "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc" in os.environ.get(
+                "GLIBC_TUNABLES", ""):
             return False
         return bool(self._mallopt(M_ARENA_MAX, ARENAS)) & bool(self._mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
