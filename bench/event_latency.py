@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     lat = sorted(x * 1000 for x in asyncio.run(measure(args.events, args.peers,
                                                         WITHOUT_TELEMETRY if args.without_telemetry else "")))
-    q = statistics.quantiles(lat, n=100)
+    q = statistics.quantiles(lat, n=100, method="inclusive")
     print(f"event → device latency over {len(lat)} peer_added events, {args.peers} peers already on the device")
     print(f"  min {lat[0]:.1f} ms   p50 {statistics.median(lat):.1f} ms   p90 {q[89]:.1f} ms   "
           f"p99 {q[98]:.1f} ms   max {lat[-1]:.1f} ms")

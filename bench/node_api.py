@@ -98,7 +98,7 @@ def main() -> None:
         cpu = node.cpu_seconds() - cpu0
         rss = node.rss_mib()
     lat_ms = sorted(x * 1000 for x in lat)
-    q = statistics.quantiles(lat_ms, n=100)
+    q = statistics.quantiles(lat_ms, n=100, method="inclusive")
     print(f"GET /v1/state/metadata over the socket: {args.clients} clients for {args.seconds:g}s, "
           f"{args.peers} peers on the device (preloaded in {took:.1f}s), rate limit {args.rate_limit}")
     print(f"  {len(lat_ms) / args.seconds:,.0f} requests/s   statuses {dict(sorted(statuses.items()))}")

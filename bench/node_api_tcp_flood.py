@@ -115,7 +115,7 @@ def summary(result: tuple[list[float], dict[str, int]]) -> str:
     lat, statuses = result
     if len(lat) < 2:
         return f"statuses {statuses}: (almost) nothing answered"
-    q = statistics.quantiles(lat, n=100)
+    q = statistics.quantiles(lat, n=100, method="inclusive")
     return (f"statuses {dict(sorted(statuses.items()))}, answered: p50 {statistics.median(lat):.2f} ms   "
             f"p99 {q[98]:.2f} ms   max {max(lat):.2f} ms")
 

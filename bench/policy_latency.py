@@ -96,7 +96,7 @@ def main() -> None:
     ap.add_argument("--reconcile-every", type=int, default=2, help="a full reconcile every N changes (untimed)")
     args = ap.parse_args()
     lat = sorted(x * 1000 for x in asyncio.run(measure(args.rules, args.changes, args.reconcile_every)))
-    q = statistics.quantiles(lat, n=100)
+    q = statistics.quantiles(lat, n=100, method="inclusive")
     print(f"policy change → rule live in nftables, {len(lat)} one-rule changes of a {args.rules}-rule policy")
     print(f"  min {lat[0]:.1f} ms   p50 {statistics.median(lat):.1f} ms   p90 {q[89]:.1f} ms   "
           f"p99 {q[98]:.1f} ms   max {lat[-1]:.1f} ms")
