@@ -67,6 +67,11 @@ def test_format_time():
 def test_go_marshal_escapes_like_go():
     assert gojson.go_marshal({"b": "<a&b>", "a": "\u2028"}) == '{"b":"\\u003ca\\u0026b\\u003e","a":"\\u2028"}'
     assert gojson.go_marshal("é") == '"é"'
+    # stored telemetry goes out as its text: each of the five characters alone is still escaped
+    for raw, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
+                         ("\u2029", "\\u2029")):
+        assert gojson.go_marshal(gojson.EncodedJSON.array([f'"a{raw}b"'])) == f'["a{escaped}b"]'
+    assert gojson.go_marshal(gojson.EncodedJSON.array(['"plain"'])) == '["plain"]'
 
 
 def test_go_compact_keeps_order_and_string_contents():
