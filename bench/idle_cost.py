@@ -58,6 +58,18 @@ class IdleRun:
         return self.plexd_cpu / (self.seconds / 60)
 
 
+async def settle(node, *, quiet_cpu: float = 0.05, every: float = 5.0, limit: float = 300.0) -> None:
+    """Warm-up: until the daemon used less than `quiet_cpu` CPU seconds in `every` seconds, so the window measures
+    the idle daemon and not the tail of the join burst (a slowed-down daemon, under tracemalloc for example, can
+    still be applying queued events when the device already has every peer from a state pull)."""
+    deadline = time.monotonic() + limit
+    while True:
+        before = node.cpu_seconds()
+        await asyncio.sleep(every)
+        if node.cpu_seconds() - before < quiet_cpu or time.monotonic() > deadline:
+            return
+
+
 async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extra_config: str = "") -> IdleRun:
     """A connected daemon with `peers` real peers, measured idle for `seconds` after a warm-up."""
     # The registered peers never heartbeat: the devplane is told to expect one an hour, or it would take them
@@ -78,11 +90,13 @@ async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extr
                 node.dp.admin.set_node_endpoint(r.json()["node_id"], f"{node.lab.bridge_address}:{40000 + i}")
         uapi = UapiClient("plexd0", socket_dir=node.lab_node.sock_dir)
         deadline = time.monotonic() + 300
-        while (have := len((await uapi.get()).peers)) < peers:
+        # Each registration is a peer_added and then a peer_endpoint_changed event: the window starts after the
+        # last of them is applied.
+        while (have := sum(1 for p in (await uapi.get()).peers.values() if p.endpoint or via_events)) < peers:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"only {have} of {peers} peers reached the device")
+                raise RuntimeError(f"only {have} of {peers} peers reached the device with their endpoint")
             await asyncio.sleep(0.2)
-        await asyncio.sleep(5)  # warm-up: the burst of peer_added events is over
+        await settle(node)
         wg_pid = wireguard_go_pid(node.lab_node.netns)
         plexd0, wg0, t0 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
         await asyncio.sleep(seconds)
