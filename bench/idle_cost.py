@@ -5,6 +5,8 @@ The daemon runs with its default timings (heartbeat 30 s, reconcile 60 s, SSE ke
 reconcile keeps them). After the device holds all of them and a warm-up, the plexd process's user+system CPU is
 read from /proc before and after the measurement window. wireguard-go's own CPU is shown separately (it is not
 plexd's code; the peers' endpoints are on the lab bridge where nothing answers, so it keeps retrying handshakes).
+After the window, 20 reconcile cycles run back to back through the daemon's socket give the CPU of one cycle (what
+the 60 s reconcile costs an idle node).
 
     sudo .venv/bin/python bench/idle_cost.py [--peers 100] [--seconds 120]
     sudo .venv/bin/python bench/idle_cost.py --peers 1000 --seconds 300    # idle after the burst of 1,000 joins
@@ -27,6 +29,8 @@ from _connected_lab import WITHOUT_TELEMETRY, _cpu, connected_node, preload
 from nacl.public import PrivateKey
 
 from plexd.mesh.wireguard.uapi import UapiClient
+from plexd.node.control import RECONCILE_PATH
+from plexd.node.control_client import call
 
 
 def wireguard_go_pid(netns: str) -> int | None:
@@ -52,6 +56,7 @@ class IdleRun:
     snapshot: str | None
     workdir: str
     rss_parts: list[tuple[str, float]]  # MiB per mapping, largest first
+    reconcile_cpu: float  # CPU seconds of one reconcile cycle (after the window, 20 run back to back)
 
     @property
     def per_minute(self) -> float:
@@ -68,6 +73,15 @@ async def settle(node, *, quiet_cpu: float = 0.05, every: float = 5.0, limit: fl
         await asyncio.sleep(every)
         if node.cpu_seconds() - before < quiet_cpu or time.monotonic() > deadline:
             return
+
+
+def reconcile_cpu(node, cycles: int = 20) -> float:
+    """CPU seconds of one reconcile cycle, averaged over `cycles` run back to back through the daemon's socket
+    (`POST /v1/daemon/reconcile`, what `plexd reconcile` sends; the socket's own request handling is included)."""
+    before = node.cpu_seconds()
+    for _ in range(cycles):
+        call(str(node.workdir / "api.sock"), "POST", RECONCILE_PATH, {"dry_run": False}, timeout=60)
+    return (node.cpu_seconds() - before) / cycles
 
 
 async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extra_config: str = "") -> IdleRun:
@@ -105,7 +119,9 @@ async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extr
         heartbeats = len(node.dp.admin.heartbeats(node.node_id))
         rss, rss_parts = node.rss_mib(), node.rss_by_mapping()
         snap, workdir = node.tracemalloc_snapshot(), node.workdir
-    return IdleRun(t1 - t0, plexd1 - plexd0, wg1 - wg0, rss, still, heartbeats, snap, str(workdir), rss_parts)
+        per_cycle = await asyncio.to_thread(reconcile_cpu, node)
+    return IdleRun(t1 - t0, plexd1 - plexd0, wg1 - wg0, rss, still, heartbeats, snap, str(workdir), rss_parts,
+                   per_cycle)
 
 
 async def main() -> None:
@@ -130,6 +146,8 @@ async def main() -> None:
     print(f"  plexd RSS:    {run.rss_mib:.1f} MiB with {run.peers_at_end} peers on the device at the end   "
           "(goal <= 50 MB at 1,000, <= 100 MB at 10,000)")
     print("  RSS by mapping (MiB): " + ", ".join(f"{name} {mib:.1f}" for name, mib in run.rss_parts))
+    print(f"  one reconcile cycle: {run.reconcile_cpu * 1000:.1f} ms CPU   (after the window: 20 cycles back to back "
+          "through the daemon's socket, unchanged state)")
     if run.snapshot is not None:
         print(f"  tracemalloc snapshot (taken after the RSS reading): {run.snapshot}; allocator stats in "
               f"{run.workdir}/plexd.log")
