@@ -196,8 +196,8 @@ _HTML_RE = re.compile("[<>&\u2028\u2029]")
 
 
 def _html_escape(text: str) -> str:
-    # Five substring scans (memchr) cost a hundredth of the regex pass, and most texts (a metrics batch of 220 KB
-    # every 15 s) have none of these characters.
+    # Five substring scans (memchr) cost a hundredth of the regex pass, and most texts have none of these
+    # characters (at 1,000 peers: four or five metrics batches of 219 KiB a minute).
     if not any(ch in text for ch in _HTML_ESCAPES):
         return text
     return _HTML_RE.sub(lambda m: _HTML_ESCAPES[m.group(0)], text)
