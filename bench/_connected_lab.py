@@ -38,6 +38,11 @@ if _TRACEMALLOC:
     DAEMON = [sys.executable, str(Path(__file__).with_name("_traced_daemon.py"))]
 
 
+def api_socket(workdir: Path) -> Path:
+    """Where a connected node's daemon serves its local socket (node API and `plexd` commands)."""
+    return workdir / "api.sock"
+
+
 @dataclass
 class Node:
     lab: Lab
@@ -45,6 +50,10 @@ class Node:
     dp: Devplane
     proc: subprocess.Popen
     workdir: Path
+
+    @property
+    def api_socket(self) -> Path:
+        return api_socket(self.workdir)
 
     @property
     def node_id(self) -> str:
@@ -166,7 +175,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
                        f"data_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"
                        f"hooks: {{dir: {workdir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
                        f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
-                       f"node_api: {{socket_path: {workdir / 'api.sock'}{', ' + node_api if node_api else ''}}}\n"
+                       f"node_api: {{socket_path: {api_socket(workdir)}{', ' + node_api if node_api else ''}}}\n"
                        f"log_level: {os.environ.get('PLEXD_BENCH_LOG_LEVEL', 'warning')}\n" + extra_config)
         node = lab.nodes[0]
         log = open(workdir / "plexd.log", "w")  # noqa: SIM115 - lives as long as the process
@@ -181,7 +190,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
             time.sleep(0.1)
         # Connected and past its first state pull (events for peers the control plane does not hold, as the
         # benches publish, would be removed again by that pull): ask the daemon itself.
-        while not _ready(workdir / "api.sock"):
+        while not _ready(api_socket(workdir)):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"plexd up did not connect:\n{(workdir / 'plexd.log').read_text()[-3000:]}")
             time.sleep(0.1)

@@ -84,7 +84,7 @@ def reconcile_cpu(node, cycles: int = 20) -> float:
     (`POST /v1/daemon/reconcile`, what `plexd reconcile` sends; the socket's own request handling is included)."""
     before = node.cpu_seconds()
     for _ in range(cycles):
-        call(str(node.workdir / "api.sock"), "POST", RECONCILE_PATH, {"dry_run": False}, timeout=60)
+        call(str(node.api_socket), "POST", RECONCILE_PATH, {"dry_run": False}, timeout=60)
     return (node.cpu_seconds() - before) / cycles
 
 

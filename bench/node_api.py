@@ -94,7 +94,7 @@ def main() -> None:
         node.dp.admin.set_metadata(node.node_id, {f"key{i}": f"value-{i}" for i in range(20)})
         time.sleep(1)
         cpu0 = node.cpu_seconds()
-        lat, statuses = measure(str(node.workdir / "api.sock"), args.clients, args.seconds)
+        lat, statuses = measure(str(node.api_socket), args.clients, args.seconds)
         cpu = node.cpu_seconds() - cpu0
         rss = node.rss_mib()
     lat_ms = sorted(x * 1000 for x in lat)

@@ -132,7 +132,7 @@ def main() -> None:
     try:
         settings = f"http_enabled: true, http_listen: '0.0.0.0:{PORT}', http_token_file: {token_file}"
         with connected_node(reconcile="1h", node_api=settings) as node:
-            sock = str(node.workdir / "api.sock")
+            sock = str(node.api_socket)
             quiet = ask(sock, args.seconds)
             ctx = multiprocessing.get_context("fork")
             stop, out = ctx.Event(), ctx.Queue()
