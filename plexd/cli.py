@@ -1,7 +1,7 @@
 """``plexd`` command line. Argument parsing only: each command is one function that calls into the package.
 
 Start-up time matters for a CLI, so this module imports nothing heavy at the top: each command imports what it
-needs inside its function (httpx, PyNaCl, yaml and asyncio stay out of ``plexd --help``).
+needs inside its function (the HTTP client, PyNaCl, yaml and asyncio stay out of ``plexd --help``).
 
 Adding a command (mesh: ``plexd peers``; events: ``plexd reconcile --once``)::
 

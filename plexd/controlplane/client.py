@@ -17,11 +17,10 @@ Errors are the typed exceptions of `plexd.controlplane.errors` (transient / auth
 ``Retry-After`` is read as integer seconds or an HTTP-date.
 
 For the SSE stream (events engineer): ``async with cp.open_event_stream(node_id, last_event_id, read_timeout=90)
-as response:`` yields the open, status-checked ``httpx.Response`` (headers ``Accept: text/event-stream``,
-``Cache-Control: no-cache``, ``Last-Event-ID`` when given). There is no total deadline on the body; the
-optional `read_timeout` makes httpx raise ``httpx.ReadTimeout`` after that many idle seconds (the 90 s watchdog).
-Parse it with ``httpx_sse.EventSource(response).aiter_sse()`` or by hand. A non-2xx status raises the typed error
-before the body is read.
+as response:`` yields the open, status-checked `plexd.controlplane.http11.Response` (headers ``Accept:
+text/event-stream``, ``Cache-Control: no-cache``, ``Last-Event-ID`` when given). There is no total deadline on the
+body; the optional `read_timeout` raises a "read timed out" `TransportError` after that many idle seconds. Parse it
+with `plexd.controlplane.sse.SSEParser`. A non-2xx status raises the typed error before the body is read.
 
 Request bodies with a fixed [C] shape have builders here (`RegisterRequest`, `HeartbeatRequest`, ...); the
 open-ended ones (drift, results, metrics, logs, audit, capabilities) take a ready JSON-able dict/list from the
@@ -32,10 +31,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import gzip
 import hashlib
-import os
 import ssl
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,12 +40,11 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import quote
 
-import httpx
-
 from plexd import __version__
 from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import EncodedJSON, format_time, go_marshal
+from plexd.controlplane import http11
 from plexd.controlplane.errors import (
     AuthError,
     BadResponseError,
@@ -234,7 +230,6 @@ class ControlPlaneClient:
         user_agent: str = f"plexd/{__version__}",
         request_timeout: float = REQUEST_TIMEOUT,
         connect_timeout: float = CONNECT_TIMEOUT,
-        transport: httpx.AsyncBaseTransport | None = None,
         now: Any = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -243,12 +238,9 @@ class ControlPlaneClient:
         self.request_timeout = request_timeout
         self._now = now or (lambda: datetime.now(UTC))  # for HTTP-date Retry-After
         self._last_state: _PulledState | None = None  # the last state answer, for conditional pulls
-        self._http = httpx.AsyncClient(
-            verify=_tls_context(ca_file, insecure_skip_verify),
-            timeout=httpx.Timeout(request_timeout, connect=connect_timeout),
-            transport=transport,
-            follow_redirects=False,
-        )
+        self._http = http11.HTTPClient(tls=_tls_context(ca_file, insecure_skip_verify),
+                                       connect_timeout=connect_timeout, read_timeout=request_timeout,
+                                       write_timeout=request_timeout)
 
     @classmethod
     def for_config(cls, config: HasApi, *, token: str = "") -> ControlPlaneClient:
@@ -295,7 +287,7 @@ class ControlPlaneClient:
     async def _exchange(
         self, method: str, path: str, body: JSON = None, *, has_body: bool = False, token: str | None = None,
         what: str = "", extra_headers: Mapping[str, str] | None = None, also_ok: Collection[int] = (),
-    ) -> tuple[int, httpx.Headers, bytes]:
+    ) -> tuple[int, http11.Headers, bytes]:
         """`_call`, answering (status, headers, body); a status in `also_ok` (a 304) is an answer, not an error."""
         what = what or f"{method} {path}"
         headers = {**self._headers(token), **(extra_headers or {})}
@@ -311,8 +303,7 @@ class ControlPlaneClient:
         url = self.base_url + path
         try:
             async with asyncio.timeout(self.request_timeout):
-                request = self._http.build_request(method, url, headers=headers, content=content)
-                response = await self._http.send(request, stream=True)
+                response = await self._http.send(method, url, headers=headers, content=content)
                 try:
                     data = await _read_capped(response, what)
                 finally:
@@ -320,16 +311,16 @@ class ControlPlaneClient:
         except TimeoutError:
             raise TransientError(f"{what} to {self.base_url}",
                                  message=f"no complete answer within {self.request_timeout:g}s") from None
-        except httpx.TransportError as exc:
-            raise TransientError(f"{what} to {self.base_url}", message=_describe_transport(exc)) from None
-        except httpx.DecodingError as exc:
+        except http11.TransportError as exc:
+            raise TransientError(f"{what} to {self.base_url}", message=str(exc)) from None
+        except http11.DecodingError as exc:
             # A body labelled gzip that is not: not a TransportError, and without this it escapes as a traceback.
             raise BadResponseError(what, response.status_code, f"response body cannot be decoded: {exc}") from None
         if not 200 <= response.status_code < 300 and response.status_code not in also_ok:
             raise self._status_error(what, response.status_code, data, response.headers)
         return response.status_code, response.headers, data
 
-    def _status_error(self, what: str, status: int, body: bytes, headers: httpx.Headers) -> ControlPlaneError:
+    def _status_error(self, what: str, status: int, body: bytes, headers: http11.Headers) -> ControlPlaneError:
         message = _error_message(body[:MAX_ERROR_BYTES])
         if status == 401:
             return AuthError(what, status, message)
@@ -459,7 +450,7 @@ class ControlPlaneClient:
                          what="audit batch")
 
     @contextlib.asynccontextmanager
-    async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[httpx.Response]:
+    async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[http11.Response]:
         """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes)."""
         path = f"/v1/artifacts/plexd/{path_escape(version)}/{path_escape(os_name)}/{path_escape(arch)}"
         async with self._stream("GET", path, self._headers(), "artifact download", read_timeout=None) as response:
@@ -495,7 +486,7 @@ class ControlPlaneClient:
     @contextlib.asynccontextmanager
     async def open_event_stream(
         self, node_id: str, last_event_id: str = "", *, read_timeout: float | None = None
-    ) -> AsyncIterator[httpx.Response]:
+    ) -> AsyncIterator[http11.Response]:
         """#2 ``GET /v1/nodes/{id}/events``: yields the open SSE response; see the module docstring."""
         headers = self._headers()
         headers["Accept"] = "text/event-stream"
@@ -508,21 +499,18 @@ class ControlPlaneClient:
 
     @contextlib.asynccontextmanager
     async def _stream(self, method: str, path: str, headers: dict[str, str], what: str,
-                      read_timeout: float | None) -> AsyncIterator[httpx.Response]:
+                      read_timeout: float | None) -> AsyncIterator[http11.Response]:
         """A streamed request with a connect deadline but no total deadline on the body."""
-        timeout = httpx.Timeout(connect=self._http.timeout.connect, read=read_timeout, write=self.request_timeout,
-                                pool=self.request_timeout)
-        request = self._http.build_request(method, self.base_url + path, headers=headers, timeout=timeout)
         try:
-            response = await self._http.send(request, stream=True)
-        except httpx.TransportError as exc:
-            raise TransientError(f"{what} to {self.base_url}", message=_describe_transport(exc)) from None
+            response = await self._http.send(method, self.base_url + path, headers=headers, read_timeout=read_timeout)
+        except http11.TransportError as exc:
+            raise TransientError(f"{what} to {self.base_url}", message=str(exc)) from None
         try:
             if not 200 <= response.status_code < 300:
                 try:
                     async with asyncio.timeout(self.request_timeout):
                         body = await _read_capped(response, what, MAX_ERROR_BYTES, truncate=True)
-                except (TimeoutError, httpx.HTTPError, ControlPlaneError):
+                except (TimeoutError, http11.HTTPError, ControlPlaneError):
                     body = b""
                 raise self._status_error(what, response.status_code, body, response.headers)
             yield response
@@ -534,13 +522,12 @@ class ControlPlaneClient:
 # Helpers
 
 
-def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
+def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext:
     if insecure:
-        return False
+        return http11.unverified_tls_context()
     if not ca_file:
-        # httpx's default context (certifi, or SSL_CERT_FILE/SSL_CERT_DIR), with verification: built once and
-        # shared by the API client and every event-stream client (~0.8 MiB and ~20 ms of CA parsing each).
-        return _default_tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        # the system's trust store, built once and shared by the API client and every event-stream client
+        return http11.default_tls_context()
     try:
         ctx = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
@@ -551,14 +538,7 @@ def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext | bool:
     return ctx
 
 
-@functools.lru_cache(maxsize=4)
-def _default_tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
-    """What `verify=True` builds inside httpx (the arguments are the environment it reads, as the cache key).
-    A shared SSLContext is safe: it holds configuration, each connection gets its own SSL object."""
-    return httpx.create_ssl_context(verify=True)
-
-
-async def _read_capped(response: httpx.Response, what: str, limit: int = MAX_RESPONSE_BYTES, *,
+async def _read_capped(response: http11.Response, what: str, limit: int = MAX_RESPONSE_BYTES, *,
                        truncate: bool = False) -> bytes:
     """The (decompressed) body, at most `limit` bytes: beyond it, an error, or the first `limit` bytes when
     `truncate` (error bodies only need their start)."""
@@ -586,22 +566,6 @@ def _error_message(body: bytes) -> str:
             if isinstance(doc.get(key), str):
                 return doc[key]
     return text
-
-
-def _describe_transport(exc: httpx.TransportError) -> str:
-    """'cannot connect: [Errno 111] Connection refused' rather than httpx's class name."""
-    kind = {
-        httpx.ConnectTimeout: "connect timed out",
-        httpx.ConnectError: "cannot connect",
-        httpx.ReadTimeout: "read timed out",
-        httpx.WriteTimeout: "write timed out",
-        httpx.PoolTimeout: "connection pool timed out",
-        httpx.RemoteProtocolError: "protocol error",
-        httpx.ReadError: "read error",
-        httpx.WriteError: "write error",
-    }.get(type(exc), type(exc).__name__)
-    detail = str(exc).strip()
-    return f"{kind}: {detail}" if detail else kind
 
 
 RETRY_AFTER_CAP = 86400.0

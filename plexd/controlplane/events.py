@@ -26,13 +26,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 import plexd
 from plexd.base import gojson
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
+from plexd.controlplane import http11
 from plexd.controlplane.client import _tls_context, parse_retry_after
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.ledger import EventLedger
@@ -49,11 +48,21 @@ SEEN_IDS_MAX = 4096
 
 
 
-def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> httpx.AsyncClient:
+def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> http11.HTTPClient:
     """The stream's own HTTP client: same TLS rules as the API client, connect 10 s, and no read/total timeout
     on the body: the idle watchdog decides when a stream is dead."""
-    return httpx.AsyncClient(verify=_tls_context(ca_file, insecure_skip_verify),
-                             timeout=httpx.Timeout(connect=10.0, read=None, write=10.0, pool=10.0))
+    return http11.HTTPClient(tls=_tls_context(ca_file, insecure_skip_verify), connect_timeout=10.0,
+                             read_timeout=None, write_timeout=10.0)
+
+
+async def _head(response: http11.Response, limit: int) -> bytes:
+    """The first `limit` bytes of a body (a refusal's reason), however long the server goes on."""
+    head = b""
+    async for chunk in response.aiter_bytes():
+        head += chunk
+        if len(head) >= limit:
+            break
+    return head[:limit]
 
 
 class _Disconnected(Exception):
@@ -88,7 +97,7 @@ class EventStream:
         on_auth_failure: Callable[[], Awaitable[None]] | None = None,  # re-register after a 401
         poll: Callable[[], None] | None = None,  # ask for a full state pull while the stream is down
         poll_interval: float = 60.0,
-        client_factory: Callable[[], httpx.AsyncClient] = stream_http_client,
+        client_factory: Callable[[], http11.HTTPClient] = stream_http_client,
         backoff: Backoff | None = None,
         storm_backoff: Backoff | None = None,
         storm_burst: int = 5,
@@ -194,7 +203,7 @@ class EventStream:
                     self.delays.append(delay)
                     await self._wait(delay)
 
-    async def _attempt(self, client: httpx.AsyncClient) -> float:
+    async def _attempt(self, client: http11.HTTPClient) -> float:
         """One connection attempt; returns how long to wait before the next one."""
         try:
             await self._stream_once(client)
@@ -345,15 +354,15 @@ class EventStream:
             headers["Last-Event-ID"] = self.last_event_id
         return headers
 
-    async def _stream_once(self, client: httpx.AsyncClient) -> None:
+    async def _stream_once(self, client: http11.HTTPClient) -> None:
         self.attempts += 1
         headers = await self._headers()
         try:
-            # Not httpx-sse's aconnect_sse: it overwrites Cache-Control with no-store (the wire says no-cache) and
-            # its iterator swallows the comment pings the watchdog needs; SSEParser reads the raw bytes instead.
+            # Not httpx-sse: it overwrites Cache-Control with no-store (the wire says no-cache) and its iterator
+            # swallows the comment pings the watchdog needs; SSEParser reads the raw bytes instead.
             async with client.stream("GET", self.url, headers=headers) as response:
                 if not response.is_success:
-                    body = (await response.aread())[:200].decode("utf-8", errors="replace").strip()
+                    body = (await _head(response, 200)).decode("utf-8", errors="replace").strip()
                     raise _Refused(
                         f"HTTP {response.status_code}{': ' + body if body else ''}",
                         response.status_code,
@@ -363,10 +372,10 @@ class EventStream:
                 await self._consume(response)
         except (_Refused, _Disconnected):
             raise
-        except httpx.HTTPError as exc:
+        except http11.HTTPError as exc:
             if self.connected.is_set():
-                raise _Disconnected(f"{type(exc).__name__}: {exc}") from None
-            raise _Refused(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__) from None
+                raise _Disconnected(str(exc)) from None
+            raise _Refused(str(exc)) from None
 
     async def _connected_ok(self) -> None:
         self.connects += 1
@@ -390,7 +399,7 @@ class EventStream:
         """Drop the current connection and connect again at once (``mesh.reconnect``)."""
         self._reconnect.set()
 
-    async def _consume(self, response: httpx.Response) -> None:
+    async def _consume(self, response: http11.Response) -> None:
         self._last_activity = self._clock.monotonic()
         self._reconnect.clear()
         reader = asyncio.ensure_future(self._read(response))
@@ -419,7 +428,7 @@ class EventStream:
                 return
             await self._clock.sleep(self._idle_timeout - silent)
 
-    async def _read(self, response: httpx.Response) -> None:
+    async def _read(self, response: http11.Response) -> None:
         parser = SSEParser(self._max_event_bytes)
         async for chunk in response.aiter_bytes():
             self._last_activity = self._clock.monotonic()

@@ -21,6 +21,7 @@ bootstrap token is available, register afresh. The identity is never deleted on 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -35,6 +36,7 @@ from plexd.base.errors import PlexdError
 from plexd.base.gojson import format_duration
 from plexd.base.log import fingerprint
 from plexd.config.settings import Config
+from plexd.controlplane import http11
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
 from plexd.controlplane.errors import (
     AuthError,
@@ -57,6 +59,7 @@ log = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES = 512
 METADATA_TIMEOUT = 2.0
+METADATA_DEADLINE = 10.0  # both requests of the IMDS flow, however slowly a server drips its answer
 
 
 class TokenError(PlexdError):
@@ -110,27 +113,37 @@ def read_token_file(path: str) -> str | None:
 async def _metadata_token(base_url: str) -> str | None:
     """IMDS flow of §5.1: session token (IMDSv2) if the service gives one, then the plexd token. Any failure
     means "source unavailable"."""
-    import httpx
-
     base = base_url.rstrip("/")
     try:
-        async with httpx.AsyncClient(timeout=METADATA_TIMEOUT) as http:
+        async with http11.HTTPClient(connect_timeout=METADATA_TIMEOUT, read_timeout=METADATA_TIMEOUT,
+                                     write_timeout=METADATA_TIMEOUT) as http, asyncio.timeout(METADATA_DEADLINE):
             headers = {}
             try:
-                r = await http.put(f"{base}/latest/api/token",
-                                   headers={"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
-                if r.status_code == 200 and r.text.strip():
-                    headers["X-aws-ec2-metadata-token"] = r.text.strip()
-            except httpx.HTTPError:
+                status, text = await _metadata_get(http, "PUT", f"{base}/latest/api/token",
+                                                   {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
+                if status == 200 and text.strip():
+                    headers["X-aws-ec2-metadata-token"] = text.strip()
+            except http11.HTTPError:
                 pass  # IMDSv1 fallback: ask without a session token
-            r = await http.get(f"{base}/plexd/bootstrap-token", headers=headers)
-            if r.status_code != 200:
-                log.info("metadata service has no bootstrap token (HTTP %d)", r.status_code)
+            status, text = await _metadata_get(http, "GET", f"{base}/plexd/bootstrap-token", headers)
+            if status != 200:
+                log.info("metadata service has no bootstrap token (HTTP %d)", status)
                 return None
-            return r.text
-    except httpx.HTTPError as exc:
-        log.info("metadata service at %s unavailable: %s", base, exc)
+            return text
+    except (http11.HTTPError, TimeoutError) as exc:
+        log.info("metadata service at %s unavailable: %s", base, exc or "no answer in time")
         return None
+
+
+async def _metadata_get(http: http11.HTTPClient, method: str, url: str, headers: Mapping[str, str]) -> tuple[int, str]:
+    """(status, body text) of one metadata request; the body capped at 64 KiB, as a token file is."""
+    async with http.stream(method, url, headers=headers) as response:
+        body = b""
+        async for chunk in response.aiter_bytes():
+            body += chunk
+            if len(body) > 64 * 1024:
+                raise http11.HTTPError("metadata answer larger than 64 KiB")
+        return response.status_code, body.decode("utf-8", errors="replace")
 
 
 async def resolve_token(

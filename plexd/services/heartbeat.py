@@ -35,7 +35,7 @@ class HeartbeatSnapshot:
 
 
 def http_status(exc: BaseException) -> int | None:
-    """The HTTP status an exception carries, whichever client raised it (httpx or plexd's own client)."""
+    """The HTTP status an exception carries (`status`, `status_code`, or its `response`.s), whatever raised it."""
     for attr in ("status", "status_code"):
         value = getattr(exc, attr, None)
         if isinstance(value, int):

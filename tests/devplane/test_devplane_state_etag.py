@@ -29,10 +29,14 @@ async def test_the_client_parses_an_unchanged_state_once(dp):
     async with ControlPlaneClient(dp.url, token=node.secret) as client:
         seen: list[tuple[int, str]] = []
 
-        async def record(response: httpx.Response) -> None:
-            seen.append((response.status_code, response.request.headers.get("If-None-Match", "")))
+        send = client._http.send
 
-        client._http.event_hooks["response"] = [record]
+        async def record(method, url, *, headers=None, **kw):  # what went out and what came back, per request
+            response = await send(method, url, headers=headers, **kw)
+            seen.append((response.status_code, (headers or {}).get("If-None-Match", "")))
+            return response
+
+        client._http.send = record
         first = await client.fetch_state(node.id)
         second = await client.fetch_state(node.id)
         assert second is first  # the same parsed value, not parsed again

@@ -14,12 +14,12 @@ import ssl
 import sys
 from email.utils import format_datetime
 
-import httpx
 import pytest
-from agentcore_recorder import Recorded, Recorder, Reply
+from agentcore_recorder import Recorded, Recorder, Reply, self_signed_ca
 
 from plexd import __version__
 from plexd.base.gojson import go_marshal
+from plexd.controlplane import http11
 from plexd.controlplane.client import (
     ControlPlaneClient,
     HeartbeatRequest,
@@ -434,7 +434,7 @@ async def test_event_stream_idle_read_timeout(rec):
     rec.route("GET", f"/v1/nodes/{NODE}/events",
               Reply(200, headers={"Content-Type": "text/event-stream"}, chunks=[b": a\n\n", b": b\n\n"], delay=0.6))
     async with ControlPlaneClient(rec.url) as client:
-        with pytest.raises(httpx.ReadTimeout):
+        with pytest.raises(http11.TransportError, match="read timed out"):
             async with client.open_event_stream(NODE, read_timeout=0.2) as resp:
                 async for _ in resp.aiter_bytes():
                     pass
@@ -457,26 +457,7 @@ async def test_event_stream_error_status_raises_before_body(rec, cp, status, exc
 
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory):
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    d = tmp_path_factory.mktemp("tls")
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "plexd test CA")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
-            .not_valid_after(now + dt.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(__import__("ipaddress").ip_address(
-                "127.0.0.1"))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    (d / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                  serialization.NoEncryption()))
-    return d / "cert.pem", d / "key.pem"
+    return self_signed_ca(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture
@@ -517,8 +498,8 @@ def test_tls_bad_ca_file_is_a_config_error(tmp_path):
 
 async def test_timeouts_configured():
     async with ControlPlaneClient("http://127.0.0.1:1") as client:
-        assert client._http.timeout.connect == 10.0
-        assert client.request_timeout == 30.0
+        assert client._http.connect_timeout == 10.0
+        assert client._http.read_timeout == client._http.write_timeout == client.request_timeout == 30.0
 
 
 async def test_concurrent_calls_share_the_client(rec, cp):

@@ -1,25 +1,28 @@
 """The event stream's reconnect engine, driven by an injected FakeClock and an in-process HTTP transport.
 
 No test sleeps: every wait goes through FakeClock, and the assertions read the delays it was asked for.
-The transport is httpx.MockTransport (a real httpx client, a scripted server): the real devplane is exercised
-in tests/integration/test_events_devplane.py.
+The transport is a scripted client (no socket: the stream's client answers from a script with the real
+`http11.Response`); the real HTTP client and the real devplane are exercised in tests/integration/
+test_events_devplane.py and test_client_wire.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import email.utils
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
-import httpx
 import nacl.signing
 import pytest
 
 from plexd.base.backoff import Backoff
 from plexd.base.clock import FakeClock
+from plexd.controlplane import http11
 from plexd.controlplane.client import parse_retry_after
 from plexd.controlplane.envelope import sign_event
 from plexd.controlplane.events import EventStream
@@ -30,25 +33,59 @@ NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 KEY = nacl.signing.SigningKey.generate()
 
 
-class Server:
-    """A scripted server: `respond(request, attempt_no)` returns an httpx.Response or raises."""
+@dataclass
+class Request:
+    method: str
+    url: str
+    headers: http11.Headers
 
-    def __init__(self, respond: Callable[[httpx.Request, int], httpx.Response]) -> None:
+
+def reply(status: int, headers: dict[str, str] | None = None,
+          content: bytes | AsyncIterator[bytes] = b"") -> http11.Response:
+    """A scripted answer: `content` is the whole body, or an async iterator of its chunks."""
+    async def once() -> AsyncIterator[bytes]:
+        if content:
+            yield content
+    chunks = content if not isinstance(content, bytes) else once()
+    return http11.Response(status, http11.Headers(headers or {}), chunks)
+
+
+class Server:
+    """A scripted server: `respond(request, attempt_no)` returns a Response or raises."""
+
+    def __init__(self, respond: Callable[[Request, int], http11.Response]) -> None:
         self.respond = respond
-        self.requests: list[httpx.Request] = []
+        self.requests: list[Request] = []
         self.hang = asyncio.Event()  # streams that should stay open wait on this
 
-    async def handler(self, request: httpx.Request) -> httpx.Response:
+    def handler(self, request: Request) -> http11.Response:
         self.requests.append(request)
         return self.respond(request, len(self.requests))
 
-    def open_stream(self, *chunks: bytes) -> httpx.Response:
+    def open_stream(self, *chunks: bytes) -> http11.Response:
         """200, send `chunks`, then stay open until `hang` is set."""
         async def body():
             for c in chunks:
                 yield c
             await self.hang.wait()
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+        return reply(200, {"content-type": "text/event-stream"}, body())
+
+
+class ScriptedClient:
+    """What the stream needs of `http11.HTTPClient`, answered by a Server."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    async def __aenter__(self) -> ScriptedClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        pass
+
+    @contextlib.asynccontextmanager
+    async def stream(self, method: str, url: str, *, headers: dict[str, str]) -> AsyncIterator[http11.Response]:
+        yield self.server.handler(Request(method, url, http11.Headers(headers)))
 
 
 def make_stream(tmp_path, clock, server, **kw):
@@ -74,7 +111,7 @@ def make_stream(tmp_path, clock, server, **kw):
         "http://cp.test", "n_1", lambda: "secret-token", tmp_path, verifier,
         record_event,
         clock=clock, on_connected=connected, on_auth_failure=auth, poll=poll,
-        client_factory=lambda: httpx.AsyncClient(transport=httpx.MockTransport(server.handler)),
+        client_factory=lambda: ScriptedClient(server),
         **kw,
     )
     return stream, calls
@@ -114,7 +151,7 @@ async def stop(task):
 
 
 async def test_exponential_backoff_to_cap_without_jitter(tmp_path, clock):
-    server = Server(lambda r, n: httpx.Response(503))
+    server = Server(lambda r, n: reply(503))
     stream, _ = make_stream(tmp_path, clock, server)
     task = await run(stream)
     try:
@@ -130,7 +167,7 @@ async def test_exponential_backoff_to_cap_without_jitter(tmp_path, clock):
 
 @pytest.mark.parametrize(("rand", "factor"), [(0.0, 0.75), (1.0, 1.25)])
 async def test_jitter_bounds(tmp_path, clock, rand, factor):
-    server = Server(lambda r, n: httpx.Response(500))
+    server = Server(lambda r, n: reply(500))
     stream, _ = make_stream(tmp_path, clock, server, backoff=Backoff(rand=lambda: rand))
     task = await run(stream)
     try:
@@ -144,7 +181,7 @@ async def test_jitter_bounds(tmp_path, clock, rand, factor):
 
 
 async def test_random_jitter_stays_within_25_percent(tmp_path, clock):
-    server = Server(lambda r, n: httpx.Response(500))
+    server = Server(lambda r, n: reply(500))
     stream, _ = make_stream(tmp_path, clock, server, backoff=Backoff())
     stream._poll = None  # polling would split the waits into chunks; this test looks at the backoff alone
     task = await run(stream)
@@ -160,7 +197,7 @@ async def test_random_jitter_stays_within_25_percent(tmp_path, clock):
 
 async def test_network_errors_back_off_too(tmp_path, clock):
     def respond(r, n):
-        raise httpx.ConnectError("connection refused")
+        raise http11.TransportError("cannot connect", "connection refused")
     stream, calls = make_stream(tmp_path, clock, Server(respond))
     task = await run(stream)
     try:
@@ -173,7 +210,7 @@ async def test_network_errors_back_off_too(tmp_path, clock):
 
 
 async def test_reset_on_success_and_headers(tmp_path, clock):
-    server = Server(lambda r, n: httpx.Response(503))
+    server = Server(lambda r, n: reply(503))
     stream, calls = make_stream(tmp_path, clock, server)
     task = await run(stream)
     try:
@@ -181,12 +218,12 @@ async def test_reset_on_success_and_headers(tmp_path, clock):
             clock.advance(await next_sleep(stream, i))
         # now the server comes back: one stream that ends cleanly, then failures again
         server.respond = lambda r, n: (
-            httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b": hi\n\n")
-            if n == 4 else httpx.Response(503))
+            reply(200, headers={"content-type": "text/event-stream"}, content=b": hi\n\n")
+            if n == 4 else reply(503))
         assert await next_sleep(stream, 4) == 1  # reset: EOF reconnects at once, the 503 after it waits 1 s again
         assert calls["connected"] == 1
         req = server.requests[3]
-        assert req.url.path == "/v1/nodes/n_1/events"
+        assert req.url == "http://cp.test/v1/nodes/n_1/events"
         assert req.headers["accept"] == "text/event-stream"
         assert req.headers["cache-control"] == "no-cache"
         assert req.headers["authorization"] == "Bearer secret-token"
@@ -198,9 +235,9 @@ async def test_reset_on_success_and_headers(tmp_path, clock):
 
 async def test_429_retry_after_seconds_and_http_date_do_not_grow_backoff(tmp_path, clock):
     date = email.utils.formatdate(time.time() + 30, usegmt=True)
-    script = {1: httpx.Response(503), 2: httpx.Response(429, headers={"retry-after": "7"}),
-              3: httpx.Response(429, headers={"retry-after": date}), 4: httpx.Response(429), 5: httpx.Response(503)}
-    server = Server(lambda r, n: script.get(n, httpx.Response(503)))
+    script = {1: reply(503), 2: reply(429, headers={"retry-after": "7"}),
+              3: reply(429, headers={"retry-after": date}), 4: reply(429), 5: reply(503)}
+    server = Server(lambda r, n: script.get(n, reply(503)))
     stream, _ = make_stream(tmp_path, clock, server)
     task = await run(stream)
     try:
@@ -230,7 +267,7 @@ def test_parse_retry_after():
 
 
 async def test_polling_after_five_minutes_and_back(tmp_path, clock):
-    server = Server(lambda r, n: httpx.Response(503))
+    server = Server(lambda r, n: reply(503))
     stream, calls = make_stream(tmp_path, clock, server, poll_interval=60)
     task = await run(stream)
     try:
@@ -271,7 +308,7 @@ async def test_polling_after_five_minutes_and_back(tmp_path, clock):
 
 
 async def test_storm_limit_on_clean_eof(tmp_path, clock):
-    server = Server(lambda r, n: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b""))
+    server = Server(lambda r, n: reply(200, headers={"content-type": "text/event-stream"}, content=b""))
     stream, calls = make_stream(tmp_path, clock, server, storm_burst=5, storm_window=60)
     task = await run(stream)
     try:
@@ -290,7 +327,7 @@ async def test_storm_limit_on_clean_eof(tmp_path, clock):
 
 async def test_healthy_stream_ends_the_storm(tmp_path, clock):
     event = sign_event(KEY, "peer_added", "e1", {"id": "n_x"}, issued_at="2025-01-15T10:30:00Z", nonce="z")
-    server = Server(lambda r, n: httpx.Response(
+    server = Server(lambda r, n: reply(
         200, headers={"content-type": "text/event-stream"},
         content=f"id: e1\ndata: {event}\n\n".encode() if n == 8 else b""))
     stream, calls = make_stream(tmp_path, clock, server, storm_burst=5, storm_window=60)
@@ -307,7 +344,7 @@ async def test_healthy_stream_ends_the_storm(tmp_path, clock):
 
 
 async def test_storm_rate_is_bounded_over_time(tmp_path, clock):
-    server = Server(lambda r, n: httpx.Response(200, headers={"content-type": "text/event-stream"}, content=b""))
+    server = Server(lambda r, n: reply(200, headers={"content-type": "text/event-stream"}, content=b""))
     stream, _ = make_stream(tmp_path, clock, server, storm_burst=5, storm_window=60)
     task = await run(stream)
     try:
@@ -326,7 +363,7 @@ async def test_storm_rate_is_bounded_over_time(tmp_path, clock):
 
 async def test_401_asks_for_reauthentication_and_keeps_going(tmp_path, clock):
     tokens = iter(["old", "new", "new"])
-    server = Server(lambda r, n: httpx.Response(401) if n == 1 else server.open_stream())
+    server = Server(lambda r, n: reply(401) if n == 1 else server.open_stream())
     stream, calls = make_stream(tmp_path, clock, server)
     stream._token = lambda: next(tokens)
     task = await run(stream)
@@ -343,7 +380,7 @@ async def test_401_asks_for_reauthentication_and_keeps_going(tmp_path, clock):
 
 @pytest.mark.parametrize("status", [403, 404])
 async def test_403_404_back_off_at_cap_and_poll(tmp_path, clock, status):
-    server = Server(lambda r, n: httpx.Response(status))
+    server = Server(lambda r, n: reply(status))
     stream, calls = make_stream(tmp_path, clock, server)
     task = await run(stream)
     try:
@@ -368,8 +405,8 @@ async def test_idle_watchdog_pings_count_as_liveness(tmp_path, clock):
                 return
             yield chunk
 
-    server = Server(lambda r, n: httpx.Response(200, headers={"content-type": "text/event-stream"},
-                                                content=body()) if n == 1 else httpx.Response(503))
+    server = Server(lambda r, n: reply(200, headers={"content-type": "text/event-stream"},
+                                                content=body()) if n == 1 else reply(503))
     stream, _ = make_stream(tmp_path, clock, server)
     task = await run(stream)
     try:
@@ -431,10 +468,10 @@ async def test_fleet_synchronising_moments_are_spread(tmp_path, clock):
     within reconnect_spread; a 503 that says Retry-After is retried within 1-1.5x of it. Other failures keep the
     seed's schedule."""
     event = sign_event(KEY, "peer_added", "e1", {"id": "n_x"}, issued_at="2025-01-15T10:30:00Z", nonce="s")
-    healthy = httpx.Response(200, headers={"content-type": "text/event-stream"},
+    healthy = reply(200, headers={"content-type": "text/event-stream"},
                              content=f"id: e1\ndata: {event}\n\n".encode())
-    script = {1: healthy, 2: httpx.Response(503, headers={"retry-after": "4"}), 3: httpx.Response(503)}
-    server = Server(lambda r, n: script.get(n, httpx.Response(503)))
+    script = {1: healthy, 2: reply(503, headers={"retry-after": "4"}), 3: reply(503)}
+    server = Server(lambda r, n: script.get(n, reply(503)))
     stream, _ = make_stream(tmp_path, clock, server, reconnect_spread=5.0, rand=lambda: 0.6)
     task = await run(stream)
     try:
