@@ -170,6 +170,7 @@ def connected_node(reconcile: str = "60s", heartbeat: str = "30s",
         dp = Devplane(workdir / "dp", listen=f"{lab.bridge_address}:0", heartbeat_interval=peer_heartbeat)
         dp.start()
         (workdir / "token").write_text(dp.admin.create_token())
+        (workdir / "hooks").mkdir()  # as `plexd install` makes /etc/plexd/hooks.d: the daemon watches it
         cfg = workdir / "config.yaml"
         cfg.write_text(f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
                        f"data_dir: {workdir / 'data'}\ntoken: {{file: {workdir / 'token'}}}\n"

@@ -4,7 +4,7 @@ slowest imports of ``plexd status`` from ``python -X importtime``.
     .venv/bin/python bench/cli_startup.py [--runs 30]
 
 A CLI that people run by hand (and scripts run in loops) should answer in well under 100 ms; heavy modules
-(httpx, PyNaCl, yaml, asyncio) are imported only by the commands that need them. The baseline row is a bare
+(the HTTP client, PyNaCl, yaml, asyncio) are imported only by the commands that need them. The baseline row is a bare
 ``python -c pass`` on the same interpreter, i.e. the floor no Python CLI can go below.
 """
 

@@ -147,18 +147,20 @@ class _Decoder:
     def __init__(self, encoding: str) -> None:
         self._z = zlib.decompressobj(31 if "gzip" in encoding else zlib.MAX_WBITS)
         self._encoding = encoding
-        self._raw_deflate = False
+        # "deflate" comes with and without its zlib header (httpx and browsers accept both): until the first
+        # bytes decode, a header error means the raw form
+        self._may_be_raw = encoding == "deflate"
 
     def feed(self, data: bytes) -> Iterator[bytes]:
         try:
             out = self._z.decompress(data, DECODED_STEP)
         except zlib.error as exc:
-            if self._encoding == "deflate" and not self._raw_deflate:
-                # servers send "deflate" both with and without the zlib header (as httpx and browsers accept)
-                self._z, self._raw_deflate = zlib.decompressobj(-zlib.MAX_WBITS), True
+            if self._may_be_raw:
+                self._z, self._may_be_raw = zlib.decompressobj(-zlib.MAX_WBITS), False
                 yield from self.feed(data)
                 return
             raise DecodingError(f"{self._encoding} body cannot be decoded: {exc}") from None
+        self._may_be_raw = False
         while True:
             if out:
                 yield out
