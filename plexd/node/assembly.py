@@ -49,7 +49,7 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.base.heap import HeapSettler
 from plexd.base.log import recent_lines
-from plexd.bridge.status import heartbeat_blocks, status_reports
+from plexd.bridge.status import status_reports
 from plexd.config.settings import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
@@ -66,17 +66,7 @@ from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activ
 from plexd.node.agent import Agent
 from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import (
-    SITE_TO_SITE,
-    USER_ACCESS,
-    bridge_part,
-    build_engine,
-    ingress,
-    nat_endpoint,
-    relay,
-    sessions,
-    wireguard,
-)
+from plexd.node.engine import build_engine, nat_endpoint, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
 from plexd.node.parts import Node
@@ -195,13 +185,10 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         on_device[0] = counts[0] if counts is not None else 0
 
     def bridge_heartbeat(engine: Any) -> dict[str, Any]:
-        served = relay(engine)
-        access, tunnels = (bridge_part(engine, name) for name in (USER_ACCESS, SITE_TO_SITE))
-        served_ingress = ingress(engine)
-        return heartbeat_blocks(served.relay.status() if served is not None else None,
-                                access.status() if access is not None else None,
-                                tunnels.status() if tunnels is not None else None,
-                                served_ingress.status() if served_ingress is not None else None)
+        # Imported here, not at the top: only a bridge reads its domains (see plexd.bridge.wiring).
+        from plexd.bridge.wiring import bridge_heartbeat as blocks
+
+        return blocks(engine)
 
     def path_heartbeat() -> dict[str, Any]:
         """Peers with a bridge's fallback: which path each is on (an addition of plexd's; a control plane that

@@ -5,16 +5,10 @@ it here, in the order it must apply (the firewall before the device: a new peer 
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import cast
 
 from plexd.access.domain import AccessHooks, SessionsDomain
-from plexd.bridge.domain import RelayDomain
-from plexd.bridge.forwarding import ForwardingLedger
-from plexd.bridge.ingress import IngressDomain
-from plexd.bridge.interfaces import InterfacesDomain
-from plexd.bridge.site_to_site import tunnel_specs
-from plexd.bridge.user_access import access_specs
-from plexd.bridge.wgif import WgInterface
 from plexd.config.settings import Config
 from plexd.converge.engine import Engine
 from plexd.firewall.domain import FirewallDomain
@@ -36,7 +30,9 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
     it no relay runs, for the same reason. `nat`: the daemon's NAT discovery and uplink, when NAT traversal is on
     (the control plane's record of this node's endpoint is converged only by a daemon that discovers it)."""
     links = Links(config.mesh.interface, table=config.mesh.route_table, rule_priority=config.mesh.route_rule_priority)
-    host, port = split_host_port(config.bridge.relay.listen)
+    bridge = _bridge_modules() if config.mode == "bridge" else None
+    serving = bridge is not None and cp_reachable is not None  # the relay's and ingress's listeners: daemon only
+    host, port = bridge.split_host_port(config.bridge.relay.listen) if bridge is not None else ("", 0)
     return Engine([
         FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied,
                        bridge=config.mode == "bridge"),
@@ -44,44 +40,21 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
         SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
         *([SessionsDomain(config.data_dir, access)] if access is not None and config.access.enabled else []),
-        *([RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
-                       cp_reachable=cp_reachable)] if cp_reachable is not None and config.mode == "bridge" else []),
-        *(bridge_interfaces(config) if config.mode == "bridge" else []),
-        *([IngressDomain(config.data_dir, host=config.bridge.ingress.listen_address,
-                         mesh_range=config.policy.mesh_range, allowed_sources=config.bridge.ingress.allowed_sources)]
-          if cp_reachable is not None and config.mode == "bridge" else []),
+        *([bridge.RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
+                              cp_reachable=cp_reachable)] if serving else []),
+        *(bridge.bridge_interfaces(config) if bridge is not None else []),
+        *([bridge.IngressDomain(config.data_dir, host=config.bridge.ingress.listen_address,
+                                mesh_range=config.policy.mesh_range,
+                                allowed_sources=config.bridge.ingress.allowed_sources)] if serving else []),
         *([NatEndpointDomain(nat)] if nat is not None else []),
     ])
 
 
-def bridge_interfaces(config: Config) -> list[InterfacesDomain]:
-    """Bridge mode's WireGuard interfaces besides the mesh: user access and the site-to-site tunnels. Also in
-    `reconcile --once` and `plexd deregister`: they are machine state like the mesh device (and must go with it)."""
-    ledger = ForwardingLedger(config.data_dir)
-    mesh = config.mesh
+def _bridge_modules() -> ModuleType:
+    # Imported here, not at the top: a node that is not a bridge never runs these (see plexd.bridge.wiring).
+    from plexd.bridge import wiring
 
-    def interface(name: str) -> WgInterface:
-        return WgInterface(wireguard_backend(config, name),
-                           Links(name, table=mesh.route_table, rule_priority=mesh.route_rule_priority), ledger)
-
-    underlay = Links(mesh.interface)
-    mesh_range = config.policy.mesh_range
-    return [
-        InterfacesDomain(USER_ACCESS, "user access", access_specs(config.data_dir, mesh.interface),
-                         lambda d: d.user_access, interface, underlay, ledger, config.data_dir),
-        InterfacesDomain(SITE_TO_SITE, "site-to-site", tunnel_specs(
-            config.data_dir, mesh.interface, mesh_range, config.bridge.site_to_site.allow_default_route),
-            lambda d: d.site_to_site, interface, underlay, ledger, config.data_dir),
-    ]
-
-
-USER_ACCESS = "user_access"
-SITE_TO_SITE = "site_to_site"
-
-
-def split_host_port(text: str) -> tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    return host.strip("[]"), int(port)
+    return wiring
 
 
 # Typed access to the domains others read, by name (engines in tests may leave some out).
@@ -98,20 +71,6 @@ def wireguard(engine: Engine) -> WireGuardDomain:
 def sessions(engine: Engine) -> SessionsDomain | None:
     """The access sessions domain: `plexd sessions` lists it, a plain stop closes its sessions."""
     return cast(SessionsDomain | None, engine.domain(SessionsDomain.name))
-
-
-def relay(engine: Engine) -> RelayDomain | None:
-    """Bridge mode's relay: the heartbeat's `bridge` object reads it."""
-    return cast(RelayDomain | None, engine.domain(RelayDomain.name))
-
-
-def bridge_part(engine: Engine, name: str) -> InterfacesDomain | None:
-    """`USER_ACCESS` or `SITE_TO_SITE`: the status and heartbeat read them."""
-    return cast(InterfacesDomain | None, engine.domain(name))
-
-
-def ingress(engine: Engine) -> IngressDomain | None:
-    return cast(IngressDomain | None, engine.domain(IngressDomain.name))
 
 
 def nat_endpoint(engine: Engine) -> NatEndpointDomain | None:
