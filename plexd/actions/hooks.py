@@ -1,4 +1,4 @@
-"""The hook set: scanned at start, watched with watchfiles (inotify, debounced), re-scanned in full every
+"""The hook set: scanned at start, watched with inotify (`plexd.base.dirwatch`, debounced), re-scanned in full every
 ``hooks.reverify`` as well (inotify misses changes on some filesystems), and re-announced to the control plane
 with ``PUT /capabilities`` whenever the set, a checksum, a sidecar or a refusal changes.
 
@@ -18,25 +18,17 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import watchfiles
-
 from plexd.actions.journal import ActionJournal, JournalError
 from plexd.base.backoff import Backoff
 from plexd.base.clock import wait_event
+from plexd.base.dirwatch import DirectoryWatch
 from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.trust.integrity import Hook, HookScan, scan_hooks
 
 log = logging.getLogger(__name__)
 
-DEBOUNCE_MS = 500
-# How often watchfiles' thread wakes to look for changes and for its stop: each wake takes the GIL and calls into
-# Python (~50 µs). Every 50 ms that was 0.06 CPU-s a minute on an idle node (a third of its budget); every second
-# it is 0.003, and a change is still picked up within a second (scratch measurement: an asyncio process running
-# only `awatch` on an idle directory, 20 s windows, step 0 / 50 / 500 / 1000 ms).
-WATCH_STEP_MS = 1000
 POLL = 2.0
-SETTLE = 1.0
 
 Publish = Callable[[HookScan], Awaitable[None]]  # PUT /capabilities with this scan; raises on failure
 
@@ -57,6 +49,7 @@ class HookSet:
         self.scans = 0
         self.announcements = 0
         self.last_announce_error = ""
+        self._unwatchable = ""  # why inotify failed on the directory, once said
 
     # -- what requests are checked against ----------------------------------------------------------------------
 
@@ -126,28 +119,28 @@ class HookSet:
             except OSError:
                 await self._wait_for_directory()
                 continue
-            await self.rescan("watch started")
-            # A change between that scan and the moment inotify watches (set up in watchfiles' thread, which says
-            # nothing when it is ready) would otherwise wait for the periodic re-scan: look once more shortly.
-            settle = asyncio.ensure_future(self._rescan_after(SETTLE))
             try:
-                await self._watch_until_replaced(ino)
-            finally:
-                settle.cancel()
+                watch = DirectoryWatch(self.directory)
+            except OSError as exc:  # no inotify here (or no instance left): re-scan on a timer instead
+                if str(exc) != self._unwatchable:
+                    log.warning("hooks directory %s cannot be watched (%s): re-scanning it every %.0f s instead",
+                                self.directory, exc.strerror or exc, POLL, extra={"component": "hooks"})
+                    self._unwatchable = str(exc)
+                await self.rescan("polled")
+                await asyncio.sleep(POLL)
+                continue
+            with watch:  # watching before the scan: a change made while it runs is seen after it
+                await self.rescan("watch started")
+                await self._watch_until_replaced(watch, ino)
 
-    async def _rescan_after(self, delay: float) -> None:
-        await asyncio.sleep(delay)
-        await self.rescan("watch settled")
-
-    async def _watch_until_replaced(self, ino: int) -> None:
-        async for changes in watchfiles.awatch(self.directory, debounce=DEBOUNCE_MS, step=WATCH_STEP_MS,
-                                               recursive=False, rust_timeout=int(self.reverify * 1000),
-                                               yield_on_timeout=True):
+    async def _watch_until_replaced(self, watch: DirectoryWatch, ino: int) -> None:
+        while True:
+            changed = await watch.next_change(timeout=self.reverify)
             try:
                 replaced = os.stat(self.directory).st_ino != ino
             except OSError:
                 replaced = True
-            await self.rescan("files changed" if changes else "periodic re-verify")
+            await self.rescan("files changed" if changed else "periodic re-verify")
             if replaced:  # gone or swapped: this watch no longer sees it
                 if not os.path.isdir(self.directory):
                     log.warning("hooks directory %s disappeared: no hooks until it comes back", self.directory,

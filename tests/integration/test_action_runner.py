@@ -1,6 +1,6 @@
 """The hook runner and the hook watcher with real processes and a real directory: separate capped streams (a
 hook printing 100 MiB), the whole process group killed on timeout and cancel (a child that ignores SIGTERM),
-signals, files that cannot run; watchfiles seeing edits, a broken sidecar, and the directory vanishing and
+signals, files that cannot run; the inotify watcher seeing edits, a broken sidecar, and the directory vanishing and
 coming back."""
 
 from __future__ import annotations

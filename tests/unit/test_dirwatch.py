@@ -1,0 +1,87 @@
+"""The hooks directory's inotify watch (plexd/base/dirwatch.py) on a real directory: what it sees, that a burst is
+one change, that a quiet directory times out, and that it says clearly what it cannot watch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import pytest
+
+from plexd.actions.hooks import HookSet
+from plexd.actions.journal import ActionJournal
+from plexd.base.dirwatch import DirectoryWatch
+from plexd.trust.integrity import scan_hooks
+
+
+@pytest.mark.parametrize("change", ["create", "write", "chmod", "rename in", "delete", "directory deleted"])
+async def test_each_kind_of_change_is_seen(tmp_path, change):
+    watched = tmp_path / "d"
+    watched.mkdir()
+    (watched / "old").write_text("x")
+    (tmp_path / "outside").write_text("y")
+    with DirectoryWatch(str(watched), debounce=0.05) as watch:
+        assert await watch.next_change(timeout=0.2) is False  # quiet so far
+        {"create": lambda: (watched / "new").write_text("n"),
+         "write": lambda: (watched / "old").write_text("changed"),
+         "chmod": lambda: (watched / "old").chmod(0o700),
+         "rename in": lambda: (tmp_path / "outside").rename(watched / "moved"),
+         "delete": lambda: (watched / "old").unlink(),
+         "directory deleted": lambda: ((watched / "old").unlink(), watched.rmdir())}[change]()
+        assert await watch.next_change(timeout=5) is True
+
+
+async def test_a_burst_is_one_change_and_a_subdirectory_is_not_watched(tmp_path):
+    (tmp_path / "sub").mkdir()
+    with DirectoryWatch(str(tmp_path), debounce=0.2) as watch:
+        for i in range(50):
+            (tmp_path / f"f{i}").write_text("x")
+        assert await watch.next_change(timeout=5) is True
+        assert await watch.next_change(timeout=0.3) is False  # all 50 went into the one change
+        (tmp_path / "sub" / "deep").write_text("x")
+        assert await watch.next_change(timeout=0.3) is False
+
+
+async def test_a_missing_directory_is_named_and_a_closed_watch_frees_its_descriptor(tmp_path):
+    with pytest.raises(OSError, match=r"cannot watch .*absent: No such file or directory"):
+        DirectoryWatch(str(tmp_path / "absent"))
+    before = len(os.listdir("/proc/self/fd"))
+    watch = DirectoryWatch(str(tmp_path))
+    await watch.next_change(timeout=0.01)
+    watch.close()
+    watch.close()  # twice is harmless
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_without_inotify_the_hooks_are_rescanned_on_a_timer_and_that_is_said_once(tmp_path, monkeypatch, caplog):
+    def no_inotify(directory, **kw):
+        raise OSError(38, f"cannot watch {directory}: inotify_init1: Function not implemented")
+
+    monkeypatch.setattr("plexd.actions.hooks.DirectoryWatch", no_inotify)
+    monkeypatch.setattr("plexd.actions.hooks.POLL", 0.05)
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(mode=0o755)
+    published = []
+
+    async def publish(scan):
+        published.append(sorted(h.name for h in scan.hooks))
+
+    hs = HookSet(str(hooks), ActionJournal(tmp_path / "uplink.db"), scan_hooks(hooks), publish)
+    tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]
+    try:
+        with caplog.at_level(logging.WARNING, logger="plexd.actions.hooks"):
+            await asyncio.sleep(0.2)
+            (hooks / "a.sh").write_text("#!/bin/sh\necho a\n")
+            (hooks / "a.sh").chmod(0o755)
+            for _ in range(100):
+                if published and published[-1] == ["a.sh"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert published[-1] == ["a.sh"]
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    said = [r.getMessage() for r in caplog.records if "cannot be watched" in r.getMessage()]
+    assert len(said) == 1 and "re-scanning it every" in said[0]
