@@ -168,3 +168,10 @@ def self_signed_ca(d: Path) -> tuple[Path, Path]:
     (d / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                                   serialization.NoEncryption()))
     return d / "cert.pem", d / "key.pem"
+
+
+def serving_tls(cert: Path, key: Path) -> ssl.SSLContext:
+    """A server-side TLS context presenting `cert`."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+    return ctx

@@ -10,12 +10,11 @@ import datetime as dt
 import gzip
 import importlib.abc
 import json
-import ssl
 import sys
 from email.utils import format_datetime
 
 import pytest
-from agentcore_recorder import Recorded, Recorder, Reply, self_signed_ca
+from agentcore_recorder import Recorded, Recorder, Reply, self_signed_ca, serving_tls
 
 from plexd import __version__
 from plexd.base.gojson import go_marshal
@@ -462,9 +461,7 @@ def tls_files(tmp_path_factory):
 
 @pytest.fixture
 async def tls_rec(tls_files):
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(*tls_files)
-    async with Recorder(ssl_context=ctx) as server:
+    async with Recorder(ssl_context=serving_tls(*tls_files)) as server:
         yield server
 
 

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 
 import pytest
-from agentcore_recorder import Recorder, Reply, self_signed_ca
+from agentcore_recorder import Recorder, Reply, self_signed_ca, serving_tls
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -240,45 +240,28 @@ def test_any_bytes_from_a_server_give_an_answer_or_an_http_error(data):
 # -- proxies ---------------------------------------------------------------------------------------------------
 
 
-class ConnectProxy:
+class ConnectProxy(RawServer):
     """A real forward proxy: CONNECT tunnels and absolute-form plain requests, recording what it was asked."""
 
     def __init__(self) -> None:
+        super().__init__(self._serve)
         self.asked: list[tuple[str, dict[str, str]]] = []
 
-    async def __aenter__(self) -> ConnectProxy:
-        self._tasks: set[asyncio.Task] = set()
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._tasks.add(asyncio.current_task())
-        try:
-            head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
-            line, *rest = head.split("\r\n")
-            headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in rest if h)}
-            method, target, _ = line.split(" ")
-            self.asked.append((f"{method} {target}", headers))
-            if method == "CONNECT":
-                host, port = target.rsplit(":", 1)
-                up_reader, up_writer = await asyncio.open_connection(host, int(port))
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:  # absolute form: forward the request as it came, to the origin it names
-                host, port = target.split("/")[2].rsplit(":", 1)
-                up_reader, up_writer = await asyncio.open_connection(host, int(port))
-                up_writer.write(head.encode("latin-1"))
-            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        line, *rest = head.split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in rest if h)}
+        method, target, _ = line.split(" ")
+        self.asked.append((f"{method} {target}", headers))
+        if method == "CONNECT":
+            host, port = target.rsplit(":", 1)
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:  # absolute form: forward the request as it came, to the origin it names
+            host, port = target.split("/")[2].rsplit(":", 1)
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+            up_writer.write(head.encode("latin-1"))
+        await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
 
     @staticmethod
     async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
@@ -295,10 +278,8 @@ def tls_files(tmp_path_factory):
 
 
 async def test_https_goes_through_the_environments_proxy_with_connect_and_its_credentials(tls_files):
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(*tls_files)
     trust = ssl.create_default_context(cafile=str(tls_files[0]))
-    async with Recorder(ssl_context=server_ctx) as server, ConnectProxy() as proxy:
+    async with Recorder(ssl_context=serving_tls(*tls_files)) as server, ConnectProxy() as proxy:
         env = {"HTTPS_PROXY": proxy.url.replace("http://", "http://ops:s%3Acret@")}
         async with http11.HTTPClient(tls=trust, env=env) as client:
             status, _, _ = await get(client, server.url + "/v1/ping")
@@ -352,9 +333,7 @@ async def test_a_proxy_that_refuses_connect_is_named():
 
 @pytest.fixture
 async def tls_server(tls_files):
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(*tls_files)
-    async with Recorder(ssl_context=ctx) as server:
+    async with Recorder(ssl_context=serving_tls(*tls_files)) as server:
         yield server
 
 
