@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -50,6 +51,8 @@ class HookSet:
         self.announcements = 0
         self.last_announce_error = ""
         self._unwatchable = ""  # why inotify failed on the directory, once said
+        self._polled: tuple[tuple[Any, ...], ...] | None = None  # the listing last looked at without inotify
+        self._polled_at = float("-inf")
 
     # -- what requests are checked against ----------------------------------------------------------------------
 
@@ -115,33 +118,43 @@ class HookSet:
         """Watch the directory until cancelled (the ``hooks`` service)."""
         while True:
             try:
-                ino = os.stat(self.directory).st_ino
+                identity = _identity(os.stat(self.directory))
             except OSError:
                 await self._wait_for_directory()
                 continue
             try:
                 watch = DirectoryWatch(self.directory)
-            except OSError as exc:  # no inotify here (or no instance left): re-scan on a timer instead
+            except OSError as exc:  # no inotify here, or none left: look at the listing on a timer instead
                 if str(exc) != self._unwatchable:
-                    log.warning("hooks directory %s cannot be watched (%s): re-scanning it every %.0f s instead",
-                                self.directory, exc.strerror or exc, POLL, extra={"component": "hooks"})
+                    log.warning("hooks directory %s cannot be watched (%s): looking at it every %.0f s instead",
+                                self.directory, exc, POLL, extra={"component": "hooks"})
                     self._unwatchable = str(exc)
-                await self.rescan("polled")
-                await asyncio.sleep(POLL)
+                await self._poll_once()
                 continue
             with watch:  # watching before the scan: a change made while it runs is seen after it
                 await self.rescan("watch started")
-                await self._watch_until_replaced(watch, ino)
+                await self._watch_until_replaced(watch, identity)
 
-    async def _watch_until_replaced(self, watch: DirectoryWatch, ino: int) -> None:
+    async def _poll_once(self) -> None:
+        """Without inotify: the directory's listing (names, inodes, sizes, times, modes) every POLL seconds, and a
+        full re-scan (hashes, checks, their log lines) only when it changed, or every `reverify`."""
+        listing = _listing(self.directory)
+        now = time.monotonic()
+        if listing != self._polled or now - self._polled_at >= self.reverify:
+            self._polled, self._polled_at = listing, now
+            await self.rescan("polled")
+        await asyncio.sleep(POLL)
+
+    async def _watch_until_replaced(self, watch: DirectoryWatch, identity: tuple[int, int]) -> None:
         while True:
             changed = await watch.next_change(timeout=self.reverify)
             try:
-                replaced = os.stat(self.directory).st_ino != ino
+                # gone: deleted or moved, even if a new one took its place with the same inode (ext4 reuses them)
+                replaced = watch.gone or _identity(os.stat(self.directory)) != identity
             except OSError:
                 replaced = True
             await self.rescan("files changed" if changed else "periodic re-verify")
-            if replaced:  # gone or swapped: this watch no longer sees it
+            if replaced:  # this watch no longer sees the directory
                 if not os.path.isdir(self.directory):
                     log.warning("hooks directory %s disappeared: no hooks until it comes back", self.directory,
                                 extra={"component": "hooks"})
@@ -209,3 +222,24 @@ def describe_changes(old: HookScan, new: HookScan) -> list[str]:
     refused_before = {r.name: r.reason for r in old.refused}
     lines += [f"{r.name} refused: {r.reason}" for r in new.refused if refused_before.get(r.name) != r.reason]
     return lines
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _listing(directory: str) -> tuple[tuple[Any, ...], ...] | None:
+    """What the directory holds, cheaply: per entry its name and (following a symlink, as a hook may be one) its
+    inode, size, modification time, mode and owner. None when it cannot be read."""
+    try:
+        with os.scandir(directory) as entries:
+            out = []
+            for entry in entries:
+                try:
+                    st = entry.stat()
+                    out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode, st.st_uid))
+                except OSError:
+                    out.append((entry.name,))
+            return tuple(sorted(out))
+    except OSError:
+        return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import random
 from collections import OrderedDict, deque
@@ -360,14 +361,21 @@ class EventStream:
         try:
             # Not httpx-sse: it overwrites Cache-Control with no-store (the wire says no-cache) and its iterator
             # swallows the comment pings the watchdog needs; SSEParser reads the raw bytes instead.
-            async with client.stream("GET", self.url, headers=headers) as response:
-                if not response.is_success:
-                    body = (await _head(response, 200)).decode("utf-8", errors="replace").strip()
-                    raise _Refused(
-                        f"HTTP {response.status_code}{': ' + body if body else ''}",
-                        response.status_code,
-                        parse_retry_after(response.headers.get("retry-after"), datetime.now(UTC)),
-                    )
+            async with contextlib.AsyncExitStack() as stack:
+                try:
+                    # The idle watchdog starts with the stream: until then a server (or a proxy) that takes the
+                    # request and never answers, or stalls a refusal's body, is given as long, not forever.
+                    async with asyncio.timeout(self._idle_timeout):
+                        response = await stack.enter_async_context(client.stream("GET", self.url, headers=headers))
+                        if not response.is_success:
+                            body = (await _head(response, 200)).decode("utf-8", errors="replace").strip()
+                            raise _Refused(
+                                f"HTTP {response.status_code}{': ' + body if body else ''}",
+                                response.status_code,
+                                parse_retry_after(response.headers.get("retry-after"), datetime.now(UTC)),
+                            )
+                except TimeoutError:
+                    raise _Refused(f"no answer within {self._idle_timeout:g} s") from None
                 await self._connected_ok()
                 await self._consume(response)
         except (_Refused, _Disconnected):

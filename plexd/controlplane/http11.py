@@ -117,7 +117,7 @@ class Response:
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body, decoded (gzip, deflate), in chunks of at most DECODED_STEP bytes."""
         encoding = self.headers.get("content-encoding", "").strip().lower()
-        if encoding not in ("gzip", "x-gzip", "deflate"):
+        if encoding not in ("gzip", "x-gzip", "deflate") or self.status_code in (204, 304):
             async for chunk in self._chunks:
                 yield chunk
             return
@@ -150,8 +150,10 @@ class _Decoder:
         # "deflate" comes with and without its zlib header (httpx and browsers accept both): until the first
         # bytes decode, a header error means the raw form
         self._may_be_raw = encoding == "deflate"
+        self._fed = False  # an empty body is empty, whatever its label says
 
     def feed(self, data: bytes) -> Iterator[bytes]:
+        self._fed = self._fed or bool(data)
         try:
             out = self._z.decompress(data, DECODED_STEP)
         except zlib.error as exc:
@@ -172,6 +174,8 @@ class _Decoder:
                 raise DecodingError(f"{self._encoding} body cannot be decoded: {exc}") from None
 
     def finish(self) -> Iterator[bytes]:
+        if not self._fed:
+            return
         try:
             rest = self._z.flush()
         except zlib.error as exc:
@@ -245,9 +249,13 @@ class _Connection:
         self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEADER_BYTES)
         self.idle_since = 0.0
         self.reused = False
+        self.heard = False  # any byte from the server since the request went out
 
     def usable(self, now: float, expiry: float) -> bool:
-        return (now - self.idle_since <= expiry and not self.reader.at_eof()
+        """Young enough, still open, and silent: bytes that came while it sat idle (a 408 before the server
+        closed it, or garbage) are nobody's answer, and would be taken for the next request's."""
+        buffered = getattr(self.reader, "_buffer", b"")  # StreamReader has no public "bytes waiting" call
+        return (now - self.idle_since <= expiry and not buffered and not self.reader.at_eof()
                 and not self.writer.transport.is_closing())
 
     async def close(self) -> None:
@@ -280,11 +288,14 @@ class _Connection:
             except TimeoutError:
                 raise TransportError("read timed out") from None
             except OSError as exc:
-                if not answered:
+                if not answered and not self.heard:
                     raise _ClosedBeforeAnswer("read error", str(exc)) from None
                 raise TransportError("read error", str(exc)) from None
             if not data and not answered:
-                raise _ClosedBeforeAnswer("protocol error", "server disconnected without sending a response")
+                if not self.heard:
+                    raise _ClosedBeforeAnswer("protocol error", "server disconnected without sending a response")
+                raise TransportError("protocol error", "server disconnected in the middle of its answer's head")
+            self.heard = True
             try:
                 self.h11.receive_data(data)
             except h11.RemoteProtocolError as exc:
@@ -324,20 +335,24 @@ class HTTPClient:
         """Send a request and answer once the status line and headers are in; the body streams from the
         Response, which must be closed (`aclose`, or `async with`)."""
         reads = self.read_timeout if isinstance(read_timeout, _Default) else read_timeout
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise TransportError("cannot connect", f"not an http(s) URL: {url!r}")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        proxy = proxy_for(parts.scheme, parts.hostname, self._env)
-        target = parts.path or "/"
-        if parts.query:
-            target += "?" + parts.query
-        if proxy is not None and parts.scheme == "http":
-            target = f"http://{parts.netloc.rpartition('@')[2]}{target}"  # absolute form, to the proxy
-        request = self._request(method, target, parts.scheme, parts.hostname, port, headers or {}, content, proxy)
+        try:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise TransportError("cannot connect", f"not an http(s) URL: {url!r}")
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            proxy = proxy_for(parts.scheme, parts.hostname, self._env)
+            target = parts.path or "/"
+            if parts.query:
+                target += "?" + parts.query
+            if proxy is not None and parts.scheme == "http":
+                target = f"http://{parts.netloc.rpartition('@')[2]}{target}"  # absolute form, to the proxy
+            request = self._request(method, target, parts.scheme, parts.hostname, port, headers or {}, content,
+                                    proxy)
+        except (ValueError, UnicodeError, h11.LocalProtocolError) as exc:  # a port that is no number, a header
+            raise TransportError("bad request", str(exc)) from None          # value with a newline or non-Latin-1
         origin = (parts.scheme, parts.hostname, port)
         for attempt in (1, 2):
-            conn = await self._connection(origin, proxy)
+            conn = await self._connection(origin, proxy, pooled=attempt == 1)
             try:
                 return await self._exchange(conn, origin, request, content, reads)
             except _ClosedBeforeAnswer:
@@ -371,7 +386,9 @@ class HTTPClient:
             wire.append(("Content-Length", str(len(content or b""))))
         if proxy is not None and scheme == "http" and proxy.authorization:
             wire.append(("Proxy-Authorization", proxy.authorization))
-        return h11.Request(method=method, target=target, headers=wire)
+        # Values as Latin-1 bytes: an ETag the server sent with a byte >= 0x80 goes back as it came.
+        return h11.Request(method=method, target=target,
+                           headers=[(k.encode("ascii"), v.encode("latin-1")) for k, v in wire])
 
     async def _exchange(self, conn: _Connection, origin: tuple[str, str, int], request: h11.Request,
                         content: bytes | None, reads: float | None) -> Response:
@@ -405,19 +422,20 @@ class HTTPClient:
     async def _release(self, conn: _Connection, origin: tuple[str, str, int], whole: bool) -> None:
         """Back to the pool when the exchange ended cleanly and both sides may go on; closed otherwise."""
         reusable = (whole and not self._closed and conn.h11.our_state is h11.DONE
-                    and conn.h11.their_state is h11.DONE)
+                    and conn.h11.their_state is h11.DONE and conn.h11.trailing_data == (b"", False))
         idle = self._idle.setdefault(origin, [])
         if not reusable or len(idle) >= MAX_IDLE_PER_ORIGIN:
             await conn.close()
             return
         conn.h11.start_next_cycle()
-        conn.idle_since, conn.reused = time.monotonic(), True
+        conn.idle_since, conn.reused, conn.heard = time.monotonic(), True, False
         idle.append(conn)
 
     # -- connecting ---------------------------------------------------------------------------------------------
 
-    async def _connection(self, origin: tuple[str, str, int], proxy: _Proxy | None) -> _Connection:
-        idle = self._idle.get(origin, [])
+    async def _connection(self, origin: tuple[str, str, int], proxy: _Proxy | None, *,
+                          pooled: bool = True) -> _Connection:
+        idle = self._idle.get(origin, []) if pooled else []
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -430,7 +448,10 @@ class HTTPClient:
                 return await self._open(scheme, host, port, proxy)
         except TimeoutError:
             raise TransportError("connect timed out") from None
-        except (OSError, ssl.SSLError) as exc:  # ssl.SSLCertVerificationError included
+        except ssl.SSLCertVerificationError as exc:
+            raise TransportError("cannot connect", f"{exc} (checked against api.tls.ca_file when set, else the "
+                                                   "system's trust store: Debian's ca-certificates)") from None
+        except (OSError, ssl.SSLError) as exc:
             raise TransportError("cannot connect", str(exc)) from None
 
     async def _open(self, scheme: str, host: str, port: int, proxy: _Proxy | None) -> _Connection:

@@ -130,8 +130,11 @@ async def _metadata_token(base_url: str) -> str | None:
                 log.info("metadata service has no bootstrap token (HTTP %d)", status)
                 return None
             return text
-    except (http11.HTTPError, TimeoutError) as exc:
-        log.info("metadata service at %s unavailable: %s", base, exc or "no answer in time")
+    except http11.HTTPError as exc:
+        log.info("metadata service at %s unavailable: %s", base, exc)
+        return None
+    except TimeoutError:
+        log.info("metadata service at %s unavailable: no answer within %.0f s", base, METADATA_DEADLINE)
         return None
 
 

@@ -368,3 +368,82 @@ async def test_the_default_trust_store_is_looked_up_lazily_and_the_environment_r
 async def test_a_directory_without_hash_links_is_not_taken_for_a_store(tmp_path):
     (tmp_path / "ca.pem").write_text("x")
     assert not http11._hashed(str(tmp_path)) and not http11._hashed(str(tmp_path / "absent"))
+
+
+# -- what the review found ---------------------------------------------------------------------------------------
+
+
+async def test_bytes_after_an_answer_or_while_idle_are_nobodys_answer():
+    async def handle(reader, writer, n):
+        await read_request(reader)
+        if n == 1:
+            writer.write(answer(b"first") + b"STALE")  # more than the answer, in the same write
+        elif n == 2:
+            writer.write(answer(b"second"))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")  # said while idle
+        else:
+            writer.write(answer(f"fresh {n}".encode()))
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with RawServer(handle) as server, http11.HTTPClient() as client:
+        assert (await get(client, server.url))[2] == b"first"
+        assert (await get(client, server.url))[2] == b"second"  # not b"STALE..." on connection 1
+        await asyncio.sleep(0.3)
+        status, _, body = await get(client, server.url)
+        assert (status, body) == (200, b"fresh 3")  # not the 408 that connection 2 said while idle
+        assert server.connections == 3
+
+
+@pytest.mark.parametrize("status", [200, 204, 304])
+async def test_an_empty_body_labelled_gzip_is_empty(status):
+    async def handle(reader, writer, n):
+        await read_request(reader)
+        length = "" if status in (204, 304) else "Content-Length: 0\r\n"
+        writer.write(f"HTTP/1.1 {status} X\r\nContent-Encoding: gzip\r\n{length}\r\n".encode())
+        await writer.drain()
+
+    async with RawServer(handle) as server, http11.HTTPClient() as client:
+        assert (await get(client, server.url))[::2] == (status, b"")
+
+
+async def test_a_reused_connection_cut_in_the_middle_of_an_answer_is_not_sent_again():
+    async def handle(reader, writer, n):
+        await read_request(reader)
+        writer.write(answer(b"one"))
+        await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 20")  # part of a head, then gone: the request may have been acted on
+
+    async with RawServer(handle) as server, http11.HTTPClient() as client:
+        await get(client, server.url)
+        with pytest.raises(http11.TransportError, match="in the middle of its answer"):
+            await get(client, server.url)
+        assert server.connections == 1
+
+
+async def test_request_input_it_cannot_send_is_a_transport_error_and_latin_1_goes_out_as_it_came():
+    heads = []
+
+    async def handle(reader, writer, n):
+        heads.append(await read_request(reader))
+        writer.write(answer())
+        await writer.drain()
+
+    async with RawServer(handle) as server, http11.HTTPClient() as client:
+        for headers in ({"X": "a\r\nInjected: 1"}, {"X": "€"}):
+            with pytest.raises(http11.TransportError, match="bad request"):
+                await get(client, server.url, headers=headers)
+        await get(client, server.url, headers={"If-None-Match": '"caf\xe9"'})
+        assert b'If-None-Match: "caf\xe9"' in heads[-1] and len(heads) == 1
+    async with http11.HTTPClient(env={"HTTP_PROXY": "http://proxy:notaport"}) as client:
+        with pytest.raises(http11.TransportError, match="bad request"):
+            await get(client, "http://127.0.0.1:1/")
+
+
+async def test_a_certificate_the_trust_store_does_not_know_says_where_trust_comes_from(tls_server):
+    async with http11.HTTPClient() as client:
+        with pytest.raises(http11.TransportError, match=r"CERTIFICATE_VERIFY_FAILED.*api.tls.ca_file.*ca-certificates"):
+            await get(client, tls_server.url + "/")

@@ -54,7 +54,7 @@ async def test_a_missing_directory_is_named_and_a_closed_watch_frees_its_descrip
     assert len(os.listdir("/proc/self/fd")) == before
 
 
-async def test_without_inotify_the_hooks_are_rescanned_on_a_timer_and_that_is_said_once(tmp_path, monkeypatch, caplog):
+async def test_without_inotify_the_listing_is_polled_and_only_a_change_rescans(tmp_path, monkeypatch, caplog):
     def no_inotify(directory, **kw):
         raise OSError(38, f"cannot watch {directory}: inotify_init1: Function not implemented")
 
@@ -62,6 +62,8 @@ async def test_without_inotify_the_hooks_are_rescanned_on_a_timer_and_that_is_sa
     monkeypatch.setattr("plexd.actions.hooks.POLL", 0.05)
     hooks = tmp_path / "hooks"
     hooks.mkdir(mode=0o755)
+    (hooks / "bad.sh").write_text("#!/bin/sh\n")
+    (hooks / "bad.sh").chmod(0o777)  # refused, with a warning at each scan
     published = []
 
     async def publish(scan):
@@ -70,8 +72,9 @@ async def test_without_inotify_the_hooks_are_rescanned_on_a_timer_and_that_is_sa
     hs = HookSet(str(hooks), ActionJournal(tmp_path / "uplink.db"), scan_hooks(hooks), publish)
     tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]
     try:
-        with caplog.at_level(logging.WARNING, logger="plexd.actions.hooks"):
-            await asyncio.sleep(0.2)
+        with caplog.at_level(logging.WARNING):
+            await asyncio.sleep(1.0)  # ~20 polls of an unchanged directory
+            quiet_scans = hs.scans
             (hooks / "a.sh").write_text("#!/bin/sh\necho a\n")
             (hooks / "a.sh").chmod(0o755)
             for _ in range(100):
@@ -83,5 +86,56 @@ async def test_without_inotify_the_hooks_are_rescanned_on_a_timer_and_that_is_sa
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    said = [r.getMessage() for r in caplog.records if "cannot be watched" in r.getMessage()]
-    assert len(said) == 1 and "re-scanning it every" in said[0]
+    assert quiet_scans == 1  # the first look only: an unchanged listing is not re-scanned
+    said = [r.getMessage() for r in caplog.records]
+    assert len([m for m in said if "cannot be watched" in m]) == 1
+    # once per scan that saw it: the test's own, the first look and the change (not at each of ~20 polls)
+    assert len([m for m in said if "bad.sh" in m]) <= 3
+
+
+async def test_a_directory_deleted_and_made_again_in_place_is_seen_as_gone(tmp_path):
+    watched = tmp_path / "d"
+    watched.mkdir()
+    ino = watched.stat().st_ino
+    with DirectoryWatch(str(watched), debounce=0.05) as watch:
+        watched.rmdir()
+        watched.mkdir()  # ext4 often hands the same inode back: the inode alone cannot tell
+        assert await watch.next_change(timeout=5) is True and watch.gone
+    with DirectoryWatch(str(watched), debounce=0.05) as watch:
+        (watched / "new").write_text("x")
+        assert await watch.next_change(timeout=5) is True and not watch.gone
+    assert isinstance(ino, int)
+
+
+async def test_a_file_is_not_a_directory_to_watch(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(OSError, match="Not a directory"):
+        DirectoryWatch(str(tmp_path / "f"))
+
+
+async def test_hooks_in_a_directory_made_again_in_place_are_seen(tmp_path):
+    hooks = tmp_path / "hooks"
+    hooks.mkdir(mode=0o755)
+    published = []
+
+    async def publish(scan):
+        published.append(sorted(h.name for h in scan.hooks))
+
+    hs = HookSet(str(hooks), ActionJournal(tmp_path / "uplink.db"), scan_hooks(hooks), publish)
+    tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]
+    try:
+        await asyncio.sleep(0.3)
+        hooks.rmdir()
+        hooks.mkdir(mode=0o755)
+        await asyncio.sleep(1.0)  # the old watch reported the directory gone; a new one is on the new directory
+        (hooks / "a.sh").write_text("#!/bin/sh\necho a\n")
+        (hooks / "a.sh").chmod(0o755)
+        for _ in range(60):
+            if published and published[-1] == ["a.sh"]:
+                break
+            await asyncio.sleep(0.05)
+        assert published[-1] == ["a.sh"]  # within 3 s, not at the 5-minute re-verify
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

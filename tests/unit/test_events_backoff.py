@@ -85,7 +85,8 @@ class ScriptedClient:
 
     @contextlib.asynccontextmanager
     async def stream(self, method: str, url: str, *, headers: dict[str, str]) -> AsyncIterator[http11.Response]:
-        yield self.server.handler(Request(method, url, http11.Headers(headers)))
+        answer = self.server.handler(Request(method, url, http11.Headers(headers)))
+        yield await answer if asyncio.iscoroutine(answer) else answer  # a coroutine: an answer that takes time
 
 
 def make_stream(tmp_path, clock, server, **kw):
@@ -205,6 +206,20 @@ async def test_network_errors_back_off_too(tmp_path, clock):
         clock.advance(1)
         assert await next_sleep(stream, 2) == 2
         assert calls["connected"] == 0
+    finally:
+        await stop(task)
+
+
+async def test_a_server_that_takes_the_request_and_never_answers_is_a_failed_attempt(tmp_path, clock, caplog):
+    async def never():
+        await asyncio.Event().wait()
+
+    stream, calls = make_stream(tmp_path, clock, Server(lambda r, n: never()), idle_timeout=0.2)
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == 1  # backed off like any refusal, after the 0.2 s (real time) deadline
+        assert calls["connected"] == 0
+        assert any("no answer within 0.2 s" in r.getMessage() for r in caplog.records)
     finally:
         await stop(task)
 
