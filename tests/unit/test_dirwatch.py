@@ -4,6 +4,7 @@ one change, that a quiet directory times out, and that it says clearly what it c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -13,6 +14,40 @@ from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal
 from plexd.base.dirwatch import DirectoryWatch
 from plexd.trust.integrity import scan_hooks
+
+
+def hook_set(hooks, tmp_path) -> tuple[HookSet, list[list[str]]]:
+    """A hook set over `hooks` and the list of what it announced (hook names, per announcement)."""
+    published: list[list[str]] = []
+
+    async def publish(scan):
+        published.append(sorted(h.name for h in scan.hooks))
+
+    return HookSet(str(hooks), ActionJournal(tmp_path / "uplink.db"), scan_hooks(hooks), publish), published
+
+
+@contextlib.asynccontextmanager
+async def watching(hs: HookSet):
+    tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def announced(published: list[list[str]], names: list[str], seconds: float) -> None:
+    for _ in range(int(seconds / 0.05)):
+        if published and published[-1] == names:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{names} not announced within {seconds} s: {published}")
+
+
+def add_hook(hooks, name: str) -> None:
+    (hooks / name).write_text("#!/bin/sh\necho hi\n")
+    (hooks / name).chmod(0o755)
 
 
 @pytest.mark.parametrize("change", ["create", "write", "chmod", "rename in", "delete", "directory deleted"])
@@ -64,28 +99,13 @@ async def test_without_inotify_the_listing_is_polled_and_only_a_change_rescans(t
     hooks.mkdir(mode=0o755)
     (hooks / "bad.sh").write_text("#!/bin/sh\n")
     (hooks / "bad.sh").chmod(0o777)  # refused, with a warning at each scan
-    published = []
-
-    async def publish(scan):
-        published.append(sorted(h.name for h in scan.hooks))
-
-    hs = HookSet(str(hooks), ActionJournal(tmp_path / "uplink.db"), scan_hooks(hooks), publish)
-    tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]
-    try:
-        with caplog.at_level(logging.WARNING):
+    hs, published = hook_set(hooks, tmp_path)
+    with caplog.at_level(logging.WARNING):
+        async with watching(hs):
             await asyncio.sleep(1.0)  # ~20 polls of an unchanged directory
             quiet_scans = hs.scans
-            (hooks / "a.sh").write_text("#!/bin/sh\necho a\n")
-            (hooks / "a.sh").chmod(0o755)
-            for _ in range(100):
-                if published and published[-1] == ["a.sh"]:
-                    break
-                await asyncio.sleep(0.05)
-            assert published[-1] == ["a.sh"]
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+            add_hook(hooks, "a.sh")
+            await announced(published, ["a.sh"], 5)
     assert quiet_scans == 1  # the first look only: an unchanged listing is not re-scanned
     said = [r.getMessage() for r in caplog.records]
     assert len([m for m in said if "cannot be watched" in m]) == 1
@@ -116,26 +136,11 @@ async def test_a_file_is_not_a_directory_to_watch(tmp_path):
 async def test_hooks_in_a_directory_made_again_in_place_are_seen(tmp_path):
     hooks = tmp_path / "hooks"
     hooks.mkdir(mode=0o755)
-    published = []
-
-    async def publish(scan):
-        published.append(sorted(h.name for h in scan.hooks))
-
-    hs = HookSet(str(hooks), ActionJournal(tmp_path / "uplink.db"), scan_hooks(hooks), publish)
-    tasks = [asyncio.create_task(hs.watch()), asyncio.create_task(hs.announce())]
-    try:
+    hs, published = hook_set(hooks, tmp_path)
+    async with watching(hs):
         await asyncio.sleep(0.3)
         hooks.rmdir()
         hooks.mkdir(mode=0o755)
         await asyncio.sleep(1.0)  # the old watch reported the directory gone; a new one is on the new directory
-        (hooks / "a.sh").write_text("#!/bin/sh\necho a\n")
-        (hooks / "a.sh").chmod(0o755)
-        for _ in range(60):
-            if published and published[-1] == ["a.sh"]:
-                break
-            await asyncio.sleep(0.05)
-        assert published[-1] == ["a.sh"]  # within 3 s, not at the 5-minute re-verify
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        add_hook(hooks, "a.sh")
+        await announced(published, ["a.sh"], 3)  # not at the 5-minute re-verify
