@@ -265,7 +265,17 @@ def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, r
     # 30 s, not 15: when the first handshakes cross anyway (a CI run saw one after both endpoints and a handshake
     # were in place: each side then holds a session the other dropped), WireGuard itself starts over only after
     # 15 s of sending without an answer (KEEPALIVE_TIMEOUT + REKEY_TIMEOUT).
-    first_ping(lab, a.node, b.mesh_ip(), 30, [a, b])
+    # And both ways, as real traffic goes: with a pinging alone, b's persistent keepalives reached a (any
+    # authenticated packet stops a's "no answer" timer, so a never started over) while b dropped a's packets, for
+    # all 30 s (twice in stop 45's full runs: b's received bytes stayed at the handshake's). b sending too sees no
+    # answer, and b starts the handshake over.
+    back = subprocess.Popen(b.node.wrap(["ping", "-n", "-q", "-i", "0.2", "-w", str(int(scaled(30))), a.mesh_ip()]),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        first_ping(lab, a.node, b.mesh_ip(), 30, [a, b])
+    finally:
+        back.kill()
+        back.wait()
     return a, b
 
 
