@@ -7,8 +7,8 @@ multipart, auth flows). h11 is already loaded for the node API server; asyncio a
 What it does, and all it does:
 - one request per connection at a time, idle connections kept per origin for `keepalive_expiry` seconds
   (5 s, as httpx did: longer than most servers' own idle timeouts would only meet closed sockets) and dropped
-  once the server has closed them; a request that meets a connection closed under it, before any byte of an
-  answer, is sent once more on a new one;
+  once the server has closed them; an idempotent request (GET, PUT, ...) that meets a connection closed under
+  it, before any byte of an answer, is sent once more on a new one (a POST is not: see IDEMPOTENT);
 - a connect deadline (TCP and TLS handshake), a deadline per read and per write (`None`: wait forever, for the
   event stream, whose idle watchdog decides), and the caller's own total deadline around it;
 - TLS with the caller's `ssl.SSLContext` (server name checked), or the system's trust store by default, read
@@ -44,6 +44,9 @@ DECODED_STEP = 256 * 1024  # the most one decompression step may produce
 KEEPALIVE_EXPIRY = 5.0
 MAX_IDLE_PER_ORIGIN = 4
 MAX_HEADER_BYTES = 64 * 1024
+# Sent again after a kept-alive connection closed under them: the server may have acted on a POST before closing
+# (a registration spends its one-time token), so a POST's caller sees the error and retries by its own rules.
+IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
 
 
 class _Default:
@@ -357,7 +360,7 @@ class HTTPClient:
                 return await self._exchange(conn, origin, request, content, reads)
             except _ClosedBeforeAnswer:
                 await conn.close()
-                if not conn.reused or attempt == 2:
+                if not conn.reused or attempt == 2 or method not in IDEMPOTENT:
                     raise
             except BaseException:
                 await conn.close()

@@ -103,6 +103,21 @@ async def test_a_kept_alive_connection_the_server_closed_is_replaced_and_the_req
         assert server.connections == 2
 
 
+async def test_a_post_is_not_sent_again_the_server_may_have_acted_on_it():
+    async def handle(reader, writer, n):
+        await read_request(reader)
+        writer.write(answer(b"first"))
+        await writer.drain()
+        await read_request(reader)  # the POST arrives on the kept-alive connection, and the server closes
+
+    async with RawServer(handle) as server, http11.HTTPClient() as client:
+        await get(client, server.url)
+        with pytest.raises(http11.TransportError, match="server disconnected without sending a response"):
+            async with client.stream("POST", server.url, content=b"{}"):
+                pass
+        assert server.connections == 1
+
+
 async def test_a_new_connection_closed_before_the_answer_is_an_error_not_a_retry():
     async def handle(reader, writer, n):
         await read_request(reader)
