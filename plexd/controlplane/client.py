@@ -542,16 +542,10 @@ async def _read_capped(response: http11.Response, what: str, limit: int = MAX_RE
                        truncate: bool = False) -> bytes:
     """The (decompressed) body, at most `limit` bytes: beyond it, an error, or the first `limit` bytes when
     `truncate` (error bodies only need their start)."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in response.aiter_bytes():
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > limit:
-            if truncate:
-                break
-            raise BadResponseError(what, response.status_code, f"response larger than {limit} bytes")
-    return b"".join(chunks)[:limit]
+    try:
+        return await response.aread(limit, truncate=truncate)
+    except http11.BodyTooLarge as exc:
+        raise BadResponseError(what, response.status_code, str(exc)) from None
 
 
 def _error_message(body: bytes) -> str:

@@ -56,16 +56,6 @@ def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) ->
                              read_timeout=None, write_timeout=10.0)
 
 
-async def _head(response: http11.Response, limit: int) -> bytes:
-    """The first `limit` bytes of a body (a refusal's reason), however long the server goes on."""
-    head = b""
-    async for chunk in response.aiter_bytes():
-        head += chunk
-        if len(head) >= limit:
-            break
-    return head[:limit]
-
-
 class _Disconnected(Exception):
     """The stream was open and has ended (EOF, read error or idle watchdog)."""
 
@@ -368,7 +358,7 @@ class EventStream:
                     async with asyncio.timeout(self._idle_timeout):
                         response = await stack.enter_async_context(client.stream("GET", self.url, headers=headers))
                         if not response.is_success:
-                            body = (await _head(response, 200)).decode("utf-8", errors="replace").strip()
+                            body = (await response.aread(200, truncate=True)).decode("utf-8", errors="replace").strip()
                             raise _Refused(
                                 f"HTTP {response.status_code}{': ' + body if body else ''}",
                                 response.status_code,

@@ -19,8 +19,8 @@ What it does, and all it does:
   `HTTP_PROXY` (absolute-form requests), `ALL_PROXY`, `NO_PROXY`; `http://` proxies, with optional
   `user:password@` (Basic).
 
-Errors are `TransportError` (with a `kind` a person reads: "cannot connect", "read timed out", ...) and
-`DecodingError`; both are `HTTPError`.
+Errors are `TransportError` (with a `kind` a person reads: "cannot connect", "read timed out", ...),
+`DecodingError` and `BodyTooLarge`; all are `HTTPError`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ DECODED_STEP = 256 * 1024  # the most one decompression step may produce
 KEEPALIVE_EXPIRY = 5.0
 MAX_IDLE_PER_ORIGIN = 4
 MAX_HEADER_BYTES = 64 * 1024
+DEFAULT_PORTS = {"http": 80, "https": 443}
 # Sent again after a kept-alive connection closed under them: the server may have acted on a POST before closing
 # (a registration spends its one-time token), so a POST's caller sees the error and retries by its own rules.
 IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
@@ -70,6 +71,10 @@ class TransportError(HTTPError):
 
 class DecodingError(HTTPError):
     """A body labelled with an encoding it does not have."""
+
+
+class BodyTooLarge(HTTPError):
+    """A body past the size its reader allows (`Response.aread`'s limit)."""
 
 
 class _ClosedBeforeAnswer(TransportError):
@@ -131,8 +136,20 @@ class Response:
         for piece in decoder.finish():
             yield piece
 
-    async def aread(self) -> bytes:
-        return b"".join([chunk async for chunk in self.aiter_bytes()])
+    async def aread(self, limit: int | None = None, *, truncate: bool = False) -> bytes:
+        """The body, decoded. With `limit`, at most that many bytes: past it `BodyTooLarge`, or, with `truncate`,
+        its first `limit` bytes without waiting for the rest (a refusal's reason needs only its start)."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self.aiter_bytes():
+            chunks.append(chunk)
+            size += len(chunk)
+            if limit is not None and size >= limit:
+                if truncate:
+                    break
+                if size > limit:
+                    raise BodyTooLarge(f"response larger than {limit} bytes")
+        return b"".join(chunks)[:limit]
 
     async def aclose(self) -> None:
         if self._close is not None:
@@ -157,24 +174,21 @@ class _Decoder:
 
     def feed(self, data: bytes) -> Iterator[bytes]:
         self._fed = self._fed or bool(data)
-        try:
-            out = self._z.decompress(data, DECODED_STEP)
-        except zlib.error as exc:
-            if self._may_be_raw:
-                self._z, self._may_be_raw = zlib.decompressobj(-zlib.MAX_WBITS), False
-                yield from self.feed(data)
-                return
-            raise DecodingError(f"{self._encoding} body cannot be decoded: {exc}") from None
-        self._may_be_raw = False
+        if self._may_be_raw:
+            self._may_be_raw = False
+            try:
+                out = self._z.decompress(data, DECODED_STEP)
+            except zlib.error:
+                self._z = zlib.decompressobj(-zlib.MAX_WBITS)
+                out = self._step(data)
+        else:
+            out = self._step(data)
         while True:
             if out:
                 yield out
             if not self._z.unconsumed_tail:
                 return
-            try:
-                out = self._z.decompress(self._z.unconsumed_tail, DECODED_STEP)
-            except zlib.error as exc:
-                raise DecodingError(f"{self._encoding} body cannot be decoded: {exc}") from None
+            out = self._step(self._z.unconsumed_tail)
 
     def finish(self) -> Iterator[bytes]:
         if not self._fed:
@@ -182,11 +196,20 @@ class _Decoder:
         try:
             rest = self._z.flush()
         except zlib.error as exc:
-            raise DecodingError(f"{self._encoding} body cannot be decoded: {exc}") from None
+            raise self._broken(exc) from None
         if rest:
             yield rest
         if not self._z.eof:
             raise DecodingError(f"{self._encoding} body ends before its compressed stream does")
+
+    def _step(self, data: bytes) -> bytes:
+        try:
+            return self._z.decompress(data, DECODED_STEP)
+        except zlib.error as exc:
+            raise self._broken(exc) from None
+
+    def _broken(self, exc: zlib.error) -> DecodingError:
+        return DecodingError(f"{self._encoding} body cannot be decoded: {exc}")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -342,7 +365,7 @@ class HTTPClient:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise TransportError("cannot connect", f"not an http(s) URL: {url!r}")
-            port = parts.port or (443 if parts.scheme == "https" else 80)
+            port = parts.port or DEFAULT_PORTS[parts.scheme]
             proxy = proxy_for(parts.scheme, parts.hostname, self._env)
             target = parts.path or "/"
             if parts.query:
@@ -381,9 +404,7 @@ class HTTPClient:
 
     def _request(self, method: str, target: str, scheme: str, host: str, port: int, headers: Mapping[str, str],
                  content: bytes | None, proxy: _Proxy | None) -> h11.Request:
-        default_port = 443 if scheme == "https" else 80
-        name = f"[{host}]" if ":" in host else host
-        wire = [("Host", name if port == default_port else f"{name}:{port}")]
+        wire = [("Host", _host_text(host) if port == DEFAULT_PORTS[scheme] else _authority(host, port))]
         wire += [(k, v) for k, v in headers.items() if k.lower() not in ("host", "content-length")]
         if content is not None or method in ("POST", "PUT", "PATCH"):
             wire.append(("Content-Length", str(len(content or b""))))
@@ -475,10 +496,18 @@ class HTTPClient:
         return _Connection(reader, writer)
 
 
+def _host_text(host: str) -> str:
+    return f"[{host}]" if ":" in host else host  # an IPv6 address in brackets
+
+
+def _authority(host: str, port: int) -> str:
+    return f"{_host_text(host)}:{port}"
+
+
 async def _connect_tunnel(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str, port: int,
                           proxy: _Proxy) -> None:
     """CONNECT host:port through the proxy; raises unless it answers 2xx."""
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    authority = _authority(host, port)
     lines = [f"CONNECT {authority} HTTP/1.1", f"Host: {authority}"]
     if proxy.authorization:
         lines.append(f"Proxy-Authorization: {proxy.authorization}")

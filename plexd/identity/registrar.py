@@ -58,6 +58,7 @@ from plexd.identity.store import (
 log = logging.getLogger(__name__)
 
 MAX_TOKEN_BYTES = 512
+TOKEN_FILE_LIMIT = 64 * 1024  # what is read of a token's file or metadata answer (a token is checked after)
 METADATA_TIMEOUT = 2.0
 METADATA_DEADLINE = 10.0  # both requests of the IMDS flow, however slowly a server drips its answer
 
@@ -101,7 +102,7 @@ def read_token_file(path: str) -> str | None:
     """The file's content, None if it does not exist; other errors name the path and errno."""
     try:
         with open(path, "rb") as fh:
-            data = fh.read(64 * 1024)
+            data = fh.read(TOKEN_FILE_LIMIT)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -139,13 +140,9 @@ async def _metadata_token(base_url: str) -> str | None:
 
 
 async def _metadata_get(http: http11.HTTPClient, method: str, url: str, headers: Mapping[str, str]) -> tuple[int, str]:
-    """(status, body text) of one metadata request; the body capped at 64 KiB, as a token file is."""
+    """(status, body text) of one metadata request; the body capped as a token file is."""
     async with http.stream(method, url, headers=headers) as response:
-        body = b""
-        async for chunk in response.aiter_bytes():
-            body += chunk
-            if len(body) > 64 * 1024:
-                raise http11.HTTPError("metadata answer larger than 64 KiB")
+        body = await response.aread(TOKEN_FILE_LIMIT)
         return response.status_code, body.decode("utf-8", errors="replace")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import stat
 
 import pytest
@@ -299,3 +300,15 @@ async def test_metadata_service_disabled_by_default_and_failure_is_unavailable(t
             with pytest.raises(TokenError, match="no bootstrap token"):
                 await Registrar(config, client, clock=clock, env={}).ensure_registered()
         assert [r.path for r in imds.requests] == ["/latest/api/token", "/plexd/bootstrap-token"]
+
+
+async def test_a_metadata_answer_past_the_token_file_limit_is_unavailable(tmp_path, clock, caplog):
+    caplog.set_level(logging.INFO, logger="plexd.identity.registrar")
+    async with Recorder() as imds:
+        imds.route("GET", "/plexd/bootstrap-token", Reply(200, "t" * (64 * 1024 + 1), {"Content-Type": "text/plain"}))
+        config = make_config(tmp_path, "http://127.0.0.1:9", PLEXD_TOKEN_USE_METADATA="1",
+                             PLEXD_TOKEN_METADATA_URL=imds.url)
+        async with ControlPlaneClient(config.api.url) as client:
+            with pytest.raises(TokenError, match="no bootstrap token"):
+                await Registrar(config, client, clock=clock, env={}).ensure_registered()
+    assert any("unavailable: response larger than 65536 bytes" in r.getMessage() for r in caplog.records)
