@@ -61,8 +61,11 @@ class FirstContact:
         return held is not None and change.have == 0 and change.want == held[0]
 
     def applied(self, changes: Iterable[Change]) -> None:
-        """Forget held peers these applied changes removed, renamed or set the keepalive of."""
+        """Forget held peers these applied changes removed, renamed or set the keepalive of (not to the held value
+        from off: that is the change the hold itself keeps off until its kick)."""
         for c in changes:
+            if isinstance(c, PeerKeepaliveChanged) and self.hides(c):
+                continue
             if isinstance(c, PeerRemoved | PeerKeepaliveChanged):
                 self.held.pop(c.public_key, None)
             elif isinstance(c, PeerKeyChanged):

@@ -205,8 +205,9 @@ def wg_lines(caplog, node) -> list[tuple[float, str]]:
 
 
 async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(pair, caplog, monkeypatch) -> None:
-    """Both nodes configure each other at the same moment, as one control-plane event makes them. Only the node
-    with the lower public key initiates; the other answers, and kicks its own keepalive a beat later
+    """Both nodes configure each other at the same moment, as one control-plane event makes them (a new peer with
+    its endpoint, or the endpoint of a peer already known, in turn). Only the node with the lower public key
+    initiates; the other answers, and kicks its own keepalive a beat later
     (`plexd.mesh.first_contact`). If both initiated, both would drop the answer to their own initiation
     ("Received invalid response message") and the tunnel would wait for WireGuard's 5 s retry."""
     lab, a, b = pair
@@ -219,7 +220,13 @@ async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(p
         assert (await n.converger.converge(n.desired([]))).ok  # both devices up, as for nodes already meshed
     leader, follower = sorted((a, b), key=lambda n: n.public_key)
     caplog.set_level(logging.INFO, logger="plexd.mesh.wireguard.userspace")
-    for meeting in range(4):  # each meeting is a race without the rule; four make a miss unlikely
+    for meeting in range(6):  # each meeting is a race without the rule; six make a miss unlikely
+        if meeting % 2:
+            # The events' path: each knows the other first without an endpoint (its keepalive off on the device),
+            # then both endpoints come at once: keepalive 0 -> 25 with the endpoint must not kick the follower.
+            for n, other in ((a, b), (b, a)):
+                assert (await n.converger.converge(n.desired([]).with_peer(replace(other.as_peer(),
+                                                                                   endpoint="")))).ok
         caplog.clear()
         results = await asyncio.gather(a.converger.converge(a.desired([b])), b.converger.converge(b.desired([a])))
         assert all(r.ok for r in results)
@@ -264,3 +271,37 @@ async def test_a_follower_whose_leader_cannot_reach_it_still_starts_the_tunnel(p
     assert dump[leader.public_key][7] == "25"
     # the leader learnt the follower's endpoint from its initiation
     assert await asyncio.to_thread(ping, lab, leader, follower.mesh_ip)
+
+
+async def test_a_new_private_key_sends_its_handshake_initiation_at_once_and_the_peer_then_leads(
+        pair, caplog, monkeypatch) -> None:
+    """A key rotation's order (`plexd.node.key_rotation`): this device takes the new key, then the peer learns
+    it and initiates. The converge that swaps the key kicks every peer, so our initiation under the new key goes
+    out then, with no traffic, before the peer knows the key (it drops it), and WireGuard sends no other to it
+    for 5 s. Our first data packet would otherwise start one whenever it came, and if that was after the peer
+    had learnt the key, the two initiations crossed and both were dropped (the rotation lab lost 4 s of pings)."""
+    lab, a, b = pair
+    monkeypatch.setattr(userspace, "OUTPUT_POLL", 0.01)
+    monkeypatch.setattr(userspace, "OUTPUT_POLL_QUIET", 0.01)
+    a.backend.env["LOG_LEVEL"] = "verbose"
+    caplog.set_level(logging.INFO, logger="plexd.mesh.wireguard.userspace")
+    for n, other in ((a, b), (b, a)):
+        assert (await n.converger.converge(n.desired([other]))).ok
+    assert await asyncio.to_thread(ping, lab, a, b.mesh_ip)
+    await asyncio.sleep(0.2)
+    caplog.clear()
+
+    a.private_key, a.public_key = keypair()
+    r = await a.converger.converge(a.desired([b]))
+    assert r.ok and "private_key_updated" in {c.correction_type for c in r.changes}
+    await wait_for(lambda: any("Sending handshake initiation" in m for _, m in wg_lines(caplog, a)), 5,
+                   "a's handshake initiation under its new key, with no traffic to start one")
+    await asyncio.sleep(0.2)  # b has dropped it: a key it does not know
+    assert not any("Received handshake response" in m for _, m in wg_lines(caplog, a))
+
+    # b learns the key: the peer re-added under it initiates at once, a answers, and traffic flows at once
+    assert (await b.converger.converge(b.desired([a]))).ok
+    assert lab.exec(a.lab_node, ["ping", "-c", "1", "-w", "3", "-i", "0.2", b.mesh_ip], check=False).returncode == 0
+    lines = [m for _, m in wg_lines(caplog, a)]
+    assert any("Received handshake initiation" in m for m in lines), lines
+    assert not any("invalid response" in m for m in lines), lines

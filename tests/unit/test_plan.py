@@ -26,6 +26,7 @@ from plexd.mesh.plan import (
     PeerKeyChanged,
     PeerPskChanged,
     PeerRemoved,
+    PrivateKeyWrong,
     RouteExtra,
     RouteMissing,
     UserspaceProcessGone,
@@ -33,6 +34,7 @@ from plexd.mesh.plan import (
     diff,
     first_contacts,
     link_ops,
+    rekey_kicks,
     simulate,
     target,
 )
@@ -212,8 +214,47 @@ def test_first_contacts_are_the_changes_that_make_wireguard_handshake_and_held_o
     obs = replace(converged(state([PA])), device=DeviceConfig(peers={KEYS[1]: moved}))
     (c,) = [c for c in diff(state([PA]), obs, NOW) if isinstance(c, PeerEndpointChanged)]
     assert first_contacts([c]) == {KEYS[1]: 25}
-    (only,) = device_update([c], held={KEYS[1]}).peers  # the endpoint without the off-and-on toggle
-    assert (only.endpoint, only.persistent_keepalive) == ("10.0.0.2:51820", 25)
+    (only,) = device_update([c], held={KEYS[1]}).peers  # the endpoint without the off-and-on toggle, and off
+    assert (only.endpoint, only.persistent_keepalive) == ("10.0.0.2:51820", 0)
+
+
+def test_a_held_peer_known_before_its_endpoint_is_not_kicked_when_the_endpoint_arrives() -> None:
+    """The events' path: `peer_added` without an endpoint (its keepalive 0 on the device: nowhere to send), then
+    the endpoint. That is an endpoint change and a keepalive change from 0 to 25, which WireGuard takes as a
+    kick: held, the transaction must leave the keepalive off (both lab nodes initiated, and the handshakes
+    crossed, while it turned it on)."""
+    known = converged(state([replace(PA, endpoint="")]))
+    assert known.device.peers[KEYS[1]].persistent_keepalive == 0
+    changes = diff(state([PA]), known, NOW)
+    assert {type(c) for c in changes} == {PeerEndpointChanged, PeerKeepaliveChanged}
+    assert first_contacts(changes) == {KEYS[1]: 25}
+    (held,) = device_update(changes, held={KEYS[1]}).peers
+    assert (held.endpoint, held.persistent_keepalive) == ("10.0.0.2:51820", 0)
+    # leading, the same changes are the off-and-on kick
+    off, on = device_update(changes).peers
+    assert (off.persistent_keepalive, on.endpoint, on.persistent_keepalive) == (0, "10.0.0.2:51820", 25)
+
+
+def test_a_new_private_key_kicks_every_kept_alive_peer_in_the_same_transaction() -> None:
+    """After a key swap, a handshake initiation to every peer goes out at once under the new key (the peers
+    drop it in a rotation: they do not know the key yet); WireGuard then sends no other for 5 s, so our data
+    cannot start one that crosses the peer's own initiation once it learns the key."""
+    quiet = replace(PB, endpoint="")  # nowhere to send: not kicked
+    fresh = Peer(id="n_c", public_key=KEYS[3], mesh_ip="10.100.0.4", endpoint="10.0.0.4:51820", allowed_ips=())
+    d = state([PA, quiet, fresh])
+    live = converged(state([PA, quiet]))
+    obs = replace(live, device=replace(live.device, private_key=PRIVATE[1]))
+    changes = diff(d, obs, NOW)
+    assert {PrivateKeyWrong, PeerAdded} <= {type(c) for c in changes}
+    kicks = rekey_kicks(changes, target(d))
+    assert kicks == {KEYS[1]: 25}  # n_c is created in this transaction: its creation is its kick
+    u = device_update(changes, rekeyed=kicks)
+    assert u.private_key == PRIVATE[0]
+    by_key = [(p.public_key, p.persistent_keepalive, p.update_only) for p in u.peers]
+    assert by_key.index((KEYS[1], 0, True)) < by_key.index((KEYS[1], 25, True))  # off, then on
+    assert rekey_kicks([c for c in changes if not isinstance(c, PrivateKeyWrong)], target(d)) == {}
+    # a peer held for its first contact stays held
+    assert all(p.public_key != KEYS[1] for p in device_update(changes, held={KEYS[1]}, rekeyed=kicks).peers)
 
 
 def test_field_changes_of_one_peer_are_one_update_only_block() -> None:
