@@ -39,6 +39,10 @@ async def test_held_kicks_go_out_later_in_one_transaction_and_forgotten_ones_do_
     assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0))
     assert not fc.hides(PeerKeepaliveChanged("n_high", HIGH, 25, 0))
     fc.applied([PeerRemoved("n_b", "B" * 43 + "=")])  # removed meanwhile: no kick for it
+    # the hold's own change (a peer known before its endpoint: its keepalive 0 -> 25 in the same transaction) is
+    # applied with the keepalive left off, and the hold stays for the kick
+    fc.applied([PeerKeepaliveChanged("n_low", LOW, 25, 0)])
+    assert LOW in fc.held
     await asyncio.sleep(0.2)
     (update,) = sent
     assert [(p.public_key, p.update_only, p.persistent_keepalive) for p in update.peers] == [
@@ -54,6 +58,9 @@ async def test_a_failed_kick_is_logged_and_cancel_drops_what_is_held(caplog) -> 
     fc.hold(MID, {LOW: 25})
     await asyncio.sleep(0.1)
     assert "could not turn on the keepalive of 1 peer(s)" in caplog.text and "the device is gone" in caplog.text
+    fc.hold(MID, {LOW: 25})
+    fc.applied([PeerKeepaliveChanged("n_low", LOW, 30, 0)])  # set to another value since: that is not held
+    assert fc.held == {}
     fc.hold(MID, {LOW: 25})
     fc.cancel()
     assert fc.held == {}
