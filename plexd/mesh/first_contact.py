@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.plan import Change, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
+from plexd.mesh.plan import Change, PeerAdded, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
 from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,10 @@ class FirstContact:
         if not held:
             return frozenset()
         due = asyncio.get_running_loop().time() + self.delay
-        self.held.update((key, (keepalive, due)) for key, keepalive in held.items())
+        # a peer held already keeps its kick's time: endpoints changing faster than the delay (a flapping path)
+        # must not push it back for ever, now that each held change leaves its keepalive off
+        self.held.update((key, (keepalive, min(due, self.held.get(key, (0, due))[1])))
+                         for key, keepalive in held.items())
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="first-contact")
         return frozenset(held)
@@ -61,14 +64,19 @@ class FirstContact:
         return held is not None and change.have == 0 and change.want == held[0]
 
     def applied(self, changes: Iterable[Change]) -> None:
-        """Forget held peers these applied changes removed, renamed or set the keepalive of (not to the held value
-        from off: that is the change the hold itself keeps off until its kick)."""
+        """Forget held peers these applied changes removed, renamed or set the keepalive of. Not for a keepalive
+        set to the held value (the change the hold itself keeps off until its kick), nor for a key removed and added
+        back in the same transaction (it moved to another peer id: its hold is the new peer's)."""
+        changes = list(changes)
+        added = {c.public_key for c in changes if isinstance(c, PeerAdded | PeerKeyChanged)}
         for c in changes:
-            if isinstance(c, PeerKeepaliveChanged) and self.hides(c):
-                continue
-            if isinstance(c, PeerRemoved | PeerKeepaliveChanged):
+            if isinstance(c, PeerKeepaliveChanged):
+                held = self.held.get(c.public_key)
+                if held is None or c.want != held[0]:
+                    self.held.pop(c.public_key, None)
+            elif isinstance(c, PeerRemoved) and c.public_key not in added:
                 self.held.pop(c.public_key, None)
-            elif isinstance(c, PeerKeyChanged):
+            elif isinstance(c, PeerKeyChanged) and c.old_key not in added:
                 self.held.pop(c.old_key, None)
 
     def cancel(self) -> None:

@@ -574,7 +574,7 @@ def first_contacts(changes: Iterable[Change]) -> dict[str, int]:
 
     A peer's new key (`PeerKeyChanged`) is not one: the peer rotated, its device already holds the new key and
     its own first initiation went out before we knew the key (`rekey_kicks`; WireGuard tries again only 5 s
-    later), so ours, at once, cannot cross it (`plexd.node.key_rotation`)."""
+    later), so ours, at once, does not cross it (`plexd.node.key_rotation`)."""
     kicked: dict[str, int] = {}
     for c in changes:
         if isinstance(c, PeerAdded) and c.peer.endpoint and c.peer.persistent_keepalive:
@@ -590,9 +590,14 @@ def rekey_kicks(changes: Sequence[Change], t: Target) -> dict[str, int]:
 
     The key drops every session, and each kick sends a handshake initiation under the new key at once. In a key
     rotation the peers do not know that key yet (the control plane is told only after the device has it), so
-    they drop it; and WireGuard sends no other initiation to that peer for 5 s. Without it, our first data packet
-    after the swap would start one: if that came after a peer had learnt the new key and initiated itself, the two
-    initiations crossed and both were dropped (a lab under load lost 37 of 40 pings, 4 s)."""
+    they drop it; and WireGuard sends no other initiation to that peer for 5 s (its retry, every 5 s while
+    unanswered, is the next). Without it, our first data packet after the swap would start one: if that came just
+    after a peer had learnt the new key and initiated itself, the two initiations crossed and both were dropped
+    (a lab under load lost 37 of 40 pings, 4 s). A peer that learns the key later than 5 s meets our retries,
+    each a crossing window of about one round trip, as before.
+
+    A peer still held from an earlier transaction is kicked here too: its initiation under the new key, which the
+    peer cannot take yet, and the held kick later is then rate-limited by WireGuard; harmless."""
     if not any(isinstance(c, PrivateKeyWrong) for c in changes):
         return {}
     created_or_removed = {c.public_key for c in changes if isinstance(c, PeerAdded | PeerKeyChanged | PeerRemoved)}

@@ -8,8 +8,8 @@ from __future__ import annotations
 import asyncio
 
 from plexd.mesh.first_contact import FirstContact, leads
-from plexd.mesh.plan import PeerKeepaliveChanged, PeerRemoved
-from plexd.mesh.wireguard import DeviceUpdate, WireGuardError
+from plexd.mesh.plan import PeerAdded, PeerKeepaliveChanged, PeerRemoved
+from plexd.mesh.wireguard import DeviceUpdate, PeerConfig, WireGuardError
 from plexd.state.desired import DesiredState
 
 LOW, MID, HIGH = "A" * 43 + "=", "M" * 43 + "=", "z" * 43 + "="
@@ -64,3 +64,25 @@ async def test_a_failed_kick_is_logged_and_cancel_drops_what_is_held(caplog) -> 
     fc.hold(MID, {LOW: 25})
     fc.cancel()
     assert fc.held == {}
+
+
+async def test_the_hold_outlives_the_changes_that_come_with_it_and_a_second_hold_keeps_its_time() -> None:
+    sent: list[DeviceUpdate] = []
+
+    async def send(update: DeviceUpdate) -> None:
+        sent.append(update)
+
+    fc = FirstContact(send, delay=0.2)
+    fc.hold(MID, {LOW: 25})
+    # the mesh's keepalive changed with the endpoint (30 -> 25 on the device): still the held value, still held
+    fc.applied([PeerKeepaliveChanged("n_low", LOW, 25, 30)])
+    # the key moved to another peer id in one transaction (removed and added back): the new peer's hold stays
+    fc.applied([PeerRemoved("n_old", LOW), PeerAdded("n_low", LOW, PeerConfig(public_key=LOW))])
+    assert LOW in fc.held
+    # an endpoint changing again before the kick does not push the kick back
+    due = fc.held[LOW][1]
+    await asyncio.sleep(0.1)
+    fc.hold(MID, {LOW: 25})
+    assert fc.held[LOW][1] == due
+    await asyncio.sleep(0.25)
+    assert [(p.public_key, p.persistent_keepalive) for p in sent[0].peers] == [(LOW, 0), (LOW, 25)]
