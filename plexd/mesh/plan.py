@@ -347,6 +347,7 @@ class PeerKeepaliveChanged(PeerChange):
     correction_type: ClassVar[str] = "peer_updated"
     want: int
     have: int
+    kicks: bool = False  # on from 0, the endpoint already on the device: WireGuard sends (a handshake) at once
 
     @property
     def detail(self) -> str:
@@ -534,14 +535,17 @@ def peer_fields(pid: str, w: PeerConfig, h: PeerConfig, now: float, *, moved: bo
     """`moved`: the model's endpoint itself changed (an event, the NAT endpoint exchange): news that wins over
     roaming — a peer whose NAT mapping changed cannot reach us from its new address until we send to it."""
     roaming = h.last_handshake > 0 and now - h.last_handshake < ROAMING_WINDOW
-    if w.endpoint and w.endpoint != h.endpoint and (moved or not roaming):
+    endpoint_changed = bool(w.endpoint) and w.endpoint != h.endpoint and (moved or not roaming)
+    if endpoint_changed:
         yield PeerEndpointChanged(pid, w.public_key, w.endpoint, h.endpoint, w.persistent_keepalive)
     if w.allowed_ips != h.allowed_ips:
         yield PeerAllowedIpsChanged(pid, w.public_key, w.allowed_ips, h.allowed_ips)
     if w.psk != h.psk:
         yield PeerPskChanged(pid, w.public_key, w.psk)
     if w.persistent_keepalive != h.persistent_keepalive:
-        yield PeerKeepaliveChanged(pid, w.public_key, w.persistent_keepalive, h.persistent_keepalive)
+        kicks = (not endpoint_changed and bool(w.endpoint) and h.persistent_keepalive == 0
+                 and w.persistent_keepalive > 0)
+        yield PeerKeepaliveChanged(pid, w.public_key, w.persistent_keepalive, h.persistent_keepalive, kicks)
 
 
 def _link(t: Target, link: LinkState) -> Iterable[Change]:
@@ -570,7 +574,9 @@ def _link(t: Target, link: LinkState) -> Iterable[Change]:
 def first_contacts(changes: Iterable[Change]) -> dict[str, int]:
     """The first contacts in these changes that WireGuard would make at once (public key -> persistent
     keepalive): it sends a keepalive, and so a handshake initiation, when a peer's keepalive goes from off to on
-    with an endpoint set: a new peer with both, and a new endpoint (`PeerEndpointChanged`'s toggle).
+    with an endpoint set: a new peer with both, a new endpoint (`PeerEndpointChanged`'s toggle), and a keepalive
+    turned on for a peer whose endpoint the device has already (the mesh's keepalive setting turned on, or a model
+    endpoint that left and came back unchanged).
 
     A peer's new key (`PeerKeyChanged`) is not one: the peer rotated, its device already holds the new key and
     its own first initiation went out before we knew the key (`rekey_kicks`; WireGuard tries again only 5 s
@@ -581,6 +587,8 @@ def first_contacts(changes: Iterable[Change]) -> dict[str, int]:
             kicked[c.public_key] = c.peer.persistent_keepalive
         elif isinstance(c, PeerEndpointChanged) and c.keepalive:
             kicked[c.public_key] = c.keepalive
+        elif isinstance(c, PeerKeepaliveChanged) and c.kicks:
+            kicked.setdefault(c.public_key, c.want)
     return kicked
 
 

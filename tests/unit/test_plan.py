@@ -235,6 +235,22 @@ def test_a_held_peer_known_before_its_endpoint_is_not_kicked_when_the_endpoint_a
     assert (off.persistent_keepalive, on.endpoint, on.persistent_keepalive) == (0, "10.0.0.2:51820", 25)
 
 
+def test_a_keepalive_turned_on_for_a_peer_whose_endpoint_the_device_has_is_a_first_contact() -> None:
+    """The device has the endpoint already (the model's endpoint left and came back unchanged, or the mesh's
+    keepalive setting was turned on): keepalive 0 -> 25 is WireGuard's kick on both nodes, so it is held too."""
+    live = converged(state([PA], keepalive=0))
+    assert live.device.peers[KEYS[1]].endpoint == "10.0.0.2:51820"
+    (c,) = diff(state([PA]), live, NOW)
+    assert isinstance(c, PeerKeepaliveChanged) and c.kicks
+    assert first_contacts([c]) == {KEYS[1]: 25}
+    (u,) = device_update([c], held={KEYS[1]}).peers
+    assert u.persistent_keepalive == 0
+    # from a keepalive already on to another value: WireGuard sends nothing, no kick
+    elsewhere = replace(live, device=replace(live.device, peers={KEYS[1]: replace(
+        live.device.peers[KEYS[1]], persistent_keepalive=30)}))
+    assert first_contacts(diff(state([PA]), elsewhere, NOW)) == {}
+
+
 def test_a_new_private_key_kicks_every_kept_alive_peer_in_the_same_transaction() -> None:
     """After a key swap, a handshake initiation to every peer goes out at once under the new key (the peers
     drop it in a rotation: they do not know the key yet); WireGuard then sends no other for 5 s, so our data
