@@ -37,7 +37,6 @@ from plexd.mesh.plan import (
     link_ops,
     rekey_kicks,
     simulate,
-    target,
 )
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 from plexd.state.desired import DesiredState, split_endpoint
@@ -232,7 +231,7 @@ class WireGuardDomain:
         """The changes as one device transaction, less the first handshakes this node leaves to the peer, plus a
         handshake to every peer under a new private key (`rekey_kicks`)."""
         held = self.first_contact.hold(desired.public_key, first_contacts(changes))
-        return device_update(changes, held, rekey_kicks(changes, target(desired)))
+        return device_update(changes, held, rekey_kicks(changes, desired))
 
     async def _send_held_kicks(self, update: DeviceUpdate) -> None:
         async with self._device_lock:

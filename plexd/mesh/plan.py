@@ -592,7 +592,7 @@ def first_contacts(changes: Iterable[Change]) -> dict[str, int]:
     return kicked
 
 
-def rekey_kicks(changes: Sequence[Change], t: Target) -> dict[str, int]:
+def rekey_kicks(changes: Sequence[Change], desired: DesiredState) -> dict[str, int]:
     """With a new private key (`PrivateKeyWrong`): the peers already on the device that WireGuard keeps alive
     (public key -> keepalive), to kick in the same transaction.
 
@@ -607,9 +607,9 @@ def rekey_kicks(changes: Sequence[Change], t: Target) -> dict[str, int]:
     A peer still held from an earlier transaction is kicked here too: its initiation under the new key, which the
     peer cannot take yet, and the held kick later is then rate-limited by WireGuard; harmless."""
     if not any(isinstance(c, PrivateKeyWrong) for c in changes):
-        return {}
+        return {}  # before `target`: an event's delta never builds the whole mesh's target (2 ms at 5,000 peers)
     created_or_removed = {c.public_key for c in changes if isinstance(c, PeerAdded | PeerKeyChanged | PeerRemoved)}
-    return {key: pc.persistent_keepalive for key, pc in t.device.peers.items()
+    return {key: pc.persistent_keepalive for key, pc in target(desired).device.peers.items()
             if pc.endpoint and pc.persistent_keepalive and key not in created_or_removed}
 
 

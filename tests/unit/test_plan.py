@@ -262,13 +262,17 @@ def test_a_new_private_key_kicks_every_kept_alive_peer_in_the_same_transaction()
     obs = replace(live, device=replace(live.device, private_key=PRIVATE[1]))
     changes = diff(d, obs, NOW)
     assert {PrivateKeyWrong, PeerAdded} <= {type(c) for c in changes}
-    kicks = rekey_kicks(changes, target(d))
+    kicks = rekey_kicks(changes, d)
     assert kicks == {KEYS[1]: 25}  # n_c is created in this transaction: its creation is its kick
     u = device_update(changes, rekeyed=kicks)
     assert u.private_key == PRIVATE[0]
     by_key = [(p.public_key, p.persistent_keepalive, p.update_only) for p in u.peers]
     assert by_key.index((KEYS[1], 0, True)) < by_key.index((KEYS[1], 25, True))  # off, then on
-    assert rekey_kicks([c for c in changes if not isinstance(c, PrivateKeyWrong)], target(d)) == {}
+    assert rekey_kicks([c for c in changes if not isinstance(c, PrivateKeyWrong)], d) == {}
+    # without a key change the mesh's whole target is not built: an event's delta stays O(change)
+    event = d.with_peer(replace(PA, endpoint="10.0.0.9:51820"))
+    assert rekey_kicks([c for c in changes if not isinstance(c, PrivateKeyWrong)], event) == {}
+    assert "_plan_target" not in event.__dict__
     # a peer held for its first contact stays held
     assert all(p.public_key != KEYS[1] for p in device_update(changes, held={KEYS[1]}, rekeyed=kicks).peers)
 
