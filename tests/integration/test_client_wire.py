@@ -301,6 +301,15 @@ async def test_body_over_1024_bytes_is_gzipped_and_small_one_is_not(rec, cp):
     assert json.loads(gzip.decompress(big.body)) == large
 
 
+async def test_a_lone_surrogate_goes_as_the_replacement_character_and_the_rest_of_the_body_as_it_was(rec, cp):
+    """Outside input (a journal field) can hold a lone surrogate, which UTF-8 cannot carry: Go writes U+FFFD."""
+    for size in (10, 2000):  # sent as it is, and gzipped
+        await cp.send_logs(NODE, [{"message": "bad \udc80 byte é" + "x" * size}])
+    for r, size in zip(rec.requests, (10, 2000), strict=True):
+        body = gzip.decompress(r.body) if r.headers.get("content-encoding") == "gzip" else r.body
+        assert json.loads(body) == [{"message": "bad \ufffd byte é" + "x" * size}]
+
+
 async def test_gzip_response_is_decoded(rec, cp):
     body = gzip.compress(b'{"reconcile":false,"rotate_keys":true}')
     rec.route("POST", f"/v1/nodes/{NODE}/heartbeat",
