@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import os
 import socket
@@ -105,6 +106,7 @@ async def round_trips(targets: dict[str, str], timeout: float) -> dict[str, int]
     return results
 
 
+@functools.lru_cache(maxsize=4096)  # the same few dozen mesh addresses at every collection
 def _is_v4(ip: str) -> bool:
     try:
         return ipaddress.ip_address(ip).version == 4

@@ -3,6 +3,8 @@ peer comes round, none twice before all have had their turn, and a small mesh is
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -34,3 +36,39 @@ def test_every_peer_comes_round_once_per_cycle(n, budget, start):
         assert len(chosen) == min(n, budget) and len(set(chosen)) == len(chosen)
         seen += chosen
     assert set(seen) == set(peers)
+
+
+async def test_a_new_desired_state_is_probed_from_its_own_peers(tmp_path):
+    """The probe order is kept per desired state (sorting 1,000 peers at every collection cost more than the
+    probes): a new state's peers are the ones probed, at once. Real ICMP echoes to loopback addresses."""
+    from dataclasses import replace
+
+    from plexd.config.settings import TelemetryConfig
+    from plexd.controlplane.uplink import UplinkOutbox
+    from plexd.state.model import Peer
+    from plexd.telemetry.service import Telemetry
+
+    async def nothing(*_):
+        return None
+
+    def mesh(*names: str) -> dict[str, Peer]:
+        return {name: Peer(id=name, public_key=f"{name}=", mesh_ip=f"127.0.0.{i + 2}") for i, name in enumerate(names)}
+
+    cfg = TelemetryConfig()
+    cfg = replace(cfg, metrics=replace(cfg.metrics, latency_peers=2, latency_timeout=1.0))
+    box = UplinkOutbox(tmp_path / "uplink.db", nothing)
+    state = {"peers": mesh("a", "b", "c")}
+    telemetry = Telemetry(cfg, box, "host", nothing, read_counters=nothing, desired_peers=lambda: state["peers"])
+
+    async def probed() -> dict[str, int]:
+        before = {e.seq for e in box.pending("telemetry_metrics")}
+        await telemetry.collect_metrics()
+        points = [p for e in box.pending("telemetry_metrics") if e.seq not in before for p in json.loads(e.text)]
+        return {p["peer_id"]: p["data"]["rtt_nano"] for p in points if p["group"] == "latency"}
+
+    first, second = await probed(), await probed()
+    assert (list(first), list(second)) == (["a", "b"], ["c", "a"])  # in turn, wrapping around
+    assert all(rtt > 0 for rtt in (*first.values(), *second.values()))  # loopback answers
+    state["peers"] = mesh("x", "y")
+    assert set(await probed()) == {"x", "y"}
+    telemetry.queue.close()
