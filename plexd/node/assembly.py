@@ -388,7 +388,7 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
 
     async def read_counters() -> Any:
         try:
-            return await wireguard(node.mesh.engine).backend.counters()
+            return await wireguard(node.mesh.engine).backend.counter_rows()
         except PlexdError as exc:
             log.debug("telemetry: cannot read the device: %s", exc)
             return None

@@ -29,7 +29,7 @@ from plexd.base.memo import ByIdentity
 from plexd.config.settings import TelemetryConfig
 from plexd.controlplane.uplink import BatchSend, Entry, NoSender, UplinkOutbox
 from plexd.identity import datadir
-from plexd.mesh.wireguard import PeerCounters
+from plexd.mesh.wireguard import CounterRow
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running
@@ -59,7 +59,7 @@ def take_turn(items: Sequence[Any], budget: int, start: int) -> tuple[list[Any],
 
 class Telemetry:
     def __init__(self, cfg: TelemetryConfig, outbox: UplinkOutbox, hostname: str, post: Post, *,
-                 read_counters: Callable[[], Awaitable[Mapping[str, PeerCounters] | None]],
+                 read_counters: Callable[[], Awaitable[Sequence[CounterRow] | None]],
                  desired_peers: Callable[[], Mapping[str, Peer]], local_audit: str = "",
                  older_queues: Sequence[Path] = ()) -> None:
         """`older_queues`: where an older version may have left its telemetry.db (`telemetry_db_paths`)."""
@@ -170,15 +170,14 @@ class Telemetry:
     # -- metrics ------------------------------------------------------------------------------------------------
 
     async def collect_metrics(self) -> None:
-        counters = await self.read_counters()
-        desired = self.desired_peers()
-        peers = dict(desired)
-        rtts = await self._latency(desired)
+        rows = await self.read_counters()
+        peers = self.desired_peers()  # a desired state's peers are never changed in place, only replaced
+        rtts = await self._latency(peers)
         stamp, now = now_text(), time.time()
         # Off the event loop, in one hand-off: at 1,000 peers the points and their queueing are a few ms an event
         # would wait for.
         await asyncio.to_thread(lambda: self.queue.append_texts("metrics", self.points.texts(
-            stamp, self._system(), counters, peers, rtts, now)))
+            stamp, self._system(), rows, peers, rtts, now)))
 
     def _system(self) -> dict[str, Any] | None:
         try:

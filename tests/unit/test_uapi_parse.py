@@ -13,6 +13,7 @@ from plexd.mesh.wireguard.uapi import (
     describe_update,
     encode_set,
     hex_to_b64,
+    parse_counter_rows,
     parse_counters,
     parse_errno,
     parse_get,
@@ -79,6 +80,47 @@ def test_parse_counters_errors() -> None:
         parse_counters(f"public_key={H1}\nrx_bytes=many\nerrno=0\n\n")
     with pytest.raises(WireGuardError, match="malformed UAPI get reply"):
         parse_counters("public_key=zz\nerrno=0\n\n")
+
+
+def test_counter_rows_are_the_counters_as_the_device_wrote_them_in_any_order() -> None:
+    rows = [(H2, "1795299633", "903067696", "476", "532"), (H1, "0", "0", "0", "0")]
+    assert parse_counter_rows(GET_REPLY) == rows
+    # Another implementation may write a block's lines in another order: read block by block, the same rows.
+    reordered = GET_REPLY.replace("tx_bytes=476\nrx_bytes=532\n", "rx_bytes=532\ntx_bytes=476\n")
+    assert parse_counter_rows(reordered) == rows
+    # A block without its counters: 0, and the next peer's counters are not taken for it.
+    assert parse_counter_rows(f"public_key={H2}\npublic_key={H1}\ntx_bytes=1\nrx_bytes=2\nerrno=0\n\n") == [
+        (H2, "0", "0", "0", "0"), (H1, "0", "0", "1", "2")]
+
+
+@pytest.mark.parametrize("bad", ["rx_bytes=-1", "tx_bytes=" + "9" * 21, "rx_bytes=", "rx_bytes=١٢", "tx_bytes=1e3"])
+def test_a_counter_that_is_not_up_to_20_digits_is_a_clear_error(bad) -> None:
+    with pytest.raises(WireGuardError, match="malformed UAPI get reply"):
+        parse_counter_rows(f"public_key={H1}\nlast_handshake_time_sec=0\n{bad}\nerrno=0\n\n")
+
+
+_PEER = st.tuples(st.binary(min_size=32, max_size=32), st.integers(0, 2**40), st.integers(0, 999_999_999),
+                  st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.booleans(),
+                  st.lists(st.sampled_from(["10.0.0.1/32", "fd00::/64"]), max_size=3))
+
+
+@given(peers=st.lists(_PEER, max_size=8, unique_by=lambda p: p[0]), shuffled=st.randoms())
+def test_counter_rows_read_what_parse_get_reads_whatever_the_line_order(peers, shuffled) -> None:
+    def reply(order) -> str:
+        out = [f"private_key={H1}", "listen_port=51820"]
+        for key, sec, nsec, tx, rx, endpoint, allowed in peers:
+            lines = [f"preshared_key={'00' * 32}", "protocol_version=1",
+                     *(["endpoint=10.1.2.3:51820"] if endpoint else []),
+                     f"last_handshake_time_sec={sec}", f"last_handshake_time_nsec={nsec}", f"tx_bytes={tx}",
+                     f"rx_bytes={rx}", "persistent_keepalive_interval=25", *(f"allowed_ip={a}" for a in allowed)]
+            out += [f"public_key={key.hex()}", *order(lines)]
+        return "\n".join(out) + "\nerrno=0\n\n"
+
+    expected = [(key.hex(), str(sec), str(nsec), str(tx), str(rx)) for key, sec, nsec, tx, rx, _, _ in peers]
+    as_written, any_order = reply(list), reply(lambda lines: shuffled.sample(lines, len(lines)))
+    assert parse_counter_rows(as_written) == parse_counter_rows(any_order) == expected
+    device = parse_get(any_order)
+    assert parse_counters(any_order) == {k: (p.last_handshake, p.rx, p.tx) for k, p in device.peers.items()}
 
 
 def test_parse_get_errors() -> None:

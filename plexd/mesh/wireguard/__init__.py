@@ -99,11 +99,17 @@ class DeviceConfig:
 
 
 class PeerCounters(NamedTuple):
-    """What telemetry and metrics read of a peer, every collection: `last_handshake` in Unix seconds (0 = never)."""
+    """What the metrics endpoint reads of a peer at each scrape: `last_handshake` in Unix seconds (0 = never)."""
 
     last_handshake: float
     rx: int
     tx: int
+
+
+# What telemetry reads of each peer four times a minute, as the device wrote it: (public key in hex, handshake
+# seconds, handshake nanoseconds, tx bytes, rx bytes), the numbers as strings of at most 20 digits. At 1,000 peers,
+# converting every key and number into objects only to write them out again was most of a collection's cost.
+CounterRow = tuple[str, str, str, str, str]
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,10 @@ class WireGuardBackend(Protocol):
 
     async def counters(self) -> Mapping[str, PeerCounters] | None:
         """Each peer's handshake and byte counters by public key (None: no device); cheaper than `observe`."""
+        ...
+
+    async def counter_rows(self) -> list[CounterRow] | None:
+        """The same as `counters`, as the device wrote them (None: no device); the cheapest read there is."""
         ...
 
     async def apply(self, update: DeviceUpdate) -> None:

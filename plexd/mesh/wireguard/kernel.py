@@ -11,6 +11,7 @@ messages (like `wg` does), the first carrying the device fields.
 from __future__ import annotations
 
 import asyncio
+import base64
 import errno
 import ipaddress
 import logging
@@ -31,6 +32,7 @@ from pyroute2.netlink.generic.wireguard import (
 
 from plexd.mesh.wireguard import (
     ZERO_KEY,
+    CounterRow,
     DeviceConfig,
     DeviceUpdate,
     PeerConfig,
@@ -221,6 +223,17 @@ class KernelBackend:
         if device is None:
             return None
         return {key: PeerCounters(p.last_handshake, p.rx, p.tx) for key, p in device.peers.items()}
+
+    async def counter_rows(self) -> list[CounterRow] | None:
+        device = await self.observe()
+        if device is None:
+            return None
+        rows: list[CounterRow] = []
+        for key, p in device.peers.items():
+            seconds = int(p.last_handshake)
+            rows.append((base64.b64decode(key).hex(), str(seconds), str(round((p.last_handshake - seconds) * 1e9)),
+                         str(p.tx), str(p.rx)))
+        return rows
 
     def _observe(self) -> DeviceConfig | None:
         from pyroute2.netlink.exceptions import NetlinkError

@@ -14,12 +14,14 @@ import functools
 import gc
 import ipaddress
 import os
+import re
 import socket
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 from plexd.mesh.wireguard import (
     ZERO_KEY,
+    CounterRow,
     DeviceConfig,
     DeviceUpdate,
     PeerConfig,
@@ -194,26 +196,56 @@ def _check_get_reply(reply: str) -> None:
 
 
 def parse_counters(reply: str) -> dict[str, PeerCounters]:
-    """Only each peer's handshake time and byte counters from a `get=1` reply: what telemetry reads four times a
-    minute, at half the cost of `parse_get` (no line split, no allowed IPs, no PeerConfig)."""
+    """Each peer's handshake time and byte counters from a `get=1` reply, by public key (the metrics endpoint)."""
+    return {hex_to_b64(key): PeerCounters(int(sec) + int(nsec) / 1e9, int(rx), int(tx))
+            for key, sec, nsec, tx, rx in parse_counter_rows(reply)}
+
+
+# wireguard-go writes a peer's four counters on consecutive lines in this order, a few lines after its key (the
+# preshared key, protocol version and endpoint come between): one regex pass reads them all. A match that ran
+# into the next peer's block takes two keys, so there are fewer matches than keys, and the slow path reads it.
+_COUNTER_LINES = re.compile(
+    r"^public_key=([0-9a-f]{64})\n(?:[^\n]*\n){0,8}?"
+    r"last_handshake_time_sec=(\d{1,20})\nlast_handshake_time_nsec=(\d{1,20})\ntx_bytes=(\d{1,20})\nrx_bytes=(\d{1,20})$",
+    re.M)
+_COUNTER_KEYS = ("\nlast_handshake_time_sec=", "\nlast_handshake_time_nsec=", "\ntx_bytes=", "\nrx_bytes=")
+
+
+def parse_counter_rows(reply: str) -> list[CounterRow]:
+    """Only each peer's counters from a `get=1` reply, as `CounterRow`s: what telemetry reads four times a minute.
+    A reply in another order (another implementation) is read block by block, a missing counter as 0."""
     _check_get_reply(reply)
-    out: dict[str, PeerCounters] = {}
-    try:
-        for block in ("\n" + reply).split("\npublic_key=")[1:]:
-            out[hex_to_b64(block[:block.find("\n")])] = PeerCounters(
-                _number(block, "\nlast_handshake_time_sec=") + _number(block, "\nlast_handshake_time_nsec=") / 1e9,
-                _number(block, "\nrx_bytes="), _number(block, "\ntx_bytes="))
-    except ValueError as e:
-        raise WireGuardError(f"malformed UAPI get reply: {e}") from None
-    return out
+    rows: list[CounterRow] = _COUNTER_LINES.findall(reply)
+    if len(rows) == reply.count("public_key="):
+        return rows
+    rows = []
+    for block in ("\n" + reply).split("\npublic_key=")[1:]:
+        block += "\n"  # every line of the block ends in one (the split took the last one's)
+        key = block[:block.find("\n")]
+        if len(key) != 64 or not _is_hex(key):
+            raise WireGuardError(f"malformed UAPI get reply: public_key={key[:16]!r}")
+        sec, nsec, tx, rx = (_digits(block, name) for name in _COUNTER_KEYS)
+        rows.append((key, sec, nsec, tx, rx))
+    return rows
 
 
-def _number(block: str, key: str) -> int:
-    at = block.find(key)
+def _digits(block: str, name: str) -> str:
+    at = block.find(name)
     if at < 0:
-        return 0
-    at += len(key)
-    return int(block[at:block.find("\n", at)])
+        return "0"
+    at += len(name)
+    value = block[at:block.find("\n", at)]
+    if not (0 < len(value) <= 20 and value.isascii() and value.isdigit()):
+        raise WireGuardError(f"malformed UAPI get reply: {name.strip()}{value[:24]!r}")
+    return value
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 def describe_update(update: DeviceUpdate, interface: str) -> str:
@@ -302,6 +334,9 @@ class UapiClient:
 
     async def counters(self) -> dict[str, PeerCounters]:
         return await self._get(parse_counters)
+
+    async def counter_rows(self) -> list[CounterRow]:
+        return await self._get(parse_counter_rows)
 
     async def _get(self, parse: Callable[[str], T]) -> T:
         reply = await self._exchange("get=1\n\n")

@@ -30,7 +30,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 from plexd.base.childenv import child_environment
 from plexd.base.procstat import process_stat
-from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerCounters, WireGuardError, check_interface_name
+from plexd.mesh.wireguard import (
+    CounterRow,
+    DeviceConfig,
+    DeviceUpdate,
+    PeerCounters,
+    WireGuardError,
+    check_interface_name,
+)
 from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
 
 log = logging.getLogger(__name__)
@@ -97,6 +104,12 @@ class UserspaceBackend:
     async def counters(self) -> Mapping[str, PeerCounters] | None:
         try:
             return await self.uapi.counters()
+        except UapiUnavailable:
+            return None
+
+    async def counter_rows(self) -> list[CounterRow] | None:
+        try:
+            return await self.uapi.counter_rows()
         except UapiUnavailable:
             return None
 
