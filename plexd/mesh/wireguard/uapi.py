@@ -204,10 +204,10 @@ def parse_counters(reply: str) -> dict[str, PeerCounters]:
 # wireguard-go writes a peer's four counters on consecutive lines in this order, a few lines after its key (the
 # preshared key, protocol version and endpoint come between): one regex pass reads them all. A match that ran
 # into the next peer's block takes two keys, so there are fewer matches than keys, and the slow path reads it.
+_NUMBER = "(0|[1-9][0-9]{0,19})"  # what goes into a JSON text as it is: no sign, no leading zero, ASCII digits
 _COUNTER_LINES = re.compile(
-    r"^public_key=([0-9a-f]{64})\n(?:[^\n]*\n){0,8}?"
-    r"last_handshake_time_sec=(\d{1,20})\nlast_handshake_time_nsec=(\d{1,20})\ntx_bytes=(\d{1,20})\nrx_bytes=(\d{1,20})$",
-    re.M)
+    rf"^public_key=([0-9a-f]{{64}})\n(?:[^\n]*\n){{0,8}}?last_handshake_time_sec={_NUMBER}\n"
+    rf"last_handshake_time_nsec={_NUMBER}\ntx_bytes={_NUMBER}\nrx_bytes={_NUMBER}$", re.M)
 _COUNTER_KEYS = ("\nlast_handshake_time_sec=", "\nlast_handshake_time_nsec=", "\ntx_bytes=", "\nrx_bytes=")
 
 
@@ -237,7 +237,7 @@ def _digits(block: str, name: str) -> str:
     value = block[at:block.find("\n", at)]
     if not (0 < len(value) <= 20 and value.isascii() and value.isdigit()):
         raise WireGuardError(f"malformed UAPI get reply: {name.strip()}{value[:24]!r}")
-    return value
+    return value.lstrip("0") or "0"
 
 
 def _is_hex(text: str) -> bool:
