@@ -75,7 +75,7 @@ class HasApi(Protocol):
 
 GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
 # Not Go's default 6: on the JSON plexd sends (a minute of metrics at 1,000 peers is ~1 MiB) level 1 takes half
-# the CPU for ~11 % more bytes, and the body is still a twentieth of its size. The level is not on the wire.
+# the CPU for ~11 % more bytes, and the body is still a twentieth of its size. Any gzip reader takes either.
 GZIP_LEVEL = 1
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_RESPONSE_BYTES = 10 * 1024 * 1024  # decompressed response cap (§1.1)

@@ -91,6 +91,8 @@ def test_counter_rows_are_the_counters_as_the_device_wrote_them_in_any_order() -
     # A block without its counters: 0, and the next peer's counters are not taken for it.
     assert parse_counter_rows(f"public_key={H2}\npublic_key={H1}\ntx_bytes=1\nrx_bytes=2\nerrno=0\n\n") == [
         (H2, "0", "0", "0", "0"), (H1, "0", "0", "1", "2")]
+    # Another implementation's upper-case key is the same key.
+    assert parse_counter_rows(reordered.replace(H2, H2.upper())) == rows
     # The digits go into JSON texts as they are: a leading zero (not JSON) is dropped.
     assert parse_counter_rows(GET_REPLY.replace("tx_bytes=476", "tx_bytes=0476")) == rows
 

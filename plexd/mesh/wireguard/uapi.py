@@ -221,7 +221,7 @@ def parse_counter_rows(reply: str) -> list[CounterRow]:
     rows = []
     for block in ("\n" + reply).split("\npublic_key=")[1:]:
         block += "\n"  # every line of the block ends in one (the split took the last one's)
-        key = block[:block.find("\n")]
+        key = block[:block.find("\n")].lower()  # as the fast path's (and a desired key's) hex
         if len(key) != 64 or not _is_hex(key):
             raise WireGuardError(f"malformed UAPI get reply: public_key={key[:16]!r}")
         sec, nsec, tx, rx = (_digits(block, name) for name in _COUNTER_KEYS)
