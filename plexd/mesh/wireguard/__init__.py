@@ -37,6 +37,15 @@ class UapiError(WireGuardError):
         super().__init__(f"WireGuard refused {what}: errno={errno}")
 
 
+def b64_to_hex(key: str) -> str:
+    """A key as the device's text interface writes it (UAPI, and telemetry's counter rows)."""
+    return base64.b64decode(key).hex()
+
+
+def hex_to_b64(key: str) -> str:
+    return binascii.b2a_base64(bytes.fromhex(key), newline=False).decode()
+
+
 def key_fingerprint(key: str) -> str:
     """A short printable name for a public key (never use this on a private key)."""
     return key[:8] + "…" if key else "(none)"

@@ -11,7 +11,6 @@ messages (like `wg` does), the first carrying the device fields.
 from __future__ import annotations
 
 import asyncio
-import base64
 import errno
 import ipaddress
 import logging
@@ -39,6 +38,7 @@ from plexd.mesh.wireguard import (
     PeerCounters,
     PeerUpdate,
     WireGuardError,
+    b64_to_hex,
     check_interface_name,
 )
 
@@ -231,7 +231,7 @@ class KernelBackend:
         rows: list[CounterRow] = []
         for key, p in device.peers.items():
             seconds = int(p.last_handshake)
-            rows.append((base64.b64decode(key).hex(), str(seconds), str(round((p.last_handshake - seconds) * 1e9)),
+            rows.append((b64_to_hex(key), str(seconds), str(round((p.last_handshake - seconds) * 1e9)),
                          str(p.tx), str(p.rx)))
         return rows
 

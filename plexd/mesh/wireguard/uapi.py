@@ -8,8 +8,6 @@ Keys are hex on the wire. wireguard-go and boringtun both speak it; so does `wg`
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import functools
 import gc
 import ipaddress
@@ -29,6 +27,8 @@ from plexd.mesh.wireguard import (
     PeerUpdate,
     UapiError,
     WireGuardError,
+    b64_to_hex,
+    hex_to_b64,
     key_fingerprint,
 )
 
@@ -42,14 +42,6 @@ _READ_CHUNK = 1 << 16
 
 class UapiUnavailable(WireGuardError):
     """No process is listening on the UAPI socket (the device does not exist or its process died)."""
-
-
-def b64_to_hex(key: str) -> str:
-    return base64.b64decode(key).hex()
-
-
-def hex_to_b64(key: str) -> str:
-    return binascii.b2a_base64(bytes.fromhex(key), newline=False).decode()
 
 
 @functools.lru_cache(maxsize=1 << 16)
