@@ -43,6 +43,7 @@ import logging
 import os
 import pty
 import signal
+import socket
 import struct
 import termios
 import time
@@ -224,6 +225,7 @@ class _Connection(asyncssh.SSHServer):
 
     def connection_made(self, conn: asyncssh.SSHServerConnection) -> None:
         self.conn = conn
+        _ack_at_once(conn)
         peer = conn.get_extra_info("peername") or ("?", 0)
         self.source = str(peer[0])
         server = self.server
@@ -602,6 +604,29 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             loop.remove_reader(master)
             os.close(master)
             self.master = None
+
+
+def _ack_at_once(conn: asyncssh.SSHServerConnection) -> None:
+    """ACK what arrives at once instead of after the kernel's delayed-ACK timer.
+
+    Once the server has answered a packet, Linux treats the connection as interactive and holds its ACKs for up
+    to 40 ms to ride on the next reply. In the handshake OpenSSH writes NEWKEYS and then SERVICE_REQUEST, and
+    Nagle keeps the second back until the first is ACKed: 40 of a loopback login's 60 ms went there. Quick-ACK
+    mode does not last, so it is set again after every read (one setsockopt beside a decrypt)."""
+    sock = conn.get_extra_info("socket")
+    quickack = getattr(socket, "TCP_QUICKACK", None)
+    if sock is None or quickack is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    received = conn.data_received
+
+    def data_received(data: bytes, datatype: Any = None) -> None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, quickack, 1)
+        except OSError:  # the socket is closing: its ACKs no longer matter
+            pass
+        received(data, datatype)
+
+    conn.data_received = data_received  # type: ignore[method-assign]
 
 
 def _take_controlling_tty() -> None:
