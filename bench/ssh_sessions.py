@@ -1,15 +1,25 @@
-"""SSH sessions: 100 concurrent connect+auth+`exec true` with the real OpenSSH client (p50/p99), and the server's
-RSS per live session (issue 33: goals p99 <= 100 ms on loopback, <= 0.5 MiB per live session).
+"""SSH sessions: logins (connect+auth+`exec true`) with the real OpenSSH client, p50/p99, with 100 sessions
+live and as a burst of 100 at once; and the server's RSS per live session (issue 33: goals p99 <= 100 ms on
+loopback, <= 0.5 MiB per live session).
 
 The server (`bench/_ssh_server_child.py`: one `SshSessionServer` per session on 127.0.0.1) runs in a process of
 its own, so its RSS and CPU time (read from /proc) are the server's alone; the clients are `sshpass ... ssh`
 processes started from here. A login's time is the client's, from its start to its exit (it includes starting
-sshpass and ssh, and on this machine the clients' own CPU: they share the cores with the server). `--sequential`
-times logins one at a time first. Then every session's client keeps `exec sleep` running, and the server's RSS
-growth over its listening state, divided by the live sessions, is the cost of one. The target user is the user
-running the bench (root: the sessions run as root).
+sshpass and ssh). The target user is the user running the bench (root: the sessions run as root).
 
-    flock /tmp/plexd-tests.lock .venv/bin/python -m bench ssh_sessions [--sessions 100] [--rounds 3] [--sequential 20]
+In order:
+  one at a time          `--sequential` logins, the server otherwise idle
+  N at once x rounds     every session gets a login at the same instant, `--rounds` times. On a small machine
+                         this measures the cores: the clients' own CPU is printed beside the server's, and
+                         N x (clients' CPU per login) / cores is what the last login waits before the server
+                         does any work at all
+  N live                 every session's client keeps `exec sleep` running; the server's RSS growth over its
+                         listening state, divided by N, is the cost of one live session
+  with N live            a login into each of the N live sessions, `--concurrency` at a time (default 1): the
+                         latency of a user's login while the server carries N sessions
+
+    flock /tmp/plexd-tests.lock .venv/bin/python -m bench ssh_sessions [--sessions 100] [--rounds 3]
+        [--sequential 20] [--concurrency 1]
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -34,9 +45,16 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(the server's own utime+stime, that of its children it has waited for: the sessions' commands)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS  # utime + stime of the server itself, not its children
+    return (int(fields[11]) + int(fields[12])) / TICKS, (int(fields[13]) + int(fields[14])) / TICKS
+
+
+def clients_cpu_seconds() -> float:
+    """utime+stime of this process's waited-for children: the sshpass and ssh clients."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def ssh_argv(token: str, user: str, port: int, command: str) -> list[str]:
@@ -68,7 +86,18 @@ def show(label: str, times: list[float]) -> None:
           f"max {max(ms):7.1f} ms")
 
 
-async def run(sessions: int, rounds: int, sequential: int) -> None:
+async def logins(targets: list[tuple[int, str]], user: str, concurrency: int) -> list[float]:
+    """One login into each target, `concurrency` at a time."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(port: int, token: str) -> float:
+        async with gate:
+            return await login(token, user, port)
+
+    return list(await asyncio.gather(*(one(p, t) for p, t in targets)))
+
+
+async def run(sessions: int, rounds: int, sequential: int, concurrency: int) -> None:
     server = await asyncio.create_subprocess_exec(sys.executable, str(CHILD), str(sessions),
                                                   stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
     assert server.stdin is not None and server.stdout is not None
@@ -81,12 +110,20 @@ async def run(sessions: int, rounds: int, sequential: int) -> None:
             show("one at a time", [await login(targets[i % sessions][1], user, targets[i % sessions][0])
                                    for i in range(sequential)])
         times: list[float] = []
-        cpu = cpu_seconds(pid)
+        (own, commands), by_clients = cpu_seconds(pid), clients_cpu_seconds()
         for _ in range(rounds):
             times += await asyncio.gather(*(login(t, user, p) for p, t in targets))
-        show(f"{sessions} concurrent x {rounds}", times)
-        print(f"server CPU per login (asyncssh, token check, spawning the command): "
-              f"{(cpu_seconds(pid) - cpu) / len(times) * 1000:.1f} ms")
+        show(f"{sessions} at once x {rounds}", times)
+        (own_after, commands_after), by_clients_after = cpu_seconds(pid), clients_cpu_seconds()
+        per_login = {"server (asyncssh, token check, spawn)": (own_after - own) / len(times),
+                     "the commands (the login shell running `true`)": (commands_after - commands) / len(times),
+                     "the clients (sshpass + ssh)": (by_clients_after - by_clients) / len(times)}
+        for what, seconds in per_login.items():
+            print(f"  CPU per login, {what}: {seconds * 1000:.1f} ms")
+        cores = len(os.sched_getaffinity(0))
+        print(f"  {sessions} at once on {cores} cores: the clients alone need "
+              f"{sessions * per_login['the clients (sshpass + ssh)'] / cores * 1000:.0f} ms of every core, "
+              f"all three {sessions * sum(per_login.values()) / cores * 1000:.0f} ms")
 
         clients += [await asyncio.create_subprocess_exec(
             *ssh_argv(t, user, p, "exec sleep 600"), stdin=asyncio.subprocess.DEVNULL,
@@ -103,6 +140,7 @@ async def run(sessions: int, rounds: int, sequential: int) -> None:
         live = rss_mib(pid)
         print(f"server RSS: {sessions} listening {listening:.1f} MiB, {sessions} live {live:.1f} MiB: "
               f"{(live - listening) / sessions * 1024:.0f} KiB per live session")
+        show(f"with {sessions} live, {concurrency} at a time", await logins(targets, user, concurrency))
     finally:
         for c in clients:
             if c.returncode is None:
@@ -121,11 +159,12 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sequential", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, default=1, help="logins at a time with the sessions live")
     args = parser.parse_args()
     for tool in ("ssh", "sshpass"):
         if shutil.which(tool) is None:
             sys.exit(f"bench ssh_sessions: needs {tool} (apt-get install openssh-client sshpass)")
-    asyncio.run(run(args.sessions, args.rounds, args.sequential))
+    asyncio.run(run(args.sessions, args.rounds, args.sequential, args.concurrency))
 
 
 if __name__ == "__main__":
