@@ -353,3 +353,96 @@ def test_fast_path_rule_matches_only_transport_data_to_the_relay():
     with pytest.raises(ValueError, match="IPv4"):
         from plexd.bridge.fastpath import KernelFastPath
         KernelFastPath("2001:db8::1", 51821, nft=object())
+
+
+def test_the_ingress_table_takes_only_flows_whose_other_side_has_a_next_hop_on_its_interface():
+    from plexd.bridge.fastpath import hop_commands, ingress_elements
+
+    elements = {A_ADDR: B_ADDR, B_ADDR: A_ADDR, C_ADDR: A_ADDR}
+    taken, hops = ingress_elements(elements, {B_ADDR[0]: "192.0.2.254", A_ADDR[0]: None})
+    assert taken == {A_ADDR: B_ADDR} and hops == {B_ADDR[0]: "192.0.2.254"}
+    assert hop_commands(hops, hops) == []
+    changed = hop_commands({B_ADDR[0]: "192.0.2.253"}, hops)
+    assert changed == [{"delete": {"element": {"family": "netdev", "table": "plexd_relay", "name": "fwd_hop",
+                                               "elem": [[B_ADDR[0], "192.0.2.254"]]}}},
+                       {"add": {"element": {"family": "netdev", "table": "plexd_relay", "name": "fwd_hop",
+                                            "elem": [[B_ADDR[0], "192.0.2.253"]]}}}]
+
+
+def test_the_ingress_rule_rewrites_the_destination_before_the_source_its_lookups_are_keyed_by():
+    from plexd.bridge.fastpath import TRANSPORT_WORD, ingress_table_commands
+
+    commands = ingress_table_commands("192.0.2.100", 51821, "eth0")
+    chain = next(c["add"]["chain"] for c in commands if "chain" in c.get("add", {}))
+    assert (chain["family"], chain["hook"], chain["dev"]) == ("netdev", "ingress", "eth0")
+    rule = next(c["add"]["rule"] for c in commands if "rule" in c.get("add", {}))
+    assert [e["match"]["right"] for e in rule["expr"] if "match" in e] == ["192.0.2.100", 51821, TRANSPORT_WORD,
+                                                                           "@fwd_addr"]
+    written = [e["mangle"]["key"]["payload"]["field"] for e in rule["expr"] if "mangle" in e]
+    assert written == ["daddr", "dport", "saddr", "sport"]
+    assert rule["expr"][-1]["fwd"]["dev"] == "eth0"
+
+
+class _RecordingNft:
+    """Stands in for libnftables where the kernel's answer is the point: a kernel refusing the ingress table
+    (no `fwd`) cannot be had on this machine. The tables themselves are applied for real in test_relay_lab."""
+
+    def __init__(self, refuse_ingress: bool = False) -> None:
+        self.runs: list[list] = []
+        self.refuse_ingress = refuse_ingress
+
+    def run(self, commands: list) -> None:
+        from plexd.firewall.nft import FirewallError
+
+        if self.refuse_ingress and any("netdev" in str(c) for c in commands):
+            raise FirewallError("nftables refused the change: Error: Could not process rule: Not supported")
+        self.runs.append(commands)
+
+
+def _stable_pair() -> FlowTable:
+    table = FlowTable()
+    table.set_sessions([parse_session(doc("ab"))])
+    handshake(table)
+    return table
+
+
+def test_a_refused_ingress_table_leaves_the_inet_path_and_is_not_tried_again_at_every_sync():
+    from plexd.bridge.fastpath import KernelFastPath
+
+    nft = _RecordingNft(refuse_ingress=True)
+    fast = KernelFastPath("192.0.2.100", 51821, nft=nft, device=lambda ip: (2, "eth0"),
+                          hop=lambda dst: (2, dst))
+    table = _stable_pair()
+    assert fast.sync(table.flows.values()) == 2
+    assert fast.installed and not fast.ingress_installed and "Not supported" in fast.ingress_error
+    runs = len(nft.runs)
+    fast.sync(table.flows.values())
+    assert len(nft.runs) == runs  # nothing changed, nothing refused again
+
+
+def test_next_hops_are_looked_up_once_per_ttl_and_another_interface_keeps_a_flow_out_of_the_ingress_table():
+    from plexd.bridge.fastpath import HOP_TTL, KernelFastPath
+
+    clock = [0.0]
+    looked: list[str] = []
+    routes = {A_ADDR[0]: (2, A_ADDR[0]), B_ADDR[0]: (3, "198.51.100.1")}  # B is behind another interface
+
+    def hop(dst: str):
+        looked.append(dst)
+        return routes[dst]
+
+    fast = KernelFastPath("192.0.2.100", 51821, nft=_RecordingNft(), device=lambda ip: (2, "eth0"), hop=hop,
+                          clock=lambda: clock[0])
+    table = _stable_pair()
+    fast.sync(table.flows.values())
+    assert fast.current == {A_ADDR: B_ADDR, B_ADDR: A_ADDR}
+    assert fast.ingress_current == {B_ADDR: A_ADDR} and fast.hops_current == {A_ADDR[0]: A_ADDR[0]}
+    assert sorted(looked) == sorted([A_ADDR[0], B_ADDR[0]])
+    fast.sync(table.flows.values())
+    assert len(looked) == 2  # within the TTL: no lookups
+    routes[B_ADDR[0]] = (2, "192.0.2.254")  # B's route moved to the relay's interface
+    clock[0] = HOP_TTL
+    fast.sync(table.flows.values())
+    assert len(looked) == 4
+    assert fast.ingress_current == {A_ADDR: B_ADDR, B_ADDR: A_ADDR}
+    assert fast.hops_current == {A_ADDR[0]: A_ADDR[0], B_ADDR[0]: "192.0.2.254"}
