@@ -10,8 +10,7 @@ elements as nftables lists them. The plan, each change also its drift line:
     RelayListening        relay_listener_started    the relay's socket is not open (first start, or it died)
     RelaySessionAdded     relay_session_added       a session listed that the relay does not serve
     RelaySessionRemoved   relay_session_removed     a session the relay serves that is no longer listed
-    RelayFastPathRestored relay_fastpath_restored   `inet plexd_relay` / `netdev plexd_relay` or their elements are
-                                                    not as the relay left them
+    RelayFastPathRestored relay_fastpath_restored   `inet plexd_relay` or its elements are not as the relay left them
 
 The userspace relay forwards everything the fast path does not; a fast path that cannot be applied is an error
 line and the relay keeps forwarding.
@@ -27,7 +26,7 @@ from typing import Any, ClassVar
 
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
-from plexd.bridge.fastpath import FAMILY, INGRESS_FAMILY, TABLE, Elements, Hops
+from plexd.bridge.fastpath import FAMILY, TABLE, Elements
 from plexd.bridge.relay import Relay
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.converge.change import Change
@@ -72,11 +71,10 @@ class RelaySessionRemoved(Change):
 class RelayFastPathRestored(Change):
     correction_type: ClassVar[str] = "relay_fastpath_restored"
     what: str
-    family: str = FAMILY
 
     @property
     def detail(self) -> str:
-        return f"relay fast path {self.family} {TABLE}: {self.what}"
+        return f"relay fast path {FAMILY} {TABLE}: {self.what}"
 
 
 @dataclass(frozen=True)
@@ -85,8 +83,6 @@ class RelaySeen:
     fastpath: Elements | None = None  # the live map elements; None: no fast path wanted or not installed yet
     table_missing: bool = False
     error: str = ""
-    ingress: tuple[Elements, Hops] | None = None  # the ingress table's elements and next hops, when installed
-    ingress_missing: bool = False
 
 
 class RelayDomain:
@@ -111,17 +107,7 @@ class RelayDomain:
             return RelaySeen(self.relay.listening, error=f"relay: reading {FAMILY} {TABLE}: {e}")
         if objects is None:
             return RelaySeen(self.relay.listening, table_missing=True)
-        if not fastpath.ingress_installed:
-            return RelaySeen(self.relay.listening, live_elements(objects))
-        try:
-            ingress = await asyncio.to_thread(fastpath.nft.list_table, INGRESS_FAMILY, TABLE)
-        except PlexdError as e:
-            return RelaySeen(self.relay.listening, live_elements(objects),
-                             error=f"relay: reading {INGRESS_FAMILY} {TABLE}: {e}")
-        if ingress is None:
-            return RelaySeen(self.relay.listening, live_elements(objects), ingress_missing=True)
-        return RelaySeen(self.relay.listening, live_elements(objects), ingress=(live_elements(ingress),
-                                                                                live_hops(ingress)))
+        return RelaySeen(self.relay.listening, live_elements(objects))
 
     def plan(self, desired: DesiredState, seen: RelaySeen) -> DomainResult:
         changes: list[Change] = []
@@ -138,14 +124,6 @@ class RelayDomain:
             missing = len(set(fastpath.current.items()) - set(seen.fastpath.items()))
             extra = len(set(seen.fastpath.items()) - set(fastpath.current.items()))
             changes.append(RelayFastPathRestored(f"{missing} element(s) missing, {extra} not the relay's; synced"))
-        if seen.ingress_missing:
-            changes.append(RelayFastPathRestored("table missing; recreated", INGRESS_FAMILY))
-        elif fastpath is not None and seen.ingress is not None and \
-                seen.ingress != (fastpath.ingress_current, fastpath.hops_current):
-            live = set(seen.ingress[0].items()) | {("hop", *h) for h in seen.ingress[1].items()}
-            ours = set(fastpath.ingress_current.items()) | {("hop", *h) for h in fastpath.hops_current.items()}
-            changes.append(RelayFastPathRestored(
-                f"{len(ours - live)} element(s) missing, {len(live - ours)} not the relay's; synced", INGRESS_FAMILY))
         return DomainResult(tuple(changes), (seen.error,) if seen.error else ())
 
     async def apply(self, desired: DesiredState, planned: DomainResult, seen: Any) -> DomainResult:
@@ -165,15 +143,9 @@ class RelayDomain:
                 fastpath.installed = False
             elif seen.fastpath is not None:
                 fastpath.current = dict(seen.fastpath)  # the next sync diffs against what is really there
-            if seen.ingress_missing:
-                fastpath.ingress_installed, fastpath.ingress_error = False, ""
-            elif seen.ingress is not None:
-                fastpath.ingress_current, fastpath.hops_current = dict(seen.ingress[0]), dict(seen.ingress[1])
         await self.relay.sync_fastpath()
         if self.relay.fastpath_error:
             errors.append(f"relay: fast path not applied (the userspace relay forwards): {self.relay.fastpath_error}")
-        elif fastpath is not None and fastpath.ingress_error:
-            errors.append(f"relay: ingress fast path not applied (the inet table forwards): {fastpath.ingress_error}")
         return DomainResult(planned.changes, tuple(errors))
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
@@ -209,15 +181,6 @@ class RelayDomain:
             if (r.session_id, r.reason) not in self._logged_refusals:
                 self._logged_refusals.add((r.session_id, r.reason))
                 log.error("%s", r.reason)
-
-
-def live_hops(objects: list[Any]) -> Hops:
-    """The ingress table's `fwd_hop` map, as nftables lists it."""
-    for obj in objects:
-        m = obj.get("map") if isinstance(obj, dict) else None
-        if isinstance(m, dict) and m.get("name") == "fwd_hop":
-            return {str(k): str(v) for k, v in m.get("elem") or []}
-    return {}
 
 
 def live_elements(objects: list[Any]) -> Elements:

@@ -136,7 +136,7 @@ class Relay:
     # The kernel fast path
 
     async def enable_fastpath(self, relay_ip: str, fastpath: KernelFastPath | None = None) -> None:
-        """Install the `plexd_relay` tables and keep their maps equal to the stable flows (synced every second)."""
+        """Install `inet plexd_relay` and keep its maps equal to the stable flows (synced every second)."""
         self.fastpath = fastpath or KernelFastPath(relay_ip, self.port)
         await asyncio.to_thread(self.fastpath.apply)
         await self.sync_fastpath()
@@ -209,10 +209,7 @@ class Relay:
                 "idle_seconds": None if c.last_activity is None else round(now - c.last_activity, 3),
             })
         fastpath = None if self.fastpath is None else {
-            "installed": self.fastpath.installed, "elements": len(self.fastpath.current), "error": self.fastpath_error,
-            "ingress": {"device": self.fastpath.device[1] if self.fastpath.device else None,
-                        "installed": self.fastpath.ingress_installed,
-                        "elements": len(self.fastpath.ingress_current), "error": self.fastpath.ingress_error}}
+            "installed": self.fastpath.installed, "elements": len(self.fastpath.current), "error": self.fastpath_error}
         return {"listening": self.listening, "port": self.port, "sessions": sessions,
                 "dropped": asdict(self.table.drops), "send_errors": self.send_errors,
                 "send_dropped": self.send_dropped, "expired": self.expired,

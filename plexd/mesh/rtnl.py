@@ -15,7 +15,6 @@ when that backend is chosen.
     dump_addresses(netns)        every address: [Address(index, family, prefixlen, scope, address)]
     dump_links(netns)            every link: [Link(index, name, kind, mtu, up)]
     dump_rules(family, netns)    every routing rule of one family: [Rule(table, priority, action)]
-    route_get(address, netns)    the route the kernel would take to one address (`ip route get`), or None
     write(messages, netns)       requests in order, in batches of one send each: the errno of each (0: done),
                                  made by route_write, link_set, link_delete, address_write, rule_write
 """
@@ -219,21 +218,6 @@ def dump_rules(family: int, netns: str | None = None) -> list[Rule]:
     """Every routing rule of `family`, in `netns` (None: this one)."""
     return _dump(netns, _RTM_GETRULE, _FIB_RULE_HDR.pack(family, 0, 0, 0, 0, 0, 0, 0, 0), _RTM_NEWRULE, _rule,
                  "rule list")
-
-
-def route_get(address: str, netns: str | None = None) -> Route | None:
-    """The route the kernel picks for packets to `address` (`ip route get`: rules and every table), or None when
-    it has none (unreachable, prohibited)."""
-    ip = ipaddress.ip_address(address)
-    family = socket.AF_INET if ip.version == 4 else socket.AF_INET6
-    request = _RTMSG.pack(family, ip.max_prefixlen, 0, 0, 0, 0, 0, 0, 0) + _attr(_RTA_DST, ip.packed)
-    with _open(netns) as sock:
-        sock.bind((0, 0))
-        sock.send(_HEADER.pack(_HEADER.size + len(request), _RTM_GETROUTE, _NLM_F_REQUEST, 1, 0) + request)
-        for kind, _, body in _messages(sock.recv(1 << 16)):
-            if kind == _RTM_NEWROUTE:
-                return _route(body)
-    return None  # an error reply: no route
 
 
 def _dump(netns: str | None, request_type: int, request: bytes, reply_type: int,

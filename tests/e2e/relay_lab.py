@@ -121,16 +121,10 @@ def wait(pred, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
-def kernel_forwarded(lab: Lab, relay: RelayProcess, family: str | None = None) -> int:
-    """Packets the fast path's rules rewrote: the ingress rule's and the prerouting rule's counters, or `family`'s
-    only (read with nft in the relay's namespace)."""
-    chains = {"netdev": "ingress", "inet": "prerouting"}
-    return sum(_rule_counter(relay, fam, chain) for fam, chain in chains.items() if family in (None, fam))
-
-
-def _rule_counter(relay: RelayProcess, family: str, chain: str) -> int:
-    out = subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "-j", "list", "chain", family,
-                          "plexd_relay", chain], capture_output=True, text=True, timeout=30, check=True).stdout
+def kernel_forwarded(lab: Lab, relay: RelayProcess) -> int:
+    """Packets the fast path's prerouting rule rewrote (its counter, read with nft in the relay's namespace)."""
+    out = subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "-j", "list", "chain", "inet",
+                          "plexd_relay", "prerouting"], capture_output=True, text=True, timeout=30, check=True).stdout
     for item in json.loads(out)["nftables"]:
         for expr in item.get("rule", {}).get("expr", []):
             if "counter" in expr:
@@ -138,9 +132,9 @@ def _rule_counter(relay: RelayProcess, family: str, chain: str) -> int:
     raise AssertionError(f"no counter in the fast path rule: {out}")
 
 
-def fastpath_elements(lab: Lab, relay: RelayProcess, family: str = "inet", name: str = "fwd_port") -> str:
-    return subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "list", "map", family, "plexd_relay",
-                           name], capture_output=True, text=True, timeout=30, check=True).stdout
+def fastpath_elements(lab: Lab, relay: RelayProcess) -> str:
+    return subprocess.run(["ip", "netns", "exec", relay.node.netns, "nft", "list", "map", "inet", "plexd_relay",
+                           "fwd_port"], capture_output=True, text=True, timeout=30, check=True).stdout
 
 
 def relay_tables(relay: RelayProcess) -> str:
