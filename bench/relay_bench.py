@@ -7,9 +7,7 @@ masquerade router:
   direct     routers with port-preserving `masquerade`, each end pointed at the other's router (hole punched)
   userspace  routers with `masquerade random,fully-random`, both ends pointed at the relay
              (`python -m plexd.bridge.standalone` on the public side)
-  kernel     the same relayed pair with the relay's nftables fast path on (`netdev` + `inet plexd_relay`): the
-             packets are forwarded at the relay interface's ingress
-  inet only  the same with the `netdev` table removed: forwarded through the IP stack by `inet plexd_relay`
+  kernel     the same relayed pair with the relay's nftables fast path on (`inet plexd_relay`)
 
 For each: ping RTT p50/p99 over N pings (10 ms apart), iperf3 TCP throughput over S seconds (`--runs` times,
 each relayed run right after a direct one, so both see the machine in the same state; the median of each, and a
@@ -95,8 +93,7 @@ def measure(lab, name: str, a, b, args, direct_pair, relay=None) -> tuple[dict, 
         def forwarded() -> int:
             s = relay.session("rel_1")
             return s["packets_a_to_b"] + s["packets_b_to_a"]
-        kernel = (lambda: kernel_forwarded(lab, relay, "inet" if name == "inet only" else None)) \
-            if name != "userspace" else (lambda: 0)
+        kernel = (lambda: kernel_forwarded(lab, relay)) if name == "kernel" else (lambda: 0)
         before_pkts, before_kernel = forwarded(), kernel()
         before_cpu, t0 = cpu_seconds(relay.proc.pid), time.monotonic()
         udp = iperf(lab, a, b.mesh_ip, args.seconds, udp_pps=args.pps)
@@ -144,30 +141,20 @@ def main() -> None:
         rows.append(row)
         direct_runs += alongside
         dropped = relay.status()["dropped"]
-        by_path = {family: kernel_forwarded(lab, relay, family) for family in ("netdev", "inet")}
-
-        # the same pair through the IP stack's path alone: the ingress table removed by hand (the relay would put
-        # it back at its next converge; the standalone relay converges only when told)
-        lab.exec(relay.node, ["nft", "delete", "table", "netdev", "plexd_relay"])
-        row, alongside = measure(lab, "inet only", a, b, args, (da, db), relay)
-        rows.append(row)
-        direct_runs += alongside
         rows.insert(0, {"path": "direct", "rtt_p50_ms": pct(r, 0.5), "rtt_p99_ms": pct(r, 0.99), "pings": len(r),
                         "tcp_mbit_s": statistics.median(direct_runs), "tcp_runs": [round(x, 1) for x in direct_runs]})
 
-    print(f"{'path':<11} {'p50 ms':>7} {'p99 ms':>7} {'TCP Mbit/s':>11} {'% direct':>8} {'UDP pps':>8} "
+    print(f"{'path':<10} {'p50 ms':>7} {'p99 ms':>7} {'TCP Mbit/s':>11} {'% direct':>8} {'UDP pps':>8} "
           f"{'lost %':>7} {'relay CPU %':>11} {'CPU %/10k pps':>13}")
     for r in rows:
         share = 100 * r["tcp_mbit_s"] / r.get("direct_alongside_mbit_s", r["tcp_mbit_s"])
-        print(f"{r['path']:<11} {r['rtt_p50_ms']:>7.3f} {r['rtt_p99_ms']:>7.3f} {r['tcp_mbit_s']:>11.1f} "
+        print(f"{r['path']:<10} {r['rtt_p50_ms']:>7.3f} {r['rtt_p99_ms']:>7.3f} {r['tcp_mbit_s']:>11.1f} "
               f"{share:>8.0f} {r.get('udp_pps_relayed', '-'):>8} "
               f"{_f(r.get('udp_lost_percent')):>7} {r.get('relay_cpu_percent', '-'):>11} "
               f"{r.get('relay_cpu_percent_per_10k_pps', '-'):>13}")
     for r in rows[1:]:
         print(f"{r['path']} TCP runs {r['tcp_runs']} Mbit/s; the direct runs beside them {r['direct_alongside_runs']}")
     print(f"relay drops: {dropped}")
-    print(f"kernel fast path packets: {by_path['netdev']} at the interface's ingress (netdev), {by_path['inet']} "
-          f"through the IP stack (inet)")
     print(json.dumps(rows))
 
 
