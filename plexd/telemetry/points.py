@@ -59,6 +59,8 @@ class MetricPoints:
                 kept_times[sec, nsec] = when
             else:
                 when = _NEVER
+            if when == _NEVER:  # none yet, or one the time cannot be written for: the point says never, all of it
+                handshake = 0
             out.append(f'{head}{pid},"data":{{"peer_id":{pid},"last_handshake_time":{when},'
                        f'"rx_bytes":{rx},"tx_bytes":{tx},'
                        f'"handshake_succeeded":{"true" if handshake > 0 else "false"},'
