@@ -60,11 +60,13 @@ from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import LocalUser, UserRefused, exit_status, login_environment, resolve_user
+from plexd.access.ssh_saslprep import install as install_saslprep_fast_path
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
 from plexd.nodeapi.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
+install_saslprep_fast_path()
 
 MAX_CONNECTIONS = 4
 MAX_CHANNELS = 10

@@ -9,6 +9,8 @@ import stat
 import time
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from nacl.signing import SigningKey
 
 from plexd.access.sessions import Session, SshTarget, TcpTarget
@@ -181,3 +183,42 @@ def test_each_read_puts_the_connection_back_in_quick_ack_mode_and_still_reaches_
             served.close()
             conn.data_received(b"late")  # a read racing the close still reaches asyncssh, no error
             assert conn.received[-1] == (b"late", None)
+
+
+@given(st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=300))
+def test_the_saslprep_fast_path_is_asyncssh_s_own_answer_for_printable_ascii(text):
+    from asyncssh.saslprep import saslprep as full
+
+    from plexd.access.ssh_saslprep import saslprep
+
+    assert saslprep(text) == full(text) == text
+
+
+@given(st.text(max_size=40))
+def test_the_saslprep_fast_path_gives_anything_else_to_asyncssh(text):
+    from asyncssh.saslprep import SASLPrepError
+    from asyncssh.saslprep import saslprep as full
+
+    from plexd.access.ssh_saslprep import saslprep
+
+    try:
+        expected: object = full(text)
+    except SASLPrepError as e:
+        expected = type(e)
+    try:
+        got: object = saslprep(text)
+    except SASLPrepError as e:
+        got = type(e)
+    assert got == expected
+
+
+def test_asyncssh_s_server_uses_the_fast_path_once_ssh_sessions_are_loaded():
+    import asyncssh.auth
+    import asyncssh.connection
+
+    from plexd.access.ssh_saslprep import saslprep
+
+    assert asyncssh.auth.saslprep is saslprep and asyncssh.connection.saslprep is saslprep
+    assert saslprep("x\u00a0y") == "x y"  # a non-ASCII space: mapped by SASLprep, as asyncssh maps it
+    with pytest.raises(asyncssh.saslprep.SASLPrepError):
+        saslprep("x\x07y")  # an ASCII control: prohibited
