@@ -1,10 +1,16 @@
-"""A network-namespace lab: a bridge in the root namespace and N nodes, each in its own namespace.
+"""A network-namespace lab: a bridge in a switch namespace of its own and N nodes, each in its own namespace.
 
 Used by `plexd-devplane demo` and, as a pytest fixture, by the e2e tests. Every node has a veth to the bridge and
 an address on a private test subnet (10.231.X.0/24, X picked free at random), and a private socket directory
 that commands run through `LabNode.wrap()` see as `/run/wireguard` (environment.md §2: `ip netns exec` already
 unshares the mount namespace, so the bind mount never shows on the host). Names are `px<tag>...` and unique per
-lab, so labs can run side by side.
+lab, so labs can run side by side. The root namespace (the devplane, the tests) reaches the bridge through a veth
+of its own holding the subnet's first address.
+
+The bridge is not in the root namespace because there the machine's own netfilter would see every frame it
+bridges: with `br_netfilter` loaded, `bridge-nf-call-iptables` is on by default, so each crossing went through
+the host's conntrack (and a host FORWARD policy of drop, as Docker sets, would cut the lab in pieces). In the
+switch namespace plexd turns those calls off; nothing of the host's firewall applies to traffic between nodes.
 
 Teardown is guaranteed and ordered (environment.md §9): processes first (wireguard-go keeps a deleted namespace
 alive), then links, then namespaces, then files. A kept lab writes a state file so `Lab.down_from_state()`
@@ -102,6 +108,15 @@ class Lab:
         return f"px{self.tag}br"
 
     @property
+    def switch_netns(self) -> str:
+        return f"px{self.tag}sw"
+
+    @property
+    def uplink(self) -> str:
+        """The root namespace's veth to the bridge (its peer in the switch namespace is `host`)."""
+        return f"px{self.tag}up"
+
+    @property
     def bridge_address(self) -> str:
         return str(ipaddress.ip_network(self.subnet)[1])
 
@@ -113,10 +128,18 @@ class Lab:
             self.subnet = self.subnet or _free_subnet()
             self._up = True
             self._save()
-            _run(["ip", "link", "add", self.bridge, "type", "bridge"])
+            _run(["ip", "netns", "add", self.switch_netns])
             self._save()
-            _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.bridge])
-            _run(["ip", "link", "set", self.bridge, "up"])
+            sw = ["ip", "-n", self.switch_netns]
+            _run([*sw, "link", "add", self.bridge, "type", "bridge"])
+            for table in ("iptables", "ip6tables", "arptables"):  # absent without br_netfilter: nothing to turn off
+                _run(["ip", "netns", "exec", self.switch_netns, "sysctl", "-qw",
+                      f"net.bridge.bridge-nf-call-{table}=0"], check=False)
+            _run([*sw, "link", "set", self.bridge, "up"])
+            _run(["ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "host", "netns", self.switch_netns])
+            _run([*sw, "link", "set", "host", "master", self.bridge, "up"])
+            _run(["ip", "addr", "add", f"{self.bridge_address}/24", "dev", self.uplink])
+            _run(["ip", "link", "set", self.uplink, "up"])
             for _ in range(nodes):
                 self.add_node()
         except BaseException:
@@ -230,9 +253,9 @@ class Lab:
         """Namespace `netns` on the lab bridge: a veth (`host_side` on the bridge, `inside` in the namespace with
         `addrs`), loopback up, and a default route via the bridge address unless told otherwise."""
         _run(["ip", "netns", "add", netns])
-        _run(["ip", "link", "add", host_side, "type", "veth", "peer", "name", f"{host_side}x"])
-        _run(["ip", "link", "set", f"{host_side}x", "netns", netns])
-        _run(["ip", "link", "set", host_side, "master", self.bridge, "up"])
+        _run(["ip", "link", "add", host_side, "netns", self.switch_netns, "type", "veth", "peer", "name",
+              f"{host_side}x", "netns", netns])
+        _run(["ip", "-n", self.switch_netns, "link", "set", host_side, "master", self.bridge, "up"])
         ns = ["ip", "-n", netns]
         _run([*ns, "link", "set", f"{host_side}x", "name", inside])
         for addr in addrs:
@@ -300,12 +323,17 @@ class Lab:
         namespaces += [self.stun_netns] if self.stun_netns else []
         for netns in namespaces:
             _kill_netns_pids(netns)
+        # The switch namespace holds the bridge and the bridge side of every veth: deleting it removes them all,
+        # and with them their peers. A lab from before the switch namespace had them in the root namespace.
+        _run(["ip", "link", "del", self.uplink], check=False)
+        for netns in [self.switch_netns, *namespaces]:
+            _run(["ip", "netns", "del", netns], check=False)
         uplinks = [f"px{self.tag}q{i}" for i in range(1, len(self.routers) + 1)]
         for link in [n.veth for n in self.nodes] + uplinks + ([f"px{self.tag}st"] if self.stun_netns else []):
-            _run(["ip", "link", "del", link], check=False)
-        _run(["ip", "link", "del", self.bridge], check=False)
-        for netns in namespaces:
-            _run(["ip", "netns", "del", netns], check=False)
+            if os.path.exists(f"/sys/class/net/{link}"):
+                _run(["ip", "link", "del", link], check=False)
+        if os.path.exists(f"/sys/class/net/{self.bridge}"):
+            _run(["ip", "link", "del", self.bridge], check=False)
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
         if self.state_file:
