@@ -76,4 +76,5 @@ def test_a_fourth_node_is_configured_everywhere_within_one_reconcile_interval(me
     assert all(m.ping_matrix(count=2, wait=5).values())
     # nothing but the lab's own processes ran: the namespace names are the lab's
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert sum(line.startswith(f"px{lab.tag}") for line in out.splitlines()) == 4
+    names = [line.split()[0] for line in out.splitlines() if line.startswith(f"px{lab.tag}")]
+    assert sorted(names) == sorted([*(d.node.netns for d in m.daemons), lab.switch_netns])
