@@ -350,3 +350,20 @@ async def test_the_host_key_is_kept_0600_reused_and_its_fingerprint_pins_the_ser
         rc, _, err = await h.ssh(h.token(), "id -un", known_hosts=str(known))
         assert rc == 255 and "HOST IDENTIFICATION HAS CHANGED" in err, err
 
+
+
+async def test_every_connection_the_server_accepts_goes_through_the_quick_ack_wrapper(account, key_dir):
+    """What the wrapper does to a socket is tested in tests/unit/test_ssh_parts.py; here, that the real server puts
+    it on each connection it accepts, and the handshake still gets through it."""
+    async with Harness(account.name, key_dir) as h:
+        reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
+        try:
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-AsyncSSH")
+            assert h.server is not None
+            [conn] = h.server.connections
+            assert "data_received" in vars(conn.conn)  # the instance's own, ahead of asyncssh's method
+            writer.write(b"SSH-2.0-OpenSSH_9.2p1\r\n")
+            await writer.drain()
+            assert len(await asyncio.wait_for(reader.read(5), 10)) > 0  # the server's KEXINIT follows
+        finally:
+            writer.close()

@@ -171,13 +171,15 @@ def test_each_read_puts_the_connection_back_in_quick_ack_mode_and_still_reaches_
             socket.create_connection(listener.getsockname()) as client:
         served, _ = listener.accept()
         with served:
-            # what the kernel does once the server has answered a packet: delayed ("interactive") ACKs
-            served.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 0)
-            assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) == 0
             conn = _ConnectionStandIn(served)
             _ack_at_once(conn)  # type: ignore[arg-type]
             client.sendall(b"SSH-2.0-OpenSSH_9.2\r\n")
-            conn.data_received(served.recv(100))
+            data = served.recv(100)
+            # what the kernel does once the server has answered a packet: delayed ("interactive") ACKs. Set just
+            # before the read is handed on, so the kernel's 40 ms timer cannot have ended that mode by itself.
+            served.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 0)
+            assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) == 0
+            conn.data_received(data)
             assert served.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK) == 1
             assert conn.received == [(b"SSH-2.0-OpenSSH_9.2\r\n", None)]
             served.close()
