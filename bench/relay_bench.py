@@ -110,7 +110,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench relay_bench", description=__doc__.splitlines()[0])
     parser.add_argument("--pings", type=int, default=300)
     parser.add_argument("--seconds", type=int, default=5)
-    parser.add_argument("--runs", type=int, default=3, help="TCP runs per path, each beside a direct one")
+    parser.add_argument("--runs", type=lambda v: max(1, int(v)), default=3,
+                        help="TCP runs per path, each beside a direct one (at least 1)")
     parser.add_argument("--pps", type=int, default=10_000)
     args = parser.parse_args()
 

@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
         nat = getattr(args, "nat", False)
         if getattr(args, "bridge", False):
             lab.up(1)
-            print(f"lab {lab.tag}: bridge {lab.bridge} {lab.bridge_address}/24", flush=True)
+            print(f"lab {lab.tag}: bridge {lab.bridge} in {lab.switch_netns}, {lab.uplink} {lab.bridge_address}/24",
+                  flush=True)
             print(f"devplane on {mesh.start_devplane()}", flush=True)
             return 0 if _bridge_scenario(lab, mesh) else 1
         lab.up(0 if nat else n)
@@ -220,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
                 lab.add_node(behind=lab.add_router())
             print(f"coturn on {stun[0]} and {stun[1]}; each node behind its own NAT router "
                   f"({', '.join(r.netns for r in lab.routers)})", flush=True)
-        print(f"lab {lab.tag}: bridge {lab.bridge} {lab.bridge_address}/24, {n} namespaces "
-              f"({', '.join(x.netns for x in lab.nodes)})", flush=True)
+        print(f"lab {lab.tag}: bridge {lab.bridge} in {lab.switch_netns}, {lab.uplink} {lab.bridge_address}/24, "
+              f"{n} namespaces ({', '.join(x.netns for x in lab.nodes)})", flush=True)
         url = mesh.start_devplane()
         print(f"devplane on {url}", flush=True)
         for node in lab.nodes:

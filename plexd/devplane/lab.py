@@ -10,11 +10,13 @@ of its own holding the subnet's first address.
 The bridge is not in the root namespace because there the machine's own netfilter would see every frame it
 bridges: with `br_netfilter` loaded, `bridge-nf-call-iptables` is on by default, so each crossing went through
 the host's conntrack (and a host FORWARD policy of drop, as Docker sets, would cut the lab in pieces). In the
-switch namespace plexd turns those calls off; nothing of the host's firewall applies to traffic between nodes.
+switch namespace nothing of the host's firewall applies to traffic between nodes, and plexd turns the calls off
+there too where the kernel keeps them per namespace (5.3 and later).
 
 Teardown is guaranteed and ordered (environment.md §9): processes first (wireguard-go keeps a deleted namespace
-alive), then links, then namespaces, then files. A kept lab writes a state file so `Lab.down_from_state()`
-(`plexd-devplane demo --down`) can remove it later.
+alive), then the uplink, then the namespaces (the switch's takes the bridge and every bridge-side veth with it),
+then links an older lab left in the root namespace, then files. A kept lab writes a state file so
+`Lab.down_from_state()` (`plexd-devplane demo --down`) can remove it later.
 """
 
 from __future__ import annotations
@@ -321,7 +323,7 @@ class Lab:
         # Anything still living in a namespace (e.g. a wireguard-go started by a killed daemon).
         namespaces = [n.netns for n in self.nodes] + [r.netns for r in self.routers]
         namespaces += [self.stun_netns] if self.stun_netns else []
-        for netns in namespaces:
+        for netns in [self.switch_netns, *namespaces]:  # a process left in one keeps it alive after `netns del`
             _kill_netns_pids(netns)
         # The switch namespace holds the bridge and the bridge side of every veth: deleting it removes them all,
         # and with them their peers. A lab from before the switch namespace had them in the root namespace.
