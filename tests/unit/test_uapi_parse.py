@@ -80,6 +80,8 @@ def test_parse_counters_errors() -> None:
         parse_counters(f"public_key={H1}\nrx_bytes=many\nerrno=0\n\n")
     with pytest.raises(WireGuardError, match="malformed UAPI get reply"):
         parse_counters("public_key=zz\nerrno=0\n\n")
+    with pytest.raises(WireGuardError, match="malformed UAPI get reply: public_key="):  # hex with spaces in it
+        parse_counters(f"public_key={H1[:62]}  \nerrno=0\n\n")
 
 
 def test_counter_rows_are_the_counters_as_the_device_wrote_them_in_any_order() -> None:

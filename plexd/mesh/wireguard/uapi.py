@@ -197,8 +197,9 @@ def parse_counters(reply: str) -> dict[str, PeerCounters]:
 # preshared key, protocol version and endpoint come between): one regex pass reads them all. A match that ran
 # into the next peer's block takes two keys, so there are fewer matches than keys, and the slow path reads it.
 _NUMBER = "(0|[1-9][0-9]{0,19})"  # what goes into a JSON text as it is: no sign, no leading zero, ASCII digits
+_HEX_KEY = "[0-9a-f]{64}"  # a key as wireguard-go writes it; the block reader lower-cases one written otherwise first
 _COUNTER_LINES = re.compile(
-    rf"^public_key=([0-9a-f]{{64}})\n(?:[^\n]*\n){{0,8}}?last_handshake_time_sec={_NUMBER}\n"
+    rf"^public_key=({_HEX_KEY})\n(?:[^\n]*\n){{0,8}}?last_handshake_time_sec={_NUMBER}\n"
     rf"last_handshake_time_nsec={_NUMBER}\ntx_bytes={_NUMBER}\nrx_bytes={_NUMBER}$", re.M)
 _COUNTER_KEYS = ("\nlast_handshake_time_sec=", "\nlast_handshake_time_nsec=", "\ntx_bytes=", "\nrx_bytes=")
 
@@ -214,7 +215,7 @@ def parse_counter_rows(reply: str) -> list[CounterRow]:
     for block in ("\n" + reply).split("\npublic_key=")[1:]:
         block += "\n"  # every line of the block ends in one (the split took the last one's)
         key = block[:block.find("\n")].lower()  # as the fast path's (and a desired key's) hex
-        if len(key) != 64 or not _is_hex(key):
+        if not re.fullmatch(_HEX_KEY, key):
             raise WireGuardError(f"malformed UAPI get reply: public_key={key[:16]!r}")
         sec, nsec, tx, rx = (_digits(block, name) for name in _COUNTER_KEYS)
         rows.append((key, sec, nsec, tx, rx))
@@ -230,14 +231,6 @@ def _digits(block: str, name: str) -> str:
     if not (0 < len(value) <= 20 and value.isascii() and value.isdigit()):
         raise WireGuardError(f"malformed UAPI get reply: {name.strip()}{value[:24]!r}")
     return value.lstrip("0") or "0"
-
-
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
 
 
 def describe_update(update: DeviceUpdate, interface: str) -> str:
