@@ -216,6 +216,7 @@ def _add_up(sub: Any) -> None:
 def cmd_up(args: argparse.Namespace, config: Config) -> int:
     import asyncio
 
+    from plexd.base.children import watch_children_with_pidfds
     from plexd.base.log import setup_logging
     from plexd.node import assembly
     from plexd.upgrade import launcher
@@ -223,6 +224,7 @@ def cmd_up(args: argparse.Namespace, config: Config) -> int:
     setup_logging(config.log_level)
     config.require_api()
     launcher.launch(config, args.argv)  # the current release, if that is not this code; an upgrade's rollback
+    watch_children_with_pidfds()
     code = asyncio.run(assembly.run(config))
     return launcher.restart(config, args.argv) if code == launcher.EXIT_RESTART else code
 

@@ -1,0 +1,77 @@
+"""How asyncio hears that a child process exited: from a pidfd on the loop that started it, not from a thread.
+
+Python 3.11's default (ThreadedChildWatcher) starts a thread for every child and keeps it while the child
+lives: one per live SSH session, hook or action. A pidfd (Linux 5.3) makes the exit an event on the loop
+instead. Python 3.12 does this itself when the kernel has pidfds; 3.11's own PidfdChildWatcher serves only the
+main thread's loop, so this one reads each pidfd on the loop running where the child was started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
+    """Each child's pidfd is read by the running loop that asked; nothing is kept between children."""
+
+    def add_child_handler(self, pid: int, callback: Callable[..., Any], *args: Any) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # gone and reaped already (SIGCHLD ignored by someone): its status is lost
+            log.warning("child %d was reaped elsewhere: its exit status is unknown", pid)
+            loop.call_soon(callback, pid, 255, *args)
+            return
+        loop.add_reader(pidfd, self._reap, loop, pid, pidfd, callback, args)
+
+    @staticmethod
+    def _reap(loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, callback: Callable[..., Any],
+              args: tuple[Any, ...]) -> None:
+        loop.remove_reader(pidfd)
+        try:
+            _, status = os.waitpid(pid, 0)  # the pidfd is readable: the child has exited, this does not block
+            returncode = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            log.warning("child %d was reaped elsewhere: its exit status is unknown", pid)
+            returncode = 255
+        finally:
+            os.close(pidfd)
+        callback(pid, returncode, *args)
+
+    def remove_child_handler(self, pid: int) -> bool:
+        return True  # the pidfd's reader goes when the child exits; asyncio asks only after that
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        pass  # no loop of its own: each child's is the one running when it was started
+
+    def is_active(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RunningLoopPidfdWatcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def watch_children_with_pidfds() -> bool:
+    """Use pidfds for asyncio's child processes, in this process. False (Python's default kept) on Python
+    3.12+, which chooses pidfds itself, or when the kernel cannot open one."""
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # an older kernel, or a seccomp filter that refuses the call
+        return False
+    asyncio.set_child_watcher(RunningLoopPidfdWatcher())
+    return True

@@ -1,0 +1,57 @@
+"""asyncio hears of child exits through pidfds: no thread per live child (the daemon's SSH sessions, hooks)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+
+import pytest
+
+from plexd.base.children import RunningLoopPidfdWatcher, watch_children_with_pidfds
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ chooses pidfds itself; nothing to set")
+async def test_a_live_child_costs_no_thread_and_its_exit_status_still_arrives():
+    previous = asyncio.get_child_watcher()
+    try:
+        assert watch_children_with_pidfds() is True
+        assert isinstance(asyncio.get_child_watcher(), RunningLoopPidfdWatcher)
+        threads = threading.active_count()
+        proc = await asyncio.create_subprocess_exec("sh", "-c", "read line; exit 3", stdin=asyncio.subprocess.PIPE)
+        assert threading.active_count() == threads  # Python 3.11's default starts one here and keeps it
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        assert await asyncio.wait_for(proc.wait(), 10) == 3
+    finally:
+        asyncio.set_child_watcher(previous)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ chooses pidfds itself; nothing to set")
+def test_a_loop_in_another_thread_hears_of_its_own_childs_exit():
+    # 3.11's PidfdChildWatcher serves only the main thread's loop; this one serves whichever loop spawned
+    previous = asyncio.get_child_watcher()
+    results: list[int] = []
+
+    async def spawn() -> int:
+        proc = await asyncio.create_subprocess_exec("sh", "-c", "exit 5")
+        return await asyncio.wait_for(proc.wait(), 10)
+
+    try:
+        assert watch_children_with_pidfds() is True
+        worker = threading.Thread(target=lambda: results.append(asyncio.run(spawn())))
+        worker.start()
+        worker.join(20)
+        assert results == [5]
+    finally:
+        asyncio.set_child_watcher(previous)
+
+
+async def test_a_child_reaped_by_someone_else_is_reported_with_255_and_nothing_hangs():
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[tuple[int, int]] = loop.create_future()
+    pid = os.spawnvp(os.P_NOWAIT, "sh", ["sh", "-c", "exit 4"])
+    RunningLoopPidfdWatcher().add_child_handler(pid, lambda p, rc: done.set_result((p, rc)))
+    os.waitpid(pid, 0)  # another part of the process reaps it first
+    assert await asyncio.wait_for(done, 10) == (pid, 255)
