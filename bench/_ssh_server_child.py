@@ -21,6 +21,7 @@ from plexd.access.sessions import Session, SshTarget
 from plexd.access.ssh import SshSessionServer
 from plexd.access.ssh_host_key import load_or_create_host_key
 from plexd.access.token import sign_session_token
+from plexd.base.children import watch_children_with_pidfds
 
 
 def running(server: SshSessionServer) -> int:
@@ -52,4 +53,5 @@ async def main(count: int) -> None:
 
 
 if __name__ == "__main__":
+    watch_children_with_pidfds()  # as `plexd up` does
     asyncio.run(main(int(sys.argv[1])))

@@ -20,7 +20,8 @@ request is acknowledged by asyncssh but its variables are never applied (the env
 
 Each channel runs one process as the target user (uid, gid, supplementary groups, home, login shell), with the
 scrubbed environment of `ssh_process.login_environment`, in a session of its own, on a pty when one was asked
-for. With `allowed_commands`, `shell` is refused and `exec` must be an exact member; an exec runs only after
+for. An exec without a pty becomes the user in setpriv (`ssh_process.switch_user_argv`: no fork of the
+daemon). With `allowed_commands`, `shell` is refused and `exec` must be an exact member; an exec runs only after
 `record_command(session_id, command)` returned True within 15 s (the control plane recorded it). A hang-up sends
 SIGHUP to the process group, then SIGKILL 2 s later.
 
@@ -59,7 +60,14 @@ from plexd.access.lifetime import watch_lifetime
 from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
-from plexd.access.ssh_process import LocalUser, UserRefused, exit_status, login_environment, resolve_user
+from plexd.access.ssh_process import (
+    LocalUser,
+    UserRefused,
+    exit_status,
+    login_environment,
+    resolve_user,
+    switch_user_argv,
+)
 from plexd.access.ssh_saslprep import install as install_saslprep_fast_path
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
@@ -547,7 +555,11 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         env = login_environment(user, self.term)
         ids: dict[str, Any] = {}
         if os.geteuid() == 0:
-            ids = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+            prefix = None if self.pty or self.command is None else switch_user_argv(user)
+            if prefix is None:
+                ids = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+            else:  # the exec's process becomes the user in setpriv: the daemon is not forked (see there)
+                args, program = [*prefix, program, *args[1:]], prefix[0]
         cwd = user.home if os.path.isdir(user.home) else "/"
         if self.pty:
             master, slave = pty.openpty()

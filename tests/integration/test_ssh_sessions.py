@@ -8,6 +8,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import pwd
 import re
 import signal
 import stat
@@ -21,7 +22,7 @@ from ssh_session_helpers import Harness, read_until, throwaway_user, wait_gone
 
 from plexd.access.ssh import NOT_RECORDED
 from plexd.access.ssh_host_key import HOST_KEY_NAME, fingerprint, load_or_create_host_key
-from plexd.access.ssh_process import SAFE_PATH
+from plexd.access.ssh_process import SAFE_PATH, SETPRIV
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(90)]
 DENIED = "Permission denied"
@@ -63,6 +64,58 @@ async def test_exec_runs_as_the_target_user_with_its_groups_and_only_the_login_e
         assert started["user"] == account.name and started["source"] == "127.0.0.1"
         command, = h.events("command")
         assert command["exit_code"] == 0 and command["command"] == "id -un; id -Gn; pwd; env"
+
+
+def _ids_of(status: str) -> dict[str, list[str]]:
+    """Uid, Gid (real, effective, saved, filesystem), Groups and capability sets of a /proc/PID/status."""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {name: fields[name].split() for name in ("Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapAmb")}
+
+
+def _expected_ids(name: str) -> dict[str, list[str]]:
+    entry = pwd.getpwnam(name)
+    groups = sorted(os.getgrouplist(name, entry.pw_gid))
+    none = ["0000000000000000"]
+    return {"Uid": [str(entry.pw_uid)] * 4, "Gid": [str(entry.pw_gid)] * 4, "Groups": [str(g) for g in groups],
+            "CapInh": none, "CapPrm": none, "CapEff": none, "CapAmb": none}
+
+
+def _sorted_groups(ids: dict[str, list[str]]) -> dict[str, list[str]]:
+    return {**ids, "Groups": sorted(ids["Groups"], key=int)}
+
+
+async def test_an_exec_goes_through_setpriv_and_holds_only_the_users_ids_and_no_capability(account, key_dir,
+                                                                                           monkeypatch):
+    # The exec path starts setpriv (a vfork, the daemon's memory is not copied) rather than Popen(user=...)
+    # (a fork): the kernel's record of the process must be the same as with the fork, down to the saved uid
+    # (which a setuid-0 saved id would let the command take back) and the capability sets.
+    spawned: list[tuple[tuple, dict]] = []
+    real = asyncio.create_subprocess_exec
+
+    async def recording(*args, **kwargs):
+        spawned.append((args, kwargs))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", recording)
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "cat /proc/self/status; echo \"zero=$0\"")
+        assert rc == 0, err
+    assert _sorted_groups(_ids_of(out)) == _expected_ids(account.name)
+    (args, kwargs), = [(a, k) for a, k in spawned if "LOGNAME" in k.get("env", {})]  # the server's, not ssh's
+    assert kwargs["executable"] == SETPRIV and args[0] == SETPRIV and "user" not in kwargs
+    assert args[-3:] == ("/bin/bash", "-c", "cat /proc/self/status; echo \"zero=$0\"")
+    assert "zero=/bin/bash" in out  # what setpriv's exec gives the shell as $0 (sshd gives "bash")
+
+
+async def test_without_setpriv_an_exec_and_a_pty_shell_get_the_same_ids_from_python(account, key_dir, monkeypatch):
+    monkeypatch.setattr("plexd.access.ssh_process.SETPRIV", "/nonexistent/setpriv")
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "cat /proc/self/status")
+        assert rc == 0, err
+        assert _sorted_groups(_ids_of(out)) == _expected_ids(account.name)
+        rc, out, err = await h.ssh(h.token(), "-tt", stdin=b"cat /proc/$$/status; exit\n")
+        assert rc == 0, err
+        assert _sorted_groups(_ids_of(out.replace("\r", ""))) == _expected_ids(account.name)
 
 
 async def test_exit_status_and_deaths_by_signal_reach_the_client(account, key_dir):
