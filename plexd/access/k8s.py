@@ -6,12 +6,15 @@ The proxy then forwards it with the node's own credentials and the session's ide
 (`Impersonate-User`, one `Impersonate-Group` each); whatever the caller sent as `Authorization` or
 `Impersonate-*` never reaches the API server.
 
-The listener speaks TLS with the node's own certificate (`plexd.access.certificate`). One request per
-connection (the upstream request says `Connection: close`, the client's connection closes after the response),
-so no second request ever rides on the first one's authentication. After the request head the bytes pass
-untouched both ways: bodies, watch streams, and protocol upgrades (exec, attach, port-forward over WebSocket or
-SPDY) alike. Each request is reported as §1.4 `k8s` activity (verb, resource, namespace, name, status,
-duration).
+The listener speaks TLS with the node's own certificate (`plexd.access.certificate`). A connection counts
+against `max_connections` from its accept, before the TLS handshake: one over the cap is closed at once, so
+silent connects cannot pile up file descriptors. One request per connection (the upstream request says
+`Connection: close`, the client's connection closes after the response), so no second request ever rides on the
+first one's authentication. After the request head the bytes pass untouched both ways: bodies, watch streams,
+and protocol upgrades (exec, attach, port-forward over WebSocket or SPDY) alike. For an upgrade, nothing more of
+the client's reaches the API server until it answered 101 (else a keep-alive server would read the client's next
+bytes as a second request, unauthenticated), and the upgraded stream ends when either side ends. Each request
+is reported as §1.4 `k8s` activity (verb, resource, namespace, name, status, duration).
 """
 
 from __future__ import annotations
@@ -153,6 +156,19 @@ def activity(method: str, path: str, status: int, duration_ms: int) -> dict[str,
                     "status_code": status, "duration_ms": duration_ms}}
 
 
+def _status_code(response: bytes) -> int:
+    """The code of a response's status line (`HTTP/1.1 101 Switching Protocols`), 0 when there is none."""
+    line = response.split(b"\r\n", 1)[0].split(b" ")
+    return int(line[1]) if len(line) >= 2 and line[1].isdigit() and len(line[1]) == 3 else 0
+
+
+def _content_length(response_head: bytes) -> int | None:
+    """A response head's one Content-Length, or None (none, several, or not a number: read until the end)."""
+    values = [line.split(b":", 1)[1].strip() for line in response_head.split(b"\r\n")[1:]
+              if line[:15].lower() == b"content-length:"]
+    return int(values[0]) if len(values) == 1 and values[0].isdigit() and len(values[0]) <= 18 else None
+
+
 def _status(code: int, reason: str, message: str) -> bytes:
     import json
 
@@ -194,8 +210,8 @@ class K8sSession:
     async def start(self) -> int:
         # TLS towards the caller too: client-go sends a bearer token over TLS only (and a client can pin the
         # proxy's certificate, plexd.access.certificate).
-        self._server = await asyncio.start_server(self._accepted, self.bind_host, 0, limit=MAX_HEAD, ssl=self.tls,
-                                                  ssl_handshake_timeout=HEAD_TIMEOUT)
+        # TLS is started per connection in _accepted, once it is counted (not by the server before it is).
+        self._server = await asyncio.start_server(self._accepted, self.bind_host, 0, limit=MAX_HEAD)
         self.port = self._server.sockets[0].getsockname()[1]
         self._watch = asyncio.create_task(
             watch_lifetime(self.session, now=self._now, last_activity=lambda: self.last_activity,
@@ -213,16 +229,13 @@ class K8sSession:
         task = asyncio.current_task()
         assert task is not None
         if self.closed is not None or len(self._conns) >= self.max_connections:
-            self._refuse("capacity")
-            writer.write(_status(503, "ServiceUnavailable", "too many connections to this session"))
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
+            self._refuse("capacity")  # closed before TLS: a flood of connects costs no handshake and no fd
             writer.close()
             return
         self._conns.add(task)
         try:
             await self._serve(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         finally:
             self._conns.discard(task)
@@ -230,7 +243,8 @@ class K8sSession:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT):
+            async with asyncio.timeout(HEAD_TIMEOUT):  # the handshake and the request head, together
+                await writer.start_tls(self.tls)
                 raw = await reader.readuntil(b"\r\n\r\n")
             head = parse_head(raw[:-4])
         except (TimeoutError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
@@ -264,7 +278,10 @@ class K8sSession:
         try:
             up_writer.write(self._upstream_head(head))
             await up_writer.drain()
-            await self._relay(reader, writer, up_reader, up_writer, status)
+            if head.upgrade:
+                await self._relay_upgrade(reader, writer, up_reader, up_writer, status)
+            else:
+                await self._relay(reader, writer, up_reader, up_writer, status)
         finally:
             up_writer.close()
             await self._emit(activity(head.method, head.target, status[0],
@@ -296,32 +313,71 @@ class K8sSession:
             lines.append(f"Authorization: Bearer {self.api.token}")
         lines.append(f"Impersonate-User: {self.target.user}")
         lines.extend(f"Impersonate-Group: {g}" for g in self.target.impersonate_groups)
-        lines.append("Connection: Upgrade" if head.upgrade else "Connection: close")
+        # `close` for an upgrade too: a 101 hands the connection over anyway, any other answer must end it.
+        lines.append("Connection: Upgrade, close" if head.upgrade else "Connection: close")
         return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, status: list[int] | None) -> None:
+        """Copy until EOF; `status` (the response's direction) gets the status line's code."""
+        while data := await src.read(COPY_CHUNK):
+            if status is not None and not status[0]:
+                status[0] = _status_code(data)
+            self.last_activity = self._now()
+            dst.write(data)
+            await dst.drain()
+        if dst.can_write_eof():
+            with contextlib.suppress(OSError):
+                dst.write_eof()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                      up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, status: list[int]) -> None:
-        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, first: bool) -> None:
-            while data := await src.read(COPY_CHUNK):
-                if first and not status[0]:
-                    line = data.split(b"\r\n", 1)[0].split(b" ")
-                    if len(line) >= 2 and line[1].isdigit():
-                        status[0] = int(line[1])
-                self.last_activity = self._now()
-                dst.write(data)
-                await dst.drain()
-            if dst.can_write_eof():
-                with contextlib.suppress(OSError):
-                    dst.write_eof()
-
-        down = asyncio.ensure_future(pump(up_reader, writer, True))
-        up = asyncio.ensure_future(pump(reader, up_writer, False))
+        down = asyncio.ensure_future(self._pump(up_reader, writer, status))
+        up = asyncio.ensure_future(self._pump(reader, up_writer, None))
         try:
-            # The response decides: once the API server closes (Connection: close, or the upgraded stream ends),
-            # the client's side goes too.
+            # The response decides: once the API server closes (it was asked to: Connection: close), the client's
+            # side goes too.
             await down
         finally:
             up.cancel()
+            await asyncio.gather(up, down, return_exceptions=True)
+
+    async def _relay_upgrade(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter,
+                             status: list[int]) -> None:
+        """An upgrade request (`Connection: Upgrade` went upstream, not `close`): the response head first. Only a
+        101 opens the client's direction; any other answer is relayed and the connection ends with it."""
+        try:
+            head = await up_reader.readuntil(b"\r\n\r\n")
+        except asyncio.LimitOverrunError:
+            status[0] = 502
+            writer.write(_status(502, "BadGateway", "the API server's response head is too large"))
+            await writer.drain()
+            return
+        status[0] = _status_code(head)
+        writer.write(head)
+        await writer.drain()
+        self.last_activity = self._now()
+        if status[0] != 101:  # the response's body, then the end; the client's further bytes are never read
+            length = _content_length(head)
+            if length is None:
+                await self._pump(up_reader, writer, None)  # until the server closes (it was asked to)
+            else:  # a server that ignored `close` must not hold the client after the body
+                with contextlib.suppress(asyncio.IncompleteReadError):
+                    while length > 0:
+                        data = await up_reader.readexactly(min(length, COPY_CHUNK))
+                        length -= len(data)
+                        writer.write(data)
+                        await writer.drain()
+            return
+        down = asyncio.ensure_future(self._pump(up_reader, writer, None))
+        up = asyncio.ensure_future(self._pump(reader, up_writer, None))
+        try:
+            # Either side ending ends the stream: an exec whose kubectl went away must not hold the API server's
+            # stream (and this session's connection slot) until the remote process next writes.
+            await asyncio.wait((down, up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (up, down):
+                task.cancel()
             await asyncio.gather(up, down, return_exceptions=True)
 
     async def _emit(self, body: dict[str, Any]) -> None:
