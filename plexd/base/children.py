@@ -9,6 +9,7 @@ main thread's loop, so this one reads each pidfd on the loop running where the c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import sys
@@ -62,6 +63,17 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
 
     def __exit__(self, *exc_info: object) -> None:
         pass
+
+
+def signal_child(proc: asyncio.subprocess.Process, sig: int) -> None:
+    """Send `sig` to an asyncio child unless it is known to have exited; quiet if it is gone.
+
+    Not `proc.send_signal()`/`kill()`: they poll() the child first, which reaps one that exited but whose pidfd
+    the loop has not read yet, and the watcher then sees no status (the exit would read 255). A child that
+    exited but was not reaped is a zombie whose pid cannot be reused, so `os.kill` on it is safe."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
 
 
 def watch_children_with_pidfds() -> bool:

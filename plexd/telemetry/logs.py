@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from typing import Any
 
 from plexd.base import boundedjson
 from plexd.base.childenv import child_environment
+from plexd.base.children import signal_child
 from plexd.base.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, cap_line
 
@@ -143,7 +145,7 @@ class JournalLogs:
             return await proc.wait(), (await proc.stderr.read(4096)).decode("utf-8", "replace")
         finally:
             if proc.returncode is None:
-                proc.kill()
+                signal_child(proc, signal.SIGKILL)
                 await proc.wait()
 
     def _take(self, line: bytes) -> None:

@@ -31,6 +31,7 @@ import logging
 import os
 import platform
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -40,6 +41,7 @@ from typing import Any
 from plexd import __version__
 from plexd.actions.builtins import Output, json_output
 from plexd.base.childenv import child_environment
+from plexd.base.children import signal_child
 from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.trust.integrity import sha256_file, zipapp_of
@@ -220,7 +222,7 @@ class Upgrader:
             async with asyncio.timeout(RUN_CHECK_TIMEOUT):
                 out, _ = await proc.communicate()
         except TimeoutError:
-            proc.kill()
+            signal_child(proc, signal.SIGKILL)
             await proc.wait()
             raise UpgradeRefused(f"the artifact did not answer --version within {RUN_CHECK_TIMEOUT:.0f}s; "
                                  "nothing installed") from None

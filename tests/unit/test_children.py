@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import threading
+import time
 
 import pytest
 
-from plexd.base.children import RunningLoopPidfdWatcher, watch_children_with_pidfds
+from plexd.base.children import RunningLoopPidfdWatcher, signal_child, watch_children_with_pidfds
 
 
 @pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ chooses pidfds itself; nothing to set")
@@ -55,3 +57,18 @@ async def test_a_child_reaped_by_someone_else_is_reported_with_255_and_nothing_h
     RunningLoopPidfdWatcher().add_child_handler(pid, lambda p, rc: done.set_result((p, rc)))
     os.waitpid(pid, 0)  # another part of the process reaps it first
     assert await asyncio.wait_for(done, 10) == (pid, 255)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ chooses pidfds itself; nothing to set")
+async def test_signalling_a_child_that_exited_unnoticed_keeps_its_exit_status():
+    # proc.send_signal() would poll() and reap the child before the loop read its pidfd: the status read 255
+    previous = asyncio.get_child_watcher()
+    try:
+        assert watch_children_with_pidfds() is True
+        proc = await asyncio.create_subprocess_exec("sh", "-c", "exit 7")
+        time.sleep(0.3)  # the loop is busy elsewhere while the child exits
+        signal_child(proc, signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 7
+        signal_child(proc, signal.SIGTERM)  # known to have exited: nothing is sent, nothing raised
+    finally:
+        asyncio.set_child_watcher(previous)

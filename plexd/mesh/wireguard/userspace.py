@@ -29,6 +29,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 
 from plexd.base.childenv import child_environment
+from plexd.base.children import signal_child
 from plexd.base.procstat import process_stat
 from plexd.mesh.wireguard import (
     CounterRow,
@@ -313,14 +314,12 @@ class UserspaceBackend:
             return
         self._stopping = True
         if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
+            signal_child(proc, signal.SIGTERM)
             try:
                 async with asyncio.timeout(STOP_TIMEOUT):  # not wait_for: it can swallow a cancel on 3.11
                     await proc.wait()
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                signal_child(proc, signal.SIGKILL)
                 await proc.wait()
         if self._reader is not None:
             # asyncio.wait neither raises the reader's own error nor hides a cancel aimed at us.
