@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import grp
 import inspect
 import logging
 import os
@@ -82,6 +83,7 @@ MAX_AUTH_TRIES = 3
 LOGIN_GRACE = 10.0
 RECORD_TIMEOUT = 15.0
 HANGUP_GRACE = 2.0
+CLOSE_SLACK = 3.0  # past HANGUP_GRACE, how long close() waits for connections to finish ending
 _EARLY_INPUT_MAX = 1 << 20
 _STDIN_BUFFER_MAX = 1 << 20
 NOT_RECORDED = "the control plane did not record this command; it was not run"
@@ -164,7 +166,13 @@ class SshSessionServer:
         conns = list(self.connections)
         for conn in conns:
             conn.end(reason)
-        await asyncio.gather(*(c.finished() for c in conns), return_exceptions=True)
+        if conns:
+            # Bounded: the converge engine awaits this. Hang-ups kill each process group within HANGUP_GRACE.
+            finishing = [asyncio.ensure_future(c.finished()) for c in conns]
+            _, late = await asyncio.wait(finishing, timeout=HANGUP_GRACE + CLOSE_SLACK)
+            if late:
+                log.warning("ssh session %s: %d connections still ending after close; left to end by themselves",
+                            self.session.session_id, len(late))
         log.info("ssh session %s closed: %s", self.session.session_id, reason)
         await self.emit({"phase": "session_ended", "terminated_by": reason, "bytes_in": self.counters.bytes_in,
                          "bytes_out": self.counters.bytes_out})
@@ -340,6 +348,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._early_eof = False
         self._stdin_paused: asyncio.Task[None] | None = None
         self._recording: asyncio.Future[Any] | None = None
+        self._streams: asyncio.Future[Any] | None = None  # the output's readers (pipes or pty), while they run
+        self._streams_stopped = False
         conn.channels.add(self)
 
     def connection_made(self, chan: Any) -> None:
@@ -450,32 +460,51 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 pass
 
     def hang_up(self) -> None:
-        """The client went away: SIGHUP to the process group, SIGKILL 2 s later."""
+        """The client went away (or the session was closed): the process group gets SIGHUP, SIGKILL 2 s later."""
         if self._hung_up:
             return
         self._hung_up = True
-        if self.proc is not None and self.proc.returncode is None:
-            _signal_group(self.proc.pid, signal.SIGHUP)
-            asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)
-        elif self._task is None and not self.done.done():
-            self.done.set_result(None)
+        self._writable.set()  # nothing waits on a window that will never open again
+        if self.proc is not None:
+            self._end_process_group()
+        elif self._task is None:  # never started (refused before a process): its channel slot is free at once
+            self.conn.channels.discard(self)
+            if not self.done.done():
+                self.done.set_result(None)
         if self._recording is not None:
             self._recording.cancel()
 
+    def _end_process_group(self) -> None:
+        assert self.proc is not None
+        _signal_group(self.proc.pid, signal.SIGHUP)
+        asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)
+
     def _kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
+        """The whole group, whether or not its leader is still there (`cmd &` leaves a member behind it); then
+        the pipes stop being read, since whatever still holds them left the group (setsid) and cannot be
+        waited for."""
+        if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGKILL)
+        asyncio.get_running_loop().call_later(0.5, self._stop_streams)  # after the killed members' last output
+
+    def _stop_streams(self) -> None:
+        if self._streams is not None and not self._streams.done():
+            self._streams_stopped = True
+            self._streams.cancel()
 
     async def _send(self, data: bytes, stderr: bool = False) -> None:
-        if not data or self.chan is None:
-            return
+        if not data or self.chan is None or self._hung_up:
+            return  # nobody to read it: the process goes on to its exit status, which is what is reported
         self.server.touch()
         self.conn.bytes_out += len(data)
         self.server.counters.bytes_out += len(data)
-        if stderr:
-            self.chan.write_stderr(data)
-        else:
-            self.chan.write(data)
+        try:
+            if stderr:
+                self.chan.write_stderr(data)
+            else:
+                self.chan.write(data)
+        except (BrokenPipeError, OSError, asyncssh.Error):  # the channel closed between hang-up and here
+            return
         await self._writable.wait()
 
     async def _finish(self, status: int, **audit: Any) -> None:
@@ -523,6 +552,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         self.started_at = time.time()
         await self._spawn(user)
+        if self._hung_up:  # the client went while the process was being started: hang-up saw no process
+            self._end_process_group()
         for data in self._early:
             self._feed(data)
         self._early.clear()
@@ -563,12 +594,17 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         cwd = user.home if os.path.isdir(user.home) else "/"
         if self.pty:
             master, slave = pty.openpty()
-            _set_winsize(master, self.size)
-            os.set_blocking(master, False)
             try:
+                _set_winsize(master, self.size)
+                os.set_blocking(master, False)
+                if ids:
+                    _give_terminal(slave, user)
                 self.proc = await asyncio.create_subprocess_exec(
                     *args, executable=program, stdin=slave, stdout=slave, stderr=slave, env=env,
                     cwd=cwd, start_new_session=True, preexec_fn=_take_controlling_tty, **ids)
+            except BaseException:
+                os.close(master)
+                raise
             finally:
                 os.close(slave)
             self.master = master
@@ -582,10 +618,18 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         proc = self.proc
         assert proc is not None
         if self.master is not None:
-            await self._pump_pty(self.master)
+            self._streams = asyncio.ensure_future(self._pump_pty(self.master))  # closes the master when it ends
         else:
             assert proc.stdout is not None and proc.stderr is not None
-            await asyncio.gather(self._pump_stream(proc.stdout, False), self._pump_stream(proc.stderr, True))
+            self._streams = asyncio.gather(self._pump_stream(proc.stdout, False), self._pump_stream(proc.stderr, True))
+        try:
+            await self._streams
+        except asyncio.CancelledError:
+            if not self._streams_stopped:
+                raise  # our own task is being cancelled, not only the readers
+            _close_pipes(proc)
+        finally:
+            self._streams = None
         returncode = await proc.wait()
         if self._hung_up:
             _signal_group(proc.pid, signal.SIGKILL)  # whatever of its group is left once it went
@@ -641,6 +685,29 @@ def _ack_at_once(conn: asyncssh.SSHServerConnection) -> None:
         received(data, datatype)
 
     conn.data_received = data_received  # type: ignore[method-assign]
+
+
+def _close_pipes(proc: asyncio.subprocess.Process) -> None:
+    """Close the output pipes of a process whose readers were stopped. Not the transport's close(): it poll()s
+    the process, which can reap it before the child watcher reads its exit status. (asyncio's Process keeps
+    its transport private; the pipe transports are public on it.)"""
+    transport = getattr(proc, "_transport", None)
+    for fd in (1, 2):
+        pipe = transport.get_pipe_transport(fd) if transport is not None else None
+        if pipe is not None:
+            pipe.close()
+
+
+def _give_terminal(slave: int, user: LocalUser) -> None:
+    """The pty to its user, group tty, 0620, as login(1) and sshd leave it: programs that reopen their terminal
+    by name (screen, script, gpg's pinentry) must be able to."""
+    try:
+        group = grp.getgrnam("tty").gr_gid
+        mode = 0o620
+    except KeyError:  # no tty group here: the user's own group, not writable by it
+        group, mode = user.gid, 0o600
+    os.fchown(slave, user.uid, group)
+    os.fchmod(slave, mode)
 
 
 def _take_controlling_tty() -> None:

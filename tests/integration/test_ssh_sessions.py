@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
 import os
 import pwd
@@ -16,6 +17,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import asyncssh
 import pytest
 from nacl.signing import SigningKey
 from ssh_session_helpers import Harness, read_until, throwaway_user, wait_gone
@@ -137,6 +139,29 @@ async def test_a_pty_session_runs_an_interactive_shell_and_command(account, key_
         command, = h.events("command")
         assert command["command"] == "shell" and command["exit_code"] == 3
         assert h.recorded == []  # a shell is a session, not a command report
+
+
+async def test_a_ptys_terminal_belongs_to_the_user_and_group_tty_as_login_leaves_it(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "-tt", "stat -c 'owner=%U group=%G mode=%a' $(tty); "
+                                                     "echo reopened > $(tty)")
+    assert rc == 0, out + err
+    assert f"owner={account.name} group=tty mode=620" in out, out
+    assert "reopened" in out and "Permission denied" not in out + err
+
+
+async def test_a_pty_whose_shell_cannot_start_leaves_no_descriptor_open(account, key_dir, monkeypatch):
+    from plexd.access import ssh
+
+    real = ssh.resolve_user
+    monkeypatch.setattr(ssh, "resolve_user", lambda name: dataclasses.replace(real(name), shell="/nonexistent/sh"))
+    async with Harness(account.name, key_dir) as h:
+        await h.ssh(h.token(), "-tt", "true")  # the first: asyncssh's own lazily opened descriptors settle
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(3):
+            rc, _, _ = await h.ssh(h.token(), "-tt", "true")
+            assert rc != 0
+        assert len(os.listdir("/proc/self/fd")) <= before
 
 
 async def test_only_allowed_commands_run_and_others_are_refused_with_a_message(account, key_dir, tmp_path):
@@ -311,6 +336,98 @@ async def test_a_hang_up_kills_the_process_group_even_when_it_ignores_sighup(acc
         while (left := _user_processes(account.name)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert not left, f"processes of {account.name} left: {left}"
+
+
+async def _no_processes_left(user: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := _user_processes(user)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert not left, f"processes of {user} left: {left}"
+
+
+async def test_revoking_a_session_ends_a_process_its_command_left_behind_and_close_returns(account, key_dir):
+    # The shell exits at once; the sleep it left (ignoring SIGHUP) holds stdout, so the channel stays open as
+    # sshd keeps it. Revocation must still end it: SIGKILL to the group whatever its leader did, and close()
+    # must not wait on the pipes (the converge engine awaits it).
+    async with Harness(account.name, key_dir) as h:
+        client = await h.open_ssh(h.token(), "(trap '' HUP; exec sleep 300) & echo left-behind")
+        assert client.stdout is not None
+        await read_until(client.stdout, b"left-behind")
+        started = time.monotonic()
+        await asyncio.wait_for(h.server.close("operator_revoke"), 8)
+        assert time.monotonic() - started < 5
+        await asyncio.wait_for(client.wait(), 10)
+        await _no_processes_left(account.name)
+        command, = h.events("command")
+        assert command["exit_code"] == 0 and "refused" not in command  # the shell's own exit, as it was
+
+
+async def test_a_client_gone_ends_what_its_command_left_behind_and_the_channel(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        client = await h.open_ssh(h.token(), "(trap '' HUP; exec sleep 300) & echo left-behind")
+        assert client.stdout is not None
+        await read_until(client.stdout, b"left-behind")
+        client.kill()
+        await client.wait()
+        await _no_processes_left(account.name)
+        for _ in range(200):
+            if not h.server.connections:
+                break
+            await asyncio.sleep(0.05)
+        assert not h.server.connections
+
+
+async def test_a_client_gone_while_its_process_is_being_started_leaves_no_process(account, key_dir, monkeypatch):
+    from plexd.access import ssh
+
+    spawning = asyncio.Event()
+    spawn = ssh._Channel._spawn
+
+    async def slow_spawn(self, user):  # widens the window between the spawn's start and its process existing
+        spawning.set()
+        await asyncio.sleep(1.0)
+        await spawn(self, user)
+
+    monkeypatch.setattr(ssh._Channel, "_spawn", slow_spawn)
+    async with Harness(account.name, key_dir) as h:
+        client = await h.open_ssh(h.token(), "(trap '' HUP; exec sleep 300) & echo left-behind; sleep 300")
+        await asyncio.wait_for(spawning.wait(), 20)
+        client.kill()
+        await client.wait()
+        await asyncio.sleep(1.5)  # the process now exists
+        await _no_processes_left(account.name)
+
+
+async def test_output_after_the_client_went_is_dropped_and_the_real_exit_status_reported(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        client = await h.open_ssh(h.token(), "trap 'echo bye; echo more >&2; exit 0' HUP; echo ready; "
+                                             "while :; do sleep 0.1; done")
+        assert client.stdout is not None
+        await read_until(client.stdout, b"ready")
+        client.kill()
+        await client.wait()
+        for _ in range(200):
+            if h.events("command"):
+                break
+            await asyncio.sleep(0.05)
+        command, = h.events("command")
+        assert command["exit_code"] == 0 and "refused" not in command, command
+        await _no_processes_left(account.name)
+
+
+async def test_refused_channels_give_their_slot_back(account, key_dir):
+    # Ten refused subsystem requests (sftp, scp through a ControlMaster) must not use up the ten channels.
+    async with Harness(account.name, key_dir) as h:
+        conn = await asyncssh.connect("127.0.0.1", h.port, username=account.name, password=h.token(),
+                                      known_hosts=None, preferred_auth="password")
+        try:
+            for _ in range(12):
+                with pytest.raises(asyncssh.ChannelOpenError):
+                    await conn.create_session(asyncssh.SSHClientSession, subsystem="sftp")
+            result = await asyncio.wait_for(conn.run("echo still-served"), 20)
+            assert result.stdout == "still-served\n", result
+        finally:
+            conn.close()
 
 
 def _user_processes(user: str) -> str:
