@@ -8,9 +8,17 @@ The plan, each change also its drift line:
 
     SessionOpened      session_started             a session in the block, not expired, without a listener
     SessionClosed      session_closed              a listener whose session left the block or expired
+    SessionReplaced    session_replaced            a listener serving other terms than the block's entry now
+                                                   names (target, allowed commands, expiry, idle), or on an old
+                                                   mesh IP: its connections end (revoked), a new one is reported
     ListenerRestarted  session_listener_restarted  a listener the kernel no longer lists: a new one, reported
 
-A session that ended by itself (its idle timeout, its `expires_at`) is not reopened while it stays in the block.
+A session that ended by itself (its idle timeout, its `expires_at`) is not reopened while its entry stays as it
+was; a changed entry (a later `expires_at`) opens it again.
+
+A hold (`plexd reconcile hold`) does not stop this domain (`touches_machine = False`): a hold must never keep a
+revoked or expired session admitting. A session opened while the firewall is held stays unreachable until the
+firewall admits its mark (the default deny).
 Every listener binds the node's mesh IP (port chosen by the kernel), and its socket carries the session's mark
 (`socket_marks`), which the firewall's session rules match: who may connect is the policy's say, from the same
 block (`plexd.firewall.ruleset`). Activity (§1.4) goes to `hooks.report`, the durable uplink.
@@ -70,6 +78,17 @@ class SessionClosed(Change):
 
 
 @dataclass(frozen=True)
+class SessionReplaced(Change):
+    correction_type: ClassVar[str] = "session_replaced"
+    session_id: str
+    endpoint: str
+
+    @property
+    def detail(self) -> str:
+        return f"session {self.session_id}: listener {self.endpoint} serves terms its entry no longer names"
+
+
+@dataclass(frozen=True)
 class ListenerRestarted(Change):
     correction_type: ClassVar[str] = "session_listener_restarted"
     session_id: str
@@ -115,6 +134,8 @@ class Seen:
     endpoint: str
     closed: str | None  # it ended by itself (ttl_expired, idle_timeout)
     listening: bool
+    session: Session | None = None  # the entry it serves
+    bind_host: str = ""
 
 
 @dataclass
@@ -127,13 +148,14 @@ class _Muted:
 
 class SessionsDomain:
     name = "sessions"
+    touches_machine = False  # a hold never keeps a revoked session open (see the module's docstring)
 
     def __init__(self, data_dir: str | Path, hooks: AccessHooks) -> None:
         self.data_dir = Path(data_dir)
         self.hooks = hooks
         self._live: dict[str, Listener] = {}
         self._muted: dict[str, _Muted] = {}
-        self._ended: dict[str, str] = {}  # sessions still in the block that ended by themselves -> why
+        self._ended: dict[str, tuple[str, Session]] = {}  # ended by themselves, still in the block -> why, entry
         self._granted: Sessions | None = None  # the block the last apply served: tokens admit only these
         self._auth_limiter = auth_failure_limiter()  # shared by every session: failures count per source
         self._logged_refusals: set[tuple[str, str]] = set()
@@ -142,8 +164,7 @@ class SessionsDomain:
 
     async def observe(self, desired: DesiredState) -> dict[str, Seen]:
         listening = await asyncio.to_thread(kernel_listeners) if self._live else set()
-        return {sid: Seen(lst.listener_endpoint, lst.closed, (_normal(lst.bind_host), lst.port) in listening)
-                for sid, lst in self._live.items()}
+        return {sid: _seen(lst, (_normal(lst.bind_host), lst.port) in listening) for sid, lst in self._live.items()}
 
     def plan(self, desired: DesiredState, observed: dict[str, Seen]) -> DomainResult:
         want = desired.sessions.by_id if desired.sessions is not None else {}
@@ -157,10 +178,13 @@ class SessionsDomain:
                 changes.append(SessionClosed(sid, "operator_revoke"))
             elif session.expired(now):
                 changes.append(SessionClosed(sid, "ttl_expired"))
+            elif seen.session is not None and (seen.session != session or seen.bind_host != desired.mesh_ip):
+                changes.append(SessionReplaced(sid, seen.endpoint))
             elif not seen.listening:
                 changes.append(ListenerRestarted(sid, seen.endpoint))
         for sid, session in sorted(want.items()):
-            if sid not in observed and sid not in self._ended and not session.expired(now):
+            ended = self._ended.get(sid)
+            if sid not in observed and (ended is None or ended[1] != session) and not session.expired(now):
                 changes.append(SessionOpened(sid, session.kind))
         return DomainResult(tuple(changes))
 
@@ -179,6 +203,11 @@ class SessionsDomain:
                     self._muted[sid].on = True
                     await self._close(sid, "plexd_close")
                     await self._open(want[sid], desired.mesh_ip)
+                elif isinstance(change, SessionReplaced):
+                    # The old terms are revoked for whoever holds them; the session itself goes on, reported anew.
+                    self._muted[sid].on = True
+                    await self._close(sid, "operator_revoke")
+                    await self._open(want[sid], desired.mesh_ip)
                 elif isinstance(change, SessionOpened):
                     await self._open(want[sid], desired.mesh_ip)
                 applied.append(change)
@@ -190,7 +219,7 @@ class SessionsDomain:
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
         # No machine read: the listeners are this process's own. A dead socket is found by the next full converge.
-        seen = {sid: Seen(lst.listener_endpoint, lst.closed, True) for sid, lst in self._live.items()}
+        seen = {sid: _seen(lst, True) for sid, lst in self._live.items()}
         return await self.apply(desired, self.plan(desired, seen), seen)
 
     async def teardown(self) -> None:
@@ -200,7 +229,7 @@ class SessionsDomain:
         if not self._live and not self._ended and self._granted is None:
             return None
         return {"live": [lst.status() for _, lst in sorted(self._live.items())],
-                "ended": dict(sorted(self._ended.items())),
+                "ended": {sid: why for sid, (why, _) in sorted(self._ended.items())},
                 "refused": [{"session_id": sid, "reason": why}
                             for sid, why in (self._granted.rejected if self._granted is not None else ())]}
 
@@ -260,9 +289,9 @@ class SessionsDomain:
         """Listeners that ended by themselves leave `_live`; sessions gone from the block leave `_ended`."""
         for sid, listener in list(self._live.items()):
             if listener.closed is not None:
-                self._ended[sid] = listener.closed
+                self._ended[sid] = (listener.closed, listener.session)
                 del self._live[sid]
-        self._ended = {sid: why for sid, why in self._ended.items() if sid in want}
+        self._ended = {sid: ended for sid, ended in self._ended.items() if sid in want}
         self._muted = {sid: m for sid, m in self._muted.items() if sid in self._live}
 
     def _mark(self, want: dict[str, Session]) -> list[str]:
@@ -284,6 +313,10 @@ class SessionsDomain:
             if (sid, why) not in self._logged_refusals:
                 self._logged_refusals.add((sid, why))
                 log.error("session %s refused: %s", sid, why)
+
+
+def _seen(listener: Listener, listening: bool) -> Seen:
+    return Seen(listener.listener_endpoint, listener.closed, listening, listener.session, listener.bind_host)
 
 
 def kernel_listeners(paths: Iterable[str] = PROC_TCP) -> set[tuple[str, int]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -101,14 +102,21 @@ class Sessions:
             return self
         return replace(self, by_id={k: v for k, v in self.by_id.items() if k != session_id})
 
-    def with_session(self, session: Session) -> Sessions:
+    def with_session(self, session: Session, now: float | None = None) -> Sessions:
         """`ssh_session_setup` (and any delta that adds one): refused past MAX_SESSIONS like the block's."""
-        if session.session_id not in self.by_id and len(self.by_id) >= MAX_SESSIONS:
+        if session.session_id not in self.by_id and _unexpired(self.by_id.values(), now) >= MAX_SESSIONS:
             return replace(self, rejected=(*self.rejected, (session.session_id, _over_capacity())))
         return replace(self, by_id={**self.by_id, session.session_id: session})
 
     def to_wire(self) -> list[dict[str, Any]]:
         return [s.to_wire() for s in self.by_id.values()]
+
+
+def _unexpired(sessions: Iterable[Session], now: float | None, user: str | None = None) -> int:
+    """How many of `sessions` (of `user`, if given) still count against the limits: an entry past its
+    `expires_at` is never served (the control plane may not have dropped it yet), so it holds no slot."""
+    now = time.time() if now is None else now
+    return sum(1 for s in sessions if not s.expired(now) and (user is None or getattr(s.target, "user", None) == user))
 
 
 def _over_capacity() -> str:
@@ -206,7 +214,7 @@ def parse_session(obj: Any, path: str) -> Session:
     return Session(sid, kind, _TARGETS[kind](target[kind], f"{path}.target.{kind}"), expires, float(idle))
 
 
-def parse_sessions(raw: Any, path: str = "sessions") -> Sessions | None:
+def parse_sessions(raw: Any, path: str = "sessions", now: float | None = None) -> Sessions | None:
     """The block, or None when it is null/absent ("not populated": touch nothing). A block that is not an array
     raises WireFormatError; a bad entry, a duplicate id or one past MAX_SESSIONS is refused alone."""
     if raw is None:
@@ -215,6 +223,7 @@ def parse_sessions(raw: Any, path: str = "sessions") -> Sessions | None:
         raise WireFormatError(path, "must be an array or null")
     by_id: dict[str, Session] = {}
     rejected: list[tuple[str, str]] = []
+    now = time.time() if now is None else now
     for i, entry in enumerate(raw):
         label = entry.get("session_id") if isinstance(entry, dict) else None
         label = label if isinstance(label, str) and _SESSION_ID.fullmatch(label) else f"{path}[{i}]"
@@ -226,13 +235,14 @@ def parse_sessions(raw: Any, path: str = "sessions") -> Sessions | None:
         if session.session_id in by_id:
             rejected.append((label, "duplicate session id"))
             continue
-        if len(by_id) >= MAX_SESSIONS:
-            rejected.append((label, _over_capacity()))
-            continue
-        user = getattr(session.target, "user", None)
-        if user is not None and sum(getattr(s.target, "user", None) == user for s in by_id.values()) >= MAX_PER_USER:
-            rejected.append((label, f"more than {MAX_PER_USER} sessions for user {user}"))
-            continue
+        if not session.expired(now):
+            if _unexpired(by_id.values(), now) >= MAX_SESSIONS:
+                rejected.append((label, _over_capacity()))
+                continue
+            user = getattr(session.target, "user", None)
+            if user is not None and _unexpired(by_id.values(), now, user) >= MAX_PER_USER:
+                rejected.append((label, f"more than {MAX_PER_USER} sessions for user {user}"))
+                continue
         by_id[session.session_id] = session
     return Sessions(by_id, tuple(rejected))
 

@@ -112,6 +112,47 @@ async def test_a_session_that_ended_by_itself_stays_ended_and_an_expired_one_nev
     assert sessions.status()["ended"] == {}  # forgotten once it left the block
 
 
+async def test_a_changed_entry_replaces_its_listener_and_a_later_expiry_reopens_an_ended_one(sessions, echo):
+    other = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)  # a second target: closes at once
+    other_port = other.sockets[0].getsockname()[1]
+    try:
+        await converge(sessions, model(tcp("ses_a", echo)))
+        first = sessions.status()["live"][0]["listener_endpoint"]
+        assert await roundtrip(first) == b"ping"
+        moved = await converge(sessions, model(tcp("ses_a", other_port)))  # the entry now names another target
+        assert [c.correction().type for c in moved.changes] == ["session_replaced"]
+        second = sessions.status()["live"][0]["listener_endpoint"]
+        assert second != first and await roundtrip(second) == b""  # forwards to the new target only
+        with pytest.raises(OSError):
+            await roundtrip(first)
+        assert phases(sessions.reports, "ses_a") == [("session_started", first), ("session_started", second)]
+    finally:
+        other.close()
+
+    await converge(sessions, model(tcp("ses_b", echo, idle=1)))
+    await wait_for(lambda: sessions._live["ses_b"].closed == "idle_timeout", 10, "the idle timeout")
+    assert (await converge(sessions, model(tcp("ses_b", echo, idle=1)))).changes == ()
+    extended = await converge(sessions, model(tcp("ses_b", echo, idle=30)))  # its entry changed: served again
+    assert [c.correction().type for c in extended.changes] == ["session_started"]
+
+
+async def test_a_hold_does_not_keep_a_revoked_session_admitting(sessions, echo):
+    from plexd.converge.engine import Engine
+    from plexd.converge.hold import ReconcileHold
+
+    hold = ReconcileHold()
+    engine = Engine([sessions], hold)
+    await engine.converge(model(tcp("ses_a", echo)))
+    endpoint = sessions.status()["live"][0]["listener_endpoint"]
+    assert sessions.granted("ses_a")
+    hold.set(3600, "debugging the firewall")
+    await engine.apply_delta(model(), None)  # revoked by an event while held
+    assert not sessions.granted("ses_a") and sessions.status()["live"] == []
+    with pytest.raises(OSError):
+        await roundtrip(endpoint)
+    hold.release()
+
+
 async def test_a_refused_entry_is_named_and_the_others_are_served(sessions, echo, caplog):
     desired = model(tcp("ses_ok", echo), {"session_id": "ses_bad", "kind": "tcp", "expires_at": FAR,
                                           "target": {"tcp": {"host": "127.0.0.1", "port": 0}}})

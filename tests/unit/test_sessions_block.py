@@ -20,7 +20,7 @@ from plexd.access.sessions import (
 )
 from plexd.base.errors import WireFormatError
 
-EXPIRES = "2026-11-24T12:30:00Z"
+EXPIRES = "2099-11-24T12:30:00Z"  # far ahead: an expired entry holds no slot
 
 
 def ssh(sid="ses_1", **target):
@@ -47,7 +47,7 @@ def test_the_three_kinds_parse_into_their_targets():
     assert got.by_id["ses_1"].idle_timeout == 900
     assert got.by_id["ses_2"].target == TcpTarget("127.0.0.1", 5432)
     assert got.by_id["ses_3"].target.impersonate_groups == ("dev",)
-    assert got.by_id["ses_1"].expires_at == 1795523400.0
+    assert got.by_id["ses_1"].expires_at == 4099206600.0
 
 
 @pytest.mark.parametrize("entry, field", [
@@ -142,3 +142,20 @@ def test_one_user_cannot_take_every_session_of_the_node():
     parsed = parse_sessions(block)
     assert len(parsed.by_id) == MAX_PER_USER + 1 and "ses_other" in parsed.by_id
     assert parsed.rejected == ((f"ses_{MAX_PER_USER}", f"more than {MAX_PER_USER} sessions for user deploy"),)
+
+
+def test_entries_past_their_expiry_hold_no_slot_of_the_node_or_the_user():
+    # The control plane may list expired entries until it prunes them: they are never served, so a new session
+    # must not be refused for them.
+    from plexd.access.sessions import MAX_PER_USER, MAX_SESSIONS, Session, TcpTarget
+
+    expired = [{**ssh(f"ses_old{i}"), "expires_at": "2001-01-01T00:00:00Z"} for i in range(MAX_SESSIONS)]
+    parsed = parse_sessions([*expired, *(ssh(f"ses_{i}") for i in range(MAX_PER_USER))])
+    assert parsed.rejected == ()
+    assert len(parsed.by_id) == MAX_SESSIONS + MAX_PER_USER
+    full = parse_sessions([*expired, *(ssh(f"ses_{i}", user=f"u{i}") for i in range(MAX_SESSIONS))])
+    assert full.rejected == ()
+    added = full.with_session(Session("ses_new", "tcp", TcpTarget("127.0.0.1", 5432), 4102444800.0))
+    assert "ses_new" not in added.by_id and "more than" in added.rejected[-1][1]  # ten unexpired: the cap holds
+    room = parse_sessions(expired).with_session(Session("ses_new", "tcp", TcpTarget("127.0.0.1", 5432), 4102444800.0))
+    assert "ses_new" in room.by_id and room.rejected == ()
