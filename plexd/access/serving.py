@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 async def stop_serving(accepting: asyncio.Task[None] | None, listener: socket.socket | None,
@@ -20,3 +24,29 @@ async def stop_serving(accepting: asyncio.Task[None] | None, listener: socket.so
     for task in live:
         task.cancel()
     await asyncio.gather(*live, return_exceptions=True)
+
+
+ACCEPT_BACKOFF = 0.5  # after a failed accept (out of descriptors): the pause before the next try
+
+
+async def accept_forever(listener: socket.socket, name: str) -> AsyncIterator[tuple[socket.socket, Any]]:
+    """Each connection `listener` accepts, until cancelled. A failed accept (EMFILE, ENFILE, ENOBUFS: the
+    daemon is out of descriptors or memory for a moment) is logged once per streak and retried after a pause,
+    as asyncio's own servers do: a listener that stopped accepting would stay listed by the kernel and look
+    alive to every check while clients hang."""
+    loop = asyncio.get_running_loop()
+    failing = False
+    while True:
+        try:
+            client, address = await loop.sock_accept(listener)
+        except OSError as exc:
+            if not failing:
+                log.warning("%s: cannot accept a connection (%s); retrying every %.1f s", name,
+                            exc.strerror or exc, ACCEPT_BACKOFF)
+            failing = True
+            await asyncio.sleep(ACCEPT_BACKOFF)
+            continue
+        if failing:
+            log.info("%s: accepting again", name)
+            failing = False
+        yield client, address

@@ -24,7 +24,7 @@ from typing import Any
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import stop_serving
+from plexd.access.serving import accept_forever, stop_serving
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
 
@@ -111,10 +111,8 @@ class TcpSession:
     async def _accept(self) -> None:
         """Raw sockets end to end: a stream transport would read the client's first bytes into a buffer of its
         own before the splice starts."""
-        loop = asyncio.get_running_loop()
         assert self._listener is not None
-        while True:
-            client, _addr = await loop.sock_accept(self._listener)
+        async for client, _addr in accept_forever(self._listener, f"tcp session {self.session.session_id}"):
             if self.closed is not None or len(self._conns) >= self.max_connections:
                 self.counters.refused_over_cap += 1
                 client.close()
@@ -153,6 +151,9 @@ class TcpSession:
                 return
             try:
                 await relay(client, upstream, a_to_b=self._note("bytes_in"), b_to_a=self._note("bytes_out"))
+            except OSError as exc:  # no pipe for the splice (out of descriptors): this connection ends, not the rest
+                log.warning("tcp session %s: connection dropped: %s", self.session.session_id, exc.strerror or exc,
+                            extra={"session_id": self.session.session_id})
             finally:
                 upstream.close()
         finally:

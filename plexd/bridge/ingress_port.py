@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from plexd.access.serving import stop_serving
+from plexd.access.serving import accept_forever, stop_serving
 from plexd.access.splice import relay
 from plexd.bridge.blocks import IngressRule
 from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
@@ -89,10 +89,8 @@ class IngressPort:
         await stop_serving(self._accepting, self._listener, self._conns)
 
     async def _accept(self) -> None:
-        loop = asyncio.get_running_loop()
         assert self._listener is not None
-        while True:
-            client, address = await loop.sock_accept(self._listener)
+        async for client, address in accept_forever(self._listener, f"ingress port {self.port}"):
             if self.allowed and not self._admitted(address[0]):
                 self.counters.refused_source += 1
                 client.close()

@@ -164,3 +164,32 @@ def test_a_session_of_another_kind_is_refused():
 
     with pytest.raises(ValueError, match="not tcp"):
         TcpSession(Session("s", "ssh", SshTarget("deploy"), time.time() + 60), "127.0.0.1")
+
+
+async def test_an_accept_that_fails_for_want_of_descriptors_is_retried_and_the_listener_serves_on(caplog):
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1")
+        port = await tcp.start()
+        client = socket.socket()  # made before the descriptors run out; connecting needs none
+        client.settimeout(10)
+        hog: list[int] = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+        try:
+            with pytest.raises(OSError):
+                while True:
+                    hog.append(os.open("/dev/null", os.O_RDONLY))
+            client.connect(("127.0.0.1", port))  # into the backlog: accepting it fails with EMFILE
+            await asyncio.sleep(0.3)
+        finally:
+            for fd in hog:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert not tcp._accepting.done()  # the accept loop lived through it
+        client.sendall(b"ping")
+        assert await asyncio.to_thread(client.recv, 16) == b"ping"  # accepted on a later try, forwarded
+        client.close()
+        assert "cannot accept a connection" in caplog.text
+        await tcp.close("plexd_close")
