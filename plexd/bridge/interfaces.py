@@ -157,6 +157,17 @@ class InterfacesDomain:
                 "refused": list(self._last.refused)}
 
 
+def clash_reason(name: str, port: int, mesh_interface: str, taken_ports: Mapping[int, str]) -> str:
+    """Why a bridge interface `name` listening on `port` would step on another ("" when it would not): the mesh
+    interface's name (its key and peers would be overwritten: the node off the mesh), or a port the mesh, the
+    relay or another bridge interface listens on."""
+    if name == mesh_interface:
+        return f"interface {name} is the mesh interface"
+    if port in taken_ports:
+        return f"listen_port {port} is {taken_ports[port]}'s"
+    return ""
+
+
 def own_networks(underlay: Underlay) -> list[Any]:
     """This machine's networks outside the mesh (what no access peer or remote site may claim)."""
     out = []

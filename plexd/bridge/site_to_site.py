@@ -15,9 +15,9 @@ remote subnet another tunnel already has.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from plexd.bridge.interfaces import Wanted, own_networks
+from plexd.bridge.interfaces import Wanted, clash_reason, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.user_access import overlap_reason
 from plexd.bridge.wgif import InterfaceSpec
@@ -40,7 +40,9 @@ def lan_interfaces(subnets: Sequence[str], underlay: Underlay) -> tuple[str, ...
     return tuple(dict.fromkeys(n for n in found if n != "lo"))
 
 
-def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], allow_default_route: bool):
+def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], allow_default_route: bool,
+                 reserved_ports: Mapping[int, str] | None = None):
+    """`reserved_ports`: UDP ports this machine's other parts listen on (the relay's), by who."""
     keys: dict[str, tuple[str, str]] = {}
 
     def specs(desired: DesiredState, underlay: Underlay) -> Wanted:
@@ -52,8 +54,14 @@ def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], 
         wanted: dict[str, InterfaceSpec] = {}
         taken: dict[str, str] = {}
         status = []
+        access = desired.user_access
+        taken_ports = {**({access.listen_port: "user access"} if access is not None and access.enabled else {}),
+                       **(reserved_ports or {}), desired.listen_port: "the mesh interface"}
         for tunnel in s2s.tunnels:
             problems = []
+            clash = clash_reason(tunnel.interface, tunnel.listen_port, mesh_interface, taken_ports)
+            if clash:
+                problems.append(clash)
             for cidr in tunnel.remote_subnets:
                 reason = overlap_reason(cidr, mesh_range, own)
                 if reason == "a default route" and allow_default_route:

@@ -17,9 +17,10 @@ already has.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from plexd.bridge.interfaces import Wanted, own_networks
+from plexd.bridge.blocks import TUNNEL_PREFIX
+from plexd.bridge.interfaces import Wanted, clash_reason, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.wgif import InterfaceSpec
 from plexd.mesh.links import Underlay
@@ -56,13 +57,17 @@ def _holds_node(cidr: str, mesh_ips: Sequence[str]) -> str:
     return ""
 
 
-def access_specs(data_dir: str, mesh_interface: str):
+def access_specs(data_dir: str, mesh_interface: str, reserved_ports: Mapping[int, str] | None = None):
+    """`reserved_ports`: UDP ports this machine's other parts listen on (the relay's), by who."""
     key: list[tuple[str, str]] = []
 
     def specs(desired: DesiredState, underlay: Underlay) -> Wanted:
         access = desired.user_access
         if access is None or not access.enabled:
             return Wanted({}, access.refused if access is not None else ())
+        clash = _clash(access.interface, access.listen_port, desired)
+        if clash:
+            return Wanted({}, (*access.refused, f"user access: refused: {clash}"))
         if not key:
             key.append(interface_key(data_dir, "access"))
         private, public = key[0]
@@ -87,5 +92,14 @@ def access_specs(data_dir: str, mesh_interface: str):
         status = {"interface": access.interface, "public_key": public, "listen_port": access.listen_port,
                   "peer_count": len(peers)}
         return Wanted({access.interface: spec}, tuple(refused), status)
+
+    def _clash(name: str, port: int, desired: DesiredState) -> str:
+        if name.startswith(TUNNEL_PREFIX):
+            return f"interface {name} is named like a site-to-site tunnel's ({TUNNEL_PREFIX}N)"
+        s2s = desired.site_to_site
+        tunnels = s2s.tunnels if s2s is not None and s2s.enabled else ()
+        taken = {**{t.listen_port: f"site-to-site tunnel {t.tunnel_id}" for t in tunnels},
+                 **(reserved_ports or {}), desired.listen_port: "the mesh interface"}
+        return clash_reason(name, port, mesh_interface, taken)
 
     return specs

@@ -40,12 +40,13 @@ def bridge_interfaces(config: Config) -> list[InterfacesDomain]:
 
     underlay = Links(mesh.interface)
     mesh_range = config.policy.mesh_range
+    relay_port = {split_host_port(config.bridge.relay.listen)[1]: "the relay"}
     return [
-        InterfacesDomain(USER_ACCESS, "user access", access_specs(config.data_dir, mesh.interface),
+        InterfacesDomain(USER_ACCESS, "user access", access_specs(config.data_dir, mesh.interface, relay_port),
                          lambda d: d.user_access, interface, underlay, ledger, config.data_dir),
         InterfacesDomain(SITE_TO_SITE, "site-to-site", tunnel_specs(
-            config.data_dir, mesh.interface, mesh_range, config.bridge.site_to_site.allow_default_route),
-            lambda d: d.site_to_site, interface, underlay, ledger, config.data_dir),
+            config.data_dir, mesh.interface, mesh_range, config.bridge.site_to_site.allow_default_route,
+            relay_port), lambda d: d.site_to_site, interface, underlay, ledger, config.data_dir),
     ]
 
 

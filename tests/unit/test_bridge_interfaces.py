@@ -245,6 +245,33 @@ def test_tunnels_overlapping_the_mesh_or_routing_everything_are_refused_unless_t
     assert peer.endpoint == "192.0.2.1:51823" and peer.allowed_ips == {"172.30.0.0/16"}
 
 
+def test_a_bridge_interface_never_takes_the_mesh_interfaces_name_or_a_port_another_part_listens_on(tmp_path):
+    # An access block naming the mesh interface would have its key and peers written over the mesh's: the node off
+    # the mesh. A tunnel's name is the site-to-site domain's: two domains would fight over one device.
+    def refused(wanted) -> str:
+        assert wanted.specs == {}
+        return "\n".join(wanted.refused)
+
+    access = access_specs(str(tmp_path), "wg-mesh", {51821: "the relay"})
+    assert "user access: refused: interface wg-mesh is the mesh interface" in refused(access(desired(
+        user_access={"enabled": True, "interface_name": "wg-mesh"}), UNDERLAY))
+    assert "named like a site-to-site tunnel's" in refused(access(desired(
+        user_access={"enabled": True, "interface_name": "wg-s2s-1"}), UNDERLAY))
+    assert "listen_port 51820 is the mesh interface's" in refused(access(desired(
+        user_access={"enabled": True, "listen_port": 51820}), UNDERLAY))
+    assert "listen_port 51821 is the relay's" in refused(access(desired(
+        user_access={"enabled": True, "listen_port": 51821}), UNDERLAY))
+    both = desired(user_access={"enabled": True, "listen_port": 51900},
+                   site_to_site={"enabled": True, "tunnels": [tunnel(0, listen_port=51900), tunnel(1)]})
+    assert "listen_port 51900 is site-to-site tunnel s2s_0's" in refused(access(both, UNDERLAY))
+    tunnels = tunnel_specs(str(tmp_path), "wg-s2s-2", ("10.100.0.0/16",), False, {51821: "the relay"})(both, UNDERLAY)
+    assert tunnels.specs == {}
+    text = "\n".join(tunnels.refused)
+    assert "s2s_0: refused: listen_port 51900 is user access's" in text
+    assert "s2s_1: refused: interface wg-s2s-2 is the mesh interface" in text
+    assert access(desired(user_access={"enabled": True}), UNDERLAY).specs  # the defaults clash with nothing
+
+
 # -- the firewall and the devplane ---------------------------------------------------------------------------------
 
 
