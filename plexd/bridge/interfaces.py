@@ -30,7 +30,8 @@ from plexd.bridge.wgif import InterfaceRemoved, InterfaceSeen, InterfaceSpec, Wg
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.mesh.links import Links, Underlay
-from plexd.state.desired import DesiredState
+from plexd.state import route_limits
+from plexd.state.desired import DesiredState, split_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +167,50 @@ def clash_reason(name: str, port: int, mesh_interface: str, taken_ports: Mapping
     if port in taken_ports:
         return f"listen_port {port} is {taken_ports[port]}'s"
     return ""
+
+
+class RouteGuard:
+    """The mesh's route guard (`plexd.state.route_limits`), for one bridge part's routes: they go in the mesh's
+    routing table, looked up before the main one, so they steer this daemon's own traffic too. Refused whatever
+    the block says: the control plane's and this machine's addresses, a mesh peer's endpoint, a prefix another
+    of this part's peers or tunnels has; unless the operator allowed it (`mesh.allow_routes`): resolvers,
+    gateways, LANs, link-local, the metadata service, and more of the address space in all than
+    `mesh.max_route_percent`."""
+
+    def __init__(self, desired: DesiredState) -> None:
+        self._limits = desired.route_limits
+        self._endpoints: dict[route_limits.IPAddress, str] = {}
+        for peer_id, peer in desired.peers.items():
+            ip = _endpoint_address(peer.endpoint)
+            if ip is not None:
+                self._endpoints[ip] = peer_id
+        self._routed: dict[route_limits.IPNetwork, str] = {}
+        self._space = route_limits.RoutedSpace(self._routed)
+
+    def reason(self, cidr: str, owner: str, *, endpoint: str = "") -> str:
+        """Why `cidr` may not be routed to `owner` ("" when it may). `endpoint`: the owner's own (a tunnel's
+        remote end), which its routes must not hold either: the tunnel would carry its own carrier."""
+        net = route_limits.network(cidr)
+        if net is None:
+            return "not a prefix"
+        endpoints: Mapping[route_limits.IPAddress, str] = self._endpoints
+        own = _endpoint_address(endpoint)
+        if own is not None:
+            endpoints = {**self._endpoints, own: owner}
+        return route_limits.refuse_prefix(net, self._limits, endpoints, self._routed, None, self._space) or ""
+
+    def claim(self, cidr: str, owner: str) -> None:
+        net = route_limits.network(cidr)
+        if net is not None and net not in self._routed:
+            self._routed[net] = owner
+            self._space.add(net)
+
+
+def _endpoint_address(endpoint: str) -> route_limits.IPAddress | None:
+    try:
+        return route_limits.address(split_endpoint(endpoint)[0].partition("%")[0]) if endpoint else None
+    except ValueError:
+        return None
 
 
 def own_networks(underlay: Underlay) -> list[Any]:

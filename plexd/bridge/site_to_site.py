@@ -9,7 +9,10 @@ everything the bridge could (its D8).
 
 Refused, each tunnel by itself with the reason: a remote subnet inside the mesh range or this machine's own
 networks, a default route unless `bridge.site_to_site.allow_default_route`, a local subnet inside the mesh, a
-remote subnet another tunnel already has.
+remote subnet another tunnel already has, and (but for an allowed default route) whatever the mesh's route guard
+refuses (`interfaces.RouteGuard`: the control plane's address, a peer's endpoint, the tunnel's own remote end,
+more of the address space in all than `mesh.max_route_percent`, ...): the routes go in the mesh's table, looked
+up before the main one, so they steer this machine's own traffic too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 
-from plexd.bridge.interfaces import Wanted, clash_reason, own_networks
+from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.user_access import overlap_reason
 from plexd.bridge.wgif import InterfaceSpec
@@ -26,6 +29,9 @@ from plexd.mesh.wireguard import PeerConfig
 from plexd.state.desired import DesiredState
 
 KEEPALIVE = 25  # a remote gateway behind NAT stays reachable
+
+
+DEFAULT_ROUTES = ("0.0.0.0/0", "::/0")
 
 
 def lan_interfaces(subnets: Sequence[str], underlay: Underlay) -> tuple[str, ...]:
@@ -57,11 +63,15 @@ def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], 
         access = desired.user_access
         taken_ports = {**({access.listen_port: "user access"} if access is not None and access.enabled else {}),
                        **(reserved_ports or {}), desired.listen_port: "the mesh interface"}
+        guard = RouteGuard(desired)
         for tunnel in s2s.tunnels:
             problems = []
             clash = clash_reason(tunnel.interface, tunnel.listen_port, mesh_interface, taken_ports)
             if clash:
                 problems.append(clash)
+            host, port = tunnel.remote_endpoint
+            endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            owner = f"tunnel {tunnel.tunnel_id}"
             for cidr in tunnel.remote_subnets:
                 reason = overlap_reason(cidr, mesh_range, own)
                 if reason == "a default route" and allow_default_route:
@@ -70,6 +80,10 @@ def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], 
                     reason += " (bridge.site_to_site.allow_default_route is off)"
                 if cidr in taken:
                     reason = f"already tunnel {taken[cidr]}'s"
+                if not reason and not (allow_default_route and cidr in DEFAULT_ROUTES):
+                    # (a default route the operator allowed is theirs: it holds every address, so the guard
+                    # would refuse it by definition)
+                    reason = guard.reason(cidr, owner, endpoint=endpoint)
                 if reason:
                     problems.append(f"remote subnet {cidr}: {reason}")
             for cidr in tunnel.local_subnets:
@@ -80,11 +94,11 @@ def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], 
                 refused.append(f"site-to-site tunnel {tunnel.tunnel_id}: refused: " + "; ".join(problems))
                 continue
             taken.update(dict.fromkeys(tunnel.remote_subnets, tunnel.tunnel_id))
+            for cidr in tunnel.remote_subnets:
+                guard.claim(cidr, owner)
             if tunnel.tunnel_id not in keys:
                 keys[tunnel.tunnel_id] = interface_key(data_dir, tunnel.tunnel_id)
             private, public = keys[tunnel.tunnel_id]
-            host, port = tunnel.remote_endpoint
-            endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             peer = PeerConfig(tunnel.remote_public_key, endpoint=endpoint,
                               allowed_ips=frozenset(tunnel.remote_subnets), psk=tunnel.psk,
                               persistent_keepalive=KEEPALIVE)

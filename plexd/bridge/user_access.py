@@ -11,7 +11,8 @@ reaches a node only where a rule allows its prefix to.
 Access clients are addressed like nodes, from the mesh range (so the policy can name them: a policy CIDR lies
 in `policy.mesh_range`), on addresses no node has. Refused, each peer by itself with the reason: a prefix holding
 a node's mesh address, a prefix in this machine's own networks, a default route, a prefix another access peer
-already has.
+already has, and whatever the mesh's route guard refuses (`interfaces.RouteGuard`: the control plane's address,
+a peer's endpoint, more of the address space than `mesh.max_route_percent`, ...).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 
 from plexd.bridge.blocks import TUNNEL_PREFIX
-from plexd.bridge.interfaces import Wanted, clash_reason, own_networks
+from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.wgif import InterfaceSpec
 from plexd.mesh.links import Underlay
@@ -76,15 +77,19 @@ def access_specs(data_dir: str, mesh_interface: str, reserved_ports: Mapping[int
         refused = list(access.refused)
         peers: dict[str, PeerConfig] = {}
         taken: dict[str, str] = {}
+        guard = RouteGuard(desired)
         for peer in access.peers:
             name = peer.label or peer.public_key[:8] + "…"
-            problems = [f"{c}: {r}" for c in peer.allowed_ips if (r := overlap_reason(c, (), own)
-                                                                   or _holds_node(c, nodes))]
-            problems += [f"{c}: already access peer {taken[c]}'s" for c in peer.allowed_ips if c in taken]
+            problems = [f"{c}: {r}" for c in peer.allowed_ips
+                        if (r := overlap_reason(c, (), own) or _holds_node(c, nodes)
+                            or (f"already access peer {taken[c]}'s" if c in taken else "")
+                            or guard.reason(c, f"access peer {name}"))]
             if problems:
                 refused.append(f"user access peer {name}: refused: " + "; ".join(problems))
                 continue
             taken.update(dict.fromkeys(peer.allowed_ips, name))
+            for cidr in peer.allowed_ips:
+                guard.claim(cidr, f"access peer {name}")
             peers[peer.public_key] = PeerConfig(peer.public_key, allowed_ips=frozenset(peer.allowed_ips),
                                                 psk=peer.psk)
         spec = InterfaceSpec(PART, access.interface, private, access.listen_port, peers,

@@ -272,6 +272,43 @@ def test_a_bridge_interface_never_takes_the_mesh_interfaces_name_or_a_port_anoth
     assert access(desired(user_access={"enabled": True}), UNDERLAY).specs  # the defaults clash with nothing
 
 
+def test_bridge_routes_pass_the_mesh_route_guard_so_no_block_cuts_the_bridge_off(tmp_path):
+    # The routes go in the mesh's table, looked up before the main one: they steer the daemon's own traffic too.
+    import dataclasses
+    import ipaddress
+
+    from plexd.state.route_limits import RouteLimits
+
+    control_plane = "203.0.113.5"
+    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key=key(9),
+                                mesh_ip="10.100.0.1", node_id="n_bridge")
+    base = dataclasses.replace(base, route_limits=RouteLimits(protected=frozenset({ipaddress.ip_address(
+        control_plane)})))
+
+    def with_blocks(**blocks) -> DesiredState:
+        peer = Peer("n_a", key(3), "10.100.0.2", "198.51.100.7:51820", ("10.100.0.2/32",))
+        return base.with_state(State.from_wire({"peers": [peer.to_wire()], "bridge": blocks}))
+
+    access = access_specs(str(tmp_path), "plexd0")(with_blocks(user_access={"enabled": True, "peers": [
+        {"public_key": key(1), "allowed_ips": [f"{control_plane}/32"], "label": "cp"},
+        {"public_key": key(2), "allowed_ips": ["198.51.100.0/24"], "label": "endpoint"},
+        {"public_key": key(4), "allowed_ips": ["10.100.250.0/24"], "label": "ok"}]}), UNDERLAY)
+    text = "\n".join(access.refused)
+    assert f"cp: refused: {control_plane}/32: would route {control_plane} (the control plane" in text
+    assert "endpoint: refused: 198.51.100.0/24: would route the endpoint 198.51.100.7 of peer n_a" in text
+    assert list(access.specs["wg-access"].peers) == [key(4)]
+
+    tunnels = tunnel_specs(str(tmp_path), "plexd0", ("10.100.0.0/16",), False)(with_blocks(site_to_site={
+        "enabled": True, "tunnels": [
+            tunnel(0, remote_subnets=["64.0.0.0/3"]),  # an eighth of IPv4: over mesh.max_route_percent
+            tunnel(1, remote_subnets=["192.0.2.0/24"]),  # holds its own remote end 192.0.2.2
+            tunnel(2, remote_subnets=["172.40.0.0/16"])]}), UNDERLAY)
+    text = "\n".join(tunnels.refused)
+    assert "s2s_0: refused: remote subnet 64.0.0.0/3: together with the other peers' routes it" in text
+    assert "s2s_1: refused: remote subnet 192.0.2.0/24: would route the endpoint 192.0.2.2 of peer tunnel s2s_1" in text
+    assert list(tunnels.specs) == ["wg-s2s-3"]
+
+
 # -- the firewall and the devplane ---------------------------------------------------------------------------------
 
 
