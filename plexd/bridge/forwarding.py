@@ -80,15 +80,20 @@ class ForwardingLedger:
         knob.write_text("1\n")
         return True
 
+    def hold(self, interface: str, holder: str) -> None:
+        """`holder` needs forwarding on `interface`, without touching it: the holders are in memory, so after a
+        restart the domains say again what their wanted interfaces need before anything is released."""
+        if _valid(interface):
+            self.holders.setdefault(interface, set()).add(holder)
+
     def release(self, holder: str) -> list[str]:
-        """`holder` no longer needs forwarding: the knobs nobody else holds go back to what they were."""
-        free = []
+        """`holder` no longer needs forwarding: every recorded knob nobody holds goes back to what it was (also
+        those whose holder went before a restart, which only the file remembers)."""
         for interface, holders in list(self.holders.items()):
             holders.discard(holder)
             if not holders:
                 del self.holders[interface]
-                free.append(interface)
-        return self.restore(free)
+        return self.restore([interface for interface in self.saved if interface not in self.holders])
 
     def restore(self, interfaces: Iterable[str]) -> list[str]:
         """Put back what plexd changed on these interfaces; errors, one line each. An interface that is gone

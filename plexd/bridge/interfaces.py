@@ -104,6 +104,8 @@ class InterfacesDomain:
         wanted = self._specs(desired, await self._underlay.underlay())
         seen = {}
         for name, spec in wanted.specs.items():
+            for interface in spec.forwarding:  # before any removal releases knobs (all domains observe first)
+                self.ledger.hold(interface, name)
             seen[name] = await self._interface(name).observe(spec)
         for name, iface in self._interfaces.items():
             if name not in wanted.specs and iface.created:
@@ -127,17 +129,24 @@ class InterfacesDomain:
             mine = [c for c in planned.changes if getattr(c, "interface", None) == name]
             if mine:
                 errors += await self._interfaces[name].apply(spec, mine)
+        failed: set[str] = set()
         for change in planned.changes:
             if isinstance(change, InterfaceRemoved):
-                iface = self._interfaces.pop(change.interface, None)
+                iface = self._interfaces.get(change.interface)
                 if iface is not None:
                     errors += await iface.remove()
+                    if iface.created:  # still there: kept (and in the made-file) for the next try
+                        failed.add(change.interface)
+                    else:
+                        del self._interfaces[change.interface]
         self._save_made()
         self._said.errors((*planned.errors, *errors))
         self._last = wanted
         self._applied = self._source(desired)
         self._applied_once = True
-        return DomainResult(planned.changes, tuple(errors))
+        applied = tuple(c for c in planned.changes
+                        if not (isinstance(c, InterfaceRemoved) and c.interface in failed))
+        return DomainResult(applied, tuple(errors))
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
         if self._applied_once and self._source(desired) is self._applied:

@@ -229,15 +229,17 @@ class WgInterface:
         return errors
 
     async def remove(self) -> list[str]:
-        errors = []
+        """Delete the device and put back the forwarding it held. When the device cannot be deleted, it stays
+        `created` (and its knobs held): the next converge tries again."""
         try:
             if await self.backend.observe() is not None:
                 await self.backend.ensure_device()  # a device an earlier plexd left: adopted, so it can be stopped
             await self.backend.delete_device()
             await self.links.delete_link()
         except (PlexdError, OSError) as e:
-            errors.append(f"removing {self.name}: {e}")
-        return errors + self.ledger.release(self.name)
+            return [f"removing {self.name}: {e}; tried again at the next converge"]
+        self.created = False
+        return self.ledger.release(self.name)
 
 
 def _families(routes: frozenset[str]) -> set[int]:

@@ -138,11 +138,67 @@ def test_the_ledger_turns_knobs_on_and_puts_back_only_what_it_changed_when_the_l
             raise AssertionError(f"{bad!r} accepted")
 
 
+def test_after_a_restart_a_removed_interfaces_knobs_are_put_back_unless_a_wanted_one_holds_them(tmp_path):
+    # Holders live in memory: after a restart only the file knows a tunnel turned plexd0 and its LAN on. When
+    # that tunnel goes, every recorded knob no wanted interface holds (said again by the domains' observe) is
+    # put back.
+    proc = knobs(tmp_path, plexd0="0", eth1="0")
+    first = ForwardingLedger(tmp_path / "data", proc)
+    first.enable("plexd0", "wg-s2s-1")
+    first.enable("eth1", "wg-s2s-1")
+    restarted = ForwardingLedger(tmp_path / "data", proc)
+    restarted.hold("plexd0", "wg-access")  # user access is still wanted and needs the mesh interface
+    assert restarted.release("wg-s2s-1") == []
+    assert knob(proc, "eth1") == "0" and knob(proc, "plexd0") == "1"
+    assert restarted.release("wg-access") == []
+    assert knob(proc, "plexd0") == "0" and restarted.saved == {}
+
+
 def test_a_corrupt_ledger_is_reported_and_the_daemon_goes_on(tmp_path, caplog):
     (tmp_path / "bridge").mkdir()
     (tmp_path / "bridge" / "forwarding.json").write_text("{not json")
     assert ForwardingLedger(tmp_path, knobs(tmp_path)).saved == {}
     assert "will not be restored" in caplog.text
+
+
+async def test_an_interface_that_cannot_be_removed_is_kept_and_removed_at_the_next_try(tmp_path):
+    from plexd.base.errors import PlexdError
+    from plexd.bridge.interfaces import InterfacesDomain, Wanted
+
+    class Backend:
+        interface = "wg-s2s-1"
+        fail = True
+        deleted = 0
+
+        async def observe(self):
+            return None
+
+        async def delete_device(self):
+            if Backend.fail:
+                raise PlexdError("device busy")
+            Backend.deleted += 1
+
+    class LinksStandIn:
+        async def delete_link(self):
+            pass
+
+        async def underlay(self):
+            return UNDERLAY
+
+    (tmp_path / "bridge").mkdir()
+    (tmp_path / "bridge" / "s2s.interfaces").write_text('["wg-s2s-1"]')  # made before a restart
+    ledger = ForwardingLedger(tmp_path, knobs(tmp_path))
+    domain = InterfacesDomain("s2s", "site-to-site", lambda d, u: Wanted({}), lambda d: d.site_to_site,
+                              lambda name: WgInterface(Backend(), LinksStandIn(), ledger),  # type: ignore[arg-type]
+                              LinksStandIn(), ledger, str(tmp_path))  # type: ignore[arg-type]
+    nothing = desired()
+    first = await domain.apply(nothing, domain.plan(nothing, seen := await domain.observe(nothing)), seen)
+    assert first.changes == () and any("device busy" in e for e in first.errors)
+    assert json.loads((tmp_path / "bridge" / "s2s.interfaces").read_text()) == ["wg-s2s-1"]  # not forgotten
+    Backend.fail = False
+    second = await domain.apply(nothing, domain.plan(nothing, seen := await domain.observe(nothing)), seen)
+    assert [c.correction().type for c in second.changes] == ["bridge_interface_removed"] and second.errors == ()
+    assert Backend.deleted == 1 and json.loads((tmp_path / "bridge" / "s2s.interfaces").read_text()) == []
 
 
 # -- keys ------------------------------------------------------------------------------------------------------
