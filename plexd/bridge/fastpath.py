@@ -39,16 +39,23 @@ Elements = dict[Address, Address]  # sender's current address -> the other side'
 
 
 def desired_elements(flows: Iterable[Flow]) -> Elements:
-    """Both directions of every stable IPv4 flow."""
+    """Both directions of every stable IPv4 flow, but for a sender in more than one: a node in two relay
+    sessions from one port has one key here and two destinations, which only the userspace relay (by the
+    packet's receiver index) tells apart. Its packets stay there; the other sides' still take the fast path."""
     out: Elements = {}
+    shared: set[Address] = set()
     for flow in flows:
         if not flow.stable:
             continue
         a, b = flow.sides[0].address, flow.sides[1].address
         if not (_ipv4(a[0]) and _ipv4(b[0])) or a == b:
             continue
-        out[a] = b
-        out[b] = a
+        for sender, receiver in ((a, b), (b, a)):
+            if out.get(sender, receiver) != receiver:
+                shared.add(sender)
+            out[sender] = receiver
+    for sender in shared:
+        del out[sender]
     return out
 
 

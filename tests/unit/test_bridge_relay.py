@@ -326,6 +326,21 @@ def test_fast_path_elements_are_both_directions_of_stable_ipv4_flows_only():
     assert desired_elements(table.flows.values()) == {A_ADDR: B_ADDR, B_ADDR: A_ADDR}  # ef: no handshake yet
 
 
+def test_a_node_in_two_sessions_from_one_port_stays_in_userspace_and_the_other_sides_do_not():
+    # One key (A's address) with two destinations: the kernel map would send all of A's packets to one of them.
+    from plexd.bridge.fastpath import desired_elements
+
+    table = FlowTable()
+    table.set_sessions([parse_session(doc("ab")),
+                        parse_session(doc("ac", b="n_c", b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
+    assert sorted(table.route(initiation(100), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])  # to both sessions
+    assert table.route(response(200, 100), B_ADDR, 1.0) == [A_ADDR]
+    assert sorted(table.route(initiation(300), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert table.route(response(400, 300), C_ADDR, 1.0) == [A_ADDR]
+    assert all(f.stable for f in table.flows.values())
+    assert desired_elements(table.flows.values()) == {B_ADDR: A_ADDR, C_ADDR: A_ADDR}
+
+
 def test_fast_path_element_changes_are_the_difference_only():
     from plexd.bridge.fastpath import element_commands
 
