@@ -107,10 +107,12 @@ class Relay:
     # Sessions
 
     def set_sessions(self, sessions: list[RelaySession]) -> None:
-        """What the control plane lists now (a full state or the set after an event): each one's lease restarts."""
+        """What the control plane lists now (a full state or the set after an event): each one's lease restarts.
+        One already past its `expires_at` is not served at all (a listing the control plane has not pruned)."""
         now = self.clock.now()
-        self.table.set_sessions(sessions)
-        self._leases = {s.session_id: _Lease(now + timedelta(seconds=s.ttl(now))) for s in sessions}
+        live = [s for s in sessions if s.ttl(now) > 0]
+        self.table.set_sessions(live)
+        self._leases = {s.session_id: _Lease(now + timedelta(seconds=s.ttl(now))) for s in live}
 
     def sweep(self) -> list[str]:
         """Expire sessions past their lease while the control plane is reachable; refresh them all while not."""

@@ -255,6 +255,19 @@ def test_sessions_expire_at_their_ttl_only_while_the_control_plane_is_reachable(
     assert relay.sweep() == ["long"]  # not listed again by the reachable control plane
 
 
+def test_a_session_listed_past_its_expiry_is_never_served_not_even_through_an_outage():
+    clock = FakeClock(NOW)
+    reachable = [True]
+    relay = Relay(cp_reachable=lambda: reachable[0], clock=clock)
+    relay.set_sessions([parse_session(doc("ab")), parse_session(doc(
+        "old", a="n_c", a_ep="192.0.2.1:1", b="n_d", b_ep="192.0.2.2:2", expires=NOW - timedelta(hours=2)))])
+    assert list(relay.table.flows) == ["ab"]
+    assert relay.table.route(initiation(100), ("192.0.2.1", 1), 1.0) == []  # nothing forwarded for it
+    reachable[0] = False
+    relay.sweep()
+    assert list(relay.table.flows) == ["ab"]
+
+
 async def test_the_relay_forwards_between_real_sockets_on_loopback():
     relay = Relay("127.0.0.1", 0, clock=FakeClock(NOW))
     await relay.start()
