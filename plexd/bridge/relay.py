@@ -16,6 +16,7 @@ module owns the socket, the sessions' lifetime and the status counters:
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections.abc import Callable
@@ -67,6 +68,8 @@ class Relay:
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_DGRAM)
         try:
             sock.setblocking(False)
+            if sock.family == socket.AF_INET6 and ipaddress.ip_address(self.host).is_unspecified:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # `[::]`: IPv4 sides too
             for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
                 try:
                     sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
@@ -177,6 +180,9 @@ class Relay:
     def _drain(self, sock: socket.socket) -> None:
         now = self.clock.monotonic()  # one reading per batch: a batch takes well under a millisecond
         route, recvfrom, sendto = self.table.route, sock.recvfrom, sock.sendto
+        # On a dual-stack socket (`[::]`) IPv4 sides arrive as ::ffff:a.b.c.d and must be sent to as such; the
+        # sessions name them as a.b.c.d.
+        mapped = sock.family == socket.AF_INET6
         for _ in range(BATCH):
             try:
                 data, source = recvfrom(MAX_DATAGRAM)
@@ -185,7 +191,12 @@ class Relay:
             except OSError:
                 self.send_errors += 1  # an ICMP error reported on the socket: the relay goes on
                 return
-            for target in route(data, (source[0], source[1]), now):
+            host = source[0]
+            if mapped and host.startswith("::ffff:"):
+                host = host[7:]
+            for target in route(data, (host, source[1]), now):
+                if mapped and ":" not in target[0]:
+                    target = ("::ffff:" + target[0], target[1])
                 try:
                     sendto(data, target)
                 except BlockingIOError:

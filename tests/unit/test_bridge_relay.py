@@ -297,6 +297,27 @@ async def test_the_relay_forwards_between_real_sockets_on_loopback():
     assert not relay.listening
 
 
+async def test_a_relay_listening_on_all_ipv6_addresses_serves_ipv4_sides_too():
+    relay = Relay("::", 0, clock=FakeClock(NOW))
+    await relay.start()
+    a, b = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    try:
+        for s in (a, b):
+            s.bind(("127.0.0.1", 0))
+            s.setblocking(False)
+        relay.set_sessions([parse_session(doc(a_ep=f"127.0.0.1:{a.getsockname()[1]}",
+                                              b_ep=f"127.0.0.1:{b.getsockname()[1]}"))])
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendto(a, initiation(100), ("127.0.0.1", relay.port))
+        got, sender = await asyncio.wait_for(loop.sock_recvfrom(b, 2048), 5)
+        assert got == initiation(100) and sender == ("127.0.0.1", relay.port)
+        assert relay.status()["dropped"]["unknown_source"] == 0
+    finally:
+        a.close()
+        b.close()
+        await relay.stop()
+
+
 def test_behind_port_randomising_nats_the_initiations_teach_the_real_ports():
     """The control plane lists ports the relay never sees (symmetric NAT): each side's initiation from its IP
     moves that side to the port it really uses, so the other side's initiation reaches it."""
