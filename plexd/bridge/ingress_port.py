@@ -196,24 +196,35 @@ async def _dial(target: tuple[str, int]) -> socket.socket:
 
 
 async def _peek_record(client: socket.socket) -> bytes:
-    """The client's first TLS record, left in the socket (MSG_PEEK): the target still gets every byte."""
+    """The client's first TLS record, left in the socket (MSG_PEEK): the target still gets every byte.
+
+    A peek does not consume, so a socket holding part of the record stays readable: the receive low-water mark
+    (SO_RCVLOWAT) is set to what is still wanted, and the socket becomes readable only once that much is
+    there (or at the client's FIN). Without it, a client that sent three bytes and stopped woke the loop until
+    the hello timeout."""
     loop = asyncio.get_running_loop()
     want = RECORD_HEADER
-    while True:
-        ready: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(client.fileno(), _settle, ready)
-        try:
-            await ready
-        finally:
-            loop.remove_reader(client.fileno())
-        data = client.recv(want, socket.MSG_PEEK)
-        if not data:
-            raise ValueError("the client closed before its ClientHello")
-        if len(data) >= RECORD_HEADER:
-            want = record_length(data)
-            if len(data) >= want:
-                return data[:want]
-        await asyncio.sleep(0.01)  # part of it is here: the peek does not consume, so wait for more
+    try:
+        while True:
+            mark = want
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, mark)
+            ready: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(client.fileno(), _settle, ready)
+            try:
+                await ready
+            finally:
+                loop.remove_reader(client.fileno())
+            data = client.recv(want, socket.MSG_PEEK)
+            if not data:
+                raise ValueError("the client closed before its ClientHello")
+            if len(data) >= RECORD_HEADER:
+                want = record_length(data)
+                if len(data) >= want:
+                    return data[:want]
+            if len(data) < mark:
+                await asyncio.sleep(0.01)  # woken short of the mark (a FIN after part of it): no spin
+    finally:
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # the splice that follows reads as it comes
 
 
 def _settle(ready: asyncio.Future[None]) -> None:

@@ -121,3 +121,38 @@ async def test_status_reports_are_written_only_when_they_change_and_stay_under_4
     big = bounded({"enabled": True, "tunnels": [{"tunnel_id": f"t{i}", "public_key": "k" * 44} for i in range(200)]})
     assert len(json.dumps(big, separators=(",", ":"))) <= MAX_PAYLOAD and big["truncated"] is True
     assert 0 < len(big["tunnels"]) < 200
+
+
+async def test_a_client_that_sent_part_of_its_hello_costs_no_wake_ups_until_the_rest_comes():
+    # A peek leaves the bytes in the socket, so without a receive low-water mark the partial record kept the
+    # socket readable and the loop woke every 10 ms per such client until the hello timeout.
+    import asyncio
+    import socket
+
+    from plexd.bridge.ingress_port import _peek_record
+
+    class CountingSocket(socket.socket):
+        peeks = 0
+
+        def recv(self, *args):  # type: ignore[override]
+            CountingSocket.peeks += 1
+            return super().recv(*args)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    server_side = CountingSocket(fileno=accepted.detach())
+    server_side.setblocking(False)
+    hello = bytes([22, 3, 1, 0, 40]) + bytes(40)  # a 45-byte TLS record
+    try:
+        client.sendall(hello[:3])
+        peek = asyncio.create_task(_peek_record(server_side))
+        await asyncio.sleep(0.5)
+        assert not peek.done() and CountingSocket.peeks <= 1
+        client.sendall(hello[3:])
+        assert await asyncio.wait_for(peek, 5) == hello
+        assert server_side.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # back for the splice
+        assert server_side.recv(100) == hello  # peeked, not consumed
+    finally:
+        for s in (client, server_side, listener):
+            s.close()
