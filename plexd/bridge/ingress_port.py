@@ -42,6 +42,7 @@ class PortCounters:
     no_rule: int = 0  # no rule for the server name the client asked for (or no name, or not TLS)
     dial_failures: int = 0
     tls_failures: int = 0
+    ended_by_rule_change: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
 
@@ -57,6 +58,7 @@ class IngressPort:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._serving: dict[asyncio.Task[Any], IngressRule] = {}  # each live connection's rule, once picked
 
     @property
     def listening(self) -> bool:
@@ -68,7 +70,16 @@ class IngressPort:
         return len(self._conns)
 
     def set_rules(self, rules: Sequence[IngressRule]) -> None:
+        """The port's rules now. A live connection whose rule is gone or changed (another target, mode or
+        certificate) ends: it was let in under terms the control plane no longer gives."""
         self.rules = {r.hostname: r for r in rules}
+        ended = [task for task, rule in self._serving.items() if self.rules.get(rule.hostname) != rule]
+        for task in ended:
+            task.cancel()
+        if ended:
+            self.counters.ended_by_rule_change += len(ended)
+            log.info("ingress port %d: %d connections ended: their rule was revoked or changed", self.port,
+                     len(ended))
 
     async def start(self) -> None:
         """Listen (OSError when the port is taken: the caller reports it)."""
@@ -120,6 +131,9 @@ class IngressPort:
             if rule is None:
                 self.counters.no_rule += 1
                 return
+            task = asyncio.current_task()
+            if task is not None:
+                self._serving[task] = rule
             try:
                 async with asyncio.timeout(DIAL_TIMEOUT):
                     upstream = await _dial(rule.target)
@@ -136,6 +150,7 @@ class IngressPort:
         except (OSError, ValueError, TimeoutError):
             pass  # the client or the target went away, or sent nonsense: this connection ends, the port goes on
         finally:
+            self._serving.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             client.close()
 
     async def _pick(self, client: socket.socket) -> IngressRule | None:

@@ -95,3 +95,34 @@ async def test_a_source_outside_allowed_sources_is_closed_and_counted(tmp_path):
     finally:
         await domain.teardown()
         server.close()
+
+
+async def test_a_live_connection_ends_when_its_rule_is_revoked_or_retargeted(tmp_path):
+    # The port stays (another rule, or the same one moved): the connections let in under the old rule must not.
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # a long-lived connection (a database session)
+        writer.close()
+
+    old = await asyncio.start_server(hold, "127.0.0.2", 0)
+    new, _ = await echo_server()
+    port = free_port()
+    domain = IngressDomain(str(tmp_path), host="127.0.0.1", mesh_range=("127.0.0.0/8",))
+
+    def rules(target: asyncio.Server) -> list[dict]:
+        return [{"rule_id": "db", "listen_port": port, "mode": "tcp",
+                 "target_addr": f"127.0.0.2:{target.sockets[0].getsockname()[1]}"}]
+
+    try:
+        await converge(domain, model(rules(old)))
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"hello")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # forwarded: the connection is live on the old target
+        await converge(domain, model(rules(new)))  # retargeted on the same port
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # ended, not left on the old target
+        writer.close()
+        assert await ask(port) == b"echo:hi"  # a new connection goes to the new target
+    finally:
+        await domain.teardown()
+        old.close()
+        new.close()
