@@ -214,13 +214,13 @@ class SshSessionServer:
             return "closed"
         if self.auth_limiter.blocked(source):
             return "rate_limited"
-        if username != self.target.user:
-            return "user"
-        try:
+        try:  # the token's checks first, in the reference's order: a forged token is audited as such
             verify_session_token(password, keys=list(self.keys()), session_id=self.session.session_id,
-                                 kind="ssh", target=self.target.to_wire(), now=self.now(), user=username)
+                                 kind="ssh", target=self.target.to_wire(), now=self.now())
         except TokenRefused as exc:
             return exc.reason
+        if username != self.target.user:  # 7: the login user is the session's (its token's, checked above)
+            return "user"
         if not self.is_live(self.session.session_id):
             return "revoked"
         if self.session.expired(self.now()):

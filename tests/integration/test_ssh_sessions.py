@@ -266,6 +266,14 @@ async def test_a_valid_token_for_another_login_user_is_refused(account, key_dir)
         assert h.events("auth_failed")[-1]["reason"] == "user"
 
 
+async def test_a_forged_token_with_another_login_user_is_audited_as_forged_not_as_the_user(account, key_dir):
+    # The token's own checks come first (reference order): the audit names the first failure, the signature.
+    async with Harness(account.name, key_dir) as h:
+        rc, _, err = await h.ssh(h.token(key=SigningKey.generate()), "true", user="root")
+        assert rc == 255 and DENIED in err
+        assert h.events("auth_failed")[-1]["reason"] == "signature"
+
+
 async def test_only_password_authentication_is_offered(account, key_dir):
     async with Harness(account.name, key_dir) as h:
         argv = h.ssh_argv(h.token(), "true")
