@@ -228,6 +228,9 @@ class DesiredState:
     user_access: UserAccess | None = None  # bridge mode: the access interface and its peers (None: never said)
     site_to_site: SiteToSite | None = None  # bridge mode: the site-to-site tunnels (None: never said)
     ingress: Ingress | None = None  # bridge mode: TCP from outside to mesh services (None: never said)
+    # The bridge blocks as the control plane sent them (user access, site-to-site, ingress; not the relay's
+    # leases), for the mirror: a bridge restarted while the control plane is unreachable serves them again.
+    bridge_blocks: Mapping[str, Any] = field(default_factory=dict, repr=False)  # secrets (psk, key_pem) inside
     # Peers whose direct path showed no handshake, configured on their `fallback_endpoint` (the bridge's relay)
     # instead; chosen by the node (plexd.services.paths), never sent by the control plane, not mirrored.
     relayed: frozenset[str] = frozenset()
@@ -403,7 +406,8 @@ class DesiredState:
                       relay=self.relay if state.relay is None else state.relay,
                       user_access=self.user_access if state.user_access is None else state.user_access,
                       site_to_site=self.site_to_site if state.site_to_site is None else state.site_to_site,
-                      ingress=self.ingress if state.ingress is None else state.ingress)
+                      ingress=self.ingress if state.ingress is None else state.ingress,
+                      bridge_blocks=_mirrored_blocks(self.bridge_blocks, state.extra))
         return new._with_peers(state.peers, {}, ())
 
     def with_peers(self, peers: Iterable[Peer]) -> DesiredState:
@@ -492,7 +496,7 @@ class DesiredState:
             "persistent_keepalive": self.persistent_keepalive,
             "state": State(peers=tuple(self.peers.values()), policies=self.policies, signing_keys=self.signing_keys,
                            metadata=self.metadata, data=self.data, secret_refs=self.secret_refs,
-                           sessions=self.sessions).to_wire(),
+                           sessions=self.sessions, extra=dict(self.bridge_blocks)).to_wire(),
         }
 
     @classmethod
@@ -502,3 +506,15 @@ class DesiredState:
                            private_key=private_key, mesh_ip=d["mesh_ip"], mesh_ip6=d.get("mesh_ip6"),
                            persistent_keepalive=int(d.get("persistent_keepalive", DEFAULT_KEEPALIVE)))
         return base.with_state(State.from_wire(d.get("state") or {}))
+
+
+def _mirrored_blocks(kept: Mapping[str, Any], sent: Mapping[str, Any]) -> dict[str, Any]:
+    """The raw bridge blocks to mirror once `sent` (a state's) is applied over `kept`: a block the state names
+    (null included) replaces the kept one, as the parsed parts do. The relay's sessions are left out: they are
+    5-minute leases the control plane renews, not something to bring back from disk."""
+    out = {**kept, **sent}
+    out.pop("relay_config", None)
+    bridge = out.get("bridge")
+    if isinstance(bridge, Mapping) and "relay" in bridge:
+        out["bridge"] = {k: v for k, v in bridge.items() if k != "relay"}
+    return out

@@ -313,7 +313,7 @@ class State:
             user_access=parse_user_access(f) if has_block(f, "user_access_config") else None,
             site_to_site=parse_site_to_site(f) if has_block(f, "site_to_site_config") else None,
             ingress=parse_ingress(f) if has_block(f, "ingress_config") else None,
-            extra={k: f[k] for k in cls._EXTRA_KEYS if f.get(k) is not None},
+            extra={k: f[k] for k in cls._EXTRA_KEYS if k in f},  # a null block too: it says "none desired"
         )
 
     def to_wire(self) -> dict[str, JSON]:

@@ -67,6 +67,33 @@ def test_json_mirror_round_trips_without_the_private_key() -> None:
     assert DesiredState.from_json(doc).private_key == ""
 
 
+def test_the_mirror_keeps_the_bridge_blocks_but_not_the_relays_leases() -> None:
+    # A bridge restarted while the control plane is unreachable must bring its access interface, tunnels and
+    # ingress back from the mirror (before, they came up empty and the made interfaces were removed).
+    key = base64.b64encode(bytes(range(32))).decode()
+    psk = base64.b64encode(bytes(range(32, 64))).decode()
+    bridge = {"user_access": {"enabled": True, "peers": [{"public_key": key, "allowed_ips": ["10.100.250.5/32"],
+                                                          "psk": psk}]},
+              "site_to_site": {"enabled": True, "tunnels": [{"tunnel_id": "s2s_0", "remote_public_key": key,
+                                                             "remote_endpoint": "192.0.2.1:51823",
+                                                             "local_subnets": ["172.20.0.0/16"],
+                                                             "remote_subnets": ["172.30.0.0/16"]}]},
+              "relay": {"sessions": [{"session_id": "rel_1", "peer_a_id": "n_a", "peer_a_endpoint": "192.0.2.7:1",
+                                      "peer_b_id": "n_b", "peer_b_endpoint": "192.0.2.8:2",
+                                      "expires_at": "2099-01-01T00:00:00Z"}]}}
+    live = base().with_state(State.from_wire({"peers": [], "bridge": bridge}))
+    assert live.user_access.peers and live.site_to_site.tunnels and len(live.relay.sessions) == 1
+    restored = DesiredState.from_json(live.to_json(), private_key=PRIV)
+    assert restored.user_access == live.user_access and restored.site_to_site == live.site_to_site
+    assert restored.relay is not None and len(restored.relay.sessions) == 0  # leases come from the control plane
+    assert restored.user_access.peers[0].psk == psk
+    assert psk not in repr(restored)  # the psk stays out of reprs (the mirror itself is the 0600 ledger)
+    withdrawn = live.with_state(State.from_wire({"peers": [], "bridge": None}))  # "none desired"
+    again = DesiredState.from_json(withdrawn.to_json(), private_key=PRIV)
+    assert again.user_access == withdrawn.user_access and not again.user_access.enabled
+    assert not again.site_to_site.tunnels
+
+
 def test_wireguard_value_types_never_print_keys():
     from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate
 
