@@ -313,9 +313,12 @@ def _ingress_rule(entry: object, where: str) -> IngressRule:
     if not port:
         raise WireFormatError(f"{where}.listen_port", "must be a port number 1-65535")
     hostname = text_field(entry, "hostname", where, required=False).lower().rstrip(".")
-    if hostname and not all(part and len(part) <= 63 and all(c.isalnum() or c in "-_*" for c in part)
-                            for part in hostname.split(".")):
-        raise WireFormatError(f"{where}.hostname", f"{hostname!r} is not a host name")
+    labels = hostname.split(".")
+    if hostname and not all(part and len(part) <= 63 and (all(c.isalnum() or c in "-_" for c in part)
+                                                          or (i == 0 and part == "*" and len(labels) > 2))
+                            for i, part in enumerate(labels)):
+        raise WireFormatError(f"{where}.hostname", f"{hostname!r} is not a host name (a wildcard is '*.' in front "
+                              "of at least two labels: *.example.com)")
     cert = key = ""
     if mode == "terminate":
         cert, key = (_pem(entry, name, where) for name in ("cert_pem", "key_pem"))

@@ -160,7 +160,11 @@ class IngressPort:
             return None
         async with asyncio.timeout(HELLO_TIMEOUT):
             record = await _peek_record(client)
-        return self.rules.get(server_name(record))
+        name = server_name(record)
+        rule = self.rules.get(name)
+        if rule is None and "." in name:  # `*.example.com` stands for exactly one more label, as in TLS
+            rule = self.rules.get("*." + name.split(".", 1)[1])
+        return rule
 
     async def _terminate(self, client: socket.socket, upstream: socket.socket, rule: IngressRule) -> None:
         loop = asyncio.get_running_loop()

@@ -156,3 +156,37 @@ async def test_a_client_that_sent_part_of_its_hello_costs_no_wake_ups_until_the_
     finally:
         for s in (client, server_side, listener):
             s.close()
+
+
+async def test_a_wildcard_rule_serves_one_more_label_and_an_exact_rule_wins():
+    import socket
+
+    from plexd.bridge.ingress_port import IngressPort
+
+    parsed = parse_ingress({"bridge": {"ingress": {"rules": [
+        rule(1, listen_port=443, hostname="*.example.com"), rule(2, listen_port=443, hostname="a.example.com"),
+        rule(3, listen_port=444, hostname="*.com"), rule(4, listen_port=445, hostname="a.*.example.com")]}}})
+    assert [r.rule_id for r in parsed.rules] == ["ing_1", "ing_2"]
+    assert sum("is not a host name" in why for why in parsed.refused) == 2
+    port = IngressPort("127.0.0.1", 0, tls_context=lambda r: None)  # type: ignore[arg-type,return-value]
+    port.set_rules(parsed.rules)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    async def picked(name: str) -> str | None:
+        client = socket.create_connection(listener.getsockname())
+        accepted, _ = listener.accept()
+        accepted.setblocking(False)
+        try:
+            client.sendall(client_hello(name))
+            chosen = await port._pick(accepted)
+            return chosen.rule_id if chosen is not None else None
+        finally:
+            client.close()
+            accepted.close()
+
+    try:
+        assert await picked("b.example.com") == "ing_1"
+        assert await picked("a.example.com") == "ing_2"
+        assert await picked("x.b.example.com") is None and await picked("example.com") is None
+    finally:
+        listener.close()
