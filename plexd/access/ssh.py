@@ -476,8 +476,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def _end_process_group(self) -> None:
         assert self.proc is not None
-        _signal_group(self.proc.pid, signal.SIGHUP)
-        asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)
+        if _signal_group(self.proc.pid, signal.SIGHUP):  # an empty group (the usual end) needs no follow-up,
+            asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)  # nor this channel kept 2 s more
 
     def _kill(self) -> None:
         """The whole group, whether or not its leader is still there (`cmd &` leaves a member behind it); then
@@ -485,7 +485,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         waited for."""
         if self.proc is not None:
             _signal_group(self.proc.pid, signal.SIGKILL)
-        asyncio.get_running_loop().call_later(0.5, self._stop_streams)  # after the killed members' last output
+        if self._streams is not None:
+            asyncio.get_running_loop().call_later(0.5, self._stop_streams)  # after the killed members' last output
 
     def _stop_streams(self) -> None:
         if self._streams is not None and not self._streams.done():
@@ -723,9 +724,11 @@ def _set_winsize(fd: int, size: tuple[int, int, int, int]) -> None:
         pass
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _signal_group(pid: int, sig: int) -> bool:
+    """Signal the process group `pid` leads (or led: its members keep the id); False when none is left."""
     try:
         os.killpg(pid, sig)
     except (ProcessLookupError, PermissionError):
-        pass
+        return False
+    return True
 
