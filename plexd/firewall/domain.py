@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from plexd.access.sessions import Sessions, service_port, socket_marks
 from plexd.converge.domain import DomainResult
 from plexd.firewall import plan
-from plexd.firewall.nft import FirewallError, Nftables
+from plexd.firewall.nft import FirewallError, Nftables, UnreadableTable
 from plexd.firewall.ruleset import (
     FAMILY,
     TABLE,
@@ -36,6 +37,8 @@ from plexd.firewall.script import Unrenderable
 from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
+
+REPROBE_INTERVAL = 30.0  # seconds between looks at whether nftables became usable
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,7 @@ class FirewallDomain:
         self._inflight: asyncio.Future[Any] | None = None  # the last transaction sent, maybe still running
         self._want: tuple[DesiredState, Ruleset | None] | None = None  # the last model and its ruleset
         self.unavailable = ""  # nftables cannot be used at all (reason)
+        self._probed_at = 0.0  # monotonic: when the last probe found it unavailable
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
 
     # -- status ------------------------------------------------------------------------------------------------
@@ -92,8 +96,22 @@ class FirewallDomain:
             await self._run(self.nft.probe)
         except FirewallError as e:
             self.unavailable = f"policy enforcement unavailable: {e}"
+            self._probed_at = time.monotonic()
             log.error("%s; peers are still limited to those the policies allow, but traffic from them is not "
                       "filtered", self.unavailable)
+
+    async def _probe_again(self) -> None:
+        """While unavailable, look again now and then: the fix the message names (installing libnftables1,
+        loading nf_tables) must not need a restart of plexd to take effect."""
+        if time.monotonic() - self._probed_at < REPROBE_INTERVAL:
+            return
+        self._probed_at = time.monotonic()
+        try:
+            await self._run(self.nft.probe)
+        except FirewallError:
+            return
+        log.warning("nftables can be used now: policy enforcement is being applied")
+        self.unavailable = ""
 
     def want(self, desired: DesiredState) -> Ruleset | None:
         if self._want is not None and self._want[0] is desired:
@@ -132,9 +150,13 @@ class FirewallDomain:
         if not self._started:
             await self.start()
         if self.unavailable:
+            await self._probe_again()
+        if self.unavailable:
             return TableSeen(None, self.unavailable)
         try:
             return TableSeen(await self.read())
+        except UnreadableTable as e:  # ours, and not as plexd makes it: the diff rebuilds it
+            return TableSeen(LiveTable(unreadable=str(e)))
         except FirewallError as e:
             return TableSeen(None, f"firewall not applied: {e}")
 

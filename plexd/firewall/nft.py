@@ -19,6 +19,10 @@ class FirewallError(PlexdError):
     """nftables could not be used or refused a change."""
 
 
+class UnreadableTable(FirewallError):
+    """The table exists but its listing cannot be read: plexd's own table is rebuilt, not left unknown."""
+
+
 class Nftables:
     """The libnftables context plexd uses, for listing and for applying.
 
@@ -52,8 +56,11 @@ class Nftables:
     def list_table(self, family: str = FAMILY, name: str = TABLE) -> list[JSON] | None:
         """The table's objects (plexd's own by default), or None when it does not exist."""
         with self._lock:
-            rc, out, err = self._context().json_cmd(
-                {"nftables": [{"list": {"table": {"family": family, "name": name}}}]})
+            try:
+                rc, out, err = self._context().json_cmd(
+                    {"nftables": [{"list": {"table": {"family": family, "name": name}}}]})
+            except ValueError as e:  # not JSON: nft 1.0.6 lists a dormant table's flags as nothing at all
+                raise UnreadableTable(f"nftables lists table {family} {name} as invalid JSON ({e})") from None
         if rc != 0:
             if "No such file or directory" in err:
                 return None

@@ -5,10 +5,10 @@ policy is reported with the [C] names `policy_added` / `policy_removed` (detail 
 table, the chains, the sets and the chains' own rules have names of ours:
 
     firewall_table_added        the table inet plexd was missing (flushed or deleted): created whole
-    firewall_table_rebuilt      the table held something that cannot be changed in place (a set's type): rebuilt
+    firewall_table_rebuilt      the table held something that cannot be changed in place (a set's type, a chain
+                                plexd does not make, which a jump may reach; the table's flags, as dormant): rebuilt
     firewall_chain_added        a chain was missing: created with its rules
     firewall_chain_updated      a chain's hook, type, priority or policy was altered: recreated
-    firewall_chain_removed      a chain plexd does not make was in its table
     firewall_rule_added         a chain's own rule (established, log, default deny) was missing
     firewall_rule_removed       a rule plexd did not make (or an altered copy of one) was in its chains
     firewall_set_added          a node's address set was missing
@@ -138,21 +138,6 @@ class SetElementsMissing(FirewallChange):
 
     def commands(self) -> list[JSON]:
         return [{"add": {"element": {**_T, "name": self.set_name, "elem": sorted(self.elements)}}}]
-
-
-@dataclass(frozen=True)
-class ChainExtra(FirewallChange):
-    correction_type: ClassVar[str] = "firewall_chain_removed"
-    stage: ClassVar[int] = 4
-    name: str
-
-    @property
-    def detail(self) -> str:
-        return f"firewall: chain {self.name} is not plexd's; removed from {WHERE}"
-
-    def commands(self) -> list[JSON]:
-        ref = {**_T, "name": self.name}
-        return [{"flush": {"chain": ref}}, {"delete": {"chain": ref}}]
 
 
 @dataclass(frozen=True)
@@ -300,6 +285,16 @@ def diff(want: Ruleset | None, live: LiveTable | None) -> list[FirewallChange]:
         return [TableExtra()] if live is not None else []
     if live is None:
         return [TableMissing(want)]
+    if live.unreadable:
+        return [TableMissing(want, rebuilt=f"its listing cannot be read: {live.unreadable}")]
+    if live.flags:  # dormant: every chain unhooked, nothing filtered, though every rule is in place
+        return [TableMissing(want, rebuilt=f"the table is flagged {'/'.join(live.flags)}")]
+    foreign = sorted(live.chains.keys() - want.chains.keys())
+    if foreign:
+        # A chain of someone else's may be the target of a jump in ours: deleting it first fails the whole
+        # transaction (the kernel refuses to delete a chain still jumped to), at every converge. Deleting the
+        # table takes the references with it.
+        return [TableMissing(want, rebuilt=f"chain {foreign[0]} is not plexd's")]
     wrong_sets = [n for n, s in want.sets.items() if n in live.sets and
                   (live.sets[n].type != s.type or live.sets[n].flags)]
     if wrong_sets:
@@ -316,8 +311,6 @@ def diff(want: Ruleset | None, live: LiveTable | None) -> list[FirewallChange]:
             changes.append(SetElementsMissing(name, s.node, s.elements - have.elements))
         if have.elements - s.elements:
             changes.append(SetElementsExtra(name, have.elements - s.elements))
-    for name in sorted(live.chains.keys() - want.chains.keys()):
-        changes.append(ChainExtra(name))
     for name, c in want.chains.items():
         have_chain = live.chains.get(name)
         if have_chain is None:

@@ -130,6 +130,8 @@ class LiveSet:
 class LiveTable:
     chains: Mapping[str, LiveChain] = field(default_factory=dict)
     sets: Mapping[str, LiveSet] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()  # the table's own ("dormant" unhooks every chain: nothing is filtered)
+    unreadable: str = ""  # why its listing could not be read (then nothing else here is known)
 
 
 def parse_table(objects: list[JSON]) -> LiveTable | None:
@@ -138,11 +140,14 @@ def parse_table(objects: list[JSON]) -> LiveTable | None:
     rules: dict[str, list[LiveRule]] = {}
     sets: dict[str, LiveSet] = {}
     found = False
+    flags: tuple[str, ...] = ()
     for obj in objects:
         if not isinstance(obj, dict):
             continue
         if "table" in obj:
             found = True
+            raw = obj["table"].get("flags") if isinstance(obj["table"], dict) else None
+            flags = tuple(str(f) for f in raw) if isinstance(raw, list) else (str(raw),) if raw else ()
         elif "chain" in obj:
             c = obj["chain"]
             chains[c["name"]] = c
@@ -164,19 +169,28 @@ def parse_table(objects: list[JSON]) -> LiveTable | None:
         name: LiveChain(name, (str(c.get("type", "")), str(c.get("hook", "")), int(c.get("prio", 0) or 0),
                                str(c.get("policy", ""))), tuple(rules.get(name, ())))
         for name, c in chains.items()}
-    return LiveTable(live_chains, sets)
+    return LiveTable(live_chains, sets, flags)
 
 
 def _elements(elem: JSON) -> frozenset[str]:
+    """In Python's form, as the wanted side writes them: nft prints `::ffff:10.100.0.2` where Python writes
+    `::ffff:a64:2`, and comparing the texts made such an element flap between added and removed."""
     out = set()
     for e in elem or ():
         if isinstance(e, dict) and "elem" in e:  # an element with a timeout or counter
             e = e["elem"].get("val")
         if isinstance(e, str):
-            out.add(e)
+            out.add(_as_python_writes(e))
         elif isinstance(e, dict) and "prefix" in e:  # interval sets print prefixes; ours are plain addresses
-            out.add(f"{e['prefix']['addr']}/{e['prefix']['len']}")
+            out.add(_as_python_writes(f"{e['prefix']['addr']}/{e['prefix']['len']}"))
     return frozenset(out)
+
+
+def _as_python_writes(text: str) -> str:
+    try:
+        return str(ipaddress.ip_network(text, strict=False)) if "/" in text else str(ipaddress.ip_address(text))
+    except ValueError:
+        return text  # not an address: compared as it is (and removed as foreign)
 
 
 # -- what plexd wants --------------------------------------------------------------------------------------------

@@ -245,3 +245,38 @@ async def test_nftables_missing_is_one_clear_error_and_degraded_never_silent(mon
 
     body = HeartbeatRequest("n_a", datetime.now(UTC), "degraded", "1s", "", status_reason=fw.reason).to_wire()
     assert body["status"] == "degraded" and "nftables is missing" in body["status_reason"]
+
+    # The module installed while plexd runs: the next look (every REPROBE_INTERVAL) finds it, no restart needed.
+    # (A stand-in for the module that appears: the real one is in this process already, under the test's None.)
+    class Appeared:
+        transactions: list = []
+
+        def probe(self) -> None:
+            pass
+
+        def list_table(self):
+            return None  # no table yet: the diff creates it
+
+        def run(self, commands) -> None:
+            self.transactions.append(commands)
+
+        def run_script(self, script) -> None:
+            self.transactions.append(script)
+
+    monkeypatch.setattr(fw, "nft", Appeared())
+    monkeypatch.setattr(fw, "_probed_at", 0.0)  # the interval has passed
+    again = await converge(fw, d, full=True)
+    assert fw.unavailable == "" and fw.enforcement == "enforced"
+    assert [c.correction_type for c in again.changes] == ["firewall_table_added"]
+    assert len(Appeared.transactions) == 1
+
+
+def test_set_elements_are_compared_in_one_form_so_a_v4_mapped_address_does_not_flap():
+    # nft prints ::ffff:10.100.0.2 where Python writes ::ffff:a64:2: compared as text, the element was added and
+    # then deleted at every converge.
+    from plexd.firewall.ruleset import parse_table
+
+    live = parse_table([{"table": {"family": "inet", "name": "plexd"}},
+                        {"set": {"name": "node_n_b", "type": "ipv6_addr", "elem": ["::ffff:10.100.0.2",
+                                                                                 "FD00::0001"]}}])
+    assert live is not None and live.sets["node_n_b"].elements == {"::ffff:a64:2", "fd00::1"}
