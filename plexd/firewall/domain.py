@@ -67,6 +67,7 @@ class FirewallDomain:
         self.unavailable = ""  # nftables cannot be used at all (reason)
         self._probed_at = 0.0  # monotonic: when the last probe found it unavailable
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
+        self.held = ""  # the table is missing or broken and the last converge only planned (a hold, a kept machine)
 
     # -- status ------------------------------------------------------------------------------------------------
 
@@ -74,13 +75,13 @@ class FirewallDomain:
     def enforcement(self) -> str:
         if not self.enabled:
             return "disabled"
-        return "degraded" if self.unavailable or self.failure else "enforced"
+        return "degraded" if self.unavailable or self.failure or self.held else "enforced"
 
     @property
     def reason(self) -> str:
         if not self.enabled:
             return "policy.enabled is false: peers are not filtered by policy and no firewall is applied"
-        return self.unavailable or self.failure
+        return self.unavailable or self.failure or self.held
 
     def status(self) -> dict[str, str]:
         return {"enforcement": self.enforcement, "reason": self.reason}
@@ -165,9 +166,17 @@ class FirewallDomain:
             # Enforcement off: nothing to enforce, and a table nftables cannot read is no one's concern.
             wanted = self.enabled and desired.enforce_policy
             return DomainResult(errors=(seen.error,)) if wanted else DomainResult()
-        return DomainResult(tuple(plan.diff(self.want(desired), seen.live)))
+        changes = plan.diff(self.want(desired), seen.live)
+        # Said until an apply runs: while the machine is kept as it is (an operator's hold, or a device that was up
+        # before the first state pull) nothing filters, and status must not say otherwise.
+        missing = next((c for c in changes if isinstance(c, plan.TableMissing)), None)
+        self.held = "" if missing is None else (
+            f"firewall: {plan.WHERE} {missing.rebuilt or 'missing'}: nothing filters the mesh; not applied while "
+            "the machine is kept as it is (a reconcile hold, or until the first state pull)")
+        return DomainResult(tuple(changes))
 
     async def apply(self, desired: DesiredState, planned: DomainResult, seen: TableSeen) -> DomainResult:
+        self.held = ""
         if seen.error:
             if self.enabled and not self.unavailable:
                 self._fail(seen.error)

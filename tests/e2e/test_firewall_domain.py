@@ -149,6 +149,26 @@ async def test_builds_the_table_leaves_it_alone_and_restores_drift(netns):
     assert [c.split(" ", 1)[1] for c in rules_of(ns, "forward")] == ["established", "default-deny"]
 
 
+async def test_a_missing_table_the_engine_may_not_restore_yet_is_said_degraded_not_enforced(netns):
+    # A device already up at start is kept as it is until the first state pull (and an operator's hold keeps
+    # everything): the firewall only plans then. With its table gone nothing filters, and status must say so.
+    from plexd.converge.engine import Engine
+
+    ns, pool = netns
+    fw = domain_in(pool)
+    engine = Engine([fw])
+    desired = model(SSH_ONLY, [Peer("n_a", _key(1), "10.100.0.2")])
+    await engine.converge(desired)
+    assert fw.enforcement == "enforced"
+    nft(ns, "delete", "table", "inet", "plexd")
+    kept = await engine.converge(desired, keep_machine=True)
+    assert kept.dry_run and "plexd" not in nft(ns, "list", "tables")  # planned, not applied
+    assert fw.enforcement == "degraded" and "nothing filters the mesh" in fw.reason
+    await engine.converge(desired)
+    assert fw.enforcement == "enforced" and fw.reason == ""
+    assert [c.split(" ", 1)[1] for c in rules_of(ns, "input")] == ["established", "policy ssh", "default-deny"]
+
+
 async def test_foreign_tables_are_never_touched(netns):
     ns, pool = netns
     subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], check=True, text=True, input=(
