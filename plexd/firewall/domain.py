@@ -64,6 +64,9 @@ class FirewallDomain:
         self._started = False
         self._inflight: asyncio.Future[Any] | None = None  # the last transaction sent, maybe still running
         self._want: tuple[DesiredState, Ruleset | None] | None = None  # the last model and its ruleset
+        # The model and ruleset the table was last made to match (not only planned: a hold or a dry run plans
+        # without applying, and the event path must not take a planned policy for an applied one).
+        self._baseline: tuple[DesiredState, Ruleset | None] | None = None
         self.unavailable = ""  # nftables cannot be used at all (reason)
         self._probed_at = 0.0  # monotonic: when the last probe found it unavailable
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
@@ -197,6 +200,7 @@ class FirewallDomain:
                 self._believed, self._known = seen.live, True
         except FirewallError as e:
             return DomainResult(errors=(self._fail(f"firewall not applied: {e}"),))
+        self._baseline = (desired, self.want(desired))
         self._applied()
         return DomainResult(tuple(changes))
 
@@ -217,6 +221,7 @@ class FirewallDomain:
             if any(plan.needs_unknown_handle(c) for c in changes):
                 return None  # a rule added since the last read is in the way: read the table
         if not changes:
+            self._baseline = (desired, want)
             return DomainResult()
         try:
             if names is not None:
@@ -229,6 +234,7 @@ class FirewallDomain:
             log.info("firewall: applying on the believed table failed (%s); reading the table", e)
             self._known = False
             return None
+        self._baseline = (desired, want)
         self._applied()
         return DomainResult(tuple(changes))
 
@@ -237,7 +243,7 @@ class FirewallDomain:
         """Peers' events with the policies unchanged: only the touched nodes' sets can differ, so only they are
         built and diffed (O(change), not O(rules)). Returns (the table wanted, those sets' names, the changes);
         None: not such an event, use the full diff."""
-        last = self._want
+        last = self._baseline
         if touched is None or last is None or last[1] is None or self._believed is None:
             return None
         before, ruleset = last

@@ -294,3 +294,26 @@ def test_a_string_the_script_cannot_hold_falls_back_to_json():
     rs = desired_ruleset(compiled, 'pl"x0', {"n_a": "10.100.0.2", "n_self": "10.100.0.1"}, False)
     with pytest.raises(Unrenderable, match="pl"):
         table_script(rs, rebuilt=False)
+
+
+async def test_a_policy_planned_during_a_hold_is_applied_by_the_next_event_not_skipped(netns):
+    # The hold plans P2 without applying it; the event path must compare with what the table holds (P1), not with
+    # what was last planned, or P2's revoked port stays open until the next full reconcile.
+    from plexd.converge.engine import Engine
+    from plexd.converge.hold import ReconcileHold
+
+    ns, pool = netns
+    hold = ReconcileHold()
+    engine = Engine([domain_in(pool)], hold)
+    peer = Peer("n_a", _key(1), "10.100.0.2")
+    p1 = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
+                         PolicyRule("n_a", "n_self", 443, "tcp", "allow"))),)
+    await engine.converge(model(p1, [peer]))
+    assert dports(ns, "input") == [22, 443]
+    hold.set(3600, "debugging")
+    p2 = model(SSH_ONLY, [peer])
+    assert (await engine.converge(p2)).dry_run and dports(ns, "input") == [22, 443]  # held: planned only
+    hold.release()
+    moved = p2.with_peer(Peer("n_a", _key(1), "10.100.0.2", "192.0.2.9:51820"))  # a peer event, same address
+    result = await engine.apply_delta(moved, ["n_a"])
+    assert not result.errors and dports(ns, "input") == [22]
