@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from plexd.access.sessions import Sessions, service_port, socket_marks
@@ -67,6 +67,7 @@ class FirewallDomain:
         # The model and ruleset the table was last made to match (not only planned: a hold or a dry run plans
         # without applying, and the event path must not take a planned policy for an applied one).
         self._baseline: tuple[DesiredState, Ruleset | None] | None = None
+        self._shapes: dict[tuple[str, str], int] = {}  # (chain, rule key) -> what that rule did when first read
         self.unavailable = ""  # nftables cannot be used at all (reason)
         self._probed_at = 0.0  # monotonic: when the last probe found it unavailable
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
@@ -146,7 +147,31 @@ class FirewallDomain:
 
     async def read(self) -> LiveTable | None:
         objects = await self._run(self.nft.list_table)
-        return None if objects is None else parse_table(objects)
+        return None if objects is None else self._unaltered(parse_table(objects))
+
+    def _unaltered(self, live: LiveTable | None) -> LiveTable | None:
+        """`live`, with a rule that carries one of plexd's comments but no longer does what it did when first
+        read (`nft replace rule ... comment "plexd:..."`: a deny made an accept) shown as the foreign rule it is:
+        the diff then deletes it and puts plexd's back. The comment's digest alone cannot tell."""
+        if live is None:
+            return None
+        altered = False
+        chains = dict(live.chains)
+        for name, chain in live.chains.items():
+            rules = list(chain.rules)
+            for i, rule in enumerate(rules):
+                if not rule.key or not rule.shape:
+                    continue
+                first = self._shapes.setdefault((name, rule.key), rule.shape)
+                if first != rule.shape:
+                    log.warning("firewall: chain %s: rule %s was changed in place; it is replaced", name, rule.key)
+                    rules[i] = replace(rule, comment="(altered) " + rule.comment)
+                    altered = True
+            chains[name] = replace(chain, rules=tuple(rules))
+        if len(self._shapes) > 4 * (sum(len(c.rules) for c in live.chains.values()) + 64):
+            present = {(name, r.key) for name, c in live.chains.items() for r in c.rules}
+            self._shapes = {k: v for k, v in self._shapes.items() if k in present}
+        return replace(live, chains=chains) if altered else live
 
     # -- the domain --------------------------------------------------------------------------------------------
 

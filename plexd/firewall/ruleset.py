@@ -104,6 +104,7 @@ class LiveRule:
     comment: str = ""
     packets: int = 0
     bytes: int = 0
+    shape: int = 0  # a hash of what the rule does (its expressions, counters' values left out); 0: not read
 
     @functools.cached_property
     def key(self) -> str:  # cached: a diff at 1,000 rules asks ~100,000 times
@@ -154,11 +155,15 @@ def parse_table(objects: list[JSON]) -> LiveTable | None:
         elif "rule" in obj:
             r = obj["rule"]
             packets = nbytes = 0
+            parts = []
             for e in r.get("expr") or []:
                 if isinstance(e, dict) and isinstance(e.get("counter"), dict):
                     packets, nbytes = int(e["counter"].get("packets", 0)), int(e["counter"].get("bytes", 0))
+                    parts.append("counter")
+                else:
+                    parts.append(repr(e))
             rules.setdefault(r["chain"], []).append(LiveRule(int(r["handle"]), str(r.get("comment", "")),
-                                                             packets, nbytes))
+                                                             packets, nbytes, hash(tuple(parts)) or 1))
         elif "set" in obj:
             s = obj["set"]
             sets[s["name"]] = LiveSet(s["name"], str(s.get("type", "")), _elements(s.get("elem")),

@@ -118,6 +118,25 @@ async def test_builds_the_table_leaves_it_alone_and_restores_drift(netns):
     assert any(line.startswith("firewall_set_element_added: firewall: set node_n_a") for line in lines), lines
     assert [c.split(" ", 1)[1] for c in rules_of(ns, "input")] == ["established", "policy ssh", "default-deny"]
 
+    # plexd's default deny rewritten in place into an accept, its comment kept: the comment alone cannot tell.
+    def verdicts(comment: str) -> list[str]:
+        return [k for o in ruleset(ns) if "rule" in o and o["rule"]["chain"] == "input"
+                and o["rule"].get("comment", "") == comment for e in o["rule"]["expr"] for k in e
+                if k in ("accept", "drop", "reject")]
+
+    deny = next(o["rule"] for o in ruleset(ns) if "rule" in o and o["rule"]["chain"] == "input"
+                and o["rule"].get("comment", "").endswith(" default-deny"))
+    denied = verdicts(deny["comment"])
+    assert denied and "accept" not in denied
+    nft(ns, "replace", "rule", "inet", "plexd", "input", "handle", str(deny["handle"]), "counter", "accept",
+        "comment", f'"{deny["comment"]}"')
+    assert verdicts(deny["comment"]) == ["accept"]  # the hole is real
+    fixed = await converge(fw, desired, full=True)
+    assert sorted(c.correction_type for c in fixed.changes) == ["firewall_rule_added", "firewall_rule_removed"]
+    assert verdicts(deny["comment"]) == denied
+    assert [c.split(" ", 1)[1] for c in rules_of(ns, "input")] == ["established", "policy ssh", "default-deny"]
+    assert (await converge(fw, desired, full=True)).changes == ()  # and then left alone
+
     # A foreign rule slipped into our chain goes; the whole table deleted comes back.
     nft(ns, "add", "rule", "inet", "plexd", "input", "accept")
     fixed = await converge(fw, desired, full=True)
