@@ -216,7 +216,7 @@ class SshSessionServer:
             return "rate_limited"
         try:  # the token's checks first, in the reference's order: a forged token is audited as such
             verify_session_token(password, keys=list(self.keys()), session_id=self.session.session_id,
-                                 kind="ssh", target=self.target.to_wire(), now=self.now())
+                                 kind="ssh", target=self.target.to_wire(), now=self.now(), user=self.target.user)
         except TokenRefused as exc:
             return exc.reason
         if username != self.target.user:  # 7: the login user is the session's (its token's, checked above)
@@ -350,6 +350,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._recording: asyncio.Future[Any] | None = None
         self._streams: asyncio.Future[Any] | None = None  # the output's readers (pipes or pty), while they run
         self._streams_stopped = False
+        self._ended = False  # its process ended and its output was read: a close after that is the usual end
         conn.channels.add(self)
 
     def connection_made(self, chan: Any) -> None:
@@ -460,12 +461,16 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 pass
 
     def hang_up(self) -> None:
-        """The client went away (or the session was closed): the process group gets SIGHUP, SIGKILL 2 s later."""
+        """The client went away (or the session was closed) while the command ran: its process group gets
+        SIGHUP, SIGKILL 2 s later. After the command's own end (the channel closing as usual) nothing is sent:
+        what it left running on purpose (`nohup srv &`) stays, as with sshd."""
         if self._hung_up:
             return
         self._hung_up = True
         self._writable.set()  # nothing waits on a window that will never open again
-        if self.proc is not None:
+        if self._ended:
+            pass
+        elif self.proc is not None:
             self._end_process_group()
         elif self._task is None:  # never started (refused before a process): its channel slot is free at once
             self.conn.channels.discard(self)
@@ -476,15 +481,18 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
 
     def _end_process_group(self) -> None:
         assert self.proc is not None
-        if _signal_group(self.proc.pid, signal.SIGHUP):  # an empty group (the usual end) needs no follow-up,
-            asyncio.get_running_loop().call_later(HANGUP_GRACE, self._kill)  # nor this channel kept 2 s more
+        loop = asyncio.get_running_loop()
+        if _signal_session(self.proc, signal.SIGHUP):
+            loop.call_later(HANGUP_GRACE, self._kill)
+        elif self._streams is not None:  # what holds the pipes left the group (setsid): stop reading them
+            loop.call_later(HANGUP_GRACE, self._stop_streams)
 
     def _kill(self) -> None:
         """The whole group, whether or not its leader is still there (`cmd &` leaves a member behind it); then
         the pipes stop being read, since whatever still holds them left the group (setsid) and cannot be
         waited for."""
         if self.proc is not None:
-            _signal_group(self.proc.pid, signal.SIGKILL)
+            _signal_session(self.proc, signal.SIGKILL)
         if self._streams is not None:
             asyncio.get_running_loop().call_later(0.5, self._stop_streams)  # after the killed members' last output
 
@@ -633,7 +641,9 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self._streams = None
         returncode = await proc.wait()
         if self._hung_up:
-            _signal_group(proc.pid, signal.SIGKILL)  # whatever of its group is left once it went
+            _signal_session(proc, signal.SIGKILL)  # whatever of its group is left once it went
+        else:
+            self._ended = True
         return returncode
 
     async def _pump_stream(self, stream: asyncio.StreamReader, stderr: bool) -> None:
@@ -724,11 +734,43 @@ def _set_winsize(fd: int, size: tuple[int, int, int, int]) -> None:
         pass
 
 
-def _signal_group(pid: int, sig: int) -> bool:
-    """Signal the process group `pid` leads (or led: its members keep the id); False when none is left."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
+def _signal_session(proc: asyncio.subprocess.Process, sig: int) -> bool:
+    """Signal the process group a command leads or led (started with a session, and so a group, of its own);
+    False when nothing was signalled.
+
+    While the leader is not reaped its id is pinned, and so is the group's: killpg reaches that group and no
+    other. Once it is reaped, the id stays pinned only as long as a member holds it as its group; then the
+    members are signalled one by one from /proc, and none if a process now has the leader's pid (the kernel gave
+    the number out again: our group is empty, and the newcomer may lead a group of the same id)."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    if os.path.exists(f"/proc/{proc.pid}"):
         return False
-    return True
+    sent = False
+    for pid in _group_members(proc.pid):
+        try:
+            os.kill(pid, sig)
+            sent = True
+        except (ProcessLookupError, PermissionError):
+            pass
+    return sent
+
+
+def _group_members(pgid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":  # a zombie has nothing left to end
+            out.append(int(name))
+    return out
 

@@ -22,7 +22,7 @@ import pytest
 from nacl.signing import SigningKey
 from ssh_session_helpers import Harness, read_until, throwaway_user, wait_gone
 
-from plexd.access.ssh import NOT_RECORDED
+from plexd.access.ssh import HANGUP_GRACE, NOT_RECORDED
 from plexd.access.ssh_host_key import HOST_KEY_NAME, fingerprint, load_or_create_host_key
 from plexd.access.ssh_process import SAFE_PATH, SETPRIV
 
@@ -230,6 +230,7 @@ REFUSALS = {
     "another_kind": (lambda h: h.token(kind="tcp", target={"kind": "tcp", "host": "127.0.0.1", "port": 22}),
                      "kind"),
     "another_user": (lambda h: h.token(target={"kind": "ssh", "user": "root"}), "target"),
+    "no_user": (lambda h: h.token(target={"kind": "ssh"}), "target"),  # a token not bound to the login user
     "unknown_key": (_other_key_token, "signature"),
     "alg_none": (_alg_none_token, "algorithm"),
 }
@@ -361,6 +362,11 @@ async def test_revoking_a_session_ends_a_process_its_command_left_behind_and_clo
         client = await h.open_ssh(h.token(), "(trap '' HUP; exec sleep 300) & echo left-behind")
         assert client.stdout is not None
         await read_until(client.stdout, b"left-behind")
+        for _ in range(250):  # the shell itself has gone (reaped): only its leftover holds the group
+            if _user_processes(account.name).count("\n") == 0 and "sleep 300" in _user_processes(account.name):
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.2)
         started = time.monotonic()
         await asyncio.wait_for(h.server.close("operator_revoke"), 8)
         assert time.monotonic() - started < 5
@@ -368,6 +374,19 @@ async def test_revoking_a_session_ends_a_process_its_command_left_behind_and_clo
         await _no_processes_left(account.name)
         command, = h.events("command")
         assert command["exit_code"] == 0 and "refused" not in command  # the shell's own exit, as it was
+
+
+async def test_what_a_command_leaves_running_on_purpose_survives_its_normal_end(account, key_dir):
+    # `nohup srv &` with its output elsewhere: the command ends, the channel closes as usual, and nothing of the
+    # session's is signalled (sshd does the same). Only a hang-up or a revocation while it runs ends a group.
+    async with Harness(account.name, key_dir) as h:
+        rc, out, err = await h.ssh(h.token(), "nohup sleep 300 >/dev/null 2>&1 & echo started-$!")
+        assert rc == 0, err
+        survivor = int(out.strip().split("started-")[1])
+        await asyncio.sleep(HANGUP_GRACE + 1.0)  # past any kill timer a hang-up would have set
+        assert os.path.exists(f"/proc/{survivor}") and _user_processes(account.name)
+        os.kill(survivor, signal.SIGKILL)
+    await _no_processes_left(account.name)
 
 
 async def test_a_client_gone_ends_what_its_command_left_behind_and_the_channel(account, key_dir):

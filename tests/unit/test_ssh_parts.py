@@ -224,3 +224,44 @@ def test_asyncssh_s_server_uses_the_fast_path_once_ssh_sessions_are_loaded():
     assert saslprep("x\u00a0y") == "x y"  # a non-ASCII space: mapped by SASLprep, as asyncssh maps it
     with pytest.raises(asyncssh.saslprep.SASLPrepError):
         saslprep("x\x07y")  # an ASCII control: prohibited
+
+
+async def test_a_reaped_leaders_group_is_signalled_member_by_member_and_never_through_a_reused_id(tmp_path):
+    # Once the command's leader is reaped its id can be given out again, and a newcomer that starts a session of
+    # its own leads a group of that same id: killpg would reach it. The members left are signalled one by one.
+    import asyncio
+    import signal
+    from types import SimpleNamespace
+
+    from plexd.access.ssh import _signal_session
+
+    reused = SimpleNamespace(pid=os.getpid(), returncode=0)  # a reaped leader whose number a live process has now
+    assert _signal_session(reused, 0) is False  # (signal 0: nothing would be sent even if the guard failed)
+
+    pid_file = tmp_path / "member"
+    proc = await asyncio.create_subprocess_exec(
+        "sh", "-c", f"sleep 60 & echo $! > {pid_file}; exec sleep 60", start_new_session=True)
+    for _ in range(250):
+        if pid_file.exists() and pid_file.read_text().strip():
+            break
+        await asyncio.sleep(0.02)
+    member = int(pid_file.read_text())
+    assert os.getpgid(member) == proc.pid
+    os.kill(proc.pid, signal.SIGKILL)  # the leader goes and is reaped; its member stays in the group
+    await proc.wait()
+    assert _state(member) not in ("", "Z")
+    assert _signal_session(proc, signal.SIGKILL) is True
+    for _ in range(250):
+        if _state(member) in ("", "Z"):
+            break
+        await asyncio.sleep(0.02)
+    assert _state(member) in ("", "Z"), "the group's member was not killed"
+    assert _signal_session(proc, signal.SIGKILL) is False  # nothing left in the group
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
