@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +31,21 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
             log.warning("child %d was reaped elsewhere: its exit status is unknown", pid)
             loop.call_soon(callback, pid, 255, *args)
             return
+        except OSError:  # out of descriptors: the child runs already and must still be waited for, in a thread
+            threading.Thread(target=self._wait_in_thread, args=(loop, pid, callback, args), daemon=True,
+                             name=f"waitpid-{pid}").start()
+            return
         loop.add_reader(pidfd, self._reap, loop, pid, pidfd, callback, args)
+
+    @staticmethod
+    def _wait_in_thread(loop: asyncio.AbstractEventLoop, pid: int, callback: Callable[..., Any],
+                        args: tuple[Any, ...]) -> None:
+        try:
+            _, status = os.waitpid(pid, 0)
+            returncode = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            returncode = 255
+        loop.call_soon_threadsafe(callback, pid, returncode, *args)
 
     @staticmethod
     def _reap(loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, callback: Callable[..., Any],

@@ -72,3 +72,19 @@ async def test_signalling_a_child_that_exited_unnoticed_keeps_its_exit_status():
         signal_child(proc, signal.SIGTERM)  # known to have exited: nothing is sent, nothing raised
     finally:
         asyncio.set_child_watcher(previous)
+
+
+async def test_a_child_started_when_no_pidfd_can_be_opened_is_still_waited_for(monkeypatch):
+    # Out of descriptors at the wrong moment: the child runs already, so its exit must still be heard (in a
+    # thread), not lost with the child left unsupervised.
+    def no_descriptor(pid: int) -> int:
+        raise OSError(24, "Too many open files")
+
+    previous = asyncio.get_child_watcher()
+    try:
+        assert watch_children_with_pidfds() is True
+        monkeypatch.setattr(os, "pidfd_open", no_descriptor)
+        proc = await asyncio.create_subprocess_exec("sh", "-c", "exit 6")
+        assert await asyncio.wait_for(proc.wait(), 10) == 6
+    finally:
+        asyncio.set_child_watcher(previous)
