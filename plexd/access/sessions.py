@@ -235,7 +235,11 @@ def parse_sessions(raw: Any, path: str = "sessions", now: float | None = None) -
         if session.session_id in by_id:
             rejected.append((label, "duplicate session id"))
             continue
-        if not session.expired(now):
+        if session.expired(now):
+            if len(by_id) - _unexpired(by_id.values(), now) >= MAX_SESSIONS:  # bounded too (each has a gate)
+                rejected.append((label, "expired, and more than enough expired entries are listed already"))
+                continue
+        else:
             if _unexpired(by_id.values(), now) >= MAX_SESSIONS:
                 rejected.append((label, _over_capacity()))
                 continue

@@ -159,3 +159,14 @@ def test_entries_past_their_expiry_hold_no_slot_of_the_node_or_the_user():
     assert "ses_new" not in added.by_id and "more than" in added.rejected[-1][1]  # ten unexpired: the cap holds
     room = parse_sessions(expired).with_session(Session("ses_new", "tcp", TcpTarget("127.0.0.1", 5432), 4102444800.0))
     assert "ses_new" in room.by_id and room.rejected == ()
+
+
+def test_expired_entries_are_bounded_too():
+    # They hold no slot, but each would still get the firewall's session gate: a control plane that never prunes
+    # must not grow the ruleset without end.
+    from plexd.access.sessions import MAX_SESSIONS
+
+    expired = [{**ssh(f"ses_old{i}"), "expires_at": "2001-01-01T00:00:00Z"} for i in range(MAX_SESSIONS * 3)]
+    parsed = parse_sessions([*expired, ssh("ses_live")])
+    assert len(parsed.by_id) == MAX_SESSIONS + 1 and "ses_live" in parsed.by_id
+    assert len(parsed.rejected) == MAX_SESSIONS * 2 and all("expired" in why for _, why in parsed.rejected)
