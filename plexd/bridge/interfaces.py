@@ -17,7 +17,7 @@ import ipaddress
 import json
 import logging
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -183,11 +183,14 @@ class RouteGuard:
     routing table, looked up before the main one, so they steer this daemon's own traffic too. Refused whatever
     the block says: the control plane's and this machine's addresses, a mesh peer's endpoint, a prefix another
     of this part's peers or tunnels has; unless the operator allowed it (`mesh.allow_routes`): resolvers,
-    gateways, LANs, link-local, the metadata service, and more of the address space in all than
+    gateways, LANs, link-local, the metadata service, and more of the public address space in all than
     `mesh.max_route_percent`."""
 
     def __init__(self, desired: DesiredState) -> None:
         self._limits = desired.route_limits
+        # Private space (RFC 1918, unique-local IPv6) does not count against the share limit: a remote site's
+        # 10.0.0.0/8 is an ordinary tunnel, and hijacking it takes no public traffic. Everything else still holds.
+        self._private_limits = replace(self._limits, max_route_percent=100.0)
         self._endpoints: dict[route_limits.IPAddress, str] = {}
         for peer_id, peer in desired.peers.items():
             ip = _endpoint_address(peer.endpoint)
@@ -206,7 +209,8 @@ class RouteGuard:
         own = _endpoint_address(endpoint)
         if own is not None:
             endpoints = {**self._endpoints, own: owner}
-        return route_limits.refuse_prefix(net, self._limits, endpoints, self._routed, None, self._space) or ""
+        limits = self._private_limits if net.is_private and net.prefixlen else self._limits
+        return route_limits.refuse_prefix(net, limits, endpoints, self._routed, None, self._space) or ""
 
     def claim(self, cidr: str, owner: str) -> None:
         net = route_limits.network(cidr)

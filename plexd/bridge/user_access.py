@@ -101,10 +101,9 @@ def access_specs(data_dir: str, mesh_interface: str, reserved_ports: Mapping[int
     def _clash(name: str, port: int, desired: DesiredState) -> str:
         if name.startswith(TUNNEL_PREFIX):
             return f"interface {name} is named like a site-to-site tunnel's ({TUNNEL_PREFIX}N)"
-        s2s = desired.site_to_site
-        tunnels = s2s.tunnels if s2s is not None and s2s.enabled else ()
-        taken = {**{t.listen_port: f"site-to-site tunnel {t.tunnel_id}" for t in tunnels},
-                 **(reserved_ports or {}), desired.listen_port: "the mesh interface"}
+        # Not the tunnels' ports: on a clash the tunnel is the one refused (site_to_site checks this port), so
+        # one mistake never takes both down.
+        taken = {**(reserved_ports or {}), desired.listen_port: "the mesh interface"}
         return clash_reason(name, port, mesh_interface, taken)
 
     return specs

@@ -319,7 +319,7 @@ def test_a_bridge_interface_never_takes_the_mesh_interfaces_name_or_a_port_anoth
         user_access={"enabled": True, "listen_port": 51821}), UNDERLAY))
     both = desired(user_access={"enabled": True, "listen_port": 51900},
                    site_to_site={"enabled": True, "tunnels": [tunnel(0, listen_port=51900), tunnel(1)]})
-    assert "listen_port 51900 is site-to-site tunnel s2s_0's" in refused(access(both, UNDERLAY))
+    assert list(access(both, UNDERLAY).specs) == ["wg-access"]  # on a clash the tunnel yields, not both
     tunnels = tunnel_specs(str(tmp_path), "wg-s2s-2", ("10.100.0.0/16",), False, {51821: "the relay"})(both, UNDERLAY)
     assert tunnels.specs == {}
     text = "\n".join(tunnels.refused)
@@ -358,11 +358,12 @@ def test_bridge_routes_pass_the_mesh_route_guard_so_no_block_cuts_the_bridge_off
         "enabled": True, "tunnels": [
             tunnel(0, remote_subnets=["64.0.0.0/3"]),  # an eighth of IPv4: over mesh.max_route_percent
             tunnel(1, remote_subnets=["192.0.2.0/24"]),  # holds its own remote end 192.0.2.2
-            tunnel(2, remote_subnets=["172.40.0.0/16"])]}), UNDERLAY)
+            tunnel(2, remote_subnets=["172.40.0.0/16"]),
+            tunnel(3, remote_subnets=["10.128.0.0/9"])]}), UNDERLAY)  # a private /9: no share of public space
     text = "\n".join(tunnels.refused)
     assert "s2s_0: refused: remote subnet 64.0.0.0/3: together with the other peers' routes it" in text
     assert "s2s_1: refused: remote subnet 192.0.2.0/24: would route the endpoint 192.0.2.2 of peer tunnel s2s_1" in text
-    assert list(tunnels.specs) == ["wg-s2s-3"]
+    assert list(tunnels.specs) == ["wg-s2s-3", "wg-s2s-4"]
 
 
 # -- the firewall and the devplane ---------------------------------------------------------------------------------
