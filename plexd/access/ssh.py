@@ -72,6 +72,7 @@ from plexd.access.ssh_process import (
 from plexd.access.ssh_saslprep import install as install_saslprep_fast_path
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
+from plexd.base.children import hold_reaping, release_reaping
 from plexd.nodeapi.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
@@ -536,6 +537,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             log.exception("ssh session %s: channel failed", self.server.session.session_id)
             await self._finish(1, refused="internal error")
         finally:
+            if self.proc is not None:
+                release_reaping(self.proc.pid)  # whatever happened, its leader is not kept a zombie
             self.conn.channels.discard(self)
             if not self.done.done():
                 self.done.set_result(None)
@@ -561,6 +564,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         self.started_at = time.time()
         await self._spawn(user)
+        assert self.proc is not None
+        hold_reaping(self.proc.pid)  # its group's id stays ours until the channel is done with it (_pump)
         if self._hung_up:  # the client went while the process was being started: hang-up saw no process
             self._end_process_group()
         for data in self._early:
@@ -635,14 +640,16 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             await self._streams
         except asyncio.CancelledError:
             if not self._streams_stopped:
+                release_reaping(proc.pid)
                 raise  # our own task is being cancelled, not only the readers
             _close_pipes(proc)
         finally:
             self._streams = None
-        returncode = await proc.wait()
         if self._hung_up:
-            _signal_session(proc, signal.SIGKILL)  # whatever of its group is left once it went
-        else:
+            _signal_session(proc, signal.SIGKILL)  # whatever of its group is left (the leader is still held)
+        release_reaping(proc.pid)
+        returncode = await proc.wait()
+        if not self._hung_up:
             self._ended = True
         return returncode
 
@@ -735,42 +742,18 @@ def _set_winsize(fd: int, size: tuple[int, int, int, int]) -> None:
 
 
 def _signal_session(proc: asyncio.subprocess.Process, sig: int) -> bool:
-    """Signal the process group a command leads or led (started with a session, and so a group, of its own);
-    False when nothing was signalled.
+    """Signal the process group a command leads or led (it was started in a session, and so a group, of its
+    own); False when nothing was signalled.
 
-    While the leader is not reaped its id is pinned, and so is the group's: killpg reaches that group and no
-    other. Once it is reaped, the id stays pinned only as long as a member holds it as its group; then the
-    members are signalled one by one from /proc, and none if a process now has the leader's pid (the kernel gave
-    the number out again: our group is empty, and the newcomer may lead a group of the same id)."""
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return False
-        return True
-    if os.path.exists(f"/proc/{proc.pid}"):
+    Only while its leader is not reaped: until then the leader's pid, and with it the group's id, cannot be
+    given out again, so killpg reaches this group and no other. The channel holds its leader unreaped
+    (`hold_reaping`) until it is done with the group; where that cannot be done (Python 3.12+), a reaped
+    leader's group is left alone rather than risk signalling a stranger's that took its id."""
+    if proc.returncode is not None:
         return False
-    sent = False
-    for pid in _group_members(proc.pid):
-        try:
-            os.kill(pid, sig)
-            sent = True
-        except (ProcessLookupError, PermissionError):
-            pass
-    return sent
-
-
-def _group_members(pgid: int) -> list[int]:
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, pgrp, ...
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":  # a zombie has nothing left to end
-            out.append(int(name))
-    return out
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 

@@ -21,7 +21,12 @@ log = logging.getLogger(__name__)
 
 
 class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
-    """Each child's pidfd is read by the running loop that asked; nothing is kept between children."""
+    """Each child's pidfd is read by the running loop that asked. A child may be held (`hold_reaping`): once it
+    exits it stays a zombie, unreaped, until released; its pid, and so its process group's id, cannot be given out
+    again meanwhile (the SSH server signals a command's group until the session is done with it)."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, Callable[[], None] | None] = {}  # pid -> its reaping, once it has exited
 
     def add_child_handler(self, pid: int, callback: Callable[..., Any], *args: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -35,7 +40,23 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
             threading.Thread(target=self._wait_in_thread, args=(loop, pid, callback, args), daemon=True,
                              name=f"waitpid-{pid}").start()
             return
-        loop.add_reader(pidfd, self._reap, loop, pid, pidfd, callback, args)
+        loop.add_reader(pidfd, self._exited, loop, pid, pidfd, callback, args)
+
+    def hold(self, pid: int) -> None:
+        self._held.setdefault(pid, None)
+
+    def release(self, pid: int) -> None:
+        reap = self._held.pop(pid, None)
+        if reap is not None:
+            reap()
+
+    def _exited(self, loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, callback: Callable[..., Any],
+                args: tuple[Any, ...]) -> None:
+        loop.remove_reader(pidfd)
+        if pid in self._held:  # left a zombie until released
+            self._held[pid] = lambda: self._reap(loop, pid, pidfd, callback, args)
+            return
+        self._reap(loop, pid, pidfd, callback, args)
 
     @staticmethod
     def _wait_in_thread(loop: asyncio.AbstractEventLoop, pid: int, callback: Callable[..., Any],
@@ -50,7 +71,6 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
     @staticmethod
     def _reap(loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, callback: Callable[..., Any],
               args: tuple[Any, ...]) -> None:
-        loop.remove_reader(pidfd)
         try:
             _, status = os.waitpid(pid, 0)  # the pidfd is readable: the child has exited, this does not block
             returncode = os.waitstatus_to_exitcode(status)
@@ -89,6 +109,33 @@ def signal_child(proc: asyncio.subprocess.Process, sig: int) -> None:
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, sig)
+
+
+def hold_reaping(pid: int) -> bool:
+    """Keep the child `pid` unreaped after it exits, until `release_reaping(pid)`; False when this process's
+    child watcher cannot (not plexd's: Python 3.12+, or no pidfds), and then the child is reaped as usual."""
+    watcher = _watcher()
+    if watcher is None:
+        return False
+    watcher.hold(pid)
+    return True
+
+
+def release_reaping(pid: int) -> None:
+    """Reap the child `pid` now if it exited while held (its exit status then reaches asyncio); idempotent."""
+    watcher = _watcher()
+    if watcher is not None:
+        watcher.release(pid)
+
+
+def _watcher() -> RunningLoopPidfdWatcher | None:
+    if sys.version_info >= (3, 12):
+        return None
+    try:
+        watcher = asyncio.get_child_watcher()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return watcher if isinstance(watcher, RunningLoopPidfdWatcher) else None
 
 
 def watch_children_with_pidfds() -> bool:

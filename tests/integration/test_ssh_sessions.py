@@ -25,6 +25,7 @@ from ssh_session_helpers import Harness, read_until, throwaway_user, wait_gone
 from plexd.access.ssh import HANGUP_GRACE, NOT_RECORDED
 from plexd.access.ssh_host_key import HOST_KEY_NAME, fingerprint, load_or_create_host_key
 from plexd.access.ssh_process import SAFE_PATH, SETPRIV
+from plexd.base.children import watch_children_with_pidfds
 
 pytestmark = [pytest.mark.root, pytest.mark.timeout(90)]
 DENIED = "Permission denied"
@@ -34,6 +35,16 @@ DENIED = "Permission denied"
 def account():
     with throwaway_user() as acc:
         yield acc
+
+
+@pytest.fixture(autouse=True)
+def _children_watched_as_plexd_up_does():
+    # `plexd up` hears of child exits through pidfds and can keep a command's leader unreaped while its channel
+    # signals the group (plexd.base.children); these tests run the server in-process, so they do the same.
+    previous = asyncio.get_child_watcher()
+    watch_children_with_pidfds()
+    yield
+    asyncio.set_child_watcher(previous)
 
 
 @pytest.fixture

@@ -226,37 +226,48 @@ def test_asyncssh_s_server_uses_the_fast_path_once_ssh_sessions_are_loaded():
         saslprep("x\x07y")  # an ASCII control: prohibited
 
 
-async def test_a_reaped_leaders_group_is_signalled_member_by_member_and_never_through_a_reused_id(tmp_path):
-    # Once the command's leader is reaped its id can be given out again, and a newcomer that starts a session of
-    # its own leads a group of that same id: killpg would reach it. The members left are signalled one by one.
+async def test_a_leader_is_kept_unreaped_so_its_group_is_signalled_and_never_a_reused_id(tmp_path):
+    # A group's id is its leader's pid; once the leader is reaped the kernel may give the number out again, and a
+    # newcomer that starts a session of its own leads a group of that same id. The channel keeps its leader a
+    # zombie (hold_reaping) while it signals the group; a reaped leader's group is never signalled.
     import asyncio
     import signal
     from types import SimpleNamespace
 
     from plexd.access.ssh import _signal_session
+    from plexd.base.children import hold_reaping, release_reaping, watch_children_with_pidfds
 
-    reused = SimpleNamespace(pid=os.getpid(), returncode=0)  # a reaped leader whose number a live process has now
-    assert _signal_session(reused, 0) is False  # (signal 0: nothing would be sent even if the guard failed)
-
-    pid_file = tmp_path / "member"
-    proc = await asyncio.create_subprocess_exec(
-        "sh", "-c", f"sleep 60 & echo $! > {pid_file}; exec sleep 60", start_new_session=True)
-    for _ in range(250):
-        if pid_file.exists() and pid_file.read_text().strip():
-            break
-        await asyncio.sleep(0.02)
-    member = int(pid_file.read_text())
-    assert os.getpgid(member) == proc.pid
-    os.kill(proc.pid, signal.SIGKILL)  # the leader goes and is reaped; its member stays in the group
-    await proc.wait()
-    assert _state(member) not in ("", "Z")
-    assert _signal_session(proc, signal.SIGKILL) is True
-    for _ in range(250):
-        if _state(member) in ("", "Z"):
-            break
-        await asyncio.sleep(0.02)
-    assert _state(member) in ("", "Z"), "the group's member was not killed"
-    assert _signal_session(proc, signal.SIGKILL) is False  # nothing left in the group
+    assert _signal_session(SimpleNamespace(pid=os.getpid(), returncode=0), 0) is False  # reaped: left alone
+    previous = asyncio.get_child_watcher()
+    try:
+        assert watch_children_with_pidfds()
+        pid_file = tmp_path / "member"
+        proc = await asyncio.create_subprocess_exec(
+            "sh", "-c", f"sleep 60 & echo $! > {pid_file}; exec sleep 60", start_new_session=True)
+        assert hold_reaping(proc.pid)
+        for _ in range(250):
+            if pid_file.exists() and pid_file.read_text().strip():
+                break
+            await asyncio.sleep(0.02)
+        member = int(pid_file.read_text())
+        os.kill(proc.pid, signal.SIGKILL)  # the leader goes; held, it stays a zombie and keeps the group's id
+        for _ in range(250):
+            if _state(proc.pid) == "Z":
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert _state(proc.pid) == "Z" and proc.returncode is None
+        assert _signal_session(proc, signal.SIGKILL) is True  # killpg: the member goes too
+        for _ in range(250):
+            if _state(member) in ("", "Z"):
+                break
+            await asyncio.sleep(0.02)
+        assert _state(member) in ("", "Z"), "the group's member was not killed"
+        release_reaping(proc.pid)
+        assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL  # the exit status still arrives
+        assert _signal_session(proc, signal.SIGKILL) is False
+    finally:
+        asyncio.set_child_watcher(previous)
 
 
 def _state(pid: int) -> str:
