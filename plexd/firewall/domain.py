@@ -149,6 +149,18 @@ class FirewallDomain:
         objects = await self._run(self.nft.list_table)
         return None if objects is None else self._unaltered(parse_table(objects))
 
+    def _forget_shapes(self, changes: Sequence[plan.FirewallChange]) -> None:
+        """What plexd writes is learned again at the next read: a rule it re-makes is right by definition (else a
+        shape learned from a table altered before this process started would flag plexd's own rule forever)."""
+        for c in changes:
+            if isinstance(c, plan.TableMissing):
+                self._shapes.clear()
+                return
+            if isinstance(c, plan.ChainWrong | plan.ChainMissing):
+                self._shapes = {k: v for k, v in self._shapes.items() if k[0] != c.want.name}
+            elif isinstance(c, plan.RuleMissing):
+                self._shapes.pop((c.chain, c.rule.key), None)
+
     def _unaltered(self, live: LiveTable | None) -> LiveTable | None:
         """`live`, with a rule that carries one of plexd's comments but no longer does what it did when first
         read (`nft replace rule ... comment "plexd:..."`: a deny made an accept) shown as the foreign rule it is:
@@ -193,14 +205,20 @@ class FirewallDomain:
         if seen.error:
             # Enforcement off: nothing to enforce, and a table nftables cannot read is no one's concern.
             wanted = self.enabled and desired.enforce_policy
+            self.held = seen.error if wanted and not self.unavailable else ""  # said even when only planning
             return DomainResult(errors=(seen.error,)) if wanted else DomainResult()
         changes = plan.diff(self.want(desired), seen.live)
         # Said until an apply runs: while the machine is kept as it is (an operator's hold, or a device that was up
         # before the first state pull) nothing filters, and status must not say otherwise.
         missing = next((c for c in changes if isinstance(c, plan.TableMissing)), None)
-        self.held = "" if missing is None else (
-            f"firewall: {plan.WHERE} {missing.rebuilt or 'missing'}: nothing filters the mesh; not applied while "
-            "the machine is kept as it is (a reconcile hold, or until the first state pull)")
+        if missing is None:
+            self.held = ""
+        elif missing.rebuilt:
+            self.held = (f"firewall: {plan.WHERE} not as plexd makes it ({missing.rebuilt}); not rebuilt while "
+                         "changes are only planned (a reconcile hold, a dry run, or until the first state pull)")
+        else:
+            self.held = (f"firewall: {plan.WHERE} missing, nothing filters the mesh; not created while changes "
+                         "are only planned (a reconcile hold, a dry run, or until the first state pull)")
         return DomainResult(tuple(changes))
 
     async def apply(self, desired: DesiredState, planned: DomainResult, seen: TableSeen) -> DomainResult:
@@ -247,6 +265,7 @@ class FirewallDomain:
                 return None  # a rule added since the last read is in the way: read the table
         if not changes:
             self._baseline = (desired, want)
+            self.held = ""
             return DomainResult()
         try:
             if names is not None:
@@ -260,6 +279,7 @@ class FirewallDomain:
             self._known = False
             return None
         self._baseline = (desired, want)
+        self.held = ""
         self._applied()
         return DomainResult(tuple(changes))
 
@@ -306,6 +326,7 @@ class FirewallDomain:
 
     async def _apply(self, changes: Sequence[plan.FirewallChange], want: Ruleset | None,
                      live: LiveTable | None) -> None:
+        self._forget_shapes(changes)
         script = _script(changes)
         if script is not None:
             await self._write(self.nft.run_script, script)
@@ -329,7 +350,11 @@ class FirewallDomain:
         if not self.enabled or self.unavailable:
             return
         try:
-            if await self.read() is not None:
+            try:
+                present = await self.read() is not None
+            except UnreadableTable:
+                present = True  # there, and plexd's: removed all the same
+            if present:
                 await self._run(self.nft.run, [{"delete": {"table": {"family": FAMILY, "name": TABLE}}}])
                 log.info("firewall table %s %s removed", FAMILY, TABLE)
         except FirewallError as e:
