@@ -174,8 +174,9 @@ class SessionsDomain:
             if seen.closed is not None:
                 continue
             session = want.get(sid)
-            if session is None:
-                changes.append(SessionClosed(sid, "operator_revoke"))
+            if session is None:  # gone from the block; an expired one may have been dropped as such
+                expired = seen.session is not None and seen.session.expired(now)
+                changes.append(SessionClosed(sid, "ttl_expired" if expired else "operator_revoke"))
             elif session.expired(now):
                 changes.append(SessionClosed(sid, "ttl_expired"))
             elif seen.session is not None and (seen.session != session or seen.bind_host != desired.mesh_ip):

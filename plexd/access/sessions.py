@@ -103,10 +103,16 @@ class Sessions:
         return replace(self, by_id={k: v for k, v in self.by_id.items() if k != session_id})
 
     def with_session(self, session: Session, now: float | None = None) -> Sessions:
-        """`ssh_session_setup` (and any delta that adds one): refused past MAX_SESSIONS like the block's."""
-        if session.session_id not in self.by_id and _unexpired(self.by_id.values(), now) >= MAX_SESSIONS:
-            return replace(self, rejected=(*self.rejected, (session.session_id, _over_capacity())))
-        return replace(self, by_id={**self.by_id, session.session_id: session})
+        """`ssh_session_setup` (and any delta that adds one): refused past MAX_SESSIONS like the block's. Entries
+        that expired since the last state pull are dropped here (never served; each would keep a firewall gate
+        until the next pull)."""
+        now = time.time() if now is None else now
+        kept = {sid: s for sid, s in self.by_id.items() if not s.expired(now)}
+        if session.session_id not in kept and len(kept) >= MAX_SESSIONS:
+            return replace(self, by_id=kept, rejected=(*self.rejected, (session.session_id, _over_capacity())))
+        if session.expired(now):
+            return replace(self, by_id=kept)
+        return replace(self, by_id={**kept, session.session_id: session})
 
     def to_wire(self) -> list[dict[str, Any]]:
         return [s.to_wire() for s in self.by_id.values()]

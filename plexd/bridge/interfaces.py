@@ -189,8 +189,11 @@ class RouteGuard:
     def __init__(self, desired: DesiredState) -> None:
         self._limits = desired.route_limits
         # Private space (RFC 1918, unique-local IPv6) does not count against the share limit: a remote site's
-        # 10.0.0.0/8 is an ordinary tunnel, and hijacking it takes no public traffic. Everything else still holds.
+        # 10.0.0.0/8 is an ordinary tunnel, and hijacking it takes no public traffic. Everything else still holds,
+        # and the public prefixes' share is counted without the private ones.
         self._private_limits = replace(self._limits, max_route_percent=100.0)
+        self._public: dict[route_limits.IPNetwork, str] = {}
+        self._public_space = route_limits.RoutedSpace(self._public)
         self._endpoints: dict[route_limits.IPAddress, str] = {}
         for peer_id, peer in desired.peers.items():
             ip = _endpoint_address(peer.endpoint)
@@ -209,14 +212,27 @@ class RouteGuard:
         own = _endpoint_address(endpoint)
         if own is not None:
             endpoints = {**self._endpoints, own: owner}
-        limits = self._private_limits if net.is_private and net.prefixlen else self._limits
-        return route_limits.refuse_prefix(net, limits, endpoints, self._routed, None, self._space) or ""
+        if _private(net):
+            return route_limits.refuse_prefix(net, self._private_limits, endpoints, self._routed, None,
+                                              self._space) or ""
+        return route_limits.refuse_prefix(net, self._limits, endpoints, self._routed, None, self._public_space) or ""
 
     def claim(self, cidr: str, owner: str) -> None:
         net = route_limits.network(cidr)
         if net is not None and net not in self._routed:
             self._routed[net] = owner
             self._space.add(net)
+            if not _private(net):
+                self._public[net] = owner
+                self._public_space.add(net)
+
+
+PRIVATE = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7"))
+
+
+def _private(net: route_limits.IPNetwork) -> bool:
+    """Inside RFC 1918 or unique-local IPv6 (not Python's wider is_private, which holds 240/4 and Teredo)."""
+    return any(p.version == net.version and net.subnet_of(p) for p in PRIVATE)  # type: ignore[arg-type]
 
 
 def _endpoint_address(endpoint: str) -> route_limits.IPAddress | None:

@@ -364,6 +364,14 @@ def test_bridge_routes_pass_the_mesh_route_guard_so_no_block_cuts_the_bridge_off
     assert "s2s_0: refused: remote subnet 64.0.0.0/3: together with the other peers' routes it" in text
     assert "s2s_1: refused: remote subnet 192.0.2.0/24: would route the endpoint 192.0.2.2 of peer tunnel s2s_1" in text
     assert list(tunnels.specs) == ["wg-s2s-3", "wg-s2s-4"]
+    # The private /9 claimed first does not eat the public share of the next (it counts public space only), and
+    # Python's wider is_private (240.0.0.0/4) is not taken for private.
+    ordered = tunnel_specs(str(tmp_path), "plexd0", ("10.100.0.0/16",), False)(with_blocks(site_to_site={
+        "enabled": True, "tunnels": [tunnel(0, remote_subnets=["10.128.0.0/9"]),
+                                     tunnel(1, remote_subnets=["8.8.0.0/16"]),
+                                     tunnel(2, remote_subnets=["240.0.0.0/4"])]}), UNDERLAY)
+    assert list(ordered.specs) == ["wg-s2s-1", "wg-s2s-2"]
+    assert "s2s_2: refused: remote subnet 240.0.0.0/4: together with the other peers' routes" in ordered.refused[0]
 
 
 # -- the firewall and the devplane ---------------------------------------------------------------------------------

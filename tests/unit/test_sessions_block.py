@@ -170,3 +170,12 @@ def test_expired_entries_are_bounded_too():
     parsed = parse_sessions([*expired, ssh("ses_live")])
     assert len(parsed.by_id) == MAX_SESSIONS + 1 and "ses_live" in parsed.by_id
     assert len(parsed.rejected) == MAX_SESSIONS * 2 and all("expired" in why for _, why in parsed.rejected)
+
+
+def test_the_event_path_keeps_no_expired_entry_either():
+    from plexd.access.sessions import Session, TcpTarget
+
+    block = parse_sessions([ssh("ses_live")])
+    for i in range(50):  # ssh_session_setup events for sessions already past their expiry
+        block = block.with_session(Session(f"ses_old{i}", "tcp", TcpTarget("127.0.0.1", 22), 978307200.0))
+    assert list(block.by_id) == ["ses_live"]
