@@ -211,14 +211,17 @@ class FirewallDomain:
         # Said until an apply runs: while the machine is kept as it is (an operator's hold, or a device that was up
         # before the first state pull) nothing filters, and status must not say otherwise.
         missing = next((c for c in changes if isinstance(c, plan.TableMissing)), None)
-        if missing is None:
+        only_planned = "only planned (a reconcile hold, a dry run, or until the first state pull)"
+        if not changes:
             self.held = ""
+        elif missing is None:
+            self.held = (f"firewall: {plan.WHERE} differs from the policy in {len(changes)} "
+                         f"{'change' if len(changes) == 1 else 'changes'}, {only_planned}")
         elif missing.rebuilt:
-            self.held = (f"firewall: {plan.WHERE} not as plexd makes it ({missing.rebuilt}); not rebuilt while "
-                         "changes are only planned (a reconcile hold, a dry run, or until the first state pull)")
+            self.held = (f"firewall: {plan.WHERE} not as plexd makes it ({missing.rebuilt}), rebuilding it is "
+                         f"{only_planned}")
         else:
-            self.held = (f"firewall: {plan.WHERE} missing, nothing filters the mesh; not created while changes "
-                         "are only planned (a reconcile hold, a dry run, or until the first state pull)")
+            self.held = f"firewall: {plan.WHERE} missing, nothing filters the mesh; creating it is {only_planned}"
         return DomainResult(tuple(changes))
 
     async def apply(self, desired: DesiredState, planned: DomainResult, seen: TableSeen) -> DomainResult:
@@ -252,8 +255,8 @@ class FirewallDomain:
             return DomainResult()  # leftovers are removed by full converges only
         if self.unavailable:
             return DomainResult(errors=(self.unavailable,)) if desired.enforce_policy else DomainResult()
-        if not self._started or not self._known:
-            return None
+        if not self._started or not self._known or self.held:
+            return None  # (held: the table was last seen not as wanted; only a read can tell what it is now)
         peer_sets = self._peer_sets(desired, touched)
         if peer_sets is not None:
             want, names, changes = peer_sets
@@ -265,7 +268,6 @@ class FirewallDomain:
                 return None  # a rule added since the last read is in the way: read the table
         if not changes:
             self._baseline = (desired, want)
-            self.held = ""
             return DomainResult()
         try:
             if names is not None:
@@ -326,13 +328,15 @@ class FirewallDomain:
 
     async def _apply(self, changes: Sequence[plan.FirewallChange], want: Ruleset | None,
                      live: LiveTable | None) -> None:
-        self._forget_shapes(changes)
         script = _script(changes)
         if script is not None:
             await self._write(self.nft.run_script, script)
         else:
             await self._write(self.nft.run, plan.commands(changes))
-        self._believed, self._known = plan.simulate(live, want), True
+        self._forget_shapes(changes)  # only once written: a failed write must not forget what was altered
+        # A rebuilt table numbers its rules afresh: no handle of the old listing may be believed.
+        rebuilt = any(isinstance(c, plan.TableMissing) for c in changes)
+        self._believed, self._known = plan.simulate(None if rebuilt else live, want), True
         for c in changes:
             log.debug("firewall: %s", c.detail)
 

@@ -182,7 +182,7 @@ async def test_a_missing_table_the_engine_may_not_restore_yet_is_said_degraded_n
     nft(ns, "delete", "table", "inet", "plexd")
     kept = await engine.converge(desired, keep_machine=True)
     assert kept.dry_run and "plexd" not in nft(ns, "list", "tables")  # planned, not applied
-    assert fw.enforcement == "degraded" and "nothing filters the mesh" in fw.reason and "not created" in fw.reason
+    assert fw.enforcement == "degraded" and "nothing filters the mesh" in fw.reason and "only planned" in fw.reason
     await engine.converge(desired)
     assert fw.enforcement == "enforced" and fw.reason == ""
     assert [c.split(" ", 1)[1] for c in rules_of(ns, "input")] == ["established", "policy ssh", "default-deny"]
@@ -357,3 +357,71 @@ async def test_a_rule_plexd_re_makes_is_learned_again_so_nothing_churns(netns):
     assert [c.correction_type for c in remade.changes] == ["firewall_rule_added"]
     for _ in range(3):
         assert (await converge(restarted, desired, full=True)).changes == ()
+
+
+async def test_after_a_rebuild_the_event_path_never_deletes_by_a_handle_of_the_old_table(netns):
+    # A rebuild numbers the rules afresh; believing the old handles, an event revoking 443 deleted port 80's rule.
+    ns, pool = netns
+    fw = domain_in(pool)
+    peer = Peer("n_a", _key(1), "10.100.0.2")
+    ports = lambda *p: (Policy("web", tuple(PolicyRule("n_a", "n_self", x, "tcp", "allow") for x in p)),)  # noqa: E731
+    await converge(fw, model(ports(22, 443), [peer]), full=True)
+    # Port 80's rule added in the middle later: the highest handle, where a rebuilt table numbers it in order
+    # (and gives 443's old handle to 80).
+    await converge(fw, model(ports(22, 80, 443), [peer]), full=True)
+    assert dports(ns, "input") == [22, 80, 443]
+    nft(ns, "add", "chain", "inet", "plexd", "intruder")
+    nft(ns, "insert", "rule", "inet", "plexd", "input", "jump", "intruder")
+    rebuilt = await converge(fw, model(ports(22, 80, 443), [peer]), full=True)
+    assert [c.correction_type for c in rebuilt.changes] == ["firewall_table_rebuilt"]
+    result = await converge(fw, model(ports(22, 80), [peer]), full=False)  # an event: 443 revoked
+    assert not result.errors and dports(ns, "input") == [22, 80]
+
+
+async def test_a_failed_correction_of_an_altered_rule_is_retried_not_forgotten(netns, monkeypatch):
+    from plexd.firewall.nft import FirewallError
+
+    ns, pool = netns
+    fw = domain_in(pool)
+    desired = model(SSH_ONLY, [Peer("n_a", _key(1), "10.100.0.2")])
+    await converge(fw, desired, full=True)
+    assert (await converge(fw, desired, full=True)).changes == ()  # a reconcile read what plexd wrote
+    deny = next(o["rule"] for o in ruleset(ns) if "rule" in o and o["rule"]["chain"] == "input"
+                and o["rule"].get("comment", "").endswith(" default-deny"))
+    nft(ns, "replace", "rule", "inet", "plexd", "input", "handle", str(deny["handle"]), "counter", "accept",
+        "comment", f'"{deny["comment"]}"')
+    write = fw._write
+
+    async def fails_once(*args):
+        monkeypatch.setattr(fw, "_write", write)
+        raise FirewallError("a transient refusal")
+
+    monkeypatch.setattr(fw, "_write", fails_once)
+    failed = await converge(fw, desired, full=True)
+    assert failed.errors and fw.enforcement == "degraded"
+    retried = await converge(fw, desired, full=True)
+    assert sorted(c.correction_type for c in retried.changes) == ["firewall_rule_added", "firewall_rule_removed"]
+    verdict = [k for o in ruleset(ns) if "rule" in o and o["rule"].get("comment") == deny["comment"]
+               for e in o["rule"]["expr"] for k in e if k in ("accept", "drop", "reject")]
+    assert verdict and "accept" not in verdict and fw.enforcement == "enforced"
+
+
+async def test_a_table_flushed_during_a_hold_is_not_called_enforced_by_the_next_event(netns):
+    from plexd.converge.engine import Engine
+    from plexd.converge.hold import ReconcileHold
+
+    ns, pool = netns
+    hold = ReconcileHold()
+    fw = domain_in(pool)
+    engine = Engine([fw], hold)
+    peer = Peer("n_a", _key(1), "10.100.0.2")
+    desired = model(SSH_ONLY, [peer])
+    await engine.converge(desired)
+    hold.set(3600, "debugging")
+    nft(ns, "flush", "ruleset")
+    await engine.converge(desired)
+    assert fw.enforcement == "degraded"
+    hold.release()
+    moved = desired.with_peer(Peer("n_a", _key(1), "10.100.0.2", "192.0.2.9:51820"))  # no set changes
+    await engine.apply_delta(moved, ["n_a"])
+    assert "plexd" in nft(ns, "list", "tables") and fw.enforcement == "enforced"
