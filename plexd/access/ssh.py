@@ -72,7 +72,7 @@ from plexd.access.ssh_process import (
 from plexd.access.ssh_saslprep import install as install_saslprep_fast_path
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
-from plexd.base.children import hold_reaping, release_reaping
+from plexd.base.children import children_held, release_reaping
 from plexd.nodeapi.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
@@ -564,8 +564,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         self.started_at = time.time()
         await self._spawn(user)
-        assert self.proc is not None
-        hold_reaping(self.proc.pid)  # its group's id stays ours until the channel is done with it (_pump)
+        # Held from its start (children_held): its group's id stays ours until _pump releases it.
         if self._hung_up:  # the client went while the process was being started: hang-up saw no process
             self._end_process_group()
         for data in self._early:
@@ -613,9 +612,10 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 os.set_blocking(master, False)
                 if ids:
                     _give_terminal(slave, user)
-                self.proc = await asyncio.create_subprocess_exec(
-                    *args, executable=program, stdin=slave, stdout=slave, stderr=slave, env=env,
-                    cwd=cwd, start_new_session=True, preexec_fn=_take_controlling_tty, **ids)
+                with children_held():
+                    self.proc = await asyncio.create_subprocess_exec(
+                        *args, executable=program, stdin=slave, stdout=slave, stderr=slave, env=env,
+                        cwd=cwd, start_new_session=True, preexec_fn=_take_controlling_tty, **ids)
             except BaseException:
                 os.close(master)
                 raise
@@ -623,10 +623,11 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                 os.close(slave)
             self.master = master
         else:
-            self.proc = await asyncio.create_subprocess_exec(
-                *args, executable=program, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
-                start_new_session=True, **ids)
+            with children_held():
+                self.proc = await asyncio.create_subprocess_exec(
+                    *args, executable=program, stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
+                    start_new_session=True, **ids)
 
     async def _pump(self) -> int:
         proc = self.proc
@@ -636,6 +637,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         else:
             assert proc.stdout is not None and proc.stderr is not None
             self._streams = asyncio.gather(self._pump_stream(proc.stdout, False), self._pump_stream(proc.stderr, True))
+        if self._hung_up:  # gone while the process was starting: nobody waits on what its leftovers hold
+            asyncio.get_running_loop().call_later(HANGUP_GRACE + 0.5, self._stop_streams)
         try:
             await self._streams
         except asyncio.CancelledError:
@@ -746,8 +749,8 @@ def _signal_session(proc: asyncio.subprocess.Process, sig: int) -> bool:
     own); False when nothing was signalled.
 
     Only while its leader is not reaped: until then the leader's pid, and with it the group's id, cannot be
-    given out again, so killpg reaches this group and no other. The channel holds its leader unreaped
-    (`hold_reaping`) until it is done with the group; where that cannot be done (Python 3.12+), a reaped
+    given out again, so killpg reaches this group and no other. The channel holds its leader unreaped from its
+    start (`children_held`) until it is done with the group; where that cannot be done (Python 3.12+), a reaped
     leader's group is left alone rather than risk signalling a stranger's that took its id."""
     if proc.returncode is not None:
         return False

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,8 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
         self._held: dict[int, Callable[[], None] | None] = {}  # pid -> its reaping, once it has exited
 
     def add_child_handler(self, pid: int, callback: Callable[..., Any], *args: Any) -> None:
+        if _HOLD_NEXT.get():  # before the pidfd is read: a child that exits at once is held all the same
+            self.hold(pid)
         loop = asyncio.get_running_loop()
         try:
             pidfd = os.pidfd_open(pid)
@@ -109,6 +112,20 @@ def signal_child(proc: asyncio.subprocess.Process, sig: int) -> None:
     if proc.returncode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, sig)
+
+
+_HOLD_NEXT: contextvars.ContextVar[bool] = contextvars.ContextVar("plexd_hold_next_child", default=False)
+
+
+@contextlib.contextmanager
+def children_held() -> Iterator[None]:
+    """Children started in this block (in this task) are held from their start (see `hold_reaping`): one that
+    exits before its starter runs again is not reaped meanwhile. Release each with `release_reaping`."""
+    token = _HOLD_NEXT.set(True)
+    try:
+        yield
+    finally:
+        _HOLD_NEXT.reset(token)
 
 
 def hold_reaping(pid: int) -> bool:

@@ -88,3 +88,26 @@ async def test_a_child_started_when_no_pidfd_can_be_opened_is_still_waited_for(m
         assert await asyncio.wait_for(proc.wait(), 10) == 6
     finally:
         asyncio.set_child_watcher(previous)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ chooses pidfds itself; nothing to set")
+async def test_a_child_held_from_its_start_stays_unreaped_until_released_even_if_it_exits_at_once():
+    # The SSH server signals a command's process group by its leader's pid; the leader must not be reaped (and
+    # its number given out again) while the server may still do so, however fast it exits.
+    from plexd.base.children import children_held, release_reaping
+
+    previous = asyncio.get_child_watcher()
+    try:
+        assert watch_children_with_pidfds() is True
+        with children_held():
+            proc = await asyncio.create_subprocess_exec("sh", "-c", "exit 3")
+        await asyncio.sleep(0.3)  # it has exited; unheld, the watcher would have reaped it by now
+        with open(f"/proc/{proc.pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        assert proc.returncode is None
+        release_reaping(proc.pid)
+        assert await asyncio.wait_for(proc.wait(), 10) == 3
+        other = await asyncio.create_subprocess_exec("sh", "-c", "exit 4")  # outside the block: reaped as usual
+        assert await asyncio.wait_for(other.wait(), 10) == 4
+    finally:
+        asyncio.set_child_watcher(previous)
