@@ -352,6 +352,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self._streams: asyncio.Future[Any] | None = None  # the output's readers (pipes or pty), while they run
         self._streams_stopped = False
         self._ended = False  # its process ended and its output was read: a close after that is the usual end
+        self._released = False  # its leader let go to be reaped (once: the pid may be another's after)
         conn.channels.add(self)
 
     def connection_made(self, chan: Any) -> None:
@@ -537,7 +538,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             log.exception("ssh session %s: channel failed", self.server.session.session_id)
             await self._finish(1, refused="internal error")
         finally:
-            if self.proc is not None:
+            if self.proc is not None and not self._released:
                 release_reaping(self.proc.pid)  # whatever happened, its leader is not kept a zombie
             self.conn.channels.discard(self)
             if not self.done.done():
@@ -643,18 +644,23 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             await self._streams
         except asyncio.CancelledError:
             if not self._streams_stopped:
-                release_reaping(proc.pid)
+                self._release(proc)
                 raise  # our own task is being cancelled, not only the readers
             _close_pipes(proc)
         finally:
             self._streams = None
         if self._hung_up:
             _signal_session(proc, signal.SIGKILL)  # whatever of its group is left (the leader is still held)
-        release_reaping(proc.pid)
+        self._release(proc)
         returncode = await proc.wait()
         if not self._hung_up:
             self._ended = True
         return returncode
+
+    def _release(self, proc: asyncio.subprocess.Process) -> None:
+        if not self._released:
+            self._released = True
+            release_reaping(proc.pid)
 
     async def _pump_stream(self, stream: asyncio.StreamReader, stderr: bool) -> None:
         while data := await stream.read(1 << 16):

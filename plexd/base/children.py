@@ -40,6 +40,7 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
             loop.call_soon(callback, pid, 255, *args)
             return
         except OSError:  # out of descriptors: the child runs already and must still be waited for, in a thread
+            self._held.pop(pid, None)  # (a thread's wait cannot be held back)
             threading.Thread(target=self._wait_in_thread, args=(loop, pid, callback, args), daemon=True,
                              name=f"waitpid-{pid}").start()
             return
@@ -56,6 +57,11 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
     def _exited(self, loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, callback: Callable[..., Any],
                 args: tuple[Any, ...]) -> None:
         loop.remove_reader(pidfd)
+        transport = args[0] if args else None
+        if getattr(transport, "is_closing", lambda: False)():
+            # asyncio is cleaning up a spawn that failed or was cancelled: it waits for this exit, and nobody
+            # holds the process to release it.
+            self._held.pop(pid, None)
         if pid in self._held:  # left a zombie until released
             self._held[pid] = lambda: self._reap(loop, pid, pidfd, callback, args)
             return

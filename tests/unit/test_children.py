@@ -111,3 +111,34 @@ async def test_a_child_held_from_its_start_stays_unreaped_until_released_even_if
         assert await asyncio.wait_for(other.wait(), 10) == 4
     finally:
         asyncio.set_child_watcher(previous)
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="Python 3.12+ chooses pidfds itself; nothing to set")
+async def test_a_held_spawn_cancelled_midway_is_cleaned_up_not_left_waiting_on_its_hold():
+    # asyncio kills and waits for a child whose spawn was cancelled (a daemon stopping); held, that wait never
+    # ended, and nobody had the process to release it.
+    from plexd.base.children import _watcher, children_held
+
+    previous = asyncio.get_child_watcher()
+    try:
+        assert watch_children_with_pidfds() is True
+
+        async def spawn():
+            with children_held():
+                return await asyncio.create_subprocess_exec(
+                    "sleep", "30", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, start_new_session=True)
+
+        task = asyncio.create_task(spawn())
+        watcher = _watcher()
+        assert watcher is not None
+        for _ in range(50):
+            await asyncio.sleep(0)
+            if watcher._held:
+                break
+        assert watcher._held and not task.done()  # registered and held, its pipes not yet connected
+        task.cancel()
+        done, _ = await asyncio.wait([task], timeout=5)
+        assert done and watcher._held == {}
+    finally:
+        asyncio.set_child_watcher(previous)
