@@ -88,7 +88,18 @@ def action_of(payload: Any) -> str:
     return action if isinstance(action, str) else ""
 
 
+def _not_text(value: str) -> bool:
+    """A lone surrogate ("\ud800" in the JSON decodes to one): no file, environment or log line can carry it."""
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
 def id_problem(value: str) -> str:
+    if _not_text(value):
+        return "is not valid Unicode text (a lone surrogate)"
     if len(value.encode()) > MAX_ID_BYTES:
         return f"longer than {MAX_ID_BYTES} bytes"
     if _CONTROL.search(value):
@@ -121,6 +132,8 @@ def parse_request(payload: Any) -> ActionRequest:
 
 def name_problem(name: str) -> str:
     """Why `name` cannot name an action (a hook is a file in hooks.dir: no path may leave it), or ''."""
+    if _not_text(name):
+        return "is not valid Unicode text (a lone surrogate)"
     if "/" in name or "\\" in name or ".." in name:
         return "must not contain '/', '\\' or '..'"
     if _CONTROL.search(name):
@@ -153,10 +166,14 @@ def parse_parameters(raw: Any) -> dict[str, str]:
     total = 0
     env_names: dict[str, str] = {}
     for name, value in raw.items():
+        if _not_text(name):
+            raise InvalidRequest(f"parameters: name {name!r} is not valid Unicode text (a lone surrogate)")
         if not name or _CONTROL.search(name) or len(name.encode()) > MAX_NAME_BYTES:
             raise InvalidRequest(f"parameters: name {name!r} must be 1 to {MAX_NAME_BYTES} bytes without control "
                                  "characters")
         text = stringify(name, value)
+        if _not_text(text):
+            raise InvalidRequest(f"parameters.{name}: is not valid Unicode text (a lone surrogate)")
         size = len(text.encode())
         if size > MAX_PARAMETER_BYTES or "\x00" in text:
             raise InvalidRequest(f"parameters.{name}: longer than {MAX_PARAMETER_BYTES} bytes or contains NUL")

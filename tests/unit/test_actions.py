@@ -419,3 +419,19 @@ async def test_an_announcement_that_cannot_re_register_waits_the_backoff_cap(tmp
     assert await hs._announce_once(HookScan()) == 1
     assert await hs._announce_once(HookScan()) == 60
     assert "no bootstrap token" in caplog.text and hs.last_announce_error.startswith("no bootstrap token")
+
+
+@pytest.mark.parametrize("payload, refusal", [
+    ({"execution_id": "\ud800"}, "MissingExecutionId"),
+    ({"execution_id": "x", "action": "\ud800"}, "InvalidRequest"),
+    ({"execution_id": "x", "action": "a", "parameters": {"\ud800": "v"}}, "InvalidRequest"),
+    ({"execution_id": "x", "action": "a", "parameters": {"k": "\udfff"}}, "InvalidRequest"),
+])
+def test_a_lone_surrogate_anywhere_in_a_request_is_a_named_refusal_not_an_encoding_crash(payload, refusal):
+    # "\ud800" in the JSON decodes to a lone surrogate, which no file name, environment or log line can carry
+    # (hypothesis found the execution id's; the others are the same hole)
+    from plexd.actions.request import parse_request
+
+    with pytest.raises(Exception) as caught:
+        parse_request(payload)
+    assert type(caught.value).__name__ == refusal and "lone surrogate" in str(caught.value) + repr(caught.value)
