@@ -5,6 +5,7 @@ tests/e2e/test_relay_lab.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import struct
 from datetime import UTC, datetime, timedelta
@@ -268,16 +269,27 @@ def test_a_session_listed_past_its_expiry_is_never_served_not_even_through_an_ou
     assert list(relay.table.flows) == ["ab"]
 
 
-async def test_the_relay_forwards_between_real_sockets_on_loopback():
-    relay = Relay("127.0.0.1", 0, clock=FakeClock(NOW))
+@contextlib.asynccontextmanager
+async def relay_and_two_sides(listen: str):
+    """A relay listening on `listen` and two IPv4 loopback sockets it has a session between."""
+    relay = Relay(listen, 0, clock=FakeClock(NOW))
     await relay.start()
     a, b = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
     try:
         for s in (a, b):
             s.bind(("127.0.0.1", 0))
             s.setblocking(False)
-        a_ep, b_ep = a.getsockname(), b.getsockname()
-        relay.set_sessions([parse_session(doc(a_ep=f"127.0.0.1:{a_ep[1]}", b_ep=f"127.0.0.1:{b_ep[1]}"))])
+        relay.set_sessions([parse_session(doc(a_ep=f"127.0.0.1:{a.getsockname()[1]}",
+                                              b_ep=f"127.0.0.1:{b.getsockname()[1]}"))])
+        yield relay, a, b
+    finally:
+        a.close()
+        b.close()
+        await relay.stop()
+
+
+async def test_the_relay_forwards_between_real_sockets_on_loopback():
+    async with relay_and_two_sides("127.0.0.1") as (relay, a, b):
         loop = asyncio.get_running_loop()
         target = ("127.0.0.1", relay.port)
         await loop.sock_sendto(a, initiation(100), target)
@@ -290,32 +302,16 @@ async def test_the_relay_forwards_between_real_sockets_on_loopback():
         status = relay.status()
         assert status["dropped"]["malformed"] == 1
         assert status["sessions"][0]["packets_a_to_b"] == 2 and status["sessions"][0]["stable"]
-    finally:
-        a.close()
-        b.close()
-        await relay.stop()
     assert not relay.listening
 
 
 async def test_a_relay_listening_on_all_ipv6_addresses_serves_ipv4_sides_too():
-    relay = Relay("::", 0, clock=FakeClock(NOW))
-    await relay.start()
-    a, b = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
-    try:
-        for s in (a, b):
-            s.bind(("127.0.0.1", 0))
-            s.setblocking(False)
-        relay.set_sessions([parse_session(doc(a_ep=f"127.0.0.1:{a.getsockname()[1]}",
-                                              b_ep=f"127.0.0.1:{b.getsockname()[1]}"))])
+    async with relay_and_two_sides("::") as (relay, a, b):
         loop = asyncio.get_running_loop()
         await loop.sock_sendto(a, initiation(100), ("127.0.0.1", relay.port))
         got, sender = await asyncio.wait_for(loop.sock_recvfrom(b, 2048), 5)
         assert got == initiation(100) and sender == ("127.0.0.1", relay.port)
         assert relay.status()["dropped"]["unknown_source"] == 0
-    finally:
-        a.close()
-        b.close()
-        await relay.stop()
 
 
 def test_behind_port_randomising_nats_the_initiations_teach_the_real_ports():
