@@ -16,9 +16,10 @@ The plan, each change also its drift line:
 A session that ended by itself (its idle timeout, its `expires_at`) is not reopened while its entry stays as it
 was; a changed entry (a later `expires_at`) opens it again.
 
-A hold (`plexd reconcile hold`) does not stop this domain (`touches_machine = False`): a hold must never keep a
-revoked or expired session admitting. A session opened while the firewall is held stays unreachable until the
-firewall admits its mark (the default deny).
+A hold (`plexd reconcile hold`) does not stop this domain (`acts_while_held`): a hold must never keep a revoked
+or expired session admitting. A session opened while the firewall is held stays unreachable until the firewall
+admits its mark (the default deny). A device kept as it is until the first state pull (a restart with it up)
+does keep this domain planning only: no session is served from the mirror before the control plane's word.
 Every listener binds the node's mesh IP (port chosen by the kernel), and its socket carries the session's mark
 (`socket_marks`), which the firewall's session rules match: who may connect is the policy's say, from the same
 block (`plexd.firewall.ruleset`). Activity (§1.4) goes to `hooks.report`, the durable uplink.
@@ -148,7 +149,7 @@ class _Muted:
 
 class SessionsDomain:
     name = "sessions"
-    touches_machine = False  # a hold never keeps a revoked session open (see the module's docstring)
+    acts_while_held = True  # a hold never keeps a revoked session open (see the module's docstring)
 
     def __init__(self, data_dir: str | Path, hooks: AccessHooks) -> None:
         self.data_dir = Path(data_dir)

@@ -81,21 +81,25 @@ class Engine:
                        keep_machine: bool = False) -> ConvergeResult:
         """Read, plan and apply every domain; only plan with `dry_run`. While held, or with `keep_machine` (the
         machine is to stay as it is for now), the domains that touch the machine only plan (the result says
-        dry_run) and the others (`touches_machine = False`: what the control plane is told) still apply."""
+        dry_run) and the others (`touches_machine = False`: what the control plane is told) still apply; so do,
+        while held only, those that say `acts_while_held` (the access sessions: revocations)."""
         async with self._lock:
-            return await self._converge(desired, dry_run, keep_machine or self.hold.current() is not None)
+            return await self._converge(desired, dry_run, keep_machine, held=self.hold.current() is not None)
 
-    async def _converge(self, desired: DesiredState, dry_run: bool, keep_machine: bool = False) -> ConvergeResult:
+    async def _converge(self, desired: DesiredState, dry_run: bool, keep_machine: bool = False, *,
+                        held: bool = False) -> ConvergeResult:
         observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
         total = DomainResult()
         for domain, seen in zip(self.domains, observed, strict=True):
-            acts = not dry_run and not (keep_machine and getattr(domain, "touches_machine", True))
+            touches = getattr(domain, "touches_machine", True)
+            acts = not dry_run and not (keep_machine and touches) and not (
+                held and touches and not getattr(domain, "acts_while_held", False))
             result = await self._converge_one(domain, desired, seen, not acts)
-            if acts and keep_machine:  # done while the machine is kept: logged and counted, not listed as held
+            if acts and (keep_machine or held):  # done while the machine is kept: counted, not listed as held
                 self._corrected(result.changes)
                 result = DomainResult(errors=result.errors)
             total += result
-        planned_only = dry_run or keep_machine
+        planned_only = dry_run or keep_machine or held
         if not planned_only:
             self._corrected(total.changes)
         result = ConvergeResult(total.changes, total.errors, desired.rejected, planned_only)
@@ -107,7 +111,7 @@ class Engine:
         cannot (no baseline, the delta refused) converges in full, alone. While held, plans in full instead."""
         async with self._lock:
             if self.hold.current() is not None:
-                return await self._converge(desired, False, keep_machine=True)
+                return await self._converge(desired, False, held=True)
             total = DomainResult()
             for domain in self.domains:
                 try:

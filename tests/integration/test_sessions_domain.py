@@ -179,3 +179,17 @@ def test_kernel_listeners_reads_both_families():
         six.listen()
         found = kernel_listeners()
         assert ("127.0.0.1", four.getsockname()[1]) in found and ("::1", six.getsockname()[1]) in found
+
+
+async def test_a_device_kept_until_the_first_state_pull_serves_no_session_from_the_mirror(sessions, echo):
+    # A restart with the device up keeps the machine as it is until the control plane's state arrives: a session
+    # revoked while plexd was down must not be served from the mirror meanwhile (an operator's hold, unlike this,
+    # still applies revocations: see the test above).
+    from plexd.converge.engine import Engine
+
+    engine = Engine([sessions])
+    kept = await engine.converge(model(tcp("ses_a", echo)), keep_machine=True)
+    assert kept.dry_run and [c.correction().type for c in kept.changes] == ["session_started"]
+    assert sessions.status() is None or sessions.status()["live"] == []
+    await engine.converge(model(tcp("ses_a", echo)))  # the state arrived
+    assert [s["session_id"] for s in sessions.status()["live"]] == ["ses_a"]
