@@ -31,7 +31,7 @@ from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.mesh.links import Links, Underlay
 from plexd.state import route_limits
-from plexd.state.desired import DesiredState, split_endpoint
+from plexd.state.desired import DesiredState, endpoint_ip
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class RouteGuard:
         self._public_space = route_limits.RoutedSpace(self._public)
         self._endpoints: dict[route_limits.IPAddress, str] = {}
         for peer_id, peer in desired.peers.items():
-            ip = _endpoint_address(peer.endpoint)
+            ip = endpoint_ip(peer.endpoint)
             if ip is not None:
                 self._endpoints[ip] = peer_id
         self._routed: dict[route_limits.IPNetwork, str] = {}
@@ -209,7 +209,7 @@ class RouteGuard:
         if net is None:
             return "not a prefix"
         endpoints: Mapping[route_limits.IPAddress, str] = self._endpoints
-        own = _endpoint_address(endpoint)
+        own = endpoint_ip(endpoint)
         if own is not None:
             endpoints = {**self._endpoints, own: owner}
         if _private(net):
@@ -233,13 +233,6 @@ PRIVATE = tuple(ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12",
 def _private(net: route_limits.IPNetwork) -> bool:
     """Inside RFC 1918 or unique-local IPv6 (not Python's wider is_private, which holds 240/4 and Teredo)."""
     return any(p.version == net.version and net.subnet_of(p) for p in PRIVATE)  # type: ignore[arg-type]
-
-
-def _endpoint_address(endpoint: str) -> route_limits.IPAddress | None:
-    try:
-        return route_limits.address(split_endpoint(endpoint)[0].partition("%")[0]) if endpoint else None
-    except ValueError:
-        return None
 
 
 def own_networks(underlay: Underlay) -> list[Any]:

@@ -122,7 +122,8 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _endpoint_ip(endpoint: str) -> route_limits.IPAddress | None:
+def endpoint_ip(endpoint: str) -> route_limits.IPAddress | None:
+    """The address of an `ip:port` endpoint (a scope dropped), None when it has none or is not one."""
     if not endpoint:
         return None
     try:
@@ -188,7 +189,7 @@ class _RouteIndex:
         self.keys[peer.public_key] = peer.id
         if peer.mesh_ip:
             self.mesh_strings[peer.mesh_ip] = peer.id
-        ip = _endpoint_ip(peer.endpoint)
+        ip = endpoint_ip(peer.endpoint)
         if ip is not None:
             self.endpoints.setdefault(ip, peer.id)
         for net in _routes(peer):
@@ -199,7 +200,7 @@ class _RouteIndex:
             del self.keys[peer.public_key]
         if self.mesh_strings.get(peer.mesh_ip) == peer.id:
             del self.mesh_strings[peer.mesh_ip]
-        ip = _endpoint_ip(peer.endpoint)
+        ip = endpoint_ip(peer.endpoint)
         if ip is not None and self.endpoints.get(ip) == peer.id:
             del self.endpoints[ip]
         for net in _routes(peer):
@@ -368,7 +369,7 @@ class DesiredState:
                       own_mesh: route_limits.IPAddress | None) -> tuple[Peer, list[tuple[str, str]]]:
         """The peer without the prefixes the route limits refuse, and those prefixes with the reason."""
         prefixes = _route_texts(peer)
-        own_endpoint = _endpoint_ip(peer.endpoint)  # its own endpoint counts too: routing it would loop
+        own_endpoint = endpoint_ip(peer.endpoint)  # its own endpoint counts too: routing it would loop
         endpoints: Mapping[route_limits.IPAddress, str] = index.endpoints
         if own_endpoint is not None and own_endpoint not in endpoints:
             endpoints = _With(index.endpoints, own_endpoint, peer.id)
