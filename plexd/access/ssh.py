@@ -470,10 +470,9 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             return
         self._hung_up = True
         self._writable.set()  # nothing waits on a window that will never open again
-        if self._ended:
-            pass
-        elif self.proc is not None:
-            self._end_process_group()
+        if self.proc is not None:
+            if not self._ended:
+                self._end_process_group()
         elif self._task is None:  # never started (refused before a process): its channel slot is free at once
             self.conn.channels.discard(self)
             if not self.done.done():
@@ -538,8 +537,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             log.exception("ssh session %s: channel failed", self.server.session.session_id)
             await self._finish(1, refused="internal error")
         finally:
-            if self.proc is not None and not self._released:
-                release_reaping(self.proc.pid)  # whatever happened, its leader is not kept a zombie
+            if self.proc is not None:
+                self._release(self.proc)  # whatever happened, its leader is not kept a zombie
             self.conn.channels.discard(self)
             if not self.done.done():
                 self.done.set_result(None)

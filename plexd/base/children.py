@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
-    """Each child's pidfd is read by the running loop that asked. A child may be held (`hold_reaping`): once it
+    """Each child's pidfd is read by the running loop that asked. A child may be held (`children_held`): once it
     exits it stays a zombie, unreaped, until released; its pid, and so its process group's id, cannot be given out
     again meanwhile (the SSH server signals a command's group until the session is done with it)."""
 
@@ -125,23 +125,14 @@ _HOLD_NEXT: contextvars.ContextVar[bool] = contextvars.ContextVar("plexd_hold_ne
 
 @contextlib.contextmanager
 def children_held() -> Iterator[None]:
-    """Children started in this block (in this task) are held from their start (see `hold_reaping`): one that
-    exits before its starter runs again is not reaped meanwhile. Release each with `release_reaping`."""
+    """Children started in this block (in this task) are held from their start: once exited they stay zombies,
+    unreaped, until `release_reaping` (one that exits before its starter runs again included). Where the child
+    watcher is not plexd's (Python 3.12+, no pidfds) they are reaped as usual."""
     token = _HOLD_NEXT.set(True)
     try:
         yield
     finally:
         _HOLD_NEXT.reset(token)
-
-
-def hold_reaping(pid: int) -> bool:
-    """Keep the child `pid` unreaped after it exits, until `release_reaping(pid)`; False when this process's
-    child watcher cannot (not plexd's: Python 3.12+, or no pidfds), and then the child is reaped as usual."""
-    watcher = _watcher()
-    if watcher is None:
-        return False
-    watcher.hold(pid)
-    return True
 
 
 def release_reaping(pid: int) -> None:

@@ -229,22 +229,22 @@ def test_asyncssh_s_server_uses_the_fast_path_once_ssh_sessions_are_loaded():
 async def test_a_leader_is_kept_unreaped_so_its_group_is_signalled_and_never_a_reused_id(tmp_path):
     # A group's id is its leader's pid; once the leader is reaped the kernel may give the number out again, and a
     # newcomer that starts a session of its own leads a group of that same id. The channel keeps its leader a
-    # zombie (hold_reaping) while it signals the group; a reaped leader's group is never signalled.
+    # zombie (children_held) while it signals the group; a reaped leader's group is never signalled.
     import asyncio
     import signal
     from types import SimpleNamespace
 
     from plexd.access.ssh import _signal_session
-    from plexd.base.children import hold_reaping, release_reaping, watch_children_with_pidfds
+    from plexd.base.children import children_held, release_reaping, watch_children_with_pidfds
 
     assert _signal_session(SimpleNamespace(pid=os.getpid(), returncode=0), 0) is False  # reaped: left alone
     previous = asyncio.get_child_watcher()
     try:
         assert watch_children_with_pidfds()
         pid_file = tmp_path / "member"
-        proc = await asyncio.create_subprocess_exec(
-            "sh", "-c", f"sleep 60 & echo $! > {pid_file}; exec sleep 60", start_new_session=True)
-        assert hold_reaping(proc.pid)
+        with children_held():
+            proc = await asyncio.create_subprocess_exec(
+                "sh", "-c", f"sleep 60 & echo $! > {pid_file}; exec sleep 60", start_new_session=True)
         for _ in range(250):
             if pid_file.exists() and pid_file.read_text().strip():
                 break
