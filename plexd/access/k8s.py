@@ -344,8 +344,8 @@ class K8sSession:
     async def _relay_upgrade(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                              up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter,
                              status: list[int]) -> None:
-        """An upgrade request (`Connection: Upgrade` went upstream, not `close`): the response head first. Only a
-        101 opens the client's direction; any other answer is relayed and the connection ends with it."""
+        """An upgrade request (`Connection: Upgrade, close` went upstream): the response head first. Only a 101
+        opens the client's direction; any other answer is relayed and the connection ends with it."""
         try:
             head = await up_reader.readuntil(b"\r\n\r\n")
         except asyncio.LimitOverrunError:

@@ -71,7 +71,7 @@ class FirewallDomain:
         self.unavailable = ""  # nftables cannot be used at all (reason)
         self._probed_at = 0.0  # monotonic: when the last probe found it unavailable
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
-        self.held = ""  # the table is missing or broken and the last converge only planned (a hold, a kept machine)
+        self.held = ""  # the table differs from the policy and the last converge only planned it (why, for status)
 
     # -- status ------------------------------------------------------------------------------------------------
 
@@ -167,23 +167,20 @@ class FirewallDomain:
         the diff then deletes it and puts plexd's back. The comment's digest alone cannot tell."""
         if live is None:
             return None
-        altered = False
         chains = dict(live.chains)
         for name, chain in live.chains.items():
-            rules = list(chain.rules)
-            for i, rule in enumerate(rules):
-                if not rule.key or not rule.shape:
-                    continue
-                first = self._shapes.setdefault((name, rule.key), rule.shape)
-                if first != rule.shape:
-                    log.warning("firewall: chain %s: rule %s was changed in place; it is replaced", name, rule.key)
-                    rules[i] = replace(rule, comment="(altered) " + rule.comment)
-                    altered = True
-            chains[name] = replace(chain, rules=tuple(rules))
+            altered = [i for i, rule in enumerate(chain.rules) if rule.key and rule.shape
+                       and self._shapes.setdefault((name, rule.key), rule.shape) != rule.shape]
+            if altered:  # (the usual read alters nothing and copies nothing)
+                rules = list(chain.rules)
+                for i in altered:
+                    log.warning("firewall: chain %s: rule %s was changed in place; it is replaced", name, rules[i].key)
+                    rules[i] = replace(rules[i], comment="(altered) " + rules[i].comment)
+                chains[name] = replace(chain, rules=tuple(rules))
         if len(self._shapes) > 4 * (sum(len(c.rules) for c in live.chains.values()) + 64):
             present = {(name, r.key) for name, c in live.chains.items() for r in c.rules}
             self._shapes = {k: v for k, v in self._shapes.items() if k in present}
-        return replace(live, chains=chains) if altered else live
+        return replace(live, chains=chains) if chains != live.chains else live
 
     # -- the domain --------------------------------------------------------------------------------------------
 
