@@ -104,6 +104,8 @@ class Agent:
         self.ready: Callable[[], Awaitable[Any]] | None = None  # set by the assembly: READY=1 after it
         self.describe: Callable[[], str] | None = None  # set by the assembly: the running node's STATUS= line
         self.reload_config: Callable[[], Any] | None = None  # set by the assembly: what SIGHUP does
+        # set by the assembly: told of an identity a re-authentication brought (its signing key, its node id)
+        self.adopt_identity: Callable[[Identity], None] | None = None
         self.phase = "starting"
         self.leaving: Leaving | None = None
         self.restarting = ""  # why this stop is a restart (an upgrade): the tunnels stay up, `run` returns 75
@@ -194,8 +196,11 @@ class Agent:
         return await asyncio.shield(self._recovery)
 
     async def _recover(self) -> Identity:
+        before = self.identity
         self.identity = await self.registrar.recover(self.identity)
         departure.clear_departed(self.config.data_dir)  # re-registered: a deregistration before it is over
+        if self.adopt_identity is not None and self.identity != before:
+            self.adopt_identity(self.identity)
         return self.identity
 
     async def announce_capabilities(self, *, rescan: bool = True) -> None:

@@ -54,10 +54,11 @@ from plexd.config.settings import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.events import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import Verifier
+from plexd.controlplane.signing import InvalidSigningKeys, Verifier, key_fingerprint
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.engine import Engine
 from plexd.identity import datadir
+from plexd.identity.store import Identity
 from plexd.nat.domain import KIND as NAT_KIND
 from plexd.nat.domain import Endpoint, NatHooks
 from plexd.nat.servers import parse_server
@@ -79,11 +80,12 @@ from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
 from plexd.nodeapi.server import LocalAPI, require_admin
 from plexd.nodeapi.sync import ReportSync
-from plexd.services.event_handlers import EventHandlers
+from plexd.services.event_handlers import EventHandlers, apply_signing_keys
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo
 from plexd.services.paths import PathSelector
 from plexd.services.reconciler import Reconciler, drift_uplink
 from plexd.services.status_reports import StatusReports
+from plexd.state.model import SigningKeys
 from plexd.system.systemd import Watchdog, watchdog_interval
 from plexd.telemetry.service import Telemetry, telemetry_db_paths
 from plexd.trust.integrity import HookScan
@@ -129,6 +131,23 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     async def reauthenticate() -> None:
         await agent.reauthenticate(agent.client.token)
 
+    def adopt_identity(identity: Identity) -> None:
+        # A registration is, with a signed rotation event, one of the two sources of the signing key: one that
+        # answers with another key (a rotation this node missed) must be trusted now, not at the next start;
+        # else every event is refused and the signing_key domain writes the old key back over the new file.
+        key = identity.signing_public_key
+        if verifier.keys is not None and verifier.keys.current == key:
+            return
+        try:
+            apply_signing_keys(verifier, data_dir, SigningKeys(current=key))
+        except InvalidSigningKeys as exc:  # the registrar checked it; a second look costs nothing
+            log.error("the registration's signing key is unusable (%s); the previous one stays", exc)
+            return
+        log.warning("the control plane answered the re-registration with another signing key (%s); trusting it",
+                    key_fingerprint(key))
+
+    agent.adopt_identity = adopt_identity
+
     async def post_drift(report: dict[str, Any]) -> None:
         await agent.authed(lambda: agent.client.report_drift(node_id(), report))
 
@@ -154,7 +173,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
                              rotate_keys=rotation.request, refresh_state=reconciler.refresh)
     stream = EventStream(
-        agent.client.base_url, node_id(), lambda: agent.client.token, ledger, verifier, handlers.dispatch,
+        agent.client.base_url, node_id, lambda: agent.client.token, ledger, verifier, handlers.dispatch,
         clock=agent.clock,
         on_connected=lambda: reconciler.trigger("event stream (re)connected"),
         on_auth_failure=reauthenticate,
@@ -215,7 +234,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         resp = await agent.client.heartbeat(node_id(), body)
         return {"reconcile": resp.reconcile, "rotate_keys": resp.rotate_keys}
 
-    heartbeat = HeartbeatService(node_id(), send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
+    heartbeat = HeartbeatService(node_id, send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,
                                  trigger_reconcile=reconciler.trigger, rotate_keys=rotation.request,
                                  on_auth_failure=reauthenticate,
                                  uptime=agent.uptime, refresh=observe_device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+from pathlib import Path
 
 import httpx
 import pytest
@@ -117,3 +118,61 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
     for record in caplog.records:
         text = record.getMessage() + repr(vars(record))
         assert secret not in text and bootstrap not in text, record.getMessage()
+
+
+async def test_a_reregistration_answering_another_signing_key_is_trusted_at_once(devplane, tmp_path):
+    """A node that missed a signing-key rotation learns the new key from its next registration's answer. The
+    running verifier took no notice: every event was refused, and the key file's domain wrote the old key back
+    over the new file. The one stand-in: the registration's answer is the devplane's own with its key swapped
+    (a devplane announces every rotation, so it cannot make a node miss one)."""
+    import dataclasses
+
+    from nacl.signing import SigningKey
+
+    from plexd.controlplane.envelope import parse_envelope, sign_event
+    from plexd.identity import datadir
+    from plexd.node.mesh import trusted_key
+    from plexd.trust.domain import SigningKeyFile
+
+    config = in_process_config(devplane, tmp_path)
+    new_key = SigningKey.generate()
+    new_b64 = base64.b64encode(bytes(new_key.verify_key)).decode()
+    built = {}
+
+    def install(agent):
+        built["agent"] = agent
+        desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
+                                       private_key=base64.b64encode(agent.identity.private_key).decode(),
+                                       mesh_ip=agent.identity.mesh_ip)
+        real_recover = agent.registrar.recover
+
+        async def recover_answering_a_new_key(current, **kw):
+            identity = dataclasses.replace(await real_recover(current, **kw), signing_public_key=new_b64)
+            agent.store.save(identity)  # as the registrar saves what the control plane answered
+            return identity
+        agent.registrar.recover = recover_answering_a_new_key
+        built["c"] = assembly.assemble(agent, mesh=MeshHandle(Engine([RecordingDomain()]), desired))
+        return built["c"]
+
+    stop = asyncio.Event()
+    run = asyncio.create_task(assembly.run(config, stop_event=stop, assemble=install))
+    try:
+        await wait_for(lambda: "c" in built and built["c"].stream.connected.is_set(), what="stream")
+        c, agent = built["c"], built["agent"]
+        old = c.verifier.keys.current
+        devplane.admin.set_faults(events_status=401)
+        await wait_for(lambda: agent.identity.signing_public_key == new_b64, timeout=20, what="the re-registration")
+        devplane.admin.clear_faults()
+        assert c.verifier.keys.current == new_b64 != old
+        key_file = Path(config.data_dir) / datadir.SIGNING_KEY
+        assert key_file.read_text().strip() == new_b64
+        # the key file's domain finds nothing to put back
+        domain = SigningKeyFile(key_file.parent, trusted_key(c.verifier))
+        assert domain.plan(None, await domain.observe(None)).changes == ()
+        # and an event signed with the new key passes
+        node_id = agent.identity.node_id
+        fresh = parse_envelope(sign_event(new_key, "peer_removed", "e-new", {"id": "n_x", "node_id": node_id}))
+        c.verifier.verify(fresh)
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 30) == 0
