@@ -33,7 +33,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.controlplane import http11
-from plexd.controlplane.client import _tls_context, parse_retry_after
+from plexd.controlplane.client import _tls_context, parse_retry_after, path_escape
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.signing import NONCE_STORE_FULL, EventRejected, Verifier
@@ -77,7 +77,7 @@ class EventStream:
     def __init__(
         self,
         api: str,
-        node_id: str,
+        node_id: str | Callable[[], str],  # a provider: a fresh registration after a 401 brings another id
         token_provider: Callable[[], str],  # the current bearer (it changes after a re-registration)
         bookkeeping: EventLedger | Path | str,  # the ledger, or the data_dir to open one in
         verifier: Verifier,
@@ -99,8 +99,8 @@ class EventStream:
         reconnect_spread: float = 0.0,
         rand: Callable[[], float] = random.random,
     ) -> None:
-        self.url = f"{api.rstrip('/')}/v1/nodes/{node_id}/events"
-        self.node_id = node_id
+        self._api = api.rstrip("/")
+        self._node_id = node_id if callable(node_id) else (lambda: node_id)
         self._token = token_provider
         self.ledger = (bookkeeping if isinstance(bookkeeping, EventLedger)
                        else EventLedger(Path(bookkeeping) / datadir.EVENT_LEDGER))
@@ -161,6 +161,15 @@ class EventStream:
 
     # ---------------------------------------------------------------------------------------------------------
     # Cursor
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id()
+
+    @property
+    def url(self) -> str:
+        """Built at each connect, from the node id of now."""
+        return f"{self._api}/v1/nodes/{path_escape(self.node_id)}/events"
 
     def _load_last_event_id(self) -> str | None:
         text = self.ledger.cursor
@@ -281,18 +290,12 @@ class EventStream:
             return delay
         if status == 429:
             self._mark_failing()
-            if exc.retry_after is not None:
-                delay = min(max(exc.retry_after, self.backoff.base), RETRY_AFTER_MAX)
-            else:
-                delay = self.backoff.current
+            delay = min(self.backoff.after_hint(exc.retry_after), RETRY_AFTER_MAX)
             log.warning("event stream rate limited (429); retrying in %.1f s", delay)
             return delay
         self._mark_failing()
-        delay = self.backoff.next_delay()
-        if status is not None and status >= 500 and exc.retry_after is not None:
-            # A control plane shedding load says when to come back; spread over half as long again, so the
-            # clients it turned away in one second do not all return in one second.
-            delay = min(max(exc.retry_after, self.backoff.base) * (1 + 0.5 * self._rand()), RETRY_AFTER_MAX)
+        hint = exc.retry_after if status is not None and status >= 500 else None  # a control plane shedding load
+        delay = min(self.backoff.after_hint(hint), RETRY_AFTER_MAX)
         log.warning("event stream unavailable (%s); retrying in %.1f s", exc, delay)
         return delay
 

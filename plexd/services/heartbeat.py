@@ -48,7 +48,7 @@ def http_status(exc: BaseException) -> int | None:
 class HeartbeatService:
     def __init__(
         self,
-        node_id: str,
+        node_id: str | Callable[[], str],  # a provider: a fresh registration after a 401 brings another id
         send: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],  # POSTs the body, returns the response flags
         snapshot: Callable[[], HeartbeatSnapshot],
         *,
@@ -60,7 +60,7 @@ class HeartbeatService:
         uptime: Callable[[], float] | None = None,  # seconds since the daemon started; default: since this service
         refresh: Callable[[], Awaitable[None]] | None = None,  # read live values (the device) before a snapshot
     ) -> None:
-        self.node_id = node_id
+        self._node_id = node_id if callable(node_id) else (lambda: node_id)
         self._send = send
         self._snapshot = snapshot
         self._clock = clock or Clock()
@@ -77,6 +77,10 @@ class HeartbeatService:
         self._warned = False
         self.last_at: float | None = None  # unix time of the last attempt
         self.last_error = ""  # "" when the last attempt was accepted
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id()
 
     def build(self) -> dict[str, Any]:
         """The heartbeat body, keys in the Go struct's order, omitempty sections left out."""

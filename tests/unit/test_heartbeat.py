@@ -57,6 +57,15 @@ def test_nat_and_mesh_omitted_when_unknown():
     assert hb.build()["uptime"] == "0s"
 
 
+def test_the_body_names_the_node_id_of_now():
+    # A fresh registration after a 401 brings another node id; the heartbeat must not go on naming the old one.
+    ids = ["n_old"]
+    hb = HeartbeatService(lambda: ids[-1], lambda b: {}, lambda: HeartbeatSnapshot(), clock=FakeClock(NOW))
+    assert hb.build()["node_id"] == "n_old"
+    ids.append("n_new")
+    assert hb.build()["node_id"] == "n_new"
+
+
 def test_uptime_is_the_daemons_when_given():
     # plexd up passes agent.uptime: registration may have taken a while before the heartbeat service existed
     hb = HeartbeatService("n_1", lambda b: {}, lambda: HeartbeatSnapshot(), clock=FakeClock(NOW),
