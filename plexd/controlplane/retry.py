@@ -2,7 +2,7 @@
 results, node-API report sync, telemetry): "the control plane did not take it, now what?"
 
     network, 5xx, 408        retry, jittered exponential backoff
-    429, 503+Retry-After     retry after the server's Retry-After (at least the backoff)
+    429, 503+Retry-After     retry after the server's Retry-After, spread (Backoff.after_hint)
     401                      retry (the client's `authed` already re-authenticated once)
     any other 4xx            drop with one log line: it can never succeed, and retrying it forever would block
                              what queues behind it
@@ -26,8 +26,7 @@ class Verdict:
 def retry_verdict(exc: ControlPlaneError, backoff: Backoff) -> Verdict:
     """What to do with an entry the control plane did not take (see the module's table)."""
     if isinstance(exc, RetryAfterError):
-        hint = exc.retry_after if exc.retry_after is not None else 0.0
-        return Verdict(True, max(hint, backoff.next_delay()), str(exc))
+        return Verdict(True, backoff.after_hint(exc.retry_after), str(exc))
     if refused_for_good(exc):
         return Verdict(False, reason=str(exc))
     return Verdict(True, backoff.next_delay(), str(exc))  # network, 5xx, 408, 401, an unclassified status

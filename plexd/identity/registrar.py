@@ -387,7 +387,7 @@ class Registrar:
                 raise RegistrationError(refusal_message(exc.status, exc.message, api=api, hostname=request.hostname,
                                                         reregister=reregister), exc.status) from None
             except RetryAfterError as exc:
-                delay = exc.retry_after if exc.retry_after is not None else backoff.current
+                delay = backoff.after_hint(exc.retry_after)
                 last: ControlPlaneError = exc
             except ControlPlaneError as exc:
                 if exc.status in _FATAL and not isinstance(exc, BadResponseError):

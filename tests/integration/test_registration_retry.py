@@ -82,13 +82,13 @@ async def test_jitter_stays_within_25_percent(tmp_path, rec, clock):
     assert clock.sleeps == [0.75, 1.5]
 
 
-async def test_retry_after_is_honoured_and_does_not_grow_backoff(tmp_path, rec, clock):
+async def test_retry_after_is_honoured_spread_and_the_backoff_grows(tmp_path, rec, clock):
     rec.route("POST", "/v1/register", Reply(429, "{}", {"Retry-After": "17"}), Reply(429, "{}"),
               Reply(503), Reply(200, ok_body()))
     async with ControlPlaneClient(rec.url) as client:
         reg = Registrar(make_config(tmp_path, rec.url), client, clock=clock, env={}, rand=lambda: 0.5)
         await drive(clock, asyncio.create_task(reg.register(BootstrapToken("t", "env"))))
-    assert clock.sleeps == [17.0, 1.0, 1.0]
+    assert clock.sleeps == [17.0 * 1.25, 2.0, 4.0]  # rand 0.5: no jitter, the hint spread x1.25
 
 
 async def test_gives_up_after_max_wait_with_a_clear_message(tmp_path, rec, clock):

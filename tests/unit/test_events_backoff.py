@@ -109,7 +109,7 @@ def make_stream(tmp_path, clock, server, **kw):
     kw.setdefault("backoff", Backoff(rand=lambda: 0.5))
     kw.setdefault("storm_backoff", Backoff(rand=lambda: 0.5))
     stream = EventStream(
-        "http://cp.test", "n_1", lambda: "secret-token", tmp_path, verifier,
+        "http://cp.test", kw.pop("node_id", "n_1"), lambda: "secret-token", tmp_path, verifier,
         record_event,
         clock=clock, on_connected=connected, on_auth_failure=auth, poll=poll,
         client_factory=lambda: ScriptedClient(server),
@@ -249,7 +249,9 @@ async def test_reset_on_success_and_headers(tmp_path, clock):
         await stop(task)
 
 
-async def test_429_retry_after_seconds_and_http_date_do_not_grow_backoff(tmp_path, clock):
+async def test_429_waits_at_least_retry_after_spread_and_backs_off_without_it(tmp_path, clock):
+    # Not the Go agent's exact hint (or its un-jittered current delay without one): a fleet turned away in one
+    # second would all come back in one second. The backoff's rand is 0.5 here: jitter 0, spread x1.25.
     date = email.utils.formatdate(time.time() + 30, usegmt=True)
     script = {1: reply(503), 2: reply(429, headers={"retry-after": "7"}),
               3: reply(429, headers={"retry-after": date}), 4: reply(429), 5: reply(503)}
@@ -259,13 +261,26 @@ async def test_429_retry_after_seconds_and_http_date_do_not_grow_backoff(tmp_pat
     try:
         assert await next_sleep(stream, 1) == 1
         clock.advance(1)
-        assert await next_sleep(stream, 2) == 7
-        clock.advance(7)
-        assert 28 <= await next_sleep(stream, 3) <= 31
+        assert await next_sleep(stream, 2) == 7 * 1.25  # never earlier than asked, spread over half as long again
+        clock.advance(clock.sleeps[1])
+        assert 28 * 1.25 <= await next_sleep(stream, 3) <= 31 * 1.25  # an HTTP-date too
         clock.advance(clock.sleeps[2])
-        assert await next_sleep(stream, 4) == 2  # no Retry-After: the current backoff, not grown
-        clock.advance(2)
-        assert await next_sleep(stream, 5) == 2  # the 503 after the 429s continues from where it was
+        assert await next_sleep(stream, 4) == 8  # no Retry-After: the backoff goes on growing (1, 2, 4, 8)
+        clock.advance(8)
+        assert await next_sleep(stream, 5) == 16
+    finally:
+        await stop(task)
+
+
+async def test_429_without_retry_after_is_jittered(tmp_path, clock):
+    draws = iter([0.0, 1.0])
+    stream, _ = make_stream(tmp_path, clock, Server(lambda r, n: reply(429)),
+                            backoff=Backoff(rand=lambda: next(draws, 0.5)))
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == 0.75  # 1 s -25 %
+        clock.advance(0.75)
+        assert await next_sleep(stream, 2) == 2.5  # 2 s +25 %
     finally:
         await stop(task)
 
@@ -394,6 +409,28 @@ async def test_401_asks_for_reauthentication_and_keeps_going(tmp_path, clock):
         await stop(task)
 
 
+async def test_a_registration_afresh_after_401_moves_the_stream_to_the_new_node_id(tmp_path, clock):
+    # A 401 the node secret cannot answer ends in a fresh registration, which brings another node id: the stream
+    # must ask for that node's events (it asked for the old id's for good, and polled for ever).
+    ids = ["n_old"]
+    server = Server(lambda r, n: reply(401) if n == 1 else server.open_stream())
+    stream, _ = make_stream(tmp_path, clock, server, node_id=lambda: ids[-1])
+
+    async def register_afresh():
+        ids.append("n/new")  # escaped in the path like every other request's id
+    stream._on_auth_failure = register_afresh
+    task = await run(stream)
+    try:
+        assert await next_sleep(stream, 1) == 1
+        clock.advance(1)
+        await until(stream.connected.is_set)
+        assert [r.url for r in server.requests] == ["http://cp.test/v1/nodes/n_old/events",
+                                                    "http://cp.test/v1/nodes/n%2Fnew/events"]
+    finally:
+        server.hang.set()
+        await stop(task)
+
+
 @pytest.mark.parametrize("status", [403, 404])
 async def test_403_404_back_off_at_cap_and_poll(tmp_path, clock, status):
     server = Server(lambda r, n: reply(status))
@@ -493,8 +530,9 @@ async def test_fleet_synchronising_moments_are_spread(tmp_path, clock):
     try:
         assert await next_sleep(stream, 1) == pytest.approx(3.0)  # 0.6 of the 5 s spread, not at once
         clock.advance(3.0)
-        assert await next_sleep(stream, 2) == pytest.approx(4 * 1.3)  # Retry-After 4, spread by 0..50 %
-        clock.advance(4 * 1.3)
+        # Retry-After 4, spread by 0..50 % (the backoff's draw: 0.5 here)
+        assert await next_sleep(stream, 2) == pytest.approx(4 * 1.25)
+        clock.advance(4 * 1.25)
         assert await next_sleep(stream, 3) == 2  # a bare 503: the seed's backoff (1 s, then 2 s)
     finally:
         await stop(task)
