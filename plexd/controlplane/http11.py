@@ -374,8 +374,12 @@ class HTTPClient:
                 target = f"http://{parts.netloc.rpartition('@')[2]}{target}"  # absolute form, to the proxy
             request = self._request(method, target, parts.scheme, parts.hostname, port, headers or {}, content,
                                     proxy)
-        except (ValueError, UnicodeError, h11.LocalProtocolError) as exc:  # a port that is no number, a header
-            raise TransportError("bad request", str(exc)) from None          # value with a newline or non-Latin-1
+        except (UnicodeError, h11.LocalProtocolError):
+            # A header value with a newline, a NUL or non-Latin-1 text. Named, never quoted: the value may be the
+            # bearer (the node secret itself, against a Go control plane), and this message is logged.
+            raise TransportError("bad request", _unframeable(headers or {})) from None
+        except ValueError as exc:  # a port that is no number
+            raise TransportError("bad request", str(exc)) from None
         origin = (parts.scheme, parts.hostname, port)
         for attempt in (1, 2):
             conn = await self._connection(origin, proxy, pooled=attempt == 1)
@@ -566,3 +570,15 @@ def unverified_tls_context() -> ssl.SSLContext:
     ctx.verify_mode = ssl.CERT_NONE
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx
+
+
+def _unframeable(headers: Mapping[str, str]) -> str:
+    """Which header keeps a request from being framed, by name only (values can be secrets)."""
+    for name, value in headers.items():
+        try:
+            value.encode("latin-1")
+        except UnicodeError:
+            return f"header {name} has a value that is not Latin-1 text"
+        if any((ord(c) < 0x20 and c != "\t") or c == "\x7f" for c in value) or value != value.strip(" \t"):
+            return f"header {name} has a value with a control character or surrounding blanks"
+    return "the request could not be framed as HTTP/1.1"

@@ -358,4 +358,10 @@ class RegisterResponse:
         for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
             if not getattr(resp, name):
                 raise WireFormatError(name, "missing from the register response")
+        secret = resp.node_secret_key
+        if not (secret.isascii() and secret.isprintable()) or secret != secret.strip():
+            # It becomes a bearer header on every request: one that cannot be sent is refused before it is saved
+            # (and the reason never quotes it).
+            raise WireFormatError("node_secret_key",
+                                  "has characters a bearer cannot carry (not printable ASCII, or blanks around it)")
         return resp

@@ -156,6 +156,16 @@ async def test_connect_failures_name_what_happened():
             await get(client, "ftp://127.0.0.1/")
 
 
+async def test_an_unframeable_header_is_named_never_quoted():
+    # Against a Go control plane the bearer is the node secret itself, and this message is logged at each retry.
+    async with http11.HTTPClient() as client:
+        for secret, why in (("s3cr3t-node-key\nX: y", "control character"), ("s3cr3t\x00k", "control character"),
+                            ("s3cr3t\u20ac", "not Latin-1")):
+            with pytest.raises(http11.TransportError, match=f"header Authorization has a value .*{why}") as caught:
+                await get(client, "http://127.0.0.1:9/", headers={"Authorization": f"Bearer {secret}"})
+            assert "s3cr3t" not in str(caught.value)
+
+
 async def test_read_deadline_per_request_and_none_waits():
     async def handle(reader, writer, n):
         await read_request(reader)

@@ -54,3 +54,12 @@ def test_a_policy_rule_of_the_wrong_shape_is_kept_aside_not_fatal():
 def test_register_response_requires_identity_fields():
     with pytest.raises(WireFormatError, match="node_secret_key"):
         RegisterResponse.from_wire({"node_id": "n", "mesh_ip": "m", "signing_public_key": "s"})
+
+
+@pytest.mark.parametrize("secret", ["s3cr3t\nX", "s3cr3t\x00", "s3cr3t\u00e9", " s3cr3t", "s3cr3t\t"])
+def test_a_node_secret_no_bearer_can_carry_is_refused_without_quoting_it(secret):
+    # Saved, it would fail every request for good (and h11's error quoted the whole header, secret and all).
+    with pytest.raises(WireFormatError, match="node_secret_key: has characters a bearer cannot carry") as caught:
+        RegisterResponse.from_wire({"node_id": "n", "mesh_ip": "m", "signing_public_key": "s",
+                                    "node_secret_key": secret})
+    assert "s3cr3t" not in str(caught.value)
