@@ -5,7 +5,8 @@ liveness signal for the 90 s idle watchdog; and it buffers a line of any length.
 bounds memory per event, and turns an oversize event into a marker the stream can log and skip, so a poison
 event is never re-read in a loop.
 
-Rules (W3C subset, as the Go agent): lines end in LF or CRLF; ``:`` starts a comment; ``field: value`` with one
+Rules (W3C): lines end in LF, CRLF or a lone CR (the Go agent knows only the first two: a stream of CR-ended
+lines would be one endless line, every event lost without a word); ``:`` starts a comment; ``field: value`` with one
 optional space after the colon stripped; a line without a colon is a field with an empty value; several ``data``
 lines are joined with LF; a blank line ends the block; a block without data is dropped; ``event`` defaults to
 ``message``; an ``id`` containing NUL is ignored; ``retry`` must be 1-10 ASCII digits. Whether an ``id`` is usable
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 MAX_EVENT_BYTES = 512 * 1024
 MAX_EVENT_ID = 128
 _EVENT_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_EVENT_ID}}}")
+_LINE_END = re.compile(rb"[\r\n]")
 
 
 def valid_event_id(event_id: str | None) -> bool:
@@ -42,7 +44,8 @@ class SSEParser:
     def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
         self._max = max_event_bytes
         self._line = bytearray()
-        self._discarding_line = False  # the current line already blew the cap; drop bytes up to its LF
+        self._discarding_line = False  # the current line already blew the cap; drop bytes up to its end
+        self._after_cr = False  # the last chunk ended in CR: an LF opening the next one belongs to it (CRLF)
         self._reset_block()
 
     def _reset_block(self) -> None:
@@ -59,24 +62,32 @@ class SSEParser:
         pos = 0
         n = len(chunk)
         while pos < n:
-            nl = chunk.find(b"\n", pos)
-            end = n if nl < 0 else nl
+            if self._after_cr:
+                self._after_cr = False
+                if chunk[pos] == 0x0A:
+                    pos += 1
+                    continue
+            match = _LINE_END.search(chunk, pos)
+            end = n if match is None else match.start()
             if not self._discarding_line:
                 self._line += chunk[pos:end]
                 if self._block_bytes + len(self._line) > self._max:
                     self._oversize = True
                     self._discarding_line = True
                     self._line.clear()
-            if nl < 0:
+            if match is None:
                 break
-            pos = nl + 1
+            pos = end + 1
+            if chunk[end] == 0x0D:
+                if pos == n:
+                    self._after_cr = True
+                elif chunk[pos] == 0x0A:
+                    pos += 1
             if self._discarding_line:
                 self._discarding_line = False
                 continue
             line = bytes(self._line)
             self._line.clear()
-            if line.endswith(b"\r"):
-                line = line[:-1]
             event = self._line_done(line)
             if event is not None:
                 events.append(event)

@@ -29,6 +29,20 @@ def test_crlf_accepted():
     assert parse(b"id: 1\r\ndata: x\r\n\r\n") == [SSEEvent(data="x", id="1")]
 
 
+def test_a_lone_cr_ends_a_line_too():
+    # W3C allows CR-only streams; split on LF alone, every event was one endless line, dropped in silence.
+    assert parse(b"id: 1\rdata: a\r\rid: 2\rdata: b\r\n\r\n") == [SSEEvent(data="a", id="1"),
+                                                                        SSEEvent(data="b", id="2")]
+
+
+def test_a_crlf_split_between_chunks_is_one_line_end():
+    p = SSEParser()
+    assert p.feed(b"data: a\r") == [] and p.feed(b"\n\r") == [SSEEvent(data="a")]
+    assert p.feed(b"\ndata: b\n") == []  # that CR's LF, not a blank line of its own
+    q = SSEParser()  # a CR closing a chunk, then no LF: the next byte starts the next line
+    assert q.feed(b"data: a\r") == [] and q.feed(b"\r") == [SSEEvent(data="a")]
+
+
 def test_field_without_colon_has_empty_value():
     # "data" alone is a data line with an empty value; the block therefore has data ("").
     assert parse(b"data\n\n") == [SSEEvent(data="")]
@@ -86,7 +100,7 @@ def test_invalid_utf8_replaced():
 @given(st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30))
 def test_chunking_does_not_matter(cuts):
     stream = (b": ping\r\n\r\nid: 1\nevent: e\ndata: {\"a\":\n"
-              b"data: 1}\n\nid: 2\r\ndata: two\r\n\r\nevent: nodata\n\n")
+              b"data: 1}\n\nid: 2\r\ndata: two\r\n\r\nevent: nodata\n\nid: 3\rdata: cr\r\r")
     want = parse(stream)
     p = SSEParser()
     got = []
@@ -95,4 +109,5 @@ def test_chunking_does_not_matter(cuts):
         got += p.feed(stream[pos:pos + c])
         pos += c
     got += p.feed(stream[pos:])
-    assert got == want == [SSEEvent(data='{"a":\n1}', id="1", event="e"), SSEEvent(data="two", id="2")]
+    assert got == want == [SSEEvent(data='{"a":\n1}', id="1", event="e"), SSEEvent(data="two", id="2"),
+                           SSEEvent(data="cr", id="3")]
