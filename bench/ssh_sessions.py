@@ -18,8 +18,13 @@ In order:
   with N live            a login into each of the N live sessions, `--concurrency` at a time (default 1): the
                          latency of a user's login while the server carries N sessions
 
+`--server sshd` runs the same steps against OpenSSH's own sshd (`bench/_openssh_server.py`; public-key login,
+since sshd checks passwords against /etc/shadow) on the same machine: the baseline a user would compare with.
+sshd's CPU is one figure (its per-connection processes and the commands are waited for together), and its
+memory per live session is the PSS of its per-connection processes (two per session), not one process's RSS.
+
     flock /tmp/plexd-tests.lock .venv/bin/python -m bench ssh_sessions [--sessions 100] [--rounds 3]
-        [--sequential 20] [--concurrency 1]
+        [--sequential 20] [--concurrency 1] [--server plexd|sshd]
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ import argparse
 import asyncio
 import json
 import os
+import pwd
 import resource
 import shutil
 import sys
 import time
 from pathlib import Path
+
+from bench._openssh_server import OpensshServer, descendants
 
 CHILD = Path(__file__).with_name("_ssh_server_child.py")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -57,15 +65,20 @@ def clients_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def ssh_argv(token: str, user: str, port: int, command: str) -> list[str]:
-    return ["sshpass", "-p", token, "ssh", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
-            "-o", "PreferredAuthentications=password", "-o", "NumberOfPasswordPrompts=1", "-o", "LogLevel=ERROR",
-            "-p", str(port), f"{user}@127.0.0.1", command]
+def ssh_argv(credential: str, user: str, port: int, command: str) -> list[str]:
+    """A login with a password (the plexd server's session token) or, for a path, that private key (sshd). Both go
+    through sshpass, so the clients' cost is the same either way."""
+    if credential.startswith("/"):
+        auth = ["-p", "unused", "ssh", "-i", credential, "-o", "PreferredAuthentications=publickey"]
+    else:
+        auth = ["-p", credential, "ssh", "-o", "PreferredAuthentications=password", "-o", "NumberOfPasswordPrompts=1"]
+    return ["sshpass", *auth, "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "LogLevel=ERROR", "-p", str(port), f"{user}@127.0.0.1", command]
 
 
-async def login(token: str, user: str, port: int) -> float:
+async def login(credential: str, user: str, port: int) -> float:
     started = time.perf_counter()
-    proc = await asyncio.create_subprocess_exec(*ssh_argv(token, user, port, "true"),
+    proc = await asyncio.create_subprocess_exec(*ssh_argv(credential, user, port, "true"),
                                                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                                                 stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()
@@ -97,61 +110,126 @@ async def logins(targets: list[tuple[int, str]], user: str, concurrency: int) ->
     return list(await asyncio.gather(*(one(p, t) for p, t in targets)))
 
 
-async def run(sessions: int, rounds: int, sequential: int, concurrency: int) -> None:
-    server = await asyncio.create_subprocess_exec(sys.executable, str(CHILD), str(sessions),
-                                                  stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
-    assert server.stdin is not None and server.stdout is not None
-    clients: list[asyncio.subprocess.Process] = []
-    try:
-        hello = json.loads(await asyncio.wait_for(server.stdout.readline(), 120))
-        pid, user, targets = hello["pid"], hello["user"], [(p, t) for p, t in hello["sessions"]]
-        listening = rss_mib(pid)
-        if sequential:
-            show("one at a time", [await login(targets[i % sessions][1], user, targets[i % sessions][0])
-                                   for i in range(sequential)])
-        times: list[float] = []
-        (own, commands), by_clients = cpu_seconds(pid), clients_cpu_seconds()
-        for _ in range(rounds):
-            times += await asyncio.gather(*(login(t, user, p) for p, t in targets))
-        show(f"{sessions} at once x {rounds}", times)
-        (own_after, commands_after), by_clients_after = cpu_seconds(pid), clients_cpu_seconds()
-        per_login = {"server (asyncssh, token check, spawn)": (own_after - own) / len(times),
-                     "the commands (the login shell running `true`)": (commands_after - commands) / len(times),
-                     "the clients (sshpass + ssh)": (by_clients_after - by_clients) / len(times)}
-        for what, seconds in per_login.items():
-            print(f"  CPU per login, {what}: {seconds * 1000:.1f} ms")
-        cores = len(os.sched_getaffinity(0))
-        print(f"  {sessions} at once on {cores} cores: the clients alone need "
-              f"{sessions * per_login['the clients (sshpass + ssh)'] / cores * 1000:.0f} ms of every core, "
-              f"all three {sessions * sum(per_login.values()) / cores * 1000:.0f} ms")
+class PlexdServer:
+    """`bench/_ssh_server_child.py`: N `SshSessionServer`s in a process of their own."""
 
-        clients += [await asyncio.create_subprocess_exec(
-            *ssh_argv(t, user, p, "exec sleep 600"), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL) for p, t in targets]
-        deadline = time.monotonic() + 60
-        while True:
-            server.stdin.write(b"live\n")
-            live_now = int(await server.stdout.readline())
-            if live_now == sessions:
-                break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"only {live_now} of {sessions} sessions went live")
-            await asyncio.sleep(0.2)
-        live = rss_mib(pid)
-        print(f"server RSS: {sessions} listening {listening:.1f} MiB, {sessions} live {live:.1f} MiB: "
-              f"{(live - listening) / sessions * 1024:.0f} KiB per live session")
-        show(f"with {sessions} live, {concurrency} at a time", await logins(targets, user, concurrency))
-    finally:
-        for c in clients:
-            if c.returncode is None:
-                c.kill()
-            await c.wait()
-        server.stdin.close()
+    name = "plexd"
+
+    def __init__(self, sessions: int) -> None:
+        self.sessions = sessions
+
+    async def __aenter__(self) -> PlexdServer:
+        self.proc = await asyncio.create_subprocess_exec(sys.executable, str(CHILD), str(self.sessions),
+                                                         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        hello = json.loads(await asyncio.wait_for(self.proc.stdout.readline(), 120))
+        self.pid, self.user, self.targets = hello["pid"], hello["user"], [(p, t) for p, t in hello["sessions"]]
+        return self
+
+    def memory_mib(self) -> float:
+        return rss_mib(self.pid)
+
+    async def live(self) -> int:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(b"live\n")
+        return int(await self.proc.stdout.readline())
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
         try:
-            await asyncio.wait_for(server.wait(), 30)
+            await asyncio.wait_for(self.proc.wait(), 30)
         except TimeoutError:
-            server.kill()
-            await server.wait()
+            self.proc.kill()
+            await self.proc.wait()
+
+
+class SshdServer(OpensshServer):
+    """OpenSSH's sshd: one listener for all N sessions, each login a connection of its own."""
+
+    name = "sshd"
+
+    def __init__(self, sessions: int) -> None:
+        super().__init__()
+        self.user = pwd.getpwuid(os.geteuid()).pw_name
+        self.targets = [(self.port, str(self.key_path))] * sessions
+
+    def memory_mib(self) -> float:
+        """The listener's RSS plus the PSS of its per-connection sshd processes (shared pages split fairly)."""
+        return rss_mib(self.pid) + sum(pss_mib(pid) for pid in descendants(self.pid) if comm(pid) == "sshd")
+
+    async def live(self) -> int:
+        return sum(1 for pid in descendants(self.pid) if comm(pid) == "sleep")
+
+
+def comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def pss_mib(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+async def run(server: PlexdServer | SshdServer, rounds: int, sequential: int, concurrency: int) -> None:
+    clients: list[asyncio.subprocess.Process] = []
+    async with server:
+        pid, user, targets = server.pid, server.user, server.targets
+        sessions = len(targets)
+        print(f"server: {server.name}")
+        listening = server.memory_mib()
+        try:
+            if sequential:
+                show("one at a time", [await login(targets[i % sessions][1], user, targets[i % sessions][0])
+                                       for i in range(sequential)])
+            times: list[float] = []
+            (own, commands), by_clients = cpu_seconds(pid), clients_cpu_seconds()
+            for _ in range(rounds):
+                times += await asyncio.gather(*(login(t, user, p) for p, t in targets))
+            show(f"{sessions} at once x {rounds}", times)
+            (own_after, commands_after), by_clients_after = cpu_seconds(pid), clients_cpu_seconds()
+            server_side = (own_after - own + commands_after - commands) / len(times)
+            clients_per_login = (by_clients_after - by_clients) / len(times)
+            per_login = {}
+            if server.name == "plexd":
+                per_login["server (asyncssh, token check, spawn)"] = (own_after - own) / len(times)
+                per_login["the commands (the shell running `true`)"] = (commands_after - commands) / len(times)
+                per_login["server side in all"] = server_side
+            else:
+                per_login["server side in all (sshd, its per-connection processes, the commands)"] = server_side
+            for what, seconds in per_login.items():
+                print(f"  CPU per login, {what}: {seconds * 1000:.1f} ms")
+            print(f"  CPU per login, the clients (sshpass + ssh): {clients_per_login * 1000:.1f} ms")
+            cores = len(os.sched_getaffinity(0))
+            print(f"  {sessions} at once on {cores} cores: the clients alone need "
+                  f"{sessions * clients_per_login / cores * 1000:.0f} ms of every core, "
+                  f"clients and server {sessions * (clients_per_login + server_side) / cores * 1000:.0f} ms")
+
+            clients += [await asyncio.create_subprocess_exec(
+                *ssh_argv(t, user, p, "exec sleep 600"), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL) for p, t in targets]
+            deadline = time.monotonic() + 60
+            while (live_now := await server.live()) != sessions:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"only {live_now} of {sessions} sessions went live")
+                await asyncio.sleep(0.2)
+            live = server.memory_mib()
+            print(f"server memory: {sessions} listening {listening:.1f} MiB, {sessions} live {live:.1f} MiB: "
+                  f"{(live - listening) / sessions * 1024:.0f} KiB per live session")
+            show(f"with {sessions} live, {concurrency} at a time", await logins(targets, user, concurrency))
+        finally:
+            for c in clients:
+                if c.returncode is None:
+                    c.kill()
+                await c.wait()
 
 
 def main() -> None:
@@ -160,11 +238,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sequential", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=1, help="logins at a time with the sessions live")
+    parser.add_argument("--server", choices=("plexd", "sshd"), default="plexd",
+                        help="plexd's SSH session server, or OpenSSH's sshd as the baseline")
     args = parser.parse_args()
     for tool in ("ssh", "sshpass"):
         if shutil.which(tool) is None:
             sys.exit(f"bench ssh_sessions: needs {tool} (apt-get install openssh-client sshpass)")
-    asyncio.run(run(args.sessions, args.rounds, args.sequential, args.concurrency))
+    server = PlexdServer(args.sessions) if args.server == "plexd" else SshdServer(args.sessions)
+    asyncio.run(run(server, args.rounds, args.sequential, args.concurrency))
 
 
 if __name__ == "__main__":
