@@ -58,6 +58,7 @@ MAX_HEADERS = 16 << 10
 REQUEST_TIMEOUT = 10.0  # a whole request (or an idle keep-alive connection): a slow client cannot hold a slot
 RATE_LIMIT_TARPIT = 0.25
 MAX_CONNECTIONS = 64  # a runaway script cannot take every file descriptor the daemon needs for the mesh
+ROOT_RESERVE = 8  # beyond MAX_CONNECTIONS, for root alone: a group member's hogs never lock out `plexd status`
 TCP_MAX_CONNECTIONS = 16  # TCP's own budget, never the socket's: unauthenticated strangers get a small door
 HEADER_TIMEOUT = 5.0  # on TCP the request head (with its token) must arrive within this
 AUTH_FAILURE_BURST = 10  # 401s per source address before it is refused at the door ...
@@ -352,8 +353,9 @@ class LocalAPI:
         task = asyncio.current_task()
         sock = writer.get_extra_info("socket")
         cred = peer_cred(sock) if sock is not None and via == "unix" else None
-        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
-        if via == "unix" and len(self._connections) >= self.max_connections:
+        conn = _Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADERS)
+        limit = self.max_connections + (ROOT_RESERVE if cred is not None and cred.uid == 0 else 0)
+        if via == "unix" and len(self._connections) >= limit:
             log.warning("local API: %d connections open, refusing one more from %s", len(self._connections),
                         _who(cred, remote))
             with contextlib.suppress(Exception):
@@ -395,7 +397,11 @@ class LocalAPI:
                     conn.start_next_cycle()
                 except h11.LocalProtocolError:
                     break
-        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
+        except _SlowReader:
+            log.warning("local API: %s did not read its answer within %gs; connection dropped",
+                        _who(cred, remote), self.request_timeout)
+            writer.transport.abort()  # close() would wait for the unread bytes to drain, for ever
+        except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, h11.LocalProtocolError):
             pass
         except h11.RemoteProtocolError as exc:
             with contextlib.suppress(Exception):
@@ -444,6 +450,8 @@ class LocalAPI:
                 return None
             if isinstance(event, h11.Request):
                 head = event
+                if isinstance(conn, _Connection):
+                    conn.head_request = event.method == b"HEAD"
                 if via == "tcp":
                     self._check_bearer(event, remote)  # before a byte of the body is read
                 length = next((v for k, v in event.headers if k == b"content-length"), b"0")
@@ -490,15 +498,16 @@ class LocalAPI:
         matched = [r for r in self.routes if _matches(r.path, request.path) and (r.tcp or request.via == "unix")]
         if not matched:
             return Response(404, "404 page not found\n", content_type="text/plain; charset=utf-8")
-        route = next((r for r in matched if r.method == request.method), None)
+        method = "GET" if request.method == "HEAD" else request.method  # HEAD: GET's answer, sent without body
+        route = next((r for r in matched if r.method == method), None)
         if route is None:
             return Response(405, "Method Not Allowed\n", content_type="text/plain; charset=utf-8")
-        refusal = route.authorize(request)
-        if refusal is not None:
-            log.warning("local API: %s %s refused for %s", request.method, request.path,
-                        _who(request.cred, request.remote))
-            return Response(403, {"error": refusal})
         try:
+            refusal = route.authorize(request)
+            if refusal is not None:
+                log.warning("local API: %s %s refused for %s", request.method, request.path,
+                            _who(request.cred, request.remote))
+                return Response(403, {"error": refusal})
             return await route.handler(request)
         except HTTPError as exc:
             return Response(exc.status, {"error": exc.message})
@@ -519,9 +528,20 @@ class LocalAPI:
             headers = [("content-type", response.content_type), ("transfer-encoding", "chunked"),
                        *response.headers.items()]
             writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
+            if isinstance(conn, _Connection) and conn.head_request:
+                stream = _nothing(stream)  # the headers alone; the producer is still closed
             await self._send_chunks(conn, writer, stream)
             writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        await self._drain(writer)
+
+    async def _drain(self, writer: asyncio.StreamWriter) -> None:
+        """Wait for the client to take what was written, for `request_timeout` at most: a client that asks and
+        never reads would otherwise hold its connection slot for good."""
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                await writer.drain()
+        except TimeoutError:
+            raise _SlowReader from None
 
     @staticmethod
     def _encode(conn: h11.Connection, response: Response) -> bytes:
@@ -532,7 +552,7 @@ class LocalAPI:
         if response.status == 204:
             headers = [h for h in headers if h[0] not in ("content-type", "content-length")]
         out = conn.send(h11.Response(status_code=response.status, headers=headers)) or b""
-        if body:
+        if body and not (isinstance(conn, _Connection) and conn.head_request):
             out += conn.send(h11.Data(data=body)) or b""
         return out + (conn.send(h11.EndOfMessage()) or b"")
 
@@ -542,11 +562,30 @@ class LocalAPI:
             async for chunk in stream:
                 if chunk:
                     writer.write(conn.send(h11.Data(data=chunk)))
-                    await writer.drain()
+                    await self._drain(writer)
         finally:
             aclose = getattr(stream, "aclose", None)
             if aclose is not None:  # the client went away: let the producer clean up
                 await aclose()
+
+
+class _Connection(h11.Connection):
+    """h11's connection, knowing whether the request in hand is a HEAD (its answer has headers only)."""
+
+    head_request = False
+
+
+async def _nothing(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """No chunks, and `stream` closed unread (a HEAD)."""
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+    return
+    yield b""
+
+
+class _SlowReader(Exception):
+    """The client did not read its answer in time."""
 
 
 def _who(cred: PeerCred | None, remote: str) -> str:

@@ -244,6 +244,73 @@ async def test_slowloris_is_timed_out_while_others_are_served(served):
     assert served.reports.get("slow") is None
 
 
+async def test_clients_that_never_read_their_answers_are_dropped_and_root_keeps_a_door(served):
+    """A group member asked for a big entry on every connection slot and never read: each connection was held for
+    good (the write waited on the client), and every later caller, root included, got 503."""
+    served.api.max_connections = 4
+    big = json.dumps({"content_type": "text/plain", "payload": "x" * 900_000}).encode()
+    assert (await in_thread(served.call, "PUT", "/v1/state/report/big", big))[0] == 200
+    path, hold_for = served.api.socket_path, 4.0
+
+    def hog():  # another uid in the socket's group: four connections, a request on each, nothing read
+        import time
+        socks = []
+        for _ in range(4):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(path)
+            s.sendall(b"GET /v1/state/report/big HTTP/1.1\r\nHost: x\r\n\r\n")
+            socks.append(s)
+        print("holding", flush=True)
+        time.sleep(hold_for)
+    hogging = asyncio.ensure_future(in_thread(run_as, hog, OTHER_UID, OTHER_UID, (served.sock_gid,)))
+    try:
+        deadline = asyncio.get_running_loop().time() + 5
+        while len(served.api._connections) < 4 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        assert len(served.api._connections) == 4
+        # root is answered while the slots are full
+        assert (await in_thread(served.call, "GET", "/v1/state/metadata"))[0] == 200
+
+        def other_uid_call():
+            print(raw_call(path, "GET", "/v1/state/metadata")[0])
+        # after request_timeout (1 s here) the hogs are dropped, still connected and unread, and another uid is
+        # served again
+        await asyncio.sleep(2.0)
+        assert not hogging.done()
+        rc, out = await in_thread(run_as, other_uid_call, OTHER_UID, OTHER_UID, (served.sock_gid,))
+        assert rc == 0 and out.strip() == "200", out
+    finally:
+        rc, out = await hogging
+    assert rc == 0 and "holding" in out
+
+
+async def test_head_is_answered_with_gets_headers_and_no_body(served):
+    def head(path):
+        conn = http.client.HTTPConnection("localhost", timeout=10)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(served.api.socket_path)
+        conn.sock = s
+        conn.request("HEAD", path)
+        resp = conn.getresponse()
+        out = resp.status, resp.getheader("content-length"), resp.read()
+        conn.request("GET", path)  # the same connection goes on: the HEAD's answer was framed right
+        again = conn.getresponse()
+        out += (again.status, len(again.read()))
+        conn.close()
+        return out
+    status, length, body, then, got = await in_thread(head, "/v1/state/metadata")
+    assert status == 200 and body == b"" and then == 200 and int(length) == got > 0
+    assert (await in_thread(head, "/v1/nowhere"))[:3] == (404, "19", b"")
+
+
+async def test_a_report_with_a_lone_surrogate_is_a_400_naming_it(served):
+    for body in (b'{"content_type": "text/plain", "payload": "x\\ud800y"}',
+                 b'{"content_type": "text/\\udfff", "payload": 1}'):
+        status, doc = await in_thread(served.call, "PUT", "/v1/state/report/k1", body)
+        assert status == 400 and "lone surrogate" in doc["error"], doc
+    assert served.reports.get("k1") is None
+
+
 @settings(max_examples=60, deadline=None)
 @given(header=st.text(max_size=30))
 def test_if_match_header_hypothesis(header):
