@@ -155,6 +155,9 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             raise HTTPError(409, f"version conflict: If-Match {if_match}, {have}") from None
         except EntryTooLarge as exc:
             raise HTTPError(413, str(exc)) from None
+        except UnicodeEncodeError:  # JSON may escape half a surrogate pair; no file can hold it as text
+            raise HTTPError(400, "invalid JSON body: a lone surrogate (a \\ud800-\\udfff escape without its "
+                                 "pair) is not Unicode text") from None
         except StoreFull as exc:
             now = time.monotonic()
             if now - refusals_logged[0] >= 60:  # a workload that keeps trying is one line a minute
