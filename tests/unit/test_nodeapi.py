@@ -301,6 +301,44 @@ def test_token_bucket_refills_per_client():
     assert RateLimiter(rate=0, burst=1).allow("x") == 0.0  # off
 
 
+def test_the_client_table_stays_bounded_and_cheap_under_many_addresses():
+    # Unauthenticated TCP callers from many addresses: the table was rebuilt whole for every new address while
+    # none had refilled (20,000 addresses: 38 s of the event loop). Now O(1): the one seen longest ago goes.
+    import time
+
+    from plexd.nodeapi.ratelimit import MAX_CLIENTS
+
+    now = [0.0]
+    limiter = RateLimiter(rate=0.2, burst=10, clock=lambda: now[0])  # 50 s to refill: nobody refills here
+    started = time.process_time()
+    for i in range(5 * MAX_CLIENTS):
+        now[0] += 0.0001
+        assert limiter.allow(("tcp", f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}")) == 0.0
+    assert len(limiter._buckets) == MAX_CLIENTS
+    assert time.process_time() - started < 5  # was minutes: a bound that only a quadratic cost can break
+    # the recent clients keep their buckets (a flooding one stays limited); the oldest were forgotten
+    last = ("tcp", f"10.0.{((5 * MAX_CLIENTS - 1) >> 8) & 255}.{(5 * MAX_CLIENTS - 1) & 255}")
+    assert last in limiter._buckets and ("tcp", "10.0.0.0") not in limiter._buckets
+
+
+def test_a_refilled_bucket_is_forgotten_before_a_busy_one():
+    from plexd.nodeapi import ratelimit
+
+    now = [0.0]
+    limiter = RateLimiter(rate=1, burst=1, clock=lambda: now[0])
+    old_max, ratelimit.MAX_CLIENTS = ratelimit.MAX_CLIENTS, 2
+    try:
+        limiter.allow("quiet")
+        now[0] = 5.0
+        limiter.allow("busy")
+        assert limiter.allow("busy") > 0  # empty
+        now[0] = 5.5
+        limiter.allow("new")  # room made: "quiet" has refilled and goes; "busy" stays limited
+        assert "quiet" not in limiter._buckets and limiter.allow("busy") > 0
+    finally:
+        ratelimit.MAX_CLIENTS = old_max
+
+
 def test_blocked_looks_at_a_bucket_without_taking_from_it():
     from plexd.nodeapi.ratelimit import RateLimiter
 
