@@ -35,7 +35,7 @@ class LocalAudit:
                 os.replace(self.path, self.path.with_name(self.path.name + ".1"))
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
             try:
-                os.write(fd, line.encode())
+                os.write(fd, line.encode("utf-8", "backslashreplace"))  # a lone surrogate: escaped, not a crash
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -168,6 +168,10 @@ class ActionDispatcher:
                                  f"{', ' + known.status if known.status else ''}); never run twice", rq.DUPLICATE)
 
     def _check_slot(self, request: ActionRequest) -> None:
+        # Again here, after the last await: a drain that began while the hook was being verified has already
+        # waited for what was running, and would never wait for this one.
+        if self.shutting_down:
+            raise InvalidRequest("plexd is shutting down", rq.SHUTTING_DOWN)
         self._check_duplicate(request.execution_id)
         if len(self.running) >= self.config.max_concurrent:
             raise InvalidRequest(f"{len(self.running)} actions running, the limit (actions.max_concurrent)",

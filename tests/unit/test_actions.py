@@ -377,6 +377,41 @@ async def test_drain_cancels_what_outlives_the_window_and_its_result_is_queued(t
     assert [r["status"] for r in results] == ["cancelled"] and not h.d.running
 
 
+async def test_a_request_whose_hook_check_outlasts_the_drain_is_refused_not_started(tmp_path, monkeypatch):
+    # The drain began while the hook was being checked (files read in threads): the request was journaled and the
+    # hook started after the drain had returned, waited for by nobody. The one stand-in: the check is slowed.
+    from plexd.actions import dispatcher as dispatcher_module
+
+    real_image = dispatcher_module.image_hook
+    checking = asyncio.Event()
+
+    def slow_image(path):
+        checking.set()
+        import time
+        time.sleep(0.5)
+        return real_image(path)
+    monkeypatch.setattr(dispatcher_module, "image_hook", slow_image)
+    h = Harness(tmp_path)
+    sha = h.hook("slow.sh", f"touch {tmp_path / 'ran'}\n")
+    await h.rescan()
+    request = asyncio.ensure_future(h.event({"execution_id": "e1", "action": "slow.sh", "checksum": sha}))
+    while not checking.is_set():
+        await asyncio.sleep(0.01)
+    await h.d.drain(5)
+    await request
+    assert acks(h.messages()) == {"e1": "shutting_down"} and not h.d.running
+    await asyncio.sleep(0.2)
+    assert not (tmp_path / "ran").exists() and h.journal.known("e1") is None
+
+
+def test_the_audit_line_of_a_lone_surrogate_is_written_escaped(tmp_path):
+    # An unauthorized local run naming "x\ud800" crashed the audit (no answer, no record) in the authorize step.
+    audit = LocalAudit(tmp_path / "audit.log")
+    audit.record("local_run_refused", action="system.info\ud800", uid=65534)
+    line = json.loads((tmp_path / "audit.log").read_text())
+    assert line["action"] == "system.info\ud800" and line["uid"] == 65534
+
+
 def test_describe_changes_names_each_change():
     from plexd.trust.integrity import Hook, HookScan, RefusedHook
 
