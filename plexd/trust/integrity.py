@@ -354,9 +354,11 @@ def _read_sidecar(path: Path) -> tuple[dict[str, Any], str]:
         from plexd.base.gojson import parse_duration
 
         try:
-            parse_duration(out["timeout"])
+            seconds = parse_duration(out["timeout"])
         except ValueError:
             return {}, f"sidecar {path.name} ignored: timeout {out['timeout']!r} is not a Go duration"
+        if seconds <= 0:  # every run would end at once as "timeout"
+            return {}, f"sidecar {path.name} ignored: timeout {out['timeout']!r} is not a positive duration"
     params = doc.get("parameters")
     if params is not None:
         if not isinstance(params, list):

@@ -114,6 +114,8 @@ def test_sidecar_is_read(hooks_dir):
     ("{not json", "ignored"),
     ('["list"]', "not a JSON object"),
     ('{"timeout": "soon"}', "not a Go duration"),
+    ('{"timeout": "-30s"}', "not a positive duration"),  # every run would have ended at once as a timeout
+    ('{"timeout": "0s"}', "not a positive duration"),
     ('{"parameters": [{"type": "string"}]}', "needs a string name"),
 ])
 def test_malformed_sidecar_is_ignored_with_a_warning(hooks_dir, caplog, sidecar, why):
