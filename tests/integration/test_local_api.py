@@ -15,7 +15,7 @@ import pytest
 
 from plexd.base.errors import PlexdError
 from plexd.node import control_client
-from plexd.nodeapi.server import LocalAPI, Request, Response, require_admin
+from plexd.nodeapi.server import ROOT_RESERVE, LocalAPI, Request, Response, require_admin
 
 
 @pytest.fixture
@@ -171,7 +171,8 @@ async def test_a_slow_client_is_cut_off_and_others_are_served(tmp_path):
 async def test_connections_beyond_the_cap_are_refused_and_the_api_recovers(tmp_path):
     api = await ok_api(tmp_path, max_connections=3)
     try:
-        held = [await asyncio.open_unix_connection(api.socket_path) for _ in range(3)]
+        # root's own reserve too (every caller here is root): 3 + ROOT_RESERVE connections fill the door
+        held = [await asyncio.open_unix_connection(api.socket_path) for _ in range(3 + ROOT_RESERVE)]
         await asyncio.sleep(0.1)
         with pytest.raises(PlexdError, match=r"too many connections to the local API.*HTTP 503"):
             await asyncio.to_thread(control_client.call, api.socket_path, "GET", "/v1/x")
