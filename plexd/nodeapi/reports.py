@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from plexd.base import gojson
-from plexd.base.atomicfile import write_atomic
+from plexd.base.atomicfile import fsync_directory, write_atomic
 from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, read_json_file
 from plexd.nodeapi.keys import file_name, report_key_problem
 from plexd.state.model import DataEntry
@@ -142,20 +142,22 @@ class ReportStore:
                                 gojson.format_time(gojson.now_utc()))
             data = compact(entry.to_wire())
             self._check_caps(key, len(data))
+            # Queued before the write: a crash between the two must not leave an entry on disk that is never sent
+            # (the sync reads the key's entry when it sends, so a write that then fails costs one needless send).
+            self.on_change(key)
             await asyncio.to_thread(self._write, entry, data)
             self._entries[key] = entry
             self._sizes[key] = len(data)
-        self.on_change(key)
         return entry
 
     async def delete(self, key: str) -> bool:
         async with self._lock:
             if key not in self._entries:
                 return False
+            self.on_change(key)  # before the file goes, as for a write
             await asyncio.to_thread(self._remove, key)
             del self._entries[key]
             self._sizes.pop(key, None)
-        self.on_change(key)
         return True
 
     def _check_caps(self, key: str, size: int) -> None:
@@ -178,3 +180,4 @@ class ReportStore:
     def _remove(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             (self.dir / file_name(key)).unlink()
+            fsync_directory(self.dir)  # a 204 means gone for good: a power cut must not bring the entry back
