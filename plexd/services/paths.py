@@ -8,17 +8,23 @@ Per peer, every `TICK` seconds, from the live device (latest handshake, endpoint
              device roamed to the relay (the other side moved there) → relay
     relay    the device roamed to a direct address with a recent handshake (the other side came through
              directly) → direct; otherwise, at the start of a probe window at least one interval after it
-             went to the relay → probing
+             went to the relay → probing (after failed probes, only every 2nd, 4th, ... 32nd window)
     probing  configured direct again until the window ends; then direct if packets kept arriving and the
              device's endpoint is not the relay's (WireGuard roams to wherever the other side's packets come
-             from), else back to the relay
+             from), else back to the relay. Sooner back to the relay when, `PROBE_EVIDENCE` (11 s) into the
+             probe, packets went out directly and none came back: a working direct path answers by then (two-way
+             traffic at once, a one-way flow with WireGuard's passive keepalive at 10 s)
 
 Probe windows are the first 30 s of each `interval` (60 s by default) of wall-clock time,
 the same for every node: both sides of a relayed pair try the direct path at the same moment, which is what
 two NATs that filter by endpoint need to let each other's packets in (a one-sided try can never get through
-them). So a relayed peer tries at most once a minute, and a pair whose direct path never works loses at most the
-packets of one window's first exchange. The decision is a model edit (`DesiredState.relayed`), applied by the
-engine like any event (a switch is news that wins over WireGuard's roaming); the reconcile keeps it.
+them). A pair whose direct path never works therefore sends into nothing while both sides probe: that costs at
+most `PROBE_EVIDENCE` of traffic per probe, and each failed probe doubles the wait for the next (windows whose
+number is a multiple of 2, 4, ... 32, so two sides with different counts still meet in the larger one's), so a
+blocked pair loses some 11 s every 32 minutes, not 30 s of every minute. Either side going back to the relay
+and sending brings the other's device back too (WireGuard roams to the relay's address). The decision is a model
+edit (`DesiredState.relayed`), applied by the engine like any event (a switch is news that wins over WireGuard's
+roaming); the reconcile keeps it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ DIRECT_GRACE = 10.0  # a working direct path handshakes within ~1 s, or 5 s afte
 FRESH = 180.0  # a handshake younger than this: the path carries the session (WireGuard rekeys every 2 min)
 PROBE_INTERVAL = 60.0
 PROBE_WINDOW = 30.0
+PROBE_EVIDENCE = 11.0  # into a probe: sent directly and nothing back by now means the direct path is not there
+MAX_PROBE_BACKOFF = 5  # failed probes double the wait between probes, up to 2**5 intervals
 
 DIRECT, RELAY, PROBING = "direct", "relay", "probing"
 
@@ -53,6 +61,8 @@ class PeerPath:
     since: float  # monotonic: when this path was set
     switches: int = 0
     rx_at_probe: int = 0
+    tx_at_probe: int = 0
+    failed_probes: int = 0  # in a row; reset when a probe (or the other side) brings the direct path back
     last_switch: float = 0.0  # wall clock, for status
     probed_slot: int = -1  # the probe window last used (wall-clock intervals since the epoch)
     relayed_at: float = 0.0  # monotonic: when it last went from direct to the relay (failed probes do not count)
@@ -95,7 +105,7 @@ class PathSelector:
             live = device.peers.get(peer.public_key)
             if live is None:
                 continue
-            path = self._decide(st, live.last_handshake, live.endpoint, live.rx,
+            path = self._decide(st, live.last_handshake, live.endpoint, live.rx, live.tx,
                                 normalize_endpoint(peer.fallback_endpoint), now)
             if path != st.path:
                 log.info("peer %s: path %s -> %s", pid, st.path, path,
@@ -106,13 +116,14 @@ class PathSelector:
                     st.last_switch = self._wall()
                 if path == RELAY and st.path == DIRECT:
                     st.relayed_at = now
-                st.path, st.since, st.rx_at_probe = path, now, live.rx
+                st.path, st.since, st.rx_at_probe, st.tx_at_probe = path, now, live.rx, live.tx
         if changed:
             relayed = frozenset(pid for pid, st in self.paths.items() if st.path == RELAY)
             self._store.edit(lambda d: d.with_relayed(relayed), "path selection", tuple(changed))
             self._converge(f"path selection ({', '.join(sorted(changed))})")
 
-    def _decide(self, st: PeerPath, handshake: float, endpoint: str, rx: int, relay: str, now: float) -> str:
+    def _decide(self, st: PeerPath, handshake: float, endpoint: str, rx: int, tx: int, relay: str,
+                now: float) -> str:
         wall = self._wall()
         fresh = handshake > 0 and wall - handshake < FRESH
         if st.path == DIRECT:
@@ -122,17 +133,27 @@ class PathSelector:
         slot, into = int(wall // self.interval), wall % self.interval
         if st.path == RELAY:
             if fresh and endpoint and endpoint != relay:
+                st.failed_probes = 0
                 return DIRECT  # the other side reached us directly and the device roamed to it
-            # Not in its first interval on the relay (the direct path just failed); after that, every window, so
-            # the two sides of a pair, whenever each went relayed, keep trying together.
-            if into < self.window / 2 and slot != st.probed_slot and now - st.relayed_at >= self.interval:
+            # Not in its first interval on the relay (the direct path just failed); after that, every window (or
+            # every 2**failed_probes-th), so the two sides of a pair, whenever each went relayed, try together.
+            every = 2 ** min(st.failed_probes, MAX_PROBE_BACKOFF)
+            if (into < self.window / 2 and slot != st.probed_slot and slot % every == 0
+                    and now - st.relayed_at >= self.interval):
                 st.probed_slot = slot
                 return PROBING
             return RELAY
-        # probing: configured direct until the window is over
+        # probing: configured direct until the window is over, or until it is plain that nothing comes back
         if slot == st.probed_slot and into < self.window:
+            if now - st.since >= PROBE_EVIDENCE and tx > st.tx_at_probe and rx <= st.rx_at_probe:
+                st.failed_probes += 1
+                return RELAY
             return PROBING
-        return DIRECT if endpoint != relay and rx > st.rx_at_probe and fresh else RELAY
+        if endpoint != relay and rx > st.rx_at_probe and fresh:
+            st.failed_probes = 0
+            return DIRECT
+        st.failed_probes += 1
+        return RELAY
 
     def status(self) -> dict[str, Any]:
         return {pid: {"path": st.path, "switches": st.switches, "last_switch": st.last_switch or None}

@@ -35,14 +35,15 @@ class Harness:
         self.store = DesiredStore(base.with_peers([self.peer, self.plain]))
         # 35 s into a probe interval (1_699_999_980 is a whole number of minutes): outside the probe window
         self.mono, self.wall = 1000.0, 1_699_999_980.0 + 35
-        self.live = {"endpoint": DIRECT_EP, "handshake": 0.0, "rx": 0}
+        self.live = {"endpoint": DIRECT_EP, "handshake": 0.0, "rx": 0, "tx": 0}
         self.converges: list[str] = []
         self.selector = PathSelector(self.store, self.device, self.converges.append,
                                      monotonic=lambda: self.mono, wall=lambda: self.wall)
 
     async def device(self) -> DeviceConfig:
         peers = {self.peer.public_key: PeerConfig(self.peer.public_key, self.live["endpoint"],
-                                                  last_handshake=self.live["handshake"], rx=self.live["rx"]),
+                                                  last_handshake=self.live["handshake"], rx=self.live["rx"],
+                                                  tx=self.live["tx"]),
                  self.plain.public_key: PeerConfig(self.plain.public_key, self.plain.endpoint)}
         return DeviceConfig(peers=peers)
 
@@ -157,3 +158,50 @@ def test_a_malformed_fallback_endpoint_refuses_the_peer_by_name():
                            "fallback_endpoint": RELAY_EP})
     assert wire.fallback_endpoint == RELAY_EP and wire.to_wire()["fallback_endpoint"] == RELAY_EP
     assert "fallback_endpoint" not in Peer("n_z", key(), "10.100.0.7").to_wire()  # the older shape stays as it was
+
+
+async def test_a_pair_whose_direct_path_is_dead_loses_little_to_probes():
+    """Both sides of a relayed pair probe in the same window, and when the direct path is dead, whatever either
+    sends while probing goes nowhere. The window used to be waited out (30 s of every minute lost, for good);
+    now a probe ends when, 11 s in, packets went out and none came back, and each failed probe doubles the wait
+    for the next. The device model: traffic flows both ways; a side gets the other's packets only while both
+    are on the relay (the direct path delivers nothing), and it roams to the relay when it does."""
+    one, other = Harness(), Harness()
+    other.selector = PathSelector(other.store, other.device, other.converges.append,
+                                  monotonic=lambda: one.mono, wall=lambda: one.wall)
+    sides = (one, other)
+    ticks = lost = 0
+    probe_starts = []
+    for step in range(30 * 30):  # 30 minutes in 2 s ticks
+        one.mono += 2
+        one.wall += 2
+        for h in sides:
+            await h.selector.tick()
+        paths = [h.selector.paths["n_b"].path for h in sides]
+        for h in sides:
+            h.live["tx"] = h.live.get("tx", 0) + 100  # always something to send
+            if all(p == RELAY for p in paths):
+                h.live["endpoint"], h.live["rx"], h.live["handshake"] = RELAY_EP, h.live["rx"] + 100, one.wall
+        if paths[0] == PROBING and (not probe_starts or probe_starts[-1][1] != step - 1):
+            probe_starts.append((step, step))
+        elif paths[0] == PROBING:
+            probe_starts[-1] = (probe_starts[-1][0], step)
+        ticks += 1
+        lost += any(p != RELAY for p in paths)
+    durations = [(end - start + 1) * 2 for start, end in probe_starts]
+    assert all(d <= 14 for d in durations[1:]), durations  # ended on the evidence, not at 30 s
+    assert len(probe_starts) <= 7, probe_starts  # 1, 2, 4, ... 32 minutes apart: not one a minute
+    assert lost / ticks < 0.08, (lost, ticks)  # was about half of all time
+
+
+async def test_a_probe_that_hears_back_is_not_cut_short(h):
+    await h.after(0)
+    await h.after(11)
+    h.live["endpoint"] = RELAY_EP
+    h.handshake_now()
+    assert await h.after(76) == PROBING
+    h.live["tx"] = 500
+    h.live["endpoint"], h.live["rx"] = DIRECT_EP, h.live["rx"] + 148  # an answer came directly
+    h.handshake_now()
+    assert await h.after(12) == PROBING and await h.after(6) == PROBING  # evidence of life: the window goes on
+    assert await h.after(14) == DIRECT and h.selector.paths["n_b"].failed_probes == 0
