@@ -143,21 +143,50 @@ def _routes(peer: Peer) -> list[route_limits.IPNetwork]:
     return [n for n in nets if n is not None]
 
 
-class _With(Mapping[route_limits.IPAddress, str]):
-    """`table` plus one entry, without copying the table."""
+def _endpoint_ips(peer: Peer) -> tuple[route_limits.IPAddress, ...]:
+    """The addresses the peer's tunnel packets go to: its endpoint and its relay (fallback) endpoint."""
+    return _addresses_of(peer.endpoint, peer.fallback_endpoint)
 
-    def __init__(self, table: Mapping[route_limits.IPAddress, str], key: route_limits.IPAddress, owner: str) -> None:
-        self._table, self._key, self._owner = table, key, owner
 
-    def __getitem__(self, key: route_limits.IPAddress) -> str:
-        return self._owner if key == self._key else self._table[key]
+@functools.lru_cache(maxsize=1 << 16)
+def _addresses_of(endpoint: str, fallback: str) -> tuple[route_limits.IPAddress, ...]:
+    ips = (endpoint_ip(endpoint), endpoint_ip(fallback))
+    return tuple(dict.fromkeys(ip for ip in ips if ip is not None))
+
+
+class _EndpointOwners(Mapping[route_limits.IPAddress, str]):
+    """Endpoint address -> a peer whose tunnel goes there. Every owner is counted: two peers behind one NAT share
+    an address, and the one leaving must not unprotect it for the other. (Owners in immutable tuples: an event's
+    copy of the index is one flat dict copy.)"""
+
+    def __init__(self, owners: dict[route_limits.IPAddress, tuple[str, ...]] | None = None) -> None:
+        self._owners = owners if owners is not None else {}
+
+    def copy(self) -> _EndpointOwners:
+        return _EndpointOwners(dict(self._owners))
+
+    def add(self, ip: route_limits.IPAddress, peer_id: str) -> None:
+        ids = self._owners.get(ip, ())
+        if peer_id not in ids:
+            self._owners[ip] = (*ids, peer_id)
+
+    def discard(self, ip: route_limits.IPAddress, peer_id: str) -> None:
+        ids = self._owners.get(ip)
+        if ids is not None and peer_id in ids:
+            rest = tuple(i for i in ids if i != peer_id)
+            if rest:
+                self._owners[ip] = rest
+            else:
+                del self._owners[ip]
+
+    def __getitem__(self, ip: route_limits.IPAddress) -> str:
+        return self._owners[ip][0]
 
     def __iter__(self) -> Iterator[route_limits.IPAddress]:
-        yield self._key
-        yield from (k for k in self._table if k != self._key)
+        return iter(self._owners)
 
     def __len__(self) -> int:
-        return len(self._table) + (self._key not in self._table)
+        return len(self._owners)
 
 
 class _RouteIndex:
@@ -167,8 +196,9 @@ class _RouteIndex:
     def __init__(self, peers: Mapping[str, Peer]) -> None:
         self.keys: dict[str, str] = {}  # public key -> peer id
         self.mesh_strings: dict[str, str] = {}  # mesh IP as written -> peer id
-        self.endpoints: dict[route_limits.IPAddress, str] = {}
+        self.endpoints = _EndpointOwners()
         self.routed: dict[route_limits.IPNetwork, str] = {}  # every prefix routed to a peer -> that peer
+        self.lengths: dict[tuple[int, int], int] = {}  # (IP version, prefix length) -> how many routed prefixes
         self.space = route_limits.RoutedSpace(self.routed)  # what `routed` covers (the share limit)
         for peer in peers.values():
             self.add(peer)
@@ -176,7 +206,7 @@ class _RouteIndex:
     def copy(self) -> _RouteIndex:
         new = _RouteIndex({})
         new.keys, new.mesh_strings = dict(self.keys), dict(self.mesh_strings)
-        new.endpoints, new.routed = dict(self.endpoints), dict(self.routed)
+        new.endpoints, new.routed, new.lengths = self.endpoints.copy(), dict(self.routed), dict(self.lengths)
         new.space = self.space.rebound(new.routed)
         return new
 
@@ -184,14 +214,24 @@ class _RouteIndex:
         if net not in self.routed:
             self.routed[net] = peer_id
             self.space.add(net)
+            length = (net.version, net.prefixlen)
+            self.lengths[length] = self.lengths.get(length, 0) + 1
+
+    def covering(self, ip: route_limits.IPAddress) -> Iterator[tuple[route_limits.IPNetwork, str]]:
+        """The routed prefixes that contain `ip`: one look-up per prefix length in use, not a scan."""
+        for version, length in self.lengths:
+            if version == ip.version:
+                net = ipaddress.ip_network((ip, length), strict=False)
+                owner = self.routed.get(net)
+                if owner is not None:
+                    yield net, owner
 
     def add(self, peer: Peer) -> None:
         self.keys[peer.public_key] = peer.id
         if peer.mesh_ip:
             self.mesh_strings[peer.mesh_ip] = peer.id
-        ip = endpoint_ip(peer.endpoint)
-        if ip is not None:
-            self.endpoints.setdefault(ip, peer.id)
+        for ip in _endpoint_ips(peer):
+            self.endpoints.add(ip, peer.id)
         for net in _routes(peer):
             self.claim(net, peer.id)
 
@@ -200,13 +240,16 @@ class _RouteIndex:
             del self.keys[peer.public_key]
         if self.mesh_strings.get(peer.mesh_ip) == peer.id:
             del self.mesh_strings[peer.mesh_ip]
-        ip = endpoint_ip(peer.endpoint)
-        if ip is not None and self.endpoints.get(ip) == peer.id:
-            del self.endpoints[ip]
+        for ip in _endpoint_ips(peer):
+            self.endpoints.discard(ip, peer.id)
         for net in _routes(peer):
             if self.routed.get(net) == peer.id:
                 del self.routed[net]
                 self.space.remove(net)
+                length = (net.version, net.prefixlen)
+                self.lengths[length] -= 1
+                if not self.lengths[length]:
+                    del self.lengths[length]
 
 
 @dataclass(frozen=True)
@@ -315,18 +358,28 @@ class DesiredState:
         replaced = {p.id for p in candidates}
         refused = [r for r in self.refused_routes if r[0] not in replaced and r[0] in peers]
         index = self._route_index.copy() if base is self.peers else _RouteIndex({})
-        owner_of, mesh_owner = index.keys, index.mesh_strings
         own_mesh = route_limits.address(self.mesh_ip)
+        # Every candidate's endpoints are known before any prefix is checked, so whether a prefix may cover a
+        # peer's endpoint never depends on which of the two came first in the list.
         for peer in candidates:
+            old = peers.get(peer.id)
+            for ip in _endpoint_ips(old) if old is not None else ():
+                index.endpoints.discard(ip, peer.id)
+            for ip in _endpoint_ips(peer):
+                index.endpoints.add(ip, peer.id)
+
+        def admit(peer: Peer) -> None:
             reason = validate_peer(peer, self.public_key)
             old = peers.pop(peer.id, None)
             if old is not None:
                 index.remove(old)
+            for ip in _endpoint_ips(peer):  # counted while its prefixes are checked (its own endpoint too)
+                index.endpoints.add(ip, peer.id)
             if reason is None:
-                reason = self._claims(peer, owner_of, mesh_owner, own_mesh)
+                reason = self._claims(peer, index.keys, index.mesh_strings, own_mesh)
             if reason is None:
                 peer, dropped = self._limit_routes(peer, index, own_mesh)
-                refused += [(peer.id, prefix, why) for prefix, why in dropped]
+                refused.extend((peer.id, prefix, why) for prefix, why in dropped)
                 if not peer.allowed_ips and dropped and not peer.mesh_ip:
                     reason = "every allowed IP was refused: " + "; ".join(f"{p}: {w}" for p, w in dropped)
             if reason is None:
@@ -334,10 +387,26 @@ class DesiredState:
                 index.add(peer)
                 rejected.pop(peer.id, None)
             else:
+                for ip in _endpoint_ips(peer):
+                    index.endpoints.discard(ip, peer.id)
                 rejected[peer.id or "(no id)"] = reason
+
+        for peer in candidates:
+            admit(peer)
+        # A peer already in place whose prefix now covers a newcomer's endpoint (an event, a NAT exchange, a
+        # relay): that prefix goes, as it would have if the two had arrived together.
+        for peer_id in self._covering_base_peers(candidates, peers, index, replaced):
+            admit(peers[peer_id])
         new = replace(self, peers=peers, rejected=tuple(sorted(rejected.items())), refused_routes=tuple(refused))
         new.__dict__["_route_index"] = index  # the next event's check starts from it (a copy), not from scratch
         return new
+
+    @staticmethod
+    def _covering_base_peers(candidates: list[Peer], peers: Mapping[str, Peer], index: _RouteIndex,
+                             replaced: set[str]) -> list[str]:
+        """Peers not among `candidates` routed a prefix that covers one of the accepted candidates' endpoints."""
+        ips = {ip for c in candidates if c.id in peers for ip in _endpoint_ips(peers[c.id])}
+        return sorted({owner for ip in ips for _, owner in index.covering(ip) if owner not in replaced})
 
     @cached_property
     def _route_index(self) -> _RouteIndex:
@@ -369,10 +438,7 @@ class DesiredState:
                       own_mesh: route_limits.IPAddress | None) -> tuple[Peer, list[tuple[str, str]]]:
         """The peer without the prefixes the route limits refuse, and those prefixes with the reason."""
         prefixes = _route_texts(peer)
-        own_endpoint = endpoint_ip(peer.endpoint)  # its own endpoint counts too: routing it would loop
-        endpoints: Mapping[route_limits.IPAddress, str] = index.endpoints
-        if own_endpoint is not None and own_endpoint not in endpoints:
-            endpoints = _With(index.endpoints, own_endpoint, peer.id)
+        endpoints = index.endpoints  # its own endpoints among them: routing them would loop
         kept: list[str] = []
         dropped: list[tuple[str, str]] = []
         claimed: set[route_limits.IPNetwork] = set()

@@ -85,6 +85,35 @@ def test_a_peers_endpoint_is_never_routed_into_the_tunnel():
     assert ("n_5", "203.0.113.9/32") in refused(d)  # its own endpoint: a routing loop
 
 
+def test_whether_a_prefix_may_cover_an_endpoint_never_depends_on_which_peer_came_first():
+    # The endpoint was checked against the newcomer's own prefixes only: a covering prefix already in place stayed,
+    # and the endpoint's tunnel packets went into the tunnel (a loop), depending on list or event order.
+    covering, endpoint_peer = peer(3, "10.100.0.3/32", "203.0.113.0/24"), peer(2, endpoint="203.0.113.7:51820")
+    for order in ((covering, endpoint_peer), (endpoint_peer, covering)):
+        d = model().with_state(State(peers=order))
+        assert d.peers["n_3"].allowed_ips == ("10.100.0.3/32",), order
+        assert "endpoint 203.0.113.7 of peer n_2" in refused(d)[("n_3", "203.0.113.0/24")]
+    # by events: the endpoint's peer arrives after the covering prefix, or its endpoint moves into it
+    d = model().with_peer(covering).with_peer(endpoint_peer)
+    assert d.peers["n_3"].allowed_ips == ("10.100.0.3/32",) and ("n_3", "203.0.113.0/24") in refused(d)
+    d = model().with_peer(covering).with_peer(peer(2, endpoint="198.51.100.20:51820"))
+    assert "203.0.113.0/24" in d.peers["n_3"].allowed_ips
+    d = d.with_peer_endpoint("n_2", "203.0.113.9:4500")
+    assert d.peers["n_3"].allowed_ips == ("10.100.0.3/32",) and "203.0.113.9" in refused(d)[("n_3", "203.0.113.0/24")]
+
+
+def test_a_relay_endpoint_and_a_shared_nat_address_stay_protected():
+    relayed = Peer(id="n_2", public_key=key(), mesh_ip="10.100.0.2", endpoint="198.51.100.20:51820",
+                   fallback_endpoint="203.0.113.50:51821", allowed_ips=("10.100.0.2/32",))
+    d = model().with_state(State(peers=(relayed, peer(3, "10.100.0.3/32", "203.0.113.0/24"))))
+    assert "endpoint 203.0.113.50 of peer n_2" in refused(d)[("n_3", "203.0.113.0/24")]
+    # two peers behind one NAT address: the one leaving must not unprotect it for the other
+    a, b = peer(4, endpoint="203.0.113.7:40001"), peer(5, endpoint="203.0.113.7:40002")
+    d = model().with_state(State(peers=(a, b))).without_peer("n_4")
+    d = d.with_peer(peer(6, "10.100.0.6/32", "203.0.113.0/24"))
+    assert d.peers["n_6"].allowed_ips == ("10.100.0.6/32",) and "of peer n_5" in refused(d)[("n_6", "203.0.113.0/24")]
+
+
 def test_mesh_addresses_belong_to_one_peer():
     a = peer(2)
     d = model().with_state(State(peers=(a, peer(3, mesh_ip="10.100.0.2"), peer(4, mesh_ip="10.100.0.1"))))
