@@ -222,10 +222,11 @@ class IdentityStore:
             IDENTITY_FILE: json.dumps(doc, indent=2, ensure_ascii=False),
         }
         written: list[str] = []
+        # A new key: retract the commit marker first, so that dying mid-save cannot pair the old identity.json
+        # with the new key. The same key (re-registration): any mix of old and new files is still valid.
+        new_key = self._stored_private_key() != contents[PRIVATE_KEY_FILE]
         try:
-            # A new key: retract the commit marker first, so that dying mid-save cannot pair the old identity.json
-            # with the new key. The same key (re-registration): any mix of old and new files is still valid.
-            if self._stored_private_key() != contents[PRIVATE_KEY_FILE]:
+            if new_key:
                 with contextlib.suppress(FileNotFoundError):
                     self.path(IDENTITY_FILE).unlink()
             for name in IDENTITY_FILES:
@@ -234,12 +235,16 @@ class IdentityStore:
                 write_atomic(self.path(name), contents[name].encode())
                 written.append(name)
         except OSError as exc:
+            self._remove_temp_files()
+            why = f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} (errno {exc.errno})"
+            if not new_key:
+                # Removing what was written would take the node's own key and secret with it (they were
+                # rewritten in place): the files as they are still make a valid identity.
+                raise DataDirError(f"{why}; the identity on disk is kept") from None
             for name in written:
                 with contextlib.suppress(OSError):
                     self.path(name).unlink()
-            self._remove_temp_files()
-            raise DataDirError(f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} "
-                               f"(errno {exc.errno}); nothing was kept") from None
+            raise DataDirError(f"{why}; nothing was kept") from None
 
     def _save_kdf(self, kdf: str) -> None:
         if kdf:

@@ -144,6 +144,22 @@ def test_failed_save_leaves_nothing_behind(tmp_path):
     assert store.load().identity is None
 
 
+def test_a_failed_resave_of_the_same_key_keeps_the_identity(tmp_path):
+    # A re-registration rewrites the files in place; a write failing half-way used to "roll back" by deleting
+    # what it had written: the node's own private key and node secret, an orphaned node.
+    import dataclasses
+
+    store = IdentityStore(tmp_path)
+    first = ident()
+    store.save(first)
+    (tmp_path / ".tmp-identity.json").mkdir()  # the last write fails
+    with pytest.raises(DataDirError, match=r"cannot save the identity .*the identity on disk is kept"):
+        store.save(dataclasses.replace(first, node_secret_key="rotated-secret"))
+    loaded = store.load().identity
+    assert loaded is not None and loaded.private_key == first.private_key
+    assert loaded.node_secret_key in ("rotated-secret", first.node_secret_key)
+
+
 def test_data_dir_that_cannot_be_created(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
