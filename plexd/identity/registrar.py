@@ -231,6 +231,7 @@ class Registrar:
         self.config = config
         # (attempt, error, delay, seconds left): waits out a retry delay; `plexd join` shows a countdown with it
         self._wait_retry = wait_retry
+        self.posting = False  # a register request is on the wire: its answer spends the token and must be saved
         self.client = client
         self.store = store or IdentityStore(config.data_dir)
         self.clock = clock or Clock()
@@ -376,7 +377,11 @@ class Registrar:
         while True:
             attempts += 1
             try:
-                resp = await self.client.register(request, token=bearer)
+                self.posting = True
+                try:
+                    resp = await self.client.register(request, token=bearer)
+                finally:
+                    self.posting = False
                 decode_key(resp.signing_public_key, "signing_public_key in the register response")
                 kdf = node_secret.check(resp.node_secret_kdf or None, "the register response")
                 break

@@ -312,3 +312,31 @@ async def test_a_metadata_answer_past_the_token_file_limit_is_unavailable(tmp_pa
             with pytest.raises(TokenError, match="no bootstrap token"):
                 await Registrar(config, client, clock=clock, env={}).ensure_registered()
     assert any("unavailable: response larger than 65536 bytes" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_stop_while_the_register_request_is_in_flight_waits_for_the_answer_and_saves_it(tmp_path):
+    """SIGTERM during `POST /v1/register` cancelled it: the control plane spent the one-time token when it answered,
+    the answer was thrown away, and the node was left with a spent token and no identity."""
+    from plexd.node.agent import Agent
+
+    answered = asyncio.Event()
+
+    async def slow_register(req):
+        await asyncio.sleep(1.0)
+        answered.set()
+        return Reply(200, ok_body())
+
+    async with Recorder(slow_register) as server:
+        (tmp_path / "token").write_text("plx_enroll_" + "a" * 32)
+        config = make_config(tmp_path, server.url)
+        stop = asyncio.Event()
+        agent = Agent(config, stop_event=stop)
+        async with agent:
+            run = asyncio.create_task(agent.run(lambda a: pytest.fail("assembled after a stop")))
+            while not server.requests:
+                await asyncio.sleep(0.01)
+            stop.set()  # the request is on the wire
+            assert await asyncio.wait_for(run, 10) == 0
+    assert answered.is_set()
+    identity = IdentityStore(tmp_path / "data").load().identity
+    assert identity is not None and identity.node_id == "n_1"
