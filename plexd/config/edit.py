@@ -138,7 +138,11 @@ def _without_token_value(text: str, path: str) -> str:
         if m.group("value"):  # flow style: rewrite the mapping without its value
             import yaml
 
-            mapping = yaml.safe_load(m.group("value"))
+            try:
+                mapping = yaml.safe_load(m.group("value"))
+            except yaml.YAMLError:  # a mapping over several lines, a "#" in the token: not one line's YAML
+                raise ConfigError(f"{path}: token is written in a form this edit cannot rewrite safely; remove "
+                                  "token.value by hand") from None
             if not isinstance(mapping, dict):
                 raise ConfigError(f"{path}: token is not a mapping; remove token.value by hand")
             mapping.pop("value", None)

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -225,7 +226,9 @@ class ActionsConfig:
 class HooksConfig:
     """Hook discovery."""
 
-    dir: str = _f("/etc/plexd/hooks.d")
+    # An absolute path: "" or a relative one would be the daemon's working directory ("/" under systemd), every
+    # root-owned executable there an action.
+    dir: str = _f("/etc/plexd/hooks.d", "path", absolute=True)
     # A full re-scan this often besides the file watcher's (inotify can miss changes, e.g. on network mounts).
     reverify: float = _f(300.0, "duration", min=30)
 
@@ -585,6 +588,8 @@ def _convert(key: str, raw: Any, origin: str) -> Any:
                                                                                  and not from_text):
                 raise ValueError
             value = float(raw)
+            if not math.isfinite(value):  # nan passes every min/max comparison; inf overflows what uses it
+                raise ValueError
         except ValueError:
             raise bad("a number") from None
     elif kind == "duration":
@@ -648,6 +653,8 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
         raise ConfigError(f"{where} is not a valid interface name (1-15 characters, no '/' or spaces)")
     if kind == "path" and not value:
         raise ConfigError(f"{where} must not be empty")
+    if rules.get("absolute") and not value.startswith("/"):
+        raise ConfigError(f"{where} must be an absolute path")
     if rules.get("cidrs"):
         import ipaddress
 

@@ -81,6 +81,19 @@ def test_reconcile_interval_has_a_one_second_minimum(tmp_path):
         load(tmp_path, "reconcile: {interval: 150ms}")
 
 
+@pytest.mark.parametrize("text, env, why", [
+    ('hooks: {dir: ""}', {}, r"hooks\.dir: .* must not be empty"),  # was the working directory: "/" under systemd
+    ("hooks: {dir: hooks.d}", {}, r"hooks\.dir: .* must be an absolute path"),
+    (None, {"PLEXD_HOOKS_DIR": ""}, r"hooks\.dir: .*env PLEXD_HOOKS_DIR.* must not be empty"),
+    ("sse: {jitter: .nan}", {}, r"sse\.jitter: .* is not a number"),  # nan passed every min/max check
+    (None, {"PLEXD_NODE_API_RATE_LIMIT": "inf"}, r"node_api\.rate_limit: .* is not a number"),
+])
+def test_a_hooks_dir_that_is_not_an_absolute_path_and_a_number_that_is_not_finite_are_refused(tmp_path, text,
+                                                                                               env, why):
+    with pytest.raises(ConfigError, match=why):
+        load(tmp_path, text, env=env)
+
+
 def test_api_short_form(tmp_path):
     c = load(tmp_path, "api: https://cp.example.com\n")
     assert c.api.url == "https://cp.example.com" and c.api.tls.insecure_skip_verify is False

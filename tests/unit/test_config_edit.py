@@ -39,6 +39,16 @@ def test_a_file_it_cannot_edit_safely_is_left_unchanged(tmp_path):
     assert path.read_text() == text
 
 
+def test_a_flow_mapping_over_several_lines_is_a_clear_error_not_a_traceback(tmp_path):
+    # yaml.YAMLError escaped `plexd join` after the registration had succeeded, and the spent token stayed.
+    path = tmp_path / "config.yaml"
+    text = "api: https://cp\ntoken: {value: plx_enroll_abc,\n  file: /t}\n"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"cannot rewrite safely; remove token\.value by hand"):
+        remove_token_value(str(path))
+    assert path.read_text() == text
+
+
 def test_join_stores_the_api_and_says_when_it_is_insecure(tmp_path):
     from plexd.config import settings as config_mod
     from plexd.config.edit import store_api_url
