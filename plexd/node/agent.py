@@ -362,6 +362,8 @@ class Agent:
         POST without `force` changes nothing: the daemon keeps running."""
         if self.stopping or self.identity is None:
             raise PlexdError("the daemon is already stopping")
+        if self.leaving is not None:  # a second caller's failure must not undo what the first was promised
+            raise PlexdError("a deregistration is already in progress")
         self.leaving = Leaving()  # from now on a 401 is our deregistration, not something to re-register from
         error = await self._post_deregister(DEREGISTER_TIMEOUT, purge=purge)
         leaving = Leaving(deregistered=not error, error=error)

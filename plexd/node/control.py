@@ -225,8 +225,12 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
             raise HTTPError(409, str(exc)) from None
         if not leaving.deregistered and not flags["force"]:
             raise HTTPError(502, f"the control plane did not take the deregistration: {leaving.error}")
+        cfg = node.agent.config
         return Response(200, {"node_id": node.agent.identity.node_id if node.agent.identity else "",
-                              "deregistered": leaving.deregistered, "error": leaving.error, "torn_down": True})
+                              "deregistered": leaving.deregistered, "error": leaving.error, "torn_down": True,
+                              # what `--purge` removes: the daemon's own, whatever the command's config says
+                              "paths": {"data_dir": str(cfg.data_dir), "token_file": cfg.token.file,
+                                        "telemetry_queue_dir": cfg.telemetry.queue_dir}})
 
     async def rotate_keys(req: Request) -> Response:
         from plexd.node.key_rotation import RotationFailed

@@ -64,11 +64,15 @@ async def take_down(config: Any) -> None:
         await device.backend.close()
 
 
-def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepReport:
+def purge_local(config: Any, *, systemd_running: bool | None = None,
+                daemon_paths: dict[str, Any] | None = None) -> StepReport:
     """``--purge``: data_dir, the bootstrap token file, and the systemd unit (disabled and stopped) when systemd
-    is PID 1. Every step is attempted; each one says what it did, skipped, or could not do."""
+    is PID 1. Every step is attempted; each one says what it did, skipped, or could not do. `daemon_paths`: the
+    running daemon's own (its answer names them): a daemon started with another --data-dir or PLEXD_DATA_DIR than
+    this command's keeps its keys in its own, and those are the ones to remove."""
     report = StepReport()
-    data_dir = config.data_dir
+    paths = daemon_paths or {}
+    data_dir = _path(paths, "data_dir", config.data_dir)
     if os.path.lexists(data_dir):
         try:
             shutil.rmtree(data_dir)
@@ -77,13 +81,13 @@ def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepRepo
             report.failed.append(f"could not remove {data_dir}: {exc.strerror or exc}")
     else:
         report.skipped.append(f"{data_dir} does not exist")
-    queue_dir = config.telemetry.queue_dir
+    queue_dir = _path(paths, "telemetry_queue_dir", config.telemetry.queue_dir)
     if queue_dir:  # an older version's telemetry.db, kept outside data_dir
         base = os.path.join(queue_dir, datadir.TELEMETRY_DB)
         removed = [p for p in (base, base + "-wal", base + "-shm") if _unlink(p)]
         if removed:
             report.done.append(f"removed the telemetry queue {base}")
-    token_file = config.token.file
+    token_file = _path(paths, "token_file", config.token.file)
     if token_file:
         try:
             os.unlink(token_file)
@@ -99,6 +103,11 @@ def purge_local(config: Any, *, systemd_running: bool | None = None) -> StepRepo
     else:
         report.done.append("disabled and stopped plexd.service")
     return report
+
+
+def _path(paths: dict[str, Any], name: str, default: str) -> str:
+    value = paths.get(name)
+    return value if isinstance(value, str) and (value.startswith("/") or not value) else default
 
 
 def _unlink(path: str) -> bool:
@@ -128,7 +137,9 @@ def deregister_command(config: Any, *, purge: bool, force: bool) -> dict[str, An
         raise PlexdError(_unchanged(exc.reason, daemon=True)) from None
     except DaemonNotRunning:
         doc = _deregister_alone(config, purge=purge, force=force)
-    doc["purge"] = purge_local(config).to_json() if purge else None
+    paths = doc.pop("paths", None) if doc.get("by_daemon") else None
+    doc["purge"] = purge_local(config, daemon_paths=paths if isinstance(paths, dict) else None).to_json() \
+        if purge else None
     return doc
 
 

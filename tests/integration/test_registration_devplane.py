@@ -329,3 +329,26 @@ def test_deregister_with_the_control_plane_down_changes_nothing_unless_forced(tm
     assert r.returncode == 0, r.stderr
     assert f"node {ident.node_id} was NOT deregistered" in r.stdout and "--force" in r.stdout
     assert f"purged: removed {node.data}" in r.stdout and not node.data.exists()
+
+
+def test_deregister_purge_through_the_daemon_removes_the_daemons_own_data_dir(tmp_path, dp):
+    """The daemon was started with another data_dir than the command's (a --data-dir, a PLEXD_DATA_DIR): the purge
+    removed the command's (nothing there) and the daemon's private key and node secret stayed."""
+    node = Node(tmp_path / "a", dp, "px-purged")
+    node.token.write_text(dp.admin.create_token())
+    assert node.run("join").returncode == 0
+    ident = node.identity()
+    proc = node.up()
+    try:
+        wait_until(lambda: json.loads(node.run("status", "--json").stdout or "{}").get("daemon", {}).get("running"),
+                   what="the daemon's socket")
+        elsewhere = tmp_path / "not-the-daemons"
+        r = node.run("deregister", "--purge", "--json", PLEXD_DATA_DIR=str(elsewhere))
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["by_daemon"] and doc["node_id"] == ident.node_id and "paths" not in doc
+        assert f"removed {node.data} (identity, keys, caches, journals)" in doc["purge"]["done"], doc
+    finally:
+        rc, err = stop(proc)
+    assert rc == 0, err  # the daemon stopped after the deregistration
+    assert not node.data.exists() and not elsewhere.exists()
