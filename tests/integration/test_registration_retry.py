@@ -340,3 +340,29 @@ async def test_a_stop_while_the_register_request_is_in_flight_waits_for_the_answ
     assert answered.is_set()
     identity = IdentityStore(tmp_path / "data").load().identity
     assert identity is not None and identity.node_id == "n_1"
+
+
+async def test_a_second_deregistration_while_one_is_in_progress_is_refused(tmp_path):
+    # The second caller's failed POST reset the first one's `leaving`: the stop then kept the interface and table
+    # the first caller had been told were torn down.
+    from plexd.base.errors import PlexdError
+    from plexd.identity.store import Identity
+    from plexd.node.agent import Agent
+
+    agent = Agent(make_config(tmp_path, "http://127.0.0.1:9"))
+    agent.identity = Identity("n_1", "10.100.0.2", SIGNING, "S" * 32, b"\x01" * 32)
+    posted = asyncio.Event()
+
+    async def slow_post(timeout, *, purge):
+        posted.set()
+        await asyncio.sleep(0.3)
+        return ""
+
+    agent._post_deregister = slow_post
+    agent.stopped.set()  # no stop sequence to wait for here
+    async with agent:
+        first = asyncio.create_task(agent.leave(purge=False, force=False))
+        await posted.wait()
+        with pytest.raises(PlexdError, match="a deregistration is already in progress"):
+            await agent.leave(purge=False, force=False)
+        assert (await first).deregistered and agent.leaving.deregistered
