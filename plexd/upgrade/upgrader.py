@@ -43,6 +43,7 @@ from plexd.actions.builtins import Output, json_output
 from plexd.base.childenv import child_environment
 from plexd.base.children import signal_child
 from plexd.base.errors import PlexdError
+from plexd.controlplane import http11
 from plexd.controlplane.errors import ControlPlaneError
 from plexd.trust.integrity import sha256_file, zipapp_of
 from plexd.upgrade import marker as markers
@@ -113,15 +114,24 @@ class Upgrader:
             log.error("upgrade to plexd %s refused: %s", version, problem, extra={"execution_id": execution_id})
             return Output(1, "", f"upgrade to plexd {version}: {problem}; nothing installed\n")
         self.installing = version
+        installed = False
         try:
-            return await self._install(version, checksum, execution_id)
+            out = await self._install(version, checksum, execution_id)
+            installed = True
+            return out
+        except http11.HTTPError as exc:  # the download broke off (a reset, a stall): nothing installed
+            why = f"the download broke off: {exc}; nothing installed"
+            log.error("upgrade to plexd %s failed: %s", version, why, extra={"execution_id": execution_id})
+            return Output(1, "", f"upgrade to plexd {version}: {why}\n")
         except (UpgradeRefused, SignatureError, ControlPlaneError, ReleaseError, OSError) as exc:
-            self.installing = ""
             why = str(exc) if isinstance(exc, PlexdError) else f"{exc.strerror or exc} ({self.releases.dir})"
             if isinstance(exc, SignatureError):
                 why = f"release signature refused: {why}; nothing installed, nothing run"
             log.error("upgrade to plexd %s refused: %s", version, why, extra={"execution_id": execution_id})
             return Output(1, "", f"upgrade to plexd {version}: {why}\n")
+        finally:
+            if not installed:  # whatever ended it (an error of any kind, the action's timeout): not in progress
+                self.installing = ""
 
     def _policy_problem(self, version: str, allow_downgrade: bool) -> str:
         """Why this node will not take `version` whatever the artifact is, or ""."""
@@ -221,11 +231,15 @@ class Upgrader:
         try:
             async with asyncio.timeout(RUN_CHECK_TIMEOUT):
                 out, _ = await proc.communicate()
-        except TimeoutError:
-            signal_child(proc, signal.SIGKILL)
-            await proc.wait()
-            raise UpgradeRefused(f"the artifact did not answer --version within {RUN_CHECK_TIMEOUT:.0f}s; "
-                                 "nothing installed") from None
+        except BaseException as exc:  # the timeout, or the action cancelled: the child goes with it
+            if proc.returncode is None:
+                signal_child(proc, signal.SIGKILL)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(proc.wait())
+            if isinstance(exc, TimeoutError):
+                raise UpgradeRefused(f"the artifact did not answer --version within {RUN_CHECK_TIMEOUT:.0f}s; "
+                                     "nothing installed") from None
+            raise
         text = out.decode(errors="replace").strip()
         if proc.returncode != 0 or text != f"plexd {version}":
             raise UpgradeRefused(f"the artifact does not run as plexd {version} here: --version printed "

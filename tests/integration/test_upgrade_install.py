@@ -124,6 +124,43 @@ async def test_a_good_release_is_installed_switched_and_marked_then_a_restart_is
     assert agent.restarts == [f"upgrade to plexd {version}"]
 
 
+async def test_an_install_cut_off_by_the_actions_timeout_leaves_no_child_and_blocks_nothing(devplane, secret,
+                                                                                           tmp_path, good):
+    """The action's timeout cancels the install while the artifact's --version check runs: `installing` stayed
+    set for the life of the daemon (every later upgrade "in progress"), and the checked artifact kept running."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("__main__.py", "import time\ntime.sleep(120)\n")  # never answers --version
+    checksum = put_signed(devplane, "0.9.4-hang", buf.getvalue())
+    up, _ = upgrader(devplane, secret, tmp_path)
+    task = asyncio.ensure_future(up.install("0.9.4-hang", checksum, "exec_hang"))
+
+    def checking() -> list[int]:
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"0.9.4-hang" in cmd and b"--version" in cmd:
+                found.append(int(pid))
+        return found
+    for _ in range(200):
+        if checking():
+            break
+        await asyncio.sleep(0.05)
+    assert checking(), "the --version check never started"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert checking() == [] and up.installing == "" and installed(tmp_path) == []
+    out = await install(up, *good)  # the next upgrade is not "in progress"
+    assert out.exit_code == 0 and out.deferred, out.stderr
+
+
 async def test_the_running_checksum_is_not_installed_again(devplane, secret, tmp_path, good):
     up, agent = upgrader(devplane, secret, tmp_path)
     agent.binary_checksum = good[1]
