@@ -168,14 +168,45 @@ def release_number(version: str) -> tuple[int, ...] | None:
 
 def downgrade_problem(version: str, running: str) -> str:
     """Why installing `version` over `running` is (or may be) a downgrade, or "". Versions are ordered by their
-    leading dotted number; one without a number cannot be ordered and counts as a downgrade (rollback attacks
-    hide behind odd version strings)."""
+    leading dotted number, then as semantic versions: a pre-release (`-rc1`) comes before its release, two
+    pre-releases by their identifiers. Anything that cannot be ordered counts as a downgrade: a version without a
+    number, or the same number with another suffix or build (`0.2.0` over `0.2.0-hotfix2`'s fix, `+build1` over
+    `+build9`): rollback attacks hide behind odd version strings."""
     new, old = release_number(version), release_number(running)
     if new is None:
         return f"version {version!r} has no release number to order it against the running {running}"
-    if old is not None and new < old:
+    if old is None or new > old:
+        return ""
+    if new < old:
         return f"plexd {version} is older than the running {running}"
-    return ""
+    if version == running:
+        return ""
+    new_pre, old_pre = _prerelease(version), _prerelease(running)
+    if new_pre == () and old_pre not in ((), None):
+        return ""  # the release after its pre-release
+    if new_pre and old_pre and _semver_ids(new_pre) > _semver_ids(old_pre):
+        return ""
+    if new_pre and old_pre is not None:  # a pre-release over its release, or over a later pre-release
+        return f"plexd {version} is older than the running {running}"
+    return f"plexd {version} cannot be ordered against the running {running} (the same release number)"
+
+
+def _prerelease(version: str) -> tuple[str, ...] | None:
+    """The semantic-version pre-release identifiers after the release number: () for a plain release (build
+    metadata aside), None for a suffix that is not one (`.post1`, `_x`)."""
+    match = _LEADING_NUMBER.match(version)
+    tail = version[match.end():] if match else version
+    tail = tail.split("+", 1)[0] if tail.startswith("-") else tail
+    if tail == "":
+        return ()
+    if tail.startswith("-") and len(tail) > 1:
+        return tuple(tail[1:].split("."))
+    return None
+
+
+def _semver_ids(ids: tuple[str, ...]) -> tuple[tuple[int, int, str], ...]:
+    # numeric identifiers before alphanumeric ones, numbers by value (semver 2.0.0, 11.4)
+    return tuple((0, int(i), "") if i.isdigit() else (1, 0, i) for i in ids)
 
 
 def main(argv: list[str] | None = None) -> int:

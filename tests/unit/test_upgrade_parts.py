@@ -241,3 +241,17 @@ def test_a_zombie_counts_as_gone(child):
     # not reaped yet: a zombie, as the new release would be under a parent that does not wait
     assert wait_for_zombie(child.pid).state == "Z"
     assert watch.process_start(child.pid) is None
+
+
+@pytest.mark.parametrize("new, running, ok", [
+    ("0.2.1", "0.2.0", True), ("0.9.1-test", "0.1.0", True), ("0.1.0", "0.1.0", True),
+    ("0.2.0", "0.2.0-rc1", True), ("0.2.0-rc2", "0.2.0-rc1", True), ("0.2.0-rc.10", "0.2.0-rc.9", True),
+    ("0.0.9", "0.1.0", False),
+    # the same release number took anything: an older build of it went in without either downgrade switch
+    ("0.2.0-rc1", "0.2.0", False), ("0.2.0-rc1", "0.2.0-rc2", False), ("0.2.0", "0.2.0.post1", False),
+    ("0.2.0+build1", "0.2.0+build9", False), ("0.2.0+b2", "0.2.0", False), ("nightly", "0.1.0", False),
+])
+def test_versions_are_ordered_and_what_cannot_be_ordered_counts_as_a_downgrade(new, running, ok):
+    from plexd.upgrade.signing import downgrade_problem
+
+    assert (downgrade_problem(new, running) == "") is ok, downgrade_problem(new, running)
