@@ -50,8 +50,10 @@ def launch(config: Config, args: Sequence[str]) -> None:
     Returns when this process should run the daemon itself."""
     releases = Releases(config.upgrade.dir)
     marker = markers.read(config.data_dir)
-    if marker is not None:
-        settle(config, releases, marker)
+    if marker is not None and not settle(config, releases, marker):
+        log.error("running plexd from %s, not the new release: without its marker no rollback could follow",
+                  zipapp_of() or "the installed package")
+        return
     try:
         target = releases.current()
     except ReleaseError as exc:
@@ -76,16 +78,23 @@ def launch(config: Config, args: Sequence[str]) -> None:
     _exec(command)
 
 
-def settle(config: Config, releases: Releases, marker: markers.UpgradeMarker) -> None:
+def settle(config: Config, releases: Releases, marker: markers.UpgradeMarker) -> bool:
+    """Move the marker on; False when the new release must not be started (its marker could not be written). A
+    full or read-only data_dir must not keep the node from starting: one error line, and the node runs."""
     if marker.state == markers.INSTALLED:
         deadline = time.time() + config.upgrade.health_deadline
-        markers.write(config.data_dir, dataclasses.replace(marker.with_state(markers.STARTED), deadline=deadline))
+        try:
+            markers.write(config.data_dir, dataclasses.replace(marker.with_state(markers.STARTED), deadline=deadline))
+        except OSError as exc:
+            log.error("cannot record the start of plexd %s in %s: %s", marker.to_version, config.data_dir, exc)
+            return False
         log.info("starting plexd %s (upgrading from %s); it has until %s to become healthy", marker.to_version,
                  marker.from_version, time.strftime("%H:%M:%S", time.gmtime(deadline)))
     elif marker.state == markers.STARTED and zipapp_of() != Path(marker.to_release).resolve():
         reason = marker.reason or (f"plexd {marker.to_version} stopped before it became healthy (it exited, was "
                                    "killed or could not start)")
         roll_back(config, releases, marker, reason)
+    return True
 
 
 def roll_back(config: Config, releases: Releases, marker: markers.UpgradeMarker, reason: str) -> None:
@@ -95,7 +104,10 @@ def roll_back(config: Config, releases: Releases, marker: markers.UpgradeMarker,
         releases.switch(previous)
     except OSError as exc:
         log.error("cannot switch %s back to %s: %s", releases.dir, previous or "the installed package", exc)
-    markers.write(config.data_dir, marker.with_state(markers.ROLLED_BACK, reason))
+    try:
+        markers.write(config.data_dir, marker.with_state(markers.ROLLED_BACK, reason))
+    except OSError as exc:  # rolled back all the same; only the report to the old daemon is lost
+        log.error("cannot record the rollback in %s: %s", config.data_dir, exc)
     log.error("upgrade to plexd %s failed: %s; rolled back to plexd %s", marker.to_version, reason,
               marker.from_version, extra={"execution_id": marker.execution_id})
 

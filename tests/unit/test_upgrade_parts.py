@@ -185,6 +185,35 @@ def test_launch_runs_the_installed_package_when_current_is_broken(tmp_path, monk
     assert execs == [] and "which does not exist; running plexd from the installed package" in caplog.text
 
 
+def test_a_marker_that_cannot_be_written_never_keeps_the_node_from_starting(tmp_path, monkeypatch, caplog):
+    # A full or read-only data_dir made `plexd up` die in the launcher at every start (and the unit then stayed
+    # failed). The one stand-in: the marker write fails as ENOSPC would.
+    import errno
+
+    cfg = config(tmp_path)
+    rel = releases(tmp_path, "new.pyz")
+    rel.switch(rel.dir / "new.pyz")
+    signing.sign_file(RELEASE_KEY, rel.dir / "new.pyz", "0.2.0")
+    m = marker(tmp_path)  # installed: this start would be the new release's first
+
+    def full(*a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real_write = markers.write
+    monkeypatch.setattr(markers, "write", full)
+    execs: list[list[str]] = []
+    monkeypatch.setattr(launcher, "_exec", execs.append)
+    with caplog.at_level(logging.ERROR):
+        launcher.launch(cfg, ["up"])  # no exception: the node starts
+    assert execs == [], "the new release is not started without its marker: no rollback could follow"
+    assert "cannot record the start of plexd 0.2.0" in caplog.text and markers.read(cfg.data_dir) == m
+    # a rollback whose record cannot be written still rolls back
+    monkeypatch.setattr(markers, "write", real_write)
+    started = marker(tmp_path, markers.STARTED)
+    monkeypatch.setattr(markers, "write", full)
+    launcher.settle(cfg, rel, started)
+    assert rel.current() is None and "cannot record the rollback" in caplog.text
+
+
 def test_restart_exits_75_for_systemd_and_re_executes_otherwise(tmp_path, monkeypatch):
     cfg = config(tmp_path)
     execs: list[list[str]] = []
