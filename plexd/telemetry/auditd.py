@@ -72,7 +72,7 @@ def parse_record(line: str) -> AuditRecord:
     if m is None:
         raise AuditFormatError("not 'type=T msg=audit(SECONDS.MILLIS:SERIAL): ...'")
     kind, seconds, fraction, serial, rest = m.groups()
-    if int(seconds) > LAST_SECOND:
+    if int(seconds) >= LAST_SECOND:  # its last second too: a fraction of it rounds into the year 10000
         raise AuditFormatError(f"timestamp {seconds} is after the year 9999")
     body, _, enriched = rest.partition("\x1d")
     fields: dict[str, str] = {}
@@ -171,6 +171,7 @@ class AuditLog:
             if not self._held:
                 return [], None
             held, self._held = self._held, []  # nothing more came: the held event is whole
+            self._held_before = None  # sent: a later hold must not store a position before it
             return [audit_entry([r for r, _ in held], self.hostname)], held[-1][1].position
         records, bad = [], []
         before = self._held_before

@@ -70,6 +70,37 @@ def test_records_are_joined_by_serial_and_an_unfinished_last_event_waits_for_the
     assert [e["event_type"] for e in audit.collect()[0]] == ["USER_LOGIN"]
 
 
+def test_after_a_held_event_went_out_the_stored_position_never_goes_back_before_it(tmp_path):
+    # A held event flushed by an empty read left its "before" position behind; the next held event then stored
+    # that, and a restart sent the first event a second time.
+    path = tmp_path / "audit.log"
+    path.write_text("")
+    audit = AuditLog(str(path), None, "h")
+    write(path, [*SHADOW, LOGIN.replace(":4243)", ":4244)")])
+    first, stored = audit.collect()  # the SYSCALL event goes; the login is held: an event may go on
+    assert [e["event_type"] for e in first] == ["SYSCALL"]
+    sent, position = audit.collect()  # nothing more came: it goes
+    stored = position or stored  # None: the stored position stays as it is
+    assert [e["event_type"] for e in sent] == ["USER_LOGIN"]
+    later = [line.replace(":4242)", ":4250)") for line in SHADOW]
+    write(path, later[:2])  # the next event, cut: held
+    entries, position = audit.collect()
+    stored = position or stored
+    assert entries == []
+    again = AuditLog(str(path), stored, "h")  # a restart from what was stored
+    write(path, later[2:])
+    assert [e["event_type"] for e in again.collect()[0]] == ["SYSCALL"]  # not the login again
+
+
+def test_a_timestamp_in_the_last_second_of_9999_is_refused_not_a_crash_loop():
+    import pytest
+
+    from plexd.telemetry.auditd import AuditFormatError
+
+    with pytest.raises(AuditFormatError, match="after the year 9999"):
+        audit_entry([parse_record("type=USER_LOGIN msg=audit(253402300799.999999:1): pid=1 uid=0 res=success")], "h")
+
+
 def test_truncated_and_foreign_records_are_skipped_with_one_line_per_read(tmp_path, caplog):
     path = tmp_path / "audit.log"
     path.write_text("")
