@@ -85,6 +85,8 @@ from plexd.base.errors import ConfigError
 DEFAULT_CONFIG_PATH = "/etc/plexd/config.yaml"
 
 
+MAX_PING_TARGETS = 65_535  # ICMP echo sequence numbers are 16 bits: one per peer probed in a round
+
 def _f(default: Any, kind: str = "", **rules: Any) -> Any:
     """A leaf field: `kind` is how values are parsed (str, int, bool, float, duration, list, map, url), `rules`
     are checks (choices, min, max)."""
@@ -281,7 +283,7 @@ class TelemetryMetricsConfig:
     latency_timeout: float = _f(2.0, "duration", min=0.05, max=30)
     # Peers whose latency one collection measures, in turn: at 1,000 peers, probing every one every 15 s was most
     # of an idle daemon's CPU (and 4,000 points a minute upstream); 64 a turn measures each every ~4 minutes.
-    latency_peers: int = _f(64, min=0, max=100_000)
+    latency_peers: int = _f(64, min=0, max=MAX_PING_TARGETS)  # one ICMP sequence number each
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import itertools
 import os
 import socket
 import struct
@@ -74,7 +75,9 @@ def _reply(data: bytes, raw: bool) -> tuple[int, int] | None:
 async def round_trips(targets: dict[str, str], timeout: float) -> dict[str, int]:
     """Nanoseconds to each target (key → IPv4 address), -1 for those that did not answer in `timeout`."""
     results = {key: -1 for key in targets}
-    v4 = {key: ip for key, ip in targets.items() if _is_v4(ip)}
+    # One sequence number each, and they are 16 bits (the config caps latency_peers at 65,535; more here would
+    # have raised struct.error and ended every metrics collection)
+    v4 = dict(itertools.islice(((key, ip) for key, ip in targets.items() if _is_v4(ip)), 0xFFFF))
     if not v4:
         return results
     sock, raw = _open()

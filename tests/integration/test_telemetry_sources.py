@@ -131,6 +131,24 @@ def test_latency_is_measured_with_real_icmp_and_minus_one_without_an_answer():
     assert rtts["unrouted"] == rtts["blackholed"] == rtts["v6"] == -1
 
 
+_MANY = """
+import asyncio, json, subprocess
+from plexd.telemetry.ping import round_trips
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+targets = {f"n_{i}": f"127.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255 or 1}" for i in range(70_000)}
+rtts = asyncio.run(round_trips(targets, 1.0))
+print(json.dumps([len(rtts), sum(1 for v in rtts.values() if v > 0)]))
+"""
+
+
+def test_more_targets_than_icmp_sequence_numbers_are_probed_up_to_the_limit_not_a_crash():
+    # The 65,537th probe raised struct.error (a 16-bit sequence number), and every metrics collection failed.
+    out = subprocess.run(["unshare", "-n", sys.executable, "-c", _MANY], capture_output=True, text=True,
+                         check=True, timeout=120).stdout
+    count, answered = json.loads(out)
+    assert count == 70_000 and 0 < answered <= 65_535
+
+
 _FILTERED = """
 import socket, struct, time
 from plexd.telemetry.ping import ICMP_FILTER, SOL_RAW, _open
