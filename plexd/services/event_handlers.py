@@ -25,6 +25,7 @@ from plexd.bridge.sessions import parse_revoked as parse_relay_revoked
 from plexd.bridge.sessions import parse_session as parse_relay_session
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
+from plexd.state.desired import split_endpoint
 from plexd.state.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
 from plexd.state.store import DesiredStore, Edit
 
@@ -154,6 +155,10 @@ class EventHandlers:
         payload = _payload_object(env)
         peer_id = _field(payload, "id", "peer_id")
         endpoint = _field(payload, "endpoint")
+        try:  # refused here, naming it: applied, the peer would fail validation and leave the model whole
+            split_endpoint(endpoint)
+        except ValueError as exc:
+            raise WireFormatError("payload.endpoint", str(exc)) from None
         log.info("event %s: peer %s endpoint → %s", env.event_id, peer_id, endpoint)
         await self._update(env, lambda d: d.with_peer_endpoint(peer_id, endpoint), (peer_id,))
 

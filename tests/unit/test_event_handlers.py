@@ -115,6 +115,10 @@ async def test_node_state_and_secrets(h):
     ("peer_added", {"id": "n_a"}, "payload.public_key"),
     ("peer_removed", {}, "payload.peer_id"),
     ("peer_endpoint_changed", {"id": "n_a"}, "payload.endpoint"),
+    # a malformed endpoint: applied, the peer failed validation and left the model (its route and tunnel gone)
+    ("peer_endpoint_changed", {"id": "n_a", "endpoint": "198.51.100.9"}, "payload.endpoint"),
+    ("peer_endpoint_changed", {"id": "n_a", "endpoint": ":0"}, "payload.endpoint"),
+    ("peer_endpoint_changed", {"id": "n_a", "endpoint": "[::1]:x"}, "payload.endpoint"),
     ("node_state_updated", {"metadata": {"a": True}}, "payload.metadata"),
     ("node_secrets_updated", {"secret_refs": {"k": 1}}, "payload.secret_refs"),
     ("signing_key_rotated", "key", "payload"),
