@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ipaddress
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -358,6 +359,10 @@ class RegisterResponse:
         for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
             if not getattr(resp, name):
                 raise WireFormatError(name, "missing from the register response")
+        try:  # assigned as <mesh_ip>/32: anything but a bare address failed every converge afterwards
+            ipaddress.ip_address(resp.mesh_ip)
+        except ValueError:
+            raise WireFormatError("mesh_ip", f"{resp.mesh_ip[:60]!r} is not an IP address") from None
         secret = resp.node_secret_key
         if not (secret.isascii() and secret.isprintable()) or secret != secret.strip():
             # It becomes a bearer header on every request: one that cannot be sent is refused before it is saved

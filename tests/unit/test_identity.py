@@ -79,6 +79,8 @@ def test_never_registered_is_not_a_problem(tmp_path):
     (lambda d: (d / "identity.json").write_text('{"node_id": "n_abc", "mesh_'), "identity.json: not valid JSON"),
     (lambda d: (d / "identity.json").write_text("[]"), "not a JSON object"),
     (lambda d: (d / "identity.json").write_text('{"node_id": "", "mesh_ip": "x"}'), "node_id is missing or empty"),
+    (lambda d: (d / "identity.json").write_text('{"node_id": "n", "mesh_ip": "10.1.0.5/16"}'),
+     "mesh_ip '10.1.0.5/16' is not an IP address"),
     (lambda d: (d / "identity.json").write_text('{"node_id": "n", "mesh_ip": 5}'), "mesh_ip is missing or empty"),
     (lambda d: (d / "private_key").unlink(), "private_key is missing"),
     (lambda d: (d / "private_key").write_text("!!!"), "private_key is not valid base64"),

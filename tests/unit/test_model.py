@@ -56,10 +56,18 @@ def test_register_response_requires_identity_fields():
         RegisterResponse.from_wire({"node_id": "n", "mesh_ip": "m", "signing_public_key": "s"})
 
 
+@pytest.mark.parametrize("mesh_ip", ["10.100.1.5/16", "10.100.1", "node-a", "10.100.1.5 "])
+def test_a_mesh_ip_that_is_not_an_address_is_refused_at_registration(mesh_ip):
+    # Saved, it made every converge fail with an internal error that never named the control plane's value.
+    with pytest.raises(WireFormatError, match="mesh_ip: .* is not an IP address"):
+        RegisterResponse.from_wire({"node_id": "n", "mesh_ip": mesh_ip, "signing_public_key": "s",
+                                    "node_secret_key": "secret"})
+
+
 @pytest.mark.parametrize("secret", ["s3cr3t\nX", "s3cr3t\x00", "s3cr3t\u00e9", " s3cr3t", "s3cr3t\t"])
 def test_a_node_secret_no_bearer_can_carry_is_refused_without_quoting_it(secret):
     # Saved, it would fail every request for good (and h11's error quoted the whole header, secret and all).
     with pytest.raises(WireFormatError, match="node_secret_key: has characters a bearer cannot carry") as caught:
-        RegisterResponse.from_wire({"node_id": "n", "mesh_ip": "m", "signing_public_key": "s",
+        RegisterResponse.from_wire({"node_id": "n", "mesh_ip": "10.100.0.2", "signing_public_key": "s",
                                     "node_secret_key": secret})
     assert "s3cr3t" not in str(caught.value)
