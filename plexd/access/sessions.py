@@ -21,6 +21,7 @@ from typing import Any
 
 from plexd.base import gojson
 from plexd.base.errors import WireFormatError
+from plexd.base.hostname import is_hostname
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_SESSIONS = 10  # per node, ssh and tcp and k8s together (the Go agent's tunnel.max_sessions)
@@ -31,8 +32,6 @@ MAX_GROUPS = 32
 _SESSION_ID = re.compile(r"[\x21-\x7e]{1,128}")
 # A login name as useradd accepts it: no '/', no '..', no NUL, nothing a path or a shell could misread.
 _USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}\$?")
-_HOSTNAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
-                       r"[A-Za-z0-9])?)*")
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,7 @@ def _tcp_target(obj: Any, path: str) -> TcpTarget:
     try:
         ipaddress.ip_address(host)
     except ValueError:
-        if not _HOSTNAME.fullmatch(host):
+        if not is_hostname(host):
             raise WireFormatError(f"{path}.host", f"{host[:60]!r} is not an IP address or host name") from None
     port = obj.get("port")
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:

@@ -11,6 +11,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
+from plexd.base.hostname import is_hostname
 from plexd.nat.stun import StunError
 
 DEFAULT_PORT = 3478
@@ -39,8 +40,8 @@ def parse_server(text: str) -> StunServer:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise ValueError(f"{text!r}: port {port_text!r} is not 1-65535")
         port = int(port_text)
-    if not host or len(host) > 253 or any(c.isspace() or c in "/@" for c in host):
-        raise ValueError(f"{text!r} is not HOST or HOST:PORT")
+    if not _is_ipv4(host) and not is_hostname(host, trailing_dot=True):
+        raise ValueError(f"{text!r} is not HOST or HOST:PORT (an IPv4 address or a host name)")
     return StunServer(host, port)
 
 
@@ -58,6 +59,16 @@ async def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> str:
         raise StunError(f"resolving {host} took longer than {timeout:g}s") from None
     except OSError as exc:
         raise StunError(f"cannot resolve {host}: {exc.strerror or exc}") from None
+    except (UnicodeError, ValueError) as exc:  # a name the resolver cannot encode: this server only, not discovery
+        raise StunError(f"cannot resolve {host[:80]!r}: {exc}") from None
     if not infos:
         raise StunError(f"{host} has no IPv4 address")
     return str(infos[0][4][0])
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+    except ValueError:
+        return False
+    return True

@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from plexd.access.sessions import Session, Sessions
+from plexd.base.hostname import is_hostname
 from plexd.bridge.blocks import Ingress, SiteToSite, UserAccess
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.identity import store as identity
@@ -30,8 +31,6 @@ from plexd.state.route_limits import RouteLimits
 
 DEFAULT_KEEPALIVE = 25  # seconds; keeps NAT mappings open and makes a new tunnel handshake without traffic
 
-_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
 # An IPv6 scope is an interface name or index. Python accepts any text after '%' (even a newline, which would
 # inject lines into the UAPI request), so only what an interface name can hold is let through.
 _SCOPE = re.compile(r"[A-Za-z0-9_.-]{1,15}")
@@ -57,7 +56,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
             raise ValueError(f"endpoint {endpoint!r} is not host:port")
         if ":" in host:
             raise ValueError(f"endpoint {endpoint!r}: an IPv6 endpoint must be written [address]:port")
-        if not _is_ipv4(host) and not _HOSTNAME.fullmatch(host):
+        if not _is_ipv4(host) and not is_hostname(host, trailing_dot=True):
             raise ValueError(f"endpoint {endpoint!r}: {host!r} is not an IPv4 address or host name")
     if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
         raise ValueError(f"endpoint {endpoint!r}: port {port_s!r} is not 1-65535")

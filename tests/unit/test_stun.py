@@ -110,6 +110,9 @@ def test_server_names(text: str, server: StunServer) -> None:
 @pytest.mark.parametrize(("text", "problem"), [
     ("", "empty"), ("[2001:db8::1]:3478", "IPv6 STUN servers are not used"), ("h:0", "port '0' is not 1-65535"),
     ("h:x", "port 'x'"), (":3478", "is not HOST or HOST:PORT"), ("a b", "is not HOST or HOST:PORT"),
+    # names the resolver cannot encode: getaddrinfo's UnicodeError escaped discovery, and the NAT service died
+    ("stun..example.net", "is not HOST or HOST:PORT"), ("x" * 64 + ".example.net", "is not HOST or HOST:PORT"),
+    ("-stun.example.net:3478", "is not HOST or HOST:PORT"),
 ])
 def test_bad_server_names_say_why(text: str, problem: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -144,3 +147,11 @@ def test_the_raw_reader_keeps_only_ipv4_udp_to_the_listen_port() -> None:
     assert _udp_in_ipv4(ip + udp, 51821) is None
     assert _udp_in_ipv4(ip[:9] + b"\x06" + ip[10:] + udp, 51820) is None  # TCP
     assert _udp_in_ipv4(ip[:10], 51820) is None
+
+
+async def test_a_name_the_resolver_cannot_encode_is_a_stun_error_for_that_server() -> None:
+    from plexd.nat.servers import resolve
+    from plexd.nat.stun import StunError
+
+    with pytest.raises(StunError, match="cannot resolve 'stun..example.net'"):
+        await resolve("stun..example.net")
