@@ -103,6 +103,8 @@ def normalize_endpoint(endpoint: str) -> str:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return endpoint
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # as wireguard-go and inet_ntop print it (3.11: ::ffff:102:304)
+        return f"[::ffff:{ip.ipv4_mapped}]:{port}"
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 

@@ -351,3 +351,13 @@ def test_routes_cover_exactly_the_allowed_ips_with_few_prefixes() -> None:
                                 "10.128.0.32/27", "10.128.0.64/26", "10.128.0.128/31"})
     covered = {ip for r in routes for ip in ipaddress.ip_network(r)}
     assert {str(ip) for ip in covered} == {f"10.128.0.{i}" for i in range(2, 130)}
+
+
+def test_a_v4_mapped_endpoint_is_written_as_wireguard_prints_it():
+    # Python 3.11 prints ::ffff:1.2.3.4 as ::ffff:102:304, wireguard-go and inet_ntop as ::ffff:1.2.3.4: the endpoint
+    # of a peer without a recent handshake was set again, and reported as drift, at every reconcile.
+    from plexd.mesh.plan import normalize_endpoint
+
+    assert normalize_endpoint("[::ffff:1.2.3.4]:51820") == "[::ffff:1.2.3.4]:51820"
+    assert normalize_endpoint("[::FFFF:102:304]:51820") == "[::ffff:1.2.3.4]:51820"
+    assert normalize_endpoint("[fd00::1]:5") == "[fd00::1]:5" and normalize_endpoint("1.2.3.4:5") == "1.2.3.4:5"
