@@ -117,6 +117,11 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
                 split_endpoint(endpoint)
             except ValueError as e:
                 return f"{name}: {e}" if name != "endpoint" else str(e)
+    if peer.fallback_endpoint and endpoint_ip(peer.fallback_endpoint) is None:
+        # The relay's address, `ip:port` in the protocol. A name would be resolved on the device, and path
+        # selection, which compares the device's endpoint with it, would take every relayed packet for the other
+        # side coming through directly: back to a dead direct path every few minutes.
+        return f"fallback endpoint {peer.fallback_endpoint[:60]!r} is not an IP address and port (the relay's)"
     return None
 
 

@@ -154,6 +154,10 @@ def test_a_malformed_fallback_endpoint_refuses_the_peer_by_name():
     bad = Peer("n_x", key(), "10.100.0.5", "198.51.100.7:51820", fallback_endpoint="relay-without-port")
     d = base.with_peers([bad])
     assert "n_x" not in d.peers and "fallback endpoint" in dict(d.rejected)["n_x"]
+    # a host name: the device would hold the resolved address, and path selection took every relayed packet for
+    # the other side coming through directly (back to the dead direct path every ~3 minutes)
+    named = Peer("n_w", key(), "10.100.0.8", "198.51.100.7:51820", fallback_endpoint="relay.example.net:51821")
+    assert "is not an IP address and port" in dict(base.with_peers([named]).rejected)["n_w"]
     wire = Peer.from_wire({"id": "n_y", "public_key": key(), "mesh_ip": "10.100.0.6",
                            "fallback_endpoint": RELAY_EP})
     assert wire.fallback_endpoint == RELAY_EP and wire.to_wire()["fallback_endpoint"] == RELAY_EP
