@@ -103,9 +103,11 @@ class FileTail:
         self._budget = READ_BUDGET
         if self._pending_rotated is not None:
             rotated, offset = self._pending_rotated
+            if self._open(offset, rotated) and not self._drain(lines, final=True):
+                self._pending_rotated = (rotated, self._offset)  # the budget ran out: the rest at the next read
+                self.close()
+                return lines
             self._pending_rotated = None
-            if self._open(offset, rotated):
-                self._drain(lines, final=True)
             self.close()
             self._open(0)
         if self._fh is None:
@@ -125,7 +127,8 @@ class FileTail:
         except OSError:
             return  # moved away and not yet recreated: keep the old file until a new one appears
         if st.st_ino != self._ino:
-            self._drain(lines, final=True)  # what was written to the old file before it moved
+            if not self._drain(lines, final=True):  # what was written to the old file before it moved...
+                return  # ...all of it, over as many reads as the budget takes, before the new file
             self._open(0)
             self._drain(lines, final=False)
         elif st.st_size < self._offset + len(self._partial):
@@ -133,22 +136,25 @@ class FileTail:
             self._open(0)
             self._drain(lines, final=False)
 
-    def _drain(self, lines: list[Line], *, final: bool) -> None:
+    def _drain(self, lines: list[Line], *, final: bool) -> bool:
         """Read the current file to its end (or the budget); `final`: it will not grow, so a last line without a
-        newline is a line."""
+        newline is a line (only at its very end: not where the budget cut it). True when the end was reached."""
         while self._budget > 0:
             try:
                 chunk = self._fh.read(min(READ_CHUNK, self._budget))
             except OSError as exc:
                 self._trouble(f"read failed: {exc.strerror or exc}")
-                return
+                return True  # nothing more can come of it
             if not chunk:
                 break
             self._budget -= len(chunk)
             self._split(self._partial + chunk, lines)
+        else:
+            return False
         if final and self._partial:
             self._take(self._partial, len(self._partial), lines)
             self._partial = b""
+        return True
 
     def _split(self, data: bytes, lines: list[Line]) -> None:
         start = 0

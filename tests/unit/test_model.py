@@ -59,7 +59,7 @@ def test_register_response_requires_identity_fields():
 @pytest.mark.parametrize("mesh_ip", ["10.100.1.5/16", "10.100.1", "node-a", "10.100.1.5 "])
 def test_a_mesh_ip_that_is_not_an_address_is_refused_at_registration(mesh_ip):
     # Saved, it made every converge fail with an internal error that never named the control plane's value.
-    with pytest.raises(WireFormatError, match="mesh_ip: .* is not an IP address"):
+    with pytest.raises(WireFormatError, match=r"mesh_ip: .* is not an IP address"):
         RegisterResponse.from_wire({"node_id": "n", "mesh_ip": mesh_ip, "signing_public_key": "s",
                                     "node_secret_key": "secret"})
 

@@ -153,5 +153,5 @@ async def test_a_name_the_resolver_cannot_encode_is_a_stun_error_for_that_server
     from plexd.nat.servers import resolve
     from plexd.nat.stun import StunError
 
-    with pytest.raises(StunError, match="cannot resolve 'stun..example.net'"):
+    with pytest.raises(StunError, match=r"cannot resolve 'stun\.\.example\.net'"):
         await resolve("stun..example.net")

@@ -74,6 +74,38 @@ def test_a_restart_resumes_at_the_saved_position_even_after_a_rotation_while_dow
     assert texts(FileTail(str(log), saved).read()) == ["2", "3", "4"]
 
 
+def read_all(tail) -> list:
+    out, lines = [], tail.read()
+    while lines:
+        out += lines
+        lines = tail.read()
+    return out
+
+
+def test_a_rotated_file_larger_than_one_reads_budget_is_read_whole_before_the_new_one(tmp_path):
+    # After the first 4 MiB (one read's budget) of PATH.1 the tail moved to the new file: the rest was lost, and
+    # the line at the cut went out in two pieces. Both after a restart and while running.
+    from plexd.telemetry.tail import READ_BUDGET
+
+    lines = [f"{i:08d} " + "x" * 91 for i in range(READ_BUDGET // 100 * 3 // 2)]  # 6 MiB of 100-byte lines
+    old = "".join(line + "\n" for line in lines).encode()
+    for restart in (True, False):
+        d = tmp_path / ("restart" if restart else "running")
+        d.mkdir()
+        log = d / "app.log"
+        log.write_bytes(b"")
+        tail = FileTail(str(log))
+        saved = {"ino": os.stat(log).st_ino, "offset": 0}  # the position stored before the lines came
+        append(log, old)
+        if restart:
+            tail.close()
+        os.rename(log, d / "app.log.1")
+        log.write_bytes(b"new one\n")
+        if restart:
+            tail = FileTail(str(log), saved)
+        assert texts(read_all(tail)) == [*lines, "new one"], restart
+
+
 def test_a_one_mebibyte_line_is_cut_at_16_kib_and_the_next_line_is_whole(tmp_path):
     log, tail = empty_log(tmp_path)
     append(log, b"A" * (1 << 20) + b"\nnext\n")
