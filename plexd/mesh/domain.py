@@ -35,8 +35,10 @@ from plexd.mesh.plan import (
     diff,
     first_contacts,
     link_ops,
+    peer_config,
     rekey_kicks,
     simulate,
+    target,
 )
 from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 from plexd.state.desired import DesiredState, split_endpoint
@@ -83,6 +85,9 @@ class WireGuardDomain:
         self._device_lock = asyncio.Lock()  # one device transaction at a time (converges and held kicks)
         self._names: dict[str, str] = {}  # public key -> peer id, labels for peers no longer desired
         self._baseline: _Baseline | None = None
+        # public key -> the model's endpoint at the last apply: a full diff that finds it changed since treats it
+        # as news over roaming, as the event path does (else a switch the reconcile saw first was left undone)
+        self._applied_endpoints: dict[str, str] = {}
         self.first_contact = FirstContact(self._send_held_kicks)
 
     # -- reading ----------------------------------------------------------------------------------------------
@@ -123,7 +128,8 @@ class WireGuardDomain:
                 f"interface {desired.interface} already exists and is a {link.kind or 'non-WireGuard'} "
                 "link, not WireGuard: delete it or set mesh.interface to another name"
             )
-        changes = [c for c in diff(observed.resolved, observed.machine, self.clock.now().timestamp())
+        changes = [c for c in diff(observed.resolved, observed.machine, self.clock.now().timestamp(),
+                                   self._applied_endpoints)
                    if not self.first_contact.hides(c)]
         return DomainResult(tuple(changes), observed.errors)
 
@@ -134,6 +140,7 @@ class WireGuardDomain:
             self._baseline = None  # the device is not known any more
             raise
         self.first_contact.applied(applied)
+        self._note_endpoints_full(observed.resolved, planned.changes, applied)
         # The next event diffs against this (only when everything applied: otherwise the device is not known).
         clean = not errors and not planned.errors
         self._baseline = _Baseline(desired, simulate(observed.machine, applied)) if clean else None
@@ -213,7 +220,24 @@ class WireGuardDomain:
                 return None
         self._baseline = _Baseline(desired, simulate(base.believed, changes))
         self.first_contact.applied(changes)
+        for pid in touched:
+            old, new = base.desired.peers.get(pid), resolved.shown_peer(pid)
+            if old is not None and (new is None or new.public_key != old.public_key):
+                self._applied_endpoints.pop(old.public_key, None)
+            if new is not None:
+                self._applied_endpoints[new.public_key] = peer_config(new, resolved.persistent_keepalive).endpoint
         return DomainResult(tuple(changes))
+
+    def _note_endpoints_full(self, resolved: DesiredState, planned: Sequence[Change],
+                             applied: Sequence[Change]) -> None:
+        """After a full apply: every shown peer's model endpoint, but for peers whose change the device refused
+        (their news is still news at the next try)."""
+        refused = ({c.public_key for c in planned if isinstance(c, PeerChange)}
+                   - {c.public_key for c in applied if isinstance(c, PeerChange)})
+        before = self._applied_endpoints
+        self._applied_endpoints = {
+            key: before[key] if key in refused and key in before else peer.endpoint
+            for key, peer in target(resolved).device.peers.items()}
 
     async def teardown(self) -> None:
         """Remove the device and its link (shutdown with deregistration)."""

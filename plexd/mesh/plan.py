@@ -474,10 +474,13 @@ def rules_for(interface: str, routes: Iterable[str], link: LinkState) -> list[Ch
 _EMPTY_LINK = LinkState(index=0, kind="", mtu=0, up=False)
 
 
-def diff(desired: DesiredState, observed: Observed, now: float) -> list[Change]:
+def diff(desired: DesiredState, observed: Observed, now: float,
+         applied_endpoints: Mapping[str, str] | None = None) -> list[Change]:
     """Everything that must change for the live machine to match `desired`, in apply order.
 
-    `now` is Unix seconds (for the roaming window).
+    `now` is Unix seconds (for the roaming window). `applied_endpoints`: public key -> the model's endpoint when
+    it was last applied; one that differs now is news (an event, a path switch, the NAT exchange this diff got
+    to first) and wins over WireGuard's roaming, as it does on the event path.
     """
     t = target(desired)
     changes: list[Change] = []
@@ -489,7 +492,7 @@ def diff(desired: DesiredState, observed: Observed, now: float) -> list[Change]:
         dev = DeviceConfig()
         link = None
     changes.extend(_device_fields(t, dev))
-    changes.extend(_peers(t, dev, observed.peer_names, now))
+    changes.extend(_peers(t, dev, observed.peer_names, now, applied_endpoints or {}))
     changes.extend(_link(t, link or replace(_EMPTY_LINK, rules=observed.rules)))
     return changes
 
@@ -501,7 +504,8 @@ def _device_fields(t: Target, dev: DeviceConfig) -> Iterable[Change]:
         yield ListenPortWrong(t.interface, t.device.listen_port, dev.listen_port)
 
 
-def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -> Iterable[Change]:
+def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float,
+           applied_endpoints: Mapping[str, str]) -> Iterable[Change]:
     want, live = t.device.peers, dev.peers
     extra = [k for k in live if k not in want]
     missing = {k for k in want if k not in live}
@@ -521,7 +525,8 @@ def _peers(t: Target, dev: DeviceConfig, names: Mapping[str, str], now: float) -
     for key in sorted(renamed, key=name):
         yield PeerKeyChanged(name(key), key, renamed[key], want[key])
     for key in sorted((k for k in want if k in live and _differs(want[k], live[k])), key=name):
-        yield from peer_fields(name(key), want[key], live[key], now)
+        moved = applied_endpoints.get(key, want[key].endpoint) != want[key].endpoint
+        yield from peer_fields(name(key), want[key], live[key], now, moved=moved)
     for key in sorted((k for k in missing if k not in renamed), key=name):
         yield PeerAdded(name(key), key, want[key])
 

@@ -152,3 +152,20 @@ def test_an_endpoint_the_model_moved_wins_over_roaming_but_a_roamed_peer_is_othe
     widened = d.with_peer(peer(1, endpoint="10.0.0.1:51820", allowed=("192.168.5.0/24",)))
     assert not any(isinstance(c, PeerEndpointChanged) for c in peer_delta(d, widened, recent, NOW))
     assert not any(isinstance(c, PeerEndpointChanged) for c in diff(d, recent, NOW))
+
+
+def test_a_full_diff_that_gets_to_a_moved_endpoint_first_applies_it_over_roaming():
+    """The event path knew a moved endpoint was news; the full diff did not. When the full converge got there
+    first (no baseline: a peer's host name did not resolve; or the periodic reconcile ran between the edit and
+    its apply), the switch was left undone while the handshake was fresh, and the baseline then held the new
+    model: the device stayed on the old path, the model said the new one, and nothing would ever apply it."""
+    d = model([peer(0, endpoint="10.0.0.1:51820"), peer(1, endpoint="10.0.0.1:51820")])
+    believed = converged(d)
+    live = {k: replace(p, last_handshake=NOW - 5) for k, p in believed.device.peers.items()}
+    recent = replace(believed, device=replace(believed.device, peers=live))
+    applied = {k: p.endpoint for k, p in believed.device.peers.items()}  # what the last apply left
+    moved = d.with_peer_endpoint("n_0", "10.0.0.2:51821")  # a path switch, seen first by a full converge
+    changes = [c for c in diff(moved, recent, NOW, applied) if isinstance(c, PeerEndpointChanged)]
+    assert [(c.peer_id, c.want) for c in changes] == [("n_0", "10.0.0.2:51821")]
+    # without a record (a fresh start), a roamed peer is still left alone
+    assert not any(isinstance(c, PeerEndpointChanged) for c in diff(moved, recent, NOW))
