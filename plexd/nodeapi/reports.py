@@ -148,6 +148,9 @@ class ReportStore:
             await asyncio.to_thread(self._write, entry, data)
             self._entries[key] = entry
             self._sizes[key] = len(data)
+            # Again, now that the store holds it: a send that came due during the write read the key as it was
+            # before (a new key as deleted), and its acknowledgement took the first row with it.
+            self.on_change(key)
         return entry
 
     async def delete(self, key: str) -> bool:
@@ -158,6 +161,7 @@ class ReportStore:
             await asyncio.to_thread(self._remove, key)
             del self._entries[key]
             self._sizes.pop(key, None)
+            self.on_change(key)  # and after, as for a write
         return True
 
     def _check_caps(self, key: str, size: int) -> None:

@@ -190,7 +190,7 @@ async def test_if_match_rules_and_node_assigned_versions(served):
     assert await in_thread(served.call, "DELETE", "/v1/state/report/app") == (204, None)
     assert await in_thread(served.call, "DELETE", "/v1/state/report/app") == (404, {"error": "not found"})
     assert not os.path.exists(path)
-    assert served.changed == ["app", "app", "app", "app"]  # every change queued for the control plane
+    assert served.changed == ["app"] * 8  # every change queued for the control plane: before its write, and after
 
 
 @pytest.mark.parametrize(("key", "problem"), [
@@ -282,6 +282,28 @@ async def test_clients_that_never_read_their_answers_are_dropped_and_root_keeps_
     finally:
         rc, out = await hogging
     assert rc == 0 and "holding" in out
+
+
+async def test_a_reader_that_pauses_gets_its_whole_answer_while_slots_are_to_spare(served):
+    # A pager that stops reading for longer than request_timeout (1 s here) is no hog while nobody waits for its
+    # slot: its answer must not be cut short.
+    big = json.dumps({"content_type": "text/plain", "payload": "y" * 900_000}).encode()
+    assert (await in_thread(served.call, "PUT", "/v1/state/report/big", big))[0] == 200
+
+    def slow_reader():
+        import time
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(served.api.socket_path)
+        s.sendall(b"GET /v1/state/report/big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        time.sleep(2.5)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        s.close()
+        return data
+    data = await in_thread(slow_reader)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and json.loads(body)["payload"] == "y" * 900_000
 
 
 async def test_head_is_answered_with_gets_headers_and_no_body(served):

@@ -361,3 +361,18 @@ def test_a_change_the_outbox_cannot_take_now_is_queued_with_the_next(tmp_path, c
     sync.uplink.db.execute("DROP TRIGGER refuse")
     sync.changed("b")
     assert sorted(e.key for e in sync.uplink.pending("reports")) == ["a", "b"] and sync.pending == 2
+
+
+async def test_a_change_is_queued_again_once_the_store_holds_it(tmp_path):
+    """Queued before the write (a crash between the two must not lose it) and again after: a send that came due
+    while the file was being written read the key as it was (a new key as deleted, a delete as still there),
+    and its acknowledgement took the only row with it."""
+    seen: list[tuple[str, object]] = []
+    store = ReportStore(tmp_path)
+    store.on_change = lambda key: seen.append((key, store.get(key).version if store.get(key) else None))
+    await store.put("k", "text/plain", "v1", None)
+    assert seen[-1] == ("k", 1)  # the last word is the entry as stored
+    await store.put("k", "text/plain", "v2", None)
+    assert seen[-1] == ("k", 2)
+    await store.delete("k")
+    assert seen[-1] == ("k", None)
