@@ -398,8 +398,8 @@ class LocalAPI:
                 except h11.LocalProtocolError:
                     break
         except _SlowReader:
-            log.warning("local API: %s did not read its answer within %gs; connection dropped",
-                        _who(cred, remote), self.request_timeout)
+            log.warning("local API: %s did not read its answer within %gs while every connection slot was "
+                        "taken; connection dropped", _who(cred, remote), self.request_timeout)
             writer.transport.abort()  # close() would wait for the unread bytes to drain, for ever
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, h11.LocalProtocolError):
             pass
@@ -535,13 +535,21 @@ class LocalAPI:
         await self._drain(writer)
 
     async def _drain(self, writer: asyncio.StreamWriter) -> None:
-        """Wait for the client to take what was written, for `request_timeout` at most: a client that asks and
-        never reads would otherwise hold its connection slot for good."""
-        try:
-            async with asyncio.timeout(self.request_timeout):
-                await writer.drain()
-        except TimeoutError:
-            raise _SlowReader from None
+        """Wait for the client to take what was written. A reader that pauses (a pager) may take its time while
+        connection slots are to spare; once they run out, one that has not read for `request_timeout` is dropped:
+        clients that ask and never read would otherwise hold every slot for good."""
+        while True:
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    await writer.drain()
+                return
+            except TimeoutError:
+                if self._slots_short():
+                    raise _SlowReader from None
+
+    def _slots_short(self) -> bool:
+        return (len(self._connections) >= self.max_connections
+                or len(self._tcp_connections) >= self.tcp_max_connections)
 
     @staticmethod
     def _encode(conn: h11.Connection, response: Response) -> bytes:
