@@ -47,6 +47,10 @@ def test_retry_after_is_honoured_and_never_shorter_than_the_backoff():
     draws = [retry_verdict(RetryAfterError("d", 429, "", retry_after=30.0), Backoff(**NO_JITTER)).delay
              for _ in range(50)]
     assert all(30.0 <= d <= 45.0 for d in draws) and len(set(draws)) > 1  # never early, spread: no lock-step
+    # a "Retry-After: 1" answered again and again still backs off: the hint is a floor, not the delay
+    growing = Backoff(base=1.0, cap=60.0, jitter=0.0)
+    waits = [retry_verdict(RetryAfterError("d", 503, "", retry_after=1.0), growing).delay for _ in range(8)]
+    assert waits[0] < 2 and waits[-1] >= 60.0, waits
     assert retry_verdict(RetryAfterError("d", 429, "", retry_after=None), Backoff(**NO_JITTER)).delay == 0.01
 
 
