@@ -366,3 +366,27 @@ async def test_a_second_deregistration_while_one_is_in_progress_is_refused(tmp_p
         with pytest.raises(PlexdError, match="a deregistration is already in progress"):
             await agent.leave(purge=False, force=False)
         assert (await first).deregistered and agent.leaving.deregistered
+
+
+async def test_a_stop_during_a_register_request_that_then_fails_sends_no_retry(tmp_path):
+    """The wait after a stop lasts only while the request is on the wire: a 503 ends it, and the registrar's retry
+    (which the stop would cut off on the wire, spending the token for nothing) is never sent."""
+    from plexd.node.agent import Agent
+
+    async def busy_then_ok(req):
+        await asyncio.sleep(0.5)
+        return Reply(503, "{}") if len(server.requests) == 1 else Reply(200, ok_body())
+
+    async with Recorder(busy_then_ok) as server:
+        (tmp_path / "token").write_text("plx_enroll_" + "b" * 32)
+        stop = asyncio.Event()
+        agent = Agent(make_config(tmp_path, server.url), stop_event=stop)
+        async with agent:
+            run = asyncio.create_task(agent.run(lambda a: pytest.fail("assembled after a stop")))
+            while not server.requests:
+                await asyncio.sleep(0.01)
+            stop.set()
+            assert await asyncio.wait_for(run, 10) == 0
+        await asyncio.sleep(1.5)  # past the registrar's first backoff: a retry would have come by now
+        assert len(server.requests) == 1
+    assert IdentityStore(tmp_path / "data").load().identity is None
