@@ -186,6 +186,11 @@ class _EndpointOwners(Mapping[route_limits.IPAddress, str]):
     def __getitem__(self, ip: route_limits.IPAddress) -> str:
         return self._owners[ip][0]
 
+    def items(self) -> Iterator[tuple[route_limits.IPAddress, str]]:  # type: ignore[override]
+        # route_limits scans every endpoint for each wider prefix: Mapping's own items() goes through
+        # __getitem__ for each, which made a full state build 1.7 times slower
+        return ((ip, ids[0]) for ip, ids in self._owners.items())
+
     def __iter__(self) -> Iterator[route_limits.IPAddress]:
         return iter(self._owners)
 
@@ -365,15 +370,18 @@ class DesiredState:
         own_mesh = route_limits.address(self.mesh_ip)
         # Every candidate's endpoints are known before any prefix is checked, so whether a prefix may cover a
         # peer's endpoint never depends on which of the two came first in the list.
+        invalid: dict[int, str | None] = {}  # id(candidate) -> validate_peer's answer, asked once
         for peer in candidates:
             old = peers.get(peer.id)
             for ip in _endpoint_ips(old) if old is not None else ():
                 index.endpoints.discard(ip, peer.id)
-            for ip in _endpoint_ips(peer):
-                index.endpoints.add(ip, peer.id)
+            invalid[id(peer)] = validate_peer(peer, self.public_key)
+            if invalid[id(peer)] is None:  # a peer refused outright protects nothing
+                for ip in _endpoint_ips(peer):
+                    index.endpoints.add(ip, peer.id)
 
         def admit(peer: Peer) -> None:
-            reason = validate_peer(peer, self.public_key)
+            reason = invalid[id(peer)] if id(peer) in invalid else validate_peer(peer, self.public_key)
             old = peers.pop(peer.id, None)
             if old is not None:
                 index.remove(old)

@@ -102,6 +102,14 @@ def test_whether_a_prefix_may_cover_an_endpoint_never_depends_on_which_peer_came
     assert d.peers["n_3"].allowed_ips == ("10.100.0.3/32",) and "203.0.113.9" in refused(d)[("n_3", "203.0.113.0/24")]
 
 
+def test_a_peer_refused_outright_protects_no_endpoint_whatever_its_place():
+    covering = peer(3, "10.100.0.3/32", "203.0.113.0/24")
+    broken = peer(2, endpoint="203.0.113.7:51820", public_key="not a key")
+    for order in ((covering, broken), (broken, covering)):
+        d = model().with_state(State(peers=order))
+        assert "n_2" not in d.peers and "203.0.113.0/24" in d.peers["n_3"].allowed_ips, order
+
+
 def test_a_relay_endpoint_and_a_shared_nat_address_stay_protected():
     relayed = Peer(id="n_2", public_key=key(), mesh_ip="10.100.0.2", endpoint="198.51.100.20:51820",
                    fallback_endpoint="203.0.113.50:51821", allowed_ips=("10.100.0.2/32",))
