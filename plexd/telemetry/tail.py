@@ -51,6 +51,7 @@ class FileTail:
         self._skipping = False  # inside a line already cut at MAX_LINE
         self.problem = ""
         self._pending_rotated: tuple[str, int] | None = None  # (PATH.1, offset) to finish after a restart
+        self._draining_rotated = False  # PATH.1 is open (self._fh) and being read to its end
         self._budget = READ_BUDGET  # bytes this read() may still take
         self._resume(saved if isinstance(saved, dict) else None)
 
@@ -103,11 +104,13 @@ class FileTail:
         self._budget = READ_BUDGET
         if self._pending_rotated is not None:
             rotated, offset = self._pending_rotated
-            if self._open(offset, rotated) and not self._drain(lines, final=True):
-                self._pending_rotated = (rotated, self._offset)  # the budget ran out: the rest at the next read
-                self.close()
+            # Opened once and kept open until its end: the budget may take several reads, and by name it could be
+            # another file by then (logrotate again), or cut an over-long line it is skipping in two.
+            opened = self._draining_rotated or self._open(offset, rotated)
+            if opened and not self._drain(lines, final=True):
+                self._draining_rotated = True  # the budget ran out: the rest at the next read
                 return lines
-            self._pending_rotated = None
+            self._pending_rotated, self._draining_rotated = None, False
             self.close()
             self._open(0)
         if self._fh is None:

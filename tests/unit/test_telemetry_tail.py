@@ -106,6 +106,22 @@ def test_a_rotated_file_larger_than_one_reads_budget_is_read_whole_before_the_ne
         assert texts(read_all(tail)) == [*lines, "new one"], restart
 
 
+def test_an_over_long_line_across_the_budget_of_a_rotated_file_goes_out_once(tmp_path):
+    # Reopened by name at each read, the rotated file lost the "skipping the rest of this line" state at the
+    # budget's cut, and the tail of a 100 KB line went out as a second line.
+    from plexd.telemetry.tail import READ_BUDGET
+
+    log = tmp_path / "app.log"
+    log.write_bytes(b"")
+    saved = {"ino": os.stat(log).st_ino, "offset": 0}
+    head = b"a" * (READ_BUDGET - 50_000 - 1) + b"\n"
+    append(log, head + b"L" * 100_000 + b"\nafter\n")
+    os.rename(log, tmp_path / "app.log.1")
+    log.write_bytes(b"new\n")
+    got = texts(read_all(FileTail(str(log), saved)))
+    assert sum(1 for t in got if t.startswith("L")) == 1 and got[-2:] == ["after", "new"], [t[:10] for t in got]
+
+
 def test_a_one_mebibyte_line_is_cut_at_16_kib_and_the_next_line_is_whole(tmp_path):
     log, tail = empty_log(tmp_path)
     append(log, b"A" * (1 << 20) + b"\nnext\n")
