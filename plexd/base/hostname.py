@@ -18,3 +18,12 @@ def is_hostname(text: str, *, trailing_dot: bool = False) -> bool:
     if trailing_dot and text.endswith(".") and len(text) > 1:
         text = text[:-1]
     return _HOSTNAME.fullmatch(text) is not None
+
+
+def is_resolvable(text: str) -> bool:
+    """Whether the resolver can be asked for `text` at all: labels of 1-63 printable ASCII characters (an
+    underscore too: internal DNS has them, and resolvers take them), 253 in all. Looser than `is_hostname`, for
+    names an operator configures."""
+    name = text[:-1] if text.endswith(".") else text
+    return (0 < len(name) <= 253 and name.isascii() and name.isprintable()
+            and not any(c in name for c in " /@:") and all(0 < len(label) <= 63 for label in name.split(".")))

@@ -11,7 +11,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from plexd.base.hostname import is_hostname
+from plexd.base.hostname import is_resolvable
 from plexd.nat.stun import StunError
 
 DEFAULT_PORT = 3478
@@ -40,7 +40,7 @@ def parse_server(text: str) -> StunServer:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise ValueError(f"{text!r}: port {port_text!r} is not 1-65535")
         port = int(port_text)
-    if not _is_ipv4(host) and not is_hostname(host, trailing_dot=True):
+    if not _is_ipv4(host) and not is_resolvable(host):
         raise ValueError(f"{text!r} is not HOST or HOST:PORT (an IPv4 address or a host name)")
     return StunServer(host, port)
 

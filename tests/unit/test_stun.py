@@ -102,6 +102,7 @@ def test_a_cut_or_bit_flipped_answer_is_refused_or_still_an_ipv4_mapping(txid, c
     ("stun.example", StunServer("stun.example", 3478)),
     ("192.0.2.10:3479", StunServer("192.0.2.10", 3479)),
     (" 192.0.2.10 ", StunServer("192.0.2.10", 3478)),
+    ("stun_1.internal:3478", StunServer("stun_1.internal", 3478)),  # internal DNS has underscores: still taken
 ])
 def test_server_names(text: str, server: StunServer) -> None:
     assert parse_server(text) == server
@@ -112,7 +113,7 @@ def test_server_names(text: str, server: StunServer) -> None:
     ("h:x", "port 'x'"), (":3478", "is not HOST or HOST:PORT"), ("a b", "is not HOST or HOST:PORT"),
     # names the resolver cannot encode: getaddrinfo's UnicodeError escaped discovery, and the NAT service died
     ("stun..example.net", "is not HOST or HOST:PORT"), ("x" * 64 + ".example.net", "is not HOST or HOST:PORT"),
-    ("-stun.example.net:3478", "is not HOST or HOST:PORT"),
+    ("stun.example.net..", "is not HOST or HOST:PORT"),
 ])
 def test_bad_server_names_say_why(text: str, problem: str) -> None:
     with pytest.raises(ValueError) as err:
