@@ -121,6 +121,13 @@ class IdentityStore:
         """Create data_dir 0700 if needed and prove we can write into it, before anything irreversible (a token
         is single-use: registering and then failing to save would burn it)."""
         d = self.data_dir
+        foreign = _foreign_entries(d)
+        if foreign:
+            # /var/lib by mistake: plexd would tighten it to 0700 and `deregister --purge` would remove it whole
+            raise DataDirError(
+                f"data_dir {d} already holds files that are not plexd's ({', '.join(foreign)}) and no plexd "
+                "identity: give plexd a directory of its own (the default is /var/lib/plexd; --data-dir, "
+                "PLEXD_DATA_DIR)")
         try:
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             if d.stat().st_uid == os.geteuid():
@@ -317,3 +324,26 @@ def _is_address(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+# What only plexd puts in data_dir: one of them there, and the directory is plexd's (also with a damaged identity,
+# which a fresh registration replaces).
+_PLEXD_NAMES = frozenset({
+    datadir.IDENTITY, datadir.PRIVATE_KEY, datadir.NEXT_PRIVATE_KEY, datadir.NODE_SECRET, datadir.NODE_SECRET_KDF,
+    datadir.SIGNING_KEY, datadir.EVENT_LEDGER, datadir.UPLINK_DB, datadir.ACTIONS_DB, datadir.TELEMETRY_DB,
+    datadir.DEPARTED, datadir.UPGRADE, datadir.NONCES, datadir.LAST_EVENT_ID, "state", "bridge", "actions"})
+
+
+def _foreign_entries(d: Path, show: int = 3) -> list[str]:
+    """A few entries of an existing `d` that is not plexd's: nothing of plexd's in it and something else."""
+    try:
+        names = []
+        with os.scandir(d) as entries:
+            for entry in entries:
+                if entry.name in _PLEXD_NAMES:
+                    return []
+                if not entry.name.startswith(".tmp-"):
+                    names.append(entry.name)
+    except OSError:  # absent (to be created) or unreadable (the write probe says why)
+        return []
+    return sorted(names)[:show] + (["..."] if len(names) > show else [])

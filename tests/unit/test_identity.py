@@ -162,6 +162,24 @@ def test_a_failed_resave_of_the_same_key_keeps_the_identity(tmp_path):
     assert loaded.node_secret_key in ("rotated-secret", first.node_secret_key)
 
 
+def test_a_data_dir_that_holds_another_programs_files_is_refused_not_adopted(tmp_path):
+    # data_dir: /var/lib by mistake: it was tightened to 0700, and `deregister --purge` then removed it whole.
+    shared = tmp_path / "lib"
+    (shared / "dpkg").mkdir(parents=True)
+    (shared / "apt").mkdir()
+    shared.chmod(0o755)
+    with pytest.raises(DataDirError, match=r"already holds files that are not plexd's \(apt, dpkg\)"):
+        IdentityStore(shared).ensure_writable()
+    assert mode(shared) == 0o755
+    # plexd's own (an identity being replaced, a damaged one) and an empty directory are fine
+    IdentityStore(tmp_path / "empty").ensure_writable()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "events.db").write_text("")
+    (mine / "notes.txt").write_text("")
+    IdentityStore(mine).ensure_writable()
+
+
 def test_data_dir_that_cannot_be_created(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
