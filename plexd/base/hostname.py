@@ -27,3 +27,14 @@ def is_resolvable(text: str) -> bool:
     name = text[:-1] if text.endswith(".") else text
     return (0 < len(name) <= 253 and name.isascii() and name.isprintable()
             and not any(c in name for c in " /@:") and all(0 < len(label) <= 63 for label in name.split(".")))
+
+
+def is_ip(text: str, version: int | None = None) -> bool:
+    """Whether `text` is a bare IP address (of `version`, 4 or 6, when given): no prefix, no port."""
+    import ipaddress  # lazily: `plexd status` checks identities and should start fast
+
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return version is None or address.version == version

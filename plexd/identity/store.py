@@ -28,6 +28,7 @@ from pathlib import Path
 
 from plexd.base.atomicfile import rename_atomic, write_atomic
 from plexd.base.errors import PlexdError
+from plexd.base.hostname import is_ip
 from plexd.identity import datadir, node_secret
 
 IDENTITY_FILE = datadir.IDENTITY
@@ -168,7 +169,7 @@ class IdentityStore:
             return IdentityLoad(None, f"{IDENTITY_FILE}: node_id is missing or empty")
         if not isinstance(mesh_ip, str) or not mesh_ip.strip():
             return IdentityLoad(None, f"{IDENTITY_FILE}: mesh_ip is missing or empty")
-        if not _is_address(mesh_ip.strip()):
+        if not is_ip(mesh_ip.strip()):
             return IdentityLoad(None, f"{IDENTITY_FILE}: mesh_ip {mesh_ip.strip()[:60]!r} is not an IP address")
         try:
             private_key = decode_key(self._read(PRIVATE_KEY_FILE), PRIVATE_KEY_FILE)
@@ -314,16 +315,6 @@ class IdentityStore:
             for entry in self.data_dir.iterdir():
                 if entry.name.startswith(".tmp-") and entry.name[5:] in (*IDENTITY_FILES, NEXT_PRIVATE_KEY_FILE):
                     entry.unlink()
-
-
-def _is_address(text: str) -> bool:
-    import ipaddress  # lazily: `plexd status` loads identities and should start fast
-
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
 
 
 # What only plexd puts in data_dir: one of them there, and the directory is plexd's (also with a damaged identity,

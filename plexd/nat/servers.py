@@ -11,7 +11,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 
-from plexd.base.hostname import is_resolvable
+from plexd.base.hostname import is_ip, is_resolvable
 from plexd.nat.stun import StunError
 
 DEFAULT_PORT = 3478
@@ -40,7 +40,7 @@ def parse_server(text: str) -> StunServer:
         if not port_text.isdigit() or not 0 < int(port_text) < 65536:
             raise ValueError(f"{text!r}: port {port_text!r} is not 1-65535")
         port = int(port_text)
-    if not _is_ipv4(host) and not is_resolvable(host):
+    if not is_ip(host, 4) and not is_resolvable(host):
         raise ValueError(f"{text!r} is not HOST or HOST:PORT (an IPv4 address or a host name)")
     return StunServer(host, port)
 
@@ -65,10 +65,3 @@ async def resolve(host: str, timeout: float = RESOLVE_TIMEOUT) -> str:
         raise StunError(f"{host} has no IPv4 address")
     return str(infos[0][4][0])
 
-
-def _is_ipv4(text: str) -> bool:
-    try:
-        ipaddress.IPv4Address(text)
-    except ValueError:
-        return False
-    return True

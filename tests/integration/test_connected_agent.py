@@ -29,6 +29,12 @@ def wg_public() -> str:
     return base64.b64encode(bytes(PrivateKey.generate().public_key)).decode()
 
 
+def initial_desired(agent) -> DesiredState:
+    """The model a mesh starts from, for the agent's own identity."""
+    return DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, mesh_ip=agent.identity.mesh_ip,
+                                private_key=base64.b64encode(agent.identity.private_key).decode())
+
+
 @pytest.fixture
 def devplane(tmp_path):
     # liveness at 5 s: the second node below only registers (it never heartbeats), and must not go offline (and
@@ -44,9 +50,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
 
     def install(agent):
         connected["agent"] = agent
-        desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
-                                       private_key=base64.b64encode(agent.identity.private_key).decode(),
-                                       mesh_ip=agent.identity.mesh_ip)
+        desired = initial_desired(agent)
         connected["mesh"] = MeshHandle(Engine([domain]), desired)
         connected["c"] = assembly.assemble(agent, mesh=connected["mesh"])
         return connected["c"]
@@ -141,9 +145,7 @@ async def test_a_reregistration_answering_another_signing_key_is_trusted_at_once
 
     def install(agent):
         built["agent"] = agent
-        desired = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420,
-                                       private_key=base64.b64encode(agent.identity.private_key).decode(),
-                                       mesh_ip=agent.identity.mesh_ip)
+        desired = initial_desired(agent)
         real_recover = agent.registrar.recover
 
         async def recover_answering_a_new_key(current, **kw):
