@@ -30,21 +30,18 @@ def test_the_token_value_goes_and_everything_else_stays(tmp_path, before, after)
     assert remove_token_value(str(path)) is False  # nothing more to remove
 
 
-def test_a_file_it_cannot_edit_safely_is_left_unchanged(tmp_path):
+@pytest.mark.parametrize(("text", "why"), [
+    ('api: https://cp\n"token": {"value": "tok-1"}\n',
+     r"token\.value is not written as a 'value:' line under 'token:'"),
+    # a flow mapping over several lines: yaml.YAMLError escaped `plexd join` after the registration had
+    # succeeded, and the spent token stayed
+    ("api: https://cp\ntoken: {value: plx_enroll_abc,\n  file: /t}\n",
+     r"cannot rewrite safely; remove token\.value by hand"),
+])
+def test_a_file_it_cannot_edit_safely_is_left_unchanged_with_a_clear_error(tmp_path, text, why):
     path = tmp_path / "config.yaml"
-    text = 'api: https://cp\n"token": {"value": "tok-1"}\n'
     path.write_text(text)
-    with pytest.raises(ConfigError, match=r"token\.value is not written as a 'value:' line under 'token:'"):
-        remove_token_value(str(path))
-    assert path.read_text() == text
-
-
-def test_a_flow_mapping_over_several_lines_is_a_clear_error_not_a_traceback(tmp_path):
-    # yaml.YAMLError escaped `plexd join` after the registration had succeeded, and the spent token stayed.
-    path = tmp_path / "config.yaml"
-    text = "api: https://cp\ntoken: {value: plx_enroll_abc,\n  file: /t}\n"
-    path.write_text(text)
-    with pytest.raises(ConfigError, match=r"cannot rewrite safely; remove token\.value by hand"):
+    with pytest.raises(ConfigError, match=why):
         remove_token_value(str(path))
     assert path.read_text() == text
 
