@@ -8,23 +8,24 @@ Per peer, every `TICK` seconds, from the live device (latest handshake, endpoint
              device roamed to the relay (the other side moved there) → relay
     relay    the device roamed to a direct address with a recent handshake (the other side came through
              directly) → direct; otherwise, at the start of a probe window at least one interval after it
-             went to the relay → probing (after failed probes, only every 2nd, 4th, ... 32nd window)
+             went to the relay → probing (after probes that lost traffic, only every 2nd, 4th, 8th window)
     probing  configured direct again until the window ends; then direct if packets kept arriving and the
              device's endpoint is not the relay's (WireGuard roams to wherever the other side's packets come
              from), else back to the relay. Sooner back to the relay when, `PROBE_EVIDENCE` (11 s) into the
-             probe, packets went out directly and none came back: a working direct path answers by then (two-way
-             traffic at once, a one-way flow with WireGuard's passive keepalive at 10 s)
+             probe, traffic went out directly and nothing came back: a working direct path answers by then
+             (two-way traffic at once, a one-way flow with WireGuard's passive keepalive at 10 s)
 
 Probe windows are the first 30 s of each `interval` (60 s by default) of wall-clock time,
 the same for every node: both sides of a relayed pair try the direct path at the same moment, which is what
 two NATs that filter by endpoint need to let each other's packets in (a one-sided try can never get through
-them). A pair whose direct path never works therefore sends into nothing while both sides probe: that costs at
-most `PROBE_EVIDENCE` of traffic per probe, and each failed probe doubles the wait for the next (windows whose
-number is a multiple of 2, 4, ... 32, so two sides with different counts still meet in the larger one's), so a
-blocked pair loses some 11 s every 32 minutes, not 30 s of every minute. Either side going back to the relay
-and sending brings the other's device back too (WireGuard roams to the relay's address). The decision is a model
-edit (`DesiredState.relayed`), applied by the engine like any event (a switch is news that wins over WireGuard's
-roaming); the reconcile keeps it.
+them). A pair whose direct path never works therefore sends into nothing while both sides probe: with traffic
+flowing that costs at most `PROBE_EVIDENCE` per probe, and each such probe doubles the wait for the next (windows
+whose number is a multiple of 2, 4, 8, so two sides with different counts still meet in the larger one's): a
+blocked, busy pair loses some 11 s every 8 minutes, not 30 s of every minute. An idle pair (keepalives only)
+waits each window out, losing nothing, and its keepalives are what get through two NATs that open for them.
+Either side going back to the relay and sending brings the other's device back too (WireGuard roams to the
+relay's address). The decision is a model edit (`DesiredState.relayed`), applied by the engine like any event
+(a switch is news that wins over WireGuard's roaming); the reconcile keeps it.
 """
 
 from __future__ import annotations
@@ -49,8 +50,11 @@ DIRECT_GRACE = 10.0  # a working direct path handshakes within ~1 s, or 5 s afte
 FRESH = 180.0  # a handshake younger than this: the path carries the session (WireGuard rekeys every 2 min)
 PROBE_INTERVAL = 60.0
 PROBE_WINDOW = 30.0
-PROBE_EVIDENCE = 11.0  # into a probe: sent directly and nothing back by now means the direct path is not there
-MAX_PROBE_BACKOFF = 5  # failed probes double the wait between probes, up to 2**5 intervals
+PROBE_EVIDENCE = 11.0  # into a probe: traffic sent directly and nothing back by now: the direct path is not there
+# More than keepalives (32 bytes each, one per 25 s): traffic that a dead direct path would lose. An idle tunnel
+# waits out the window, its keepalives the packets that punch the two NATs (and losing nothing, it never backs off).
+PROBE_TRAFFIC = 256
+MAX_PROBE_BACKOFF = 3  # probes that lost traffic double the wait before the next, up to 2**3 intervals
 
 DIRECT, RELAY, PROBING = "direct", "relay", "probing"
 
@@ -143,16 +147,18 @@ class PathSelector:
                 st.probed_slot = slot
                 return PROBING
             return RELAY
-        # probing: configured direct until the window is over, or until it is plain that nothing comes back
+        # probing: configured direct until the window is over, or until it is plain that traffic is being lost
+        sending = tx - st.tx_at_probe > PROBE_TRAFFIC
         if slot == st.probed_slot and into < self.window:
-            if now - st.since >= PROBE_EVIDENCE and tx > st.tx_at_probe and rx <= st.rx_at_probe:
+            if now - st.since >= PROBE_EVIDENCE and sending and rx <= st.rx_at_probe:
                 st.failed_probes += 1
                 return RELAY
             return PROBING
         if endpoint != relay and rx > st.rx_at_probe and fresh:
             st.failed_probes = 0
             return DIRECT
-        st.failed_probes += 1
+        if sending:  # a failed probe that cost traffic: wait longer before the next
+            st.failed_probes += 1
         return RELAY
 
     def status(self) -> dict[str, Any]:

@@ -194,7 +194,7 @@ async def test_a_pair_whose_direct_path_is_dead_loses_little_to_probes():
         lost += any(p != RELAY for p in paths)
     durations = [(end - start + 1) * 2 for start, end in probe_starts]
     assert all(d <= 14 for d in durations[1:]), durations  # ended on the evidence, not at 30 s
-    assert len(probe_starts) <= 7, probe_starts  # 1, 2, 4, ... 32 minutes apart: not one a minute
+    assert len(probe_starts) <= 7, probe_starts  # 1, 2, 4, 8 minutes apart: not one a minute
     assert lost / ticks < 0.08, (lost, ticks)  # was about half of all time
 
 
@@ -209,3 +209,17 @@ async def test_a_probe_that_hears_back_is_not_cut_short(h):
     h.handshake_now()
     assert await h.after(12) == PROBING and await h.after(6) == PROBING  # evidence of life: the window goes on
     assert await h.after(14) == DIRECT and h.selector.paths["n_b"].failed_probes == 0
+
+
+async def test_an_idle_pair_waits_its_probe_window_out_and_never_backs_off(h):
+    # Keepalives only (32 bytes per 25 s): nothing to lose, and they are the packets that punch two NATs open.
+    # Ended early and backed off, an idle pair whose direct path came back stayed relayed for many minutes.
+    await h.after(0)
+    await h.after(11)
+    h.live["endpoint"] = RELAY_EP
+    h.handshake_now()
+    assert await h.after(76) == PROBING
+    h.live["tx"] += 32  # one keepalive went out directly; nothing back yet
+    assert await h.after(12) == PROBING and await h.after(10) == PROBING  # no early end
+    assert await h.after(10) == RELAY and h.selector.paths["n_b"].failed_probes == 0
+    assert await h.after(28) == PROBING  # the very next window: no backoff for a probe that lost nothing
