@@ -30,8 +30,9 @@ from plexd.base.backoff import Backoff
 from plexd.base.errors import PlexdError
 from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError
 from plexd.identity.store import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
-from plexd.mesh.wireguard import key_fingerprint
+from plexd.mesh.wireguard import clamp_private_key, key_fingerprint
 from plexd.node.agent import Agent
+from plexd.node.engine import wireguard
 from plexd.node.mesh import MeshHandle
 
 log = logging.getLogger(__name__)
@@ -133,11 +134,20 @@ class KeyRotation:
 
     async def _use(self, private_key: str, why: str) -> bool:
         """Put `private_key` in the desired model (journaled: a state pull in flight keeps it) and converge now.
-        False when the device did not take it."""
+        False when the device did not take it. Asked of the device itself, not of the converge's errors: some of
+        those stay while the node runs (nftables missing, a peer's name that does not resolve), and a rotation
+        judged by them never succeeded, and a resumed one flipped the device between its keys for ever."""
         self.mesh.store.edit(lambda d: d.with_private_key(private_key), why, ())
         result = await self.mesh.converge()
-        if not result.ok or result.dry_run:
-            log.warning("%s: not applied%s", why, f" ({'; '.join(result.errors)})" if result.errors else
-                        " (corrections are held: plexd reconcile release)")
+        if result.dry_run:
+            log.warning("%s: not applied (corrections are held: plexd reconcile release)", why)
+            return False
+        try:
+            device = await wireguard(self.mesh.engine).backend.observe()
+        except PlexdError as exc:
+            log.warning("%s: the device cannot be read (%s)", why, exc)
+            return False
+        if device is None or device.private_key != clamp_private_key(private_key):
+            log.warning("%s: not applied%s", why, f" ({'; '.join(result.errors)})" if result.errors else "")
             return False
         return True

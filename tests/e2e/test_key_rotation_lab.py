@@ -15,7 +15,7 @@ import os
 import signal
 
 import pytest
-from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, wait_until, wg_peers
+from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, register_ghost, wait_until, wg_peers
 
 from plexd.devplane.lab import Lab
 from plexd.identity.store import public_key_of
@@ -102,3 +102,24 @@ def test_killed_in_the_middle_of_a_rotation_the_node_finishes_it_at_the_next_sta
     assert "a rotation the last run did not finish" in a.logged()
     assert_rotated(lab, dp, a, b, old, daemons)
     wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 1, 0.2) == 1, 15, "a ping after the restart", daemons)
+
+
+@pytest.mark.parametrize("lab_dp", [2], indirect=True)
+def test_a_rotation_succeeds_while_another_part_of_the_converge_keeps_failing(lab_dp):
+    """The rotation asked whether the whole converge was clean; an error that stays while the node runs (here a
+    peer whose endpoint name never resolves) made every rotation fail, and a resumed one flip the device between
+    its keys. It asks the device now."""
+    lab, dp, daemons, tmp_path = lab_dp
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h")
+    ghost, _ = register_ghost(dp, "px-unresolvable")
+    dp.admin.set_node_endpoint(ghost["node_id"], "no-such-host.invalid:51820")
+    wait_until(lambda: "no-such-host.invalid" in a.logged(), 20, "a's converge to fail on the ghost's name", daemons)
+    old = dp.admin.node(a.node_id())["public_key"]
+    doc = json.loads(a.cli("rotate-keys", "--json").stdout)
+    new = dp.admin.node(a.node_id())["public_key"]
+    assert doc["previous_public_key"] == old and doc["public_key"] == new != old
+    # b also lists the ghost: a's key swapped there, the old one gone
+    wait_until(lambda: new in wg_peers(lab, b.node) and old not in wg_peers(lab, b.node), 15, "b to swap a's key",
+               daemons)
+    assert own_key(lab, a) == new == stored_key(a) and not (a.dir / "data" / "private_key.next").exists()
+    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
