@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -37,6 +38,7 @@ class ReconcileHold:
     def __init__(self, clock: Clock | None = None) -> None:
         self._clock = clock or Clock()
         self._hold: Hold | None = None
+        self.on_expired: Callable[[], None] | None = None  # what a release does by hand (a reconcile), at expiry
 
     def set(self, seconds: float, reason: str) -> Hold:
         if not 0 < seconds <= MAX_HOLD:
@@ -56,6 +58,8 @@ class ReconcileHold:
         if self._hold is not None and self._clock.now().timestamp() >= self._hold.until:
             log.info("reconcile hold expired")
             self._hold = None
+            if self.on_expired is not None:
+                self.on_expired()
         return self._hold
 
 

@@ -169,6 +169,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink,
         apply_events=lambda dry_run=False: mesh.apply_events(), events_pending=lambda: mesh.pending_requests)
 
+    # A hold that runs out corrects what it held, as a release does (plexd.node.control)
+    mesh.hold.on_expired = lambda: reconciler.trigger("reconcile hold expired")
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
                              rotate_keys=rotation.request, refresh_state=reconciler.refresh)

@@ -254,7 +254,9 @@ class MeshHandle:
             # converge must not take the pull as one whose changes a full converge already made.
             self._pull_changed_nothing = False
             with self._timed("events"):
-                if not self._limits_known or not self.known:
+                # Held: plan in full, and leave the touched peers for the apply after the hold (taken now, they
+                # were lost: the next event's delta moved the baseline past them and a removed peer stayed).
+                if not self._limits_known or not self.known or self.hold.current() is not None:
                     return await self._converge_locked(False)
                 touched = self.store.take_touched()
                 desired = self.store.value
