@@ -117,6 +117,11 @@ class WireGuardDomain:
             self._names[peer.public_key] = pid
         resolved, errors = await self._resolve_endpoints(desired)
         machine = await self.read()
+        # Labels only for keys that are desired or on the device: every key ever seen (rotations, short-lived
+        # nodes) made the table grow for good, and it is copied at every read.
+        on_device = machine.device.peers if machine.device is not None else {}
+        wanted = {peer.public_key for peer in desired.peers.values()}
+        self._names = {k: pid for k, pid in self._names.items() if k in on_device or k in wanted}
         if self._baseline is not None:  # the machine was read: believe what was seen (also when only planning)
             self._baseline = replace(self._baseline, believed=machine)
         return MeshObserved(machine, resolved, tuple(errors))
