@@ -403,6 +403,11 @@ class LocalAPI:
             writer.transport.abort()  # close() would wait for the unread bytes to drain, for ever
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError, h11.LocalProtocolError):
             pass
+        except asyncio.CancelledError:
+            # stop() ends open connections so. Ended here, not re-raised: asyncio's own done-callback of a
+            # connection task asks a cancelled one for its exception, and logs the CancelledError it gets as an
+            # error with a traceback (Python 3.11), once per connection open at every stop.
+            pass
         except h11.RemoteProtocolError as exc:
             with contextlib.suppress(Exception):
                 await self._send(conn, writer, Response(exc.error_status_hint, {"error": f"bad request: {exc}"}))

@@ -182,3 +182,18 @@ async def test_connections_beyond_the_cap_are_refused_and_the_api_recovers(tmp_p
         assert await asyncio.to_thread(control_client.call, api.socket_path, "GET", "/v1/x") == {"ok": True}
     finally:
         await api.stop()
+
+
+async def test_stopping_with_connections_open_logs_no_asyncio_error(tmp_path, caplog):
+    # stop() cancels the connections still open (here: one that sent nothing yet, as `plexd deregister` polling
+    # for the socket to go away does); asyncio logged each as "Exception in callback ... CancelledError".
+    import logging
+
+    api = await ok_api(tmp_path)
+    _, writer = await asyncio.open_unix_connection(api.socket_path)
+    await asyncio.sleep(0.1)
+    with caplog.at_level(logging.ERROR):
+        await api.stop()
+        await asyncio.sleep(0.1)  # the done-callbacks run
+    writer.close()
+    assert not [r for r in caplog.records if "Exception in callback" in r.getMessage()], caplog.text
