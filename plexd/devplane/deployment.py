@@ -64,6 +64,8 @@ def _net(side: str) -> Any:
     return None
 
 
+REGISTER_RETRY_WINDOW = 300.0  # seconds: a lost register answer is asked for again within this
+
 class Deployment:
     def __init__(
         self,
@@ -260,7 +262,8 @@ class Deployment:
             # The same registration again (the same token and public key): its answer was lost on the way (a
             # client timeout on a busy machine) and the node retries. It gets the same identity, not a spent token.
             earlier = self.nodes.get(self.store.token_node(token) or "")
-            if earlier is not None and not earlier.removed and earlier.public_key == public_key:
+            if (earlier is not None and not earlier.removed and earlier.public_key == public_key
+                    and self._within_retry_window(earlier)):
                 log.info("registration repeated with the same token and key; same answer",
                          extra={"node_id": earlier.id, "token": fingerprint(token)})
                 return self._register_response(earlier)
@@ -271,6 +274,7 @@ class Deployment:
             raise HTTPError(400, "hostname: must not be empty")
         if any(n.hostname == hostname for n in self.live_nodes()):
             raise HTTPError(409, f"hostname {hostname!r} is already registered")
+        self._refuse_taken_key(public_key, None)
         node = Node(
             id="n_" + secrets.token_hex(6),
             hostname=hostname,
@@ -299,6 +303,23 @@ class Deployment:
         log.info("node registered", extra={"node_id": node.id, "hostname": hostname, "mesh_ip": node.mesh_ip,
                                            "token": fingerprint(token)})
         return self._register_response(node)
+
+    def _within_retry_window(self, node: Node) -> bool:
+        """A used token answers the same registration again only this long after it was used (the Go agent
+        retries for at most 5 minutes): a spent token and a public key every peer sees must not hand out the
+        node's secret for ever."""
+        try:
+            used = gojson.parse_time(node.registered_at).timestamp()
+        except ValueError:
+            return False
+        return self.clock.now().timestamp() - used <= REGISTER_RETRY_WINDOW
+
+    def _refuse_taken_key(self, public_key: str, owner: Node | None) -> None:
+        """Two peers with one WireGuard key: a control plane must never serve that."""
+        taken = next((n for n in self.nodes.values() if n.public_key == public_key and n is not owner
+                      and (not n.removed or _rejoinable(n))), None)
+        if taken is not None:
+            raise HTTPError(409, f"public key already belongs to node {taken.id}")
 
     def _reregister(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("public_key") != node.public_key:
@@ -362,7 +383,14 @@ class Deployment:
             self.hub.publish(self.watchers(node), "peer_added", node.peer())
             log.info("node back online", extra={"node_id": node.id})
 
+    @staticmethod
+    def _still_here(node: Node) -> None:
+        """A node removed while its request was being read (deregistered, forgotten) is not written back to life."""
+        if node.removed:
+            raise HTTPError(401, f"node {node.id} is no longer registered")
+
     def heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, bool]:
+        self._still_here(node)
         nat = body.get("nat") or {}
         with self.store.transaction():
             self._mark_seen(node)
@@ -416,6 +444,7 @@ class Deployment:
     # -- endpoints and keys -------------------------------------------------------------------------------------
 
     def set_endpoint(self, node: Node, endpoint: str, nat_type: str | None = None) -> None:
+        self._still_here(node)
         with self.store.transaction():
             changed = endpoint != node.endpoint
             node.endpoint = endpoint
@@ -431,6 +460,8 @@ class Deployment:
     def rotate_node_key(self, node: Node, new_public_key: str) -> list[dict[str, Any]]:
         if not valid_public_key(new_public_key):
             raise HTTPError(400, "new_public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
+        self._still_here(node)
+        self._refuse_taken_key(new_public_key, node)
         with self.store.transaction():
             node.public_key = new_public_key
             self._save(node)
@@ -557,6 +588,7 @@ class Deployment:
         return entry
 
     def record_reports(self, node: Node, entries: list[dict[str, Any]], deleted: list[str]) -> None:
+        self._still_here(node)
         with self.store.transaction():
             self.store.add_record(node.id, "report", self.now_text(),
                                   json.dumps({"entries": entries or None, "deleted": deleted or None}))

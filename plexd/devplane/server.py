@@ -150,7 +150,16 @@ async def report(request: Request) -> Response:
     status = dep.faults.get("report_status")
     if status:  # a control plane that refuses report batches (a 409 on a version it does not accept)
         raise HTTPError(int(status), f"injected fault: report batch refused with {status}")
-    dep.record_reports(node, body.get("entries") or [], body.get("deleted") or [])
+    entries = []
+    for i, entry in enumerate(body.get("entries") or []):
+        entry = _object(entry) if isinstance(entry, dict) else entry  # Go's keys are case-insensitive
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
+            raise HTTPError(400, f"entries[{i}]: must be an object with a key")  # a 500 was retried for ever
+        entries.append(entry)
+    deleted = body.get("deleted") or []
+    if not isinstance(deleted, list) or not all(isinstance(k, str) for k in deleted):
+        raise HTTPError(400, "deleted: must be a list of keys")
+    dep.record_reports(node, entries, deleted)
     return ok()
 
 

@@ -183,6 +183,11 @@ def test_drift_report_ack_result_and_telemetry_are_stored(dp, pair):
                            "version": 12, "updated_at": "2025-01-15T10:30:00.123456789+01:00"}], "deleted": None}
     assert a.post("report", report).status_code == 200
     assert dp.admin.reports(a.id)[-1] == report
+    # entries Go reads case-insensitively are taken; what is no entry is a 400 naming it (a 500, retried for ever)
+    assert a.post("report", {"entries": [{"Key": "k2", "content_type": "text/plain", "payload": 1}]}).status_code == 200
+    for bad in ({"entries": [None]}, {"entries": [{"content_type": "t"}]}, {"deleted": [5]}):
+        refused = a.post("report", bad)
+        assert refused.status_code == 400 and ("entries[0]" in refused.text or "deleted" in refused.text), bad
 
     eid = dp.admin.request_action(a.id, "backup", {"target": "/srv"}, timeout="30s", checksum="ab" * 32)
     ack = {"execution_id": eid, "status": "accepted", "reason": ""}
