@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 
@@ -183,6 +184,10 @@ def _bridge_scenario(lab, mesh) -> bool:
     return bool(rows) and all(int(r[3]) > 0 and int(r[4]) > 0 for r in rows)
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 def run(args: argparse.Namespace) -> int:
     from plexd import __version__
     from plexd.devplane.lab import DEFAULT_STATE_FILE, Lab, LabError, MeshLab
@@ -202,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     n = max(2, int(args.nodes))
     started = time.monotonic()
+    # A SIGTERM or SIGHUP (a closed terminal, `timeout`, CI ending a job) ends the demo through its `finally`, as
+    # Ctrl-C does: without this, Python died at once and the whole lab (namespaces, wireguard-go, every plexd, the
+    # devplane) stayed behind, each in a session of its own.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupted)
     lab = Lab(state_file=DEFAULT_STATE_FILE if args.keep else None)
     mesh = MeshLab(lab)
     keep = False

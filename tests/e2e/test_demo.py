@@ -59,6 +59,34 @@ def test_demo_forms_a_full_mesh_and_cleans_up():
     assert subprocess.run(["id", user], capture_output=True).returncode != 0  # the throw-away account is gone
 
 
+@pytest.mark.timeout(120)
+def test_a_demo_ended_by_sigterm_removes_its_lab():
+    """SIGTERM (a closed terminal, `timeout`, CI ending a job) killed the demo without its teardown: the lab, each
+    part in a session of its own, stayed behind. It ends through the teardown now, as Ctrl-C does."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "plexd.devplane.cli", "demo", "--nodes", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = ""
+    try:
+        while "full handshake matrix" not in out:  # the lab, its devplane and three daemons run; the policy and
+            line = proc.stdout.readline()          # the SSH session parts (several seconds) are to come
+            assert line, proc.stderr.read()
+            out += line
+        tag = re.search(r"^lab (\w+): bridge", out, re.M).group(1)
+        assert _lab_namespaces(out)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert _lab_namespaces(out) == set()
+    left = subprocess.run(["pgrep", "-f", f"px{tag}"], capture_output=True, text=True).stdout
+    assert left == "", left
+
+
 @pytest.mark.timeout(240)
 def test_demo_keep_leaves_a_working_lab_and_down_removes_it():
     cli = [sys.executable, "-m", "plexd.devplane.cli", "demo"]
