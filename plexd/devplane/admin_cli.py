@@ -184,20 +184,33 @@ def _token(args: argparse.Namespace) -> str:
             token = Path(args.token_file).read_text().strip()
         except OSError as exc:
             raise ConfigError(f"--token-file {args.token_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--token-file {args.token_file}: not text (is it the admin token file?)") from None
     else:
         token = os.environ.get("PLEXD_DEVPLANE_ADMIN_TOKEN", "").strip()
     if not token:
         raise ConfigError("no admin token: pass --token-file (serve writes <db>.admin-token) "
                           "or set PLEXD_DEVPLANE_ADMIN_TOKEN")
+    if not token.isascii() or not token.isprintable() or len(token) > 512:
+        # never quoted: it may be a secret, or a whole file passed by mistake (httpx would print it)
+        raise ConfigError("the admin token is not one line of printable ASCII (is it the admin token file?)")
     return token
 
 
 def _run(args: argparse.Namespace) -> int:
+    import httpx
+
     from plexd.devplane.harness import AdminClient
 
-    client = AdminClient(args.url, _token(args))
+    token = _token(args)
+    try:
+        client = AdminClient(args.url, token)
+    except (httpx.InvalidURL, ValueError) as exc:
+        raise ConfigError(f"--url {args.url}: {exc}") from None
     try:
         result = args.handler(client, args)
+    except httpx.InvalidURL as exc:
+        raise ConfigError(f"--url {args.url}: {exc}") from None
     finally:
         client.close()
     human = None
@@ -233,6 +246,8 @@ def _read_json(path: str, what: str) -> Any:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"{what} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{what} {path}: not UTF-8 text") from None
     try:
         return boundedjson.parse(text)
     except json.JSONDecodeError as exc:
@@ -338,6 +353,8 @@ def do_secret_set(c: Any, args: argparse.Namespace) -> Any:
             value = Path(args.value_file).read_text()
         except OSError as exc:
             raise ConfigError(f"--value-file {args.value_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"--value-file {args.value_file}: not UTF-8 text (a secret value is text)") from None
     else:
         value = args.value
     version = c.set_secret(args.node_id, args.key, value)
@@ -346,7 +363,8 @@ def do_secret_set(c: Any, args: argparse.Namespace) -> Any:
 
 def do_report_list(c: Any, args: argparse.Namespace) -> Any:
     entries = c.report_entries(args.node_id)
-    lines = [f"{e['key']}  v{e['version']}  {e['content_type']}  {e['updated_at']}" for e in entries]
+    lines = [f"{e.get('key', '?')}  v{e.get('version', '?')}  {e.get('content_type', '?')}  {e.get('updated_at', '?')}"
+             for e in entries]  # what a node sent: any of it may be missing
     return entries, "\n".join(lines) or f"no report entries from {args.node_id}"
 
 
@@ -449,7 +467,8 @@ def do_records(c: Any, args: argparse.Namespace) -> Any:
         lines = []
         for report in items:
             lines.append(f"{report.get('timestamp', '?')}:")
-            lines += [f"  {c_['type']}: {c_['detail']}" for c_ in report.get("corrections") or []]
+            lines += [f"  {c_.get('type', '?')}: {c_.get('detail', '')}" if isinstance(c_, dict) else f"  {c_!r}"
+                      for c_ in report.get("corrections") or []]
         return items, "\n".join(lines) or "(none)"
     return items, "\n".join(json.dumps(i, ensure_ascii=False) for i in items) or "(none)"
 

@@ -141,6 +141,18 @@ def test_admin_cli_errors_are_one_line(dp, tmp_path):
         port = s.getsockname()[1]
     line = one_line_error(run("admin", "--url", f"http://127.0.0.1:{port}", "--token-file", str(wrong), "nodes"))
     assert "unreachable" in line
+    # ordinary mistakes that ended in tracebacks: a binary file as the token, a token that is not one ASCII line
+    # (the whole file was printed into the error), a URL that is no URL, a binary policies file
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00secret-ish")
+    assert "not text" in one_line_error(run("admin", "--url", dp.url, "--token-file", str(binary), "nodes"))
+    lines = tmp_path / "lines"
+    lines.write_text("line one\nline two tökén\n")
+    line = one_line_error(run("admin", "--url", dp.url, "--token-file", str(lines), "nodes"))
+    assert "printable ASCII" in line and "line two" not in line
+    assert "--url" in one_line_error(run("admin", "--url", "http://[::1", "--token-file", str(wrong), "nodes"))
+    assert "not UTF-8" in one_line_error(run("admin", "--url", dp.url, "--token-file", str(wrong), "policies",
+                                             "set", str(binary)))
 
 
 def test_serve_defaults_and_private_files(dp):
