@@ -69,7 +69,15 @@ from plexd.node.control import add_control_routes, health, live_status
 from plexd.node.durable import GroupCommit
 from plexd.node.engine import build_engine, nat_endpoint, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
-from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
+from plexd.node.mesh import (
+    MeshHandle,
+    build_verifier,
+    initial_desired,
+    state_applier,
+    state_fetcher,
+    state_planner,
+    trusted_key,
+)
 from plexd.node.parts import Node
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
@@ -167,7 +175,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         state_fetcher(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id()))),
         state_applier(mesh, verifier), mesh.converge, post_drift,
         clock=agent.clock, interval=cfg.reconcile.interval, refusals=mesh.take_refusals, outbox=uplink,
-        apply_events=lambda dry_run=False: mesh.apply_events(), events_pending=lambda: mesh.pending_requests)
+        apply_events=lambda dry_run=False: mesh.apply_events(), events_pending=lambda: mesh.pending_requests,
+        plan_state=state_planner(mesh))
 
     # A hold that runs out corrects what it held, as a release does (plexd.node.control)
     mesh.hold.on_expired = lambda: reconciler.trigger("reconcile hold expired")

@@ -239,6 +239,12 @@ class MeshHandle:
         # While held the engine only plans (the result says dry_run); the reconciler shows what it did not correct.
         return await self.engine.converge(self.store.value, dry_run=dry_run)
 
+    async def plan(self, model: DesiredState) -> ConvergeResult:
+        """What converging to `model` would change, the daemon's own model untouched (a dry run's pull)."""
+        async with self._lock:
+            with self._timed("full"):
+                return await self.engine.converge(model, dry_run=True)
+
     async def _device_up(self) -> bool:
         try:
             device = wireguard(self.engine)
@@ -292,6 +298,17 @@ def state_fetcher(mesh: MeshHandle, fetch: Callable[[], Awaitable[State]]) -> Ca
         return PulledState(await fetch(), since, limits)
 
     return fetch_state
+
+
+def state_planner(mesh: MeshHandle) -> Callable[[PulledState], Awaitable[ConvergeResult]]:
+    """`plan_state` for the reconciler: the pulled state on a copy of the model, planned, nothing kept."""
+    async def plan(pulled: PulledState) -> ConvergeResult:
+        model = mesh.store.value
+        if pulled.limits is not None:
+            model = replace(model, route_limits=pulled.limits)
+        return await mesh.plan(model.with_state(pulled.state))
+
+    return plan
 
 
 def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[PulledState], list[Correction]]:

@@ -20,6 +20,7 @@ that fails or is overtaken by events turns into a full cycle.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +104,8 @@ class Reconciler(Generic[S]):
         outbox: UplinkOutbox | None = None,  # the daemon's durable one; None: one in memory around post_drift
         apply_events: Converge | None = None,  # the event path, for refresh(); None: refresh() is trigger()
         events_pending: Callable[[], int] = lambda: 0,  # event applies requested and not yet served
+        # A dry run's plan of the pulled state on a model of its own; None: apply_state, then a dry converge
+        plan_state: Callable[[S], Awaitable[Any]] | None = None,
     ) -> None:
         self._fetch_state = fetch_state
         self._apply_state = apply_state
@@ -115,11 +118,15 @@ class Reconciler(Generic[S]):
         self._reasons: list[str] = []
         self._apply_events = apply_events
         self._events_pending = events_pending
+        self._plan_state = plan_state
         self._refresh_reasons: list[str] = []
         self.refreshes = 0
         self._lock = asyncio.Lock()
         self._outbox = outbox if outbox is not None else UplinkOutbox(None, lambda kind, body: post_drift(body))
         self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
+        # Drift corrected (what the drift reports name), by type: not the start's bring-up, the control plane's
+        # updates or the event path's changes, which the engine's own count of applied changes includes
+        self.drift_corrected: collections.Counter[str] = collections.Counter()
         self.cycles = 0
         self.failures = 0
         self.last: CycleResult | None = None
@@ -254,8 +261,13 @@ class Reconciler(Generic[S]):
             error = error or f"fetching the state failed: {exc}"
         else:
             try:
-                updates = corrections_of(self._apply_state(state))
-                result = await self._converge(dry_run=dry_run)
+                if dry_run and self._plan_state is not None:
+                    # Not applied to the daemon's model: the next cycle would take the pulled changes, never
+                    # converged, for drift, and report them
+                    result = await self._plan_state(state)
+                else:
+                    updates = corrections_of(self._apply_state(state))
+                    result = await self._converge(dry_run=dry_run)
                 if not dry_run and result.dry_run:
                     held += corrections_of(result.changes)
                 else:
@@ -286,6 +298,7 @@ class Reconciler(Generic[S]):
         if drift:
             log.warning("reconcile (%s) corrected %d drift(s): %s", why, len(drift),
                         "; ".join(f"{c.type}: {c.detail}" for c in drift))
+            self.drift_corrected.update(c.type for c in drift)
         seq: int | None = None
         if drift or refused:
             out.report = {

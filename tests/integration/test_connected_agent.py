@@ -178,3 +178,37 @@ async def test_a_reregistration_answering_another_signing_key_is_trusted_at_once
     finally:
         stop.set()
         assert await asyncio.wait_for(run, 30) == 0
+
+
+async def test_a_dry_run_through_the_daemon_leaves_its_model_alone(devplane, tmp_path):
+    """`plexd reconcile --once --dry-run` answered by the daemon applied the pulled state to the daemon's model
+    (only the converge was dry): the next cycle found the machine behind the model and reported the control
+    plane's news as drift."""
+    config = in_process_config(devplane, tmp_path)
+    built = {}
+
+    def install(agent):
+        built["mesh"] = MeshHandle(Engine([RecordingDomain()]), initial_desired(agent))
+        built["c"] = assembly.assemble(agent, mesh=built["mesh"])
+        return built["c"]
+
+    stop = asyncio.Event()
+    run = asyncio.create_task(assembly.run(config, stop_event=stop, assemble=install))
+    try:
+        await wait_for(lambda: "c" in built and built["c"].stream.connected.is_set(), what="stream")
+        c = built["c"]
+        await wait_for(lambda: c.reconciler.cycles >= 1 and c.reconciler.last is not None, what="the first cycle")
+        devplane.admin.set_faults(events_status=503)  # the news comes by the state pull only
+        await wait_for(lambda: not c.stream.connected.is_set(), what="the stream to drop")
+        token = devplane.admin.create_token()
+        other = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
+                           json={"token": token, "public_key": wg_public(), "hostname": "px-news"}).json()
+        plan = await c.reconciler.run_once(dry_run=True, reasons=("plexd reconcile --once",))
+        assert any(other["node_id"] in x.detail for x in plan.corrections), plan
+        assert other["node_id"] not in c.mesh.store.value.peers  # the plan only
+        cycle = await c.reconciler.run_once(reasons=("the next cycle",))
+        assert cycle.corrections == [] and any(other["node_id"] in x.detail for x in cycle.updates), cycle
+        devplane.admin.clear_faults()
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 30) == 0
