@@ -63,7 +63,8 @@ class Engine:
         self.hold = hold or ReconcileHold()
         self._lock = asyncio.Lock()
         self.last_result: ConvergeResult | None = None
-        self.corrections: collections.Counter[str] = collections.Counter()  # drift corrected, by type (metrics)
+        # every change applied, by type (drift, updates, bring-up alike; the drift alone: Reconciler.drift_corrected)
+        self.corrections: collections.Counter[str] = collections.Counter()
 
     def domain(self, name: str) -> Domain | None:
         return next((d for d in self.domains if d.name == name), None)

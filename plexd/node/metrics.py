@@ -86,7 +86,7 @@ class NodeCollector:
         yield _gauge("plexd_reconcile_held", "1 while corrections are on hold", int(held))
         corrections = CounterMetricFamily("plexd_corrections", "drift corrected by the converge, by type",
                                           labels=["type"])
-        for kind, count in sorted(node.mesh.engine.corrections.items()):
+        for kind, count in sorted(node.reconciler.drift_corrected.items()):
             corrections.add_metric([kind], count)
         yield corrections
         hb = node.heartbeat
