@@ -101,6 +101,7 @@ class Lab:
     routers: list[LabRouter] = field(default_factory=list)
     stun_netns: str = ""  # the namespace of the STUN server (coturn), once started
     pids: list[int] = field(default_factory=list)
+    starts: dict[int, int] = field(default_factory=dict)  # pid -> its start time: a reused pid is someone else's
     state_file: str | None = None
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     _up: bool = False
@@ -294,6 +295,9 @@ class Lab:
         proc = subprocess.Popen(list(cmd), **popen_kwargs)
         self._procs.append(proc)
         self.pids.append(proc.pid)
+        stat = process_stat(proc.pid)
+        if stat is not None:
+            self.starts[proc.pid] = stat.start_ticks
         self._save()
         return proc
 
@@ -316,9 +320,10 @@ class Lab:
                 _signal_group(p.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(2)
-        for pid in self.pids:  # pids from a state file (no Popen): best effort
+        for pid in self.pids:  # pids from a state file (no Popen): only while still the process the lab started
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                if _alive(pid):
+                stat = process_stat(pid)
+                if stat is not None and stat.alive and self.starts.get(pid) == stat.start_ticks:
                     os.killpg(pid, signal.SIGKILL)
         # Anything still living in a namespace (e.g. a wireguard-go started by a killed daemon).
         namespaces = [n.netns for n in self.nodes] + [r.netns for r in self.routers]
@@ -369,6 +374,7 @@ class Lab:
         if not self.state_file:
             return
         data = {"tag": self.tag, "workdir": self.workdir, "subnet": self.subnet, "pids": self.pids,
+                "starts": {str(pid): ticks for pid, ticks in self.starts.items()},
                 "nodes": [asdict(n) for n in self.nodes], "routers": [asdict(r) for r in self.routers],
                 "stun_netns": self.stun_netns}
         write_atomic(Path(self.state_file), json.dumps(data, indent=2).encode(), mode=0o644)
@@ -385,6 +391,7 @@ class Lab:
             raise LabError(f"cannot read lab state {state_file}: {e}") from None
         lab = cls(tag=data["tag"], workdir=data.get("workdir", ""), subnet=data.get("subnet", ""),
                   nodes=[LabNode(**n) for n in data.get("nodes", [])], pids=list(data.get("pids", [])),
+                  starts={int(pid): int(ticks) for pid, ticks in (data.get("starts") or {}).items()},
                   routers=[LabRouter(**r) for r in data.get("routers", [])], stun_netns=data.get("stun_netns", ""),
                   state_file=state_file, _up=True)
         lab.down()

@@ -204,3 +204,25 @@ def test_a_node_removed_while_its_request_was_read_is_not_written_back_to_life(d
             call()
         assert refused.value.status == 401
     assert node.status != "online" and node.endpoint != "203.0.113.9:51820"
+
+
+def test_a_kept_labs_down_never_signals_a_process_that_reused_one_of_its_pids(tmp_path):
+    """`demo --down` killed the process group of every pid in the state file that was alive: a lab process that
+    had died long before could have handed its pid to anyone. Only the process the lab started, by start time."""
+    import json
+    import subprocess
+    import sys
+
+    from plexd.base.procstat import process_stat
+    from plexd.devplane.lab import Lab
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        ticks = process_stat(stranger.pid).start_ticks
+        state = tmp_path / "lab.json"
+        state.write_text(json.dumps({"tag": "zq9", "pids": [stranger.pid], "starts": {str(stranger.pid): ticks - 1}}))
+        assert Lab.down_from_state(str(state)) is True
+        assert stranger.poll() is None  # the pid is not the lab's process any more: left alone
+    finally:
+        stranger.kill()
+        stranger.wait()
