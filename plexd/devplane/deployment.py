@@ -65,6 +65,8 @@ def _net(side: str) -> Any:
 
 
 REGISTER_RETRY_WINDOW = 300.0  # seconds: a lost register answer is asked for again within this
+EXECUTION_COPIES_KEPT = 10  # acks (and results) kept per execution beyond the first
+EXECUTIONS_KEPT_PER_NODE = 1000  # the oldest go: a node posting results for new ids cannot fill the disk
 
 class Deployment:
     def __init__(
@@ -645,10 +647,13 @@ class Deployment:
             doc = self.store.execution(node.id, execution_id) or {
                 "execution_id": execution_id, "action": "", "parameters": None, "timeout": "", "checksum": "",
                 "requested_at": None, "ack": None, "result": None}
-            doc.setdefault(part + "s", []).append(body)
+            later = doc.setdefault(part + "s", [])
+            if len(later) < EXECUTION_COPIES_KEPT:  # enough to see a duplicate; a node repeating itself for ever
+                later.append(body)                  # grew one row without bound, rewritten whole at each
             if doc.get(part) is None:
                 doc[part] = body
             self.store.save_execution(node.id, execution_id, doc)
+            self.store.prune_executions(node.id, EXECUTIONS_KEPT_PER_NODE)
 
     def rotate_signing_key(self, transition_seconds: float) -> dict[str, str]:
         """New deployment key; the announcement is signed with the OLD key, the only one agents trust yet."""

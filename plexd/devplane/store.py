@@ -278,6 +278,10 @@ class Store:
                         "ON CONFLICT(node_id, execution_id) DO UPDATE SET doc=excluded.doc",
                         (node_id, execution_id, json.dumps(doc, separators=(",", ":"))))
 
+    def prune_executions(self, node_id: str, keep: int) -> None:
+        self.db.execute("DELETE FROM executions WHERE node_id=? AND rowid NOT IN (SELECT rowid FROM executions "
+                        "WHERE node_id=? ORDER BY rowid DESC LIMIT ?)", (node_id, node_id, keep))
+
     def executions(self, node_id: str) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT doc FROM executions WHERE node_id=? ORDER BY rowid", (node_id,))
         return [json.loads(r[0]) for r in rows]

@@ -226,3 +226,18 @@ def test_a_kept_labs_down_never_signals_a_process_that_reused_one_of_its_pids(tm
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_node_repeating_acks_or_posting_new_ids_cannot_grow_the_executions_table_without_bound(deployment):
+    from plexd.devplane.deployment import EXECUTION_COPIES_KEPT, EXECUTIONS_KEPT_PER_NODE
+
+    dep = deployment
+    node = _register(dep, "chatty")
+    for _ in range(EXECUTION_COPIES_KEPT + 20):
+        dep.record_execution(node, "exec_same", "ack", {"execution_id": "exec_same", "status": "accepted"})
+    [doc] = dep.store.executions(node.id)
+    assert doc["ack"]["status"] == "accepted" and len(doc["acks"]) == EXECUTION_COPIES_KEPT
+    for i in range(EXECUTIONS_KEPT_PER_NODE + 5):
+        dep.record_execution(node, f"exec_{i}", "result", {"execution_id": f"exec_{i}", "status": "success"})
+    kept = dep.store.executions(node.id)
+    assert len(kept) == EXECUTIONS_KEPT_PER_NODE and kept[-1]["execution_id"] == f"exec_{EXECUTIONS_KEPT_PER_NODE + 4}"
