@@ -65,6 +65,15 @@ def h():
     return Harness()
 
 
+async def probing_after_a_minute_on_the_relay(h: Harness) -> None:
+    """Relayed (no handshake on the direct path), then probing 2 s into the second minute after that."""
+    await h.after(0)
+    await h.after(11)
+    h.live["endpoint"] = RELAY_EP
+    h.handshake_now()
+    assert await h.after(76) == PROBING
+
+
 async def test_no_handshake_on_the_direct_path_moves_the_peer_to_the_relay_after_10_s(h):
     assert await h.after(0) == DIRECT and h.configured() == DIRECT_EP
     assert await h.after(9) == DIRECT
@@ -199,11 +208,7 @@ async def test_a_pair_whose_direct_path_is_dead_loses_little_to_probes():
 
 
 async def test_a_probe_that_hears_back_is_not_cut_short(h):
-    await h.after(0)
-    await h.after(11)
-    h.live["endpoint"] = RELAY_EP
-    h.handshake_now()
-    assert await h.after(76) == PROBING
+    await probing_after_a_minute_on_the_relay(h)
     h.live["tx"] = 500
     h.live["endpoint"], h.live["rx"] = DIRECT_EP, h.live["rx"] + 148  # an answer came directly
     h.handshake_now()
@@ -214,11 +219,7 @@ async def test_a_probe_that_hears_back_is_not_cut_short(h):
 async def test_an_idle_pair_waits_its_probe_window_out_and_never_backs_off(h):
     # Keepalives only (32 bytes per 25 s): nothing to lose, and they are the packets that punch two NATs open.
     # Ended early and backed off, an idle pair whose direct path came back stayed relayed for many minutes.
-    await h.after(0)
-    await h.after(11)
-    h.live["endpoint"] = RELAY_EP
-    h.handshake_now()
-    assert await h.after(76) == PROBING
+    await probing_after_a_minute_on_the_relay(h)
     h.live["tx"] += 32  # one keepalive went out directly; nothing back yet
     assert await h.after(12) == PROBING and await h.after(10) == PROBING  # no early end
     assert await h.after(10) == RELAY and h.selector.paths["n_b"].failed_probes == 0
