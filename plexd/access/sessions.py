@@ -12,7 +12,6 @@ The older per-event shapes (`ssh_session_setup`, `session_revoked`) are deltas o
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import re
 import time
 from collections.abc import Iterable
@@ -21,7 +20,7 @@ from typing import Any
 
 from plexd.base import gojson
 from plexd.base.errors import WireFormatError
-from plexd.base.hostname import is_hostname
+from plexd.base.hostname import is_hostname, is_ip
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_SESSIONS = 10  # per node, ssh and tcp and k8s together (the Go agent's tunnel.max_sessions)
@@ -167,11 +166,8 @@ def _tcp_target(obj: Any, path: str) -> TcpTarget:
     if not isinstance(obj, dict):
         raise WireFormatError(path, "must be an object")
     host = _string(obj, "host", path, limit=253)
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        if not is_hostname(host):
-            raise WireFormatError(f"{path}.host", f"{host[:60]!r} is not an IP address or host name") from None
+    if not is_ip(host) and not is_hostname(host):
+        raise WireFormatError(f"{path}.host", f"{host[:60]!r} is not an IP address or host name")
     port = obj.get("port")
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise WireFormatError(f"{path}.port", "must be 1-65535")

@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import Any
 
 from plexd.access.sessions import Session, Sessions
-from plexd.base.hostname import is_hostname
+from plexd.base.hostname import is_hostname, is_ip
 from plexd.bridge.blocks import Ingress, SiteToSite, UserAccess
 from plexd.bridge.sessions import RelaySessionSet
 from plexd.identity import store as identity
@@ -56,18 +56,11 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
             raise ValueError(f"endpoint {endpoint!r} is not host:port")
         if ":" in host:
             raise ValueError(f"endpoint {endpoint!r}: an IPv6 endpoint must be written [address]:port")
-        if not _is_ipv4(host) and not is_hostname(host, trailing_dot=True):
+        if not is_ip(host, 4) and not is_hostname(host, trailing_dot=True):
             raise ValueError(f"endpoint {endpoint!r}: {host!r} is not an IPv4 address or host name")
     if not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
         raise ValueError(f"endpoint {endpoint!r}: port {port_s!r} is not 1-65535")
     return host, int(port_s)
-
-
-def _is_ipv4(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).version == 4
-    except ValueError:
-        return False
 
 
 @functools.lru_cache(maxsize=4)  # a new DesiredState per event: the same key must not cost a scalar mult each time

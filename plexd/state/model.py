@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import ipaddress
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from plexd.access.sessions import Sessions, parse_sessions
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import GO_ZERO_TIME
+from plexd.base.hostname import is_ip
 from plexd.bridge.blocks import (
     Ingress,
     SiteToSite,
@@ -359,10 +359,8 @@ class RegisterResponse:
         for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
             if not getattr(resp, name):
                 raise WireFormatError(name, "missing from the register response")
-        try:  # assigned as <mesh_ip>/32: anything but a bare address failed every converge afterwards
-            ipaddress.ip_address(resp.mesh_ip)
-        except ValueError:
-            raise WireFormatError("mesh_ip", f"{resp.mesh_ip[:60]!r} is not an IP address") from None
+        if not is_ip(resp.mesh_ip):  # assigned as <mesh_ip>/32: anything else failed every converge afterwards
+            raise WireFormatError("mesh_ip", f"{resp.mesh_ip[:60]!r} is not an IP address")
         secret = resp.node_secret_key
         if not (secret.isascii() and secret.isprintable()) or secret != secret.strip():
             # It becomes a bearer header on every request: one that cannot be sent is refused before it is saved
