@@ -341,7 +341,7 @@ class LocalAPI:
             log.warning("node API (TCP): refused %d connection(s) (latest from %s: %s; %d TCP connections open)",
                         self._refused_since_log, remote or "unknown peer", why, len(self._tcp_connections))
             self._refusal_logged, self._refused_since_log = now, 0
-        conn = h11.Connection(h11.SERVER)
+        conn = _Connection(h11.SERVER)
         with contextlib.suppress(Exception):  # best effort: the answer goes into the send buffer, never awaited
             conn.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")  # h11 answers only a request it has seen
             conn.next_event()
@@ -418,7 +418,7 @@ class LocalAPI:
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
 
-    async def _read_request(self, conn: h11.Connection, reader: asyncio.StreamReader, cred: PeerCred | None,
+    async def _read_request(self, conn: _Connection, reader: asyncio.StreamReader, cred: PeerCred | None,
                             via: str = "unix", remote: str = "", authenticated: bool = True) -> Request | None:
         head: h11.Request | None = None
         body = bytearray()
@@ -455,8 +455,7 @@ class LocalAPI:
                 return None
             if isinstance(event, h11.Request):
                 head = event
-                if isinstance(conn, _Connection):
-                    conn.head_request = event.method == b"HEAD"
+                conn.head_request = event.method == b"HEAD"
                 if via == "tcp":
                     self._check_bearer(event, remote)  # before a byte of the body is read
                 length = next((v for k, v in event.headers if k == b"content-length"), b"0")
@@ -525,7 +524,7 @@ class LocalAPI:
         return (scheme.lower() == "bearer" and bool(self._tcp_token)
                 and hmac.compare_digest(token.strip().encode("latin-1"), self._tcp_token))
 
-    async def _send(self, conn: h11.Connection, writer: asyncio.StreamWriter, response: Response) -> None:
+    async def _send(self, conn: _Connection, writer: asyncio.StreamWriter, response: Response) -> None:
         stream = response.stream
         if stream is None:
             writer.write(self._encode(conn, response))
@@ -533,8 +532,6 @@ class LocalAPI:
             headers = [("content-type", response.content_type), ("transfer-encoding", "chunked"),
                        *response.headers.items()]
             writer.write(conn.send(h11.Response(status_code=response.status, headers=headers)))
-            if isinstance(conn, _Connection) and conn.head_request:
-                stream = _nothing(stream)  # the headers alone; the producer is still closed
             await self._send_chunks(conn, writer, stream)
             writer.write(conn.send(h11.EndOfMessage()))
         await self._drain(writer)
@@ -557,7 +554,7 @@ class LocalAPI:
                 or len(self._tcp_connections) >= self.tcp_max_connections)
 
     @staticmethod
-    def _encode(conn: h11.Connection, response: Response) -> bytes:
+    def _encode(conn: _Connection, response: Response) -> bytes:
         """A whole response with a body (not streamed), as bytes."""
         body = response.encoded()
         headers = [("content-type", response.content_type), ("content-length", str(len(body))),
@@ -565,13 +562,15 @@ class LocalAPI:
         if response.status == 204:
             headers = [h for h in headers if h[0] not in ("content-type", "content-length")]
         out = conn.send(h11.Response(status_code=response.status, headers=headers)) or b""
-        if body and not (isinstance(conn, _Connection) and conn.head_request):
+        if body and not conn.head_request:
             out += conn.send(h11.Data(data=body)) or b""
         return out + (conn.send(h11.EndOfMessage()) or b"")
 
-    async def _send_chunks(self, conn: h11.Connection, writer: asyncio.StreamWriter,
+    async def _send_chunks(self, conn: _Connection, writer: asyncio.StreamWriter,
                            stream: AsyncIterator[bytes]) -> None:
         try:
+            if conn.head_request:  # the headers alone; the producer is still closed (below)
+                return
             async for chunk in stream:
                 if chunk:
                     writer.write(conn.send(h11.Data(data=chunk)))
@@ -586,15 +585,6 @@ class _Connection(h11.Connection):
     """h11's connection, knowing whether the request in hand is a HEAD (its answer has headers only)."""
 
     head_request = False
-
-
-async def _nothing(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """No chunks, and `stream` closed unread (a HEAD)."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is not None:
-        await aclose()
-    return
-    yield b""
 
 
 class _SlowReader(Exception):
