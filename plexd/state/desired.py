@@ -378,9 +378,9 @@ class DesiredState:
             old = peers.pop(peer.id, None)
             if old is not None:
                 index.remove(old)
-            for ip in _endpoint_ips(peer):  # counted while its prefixes are checked (its own endpoint too)
-                index.endpoints.add(ip, peer.id)
             if reason is None:
+                for ip in _endpoint_ips(peer):  # counted while its prefixes are checked (its own endpoint too)
+                    index.endpoints.add(ip, peer.id)
                 reason = self._claims(peer, index.keys, index.mesh_strings, own_mesh)
             if reason is None:
                 peer, dropped = self._limit_routes(peer, index, own_mesh)
