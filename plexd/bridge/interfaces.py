@@ -194,11 +194,7 @@ class RouteGuard:
         self._private_limits = replace(self._limits, max_route_percent=100.0)
         self._public: dict[route_limits.IPNetwork, str] = {}
         self._public_space = route_limits.RoutedSpace(self._public)
-        self._endpoints: dict[route_limits.IPAddress, str] = {}
-        for peer_id, peer in desired.peers.items():
-            ip = endpoint_ip(peer.endpoint)
-            if ip is not None:
-                self._endpoints[ip] = peer_id
+        self._endpoints = desired.endpoint_owners()  # the mesh's own table: relay addresses and shared NATs too
         self._routed: dict[route_limits.IPNetwork, str] = {}
         self._space = route_limits.RoutedSpace(self._routed)
 

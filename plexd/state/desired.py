@@ -508,6 +508,11 @@ class DesiredState:
             new.__dict__["_route_index"] = index
         return new
 
+    def endpoint_owners(self) -> Mapping[route_limits.IPAddress, str]:
+        """Every accepted peer's endpoint and relay (fallback) address -> a peer whose tunnel goes there: what no
+        route may cover (the tunnel would carry its own packets)."""
+        return self._route_index.endpoints
+
     def routed_prefixes(self) -> Mapping[route_limits.IPNetwork, str]:
         """Every prefix routed to an accepted peer (its allowed IPs, else its mesh address) -> that peer's id."""
         return self._route_index.routed

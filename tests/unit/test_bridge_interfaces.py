@@ -343,13 +343,17 @@ def test_bridge_routes_pass_the_mesh_route_guard_so_no_block_cuts_the_bridge_off
 
     def with_blocks(**blocks) -> DesiredState:
         peer = Peer("n_a", key(3), "10.100.0.2", "198.51.100.7:51820", ("10.100.0.2/32",))
-        return base.with_state(State.from_wire({"peers": [peer.to_wire()], "bridge": blocks}))
+        relayed = Peer("n_r", key(5), "10.100.0.3", "198.51.100.80:51820", ("10.100.0.3/32",),
+                       fallback_endpoint="100.64.9.9:51821")
+        return base.with_state(State.from_wire({"peers": [peer.to_wire(), relayed.to_wire()], "bridge": blocks}))
 
     access = access_specs(str(tmp_path), "plexd0")(with_blocks(user_access={"enabled": True, "peers": [
         {"public_key": key(1), "allowed_ips": [f"{control_plane}/32"], "label": "cp"},
         {"public_key": key(2), "allowed_ips": ["198.51.100.0/24"], "label": "endpoint"},
+        {"public_key": key(6), "allowed_ips": ["100.64.9.0/24"], "label": "relay"},  # a peer's relay address too
         {"public_key": key(4), "allowed_ips": ["10.100.250.0/24"], "label": "ok"}]}), UNDERLAY)
     text = "\n".join(access.refused)
+    assert "relay: refused: 100.64.9.0/24: would route the endpoint 100.64.9.9 of peer n_r" in text
     assert f"cp: refused: {control_plane}/32: would route {control_plane} (the control plane" in text
     assert "endpoint: refused: 198.51.100.0/24: would route the endpoint 198.51.100.7 of peer n_a" in text
     assert list(access.specs["wg-access"].peers) == [key(4)]
