@@ -70,22 +70,13 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
     @staticmethod
     def _wait_in_thread(loop: asyncio.AbstractEventLoop, pid: int, callback: Callable[..., Any],
                         args: tuple[Any, ...]) -> None:
-        try:
-            _, status = os.waitpid(pid, 0)
-            returncode = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:
-            returncode = 255
-        loop.call_soon_threadsafe(callback, pid, returncode, *args)
+        loop.call_soon_threadsafe(callback, pid, _wait_for(pid), *args)
 
     @staticmethod
     def _reap(loop: asyncio.AbstractEventLoop, pid: int, pidfd: int, callback: Callable[..., Any],
               args: tuple[Any, ...]) -> None:
         try:
-            _, status = os.waitpid(pid, 0)  # the pidfd is readable: the child has exited, this does not block
-            returncode = os.waitstatus_to_exitcode(status)
-        except ChildProcessError:
-            log.warning("child %d was reaped elsewhere: its exit status is unknown", pid)
-            returncode = 255
+            returncode = _wait_for(pid)  # the pidfd is readable: the child has exited, this does not block
         finally:
             os.close(pidfd)
         callback(pid, returncode, *args)
@@ -107,6 +98,16 @@ class RunningLoopPidfdWatcher(asyncio.AbstractChildWatcher):
 
     def __exit__(self, *exc_info: object) -> None:
         pass
+
+
+def _wait_for(pid: int) -> int:
+    """Reap `pid` and return its exit code as asyncio reports it; 255 when someone else reaped it."""
+    try:
+        _, status = os.waitpid(pid, 0)
+    except ChildProcessError:
+        log.warning("child %d was reaped elsewhere: its exit status is unknown", pid)
+        return 255
+    return os.waitstatus_to_exitcode(status)
 
 
 def signal_child(proc: asyncio.subprocess.Process, sig: int) -> None:
