@@ -644,7 +644,8 @@ class Deployment:
         """Keep the first ack and result as they came; every later one is appended to `acks` / `results`, so a
         test sees a duplicate being refused (or, were it ever, run twice)."""
         with self.store.transaction():
-            doc = self.store.execution(node.id, execution_id) or {
+            known = self.store.execution(node.id, execution_id)
+            doc = known or {
                 "execution_id": execution_id, "action": "", "parameters": None, "timeout": "", "checksum": "",
                 "requested_at": None, "ack": None, "result": None}
             later = doc.setdefault(part + "s", [])
@@ -653,7 +654,8 @@ class Deployment:
             if doc.get(part) is None:
                 doc[part] = body
             self.store.save_execution(node.id, execution_id, doc)
-            self.store.prune_executions(node.id, EXECUTIONS_KEPT_PER_NODE)
+            if known is None:  # only a new row can take the node past the bound
+                self.store.prune_executions(node.id, EXECUTIONS_KEPT_PER_NODE)
 
     def rotate_signing_key(self, transition_seconds: float) -> dict[str, str]:
         """New deployment key; the announcement is signed with the OLD key, the only one agents trust yet."""
