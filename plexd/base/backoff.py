@@ -33,9 +33,8 @@ class Backoff:
     def after_hint(self, hint: float | None) -> float:
         """The wait before retrying what a server turned away (429, 503): without a Retry-After, the next jittered,
         growing delay; with one, never earlier than it says (nor than that delay) but spread over half as long
-        again, so the clients it
-        turned away in one second do not all come back in one second (the Go agent waits exactly the hint, or
-        the un-jittered current delay without growing it: a fleet in lock-step)."""
+        again, so the clients it turned away in one second do not all come back in one second (the Go agent
+        waits exactly the hint, or the un-jittered current delay without growing it: a fleet in lock-step)."""
         delay = self.next_delay()
         if hint is None:
             return delay
