@@ -46,11 +46,16 @@ CHILD = Path(__file__).with_name("_ssh_server_child.py")
 TICKS = os.sysconf("SC_CLK_TCK")
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+def _proc_mib(pid: int, file: str, field: str) -> float:
+    """A kB field of /proc/PID/FILE, in MiB (0 without the field)."""
+    for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def rss_mib(pid: int) -> float:
+    return _proc_mib(pid, "status", "VmRSS:")
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
@@ -171,12 +176,9 @@ def comm(pid: int) -> str:
 
 def pss_mib(pid: int) -> float:
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return 0.0
+        return _proc_mib(pid, "smaps_rollup", "Pss:")
+    except OSError:  # a connection's process that ended meanwhile
+        return 0.0
 
 
 async def run(server: PlexdServer | SshdServer, rounds: int, sequential: int, concurrency: int) -> None:
