@@ -36,12 +36,14 @@ class FirstContact:
     """The kicks this node held back (public key -> keepalive to turn on) and the one task that sends them.
 
     `send` applies a device update under the WireGuard domain's device lock. A held peer's keepalive reads 0 on the
-    device until its kick: `hides` keeps a full converge from reporting that as drift."""
+    device until its kick has been applied: `hides` keeps a full converge from reporting that as drift, also while
+    the kick waits for the device (a converge that read the device just before the kick went out saw it off)."""
 
     def __init__(self, send: Callable[[DeviceUpdate], Awaitable[None]], delay: float = FOLLOW_DELAY) -> None:
         self._send = send
         self.delay = delay
         self.held: dict[str, tuple[int, float]] = {}  # public key -> (keepalive, when to kick, loop time)
+        self._kicking: dict[str, int] = {}  # public key -> keepalive, of the kick on its way to the device
         self._task: asyncio.Task[None] | None = None
 
     def hold(self, own_key: str, kicks: Mapping[str, int]) -> frozenset[str]:
@@ -60,8 +62,10 @@ class FirstContact:
 
     def hides(self, change: Change) -> bool:
         """A held peer's keepalive still off, as it must be until its kick: not drift."""
-        held = self.held.get(change.public_key) if isinstance(change, PeerKeepaliveChanged) else None
-        return held is not None and change.have == 0 and change.want == held[0]
+        if not isinstance(change, PeerKeepaliveChanged) or change.have != 0:
+            return False
+        held = self.held.get(change.public_key)
+        return change.want == (held[0] if held is not None else self._kicking.get(change.public_key))
 
     def applied(self, changes: Iterable[Change]) -> None:
         """Forget held peers these applied changes removed, renamed or set the keepalive of. Not for a keepalive
@@ -81,6 +85,7 @@ class FirstContact:
 
     def cancel(self) -> None:
         self.held.clear()
+        self._kicking.clear()
         if self._task is not None:
             self._task.cancel()
 
@@ -93,7 +98,11 @@ class FirstContact:
             for key in due:
                 del self.held[key]
             if due:
-                await self._kick(due)
+                self._kicking = due
+                try:
+                    await self._kick(due)
+                finally:
+                    self._kicking = {}
 
     async def _kick(self, due: Mapping[str, int]) -> None:
         # Off, then on: WireGuard sends a keepalive (a handshake initiation when there is no session yet).

@@ -86,3 +86,25 @@ async def test_the_hold_outlives_the_changes_that_come_with_it_and_a_second_hold
     assert fc.held[LOW][1] == due
     await asyncio.sleep(0.25)
     assert [(p.public_key, p.persistent_keepalive) for p in sent[0].peers] == [(LOW, 0), (LOW, 25)]
+
+
+async def test_a_kick_waiting_for_the_device_still_hides_the_keepalive_it_is_about_to_turn_on() -> None:
+    """The kernel tier's drift test reported `peer n_2: persistent keepalive 0 != 25` for a peer nobody touched: a
+    full converge read the device (keepalive still off) while the kick, already taken off the hold, waited for the
+    device lock. Until the kick has been applied, that 0 is the hold's, not drift."""
+    gate = asyncio.Event()
+    sent: list[DeviceUpdate] = []
+
+    async def send(update: DeviceUpdate) -> None:
+        await gate.wait()  # the device lock, held by a converge
+        sent.append(update)
+
+    fc = FirstContact(send, delay=0.01)
+    fc.hold(MID, {LOW: 25})
+    await asyncio.sleep(0.05)
+    assert LOW not in fc.held and not sent  # due, on its way
+    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))
+    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0))
+    gate.set()
+    await asyncio.sleep(0.01)
+    assert sent and not fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))  # applied: a 0 now is drift
