@@ -5,8 +5,8 @@ map elements, one per direction, keyed by the sending side's current address:
 
     map fwd_addr { ipv4_addr . inet_service : ipv4_addr }      A_ip . A_port -> B_ip   (and B -> A)
     map fwd_port { ipv4_addr . inet_service : inet_service }   A_ip . A_port -> B_port
-    prerouting (raw):  to RELAY:51821, WireGuard transport data (first word 0x04000000), source in @fwd_addr
-                       -> notrack, mark, destination rewritten from the maps
+    prerouting (raw):  to RELAY:51821, WireGuard transport data (first word 0x04000000): destination rewritten
+                       from the maps (a source not in them ends the rule), notrack, mark
     postrouting:       marked -> source rewritten to RELAY:51821
 
 Stateless rewriting (notrack) rather than conntrack DNAT/SNAT: the flows already have conntrack entries from the
@@ -77,11 +77,13 @@ def table_commands(relay_ip: str, relay_port: int) -> list[JSON]:
             _eq(_payload("ip", "daddr"), relay_ip),
             _eq(_payload("udp", "dport"), relay_port),
             _eq({"payload": {"base": "th", "offset": 64, "len": 32}}, TRANSPORT_WORD),
-            _eq(key, "@fwd_addr"),
-            {"notrack": None},
-            {"mangle": {"key": {"meta": {"key": "mark"}}, "value": MARK}},
+            # The map lookups come first and are the membership test too: a sender not in the maps ends the rule
+            # there (a lookup that misses stops it), before anything is changed. Matching `@fwd_addr` as a set
+            # first read better, but kernels before 6.4 refuse a map used as a set (EINVAL): Debian 12's 6.1.
             {"mangle": {"key": _payload("ip", "daddr"), "value": {"map": {"key": key, "data": "@fwd_addr"}}}},
             {"mangle": {"key": _payload("udp", "dport"), "value": {"map": {"key": key, "data": "@fwd_port"}}}},
+            {"notrack": None},
+            {"mangle": {"key": {"meta": {"key": "mark"}}, "value": MARK}},
             {"counter": None},
         ]}}},
         {"add": {"rule": {**t, "chain": "postrouting", "expr": [
