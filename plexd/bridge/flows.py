@@ -1,12 +1,14 @@
 """The relay's flow table: which session and side a packet belongs to, learned from WireGuard indices.
 
 A flow is not its source ip:port (a NAT rewrites that; the Go relay's defect). The control plane's session gives
-each side a first-contact address; a handshake initiation from a side's address is forwarded to the other side
-of every session that side is in (a node relayed to two peers sends both from one port; the wrong peer drops
-the initiation on its mac1, so only the right one answers), and the response binds both sides' indices to that
-session. From then on a packet is routed by its receiver index, and the sending side's address follows the
-packet's source when only the port changed (a NAT remap). An address may only move within its IP, so someone
-who sniffs an index still has to spoof the side's IP to divert its traffic.
+each side a first-contact address; the response to a handshake initiation binds both sides' indices to that
+session, and from then on a packet is routed by its receiver index.
+
+A side's address moves only on proof, never because a packet came from its IP: anyone behind the same CGNAT (or
+spoofing it) can send from there. Proof is the counterpart answering an initiation from the new address (a
+response from exactly where the relay sent that initiation, whose receiver index is the initiation's sender
+index), or a packet carrying an index of the established flow from the side's IP (a NAT remap). An initiation
+from a port nobody proved is forwarded to one counterpart at most and only remembered, bounded per side.
 
 Pure and synchronous: `route()` gets a datagram and its source and returns where to send it.
 """
@@ -21,11 +23,25 @@ from plexd.bridge.sessions import Address, RelaySession
 
 # Indices a side keeps (WireGuard uses a new one per handshake, every ~2 min; a few cover rekey overlap).
 INDICES_PER_SIDE = 4
-# Initiations waiting for their response (bounded: a flood of initiations cannot grow memory).
-MAX_PENDING = 1024
+# Initiations of a side waiting for their response: per side, so a flood from one IP evicts only that IP's sides.
+PENDING_PER_SIDE = 8
+# An unanswered initiation is stale after this: WireGuard retries with a new one every 5 s (REKEY_TIMEOUT).
+PENDING_SECONDS = 10.0
+# WireGuard's REJECT_AFTER_TIME: keys this old are never used, so a side silent this long has no session through
+# the relay left to divert, and where its next initiation comes from is the best guess of its port again.
+SESSION_LIFETIME = 180.0
 RETIRED_KEPT = 100  # withdrawn flows remembered, oldest forgotten first
 
 A, B = 0, 1
+
+
+@dataclass
+class Pending:
+    """An initiation forwarded and not yet answered."""
+
+    source: Address  # where it came from: the side's address once answered
+    target: Address  # where it went: the only address its response is accepted from
+    at: float
 
 
 @dataclass
@@ -33,6 +49,8 @@ class Side:
     node_id: str
     address: Address
     indices: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    pending: OrderedDict[int, Pending] = field(default_factory=OrderedDict)  # by the initiation's sender index
+    proven_at: float | None = None  # the last packet that proved `address` (None: only the control plane's word)
 
 
 @dataclass
@@ -60,7 +78,7 @@ class Flow:
 @dataclass
 class Drops:
     malformed: int = 0       # not a WireGuard message
-    unknown_source: int = 0  # an initiation from an address no session lists
+    unknown_source: int = 0  # an initiation from an IP no session lists
     unknown_index: int = 0   # a receiver index no session has learned
     spoofed: int = 0         # a known index from an IP its side does not have
 
@@ -69,8 +87,6 @@ class FlowTable:
     def __init__(self) -> None:
         self.flows: dict[str, Flow] = {}
         self._by_index: dict[int, tuple[str, int]] = {}
-        # sender index of an initiation -> (source, candidate (session id, side) pairs)
-        self._pending: OrderedDict[int, tuple[Address, list[tuple[str, int]]]] = OrderedDict()
         self.drops = Drops()
         # Flows of sessions withdrawn lately (never routed): the same session assigned again resumes with what it
         # had learned, instead of waiting for both ends' next handshake (WireGuard's ~15 s of silence first).
@@ -132,62 +148,83 @@ class FlowTable:
         return self._to_receiver(header.receiver or 0, data, source, now)
 
     def _initiation(self, sender: int, data: bytes, source: Address, now: float) -> list[Address]:
-        candidates = [(sid, i) for sid, flow in self.flows.items()
-                      for i, side in enumerate(flow.sides) if side.address == source]
-        if not candidates:
-            # A known index of this sender's side from a new port: its NAT remapped, the session is the same.
-            known = self._by_index.get(sender)
-            if known is not None and self._side(*known).address[0] == source[0]:
-                candidates = [known]
-        if not candidates:
-            candidates = [(sid, i) for sid, flow in self.flows.items()
-                          for i, side in enumerate(flow.sides) if side.address[0] == source[0]]
-        if not candidates:
-            self.drops.unknown_source += 1
-            return []
-        # Behind a port-randomising NAT the port the control plane listed is not the one the relay sees: the
-        # initiation tells it. Only when every candidate side is one node (two nodes behind one IP stay put).
-        if len({self.flows[sid].sides[i].node_id for sid, i in candidates}) == 1:
-            for sid, i in candidates:
-                flow = self.flows[sid]
-                self._move(flow, flow.sides[i], source)
-        self._pending[sender] = (source, candidates)
-        self._pending.move_to_end(sender)
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popitem(last=False)
-        targets = []
-        for sid, i in candidates:
-            flow = self.flows[sid]
-            self._count(flow, i, len(data), now)
-            targets.append(flow.sides[1 - i].address)
-        return list(dict.fromkeys(targets))
-
-    def _response(self, sender: int, receiver: int, data: bytes, source: Address, now: float) -> list[Address]:
-        pending = self._pending.pop(receiver, None)
-        if pending is not None:
-            initiator_address, candidates = pending
-            chosen = _responder_match(self.flows, candidates, source)
-            if chosen is None:
+        nodes = {side.node_id for flow in self.flows.values() for side in flow.sides if side.address == source}
+        if nodes:
+            # A node's known address: every session of that node (it sends all its peers' initiations from its
+            # one port, even to a session that has not followed it there yet); the wrong peers drop them on their
+            # mac1, only the right one answers.
+            sides = [(flow, i) for flow in self.flows.values() for i, side in enumerate(flow.sides)
+                     if side.node_id in nodes and side.address[0] == source[0]]
+        else:
+            sides = [(flow, i) for flow in self.flows.values() for i, side in enumerate(flow.sides)
+                     if side.address[0] == source[0]]
+            if not sides:
                 self.drops.unknown_source += 1
                 return []
-            sid, i = chosen
-            flow = self.flows[sid]
-            self._learn(sid, i, receiver, initiator_address, flow)
-        else:
-            found = self._established(receiver, source)
-            if found is None:
-                return []
-            sid, i, flow = found
-        self._learn(sid, 1 - i, sender, source, flow)
+            # A port nobody proved may be anyone behind the side's IP: one counterpart only, never every peer of
+            # every node there. WireGuard retries with a fresh random index, so a node in several sessions (whose
+            # new port cannot say which peer it is for) still reaches each in turn.
+            sides = [sides[sender % len(sides)]]
+        targets = []
+        for flow, i in sides:
+            side, target = flow.sides[i], self._initiation_target(flow.sides[1 - i], now)
+            side.pending[sender] = Pending(source, target, now)
+            side.pending.move_to_end(sender)
+            while len(side.pending) > PENDING_PER_SIDE:
+                side.pending.popitem(last=False)
+            self._count(flow, i, len(data), now)
+            targets.append(target)
+        return list(dict.fromkeys(targets))
+
+    @staticmethod
+    def _initiation_target(side: Side, now: float) -> Address:
+        """Where an initiation for `side` goes: its address while it is live; else where its own latest
+        initiation came from (behind a port-randomising NAT the control plane's port is never the real one, and
+        that initiation opened the NAT's mapping towards the relay), else its address."""
+        if _live(side, now):
+            return side.address
+        if side.pending:
+            latest = next(reversed(side.pending.values()))
+            if now - latest.at < PENDING_SECONDS:
+                return latest.source
+        return side.address
+
+    def _response(self, sender: int, receiver: int, data: bytes, source: Address, now: float) -> list[Address]:
+        answered = self._answered(receiver, source, now)
+        if answered is None:
+            self.drops.unknown_index += 1
+            return []
+        flow, i, initiator = answered
+        sid = flow.session.session_id
+        if flow.sides[i].address != initiator or flow.sides[1 - i].address != source:
+            # A handshake that moves a side: the flow's older indices went to whoever was at the old address
+            # (perhaps someone who was sent an initiation while the side was unproven), so they prove nothing now.
+            self._forget_indices(sid, flow)
+        self._learn(sid, i, receiver, initiator, flow, now)  # its initiation was answered: it is there
+        self._learn(sid, 1 - i, sender, source, flow, now)
         self._count(flow, 1 - i, len(data), now)
         return [flow.sides[i].address]
+
+    def _answered(self, receiver: int, source: Address, now: float) -> tuple[Flow, int, Address] | None:
+        """The flow and side whose pending initiation `receiver` this response answers, and where that initiation
+        came from. Only from exactly where the initiation was sent, and only from the responder's own address
+        while it is live (an initiation sent elsewhere while it was not can no longer be answered)."""
+        for flow in self.flows.values():
+            for i, side in enumerate(flow.sides):
+                pending = side.pending.get(receiver)
+                responder = flow.sides[1 - i]
+                if pending is not None and pending.target == source and (
+                        source == responder.address or not _live(responder, now)):
+                    del side.pending[receiver]
+                    return flow, i, pending.source
+        return None
 
     def _to_receiver(self, receiver: int, data: bytes, source: Address, now: float) -> list[Address]:
         found = self._established(receiver, source)
         if found is None:
             return []
         _, i, flow = found
-        self._move(flow, flow.sides[1 - i], source)
+        self._prove(flow, 1 - i, source, now)  # an index of this flow from the side's IP: a NAT remap at most
         self._count(flow, 1 - i, len(data), now)
         return [flow.sides[i].address]
 
@@ -207,12 +244,9 @@ class FlowTable:
 
     # Bookkeeping
 
-    def _side(self, sid: str, i: int) -> Side:
-        return self.flows[sid].sides[i]
-
-    def _learn(self, sid: str, i: int, index: int, address: Address, flow: Flow) -> None:
+    def _learn(self, sid: str, i: int, index: int, address: Address, flow: Flow, now: float) -> None:
         side = flow.sides[i]
-        self._move(flow, side, address)
+        self._prove(flow, i, address, now)
         side.indices[index] = None
         side.indices.move_to_end(index)
         self._by_index[index] = (sid, i)
@@ -221,11 +255,20 @@ class FlowTable:
             if self._by_index.get(old) == (sid, i):
                 del self._by_index[old]
 
-    @staticmethod
-    def _move(flow: Flow, side: Side, address: Address) -> None:
+    def _prove(self, flow: Flow, i: int, address: Address, now: float) -> None:
+        """Side `i` of `flow` proved it is at `address` (always within its IP)."""
+        side = flow.sides[i]
+        side.proven_at = now
         if side.address != address:
             side.address = address
             flow.counters.address_changes += 1
+
+    def _forget_indices(self, sid: str, flow: Flow) -> None:
+        for i, side in enumerate(flow.sides):
+            for index in side.indices:
+                if self._by_index.get(index) == (sid, i):
+                    del self._by_index[index]
+            side.indices.clear()
 
     @staticmethod
     def _count(flow: Flow, from_side: int, size: int, now: float) -> None:
@@ -239,17 +282,12 @@ class FlowTable:
         c.last_activity = now
 
 
+def _live(side: Side, now: float) -> bool:
+    """Proven lately enough that a WireGuard session through the relay may still use its address."""
+    return side.proven_at is not None and now - side.proven_at < SESSION_LIFETIME
+
+
 def _same_pair(old: RelaySession, new: RelaySession) -> bool:
     return (old.peer_a_id, old.peer_a_endpoint, old.peer_b_id, old.peer_b_endpoint) == (
         new.peer_a_id, new.peer_a_endpoint, new.peer_b_id, new.peer_b_endpoint)
 
-
-def _responder_match(flows: dict[str, Flow], candidates: list[tuple[str, int]],
-                     source: Address) -> tuple[str, int] | None:
-    """The candidate whose other side sent the response: its exact address first, else its IP (port remapped)."""
-    live = [(sid, i) for sid, i in candidates if sid in flows]
-    for sid, i in live:
-        if flows[sid].sides[1 - i].address == source:
-            return sid, i
-    same_ip = [(sid, i) for sid, i in live if flows[sid].sides[1 - i].address[0] == source[0]]
-    return same_ip[0] if len(same_ip) == 1 else None
