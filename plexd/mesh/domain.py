@@ -13,8 +13,8 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
@@ -64,6 +64,7 @@ class MeshObserved:
     machine: Observed
     resolved: DesiredState
     errors: tuple[str, ...]  # endpoints that did not resolve (those peers are configured without one)
+    first_contacts: Mapping[str, int] = field(default_factory=dict)  # kicks not yet applied when the device was read
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class WireGuardDomain:
         for pid, peer in desired.peers.items():
             self._names[peer.public_key] = pid
         resolved, errors = await self._resolve_endpoints(desired)
+        pending = self.first_contact.pending()  # before the read: a kick applied after it was not seen either
         machine = await self.read()
         # Labels only for keys that are desired or on the device: every key ever seen (rotations, short-lived
         # nodes) made the table grow for good, and it is copied at every read.
@@ -124,7 +126,7 @@ class WireGuardDomain:
         self._names = {k: pid for k, pid in self._names.items() if k in on_device or k in wanted}
         if self._baseline is not None:  # the machine was read: believe what was seen (also when only planning)
             self._baseline = replace(self._baseline, believed=machine)
-        return MeshObserved(machine, resolved, tuple(errors))
+        return MeshObserved(machine, resolved, tuple(errors), pending)
 
     def plan(self, desired: DesiredState, observed: MeshObserved) -> DomainResult:
         link = observed.machine.link
@@ -135,7 +137,7 @@ class WireGuardDomain:
             )
         changes = [c for c in diff(observed.resolved, observed.machine, self.clock.now().timestamp(),
                                    self._applied_endpoints)
-                   if not self.first_contact.hides(c)]
+                   if not FirstContact.hides(c, observed.first_contacts)]
         return DomainResult(tuple(changes), observed.errors)
 
     async def apply(self, desired: DesiredState, planned: DomainResult, observed: MeshObserved) -> DomainResult:

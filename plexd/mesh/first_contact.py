@@ -36,8 +36,9 @@ class FirstContact:
     """The kicks this node held back (public key -> keepalive to turn on) and the one task that sends them.
 
     `send` applies a device update under the WireGuard domain's device lock. A held peer's keepalive reads 0 on the
-    device until its kick has been applied: `hides` keeps a full converge from reporting that as drift, also while
-    the kick waits for the device (a converge that read the device just before the kick went out saw it off)."""
+    device until its kick has been applied: a full converge takes `pending()` just before it reads the device, and
+    `hides` keeps it from reporting that 0 as drift. The kick runs on its own task, so it may go out while the
+    converge reads, or between its read and its plan: what counts is what was not yet applied when it read."""
 
     def __init__(self, send: Callable[[DeviceUpdate], Awaitable[None]], delay: float = FOLLOW_DELAY) -> None:
         self._send = send
@@ -60,12 +61,15 @@ class FirstContact:
             self._task = asyncio.create_task(self._run(), name="first-contact")
         return frozenset(held)
 
-    def hides(self, change: Change) -> bool:
-        """A held peer's keepalive still off, as it must be until its kick: not drift."""
-        if not isinstance(change, PeerKeepaliveChanged) or change.have != 0:
-            return False
-        held = self.held.get(change.public_key)
-        return change.want == (held[0] if held is not None else self._kicking.get(change.public_key))
+    def pending(self) -> dict[str, int]:
+        """The kicks not applied yet (public key -> keepalive): held, or on their way to the device."""
+        return {**{key: keepalive for key, (keepalive, _) in self.held.items()}, **self._kicking}
+
+    @staticmethod
+    def hides(change: Change, pending: Mapping[str, int]) -> bool:
+        """A keepalive still off, read while its kick was `pending`: as it must be, not drift."""
+        return (isinstance(change, PeerKeepaliveChanged) and change.have == 0
+                and change.want == pending.get(change.public_key))
 
     def applied(self, changes: Iterable[Change]) -> None:
         """Forget held peers these applied changes removed, renamed or set the keepalive of. Not for a keepalive

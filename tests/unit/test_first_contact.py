@@ -35,9 +35,9 @@ async def test_held_kicks_go_out_later_in_one_transaction_and_forgotten_ones_do_
     assert fc.hold(MID, {HIGH: 25}) == frozenset()  # we lead: nothing held, nothing scheduled
     assert fc.hold(MID, {LOW: 25, "B" * 43 + "=": 10}) == {LOW, "B" * 43 + "="}
     # a held peer's keepalive reads 0 until its kick: not drift; another value is
-    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))
-    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0))
-    assert not fc.hides(PeerKeepaliveChanged("n_high", HIGH, 25, 0))
+    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0), fc.pending())
+    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0), fc.pending())
+    assert not fc.hides(PeerKeepaliveChanged("n_high", HIGH, 25, 0), fc.pending())
     fc.applied([PeerRemoved("n_b", "B" * 43 + "=")])  # removed meanwhile: no kick for it
     # the hold's own change (a peer known before its endpoint: its keepalive 0 -> 25 in the same transaction) is
     # applied with the keepalive left off, and the hold stays for the kick
@@ -47,7 +47,7 @@ async def test_held_kicks_go_out_later_in_one_transaction_and_forgotten_ones_do_
     (update,) = sent
     assert [(p.public_key, p.update_only, p.persistent_keepalive) for p in update.peers] == [
         (LOW, True, 0), (LOW, True, 25)]  # off, then on: WireGuard sends at once
-    assert fc.held == {} and not fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))
+    assert fc.held == {} and not fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0), fc.pending())
 
 
 async def test_a_failed_kick_is_logged_and_cancel_drops_what_is_held(caplog) -> None:
@@ -88,10 +88,11 @@ async def test_the_hold_outlives_the_changes_that_come_with_it_and_a_second_hold
     assert [(p.public_key, p.persistent_keepalive) for p in sent[0].peers] == [(LOW, 0), (LOW, 25)]
 
 
-async def test_a_kick_waiting_for_the_device_still_hides_the_keepalive_it_is_about_to_turn_on() -> None:
+async def test_a_kick_pending_when_the_device_was_read_hides_its_keepalive_even_once_applied() -> None:
     """The kernel tier's drift test reported `peer n_2: persistent keepalive 0 != 25` for a peer nobody touched: a
     full converge read the device (keepalive still off) while the kick, already taken off the hold, waited for the
-    device lock. Until the kick has been applied, that 0 is the hold's, not drift."""
+    device lock, and the kick was applied before the converge planned. What counts is what was pending at the read:
+    the domain takes `pending()` just before it reads the device."""
     gate = asyncio.Event()
     sent: list[DeviceUpdate] = []
 
@@ -103,8 +104,13 @@ async def test_a_kick_waiting_for_the_device_still_hides_the_keepalive_it_is_abo
     fc.hold(MID, {LOW: 25})
     await asyncio.sleep(0.05)
     assert LOW not in fc.held and not sent  # due, on its way
-    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))
-    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0))
+    at_read = fc.pending()  # a converge reads the device now: keepalive 0
+    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0), at_read)
+    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 30, 0), at_read)
     gate.set()
     await asyncio.sleep(0.01)
-    assert sent and not fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0))  # applied: a 0 now is drift
+    assert sent and fc.pending() == {}
+    # the kick went out between the read and the plan: the 0 that read saw is still the hold's, not drift
+    assert fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0), at_read)
+    # a read after the kick that finds 0 again is drift
+    assert not fc.hides(PeerKeepaliveChanged("n_low", LOW, 25, 0), fc.pending())
