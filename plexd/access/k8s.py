@@ -8,13 +8,22 @@ The proxy then forwards it with the node's own credentials and the session's ide
 
 The listener speaks TLS with the node's own certificate (`plexd.access.certificate`). A connection counts
 against `max_connections` from its accept, before the TLS handshake: one over the cap is closed at once, so
-silent connects cannot pile up file descriptors. One request per connection (the upstream request says
-`Connection: close`, the client's connection closes after the response), so no second request ever rides on the
-first one's authentication. After the request head the bytes pass untouched both ways: bodies, watch streams,
-and protocol upgrades (exec, attach, port-forward over WebSocket or SPDY) alike. For an upgrade, nothing more of
-the client's reaches the API server until it answered 101 (else a keep-alive server would read the client's next
-bytes as a second request, unauthenticated), and the upgraded stream ends when either side ends. Each request
-is reported as §1.4 `k8s` activity (verb, resource, namespace, name, status, duration).
+silent connects cannot pile up file descriptors. Until its request is authenticated a connection is
+"pre-authentication": it has `pre_auth_timeout` from the accept to send a head with a valid token, at most
+`pre_auth_per_source` of one address are in the TLS handshake at once (the rest wait their turn), and when the
+table is full a newcomer from an address with fewer such connections than the busiest address takes the slot of
+that address's oldest one, so connects that never speak, from one address or several, never lock out a client
+elsewhere. An authenticated connection that passes no byte either way for `connection_idle` is closed.
+
+One request per connection (the upstream request says `Connection: close`, the client's connection closes after
+the response), so no second request ever rides on the first one's authentication. The request line and every
+header value are checked for control bytes (a bare LF would split the line for a lenient server), and the
+session's impersonated user and groups for anything that cannot go into a header as it is
+(`sessions.impersonation_problem`). After the request head the bytes pass untouched both ways: bodies, watch
+streams, and protocol upgrades (exec, attach, port-forward over WebSocket or SPDY) alike. For an upgrade,
+nothing more of the client's reaches the API server until it answered 101 (else a keep-alive server would read
+the client's next bytes as a second request, unauthenticated), and the upgraded stream ends when either side
+ends. Each request is reported as §1.4 `k8s` activity (verb, resource, namespace, name, status, duration).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import os
 import re
 import ssl
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +46,21 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.sessions import K8sTarget, Session
+from plexd.access.serving import idle_timeout
+from plexd.access.sessions import K8sTarget, Session, impersonation_problem
 from plexd.access.token import TokenRefused, verify_session_token
 
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024
 MAX_HEADERS = 100
-HEAD_TIMEOUT = 10.0  # the login grace: a request head must arrive this fast
+PRE_AUTH_TIMEOUT = 5.0  # from the accept to an authenticated head: a TLS handshake and a head, on any mesh path
+# One address's TLS handshakes at once; more wait their turn (client-go sends its parallel discovery requests
+# at once, each on its own connection here), so a burst is slowed, not refused.
+PRE_AUTH_PER_SOURCE = 8
+# An authenticated connection with no byte either way this long is closed (the session's idle_timeout when it has
+# one): about when the API server ends a quiet watch by itself (30-60 min).
+CONNECTION_IDLE = 1800.0
 DIAL_TIMEOUT = 10.0
 MAX_CONNECTIONS = 32
 COPY_CHUNK = 1 << 16
@@ -52,6 +69,7 @@ IN_CLUSTER = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 # bytes, so Transfer-Encoding and Content-Length go through unchanged.)
 _DROPPED = {"connection", "keep-alive", "proxy-connection", "proxy-authorization", "host", "authorization"}
 _TOKEN_CHARS = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # in a field value (HTAB is allowed there, not in a target)
 
 
 
@@ -116,18 +134,28 @@ def parse_head(raw: bytes) -> RequestHead:
         raise BadRequest(400, "request head is not ASCII") from None
     lines = text.split("\r\n")
     parts = lines[0].split(" ")
-    if len(parts) != 3 or parts[2] not in ("HTTP/1.1", "HTTP/1.0") or not _TOKEN_CHARS.fullmatch(parts[0]) \
-            or not parts[1].startswith("/"):
-        raise BadRequest(400, "malformed request line")
+    # The request line goes up as it came: a bare LF or any other control byte in it is refused, never passed to
+    # a server that might read it as the end of a line (and the rest as a header of the caller's).
+    if len(parts) != 3 or not _TOKEN_CHARS.fullmatch(parts[0]):
+        raise BadRequest(400, "malformed request line: expected METHOD /TARGET HTTP/1.1")
+    method, target, version = parts
+    if version not in ("HTTP/1.1", "HTTP/1.0"):
+        raise BadRequest(400, f"unsupported HTTP version {version[:16]!r}")
+    if not target.startswith("/"):
+        raise BadRequest(400, "request target must start with '/'")
+    if not target.isprintable():  # ASCII already: this is any byte below 0x20 or DEL
+        raise BadRequest(400, "request target has a control character")
     if len(lines) - 1 > MAX_HEADERS:
         raise BadRequest(431, "too many headers")
     headers = []
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not _TOKEN_CHARS.fullmatch(name) or any(c in value for c in "\r\n\0"):
-            raise BadRequest(400, "malformed header line")
+        if not sep or not _TOKEN_CHARS.fullmatch(name):
+            raise BadRequest(400, f"malformed header line {line[:40]!r}")
+        if _CONTROL.search(value):
+            raise BadRequest(400, f"header {name!r} has a control character")
         headers.append((name, value.strip()))
-    return RequestHead(parts[0], parts[1], headers)
+    return RequestHead(method, target, headers)
 
 
 def activity(method: str, path: str, status: int, duration_ms: int) -> dict[str, Any]:
@@ -186,21 +214,31 @@ class K8sSession:
     def __init__(self, session: Session, bind_host: str, api: ApiServer, *, tls: ssl.SSLContext,
                  keys: Callable[[], Iterable[VerifyKey]], is_live: Callable[[str], bool],
                  report: Report | None = None, now: Callable[[], float] = time.time,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
+                 max_connections: int = MAX_CONNECTIONS, pre_auth_timeout: float = PRE_AUTH_TIMEOUT,
+                 pre_auth_per_source: int = PRE_AUTH_PER_SOURCE, connection_idle: float | None = None) -> None:
         if not isinstance(session.target, K8sTarget):
             raise ValueError(f"session {session.session_id} is a {session.kind} session, not k8s")
+        # The block's parser refuses these already; a session built elsewhere must not reach the head either.
+        for what, value in [("user", session.target.user), *(("group", g) for g in session.target.impersonate_groups)]:
+            if problem := impersonation_problem(what, value):
+                raise ValueError(f"session {session.session_id}: {problem}")
         self.session = session
         self.target: K8sTarget = session.target
         self.bind_host, self.api, self.tls = bind_host, api, tls
         self._keys, self._is_live, self._report, self._now = keys, is_live, report, now
         self.max_connections = max_connections
+        self.pre_auth_timeout, self.pre_auth_per_source = pre_auth_timeout, pre_auth_per_source
+        self.connection_idle = connection_idle or session.idle_timeout or CONNECTION_IDLE
         self._server: asyncio.base_events.Server | None = None
         self._watch: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._pending: dict[asyncio.Task[None], str] = {}  # not yet authenticated, oldest first: task -> address
+        self._handshakes: dict[str, asyncio.Semaphore] = {}  # per address with pending connections
         self.port = 0
         self.closed: str | None = None
         self.last_activity = now()
         self.requests = 0
+        self.idle_closed = 0
         self.refused: dict[str, int] = {}
         self._ssl = api.ssl_context()
         split = urlsplit(api.url)
@@ -228,26 +266,56 @@ class K8sSession:
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        if self.closed is not None or len(self._conns) >= self.max_connections:
+        source = str((writer.get_extra_info("peername") or ("?",))[0])
+        if self.closed is not None:
+            writer.close()
+            return
+        if len(self._conns) >= self.max_connections and not self._displace(source):
             self._refuse("capacity")  # closed before TLS: a flood of connects costs no handshake and no fd
             writer.close()
             return
         self._conns.add(task)
+        self._pending[task] = source
         try:
-            await self._serve(reader, writer)
+            await self._serve(reader, writer, source)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         finally:
             self._conns.discard(task)
+            self._pending.pop(task, None)
+            if source not in self._pending.values():
+                self._handshakes.pop(source, None)
             writer.close()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _displace(self, source: str) -> bool:
+        """The table is full. A newcomer from an address with fewer unauthenticated connections than the busiest
+        address takes the slot of that address's oldest one (True); else it is refused. So silent connects, from
+        one address or several, never keep a client out of an address that is not flooding."""
+        counts = Counter(self._pending.values())
+        if not counts:
+            return False  # every slot is an authenticated request
+        busiest, most = counts.most_common(1)[0]
+        if counts[source] >= most:
+            return False
+        oldest = next(t for t, s in self._pending.items() if s == busiest)
+        del self._pending[oldest]
+        self._conns.discard(oldest)
+        oldest.cancel()
+        self._refuse("displaced before authentication")
+        return True
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str) -> None:
+        gate = self._handshakes.setdefault(source, asyncio.Semaphore(self.pre_auth_per_source))
         try:
-            async with asyncio.timeout(HEAD_TIMEOUT):  # the handshake and the request head, together
-                await writer.start_tls(self.tls)
+            async with asyncio.timeout(self.pre_auth_timeout):  # the turn, the handshake and the head, together
+                async with gate:
+                    await writer.start_tls(self.tls)
                 raw = await reader.readuntil(b"\r\n\r\n")
             head = parse_head(raw[:-4])
-        except (TimeoutError, asyncio.LimitOverrunError, asyncio.IncompleteReadError):
+        except TimeoutError:
+            self._refuse("pre-authentication deadline")
+            return
+        except (asyncio.LimitOverrunError, asyncio.IncompleteReadError):
             self._refuse("malformed")
             return
         except BadRequest as exc:
@@ -263,6 +331,7 @@ class K8sSession:
             writer.write(_status(401, "Unauthorized", f"session token refused: {why}"))
             await writer.drain()
             return
+        self._pending.pop(asyncio.current_task(), None)  # authenticated: out of the pre-authentication budget
         self.requests += 1
         self.last_activity = self._now()
         started = time.monotonic()
@@ -276,12 +345,15 @@ class K8sSession:
             return
         status = [0]
         try:
-            up_writer.write(self._upstream_head(head))
-            await up_writer.drain()
-            if head.upgrade:
-                await self._relay_upgrade(reader, writer, up_reader, up_writer, status)
-            else:
-                await self._relay(reader, writer, up_reader, up_writer, status)
+            async with idle_timeout(self.connection_idle) as touch:  # touched by every byte either way
+                up_writer.write(self._upstream_head(head))
+                await up_writer.drain()
+                if head.upgrade:
+                    await self._relay_upgrade(reader, writer, up_reader, up_writer, status, touch)
+                else:
+                    await self._relay(reader, writer, up_reader, up_writer, status, touch)
+        except TimeoutError:
+            self.idle_closed += 1
         finally:
             up_writer.close()
             await self._emit(activity(head.method, head.target, status[0],
@@ -315,14 +387,17 @@ class K8sSession:
         lines.extend(f"Impersonate-Group: {g}" for g in self.target.impersonate_groups)
         # `close` for an upgrade too: a 101 hands the connection over anyway, any other answer must end it.
         lines.append("Connection: Upgrade, close" if head.upgrade else "Connection: close")
-        return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+        # The caller's part is ASCII (parse_head); the impersonated names may be any UTF-8, as client-go sends them.
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
-    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, status: list[int] | None) -> None:
+    async def _pump(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, status: list[int] | None,
+                    touch: Callable[[], None]) -> None:
         """Copy until EOF; `status` (the response's direction) gets the status line's code."""
         while data := await src.read(COPY_CHUNK):
             if status is not None and not status[0]:
                 status[0] = _status_code(data)
             self.last_activity = self._now()
+            touch()
             dst.write(data)
             await dst.drain()
         if dst.can_write_eof():
@@ -330,9 +405,10 @@ class K8sSession:
                 dst.write_eof()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, status: list[int]) -> None:
-        down = asyncio.ensure_future(self._pump(up_reader, writer, status))
-        up = asyncio.ensure_future(self._pump(reader, up_writer, None))
+                     up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, status: list[int],
+                     touch: Callable[[], None]) -> None:
+        down = asyncio.ensure_future(self._pump(up_reader, writer, status, touch))
+        up = asyncio.ensure_future(self._pump(reader, up_writer, None, touch))
         try:
             # The response decides: once the API server closes (it was asked to: Connection: close), the client's
             # side goes too.
@@ -343,7 +419,7 @@ class K8sSession:
 
     async def _relay_upgrade(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                              up_reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter,
-                             status: list[int]) -> None:
+                             status: list[int], touch: Callable[[], None]) -> None:
         """An upgrade request (`Connection: Upgrade, close` went upstream): the response head first. Only a 101
         opens the client's direction; any other answer is relayed and the connection ends with it."""
         try:
@@ -357,20 +433,22 @@ class K8sSession:
         writer.write(head)
         await writer.drain()
         self.last_activity = self._now()
+        touch()
         if status[0] != 101:  # the response's body, then the end; the client's further bytes are never read
             length = _content_length(head)
             if length is None:
-                await self._pump(up_reader, writer, None)  # until the server closes (it was asked to)
+                await self._pump(up_reader, writer, None, touch)  # until the server closes (it was asked to)
             else:  # a server that ignored `close` must not hold the client after the body
                 with contextlib.suppress(asyncio.IncompleteReadError):
                     while length > 0:
                         data = await up_reader.readexactly(min(length, COPY_CHUNK))
                         length -= len(data)
+                        touch()
                         writer.write(data)
                         await writer.drain()
             return
-        down = asyncio.ensure_future(self._pump(up_reader, writer, None))
-        up = asyncio.ensure_future(self._pump(reader, up_writer, None))
+        down = asyncio.ensure_future(self._pump(up_reader, writer, None, touch))
+        up = asyncio.ensure_future(self._pump(reader, up_writer, None, touch))
         try:
             # Either side ending ends the stream: an exec whose kubectl went away must not hold the API server's
             # stream (and this session's connection slot) until the remote process next writes.
@@ -411,4 +489,5 @@ class K8sSession:
     def status(self) -> dict[str, Any]:
         return {"session_id": self.session.session_id, "kind": "k8s", "listener_endpoint":
                 f"{self.bind_host}:{self.port}", "requests": self.requests, "refused": dict(self.refused),
-                "connections": len(self._conns), "closed": self.closed}
+                "connections": len(self._conns), "unauthenticated": len(self._pending),
+                "idle_closed": self.idle_closed, "closed": self.closed}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -50,3 +51,30 @@ async def accept_forever(listener: socket.socket, name: str) -> AsyncIterator[tu
             log.info("%s: accepting again", name)
             failing = False
         yield client, address
+
+
+@contextlib.asynccontextmanager
+async def idle_timeout(limit: float) -> AsyncIterator[Callable[[], None]]:
+    """Like `asyncio.timeout`, but the deadline is `limit` seconds after the last call of the yielded `touch`
+    (TimeoutError once it passes). A touch is one clock read, cheap enough for every chunk spliced: the timer is
+    re-armed only when it finds it fired early."""
+    loop = asyncio.get_running_loop()
+    last = loop.time()
+
+    def touch() -> None:
+        nonlocal last
+        last = loop.time()
+
+    async with asyncio.timeout(None) as deadline:
+        def check() -> None:
+            nonlocal timer
+            if last + limit > loop.time():
+                timer = loop.call_at(last + limit, check)
+            else:
+                deadline.reschedule(loop.time())  # asyncio.timeout does the cancelling (and tells it from others)
+
+        timer = loop.call_at(last + limit, check)
+        try:
+            yield touch
+        finally:
+            timer.cancel()

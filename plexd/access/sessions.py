@@ -174,6 +174,21 @@ def _tcp_target(obj: Any, path: str) -> TcpTarget:
     return TcpTarget(host, port)
 
 
+def impersonation_problem(what: str, value: str) -> str | None:
+    """Why `value` cannot be sent as an `Impersonate-User`/`-Group` header exactly as it is, or None. `what` is
+    "user" or "group". A CR or LF would add headers of the caller's choosing (`system:masters`); leading or
+    trailing white space would be stripped by the API server, so another identity than the one granted; UTF-8
+    beyond ASCII is fine (client-go sends names as UTF-8 too)."""
+    shown = f"impersonation {what} {value[:80]!r}"
+    if any(c < " " or "\x7f" <= c <= "\x9f" for c in value):
+        return f"{shown} has a control character"
+    if not value.isprintable():
+        return f"{shown} has a character that is not printable"
+    if value != value.strip():
+        return f"{shown} starts or ends with white space"
+    return None
+
+
 def _k8s_target(obj: Any, path: str) -> K8sTarget:
     if not isinstance(obj, dict):
         raise WireFormatError(path, "must be an object")
@@ -183,6 +198,9 @@ def _k8s_target(obj: Any, path: str) -> K8sTarget:
         raise WireFormatError(f"{path}.impersonate_groups", "must be an array of non-empty strings")
     if len(groups) > MAX_GROUPS:
         raise WireFormatError(f"{path}.impersonate_groups", f"more than {MAX_GROUPS} groups")
+    for field, what, value in [("user", "user", user), *(("impersonate_groups", "group", g) for g in groups)]:
+        if problem := impersonation_problem(what, value):
+            raise WireFormatError(f"{path}.{field}", problem)
     return K8sTarget(user, tuple(groups))
 
 

@@ -3,9 +3,18 @@ session's target and nothing else.
 
 Raw clients (a `psql`, a browser) must keep working, so there is no in-band token, as in the Go agent; what admits
 a source is plexd's firewall (a per-session rule for the mesh peers the policy allows, added by the engine), and
-the listener binds the node's mesh IP only, never all interfaces. Unlike Go (one connection at a time), up to
-`max_connections` run at once; one more is closed at once and counted. Bytes are spliced in the kernel
+the listener binds the node's mesh IP only, never all interfaces. That rule is this session's authentication:
+there is no "pre-authentication" phase to budget, so what keeps one allowed peer from starving the others is a
+cap per source address (`max_per_source` of the `max_connections`; one more is closed at once and counted) and
+an idle timeout per connection (`connection_idle`: no byte either way that long and the connection is closed),
+so a peer's silent connections neither take every slot nor hold theirs for the session's whole life. Unlike Go
+(one connection at a time), up to `max_connections` run at once. Bytes are spliced in the kernel
 (`plexd.access.splice`).
+
+The target is resolved once, when the session opens, and every connection dials those addresses: a DNS answer
+that changes later (rebinding) cannot move the session to another host. A host name that resolves to a
+loopback, link-local (where the cloud metadata services live), unspecified or other cloud metadata address is
+refused: such a target is served only when the control plane names the address itself.
 
 Activity (§1.4) goes to `report(session_id, body)`: `session_started` with the `listener_endpoint` once the
 listener is bound, and `session_ended` with the bytes each way and `terminated_by` (`ttl_expired`,
@@ -15,23 +24,34 @@ listener is bound, and `session_ended` with the bytes each way and `terminated_b
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import accept_forever, stop_serving
+from plexd.access.serving import accept_forever, idle_timeout, stop_serving
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
+from plexd.base.hostname import is_ip
 
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 8
+MAX_PER_SOURCE = 6  # of the 8 for one address: a browser opens up to 6 connections to a host, 2 stay for others
+# A connection with no byte either way this long is closed (the session's idle_timeout when it has one); a pool's
+# idle connection (HikariCP, pgbouncer: 10 min) is checked or reopened by the pool anyway.
+CONNECTION_IDLE = 600.0
 DIAL_TIMEOUT = 10.0
+RESOLVE_TIMEOUT = 10.0
+# Reached only when named as a literal: the metadata services that are not link-local (AWS IPv6, Alibaba, Azure's
+# wire server).
+METADATA = frozenset(ipaddress.ip_address(a) for a in ("fd00:ec2::254", "100.100.100.200", "168.63.129.16"))
 TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 
 
@@ -40,6 +60,8 @@ TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 class TcpCounters:
     connections: int = 0
     refused_over_cap: int = 0
+    refused_per_source: int = 0
+    idle_closed: int = 0
     dial_failures: int = 0
     bytes_in: int = 0  # operator → target
     bytes_out: int = 0  # target → operator
@@ -49,13 +71,17 @@ class TcpSession:
     """One session's listener and its live connections. `start()` binds; `close(reason)` ends everything."""
 
     def __init__(self, session: Session, bind_host: str, *, report: Report | None = None,
-                 max_connections: int = MAX_CONNECTIONS, now: Callable[[], float] = time.time) -> None:
+                 max_connections: int = MAX_CONNECTIONS, max_per_source: int = MAX_PER_SOURCE,
+                 connection_idle: float | None = None, now: Callable[[], float] = time.time) -> None:
         if not isinstance(session.target, TcpTarget):
             raise ValueError(f"session {session.session_id} is a {session.kind} session, not tcp")
         self.session = session
         self.target: TcpTarget = session.target
         self.bind_host = bind_host
-        self.max_connections = max_connections
+        self.max_connections, self.max_per_source = max_connections, max_per_source
+        self.connection_idle = connection_idle or session.idle_timeout or CONNECTION_IDLE
+        self._addresses: list[tuple[int, int, int, Any]] = []  # the target's, resolved once by start()
+        self._per_source: Counter[str] = Counter()
         self.counters = TcpCounters()
         self._report = report
         self._now = now
@@ -77,7 +103,9 @@ class TcpSession:
         return len(self._conns)
 
     async def start(self) -> int:
-        """Bind `bind_host`:0 (the kernel picks the port), announce it, watch expiry and idleness."""
+        """Resolve the target, bind `bind_host`:0 (the kernel picks the port), announce it, watch expiry and
+        idleness. ValueError (nothing bound) names a target that does not resolve or resolves where it may not."""
+        self._addresses = await self._resolve()
         family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -95,38 +123,68 @@ class TcpSession:
         self._watch = asyncio.create_task(self._watch_lifetime(), name=f"plexd:tcp-session:{self.session.session_id}")
         await self._emit({"tcp": {"phase": "session_started", "target_host": self.target.host,
                                   "target_port": self.target.port, "listener_endpoint": self.listener_endpoint}})
-        log.info("tcp session %s listening on %s for %s:%d", self.session.session_id, self.listener_endpoint,
-                 self.target.host, self.target.port, extra={"session_id": self.session.session_id})
+        log.info("tcp session %s listening on %s for %s:%d (%s)", self.session.session_id, self.listener_endpoint,
+                 self.target.host, self.target.port, ", ".join(str(a[3][0]) for a in self._addresses),
+                 extra={"session_id": self.session.session_id})
         return self.port
+
+    async def _resolve(self) -> list[tuple[int, int, int, Any]]:
+        host = self.target.host
+        try:
+            async with asyncio.timeout(RESOLVE_TIMEOUT):
+                infos = await asyncio.get_running_loop().getaddrinfo(host, self.target.port, type=socket.SOCK_STREAM)
+        except (OSError, TimeoutError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or "timed out"
+            raise ValueError(f"target host {host!r} does not resolve: {why}") from None
+        if not is_ip(host):  # a literal is the control plane's explicit choice; a name could be anyone's
+            for *_, address in infos:
+                if why := _internal(address[0]):
+                    raise ValueError(f"target host {host!r} resolves to {address[0]} ({why}); such an address is "
+                                     "served only when the session names it as a literal")
+        if not infos:
+            raise ValueError(f"target host {host!r} has no address")
+        return [(family, kind, proto, address) for family, kind, proto, _name, address in infos]
 
     async def _emit(self, body: dict[str, Any]) -> None:
         await emit(self._report, self.session.session_id, "tcp", body)
 
-    def _note(self, counter: str) -> Callable[[int], None]:
+    def _note(self, counter: str, touch: Callable[[], None]) -> Callable[[int], None]:
         def add(n: int) -> None:
             setattr(self.counters, counter, getattr(self.counters, counter) + n)
             self.last_activity = self._now()
+            touch()  # the connection's own idle window starts again
         return add
 
     async def _accept(self) -> None:
         """Raw sockets end to end: a stream transport would read the client's first bytes into a buffer of its
         own before the splice starts."""
         assert self._listener is not None
-        async for client, _addr in accept_forever(self._listener, f"tcp session {self.session.session_id}"):
+        async for client, addr in accept_forever(self._listener, f"tcp session {self.session.session_id}"):
+            source = str(addr[0])
             if self.closed is not None or len(self._conns) >= self.max_connections:
                 self.counters.refused_over_cap += 1
+                client.close()
+                continue
+            if self._per_source[source] >= self.max_per_source:
+                self.counters.refused_per_source += 1
                 client.close()
                 continue
             client.setblocking(False)
             task = asyncio.create_task(self._forward(client), name=f"plexd:tcp-conn:{self.session.session_id}")
             self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            self._per_source[source] += 1
+            task.add_done_callback(lambda t, s=source: self._ended(t, s))
+
+    def _ended(self, task: asyncio.Task[None], source: str) -> None:
+        self._conns.discard(task)
+        self._per_source[source] -= 1
+        if not self._per_source[source]:
+            del self._per_source[source]
 
     async def _dial(self) -> socket.socket:
         loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(self.target.host, self.target.port, type=socket.SOCK_STREAM)
         last: OSError = OSError(f"no address for {self.target.host}")
-        for family, kind, proto, _name, address in infos:
+        for family, kind, proto, address in self._addresses:
             up = socket.socket(family, kind, proto)
             up.setblocking(False)
             try:
@@ -150,7 +208,11 @@ class TcpSession:
                             self.target.port, exc or "timeout", extra={"session_id": self.session.session_id})
                 return
             try:
-                await relay(client, upstream, a_to_b=self._note("bytes_in"), b_to_a=self._note("bytes_out"))
+                async with idle_timeout(self.connection_idle) as touch:
+                    await relay(client, upstream, a_to_b=self._note("bytes_in", touch),
+                                b_to_a=self._note("bytes_out", touch))
+            except TimeoutError:
+                self.counters.idle_closed += 1
             except OSError as exc:  # no pipe for the splice (out of descriptors): this connection ends, not the rest
                 log.warning("tcp session %s: connection dropped: %s", self.session.session_id, exc.strerror or exc,
                             extra={"session_id": self.session.session_id})
@@ -188,5 +250,22 @@ class TcpSession:
         return {"session_id": self.session.session_id, "kind": "tcp", "listener_endpoint": self.listener_endpoint,
                 "target": f"{self.target.host}:{self.target.port}", "connections": self.live_connections,
                 "accepted": self.counters.connections, "refused_over_cap": self.counters.refused_over_cap,
+                "refused_per_source": self.counters.refused_per_source, "idle_closed": self.counters.idle_closed,
                 "dial_failures": self.counters.dial_failures, "bytes_in": self.counters.bytes_in,
                 "bytes_out": self.counters.bytes_out, "closed": self.closed}
+
+
+def _internal(address: str) -> str | None:
+    """Why a resolved `address` may be dialled only when named as a literal (None: it may)."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # a link-local IPv6 comes with its scope
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped  # ::ffff:127.0.0.1 is 127.0.0.1 to the kernel
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    if ip.is_unspecified:
+        return "unspecified"
+    if ip in METADATA:
+        return "cloud metadata"
+    return None

@@ -505,12 +505,15 @@ def _how_to_connect(session: dict[str, Any]) -> str:
                 f"`plexd-devplane admin session list --node {session['node_id']}` shows it once it has")
     host, _, port = endpoint.rpartition(":")
     kind = session["kind"]
+    # Never the token in a command's arguments: `ps` shows them to every local user.
     if kind == "ssh":
         user = session["target"]["ssh"]["user"]
-        return f"ssh -p {port} {user}@{host}    (password: the token)"
+        return (f"ssh -p {port} {user}@{host}    (password: the token; in a script: SSHPASS=\"$TOKEN\" sshpass -e "
+                f"ssh -p {port} {user}@{host}, not with -p)")
     if kind == "tcp":
         return f"connect to {endpoint} from an allowed mesh peer"
-    return f"kubectl --server https://{endpoint} --token <the token> --insecure-skip-tls-verify get pods"
+    return (f"kubectl --kubeconfig FILE get pods    (FILE: server https://{endpoint}, insecure-skip-tls-verify, "
+            "and the token as the user's `token`; never --token)")
 
 
 def do_session_create(c: Any, args: argparse.Namespace) -> Any:

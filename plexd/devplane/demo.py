@@ -6,7 +6,8 @@ devplane on the bridge address, and a real `plexd up` in each namespace with its
 over the mesh IPs. With three nodes or more it then applies a policy (only tcp/22 from the first node to the
 second) and prints which flows pass and which the nodes' firewalls drop, and who still sees whom; and it opens an
 SSH access session on the second node (for a throw-away local account), logs in from the first with the real
-`ssh` client and the session token as the password, lists it with `plexd sessions` and revokes it. Then it tears
+`ssh` client and the session token as the password (given to sshpass in its environment, never its arguments,
+which `ps` shows to every local user), lists it with `plexd sessions` and revokes it. Then it tears
 everything down, unless `--keep` (then `plexd-devplane demo --down` removes it).
 
 With `--nat` every node sits behind its own masquerading router namespace, coturn runs on the "public" bridge,
@@ -107,10 +108,12 @@ def _session_demo(lab, mesh) -> bool:
         host, port = endpoint.rsplit(":", 1)
         print(f"\nSSH access session {sid} for {user} on {b.node.name}, listening on {endpoint} (mesh IP, port "
               f"chosen by the kernel); the policy's tcp/22 rule decides who may connect. From {a.node.name}:")
-        print(f"  sshpass -p <token> ssh -p {port} {user}@{host} id -un")
-        done = lab.exec(a.node, ["sshpass", "-p", token, "ssh", "-o", "UserKnownHostsFile=/dev/null", "-o",
-                                 "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR", "-o", "ConnectTimeout=5",
-                                 "-p", port, f"{user}@{host}", "id -un"], check=False)
+        print(f"  SSHPASS=<token> sshpass -e ssh -p {port} {user}@{host} id -un")
+        # The token in sshpass's environment, not its arguments (-p): `ps` shows arguments to every local user.
+        done = subprocess.run(a.node.wrap(["sshpass", "-e", "ssh", "-o", "UserKnownHostsFile=/dev/null", "-o",
+                                           "StrictHostKeyChecking=no", "-o", "LogLevel=ERROR", "-o",
+                                           "ConnectTimeout=5", "-p", port, f"{user}@{host}", "id -un"]),
+                              env={**os.environ, "SSHPASS": token}, capture_output=True, text=True, timeout=30)
         print("  " + (done.stdout.strip() or done.stderr.strip()).replace("\n", "\n  "))
         print(f"\n'plexd sessions' on {b.node.name}:\n" + mesh.run_plexd(b, "sessions", check=False).stdout.rstrip())
         mesh.admin.revoke_session(b.node_id, sid)

@@ -15,8 +15,10 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
+from plexd.access.sessions import impersonation_problem
 from plexd.access.token import sign_session_token
 from plexd.base import gojson
+from plexd.base.hostname import is_hostname, is_ip
 from plexd.devplane import wire
 from plexd.devplane.store import Node
 from plexd.devplane.wire import HTTPError
@@ -42,13 +44,20 @@ def target_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
         host, port = body.get("host", "127.0.0.1"), body.get("port")
         if not isinstance(host, str) or not host:
             raise HTTPError(400, "host: must be a non-empty string")
+        if not is_ip(host) and not is_hostname(host):  # what the node accepts (plexd.access.sessions)
+            raise HTTPError(400, f"host: {host[:60]!r} is not an IP address or host name")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise HTTPError(400, f"port: must be an integer 1-65535, got {port!r}")
         return {"host": host, "port": port}
     groups = body.get("groups") or []
     if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups):
         raise HTTPError(400, "groups: must be an array of non-empty strings")
-    return {"user": _user(body), **({"impersonate_groups": groups} if groups else {})}
+    user = _user(body)
+    # Refused here, not only by the node: they go into the API server's request head as they are.
+    for field, what, value in [("user", "user", user), *(("groups", "group", g) for g in groups)]:
+        if problem := impersonation_problem(what, value):
+            raise HTTPError(400, f"{field}: {problem}")
+    return {"user": user, **({"impersonate_groups": groups} if groups else {})}
 
 
 def _user(body: dict[str, Any]) -> str:

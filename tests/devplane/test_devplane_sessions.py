@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -90,10 +91,16 @@ def test_an_expired_session_leaves_the_block(dp):
     ({"kind": "ssh", "ttl_seconds": -5, "user": "deploy"}, "ttl_seconds: must be a number"),
     ({"kind": "ssh", "ttl_seconds": 60, "user": "deploy", "allowed_commands": "ls"}, "allowed_commands: must be"),
     ({"kind": "tcp", "ttl_seconds": 60, "port": 70000}, "port: must be an integer 1-65535"),
+    ({"kind": "tcp", "ttl_seconds": 60, "host": "db\r\nx", "port": 5432},
+     "host: 'db\\r\\nx' is not an IP address or host name"),
+    ({"kind": "k8s", "ttl_seconds": 60, "user": "alice\r\nImpersonate-Group: system:masters"},
+     "user: impersonation user 'alice\\r\\nImpersonate-Group: system:masters' has a control character"),
+    ({"kind": "k8s", "ttl_seconds": 60, "user": "alice", "groups": ["dev", "x\r\ny"]},
+     "groups: impersonation group 'x\\r\\ny' has a control character"),
 ])
 def test_bad_session_requests_name_what_is_wrong(dp, body, message):
     node = register(dp)
-    with pytest.raises(AdminError, match=message):
+    with pytest.raises(AdminError, match=re.escape(message)):
         dp.admin._call("POST", f"/nodes/{node.id}/sessions", body)
 
 
@@ -140,3 +147,46 @@ def test_the_admin_cli_mints_lists_and_revokes(dp):
     assert f"session {sid} revoked" in admin("session", "revoke", "--node", node.id, sid)
     ended = next(line for line in admin("session", "list", "--node", node.id).splitlines() if sid in line)
     assert "revoked" in ended.split() or "expired" in ended.split(), ended  # the 2 s may be over already
+
+
+def test_no_printed_command_carries_the_token_in_its_arguments():
+    # `ps` shows every process's arguments to every local user: `sshpass -p TOKEN` hands the token to all of them.
+    from pathlib import Path
+
+    from plexd.devplane.admin_cli import _how_to_connect
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert "sshpass -p" not in readme and 'SSHPASS="$TOKEN" sshpass -e ssh' in readme
+    for kind, target in [("ssh", {"user": "deploy"}), ("k8s", {"user": "alice"})]:
+        hint = _how_to_connect({"listener_endpoint": "10.100.0.9:40511", "kind": kind, "node_id": "n",
+                                "target": {kind: target}})
+        assert "sshpass -p" not in hint and "--token <" not in hint, hint
+
+
+def test_the_demo_gives_sshpass_the_token_in_its_environment(monkeypatch, capsys):
+    import secrets
+    import types
+
+    from plexd.devplane import demo
+
+    token, calls = "tok.SECRET.sig", []
+
+    def run(argv, **kwargs):
+        calls.append((list(argv), kwargs.get("env") or {}))
+        return subprocess.CompletedProcess(argv, 0, stdout="pxdemo\n" if "sshpass" in argv else "", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", run)
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "")  # the demo's throw-away account: pxdemo
+    node = types.SimpleNamespace(wrap=lambda cmd: ["ip", "netns", "exec", "ns", *cmd], name="n")
+    lab = types.SimpleNamespace(exec=lambda n, cmd, check=True: run(n.wrap(cmd)))
+    admin = types.SimpleNamespace(
+        create_session=lambda *a, **k: {"session": {"session_id": "ses_1"}, "token": token},
+        sessions=lambda node_id: [{"session_id": "ses_1", "listener_endpoint": "10.100.0.2:40511"}],
+        revoke_session=lambda *a: None)
+    a, b = (types.SimpleNamespace(node=node, node_id=f"n{i}") for i in (1, 2))
+    mesh = types.SimpleNamespace(daemons=[a, b], admin=admin,
+                                 run_plexd=lambda *a, **k: types.SimpleNamespace(stdout=""))
+    assert demo._session_demo(lab, mesh)
+    assert not [argv for argv, _ in calls if any(token in arg for arg in argv)]
+    assert [env.get("SSHPASS") for argv, env in calls if "sshpass" in argv] == [token]
+    assert "sshpass -p" not in capsys.readouterr().out

@@ -314,3 +314,116 @@ async def test_a_connection_over_the_cap_is_closed_before_any_tls_handshake(sess
         for _, w in silent:
             w.close()
         await proxy.close("plexd_close")
+
+
+@pytest.mark.parametrize("head, reason", [
+    # a bare LF splits the line for a lenient server: `X-Injected` would be a header no scrub saw
+    ("GET /api/v1/pods\nX-Injected:y HTTP/1.1\r\n", "request target has a control character"),
+    ("GET /api/v1/pods\tx HTTP/1.1\r\n", "request target has a control character"),
+    ("GET api/v1/pods HTTP/1.1\r\n", "request target must start with '/'"),
+    ("GET /api HTTP/2\r\n", "unsupported HTTP version 'HTTP/2'"),
+    ("GET /api/v1/pods HTTP/1.1\r\nX-Note: a\x01b\r\n", "header 'X-Note' has a control character"),
+    ("GET /api/v1/pods HTTP/1.1\r\nX-Note: a\x7fb\r\n", "header 'X-Note' has a control character"),
+])
+async def test_a_request_head_with_a_control_character_is_refused_naming_it_and_nothing_goes_up(session, cert, head,
+                                                                                               reason):
+    upstream = KeepAliveUpstream()
+    async with upstream as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True)
+        await proxy.start()
+        status, body = await raw_request(proxy.port, f"{head}Host: x\r\nAuthorization: Bearer {token_for(session)}"
+                                                     "\r\n\r\n", cert.pem)
+        await proxy.close("plexd_close")
+    assert status == 400 and reason in body, body
+    assert upstream.requests == []
+
+
+async def test_an_impersonated_user_outside_latin1_goes_up_as_utf8(cert):
+    # It raised UnicodeEncodeError in the connection's task: the client saw its connection drop, no status.
+    session = Session("ses_u", "k8s", K8sTarget("爱丽丝@example.com", ("équipe",)), time.time() + 600)
+    standin = ApiServerStandIn(NODE_TOKEN)
+    async with running(standin) as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True)
+        await proxy.start()
+        status, _ = await raw_request(proxy.port, f"GET /api HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                                  f"{token_for(session)}\r\n\r\n", cert.pem)
+        await proxy.close("plexd_close")
+    assert status == 200
+    assert [(s.impersonate_user, s.impersonate_groups) for s in standin.seen] == [("爱丽丝@example.com", ["équipe"])]
+
+
+@pytest.mark.parametrize("target, problem", [
+    (K8sTarget("alice\r\nImpersonate-Group: system:masters"), "impersonation user 'alice\\r\\nImpersonate-Group: "
+                                                               "system:masters' has a control character"),
+    (K8sTarget("alice", ("x\r\ny",)), "impersonation group 'x\\r\\ny' has a control character"),
+])
+def test_a_session_whose_impersonation_would_inject_a_header_is_refused(cert, target, problem):
+    session = Session("ses_bad", "k8s", target, time.time() + 600)
+    with pytest.raises(ValueError) as refused:
+        K8sSession(session, "127.0.0.1", ApiServer("http://127.0.0.1:1", NODE_TOKEN), tls=cert.server_context(),
+                   keys=lambda: [CP.verify_key], is_live=lambda sid: True)
+    assert problem in str(refused.value)
+
+
+async def test_silent_connections_from_one_source_never_lock_out_a_client_from_another(session, cert):
+    # Before: 32 connects that never start TLS held all 32 slots for 10 s each, and could be renewed for ever.
+    from waiting import scaled, wait_for
+
+    from plexd.access.k8s import MAX_CONNECTIONS
+
+    async with running(ApiServerStandIn(NODE_TOKEN)) as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True)
+        port = await proxy.start()
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_CONNECTIONS + 1)]
+        await wait_for(lambda: proxy.status()["connections"] == MAX_CONNECTIONS, what="the flood to be counted")
+        started = time.monotonic()
+        ctx = ssl.create_default_context(cadata=cert.pem)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            "127.0.0.1", port, ssl=ctx, local_addr=("127.0.0.2", 0)), scaled(1.0))
+        writer.write(f"GET /api/v1/namespaces/default/pods HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {token_for(session)}\r\n\r\n".encode())
+        answer = await asyncio.wait_for(reader.read(), scaled(1.0))
+        took = time.monotonic() - started
+        assert answer.startswith(b"HTTP/1.1 200 "), answer[:200]
+        assert took < scaled(1.0)
+        writer.close()
+        for _, w in silent:
+            w.close()
+        await proxy.close("plexd_close")
+
+
+async def test_a_connection_that_never_authenticates_is_closed_at_the_pre_auth_deadline(session, cert):
+    async with running(ApiServerStandIn(NODE_TOKEN)) as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True, pre_auth_timeout=0.3)
+        port = await proxy.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert time.monotonic() - started < 2
+        assert proxy.status()["refused"] == {"pre-authentication deadline": 1}
+        writer.close()
+        await proxy.close("plexd_close")
+
+
+async def test_an_established_stream_idle_past_its_window_is_closed_and_frees_its_slot(session, cert):
+    upstream = KeepAliveUpstream(upgrade=True)  # 101, then silent both ways: an exec nobody types into
+    async with upstream as url:
+        proxy = K8sSession(session, "127.0.0.1", ApiServer(url, NODE_TOKEN), tls=cert.server_context(),
+                           keys=lambda: [CP.verify_key], is_live=lambda sid: True, connection_idle=0.5)
+        port = await proxy.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port,
+                                                       ssl=ssl.create_default_context(cadata=cert.pem))
+        writer.write(f"POST /api/v1/namespaces/web/pods/web-0/exec HTTP/1.1\r\nHost: x\r\n"
+                     f"Authorization: Bearer {token_for(session)}\r\nConnection: Upgrade\r\n"
+                     f"Upgrade: SPDY/3.1\r\n\r\n".encode())
+        await writer.drain()
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).startswith(b"HTTP/1.1 101 ")
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        await asyncio.wait_for(upstream.client_eof.wait(), 5)  # the API server's side was let go too
+        assert proxy.status()["connections"] == 0 and proxy.closed is None
+        writer.close()
+        await proxy.close("plexd_close")

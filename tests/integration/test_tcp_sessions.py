@@ -193,3 +193,114 @@ async def test_an_accept_that_fails_for_want_of_descriptors_is_retried_and_the_l
         client.close()
         assert "cannot accept a connection" in caplog.text
         await tcp.close("plexd_close")
+
+
+async def test_silent_connections_from_one_source_leave_room_for_another():
+    # No token in a TCP session: the firewall admits only the peers the policy allows, and among those one source
+    # holds at most MAX_PER_SOURCE of the slots. Before, nine silent connects from one peer took all eight.
+    from waiting import scaled
+
+    from plexd.access.tcp import MAX_CONNECTIONS
+
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1")
+        port = await tcp.start()
+        silent = [await asyncio.open_connection("127.0.0.1", port) for _ in range(MAX_CONNECTIONS + 1)]
+        await wait_for(lambda: target.accepted + tcp.counters.refused_over_cap + tcp.counters.__dict__.get(
+            "refused_per_source", 0) == MAX_CONNECTIONS + 1, what="every silent connect to be served or refused")
+        started = time.monotonic()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(
+            "127.0.0.1", port, local_addr=("127.0.0.2", 0)), scaled(1.0))  # another source address
+        writer.write(b"hello")
+        assert await asyncio.wait_for(reader.readexactly(5), scaled(1.0)) == b"hello"
+        assert time.monotonic() - started < scaled(1.0)
+        from plexd.access.tcp import MAX_PER_SOURCE
+
+        assert tcp.counters.refused_per_source == MAX_CONNECTIONS + 1 - MAX_PER_SOURCE
+        writer.close()
+        for _, w in silent:
+            w.close()
+        await tcp.close("plexd_close")
+
+
+async def test_a_connection_idle_past_its_window_is_closed_and_a_busy_one_is_not():
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1", connection_idle=0.4)
+        port = await tcp.start()
+        r_idle, w_idle = await asyncio.open_connection("127.0.0.1", port)
+        r_busy, w_busy = await asyncio.open_connection("127.0.0.1", port)
+        started = time.monotonic()
+        for _ in range(10):  # 1 s of traffic, more than twice the window
+            w_busy.write(b"x")
+            assert await asyncio.wait_for(r_busy.readexactly(1), 5) == b"x"
+            await asyncio.sleep(0.1)
+        assert await asyncio.wait_for(r_idle.read(), 5) == b""
+        assert time.monotonic() - started < 5
+        w_busy.write(b"y")
+        assert await asyncio.wait_for(r_busy.readexactly(1), 5) == b"y"
+        assert tcp.closed is None and tcp.counters.idle_closed == 1
+        for w in (w_idle, w_busy):
+            w.close()
+        await tcp.close("plexd_close")
+
+
+def fake_resolver(monkeypatch, answers: list[str]):
+    """The loop's resolver answers `db.example` with the next of `answers` each time it is asked."""
+    loop = asyncio.get_running_loop()
+    real, calls = loop.getaddrinfo, []
+
+    async def getaddrinfo(host, port, *args, **kwargs):
+        if host != "db.example":
+            return await real(host, port, *args, **kwargs)
+        address = answers[min(len(calls), len(answers) - 1)]
+        calls.append(address)
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        return [(family, socket.SOCK_STREAM, 6, "", (address, port, 0, 0) if ":" in address else (address, port))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", getaddrinfo)
+    return calls
+
+
+@pytest.mark.parametrize("address, why", [
+    ("127.0.0.1", "loopback"), ("::1", "loopback"), ("::ffff:127.0.0.1", "loopback"),
+    ("169.254.169.254", "link-local"), ("fe80::1", "link-local"), ("fd00:ec2::254", "cloud metadata"),
+    ("100.100.100.200", "cloud metadata"), ("0.0.0.0", "unspecified"),
+])
+async def test_a_host_name_that_resolves_to_this_host_or_its_metadata_service_opens_no_listener(
+        monkeypatch, address, why):
+    fake_resolver(monkeypatch, [address])
+    tcp = TcpSession(Session("ses_n", "tcp", TcpTarget("db.example", 5432), time.time() + 60), "127.0.0.1")
+    with pytest.raises(ValueError) as refused:
+        await tcp.start()
+    assert f"target host 'db.example' resolves to {address} ({why})" in str(refused.value)
+    assert tcp.listening_sockets() == []
+
+
+async def test_a_host_name_is_resolved_once_when_the_session_opens(monkeypatch):
+    # DNS rebinding: a name first answered with a routable address, then with the metadata service's.
+    calls = fake_resolver(monkeypatch, ["192.0.2.10", "169.254.169.254"])
+    loop = asyncio.get_running_loop()
+    real_connect, dialed = loop.sock_connect, []
+
+    async def sock_connect(sock, address):
+        if address[0] in ("192.0.2.10", "169.254.169.254"):
+            dialed.append(address[0])
+            raise ConnectionRefusedError(111, "refused (test)")
+        return await real_connect(sock, address)
+
+    monkeypatch.setattr(loop, "sock_connect", sock_connect)
+    tcp = TcpSession(Session("ses_n", "tcp", TcpTarget("db.example", 5432), time.time() + 60), "127.0.0.1")
+    port = await tcp.start()
+    for _ in range(2):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+    await wait_for(lambda: tcp.counters.dial_failures == 2, what="both dials")
+    assert dialed == ["192.0.2.10", "192.0.2.10"] and len(calls) == 1
+    await tcp.close("plexd_close")
+
+
+async def test_literal_loopback_and_metadata_targets_are_the_control_planes_to_name():
+    tcp = TcpSession(Session("ses_l", "tcp", TcpTarget("169.254.169.254", 80), time.time() + 60), "127.0.0.1")
+    await tcp.start()  # named as a literal: served (the control plane chose it)
+    await tcp.close("plexd_close")

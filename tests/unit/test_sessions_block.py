@@ -179,3 +179,32 @@ def test_the_event_path_keeps_no_expired_entry_either():
     for i in range(50):  # ssh_session_setup events for sessions already past their expiry
         block = block.with_session(Session(f"ses_old{i}", "tcp", TcpTarget("127.0.0.1", 22), 978307200.0))
     assert list(block.by_id) == ["ses_live"]
+
+
+def k8s(user="alice@example.com", groups=("dev",)):
+    return {"session_id": "ses_k", "kind": "k8s", "expires_at": EXPIRES,
+            "target": {"k8s": {"user": user, "impersonate_groups": list(groups)}}}
+
+
+@pytest.mark.parametrize("user, groups, reason", [
+    # the control plane's values go into the API server's request head as they are: a CR LF would add a header
+    ("alice\r\nImpersonate-Group: system:masters", (),
+     "impersonation user 'alice\\r\\nImpersonate-Group: system:masters' has a control character"),
+    ("alice", ("dev", "x\r\ny"), "impersonation group 'x\\r\\ny' has a control character"),
+    ("alice", ("x\ny",), "impersonation group 'x\\ny' has a control character"),
+    ("alice\x00", (), "impersonation user 'alice\\x00' has a control character"),
+    ("alice", ("dev\x85",), "has a control character"),  # C1 (NEL)
+    ("alice", ("dev\u2028",), "has a character that is not printable"),
+    (" alice", (), "impersonation user ' alice' starts or ends with white space"),
+    ("alice", ("dev\t",), "has a control character"),
+])
+def test_a_k8s_entry_whose_impersonation_cannot_go_into_a_header_as_it_is_is_refused_naming_it(user, groups, reason):
+    got = parse_sessions([k8s(user, groups), ssh("ses_ok")])
+    assert list(got.by_id) == ["ses_ok"]
+    assert len(got.rejected) == 1 and reason in got.rejected[0][1], got.rejected
+
+
+def test_a_k8s_user_outside_latin1_is_a_valid_identity():
+    # Kubernetes names are UTF-8 (client-go sends them as such): refused only for what would break the head.
+    got = parse_sessions([k8s("爱丽丝@example.com", ("équipe",))])
+    assert got.rejected == () and got.by_id["ses_k"].target.user == "爱丽丝@example.com"
