@@ -13,15 +13,19 @@ Admission: user = `target.ssh.user`, password = the session token, checked by `v
 (the session is still in the desired block): a token alone never admits. Public-key, keyboard-interactive and
 `none` are refused; 3 tries per connection; a source address with too many failures is refused without a check.
 
-Limits: 4 connections per session (counted from the TCP accept, so unauthenticated ones count), 10 session
-channels per connection, login grace 10 s (handshake and authentication), commands <= 1,024 bytes. Only
+Limits: 4 logged-in connections per session; connections not logged in yet have their own budget, 4 per source
+address and 16 per session, where one more closes the oldest waiting (its address's first), so a client without
+a token cannot keep one with a token out; login grace 10 s from the TCP accept (handshake and authentication,
+never renewed); 10 session channels per connection, commands <= 1,024 bytes. Only
 `session` channels: no subsystem (sftp), agent or X11 forwarding, direct-tcpip or tcpip-forward; an `env`
 request is acknowledged by asyncssh but its variables are never applied (the environment is built here).
 
 Each channel runs one process as the target user (uid, gid, supplementary groups, home, login shell), with the
 scrubbed environment of `ssh_process.login_environment`, in a session of its own, on a pty when one was asked
 for. An exec without a pty becomes the user in setpriv (`ssh_process.switch_user_argv`: no fork of the
-daemon). With `allowed_commands`, `shell` is refused and `exec` must be an exact member; an exec runs only after
+daemon). With `allowed_commands`, `shell` is refused and `exec` must be an exact member, asked for without a pty
+(pagers and other interactive programs offer shell escapes on a terminal), and runs with pagers set to `cat` and
+less's and systemd's secure modes (`ssh_process.RESTRICTED_ENV`); an exec runs only after
 `record_command(session_id, command)` returned True within 15 s (the control plane recorded it). A hang-up sends
 SIGHUP to the process group, then SIGKILL 2 s later.
 
@@ -78,7 +82,11 @@ from plexd.nodeapi.ratelimit import RateLimiter
 log = logging.getLogger(__name__)
 install_saslprep_fast_path()
 
-MAX_CONNECTIONS = 4
+MAX_CONNECTIONS = 4  # logged in, per session
+# Not logged in yet: a budget of their own, per source address and per session. One more closes the oldest waiting
+# (its address's first): a client that connects and says nothing keeps nobody out, however often it connects.
+MAX_WAITING_PER_SOURCE = 4
+MAX_WAITING = 16
 MAX_CHANNELS = 10
 MAX_AUTH_TRIES = 3
 LOGIN_GRACE = 10.0
@@ -88,6 +96,7 @@ CLOSE_SLACK = 3.0  # past HANGUP_GRACE, how long close() waits for connections t
 _EARLY_INPUT_MAX = 1 << 20
 _STDIN_BUFFER_MAX = 1 << 20
 NOT_RECORDED = "the control plane did not record this command; it was not run"
+NO_TERMINAL = "this session runs its allowed commands without a terminal; run ssh without -t"
 TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 _CLOSE_TEXT = {"ttl_expired": "the session expired", "idle_timeout": "the session was idle too long",
                "plexd_close": "the node is leaving the mesh", "operator_revoke": "the session was revoked"}
@@ -97,6 +106,7 @@ Keys = Callable[[], Iterable[VerifyKey]]
 class SshCounters:
     connections: int = 0
     refused_over_cap: int = 0
+    dropped_waiting: int = 0  # closed before logging in, to make room for a newer connection
     auth_failures: int = 0
     bytes_in: int = 0  # client -> process
     bytes_out: int = 0  # process -> client
@@ -132,6 +142,7 @@ class SshSessionServer:
         self._server: asyncssh.SSHAcceptor | None = None
         self._watch: asyncio.Task[None] | None = None
         self.connections: set[_Connection] = set()
+        self.waiting: dict[_Connection, None] = {}  # not logged in yet, oldest first
         self.last_activity = now()
         self.port = 0
         self.closed: str | None = None
@@ -203,9 +214,24 @@ class SshSessionServer:
     def status(self) -> dict[str, Any]:
         return {"session_id": self.session.session_id, "kind": "ssh", "listener_endpoint": self.listener_endpoint,
                 "user": self.target.user, "host_key_fingerprint": self.host_key_fingerprint,
-                "connections": len(self.connections), "accepted": self.counters.connections,
-                "refused_over_cap": self.counters.refused_over_cap, "auth_failures": self.counters.auth_failures,
+                "connections": len(self.connections), "waiting": len(self.waiting),
+                "accepted": self.counters.connections, "refused_over_cap": self.counters.refused_over_cap,
+                "dropped_waiting": self.counters.dropped_waiting, "auth_failures": self.counters.auth_failures,
                 "closed": self.closed}
+
+    def logged_in(self) -> int:
+        return sum(c.authenticated for c in self.connections)
+
+    def wait_for_login(self, conn: _Connection) -> None:
+        """`conn` waits to log in (asyncssh's login timeout, from the accept, never renewed); over its address's
+        budget or the session's, the oldest waiting connection (its address's first) is closed."""
+        same = [c for c in self.waiting if c.source == conn.source]
+        oldest = same[0] if len(same) >= MAX_WAITING_PER_SOURCE else (
+            next(iter(self.waiting)) if len(self.waiting) >= MAX_WAITING else None)
+        if oldest is not None:
+            self.counters.dropped_waiting += 1
+            oldest.drop("too many connections waiting to log in")
+        self.waiting[conn] = None
 
     # -- admission -------------------------------------------------------------------------------------------
 
@@ -248,19 +274,28 @@ class _Connection(asyncssh.SSHServer):
         peer = conn.get_extra_info("peername") or ("?", 0)
         self.source = str(peer[0])
         server = self.server
-        if server.closed is not None or len(server.connections) >= server.max_connections:
-            server.counters.refused_over_cap += 1
-            self.ended = "refused"
+        if server.closed is not None or server.logged_in() >= server.max_connections:
             self._done.set_result(None)
-            # after asyncssh sent its version line (a disconnect before it is not SSH to the client)
-            asyncio.get_running_loop().call_soon(conn.disconnect, asyncssh.DISC_TOO_MANY_CONNECTIONS,
-                                                 f"at most {server.max_connections} connections to this session")
+            self._refuse_over_cap()
             return
         server.connections.add(self)
         server.counters.connections += 1
+        server.wait_for_login(self)
+
+    def _refuse_over_cap(self) -> None:
+        self.server.counters.refused_over_cap += 1
+        self.drop(f"at most {self.server.max_connections} connections to this session", "refused")
+
+    def drop(self, text: str, reason: str = "dropped") -> None:
+        """Close this connection before it logged in, telling the client why."""
+        self.server.waiting.pop(self, None)
+        self.ended = reason
+        if self.conn is not None:  # after asyncssh sent its version line (a disconnect before it is not SSH)
+            asyncio.get_running_loop().call_soon(self.conn.disconnect, asyncssh.DISC_TOO_MANY_CONNECTIONS, text)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
+        self.server.waiting.pop(self, None)
         if self.authenticated:
             self.server.audit("connection_ended", source=self.source, reason=self.ended or "client_closed",
                               bytes_in=self.bytes_in, bytes_out=self.bytes_out)
@@ -301,8 +336,14 @@ class _Connection(asyncssh.SSHServer):
 
     def validate_password(self, username: str, password: str) -> bool:
         reason = self.server.check_password(username, password, self.source)
+        if reason is None and self.ended is not None:  # dropped, its disconnect not yet sent
+            return False
+        if reason is None and self.server.logged_in() >= self.server.max_connections:  # others got in meanwhile
+            self._refuse_over_cap()
+            return False
         if reason is None:
             self.authenticated = True
+            self.server.waiting.pop(self, None)
             self.server.touch()
             self.server.audit("connection_started", source=self.source, user=username)
             return True
@@ -359,7 +400,9 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.chan = chan
 
     def pty_requested(self, term_type: str, term_size: tuple[int, int, int, int], term_modes: Any) -> bool:
-        self.pty = True
+        if self._task is not None:  # after the shell or exec (asyncssh allows it): its checks saw no terminal
+            return False
+        self.pty = True  # a restricted session's command then is refused, with the reason (exec_requested)
         self.term = term_type if term_type and term_type.isprintable() and len(term_type) <= 64 else None
         self.size = term_size
         return True
@@ -386,6 +429,10 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             self.refusal = "the command holds a NUL byte"
         elif self.target_commands and text not in self.target_commands:
             self.refusal = "this command is not one of the session's allowed commands"
+        elif self.target_commands and self.pty:
+            # On a terminal, pagers and other interactive programs offer shell escapes (less's `!sh`) that nothing
+            # records; on pipes they print and exit.
+            self.refusal = NO_TERMINAL
         return True
 
     def subsystem_requested(self, subsystem: str) -> bool:
@@ -596,7 +643,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         program = user.shell
         name = os.path.basename(program)
         args = ["-" + name] if self.command is None else [name, "-c", self.command]
-        env = login_environment(user, self.term)
+        env = login_environment(user, self.term, restricted=bool(self.target_commands))
         ids: dict[str, Any] = {}
         if os.geteuid() == 0:
             prefix = None if self.pty or self.command is None else switch_user_argv(user)

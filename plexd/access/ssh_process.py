@@ -10,6 +10,10 @@ from dataclasses import dataclass
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 SETPRIV = "/usr/bin/setpriv"  # util-linux, Essential on Debian: always there, never looked up on a PATH
 DEFAULT_TERM = "dumb"
+# A session limited to its allowed commands: a pager that starts anyway (forced by its program) is `cat`, and less
+# and systemd's pager run without their shell escapes (`!cmd`, `|`, `v`) and file commands.
+RESTRICTED_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "MANPAGER": "cat", "SYSTEMD_PAGER": "cat", "LESSSECURE": "1",
+                  "SYSTEMD_PAGERSECURE": "1"}
 
 
 class UserRefused(Exception):
@@ -55,10 +59,12 @@ def switch_user_argv(user: LocalUser) -> list[str] | None:
     return [SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", *groups, "--"]
 
 
-def login_environment(user: LocalUser, term: str | None) -> dict[str, str]:
-    """Only these: nothing of plexd's environment and nothing the client sent (env requests are never applied)."""
-    return {"HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell,
-            "PATH": SAFE_PATH, "TERM": term or DEFAULT_TERM}
+def login_environment(user: LocalUser, term: str | None, restricted: bool = False) -> dict[str, str]:
+    """Only these: nothing of plexd's environment and nothing the client sent (env requests are never applied).
+    `restricted` (allowed commands only) adds RESTRICTED_ENV."""
+    env = {"HOME": user.home, "USER": user.name, "LOGNAME": user.name, "SHELL": user.shell,
+           "PATH": SAFE_PATH, "TERM": term or DEFAULT_TERM}
+    return {**env, **RESTRICTED_ENV} if restricted else env
 
 
 def exit_status(returncode: int) -> int:

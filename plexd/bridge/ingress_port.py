@@ -4,8 +4,11 @@ A port serves one rule, or several `tcp` rules told apart by the server name of 
 (SNI, read with MSG_PEEK so the bytes still go to the target untouched). `tcp` rules splice bytes both ways
 (`plexd.access.splice`); `terminate` rules end TLS here with the rule's certificate and forward plain TCP.
 
-Bounded: connections per port are capped (over the cap: closed, counted), a client has 10 s to send a
-ClientHello where one is needed and the target 10 s to answer a dial; sources outside
+Bounded: connections per port are capped (over the cap: closed, counted), 64 of them per source address. A
+connection whose client has not sent a byte yet is waiting: 8 such per source address and 64 per port, where one
+more closes the oldest (its address's first), so a client that connects and says nothing keeps nobody out. A
+client has 10 s from the accept to send its first byte (its ClientHello, where one is read; never renewed), the
+target 10 s to answer a dial, and a connection ends after 5 minutes without a byte either way. Sources outside
 `bridge.ingress.allowed_sources` (when set) are closed at once, counted. Nothing is logged per connection.
 """
 
@@ -17,8 +20,9 @@ import ipaddress
 import logging
 import socket
 import ssl
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.access.serving import accept_forever, stop_serving
@@ -29,7 +33,11 @@ from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # per port
-HELLO_TIMEOUT = 10.0
+MAX_PER_SOURCE = 64  # of one source address: no client takes every slot, even one that talks
+MAX_WAITING_PER_SOURCE = 8  # connections whose client has not sent a byte yet
+MAX_WAITING = 64
+HELLO_TIMEOUT = 10.0  # from the accept to the client's first byte
+IDLE_TIMEOUT = 300.0  # without a byte either way
 DIAL_TIMEOUT = 10.0
 CHUNK = 1 << 16
 
@@ -38,13 +46,34 @@ CHUNK = 1 << 16
 class PortCounters:
     accepted: int = 0
     refused_over_cap: int = 0
+    refused_per_source: int = 0  # its address already held MAX_PER_SOURCE
     refused_source: int = 0
+    dropped_waiting: int = 0  # closed before its first byte, to make room for a newer connection
+    dropped_silent: int = 0  # no byte within HELLO_TIMEOUT
+    dropped_idle: int = 0
     no_rule: int = 0  # no rule for the server name the client asked for (or no name, or not TLS)
     dial_failures: int = 0
     tls_failures: int = 0
     ended_by_rule_change: int = 0
     bytes_in: int = 0
     bytes_out: int = 0
+
+
+@dataclass(eq=False)
+class _Client:
+    sock: socket.socket
+    source: str
+    last: float  # time.monotonic() of the last byte either way (of the accept, before any)
+    task: asyncio.Task[None] = field(init=False)
+    timer: asyncio.TimerHandle | None = None
+    spoke: bool = False  # the client has sent a byte
+
+    def unread(self) -> bool:
+        """Bytes from the client wait in its socket (its task has not read them yet)."""
+        try:
+            return bool(self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:  # nothing there (EAGAIN), or the socket is gone
+            return False
 
 
 class IngressPort:
@@ -57,7 +86,8 @@ class IngressPort:
         self.counters = PortCounters()
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: dict[asyncio.Task[None], _Client] = {}
+        self._waiting: dict[asyncio.Task[None], _Client] = {}  # no byte from the client yet, oldest first
         self._serving: dict[asyncio.Task[Any], IngressRule] = {}  # each live connection's rule, once picked
 
     @property
@@ -101,20 +131,79 @@ class IngressPort:
 
     async def _accept(self) -> None:
         assert self._listener is not None
+        loop = asyncio.get_running_loop()
         async for client, address in accept_forever(self._listener, f"ingress port {self.port}"):
-            if self.allowed and not self._admitted(address[0]):
+            source = address[0]
+            if self.allowed and not self._admitted(source):
                 self.counters.refused_source += 1
                 client.close()
                 continue
-            if len(self._conns) >= MAX_CONNECTIONS:
-                self.counters.refused_over_cap += 1
+            refused = self._make_room(source)
+            if refused:
+                setattr(self.counters, refused, getattr(self.counters, refused) + 1)
                 client.close()
                 continue
             client.setblocking(False)
             self.counters.accepted += 1
-            task = asyncio.create_task(self._serve(client), name=f"plexd:ingress-conn:{self.port}")
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
+            conn = _Client(client, source, time.monotonic())
+            conn.task = asyncio.create_task(self._serve(conn), name=f"plexd:ingress-conn:{self.port}")
+            self._conns[conn.task] = self._waiting[conn.task] = conn
+            conn.task.add_done_callback(self._ended)
+            conn.timer = loop.call_later(HELLO_TIMEOUT, self._check, conn)
+
+    def _make_room(self, source: str) -> str:
+        """Room for one more connection from `source`, closing the oldest silent waiting one (its address's first)
+        where a waiting budget or the port is full; else the counter of why there is none."""
+        same = [c for c in self._waiting.values() if c.source == source]
+        if len(same) >= MAX_WAITING_PER_SOURCE:
+            self._drop_oldest_silent(same)
+        if len(self._waiting) >= MAX_WAITING or len(self._conns) >= MAX_CONNECTIONS:
+            self._drop_oldest_silent(list(self._waiting.values()))
+        if len(self._conns) >= MAX_CONNECTIONS:
+            return "refused_over_cap"
+        if sum(c.source == source for c in self._conns.values()) >= MAX_PER_SOURCE:
+            return "refused_per_source"
+        return ""
+
+    def _drop_oldest_silent(self, waiting: list[_Client]) -> None:
+        for conn in waiting:
+            if not self._heard(conn):
+                self.counters.dropped_waiting += 1
+                self._end(conn)
+                return
+
+    def _heard(self, conn: _Client, sent: bool = False) -> bool:
+        """Whether `conn`'s client has sent a byte (`sent`: it just did); one that has no longer waits."""
+        conn.spoke = conn.spoke or sent or conn.unread()
+        if conn.spoke:
+            self._waiting.pop(conn.task, None)
+        return conn.spoke
+
+    def _end(self, conn: _Client) -> None:
+        """Gone from the counts at once; its task closes its sockets as it ends."""
+        self._ended(conn.task)
+        conn.task.cancel()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        conn = self._conns.pop(task, None)
+        self._waiting.pop(task, None)
+        if conn is not None and conn.timer is not None:
+            conn.timer.cancel()
+
+    def _check(self, conn: _Client) -> None:
+        """At HELLO_TIMEOUT: a client that has not sent a byte is closed. Then, every IDLE_TIMEOUT after the last
+        byte either way: an idle connection is closed."""
+        if conn.task.done():
+            return
+        idle = time.monotonic() - conn.last
+        if not self._heard(conn):
+            self.counters.dropped_silent += 1
+            self._end(conn)
+        elif idle >= IDLE_TIMEOUT:
+            self.counters.dropped_idle += 1
+            self._end(conn)
+        else:
+            conn.timer = asyncio.get_running_loop().call_later(IDLE_TIMEOUT - idle, self._check, conn)
 
     def _admitted(self, source: str) -> bool:
         try:
@@ -125,9 +214,11 @@ class IngressPort:
             ip = ip.ipv4_mapped
         return any(ip.version == net.version and ip in net for net in self.allowed)
 
-    async def _serve(self, client: socket.socket) -> None:
+    async def _serve(self, conn: _Client) -> None:
+        client = conn.sock
         try:
             rule = await self._pick(client)
+            self._heard(conn)  # its ClientHello, when one was peeked
             if rule is None:
                 self.counters.no_rule += 1
                 return
@@ -142,9 +233,10 @@ class IngressPort:
                 return
             try:
                 if rule.mode == "terminate":
-                    await self._terminate(client, upstream, rule)
+                    await self._terminate(client, upstream, rule, conn)
                 else:
-                    await relay(client, upstream, a_to_b=self._count("bytes_in"), b_to_a=self._count("bytes_out"))
+                    await relay(client, upstream, a_to_b=self._count("bytes_in", conn),
+                                b_to_a=self._count("bytes_out", conn))
             finally:
                 upstream.close()
         except (OSError, ValueError, TimeoutError):
@@ -166,7 +258,8 @@ class IngressPort:
             rule = self.rules.get("*." + name.split(".", 1)[1])
         return rule
 
-    async def _terminate(self, client: socket.socket, upstream: socket.socket, rule: IngressRule) -> None:
+    async def _terminate(self, client: socket.socket, upstream: socket.socket, rule: IngressRule,
+                         conn: _Client) -> None:
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=CHUNK)
         protocol = asyncio.StreamReaderProtocol(reader)
@@ -177,28 +270,34 @@ class IngressPort:
         except (ssl.SSLError, OSError, TimeoutError, ConnectionError):
             self.counters.tls_failures += 1
             return
+        self._heard(conn, sent=True)  # its ClientHello came
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         up_reader, up_writer = await asyncio.open_connection(sock=upstream)
         try:
-            await asyncio.gather(_pump(reader, up_writer, self._count("bytes_in")),
-                                 _pump(up_reader, writer, self._count("bytes_out")))
+            await asyncio.gather(_pump(reader, up_writer, self._count("bytes_in", conn)),
+                                 _pump(up_reader, writer, self._count("bytes_out", conn)))
         finally:
             for w in (writer, up_writer):
                 w.close()
                 with contextlib.suppress(Exception):
                     await w.wait_closed()
 
-    def _count(self, counter: str) -> Callable[[int], None]:
+    def _count(self, counter: str, conn: _Client) -> Callable[[int], None]:
         def add(n: int) -> None:
             setattr(self.counters, counter, getattr(self.counters, counter) + n)
+            conn.last = time.monotonic()
+            if counter == "bytes_in" and not conn.spoke:
+                self._heard(conn, sent=True)
         return add
 
     def status(self) -> Mapping[str, Any]:
         c = self.counters
         return {"listen_port": self.port, "listening": self.listening, "connections": self.active,
-                "accepted": c.accepted, "refused_over_cap": c.refused_over_cap, "refused_source": c.refused_source,
-                "no_rule": c.no_rule, "dial_failures": c.dial_failures, "tls_failures": c.tls_failures,
-                "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
+                "waiting": len(self._waiting), "accepted": c.accepted, "refused_over_cap": c.refused_over_cap,
+                "refused_per_source": c.refused_per_source, "refused_source": c.refused_source,
+                "dropped_waiting": c.dropped_waiting, "dropped_silent": c.dropped_silent,
+                "dropped_idle": c.dropped_idle, "no_rule": c.no_rule, "dial_failures": c.dial_failures,
+                "tls_failures": c.tls_failures, "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
 
 
 async def _dial(target: tuple[str, int]) -> socket.socket:

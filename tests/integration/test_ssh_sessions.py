@@ -22,7 +22,7 @@ import pytest
 from nacl.signing import SigningKey
 from ssh_session_helpers import Harness, read_until, throwaway_user, wait_gone
 
-from plexd.access.ssh import HANGUP_GRACE, NOT_RECORDED
+from plexd.access.ssh import HANGUP_GRACE, NO_TERMINAL, NOT_RECORDED
 from plexd.access.ssh_host_key import HOST_KEY_NAME, fingerprint, load_or_create_host_key
 from plexd.access.ssh_process import SAFE_PATH, SETPRIV
 from plexd.base.children import watch_children_with_pidfds
@@ -190,6 +190,30 @@ async def test_only_allowed_commands_run_and_others_are_refused_with_a_message(a
         assert h.recorded == ["id -un"]  # refused commands are not reported as started
         refused = [e for e in h.events("command") if "refused" in e]
         assert len(refused) == 3 and all(e["exit_code"] == 1 for e in refused)
+
+
+async def test_an_allowed_pager_gives_no_shell_in_a_restricted_session(account, key_dir):
+    # On a terminal, `less` runs `!cmd` in a shell (and `git log`, `man`, an older `systemctl status` open it):
+    # with a pty, an allowed `less FILE` was an unrecorded way out of the allowed commands.
+    marker = f"/home/{account.name}/escaped"
+    typed = f"!touch {marker}\n\nq\nq\nq\n".encode()
+    allowed = ("less /etc/hostname", "tty; env")
+    async with Harness(account.name, key_dir, allowed_commands=allowed) as h:
+        rc, out, err = await h.ssh(h.token(), "-tt", "less /etc/hostname", stdin=typed)
+        assert not os.path.exists(marker), "a shell escape ran from an allowed pager: " + out + err
+        assert rc == 1 and NO_TERMINAL in out + err, out + err
+        rc, out, err = await h.ssh(h.token(), "less /etc/hostname", stdin=typed)  # on pipes: it prints, exits
+        assert rc == 0 and out == Path("/etc/hostname").read_text() and not os.path.exists(marker), out + err
+        rc, out, err = await h.ssh(h.token(), "tty; env")
+        assert "not a tty" in out, out + err
+        env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+        pagers = ("PAGER", "GIT_PAGER", "MANPAGER", "SYSTEMD_PAGER")
+        assert {k: env.get(k) for k in pagers} == dict.fromkeys(pagers, "cat"), env  # one forced to start is cat
+        assert env.get("LESSSECURE") == "1" and env.get("SYSTEMD_PAGERSECURE") == "1", env
+        assert h.recorded == ["less /etc/hostname", "tty; env"]  # the refused one was not
+    async with Harness(account.name, key_dir) as h:  # an unrestricted session keeps its terminal
+        rc, out, err = await h.ssh(h.token(), "-tt", "tty")
+        assert rc == 0 and "/dev/pts/" in out, out + err
 
 
 async def test_a_command_the_control_plane_did_not_record_is_not_run(account, key_dir, tmp_path):
@@ -472,26 +496,58 @@ def _user_processes(user: str) -> str:
     return subprocess.run(["pgrep", "-a", "-u", user], capture_output=True, text=True).stdout.strip()
 
 
-async def test_connections_past_four_are_refused_unauthenticated_ones_counted(account, key_dir):
+async def test_logins_past_four_are_refused_until_one_ends(account, key_dir):
     async with Harness(account.name, key_dir) as h:
-        held = []
-        for _ in range(4):
-            reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
-            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
-            held.append(writer)
+        held = [await asyncssh.connect("127.0.0.1", h.port, username=account.name, password=h.token(),
+                                       known_hosts=None, preferred_auth="password") for _ in range(4)]
         # The fifth is dropped at once: the disconnect ("at most 4 connections", which ssh prints at LogLevel INFO)
         # follows the version line, and ssh may see the closed socket first ("Broken pipe").
         rc, _, err = await h.ssh(h.token(), "true", log_level="INFO")
         assert rc == 255 and ("at most 4 connections" in err or "Broken pipe" in err), err
-        assert h.server.counters.refused_over_cap == 1 and h.events("connection_started") == []
-        for writer in held:
-            writer.close()
+        assert h.server.counters.refused_over_cap == 1 and len(h.events("connection_started")) == 4
+        held.pop().close()
         deadline = time.monotonic() + 10
-        while h.server.connections:
+        while len(h.server.connections) > 3:
             assert time.monotonic() < deadline, f"{len(h.server.connections)} connections still counted"
             await asyncio.sleep(0.05)
         rc, _, err = await h.ssh(h.token(), "true")  # below the cap again
         assert rc == 0, err
+        for conn in held:
+            conn.close()
+
+
+async def test_silent_connections_from_one_address_never_keep_a_client_out(account, key_dir):
+    # Connections not logged in yet have a budget of their own per address (4): one more closes that address's
+    # oldest. A client without a token cannot hold the session's slots; the next one with a token gets in.
+    async with Harness(account.name, key_dir) as h:
+        silent = []
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.port)
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
+            silent.append((reader, writer))
+        started = time.monotonic()
+        rc, _, err = await h.ssh(h.token(), "true")
+        took = time.monotonic() - started
+        assert rc == 0 and took < 1.0, (rc, err, took)
+        await asyncio.wait_for(silent[0][0].read(), 5)  # the oldest silent ones were closed to make room
+        assert silent[0][0].at_eof() and h.server.counters.refused_over_cap == 0
+        for _, writer in silent:
+            writer.close()
+
+
+async def test_connections_waiting_to_log_in_are_bounded_across_addresses(account, key_dir):
+    async with Harness(account.name, key_dir) as h:
+        writers = []
+        for i in range(20):  # 4 from each of 5 loopback addresses: each within its own budget, 20 > 16 in all
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.port, local_addr=(f"127.0.0.{2 + i // 4}", 0))
+            assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
+            writers.append(writer)
+        assert len(h.server.waiting) == 16 and h.server.counters.dropped_waiting == 4
+        assert {c.source for c in h.server.waiting} == {f"127.0.0.{n}" for n in range(3, 7)}  # the oldest went
+        rc, _, err = await h.ssh(h.token(), "true")
+        assert rc == 0, err
+        for writer in writers:
+            writer.close()
 
 
 async def test_a_client_silent_after_connecting_is_dropped_after_the_login_grace(account, key_dir):
