@@ -1,6 +1,7 @@
 """Which WireGuard backend this machine uses, decided in one place (the daemon, `reconcile --once`, `peers`).
 
-``mesh.backend: auto`` picks the kernel module when it is loaded, else the userspace implementation
+``mesh.backend: auto`` picks the kernel module when the kernel has it (loaded, or loaded on request: a server
+freshly booted has not loaded it yet, `plexd.mesh.wireguard.probe`), else the userspace implementation
 (``mesh.userspace_implementation``, wireguard-go by default), which plexd starts and supervises itself.
 """
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plexd.mesh.wireguard import kernel_module_loaded
+from plexd.mesh.wireguard.probe import kernel_wireguard_available
 
 if TYPE_CHECKING:
     from plexd.config.settings import Config
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 def backend_kind(config: Config) -> str:
     kind = config.mesh.backend
     if kind == "auto":
-        kind = "kernel" if kernel_module_loaded() else "userspace"
+        kind = "kernel" if kernel_wireguard_available() else "userspace"
     return kind
 
 

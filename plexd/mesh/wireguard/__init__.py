@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import base64
 import binascii
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from plexd.base.errors import PlexdError
+from plexd.mesh.wireguard.probe import kernel_module_loaded as kernel_module_loaded
 from plexd.state.model import KEY_LEN
 
 ZERO_KEY = base64.b64encode(bytes(KEY_LEN)).decode()
@@ -62,12 +62,6 @@ def clamp_private_key(key: str) -> str:
     raw[0] &= 248
     raw[31] = (raw[31] & 127) | 64
     return base64.b64encode(bytes(raw)).decode()
-
-
-def kernel_module_loaded() -> bool:
-    """True when the kernel has WireGuard (loaded module or built in: both show /sys/module/wireguard, since
-    the module declares a version). Cheaper and quieter than opening the genl family, and needs no pyroute2."""
-    return os.path.isdir("/sys/module/wireguard")
 
 
 def check_interface_name(name: str) -> None:
