@@ -32,6 +32,8 @@ from plexd.devplane.harness import Devplane
 
 IS_ROOT = os.geteuid() == 0
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# Set by scripts/kernel-vm-guest.sh: this run is the kernel tier, inside a VM booting Debian's stock kernel.
+IN_KERNEL_VM = os.environ.get("PLEXD_KERNEL_VM") == "1"
 
 
 # Files whose tests run plexd (or its firewall) in the root network namespace: one worker, one at a time.
@@ -44,11 +46,14 @@ ROOT_NAMESPACE_FILES = frozenset({
     "security/test_bootstrap_token.py", "security/test_node_api_leaks.py", "security/test_node_api_reports.py",
     "security/test_node_api_tcp.py", "security/test_node_secret_kdf.py", "security/test_trusted_dirs.py",
 })
-LAB_TIMEOUT = 240  # seconds, for a lab test that does not name its own (pyproject's default is for the rest)
+# seconds, for a lab test that does not name its own (pyproject's default is for the rest); the kernel tier runs
+# under an emulated CPU (QEMU's TCG: Python about 16x slower), where a lab test gets the longer window
+LAB_TIMEOUT = 900 if IN_KERNEL_VM else 240
 TESTS = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config, items):
+    _select_tier(config, items)
     for item in items:
         relative = Path(str(item.fspath)).relative_to(TESTS).as_posix()
         if relative.startswith("e2e/") or item.get_closest_marker("root"):
@@ -60,6 +65,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(LAB_TIMEOUT))
         group = "root-namespace" if relative in ROOT_NAMESPACE_FILES else relative
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def _select_tier(config, items) -> None:
+    """The kernel tier's tests (marked `kernel`) run inside the kernel VM and only there (`make test-kernel`, part of
+    `make test`); every other test runs on the host only. Deselected, never skipped: the summary says where they run.
+    """
+    keep, moved = [], []
+    for item in items:
+        (keep if (item.get_closest_marker("kernel") is not None) == IN_KERNEL_VM else moved).append(item)
+    if moved:
+        config.hook.pytest_deselected(items=moved)
+        items[:] = keep
+        config.stash[_TIER_NOTE] = (
+            f"{len(moved)} host-tier tests deselected: this is the kernel tier (the host runs them)" if IN_KERNEL_VM
+            else f"{len(moved)} kernel-tier tests deselected: they run in the kernel VM (make test-kernel)")
+
+
+_TIER_NOTE = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _TIER_NOTE in config.stash:
+        terminalreporter.write_line(config.stash[_TIER_NOTE])
 
 
 def _netns() -> set[str]:

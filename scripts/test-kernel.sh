@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The kernel tier (`make test-kernel`, and part of `make test`): the tests marked `kernel` run inside one VM booting
+# Debian's stock kernel (scripts/kernel-vm.sh), where the WireGuard module, nftables and the relay's fast path are
+# the ones a Debian server runs. Arguments are passed to pytest (a file or -k to run a part of the tier).
+#
+# When the VM cannot be prepared or booted here, one line says why and the tier fails (exit 125): the tier is
+# never skipped in silence, and in CI (which can boot it) a VM that does not boot is a failure like any other.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+started=$(date +%s)
+# TCG emulates the CPU: Python runs about 16x slower than on the host; the tests' waits stretch by this factor.
+export PLEXD_TEST_LOAD_FACTOR=${PLEXD_TEST_LOAD_FACTOR:-4}
+scripts/kernel-vm.sh env PLEXD_TEST_LOAD_FACTOR="$PLEXD_TEST_LOAD_FACTOR" PYTHONDONTWRITEBYTECODE=1 \
+    .venv/bin/python -m pytest -q -p no:cacheprovider -m kernel -n "${KERNEL_TEST_WORKERS:-0}" --dist loadgroup \
+    --durations=0 "${@:-tests}"
+rc=$?
+took=$(( $(date +%s) - started ))
+case $rc in
+    0) echo "kernel tier: passed in ${took}s (Debian's $(cat .cache/vm/kernel-pkg 2>/dev/null || echo kernel))" ;;
+    125) echo "kernel tier: NOT RUN: the VM could not be prepared or booted here (the line above says why)" ;;
+    124) echo "kernel tier: FAILED: the VM timed out after ${took}s" ;;
+    *) echo "kernel tier: FAILED (exit status $rc) in ${took}s" ;;
+esac
+exit $rc
