@@ -558,10 +558,11 @@ class MeshLab:
         return checksum
 
     def start_node(self, node: LabNode, mesh_extra: str = "", *, stun: Sequence[str] = (),
-                   nat_extra: str = "", extra: str = "") -> LabDaemon:
+                   nat_extra: str = "", extra: str = "", backend: str = "userspace") -> LabDaemon:
         """`plexd up` in `node`; `mesh_extra` (", key: value") extends its `mesh:` config (tests). With `stun`
         servers the node discovers and reports its own endpoint (`nat_extra` extends `nat_traversal:`); without,
-        the lab reports it (`publish_endpoints`). `extra`: more top-level config lines (`mode: bridge\n`)."""
+        the lab reports it (`publish_endpoints`). `extra`: more top-level config lines (`mode: bridge\n`).
+        `backend`: its WireGuard backend (wireguard-go by default; "kernel" where the kernel has the module)."""
         assert self.admin is not None, "start_devplane() first"
         ndir = os.path.join(self.lab.workdir, node.name)
         os.makedirs(ndir, exist_ok=True)
@@ -572,7 +573,7 @@ class MeshLab:
         with open(config, "w") as f:
             f.write(f"api: {{url: {self.url}, allow_insecure: true}}\ndata_dir: {ndir}/data\ntoken: {{file: {token}}}\n"
                     f"hooks: {{dir: {ndir}/hooks}}\n"
-                    f"mesh: {{interface: plexd0, backend: userspace, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
+                    f"mesh: {{interface: plexd0, backend: {backend}, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"
                     f"registration: {{hostname: {node.name}}}\nnode_api: {{socket_path: {ndir}/api.sock}}\n"
                     f"upgrade: {{dir: {ndir}/releases, release_keys: ['{self._public_release_key()}']}}\n")

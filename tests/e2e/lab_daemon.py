@@ -28,9 +28,11 @@ PLEXD = str(Path(sys.executable).with_name("plexd"))
 
 class Daemon:
     def __init__(self, lab: Lab, node: LabNode, dp: Devplane, workdir: Path, reconcile: str,
-                 extra_config: str = "", env: dict[str, str] | None = None, node_api: str = "") -> None:
+                 extra_config: str = "", env: dict[str, str] | None = None, node_api: str = "",
+                 backend: str = "userspace") -> None:
         self.lab = lab
         self.node = node
+        self.backend = backend
         self.dir = workdir / node.name
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "token").write_text(dp.admin.create_token())
@@ -40,7 +42,7 @@ class Daemon:
         self.config.write_text(
             f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
             f"data_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
-            f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: userspace}}\n"
+            f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: {backend}}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
             "registration: {hostname: " + node.name + "}\n"
             f"node_api: {{{api}}}\n" + extra_config)
@@ -226,19 +228,32 @@ def ping_during(lab: Lab, src: LabNode, dst_ip: str, count: int, during):
 
 
 def wireguard_go_pids(lab: Lab, node: LabNode) -> list[int]:
-    """wireguard-go processes serving plexd0 in the node's network namespace."""
-    out = lab.exec(node, ["sh", "-c", "for p in /proc/[0-9]*; do "
-                                      "[ \"$(readlink $p/ns/net)\" = \"$(readlink /proc/self/ns/net)\" ] && "
-                                      "tr '\\0' ' ' < $p/cmdline 2>/dev/null | grep -q 'wireguard-go -f plexd0 $' && "
-                                      "echo ${p#/proc/}; done; true"], check=False).stdout
-    return [int(p) for p in out.split()]
+    """wireguard-go processes serving plexd0 in the node's network namespace, read from /proc here (a shell loop
+    in the node, which spawned three programs per process, took over 30 s on the kernel tier's emulated CPU)."""
+    netns = os.stat(f"/run/netns/{node.netns}")
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            ns = os.stat(proc / "ns" / "net")
+            args = (proc / "cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        if (ns.st_dev, ns.st_ino) == (netns.st_dev, netns.st_ino) and len(args) >= 3 \
+                and args[-2:] == [b"-f", b"plexd0"] and args[-3].endswith(b"wireguard-go"):
+            pids.append(int(proc.name))
+    return sorted(pids)
 
 
 def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, reconcile: str = "2s",
-                 a_env: dict[str, str] | None = None, a_config: str = "") -> tuple[Daemon, Daemon]:
-    """Two nodes, a and b, that see each other, know each other's endpoints and ping through the tunnel."""
-    a = Daemon(lab, lab.nodes[0], dp, workdir, reconcile=reconcile, env=a_env, extra_config=a_config)
-    b = Daemon(lab, lab.nodes[1], dp, workdir, reconcile=reconcile)
+                 a_env: dict[str, str] | None = None, a_config: str = "",
+                 backends: tuple[str, str] = ("userspace", "userspace")) -> tuple[Daemon, Daemon]:
+    """Two nodes, a and b, that see each other, know each other's endpoints and ping through the tunnel; their
+    WireGuard backends are `backends`."""
+    a = Daemon(lab, lab.nodes[0], dp, workdir, reconcile=reconcile, env=a_env, extra_config=a_config,
+               backend=backends[0])
+    b = Daemon(lab, lab.nodes[1], dp, workdir, reconcile=reconcile, backend=backends[1])
     daemons += [a, b]
     wait_until(lambda: a.mesh_ip() and b.mesh_ip() and len(wg_peers(lab, a.node)) == 1
                and len(wg_peers(lab, b.node)) == 1, 30, "the two nodes to see each other", daemons)
@@ -278,6 +293,12 @@ def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, r
         back.kill()
         back.wait()
     return a, b
+
+
+def device_index(lab: Lab, node: LabNode) -> int | None:
+    """The interface index of plexd0 in the node (None: no such link); the same index means the same device."""
+    res = lab.exec(node, ["ip", "-j", "link", "show", "plexd0"], check=False)
+    return json.loads(res.stdout)[0]["ifindex"] if res.returncode == 0 else None
 
 
 def handshake_at(lab: Lab, node: LabNode, key: str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass
 
+import pytest
 from nacl.public import PrivateKey
 
 from plexd.converge.engine import Engine
@@ -15,6 +16,9 @@ from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer
+
+# Both WireGuard backends, for `parametrize`; the kernel one is the kernel tier's (run in the VM: scripts/kernel-vm.sh).
+BACKENDS = ["userspace", pytest.param("kernel", marks=pytest.mark.kernel)]
 
 
 def keypair() -> tuple[str, str]:

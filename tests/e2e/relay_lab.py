@@ -59,11 +59,15 @@ class WgEnd:
     public_key: str
 
 
-def start_wireguard(lab: Lab, end: WgEnd) -> None:
-    lab.spawn(end.node.wrap(["wireguard-go", "-f", "wg0"]), env={**os.environ, "WG_PROCESS_FOREGROUND": "1"},
-              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    sock = os.path.join(end.node.sock_dir, "wg0.sock")
-    wait(lambda: os.path.exists(sock), 10, f"wireguard-go's socket {sock}")
+def start_wireguard(lab: Lab, end: WgEnd, backend: str = "userspace") -> None:
+    """wg0 in the end's node: wireguard-go, or (`backend="kernel"`) the kernel's device."""
+    if backend == "kernel":
+        lab.exec(end.node, ["ip", "link", "add", "wg0", "type", "wireguard"])
+    else:
+        lab.spawn(end.node.wrap(["wireguard-go", "-f", "wg0"]), env={**os.environ, "WG_PROCESS_FOREGROUND": "1"},
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sock = os.path.join(end.node.sock_dir, "wg0.sock")
+        wait(lambda: os.path.exists(sock), 10, f"wireguard-go's socket {sock}")
     keyfile = os.path.join(end.node.sock_dir, "private.key")  # the lab's 0700 directory, removed with it
     with open(os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         f.write(end.private_key + "\n")
@@ -78,15 +82,16 @@ def point_at(lab: Lab, end: WgEnd, other: WgEnd, endpoint: str) -> None:
     lab.exec(end.node, ["ip", "route", "replace", f"{other.mesh_ip}/32", "dev", "wg0"])
 
 
-def nat_pair(lab: Lab, k: int, snat: str = RANDOM_NAT) -> tuple[WgEnd, WgEnd]:
-    """Two wireguard-go nodes, each behind its own router (`snat`), not yet pointed anywhere."""
+def nat_pair(lab: Lab, k: int, snat: str = RANDOM_NAT, backend: str = "userspace") -> tuple[WgEnd, WgEnd]:
+    """Two WireGuard nodes (wireguard-go, or the kernel's), each behind its own router (`snat`), not yet pointed
+    anywhere."""
     ends = []
     for side in (1, 2):
         router = lab.add_router(snat)
         node = lab.add_node(behind=router)
         priv, pub = keypair()
         end = WgEnd(node, router, f"10.77.{k}.{side}", priv, pub)
-        start_wireguard(lab, end)
+        start_wireguard(lab, end, backend)
         ends.append(end)
     return ends[0], ends[1]
 

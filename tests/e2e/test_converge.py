@@ -11,9 +11,10 @@ import logging
 import os
 import signal
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-from mesh_helpers import keypair, mesh_node, ping
+from mesh_helpers import BACKENDS, keypair, mesh_node, ping
 from waiting import wait_for
 
 from plexd.devplane.lab import Lab
@@ -26,11 +27,9 @@ from plexd.state.model import Peer
 @pytest.fixture
 async def pair(request):
     """Two lab nodes with their convergers; the WireGuard backend is `request.param` (userspace by default;
-    "kernel" runs only where the kernel has the module, and says so when it is skipped)."""
+    "kernel" is the kernel tier's, run in the VM booting Debian's stock kernel)."""
     kind = getattr(request, "param", "userspace")
-    if kind == "kernel" and not kernel_module_loaded():
-        pytest.skip("the kernel WireGuard backend needs the wireguard module, which this kernel does not have "
-                    "(/sys/module/wireguard is absent); the same test runs through wireguard-go above")
+    assert kind != "kernel" or kernel_module_loaded(), "the kernel tier runs where the wireguard module is loaded"
     lab = Lab().up(2)
     a = b = None
     try:
@@ -52,7 +51,7 @@ def corrections(result) -> list[tuple[str, str]]:
     return [(c.type, c.detail) for c in result.corrections()]
 
 
-@pytest.mark.parametrize("pair", ["userspace", "kernel"], indirect=True)
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
 async def test_drift_is_corrected_and_named(pair) -> None:
     lab, a, b = pair
     # n_3 is a peer that never answers (no handshake): its endpoint is not protected by the roaming window
@@ -120,6 +119,64 @@ async def test_drift_is_corrected_and_named(pair) -> None:
     assert (await a.converger.converge(da)).changes == ()
 
 
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
+async def test_device_and_link_drift_is_corrected_and_named(pair) -> None:
+    """The rest of the drift a hand (or another tool) can make, each corrected by the next full converge and named
+    in its report: a peer's allowed IPs and keepalive, the private key, the listen port, the MTU, the link down,
+    and the interface deleted (for wireguard-go, the process then exits: restarted)."""
+    lab, a, b = pair
+    da = a.desired([b])
+    assert (await b.converger.converge(b.desired([a]))).ok
+    assert (await a.converger.converge(da)).ok
+    assert await asyncio.to_thread(ping, lab, a, b.mesh_ip)
+    await asyncio.sleep(FOLLOW_DELAY + 0.5)  # a follower's held kick has gone out
+    assert (await a.converger.converge(da)).changes == ()
+    other_key = Path(lab.workdir) / "other.key"
+    other_key.write_text(keypair()[0] + "\n")
+
+    def device() -> tuple[list[str], dict[str, list[str]]]:
+        dump = a.wg_dump(lab)
+        return dump[0], {row[0]: row for row in dump[1:]}
+
+    hand_made = [
+        (["wg", "set", "wg0", "peer", b.public_key, "allowed-ips", "10.100.0.2/32,10.100.9.0/24"],
+         [("peer_updated", "peer n_2: allowed IPs 10.100.0.2/32,10.100.9.0/24 != 10.100.0.2/32")]),
+        (["wg", "set", "wg0", "peer", b.public_key, "persistent-keepalive", "7"],
+         [("peer_updated", "peer n_2: persistent keepalive 7 != 25")]),
+        (["wg", "set", "wg0", "private-key", str(other_key)],
+         [("private_key_updated", "interface wg0: private key was not the node's")]),
+        (["wg", "set", "wg0", "listen-port", "4444"],
+         [("listen_port_updated", "interface wg0: listen port 4444 != 51820")]),
+        (["ip", "link", "set", "wg0", "mtu", "1280"], [("mtu_updated", "interface wg0: mtu 1280 != 1420")]),
+        # a link taken down loses its routes with it: they come back too
+        (["ip", "link", "set", "wg0", "down"],
+         [("link_up", "interface wg0: link was down"), ("route_added", "interface wg0: route 10.100.0.2/32 missing")]),
+    ]
+    for command, expected in hand_made:
+        lab.exec(a.lab_node, command)
+        r = await a.converger.converge(da)
+        assert r.ok and sorted(corrections(r)) == sorted(expected), command
+        interface, peers = device()
+        assert interface[1:3] == [a.public_key, "51820"] and peers[b.public_key][3:8:4] == ["10.100.0.2/32", "25"]
+        assert '"mtu":1420' in lab.exec(a.lab_node, ["ip", "-j", "link", "show", "wg0"]).stdout.replace(" ", "")
+        assert await asyncio.to_thread(ping, lab, a, b.mesh_ip), command
+        assert (await a.converger.converge(da)).changes == (), command
+
+    # the interface deleted: the kernel device is created again; wireguard-go, whose TUN went, exits and is restarted
+    lab.exec(a.lab_node, ["ip", "link", "del", "wg0"])
+    if a.kind == "userspace":
+        await wait_for(a.backend.process_gone, 10, "wireguard-go to exit with its interface")
+    r = await a.converger.converge(da)
+    types = [t for t, _ in corrections(r)]
+    assert r.ok and types[0] == ("interface_created" if a.kind == "kernel" else "userspace_restarted"), types
+    assert {"peer_added", "private_key_updated", "address_added", "link_up", "route_added"} <= set(types), types
+    interface, peers = device()
+    assert interface[1:3] == [a.public_key, "51820"] and set(peers) == {b.public_key}
+    assert await asyncio.to_thread(ping, lab, a, b.mesh_ip)
+    await asyncio.sleep(FOLLOW_DELAY + 0.5)
+    assert (await a.converger.converge(da)).changes == ()
+
+
 async def test_invalid_peers_skipped_rest_configured_and_dry_run(pair) -> None:
     lab, a, b = pair
     bad = Peer(id="n_bad", public_key="AAAA", mesh_ip="10.100.0.9", allowed_ips=("10.100.0.9/32",))
@@ -144,6 +201,7 @@ async def test_interface_taken_by_another_link_is_a_clear_error(pair) -> None:
     assert a.backend.pid is None
 
 
+@pytest.mark.parametrize("pair", BACKENDS, indirect=True)
 async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile_still_finds_drift(pair) -> None:
     """`apply_delta` (the event path) applies only what changed, with no device or link read; drift made by hand
     is not its business and is found by the next full converge."""
@@ -189,12 +247,17 @@ async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile
     assert corrections(r) == [("peer_added", "peer n_4: missing from the device")] and reads
     assert (await a.converger.converge(shrunk)).changes == ()  # routes in delta form are not drift
 
-    # the device gone (wireguard-go killed): the delta fails and falls back to a full converge that restarts it
-    os.kill(a.backend.pid, signal.SIGKILL)
-    await wait_for(a.backend.process_gone, 10, "wireguard-go's death noticed")
+    # the device gone (wireguard-go killed, the kernel's deleted): the delta fails and falls back to a full converge
+    # that brings it back
+    if a.kind == "kernel":
+        lab.exec(a.lab_node, ["ip", "link", "del", "wg0"])
+    else:
+        os.kill(a.backend.pid, signal.SIGKILL)
+        await wait_for(a.backend.process_gone, 10, "wireguard-go's death noticed")
     _, k5 = keypair()
     r = await a.converger.apply_delta(shrunk.with_peer(Peer(id="n_5", public_key=k5, mesh_ip="10.100.0.5")))
-    assert r.ok and "userspace_restarted" in {c.correction_type for c in r.changes}
+    created = "interface_created" if a.kind == "kernel" else "userspace_restarted"
+    assert r.ok and created in {c.correction_type for c in r.changes}
     assert k5 in {row[0] for row in a.wg_dump(lab)[1:]}
 
 

@@ -12,7 +12,8 @@ import subprocess
 import time
 
 import pytest
-from lab_daemon import Daemon, ping_count, pinging_pair, wait_until, wg_peers, wireguard_go_pids
+from lab_daemon import Daemon, device_index, ping_count, pinging_pair, wait_until, wg_peers, wireguard_go_pids
+from mesh_helpers import BACKENDS
 
 from plexd.devplane.lab import Lab, LabNode
 
@@ -40,10 +41,11 @@ def exited(d: Daemon, timeout: float = 40.0) -> int:
     return d.proc.returncode
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_ends_it(lab_dp):
+def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_ends_it(lab_dp, backend):
     lab, dp, daemons, tmp_path = lab_dp
-    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h")
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", backends=(backend, backend))
     node_id, mesh_ip = a.node_id(), a.mesh_ip()
     a_key = dp.admin.node(node_id)["public_key"]
 
@@ -73,11 +75,16 @@ def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_end
     wait_until(lambda: a_key not in wg_peers(lab, b.node), 15, "b to drop a's peer for good", daemons)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp):
+def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp, backend):
+    """The restarted daemon adopts the live device (wireguard-go's process, or the kernel's interface) and the
+    tunnel carries a continuous ping through the restart."""
     lab, dp, daemons, tmp_path = lab_dp
-    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", a_config="shutdown: {deregister: false}\n")
-    wg_pid = wireguard_go_pids(lab, a.node)
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", a_config="shutdown: {deregister: false}\n",
+                        backends=(backend, backend))
+    wg_pid, index = wireguard_go_pids(lab, a.node), device_index(lab, a.node)
+    assert bool(wg_pid) == (backend == "userspace") and index is not None
     ping = lab.spawn(a.node.wrap(["ping", "-c", "60", "-i", "0.1", "-W", "1", b.mesh_ip()]),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -93,7 +100,8 @@ def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp):
     sent, received = map(int, re.search(r"(\d+) packets transmitted, (\d+) received", out).groups())
     print(f"restart under ping: {sent - received} of {sent} lost")
     assert sent == 60 and sent - received <= 1, out
-    assert wireguard_go_pids(lab, a.node) == wg_pid  # the same process carried the tunnel through the restart
+    # the same process (or kernel device) carried the tunnel through the restart
+    assert wireguard_go_pids(lab, a.node) == wg_pid and device_index(lab, a.node) == index
     assert "adopted" in a.logged() or "already up" in a.logged()
     assert dp.admin.node(a.node_id())["status"] == "online"
 

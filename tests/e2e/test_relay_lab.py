@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from mesh_helpers import BACKENDS
 from relay_lab import (
     RelayProcess,
     fastpath_elements,
@@ -121,10 +122,13 @@ def stray_initiation() -> bytes:
 
 
 
-def test_the_kernel_fast_path_forwards_a_stable_pair_and_follows_a_port_remap(lab) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_kernel_fast_path_forwards_a_stable_pair_and_follows_a_port_remap(lab, backend) -> None:
+    """The relay's nftables fast path, between two ends behind random-port NATs: on this host's kernel with
+    wireguard-go ends, and in the kernel tier on Debian's stock kernel with kernel WireGuard ends."""
     relay = RelayProcess(lab, lab.add_node())
     relay_forwards(relay)
-    a, b = nat_pair(lab, 1)
+    a, b = nat_pair(lab, 1, backend=backend)
     assert relay.command({"sessions": [session_doc("rel_1", a, b)]}) == {"ok": True, "refused": []}
     point_at(lab, b, a, relay.address)
     point_at(lab, a, b, relay.address)
