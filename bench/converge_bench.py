@@ -33,6 +33,7 @@ from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import DEFAULT_TABLE, Links
 from plexd.mesh.plan import device_update, diff
 from plexd.mesh.wireguard import DeviceUpdate
+from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer
@@ -106,17 +107,35 @@ def fmt(s: float) -> str:
     return f"{s * 1000:8.1f} ms"
 
 
-async def bench(sizes: list[int], repeat: int) -> None:
+def lab_backend(node: LabNode, kind: str) -> UserspaceBackend | KernelBackend:
+    """wg0 in the node: wireguard-go (`userspace`), or the kernel's device (`kernel`, where the module is)."""
+    if kind == "kernel":
+        return KernelBackend("wg0", netns=node.netns)
+    return UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
+
+
+async def close_backend(backend: UserspaceBackend | KernelBackend) -> None:
+    if isinstance(backend, KernelBackend):
+        await backend.delete_device()
+    else:
+        await backend.close()
+
+
+async def bench(sizes: list[int], repeat: int, kind: str = "userspace") -> None:
     with Lab().up(1) as lab:
         node = lab.nodes[0]
-        backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]))
+        backend = lab_backend(node, kind)
         conv = Engine([WireGuardDomain(backend, Links("wg0", netns=node.netns))])
         try:
             priv = b64(os.urandom(32))
             await conv.converge(make_desired(0, priv))  # device up, address, mtu
             conf_path = os.path.join(node.sock_dir, "bench.conf")  # visible inside as /run/wireguard/bench.conf
-            version = subprocess.run(["wireguard-go", "--version"], capture_output=True, text=True).stdout.split()[1]
-            print(f"wireguard-go {version}; wg syncconf timed inside the namespace")
+            if kind == "kernel":
+                print(f"kernel WireGuard on {os.uname().release}; wg syncconf timed inside the namespace")
+            else:
+                version = subprocess.run(["wireguard-go", "--version"], capture_output=True,
+                                         text=True).stdout.split()[1]
+                print(f"wireguard-go {version}; wg syncconf timed inside the namespace")
             print(f"{'case':34} {'plexd converge':>15} {'plexd device':>14} {'wg syncconf':>13} "
                   f"{'ratio conv':>10} {'ratio dev':>9}")
             for n in sizes:
@@ -148,7 +167,7 @@ async def bench(sizes: list[int], repeat: int) -> None:
                     sync.append(timed_wg(node, "syncconf", "wg0", "/run/wireguard/bench.conf.changed"))
                 row(f"1 % change ({n // 100} peers) of {n}", full, dev, sync)
         finally:
-            await backend.close()
+            await close_backend(backend)
 
 
 def row(name: str, full: list[float], dev: list[float], sync: list[float]) -> None:

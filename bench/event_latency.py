@@ -22,8 +22,6 @@ import time
 from _connected_lab import WITHOUT_TELEMETRY, connected_node, preload, random_peer
 from _route_watch import RouteWatch
 
-from plexd.mesh.wireguard.uapi import b64_to_hex
-
 
 async def device_dump(sock: str) -> str:
     """Raw UAPI `get=1` (what `wg show` reads). The probe only looks for one key, so it skips parsing: a full
@@ -37,16 +35,11 @@ async def device_dump(sock: str) -> str:
         writer.close()
 
 
-async def on_device(sock: str, public_key: str) -> bool:
-    return f"public_key={b64_to_hex(public_key)}\n" in await device_dump(sock)
-
-
 PUBLISH_CALLS: list[float] = []  # the admin API call alone (the devplane signs and queues the event)
 
 
-async def measure(n_events: int, n_peers: int, extra_config: str = "") -> list[float]:
-    with connected_node(reconcile="10m", extra_config=extra_config) as node:
-        sock = f"{node.lab_node.sock_dir}/plexd0.sock"
+async def measure(n_events: int, n_peers: int, extra_config: str = "", backend: str = "userspace") -> list[float]:
+    with connected_node(reconcile="10m", extra_config=extra_config, backend=backend) as node:
         admin = node.dp.admin
         node_id = node.node_id
         await preload(node, n_peers)
@@ -67,8 +60,8 @@ async def measure(n_events: int, n_peers: int, extra_config: str = "") -> list[f
                     raise RuntimeError(f"peer {i} did not arrive in 10 s; see {node.workdir}/plexd.log") from None
                 latencies.append(seen - start)
                 await asyncio.sleep(0.02)  # one event at a time: the latency of one, not of a burst
-        dump = await device_dump(sock)
-        missing = [p["id"] for p in peers if f"public_key={b64_to_hex(p['public_key'])}" not in dump]
+        on_device = await node.device_keys()
+        missing = [p["id"] for p in peers if p["public_key"] not in on_device]
         if missing:
             raise RuntimeError(f"{len(missing)} measured peers are not on the device")
         return latencies
@@ -79,9 +72,12 @@ def main() -> None:
     ap.add_argument("--events", type=int, default=200)
     ap.add_argument("--peers", type=int, default=0, help="peers put on the device before measuring")
     ap.add_argument("--without-telemetry", action="store_true", help="telemetry off: its share of the outliers")
+    ap.add_argument("--backend", choices=("userspace", "kernel"), default="userspace",
+                    help="the node's WireGuard (kernel: where the kernel has the module, e.g. python -m bench kernel)")
     args = ap.parse_args()
     lat = sorted(x * 1000 for x in asyncio.run(measure(args.events, args.peers,
-                                                        WITHOUT_TELEMETRY if args.without_telemetry else "")))
+                                                        WITHOUT_TELEMETRY if args.without_telemetry else "",
+                                                        args.backend)))
     q = statistics.quantiles(lat, n=100, method="inclusive")
     print(f"event → device latency over {len(lat)} peer_added events, {args.peers} peers already on the device")
     print(f"  min {lat[0]:.1f} ms   p50 {statistics.median(lat):.1f} ms   p90 {q[89]:.1f} ms   "
