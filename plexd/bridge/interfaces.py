@@ -104,8 +104,8 @@ class InterfacesDomain:
         wanted = self._specs(desired, await self._underlay.underlay())
         seen = {}
         for name, spec in wanted.specs.items():
-            for interface in spec.forwarding:  # before any removal releases knobs (all domains observe first)
-                self.ledger.hold(interface, name)
+            for forward in spec.forwarding:  # before any removal releases knobs (all domains observe first)
+                self.ledger.hold(forward, name)
             seen[name] = await self._interface(name).observe(spec)
         for name, iface in self._interfaces.items():
             if name not in wanted.specs and iface.created:

@@ -5,7 +5,9 @@ configured with it once), one peer (the remote gateway, its `remote_subnets` as 
 subnet in the mesh table, and forwarding turned on for the tunnel, the mesh interface and the interfaces that
 hold the tunnel's `local_subnets` (their previous values are put back when the tunnel goes: never forced to 0).
 What a remote site may reach is only its `local_subnets` (`plexd.firewall.ruleset`): the Go agent let it reach
-everything the bridge could (its D8).
+everything the bridge could (its D8). Forwarding is limited the same way (`plexd.bridge.forwarding`): what
+arrives through the tunnel to its local subnets, what arrives from the mesh or a local subnet's LAN to its remote
+subnets, and nowhere else (a LAN's forwarding was on for its hosts to reach the remote site, not the Internet).
 
 Refused, each tunnel by itself with the reason: a remote subnet inside the mesh range or this machine's own
 networks, a default route unless `bridge.site_to_site.allow_default_route`, a local subnet inside the mesh, a
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 
+from plexd.bridge.forwarding import Forward
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.user_access import overlap_reason
@@ -102,10 +105,14 @@ def tunnel_specs(data_dir: str, mesh_interface: str, mesh_range: Sequence[str], 
             peer = PeerConfig(tunnel.remote_public_key, endpoint=endpoint,
                               allowed_ips=frozenset(tunnel.remote_subnets), psk=tunnel.psk,
                               persistent_keepalive=KEEPALIVE)
-            forwarding = (tunnel.interface, mesh_interface, *lan_interfaces(tunnel.local_subnets, underlay))
+            remote, lans = tunnel.remote_subnets, lan_interfaces(tunnel.local_subnets, underlay)
+            forwarding: dict[str, Forward] = {}
+            for forward in (Forward(tunnel.interface, tunnel.local_subnets), Forward(mesh_interface, remote),
+                            *(Forward(lan, remote, lan=True) for lan in lans)):
+                forwarding.setdefault(forward.interface, forward)  # one limit an interface: the first named
             wanted[tunnel.interface] = InterfaceSpec(
                 f"site-to-site {tunnel.tunnel_id}", tunnel.interface, private, tunnel.listen_port,
-                {peer.public_key: peer}, frozenset(tunnel.remote_subnets), tuple(dict.fromkeys(forwarding)))
+                {peer.public_key: peer}, frozenset(tunnel.remote_subnets), tuple(forwarding.values()))
             status.append({"tunnel_id": tunnel.tunnel_id, "interface": tunnel.interface, "public_key": public,
                            "listen_port": tunnel.listen_port, "local_subnets": list(tunnel.local_subnets),
                            "remote_subnets": list(tunnel.remote_subnets)})

@@ -6,7 +6,9 @@ restarts. Peers come from the control plane, each with the prefixes it may use a
 prefixes go in the mesh table, and forwarding is turned on for the access interface and the mesh interface
 only (`plexd.bridge.forwarding`). What an access peer may reach is the policy's to say: the firewall filters
 what arrives on the access interface with the same rules as the mesh (`plexd.firewall.ruleset`), so a peer
-reaches a node only where a rule allows its prefix to.
+reaches a node only where a rule allows its prefix to; and what it sends is forwarded nowhere outside the mesh
+range, which holds every address a policy can name (so a rule's `*` means the mesh, never the bridge's LAN, a
+remote site or the Internet). From the mesh, only the access peers' prefixes are forwarded to.
 
 Access clients are addressed like nodes, from the mesh range (so the policy can name them: a policy CIDR lies
 in `policy.mesh_range`), on addresses no node has. Refused, each peer by itself with the reason: a prefix holding
@@ -21,6 +23,7 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 
 from plexd.bridge.blocks import TUNNEL_PREFIX
+from plexd.bridge.forwarding import Forward
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.keys import interface_key
 from plexd.bridge.wgif import InterfaceSpec
@@ -92,8 +95,9 @@ def access_specs(data_dir: str, mesh_interface: str, reserved_ports: Mapping[int
                 guard.claim(cidr, f"access peer {name}")
             peers[peer.public_key] = PeerConfig(peer.public_key, allowed_ips=frozenset(peer.allowed_ips),
                                                 psk=peer.psk)
-        spec = InterfaceSpec(PART, access.interface, private, access.listen_port, peers,
-                             frozenset(taken), (access.interface, mesh_interface))
+        forwarding = (Forward(access.interface, desired.mesh_range), Forward(mesh_interface, tuple(taken)))
+        spec = InterfaceSpec(PART, access.interface, private, access.listen_port, peers, frozenset(taken),
+                             forwarding)
         status = {"interface": access.interface, "public_key": public, "listen_port": access.listen_port,
                   "peer_count": len(peers)}
         return Wanted({access.interface: spec}, tuple(refused), status)

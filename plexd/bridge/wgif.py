@@ -3,8 +3,9 @@ and converged like the mesh device, by the domain that owns it.
 
 Its desired shape is an `InterfaceSpec`: the kept private key, the listen port, the peers, the routes its peers'
 prefixes need (in the mesh routing table, whose policy rule the mesh domain keeps: never a main-table route) and
-the interfaces whose forwarding must be on. The diff is pure and names every difference as a `Change` that is
-also its drift line; `apply` performs them, per peer (a peer whose prefixes change keeps its session).
+the interfaces whose forwarding must be on, each with where what arrives on it may go (`forwarding.Forward`: its
+limit). The diff is pure and names every difference as a `Change` that is also its drift line; `apply` performs
+them, per peer (a peer whose prefixes change keeps its session).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from plexd.base.errors import PlexdError
-from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.forwarding import Forward, ForwardingLedger
 from plexd.converge.change import Change
 from plexd.mesh.links import LinkOp, Links, LinkState
 from plexd.mesh.wireguard import (
@@ -37,7 +38,7 @@ class InterfaceSpec:
     listen_port: int
     peers: Mapping[str, PeerConfig]
     routes: frozenset[str]
-    forwarding: tuple[str, ...]  # interfaces whose (IPv4) forwarding must be on: this one and those it serves
+    forwarding: tuple[Forward, ...]  # interfaces whose (IPv4) forwarding must be on: this one and those it serves
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class InterfaceSeen:
     device: DeviceConfig | None
     link: LinkState | None
     forwarding_off: frozenset[str] = frozenset()
+    limits_drift: Mapping[str, str] = field(default_factory=dict)  # interface -> "missing" or "differs"
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,18 @@ class ForwardingEnabled(_Step):
         return f"{self.part} {self.interface}: net.ipv4.conf.{self.on}.forwarding was off; on"
 
 
+@dataclass(frozen=True)
+class ForwardingLimited(_Step):
+    correction_type: ClassVar[str] = "bridge_forwarding_limited"
+    on: str = ""
+    what: str = "missing"  # or "differs": another limit is there
+
+    @property
+    def detail(self) -> str:
+        return f"{self.part} {self.interface}: forwarding limit for {self.on} {self.what}; " + (
+            "put back" if self.what == "missing" else "updated")
+
+
 class WgInterface:
     """The live side of one spec: its backend (kernel or wireguard-go) and its link."""
 
@@ -150,16 +164,16 @@ class WgInterface:
     async def observe(self, spec: InterfaceSpec) -> InterfaceSeen:
         device = None if self.backend.process_gone() else await self.backend.observe()
         link = await self.links.observe() if device is not None else None
-        off = frozenset(i for i in spec.forwarding if not self.ledger.is_on(i))
-        return InterfaceSeen(device, link, off)
+        off = frozenset(f.interface for f in spec.forwarding if not self.ledger.is_on(f.interface))
+        drift = {f.interface: d for f in spec.forwarding if f.interface not in off
+                 and (d := self.ledger.limit_drift(f.interface))}
+        return InterfaceSeen(device, link, off, drift)
 
     def plan(self, spec: InterfaceSpec, seen: InterfaceSeen) -> list[Change]:
         part, name = spec.part, spec.name
         if seen.device is None or seen.link is None:
             changes: list[Change] = [InterfaceCreated(part, name, first=not self.created)]
-            changes += [ForwardingEnabled(part, name, on=i) for i in spec.forwarding if i != name and
-                        i in seen.forwarding_off]
-            return changes
+            return changes + _forwarding(spec, seen, but=name)  # not its own: the device is new
         changes = []
         device = seen.device
         if clamp_private_key(device.private_key) != clamp_private_key(spec.private_key):
@@ -181,8 +195,7 @@ class WgInterface:
         changes += [RoutingRuleAdded(part, name, family=f) for f in _families(spec.routes) - seen.link.rules]
         changes += [RouteSynced(part, name, cidr=c) for c in sorted(spec.routes - seen.link.routes)]
         changes += [RouteSynced(part, name, cidr=c, add=False) for c in sorted(seen.link.routes - spec.routes)]
-        changes += [ForwardingEnabled(part, name, on=i) for i in spec.forwarding if i in seen.forwarding_off]
-        return changes
+        return changes + _forwarding(spec, seen)
 
     async def apply(self, spec: InterfaceSpec, changes: Sequence[Change]) -> list[str]:
         """Perform `changes` (this interface's plan); the errors, one line each naming the object."""
@@ -221,11 +234,11 @@ class WgInterface:
                 errors.append(f"{spec.part} {spec.name}: configuring the device: {e}")
         for op, error in await self.links.apply(ops):
             errors.append(f"{spec.part} {spec.name}: {op.action} {op.value or ''}: {error}".replace("  ", " "))
-        for interface in spec.forwarding:
+        for forward in spec.forwarding:
             try:
-                self.ledger.enable(interface, spec.name)
+                self.ledger.enable(forward, spec.name)
             except (OSError, ValueError) as e:
-                errors.append(f"{spec.part}: cannot turn on forwarding for {interface}: {e}")
+                errors.append(f"{spec.part}: cannot turn on forwarding for {forward.interface}: {e}")
         return errors
 
     async def remove(self) -> list[str]:
@@ -240,6 +253,17 @@ class WgInterface:
             return [f"removing {self.name}: {e}; tried again at the next converge"]
         self.created = False
         return self.ledger.release(self.name)
+
+
+def _forwarding(spec: InterfaceSpec, seen: InterfaceSeen, but: str = "") -> list[Change]:
+    """A knob off or a limit not as wanted, on each interface `spec` needs forwarding on (`but` aside)."""
+    changes: list[Change] = []
+    for interface in (f.interface for f in spec.forwarding if f.interface != but):
+        if interface in seen.forwarding_off:
+            changes.append(ForwardingEnabled(spec.part, spec.name, on=interface))
+        elif interface in seen.limits_drift:
+            changes.append(ForwardingLimited(spec.part, spec.name, on=interface, what=seen.limits_drift[interface]))
+    return changes
 
 
 def _families(routes: frozenset[str]) -> set[int]:

@@ -3,15 +3,17 @@ wireguard-go, real nftables, and plain `wg` ends on the other side (no plexd), c
 /proc.
 
 - A user-access client (a plain WireGuard client with the bridge's published key) pings the node the policy lets
-  its address reach and not another (dropped by the bridge's own firewall, counted); the bridge's key is the same
-  after a restart; a deleted `wg-access` is put back by the next reconcile and reported.
+  its address reach and not another (dropped by the bridge's own firewall, counted); a rule to `*` lets it reach
+  every node but not a host on the bridge's LAN; the bridge's key is the same after a restart; its forwarding
+  limits and a deleted `wg-access`, gone, are put back by the next reconcile and reported.
 - Ingress: a TCP client outside the mesh reaches a mesh service through the bridge by port, two TLS services on
   one port by SNI (passed through untouched: the client sees each service's own certificate), and one whose TLS
   the bridge ends with the rule's certificate; a rule pointing outside the mesh, an `acme` rule and a port another
   program holds are refused with the reason, the others serve.
 - A host on a remote site's subnet reaches a host on the bridge's local subnet through a `wg-s2s-*` tunnel; a
-  tunnel whose remote subnet overlaps the mesh is refused with the reason, the other one works; after the tunnel
-  is withdrawn the per-interface forwarding knobs are what they were before, and `ip_forward` was never touched.
+  tunnel whose remote subnet overlaps the mesh is refused with the reason, the other one works; the local host
+  reaches nothing else through the bridge; after the tunnel is withdrawn the per-interface forwarding knobs are
+  what they were before, and `ip_forward` was never touched.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from lab_daemon import Daemon, lab_with_devplane, wait_until
 from mesh_helpers import keypair
 
+from plexd.bridge.forwarding import LIVE_FOR
 from plexd.devplane.lab import Lab, LabNode
 
 CLIENT_IP = "10.100.250.5"
@@ -54,6 +58,13 @@ def domain(d: Daemon, name: str) -> dict:
     return d.status().get("domains", {}).get(name) or {}
 
 
+def echo_requests(lab: Lab, node: LabNode) -> int:
+    """ICMP echo requests `node` received (its namespace's InEchos), whatever became of the replies."""
+    lines = [line.split() for line in lab.exec(node, ["cat", "/proc/net/snmp"]).stdout.splitlines()
+             if line.startswith("Icmp:")]
+    return int(dict(zip(lines[0], lines[1], strict=True))["InEchos"])
+
+
 def deny_counter(lab: Lab, node: LabNode, chain: str, interface: str) -> int:
     """Packets the default-deny rule of `chain` dropped for what arrived on `interface` (nft -j, in the node)."""
     out = lab.exec(node, ["nft", "-j", "list", "chain", "inet", "plexd", chain]).stdout
@@ -76,9 +87,11 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
         for d in daemons:
             dp.admin.set_node_endpoint(d.node_id(), f"{d.node.address}:51820")
         ids = {name: d.node_id() for name, d in (("bridge", bridge), ("a", a), ("b", b))}
+        mesh_policy = {"id": "mesh", "rules": [{"src": ids["bridge"], "dst": x, "action": "allow"}
+                                               for x in (ids["a"], ids["b"])]
+                       + [{"src": x, "dst": ids["bridge"], "action": "allow"} for x in (ids["a"], ids["b"])]}
         dp.admin.set_policies([
-            {"id": "mesh", "rules": [{"src": ids["bridge"], "dst": x, "action": "allow"} for x in (ids["a"], ids["b"])]
-             + [{"src": x, "dst": ids["bridge"], "action": "allow"} for x in (ids["a"], ids["b"])]},
+            mesh_policy,
             {"id": "alice", "rules": [{"src": f"{CLIENT_IP}/32", "dst": ids["a"], "protocol": "icmp",
                                        "action": "allow"}]},
         ])
@@ -100,6 +113,19 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
         before = deny_counter(lab, bridge.node, "forward", "wg-access")
         assert not ping(lab, client, b.mesh_ip(), 2), "the access client reached b, which no rule lets it reach"
         assert deny_counter(lab, bridge.node, "forward", "wg-access") > before  # dropped at the bridge itself
+
+        # `*` in a rule is the mesh, not wherever the bridge routes: with a rule to `*` the client reaches b, and a
+        # host on the bridge's LAN (its route sent there through the tunnel) gets nothing from it.
+        lan_host = lab.add_lan_host(bridge.node, "172.20.1.0/24")
+        lab.exec(client, ["wg", "set", "wg0", "peer", access["public_key"], "allowed-ips",
+                          "10.100.0.0/16,172.20.1.0/24"])
+        lab.exec(client, ["ip", "route", "add", "172.20.1.0/24", "dev", "wg0"])
+        dp.admin.set_policies([mesh_policy, {"id": "alice", "rules": [
+            {"src": f"{CLIENT_IP}/32", "dst": "*", "protocol": "icmp", "action": "allow"}]}])
+        wait_until(lambda: ping(lab, client, b.mesh_ip()), 30, "the client to reach b through the rule to *", daemons)
+        echoes = echo_requests(lab, lan_host)
+        assert not ping(lab, client, lan_host.address, 2)
+        assert echo_requests(lab, lan_host) == echoes, "the access client's pings reached the bridge's LAN"
         # the heartbeat after the access interface came up carries it (beats are 2 s apart)
         wait_until(lambda: ((dp.admin.node(ids["bridge"])["last_heartbeat"] or {}).get("user_access") or {})
                    .get("public_key") == access["public_key"], 10, "a heartbeat with the access interface", daemons)
@@ -120,6 +146,15 @@ def test_a_user_access_client_reaches_what_the_policy_allows_through_a_kept_key(
         key_file = bridge.dir / "data" / "bridge" / "access.key"
         assert key_file.stat().st_mode & 0o777 == 0o600
         wait_until(lambda: ping(lab, client, a.mesh_ip()), 30, "the client through the restarted bridge", daemons)
+
+        # Drift: the forwarding limits gone (a firewall reload's `nft flush ruleset`) are put back by the next
+        # reconcile, which says which (once the ledger's last read of the table no longer answers for it).
+        lab.exec(bridge.node, ["nft", "delete", "table", "inet", "plexd_bridge"])
+        time.sleep(LIVE_FOR + 0.5)
+        fixed = json.loads(bridge.cli("reconcile", "--once", "--json", check=False).stdout)
+        assert any(c["type"] == "bridge_forwarding_limited" and "forwarding limit for wg-access missing; put back"
+                   in c["detail"] for c in fixed["corrections"]), fixed
+        assert 'iifname "wg-access"' in lab.exec(bridge.node, ["nft", "list", "table", "inet", "plexd_bridge"]).stdout
 
         # Drift: the interface deleted by hand comes back at the next reconcile, which says so.
         lab.exec(bridge.node, ["ip", "link", "del", "wg-access"])
@@ -178,6 +213,12 @@ def test_a_remote_site_reaches_the_local_subnet_through_a_tunnel_and_teardown_re
                                   ["nft", "list", "ruleset"])))
         print(f"the remote site reached the local subnet {took:.1f} s after the tunnel was up")
         assert ping(lab, local, remote.address)  # and back, from the local side
+        # Forwarding is on for the local subnet's LAN so that its hosts reach the remote site, nothing else: not
+        # the bridge's own network beyond it (the Internet, in a real site).
+        lab.exec(gateway, ["sysctl", "-qw", "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.eth0.rp_filter=0"])
+        echoes = echo_requests(lab, gateway)
+        assert not ping(lab, local, gateway.address, 2)
+        assert echo_requests(lab, gateway) == echoes, "the local host's pings went past the bridge to its network"
         assert sysctl(lab, bridge.node, "net.ipv4.ip_forward") == before["net.ipv4.ip_forward"]  # never machine-wide
         assert sysctl(lab, bridge.node, knobs[1]) == "1"
         # What arrives through the tunnel may reach the local subnet only: not the bridge itself.

@@ -9,12 +9,13 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexd.bridge.blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
-from plexd.bridge.forwarding import ForwardingLedger
+from plexd.bridge.forwarding import Forward, ForwardingLedger
 from plexd.bridge.keys import interface_key
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.user_access import access_specs
@@ -118,20 +119,20 @@ def knob(proc: str, name: str) -> str:
 def test_the_ledger_turns_knobs_on_and_puts_back_only_what_it_changed_when_the_last_holder_lets_go(tmp_path):
     proc = knobs(tmp_path, plexd0="0", lan1="1", eth9="0")
     ledger = ForwardingLedger(tmp_path / "data", proc)
-    assert ledger.enable("plexd0", "wg-access") and not ledger.enable("lan1", "wg-s2s-1")
-    ledger.enable("plexd0", "wg-s2s-1")
+    assert ledger.enable(Forward("plexd0"), "wg-access") and not ledger.enable(Forward("lan1"), "wg-s2s-1")
+    ledger.enable(Forward("plexd0"), "wg-s2s-1")
     assert knob(proc, "plexd0") == "1" and knob(proc, "lan1") == "1"
     assert ledger.release("wg-access") == [] and knob(proc, "plexd0") == "1"  # the tunnel still needs it
     # A restart in between: the original value is on disk, written before the knob was.
     again = ForwardingLedger(tmp_path / "data", proc)
     assert again.saved == {"plexd0": "0"}
-    again.enable("plexd0", "wg-s2s-1")
+    again.enable(Forward("plexd0"), "wg-s2s-1")
     assert again.release("wg-s2s-1") == []
     assert knob(proc, "plexd0") == "0" and knob(proc, "lan1") == "1"  # put back; the one already on untouched
     assert json.loads((tmp_path / "data" / "bridge" / "forwarding.json").read_text()) == {}
     for bad in ("all", "default", "../x", ""):
         try:
-            ledger.enable(bad, "x")
+            ledger.enable(Forward(bad), "x")
         except ValueError as e:
             assert "not an interface name" in str(e)
         else:
@@ -144,14 +145,110 @@ def test_after_a_restart_a_removed_interfaces_knobs_are_put_back_unless_a_wanted
     # put back.
     proc = knobs(tmp_path, plexd0="0", eth1="0")
     first = ForwardingLedger(tmp_path / "data", proc)
-    first.enable("plexd0", "wg-s2s-1")
-    first.enable("eth1", "wg-s2s-1")
+    first.enable(Forward("plexd0"), "wg-s2s-1")
+    first.enable(Forward("eth1"), "wg-s2s-1")
     restarted = ForwardingLedger(tmp_path / "data", proc)
-    restarted.hold("plexd0", "wg-access")  # user access is still wanted and needs the mesh interface
+    restarted.hold(Forward("plexd0"), "wg-access")  # user access is still wanted and needs the mesh interface
     assert restarted.release("wg-s2s-1") == []
     assert knob(proc, "eth1") == "0" and knob(proc, "plexd0") == "1"
     assert restarted.release("wg-access") == []
     assert knob(proc, "plexd0") == "0" and restarted.saved == {}
+
+
+class ScriptedNft:
+    """nftables as the ledger uses it: scripts applied, and the table listed back (its rules' comments)."""
+
+    def __init__(self) -> None:
+        self.scripts: list[str] = []
+        self.comments: list[str] | None = None  # None: no table
+        self.refuse = False
+
+    def run_script(self, script: str) -> None:
+        if self.refuse:
+            raise OSError("nftables refused the change")
+        self.scripts.append(script)
+        self.comments = re.findall(r'comment "([^"]+)"', script) if "chain forward" in script else None
+
+    def list_table(self, family: str, name: str) -> list[dict] | None:
+        assert (family, name) == ("inet", "plexd_bridge")
+        return None if self.comments is None else [{"rule": {"comment": c}} for c in self.comments]
+
+
+def limit_rules(script: str) -> list[str]:
+    return [re.sub(r' comment ".*"', "", line.strip()) for line in script.splitlines()
+            if line.strip().startswith("iifname")]
+
+
+def test_forwarding_reaches_only_what_the_policy_and_the_tunnels_name(tmp_path):
+    # A policy rule's `dst *` matched any destination, and what a local subnet's LAN sent was not filtered at all:
+    # an access peer reached the bridge's LAN, remote sites and the Internet through it, a LAN host the Internet.
+    nft, now = ScriptedNft(), [0.0]
+    names = ("wg-access", "plexd0", "wg-s2s-1", "lan1")
+    proc = knobs(tmp_path, **dict.fromkeys(names, "0"))
+    ledger = ForwardingLedger(tmp_path / "data", proc, guard=nft, clock=lambda: now[0])
+    d = desired(user_access={"enabled": True, "peers": [{"public_key": key(1), "allowed_ips": ["10.100.250.5/32"]}]},
+                site_to_site={"enabled": True, "tunnels": [tunnel(0, local_subnets=["192.168.7.0/24"])]})
+    specs = [*access_specs(str(tmp_path), "plexd0")(d, UNDERLAY).specs.values(),
+             *tunnel_specs(str(tmp_path), "plexd0", ("10.100.0.0/16",), False)(d, UNDERLAY).specs.values()]
+    for spec in specs:
+        for forward in spec.forwarding:
+            ledger.enable(forward, spec.name)
+    assert limit_rules(nft.scripts[-1]) == [
+        'iifname "lan1" ct state established,related accept',  # replies of allowed flows, everywhere
+        'iifname "lan1" ip daddr 172.30.0.0/16 accept',  # a local subnet's hosts: its remote site only
+        'iifname "lan1" counter drop',
+        'iifname "plexd0" ct state established,related accept',
+        'iifname "plexd0" ip daddr 10.100.250.5/32 accept',  # the mesh: the access peers and the remote site
+        'iifname "plexd0" ip daddr 172.30.0.0/16 accept',
+        'iifname "plexd0" counter drop',
+        'iifname "wg-access" ct state established,related accept',
+        'iifname "wg-access" ip daddr 10.100.0.0/16 accept',  # an access peer: the mesh range, all a policy names
+        'iifname "wg-access" counter drop',
+        'iifname "wg-s2s-1" ct state established,related accept',
+        'iifname "wg-s2s-1" ip daddr 192.168.7.0/24 accept',  # the remote site: its local subnets
+        'iifname "wg-s2s-1" counter drop']
+    assert [knob(proc, n) for n in names] == ["1"] * 4
+    applied = len(nft.scripts)
+    assert all(ledger.is_on(n) and not ledger.limit_drift(n) for n in names) and len(nft.scripts) == applied
+
+    # The table flushed (`nft flush ruleset`, a firewall reload): drift, put back by the next converge.
+    nft.comments, now[0] = None, 5.0
+    assert ledger.is_on("wg-access") and ledger.limit_drift("wg-access") == "missing"
+    ledger.enable(specs[0].forwarding[0], "wg-access")
+    assert limit_rules(nft.scripts[-1]) == limit_rules(nft.scripts[applied - 1])
+    assert ledger.limit_drift("wg-access") == ""
+
+    # The tunnel goes: its knobs are put back, and so are its limits.
+    assert ledger.release("wg-s2s-1") == [] and knob(proc, "lan1") == "0"
+    assert [r for r in limit_rules(nft.scripts[-1]) if "accept" in r and "ct state" not in r] == [
+        'iifname "plexd0" ip daddr 10.100.250.5/32 accept', 'iifname "wg-access" ip daddr 10.100.0.0/16 accept']
+
+    # An access peer more: the mesh interface's limit differs from the one in place until the next converge.
+    wider = Forward("plexd0", ("10.100.250.5/32", "10.100.250.6/32"))
+    ledger.hold(wider, "wg-access")
+    assert ledger.limit_drift("plexd0") == "differs" and ledger.limit_drift("wg-access") == ""
+    ledger.enable(wider, "wg-access")
+    assert 'iifname "plexd0" ip daddr 10.100.250.6/32 accept' in limit_rules(nft.scripts[-1])
+    assert ledger.limit_drift("plexd0") == ""
+
+    # The last holder gone, the table goes.
+    assert ledger.release("wg-access") == [] and nft.comments is None and knob(proc, "plexd0") == "0"
+
+
+def test_a_lan_already_forwarding_is_left_alone_and_no_knob_goes_on_without_its_limit(tmp_path):
+    nft = ScriptedNft()
+    proc = knobs(tmp_path, lan1="1", **{"wg-s2s-1": "0"})
+    ledger = ForwardingLedger(tmp_path / "data", proc, guard=nft)
+    ledger.enable(Forward("lan1", ("172.30.0.0/16",), lan=True), "wg-s2s-1")  # this machine's router already
+    assert nft.comments is None and ledger.limits() == {}
+    nft.refuse = True
+    try:
+        ledger.enable(Forward("wg-s2s-1", ("192.168.7.0/24",)), "wg-s2s-1")
+    except OSError as e:
+        assert "cannot be put in place" in str(e)
+    else:
+        raise AssertionError("a knob went on without its limit")
+    assert knob(proc, "wg-s2s-1") == "0" and knob(proc, "lan1") == "1"
 
 
 def test_a_corrupt_ledger_is_reported_and_the_daemon_goes_on(tmp_path, caplog):
@@ -225,7 +322,8 @@ class NoBackend:
 
 
 def spec(peers: dict[str, PeerConfig], routes: frozenset[str]) -> InterfaceSpec:
-    return InterfaceSpec("user access", "wg-access", key(9), 51822, peers, routes, ("wg-access", "plexd0"))
+    return InterfaceSpec("user access", "wg-access", key(9), 51822, peers, routes,
+                         (Forward("wg-access", ("10.100.0.0/16",)), Forward("plexd0", tuple(routes))))
 
 
 def test_the_diff_names_every_difference_and_nothing_when_the_machine_matches(tmp_path):
@@ -238,7 +336,8 @@ def test_the_diff_names_every_difference_and_nothing_when_the_machine_matches(tm
     drifted = DeviceConfig(private_key=key(8), listen_port=1, peers={
         key(1): PeerConfig(key(1), allowed_ips=frozenset({"10.100.250.6/32"})), key(2): PeerConfig(key(2))})
     lines = [str(c.correction()) for c in iface.plan(spec(want, routes), InterfaceSeen(
-        drifted, LinkState(index=7, kind="tun", mtu=1420, up=False), frozenset({"plexd0"})))]
+        drifted, LinkState(index=7, kind="tun", mtu=1420, up=False), frozenset({"plexd0"}),
+        {"wg-access": "missing"}))]
     assert lines == [
         "bridge_interface_updated: user access wg-access: private key is not the kept one; restored",
         "bridge_interface_updated: user access wg-access: listen port 1; set to 51822",
@@ -247,10 +346,17 @@ def test_the_diff_names_every_difference_and_nothing_when_the_machine_matches(tm
         "bridge_interface_updated: user access wg-access: link down; set up",
         "bridge_route_updated: user access wg-access: the IPv4 rule to the mesh routing table is missing; added",
         "bridge_route_updated: user access wg-access: route 10.100.250.5/32 missing; added",
+        "bridge_forwarding_limited: user access wg-access: forwarding limit for wg-access missing; put back",
         "bridge_forwarding_enabled: user access wg-access: net.ipv4.conf.plexd0.forwarding was off; on",
     ]
-    assert [c.correction().type for c in iface.plan(spec(want, routes), InterfaceSeen(None, None))] == [
-        "bridge_interface_created"]
+    assert [str(c.correction()) for c in iface.plan(spec(want, routes), InterfaceSeen(
+        live, link, limits_drift={"plexd0": "differs"}))] == [
+        "bridge_forwarding_limited: user access wg-access: forwarding limit for plexd0 differs; updated"]
+    # A device to make: its own interface's knob and limit come with it, the others' are said.
+    assert [str(c.correction()) for c in iface.plan(spec(want, routes), InterfaceSeen(
+        None, None, frozenset({"wg-access"}), {"plexd0": "missing"}))] == [
+        "bridge_interface_created: user access wg-access: created",
+        "bridge_forwarding_limited: user access wg-access: forwarding limit for plexd0 missing; put back"]
 
 
 # -- the specs: what the machine and the mesh refuse ------------------------------------------------------------
@@ -278,7 +384,7 @@ def test_access_peers_holding_a_node_or_this_machines_network_or_everything_are_
     wanted = specs(d, UNDERLAY)
     [only] = wanted.specs.values()
     assert list(only.peers) == [key(1)] and only.routes == {"10.100.250.5/32"}
-    assert only.forwarding == ("wg-access", "plexd0")
+    assert only.forwarding == (Forward("wg-access", ("10.100.0.0/16",)), Forward("plexd0", ("10.100.250.5/32",)))
     text = "\n".join(wanted.refused)
     assert "holds-a: refused: 10.100.0.0/24: holds the mesh address 10.100.0.1 of a node" in text
     assert "lan: refused: 192.168.7.0/25: overlaps this machine's own network 192.168.7.0/24" in text
@@ -296,7 +402,9 @@ def test_tunnels_overlapping_the_mesh_or_routing_everything_are_refused_unless_t
     assert "s2s_2: refused: remote subnet 0.0.0.0/0: a default route (bridge.site_to_site.allow_default_route" in text
     allowed = tunnel_specs(str(tmp_path), "plexd0", ("10.100.0.0/16",), True)(desired(site_to_site=doc), UNDERLAY)
     assert list(allowed.specs) == ["wg-s2s-1", "wg-s2s-3"]
-    assert allowed.specs["wg-s2s-3"].forwarding == ("wg-s2s-3", "plexd0", "lan1")  # the local subnet's LAN too
+    assert allowed.specs["wg-s2s-3"].forwarding == (  # the local subnet's LAN too
+        Forward("wg-s2s-3", ("192.168.7.0/24",)), Forward("plexd0", ("0.0.0.0/0",)),
+        Forward("lan1", ("0.0.0.0/0",), lan=True))
     [peer] = allowed.specs["wg-s2s-1"].peers.values()
     assert peer.endpoint == "192.0.2.1:51823" and peer.allowed_ips == {"172.30.0.0/16"}
 
