@@ -12,6 +12,9 @@ The plan, each change also its drift line:
                                                    names (target, allowed commands, expiry, idle), or on an old
                                                    mesh IP: its connections end (revoked), a new one is reported
     ListenerRestarted  session_listener_restarted  a listener the kernel no longer lists: a new one, reported
+    ListenerRebound    session_listener_restarted  a listener bound to a mesh interface since recreated: a new one
+    SessionUnenforced  session_closed              a listener while the policy cannot be enforced (nftables
+                                                   unusable): closed, and no session opens until it can be
 
 A session that ended by itself (its idle timeout, its `expires_at`) is not reopened while its entry stays as it
 was; a changed entry (a later `expires_at`) opens it again.
@@ -20,9 +23,12 @@ A hold (`plexd reconcile hold`) does not stop this domain (`acts_while_held`): a
 or expired session admitting. A session opened while the firewall is held stays unreachable until the firewall
 admits its mark (the default deny). A device kept as it is until the first state pull (a restart with it up)
 does keep this domain planning only: no session is served from the mirror before the control plane's word.
-Every listener binds the node's mesh IP (port chosen by the kernel), and its socket carries the session's mark
-(`socket_marks`), which the firewall's session rules match: who may connect is the policy's say, from the same
-block (`plexd.firewall.ruleset`). Activity (§1.4) goes to `hooks.report`, the durable uplink.
+Every listener binds the node's mesh IP (port chosen by the kernel) and takes connections arriving on the mesh
+interface only (`plexd.access.serving.mesh_listener`: kernel-enforced, in every policy mode, so nothing reaches a
+session around the firewall), and its socket carries the session's mark (`socket_marks`), which the firewall's
+session rules match: who may connect is the policy's say, from the same block (`plexd.firewall.ruleset`). While
+the policy cannot be enforced at all (nftables unusable), no session is open (`unenforced`: fail closed).
+Activity (§1.4) goes to `hooks.report`, the durable uplink.
 """
 
 from __future__ import annotations
@@ -90,6 +96,28 @@ class SessionReplaced(Change):
 
 
 @dataclass(frozen=True)
+class SessionUnenforced(Change):
+    correction_type: ClassVar[str] = "session_closed"
+    session_id: str
+    why: str
+
+    @property
+    def detail(self) -> str:
+        return f"session {self.session_id}: closed: who may reach it cannot be enforced ({self.why})"
+
+
+@dataclass(frozen=True)
+class ListenerRebound(Change):
+    correction_type: ClassVar[str] = "session_listener_restarted"
+    session_id: str
+    endpoint: str
+
+    @property
+    def detail(self) -> str:
+        return f"session {self.session_id}: listener {self.endpoint} was bound to a mesh interface since recreated"
+
+
+@dataclass(frozen=True)
 class ListenerRestarted(Change):
     correction_type: ClassVar[str] = "session_listener_restarted"
     session_id: str
@@ -117,6 +145,7 @@ class Listener(Protocol):
     bind_host: str
     port: int
     closed: str | None
+    device_index: int  # the interface the listener takes connections from (`plexd.access.serving.mesh_listener`)
 
     @property
     def listener_endpoint(self) -> str: ...
@@ -137,6 +166,13 @@ class Seen:
     listening: bool
     session: Session | None = None  # the entry it serves
     bind_host: str = ""
+    rebind: bool = False  # bound to an interface index the mesh interface no longer has (it was recreated)
+
+
+@dataclass(frozen=True)
+class Observed:
+    listeners: dict[str, Seen]  # this daemon's listeners, by session id
+    unenforced: str  # why the policy cannot be enforced now ("": it can)
 
 
 @dataclass
@@ -151,9 +187,13 @@ class SessionsDomain:
     name = "sessions"
     acts_while_held = True  # a hold never keeps a revoked session open (see the module's docstring)
 
-    def __init__(self, data_dir: str | Path, hooks: AccessHooks) -> None:
+    def __init__(self, data_dir: str | Path, hooks: AccessHooks, unenforced: Callable[[], str] = lambda: "") -> None:
+        """`unenforced`: why the policy cannot be enforced now ("" when it can, or when there is none to enforce):
+        the firewall's word. While it says why, no session is open (fail closed)."""
         self.data_dir = Path(data_dir)
         self.hooks = hooks
+        self.unenforced = unenforced
+        self._unenforced_now = ""  # what the last apply was told
         self._live: dict[str, Listener] = {}
         self._muted: dict[str, _Muted] = {}
         self._ended: dict[str, tuple[str, Session]] = {}  # ended by themselves, still in the block -> why, entry
@@ -163,15 +203,22 @@ class SessionsDomain:
 
     # -- the domain --------------------------------------------------------------------------------------------
 
-    async def observe(self, desired: DesiredState) -> dict[str, Seen]:
+    async def observe(self, desired: DesiredState) -> Observed:
         listening = await asyncio.to_thread(kernel_listeners) if self._live else set()
-        return {sid: _seen(lst, (_normal(lst.bind_host), lst.port) in listening) for sid, lst in self._live.items()}
+        index = _interface_index(desired.interface) if self._live else 0
+        return Observed({sid: _seen(lst, (_normal(lst.bind_host), lst.port) in listening, index)
+                         for sid, lst in self._live.items()}, self.unenforced())
 
-    def plan(self, desired: DesiredState, observed: dict[str, Seen]) -> DomainResult:
+    def plan(self, desired: DesiredState, observed: Observed) -> DomainResult:
         want = desired.sessions.by_id if desired.sessions is not None else {}
+        if observed.unenforced:  # fail closed: not one listener while the policy cannot be enforced
+            return DomainResult(tuple(SessionUnenforced(sid, observed.unenforced)
+                                      for sid, seen in sorted(observed.listeners.items()) if seen.closed is None),
+                                tuple(f"sessions: session {sid}: not opened: who may reach it cannot be enforced "
+                                      f"({observed.unenforced})" for sid in sorted(want)))
         now = self.hooks.now()
         changes: list[Change] = []
-        for sid, seen in sorted(observed.items()):
+        for sid, seen in sorted(observed.listeners.items()):
             if seen.closed is not None:
                 continue
             session = want.get(sid)
@@ -184,9 +231,11 @@ class SessionsDomain:
                 changes.append(SessionReplaced(sid, seen.endpoint))
             elif not seen.listening:
                 changes.append(ListenerRestarted(sid, seen.endpoint))
+            elif seen.rebind:
+                changes.append(ListenerRebound(sid, seen.endpoint))
         for sid, session in sorted(want.items()):
             ended = self._ended.get(sid)
-            if sid not in observed and (ended is None or ended[1] != session) and not session.expired(now):
+            if sid not in observed.listeners and (ended is None or ended[1] != session) and not session.expired(now):
                 changes.append(SessionOpened(sid, session.kind))
         return DomainResult(tuple(changes))
 
@@ -201,27 +250,30 @@ class SessionsDomain:
             try:
                 if isinstance(change, SessionClosed):
                     await self._close(sid, change.reason)
-                elif isinstance(change, ListenerRestarted):
+                elif isinstance(change, SessionUnenforced):
+                    await self._close(sid, "plexd_close")
+                elif isinstance(change, ListenerRestarted | ListenerRebound):
                     self._muted[sid].on = True
                     await self._close(sid, "plexd_close")
-                    await self._open(want[sid], desired.mesh_ip)
+                    await self._open(want[sid], desired)
                 elif isinstance(change, SessionReplaced):
                     # The old terms are revoked for whoever holds them; the session itself goes on, reported anew.
                     self._muted[sid].on = True
                     await self._close(sid, "operator_revoke")
-                    await self._open(want[sid], desired.mesh_ip)
+                    await self._open(want[sid], desired)
                 elif isinstance(change, SessionOpened):
-                    await self._open(want[sid], desired.mesh_ip)
+                    await self._open(want[sid], desired)
                 applied.append(change)
             except (OSError, ValueError, HostKeyError) as exc:
                 errors.append(f"sessions: session {sid}: {exc}")
+        self._unenforced_now = observed.unenforced
         self._forget(want)
         errors += self._mark(want)
         return DomainResult(tuple(applied), tuple(errors))
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
         # No machine read: the listeners are this process's own. A dead socket is found by the next full converge.
-        seen = {sid: _seen(lst, True) for sid, lst in self._live.items()}
+        seen = Observed({sid: _seen(lst, True) for sid, lst in self._live.items()}, self.unenforced())
         return await self.apply(desired, self.plan(desired, seen), seen)
 
     async def teardown(self) -> None:
@@ -230,10 +282,15 @@ class SessionsDomain:
     def status(self) -> dict[str, Any] | None:
         if not self._live and not self._ended and self._granted is None:
             return None
+        refused = [{"session_id": sid, "reason": why}
+                   for sid, why in (self._granted.rejected if self._granted is not None else ())]
+        if self._unenforced_now and self._granted is not None:
+            refused += [{"session_id": sid, "reason": f"not opened: who may reach it cannot be enforced "
+                                                      f"({self._unenforced_now})"}
+                        for sid in sorted(self._granted.by_id)]
         return {"live": [lst.status() for _, lst in sorted(self._live.items())],
                 "ended": {sid: why for sid, (why, _) in sorted(self._ended.items())},
-                "refused": [{"session_id": sid, "reason": why}
-                            for sid, why in (self._granted.rejected if self._granted is not None else ())]}
+                "refused": refused}
 
     # -- the listeners -----------------------------------------------------------------------------------------
 
@@ -250,15 +307,17 @@ class SessionsDomain:
         if listener is not None:
             await listener.close(reason)
 
-    async def _open(self, session: Session, mesh_ip: str) -> None:
-        if not mesh_ip:
+    async def _open(self, session: Session, desired: DesiredState) -> None:
+        if not desired.mesh_ip:
             raise ValueError("this node has no mesh IP yet to listen on")
         muted = self._muted[session.session_id] = _Muted()
-        listener = self._listener(session, mesh_ip, self._reporter(muted))
+        listener = self._listener(session, desired.mesh_ip, desired.interface, self._reporter(muted))
         await listener.start()
         self._live[session.session_id] = listener
 
-    def _listener(self, session: Session, mesh_ip: str, report: Report) -> Listener:
+    def _listener(self, session: Session, mesh_ip: str, interface: str, report: Report) -> Listener:
+        """A listener on the mesh IP that takes connections arriving on the mesh interface only
+        (`plexd.access.serving.mesh_listener`)."""
         hooks = self.hooks
         if session.kind == "ssh":
             # Lazily: asyncssh is ~20 MiB a node without SSH sessions never needs (plexd's RSS goal is 50 MiB).
@@ -267,9 +326,9 @@ class SessionsDomain:
             return SshSessionServer(session, mesh_ip, host_key=load_or_create_host_key(self.data_dir),
                                     keys=hooks.keys, is_live=self.granted, record_command=hooks.record_command,
                                     audit=hooks.audit, report=report, now=hooks.now,
-                                    auth_limiter=self._auth_limiter)
+                                    auth_limiter=self._auth_limiter, device=interface)
         if session.kind == "tcp":
-            return TcpSession(session, mesh_ip, report=report, now=hooks.now)
+            return TcpSession(session, mesh_ip, report=report, now=hooks.now, device=interface)
         api = hooks.k8s_api()
         if api is None:
             raise ValueError("no Kubernetes API server to proxy to (set access.kubernetes.url, or run in a cluster)")
@@ -277,7 +336,7 @@ class SessionsDomain:
 
         tls = load_or_create(self.data_dir, [mesh_ip]).server_context()
         return K8sSession(session, mesh_ip, api, tls=tls, keys=hooks.keys, is_live=self.granted, report=report,
-                          now=hooks.now)
+                          now=hooks.now, device=interface)
 
     def _reporter(self, muted: _Muted) -> Report:
         async def report(session_id: str, body: dict[str, Any]) -> None:
@@ -317,8 +376,17 @@ class SessionsDomain:
                 log.error("session %s refused: %s", sid, why)
 
 
-def _seen(listener: Listener, listening: bool) -> Seen:
-    return Seen(listener.listener_endpoint, listener.closed, listening, listener.session, listener.bind_host)
+def _seen(listener: Listener, listening: bool, interface_index: int = 0) -> Seen:
+    """`interface_index`: the mesh interface's now (0: gone, or not read: a listener is not rebound then)."""
+    rebind = bool(interface_index and listener.device_index and listener.device_index != interface_index)
+    return Seen(listener.listener_endpoint, listener.closed, listening, listener.session, listener.bind_host, rebind)
+
+
+def _interface_index(name: str) -> int:
+    try:
+        return socket.if_nametoindex(name)
+    except OSError:
+        return 0
 
 
 def kernel_listeners(paths: Iterable[str] = PROC_TCP) -> set[tuple[str, int]]:

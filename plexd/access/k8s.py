@@ -46,7 +46,7 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import idle_timeout
+from plexd.access.serving import idle_timeout, mesh_listener
 from plexd.access.sessions import K8sTarget, Session, impersonation_problem
 from plexd.access.token import TokenRefused, verify_session_token
 
@@ -215,7 +215,9 @@ class K8sSession:
                  keys: Callable[[], Iterable[VerifyKey]], is_live: Callable[[str], bool],
                  report: Report | None = None, now: Callable[[], float] = time.time,
                  max_connections: int = MAX_CONNECTIONS, pre_auth_timeout: float = PRE_AUTH_TIMEOUT,
-                 pre_auth_per_source: int = PRE_AUTH_PER_SOURCE, connection_idle: float | None = None) -> None:
+                 pre_auth_per_source: int = PRE_AUTH_PER_SOURCE, connection_idle: float | None = None,
+                 device: str | None = None) -> None:
+        """`device`: the mesh interface, the only one the listener takes connections from (`mesh_listener`)."""
         if not isinstance(session.target, K8sTarget):
             raise ValueError(f"session {session.session_id} is a {session.kind} session, not k8s")
         # The block's parser refuses these already; a session built elsewhere must not reach the head either.
@@ -224,7 +226,8 @@ class K8sSession:
                 raise ValueError(f"session {session.session_id}: {problem}")
         self.session = session
         self.target: K8sTarget = session.target
-        self.bind_host, self.api, self.tls = bind_host, api, tls
+        self.bind_host, self.device, self.api, self.tls = bind_host, device, api, tls
+        self.device_index = 0  # the interface index the listener is bound to, once started
         self._keys, self._is_live, self._report, self._now = keys, is_live, report, now
         self.max_connections = max_connections
         self.pre_auth_timeout, self.pre_auth_per_source = pre_auth_timeout, pre_auth_per_source
@@ -249,7 +252,9 @@ class K8sSession:
         # TLS towards the caller too: client-go sends a bearer token over TLS only (and a client can pin the
         # proxy's certificate, plexd.access.certificate).
         # TLS is started per connection in _accepted, once it is counted (not by the server before it is).
-        self._server = await asyncio.start_server(self._accepted, self.bind_host, 0, limit=MAX_HEAD)
+        sock, self.device_index = mesh_listener(self.bind_host, self.device)
+        self._server = await asyncio.start_server(self._accepted, sock=sock,
+                                                  limit=MAX_HEAD)
         self.port = self._server.sockets[0].getsockname()[1]
         self._watch = asyncio.create_task(
             watch_lifetime(self.session, now=self._now, last_activity=lambda: self.last_activity,

@@ -1,11 +1,14 @@
-"""A TCP listener's accept loop and its live connections, stopped together (TCP sessions, a bridge's ingress)."""
+"""A TCP listener's socket, its accept loop and its live connections, stopped together (the access sessions, a
+bridge's ingress)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import socket
+import struct
 from collections.abc import AsyncIterator, Callable, Collection
 from typing import Any
 
@@ -25,6 +28,60 @@ async def stop_serving(accepting: asyncio.Task[None] | None, listener: socket.so
     for task in live:
         task.cancel()
     await asyncio.gather(*live, return_exceptions=True)
+
+
+SO_BINDTOIFINDEX = 62  # Linux 5.0+; not in Python's socket module
+SO_ATTACH_FILTER = 26
+_SKF_AD_IFINDEX = -0x1000 + 8  # classic BPF's ancillary load: the index of the interface the packet came in on
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_RET_K = 0x20, 0x15, 0x06
+_BPF_INSN = struct.Struct("=HBBI")  # struct sock_filter: code, jt, jf, k
+
+
+def mesh_listener(host: str, device: str | None, backlog: int = 64) -> tuple[socket.socket, int]:
+    """A listening socket on `host`:0 (the kernel picks the port) that takes connections arriving on `device` only,
+    and that device's index (0: not bound to one, the tests' listeners on loopback with `device` None).
+
+    A session's listener binds the node's mesh IP, but Linux answers for a local address on any interface (the
+    weak host model), and the firewall's rules all match the mesh interface: a LAN neighbour routing the mesh IP
+    through this node, a container in the host's network namespace or a local user would reach the session around
+    the policy. So the kernel itself filters, in every policy mode: the socket is bound to the device (whatever
+    comes in elsewhere finds no listener), and a socket filter drops the rest by the interface each packet came in
+    on (a connection from this machine to its own mesh IP passes the binding: it arrives on `lo`). OSError (nothing
+    bound) when either cannot be done: the session does not open rather than open unenforced. A device recreated
+    later has another index: the listener must be made again (the sessions domain watches it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    index = 0
+    try:
+        if device is not None:
+            try:
+                index = socket.if_nametoindex(device)
+                sock.setsockopt(socket.SOL_SOCKET, SO_BINDTOIFINDEX, index)
+                _only_from(sock, index)
+            except OSError as exc:
+                raise OSError(f"cannot bind the listener to the mesh interface {device} ({exc.strerror or exc}), "
+                              "so it would answer on every interface") from None
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock, index
+
+
+def _only_from(sock: socket.socket, index: int) -> None:
+    """Attach a classic BPF filter that passes only packets that came in on interface `index` (a listener's filter
+    is inherited by the connections it accepts)."""
+    program = b"".join(_BPF_INSN.pack(*insn) for insn in (
+        (_BPF_LD_W_ABS, 0, 0, _SKF_AD_IFINDEX & 0xFFFFFFFF),
+        (_BPF_JEQ_K, 0, 1, index),
+        (_BPF_RET_K, 0, 0, 0xFFFFFFFF),  # the whole packet
+        (_BPF_RET_K, 0, 0, 0)))  # dropped
+    buffer = ctypes.create_string_buffer(program)
+    fprog = struct.pack("@HP", len(program) // _BPF_INSN.size, ctypes.addressof(buffer))  # struct sock_fprog
+    sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
 
 
 ACCEPT_BACKOFF = 0.5  # after a failed accept (out of descriptors): the pause before the next try

@@ -62,6 +62,7 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Audit, RecordCommand, Report, emit
 from plexd.access.lifetime import watch_lifetime
+from plexd.access.serving import mesh_listener
 from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
@@ -119,14 +120,17 @@ class SshSessionServer:
                  is_live: Callable[[str], bool], record_command: RecordCommand, audit: Audit | None = None,
                  report: Report | None = None,
                  now: Callable[[], float] = time.time, auth_limiter: RateLimiter | None = None,
-                 login_grace: float = LOGIN_GRACE, max_connections: int = MAX_CONNECTIONS) -> None:
+                 login_grace: float = LOGIN_GRACE, max_connections: int = MAX_CONNECTIONS,
+                 device: str | None = None) -> None:
+        """`device`: the mesh interface, the only one the listener takes connections from (`mesh_listener`)."""
         if not isinstance(session.target, SshTarget):
             raise ValueError(f"session {session.session_id} is a {session.kind} session, not ssh")
         if bind_host in ("", "0.0.0.0", "::"):
             raise ValueError("an SSH session listens on the node's mesh IP, never on all interfaces")
         self.session = session
         self.target: SshTarget = session.target
-        self.bind_host = bind_host
+        self.bind_host, self.device = bind_host, device
+        self.device_index = 0  # the interface index the listener is bound to, once started
         self.host_key = host_key
         self.host_key_fingerprint = fingerprint(host_key)
         self.keys = keys
@@ -155,15 +159,19 @@ class SshSessionServer:
     async def start(self) -> int:
         """Bind `bind_host`:0 and watch expiry and idleness; the kernel-chosen port."""
         self._server = await asyncssh.create_server(
-            lambda: _Connection(self), self.bind_host, 0, server_host_keys=[self.host_key],
-            login_timeout=self.login_grace, line_editor=False, agent_forwarding=False, x11_forwarding=False,
-            allow_pty=True, keepalive_interval=0, reuse_address=True)
+            lambda: _Connection(self), sock=self._bind(),
+            server_host_keys=[self.host_key], login_timeout=self.login_grace, line_editor=False,
+            agent_forwarding=False, x11_forwarding=False, allow_pty=True, keepalive_interval=0)
         self.port = self._server.sockets[0].getsockname()[1]
         self._watch = asyncio.create_task(self._watch_lifetime(), name=f"ssh-session-{self.session.session_id}")
         log.info("ssh session %s listening on %s", self.session.session_id, self.listener_endpoint)
         await self.emit({"phase": "session_started", "listener_endpoint": self.listener_endpoint,
                          "host_key_fingerprint": self.host_key_fingerprint})
         return self.port
+
+    def _bind(self) -> socket.socket:
+        sock, self.device_index = mesh_listener(self.bind_host, self.device)
+        return sock
 
     async def close(self, reason: str) -> None:
         """Stop listening and disconnect every connection with `reason` (one of TERMINATIONS) told to the client;

@@ -35,7 +35,7 @@ from typing import Any
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import accept_forever, idle_timeout, stop_serving
+from plexd.access.serving import accept_forever, idle_timeout, mesh_listener, stop_serving
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
 from plexd.base.hostname import is_ip
@@ -72,12 +72,15 @@ class TcpSession:
 
     def __init__(self, session: Session, bind_host: str, *, report: Report | None = None,
                  max_connections: int = MAX_CONNECTIONS, max_per_source: int = MAX_PER_SOURCE,
-                 connection_idle: float | None = None, now: Callable[[], float] = time.time) -> None:
+                 connection_idle: float | None = None, now: Callable[[], float] = time.time,
+                 device: str | None = None) -> None:
+        """`device`: the mesh interface, the only one the listener takes connections from (`mesh_listener`)."""
         if not isinstance(session.target, TcpTarget):
             raise ValueError(f"session {session.session_id} is a {session.kind} session, not tcp")
         self.session = session
         self.target: TcpTarget = session.target
-        self.bind_host = bind_host
+        self.bind_host, self.device = bind_host, device
+        self.device_index = 0  # the interface index the listener is bound to, once started
         self.max_connections, self.max_per_source = max_connections, max_per_source
         self.connection_idle = connection_idle or session.idle_timeout or CONNECTION_IDLE
         self._addresses: list[tuple[int, int, int, Any]] = []  # the target's, resolved once by start()
@@ -106,16 +109,7 @@ class TcpSession:
         """Resolve the target, bind `bind_host`:0 (the kernel picks the port), announce it, watch expiry and
         idleness. ValueError (nothing bound) names a target that does not resolve or resolves where it may not."""
         self._addresses = await self._resolve()
-        family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self.bind_host, 0))
-            listener.listen(64)
-            listener.setblocking(False)
-        except OSError:
-            listener.close()
-            raise
+        listener, self.device_index = mesh_listener(self.bind_host, self.device)
         self._listener = listener
         self.port = listener.getsockname()[1]
         self._accepting = asyncio.create_task(self._accept(), name=f"plexd:tcp-accept:{self.session.session_id}")

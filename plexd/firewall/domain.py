@@ -90,6 +90,13 @@ class FirewallDomain:
     def status(self) -> dict[str, str]:
         return {"enforcement": self.enforcement, "reason": self.reason}
 
+    @property
+    def unenforced(self) -> str:
+        """Why the policy cannot be enforced at all now: nftables cannot be used while enforcement is on ("" when it
+        can; with policy.enabled false there is no policy to enforce). A failed or held apply leaves the last table,
+        whose default deny still turns away what it does not name, so it does not count."""
+        return self.unavailable if self.enabled else ""
+
     async def start(self) -> None:
         """Check once that nftables works here; say clearly what is missing if not (the node keeps running)."""
         self._started = True

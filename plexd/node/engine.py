@@ -33,13 +33,16 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
     bridge = _bridge_modules() if config.mode == "bridge" else None
     serving = bridge is not None and cp_reachable is not None  # the relay's and ingress's listeners: daemon only
     host, port = bridge.split_host_port(config.bridge.relay.listen) if bridge is not None else ("", 0)
+    firewall = FirewallDomain(config.mesh.interface, enabled=config.policy.enabled,
+                              log_denied=config.policy.log_denied, bridge=config.mode == "bridge")
+    sessions_on = access is not None and config.access.enabled
     return Engine([
-        FirewallDomain(config.mesh.interface, enabled=config.policy.enabled, log_denied=config.policy.log_denied,
-                       bridge=config.mode == "bridge"),
+        firewall,
         NodeStateCache(config.data_dir),
         SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
-        *([SessionsDomain(config.data_dir, access)] if access is not None and config.access.enabled else []),
+        # sessions fail closed: none is open while the firewall cannot enforce the policy
+        *([SessionsDomain(config.data_dir, access, unenforced=lambda: firewall.unenforced)] if sessions_on else []),
         *([bridge.RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
                               cp_reachable=cp_reachable)] if serving else []),
         *(bridge.bridge_interfaces(config) if bridge is not None else []),

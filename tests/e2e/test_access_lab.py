@@ -119,9 +119,18 @@ def test_ssh_and_tcp_sessions_over_the_mesh(lab_dp):
         assert echoed.stdout.strip() == "hello through the session", echoed.stderr
         assert not connects(lab, c.node, host, int(port))
         assert not connects(lab, a.node, b_ip, ECHO_PORT)  # the target itself is b's loopback only
+        # Around the firewall (whose rules match the mesh interface): a LAN host that routes b's mesh IP through
+        # b, and a program on b itself, both reach b's mesh IP, but not the session: its listener takes only what
+        # arrives on the mesh interface (Linux answers for a local address on any interface).
+        lan_host = lab.add_lan_host(b.node, "10.231.254.0/24")
+        assert ping_count(lab, lan_host, b_ip, 1, 0.2) == 1  # b's mesh IP answers on the LAN
+        assert not connects(lab, lan_host, host, int(port))
+        assert not connects(lab, b.node, host, int(port))
+        echoed = lab.exec(a.node, [sys.executable, "-c", SEND, host, port, "still through"], check=False)
+        assert echoed.stdout.strip() == "still through", echoed.stderr
         dp.admin.revoke_session(b_id, tid)
         wait_until(lambda: any(x.get("phase") == "session_ended" and x.get("terminated_by") == "operator_revoke"
-                               and x.get("bytes_in") == len("hello through the session")
+                               and x.get("bytes_in") == len("hello through the session") + len("still through")
                                for x in activity(dp, b_id, tid, "tcp")), 10, "the TCP session's end and its bytes")
         assert not connects(lab, a.node, host, int(port))
 

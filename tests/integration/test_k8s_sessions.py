@@ -85,7 +85,8 @@ async def test_the_daemons_sessions_domain_serves_a_kubernetes_session_until_it_
                                                       record_command=lambda sid, cmd: False,
                                                       audit=lambda e, f: None,
                                                       k8s_api=lambda: ApiServer(url, NODE_TOKEN)))
-        base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="",
+        # loopback is the mesh interface here: the listener takes connections arriving on it only
+        base = DesiredState.initial(interface="lo", listen_port=51820, mtu=1420, private_key="",
                                     mesh_ip="127.0.0.1")
         granted = base.with_session(session)
         try:

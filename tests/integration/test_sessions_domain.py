@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 
 import pytest
 from engine_helpers import converge
@@ -28,7 +29,8 @@ def tcp(sid: str, port: int, expires: str = FAR, idle: int = 0) -> dict:
 
 
 def model(*sessions: dict) -> DesiredState:
-    base = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="127.0.0.1")
+    # the mesh interface is loopback here: the listeners take connections arriving on it only
+    base = DesiredState.initial(interface="lo", listen_port=51820, mtu=1420, private_key="", mesh_ip="127.0.0.1")
     return base.with_state(State.from_wire({"sessions": list(sessions)}))
 
 
@@ -193,3 +195,58 @@ async def test_a_device_kept_until_the_first_state_pull_serves_no_session_from_t
     assert sessions.status() is None or sessions.status()["live"] == []
     await engine.converge(model(tcp("ses_a", echo)))  # the state arrived
     assert [s["session_id"] for s in sessions.status()["live"]] == ["ses_a"]
+
+
+async def test_no_session_is_open_while_the_policy_cannot_be_enforced(sessions, echo):
+    """Fail closed: while the firewall says the policy cannot be enforced (nftables unusable), a live session is
+    closed and none opens; `plexd sessions` says why; once it can again, the session opens anew."""
+    desired = model(tcp("ses_a", echo))
+    await converge(sessions, desired)
+    first = sessions.status()["live"][0]["listener_endpoint"]
+    assert await roundtrip(first) == b"ping"
+
+    sessions.unenforced = lambda: "policy enforcement unavailable: nftables missing"
+    closed = await converge(sessions, desired)
+    assert [str(c.correction()) for c in closed.changes] == [
+        "session_closed: session ses_a: closed: who may reach it cannot be enforced "
+        "(policy enforcement unavailable: nftables missing)"]
+    assert closed.errors == ("sessions: session ses_a: not opened: who may reach it cannot be enforced "
+                             "(policy enforcement unavailable: nftables missing)",)
+    with pytest.raises(OSError):
+        await roundtrip(first)
+    assert (await converge(sessions, desired)).changes == ()  # nothing opens meanwhile, an event neither
+    assert (await sessions.apply_delta(desired, None)).changes == ()
+    assert sessions.status()["live"] == [] and sessions.status()["refused"] == [
+        {"session_id": "ses_a", "reason": "not opened: who may reach it cannot be enforced "
+                                          "(policy enforcement unavailable: nftables missing)"}]
+    assert phases(sessions.reports, "ses_a")[-1] == ("session_ended", "plexd_close")
+
+    sessions.unenforced = lambda: ""
+    reopened = await converge(sessions, desired)
+    assert [c.correction().type for c in reopened.changes] == ["session_started"]
+    assert await roundtrip(sessions.status()["live"][0]["listener_endpoint"]) == b"ping"
+
+
+def test_a_listener_takes_connections_arriving_on_its_mesh_interface_only():
+    """`mesh_listener`: bound to the mesh interface, with a filter on the interface each packet came in on. A
+    program on this machine connecting to the mesh address comes in on loopback, not the mesh interface (a veth
+    link here): it does not get through, while the same address without the binding answers."""
+    from plexd.access.serving import mesh_listener
+
+    link, address = "pxtmesh0", "10.254.77.1"
+    subprocess.run(["ip", "link", "add", link, "type", "veth", "peer", "name", "pxtmesh1"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", link], check=True)
+        subprocess.run(["ip", "link", "set", link, "up"], check=True)
+        bound, index = mesh_listener(address, link)
+        unbound, _ = mesh_listener(address, None)
+        with bound, unbound:
+            assert index == socket.if_nametoindex(link)
+            assert bound.getsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE, 16).rstrip(b"\0") == link.encode()
+            socket.create_connection(unbound.getsockname(), timeout=2).close()  # the address answers locally
+            with pytest.raises(OSError):
+                socket.create_connection(bound.getsockname(), timeout=1)
+        with pytest.raises(OSError, match="cannot bind the listener to the mesh interface pxtnone0"):
+            mesh_listener(address, "pxtnone0")
+    finally:
+        subprocess.run(["ip", "link", "del", link], check=False)
