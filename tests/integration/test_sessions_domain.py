@@ -250,3 +250,20 @@ def test_a_listener_takes_connections_arriving_on_its_mesh_interface_only():
             mesh_listener(address, "pxtnone0")
     finally:
         subprocess.run(["ip", "link", "del", link], check=False)
+
+
+async def test_a_listener_bound_to_a_recreated_mesh_interface_is_replaced(sessions, echo):
+    """The binding is by interface index: a mesh interface deleted and created again (a restarted wireguard-go, a
+    link deleted by hand) has a new one, and a listener still bound to the old index hears nothing. Loopback
+    cannot be recreated here: the listener is made to look bound to an index that is gone."""
+    desired = model(tcp("ses_a", echo))
+    await converge(sessions, desired)
+    old = sessions._live["ses_a"]
+    old.device_index = 999_999
+    rebound = await converge(sessions, desired)
+    assert [c.correction().type for c in rebound.changes] == ["session_listener_restarted"]
+    assert "was bound to a mesh interface since recreated" in rebound.changes[0].detail
+    new = sessions._live["ses_a"]
+    assert new is not old and old.closed and new.device_index == socket.if_nametoindex("lo")
+    assert await roundtrip(sessions.status()["live"][0]["listener_endpoint"]) == b"ping"
+    assert (await converge(sessions, desired)).changes == ()
