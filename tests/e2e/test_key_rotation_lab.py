@@ -16,7 +16,7 @@ import signal
 
 import pytest
 from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, register_ghost, wait_until, wg_peers
-from mesh_helpers import BACKENDS
+from mesh_helpers import PAIRS
 
 from plexd.devplane.lab import Lab
 from plexd.identity.store import public_key_of
@@ -45,11 +45,11 @@ def assert_rotated(lab: Lab, dp, a: Daemon, b: Daemon, old: str, daemons) -> str
     return new
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backends", PAIRS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_a_rotation_under_ping_loses_at_most_one_packet_and_leaves_the_old_key_nowhere(lab_dp, backend):
+def test_a_rotation_under_ping_loses_at_most_one_packet_and_leaves_the_old_key_nowhere(lab_dp, backends):
     lab, dp, daemons, tmp_path = lab_dp
-    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", backends=(backend, backend))
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", backends=backends)
     old = dp.admin.node(a.node_id())["public_key"]
     assert own_key(lab, a) == old
 

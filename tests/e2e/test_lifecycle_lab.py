@@ -13,7 +13,7 @@ import time
 
 import pytest
 from lab_daemon import Daemon, device_index, ping_count, pinging_pair, wait_until, wg_peers, wireguard_go_pids
-from mesh_helpers import BACKENDS
+from mesh_helpers import PAIRS
 
 from plexd.devplane.lab import Lab, LabNode
 
@@ -41,11 +41,11 @@ def exited(d: Daemon, timeout: float = 40.0) -> int:
     return d.proc.returncode
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backends", PAIRS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_ends_it(lab_dp, backend):
+def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_ends_it(lab_dp, backends):
     lab, dp, daemons, tmp_path = lab_dp
-    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", backends=(backend, backend))
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", backends=backends)
     node_id, mesh_ip = a.node_id(), a.mesh_ip()
     a_key = dp.admin.node(node_id)["public_key"]
 
@@ -75,16 +75,16 @@ def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_end
     wait_until(lambda: a_key not in wg_peers(lab, b.node), 15, "b to drop a's peer for good", daemons)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backends", PAIRS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp, backend):
+def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp, backends):
     """The restarted daemon adopts the live device (wireguard-go's process, or the kernel's interface) and the
     tunnel carries a continuous ping through the restart."""
     lab, dp, daemons, tmp_path = lab_dp
     a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", a_config="shutdown: {deregister: false}\n",
-                        backends=(backend, backend))
+                        backends=backends)
     wg_pid, index = wireguard_go_pids(lab, a.node), device_index(lab, a.node)
-    assert bool(wg_pid) == (backend == "userspace") and index is not None
+    assert bool(wg_pid) == (backends[0] == "userspace") and index is not None
     ping = lab.spawn(a.node.wrap(["ping", "-c", "60", "-i", "0.1", "-W", "1", b.mesh_ip()]),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
