@@ -21,6 +21,12 @@ def scaled(seconds: float) -> float:
     return seconds * LOAD_FACTOR
 
 
+# How often a wait for the machine looks again. Each look spawns a tool (`wg show`, `ip`) in a lab node: on the
+# kernel tier's emulated CPU a spawn costs ~0.2 s of CPU, so looking every 0.1 s there starved the daemons under
+# test. Stretched by the load factor too.
+POLL = 0.1 * LOAD_FACTOR
+
+
 async def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition", *,
                    interval: float = 0.02) -> None:
     """Poll `pred()` until true; fail naming `what` after `timeout` seconds (stretched by the load factor)."""

@@ -40,8 +40,20 @@ from plexd.base.errors import PlexdError
 from plexd.base.procstat import process_stat
 from plexd.identity import datadir
 
-_BIND_RUN_WIREGUARD = 'mkdir -p /run/wireguard && mount --bind "$0" /run/wireguard && exec "$@"'
+_BIND_RUN_WIREGUARD = '[ -d /run/wireguard ] || mkdir -p /run/wireguard; mount --bind "$0" /run/wireguard && exec "$@"'
+# Commands that need only the node's network namespace (not its /run/wireguard): entered with nsenter, one process
+# instead of ip netns exec, sh, mkdir and mount. It matters where a process costs: a poll of `ip` or `ping` in a
+# lab on an emulated CPU (the kernel tier).
+_NET_ONLY = frozenset({"ip", "ping", "nft", "sysctl", "ss", "conntrack"})
 DEFAULT_STATE_FILE = "/run/plexd-lab.json"
+
+
+def _load_factor() -> float:
+    """PLEXD_TEST_LOAD_FACTOR (tests, benches): a slow machine's waits last longer and look less often."""
+    try:
+        return max(1.0, float(os.environ.get("PLEXD_TEST_LOAD_FACTOR", "1")))
+    except ValueError:
+        return 1.0
 
 
 class LabError(PlexdError):
@@ -66,6 +78,10 @@ class LabNode:
     def wrap(self, cmd: Sequence[str]) -> list[str]:
         """`cmd` run inside the node's namespace with its private /run/wireguard; exec keeps the pid."""
         return ["ip", "netns", "exec", self.netns, "sh", "-c", _BIND_RUN_WIREGUARD, self.sock_dir, *cmd]
+
+    def wrap_net(self, cmd: Sequence[str]) -> list[str]:
+        """`cmd` run in the node's network namespace alone (for what needs no /run/wireguard)."""
+        return ["nsenter", f"--net=/run/netns/{self.netns}", *cmd]
 
 
 @dataclass
@@ -302,8 +318,9 @@ class Lab:
         return proc
 
     def exec(self, node: LabNode, cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-        """Run a short command in the node (with its private /run/wireguard) and return its output."""
-        return _run(node.wrap(cmd), check=check)
+        """Run a short command in the node (with its private /run/wireguard, unless it is a network tool that
+        needs none) and return its output."""
+        return _run(node.wrap_net(cmd) if os.path.basename(cmd[0]) in _NET_ONLY else node.wrap(cmd), check=check)
 
     # -- teardown -------------------------------------------------------------------------------------------
 
@@ -502,6 +519,8 @@ class MeshLab:
     def start_devplane(self, timeout: float = 20.0) -> str:
         from plexd.devplane.harness import AdminClient
 
+        timeout *= _load_factor()
+
         ddir = os.path.join(self.lab.workdir, "devplane")
         os.makedirs(ddir, exist_ok=True)
         log_path = os.path.join(ddir, "devplane.log")
@@ -622,7 +641,7 @@ class MeshLab:
                     raise LabError(f"plexd up in {d.node.name} exited ({d.proc.returncode}): {d.log_tail(1500)}")
             if pred():
                 return time.monotonic() - start
-            time.sleep(0.1)
+            time.sleep(0.1 * _load_factor())
         logs = "\n".join(f"--- {d.node.name}\n{d.log_tail()}" for d in self.daemons)
         raise LabError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 from nacl.public import PrivateKey
-from waiting import scaled
+from waiting import POLL, scaled
 
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode, MeshLab
@@ -144,7 +144,7 @@ def wait_until(pred, timeout: float, what: str, daemons=(), evidence=None) -> fl
     while time.monotonic() - start < timeout:
         if pred():
             return time.monotonic() - start
-        time.sleep(0.1)
+        time.sleep(POLL)
     logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}\n--- {d.node.name}: wg show (public fields)\n"
                      f"{_device(d)}" for d in daemons)
     extra = f"\n--- evidence\n{evidence()}" if evidence is not None else ""

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from mesh_helpers import keypair
+from waiting import POLL, scaled
 
 from plexd.devplane.lab import Lab, LabNode, LabRouter
 
@@ -116,13 +117,14 @@ def flush_conntrack(router: LabRouter) -> None:
 
 
 def wait(pred, timeout: float, what: str) -> None:
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
         last = pred()
         if last:
             return
-        time.sleep(0.1)
+        time.sleep(POLL)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
