@@ -11,7 +11,7 @@ started=$(date +%s)
 # TCG emulates the CPU: Python runs about 16x slower than on the host; the tests' waits stretch by this factor.
 export PLEXD_TEST_LOAD_FACTOR=${PLEXD_TEST_LOAD_FACTOR:-4}
 scripts/kernel-vm.sh env PLEXD_TEST_LOAD_FACTOR="$PLEXD_TEST_LOAD_FACTOR" PYTHONDONTWRITEBYTECODE=1 \
-    .venv/bin/python -m pytest -q -p no:cacheprovider -m kernel -n "${KERNEL_TEST_WORKERS:-0}" --dist loadgroup \
+    .venv/bin/python -m pytest -q -p no:cacheprovider -p no:hypothesispytest -m kernel -n "${KERNEL_TEST_WORKERS:-0}" --dist loadgroup \
     --durations=0 "${@:-tests}"
 rc=$?
 took=$(( $(date +%s) - started ))

@@ -67,6 +67,16 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.xdist_group(group))
 
 
+def pytest_ignore_collect(collection_path, config):
+    """In the kernel tier, a test file that holds no kernel-tier test is not even imported: on the VM's emulated
+    CPU, importing the whole suite to deselect it took minutes. (The marker still decides; this only skips files
+    that name neither the mark nor the backend lists that carry it.)"""
+    if IN_KERNEL_VM and collection_path.suffix == ".py" and collection_path.name.startswith("test_"):
+        text = collection_path.read_text()
+        return not ("mark.kernel" in text or "BACKENDS" in text) or None
+    return None
+
+
 def _select_tier(config, items) -> None:
     """The kernel tier's tests (marked `kernel`) run inside the kernel VM and only there (`make test-kernel`, part of
     `make test`); every other test runs on the host only. Deselected, never skipped: the summary says where they run.

@@ -22,8 +22,13 @@ from waiting import POLL, scaled
 
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode, MeshLab
+from plexd.identity.store import public_key_of
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
+# The kernel tier's daemons run without telemetry (the host's labs test it): on the VM's emulated CPU its collection
+# costs what the tests need for the kernel's parts.
+TIER_CONFIG = ("telemetry: {metrics: {enabled: false}, logs: {enabled: false}, audit: {enabled: false}}\n"
+               if os.environ.get("PLEXD_KERNEL_VM") == "1" else "")
 
 
 class Daemon:
@@ -45,7 +50,7 @@ class Daemon:
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: {backend}}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
             "registration: {hostname: " + node.name + "}\n"
-            f"node_api: {{{api}}}\n" + extra_config)
+            f"node_api: {{{api}}}\n" + TIER_CONFIG + extra_config)
         self.extra_env = env or {}
         self.runs = 0
         self._start()
@@ -357,3 +362,53 @@ def lab_with_devplane(tmp_path: Path, nodes: int) -> Iterator[tuple[Lab, Devplan
             dp.stop()
         lab.down()
         assert lab.leaks() == []
+
+
+# -- key rotation (test_key_rotation_lab.py, test_kernel_node_lab.py) ----------------------------------------
+
+
+def own_key(lab: Lab, d: Daemon) -> str:
+    """The public key of the live device, as `wg show` prints it."""
+    return lab.exec(d.node, ["wg", "show", "plexd0", "public-key"]).stdout.strip()
+
+
+def stored_key(d: Daemon) -> str:
+    """The public key of the private key kept in data_dir."""
+    raw = base64.b64decode((d.dir / "data" / "private_key").read_text())
+    return base64.b64encode(public_key_of(raw)).decode()
+
+
+def assert_rotated(lab: Lab, dp, a: Daemon, b: Daemon, old: str, daemons) -> str:
+    """a is on one new key everywhere and the old one is gone; returns the new key."""
+    new = dp.admin.node(a.node_id())["public_key"]
+    assert new != old
+    wait_until(lambda: set(wg_peers(lab, b.node)) == {new}, 15, "b to swap a's key", daemons)
+    # b may hear of the new key (the devplane publishes it first) before a has read the answer and committed it
+    wait_until(lambda: own_key(lab, a) == new == stored_key(a) and not (a.dir / "data" / "private_key.next").exists(),
+               15, "a to commit its new key", daemons)
+    assert old not in {n["public_key"] for n in dp.admin.nodes()}
+    return new
+
+
+# -- leaving the mesh (test_lifecycle_lab.py, test_kernel_node_lab.py) --------------------------------------
+
+
+def has_interface(lab: Lab, node: LabNode) -> bool:
+    return lab.exec(node, ["ip", "link", "show", "plexd0"], check=False).returncode == 0
+
+
+def has_table(lab: Lab, node: LabNode) -> bool:
+    out = lab.exec(node, ["nft", "-j", "list", "tables"]).stdout
+    return any("table" in o and o["table"]["name"] == "plexd" for o in json.loads(out)["nftables"])
+
+
+def assert_nothing_left(lab: Lab, node: LabNode) -> None:
+    assert not has_interface(lab, node), "plexd0 is still there"
+    assert not has_table(lab, node), "table inet plexd is still there"
+    assert wireguard_go_pids(lab, node) == [], "wireguard-go is still running"
+
+
+def exited(d: Daemon, timeout: float = 40.0) -> int:
+    d.proc.wait(timeout)
+    d.log.close()
+    return d.proc.returncode

@@ -19,10 +19,6 @@ from plexd.state.model import Peer
 
 # Both WireGuard backends, for `parametrize`; the kernel one is the kernel tier's (run in the VM: scripts/kernel-vm.sh).
 BACKENDS = ["userspace", pytest.param("kernel", marks=pytest.mark.kernel)]
-# A pair's backends (node a, node b): wireguard-go on both, and in the kernel tier a on the kernel's facing b on
-# wireguard-go (a mixed pair: every test of a pair then also proves the two talk, both ways).
-PAIRS = [pytest.param(("userspace", "userspace"), id="userspace"),
-         pytest.param(("kernel", "userspace"), id="kernel-and-wireguard-go", marks=pytest.mark.kernel)]
 
 
 def keypair() -> tuple[str, str]:

@@ -12,40 +12,26 @@ import subprocess
 import time
 
 import pytest
-from lab_daemon import Daemon, device_index, ping_count, pinging_pair, wait_until, wg_peers, wireguard_go_pids
-from mesh_helpers import PAIRS
-
-from plexd.devplane.lab import Lab, LabNode
+from lab_daemon import (
+    assert_nothing_left,
+    device_index,
+    exited,
+    has_interface,
+    has_table,
+    ping_count,
+    pinging_pair,
+    wait_until,
+    wg_peers,
+    wireguard_go_pids,
+)
 
 pytestmark = pytest.mark.root
 
 
-def has_interface(lab: Lab, node: LabNode) -> bool:
-    return lab.exec(node, ["ip", "link", "show", "plexd0"], check=False).returncode == 0
-
-
-def has_table(lab: Lab, node: LabNode) -> bool:
-    out = lab.exec(node, ["nft", "-j", "list", "tables"]).stdout
-    return any("table" in o and o["table"]["name"] == "plexd" for o in json.loads(out)["nftables"])
-
-
-def assert_nothing_left(lab: Lab, node: LabNode) -> None:
-    assert not has_interface(lab, node), "plexd0 is still there"
-    assert not has_table(lab, node), "table inet plexd is still there"
-    assert wireguard_go_pids(lab, node) == [], "wireguard-go is still running"
-
-
-def exited(d: Daemon, timeout: float = 40.0) -> int:
-    d.proc.wait(timeout)
-    d.log.close()
-    return d.proc.returncode
-
-
-@pytest.mark.parametrize("backends", PAIRS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_ends_it(lab_dp, backends):
+def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_ends_it(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
-    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", backends=backends)
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h")
     node_id, mesh_ip = a.node_id(), a.mesh_ip()
     a_key = dp.admin.node(node_id)["public_key"]
 
@@ -75,16 +61,12 @@ def test_sigterm_leaves_the_mesh_the_next_start_rejoins_and_deregister_purge_end
     wait_until(lambda: a_key not in wg_peers(lab, b.node), 15, "b to drop a's peer for good", daemons)
 
 
-@pytest.mark.parametrize("backends", PAIRS)
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
-def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp, backends):
-    """The restarted daemon adopts the live device (wireguard-go's process, or the kernel's interface) and the
-    tunnel carries a continuous ping through the restart."""
+def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
-    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", a_config="shutdown: {deregister: false}\n",
-                        backends=backends)
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h", a_config="shutdown: {deregister: false}\n")
     wg_pid, index = wireguard_go_pids(lab, a.node), device_index(lab, a.node)
-    assert bool(wg_pid) == (backends[0] == "userspace") and index is not None
+    assert wg_pid and index is not None
     ping = lab.spawn(a.node.wrap(["ping", "-c", "60", "-i", "0.1", "-W", "1", b.mesh_ip()]),
                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -100,7 +82,7 @@ def test_a_restart_that_keeps_the_tunnels_loses_at_most_one_packet(lab_dp, backe
     sent, received = map(int, re.search(r"(\d+) packets transmitted, (\d+) received", out).groups())
     print(f"restart under ping: {sent - received} of {sent} lost")
     assert sent == 60 and sent - received <= 1, out
-    # the same process (or kernel device) carried the tunnel through the restart
+    # the same process carried the tunnel through the restart
     assert wireguard_go_pids(lab, a.node) == wg_pid and device_index(lab, a.node) == index
     assert "adopted" in a.logged() or "already up" in a.logged()
     assert dp.admin.node(a.node_id())["status"] == "online"

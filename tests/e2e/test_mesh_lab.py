@@ -15,7 +15,7 @@ import subprocess
 
 import httpx
 import pytest
-from lab_daemon import mesh_lab
+from lab_daemon import TIER_CONFIG, mesh_lab
 from nacl.public import PrivateKey
 from waiting import scaled
 
@@ -114,7 +114,7 @@ def test_a_live_mesh_routes_in_its_own_table_enforces_policy_and_follows_events(
     device (the reconcile is 10 minutes away); the route guard refuses a peer that would route the control plane."""
     lab, m = quiet_mesh
     for node, backend in zip(lab.nodes, backends, strict=True):
-        m.start_node(node, backend=backend)
+        m.start_node(node, backend=backend, extra=TIER_CONFIG)
     m.wait(lambda: all(d.node_id and d.mesh_ip for d in m.daemons), scaled(60), "registration")
     m.wait(m.full_handshake_matrix, scaled(60), "a handshake between every pair")
     kinds = {d.node.name: lab.exec(d.node, ["ip", "-d", "-j", "link", "show", "plexd0"]).stdout for d in m.daemons}
