@@ -161,7 +161,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait", type=float, default=5.0,
                    help="seconds to wait for the node to report the session's listener (default %(default)s)")
     p = leaf(g, "revoke", do_session_revoke, "end a session now (the node closes it)")
-    p.add_argument("--node", required=True)
+    p.add_argument("--node", help="the session's node (default: looked up; a session id names one session)")
     p.add_argument("session_id")
     p = leaf(g, "list", do_session_list, "sessions and where their listeners are")
     p.add_argument("--node", help="only this node's")
@@ -534,8 +534,13 @@ def do_session_create(c: Any, args: argparse.Namespace) -> Any:
 
 
 def do_session_revoke(c: Any, args: argparse.Namespace) -> Any:
-    c.revoke_session(args.node, args.session_id)
-    return {"revoked": args.session_id}, f"session {args.session_id} revoked"
+    node = args.node
+    if not node:
+        node = next((s.get("node_id") for s in c.sessions() if s.get("session_id") == args.session_id), None)
+        if not node:
+            raise ConfigError(f"no session {args.session_id!r} (plexd-devplane admin session list shows them)")
+    c.revoke_session(node, args.session_id)
+    return {"revoked": args.session_id, "node": node}, f"session {args.session_id} revoked (node {node})"
 
 
 def do_session_list(c: Any, args: argparse.Namespace) -> Any:

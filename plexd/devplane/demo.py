@@ -225,7 +225,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"lab {lab.tag}: bridge {lab.bridge} in {lab.switch_netns}, {lab.uplink} {lab.bridge_address}/24",
                   flush=True)
             print(f"devplane on {mesh.start_devplane()}", flush=True)
-            return 0 if _bridge_scenario(lab, mesh) else 1
+            ok = _bridge_scenario(lab, mesh)
+            if args.keep:
+                keep = True
+                print(f"\nkept: state in {DEFAULT_STATE_FILE}; remove with 'plexd-devplane demo --down'")
+            return 0 if ok else 1
         lab.up(0 if nat else n)
         stun: tuple[str, ...] = ()
         if nat:

@@ -147,6 +147,11 @@ def test_the_admin_cli_mints_lists_and_revokes(dp):
     assert f"session {sid} revoked" in admin("session", "revoke", "--node", node.id, sid)
     ended = next(line for line in admin("session", "list", "--node", node.id).splitlines() if sid in line)
     assert "revoked" in ended.split() or "expired" in ended.split(), ended  # the 2 s may be over already
+    # a session id names one session: --node is looked up when not given
+    assert f"session {second} revoked (node {node.id})" in admin("session", "revoke", second)
+    unknown = subprocess.run([*CLI, "admin", "session", "revoke", "ses_nope"], env=env, capture_output=True,
+                             text=True, timeout=60)
+    assert unknown.returncode == 1 and "no session 'ses_nope'" in unknown.stderr and "Traceback" not in unknown.stderr
 
 
 def test_no_printed_command_carries_the_token_in_its_arguments():

@@ -112,10 +112,16 @@ def test_demo_keep_leaves_a_working_lab_and_down_removes_it():
 
 @pytest.mark.timeout(240)
 def test_demo_bridge_joins_two_nodes_behind_symmetric_nats_through_the_relay():
-    proc = subprocess.run([sys.executable, "-m", "plexd.devplane.cli", "demo", "--bridge"], capture_output=True,
-                          text=True, timeout=180)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    """With --keep (it was ignored: the bridge scenario returned before it was read), then --down."""
+    cli = [sys.executable, "-m", "plexd.devplane.cli", "demo"]
+    try:
+        proc = subprocess.run([*cli, "--bridge", "--keep"], capture_output=True, text=True, timeout=180)
+        out = proc.stdout
+        assert proc.returncode == 0, out + proc.stderr
+        assert "kept: state in" in out and len(_lab_namespaces(out)) >= 4, out  # the switch, the bridge, 2 routers
+    finally:
+        down = subprocess.run([*cli, "--down"], capture_output=True, text=True, timeout=60)
+    assert down.returncode == 0 and "removed the kept lab" in down.stdout, down.stdout + down.stderr
     assert "reaches node3" in out and "through the relay" in out, out
     path = next(line.split() for line in out.splitlines() if re.match(r"^n_\w+\s", line) and "10.231." in line
                 and ":51821" in line)
