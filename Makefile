@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make demo` and `make test`. Both install what they need first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint bench release release-key clean
+.PHONY: setup demo test test-kernel lint bench release release-key clean
 
 setup:
 	@scripts/setup.sh
@@ -16,6 +16,11 @@ TEST_WORKERS ?= 4
 test: setup
 	$(PY) -m ruff check plexd tests bench
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	scripts/test-kernel.sh
+
+# The kernel tier alone: the tests marked `kernel`, in a VM booting Debian's stock kernel (README, Tests).
+test-kernel: setup
+	scripts/test-kernel.sh
 
 lint: setup
 	$(PY) -m ruff check plexd tests bench
@@ -36,4 +41,4 @@ release-key:
 	@test -n "$(RELEASE_KEY)" -a -r "$(RELEASE_KEY)" || { echo "make release: RELEASE_KEY=FILE must name a readable release key (python -m plexd.upgrade.signing keygen FILE makes one); got '$(RELEASE_KEY)'" >&2; exit 1; }
 
 clean:
-	rm -rf .venv build *.egg-info .pytest_cache
+	rm -rf .venv build *.egg-info .pytest_cache .cache/vm
