@@ -11,12 +11,12 @@ demo: setup
 
 # The suite waits far more than it computes (labs, handshakes, reconciles): four workers on two cores. Tests of a
 # file stay together, and the files that use the root network namespace share one worker (tests/conftest.py).
+# The kernel tier (a VM booting Debian's stock kernel) runs alongside (scripts/test.sh).
 TEST_WORKERS ?= 4
 
 test: setup
 	$(PY) -m ruff check plexd tests bench
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
-	scripts/test-kernel.sh
+	TEST_WORKERS=$(TEST_WORKERS) scripts/test.sh
 
 # The kernel tier alone: the tests marked `kernel`, in a VM booting Debian's stock kernel (README, Tests).
 test-kernel: setup
