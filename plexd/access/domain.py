@@ -13,8 +13,9 @@ The plan, each change also its drift line:
                                                    mesh IP: its connections end (revoked), a new one is reported
     ListenerRestarted  session_listener_restarted  a listener the kernel no longer lists: a new one, reported
     ListenerRebound    session_listener_restarted  a listener bound to a mesh interface since recreated: a new one
-    SessionUnenforced  session_closed              a listener while the policy cannot be enforced (nftables
-                                                   unusable): closed, and no session opens until it can be
+    SessionUnenforced  session_closed              a listener while the policy is not enforced (nftables
+                                                   unusable, or no table in place), or a TCP session's while
+                                                   policy.enabled is false: closed, none opens meanwhile
 
 A session that ended by itself (its idle timeout, its `expires_at`) is not reopened while its entry stays as it
 was; a changed entry (a later `expires_at`) opens it again.
@@ -169,12 +170,6 @@ class Seen:
     rebind: bool = False  # bound to an interface index the mesh interface no longer has (it was recreated)
 
 
-@dataclass(frozen=True)
-class Observed:
-    listeners: dict[str, Seen]  # this daemon's listeners, by session id
-    unenforced: str  # why the policy cannot be enforced now ("": it can)
-
-
 @dataclass
 class _Muted:
     """A replaced listener's reports stop: the session did not end, only its socket was replaced."""
@@ -187,13 +182,17 @@ class SessionsDomain:
     name = "sessions"
     acts_while_held = True  # a hold never keeps a revoked session open (see the module's docstring)
 
-    def __init__(self, data_dir: str | Path, hooks: AccessHooks, unenforced: Callable[[], str] = lambda: "") -> None:
-        """`unenforced`: why the policy cannot be enforced now ("" when it can, or when there is none to enforce):
-        the firewall's word. While it says why, no session is open (fail closed)."""
+    def __init__(self, data_dir: str | Path, hooks: AccessHooks, unenforced: Callable[[], str] = lambda: "",
+                 policy_enabled: bool = True) -> None:
+        """`unenforced`: why the policy is not enforced now ("" when it is, or when there is none to enforce): the
+        firewall's word, asked at each plan (the firewall applies first, so it speaks of this converge). While it
+        says why, no session is open (fail closed). `policy_enabled` false: no policy says who may reach a
+        session, so a TCP session, which has no token, is not opened either."""
         self.data_dir = Path(data_dir)
         self.hooks = hooks
         self.unenforced = unenforced
-        self._unenforced_now = ""  # what the last apply was told
+        self.policy_enabled = policy_enabled
+        self._unenforced_now: dict[str, str] = {}  # the sessions the last plan did not open, and why
         self._live: dict[str, Listener] = {}
         self._muted: dict[str, _Muted] = {}
         self._ended: dict[str, tuple[str, Session]] = {}  # ended by themselves, still in the block -> why, entry
@@ -203,25 +202,25 @@ class SessionsDomain:
 
     # -- the domain --------------------------------------------------------------------------------------------
 
-    async def observe(self, desired: DesiredState) -> Observed:
+    async def observe(self, desired: DesiredState) -> dict[str, Seen]:
         listening = await asyncio.to_thread(kernel_listeners) if self._live else set()
         index = _interface_index(desired.interface) if self._live else 0
-        return Observed({sid: _seen(lst, (_normal(lst.bind_host), lst.port) in listening, index)
-                         for sid, lst in self._live.items()}, self.unenforced())
+        return {sid: _seen(lst, (_normal(lst.bind_host), lst.port) in listening, index)
+                for sid, lst in self._live.items()}
 
-    def plan(self, desired: DesiredState, observed: Observed) -> DomainResult:
+    def plan(self, desired: DesiredState, observed: dict[str, Seen]) -> DomainResult:
         want = desired.sessions.by_id if desired.sessions is not None else {}
-        if observed.unenforced:  # fail closed: not one listener while the policy cannot be enforced
-            return DomainResult(tuple(SessionUnenforced(sid, observed.unenforced)
-                                      for sid, seen in sorted(observed.listeners.items()) if seen.closed is None),
-                                tuple(f"sessions: session {sid}: not opened: who may reach it cannot be enforced "
-                                      f"({observed.unenforced})" for sid in sorted(want)))
         now = self.hooks.now()
+        enforced = self.unenforced()
+        self._unenforced_now = {sid: why for sid, s in want.items() if (why := self._unenforceable(s, enforced))}
         changes: list[Change] = []
-        for sid, seen in sorted(observed.listeners.items()):
+        for sid, seen in sorted(observed.items()):
             if seen.closed is not None:
                 continue
             session = want.get(sid)
+            if sid in self._unenforced_now:  # fail closed
+                changes.append(SessionUnenforced(sid, self._unenforced_now[sid]))
+                continue
             if session is None:  # gone from the block; an expired one may have been dropped as such
                 expired = seen.session is not None and seen.session.expired(now)
                 changes.append(SessionClosed(sid, "ttl_expired" if expired else "operator_revoke"))
@@ -235,9 +234,18 @@ class SessionsDomain:
                 changes.append(ListenerRebound(sid, seen.endpoint))
         for sid, session in sorted(want.items()):
             ended = self._ended.get(sid)
-            if sid not in observed.listeners and (ended is None or ended[1] != session) and not session.expired(now):
+            if (sid not in observed and (ended is None or ended[1] != session) and not session.expired(now)
+                    and sid not in self._unenforced_now):
                 changes.append(SessionOpened(sid, session.kind))
-        return DomainResult(tuple(changes))
+        return DomainResult(tuple(changes), tuple(f"sessions: session {sid}: not opened: who may reach it cannot be "
+                                                  f"enforced ({why})" for sid, why in self._unenforced_now.items()))
+
+    def _unenforceable(self, session: Session, unenforced: str) -> str:
+        if unenforced:
+            return unenforced
+        if session.kind == "tcp" and not self.policy_enabled:
+            return "a TCP session has no token, and with policy.enabled false nothing says who may reach it"
+        return ""
 
     async def apply(self, desired: DesiredState, planned: DomainResult, observed: Any) -> DomainResult:
         self._granted = desired.sessions  # first: a revoked token is refused before its listener closes
@@ -266,14 +274,13 @@ class SessionsDomain:
                 applied.append(change)
             except (OSError, ValueError, HostKeyError) as exc:
                 errors.append(f"sessions: session {sid}: {exc}")
-        self._unenforced_now = observed.unenforced
         self._forget(want)
         errors += self._mark(want)
         return DomainResult(tuple(applied), tuple(errors))
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None) -> DomainResult | None:
         # No machine read: the listeners are this process's own. A dead socket is found by the next full converge.
-        seen = Observed({sid: _seen(lst, True) for sid, lst in self._live.items()}, self.unenforced())
+        seen = {sid: _seen(lst, True) for sid, lst in self._live.items()}
         return await self.apply(desired, self.plan(desired, seen), seen)
 
     async def teardown(self) -> None:
@@ -284,10 +291,8 @@ class SessionsDomain:
             return None
         refused = [{"session_id": sid, "reason": why}
                    for sid, why in (self._granted.rejected if self._granted is not None else ())]
-        if self._unenforced_now and self._granted is not None:
-            refused += [{"session_id": sid, "reason": f"not opened: who may reach it cannot be enforced "
-                                                      f"({self._unenforced_now})"}
-                        for sid in sorted(self._granted.by_id)]
+        refused += [{"session_id": sid, "reason": f"not opened: who may reach it cannot be enforced ({why})"}
+                    for sid, why in sorted(self._unenforced_now.items())]
         return {"live": [lst.status() for _, lst in sorted(self._live.items())],
                 "ended": {sid: why for sid, (why, _) in sorted(self._ended.items())},
                 "refused": refused}

@@ -72,6 +72,7 @@ class FirewallDomain:
         self._probed_at = 0.0  # monotonic: when the last probe found it unavailable
         self.failure = ""  # the last apply failed (reason); cleared by the next that works
         self.held = ""  # the table differs from the policy and the last converge only planned it (why, for status)
+        self.missing = ""  # the policy is wanted and no table is in place: nothing filters the mesh (why)
 
     # -- status ------------------------------------------------------------------------------------------------
 
@@ -92,10 +93,11 @@ class FirewallDomain:
 
     @property
     def unenforced(self) -> str:
-        """Why the policy cannot be enforced at all now: nftables cannot be used while enforcement is on ("" when it
-        can; with policy.enabled false there is no policy to enforce). A failed or held apply leaves the last table,
-        whose default deny still turns away what it does not name, so it does not count."""
-        return self.unavailable if self.enabled else ""
+        """Why the policy is not enforced at all now ("" when it is, or with policy.enabled false, when there is no
+        policy to enforce): nftables cannot be used, or no table is in place (flushed, and the last converge did not
+        make it again: it failed, or only planned). A table in place but not current (a failed or held apply) still
+        turns away what it does not name by its default deny, so it does not count."""
+        return (self.unavailable or self.missing) if self.enabled else ""
 
     async def start(self) -> None:
         """Check once that nftables works here; say clearly what is missing if not (the node keeps running)."""
@@ -206,11 +208,14 @@ class FirewallDomain:
             return TableSeen(None, f"firewall not applied: {e}")
 
     def plan(self, desired: DesiredState, seen: TableSeen) -> DomainResult:
+        wanted = self.enabled and desired.enforce_policy
         if seen.error:
             # Enforcement off: nothing to enforce, and a table nftables cannot read is no one's concern.
-            wanted = self.enabled and desired.enforce_policy
             self.held = seen.error if wanted and not self.unavailable else ""  # said even when only planning
+            self.missing = seen.error if wanted and not self.unavailable else ""
             return DomainResult(errors=(seen.error,)) if wanted else DomainResult()
+        # Until an apply puts it back (a failed one leaves the machine as it was, nftables being transactional)
+        self.missing = f"firewall: {plan.WHERE} missing" if wanted and seen.live is None else ""
         changes = plan.diff(self.want(desired), seen.live)
         # Said until an apply runs: while the machine is kept as it is (an operator's hold, or a device that was up
         # before the first state pull) nothing filters, and status must not say otherwise.
@@ -250,6 +255,7 @@ class FirewallDomain:
                 self._believed, self._known = seen.live, True
         except FirewallError as e:
             return DomainResult(errors=(self._fail(f"firewall not applied: {e}"),))
+        self.missing = ""
         self._baseline = (desired, self.want(desired))
         self._applied()
         return DomainResult(tuple(changes))

@@ -42,7 +42,8 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
         SigningKeyFile(config.data_dir, trusted_key),
         WireGuardDomain(wireguard_backend(config), links),
         # sessions fail closed: none is open while the firewall cannot enforce the policy
-        *([SessionsDomain(config.data_dir, access, unenforced=lambda: firewall.unenforced)] if sessions_on else []),
+        *([SessionsDomain(config.data_dir, access, unenforced=lambda: firewall.unenforced,
+                          policy_enabled=config.policy.enabled)] if sessions_on else []),
         *([bridge.RelayDomain(host, port, fastpath_address=config.bridge.relay.fastpath_address,
                               cp_reachable=cp_reachable)] if serving else []),
         *(bridge.bridge_interfaces(config) if bridge is not None else []),

@@ -183,8 +183,10 @@ async def test_a_missing_table_the_engine_may_not_restore_yet_is_said_degraded_n
     kept = await engine.converge(desired, keep_machine=True)
     assert kept.dry_run and "plexd" not in nft(ns, "list", "tables")  # planned, not applied
     assert fw.enforcement == "degraded" and "nothing filters the mesh" in fw.reason and "only planned" in fw.reason
+    # the access sessions fail closed on this (a table in place but not current would not count)
+    assert fw.unenforced == "firewall: table inet plexd missing"
     await engine.converge(desired)
-    assert fw.enforcement == "enforced" and fw.reason == ""
+    assert fw.enforcement == "enforced" and fw.reason == "" and fw.unenforced == ""
     assert [c.split(" ", 1)[1] for c in rules_of(ns, "input")] == ["established", "policy ssh", "default-deny"]
 
 
@@ -399,6 +401,7 @@ async def test_a_failed_correction_of_an_altered_rule_is_retried_not_forgotten(n
     monkeypatch.setattr(fw, "_write", fails_once)
     failed = await converge(fw, desired, full=True)
     assert failed.errors and fw.enforcement == "degraded"
+    assert fw.unenforced == ""  # the table is there, its default deny too: sessions stay open
     retried = await converge(fw, desired, full=True)
     assert sorted(c.correction_type for c in retried.changes) == ["firewall_rule_added", "firewall_rule_removed"]
     verdict = [k for o in ruleset(ns) if "rule" in o and o["rule"].get("comment") == deny["comment"]

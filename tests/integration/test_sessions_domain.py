@@ -267,3 +267,20 @@ async def test_a_listener_bound_to_a_recreated_mesh_interface_is_replaced(sessio
     assert new is not old and old.closed and new.device_index == socket.if_nametoindex("lo")
     assert await roundtrip(sessions.status()["live"][0]["listener_endpoint"]) == b"ping"
     assert (await converge(sessions, desired)).changes == ()
+
+
+async def test_a_tcp_session_is_not_opened_while_no_policy_says_who_may_reach_it(tmp_path, echo):
+    """policy.enabled false: nothing filters the mesh, and a TCP session has no token of its own, so any mesh peer
+    would reach its target: it is not opened (an SSH session, which checks its token, is not this rule's)."""
+    reports: list[tuple[str, dict]] = []
+    domain = SessionsDomain(tmp_path, AccessHooks(keys=list, report=lambda sid, body: reports.append((sid, body)),
+                                                  record_command=lambda sid, cmd: False, audit=lambda e, f: None),
+                            policy_enabled=False)
+    try:
+        result = await converge(domain, model(tcp("ses_t", echo)))
+        assert result.changes == () and result.errors == (
+            "sessions: session ses_t: not opened: who may reach it cannot be enforced (a TCP session has no token, "
+            "and with policy.enabled false nothing says who may reach it)",)
+        assert domain.status()["live"] == [] and domain.status()["refused"][0]["session_id"] == "ses_t"
+    finally:
+        await domain.teardown()
