@@ -31,13 +31,9 @@ CACHE=${PLEXD_VM_CACHE:-$REPO/.cache/vm}
 MEM=${PLEXD_VM_MEM:-2G}
 CPUS=${PLEXD_VM_CPUS:-2}
 TIMEOUT=${PLEXD_VM_TIMEOUT:-1200}
-ACCEL=${PLEXD_VM_ACCEL:-auto}
 VNG_VERSION=1.42
-# Drivers udev would load for QEMU's emulated hardware; none is needed, and each costs TCG time at boot.
-BLACKLIST=kvm_amd,kvm_intel,kvm,ccp,ahci,libahci,libata,sr_mod,cdrom,sg,psmouse,serio_raw,pcspkr,iTCO_wdt,i2c_i801,lpc_ich,evdev,intel_pmc_bxt,i6300esb,crct10dif_pclmul,crc32_pclmul,crc32c_intel,ghash_clmulni_intel,sha512_ssse3,sha256_ssse3,sha1_ssse3,aesni_intel,qemu_fw_cfg
-
-say() { echo "kernel-vm: $*" >&2; }
-cannot() { say "cannot $*"; exit 125; }
+VM_NAME=kernel-vm
+. "$REPO/scripts/vm-common.sh"
 
 [ $# -gt 0 ] || { echo "usage: $0 CMD [ARG...]" >&2; exit 2; }
 [ "$(id -u)" -eq 0 ] || cannot "run: needs root (QEMU's 9p root share and the guest's root)"
@@ -46,45 +42,11 @@ case "$CACHE" in
 esac
 
 # -- 1. host packages: QEMU, and what virtme-ng's init needs from the host (udev names the virtio ports) -------
-need=()
-command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
-command -v busybox >/dev/null || need+=(busybox-static)
-[ -x /usr/bin/udevadm ] || need+=(udev)
-command -v modprobe >/dev/null || need+=(kmod)
-/usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || need+=(python3-venv)
-if [ ${#need[@]} -gt 0 ]; then
-    say "installing ${need[*]}"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "${need[@]}"; } >/dev/null 2>&1 || cannot "install the Debian packages ${need[*]}"
-fi
+vm_packages qemu-system-x86_64:qemu-system-x86 busybox:busybox-static /usr/bin/udevadm:udev modprobe:kmod
+/usr/bin/python3 -c 'import ensurepip, venv' 2>/dev/null || vm_install python3-venv
 
 # -- 2. the kernel: Debian's current stock package, unpacked (never installed on the host) ---------------------
-mkdir -p "$CACHE"
-kernel_pkg() {
-    apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}'
-}
-PKG=${PLEXD_VM_KERNEL:-$(cat "$CACHE/kernel-pkg" 2>/dev/null || true)}
-if [ -z "$PKG" ]; then
-    PKG=$(kernel_pkg)
-    [ -n "$PKG" ] || { apt-get update -qq >/dev/null 2>&1 || true; PKG=$(kernel_pkg); }
-    [ -n "$PKG" ] || cannot "find Debian's kernel package (apt-cache depends linux-image-amd64 names none)"
-fi
-KVER=${PKG#linux-image-}
-KROOT="$CACHE/$PKG"
-if [ ! -f "$KROOT/.done" ]; then
-    say "fetching $PKG"
-    tmp=$(mktemp -d)
-    (cd "$tmp" && apt-get download "$PKG" >/dev/null 2>&1) || {
-        apt-get update -qq >/dev/null 2>&1; (cd "$tmp" && apt-get download "$PKG" >/dev/null 2>&1); } \
-        || { rm -rf "$tmp"; cannot "download $PKG (Debian drops old kernel ABIs: remove $CACHE/kernel-pkg)"; }
-    rm -rf "$KROOT" && mkdir -p "$KROOT"
-    dpkg-deb -x "$tmp/${PKG}"_*.deb "$KROOT" && depmod -b "$KROOT" "$KVER"
-    rm -rf "$tmp"
-    touch "$KROOT/.done"
-fi
-echo "$PKG" > "$CACHE/kernel-pkg"
-KIMG="$KROOT/boot/vmlinuz-$KVER"
-[ -f "$KIMG" ] || cannot "find the kernel image $KIMG"
+vm_kernel "$CACHE"
 
 # -- 3. virtme-ng, in a venv of its own on the system Python (the guest runs the same files) -------------------
 VENV="$CACHE/vng-venv"
@@ -98,20 +60,14 @@ export PATH="$VENV/bin:$PATH"  # vng runs virtme-run from PATH
 
 # -- 4. the accelerator ------------------------------------------------------------------------------------------
 accel=(--disable-kvm)
-case "$ACCEL" in
-    kvm) accel=(--qemu-opts="-cpu host,-arch-capabilities") ;;
-    tcg) ;;
-    auto) if { [ -r /sys/module/kvm_intel ] || [ -r /sys/module/kvm_amd ]; } && [ -w /dev/kvm ]; then
-              accel=(--qemu-opts="-cpu host,-arch-capabilities"); fi ;;
-    *) say "PLEXD_VM_ACCEL must be auto, kvm or tcg, not '$ACCEL'"; exit 2 ;;
-esac
+vm_kvm && accel=(--qemu-opts="-cpu host,-arch-capabilities")
 
 # A second, read-only export of the host's root: the guest mounts it with cache=loose over the paths Python reads
 # (virtme-ng's own root mount is uncached, and an uncached 9p lookup per import probe made `python -c pass` 6 s).
 share=(--qemu-opts="-fsdev local,id=plexdhost,path=/,security_model=none,readonly=on,multidevs=remap"
        --qemu-opts="-device virtio-9p-pci,fsdev=plexdhost,mount_tag=plexd-host")
 python_home=$(sed -n 's/^home = \(.*\)\/bin$/\1/p' "$REPO/.venv/pyvenv.cfg" 2>/dev/null || true)
-opts=(--run "$KIMG" --memory "$MEM" --cpus "$CPUS" "${accel[@]}" "${share[@]}" --append "module_blacklist=$BLACKLIST")
+opts=(--run "$KIMG" --memory "$MEM" --cpus "$CPUS" "${accel[@]}" "${share[@]}" --append "module_blacklist=$VM_BLACKLIST")
 [ -n "${PLEXD_VM_RWDIR:-}" ] && opts+=(--rwdir="$PLEXD_VM_RWDIR")
 [ "${PLEXD_VM_VERBOSE:-0}" = 1 ] && opts+=(--verbose)
 
