@@ -49,6 +49,7 @@ from plexd.identity.registrar import Registrar
 from plexd.identity.store import Identity, IdentityStore
 from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
+from plexd.system import systemd
 from plexd.system.systemd import notify
 from plexd.trust.integrity import HookScan, binary_checksum, capabilities_document, scan_hooks
 from plexd.trust.pathtrust import require_trusted
@@ -111,6 +112,7 @@ class Agent:
         self.phase = "starting"
         self.leaving: Leaving | None = None
         self.restarting = ""  # why this stop is a restart (an upgrade): the tunnels stay up, `run` returns 75
+        self.unit_restart = False  # systemd is restarting the unit (`systemctl restart`): the tunnels stay up
         self.stopped = asyncio.Event()  # the stop sequence is done (the interface is down, when it goes down)
         self.stop_deadline: float | None = None  # monotonic; set when the stop begins
 
@@ -146,7 +148,7 @@ class Agent:
         """Whether this stop removes the interface, peers and table: it deregisters (SIGTERM by default, or
         `plexd deregister`) and nothing fatal happened (a bug never takes the node off the mesh)."""
         return ((self.leaving is not None or self.config.shutdown.deregister) and not self.failed
-                and not self.restarting)
+                and not self.restarting and not self.unit_restart)
 
     def status_line(self) -> str:
         """What systemd shows as the unit's status."""
@@ -309,8 +311,11 @@ class Agent:
     async def stop(self, services: list[asyncio.Task[None]]) -> None:
         """Drain, stop `services`, deregister, tear down, run the final steps: within the stop budget."""
         self.stop_deadline = self.clock.monotonic() + STOP_BUDGET
-        self._set_phase(f"stopping to restart ({self.restarting}): finishing work in flight" if self.restarting
-                        else "stopping: finishing work in flight")
+        if not self.restarting and self.leaving is None and await asyncio.to_thread(systemd.restart_queued):
+            self.unit_restart = True
+            log.info("systemd is restarting plexd: the interface, peers and rules stay up for the next start")
+        self._set_phase(f"stopping to restart ({self.restarting or 'systemctl restart'}): finishing work in flight"
+                        if self.restarting or self.unit_restart else "stopping: finishing work in flight")
         notify("STOPPING=1")
         await self._run_steps("drain")
         for task in services:

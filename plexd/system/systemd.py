@@ -89,6 +89,32 @@ def systemctl(*args: str, timeout: float = 60.0) -> str:
     return "" if done.returncode == 0 else (done.stderr.strip() or f"exit status {done.returncode}")
 
 
+def own_unit(cgroup_file: str = "/proc/self/cgroup") -> str:
+    """The service unit this process runs in, from its cgroup ("plexd.service"), or ""."""
+    try:
+        with open(cgroup_file) as f:
+            path = f.read().splitlines()[0].rpartition(":")[2]
+    except (OSError, IndexError):
+        return ""
+    name = path.rstrip("/").rpartition("/")[2]
+    return name if name.endswith(".service") else ""
+
+
+def restart_queued(env: Mapping[str, str] | None = None, unit: str | None = None) -> bool:
+    """systemd is restarting this very unit (`systemctl restart plexd`, `try-restart`): its job for the unit is a
+    restart. A stop then is not the operator asking plexd to leave: the mesh stays up for the next start to adopt.
+    False outside a unit, and whenever systemd cannot be asked (a stop never waits more than 3 s for it)."""
+    unit = own_unit() if unit is None else unit
+    if not in_unit(env) or not unit:
+        return False
+    try:
+        done = subprocess.run(["systemctl", "list-jobs", "--no-legend", "--plain", unit], capture_output=True,
+                              text=True, timeout=3, check=False, env=child_environment())
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(line.split()[1:3] == [unit, "restart"] for line in done.stdout.splitlines())
+
+
 def watchdog_interval(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings (a third of WatchdogSec), or None when systemd did not ask for them."""
     env = os.environ if env is None else env

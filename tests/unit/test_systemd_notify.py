@@ -60,3 +60,30 @@ def test_without_watchdogsec_only_the_status_is_kept_current():
     dog = Watchdog(5, lambda: None, lambda: "connected, 0 peers", ping=False, send=lambda line: sent.append(line))
     dog.tick()
     assert sent == ["STATUS=connected, 0 peers"]
+
+
+def test_a_restart_of_the_unit_is_told_from_a_stop_by_its_job(tmp_path, monkeypatch):
+    """`systemctl restart plexd` keeps the tunnels up: the stop asks systemd whether the job for its own unit is a
+    restart (a stand-in systemctl here, printing what the real one prints; systemd as PID 1 runs the real one in
+    the systemd tier)."""
+    from plexd.system import systemd
+
+    cgroup = tmp_path / "cgroup"
+    cgroup.write_text("0::/system.slice/plexd.service\n")
+    assert systemd.own_unit(str(cgroup)) == "plexd.service"
+    cgroup.write_text("0::/user.slice/user-0.slice/session-3.scope\n")
+    assert systemd.own_unit(str(cgroup)) == ""
+    assert systemd.own_unit(str(tmp_path / "none")) == ""
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "systemctl"
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setattr(systemd, "booted", lambda: True)
+    env = {"INVOCATION_ID": "0123"}
+    for listed, restarting in (("17 plexd.service restart running\n", True), ("17 plexd.service stop running\n",
+                                                                              False), ("", False)):
+        fake.write_text(f"#!/bin/sh\nprintf '{listed}'\n")
+        fake.chmod(0o755)
+        assert systemd.restart_queued(env, unit="plexd.service") is restarting, listed
+    assert systemd.restart_queued({}, unit="plexd.service") is False  # not started by systemd
