@@ -249,7 +249,8 @@ class ActionDispatcher:
                 outcome = await self._run_builtin(target, request, timeout, running.cancel, on_output)
             else:
                 try:
-                    outcome = await run_process(target.hook.path, rq.hook_environment(self._node_id(), request),
+                    env = rq.hook_environment(self._node_id(), request, str(target.hook.path))
+                    outcome = await run_process(target.hook.path, env,
                                                 timeout=timeout, cap=self.config.output_cap,
                                                 kill_grace=self.config.kill_grace, cancel=running.cancel,
                                                 on_output=on_output, exec_fd=target.image.fd)

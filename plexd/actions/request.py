@@ -6,13 +6,15 @@ settled (PROJECT-DECISIONS.md, Actions row) any JSON scalar is accepted and stri
 a silent drop. A request without an ``execution_id`` cannot be acknowledged at all: `MissingExecutionId`.
 
 The hook's environment is exactly ``PATH`` and ``HOME`` (the daemon's), ``PLEXD_NODE_ID``,
-``PLEXD_EXECUTION_ID``, ``PLEXD_ACTION_NAME`` and one ``PLEXD_PARAM_<NAME>`` per parameter, ``<NAME>`` being the
-parameter's name with every character outside ``[A-Za-z0-9_]`` replaced by ``_``, upper-cased.
+``PLEXD_EXECUTION_ID``, ``PLEXD_ACTION_NAME``, ``PLEXD_HOOK_PATH`` and ``PLEXD_HOOKS_DIR`` (a hook, not a built-in)
+and one ``PLEXD_PARAM_<NAME>`` per parameter, ``<NAME>`` being the parameter's name with every character outside
+``[A-Za-z0-9_]`` replaced by ``_``, upper-cased.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -220,11 +222,15 @@ def check_declared(parameters: dict[str, str], declared: Any) -> None:
         raise InvalidRequest(f"parameters: required {', '.join(map(repr, missing))} missing")
 
 
-def hook_environment(node_id: str, request: ActionRequest) -> dict[str, str]:
-    """The hook's whole environment: the allow-list of `plexd.base.childenv`, the execution's names and its
-    parameters; nothing else of the daemon's (its bootstrap token least of all)."""
+def hook_environment(node_id: str, request: ActionRequest, hook_path: str = "") -> dict[str, str]:
+    """The hook's whole environment: the allow-list of `plexd.base.childenv`, the execution's names, where the hook
+    lives and its parameters; nothing else of the daemon's (its bootstrap token least of all). A hook runs from the
+    sealed copy that was hashed, so its `$0` is `/proc/self/fd/N`: `PLEXD_HOOK_PATH` (its file in hooks.dir) and
+    `PLEXD_HOOKS_DIR` are how it finds the files beside it (`. "$PLEXD_HOOKS_DIR/lib.sh"`)."""
     extra = {"PLEXD_NODE_ID": node_id, "PLEXD_EXECUTION_ID": request.execution_id,
              "PLEXD_ACTION_NAME": request.action}
+    if hook_path:
+        extra |= {"PLEXD_HOOK_PATH": hook_path, "PLEXD_HOOKS_DIR": os.path.dirname(hook_path)}
     for name, value in request.parameters.items():
         extra[env_name(name)] = value
     return child_environment(extra)

@@ -66,8 +66,13 @@ def start(lab, dp, daemons, tmp_path, extra: str = "", node_api: str = "") -> Da
 def test_hook_runs_once_and_replays_are_refused_live_and_after_a_restart(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
     work, hooks = workspace(lab, tmp_path)
+    # $0 is the sealed copy's /proc/self/fd/N: a file beside the hook is found through PLEXD_HOOKS_DIR
+    (hooks / "lib").mkdir(mode=0o755, parents=True)
+    (hooks / "lib" / "common.sh").write_text('say() { echo "$@"; }\n')
     write_hook(hooks, "record.sh", f'echo "$PLEXD_EXECUTION_ID $PLEXD_PARAM_TARGET $PLEXD_PARAM_DRY_RUN" '
-                                   f'>> {work}/runs\necho "target=$PLEXD_PARAM_TARGET node=$PLEXD_NODE_ID"\n'
+                                   f'>> {work}/runs\n. "$PLEXD_HOOKS_DIR/lib/common.sh"\n'
+                                   'say "target=$PLEXD_PARAM_TARGET node=$PLEXD_NODE_ID"\n'
+                                   '[ "$PLEXD_HOOK_PATH" = "$PLEXD_HOOKS_DIR/record.sh" ] || exit 9\n'
                                    'echo "to stderr" >&2\nexit 3\n',
                {"description": "records its runs", "timeout": "30s",
                 "parameters": [{"name": "target", "required": True}, {"name": "dry-run"}]})

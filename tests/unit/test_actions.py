@@ -82,6 +82,9 @@ def test_the_environment_is_exactly_the_documented_one(monkeypatch):
     assert rq.hook_environment("n_1", req) == {
         "PATH": "/bin", "LANG": "C.UTF-8", "HOME": "/root", "PLEXD_NODE_ID": "n_1", "PLEXD_EXECUTION_ID": "e1",
         "PLEXD_ACTION_NAME": "h", "PLEXD_PARAM_MY_PARAM_NAME_": "v"}
+    # a hook finds the files beside it by these ($0 is the sealed copy's /proc/self/fd/N)
+    hook = rq.hook_environment("n_1", req, "/etc/plexd/hooks.d/backup")
+    assert (hook["PLEXD_HOOK_PATH"], hook["PLEXD_HOOKS_DIR"]) == ("/etc/plexd/hooks.d/backup", "/etc/plexd/hooks.d")
 
 
 def test_declared_parameters_are_enforced():
