@@ -14,11 +14,12 @@ Admission: user = `target.ssh.user`, password = the session token, checked by `v
 `none` are refused; 3 tries per connection; a source address with too many failures is refused without a check.
 
 Limits: 4 logged-in connections per session; connections not logged in yet have their own budget, 4 per source
-address and 16 per session, where one more closes the oldest waiting (its address's first), so a client without
-a token cannot keep one with a token out; login grace 10 s from the TCP accept (handshake and authentication,
-never renewed); 10 session channels per connection, commands <= 1,024 bytes. Only
-`session` channels: no subsystem (sftp), agent or X11 forwarding, direct-tcpip or tcpip-forward; an `env`
-request is acknowledged by asyncssh but its variables are never applied (the environment is built here).
+address and 16 per session, where one more closes a waiting one: its address's oldest over the address's budget,
+else the oldest of the address holding the most (its own when that holds as many), so a client without a token
+cannot keep one with a token out, from one address or several; login grace 10 s from the TCP accept (handshake
+and authentication, never renewed); 10 session channels per connection, commands <= 1,024 bytes. Only `session`
+channels: no subsystem (sftp), agent or X11 forwarding, direct-tcpip or tcpip-forward; an `env` request is
+acknowledged by asyncssh but its variables are never applied (the environment is built here).
 
 Each channel runs one process as the target user (uid, gid, supplementary groups, home, login shell), with the
 scrubbed environment of `ssh_process.login_environment`, in a session of its own, on a pty when one was asked
@@ -53,6 +54,7 @@ import socket
 import struct
 import termios
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -84,8 +86,8 @@ log = logging.getLogger(__name__)
 install_saslprep_fast_path()
 
 MAX_CONNECTIONS = 4  # logged in, per session
-# Not logged in yet: a budget of their own, per source address and per session. One more closes the oldest waiting
-# (its address's first): a client that connects and says nothing keeps nobody out, however often it connects.
+# Not logged in yet: a budget of their own, per source address and per session. One more closes a waiting one of its
+# address, or of the busiest address: a client that connects and says nothing keeps nobody out, however often.
 MAX_WAITING_PER_SOURCE = 4
 MAX_WAITING = 16
 MAX_CHANNELS = 10
@@ -231,11 +233,20 @@ class SshSessionServer:
         return sum(c.authenticated for c in self.connections)
 
     def wait_for_login(self, conn: _Connection) -> None:
-        """`conn` waits to log in (asyncssh's login timeout, from the accept, never renewed); over its address's
-        budget or the session's, the oldest waiting connection (its address's first) is closed."""
+        """`conn` waits to log in (asyncssh's login timeout, from the accept, never renewed). Over its address's
+        budget, that address's oldest waiting connection is closed; over the session's, the oldest of the address
+        holding the most waiting ones, `conn`'s own when it holds as many (as `plexd.access.k8s` displaces): the
+        session's oldest could be a quiet address's only one."""
         same = [c for c in self.waiting if c.source == conn.source]
-        oldest = same[0] if len(same) >= MAX_WAITING_PER_SOURCE else (
-            next(iter(self.waiting)) if len(self.waiting) >= MAX_WAITING else None)
+        oldest = None
+        if len(same) >= MAX_WAITING_PER_SOURCE:
+            oldest = same[0]
+        elif len(self.waiting) >= MAX_WAITING:
+            counts = Counter(c.source for c in self.waiting)
+            busiest = max(counts, key=counts.__getitem__)
+            if counts[conn.source] >= counts[busiest]:
+                busiest = conn.source
+            oldest = next(c for c in self.waiting if c.source == busiest)
         if oldest is not None:
             self.counters.dropped_waiting += 1
             oldest.drop("too many connections waiting to log in")

@@ -5,11 +5,13 @@ Raw clients (a `psql`, a browser) must keep working, so there is no in-band toke
 a source is plexd's firewall (a per-session rule for the mesh peers the policy allows, added by the engine), and
 the listener binds the node's mesh IP only, never all interfaces. That rule is this session's authentication:
 there is no "pre-authentication" phase to budget, so what keeps one allowed peer from starving the others is a
-cap per source address (`max_per_source` of the `max_connections`; one more is closed at once and counted) and
-an idle timeout per connection (`connection_idle`: no byte either way that long and the connection is closed),
-so a peer's silent connections neither take every slot nor hold theirs for the session's whole life. Unlike Go
-(one connection at a time), up to `max_connections` run at once. Bytes are spliced in the kernel
-(`plexd.access.splice`).
+share per source address enforced under contention, and an idle timeout per connection (`connection_idle`: no
+byte either way that long and the connection is closed), so a peer's silent connections neither keep the others
+out nor hold their slots for the session's whole life. While there is room any source may connect (a browser's
+6 connections to a host, and a WebSocket or a preconnect besides). When all `max_connections` are taken, a
+newcomer from a source holding fewer than `max_per_source` closes the newest connection of the source holding
+the most, if that holds more; else the newcomer is closed at once, counted. Unlike Go (one connection at a time),
+up to `max_connections` run at once. Bytes are spliced in the kernel (`plexd.access.splice`).
 
 The target is resolved once, when the session opens, and every connection dials those addresses: a DNS answer
 that changes later (rebinding) cannot move the session to another host. A host name that resolves to a
@@ -24,6 +26,7 @@ listener is bound, and `session_ended` with the bytes each way and `terminated_b
 from __future__ import annotations
 
 import asyncio
+import inspect
 import ipaddress
 import logging
 import socket
@@ -43,7 +46,7 @@ from plexd.base.hostname import is_ip
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 8
-MAX_PER_SOURCE = 6  # of the 8 for one address: a browser opens up to 6 connections to a host, 2 stay for others
+MAX_PER_SOURCE = 6  # a source's share of the 8 once all are taken (a browser's per-host count); more while free
 # A connection with no byte either way this long is closed (the session's idle_timeout when it has one); a pool's
 # idle connection (HikariCP, pgbouncer: 10 min) is checked or reopened by the pool anyway.
 CONNECTION_IDLE = 600.0
@@ -60,7 +63,8 @@ TERMINATIONS = ("ttl_expired", "idle_timeout", "plexd_close", "operator_revoke")
 class TcpCounters:
     connections: int = 0
     refused_over_cap: int = 0
-    refused_per_source: int = 0
+    refused_per_source: int = 0  # all slots taken, and its source already held its share
+    dropped_over_share: int = 0  # all slots taken, its source over its share: closed for another's newcomer
     idle_closed: int = 0
     dial_failures: int = 0
     bytes_in: int = 0  # operator → target
@@ -90,7 +94,7 @@ class TcpSession:
         self._now = now
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._conns: set[asyncio.Task[None]] = set()
+        self._conns: dict[asyncio.Task[None], tuple[str, socket.socket]] = {}  # source and client, oldest first
         self._watch: asyncio.Task[None] | None = None
         self.last_activity = now()
         self.port = 0
@@ -155,25 +159,47 @@ class TcpSession:
         assert self._listener is not None
         async for client, addr in accept_forever(self._listener, f"tcp session {self.session.session_id}"):
             source = str(addr[0])
-            if self.closed is not None or len(self._conns) >= self.max_connections:
-                self.counters.refused_over_cap += 1
-                client.close()
-                continue
-            if self._per_source[source] >= self.max_per_source:
-                self.counters.refused_per_source += 1
+            refused = "refused_over_cap" if self.closed is not None else self._make_room(source)
+            if refused:
+                setattr(self.counters, refused, getattr(self.counters, refused) + 1)
                 client.close()
                 continue
             client.setblocking(False)
             task = asyncio.create_task(self._forward(client), name=f"plexd:tcp-conn:{self.session.session_id}")
-            self._conns.add(task)
+            self._conns[task] = (source, client)
             self._per_source[source] += 1
-            task.add_done_callback(lambda t, s=source: self._ended(t, s))
+            task.add_done_callback(self._ended)
 
-    def _ended(self, task: asyncio.Task[None], source: str) -> None:
-        self._conns.discard(task)
-        self._per_source[source] -= 1
-        if not self._per_source[source]:
-            del self._per_source[source]
+    def _make_room(self, source: str) -> str:
+        """Room for one more connection from `source`, when all are taken made by closing the newest connection of
+        the source holding the most, if that holds more than its share and `source` less; else the counter of
+        why there is none."""
+        if len(self._conns) < self.max_connections:
+            return ""
+        if self._per_source[source] >= self.max_per_source:
+            return "refused_per_source"
+        busiest, most = self._per_source.most_common(1)[0]
+        if most <= self.max_per_source:
+            return "refused_over_cap"  # every source within its share: first come, first served
+        newest = next(t for t, (s, _) in reversed(self._conns.items()) if s == busiest)
+        client = self._conns[newest][1]
+        self.counters.dropped_over_share += 1
+        # A task cancelled before its first step (accepted in the same burst: `sock_accept` does not yield while
+        # the backlog holds connections) never runs its `finally`: its socket is closed here.
+        never_ran = inspect.getcoroutinestate(newest.get_coro()) == inspect.CORO_CREATED
+        self._ended(newest)  # its slot is the newcomer's at once
+        newest.cancel()
+        if never_ran:
+            client.close()
+        return ""
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        held = self._conns.pop(task, None)
+        if held is None:
+            return  # displaced: already gone from the counts
+        self._per_source[held[0]] -= 1
+        if not self._per_source[held[0]]:
+            del self._per_source[held[0]]
 
     async def _dial(self) -> socket.socket:
         loop = asyncio.get_running_loop()
@@ -244,7 +270,8 @@ class TcpSession:
         return {"session_id": self.session.session_id, "kind": "tcp", "listener_endpoint": self.listener_endpoint,
                 "target": f"{self.target.host}:{self.target.port}", "connections": self.live_connections,
                 "accepted": self.counters.connections, "refused_over_cap": self.counters.refused_over_cap,
-                "refused_per_source": self.counters.refused_per_source, "idle_closed": self.counters.idle_closed,
+                "refused_per_source": self.counters.refused_per_source,
+                "dropped_over_share": self.counters.dropped_over_share, "idle_closed": self.counters.idle_closed,
                 "dial_failures": self.counters.dial_failures, "bytes_in": self.counters.bytes_in,
                 "bytes_out": self.counters.bytes_out, "closed": self.closed}
 

@@ -11,14 +11,25 @@ A knob forwards whatever arrives, to anywhere the routing table leads (the bridg
 knob is turned on before its limits are in place: table `inet plexd_bridge`, the bridge's own, drops what arrives
 on a forwarding interface for anywhere its parts do not name (`Forward.to`), replies of allowed flows aside:
 
+    meta mark 0x706c7278 accept comment "plexd-bridge relay fast path"
     iifname "wg-access" ct state established,related accept
     iifname "wg-access" ip daddr 10.100.0.0/16 accept        an access peer: the mesh range, all a policy names
     iifname "wg-access" counter drop comment "plexd-bridge wg-access <digest>"
 
-It only narrows: the firewall's `inet plexd` still decides by the policy what passes within the limits. A LAN
+The relay's kernel fast path (`plexd.bridge.fastpath`) forwards relayed WireGuard packets untracked (no
+`established` to match) and marked: accepted first, they pass when the relay's interface is also a LAN limited
+here. It only narrows: the firewall's `inet plexd` still decides by the policy what passes within the limits. A LAN
 (`Forward.lan`) is limited only while plexd is the one that turned its knob on: one already forwarding is this
 machine's router, as its operator made it. A limit missing or changed is drift, as a knob turned off is
-(`limit_drift`): the next converge puts it back and says so.
+(`limit_drift`): the next converge puts it back and says so; a limit that cannot be written (a malformed prefix,
+nftables refusing it) is an error line, its knob left off.
+
+Blocking: libnftables is called on the event loop here, where the firewall and the fast path call it in a worker
+thread. The ledger's callers (`plexd.bridge.wgif`: observe, apply, remove) use it synchronously, and that order
+is the guarantee (the limits in place before a knob is written, the knobs put back before the limits go); the
+calls are small and rare: a listing of this table of a few rules at most once per LIVE_FOR, a transaction only
+when the limits change or drifted, about 3 ms each (measured beside a 1,000-rule table). Moving them to a thread
+means making those callers await the ledger, with the firewall's care for a cancelled converge (`_write`).
 """
 
 from __future__ import annotations
@@ -37,12 +48,14 @@ from typing import Any
 from plexd.base.atomicfile import write_atomic
 from plexd.base.boundedjson import loads
 from plexd.base.errors import PlexdError, WireFormatError
+from plexd.bridge.fastpath import MARK
 
 log = logging.getLogger(__name__)
 
 PROC = "/proc/sys/net/ipv4/conf"
 MAX_LEDGER = 1 << 16
 GUARD_TABLE = "plexd_bridge"
+FAST_PATH_KEY = "plexd-bridge relay fast path"  # the comment of the rule accepting the fast path's packets
 LIVE_FOR = 1.0  # seconds a read of the live table answers for: every wanted interface asks at each observe
 
 
@@ -68,7 +81,8 @@ def guard_script(limits: Mapping[str, Iterable[str]]) -> str:
     lines = [f"table inet {GUARD_TABLE}", f"delete table inet {GUARD_TABLE}"]
     if limits:
         lines += [f"table inet {GUARD_TABLE} {{", "  chain forward {",
-                  "    type filter hook forward priority filter; policy accept;"]
+                  "    type filter hook forward priority filter; policy accept;",
+                  f'    meta mark {MARK:#x} accept comment "{FAST_PATH_KEY}"']
         for interface, prefixes in sorted(limits.items()):
             lines += [f"    {rule}" for rule in _limit_rules(interface, prefixes)]
         lines += ["  }", "}"]
@@ -146,12 +160,14 @@ class ForwardingLedger:
             return ""
         try:
             live = self._live_keys()
-        except (OSError, ValueError, PlexdError) as e:  # unreadable: not known to be in place
-            log.debug("bridge: reading table inet %s: %s", GUARD_TABLE, e)
-            return "missing"
-        if _limit_key(interface, limit) in live:
+            key = _limit_key(interface, limit)
+        except (OSError, ValueError, PlexdError) as e:  # unreadable or unwritable: not known to be in place
+            log.debug("bridge: the limit on %s in table inet %s: %s", interface, GUARD_TABLE, e)
+            return "missing"  # the next apply tries it, and says why it cannot
+        if key in live and FAST_PATH_KEY in live:
             return ""
-        return "differs" if any(k.startswith(f"plexd-bridge {interface} ") for k in live) else "missing"
+        return "differs" if FAST_PATH_KEY in live and any(k.startswith(f"plexd-bridge {interface} ")
+                                                          for k in live) else "missing"
 
     def enable(self, forward: Forward, holder: str) -> bool:
         """Forwarding on for packets arriving on `forward.interface`, held by `holder` (the bridge interface that
@@ -193,9 +209,9 @@ class ForwardingLedger:
     def _apply_limits(self) -> None:
         if self.guard is None:
             return
-        script = guard_script(self.limits())
-        wanted = self._wanted_keys()
-        try:
+        try:  # a malformed prefix too: an error line for the caller, never an exception out of its converge
+            script = guard_script(self.limits())
+            wanted = self._wanted_keys()
             if script == self._installed and wanted <= self._live_keys():
                 return  # as this process left it, and still there
             self.guard.run_script(script)
@@ -206,7 +222,8 @@ class ForwardingLedger:
         self._live = (self.clock(), wanted)
 
     def _wanted_keys(self) -> frozenset[str]:
-        return frozenset(_limit_key(i, p) for i, p in self.limits().items())
+        keys = {_limit_key(i, p) for i, p in self.limits().items()}
+        return frozenset({*keys, FAST_PATH_KEY} if keys else keys)
 
     def _live_keys(self) -> frozenset[str]:
         now = self.clock()

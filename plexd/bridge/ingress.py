@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 
 from plexd.base.atomicfile import write_atomic
 from plexd.bridge.blocks import Ingress, IngressRule
-from plexd.bridge.ingress_port import IngressPort
+from plexd.bridge.ingress_port import IDLE_TIMEOUT, MAX_PER_SOURCE, IngressPort
 from plexd.bridge.once import OnceLog
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
@@ -84,10 +84,13 @@ class IngressDomain:
     name = "ingress"
 
     def __init__(self, data_dir: str, *, host: str = "0.0.0.0", mesh_range: Sequence[str] = (),
-                 allowed_sources: Sequence[str] = ()) -> None:
+                 allowed_sources: Sequence[str] = (), idle_timeout: float = IDLE_TIMEOUT,
+                 max_per_source: int = MAX_PER_SOURCE) -> None:
+        """`idle_timeout`, `max_per_source`: each port's (`plexd.bridge.ingress_port`), from `bridge.ingress`."""
         self.host = host
         self.mesh = [ipaddress.ip_network(r, strict=False) for r in mesh_range]
         self.allowed_sources = tuple(allowed_sources)
+        self.idle_timeout, self.max_per_source = idle_timeout, max_per_source
         self.cert_dir = Path(data_dir) / "bridge"
         self._ports: dict[int, IngressPort] = {}
         self._served: dict[str, IngressRule] = {}  # rule id -> the rule as the ports serve it
@@ -178,7 +181,8 @@ class IngressDomain:
                 if current is not None:
                     await current.close()
                 current = IngressPort(self.host, port, allowed_sources=self.allowed_sources,
-                                      tls_context=self._context)
+                                      tls_context=self._context, idle_timeout=self.idle_timeout,
+                                      max_per_source=self.max_per_source)
                 try:
                     await current.start()
                 except OSError as e:

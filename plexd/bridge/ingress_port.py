@@ -4,12 +4,18 @@ A port serves one rule, or several `tcp` rules told apart by the server name of 
 (SNI, read with MSG_PEEK so the bytes still go to the target untouched). `tcp` rules splice bytes both ways
 (`plexd.access.splice`); `terminate` rules end TLS here with the rule's certificate and forward plain TCP.
 
-Bounded: connections per port are capped (over the cap: closed, counted), 64 of them per source address. A
-connection whose client has not sent a byte yet is waiting: 8 such per source address and 64 per port, where one
-more closes the oldest (its address's first), so a client that connects and says nothing keeps nobody out. A
-client has 10 s from the accept to send its first byte (its ClientHello, where one is read; never renewed), the
-target 10 s to answer a dial, and a connection ends after 5 minutes without a byte either way. Sources outside
-`bridge.ingress.allowed_sources` (when set) are closed at once, counted. Nothing is logged per connection.
+Bounded: 256 connections per port. A source is an address, but an IPv6 /64 is one source (a host or LAN picks its
+addresses from a whole /64). A connection waits until it forwards its first byte, either way (a silent client, a
+ClientHello being read, a target being dialled): 8 such per source and 64 per port. A newcomer over its source's
+waiting budget closes that source's oldest waiting connection; over the port's, or to a full port, the oldest
+waiting one of the source holding the most (its own source's when that holds as many), so clients that connect and
+say nothing keep nobody out. To a full port where every connection forwards, a newcomer whose source holds less
+than its share (`bridge.ingress.max_per_source`, 64) closes the newest connection of the source holding the most,
+if that holds more; else the newcomer is closed, counted. While there is room a source may hold more than its share
+(an office behind one NAT). The first byte, either way, must come within 10 s of the accept (a ClientHello where
+one is read; never renewed), the target has 10 s to answer a dial, and a connection ends after
+`bridge.ingress.idle_timeout` (1 hour) without a byte either way. Sources outside `bridge.ingress.allowed_sources`
+(when set) are closed at once, counted. Nothing is logged per connection.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import logging
 import socket
 import ssl
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,11 +40,11 @@ from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 256  # per port
-MAX_PER_SOURCE = 64  # of one source address: no client takes every slot, even one that talks
-MAX_WAITING_PER_SOURCE = 8  # connections whose client has not sent a byte yet
+MAX_PER_SOURCE = 64  # a source's share of a full port (bridge.ingress.max_per_source)
+MAX_WAITING_PER_SOURCE = 8  # connections that have not forwarded a byte yet
 MAX_WAITING = 64
-HELLO_TIMEOUT = 10.0  # from the accept to the client's first byte
-IDLE_TIMEOUT = 300.0  # without a byte either way
+HELLO_TIMEOUT = 10.0  # from the accept to the first byte either way
+IDLE_TIMEOUT = 3600.0  # without a byte either way (bridge.ingress.idle_timeout): pools and quiet streams last
 DIAL_TIMEOUT = 10.0
 CHUNK = 1 << 16
 
@@ -46,9 +53,10 @@ CHUNK = 1 << 16
 class PortCounters:
     accepted: int = 0
     refused_over_cap: int = 0
-    refused_per_source: int = 0  # its address already held MAX_PER_SOURCE
+    refused_per_source: int = 0  # the port full, and its source already held its share
     refused_source: int = 0
-    dropped_waiting: int = 0  # closed before its first byte, to make room for a newer connection
+    dropped_waiting: int = 0  # closed before it forwarded a byte, to make room for a newer connection
+    dropped_over_share: int = 0  # the port full, its source over its share: closed for another source's newcomer
     dropped_silent: int = 0  # no byte within HELLO_TIMEOUT
     dropped_idle: int = 0
     no_rule: int = 0  # no rule for the server name the client asked for (or no name, or not TLS)
@@ -62,11 +70,12 @@ class PortCounters:
 @dataclass(eq=False)
 class _Client:
     sock: socket.socket
-    source: str
+    source: str  # `source_key` of its address
     last: float  # time.monotonic() of the last byte either way (of the accept, before any)
     task: asyncio.Task[None] = field(init=False)
     timer: asyncio.TimerHandle | None = None
-    spoke: bool = False  # the client has sent a byte
+    heard: bool = False  # a byte came, either way
+    started: bool = False  # its task has run (one cancelled before its first step never runs its `finally`)
 
     def unread(self) -> bool:
         """Bytes from the client wait in its socket (its task has not read them yet)."""
@@ -78,8 +87,10 @@ class _Client:
 
 class IngressPort:
     def __init__(self, host: str, port: int, *, allowed_sources: Sequence[str] = (),
-                 tls_context: Callable[[IngressRule], ssl.SSLContext]) -> None:
+                 tls_context: Callable[[IngressRule], ssl.SSLContext], idle_timeout: float = IDLE_TIMEOUT,
+                 max_per_source: int = MAX_PER_SOURCE) -> None:
         self.host, self.port = host, port
+        self.idle_timeout, self.max_per_source = idle_timeout, max_per_source
         self.rules: dict[str, IngressRule] = {}  # by hostname ("" for the port's only rule)
         self.allowed = [ipaddress.ip_network(c, strict=False) for c in allowed_sources]
         self._tls_context = tls_context
@@ -87,7 +98,7 @@ class IngressPort:
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._conns: dict[asyncio.Task[None], _Client] = {}
-        self._waiting: dict[asyncio.Task[None], _Client] = {}  # no byte from the client yet, oldest first
+        self._waiting: dict[asyncio.Task[None], _Client] = {}  # no byte forwarded yet, oldest first
         self._serving: dict[asyncio.Task[Any], IngressRule] = {}  # each live connection's rule, once picked
 
     @property
@@ -133,11 +144,11 @@ class IngressPort:
         assert self._listener is not None
         loop = asyncio.get_running_loop()
         async for client, address in accept_forever(self._listener, f"ingress port {self.port}"):
-            source = address[0]
-            if self.allowed and not self._admitted(source):
+            if self.allowed and not self._admitted(address[0]):
                 self.counters.refused_source += 1
                 client.close()
                 continue
+            source = source_key(address[0])
             refused = self._make_room(source)
             if refused:
                 setattr(self.counters, refused, getattr(self.counters, refused) + 1)
@@ -152,37 +163,52 @@ class IngressPort:
             conn.timer = loop.call_later(HELLO_TIMEOUT, self._check, conn)
 
     def _make_room(self, source: str) -> str:
-        """Room for one more connection from `source`, closing the oldest silent waiting one (its address's first)
-        where a waiting budget or the port is full; else the counter of why there is none."""
-        same = [c for c in self._waiting.values() if c.source == source]
-        if len(same) >= MAX_WAITING_PER_SOURCE:
-            self._drop_oldest_silent(same)
-        if len(self._waiting) >= MAX_WAITING or len(self._conns) >= MAX_CONNECTIONS:
-            self._drop_oldest_silent(list(self._waiting.values()))
-        if len(self._conns) >= MAX_CONNECTIONS:
-            return "refused_over_cap"
-        if sum(c.source == source for c in self._conns.values()) >= MAX_PER_SOURCE:
+        """Room for one more connection from `source`, made by closing a waiting one where a waiting budget or the
+        port is full, or a connection of a source over its share where the port is full and none waits; else the
+        counter of why there is none."""
+        own = [c for c in self._waiting.values() if c.source == source]
+        if len(own) >= MAX_WAITING_PER_SOURCE:
+            self._drop(own[0], "dropped_waiting")
+        elif self._waiting and (len(self._waiting) >= MAX_WAITING or len(self._conns) >= MAX_CONNECTIONS):
+            self._drop(self._oldest_of_busiest(source), "dropped_waiting")
+        if len(self._conns) < MAX_CONNECTIONS:
+            return ""
+        held = Counter(c.source for c in self._conns.values())
+        busiest, most = held.most_common(1)[0]
+        if held[source] >= self.max_per_source:
             return "refused_per_source"
+        if most <= self.max_per_source:
+            return "refused_over_cap"  # every source within its share: first come, first served
+        self._drop(next(c for c in reversed(self._conns.values()) if c.source == busiest), "dropped_over_share")
         return ""
 
-    def _drop_oldest_silent(self, waiting: list[_Client]) -> None:
-        for conn in waiting:
-            if not self._heard(conn):
-                self.counters.dropped_waiting += 1
-                self._end(conn)
-                return
+    def _oldest_of_busiest(self, source: str) -> _Client:
+        """The oldest waiting connection of the source holding the most waiting ones; `source`'s own when it holds
+        as many (a newcomer never takes another source's place to hold more than it)."""
+        counts = Counter(c.source for c in self._waiting.values())
+        busiest = max(counts, key=counts.__getitem__)
+        if counts[source] >= counts[busiest]:
+            busiest = source
+        return next(c for c in self._waiting.values() if c.source == busiest)
 
-    def _heard(self, conn: _Client, sent: bool = False) -> bool:
-        """Whether `conn`'s client has sent a byte (`sent`: it just did); one that has no longer waits."""
-        conn.spoke = conn.spoke or sent or conn.unread()
-        if conn.spoke:
-            self._waiting.pop(conn.task, None)
-        return conn.spoke
+    def _drop(self, conn: _Client, counter: str) -> None:
+        setattr(self.counters, counter, getattr(self.counters, counter) + 1)
+        self._end(conn)
+
+    def _heard(self, conn: _Client) -> bool:
+        """Whether a byte came on `conn`, either way (or waits in its socket, its task not having read it yet)."""
+        conn.heard = conn.heard or conn.unread()
+        return conn.heard
 
     def _end(self, conn: _Client) -> None:
-        """Gone from the counts at once; its task closes its sockets as it ends."""
+        """Gone from the counts at once; its task closes its sockets as it ends. A task cancelled before its first
+        step never runs at all (in a burst `sock_accept` returns without yielding, so a connection can be closed
+        for a newer one before its task started): its socket is closed here. A started task's is not: the loop may
+        still watch it, and its `finally` closes it."""
         self._ended(conn.task)
         conn.task.cancel()
+        if not conn.started:
+            conn.sock.close()
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         conn = self._conns.pop(task, None)
@@ -191,19 +217,19 @@ class IngressPort:
             conn.timer.cancel()
 
     def _check(self, conn: _Client) -> None:
-        """At HELLO_TIMEOUT: a client that has not sent a byte is closed. Then, every IDLE_TIMEOUT after the last
-        byte either way: an idle connection is closed."""
+        """At HELLO_TIMEOUT: a connection without a byte either way is closed. Then, every `idle_timeout` after the
+        last byte either way: an idle connection is closed."""
         if conn.task.done():
             return
         idle = time.monotonic() - conn.last
         if not self._heard(conn):
             self.counters.dropped_silent += 1
             self._end(conn)
-        elif idle >= IDLE_TIMEOUT:
+        elif idle >= self.idle_timeout:
             self.counters.dropped_idle += 1
             self._end(conn)
         else:
-            conn.timer = asyncio.get_running_loop().call_later(IDLE_TIMEOUT - idle, self._check, conn)
+            conn.timer = asyncio.get_running_loop().call_later(self.idle_timeout - idle, self._check, conn)
 
     def _admitted(self, source: str) -> bool:
         try:
@@ -215,10 +241,10 @@ class IngressPort:
         return any(ip.version == net.version and ip in net for net in self.allowed)
 
     async def _serve(self, conn: _Client) -> None:
+        conn.started = True
         client = conn.sock
         try:
             rule = await self._pick(client)
-            self._heard(conn)  # its ClientHello, when one was peeked
             if rule is None:
                 self.counters.no_rule += 1
                 return
@@ -270,7 +296,7 @@ class IngressPort:
         except (ssl.SSLError, OSError, TimeoutError, ConnectionError):
             self.counters.tls_failures += 1
             return
-        self._heard(conn, sent=True)  # its ClientHello came
+        conn.heard = True  # its ClientHello came
         writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         up_reader, up_writer = await asyncio.open_connection(sock=upstream)
         try:
@@ -286,8 +312,11 @@ class IngressPort:
         def add(n: int) -> None:
             setattr(self.counters, counter, getattr(self.counters, counter) + n)
             conn.last = time.monotonic()
-            if counter == "bytes_in" and not conn.spoke:
-                self._heard(conn, sent=True)
+            # Either way: a server that speaks first (SMTP, FTP, IMAP, a push-only stream) answers for its silent
+            # client. Where a ClientHello is read the target is dialled only after it came, so only the client
+            # can be first there.
+            conn.heard = True
+            self._waiting.pop(conn.task, None)  # forwarding: it waits no more
         return add
 
     def status(self) -> Mapping[str, Any]:
@@ -295,9 +324,25 @@ class IngressPort:
         return {"listen_port": self.port, "listening": self.listening, "connections": self.active,
                 "waiting": len(self._waiting), "accepted": c.accepted, "refused_over_cap": c.refused_over_cap,
                 "refused_per_source": c.refused_per_source, "refused_source": c.refused_source,
-                "dropped_waiting": c.dropped_waiting, "dropped_silent": c.dropped_silent,
-                "dropped_idle": c.dropped_idle, "no_rule": c.no_rule, "dial_failures": c.dial_failures,
-                "tls_failures": c.tls_failures, "bytes_in": c.bytes_in, "bytes_out": c.bytes_out}
+                "dropped_waiting": c.dropped_waiting, "dropped_over_share": c.dropped_over_share,
+                "dropped_silent": c.dropped_silent, "dropped_idle": c.dropped_idle, "no_rule": c.no_rule,
+                "dial_failures": c.dial_failures, "tls_failures": c.tls_failures, "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out}
+
+
+def source_key(address: str) -> str:
+    """Whom a connection from `address` counts against: the address, but an IPv6 /64 is one source (a host or a
+    LAN picks addresses from a whole /64 at will), and an IPv4-mapped address (an IPv4 client of a dual-stack
+    listener) is its IPv4 address, not the /64 all of IPv4 maps into."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.version == 6:
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 async def _dial(target: tuple[str, int]) -> socket.socket:

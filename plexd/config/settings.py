@@ -40,7 +40,8 @@ README (PROJECT-DECISIONS.md, Config row)::
     bridge: {relay: {listen: "0.0.0.0:51821",          # mode bridge: the UDP relay (plexd.bridge)
                      fastpath_address: ""},            # the relay's IPv4 address: forward stable flows in nftables
              site_to_site: {allow_default_route: false},  # a tunnel whose remote subnet is 0.0.0.0/0 or ::/0
-             ingress: {listen_address: "0.0.0.0", allowed_sources: []}}  # empty: any source may connect
+             ingress: {listen_address: "0.0.0.0", allowed_sources: [],   # empty: any source may connect
+                       idle_timeout: 1h, max_per_source: 64}}   # a source's share of a full port
     access: {enabled: true,                   # SSH/TCP/Kubernetes sessions the control plane grants (plexd.access)
              kubernetes: {url: "", token_file: "", ca_file: ""}}   # empty url: the in-cluster environment, if any
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
@@ -387,6 +388,13 @@ class IngressConfig:
 
     listen_address: str = _f("0.0.0.0")  # the bridge's public address; all IPv4 addresses by default
     allowed_sources: tuple[str, ...] = _f((), "list", cidrs=True)  # empty: anyone (ingress is public)
+    # A connection with no byte either way this long is closed. Long: a pool's database connections, a quiet
+    # WebSocket or event stream sit silent for many minutes.
+    idle_timeout: float = _f(3600.0, "duration", min=10, max=7 * 86400)
+    # Of a port's 256 connections, what one source (an address; an IPv6 /64) may hold once the port is full: a
+    # newcomer from a source under it then closes the newest of the busiest source's, if that is over it. While
+    # there is room a source may hold more (an office behind one NAT).
+    max_per_source: int = _f(64, min=1, max=256)
 
 
 @dataclass(frozen=True)

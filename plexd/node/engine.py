@@ -49,7 +49,9 @@ def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda:
         *(bridge.bridge_interfaces(config) if bridge is not None else []),
         *([bridge.IngressDomain(config.data_dir, host=config.bridge.ingress.listen_address,
                                 mesh_range=config.policy.mesh_range,
-                                allowed_sources=config.bridge.ingress.allowed_sources)] if serving else []),
+                                allowed_sources=config.bridge.ingress.allowed_sources,
+                                idle_timeout=config.bridge.ingress.idle_timeout,
+                                max_per_source=config.bridge.ingress.max_per_source)] if serving else []),
         *([NatEndpointDomain(nat)] if nat is not None else []),
     ])
 

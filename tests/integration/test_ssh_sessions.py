@@ -15,6 +15,7 @@ import signal
 import stat
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import asyncssh
@@ -536,14 +537,19 @@ async def test_silent_connections_from_one_address_never_keep_a_client_out(accou
 
 
 async def test_connections_waiting_to_log_in_are_bounded_across_addresses(account, key_dir):
+    # Past the session's 16, the busiest address's oldest goes: the session's oldest was a quiet address's only one.
     async with Harness(account.name, key_dir) as h:
-        writers = []
-        for i in range(20):  # 4 from each of 5 loopback addresses: each within its own budget, 20 > 16 in all
-            reader, writer = await asyncio.open_connection("127.0.0.1", h.port, local_addr=(f"127.0.0.{2 + i // 4}", 0))
+        connected = []
+        for source in ["127.0.0.2", *(f"127.0.0.{3 + i // 4}" for i in range(16))]:  # 1, then 4 from each of 4
+            reader, writer = await asyncio.open_connection("127.0.0.1", h.port, local_addr=(source, 0))
             assert (await asyncio.wait_for(reader.readline(), 10)).startswith(b"SSH-2.0-")
-            writers.append(writer)
-        assert len(h.server.waiting) == 16 and h.server.counters.dropped_waiting == 4
-        assert {c.source for c in h.server.waiting} == {f"127.0.0.{n}" for n in range(3, 7)}  # the oldest went
+            connected.append((reader, writer))
+        assert len(h.server.waiting) == 16 and h.server.counters.dropped_waiting == 1
+        assert Counter(c.source for c in h.server.waiting) == {
+            "127.0.0.2": 1, "127.0.0.3": 3, "127.0.0.4": 4, "127.0.0.5": 4, "127.0.0.6": 4}
+        await asyncio.wait_for(connected[1][0].read(), 5)  # the first busy address's oldest, not the quiet one
+        assert connected[1][0].at_eof() and not connected[0][0].at_eof()
+        writers = [writer for _, writer in connected]
         rc, _, err = await h.ssh(h.token(), "true")
         assert rc == 0, err
         for writer in writers:

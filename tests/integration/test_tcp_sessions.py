@@ -197,7 +197,8 @@ async def test_an_accept_that_fails_for_want_of_descriptors_is_retried_and_the_l
 
 async def test_silent_connections_from_one_source_leave_room_for_another():
     # No token in a TCP session: the firewall admits only the peers the policy allows, and among those one source
-    # holds at most MAX_PER_SOURCE of the slots. Before, nine silent connects from one peer took all eight.
+    # holding all the slots gives one up to another source's newcomer. Before, nine silent connects from one peer
+    # took all eight.
     from waiting import scaled
 
     from plexd.access.tcp import MAX_CONNECTIONS
@@ -214,12 +215,65 @@ async def test_silent_connections_from_one_source_leave_room_for_another():
         writer.write(b"hello")
         assert await asyncio.wait_for(reader.readexactly(5), scaled(1.0)) == b"hello"
         assert time.monotonic() - started < scaled(1.0)
-        from plexd.access.tcp import MAX_PER_SOURCE
-
-        assert tcp.counters.refused_per_source == MAX_CONNECTIONS + 1 - MAX_PER_SOURCE
+        assert (tcp.counters.refused_per_source, tcp.counters.dropped_over_share) == (1, 1)
         writer.close()
         for _, w in silent:
             w.close()
+        await tcp.close("plexd_close")
+
+
+async def test_a_source_holds_more_than_its_share_while_there_is_room():
+    # A browser opens 6 connections to a host, and a WebSocket or a preconnect besides: at most 6 of 8 per source
+    # broke it with 2 slots free. The share counts once all 8 are taken.
+    from plexd.access.tcp import MAX_CONNECTIONS, MAX_PER_SOURCE
+
+    async def talk(source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        writer.write(b"hi")
+        return reader, writer
+
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1")
+        port = await tcp.start()
+        browser = [await talk("127.0.0.1") for _ in range(MAX_PER_SOURCE + 1)]  # 6 and a WebSocket
+        other = await talk("127.0.0.2")  # the eighth
+        for reader, _ in [*browser, other]:
+            assert await asyncio.wait_for(reader.readexactly(2), 5) == b"hi"
+        assert tcp.live_connections == MAX_CONNECTIONS and tcp.counters.refused_per_source == 0
+        third = await talk("127.0.0.3")  # all taken: the browser, over its share, gives up its newest
+        assert await asyncio.wait_for(third[0].readexactly(2), 5) == b"hi"
+        assert await asyncio.wait_for(browser[-1][0].read(), 5) == b""
+        late = await talk("127.0.0.2")  # all taken again, and nobody over its share: refused
+        assert await asyncio.wait_for(late[0].read(), 5) == b""
+        assert (tcp.counters.dropped_over_share, tcp.counters.refused_over_cap) == (1, 1)
+        assert not any(reader.at_eof() for reader, _ in [*browser[:-1], other, third])
+        for _, writer in [*browser, other, third, late]:
+            writer.close()
+        await tcp.close("plexd_close")
+
+
+async def test_a_connection_displaced_before_its_task_ran_is_closed():
+    # A burst in the backlog is accepted without a yield: a newcomer can displace a connection whose task never
+    # ran, and a task cancelled then never runs its `finally`: its socket was left to the garbage collector.
+    import warnings
+
+    from plexd.access.tcp import MAX_CONNECTIONS
+
+    loop = asyncio.get_running_loop()
+    async with Target() as target:
+        tcp = TcpSession(session(target.port), "127.0.0.1")
+        port = await tcp.start()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            burst = [socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{1 + (i // 8)}", 0))
+                     for i in range(MAX_CONNECTIONS + 1)]  # 8 from one source, then one from another: no yield
+            for client in burst:
+                client.setblocking(False)
+            assert await asyncio.wait_for(loop.sock_recv(burst[-2], 1), 5) == b""  # the first source's newest
+        assert tcp.counters.dropped_over_share == 1
+        assert not [w for w in caught if f"laddr=('127.0.0.1', {port})" in str(w.message)]  # closed, not collected
+        for client in burst:
+            client.close()
         await tcp.close("plexd_close")
 
 

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexd.bridge.blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
-from plexd.bridge.forwarding import Forward, ForwardingLedger
+from plexd.bridge.fastpath import MARK
+from plexd.bridge.forwarding import FAST_PATH_KEY, Forward, ForwardingLedger
 from plexd.bridge.keys import interface_key
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.user_access import access_specs
@@ -249,6 +250,44 @@ def test_a_lan_already_forwarding_is_left_alone_and_no_knob_goes_on_without_its_
     else:
         raise AssertionError("a knob went on without its limit")
     assert knob(proc, "wg-s2s-1") == "0" and knob(proc, "lan1") == "1"
+
+
+def test_the_relay_fast_paths_packets_pass_first_and_that_rule_gone_is_drift(tmp_path):
+    # The fast path forwards relayed packets untracked (no `established` to match) and marked. Arriving on the
+    # relay's interface, also a LAN whose forwarding plexd turned on for a tunnel, they met that LAN's drop.
+    nft, now = ScriptedNft(), [0.0]
+    proc = knobs(tmp_path, eth0="0")
+    ledger = ForwardingLedger(tmp_path / "data", proc, guard=nft, clock=lambda: now[0])
+    lan = Forward("eth0", ("172.30.0.0/16",), lan=True)
+    ledger.enable(lan, "wg-s2s-1")
+    chain = [line.strip() for line in nft.scripts[-1].splitlines()]
+    first = chain.index("type filter hook forward priority filter; policy accept;") + 1
+    assert chain[first] == f'meta mark {MARK:#x} accept comment "{FAST_PATH_KEY}"'  # before every interface's
+    assert chain[first + 1] == 'iifname "eth0" ct state established,related accept'
+    nft.comments.remove(FAST_PATH_KEY)  # deleted by hand
+    now[0] = 5.0
+    assert ledger.limit_drift("eth0") == "missing"
+    ledger.enable(lan, "wg-s2s-1")
+    assert FAST_PATH_KEY in nft.comments and ledger.limit_drift("eth0") == ""
+
+
+def test_a_malformed_prefix_is_an_error_line_never_an_exception_out_of_observe_or_teardown(tmp_path):
+    nft = ScriptedNft()
+    proc = knobs(tmp_path, plexd0="0", **{"wg-access": "0"})
+    ledger = ForwardingLedger(tmp_path / "data", proc, guard=nft)
+    ledger.enable(Forward("wg-access", ("10.100.0.0/16",)), "wg-access")
+    bad = Forward("plexd0", ("10.100.250.5/33",))
+    ledger.hold(bad, "wg-s2s-1")  # what an observe says a wanted interface needs
+    assert ledger.limit_drift("plexd0") == "missing"  # observe: not known to be in place, not a ValueError
+    try:
+        ledger.enable(bad, "wg-s2s-1")  # apply: OSError, an error line (`WgInterface.apply`)
+    except OSError as e:
+        assert "cannot be put in place" in str(e) and "10.100.250.5/33" in str(e)
+    else:
+        raise AssertionError("a malformed limit was put in place")
+    assert knob(proc, "plexd0") == "0"  # its knob stays off
+    [error] = ledger.release("wg-access")  # teardown: its knob goes back, the limits it cannot write a line
+    assert "cannot be put in place" in error and knob(proc, "wg-access") == "0"
 
 
 def test_a_corrupt_ledger_is_reported_and_the_daemon_goes_on(tmp_path, caplog):
