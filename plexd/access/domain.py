@@ -12,7 +12,8 @@ The plan, each change also its drift line:
                                                    names (target, allowed commands, expiry, idle), or on an old
                                                    mesh IP: its connections end (revoked), a new one is reported
     ListenerRestarted  session_listener_restarted  a listener the kernel no longer lists: a new one, reported
-    ListenerRebound    session_listener_restarted  a listener bound to a mesh interface since recreated: a new one
+    ListenerRebound    session_listener_rebound    a listener limited to a mesh interface since recreated: moved
+                                                   to the new one, in place (its port and connections stay)
     SessionUnenforced  session_closed              a listener while the policy is not enforced (nftables
                                                    unusable, or no table in place), or a TCP session's while
                                                    policy.enabled is false: closed, none opens meanwhile
@@ -109,13 +110,14 @@ class SessionUnenforced(Change):
 
 @dataclass(frozen=True)
 class ListenerRebound(Change):
-    correction_type: ClassVar[str] = "session_listener_restarted"
+    correction_type: ClassVar[str] = "session_listener_rebound"
     session_id: str
     endpoint: str
 
     @property
     def detail(self) -> str:
-        return f"session {self.session_id}: listener {self.endpoint} was bound to a mesh interface since recreated"
+        return (f"session {self.session_id}: listener {self.endpoint} took connections from a mesh interface since "
+                "recreated")
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,8 @@ class Listener(Protocol):
 
     def listening_sockets(self) -> list[Any]: ...
 
+    def rebind(self, index: int) -> None: ...
+
     def status(self) -> dict[str, Any]: ...
 
 
@@ -167,7 +171,7 @@ class Seen:
     listening: bool
     session: Session | None = None  # the entry it serves
     bind_host: str = ""
-    rebind: bool = False  # bound to an interface index the mesh interface no longer has (it was recreated)
+    rebind: bool = False  # limited to an interface index the mesh interface no longer has (it was recreated)
 
 
 @dataclass
@@ -260,7 +264,9 @@ class SessionsDomain:
                     await self._close(sid, change.reason)
                 elif isinstance(change, SessionUnenforced):
                     await self._close(sid, "plexd_close")
-                elif isinstance(change, ListenerRestarted | ListenerRebound):
+                elif isinstance(change, ListenerRebound):  # in place: the port and the connections stay
+                    self._live[sid].rebind(_interface_index(desired.interface))
+                elif isinstance(change, ListenerRestarted):
                     self._muted[sid].on = True
                     await self._close(sid, "plexd_close")
                     await self._open(want[sid], desired)

@@ -46,7 +46,7 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import idle_timeout, mesh_listener
+from plexd.access.serving import idle_timeout, mesh_listener, only_from
 from plexd.access.sessions import K8sTarget, Session, impersonation_problem
 from plexd.access.token import TokenRefused, verify_session_token
 
@@ -235,6 +235,7 @@ class K8sSession:
         self._server: asyncio.base_events.Server | None = None
         self._watch: asyncio.Task[None] | None = None
         self._conns: set[asyncio.Task[None]] = set()
+        self._sockets: dict[asyncio.Task[None], Any] = {}  # each connection's socket, for `rebind`
         self._pending: dict[asyncio.Task[None], str] = {}  # not yet authenticated, oldest first: task -> address
         self._handshakes: dict[str, asyncio.Semaphore] = {}  # per address with pending connections
         self.port = 0
@@ -281,12 +282,14 @@ class K8sSession:
             return
         self._conns.add(task)
         self._pending[task] = source
+        self._sockets[task] = writer.get_extra_info("socket")
         try:
             await self._serve(reader, writer, source)
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
             pass
         finally:
             self._conns.discard(task)
+            self._sockets.pop(task, None)
             self._pending.pop(task, None)
             if source not in self._pending.values():
                 self._handshakes.pop(source, None)
@@ -485,6 +488,13 @@ class K8sSession:
     def listening_sockets(self) -> list[Any]:
         """The listener's sockets (the sessions domain marks them for the firewall's session rules)."""
         return list(self._server.sockets) if self._server is not None and self.closed is None else []
+
+    def rebind(self, index: int) -> None:
+        """The mesh interface was recreated (index `index`): the listener and its connections take what arrives on
+        the new one (`plexd.access.serving.only_from`), keeping the port and the connections. OSError: not done."""
+        for sock in [*self.listening_sockets(), *(s for s in self._sockets.values() if s is not None)]:
+            only_from(sock, index)
+        self.device_index = index
 
     @property
     def listener_endpoint(self) -> str:

@@ -30,7 +30,6 @@ async def stop_serving(accepting: asyncio.Task[None] | None, listener: socket.so
     await asyncio.gather(*live, return_exceptions=True)
 
 
-SO_BINDTOIFINDEX = 62  # Linux 5.0+; not in Python's socket module
 SO_ATTACH_FILTER = 26
 _SKF_AD_IFINDEX = -0x1000 + 8  # classic BPF's ancillary load: the index of the interface the packet came in on
 _BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_RET_K = 0x20, 0x15, 0x06
@@ -39,16 +38,18 @@ _BPF_INSN = struct.Struct("=HBBI")  # struct sock_filter: code, jt, jf, k
 
 def mesh_listener(host: str, device: str | None, backlog: int = 64) -> tuple[socket.socket, int]:
     """A listening socket on `host`:0 (the kernel picks the port) that takes connections arriving on `device` only,
-    and that device's index (0: not bound to one, the tests' listeners on loopback with `device` None).
+    and that device's index (0: not limited to one, the tests' listeners on loopback with `device` None).
 
     A session's listener binds the node's mesh IP, but Linux answers for a local address on any interface (the
     weak host model), and the firewall's rules all match the mesh interface: a LAN neighbour routing the mesh IP
-    through this node, a container in the host's network namespace or a local user would reach the session around
-    the policy. So the kernel itself filters, in every policy mode: the socket is bound to the device (whatever
-    comes in elsewhere finds no listener), and a socket filter drops the rest by the interface each packet came in
-    on (a connection from this machine to its own mesh IP passes the binding: it arrives on `lo`). OSError (nothing
-    bound) when either cannot be done: the session does not open rather than open unenforced. A device recreated
-    later has another index: the listener must be made again (the sessions domain watches it)."""
+    through this node, a container in the host's network namespace or a local user (whose connection comes in on
+    `lo`) would reach the session around the policy. So the kernel itself filters, in every policy mode: a socket
+    filter drops every packet that did not come in on the mesh interface, the SYN on the listener and the rest on
+    each connection (which inherits the filter). Dropped, not reset: a mesh interface recreated later (a restarted
+    wireguard-go) has another index, and its connections wait, retransmitting, until `only_from` moves the filter
+    (the sessions domain does, keeping the port). Not SO_BINDTODEVICE: a socket bound to the old index would answer
+    the new interface's packets with resets. OSError (nothing bound) when the filter cannot be attached: the
+    session does not open rather than open unenforced."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     index = 0
@@ -56,10 +57,9 @@ def mesh_listener(host: str, device: str | None, backlog: int = 64) -> tuple[soc
         if device is not None:
             try:
                 index = socket.if_nametoindex(device)
-                sock.setsockopt(socket.SOL_SOCKET, SO_BINDTOIFINDEX, index)
-                _only_from(sock, index)
+                only_from(sock, index)
             except OSError as exc:
-                raise OSError(f"cannot bind the listener to the mesh interface {device} ({exc.strerror or exc}), "
+                raise OSError(f"cannot limit the listener to the mesh interface {device} ({exc.strerror or exc}), "
                               "so it would answer on every interface") from None
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
@@ -71,9 +71,8 @@ def mesh_listener(host: str, device: str | None, backlog: int = 64) -> tuple[soc
     return sock, index
 
 
-def _only_from(sock: socket.socket, index: int) -> None:
-    """Attach a classic BPF filter that passes only packets that came in on interface `index` (a listener's filter
-    is inherited by the connections it accepts)."""
+def only_from(sock: Any, index: int) -> None:
+    """Attach (or replace) a classic BPF filter that passes only packets that came in on interface `index`."""
     program = b"".join(_BPF_INSN.pack(*insn) for insn in (
         (_BPF_LD_W_ABS, 0, 0, _SKF_AD_IFINDEX & 0xFFFFFFFF),
         (_BPF_JEQ_K, 0, 1, index),

@@ -64,7 +64,7 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Audit, RecordCommand, Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import mesh_listener
+from plexd.access.serving import mesh_listener, only_from
 from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
@@ -220,6 +220,14 @@ class SshSessionServer:
     def listening_sockets(self) -> list[Any]:
         """The listener's sockets (the sessions domain marks them for the firewall's session rules)."""
         return list(self._server.sockets) if self._server is not None and self.closed is None else []
+
+    def rebind(self, index: int) -> None:
+        """The mesh interface was recreated (index `index`): the listener and its connections take what arrives on
+        the new one (`plexd.access.serving.only_from`), keeping the port and the connections. OSError: not done."""
+        conns = [c.conn.get_extra_info("socket") for c in self.connections if getattr(c, "conn", None) is not None]
+        for sock in [*self.listening_sockets(), *(s for s in conns if s is not None)]:
+            only_from(sock, index)
+        self.device_index = index
 
     def status(self) -> dict[str, Any]:
         return {"session_id": self.session.session_id, "kind": "ssh", "listener_endpoint": self.listener_endpoint,

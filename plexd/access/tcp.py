@@ -38,7 +38,7 @@ from typing import Any
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import accept_forever, idle_timeout, mesh_listener, stop_serving
+from plexd.access.serving import accept_forever, idle_timeout, mesh_listener, only_from, stop_serving
 from plexd.access.sessions import Session, TcpTarget
 from plexd.access.splice import relay
 from plexd.base.hostname import is_ip
@@ -248,6 +248,14 @@ class TcpSession:
     def listening_sockets(self) -> list[socket.socket]:
         """The listener's socket (the sessions domain marks it for the firewall's session rules)."""
         return [self._listener] if self._listener is not None and self._listener.fileno() != -1 else []
+
+    def rebind(self, index: int) -> None:
+        """The mesh interface was recreated (index `index`): the listener and its connections take what arrives on
+        the new one (`plexd.access.serving.only_from`), keeping the port and the connections. OSError: not done."""
+        for sock in [*self.listening_sockets(), *(client for _, client in self._conns.values())]:
+            if sock.fileno() != -1:
+                only_from(sock, index)
+        self.device_index = index
 
     async def close(self, reason: str) -> None:
         """Stop listening, end every connection, report `session_ended`. Idempotent."""

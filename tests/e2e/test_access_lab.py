@@ -29,6 +29,13 @@ def serve(c):
 while True:
     threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
 """
+HOLD = """
+import socket, sys
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=120)
+for line in sys.stdin:
+    c.sendall(line.strip().encode())
+    print(c.recv(65536).decode(), flush=True)
+"""
 SEND = """
 import socket, sys
 c = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)
@@ -128,9 +135,28 @@ def test_ssh_and_tcp_sessions_over_the_mesh(lab_dp):
         assert not connects(lab, b.node, host, int(port))
         echoed = lab.exec(a.node, [sys.executable, "-c", SEND, host, port, "still through"], check=False)
         assert echoed.stdout.strip() == "still through", echoed.stderr
+        # b's mesh interface deleted (its wireguard-go goes with it) and made again: a new interface index. The
+        # listener's filter is moved to it in place: the same port, and a connection open across it goes on.
+        held = lab.spawn(a.node.wrap([sys.executable, "-c", HOLD, host, port]), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+        try:
+            held.stdin.write("before\n")
+            held.stdin.flush()
+            assert held.stdout.readline().strip() == "before"
+            lab.exec(b.node, ["ip", "link", "del", "plexd0"])
+            for _ in range(2):  # the interface back, then the sessions see its new index (or an event's apply did)
+                b.cli("reconcile", "--once")
+            assert "session_listener_rebound" in b.logged(), b.logged()[-3000:]
+            held.stdin.write("across\n")
+            held.stdin.flush()
+            assert held.stdout.readline().strip() == "across"
+        finally:
+            held.kill()
+            held.wait()
+        assert listener_of(dp, b_id, tid) == f"{host}:{port}"
         dp.admin.revoke_session(b_id, tid)
         wait_until(lambda: any(x.get("phase") == "session_ended" and x.get("terminated_by") == "operator_revoke"
-                               and x.get("bytes_in") == len("hello through the session") + len("still through")
+                               and x.get("bytes_in") == len("hello through the sessionstill throughbeforeacross")
                                for x in activity(dp, b_id, tid, "tcp")), 10, "the TCP session's end and its bytes")
         assert not connects(lab, a.node, host, int(port))
 
