@@ -3,14 +3,17 @@
 `python -m bench relay_sessions [--sessions 100] [--seconds 10] [--pps 10000]` (no root needed: loopback only).
 The relay is the real one (`python -m plexd.bridge.standalone` on 127.0.0.1); each session's two ends are UDP
 sockets of this process speaking WireGuard's framing (an initiation, its response, then transport packets: the
-relay routes by their indices exactly as it does a real pair's; the payloads are not encrypted, which the relay
-never looks at). Reported: sessions that forwarded both ways, packets delivered and lost, one-way latency
+relay routes by their indices exactly as it does a real pair's; the handshakes carry the mac1 of each end's public
+key, listed in its session, which the relay checks; the payloads are not encrypted, which the relay never looks
+at). Reported: sessions that forwarded both ways, packets delivered and lost, one-way latency
 p50/p99 through the relay (sender and receiver share this process's clock), and the relay process's CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import hashlib
 import json
 import os
 import selectors
@@ -30,12 +33,19 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def initiation(sender: int) -> bytes:
-    return bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + bytes(140)
+def with_mac1(message: bytes, public_key: bytes) -> bytes:
+    """WireGuard's mac1 for the holder of `public_key`, in the 16 bytes before the message's last 16 (mac2)."""
+    key = hashlib.blake2s(b"mac1----" + public_key).digest()
+    at = len(message) - 32
+    return message[:at] + hashlib.blake2s(message[:at], key=key, digest_size=16).digest() + message[at + 16:]
 
 
-def response(sender: int, receiver: int) -> bytes:
-    return bytes([2, 0, 0, 0]) + struct.pack("<II", sender, receiver) + bytes(80)
+def initiation(sender: int, responder_key: bytes) -> bytes:
+    return with_mac1(bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + bytes(140), responder_key)
+
+
+def response(sender: int, receiver: int, initiator_key: bytes) -> bytes:
+    return with_mac1(bytes([2, 0, 0, 0]) + struct.pack("<II", sender, receiver) + bytes(80), initiator_key)
 
 
 def transport(receiver: int, sent_ns: int) -> bytes:
@@ -68,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     relay = Relay()
     target = ("127.0.0.1", relay.port)
     ends: list[tuple[socket.socket, socket.socket]] = []
+    keys = [(os.urandom(32), os.urandom(32)) for _ in range(args.sessions)]  # any 32 bytes serve as public keys
     try:
         docs = []
         for i in range(args.sessions):
@@ -82,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
             ends.append((a, b))
             docs.append({"session_id": f"rel_{i}", "peer_a_id": f"n_{i}_a",
                          "peer_a_endpoint": f"127.0.0.1:{a.getsockname()[1]}", "peer_b_id": f"n_{i}_b",
-                         "peer_b_endpoint": f"127.0.0.1:{b.getsockname()[1]}", "expires_at": EXPIRES})
+                         "peer_b_endpoint": f"127.0.0.1:{b.getsockname()[1]}", "expires_at": EXPIRES,
+                         "peer_a_public_key": base64.b64encode(keys[i][0]).decode(),
+                         "peer_b_public_key": base64.b64encode(keys[i][1]).decode()})
         answer = relay.command({"sessions": docs})
         assert answer.get("ok") and not answer.get("refused"), answer
         # Handshakes: a's index is 2i+1, b's 2i+2.
         for i, (a, b) in enumerate(ends):
-            a.sendto(initiation(2 * i + 1), target)
+            a.sendto(initiation(2 * i + 1, keys[i][1]), target)
             _wait_one(b)
-            b.sendto(response(2 * i + 2, 2 * i + 1), target)
+            b.sendto(response(2 * i + 2, 2 * i + 1, keys[i][0]), target)
             _wait_one(a)
         sel = selectors.DefaultSelector()
         for i, (a, b) in enumerate(ends):

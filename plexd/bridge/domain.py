@@ -4,8 +4,11 @@ control plane assigns (plexd-access-protocol.md §2).
 Desired: `desired.relay`, the sessions of the last listing (a state's `bridge.relay.sessions` or
 `relay_config.sessions`, or the set after a `relay_session_assigned` / `_revoked` event). Each new listing
 restarts the sessions' leases; while the control plane is unreachable they are refreshed, not expired
-(`plexd.bridge.relay`). Observed: whether the relay's socket is still open, and the fast path's table and map
-elements as nftables lists them. The plan, each change also its drift line:
+(`plexd.bridge.relay`). Each side's WireGuard public key, which the relay checks handshakes with, is its node's in
+`desired.peers` (kept current by every apply: a rotated key is followed), else the one the session names; a side
+with neither gets no handshake relayed, logged once and said in the session's status (`handshakes_refused`).
+Observed: whether the relay's socket is still open, and the fast path's table and map elements as nftables lists
+them. The plan, each change also its drift line:
 
     RelayListening        relay_listener_started    the relay's socket is not open (first start, or it died)
     RelaySessionAdded     relay_session_added       a session listed that the relay does not serve
@@ -96,6 +99,7 @@ class RelayDomain:
         self._started = False
         self._served: RelaySessionSet | None = None
         self._logged_refusals: set[tuple[str, str]] = set()
+        self._logged_keyless: set[tuple[str, str]] = set()
 
     async def observe(self, desired: DesiredState) -> RelaySeen:
         fastpath = self.relay.fastpath
@@ -137,6 +141,8 @@ class RelayDomain:
             self._served = desired.relay
             self.relay.set_sessions(list(desired.relay or ()))
             self._note_refusals(desired.relay)
+        self.relay.set_peer_keys(peer_keys(desired))
+        self._note_keyless()
         fastpath = self.relay.fastpath
         if fastpath is not None and isinstance(seen, RelaySeen):
             if seen.table_missing:
@@ -176,11 +182,25 @@ class RelayDomain:
                           for r in (self._served.refused if self._served is not None else [])]
         return doc
 
+    def _note_keyless(self) -> None:
+        for sid, flow in self.relay.table.flows.items():
+            for node_id in flow.keyless:
+                if (sid, node_id) not in self._logged_keyless:
+                    self._logged_keyless.add((sid, node_id))
+                    log.warning("relay session %s: no WireGuard public key for %s (not a peer in the state, and the "
+                                "session names none): none of its handshakes are relayed", sid, node_id)
+
     def _note_refusals(self, sessions: RelaySessionSet | None) -> None:
         for r in sessions.refused if sessions is not None else []:
             if (r.session_id, r.reason) not in self._logged_refusals:
                 self._logged_refusals.add((r.session_id, r.reason))
                 log.error("%s", r.reason)
+
+
+def peer_keys(desired: DesiredState) -> dict[str, str]:
+    """The public keys of the nodes the relay sessions name, from the state's peers."""
+    ids = {x for s in desired.relay or () for x in (s.peer_a_id, s.peer_b_id)}
+    return {pid: desired.peers[pid].public_key for pid in ids if pid in desired.peers}
 
 
 def live_elements(objects: list[Any]) -> Elements:

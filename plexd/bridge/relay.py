@@ -1,7 +1,8 @@
 """The userspace UDP relay: forwards WireGuard traffic for any number of relay sessions on one port.
 
-Routing is the flow table's (`plexd/bridge/flows.py`: by WireGuard index, never by source ip:port alone). This
-module owns the socket, the sessions' lifetime and the status counters:
+Routing is the flow table's (`plexd/bridge/flows.py`: by WireGuard index, never by source ip:port alone; handshakes
+checked by their mac1 with the sides' public keys). This module owns the socket, the sessions' lifetime and the
+status counters:
 
 - A session lives `min(5 min, expires_at - now)` from the moment the control plane last listed it, but only
   while the control plane is reachable (`cp_reachable()`); while it is not, every session is refreshed instead,
@@ -19,14 +20,14 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 from plexd.base.clock import Clock
 from plexd.bridge.fastpath import KernelFastPath
-from plexd.bridge.flows import FlowTable
+from plexd.bridge.flows import Flow, FlowTable
 from plexd.bridge.sessions import MAX_TTL_SECONDS, RelaySession
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class Relay:
         live = [s for s in sessions if s.ttl(now) > 0]
         self.table.set_sessions(live)
         self._leases = {s.session_id: _Lease(now + timedelta(seconds=s.ttl(now))) for s in live}
+
+    def set_peer_keys(self, keys: Mapping[str, str]) -> None:
+        """Node id -> WireGuard public key (base64) for the sessions' sides; a session's own keys fill the gaps."""
+        self.table.set_peer_keys(keys)
 
     def sweep(self) -> list[str]:
         """Expire sessions past their lease while the control plane is reachable; refresh them all while not."""
@@ -219,6 +224,7 @@ class Relay:
                 "packets_a_to_b": c.packets_a_to_b, "bytes_a_to_b": c.bytes_a_to_b,
                 "packets_b_to_a": c.packets_b_to_a, "bytes_b_to_a": c.bytes_b_to_a,
                 "address_changes": c.address_changes,
+                "handshakes_refused": _keyless_reason(flow),
                 "idle_seconds": None if c.last_activity is None else round(now - c.last_activity, 3),
             })
         fastpath = None if self.fastpath is None else {
@@ -227,6 +233,15 @@ class Relay:
                 "dropped": asdict(self.table.drops), "send_errors": self.send_errors,
                 "send_dropped": self.send_dropped, "expired": self.expired,
                 "fastpath": fastpath}
+
+
+def _keyless_reason(flow: Flow) -> str | None:
+    """Why the session relays no handshake, or None when it does."""
+    missing = flow.keyless
+    if not missing:
+        return None
+    return (f"no WireGuard public key for {' and '.join(missing)} (not a peer in the state, and the session names "
+            "none): its handshakes' mac1 cannot be checked, so none are relayed")
 
 
 def _fmt(address: tuple[str, int]) -> str:

@@ -4,10 +4,17 @@ Shapes (reference/plexd-access-protocol.md §2): `bridge.relay.sessions` (newer 
 (older state) and the `relay_session_assigned` / `relay_session_revoked` event payloads. All become
 `RelaySession`s in one `RelaySessionSet`, capped at 100; the 101st and duplicate ids are refused and reported,
 the others untouched.
+
+A session may also name its sides' WireGuard public keys (`peer_a_public_key`, `peer_b_public_key`, optional,
+plexd's own addition): the relay checks every handshake's mac1 with them (`plexd/bridge/flows.py`). A bridge
+takes a side's key from the state's peers first; these serve ends that are not its peers (and the standalone
+relay, which has no peers).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,6 +38,8 @@ class RelaySession:
     peer_b_id: str
     peer_b_endpoint: Address
     expires_at: datetime
+    peer_a_public_key: str = ""  # base64, "" when the session names none
+    peer_b_public_key: str = ""
 
     def ttl(self, now: datetime) -> float:
         """Seconds this assignment stays valid while the control plane is reachable: min(5 min, expires_at - now)."""
@@ -76,6 +85,20 @@ def text_field(doc: Mapping[str, object], key: str, path: str, *, required: bool
     return value
 
 
+def public_key_field(doc: Mapping[str, object], key: str, path: str) -> str:
+    """An optional WireGuard public key: standard base64 of 32 bytes, or "" when absent."""
+    value = doc.get(key)
+    if value is None or value == "":
+        return ""
+    if isinstance(value, str):
+        try:
+            if len(base64.b64decode(value, validate=True)) == 32:
+                return value
+        except (binascii.Error, ValueError):
+            pass
+    raise WireFormatError(f"{path}.{key}", "is not a WireGuard public key (standard base64 of 32 bytes)")
+
+
 def parse_session(doc: object, path: str = "session") -> RelaySession:
     """One `RelaySessionAssignment` (state entry or `relay_session_assigned` payload); errors name the field."""
     if not isinstance(doc, Mapping):
@@ -96,7 +119,9 @@ def parse_session(doc: object, path: str = "session") -> RelaySession:
         expires_at = parse_time(expires)
     except (ValueError, WireFormatError) as e:
         raise WireFormatError(f"{path}.expires_at", str(e)) from None
-    return RelaySession(session_id, peer_a_id, a, peer_b_id, b, expires_at)
+    return RelaySession(session_id, peer_a_id, a, peer_b_id, b, expires_at,
+                        public_key_field(doc, "peer_a_public_key", path),
+                        public_key_field(doc, "peer_b_public_key", path))
 
 
 def parse_revoked(doc: object, path: str = "relay_session_revoked") -> str:

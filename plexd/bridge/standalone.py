@@ -11,6 +11,10 @@ One JSON command per stdin line, one JSON answer per stdout line:
     {"status": true}                              -> the relay's status document
     {"fastpath": "RELAY_IPV4"} / {"fastpath": ""} -> the kernel fast path on / off: {"ok": true}
 EOF to stdin stops the relay.
+
+There are no state's peers here: a session's sides' WireGuard public keys, which the relay checks every
+handshake's mac1 with, come from the session itself (`peer_a_public_key`, `peer_b_public_key`); a side without
+one gets no handshake relayed.
 """
 
 from __future__ import annotations

@@ -99,10 +99,12 @@ def nat_pair(lab: Lab, k: int, snat: str = RANDOM_NAT, backend: str = "userspace
 
 def session_doc(sid: str, a: WgEnd, b: WgEnd, expires_in: float = 3600) -> dict:
     """What a control plane would list: each node's router with the WireGuard port, which a port-randomising
-    NAT never uses towards the relay (the relay must learn the real ports)."""
+    NAT never uses towards the relay (the relay must learn the real ports), and the ends' public keys (they are
+    no bridge's peers: the relay checks their handshakes' mac1 with these)."""
     expires = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + expires_in))
     return {"session_id": sid, "peer_a_id": f"n_{sid}_a", "peer_a_endpoint": f"{a.router.public}:51820",
-            "peer_b_id": f"n_{sid}_b", "peer_b_endpoint": f"{b.router.public}:51820", "expires_at": expires}
+            "peer_b_id": f"n_{sid}_b", "peer_b_endpoint": f"{b.router.public}:51820", "expires_at": expires,
+            "peer_a_public_key": a.public_key, "peer_b_public_key": b.public_key}
 
 
 def ping(lab: Lab, end: WgEnd, ip: str, count: int = 3) -> subprocess.CompletedProcess[str]:

@@ -1,8 +1,9 @@
 """The userspace relay (plexd/bridge) in a namespace lab: real wireguard-go pairs, each end behind its own router
 doing random-port masquerade (`masquerade random,fully-random`, environment.md §10), so no direct path exists and
 the ports the control plane lists are never the ones the relay sees. The relay runs as its own process on the
-public side (`python -m plexd.bridge.standalone`); the ends are set up with `wg set` (no plexd daemon: the relay is
-not wired into the converge engine yet). Checked with ping, `wg show` and the relay's own counters."""
+public side (`python -m plexd.bridge.standalone`); the ends are set up with `wg set` (no plexd daemon), and their
+public keys are in the sessions (the relay checks wireguard-go's handshakes' mac1 with them). Checked with ping,
+`wg show` and the relay's own counters."""
 
 from __future__ import annotations
 
@@ -101,24 +102,37 @@ def test_three_pairs_at_once_through_one_relay_and_strays_are_counted(lab) -> No
     # from an address no session lists. Dropped and counted; the pairs go on.
     before = relay.status()["dropped"]
     stranger = lab.add_node()
-    host, port = relay.address.rsplit(":", 1)
-    code = (f"import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); t = ({host!r}, {port})\n"
-            f"s.sendto(b'junk', t); s.sendto({stray_transport()!r}, t); s.sendto({stray_initiation()!r}, t)\n")
-    subprocess.run(["ip", "netns", "exec", stranger.netns, sys.executable, "-c", code], check=True, timeout=30)
+    send_strays(relay, stranger.netns, b"junk", stray_transport(), stray_initiation())
     want = {"malformed": before["malformed"] + 1, "unknown_index": before["unknown_index"] + 1,
             "unknown_source": before["unknown_source"] + 1}
     wait(lambda: {k: relay.status()["dropped"][k] for k in want} == want, 10, f"the strays counted as {want}")
     a, b = pairs[0]
     assert ping(lab, a, b.mesh_ip, 2).returncode == 0
+
+    # Someone at a's public IP (the router itself here: another port), without the pair's keys: its initiations
+    # fail their mac1, are dropped and counted, and move nothing.
+    before, held = relay.status()["dropped"], relay.session("rel_1")
+    send_strays(relay, a.router.netns, *[stray_initiation(n) for n in range(20)])
+    want = {"bad_mac1": before["bad_mac1"] + 20}
+    wait(lambda: {k: relay.status()["dropped"][k] for k in want} == want, 10, f"the strays counted as {want}")
+    assert relay.session("rel_1")["peer_a_address"] == held["peer_a_address"]
+    assert ping(lab, b, a.mesh_ip, 2).returncode == 0
     assert relay.proc.poll() is None
+
+
+def send_strays(relay: RelayProcess, netns: str, *packets: bytes) -> None:
+    host, port = relay.address.rsplit(":", 1)
+    code = (f"import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            f"for p in {list(packets)!r}: s.sendto(p, ({host!r}, {port}))\n")
+    subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code], check=True, timeout=30)
 
 
 def stray_transport() -> bytes:
     return bytes([4, 0, 0, 0]) + struct.pack("<I", 0xDEADBEEF) + b"\0" * 24
 
 
-def stray_initiation() -> bytes:
-    return bytes([1, 0, 0, 0]) + struct.pack("<I", 7) + b"\0" * 140
+def stray_initiation(sender: int = 7) -> bytes:
+    return bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + b"\0" * 140
 
 
 

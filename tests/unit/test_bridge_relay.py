@@ -1,11 +1,14 @@
-"""The relay's pure parts: session parsing and limits, the WireGuard header, the flow table (by index, not by
-source ip:port), leases refreshed during a control-plane outage. The relay's sockets are tested for real in
-tests/e2e/test_relay_lab.py."""
+"""The relay's pure parts: session parsing and limits, the WireGuard header and its mac1, the flow table (by index,
+not by source ip:port), leases refreshed during a control-plane outage. Handshakes carry the mac1 WireGuard puts on
+them, computed here from the spec with hashlib (tests/unit/test_bridge_relay_flows.py: what it keeps out). The
+relay's sockets are tested for real in tests/e2e/test_relay_lab.py."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
 import socket
 import struct
 from datetime import UTC, datetime, timedelta
@@ -13,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from nacl.public import PrivateKey
 
 from plexd.base.clock import FakeClock
 from plexd.base.errors import WireFormatError
@@ -25,18 +29,32 @@ NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 A_ADDR, B_ADDR, C_ADDR = ("198.51.100.7", 40001), ("203.0.113.9", 51820), ("192.0.2.44", 7000)
 
 
+def public_key(node: str) -> str:
+    """A node's WireGuard public key (base64), the same for the same name."""
+    return base64.b64encode(bytes(PrivateKey(hashlib.sha256(node.encode()).digest()).public_key)).decode()
+
+
 def doc(sid="rel_1", a="n_a", a_ep="198.51.100.7:40001", b="n_b", b_ep="203.0.113.9:51820",
         expires=NOW + timedelta(hours=1)):
     return {"session_id": sid, "peer_a_id": a, "peer_a_endpoint": a_ep, "peer_b_id": b, "peer_b_endpoint": b_ep,
-            "expires_at": expires.strftime("%Y-%m-%dT%H:%M:%SZ")}
+            "expires_at": expires.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "peer_a_public_key": public_key(a), "peer_b_public_key": public_key(b)}
 
 
-def initiation(sender: int) -> bytes:
-    return bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + b"\x11" * 140
+def with_mac1(message: bytes, to: str) -> bytes:
+    """`message` with the mac1 WireGuard puts on a handshake for node `to`: BLAKE2s-128 keyed with
+    BLAKE2s-256("mac1----" || to's public key), over the bytes before it (the last 32 are mac1 and mac2)."""
+    key = hashlib.blake2s(b"mac1----" + base64.b64decode(public_key(to))).digest()
+    at = len(message) - 32
+    return message[:at] + hashlib.blake2s(message[:at], key=key, digest_size=16).digest() + message[at + 16:]
 
 
-def response(sender: int, receiver: int) -> bytes:
-    return bytes([2, 0, 0, 0]) + struct.pack("<II", sender, receiver) + b"\x22" * 80
+def initiation(sender: int, to: str = "n_b") -> bytes:
+    return with_mac1(bytes([1, 0, 0, 0]) + struct.pack("<I", sender) + b"\x11" * 140, to)
+
+
+def response(sender: int, receiver: int, to: str = "n_a") -> bytes:
+    return with_mac1(bytes([2, 0, 0, 0]) + struct.pack("<II", sender, receiver) + b"\x22" * 80, to)
 
 
 def cookie(receiver: int) -> bytes:
@@ -56,6 +74,9 @@ def test_session_parses_state_entry_and_event_payload_alike():
     assert s.ttl(NOW) == 300.0
     assert s.ttl(NOW + timedelta(minutes=58)) == 120.0
     assert parse_session(doc(a_ep="[2001:db8::1]:51820")).peer_a_endpoint == ("2001:db8::1", 51820)
+    assert (s.peer_a_public_key, s.peer_b_public_key) == (public_key("n_a"), public_key("n_b"))
+    bare = {k: v for k, v in doc().items() if not k.endswith("_public_key")}  # optional: a bridge's peers have them
+    assert parse_session(bare).peer_a_public_key == ""
 
 
 @pytest.mark.parametrize("field,value,named", [
@@ -67,6 +88,8 @@ def test_session_parses_state_entry_and_event_payload_alike():
     ("peer_b_endpoint", "203.0.113.9:70000", "session.peer_b_endpoint"),
     ("peer_b_endpoint", "0.0.0.0:5", "session.peer_b_endpoint"),
     ("expires_at", "tomorrow", "session.expires_at"),
+    ("peer_a_public_key", "not a key", "session.peer_a_public_key"),
+    ("peer_b_public_key", base64.b64encode(bytes(31)).decode(), "session.peer_b_public_key"),
 ])
 def test_bad_session_error_names_the_field(field, value, named):
     bad = doc()
@@ -118,6 +141,30 @@ def test_header_of_each_message_type():
     assert wgheader.parse(data(9, 1452)) == wgheader.WgHeader(4, None, 9)
 
 
+# A handshake wireguard-go v0.0.20220316 sent between two devices (captured through a UDP middleman): its mac1s
+# verify with public keys alone, an initiation's with its responder's, a response's with its initiator's.
+GO_INITIATOR = "EYx6XgWrsDpAHue1+wSFj2pSyxWemXc7kfwyy6m+2mM="
+GO_RESPONDER = "E0RchSgZLm+9KHoX5d+styiu4hH9C6JFt2IbQdyw0jk="
+GO_INITIATION = bytes.fromhex(
+    "01000000b2e818d0a25799031e0464682007c4705a689bf6714a4e905acf66391bd6cfd010755d42798f74a87ed7a83f155845bd2fe960"
+    "90ac36e3b6c9719b4ba050d3c92802b8d860600b2fbabe13a2f62a0e77407048ce76300b75f5d807aa580f278a5f595ad3c8f73c91b10b5c"
+    "1839908085edce885ab34797ee918ee7a3bc288e1600000000000000000000000000000000")
+GO_RESPONSE = bytes.fromhex(
+    "0200000010899da7b2e818d0bba17562b2a40085d6115a1f11d9af09f8bd1dfb247bc33cfc941b4cb83cd735bd8258be52ff4fc41c64c9"
+    "f0fa8760fa8d63441b85261e515e666589199c3c2400000000000000000000000000000000")
+
+
+def test_wireguard_gos_own_handshake_verifies_and_is_relayed():
+    initiator, responder = (wgheader.mac1_key(base64.b64decode(k)) for k in (GO_INITIATOR, GO_RESPONDER))
+    assert wgheader.mac1_ok(GO_INITIATION, responder) and not wgheader.mac1_ok(GO_INITIATION, initiator)
+    assert wgheader.mac1_ok(GO_RESPONSE, initiator) and not wgheader.mac1_ok(GO_RESPONSE, responder)
+    table = FlowTable()
+    table.set_sessions([parse_session({**doc(), "peer_a_public_key": GO_INITIATOR, "peer_b_public_key": GO_RESPONDER})])
+    assert table.route(GO_INITIATION, A_ADDR, 1.0) == [B_ADDR]
+    assert table.route(GO_RESPONSE, B_ADDR, 1.0) == [A_ADDR]
+    assert table.flows["rel_1"].stable
+
+
 @pytest.mark.parametrize("packet", [
     b"", b"\x01\x00\x00", initiation(1)[:-1], response(1, 2) + b"\x00", cookie(1)[:60],
     data(1, 16), data(1, 31), b"\x05\x00\x00\x00" + b"\x00" * 60, b"\x04\x01\x00\x00" + b"\x00" * 60,
@@ -144,9 +191,9 @@ def test_arbitrary_bytes_never_raise_only_drop_and_count(packets):
 # The flow table
 
 
-def handshake(table, a_index=100, b_index=200, a=A_ADDR, b=B_ADDR):
-    assert table.route(initiation(a_index), a, 1.0) == [b]
-    assert table.route(response(b_index, a_index), b, 1.0) == [a]
+def handshake(table, a_index=100, b_index=200, a=A_ADDR, b=B_ADDR, a_id="n_a", b_id="n_b"):
+    assert table.route(initiation(a_index, to=b_id), a, 1.0) == [b]
+    assert table.route(response(b_index, a_index, to=a_id), b, 1.0) == [a]
 
 
 def test_a_handshake_binds_indices_and_data_flows_by_receiver_index():
@@ -196,17 +243,17 @@ def test_unknown_packets_are_dropped_and_counted_by_kind():
 
 
 def test_one_node_in_two_sessions_is_not_one_peer_per_bridge():
-    """A sends both its sessions' initiations from one port; the response tells which session it was."""
+    """A sends both its sessions' initiations from one port; each one's mac1 says which peer it is for."""
     table = FlowTable()
     table.set_sessions([parse_session(doc("ab")),
                         parse_session(doc("ac", b="n_c", b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
-    assert sorted(table.route(initiation(100), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])
-    assert sorted(table.route(initiation(101), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert table.route(initiation(100, to="n_b"), A_ADDR, 1.0) == [B_ADDR]
+    assert table.route(initiation(101, to="n_c"), A_ADDR, 1.0) == [C_ADDR]
     assert table.route(response(300, 101), C_ADDR, 1.0) == [A_ADDR]
     assert table.route(response(200, 100), B_ADDR, 1.0) == [A_ADDR]
     assert table.route(data(200), A_ADDR, 2.0) == [B_ADDR]
     assert table.route(data(300), A_ADDR, 2.0) == [C_ADDR]
-    assert table.flows["ab"].counters.packets_a_to_b == 3  # two fanned-out initiations and one data packet
+    assert table.flows["ab"].counters.packets_a_to_b == 2  # its initiation and one data packet, nothing of ac's
     assert table.flows["ac"].counters.packets_b_to_a == 1
 
 
@@ -321,8 +368,8 @@ def test_behind_port_randomising_nats_the_initiations_teach_the_real_ports():
     table.set_sessions([parse_session(doc())])
     a_real, b_real = (A_ADDR[0], 31001), (B_ADDR[0], 42002)
     assert table.route(initiation(100), a_real, 1.0) == [B_ADDR]  # lost at B's NAT: B's real port is unknown
-    assert table.route(initiation(200), b_real, 1.0) == [a_real]  # reaches A through A's mapping
-    assert table.route(response(101, 200), a_real, 1.0) == [b_real]
+    assert table.route(initiation(200, to="n_a"), b_real, 1.0) == [a_real]  # reaches A through A's mapping
+    assert table.route(response(101, 200, to="n_b"), a_real, 1.0) == [b_real]
     assert table.route(data(101), b_real, 2.0) == [a_real]
     assert table.route(data(200), a_real, 2.0) == [b_real]
     assert table.flows["rel_1"].stable
@@ -334,9 +381,9 @@ def test_two_nodes_behind_one_ip_do_not_move_each_other():
     table.set_sessions([parse_session(doc("ab")),
                         parse_session(doc("cb", a="n_c", a_ep=f"{shared_ip}:40002", b="n_d",
                                           b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
-    # From a port neither was proven at: one session's counterpart only (picked by the random sender index).
-    assert table.route(initiation(101), (shared_ip, 9999), 1.0) == [C_ADDR]
-    assert table.route(initiation(100), (shared_ip, 9999), 1.0) == [B_ADDR]
+    # From a port neither was proven at: the session whose counterpart's key verifies the mac1, and only it.
+    assert table.route(initiation(101, to="n_d"), (shared_ip, 9999), 1.0) == [C_ADDR]
+    assert table.route(initiation(100, to="n_b"), (shared_ip, 9999), 1.0) == [B_ADDR]
     assert [f.sides[0].address for f in table.flows.values()] == [A_ADDR, (shared_ip, 40002)]
     assert table.route(response(200, 100), B_ADDR, 1.0) == [(shared_ip, 9999)]
     assert table.flows["ab"].sides[0].address == (shared_ip, 9999)
@@ -354,7 +401,7 @@ def test_fast_path_elements_are_both_directions_of_stable_ipv4_flows_only():
                                                                      b_ep="[2001:db8::2]:2")),
                         parse_session(doc("ef", a="n_e", a_ep="192.0.2.5:5", b="n_f", b_ep="192.0.2.6:6"))])
     handshake(table)
-    handshake(table, 300, 400, ("192.0.2.1", 1), ("2001:db8::2", 2))  # stable, but one side is IPv6
+    handshake(table, 300, 400, ("192.0.2.1", 1), ("2001:db8::2", 2), "n_c", "n_d")  # stable, one side is IPv6
     assert desired_elements(table.flows.values()) == {A_ADDR: B_ADDR, B_ADDR: A_ADDR}  # ef: no handshake yet
 
 
@@ -365,9 +412,9 @@ def test_a_node_in_two_sessions_from_one_port_stays_in_userspace_and_the_other_s
     table = FlowTable()
     table.set_sessions([parse_session(doc("ab")),
                         parse_session(doc("ac", b="n_c", b_ep=f"{C_ADDR[0]}:{C_ADDR[1]}"))])
-    assert sorted(table.route(initiation(100), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])  # to both sessions
+    assert table.route(initiation(100, to="n_b"), A_ADDR, 1.0) == [B_ADDR]
     assert table.route(response(200, 100), B_ADDR, 1.0) == [A_ADDR]
-    assert sorted(table.route(initiation(300), A_ADDR, 1.0)) == sorted([B_ADDR, C_ADDR])
+    assert table.route(initiation(300, to="n_c"), A_ADDR, 1.0) == [C_ADDR]
     assert table.route(response(400, 300), C_ADDR, 1.0) == [A_ADDR]
     assert all(f.stable for f in table.flows.values())
     assert desired_elements(table.flows.values()) == {B_ADDR: A_ADDR, C_ADDR: A_ADDR}
