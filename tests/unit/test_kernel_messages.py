@@ -132,3 +132,13 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
     monkeypatch.setattr(pyroute2, "WireGuard", no_permission)
     r = await converger.converge(desired)
     assert r.errors == ("no permission for netlink: plexd must run as root or with CAP_NET_ADMIN",)
+
+
+def test_both_backends_offer_what_the_engine_and_a_daemonless_deregister_call() -> None:
+    """`plexd deregister` with no daemon running closed the backend it took the device down with; the kernel
+    backend had no `close` (the systemd tier's first kernel run raised AttributeError there)."""
+    from plexd.mesh.wireguard import WireGuardBackend
+    from plexd.mesh.wireguard.userspace import UserspaceBackend
+
+    assert isinstance(KernelBackend("pxnokern0"), WireGuardBackend)
+    assert isinstance(UserspaceBackend("pxnokern0"), WireGuardBackend)

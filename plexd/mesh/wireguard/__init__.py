@@ -179,3 +179,8 @@ class WireGuardBackend(Protocol):
     def process_gone(self) -> bool:
         """True when a userspace process this backend started has died (the kernel backend: always False)."""
         ...
+
+    async def close(self) -> None:
+        """Let go of what this backend holds (the userspace one: stop the process it started or adopted, once the
+        device is not wanted); the kernel's device is not held by anyone: nothing to do."""
+        ...

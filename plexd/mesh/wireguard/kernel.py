@@ -215,6 +215,9 @@ class KernelBackend:
     def process_gone(self) -> bool:
         return False
 
+    async def close(self) -> None:
+        """Nothing to let go of: the device is the kernel's (`delete_device` removes it)."""
+
     async def observe(self) -> DeviceConfig | None:
         return await asyncio.to_thread(self._observe)
 
