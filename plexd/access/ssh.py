@@ -49,6 +49,8 @@ import inspect
 import logging
 import os
 import pty
+import re
+import secrets
 import signal
 import socket
 import struct
@@ -74,13 +76,16 @@ from plexd.access.ssh_process import (
     exit_status,
     login_environment,
     resolve_user,
+    session_unit_argv,
     switch_user_argv,
 )
 from plexd.access.ssh_saslprep import install as install_saslprep_fast_path
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
+from plexd.base.childenv import child_environment
 from plexd.base.children import children_held, release_reaping
 from plexd.nodeapi.ratelimit import RateLimiter
+from plexd.system import systemd
 
 log = logging.getLogger(__name__)
 install_saslprep_fast_path()
@@ -407,6 +412,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         self.refusal: str | None = None
         self.started_at: float | None = None  # when its process was started (none: refused before)
         self.proc: asyncio.subprocess.Process | None = None
+        self.unit: str | None = None  # the transient service the process runs in, under systemd
+        self._stopping: asyncio.Future[None] | None = None  # its stop, once asked for
         self.master: int | None = None
         self.done = asyncio.get_running_loop().create_future()
         self._writable = asyncio.Event()
@@ -557,6 +564,8 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     def _end_process_group(self) -> None:
         assert self.proc is not None
         loop = asyncio.get_running_loop()
+        if self.unit is not None:  # every process of the session, wherever it went: its unit's whole cgroup
+            self._stopping = asyncio.ensure_future(_stop_unit(self.unit))
         if _signal_session(self.proc, signal.SIGHUP):
             loop.call_later(HANGUP_GRACE, self._kill)
         elif self._streams is not None:  # what holds the pipes left the group (setsid): stop reading them
@@ -672,7 +681,10 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
         args = ["-" + name] if self.command is None else [name, "-c", self.command]
         env = login_environment(user, self.term, restricted=bool(self.target_commands))
         ids: dict[str, Any] = {}
-        if os.geteuid() == 0:
+        unit = self._unit_argv(user, env)
+        if unit is not None:  # systemd starts it, as the user, outside plexd's sandbox (`session_unit_argv`)
+            args, program, env = unit, unit[0], child_environment()
+        elif os.geteuid() == 0:
             prefix = None if self.pty or self.command is None else switch_user_argv(user)
             if prefix is None:
                 ids = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
@@ -684,7 +696,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
             try:
                 _set_winsize(master, self.size)
                 os.set_blocking(master, False)
-                if ids:
+                if ids:  # (a session's unit gets a terminal of its own from systemd-run --pty)
                     _give_terminal(slave, user)
                 with children_held():
                     self.proc = await asyncio.create_subprocess_exec(
@@ -702,6 +714,20 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
                     *args, executable=program, stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env, cwd=cwd,
                     start_new_session=True, **ids)
+
+    def _unit_argv(self, user: LocalUser, env: dict[str, str]) -> list[str] | None:
+        """Under systemd (plexd a unit, run as root), the command line that starts this channel's process in a
+        transient service of its own; None: plexd starts it itself (no systemd: a container, a lab)."""
+        if os.geteuid() != 0 or not systemd.in_unit():
+            return None
+        sid = re.sub(r"[^A-Za-z0-9_-]", "_", self.server.session.session_id)[:40]
+        unit = f"plexd-session-{sid}-{secrets.token_hex(4)}.service"
+        # a login shell: `-l` (systemd-run cannot set argv[0] to "-bash")
+        argv = [user.shell, "-l"] if self.command is None else [user.shell, "-c", self.command]
+        found = session_unit_argv(unit, user, env, argv, pty=self.pty, bound_to=systemd.own_unit())
+        if found is not None:
+            self.unit = unit
+        return found
 
     async def _pump(self) -> int:
         proc = self.proc
@@ -821,6 +847,20 @@ def _set_winsize(fd: int, size: tuple[int, int, int, int]) -> None:
         fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", height, width, pixwidth, pixheight))
     except OSError:
         pass
+
+
+async def _stop_unit(unit: str) -> None:
+    """Stop a session's unit: SIGHUP to every process in it, SIGKILL 1.5 s later (`SESSION_UNIT_PROPERTIES`)."""
+    try:
+        proc = await asyncio.create_subprocess_exec("systemctl", "stop", "--no-block", unit, env=child_environment(),
+                                                    stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+    except OSError as exc:
+        log.error("could not stop %s: %s", unit, exc)
+        return
+    if proc.returncode != 0:
+        log.error("could not stop %s: %s", unit, err.decode(errors="replace").strip())
 
 
 def _signal_session(proc: asyncio.subprocess.Process, sig: int) -> bool:

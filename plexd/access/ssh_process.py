@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 from dataclasses import dataclass
 
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
@@ -57,6 +58,33 @@ def switch_user_argv(user: LocalUser) -> list[str] | None:
         return None
     groups = ["--groups=" + ",".join(map(str, user.groups))] if user.groups else ["--clear-groups"]
     return [SETPRIV, f"--reuid={user.uid}", f"--regid={user.gid}", *groups, "--"]
+
+
+# A session's unit, once stopped: SIGHUP to every process in it (the hang-up sshd sends), SIGKILL to what is left
+# 1.5 s later, so every process of a revoked, expired or closed session is gone within 2 s.
+SESSION_UNIT_PROPERTIES = ("KillSignal=SIGHUP", "SendSIGHUP=no", "TimeoutStopSec=1500ms", "WorkingDirectory=~")
+
+
+def session_unit_argv(unit: str, user: LocalUser, env: dict[str, str], argv: list[str], *, pty: bool,
+                      bound_to: str = "") -> list[str] | None:
+    """The argv that runs `argv` (a shell or `shell -c COMMAND`) as `user` in a transient service of its own, or
+    None when systemd is not there to start one (`systemd-run` missing).
+
+    Under systemd, a session's process started by plexd itself would live inside plexd's sandbox: the unit's
+    capability set (no setuid: a non-root user cannot be become), its read-only file system and hidden home
+    directories, its cgroup and TasksMax. A transient service is started by systemd, as the user, with none of
+    that, and its cgroup holds every descendant (`setsid -f` too): `systemctl stop` ends them all
+    (`SESSION_UNIT_PROPERTIES`). `systemd-run --pipe` (or `--pty`) carries the process's input and output through
+    the systemd-run plexd runs, and exits with its status. `bound_to` (plexd's own unit): a plexd that dies takes
+    its sessions' units with it. What a command leaves running ends with it (the unit stops when its main process
+    exits), unlike sshd, which lets `nohup cmd &` outlive the login."""
+    found = shutil.which("systemd-run")
+    if found is None:
+        return None
+    props = [*SESSION_UNIT_PROPERTIES, *((f"BindsTo={bound_to}", f"After={bound_to}") if bound_to else ())]
+    return [found, "--quiet", "--collect", f"--unit={unit}", "--service-type=exec", f"--uid={user.name}",
+            "--pty" if pty else "--pipe", *(f"--property={p}" for p in props),
+            *(f"--setenv={k}={v}" for k, v in env.items()), "--", *argv]
 
 
 def login_environment(user: LocalUser, term: str | None, restricted: bool = False) -> dict[str, str]:
