@@ -734,11 +734,57 @@ def cmd_uninstall(args: argparse.Namespace, config: Config) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# plexd doctor [--json]  |  plexd bugreport [--output FILE] [--lines N]
+
+
+def _add_doctor(sub: Any) -> None:
+    p = sub.add_parser("doctor", parents=[_GLOBALS, _JSON], help="check this machine is ready to run plexd",
+                       description="A preflight, before and after joining: the WireGuard backend, nftables, "
+                                   "capabilities, the control plane (DNS, TCP, TLS, HTTP) and the clock against it, "
+                                   "STUN and the NAT type, the MTU towards the control plane, routes or an interface "
+                                   "in the mesh's way, who can change data_dir and hooks.dir, and the systemd unit. "
+                                   "One line per check (ok, warn or fail, and the fix). Changes nothing. Exit "
+                                   "status 1 when a check failed.")
+    p.set_defaults(func=cmd_doctor)
+
+
+def cmd_doctor(args: argparse.Namespace, config: Config) -> int:
+    from plexd.node.doctor import run_doctor
+
+    report = run_doctor(config)
+    if args.json:
+        _print_json(report.to_json())
+    else:
+        print(report.text())
+    return 0 if report.ok else EXIT_USER_ERROR
+
+
+def _add_bugreport(sub: Any) -> None:
+    p = sub.add_parser("bugreport", parents=[_GLOBALS], help="write one tar.gz to attach to a ticket",
+                       description="Write a tar.gz (mode 0600) with the version, the effective config (secrets "
+                                   "hidden), status, peers and policies (from the daemon when it runs), the nftables "
+                                   "table inet plexd, routes and rules, the last log lines and plexd doctor's "
+                                   "report. It holds no private key, node secret, token or secret value.")
+    p.add_argument("--output", "-o", metavar="FILE", default="",
+                   help="where to write it (default ./plexd-bugreport-HOST-TIME.tar.gz)")
+    p.add_argument("--lines", type=int, default=500, metavar="N", help="log lines to include (default 500)")
+    p.set_defaults(func=cmd_bugreport)
+
+
+def cmd_bugreport(args: argparse.Namespace, config: Config) -> int:
+    from plexd.node.bugreport import bugreport, format_bugreport
+
+    print(format_bugreport(bugreport(config, args.output, args.lines)))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # plumbing
 
 COMMANDS: list[Callable[[Any], None]] = [_add_join, _add_up, _add_status, _add_config, _add_deregister,
                                          _add_rotate_keys, _add_reconcile, _add_peers, _add_policies, _add_sessions,
-                                         _add_state, _add_actions, _add_hooks, _add_install, _add_uninstall]
+                                         _add_state, _add_actions, _add_hooks, _add_install, _add_uninstall,
+                                         _add_doctor, _add_bugreport]
 
 
 def build_parser() -> argparse.ArgumentParser:
