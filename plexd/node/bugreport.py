@@ -25,6 +25,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from plexd import __version__
+from plexd.base import boundedjson
 from plexd.base.errors import PlexdError
 from plexd.config.settings import Config
 from plexd.node.doctor_checks import Ran, run_command
@@ -156,7 +157,7 @@ def _command_json(run: Callable[..., Ran], argv: list[str], missing: str = "") -
         return {"command": command, "exit_status": ran.returncode, "stderr": ran.stderr[:2000]}, \
             f"'{command}' failed: {(ran.stderr.splitlines() or ['exit status ' + str(ran.returncode)])[0][:120]}"
     try:
-        return json.loads(ran.stdout), command
+        return boundedjson.parse(ran.stdout), command
     except ValueError:
         return {"command": command, "output": ran.stdout[:200_000]}, f"'{command}' printed no JSON"
 

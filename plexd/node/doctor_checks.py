@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from plexd.base import boundedjson
 from plexd.base.childenv import child_environment
 from plexd.config.settings import Config
 from plexd.node.doctor_reach import Reach, reach
@@ -431,7 +431,7 @@ def _json(ran: Ran, what: str) -> list[dict[str, Any]] | Result:
         return Result(FAIL, f"{what} failed: {(ran.stderr or f'exit status {ran.returncode}')[:200]}",
                       "apt-get install iproute2" if ran.returncode == 127 else "")
     try:
-        doc = json.loads(ran.stdout or "[]")
+        doc = boundedjson.parse(ran.stdout or "[]")
     except ValueError:
         return Result(FAIL, f"{what} printed no JSON", "apt-get install iproute2 (a version with -j)")
     return [d for d in doc if isinstance(d, dict)] if isinstance(doc, list) else []
