@@ -10,6 +10,12 @@ cd "$(dirname "$0")/.."
 started=$(date +%s)
 # TCG emulates the CPU: Python runs about 16x slower than on the host; the tests' waits stretch by this factor.
 export PLEXD_TEST_LOAD_FACTOR=${PLEXD_TEST_LOAD_FACTOR:-4}
+# Bytecode made here, where it is cheap: the guest reads the repo read-only and would compile every module of plexd
+# in each Python process it starts (seconds each on its emulated CPU). Pytest's rewritten test modules too: its
+# collection writes them (unless the environment says not to write bytecode, hence the env -u).
+.venv/bin/python -m compileall -q -j 0 plexd tests bench > /dev/null
+env -u PYTHONDONTWRITEBYTECODE PLEXD_KERNEL_VM=1 .venv/bin/python -m pytest -q -p no:cacheprovider --collect-only \
+    "${@:-tests}" > /dev/null 2>&1
 scripts/kernel-vm.sh env PLEXD_TEST_LOAD_FACTOR="$PLEXD_TEST_LOAD_FACTOR" PYTHONDONTWRITEBYTECODE=1 \
     .venv/bin/python -m pytest -q -p no:cacheprovider -p no:hypothesispytest -m kernel -n "${KERNEL_TEST_WORKERS:-0}" --dist loadgroup \
     --durations=0 "${@:-tests}"

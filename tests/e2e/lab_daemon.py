@@ -60,8 +60,9 @@ class Daemon:
         self.log_path = self.dir / ("plexd.log" if self.runs == 1 else f"plexd-{self.runs}.log")
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # systemd forced off: a purge in a test must never reach the host's own plexd.service
+        # PYTHONFAULTHANDLER: a daemon a test gives up on prints its threads' stacks (`dump_stacks`)
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.config), "PLEXD_TEST_NO_SYSTEMD": "1",
-               **self.extra_env}
+               "PYTHONFAULTHANDLER": "1", **self.extra_env}
         self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=self.log,
                                    stderr=subprocess.STDOUT)
 
@@ -98,6 +99,18 @@ class Daemon:
 
     def logged(self) -> str:
         return self.log_path.read_text()
+
+    def dump_stacks(self) -> str:
+        """For a failure message: where each thread of a daemon that is still running is (SIGABRT makes
+        faulthandler print the stacks, and ends the daemon: only ever done once a test has failed), or how it
+        ended."""
+        if self.proc.poll() is not None:
+            return f"(not running: it exited with status {self.proc.returncode})"
+        before = len(self.logged())
+        os.kill(self.proc.pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        return self.logged()[before:][-4000:]
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         """`plexd ARGS` with this daemon's config, in its node (as an operator on that machine would)."""
@@ -153,7 +166,8 @@ def wait_until(pred, timeout: float, what: str, daemons=(), evidence=None) -> fl
     logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}\n--- {d.node.name}: wg show (public fields)\n"
                      f"{_device(d)}" for d in daemons)
     extra = f"\n--- evidence\n{evidence()}" if evidence is not None else ""
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}{extra}")
+    stacks = "".join(f"\n--- {d.node.name}: stacks\n{dump}" for d in daemons if (dump := d.dump_stacks()))
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}{extra}{stacks}")
 
 
 def _device(d: Daemon) -> str:
