@@ -61,7 +61,7 @@ class LabError(PlexdError):
 
 
 def _run(args: Sequence[str], check: bool = True) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    res = subprocess.run(list(args), capture_output=True, text=True, timeout=30 * _load_factor())
     if check and res.returncode != 0:
         raise LabError(f"{' '.join(args)} failed ({res.returncode}): {res.stderr.strip() or res.stdout.strip()}")
     return res
@@ -227,7 +227,7 @@ class Lab:
         """Replace the router's NAT rule (its existing conntrack mappings stay until they expire or its address
         changes)."""
         res = subprocess.run(["ip", "netns", "exec", router.netns, "nft", "-f", "-"], input=router.nat_ruleset(snat),
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=30 * _load_factor())
         if res.returncode != 0:
             raise LabError(f"nft in {router.netns} failed: {res.stderr.strip()}")
 
