@@ -1,7 +1,7 @@
 # The two commands a new user needs: `make demo` and `make test`. Both install what they need first.
 PY := .venv/bin/python
 
-.PHONY: setup demo test test-kernel lint bench release release-key clean
+.PHONY: setup demo test test-kernel test-systemd lint bench release release-key clean
 
 setup:
 	@scripts/setup.sh
@@ -11,7 +11,8 @@ demo: setup
 
 # The suite waits far more than it computes (labs, handshakes, reconciles): four workers on two cores. Tests of a
 # file stay together, and the files that use the root network namespace share one worker (tests/conftest.py).
-# The kernel tier (a VM booting Debian's stock kernel) runs alongside (scripts/test.sh).
+# The kernel tier (a VM booting Debian's stock kernel) and the systemd tier (a VM with systemd as PID 1) run
+# alongside (scripts/test.sh).
 TEST_WORKERS ?= 4
 
 test: setup
@@ -21,6 +22,10 @@ test: setup
 # The kernel tier alone: the tests marked `kernel`, in a VM booting Debian's stock kernel (README, Tests).
 test-kernel: setup
 	scripts/test-kernel.sh
+
+# The systemd tier alone: plexd installed under its unit, systemd as PID 1, in a Debian 12 VM (README, Tests).
+test-systemd: setup
+	scripts/test-systemd.sh
 
 lint: setup
 	$(PY) -m ruff check plexd tests bench

@@ -23,6 +23,10 @@ import time
 import traceback
 from pathlib import Path
 
+from nacl.signing import SigningKey
+
+from plexd.upgrade import signing
+
 VENV = Path(os.environ.get("PLEXD_VENV", "/opt/plexd/venv"))
 DP_URL = "http://10.99.0.1:8080"
 DP_DIR = Path("/tmp/dp")
@@ -72,6 +76,9 @@ def check(name: str, what: str, needs: tuple[str, ...] = ()):
 
 def unit(prop: str) -> str:
     return sh("systemctl", "show", "-p", prop, "--value", "plexd").stdout.strip()
+
+
+RELEASE_KEY = SigningKey.generate()  # this tier's release key, pinned in the node's upgrade.release_keys
 
 
 def admin():
@@ -133,6 +140,8 @@ def main() -> int:
         os.chmod("/tmp/token", 0o600)
         sh("plexd", "join", "--api", DP_URL, "--token-file", "/tmp/token", env={**os.environ,
                                                                                "PLEXD_API_ALLOW_INSECURE": "true"})
+        with open("/etc/plexd/config.yaml", "a") as config:  # the release key this tier signs its upgrade with
+            config.write(f"upgrade: {{release_keys: ['{signing.public_key(RELEASE_KEY)}']}}\n")
         dropin = Path("/etc/systemd/system/plexd.service.d")
         dropin.mkdir(parents=True)
         (dropin / "test.conf").write_text("[Service]\nWatchdogSec=20s\nTimeoutAbortSec=5s\n")
@@ -192,6 +201,44 @@ def main() -> int:
         assert "systemd is restarting plexd" in journal
         return "0 of 150 lost, plexd0 kept"
 
+    @check("stop", "systemctl stop deregisters within TimeoutStopSec; systemctl start rejoins as the same node",
+           needs=("install", "peer"))
+    def _():
+        shown = re.fullmatch(r"(\d+)s", unit("TimeoutStopUSec"))
+        limit = int(shown.group(1)) if shown else 40
+        started = time.monotonic()
+        sh("systemctl", "stop", "plexd", timeout=120 * SLOW)
+        took = time.monotonic() - started
+        assert unit("ActiveState") == "inactive" and unit("Result") == "success", unit("Result")
+        assert took < limit, f"the stop took {took:.1f}s, TimeoutStopSec is {limit}s"
+        assert dp.node(SERVER["node_id"])["status"] == "deregistered" and ifindex() is None
+        assert "plexd" not in sh("nft", "list", "tables").stdout
+        sh("systemctl", "start", "plexd", timeout=300 * SLOW)
+        wait(lambda: dp.node(SERVER["node_id"])["status"] == "online", 60, "the rejoin")
+        identity = json.loads(Path("/var/lib/plexd/identity.json").read_text())
+        assert (identity["node_id"], identity["mesh_ip"]) == (SERVER["node_id"], SERVER["mesh_ip"])
+        wait(lambda: sh("ip", "netns", "exec", "peer", "ping", "-c", "1", "-W", "2", SERVER["mesh_ip"],
+                        check=False).returncode == 0, 60, "a ping after the rejoin")
+        return f"stopped in {took:.1f}s (TimeoutStopSec {limit}s): deregistered, plexd0 and the table gone; rejoined"
+
+    @check("upgrade", "a self-upgrade's exit 75 is restarted by systemd into the new release", needs=("install",))
+    def _():
+        from plexd.upgrade import zipapp
+
+        version, release = "0.1.1-systemd", Path("/tmp/plexd-upgrade.pyz")
+        checksum = zipapp.build(release, version=version)
+        dp.put_artifact(version, release.read_bytes(), signature=signing.sign(RELEASE_KEY, version, checksum))
+        restarts, pid = int(unit("NRestarts")), unit("MainPID")
+        eid = dp.start_upgrade(SERVER["node_id"], version)["execution_id"]
+        result = wait(lambda: next((e["result"] for e in dp.executions(SERVER["node_id"])
+                                    if e.get("execution_id") == eid and e.get("result")), None), 180,
+                      "the upgrade's result")
+        assert result["status"] == "success", result
+        assert int(unit("NRestarts")) > restarts and unit("MainPID") != pid and unit("ActiveState") == "active"
+        running = json.loads(sh("plexd", "status", "--json").stdout)["daemon"]
+        assert running["version"] == version and running["binary_checksum"] == checksum, running
+        return f"exit 75, restarted by systemd (NRestarts {restarts} -> {unit('NRestarts')}), running {version}"
+
     @check("ssh", "an SSH session into a non-root user runs outside plexd's sandbox; revoked, none of its processes"
                   " is left", needs=("install", "peer"))
     def _():
@@ -242,6 +289,37 @@ def main() -> int:
         result = done["result"]
         assert result.get("status") == "success" and "ran as root" in json.dumps(result), result
         return f"result: {result.get('status')}"
+
+    @check("doctor", "plexd doctor on the healthy installed node, and with the control plane unreachable",
+           needs=("install",))
+    def _():
+        healthy = sh("plexd", "doctor", check=False, timeout=120 * SLOW)
+        print(healthy.stdout, flush=True)
+        assert healthy.returncode == 0, healthy.stdout + healthy.stderr
+        down = sh("plexd", "doctor", check=False, timeout=120 * SLOW,
+                  env={**os.environ, "PLEXD_API_URL": "http://10.99.0.1:9"})  # nothing listens there
+        print(down.stdout, flush=True)
+        assert down.returncode == 1 and "TCP: connection refused" in down.stdout, down.stdout + down.stderr
+        return "exit 0 healthy; exit 1 with the control plane unreachable (TCP: connection refused)"
+
+    @check("bugreport", "plexd bugreport holds none of the node's secrets", needs=("install",))
+    def _():
+        import base64
+        import tarfile
+
+        sh("plexd", "bugreport", "--output", "/tmp/bugreport.tar.gz", timeout=120 * SLOW)
+        assert Path("/tmp/bugreport.tar.gz").stat().st_mode & 0o777 == 0o600
+        with tarfile.open("/tmp/bugreport.tar.gz") as tar:
+            blob = b"".join(tar.extractfile(m).read() for m in tar.getmembers() if m.isfile())
+            names = tar.getnames()
+        data = Path("/var/lib/plexd")
+        secrets = {name: (data / name).read_bytes().strip() for name in ("private_key", "node_secret_key")
+                   if (data / name).exists()}
+        assert secrets, "no private key or node secret found to look for"
+        for name, value in secrets.items():
+            for form in (value, base64.b64encode(value)):
+                assert form not in blob, f"the bugreport holds the {name}"
+        return f"{len(names)} files, {len(blob)} bytes: none of {', '.join(sorted(secrets))} in them"
 
     @check("purge", "plexd deregister --purge disables the unit and removes everything", needs=("install",))
     def _():
