@@ -18,7 +18,7 @@
 #   PLEXD_SDVM_CACHE   image, venv, initramfs (default /var/lib/plexd-systemd-vm: outside any home directory,
 #                      which the unit's ProtectHome hides from plexd)
 #   PLEXD_VM_CACHE     the kernel's cache, shared with kernel-vm.sh (default .cache/vm in the repository)
-#   PLEXD_VM_MEM (MiB, default 1536)  PLEXD_VM_CPUS (2)  PLEXD_VM_TIMEOUT (seconds, 900)  PLEXD_VM_ACCEL (auto)
+#   PLEXD_VM_MEM (MiB, default 1536)  PLEXD_VM_CPUS (2)  PLEXD_VM_TIMEOUT (seconds, 1200)  PLEXD_VM_ACCEL (auto)
 #   PLEXD_VM_VERBOSE=1 the guest's console on stderr
 set -euo pipefail
 
@@ -26,7 +26,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 SCACHE=${PLEXD_SDVM_CACHE:-/var/lib/plexd-systemd-vm}
 MEM=${PLEXD_VM_MEM:-1536}
 CPUS=${PLEXD_VM_CPUS:-2}
-TIMEOUT=${PLEXD_VM_TIMEOUT:-900}
+TIMEOUT=${PLEXD_VM_TIMEOUT:-1200}
 SUITE=bookworm
 MIRROR=${PLEXD_VM_MIRROR:-http://deb.debian.org/debian}
 SECURITY=${PLEXD_VM_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
