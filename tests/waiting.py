@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 try:
     LOAD_FACTOR = max(1.0, float(os.environ.get("PLEXD_TEST_LOAD_FACTOR", "1")))
@@ -25,6 +25,17 @@ def scaled(seconds: float) -> float:
 # kernel tier's emulated CPU a spawn costs ~0.2 s of CPU, so looking every 0.1 s there starved the daemons under
 # test. Stretched by the load factor too.
 POLL = 0.1 * LOAD_FACTOR
+POLL_MAX = 4 * POLL
+
+
+def pauses() -> Iterator[float]:
+    """The pauses between a wait's looks: POLL at first, a quarter longer after each look, up to POLL_MAX. A short
+    wait still looks often; a long one (a daemon's start on the kernel tier's emulated CPU, where each look's spawn
+    costs what the daemons need) spawns a third as often."""
+    pause = POLL
+    while True:
+        yield pause
+        pause = min(pause * 1.25, POLL_MAX)
 
 
 async def wait_for(pred: Callable[[], object], timeout: float = 15.0, what: str = "condition", *,

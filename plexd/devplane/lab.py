@@ -634,6 +634,7 @@ class MeshLab:
 
     def wait(self, pred, timeout: float, what: str) -> float:
         start = time.monotonic()
+        pause = 0.1 * _load_factor()
         while time.monotonic() - start < timeout:
             self.publish_endpoints()
             for d in self.daemons:
@@ -641,7 +642,9 @@ class MeshLab:
                     raise LabError(f"plexd up in {d.node.name} exited ({d.proc.returncode}): {d.log_tail(1500)}")
             if pred():
                 return time.monotonic() - start
-            time.sleep(0.1 * _load_factor())
+            time.sleep(pause)
+            # a long wait looks less often: each look spawns tools, which an emulated CPU pays dearly for
+            pause = min(pause * 1.25, 0.4 * _load_factor())
         logs = "\n".join(f"--- {d.node.name}\n{d.log_tail()}" for d in self.daemons)
         raise LabError(f"timed out after {timeout:.0f}s waiting for {what}\n{logs}")
 

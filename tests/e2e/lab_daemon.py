@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 from nacl.public import PrivateKey
-from waiting import POLL, scaled
+from waiting import pauses, scaled
 
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode, MeshLab
@@ -159,10 +159,12 @@ def wait_until(pred, timeout: float, what: str, daemons=(), evidence=None) -> fl
     `evidence()` adds. `timeout` is stretched by the suite's load factor (tests/waiting.py)."""
     timeout = scaled(timeout)
     start = time.monotonic()
-    while time.monotonic() - start < timeout:
+    for pause in pauses():
+        if time.monotonic() - start >= timeout:
+            break
         if pred():
             return time.monotonic() - start
-        time.sleep(POLL)
+        time.sleep(pause)
     logs = "\n".join(f"--- {d.node.name}\n{d.logged()[-3000:]}\n--- {d.node.name}: wg show (public fields)\n"
                      f"{_device(d)}" for d in daemons)
     extra = f"\n--- evidence\n{evidence()}" if evidence is not None else ""

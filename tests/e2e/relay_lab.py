@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from mesh_helpers import keypair
-from waiting import POLL, scaled
+from waiting import pauses, scaled
 
 from plexd.devplane.lab import Lab, LabNode, LabRouter
 
@@ -122,11 +122,13 @@ def wait(pred, timeout: float, what: str) -> None:
     timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     last = None
-    while time.monotonic() < deadline:
+    for pause in pauses():
+        if time.monotonic() >= deadline:
+            break
         last = pred()
         if last:
             return
-        time.sleep(POLL)
+        time.sleep(pause)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
