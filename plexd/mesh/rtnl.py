@@ -17,6 +17,8 @@ when that backend is chosen.
     dump_rules(family, netns)    every routing rule of one family: [Rule(table, priority, action)]
     write(messages, netns)       requests in order, in batches of one send each: the errno of each (0: done),
                                  made by route_write, link_set, link_delete, address_write, rule_write
+    open_socket, split_messages, attributes, attribute: the netlink plumbing, shared with the kernel WireGuard device's
+                                 generic netlink (plexd.mesh.wireguard.genl)
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ def write(messages: Sequence[Message], netns: str | None = None) -> list[int]:
     """Send `messages` in order, in batches of one send each (the kernel handles them one after the other); the
     errno of each (0: done), in the same order."""
     out: list[int] = []
-    with _open(netns) as sock:
+    with open_socket(netns) as sock:
         sock.bind((0, 0))
         for start in range(0, len(messages), _BATCH):
             out += _write_batch(sock, messages[start:start + _BATCH])
@@ -131,8 +133,8 @@ def route_write(replace: bool, dst: str, oif: int, table: int) -> Message:
     body = _RTMSG.pack(_family(network.version), network.prefixlen, 0, 0, table if table < 256 else 0,
                        _RTPROT_STATIC if replace else 0, _RT_SCOPE_UNIVERSE if replace else _RT_SCOPE_NOWHERE,
                        _RTN_UNICAST if replace else 0, 0)
-    body += _attr(_RTA_TABLE, _U32.pack(table)) + _attr(_RTA_DST, network.network_address.packed)
-    body += _attr(_RTA_OIF, _U32.pack(oif))
+    body += attribute(_RTA_TABLE, _U32.pack(table)) + attribute(_RTA_DST, network.network_address.packed)
+    body += attribute(_RTA_OIF, _U32.pack(oif))
     return Message(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body) if replace else Message(_RTM_DELROUTE, 0,
                                                                                                    body)
 
@@ -140,7 +142,7 @@ def route_write(replace: bool, dst: str, oif: int, table: int) -> Message:
 def link_set(index: int, *, mtu: int | None = None, up: bool = False) -> Message:
     body = _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, index, _IFF_UP if up else 0, _IFF_UP if up else 0)
     if mtu is not None:
-        body += _attr(_IFLA_MTU, _U32.pack(mtu))
+        body += attribute(_IFLA_MTU, _U32.pack(mtu))
     return Message(_RTM_NEWLINK, 0, body)
 
 
@@ -153,14 +155,14 @@ def address_write(add: bool, index: int, cidr: str) -> Message:
     iface = ipaddress.ip_interface(cidr)
     flags = _IFA_F_NODAD if iface.version == 6 and add else 0
     body = _IFADDRMSG.pack(_family(iface.version), iface.network.prefixlen, flags, 0, index)
-    body += _attr(_IFA_LOCAL, iface.ip.packed) + _attr(_IFA_ADDRESS, iface.ip.packed)
+    body += attribute(_IFA_LOCAL, iface.ip.packed) + attribute(_IFA_ADDRESS, iface.ip.packed)
     return Message(_RTM_NEWADDR, _NLM_F_CREATE | _NLM_F_EXCL, body) if add else Message(_RTM_DELADDR, 0, body)
 
 
 def rule_write(add: bool, version: int, table: int, priority: int) -> Message:
     """The rule "look up `table` at `priority`" of one address family: add (EEXIST when there) or delete."""
     body = _FIB_RULE_HDR.pack(_family(version), 0, 0, 0, table if table < 256 else 0, 0, 0, _FR_ACT_TO_TBL, 0)
-    body += _attr(_FRA_TABLE, _U32.pack(table)) + _attr(_FRA_PRIORITY, _U32.pack(priority))
+    body += attribute(_FRA_TABLE, _U32.pack(table)) + attribute(_FRA_PRIORITY, _U32.pack(priority))
     return Message(_RTM_NEWRULE, _NLM_F_CREATE | _NLM_F_EXCL, body) if add else Message(_RTM_DELRULE, 0, body)
 
 
@@ -179,14 +181,14 @@ def _write_batch(sock: socket.socket, messages: Sequence[Message]) -> list[int]:
         data = sock.recv(1 << 20)
         if not data:
             raise RouteDumpError("the writes ended without all their acknowledgements")
-        for kind, _, body, seq in _messages_with_seq(data):
+        for kind, _, body, seq in split_messages(data):
             if kind == _NLMSG_ERROR:
                 (code,) = struct.unpack_from("=i", body)
                 results[seq] = -code
     return [results.get(seq, 0) for seq in range(1, len(messages) + 1)]
 
 
-def _attr(kind: int, value: bytes) -> bytes:
+def attribute(kind: int, value: bytes) -> bytes:
     length = _ATTR.size + len(value)
     return _ATTR.pack(length, kind) + value + b"\0" * (-length % 4)
 
@@ -229,9 +231,10 @@ def _dump(netns: str | None, request_type: int, request: bytes, reply_type: int,
     raise RouteDumpError(f"the {what} kept changing during {_ATTEMPTS} dumps")
 
 
-def _open(netns: str | None) -> socket.socket:
+def open_socket(netns: str | None, protocol: int = _NETLINK_ROUTE) -> socket.socket:
+    """A netlink socket of `protocol` (rtnetlink; generic netlink for plexd.mesh.wireguard.genl) in `netns`."""
     if netns is None:
-        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
+        return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
     # A named namespace (tests, benches): this thread enters it for the socket's creation only (the socket stays
     # there), by descriptors of its own, so threads doing the same at once never restore each other's namespace.
     here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
@@ -240,7 +243,7 @@ def _open(netns: str | None) -> socket.socket:
         try:
             _setns(there)
             try:
-                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, _NETLINK_ROUTE)
+                return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
             finally:
                 _setns(here)
         finally:
@@ -266,7 +269,7 @@ def _libc() -> ctypes.CDLL:
 
 def _dump_once(netns: str | None, request_type: int, request: bytes, reply_type: int,
                decode: Callable[[memoryview], T]) -> tuple[list[T], bool]:
-    with _open(netns) as sock:
+    with open_socket(netns) as sock:
         sock.bind((0, 0))
         sock.send(_HEADER.pack(_HEADER.size + len(request), request_type, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
                   + request)
@@ -288,11 +291,12 @@ def _dump_once(netns: str | None, request_type: int, request: bytes, reply_type:
 
 
 def _messages(data: bytes) -> Iterator[tuple[int, int, memoryview]]:
-    for kind, flags, body, _ in _messages_with_seq(data):
+    for kind, flags, body, _ in split_messages(data):
         yield kind, flags, body
 
 
-def _messages_with_seq(data: bytes) -> Iterator[tuple[int, int, memoryview, int]]:
+def split_messages(data: bytes) -> Iterator[tuple[int, int, memoryview, int]]:
+    """(type, flags, body, sequence number) of each netlink message in one datagram."""
     view = memoryview(data)
     offset = 0
     while offset + _HEADER.size <= len(data):
@@ -308,7 +312,7 @@ def _route(body: memoryview) -> Route:
     dst: bytes | None = None
     oif = None
     gateways: list[str] = []
-    for attr, value in _attributes(body[_RTMSG.size:]):
+    for attr, value in attributes(body[_RTMSG.size:]):
         if attr == _RTA_DST:
             dst = bytes(value)
         elif attr == _RTA_OIF and len(value) == 4:
@@ -324,7 +328,7 @@ def _route(body: memoryview) -> Route:
 
 def _address(body: memoryview) -> Address | None:
     family, prefixlen, _, scope, index = _IFADDRMSG.unpack_from(body)
-    for attr, value in _attributes(body[_IFADDRMSG.size:]):
+    for attr, value in attributes(body[_IFADDRMSG.size:]):
         if attr == _IFA_ADDRESS and family in (socket.AF_INET, socket.AF_INET6):
             return Address(index, family, prefixlen, scope, socket.inet_ntop(family, value))
     return None  # no address attribute: nothing to protect
@@ -333,20 +337,20 @@ def _address(body: memoryview) -> Address | None:
 def _link(body: memoryview) -> Link:
     _, _, _, index, flags, _ = _IFINFOMSG.unpack_from(body)
     name, kind, mtu = "", "", 0
-    for attr, value in _attributes(body[_IFINFOMSG.size:]):
+    for attr, value in attributes(body[_IFINFOMSG.size:]):
         if attr == _IFLA_IFNAME:
             name = _string(value)
         elif attr == _IFLA_MTU and len(value) == 4:
             (mtu,) = _U32.unpack(value)
         elif attr == _IFLA_LINKINFO:
-            kind = next((_string(v) for a, v in _attributes(value) if a == _IFLA_INFO_KIND), "")
+            kind = next((_string(v) for a, v in attributes(value) if a == _IFLA_INFO_KIND), "")
     return Link(index, name, kind, mtu, bool(flags & _IFF_UP))
 
 
 def _rule(body: memoryview) -> Rule:
     _, _, _, _, table, _, _, action, _ = _FIB_RULE_HDR.unpack_from(body)
     priority = 0
-    for attr, value in _attributes(body[_FIB_RULE_HDR.size:]):
+    for attr, value in attributes(body[_FIB_RULE_HDR.size:]):
         if attr == _FRA_TABLE and len(value) == 4:
             (table,) = _U32.unpack(value)  # tables past 255 are only here
         elif attr == _FRA_PRIORITY and len(value) == 4:
@@ -358,7 +362,7 @@ def _string(value: memoryview) -> str:
     return bytes(value).split(b"\0", 1)[0].decode("utf-8", "replace")
 
 
-def _attributes(data: memoryview) -> Iterator[tuple[int, memoryview]]:
+def attributes(data: memoryview) -> Iterator[tuple[int, memoryview]]:
     """The (type, value) of each netlink attribute in `data`, up to the first malformed one."""
     at = 0
     while at + _ATTR.size <= len(data):
@@ -377,7 +381,7 @@ def _hop_gateways(family: int, data: memoryview) -> list[str]:
         if length < _NEXTHOP.size:
             break
         gateways += [socket.inet_ntop(family, value)
-                     for attr, value in _attributes(data[at + _NEXTHOP.size:at + length]) if attr == _RTA_GATEWAY]
+                     for attr, value in attributes(data[at + _NEXTHOP.size:at + length]) if attr == _RTA_GATEWAY]
         at += (length + 3) & ~3
     return gateways
 

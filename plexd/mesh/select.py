@@ -25,7 +25,7 @@ def backend_kind(config: Config) -> str:
 
 def wireguard_backend(config: Config, interface: str = "") -> WireGuardBackend:
     """The mesh device's backend, or (`interface`) one of the same kind for another interface plexd serves.
-    Each backend is imported only when chosen: the kernel one brings pyroute2 (~160 modules, several MiB)."""
+    Each backend is imported only when chosen; pyroute2 (~160 modules, several MiB) only to create a kernel device."""
     interface = interface or config.mesh.interface
     if backend_kind(config) == "kernel":
         from plexd.mesh.wireguard.kernel import KernelBackend

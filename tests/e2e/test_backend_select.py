@@ -14,7 +14,7 @@ import pytest
 
 from plexd.config.settings import load
 from plexd.mesh.select import backend_kind
-from plexd.mesh.wireguard.probe import _getfamily_request, has_genl_family, kernel_module_loaded
+from plexd.mesh.wireguard.probe import getfamily_request, has_genl_family, kernel_module_loaded
 
 
 def auto_config(tmp_path: Path):
@@ -23,7 +23,7 @@ def auto_config(tmp_path: Path):
 
 
 def test_the_probe_asks_the_controller_by_name_and_reads_its_answer() -> None:
-    request = _getfamily_request("wireguard")
+    request = getfamily_request("wireguard")
     assert len(request) % 4 == 0 and request.endswith(b"wireguard\0\0\0")
     assert has_genl_family("nlctrl")  # the controller itself: every kernel has it
     assert not has_genl_family("px-no-such-family")

@@ -1,34 +1,48 @@
-"""Kernel WireGuard backend: generic-netlink message building and dump merging.
+"""Kernel WireGuard backend: the generic-netlink codec (plexd.mesh.wireguard.genl) held to pyroute2's.
 
-The kernel on these machines has no WireGuard module (no `wireguard` genl family, and `ip link add type
-wireguard` is EOPNOTSUPP), so the netlink I/O itself cannot run here; these tests encode the messages with
-pyroute2 exactly as they would be sent, decode them back, and feed split dumps to the parser.
+The kernel on these machines has no WireGuard module, so the netlink I/O itself runs only in the kernel tier's VM
+(tests/e2e/test_converge.py and the kernel labs). Here pyroute2's own WireGuard message class is the reference:
+what plexd packs, pyroute2 decodes to the same fields; dumps pyroute2 encodes as the kernel sends them, split
+over several messages, plexd reads back merged.
 """
 
 from __future__ import annotations
 
 import base64
+import ipaddress
+import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyroute2.netlink.generic.wireguard import (
     WG_CMD_SET_DEVICE,
+    WGDEVICE_F_REPLACE_PEERS,
     WGPEER_F_REMOVE_ME,
     WGPEER_F_REPLACE_ALLOWEDIPS,
     WGPEER_F_UPDATE_ONLY,
     wgmsg,
 )
 
-from plexd.mesh.wireguard import ZERO_KEY, DeviceUpdate, PeerUpdate, kernel_module_loaded
-from plexd.mesh.wireguard.kernel import KernelBackend, build_set_messages, parse_dump
+from plexd.mesh.wireguard import ZERO_KEY, DeviceUpdate, PeerUpdate, WireGuardError, kernel_module_loaded
+from plexd.mesh.wireguard.genl import get_request, parse_device, set_requests
+from plexd.mesh.wireguard.kernel import KernelBackend
 
 K = [base64.b64encode(bytes([i]) * 32).decode() for i in range(1, 200)]
 
 
-def _roundtrip(msg: wgmsg) -> wgmsg:
+def _decoded(body: bytes) -> wgmsg:
+    """A body plexd packed, as pyroute2 reads it (behind a netlink header, as the kernel gets it)."""
+    header = (16 + len(body)).to_bytes(4, "little") + bytes(12)
+    msg = wgmsg(header + body)
+    msg.decode()
+    return msg
+
+
+def _encoded(msg: wgmsg) -> bytes:
+    """A message pyroute2 packs, as plexd reads it: the body after the netlink header."""
     msg.encode()
-    out = wgmsg(msg.data)
-    out.decode()
-    return out
+    return bytes(msg.data[16:])
 
 
 def _peer(msg: wgmsg, i: int = 0):
@@ -36,62 +50,127 @@ def _peer(msg: wgmsg, i: int = 0):
 
 
 def test_set_message_carries_device_and_peer_fields() -> None:
-    update = DeviceUpdate(private_key=K[0], listen_port=51820, peers=(
+    update = DeviceUpdate(private_key=K[0], listen_port=51820, fwmark=7, replace_peers=True, peers=(
         PeerUpdate(public_key=K[1], endpoint="[fd00::1]:51821", allowed_ips=frozenset({"10.0.0.0/24", "fd00::/64"}),
                    psk=K[2], persistent_keepalive=25),
         PeerUpdate(public_key=K[3], remove=True),
-        PeerUpdate(public_key=K[4], update_only=True, endpoint="1.2.3.4:5"),
+        PeerUpdate(public_key=K[4], update_only=True, endpoint="1.2.3.4:5", psk=""),
     ))
-    (msg,) = build_set_messages("wg0", update)
-    msg = _roundtrip(msg)
+    (body,) = set_requests("wg0", update)
+    msg = _decoded(body)
     assert msg["cmd"] == WG_CMD_SET_DEVICE
     assert msg.get_attr("WGDEVICE_A_IFNAME") == "wg0"
-    assert msg.get_attr("WGDEVICE_A_LISTEN_PORT") == 51820
+    assert msg.get_attr("WGDEVICE_A_LISTEN_PORT") == 51820 and msg.get_attr("WGDEVICE_A_FWMARK") == 7
+    assert msg.get_attr("WGDEVICE_A_FLAGS") == WGDEVICE_F_REPLACE_PEERS
+    assert msg.get_attr("WGDEVICE_A_PRIVATE_KEY").decode() == K[0]
     p = _peer(msg)
+    assert p.get_attr("WGPEER_A_PUBLIC_KEY").decode() == K[1] and p.get_attr("WGPEER_A_PRESHARED_KEY").decode() == K[2]
     assert p.get_attr("WGPEER_A_FLAGS") == WGPEER_F_REPLACE_ALLOWEDIPS
     assert p.get_attr("WGPEER_A_ENDPOINT")["addr"] == "fd00::1" and p.get_attr("WGPEER_A_ENDPOINT")["port"] == 51821
     assert p.get_attr("WGPEER_A_PERSISTENT_KEEPALIVE_INTERVAL") == 25
+    assert len(p.get_attr("WGPEER_A_ALLOWEDIPS")) == 2
     assert _peer(msg, 1).get_attr("WGPEER_A_FLAGS") == WGPEER_F_REMOVE_ME
-    assert _peer(msg, 2).get_attr("WGPEER_A_FLAGS") == WGPEER_F_UPDATE_ONLY
-    dev = parse_dump([msg])  # the parser reads what the builder wrote
+    third = _peer(msg, 2)
+    assert third.get_attr("WGPEER_A_FLAGS") == WGPEER_F_UPDATE_ONLY
+    assert third.get_attr("WGPEER_A_ENDPOINT")["addr"] == "1.2.3.4" and third.get_attr("WGPEER_A_ENDPOINT")["port"] == 5
+    assert third.get_attr("WGPEER_A_PRESHARED_KEY").decode() == ZERO_KEY  # "" clears the key
+    dev = parse_device([body])  # and plexd's parser reads what its builder wrote
     assert dev.private_key == K[0]
     assert dev.peers[K[1]].allowed_ips == frozenset({"10.0.0.0/24", "fd00::/64"})
     assert dev.peers[K[1]].psk == K[2] and dev.peers[K[4]].endpoint == "1.2.3.4:5"
+    assert dev.peers[K[1]].endpoint == "[fd00::1]:51821" and dev.peers[K[1]].persistent_keepalive == 25
 
 
 def test_large_updates_are_split_and_only_the_first_carries_device_fields() -> None:
     peers = tuple(PeerUpdate(public_key=k, allowed_ips=frozenset({f"10.1.{i}.0/24"})) for i, k in enumerate(K[:150]))
-    msgs = [_roundtrip(m) for m in build_set_messages("wg0", DeviceUpdate(listen_port=1, peers=peers))]
+    msgs = [_decoded(b) for b in set_requests("wg0", DeviceUpdate(listen_port=1, peers=peers))]
     assert len(msgs) == 3
     assert msgs[0].get_attr("WGDEVICE_A_LISTEN_PORT") == 1
     assert all(m.get_attr("WGDEVICE_A_LISTEN_PORT") is None for m in msgs[1:])
     assert sum(len(m.get_attr("WGDEVICE_A_PEERS")) for m in msgs) == 150
-    assert build_set_messages("wg0", DeviceUpdate()) == []
+    assert set_requests("wg0", DeviceUpdate()) == []
+
+
+def test_the_dump_request_names_the_interface() -> None:
+    msg = _decoded(get_request("plexd0"))
+    assert msg["cmd"] == 0 and msg.get_attr("WGDEVICE_A_IFNAME") == "plexd0"
 
 
 def test_split_dump_is_merged_by_public_key() -> None:
     """The kernel continues a peer with many allowed IPs in the next dump message under the same key."""
     first, second = wgmsg(), wgmsg()
     first["attrs"] += [["WGDEVICE_A_IFNAME", "wg0"], ["WGDEVICE_A_PRIVATE_KEY", K[0]],
-                       ["WGDEVICE_A_LISTEN_PORT", 51820]]
-    ip = lambda a, m: {"attrs": [["WGALLOWEDIP_A_FAMILY", 2], ["WGALLOWEDIP_A_IPADDR", bytes(a)],  # noqa: E731
-                                 ["WGALLOWEDIP_A_CIDR_MASK", m]]}
+                       ["WGDEVICE_A_LISTEN_PORT", 51820], ["WGDEVICE_A_FWMARK", 9]]
+    ip = lambda a, m, f=2: {"attrs": [["WGALLOWEDIP_A_FAMILY", f], ["WGALLOWEDIP_A_IPADDR", bytes(a)],  # noqa: E731
+                                      ["WGALLOWEDIP_A_CIDR_MASK", m]]}
     first["attrs"].append(["WGDEVICE_A_PEERS", [
         {"attrs": [["WGPEER_A_PUBLIC_KEY", K[1]], ["WGPEER_A_PRESHARED_KEY", ZERO_KEY],
                    ["WGPEER_A_ENDPOINT", {"addr": "10.0.0.9", "port": 51820}],
+                   ["WGPEER_A_PERSISTENT_KEEPALIVE_INTERVAL", 25],
                    ["WGPEER_A_LAST_HANDSHAKE_TIME", {"tv_sec": 1700000000, "tv_nsec": 250000000}],
                    ["WGPEER_A_RX_BYTES", 10], ["WGPEER_A_TX_BYTES", 20],
                    ["WGPEER_A_ALLOWEDIPS", [ip([10, 0, 0, 1], 32)]]]}]])
     second["attrs"] += [["WGDEVICE_A_IFNAME", "wg0"], ["WGDEVICE_A_PEERS", [
         {"attrs": [["WGPEER_A_PUBLIC_KEY", K[1]], ["WGPEER_A_ALLOWEDIPS", [ip([10, 2, 0, 0], 16)]]]},
-        {"attrs": [["WGPEER_A_PUBLIC_KEY", K[2]], ["WGPEER_A_ALLOWEDIPS", [ip([10, 3, 0, 0], 16)]]]}]]]
-    dev = parse_dump([_roundtrip(first), _roundtrip(second)])
-    assert dev.listen_port == 51820 and dev.private_key == K[0]
+        {"attrs": [["WGPEER_A_PUBLIC_KEY", K[2]], ["WGPEER_A_PRESHARED_KEY", K[3]],
+                   ["WGPEER_A_ENDPOINT", {"addr": "fd00::9", "port": 7}],
+                   ["WGPEER_A_ALLOWEDIPS", [ip([0xfd] + [0] * 15, 64, 10)]]]}]]]
+    dev = parse_device([_encoded(first), _encoded(second)])
+    assert (dev.listen_port, dev.private_key, dev.fwmark) == (51820, K[0], 9)
     p = dev.peers[K[1]]
     assert p.allowed_ips == frozenset({"10.0.0.1/32", "10.2.0.0/16"})
-    assert p.psk == "" and p.endpoint == "10.0.0.9:51820" and (p.rx, p.tx) == (10, 20)
+    assert p.psk == "" and p.endpoint == "10.0.0.9:51820" and (p.rx, p.tx) == (10, 20) and p.persistent_keepalive == 25
     assert p.last_handshake == 1700000000.25
-    assert dev.peers[K[2]].allowed_ips == frozenset({"10.3.0.0/16"})
+    q = dev.peers[K[2]]
+    assert q.allowed_ips == frozenset({"fd00::/64"}) and q.psk == K[3] and q.endpoint == "[fd00::9]:7"
+
+
+keys = st.binary(min_size=32, max_size=32).map(lambda b: base64.b64encode(b).decode())
+v4 = st.tuples(st.binary(min_size=4, max_size=4), st.integers(0, 32)).map(
+    lambda t: f"{'.'.join(map(str, t[0]))}/{t[1]}")
+peer_updates = st.builds(
+    PeerUpdate, public_key=keys, update_only=st.booleans(),
+    endpoint=st.none() | st.tuples(st.binary(min_size=4, max_size=4), st.integers(1, 65535)).map(
+        lambda t: f"{'.'.join(map(str, t[0]))}:{t[1]}"),
+    allowed_ips=st.none() | st.frozensets(v4, max_size=4), psk=st.none() | keys,
+    persistent_keepalive=st.none() | st.integers(0, 65535))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(peer_updates, max_size=80, unique_by=lambda p: p.public_key), st.none() | st.integers(0, 65535))
+def test_what_plexd_packs_pyroute2_reads_as_the_same_fields(peers, port) -> None:
+    bodies = set_requests("plexd0", DeviceUpdate(listen_port=port, peers=tuple(peers)))
+    seen = [p for body in bodies for p in (_decoded(body).get_attr("WGDEVICE_A_PEERS") or [])]
+    assert len(seen) == len(peers)
+    for want, got in zip(peers, seen, strict=True):
+        assert got.get_attr("WGPEER_A_PUBLIC_KEY").decode() == want.public_key
+        if want.endpoint:
+            ep = got.get_attr("WGPEER_A_ENDPOINT")
+            assert f"{ep['addr']}:{ep['port']}" == want.endpoint
+        if want.persistent_keepalive is not None:
+            assert got.get_attr("WGPEER_A_PERSISTENT_KEEPALIVE_INTERVAL") == want.persistent_keepalive
+    device = parse_device(bodies)  # and back: plexd's parser agrees with its builder
+    for want in peers:
+        have = device.peers[want.public_key]
+        assert have.allowed_ips == ({str(ipaddress.ip_network(ip, strict=False)) for ip in want.allowed_ips}
+                                    if want.allowed_ips else frozenset())
+        assert have.psk == (want.psk or "")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=120), max_size=4))
+def test_a_garbled_dump_is_read_without_raising(bodies) -> None:
+    """Bounded parsing: whatever the socket hands over, the parser returns a device (what it could read)."""
+    parse_device([bytes(4) + b for b in bodies])
+
+
+def test_a_malformed_key_or_endpoint_is_a_wireguard_error_naming_it() -> None:
+    with pytest.raises(WireGuardError, match="public key"):
+        set_requests("wg0", DeviceUpdate(peers=(PeerUpdate(public_key="short"),)))
+    with pytest.raises(WireGuardError, match="endpoint 'host:1'"):
+        set_requests("wg0", DeviceUpdate(peers=(PeerUpdate(public_key=K[1], endpoint="host:1"),)))
+    with pytest.raises(WireGuardError, match="private key"):
+        set_requests("wg0", DeviceUpdate(private_key=base64.b64encode(os.urandom(16)).decode()))
 
 
 # These two show the missing module, this kernel's real answer. Where the module exists they would create a real
@@ -112,12 +191,10 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
     is this kernel's real answer; no permission (EPERM) cannot be produced without the module, so it is injected."""
     import errno
 
-    import pyroute2
-    from pyroute2.netlink.exceptions import NetlinkError
-
     from plexd.converge.engine import Engine
     from plexd.mesh.domain import WireGuardDomain
     from plexd.mesh.links import Links
+    from plexd.mesh.wireguard import genl
     from plexd.state.desired import DesiredState
 
     desired = DesiredState.initial(interface="pxnokern0", listen_port=51820, mtu=1420, private_key=K[0],
@@ -127,9 +204,9 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
     assert r.errors == ("the kernel has no WireGuard generic-netlink family (module not loaded)",) and not r.changes
 
     def no_permission(*args, **kwargs):
-        raise NetlinkError(errno.EPERM, "Operation not permitted")
+        raise OSError(errno.EPERM, "Operation not permitted")
 
-    monkeypatch.setattr(pyroute2, "WireGuard", no_permission)
+    monkeypatch.setattr(genl, "family_id", no_permission)
     r = await converger.converge(desired)
     assert r.errors == ("no permission for netlink: plexd must run as root or with CAP_NET_ADMIN",)
 

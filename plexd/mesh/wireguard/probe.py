@@ -7,8 +7,8 @@ the family is asked for by name (its `net-pf-16-proto-16-family-wireguard` alias
 the generic-netlink controller for the `wireguard` family answers "is there kernel WireGuard here" and loads it
 when there is, which is what `mesh.backend: auto` needs to pick the kernel backend on every kernel from 5.6.
 
-Raw netlink, a few bytes each way: the backend choice must not import pyroute2 (the kernel backend does, once
-chosen).
+Raw netlink, a few bytes each way; its request is also how the kernel backend finds the family's id
+(plexd.mesh.wireguard.genl).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def kernel_module_loaded() -> bool:
     return os.path.isdir(MODULE_DIR)
 
 
-def _getfamily_request(name: str) -> bytes:
+def getfamily_request(name: str) -> bytes:
     value = name.encode() + b"\0"
     attr = _ATTR.pack(_ATTR.size + len(value), _CTRL_ATTR_FAMILY_NAME) + value
     attr += b"\0" * (-len(attr) % 4)
@@ -54,7 +54,7 @@ def has_genl_family(name: str, timeout: float = 5.0) -> bool:
     with sock:
         sock.settimeout(timeout)
         try:
-            sock.send(_getfamily_request(name))
+            sock.send(getfamily_request(name))
             data = sock.recv(65536)
         except OSError:
             return False
