@@ -13,12 +13,26 @@ vm_packages() {
     vm_install "${need[@]}"
 }
 
+# vm_lock / vm_unlock: one host-wide lock around apt and the unpacking of the shared kernel. The kernel tier and the
+# systemd tier start together: two apt runs at once fail on apt's own lock, and a second unpack would replace the
+# kernel the first tier is booting.
+vm_lock() {
+    local dir=/run/lock
+    [ -d "$dir" ] || dir=/tmp
+    exec {VM_LOCK_FD}>"$dir/plexd-vm.lock"
+    flock "$VM_LOCK_FD"
+}
+vm_unlock() { exec {VM_LOCK_FD}>&-; }
+
 # vm_install PACKAGE...: install these Debian packages (quietly, in one apt run; none: nothing).
 vm_install() {
     [ $# -eq 0 ] && return 0
+    vm_lock
     say "installing $*"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        "$@"; } >/dev/null 2>&1 || cannot "install the Debian packages $*"
+    { apt-get -o DPkg::Lock::Timeout=300 update -qq && DEBIAN_FRONTEND=noninteractive apt-get \
+        -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends "$@"; } >/dev/null 2>&1 \
+        || cannot "install the Debian packages $*"
+    vm_unlock
 }
 
 # vm_kernel CACHE: Debian's current stock kernel package, unpacked under CACHE (kept). Sets PKG, KVER, KROOT, KIMG.
@@ -33,6 +47,7 @@ vm_kernel() {
     fi
     KVER=${PKG#linux-image-}
     KROOT="$cache/$PKG"
+    vm_lock  # the other tier may be fetching it now
     if [ ! -f "$KROOT/.done" ]; then
         say "fetching $PKG"
         tmp=$(mktemp -d)
@@ -44,6 +59,7 @@ vm_kernel() {
         rm -rf "$tmp"
         touch "$KROOT/.done"
     fi
+    vm_unlock
     echo "$PKG" > "$cache/kernel-pkg"
     KIMG="$KROOT/boot/vmlinuz-$KVER"
     [ -f "$KIMG" ] || cannot "find the kernel image $KIMG"
