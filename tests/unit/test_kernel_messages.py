@@ -157,11 +157,43 @@ def test_what_plexd_packs_pyroute2_reads_as_the_same_fields(peers, port) -> None
         assert have.psk == (want.psk or "")
 
 
+def _attr(kind: int, value: bytes) -> bytes:
+    return (4 + len(value)).to_bytes(2, "little") + kind.to_bytes(2, "little") + value + bytes(-len(value) % 4)
+
+
+# attribute-shaped garbage: right types, wrong sizes (a 1-byte port, an empty mask), nested where the parser looks
+fields = st.lists(st.tuples(st.integers(0, 10), st.binary(max_size=40)), max_size=6).map(
+    lambda fs: b"".join(_attr(k, v) for k, v in fs))
+allowed = st.lists(fields.map(lambda f: _attr(0x8000, f)), max_size=3).map(lambda a: _attr(0x8000 | 9, b"".join(a)))
+peer_blobs = st.tuples(st.binary(min_size=32, max_size=32), fields, allowed).map(
+    lambda t: _attr(0x8000, _attr(1, t[0]) + t[1] + t[2]))
+dump_bodies = st.tuples(fields, st.lists(peer_blobs, max_size=3)).map(
+    lambda t: bytes(4) + t[0] + _attr(0x8000 | 8, b"".join(t[1])))
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.binary(max_size=120), max_size=4))
+@given(st.lists(st.binary(max_size=120) | dump_bodies, max_size=4))
 def test_a_garbled_dump_is_read_without_raising(bodies) -> None:
     """Bounded parsing: whatever the socket hands over, the parser returns a device (what it could read)."""
-    parse_device([bytes(4) + b for b in bodies])
+    parse_device([bytes(4) + b if len(b) < 4 else b for b in bodies])
+
+
+def test_peers_with_many_allowed_ips_are_split_by_size_not_only_by_count() -> None:
+    """A netlink attribute's length is 16 bits: 64 peers of 40 allowed IPs each do not fit in one message."""
+    peers = tuple(PeerUpdate(public_key=k, allowed_ips=frozenset(f"10.{i}.{j}.0/24" for j in range(40)))
+                  for i, k in enumerate(K[:64]))
+    bodies = set_requests("wg0", DeviceUpdate(peers=peers))
+    assert len(bodies) > 1 and all(len(b) < 65_536 for b in bodies)
+    assert sum(len(_decoded(b).get_attr("WGDEVICE_A_PEERS")) for b in bodies) == 64
+    assert all(len(p.allowed_ips) == 40 for p in parse_device(bodies).peers.values())
+
+
+def test_a_scoped_ipv6_endpoint_reads_back_as_the_model_writes_it() -> None:
+    update = DeviceUpdate(peers=(PeerUpdate(public_key=K[1], endpoint="[fe80::1%lo]:51820"),))
+    (body,) = set_requests("wg0", update)
+    assert parse_device([body]).peers[K[1]].endpoint == "[fe80::1%lo]:51820"
+    with pytest.raises(WireGuardError, match="no interface 'pxnosuch0'"):
+        set_requests("wg0", DeviceUpdate(peers=(PeerUpdate(public_key=K[1], endpoint="[fe80::1%pxnosuch0]:1"),)))
 
 
 def test_a_malformed_key_or_endpoint_is_a_wireguard_error_naming_it() -> None:

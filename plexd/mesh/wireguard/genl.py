@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import errno
 import ipaddress
 import os
@@ -30,7 +31,8 @@ from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpd
 from plexd.mesh.wireguard.probe import getfamily_request
 
 NETLINK_GENERIC = 16
-PEERS_PER_MESSAGE = 64  # keeps each SET_DEVICE well under the netlink message size limit (as `wg` does)
+PEERS_PER_MESSAGE = 64  # peers in one SET_DEVICE at most (as `wg` does) ...
+_PEERS_BYTES = 60_000  # ... and bytes: a netlink attribute's length is 16 bits (peers with many allowed IPs)
 
 # include/uapi/linux/wireguard.h
 CMD_GET_DEVICE, CMD_SET_DEVICE, GENL_VERSION = 0, 1, 1
@@ -52,6 +54,7 @@ _U16, _U32, _U64, _I32 = struct.Struct("=H"), struct.Struct("=I"), struct.Struct
 _PORT = struct.Struct("!H")  # a sockaddr's port: network byte order
 _TIMESPEC = struct.Struct("=qq")
 _ZERO = bytes(32)
+_MALFORMED = (struct.error, IndexError, ValueError)
 _ATTEMPTS = 3  # a dump the kernel marks interrupted (the device changed under it) is read again
 
 
@@ -82,7 +85,11 @@ def _sockaddr(endpoint: str) -> bytes:
         address = ipaddress.IPv6Address(host)
     except (ValueError, OSError):
         raise WireGuardError(f"endpoint {endpoint!r} is not an IP address and port") from None
-    scope = socket.if_nametoindex(address.scope_id) if address.scope_id else 0
+    try:
+        scope = 0 if not address.scope_id else (int(address.scope_id) if address.scope_id.isdigit()
+                                                 else socket.if_nametoindex(address.scope_id))
+    except OSError:
+        raise WireGuardError(f"endpoint {endpoint!r}: no interface {address.scope_id!r} here") from None
     return (_U16.pack(socket.AF_INET6) + _PORT.pack(port_number) + bytes(4) + address.packed
             + _U32.pack(scope))
 
@@ -135,8 +142,15 @@ def set_requests(interface: str, update: DeviceUpdate, peers_per_message: int = 
     empty update; the device's fields (and the replace-peers flag) in the first only."""
     if update.is_empty():
         return []
-    peers = update.peers
-    chunks = [peers[i:i + peers_per_message] for i in range(0, len(peers), peers_per_message)] or [()]
+    chunks: list[list[bytes]] = [[]]
+    size = 0
+    for p in update.peers:
+        packed = _peer(p)  # a peer's 1,024 allowed IPs at most are ~29 KiB: one always fits
+        if chunks[-1] and (len(chunks[-1]) == peers_per_message or size + len(packed) > _PEERS_BYTES):
+            chunks.append([])
+            size = 0
+        chunks[-1].append(packed)
+        size += len(packed)
     bodies = []
     for n, chunk in enumerate(chunks):
         body = _GENL.pack(CMD_SET_DEVICE, GENL_VERSION, 0) + _ifname(interface)
@@ -151,7 +165,7 @@ def set_requests(interface: str, update: DeviceUpdate, peers_per_message: int = 
             if update.replace_peers:
                 body += attribute(DEVICE_FLAGS, _U32.pack(DEVICE_F_REPLACE_PEERS))
         if chunk:
-            body += _nest(DEVICE_PEERS, b"".join(_peer(p) for p in chunk))
+            body += _nest(DEVICE_PEERS, b"".join(chunk))
         bodies.append(body)
     return bodies
 
@@ -174,7 +188,14 @@ def _endpoint(raw: memoryview) -> str:
     if family == socket.AF_INET and len(raw) >= 8:
         return f"{socket.inet_ntop(socket.AF_INET, raw[4:8])}:{port}"
     if family == socket.AF_INET6 and len(raw) >= 24:
-        return f"[{socket.inet_ntop(socket.AF_INET6, raw[8:24])}]:{port}"
+        address = socket.inet_ntop(socket.AF_INET6, raw[8:24])
+        (scope,) = _U32.unpack_from(raw, 24) if len(raw) >= 28 else (0,)
+        if scope:  # as the desired model writes it: the interface's name, "[fe80::1%eth0]:51820"
+            try:
+                address += "%" + socket.if_indextoname(scope)
+            except OSError:
+                address += f"%{scope}"
+        return f"[{address}]:{port}"
     return ""
 
 
@@ -206,15 +227,19 @@ def parse_device(bodies: Iterable[bytes | memoryview]) -> DeviceConfig:
     for body in bodies:
         for kind, value in attributes(memoryview(body)[_GENL.size:]):
             kind &= _NLA_TYPE_MASK
-            if kind == DEVICE_PRIVATE_KEY:
-                private_key = _text_key(value)
-            elif kind == DEVICE_LISTEN_PORT:
-                (listen_port,) = _U16.unpack_from(value)
-            elif kind == DEVICE_FWMARK:
-                (fwmark,) = _U32.unpack_from(value)
-            elif kind == DEVICE_PEERS:
-                for _, peer in attributes(value):
-                    _merge_peer(peers, peer)
+            try:
+                if kind == DEVICE_PRIVATE_KEY:
+                    private_key = _text_key(value)
+                elif kind == DEVICE_LISTEN_PORT:
+                    (listen_port,) = _U16.unpack_from(value)
+                elif kind == DEVICE_FWMARK:
+                    (fwmark,) = _U32.unpack_from(value)
+                elif kind == DEVICE_PEERS:
+                    for _, peer in attributes(value):
+                        with contextlib.suppress(*_MALFORMED):  # one peer's bad field costs that peer's rest only
+                            _merge_peer(peers, peer)
+            except _MALFORMED:
+                continue  # a field too short for its type: the kernel sends none; what can be read is kept
     return DeviceConfig(
         private_key=private_key, listen_port=listen_port, fwmark=fwmark,
         peers={k: PeerConfig(public_key=k, endpoint=v["endpoint"], allowed_ips=frozenset(v["allowed"]), psk=v["psk"],
@@ -249,6 +274,11 @@ def _merge_peer(peers: dict[str, dict], raw: memoryview) -> None:
 # -- the socket's exchanges ---------------------------------------------------------------------------------------
 
 
+def _code(body: memoryview) -> int:
+    """The (negative) errno an NLMSG_ERROR or NLMSG_DONE carries; -EPROTO when the body is too short for one."""
+    return _I32.unpack_from(body)[0] if len(body) >= _I32.size else -errno.EPROTO
+
+
 def _send(sock: socket.socket, kind: int, flags: int, body: bytes, seq: int) -> None:
     sock.sendall(_HEADER.pack(_HEADER.size + len(body), kind, _NLM_F_REQUEST | flags, seq, 0) + body)
 
@@ -258,12 +288,12 @@ def family_id(sock: socket.socket) -> int:
     sock.sendall(getfamily_request("wireguard"))
     for kind, _, body, _ in split_messages(sock.recv(65536)):
         if kind == _NLMSG_ERROR:
-            (code,) = _I32.unpack_from(body)
+            code = _code(body)
             if -code == errno.ENOENT:
                 raise WireGuardError("the kernel has no WireGuard generic-netlink family (module not loaded)")
             raise OSError(-code, os.strerror(-code))
         for attr, value in attributes(body[_GENL.size:]):
-            if attr & _NLA_TYPE_MASK == _CTRL_ATTR_FAMILY_ID:
+            if attr & _NLA_TYPE_MASK == _CTRL_ATTR_FAMILY_ID and len(value) >= _U16.size:
                 return _U16.unpack_from(value)[0]
     raise WireGuardError("the generic-netlink controller named no id for the wireguard family")
 
@@ -272,9 +302,9 @@ def request(sock: socket.socket, family: int, body: bytes, seq: int) -> None:
     """One SET_DEVICE, acknowledged: OSError with the kernel's errno when it is refused."""
     _send(sock, family, _NLM_F_ACK, body, seq)
     while True:
-        for kind, _, reply, got in split_messages(sock.recv(65536)):
+        for kind, _, reply, got in split_messages(sock.recv(1 << 20)):  # a refusal echoes the whole request
             if kind == _NLMSG_ERROR and got == seq:
-                (code,) = _I32.unpack_from(reply)
+                code = _code(reply)
                 if code:
                     raise OSError(-code, os.strerror(-code))
                 return
@@ -293,12 +323,12 @@ def dump(sock: socket.socket, family: int, body: bytes) -> list[bytes]:
                 raise OSError(errno.EPROTO, "the dump ended without its last message")
             for kind, flags, reply, _ in split_messages(data):
                 if kind == _NLMSG_DONE:
-                    if len(reply) >= 4 and (code := _I32.unpack_from(reply)[0]) < 0:  # the dump failed part-way
+                    if len(reply) >= _I32.size and (code := _code(reply)) < 0:  # the dump failed part-way
                         raise OSError(-code, os.strerror(-code))
                     done = True
                     break
                 if kind == _NLMSG_ERROR:
-                    (code,) = _I32.unpack_from(reply)
+                    code = _code(reply)
                     raise OSError(-code, os.strerror(-code))
                 interrupted |= bool(flags & _NLM_F_DUMP_INTR)
                 if kind == family:
