@@ -401,6 +401,15 @@ class Agent:
     async def run(self, assemble: Assemble) -> int:
         """The whole lifecycle; returns the process exit status."""
         notify(f"STATUS={self.phase}")
+        # systemd arms the watchdog at the start, not at READY=1: a registration waiting for the control plane, or
+        # a start on a slow machine, outlasted WatchdogSec and was killed. The node's watchdog takes over in serve.
+        pinging = asyncio.create_task(_startup_watchdog(), name="plexd:startup-watchdog")
+        try:
+            return await self._run(assemble, pinging)
+        finally:
+            pinging.cancel()
+
+    async def _run(self, assemble: Assemble, pinging: asyncio.Task[None]) -> int:
         await self.start()
         # A stop while the register request is on the wire waits for its answer: the control plane spends the
         # one-time token when it answers, and an answer thrown away leaves a spent token and no identity.
@@ -415,10 +424,21 @@ class Agent:
         await self.until_stopped(self.rejoin())
         self.phase = "bringing the mesh up"
         self.node = assemble(self)
+        pinging.cancel()
         await self.serve()
         if self.failed:
             return 1
         return EXIT_RESTART if self.restarting else 0
+
+
+async def _startup_watchdog() -> None:
+    """WATCHDOG=1 from the event loop while plexd starts, when systemd asked for pings (a wedged loop stops them)."""
+    interval = systemd.watchdog_interval()
+    if interval is None:
+        return
+    while True:
+        notify("WATCHDOG=1")
+        await asyncio.sleep(interval)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -365,6 +365,31 @@ async def test_watchdog_pings_stop_when_the_event_loop_is_wedged(tmp_path, rec, 
     assert "test fault: service heartbeat wedges the event loop" in err.decode()
 
 
+async def test_watchdog_pings_while_registration_waits_for_the_control_plane(tmp_path, notify_socket):
+    """systemd arms WatchdogSec at the start, not at READY=1: a first registration that waits for an unreachable
+    control plane must ping, or systemd kills plexd over and over (the systemd tier saw a slow start killed)."""
+    (tmp_path / "token").write_text("tok")
+    cfg = write_config(tmp_path, "http://127.0.0.1:9")  # nothing listens: registration retries
+    path, sock = notify_socket
+    proc = await start_up(cfg, path, WATCHDOG_USEC="300000")
+    loop = asyncio.get_running_loop()
+    pings, ready = 0, False
+    deadline = loop.time() + scaled(20)
+    try:
+        while pings < 10 and loop.time() < deadline:
+            try:
+                msg = await asyncio.wait_for(loop.sock_recv(sock, 4096), deadline - loop.time())
+            except TimeoutError:
+                break
+            lines = msg.split(b"\n")
+            pings += b"WATCHDOG=1" in lines
+            ready |= b"READY=1" in lines
+    finally:
+        rc, err = await stop(proc, signal.SIGTERM)
+    assert pings >= 10 and not ready, (pings, ready, err[-2000:])
+    assert rc == 0 and (tmp_path / "token").exists()  # still unregistered, its token kept
+
+
 async def test_sighup_applies_what_can_change_live_and_names_what_needs_a_restart(tmp_path, rec):
     save_identity(tmp_path / "data")
     cfg = write_config(tmp_path, rec.url, "shutdown: {deregister: false}\n")

@@ -6,7 +6,7 @@ node (`plexd up` by hand) and the devplane listens on the link between them. Eac
 FAIL with what it saw, and the run exits 1 if any failed. Checks that need an earlier one's state say so and are
 not run when it failed (printed as SKIP, which fails the run too).
 
-The unit gets one drop-in, said here: WatchdogSec=20s and TimeoutAbortSec=5s (the shipped 60 s and 40 s would make
+The unit gets one drop-in, said here: WatchdogSec=30s and TimeoutAbortSec=5s (the shipped 60 s and 40 s would make
 the watchdog check take two minutes on an emulated CPU; what is checked is that systemd's watchdog restarts a
 wedged plexd, which adopts the live device).
 """
@@ -70,7 +70,9 @@ def check(name: str, what: str, needs: tuple[str, ...] = ()):
             detail = fn() or ""
         except Exception as exc:  # a check that fails must not stop the others
             RESULTS.append((name, "FAIL"))
-            print(f"FAIL {name}: {what}: {exc}\n{traceback.format_exc(limit=3)}", flush=True)
+            journal = sh("journalctl", "-u", "plexd", "-n", "40", "--no-pager", "-o", "cat", check=False).stdout
+            print(f"FAIL {name}: {what}: {exc}\n{traceback.format_exc(limit=3)}--- journal of plexd.service\n{journal}",
+                  flush=True)
             return fn
         RESULTS.append((name, "PASS"))
         print(f"PASS {name}: {what} ({time.monotonic() - started:.1f}s){'; ' + detail if detail else ''}", flush=True)
@@ -148,7 +150,7 @@ def main() -> int:
             config.write(f"upgrade: {{release_keys: ['{signing.public_key(RELEASE_KEY)}']}}\n")
         dropin = Path("/etc/systemd/system/plexd.service.d")
         dropin.mkdir(parents=True)
-        (dropin / "test.conf").write_text("[Service]\nWatchdogSec=20s\nTimeoutAbortSec=5s\n")
+        (dropin / "test.conf").write_text("[Service]\nWatchdogSec=30s\nTimeoutAbortSec=5s\n")
         sh("systemctl", "daemon-reload")
         started = time.monotonic()
         sh("systemctl", "enable", "--now", "plexd", timeout=300 * SLOW)  # Type=notify: returns after READY=1
