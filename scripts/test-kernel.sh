@@ -17,7 +17,7 @@ export PLEXD_TEST_LOAD_FACTOR=${PLEXD_TEST_LOAD_FACTOR:-4}
 env -u PYTHONDONTWRITEBYTECODE PLEXD_KERNEL_VM=1 .venv/bin/python -m pytest -q -p no:cacheprovider --collect-only \
     "${@:-tests}" > /dev/null 2>&1
 scripts/kernel-vm.sh env PLEXD_TEST_LOAD_FACTOR="$PLEXD_TEST_LOAD_FACTOR" PYTHONDONTWRITEBYTECODE=1 \
-    .venv/bin/python -m pytest -q -p no:cacheprovider -p no:hypothesispytest -m kernel -n "${KERNEL_TEST_WORKERS:-0}" --dist loadgroup \
+    .venv/bin/python -m pytest -q -p no:cacheprovider -p no:hypothesispytest -m kernel -n "${KERNEL_TEST_WORKERS:-0}" --dist loadfile \
     --durations=0 "${@:-tests}"
 rc=$?
 took=$(( $(date +%s) - started ))

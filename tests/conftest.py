@@ -4,11 +4,11 @@ parallel where the tests allow it.
 Every e2e test needs root (network namespaces, wireguard-go). Outside CI a non-root run skips them with a
 reason; in CI (CI=true, which runs as root) a missing privilege is a failure, never a silent skip.
 
-Parallel runs (pytest-xdist, `make test` uses `-n 4 --dist loadgroup`): labs have names of their own
-(plexd.devplane.lab),
-so they run side by side; the tests of one file stay on one worker (their module fixtures are built once); the
-files that run daemons in the root network namespace itself (its `inet plexd` table, `plexd0`) share one group
-and so one worker, one after another.
+Parallel runs (pytest-xdist, `make test` uses `-n 4 --dist loadfile`): labs have names of their own
+(plexd.devplane.lab), so they run side by side; the tests of one file stay on one worker (their module fixtures
+are built once). The files that run daemons in the root network namespace itself (its `inet plexd` table,
+`plexd0`) are marked as one xdist group, which pytest-xdist 3.8 ignores under pytest 9 (its `--dist loadgroup`
+kept no group together), so they may run at the same time.
 
 At the end of the whole run (once, in the controlling process, after every worker is done) we fail if any lab
 namespace, wireguard-go, plexd, devplane or coturn process, root-namespace link, route or routing rule, or the
