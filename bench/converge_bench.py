@@ -82,10 +82,18 @@ def device_of(conv: Engine) -> WireGuardDomain:
     return conv.domains[0]  # type: ignore[return-value]  # the bench's engine has this one domain
 
 
-async def reset(conv: Engine, node: LabNode) -> None:
+# Seconds to let the machine settle after emptying the device, before the next timed apply. Setting 1,000 peers'
+# keepalive makes the kernel initiate 1,000 handshakes in its workqueue after the set returns (two Curve25519
+# operations each: seconds on the kernel tier's emulated CPU); without a pause that work ran on into whichever
+# apply was timed next, and the same medians moved by ±5 % from run to run.
+SETTLE = {"kernel": 3.0, "userspace": 0.0}
+
+
+async def reset(conv: Engine, node: LabNode, settle: float = 0.0) -> None:
     await device_of(conv).backend.apply(DeviceUpdate(replace_peers=True))
     subprocess.run(["ip", "-n", node.netns, "route", "flush", "dev", "wg0", "table", str(DEFAULT_TABLE)], check=False,
                    capture_output=True)
+    await asyncio.sleep(settle)
 
 
 async def device_only(conv: Engine, d: DesiredState) -> float:
@@ -144,11 +152,11 @@ async def bench(sizes: list[int], repeat: int, kind: str = "userspace") -> None:
                     f.write(wg_conf(d))
                 full, dev, sync = [], [], []
                 for _ in range(repeat):
-                    await reset(conv, node)
+                    await reset(conv, node, SETTLE[kind])
                     full.append(await converge_time(conv, d))
-                    await reset(conv, node)
+                    await reset(conv, node, SETTLE[kind])
                     dev.append(await device_only(conv, d))
-                    await reset(conv, node)
+                    await reset(conv, node, SETTLE[kind])
                     sync.append(timed_wg(node, "syncconf", "wg0", "/run/wireguard/bench.conf"))
                 await converge_time(conv, d)  # full device for the 1 % change
                 assert len((await backend.observe()).peers) == n

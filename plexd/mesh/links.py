@@ -29,6 +29,7 @@ from plexd.mesh.rtnl import (
     Link,
     Message,
     Rule,
+    Where,
     address_write,
     dump_addresses,
     dump_links,
@@ -39,6 +40,7 @@ from plexd.mesh.rtnl import (
     link_set,
     route_write,
     rule_write,
+    session,
     write,
 )
 
@@ -115,13 +117,14 @@ class Links:
 
     def _underlay(self) -> Underlay:
         try:
-            names = link_names(self.netns)
-            mesh = {index for index, name in names.items() if name == self.interface}
-            on = {(f"{a.address}/{a.prefixlen}", names.get(a.index, "")) for a in dump_addresses(self.netns)
-                  if a.index not in mesh and not _ipv6_link_local(a)}
-            gateways = {gateway for family in (socket.AF_INET, socket.AF_INET6)
-                        for r in dump_routes(family, self.netns)
-                        if r.table == MAIN_TABLE and r.default and r.oif not in mesh for gateway in r.gateways}
+            with session(self.netns) as sock:
+                names = link_names(sock)
+                mesh = {index for index, name in names.items() if name == self.interface}
+                on = {(f"{a.address}/{a.prefixlen}", names.get(a.index, "")) for a in dump_addresses(sock)
+                      if a.index not in mesh and not _ipv6_link_local(a)}
+                gateways = {gateway for family in (socket.AF_INET, socket.AF_INET6)
+                            for r in dump_routes(family, sock)
+                            if r.table == MAIN_TABLE and r.default and r.oif not in mesh for gateway in r.gateways}
         except (OSError, ValueError) as e:  # RouteDumpError is an OSError
             raise LinkError(f"cannot list this machine's addresses and routes: {e}") from None
         return Underlay(frozenset(address for address, _ in on), frozenset(gateways), frozenset(on))
@@ -131,24 +134,25 @@ class Links:
 
     def _observe(self) -> LinkState | None:
         try:
-            link = next((k for k in dump_links(self.netns) if k.name == self.interface), None)
-            if link is None:
-                return None
-            state = self._read(link)
-            # Gone while it was read (its wireguard-go died): absent, as it will be at the next look, rather
-            # than a link without addresses or routes that the plan would try to fill.
-            return state if self._index() == link.index else None
+            with session(self.netns) as sock:  # seven dumps, one socket
+                link = next((k for k in dump_links(sock) if k.name == self.interface), None)
+                if link is None:
+                    return None
+                state = self._read(link, sock)
+                # Gone while it was read (its wireguard-go died): absent, as it will be at the next look, rather
+                # than a link without addresses or routes that the plan would try to fill.
+                return state if self._index(sock) == link.index else None
         except OSError as e:  # a dump the kernel refused, or kept changing (RouteDumpError)
             raise LinkError(f"cannot read {self.interface}: {e.strerror or e}") from None
 
-    def _read(self, link: Link) -> LinkState:
+    def _read(self, link: Link, sock: socket.socket) -> LinkState:
         index = link.index
-        addresses = {f"{a.address}/{a.prefixlen}" for a in dump_addresses(self.netns)
+        addresses = {f"{a.address}/{a.prefixlen}" for a in dump_addresses(sock)
                      if a.index == index and not _ipv6_link_local(a)}
         routes: set[str] = set()
         main_routes: set[str] = set()
         for family in (socket.AF_INET, socket.AF_INET6):  # one dump each, every table
-            for r in dump_routes(family, self.netns):
+            for r in dump_routes(family, sock):
                 if r.oif != index or r.protocol == RTPROT_KERNEL or r.type != 1:
                     continue  # ours: unicast via the mesh interface, not added by the kernel itself
                 if r.table == self.table:
@@ -156,7 +160,7 @@ class Links:
                 elif r.table == MAIN_TABLE:
                     main_routes.add(r.dst)
         return LinkState(index=index, kind=link.kind, mtu=link.mtu, up=link.up, addresses=frozenset(addresses),
-                         routes=frozenset(routes), main_routes=frozenset(main_routes), rules=self._rules())
+                         routes=frozenset(routes), main_routes=frozenset(main_routes), rules=self._rules(sock))
 
     async def observe_rules(self) -> frozenset[int]:
         """The address families whose rule to the mesh table exists (rules do not go away with the interface)."""
@@ -168,9 +172,10 @@ class Links:
 
         return await asyncio.to_thread(read)
 
-    def _rules(self) -> frozenset[int]:
+    def _rules(self, where: Where = None) -> frozenset[int]:
+        where = self.netns if where is None else where
         return frozenset(version for version, family in FAMILY.items()
-                         if any(self._is_our_rule(rule) for rule in dump_rules(family, self.netns)))
+                         if any(self._is_our_rule(rule) for rule in dump_rules(family, where)))
 
     def _is_our_rule(self, rule: Rule) -> bool:
         return rule.table == self.table and rule.priority == self.rule_priority and rule.action == 1
@@ -206,11 +211,12 @@ class Links:
                 failures.append((op, f"{os.strerror(code)} (errno {code})"))
         return failures
 
-    def _index(self) -> int | None:
+    def _index(self, where: Where = None) -> int | None:
         try:
             if self.netns is None:
                 return socket.if_nametoindex(self.interface)
-            return next((i for i, name in link_names(self.netns).items() if name == self.interface), None)
+            names = link_names(self.netns if where is None else where)
+            return next((i for i, name in names.items() if name == self.interface), None)
         except OSError:
             return None
 

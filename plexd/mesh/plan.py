@@ -635,7 +635,9 @@ def device_update(changes: Iterable[Change], held: Collection[str] = (),
     kicks: list[PeerUpdate] = []  # keepalive off before the merged update turns it on (PeerEndpointChanged)
     merged: dict[str, PeerUpdate] = {}
     for c in changes:
-        if isinstance(c, PrivateKeyWrong):
+        if type(c) is PeerAdded and c.public_key not in merged:  # a full apply's thousand: nothing to merge
+            merged[c.public_key] = _full(c.peer)
+        elif isinstance(c, PrivateKeyWrong):
             private_key = c.private_key
         elif isinstance(c, ListenPortWrong):
             listen_port = c.want

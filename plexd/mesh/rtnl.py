@@ -8,24 +8,28 @@ numbers, its destination and its gateways; decoding just those from the raw dump
 1,000 routes. Opening a pyroute2 `IPRoute` alone costs ~1.5 ms (it starts an event loop of its own), which the
 machine's addresses, read before every state pull, paid each time. Writes likewise: pyroute2 spent ~0.5 ms on
 each route a joining peer brings; here a batch of writes is one send and its acknowledgements (~20 µs a route).
-The kernel WireGuard backend still uses pyroute2's generic netlink (plexd.mesh.wireguard.kernel), imported only
-when that backend is chosen.
+The kernel WireGuard device's generic netlink is packed and read the same way (plexd.mesh.wireguard.genl), on this
+module's plumbing; pyroute2 only creates that device.
 
     dump_routes(family, netns)   every route of one address family, all tables: [Route(table, dst, oif, ...)]
     dump_addresses(netns)        every address: [Address(index, family, prefixlen, scope, address)]
     dump_links(netns)            every link: [Link(index, name, kind, mtu, up)]
     dump_rules(family, netns)    every routing rule of one family: [Rule(table, priority, action)]
+                                 (each dump's `netns` may be a socket `session(netns)` opened for several)
     write(messages, netns)       requests in order, in batches of one send each: the errno of each (0: done),
                                  made by route_write, link_set, link_delete, address_write, rule_write
-    open_socket, split_messages, attributes, attribute: the netlink plumbing, shared with the kernel WireGuard device's
-                                 generic netlink (plexd.mesh.wireguard.genl)
+    open_socket, session, dump_on, split_messages, attributes, attribute: the netlink plumbing, shared with the
+                                 kernel WireGuard device's generic netlink (plexd.mesh.wireguard.genl)
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import ipaddress
+import itertools
 import os
 import socket
 import struct
@@ -115,6 +119,11 @@ class RouteDumpError(OSError):
     pass
 
 
+# Where a dump runs: a named network namespace, None for this one, or a socket `session` opened there.
+Where = str | socket.socket | None
+_SEQUENCE = itertools.count(1)
+
+
 def write(messages: Sequence[Message], netns: str | None = None) -> list[int]:
     """Send `messages` in order, in batches of one send each (the kernel handles them one after the other); the
     errno of each (0: done), in the same order."""
@@ -193,42 +202,62 @@ def attribute(kind: int, value: bytes) -> bytes:
     return _ATTR.pack(length, kind) + value + b"\0" * (-length % 4)
 
 
-def dump_routes(family: int, netns: str | None = None) -> list[Route]:
+def dump_routes(family: int, netns: Where = None) -> list[Route]:
     """Every route of `family` (socket.AF_INET / AF_INET6) in every table, in `netns` (None: this one)."""
     return _dump(netns, _RTM_GETROUTE, _RTMSG.pack(family, 0, 0, 0, 0, 0, 0, 0, 0), _RTM_NEWROUTE, _route,
                  "routing table")
 
 
-def dump_addresses(netns: str | None = None) -> list[Address]:
+def dump_addresses(netns: Where = None) -> list[Address]:
     """Every address of every link, both families, in `netns` (None: this one)."""
     return [a for a in _dump(netns, _RTM_GETADDR, _IFADDRMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0), _RTM_NEWADDR,
                              _address, "address list") if a is not None]
 
 
-def dump_links(netns: str | None = None) -> list[Link]:
+def dump_links(netns: Where = None) -> list[Link]:
     """Every link, in `netns` (None: this one)."""
     return _dump(netns, _RTM_GETLINK, _IFINFOMSG.pack(socket.AF_UNSPEC, 0, 0, 0, 0, 0), _RTM_NEWLINK, _link,
                  "link list")
 
 
-def link_names(netns: str | None = None) -> dict[int, str]:
+def link_names(netns: Where = None) -> dict[int, str]:
     """Every link's name by its index."""
     return {link.index: link.name for link in dump_links(netns)}
 
 
-def dump_rules(family: int, netns: str | None = None) -> list[Rule]:
+def dump_rules(family: int, netns: Where = None) -> list[Rule]:
     """Every routing rule of `family`, in `netns` (None: this one)."""
     return _dump(netns, _RTM_GETRULE, _FIB_RULE_HDR.pack(family, 0, 0, 0, 0, 0, 0, 0, 0), _RTM_NEWRULE, _rule,
                  "rule list")
 
 
-def _dump(netns: str | None, request_type: int, request: bytes, reply_type: int,
+def _dump(where: Where, request_type: int, request: bytes, reply_type: int,
           decode: Callable[[memoryview], T], what: str) -> list[T]:
+    if isinstance(where, socket.socket):
+        return dump_on(where, request_type, request, reply_type, decode, what)
+    with session(where) as sock:
+        return dump_on(sock, request_type, request, reply_type, decode, what)
+
+
+@contextlib.contextmanager
+def session(netns: str | None, protocol: int = _NETLINK_ROUTE) -> Iterator[socket.socket]:
+    """One bound netlink socket in `netns` for several dumps: each socket opened in a named namespace costs a
+    pair of namespace switches, and a mesh link's read is seven dumps."""
+    with open_socket(netns, protocol) as sock:
+        sock.bind((0, 0))
+        yield sock
+
+
+def dump_on(sock: socket.socket, request_type: int, request: bytes, reply_type: int,
+            decode: Callable[[memoryview], T], what: str) -> list[T]:
+    """The decoded `reply_type` messages of one dump on a bound socket, read again (at most three times) while the
+    kernel marks it interrupted (what it lists changed under it): RouteDumpError, with the kernel's errno when it
+    refused the dump or failed part-way."""
     for _ in range(_ATTEMPTS):
-        items, interrupted = _dump_once(netns, request_type, request, reply_type, decode)
+        items, interrupted = _dump_once(sock, request_type, request, reply_type, decode)
         if not interrupted:
             return items
-    raise RouteDumpError(f"the {what} kept changing during {_ATTEMPTS} dumps")
+    raise RouteDumpError(errno.EINTR, f"the {what} kept changing during {_ATTEMPTS} dumps")
 
 
 def open_socket(netns: str | None, protocol: int = _NETLINK_ROUTE) -> socket.socket:
@@ -267,27 +296,30 @@ def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
 
-def _dump_once(netns: str | None, request_type: int, request: bytes, reply_type: int,
+def _dump_once(sock: socket.socket, request_type: int, request: bytes, reply_type: int,
                decode: Callable[[memoryview], T]) -> tuple[list[T], bool]:
-    with open_socket(netns) as sock:
-        sock.bind((0, 0))
-        sock.send(_HEADER.pack(_HEADER.size + len(request), request_type, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
-                  + request)
-        items: list[T] = []
-        interrupted = False
-        while True:
-            data = sock.recv(1 << 20)
-            if not data:
-                raise RouteDumpError("the dump ended without its last message")
-            for kind, flags, body in _messages(data):
-                if kind == _NLMSG_DONE:
-                    return items, interrupted
-                if kind == _NLMSG_ERROR:
-                    (code,) = struct.unpack_from("=i", body)
-                    raise RouteDumpError(-code, f"dump refused: {os.strerror(-code)}")
-                interrupted |= bool(flags & _NLM_F_DUMP_INTR)
-                if kind == reply_type:
-                    items.append(decode(body))
+    seq = next(_SEQUENCE)  # a dump left half-read on this socket (a decode that raised) is not read as this one
+    sock.send(_HEADER.pack(_HEADER.size + len(request), request_type, _NLM_F_REQUEST | _NLM_F_DUMP, seq, 0)
+              + request)
+    items: list[T] = []
+    interrupted = False
+    while True:
+        data = sock.recv(1 << 20)
+        if not data:
+            raise RouteDumpError(errno.EPROTO, "the dump ended without its last message")
+        for kind, flags, body, got in split_messages(data):
+            if got != seq:
+                continue
+            if kind == _NLMSG_DONE:
+                if len(body) >= 4 and (code := struct.unpack_from("=i", body)[0]) < 0:  # failed part-way
+                    raise RouteDumpError(-code, os.strerror(-code))
+                return items, interrupted
+            if kind == _NLMSG_ERROR:
+                (code,) = struct.unpack_from("=i", body)
+                raise RouteDumpError(-code, os.strerror(-code))
+            interrupted |= bool(flags & _NLM_F_DUMP_INTR)
+            if kind == reply_type:
+                items.append(decode(body))
 
 
 def _messages(data: bytes) -> Iterator[tuple[int, int, memoryview]]:

@@ -20,7 +20,7 @@ from waiting import wait_for
 from plexd.devplane.lab import Lab
 from plexd.mesh.first_contact import FOLLOW_DELAY
 from plexd.mesh.links import DEFAULT_TABLE
-from plexd.mesh.wireguard import kernel_module_loaded, userspace
+from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate, WireGuardError, genl, kernel_module_loaded, userspace
 from plexd.state.model import Peer
 
 
@@ -370,3 +370,28 @@ async def test_a_new_private_key_sends_its_handshake_initiation_at_once_and_the_
                    "a to log b's handshake initiation under the new key")
     lines = [m for _, m in wg_lines(caplog, a)]
     assert not any("invalid response" in m for m in lines), lines
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("pair", ["kernel"], indirect=True)
+async def test_a_kernel_set_larger_than_one_netlink_write_lands_whole_and_a_refusal_names_the_device(pair) -> None:
+    """The kernel backend sends its SET_DEVICE messages in as few writes as the socket's send buffer takes (212,992
+    bytes by default): 3,000 peers need two writes, and all of them reach the device. A message the kernel refuses
+    (a listen port another device holds) is a WireGuardError naming the interface and the kernel's reason, and
+    leaves the device's port as it was."""
+    lab, a, _ = pair
+    assert (await a.converger.converge(a.desired([]))).ok
+    peers = tuple(PeerUpdate(public_key=keypair()[1], endpoint=f"10.200.{i // 250}.{i % 250 + 1}:51820",
+                             allowed_ips=frozenset({f"10.{64 + i // 65536}.{i // 256 % 256}.{i % 256}/32"}),
+                             persistent_keepalive=25) for i in range(3000))
+    assert sum(map(len, genl.set_requests("wg0", DeviceUpdate(peers=peers)))) > 212_992
+    await a.backend.apply(DeviceUpdate(peers=peers))
+    listed = lab.exec(a.lab_node, ["wg", "show", "wg0", "peers"]).stdout.split()
+    assert sorted(listed) == sorted(p.public_key for p in peers)
+
+    lab.exec(a.lab_node, ["ip", "link", "add", "wg1", "type", "wireguard"])
+    lab.exec(a.lab_node, ["wg", "set", "wg1", "listen-port", "4444"])
+    lab.exec(a.lab_node, ["ip", "link", "set", "wg1", "up"])  # a kernel device binds its port while it is up
+    with pytest.raises(WireGuardError, match=r"WireGuard refused a set on wg0: Address already in use"):
+        await a.backend.apply(DeviceUpdate(listen_port=4444, peers=(PeerUpdate(public_key=keypair()[1]),)))
+    assert lab.exec(a.lab_node, ["wg", "show", "wg0", "listen-port"]).stdout.strip() == "51820"

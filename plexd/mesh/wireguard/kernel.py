@@ -89,16 +89,14 @@ class KernelBackend:
         await asyncio.to_thread(self._apply, update)
 
     def _apply(self, update: DeviceUpdate) -> None:
-        bodies = genl.set_requests(self.interface, update)
-        if not bodies:
+        if update.is_empty():
             return
         sock, family = self._socket()
         with sock:
-            for seq, body in enumerate(bodies, 1):  # one at a time: a refused part stops the rest
-                try:
-                    genl.request(sock, family, body, seq)
-                except OSError as e:
-                    raise _netlink_error(e, f"WireGuard refused a set on {self.interface}") from None
+            try:
+                genl.request(sock, family, genl.iter_set_requests(self.interface, update))
+            except OSError as e:
+                raise _netlink_error(e, f"WireGuard refused a set on {self.interface}") from None
 
     async def ensure_device(self) -> bool:
         check_interface_name(self.interface)
