@@ -1,0 +1,30 @@
+"""The chaos smoke: `python -m bench chaos` (bench/chaos.py), short, in the suite. One connected `plexd up` under
+its running workload (peers joining and leaving, actions, reports, policy changes) meets 20 faults at random
+moments, each kind at least once (plexd and wireguard-go killed or stopped, the control plane failing, silent or
+restarted, data_dir full or read-only, the firewall flushed and the interface deleted by hand), and after each the
+promises hold: converged again within 10 s of the heal, no action run twice or left without its one result, no
+drift record twice, no report lost, the node id kept, no secret in a log. The long run (200 trials) is the bench's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from waiting import LOAD_FACTOR
+
+from bench.chaos import faults, run_trials
+
+pytestmark = pytest.mark.root
+
+TRIALS = 20
+
+
+@pytest.mark.timeout(int(1200 * LOAD_FACTOR))
+async def test_twenty_faults_at_random_moments_break_no_promise() -> None:
+    kinds = list(faults(0))
+    run = await run_trials(TRIALS, kinds, seed=20261202, outage=5, recover=10)
+    assert len(run.trials) == TRIALS and {t.fault for t in run.trials} == set(kinds)
+    failed = [f"{t.fault}: {'; '.join(t.problems)}" for t in run.trials if t.problems]
+    assert failed == [], "\n".join(failed)
+    # the workload really ran between the faults: peers joined, reports, actions and policies went through
+    assert run.workload["peer"] >= TRIALS and run.workload["report"] >= TRIALS, run.workload
+    assert run.workload["action"] >= 5 and run.workload["policy"] >= 2, run.workload
