@@ -4,6 +4,7 @@ which a CI run of the hostile-input lab caught) is observed as absent, not an ex
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import pytest
@@ -15,9 +16,9 @@ pytestmark = pytest.mark.root
 
 
 class VanishingLinks(Links):
-    def _read(self, link: Link) -> LinkState:
+    def _read(self, link: Link, sock: socket.socket) -> LinkState:
         subprocess.run(["ip", "-n", self.netns, "link", "del", self.interface], check=True)  # the real kernel
-        return super()._read(link)
+        return super()._read(link, sock)
 
 
 async def test_an_interface_deleted_between_lookup_and_read_is_absent():
