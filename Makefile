@@ -7,7 +7,7 @@ setup:
 	@scripts/setup.sh
 
 demo: setup
-	$(PY) -m plexd.devplane.cli demo $(DEMO_ARGS)
+	$(PY) -m plexd.devplane.devplane_cli demo $(DEMO_ARGS)
 
 # The suite waits far more than it computes (labs, handshakes, reconciles): four workers on two cores. Tests of a
 # file stay together, and the files that use the root network namespace share one worker (tests/conftest.py).

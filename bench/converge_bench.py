@@ -28,13 +28,13 @@ from nacl.public import PrivateKey
 
 from plexd.converge.engine import Engine
 from plexd.devplane.lab import Lab, LabNode
-from plexd.identity.store import b64
-from plexd.mesh.domain import WireGuardDomain
+from plexd.identity.identity_store import b64
 from plexd.mesh.links import DEFAULT_TABLE, Links
-from plexd.mesh.plan import device_update, diff
+from plexd.mesh.mesh_plan import device_update, diff
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.kernel import KernelBackend
 from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.mesh.wireguard_domain import WireGuardDomain
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer
 

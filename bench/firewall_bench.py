@@ -28,7 +28,7 @@ import uuid
 from pyroute2.netns import setns
 
 from plexd.converge.engine import Engine
-from plexd.firewall.domain import FirewallDomain
+from plexd.firewall.firewall_domain import FirewallDomain
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer, Policy, PolicyRule
 

@@ -1,6 +1,6 @@
 """Reconnect storm: N connected event-stream clients, the control plane restarts, how do they come back?
 
-Each client is the real `plexd.controlplane.events.EventStream` (same backoff, jitter, storm limit and watchdog as
+Each client is the real `plexd.controlplane.event_stream.EventStream` (same backoff, jitter, storm limit and watchdog as
 the daemon) with its own HTTP connection and a registered node, all in one process; the control plane is a real
 `plexd-devplane` process. After every client is connected, the devplane is restarted (SIGTERM, or SIGKILL with
 --kill) and restarted on the same port; we record when each client is connected again and how many connection
@@ -8,9 +8,10 @@ attempts the devplane had to absorb.
 
     .venv/bin/python bench/reconnect_storm.py [--clients 1000] [--kill] [--down 3]
 
-The clients use the daemon's defaults (`sse.*` of `plexd.config.settings`): the seed's backoff for ordinary failures, a
-random 0-5 s before the first reconnect after a stream closes, Retry-After spread by up to 50 %. The devplane
-sheds stream opens beyond 5 % of its fleet per second with 503 + Retry-After (`plexd.devplane.admission`).
+The clients use the daemon's defaults (`sse.*` of `plexd.config.settings`): the lifecycle's backoff (docs/decisions.md,
+Lifecycle) for ordinary failures, a random 0-5 s before the first reconnect after a stream closes, Retry-After spread by
+up to 50 %. The devplane sheds stream opens beyond 5 % of its fleet per second with 503 + Retry-After
+(`plexd.devplane.admission`).
 
 Figures: arrival spread of the reconnects after the devplane is back (p50/p90/max, per-second histogram with the
 share of the fleet), the attempt count while it was down, and the devplane's peak request rate (stream opens per
@@ -37,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexd.base.clock import Clock
 from plexd.config.settings import SseConfig
-from plexd.controlplane.events import EventStream
-from plexd.controlplane.signing import NonceStore, Verifier
+from plexd.controlplane.event_signing import NonceStore, Verifier
+from plexd.controlplane.event_stream import EventStream
 from plexd.devplane.harness import Devplane
 from plexd.state.model import SigningKeys
 

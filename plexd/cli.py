@@ -90,8 +90,8 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
 
     from plexd.base.log import setup_logging
     from plexd.controlplane.client import ControlPlaneClient
+    from plexd.identity.identity_store import IdentityStore
     from plexd.identity.registrar import Registrar
-    from plexd.identity.store import IdentityStore
 
     # join talks to a person: its outcome is printed, logs only when asked for with log_level.
     setup_logging(config.log_level if config.source_of("log_level") != "default" else "error")
@@ -610,8 +610,8 @@ def _add_actions(sub: Any) -> None:
 
 
 def cmd_actions_list(args: argparse.Namespace, config: Config) -> int:
+    from plexd.actions.action_routes import ACTIONS_PATH
     from plexd.actions.commands import format_actions
-    from plexd.actions.routes import ACTIONS_PATH
 
     doc = _ask_daemon(config, "GET", ACTIONS_PATH, otherwise="actions are run by the daemon ('plexd up')",
                       group=config.actions.local_auth.group)
@@ -623,8 +623,8 @@ def cmd_actions_list(args: argparse.Namespace, config: Config) -> int:
 
 
 def cmd_actions_run(args: argparse.Namespace, config: Config) -> int:
+    from plexd.actions.action_routes import RUN_PATH
     from plexd.actions.commands import parse_params, show_stream
-    from plexd.actions.routes import RUN_PATH
     from plexd.node.control_client import DaemonNotRunning, stream
 
     body = {"action": args.name, "parameters": parse_params(args.param), "timeout": args.timeout or ""}
@@ -650,8 +650,8 @@ def _add_hooks(sub: Any) -> None:
 
 
 def cmd_hooks(args: argparse.Namespace, config: Config) -> int:
+    from plexd.actions.action_routes import HOOKS_PATH, RELOAD_PATH, VERIFY_PATH
     from plexd.actions.commands import format_hooks, format_verify
-    from plexd.actions.routes import HOOKS_PATH, RELOAD_PATH, VERIFY_PATH
 
     command = args.hooks_command
     if command == "list":

@@ -126,7 +126,7 @@ def _plexd_table() -> bool:
     return "inet plexd" in out
 
 
-_WATCHED = ("wireguard-go", "plexd up", "plexd-devplane", "plexd.devplane.cli", "turnserver")
+_WATCHED = ("wireguard-go", "plexd up", "plexd-devplane", "plexd.devplane.devplane_cli", "turnserver")
 
 
 def _root_links() -> set[str]:

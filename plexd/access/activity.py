@@ -1,4 +1,4 @@
-"""Session activity (plexd-access-protocol.md §1.4) handed to whoever reports it upstream: one way for every
+"""Session activity (docs/protocol.md §A1.4) handed to whoever reports it upstream: one way for every
 kind of session, so that a report that cannot be queued is logged and never takes a session down."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kubernetes sessions (plexd-access-protocol.md §1.3, `kind: k8s`): an HTTP proxy to the node's API server.
+"""Kubernetes sessions (docs/protocol.md §A1.3, `kind: k8s`): an HTTP proxy to the node's API server.
 
 Every request is authenticated on its own: `Authorization: Bearer <session token>` must pass
 `verify_session_token` for this session while the session is live (in the desired block, before `expires_at`).
@@ -23,7 +23,7 @@ session's impersonated user and groups for anything that cannot go into a header
 streams, and protocol upgrades (exec, attach, port-forward over WebSocket or SPDY) alike. For an upgrade,
 nothing more of the client's reaches the API server until it answered 101 (else a keep-alive server would read
 the client's next bytes as a second request, unauthenticated), and the upgraded stream ends when either side
-ends. Each request is reported as §1.4 `k8s` activity (verb, resource, namespace, name, status, duration).
+ends. Each request is reported as §A1.4 `k8s` activity (verb, resource, namespace, name, status, duration).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ from nacl.signing import VerifyKey
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.serving import idle_timeout, mesh_listener, only_from
-from plexd.access.sessions import K8sTarget, Session, impersonation_problem
+from plexd.access.session_grants import K8sTarget, Session, impersonation_problem
 from plexd.access.token import TokenRefused, verify_session_token
+from plexd.base.errors import PlexdError
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ class ApiServer:
         return ctx
 
 
-class BadRequest(Exception):
+class BadRequest(PlexdError):
     def __init__(self, status: int, reason: str) -> None:
         self.status, self.reason = status, reason
         super().__init__(reason)
@@ -137,16 +138,16 @@ def parse_head(raw: bytes) -> RequestHead:
     # The request line goes up as it came: a bare LF or any other control byte in it is refused, never passed to
     # a server that might read it as the end of a line (and the rest as a header of the caller's).
     if len(parts) != 3 or not _TOKEN_CHARS.fullmatch(parts[0]):
-        raise BadRequest(400, "malformed request line: expected METHOD /TARGET HTTP/1.1")
+        raise BadRequest(400, f"malformed request line {lines[0][:60]!r}: expected METHOD /TARGET HTTP/1.1")
     method, target, version = parts
     if version not in ("HTTP/1.1", "HTTP/1.0"):
         raise BadRequest(400, f"unsupported HTTP version {version[:16]!r}")
     if not target.startswith("/"):
-        raise BadRequest(400, "request target must start with '/'")
+        raise BadRequest(400, f"request target must start with '/', got {target[:60]!r}")
     if not target.isprintable():  # ASCII already: this is any byte below 0x20 or DEL
-        raise BadRequest(400, "request target has a control character")
+        raise BadRequest(400, f"request target has a control character: {target[:60]!r}")
     if len(lines) - 1 > MAX_HEADERS:
-        raise BadRequest(431, "too many headers")
+        raise BadRequest(431, f"too many headers: {len(lines) - 1}, at most {MAX_HEADERS}")
     headers = []
     for line in lines[1:]:
         name, sep, value = line.partition(":")
@@ -159,7 +160,7 @@ def parse_head(raw: bytes) -> RequestHead:
 
 
 def activity(method: str, path: str, status: int, duration_ms: int) -> dict[str, Any]:
-    """The §1.4 k8s row of one request: verb and resource read from the method and the path."""
+    """The §A1.4 k8s row of one request: verb and resource read from the method and the path."""
     segments = [s for s in urlsplit(path).path.split("/") if s]
     query = urlsplit(path).query
     if segments[:1] == ["api"]:

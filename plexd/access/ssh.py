@@ -1,4 +1,4 @@
-"""SSH sessions (plexd-access-protocol.md §1.3, `kind: ssh`): one asyncssh listener per session on the node's
+"""SSH sessions (docs/protocol.md §A1.3, `kind: ssh`): one asyncssh listener per session on the node's
 mesh IP, password authentication with the session token, the session's process run as its target user.
 
     server = SshSessionServer(session, mesh_ip, host_key=load_or_create_host_key(data_dir),
@@ -67,7 +67,7 @@ from nacl.signing import VerifyKey
 from plexd.access.activity import Audit, RecordCommand, Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.serving import mesh_listener, only_from
-from plexd.access.sessions import MAX_COMMAND_BYTES, Session, SshTarget
+from plexd.access.session_grants import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import (
@@ -205,7 +205,7 @@ class SshSessionServer:
                          "bytes_out": self.counters.bytes_out})
 
     async def emit(self, activity: dict[str, Any]) -> None:
-        """One §1.4 `ssh` activity report (never raises: see plexd.access.activity)."""
+        """One §A1.4 `ssh` activity report (never raises: see plexd.access.activity)."""
         await emit(self._report, self.session.session_id, "ssh", {"ssh": activity})
 
     def touch(self) -> None:
@@ -603,7 +603,7 @@ class _Channel(asyncssh.SSHServerSession):  # type: ignore[type-arg]
     async def _finish(self, status: int, **audit: Any) -> None:
         command = self.command if self.command is not None else "shell"
         self.server.audit("command", command=command, exit_code=status, **audit)
-        if self.started_at is not None:  # a process ran: §1.4 `ssh` activity with its exit code and times
+        if self.started_at is not None:  # a process ran: §A1.4 `ssh` activity with its exit code and times
             await self.server.emit({"command": command, "exit_code": status,
                                     "started_at": gojson.format_unix(self.started_at),
                                     "completed_at": gojson.format_unix(time.time())})

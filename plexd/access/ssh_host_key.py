@@ -7,13 +7,15 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from plexd.base.errors import PlexdError
+
 if TYPE_CHECKING:
     import asyncssh
 
 HOST_KEY_NAME = "ssh_host_ed25519_key"
 
 
-class HostKeyError(Exception):
+class HostKeyError(PlexdError):
     """The host key file exists but cannot be used (unreadable, not a private key, readable by others)."""
 
 

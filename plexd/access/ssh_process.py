@@ -8,6 +8,8 @@ import pwd
 import shutil
 from dataclasses import dataclass
 
+from plexd.base.errors import PlexdError
+
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 SETPRIV = "/usr/bin/setpriv"  # util-linux, Essential on Debian: always there, never looked up on a PATH
 DEFAULT_TERM = "dumb"
@@ -17,7 +19,7 @@ RESTRICTED_ENV = {"PAGER": "cat", "GIT_PAGER": "cat", "MANPAGER": "cat", "SYSTEM
                   "SYSTEMD_PAGERSECURE": "1"}
 
 
-class UserRefused(Exception):
+class UserRefused(PlexdError):
     """The target user cannot be run as (unknown here, or another user while plexd is not root)."""
 
 

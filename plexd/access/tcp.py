@@ -1,4 +1,4 @@
-"""TCP sessions (plexd-access-protocol.md §1.3, `kind: tcp`): a listener of the session's own that forwards to the
+"""TCP sessions (docs/protocol.md §A1.3, `kind: tcp`): a listener of the session's own that forwards to the
 session's target and nothing else.
 
 Raw clients (a `psql`, a browser) must keep working, so there is no in-band token, as in the Go agent; what admits
@@ -18,7 +18,7 @@ that changes later (rebinding) cannot move the session to another host. A host n
 loopback, link-local (where the cloud metadata services live), unspecified or other cloud metadata address is
 refused: such a target is served only when the control plane names the address itself.
 
-Activity (§1.4) goes to `report(session_id, body)`: `session_started` with the `listener_endpoint` once the
+Activity (§A1.4) goes to `report(session_id, body)`: `session_started` with the `listener_endpoint` once the
 listener is bound, and `session_ended` with the bytes each way and `terminated_by` (`ttl_expired`,
 `idle_timeout`, `plexd_close`, `operator_revoke`) when it closes. `bytes_in` is operator → target.
 """
@@ -39,7 +39,7 @@ from typing import Any
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.serving import accept_forever, idle_timeout, mesh_listener, only_from, stop_serving
-from plexd.access.sessions import Session, TcpTarget
+from plexd.access.session_grants import Session, TcpTarget
 from plexd.access.splice import relay
 from plexd.base.hostname import is_ip
 

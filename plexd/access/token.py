@@ -1,4 +1,4 @@
-"""Session tokens (plexd-access-protocol.md §1.2): a compact EdDSA JWS the control plane signs for one session.
+"""Session tokens (docs/protocol.md §A1.2): a compact EdDSA JWS the control plane signs for one session.
 
 A token is a grant for one session of the desired `sessions` block, checked in the reference's order; the first
 failure wins and names its reason (never the token):

@@ -1,6 +1,6 @@
 """Validate → acknowledge → run → report, for ``action_request`` events and local runs alike.
 
-Checks, in order (plexd-protocol.md §7.4 as settled in PROJECT-DECISIONS.md): the request is well-formed
+Checks, in order (docs/protocol.md §7.4 as settled in docs/decisions.md, Actions): the request is well-formed
 (``invalid_request``), actions are enabled (``actions_disabled``), plexd is not shutting down (``shutting_down``),
 the execution id was never accepted before — running, finished, or cut short by a crash (``duplicate_execution_id``),
 the action exists (``unknown_action``), its parameters are the declared ones (``invalid_request``), a hook's file

@@ -24,7 +24,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import wait_event
 from plexd.base.dirwatch import DirectoryWatch
 from plexd.base.errors import PlexdError
-from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.trust.integrity import Hook, HookScan, scan_hooks
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
-"""The ``action_request`` payload (plexd-protocol.md §7.3), parsed strictly and bounded, and what a hook is given.
+"""The ``action_request`` payload (docs/protocol.md §7.3), parsed strictly and bounded, and what a hook is given.
 
 Keys are matched case-insensitively, as Go's decoder does. Parameters are ``map[string]string`` on the wire; as
-settled (PROJECT-DECISIONS.md, Actions row) any JSON scalar is accepted and stringified (``true``, ``3``,
+settled (docs/decisions.md, Actions) any JSON scalar is accepted and stringified (``true``, ``3``,
 ``null`` → ``""``), an object or array refuses the request with ``invalid_request`` naming the parameter — never
 a silent drop. A request without an ``execution_id`` cannot be acknowledged at all: `MissingExecutionId`.
 

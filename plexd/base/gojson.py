@@ -1,7 +1,7 @@
 """JSON conventions of the Go agent that we must reproduce byte for byte.
 
 The control-plane protocol was defined by a Go program, so a few of Go's `encoding/json` and `time` habits are
-part of the wire contract (see plexd-protocol.md §0.2 and §3):
+part of the wire contract (see docs/protocol.md §0.2 and §3):
 
 - times are RFC 3339 with nanoseconds, trailing fractional zeros trimmed, a zero offset printed as ``Z``;
 - durations are ``time.Duration.String()`` strings (``1h2m3.5s``, ``150ms``, ``0s``) and are parsed with

@@ -1,15 +1,15 @@
 """The user-access and site-to-site parts of a bridge's state: one desired value each, from either contract.
 
-Shapes (plexd-access-protocol.md §2.1): `bridge.user_access` / `bridge.site_to_site` (newer contract) or
+Shapes (docs/protocol.md §A2.1): `bridge.user_access` / `bridge.site_to_site` (newer contract) or
 `user_access_config` / `site_to_site_config` (older state). A null block, or a null child of `bridge`, means
 "nothing desired" (torn down). Parsing here is structural and bounded: an entry of the wrong shape, a duplicate
 id or key, or one past the limits (50 access peers, 10 tunnels) is refused by its index with the reason, and
 the others apply. What needs the machine or the configuration to judge (subnets overlapping the mesh or this
 node's own networks, a default route without the operator's allow) is the domains' to refuse.
 
-Unlike the Go agent, nothing the control plane sends is silently ignored (its D11): `enabled: false` tears the
-part down, `interface_name` and `listen_port` are taken when valid, and a site-to-site `provider_type` other
-than WireGuard is refused with a reason.
+Unlike the Go agent, nothing the control plane sends is silently ignored (docs/decisions.md, Go defect D11):
+`enabled: false` tears the part down, `interface_name` and `listen_port` are taken when valid, and a site-to-site
+`provider_type` other than WireGuard is refused with a reason.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from plexd.base.errors import WireFormatError
-from plexd.bridge.sessions import Address, parse_endpoint, text_field
+from plexd.bridge.relay_sessions import Address, parse_endpoint, text_field
 
 MAX_ACCESS_PEERS = 50
 MAX_TUNNELS = 10

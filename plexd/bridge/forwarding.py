@@ -1,11 +1,11 @@
 """IPv4 forwarding per interface, and the value each knob had before plexd turned it on.
 
-The bridge forwards between the interfaces it serves (user access, site-to-site, the mesh, the LAN of a local
-subnet). It turns on `net.ipv4.conf.<if>.forwarding` for just those interfaces (the kernel decides per incoming
-interface), never the machine-wide `ip_forward`, and records what each knob was before in
-`data_dir/bridge/forwarding.json`, written before the knob is: a plexd killed in between still knows, at its next
-teardown, what to put back. Teardown restores each knob it changed to that value; a knob that was already on is
-never recorded and never touched. The Go agent wrote 0 on teardown whatever was there before (its D5).
+The bridge forwards between the interfaces it serves (user access, site-to-site, the mesh, the LAN of a local subnet).
+It turns on `net.ipv4.conf.<if>.forwarding` for just those interfaces (the kernel decides per incoming interface), never
+the machine-wide `ip_forward`, and records what each knob was before in `data_dir/bridge/forwarding.json`, written
+before the knob is: a plexd killed in between still knows, at its next teardown, what to put back. Teardown restores
+each knob it changed to that value; a knob that was already on is never recorded and never touched. The Go agent wrote 0
+on teardown whatever was there before (docs/decisions.md, Go defect D5).
 
 A knob forwards whatever arrives, to anywhere the routing table leads (the bridge's LAN, the Internet), so no
 knob is turned on before its limits are in place: table `inet plexd_bridge`, the bridge's own, drops what arrives

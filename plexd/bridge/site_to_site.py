@@ -1,13 +1,13 @@
 """Site-to-site: WireGuard tunnels (`wg-s2s-*`) from this bridge to remote sites' gateways.
 
-Each tunnel is one interface with its own kept key (`plexd.bridge.keys`, by tunnel id: the remote end is
-configured with it once), one peer (the remote gateway, its `remote_subnets` as allowed IPs), a route per remote
-subnet in the mesh table, and forwarding turned on for the tunnel, the mesh interface and the interfaces that
-hold the tunnel's `local_subnets` (their previous values are put back when the tunnel goes: never forced to 0).
-What a remote site may reach is only its `local_subnets` (`plexd.firewall.ruleset`): the Go agent let it reach
-everything the bridge could (its D8). Forwarding is limited the same way (`plexd.bridge.forwarding`): what
-arrives through the tunnel to its local subnets, what arrives from the mesh or a local subnet's LAN to its remote
-subnets, and nowhere else (a LAN's forwarding was on for its hosts to reach the remote site, not the Internet).
+Each tunnel is one interface with its own kept key (`plexd.bridge.interface_keys`, by tunnel id: the remote end is
+configured with it once), one peer (the remote gateway, its `remote_subnets` as allowed IPs), a route per remote subnet
+in the mesh table, and forwarding turned on for the tunnel, the mesh interface and the interfaces that hold the tunnel's
+`local_subnets` (their previous values are put back when the tunnel goes: never forced to 0). What a remote site may
+reach is only its `local_subnets` (`plexd.firewall.ruleset`): the Go agent let it reach everything the bridge could
+(docs/decisions.md, Go defect D8). Forwarding is limited the same way (`plexd.bridge.forwarding`): what arrives through
+the tunnel to its local subnets, what arrives from the mesh or a local subnet's LAN to its remote subnets, and nowhere
+else (a LAN's forwarding was on for its hosts to reach the remote site, not the Internet).
 
 Refused, each tunnel by itself with the reason: a remote subnet inside the mesh range or this machine's own
 networks, a default route unless `bridge.site_to_site.allow_default_route`, a local subnet inside the mesh, a
@@ -23,8 +23,8 @@ import ipaddress
 from collections.abc import Mapping, Sequence
 
 from plexd.bridge.forwarding import Forward
+from plexd.bridge.interface_keys import interface_key
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
-from plexd.bridge.keys import interface_key
 from plexd.bridge.user_access import overlap_reason
 from plexd.bridge.wgif import InterfaceSpec
 from plexd.mesh.links import Underlay

@@ -27,8 +27,8 @@ from typing import Any
 
 from plexd.base import boundedjson
 from plexd.base.errors import PlexdError
-from plexd.bridge.domain import RelayDomain
 from plexd.bridge.relay import DEFAULT_PORT
+from plexd.bridge.relay_domain import RelayDomain
 from plexd.converge.engine import Engine
 from plexd.state.desired import DesiredState
 from plexd.state.model import State

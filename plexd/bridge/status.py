@@ -1,6 +1,6 @@
 """A bridge's state in the heartbeat's `bridge`, `user_access` and `site_to_site` objects (older contract;
-plexd-protocol.md §heartbeat), from its domains' own status. Unlike the Go agent's, they carry the access
-interface's and each tunnel's public key (its D4: without them the other end can never be configured)."""
+docs/protocol.md §1.4), from its domains' own status. Unlike the Go agent's, they carry the access interface's and each
+tunnel's public key (docs/decisions.md, Go defect D4: without them the other end can never be configured)."""
 
 from __future__ import annotations
 

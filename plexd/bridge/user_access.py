@@ -1,6 +1,6 @@
 """User access: people's devices (plain WireGuard clients) reach the mesh through the bridge's `wg-access`.
 
-The interface's key is generated once and kept (`plexd.bridge.keys`); its public key and port are in
+The interface's key is generated once and kept (`plexd.bridge.interface_keys`); its public key and port are in
 `plexd status --json` and the status reports, so a client can be configured and stays configured across
 restarts. Peers come from the control plane, each with the prefixes it may use as its own; routes for those
 prefixes go in the mesh table, and forwarding is turned on for the access interface and the mesh interface
@@ -24,8 +24,8 @@ from collections.abc import Mapping, Sequence
 
 from plexd.bridge.blocks import TUNNEL_PREFIX
 from plexd.bridge.forwarding import Forward
+from plexd.bridge.interface_keys import interface_key
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
-from plexd.bridge.keys import interface_key
 from plexd.bridge.wgif import InterfaceSpec
 from plexd.mesh.links import Underlay
 from plexd.mesh.wireguard import PeerConfig

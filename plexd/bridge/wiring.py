@@ -1,4 +1,4 @@
-"""What `plexd.node.engine.build_engine` needs to list a bridge's domains (the relay, the user-access and
+"""What `plexd.node.domain_list.build_engine` needs to list a bridge's domains (the relay, the user-access and
 site-to-site interfaces, ingress), and the heartbeat blocks that read them.
 
 Imported only where the node is a bridge (`build_engine`, the daemon's heartbeat and status reports): a node that
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from plexd.bridge.domain import RelayDomain
 from plexd.bridge.forwarding import ForwardingLedger
 from plexd.bridge.ingress import IngressDomain
 from plexd.bridge.interfaces import InterfacesDomain
+from plexd.bridge.relay_domain import RelayDomain
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.status import heartbeat_blocks
 from plexd.bridge.user_access import access_specs

@@ -2,7 +2,7 @@
 
 File: ``--config PATH``, else ``$PLEXD_CONFIG``, else ``/etc/plexd/config.yaml`` (a missing default file just
 means "all defaults"; a missing file you named is an error). Keys are the snake_case keys of the Go agent's
-README (PROJECT-DECISIONS.md, Config row)::
+README (docs/decisions.md, Config)::
 
     api: https://cp.example.com           # or the long form:
     api:
@@ -352,7 +352,7 @@ class PolicyConfig:
 
     enabled: bool = _f(True)
     log_denied: bool = _f(False)  # a rate-limited log line per dropped packet on the mesh interface
-    # Where CIDRs in policy rules must lie (the control plane's mesh addresses; plexd-protocol.md §5: 10.100/16).
+    # Where CIDRs in policy rules must lie (the control plane's mesh addresses; docs/protocol.md §5: 10.100/16).
     mesh_range: tuple[str, ...] = _f(("10.100.0.0/16",), "list", cidrs=True)
 
 
@@ -399,7 +399,7 @@ class IngressConfig:
 
 @dataclass(frozen=True)
 class BridgeConfig:
-    """What a node in `mode: bridge` serves for the mesh (plexd-access-protocol.md §2)."""
+    """What a node in `mode: bridge` serves for the mesh (docs/protocol.md §A2)."""
 
     relay: RelayConfig = field(default_factory=RelayConfig)
     site_to_site: SiteToSiteConfig = field(default_factory=SiteToSiteConfig)
@@ -408,7 +408,7 @@ class BridgeConfig:
 
 @dataclass(frozen=True)
 class AccessConfig:
-    """The access proxy: the sessions of the state's `sessions` block (plexd-access-protocol.md §1)."""
+    """The access proxy: the sessions of the state's `sessions` block (docs/protocol.md §A1)."""
 
     enabled: bool = _f(True)  # false: no session is served, whatever the control plane grants
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)

@@ -1,4 +1,4 @@
-"""HTTP client for the control plane: every endpoint of plexd-protocol.md §1.2, byte-compatible with the Go agent.
+"""HTTP client for the control plane: every endpoint of docs/protocol.md §1.2, byte-compatible with the Go agent.
 
 Usage::
 
@@ -13,7 +13,7 @@ Transport rules (§1.1): ``User-Agent: plexd/<version>``, ``Accept: application/
 total deadline. Path parameters are escaped like Go's ``url.PathEscape`` (``/`` → ``%2F``). TLS is verified by
 default (``ca_file`` adds a trust root; ``insecure_skip_verify`` is for labs only); minimum TLS 1.2.
 
-Errors are the typed exceptions of `plexd.controlplane.errors` (transient / auth / retry-after / permanent);
+Errors are the typed exceptions of `plexd.controlplane.client_errors` (transient / auth / retry-after / permanent);
 ``Retry-After`` is read as integer seconds or an HTTP-date.
 
 For the SSE stream (events engineer): ``async with cp.open_event_stream(node_id, last_event_id, read_timeout=90)
@@ -46,7 +46,7 @@ from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import EncodedJSON, format_time, go_marshal
 from plexd.controlplane import http11
-from plexd.controlplane.errors import (
+from plexd.controlplane.client_errors import (
     AuthError,
     BadResponseError,
     ControlPlaneError,
@@ -433,7 +433,7 @@ class ControlPlaneClient:
                          dict(result), has_body=True, what="execution result")
 
     async def report_session_activity(self, node_id: str, session_id: str, activity: Mapping[str, JSON]) -> None:
-        """``POST /v1/nodes/{id}/sessions/{sid}`` (plexd-access-protocol.md §1.4): exactly one of ssh, k8s, tcp."""
+        """``POST /v1/nodes/{id}/sessions/{sid}`` (docs/protocol.md §A1.4): exactly one of ssh, k8s, tcp."""
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/sessions/{path_escape(session_id)}",
                          dict(activity), has_body=True, what="session activity report")
 
@@ -513,7 +513,7 @@ class ControlPlaneClient:
                 try:
                     async with asyncio.timeout(self.request_timeout):
                         body = await _read_capped(response, what, MAX_ERROR_BYTES, truncate=True)
-                except (TimeoutError, http11.HTTPError, ControlPlaneError):
+                except (TimeoutError, http11.RequestFailed, ControlPlaneError):
                     body = b""
                 raise self._status_error(what, response.status_code, body, response.headers)
             yield response

@@ -20,7 +20,7 @@ What it does, and all it does:
   `user:password@` (Basic).
 
 Errors are `TransportError` (with a `kind` a person reads: "cannot connect", "read timed out", ...),
-`DecodingError` and `BodyTooLarge`; all are `HTTPError`.
+`DecodingError` and `BodyTooLarge`; all are `RequestFailed` (a `PlexdError`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from urllib.parse import unquote, urlsplit
 
 import h11
+
+from plexd.base.errors import PlexdError
 
 READ_SIZE = 64 * 1024
 DECODED_STEP = 256 * 1024  # the most one decompression step may produce
@@ -57,11 +59,11 @@ class _Default:
 DEFAULT = _Default()
 
 
-class HTTPError(Exception):
+class RequestFailed(PlexdError):
     """Anything that kept a request from getting a whole, readable answer."""
 
 
-class TransportError(HTTPError):
+class TransportError(RequestFailed):
     """The connection failed: `kind` says how ("cannot connect", "read timed out", ...), the message adds why."""
 
     def __init__(self, kind: str, detail: str = "") -> None:
@@ -69,11 +71,11 @@ class TransportError(HTTPError):
         self.kind = kind
 
 
-class DecodingError(HTTPError):
+class DecodingError(RequestFailed):
     """A body labelled with an encoding it does not have."""
 
 
-class BodyTooLarge(HTTPError):
+class BodyTooLarge(RequestFailed):
     """A body past the size its reader allows (`Response.aread`'s limit)."""
 
 

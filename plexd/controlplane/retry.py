@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plexd.base.backoff import Backoff
-from plexd.controlplane.errors import AuthError, ControlPlaneError, RetryAfterError
+from plexd.controlplane.client_errors import AuthError, ControlPlaneError, RetryAfterError
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""An incremental Server-Sent-Events frame parser over raw bytes (plexd-protocol.md §2.1).
+"""An incremental Server-Sent-Events frame parser over raw bytes (docs/protocol.md §2.1).
 
 Why not httpx-sse's ``aiter_sse``: it swallows comment lines, and the server's ``: ping`` comments are our only
 liveness signal for the 90 s idle watchdog; and it buffers a line of any length. This parser sees every byte,

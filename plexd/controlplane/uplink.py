@@ -44,7 +44,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import wait_event
 from plexd.base.errors import PlexdError
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
-from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.controlplane.retry import Verdict, retry_verdict
 
 log = logging.getLogger(__name__)
@@ -72,9 +72,13 @@ Send = Callable[[str, dict[str, Any]], Awaitable[None]]
 Poster = Callable[[dict[str, Any]], Awaitable[None]]
 
 
-class NoSender(Exception):
+class NoSender(PlexdError):
     """Raised by a `send` for a kind this process does not deliver (`plexd reconcile --once` sends drift reports
     only): the lane's entries stay queued for the daemon, untouched."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(f"no sender for {kind!r} in this process: left queued")
+        self.kind = kind
 
 
 @dataclass(frozen=True)

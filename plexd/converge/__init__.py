@@ -6,6 +6,6 @@
     hold.py     `plexd reconcile hold`: while it lasts the engine only plans
     coalesce.py converge requests from events: a burst costs a few applies, not one each
 
-The domains live with what they own (`plexd.mesh.domain`, `plexd.firewall.domain`, `plexd.nodeapi.cache`) and
-are listed in one place, `plexd.node.engine.build_engine`.
+The domains live with what they own (`plexd.mesh.wireguard_domain`, `plexd.firewall.firewall_domain`,
+`plexd.nodeapi.cache`) and are listed in one place, `plexd.node.domain_list.build_engine`.
 """

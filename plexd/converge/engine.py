@@ -6,7 +6,7 @@ domain without reading the machine where the domain can. Neither raises for what
 can cause: failures come back in `ConvergeResult.errors`, the other domains still converge, and the next converge
 tries again (level-triggered).
 
-Order: the domains apply in the order they are listed (`plexd.node.engine.build_engine`): the firewall before
+Order: the domains apply in the order they are listed (`plexd.node.domain_list.build_engine`): the firewall before
 the WireGuard device, so a new peer meets its rules; teardown runs in the reverse order.
 """
 

@@ -5,7 +5,7 @@
 
 Modules:
   serve.py       start-up checks (listen address, database, admin token), uvicorn run programmatically
-  server.py      agent API of plexd-protocol.md §1.2 and the SSE stream (§2); fault injection middleware
+  server.py      agent API of docs/protocol.md §1.2 and the SSE stream (§2); fault injection middleware
   admin.py       admin API under /admin/v1 (Bearer admin token)
   deployment.py  the model: registration, mesh IPs, policies and peer visibility (§9.2), liveness, and the
                  events each change causes

@@ -23,11 +23,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plexd.base import gojson
 from plexd.base.log import fingerprint
-from plexd.devplane import sessions, wire
+from plexd.devplane import session_issuer, wire
 from plexd.devplane.deployment import Deployment, valid_public_key
 from plexd.devplane.events import event_id
 from plexd.devplane.store import Node
-from plexd.devplane.wire import HTTPError, read_json
+from plexd.devplane.wire import DevplaneAPIError, read_json
 from plexd.trust.integrity import sha256_file
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ def _any_node(dep: Deployment, node_id: str) -> Node:
     """A node, including removed ones (their history stays readable)."""
     node = dep.nodes.get(node_id)
     if node is None:
-        raise HTTPError(404, f"unknown node {node_id!r}")
+        raise DevplaneAPIError(404, f"unknown node {node_id!r}")
     return node
 
 
@@ -97,7 +97,7 @@ def node_summary(dep: Deployment, node: Node) -> dict[str, Any]:
 
 def _obj(body: Any, what: str = "body") -> dict[str, Any]:
     if not isinstance(body, dict):
-        raise HTTPError(400, f"{what}: must be a JSON object, got {wire.kind(body)}")
+        raise DevplaneAPIError(400, f"{what}: must be a JSON object, got {wire.kind(body)}")
     return body
 
 
@@ -105,12 +105,12 @@ def _str(body: dict[str, Any], key: str, *, required: bool = True) -> str:
     value = body.get(key)
     if value is None:
         if required:
-            raise HTTPError(400, f"{key}: required")
+            raise DevplaneAPIError(400, f"{key}: required")
         return ""
     if not isinstance(value, str):
-        raise HTTPError(400, f"{key}: must be a string, got {wire.kind(value)}")
+        raise DevplaneAPIError(400, f"{key}: must be a string, got {wire.kind(value)}")
     if required and not value:
-        raise HTTPError(400, f"{key}: must not be empty")
+        raise DevplaneAPIError(400, f"{key}: must not be empty")
     return value
 
 
@@ -175,7 +175,7 @@ async def create_session(request: Request) -> Response:
     dep = _dep(request)
     node = dep.node(request.path_params["node_id"])
     session, token = dep.create_session(node, _obj(await read_json(request)))
-    return JSONResponse({"session": sessions.summary(node, session, dep.clock.now()), "token": token},
+    return JSONResponse({"session": session_issuer.summary(node, session, dep.clock.now()), "token": token},
                         status_code=201)
 
 
@@ -189,13 +189,13 @@ async def list_node_sessions(request: Request) -> Response:
     dep = _dep(request)
     node = _any_node(dep, request.path_params["node_id"])
     now = dep.clock.now()
-    return JSONResponse([sessions.summary(node, s, now) for s in node.sessions.values()])
+    return JSONResponse([session_issuer.summary(node, s, now) for s in node.sessions.values()])
 
 
 async def list_sessions(request: Request) -> Response:
     dep = _dep(request)
     now = dep.clock.now()
-    return JSONResponse([sessions.summary(n, s, now) for n in dep.live_nodes() for s in n.sessions.values()])
+    return JSONResponse([session_issuer.summary(n, s, now) for n in dep.live_nodes() for s in n.sessions.values()])
 
 
 # -- bridge mode ------------------------------------------------------------------------------------------------
@@ -208,7 +208,7 @@ async def set_bridge(request: Request) -> Response:
         body = _obj(body, "bridge")
         unknown = set(body) - {"relay", "user_access", "ingress", "site_to_site"}
         if unknown:
-            raise HTTPError(400, f"bridge: unknown member(s) {', '.join(sorted(unknown))}")
+            raise DevplaneAPIError(400, f"bridge: unknown member(s) {', '.join(sorted(unknown))}")
     dep.set_bridge(dep.node(request.path_params["node_id"]), body)
     return JSONResponse({})
 
@@ -217,37 +217,37 @@ async def set_bridge(request: Request) -> Response:
 
 def validate_policies(value: Any) -> list[dict[str, Any]]:
     if not isinstance(value, list):
-        raise HTTPError(400, f"policies: must be an array, got {wire.kind(value)}")
+        raise DevplaneAPIError(400, f"policies: must be an array, got {wire.kind(value)}")
     out, seen = [], set()
     for i, pol in enumerate(value):
         path = f"policies[{i}]"
         pol = _obj(pol, path)
         pid = pol.get("id")
         if not isinstance(pid, str) or not pid:
-            raise HTTPError(400, f"{path}.id: must be a non-empty string")
+            raise DevplaneAPIError(400, f"{path}.id: must be a non-empty string")
         if pid in seen:
-            raise HTTPError(400, f"{path}.id: duplicate policy id {pid!r}")
+            raise DevplaneAPIError(400, f"{path}.id: duplicate policy id {pid!r}")
         seen.add(pid)
         rules = pol.get("rules") or []
         if not isinstance(rules, list):
-            raise HTTPError(400, f"{path}.rules: must be an array, got {wire.kind(rules)}")
+            raise DevplaneAPIError(400, f"{path}.rules: must be an array, got {wire.kind(rules)}")
         clean = []
         for j, rule in enumerate(rules):
             rpath = f"{path}.rules[{j}]"
             rule = _obj(rule, rpath)
             for side in ("src", "dst"):
                 if not isinstance(rule.get(side), str) or not rule[side]:
-                    raise HTTPError(400, f"{rpath}.{side}: must be a node id, a CIDR or \"*\"")
+                    raise DevplaneAPIError(400, f"{rpath}.{side}: must be a node id, a CIDR or \"*\"")
             port = rule.get("port", 0) or 0
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-                raise HTTPError(400, f"{rpath}.port: must be an integer 0-65535 (0 = any), got {port!r}")
+                raise DevplaneAPIError(400, f"{rpath}.port: must be an integer 0-65535 (0 = any), got {port!r}")
             protocol = rule.get("protocol", "") or ""
             if protocol not in ("", "tcp", "udp", "icmp"):
-                raise HTTPError(400, f"{rpath}.protocol: must be \"tcp\", \"udp\", \"icmp\" or \"\" (any), "
+                raise DevplaneAPIError(400, f"{rpath}.protocol: must be \"tcp\", \"udp\", \"icmp\" or \"\" (any), "
                                      f"got {protocol!r}")
             action = rule.get("action", "allow")
             if action not in ("allow", "deny"):
-                raise HTTPError(400, f"{rpath}.action: must be \"allow\" or \"deny\", got {action!r}")
+                raise DevplaneAPIError(400, f"{rpath}.action: must be \"allow\" or \"deny\", got {action!r}")
             clean.append({"src": rule["src"], "dst": rule["dst"], "port": port, "protocol": protocol,
                           "action": action})
         out.append({"id": pid, "rules": clean})
@@ -267,7 +267,7 @@ async def set_policies(request: Request) -> Response:
         # Test hook: store the document as given (an array of anything), to show what nodes do with rules a
         # real control plane might send them; visibility here only reads well-formed allow rules.
         if not isinstance(body, list):
-            raise HTTPError(400, f"policies: must be an array, got {wire.kind(body)}")
+            raise DevplaneAPIError(400, f"policies: must be an array, got {wire.kind(body)}")
         policies = body
     else:
         policies = validate_policies(body)
@@ -291,7 +291,7 @@ async def set_data(request: Request) -> Response:
     body = _obj(await read_json(request))
     content_type = _str(body, "content_type")
     if "payload" not in body:
-        raise HTTPError(400, "payload: required (any JSON value)")
+        raise DevplaneAPIError(400, "payload: required (any JSON value)")
     return JSONResponse(dep.set_data(node, request.path_params["key"], content_type, body["payload"]))
 
 
@@ -301,7 +301,7 @@ async def set_secret(request: Request) -> Response:
     body = _obj(await read_json(request))
     value = _str(body, "value", required=False)
     if "value" not in body:
-        raise HTTPError(400, "value: required")
+        raise DevplaneAPIError(400, "value: required")
     version = dep.set_secret(node, request.path_params["key"], value)
     return JSONResponse({"key": request.path_params["key"], "version": version})
 
@@ -321,7 +321,7 @@ async def set_public_key(request: Request) -> Response:
     body = _obj(await read_json(request))
     key = _str(body, "public_key")
     if not valid_public_key(key):
-        raise HTTPError(400, "public_key: must be the standard base64 encoding of 32 bytes")
+        raise DevplaneAPIError(400, "public_key: must be the standard base64 encoding of 32 bytes")
     dep.rotate_node_key(node, key)
     return JSONResponse({"public_key": key})
 
@@ -346,7 +346,7 @@ async def request_action(request: Request) -> Response:
     action = _str(body, "action")
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
-        raise HTTPError(400, f"parameters: must be an object, got {wire.kind(parameters)}")
+        raise DevplaneAPIError(400, f"parameters: must be an object, got {wire.kind(parameters)}")
     timeout = _str(body, "timeout", required=False) or None
     checksum = _str(body, "checksum", required=False) or None
     execution_id = dep.request_action(node, action, parameters, timeout, checksum)
@@ -360,7 +360,7 @@ async def resend_action(request: Request) -> Response:
     try:
         event_id = dep.resend_action(node, execution_id)
     except KeyError:
-        raise HTTPError(404, f"no action was requested with execution id {execution_id!r}") from None
+        raise DevplaneAPIError(404, f"no action was requested with execution id {execution_id!r}") from None
     return JSONResponse({"execution_id": execution_id, "event_id": event_id}, status_code=201)
 
 
@@ -375,12 +375,13 @@ def _event_args(body: dict[str, Any]) -> dict[str, Any]:
         except RecursionError:
             pass  # nested deeper than Python's decoder goes: exactly what a hostile-input test wants to send
         except ValueError:
-            raise HTTPError(400, "payload_raw: must be valid JSON text (use raw_data for arbitrary text)") from None
+            raise DevplaneAPIError(400, "payload_raw: must be valid JSON text (use raw_data for arbitrary text)") \
+                from None
     if "issued_at" in args:
         try:
             gojson.canonical_time(args["issued_at"])
         except ValueError as exc:
-            raise HTTPError(400, f"issued_at: {exc}") from None
+            raise DevplaneAPIError(400, f"issued_at: {exc}") from None
     return args
 
 
@@ -401,7 +402,7 @@ async def broadcast_event(request: Request) -> Response:
         targets = [n.id for n in dep.live_nodes()]
     else:
         if not isinstance(node_ids, list) or not all(isinstance(n, str) for n in node_ids):
-            raise HTTPError(400, "node_ids: must be an array of node ids")
+            raise DevplaneAPIError(400, "node_ids: must be an array of node ids")
         targets = [dep.node(n).id for n in node_ids]
     eid = dep.hub.publish(targets, _str(body, "event_type"), **_event_args(body))
     return JSONResponse({"event_id": eid, "targets": len(targets)}, status_code=201)
@@ -414,9 +415,9 @@ async def rotate_signing_key(request: Request) -> Response:
     try:
         seconds = gojson.parse_duration(transition)
     except ValueError as exc:
-        raise HTTPError(400, f"transition: {exc}") from None
+        raise DevplaneAPIError(400, f"transition: {exc}") from None
     if seconds < 0:
-        raise HTTPError(400, f"transition: must not be negative, got {transition!r}")
+        raise DevplaneAPIError(400, f"transition: must not be negative, got {transition!r}")
     return JSONResponse(dep.rotate_signing_key(seconds))
 
 
@@ -428,13 +429,13 @@ MAX_ARTIFACT = 256 << 20
 def _artifacts_dir(request: Request) -> Path:
     root: Path | None = request.app.state.artifacts_dir
     if root is None:
-        raise HTTPError(409, "this devplane serves no artifacts (no --artifacts-dir)")
+        raise DevplaneAPIError(409, "this devplane serves no artifacts (no --artifacts-dir)")
     return root
 
 
 def _component(value: str, what: str) -> str:
     if not wire.safe_component(value):
-        raise HTTPError(400, f"{what}: {value[:80]!r} is not a safe path component (letters, digits, . _ + -)")
+        raise DevplaneAPIError(400, f"{what}: {value[:80]!r} is not a safe path component (letters, digits, . _ + -)")
     return value
 
 
@@ -450,7 +451,7 @@ async def put_artifact(request: Request) -> Response:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > MAX_ARTIFACT:
-                    raise HTTPError(413, f"artifact larger than {MAX_ARTIFACT} bytes")
+                    raise DevplaneAPIError(413, f"artifact larger than {MAX_ARTIFACT} bytes")
                 digest.update(chunk)
                 fh.write(chunk)
         os.replace(tmp, path)
@@ -477,13 +478,13 @@ async def start_upgrade(request: Request) -> Response:
                       else sorted(p for p in stored.glob("*") if not p.name.endswith(".sig")))
         files = [f for f in candidates if f.is_file()]
         if len(files) != 1:
-            raise HTTPError(404 if not files else 400, f"no single artifact for plexd {version} under {stored} "
+            raise DevplaneAPIError(404 if not files else 400, f"no single artifact for plexd {version} under {stored} "
                             f"({len(files)} found); give arch or checksum")
         checksum = sha256_file(files[0])
     params: dict[str, Any] = {"version": version, "checksum": checksum}
     allow_downgrade = body.get("allow_downgrade", False)
     if not isinstance(allow_downgrade, bool):
-        raise HTTPError(400, f"allow_downgrade: must be a boolean, got {wire.kind(allow_downgrade)}")
+        raise DevplaneAPIError(400, f"allow_downgrade: must be a boolean, got {wire.kind(allow_downgrade)}")
     if allow_downgrade:
         params["allow_downgrade"] = True  # an extra parameter of service.upgrade; the node's config must agree
     execution_id = dep.request_action(node, "service.upgrade", params, None, None)
@@ -500,7 +501,7 @@ async def node_records(request: Request) -> Response:
         return JSONResponse(dep.store.executions(node.id))
     kind = RECORD_KINDS.get(what)
     if kind is None:
-        raise HTTPError(404, f"unknown record kind {what!r} (one of: executions, {', '.join(RECORD_KINDS)})")
+        raise DevplaneAPIError(404, f"unknown record kind {what!r} (one of: executions, {', '.join(RECORD_KINDS)})")
     bodies = [json.loads(body) for _, body in dep.store.records(node.id, kind)]
     if what in FLATTENED:
         bodies = [entry for batch in bodies for entry in (batch or [])]
@@ -522,7 +523,7 @@ async def set_faults(request: Request) -> Response:
     for key, value in body.items():
         want = FAULT_KEYS.get(key)
         if want is None:
-            raise HTTPError(400, f"unknown fault {key!r} (known: {', '.join(FAULT_KEYS)})")
+            raise DevplaneAPIError(400, f"unknown fault {key!r} (known: {', '.join(FAULT_KEYS)})")
         if value is None:
             continue
         wire.check(value, want, key)

@@ -22,10 +22,10 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from plexd.base import gojson
 from plexd.base.clock import Clock
 from plexd.base.log import fingerprint
-from plexd.devplane import sessions
+from plexd.devplane import session_issuer
 from plexd.devplane.events import EventHub, Signer
 from plexd.devplane.store import Node, Store
-from plexd.devplane.wire import HTTPError
+from plexd.devplane.wire import DevplaneAPIError
 from plexd.identity import node_secret
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class Deployment:
         self.hub = EventHub(store, self.signer, lambda node_id: self.nodes[node_id].num, clock_now=self.clock.now)
         self.by_secret: dict[str, Node] = {n.bearer: n for n in self.nodes.values() if not n.removed}
         # A node that deregistered itself keeps its secret (for re-registration only) and its mesh IP until it is
-        # purged or an admin forgets it, so it rejoins as the same node (PROJECT-DECISIONS.md, Restart and rejoin).
+        # purged or an admin forgets it, so it rejoins as the same node (docs/decisions.md, Restart and rejoin).
         self.rejoinable: dict[str, Node] = {n.bearer: n for n in self.nodes.values() if _rejoinable(n)}
         self.used_ips: set[str] = {n.mesh_ip for n in self.nodes.values() if not n.removed or _rejoinable(n)}
         self.released_ips: dict[str, float] = store.released_ips()
@@ -119,21 +119,21 @@ class Deployment:
         """A live node (with `rejoinable`, also one that deregistered itself and may come back)."""
         node = self.nodes.get(node_id)
         if node is None or (node.removed and not (rejoinable and _rejoinable(node))):
-            raise HTTPError(404, f"unknown node {node_id!r}")
+            raise DevplaneAPIError(404, f"unknown node {node_id!r}")
         return node
 
     def authenticate(self, bearer: str | None, node_id: str) -> Node:
         """The node a request is about, checked against its bearer token (§1.1: the node secret)."""
         if not bearer:
-            raise HTTPError(401, "missing Authorization: Bearer <node secret>")
+            raise DevplaneAPIError(401, "missing Authorization: Bearer <node secret>")
         caller = self.by_secret.get(bearer)
         if caller is None:
-            raise HTTPError(401, "invalid node secret (the node may have been removed; re-register)")
+            raise DevplaneAPIError(401, "invalid node secret (the node may have been removed; re-register)")
         if caller.id != node_id:
             target = self.nodes.get(node_id)
             if target is None or target.removed:
-                raise HTTPError(404, f"unknown node {node_id!r}")
-            raise HTTPError(403, f"this node secret belongs to {caller.id}, not {node_id}")
+                raise DevplaneAPIError(404, f"unknown node {node_id!r}")
+            raise DevplaneAPIError(403, f"this node secret belongs to {caller.id}, not {node_id}")
         return caller
 
     def _save(self, node: Node) -> None:
@@ -234,7 +234,7 @@ class Deployment:
                 self.store.forget_released_ip(ip)
             self._ip_scan_from = offset + 1 if resting is None else resting
             return ip
-        raise HTTPError(503, f"mesh network {MESH_NETWORK} is full")
+        raise DevplaneAPIError(503, f"mesh network {MESH_NETWORK} is full")
 
     def _release_ip(self, ip: str) -> None:
         now = self.clock.now().timestamp()
@@ -251,14 +251,14 @@ class Deployment:
         public_key = body.get("public_key") or ""
         hostname = (body.get("hostname") or "").strip()
         if not valid_public_key(public_key):
-            raise HTTPError(400, "public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
+            raise DevplaneAPIError(400, "public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
         known = self.by_secret.get(bearer or "") or self.rejoinable.get(bearer or "") if not token else None
         if known is not None:
             return self._reregister(known, body)
         if not token:
             token = (bearer or "").strip()
         if not token:
-            raise HTTPError(401, "missing bootstrap token (body 'token' or Authorization: Bearer)")
+            raise DevplaneAPIError(401, "missing bootstrap token (body 'token' or Authorization: Bearer)")
         status = self.store.token_status(token)
         if status == "used":
             # The same registration again (the same token and public key): its answer was lost on the way (a
@@ -269,13 +269,13 @@ class Deployment:
                 log.info("registration repeated with the same token and key; same answer",
                          extra={"node_id": earlier.id, "token": fingerprint(token)})
                 return self._register_response(earlier)
-            raise HTTPError(401, "bootstrap token already used; create a new one")
+            raise DevplaneAPIError(401, "bootstrap token already used; create a new one")
         if status == "unknown":
-            raise HTTPError(401, "unknown bootstrap token")
+            raise DevplaneAPIError(401, "unknown bootstrap token")
         if not hostname:
-            raise HTTPError(400, "hostname: must not be empty")
+            raise DevplaneAPIError(400, "hostname: must not be empty")
         if any(n.hostname == hostname for n in self.live_nodes()):
-            raise HTTPError(409, f"hostname {hostname!r} is already registered")
+            raise DevplaneAPIError(409, f"hostname {hostname!r} is already registered")
         self._refuse_taken_key(public_key, None)
         node = Node(
             id="n_" + secrets.token_hex(6),
@@ -294,7 +294,7 @@ class Deployment:
         self._next_num += 1
         with self.store.transaction():
             if not self.store.use_token(token, node.id, node.registered_at):
-                raise HTTPError(401, "bootstrap token already used; create a new one")
+                raise DevplaneAPIError(401, "bootstrap token already used; create a new one")
             self._save(node)
             self.hub.publish(self.watchers(node), "peer_added", node.peer())
         # Known in memory only once the transaction is committed: a failure above leaves no half-registered node
@@ -321,16 +321,16 @@ class Deployment:
         taken = next((n for n in self.nodes.values() if n.public_key == public_key and n is not owner
                       and (not n.removed or _rejoinable(n))), None)
         if taken is not None:
-            raise HTTPError(409, f"public key already belongs to node {taken.id}")
+            raise DevplaneAPIError(409, f"public key already belongs to node {taken.id}")
 
     def _reregister(self, node: Node, body: dict[str, Any]) -> dict[str, Any]:
         if body.get("public_key") != node.public_key:
-            raise HTTPError(409, f"node {node.id} is registered with another public key; "
+            raise DevplaneAPIError(409, f"node {node.id} is registered with another public key; "
                                  "register afresh with a bootstrap token")
         rejoined = node.removed
         if rejoined and any(n.hostname == node.hostname for n in self.live_nodes()):
-            raise HTTPError(409, f"hostname {node.hostname!r} was registered by another node while {node.id} was "
-                                 "away; forget one of them")
+            raise DevplaneAPIError(409, f"hostname {node.hostname!r} was registered by another node while {node.id} "
+                                        "was away; forget one of them")
         with self.store.transaction():
             if rejoined:  # it deregistered itself earlier: it comes back as the same node, and its peers are told
                 node.removed = False
@@ -389,7 +389,7 @@ class Deployment:
     def _still_here(node: Node) -> None:
         """A node removed while its request was being read (deregistered, forgotten) is not written back to life."""
         if node.removed:
-            raise HTTPError(401, f"node {node.id} is no longer registered")
+            raise DevplaneAPIError(401, f"node {node.id} is no longer registered")
 
     def heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, bool]:
         self._still_here(node)
@@ -461,7 +461,8 @@ class Deployment:
 
     def rotate_node_key(self, node: Node, new_public_key: str) -> list[dict[str, Any]]:
         if not valid_public_key(new_public_key):
-            raise HTTPError(400, "new_public_key: must be the standard base64 encoding of 32 bytes (44 characters)")
+            raise DevplaneAPIError(400, "new_public_key: must be the standard base64 encoding of 32 bytes "
+                                        "(44 characters)")
         self._still_here(node)
         self._refuse_taken_key(new_public_key, node)
         with self.store.transaction():
@@ -484,7 +485,7 @@ class Deployment:
             out["metadata"] = node.metadata
         out["data"] = list(node.data.values())
         out["secret_refs"] = node.secret_refs()
-        out["sessions"] = sessions.block(node, self.clock.now())
+        out["sessions"] = session_issuer.block(node, self.clock.now())
         out["bridge"] = node.bridge  # null: nothing desired from this node as a bridge
         return out
 
@@ -513,7 +514,7 @@ class Deployment:
         return out
 
     def set_bridge(self, node: Node, block: dict[str, Any] | None) -> None:
-        """A bridge node's `bridge` block (plexd-access-protocol.md §2.1), served in its state from now on; the
+        """A bridge node's `bridge` block (docs/protocol.md §A2.1), served in its state from now on; the
         node is told to pull it (`bridge_config_updated`, which only triggers a pull, as in Go)."""
         relay = (block or {}).get("relay") or {}
         paired = {x for s in relay.get("sessions") or [] if isinstance(s, dict)
@@ -529,13 +530,13 @@ class Deployment:
             self.hub.publish(sorted({node.id} | paired), "bridge_config_updated", {})
         log.info("bridge block of node %s set (%s)", node.id, "none" if block is None else ", ".join(sorted(block)))
 
-    # -- access sessions (plexd.devplane.sessions) -------------------------------------------------------------
+    # -- access sessions (plexd.devplane.session_issuer) --------------------------------------------------------
 
     def create_session(self, node: Node, body: dict[str, Any]) -> tuple[dict[str, Any], str]:
         now = self.clock.now()
         with self.store.transaction():
-            sessions.prune(node, now)
-            session, token = sessions.create(node, self.signer.key, now, body)
+            session_issuer.prune(node, now)
+            session, token = session_issuer.create(node, self.signer.key, now, body)
             self._save(node)
             self.hub.publish([node.id], "session_setup", {"session_id": session["session_id"]})
         log.info("session %s (%s) created for node %s until %s", session["session_id"], session["kind"], node.id,
@@ -544,25 +545,25 @@ class Deployment:
 
     def revoke_session(self, node: Node, session_id: str) -> None:
         with self.store.transaction():
-            sessions.revoke(node, session_id, self.clock.now())
+            session_issuer.revoke(node, session_id, self.clock.now())
             self._save(node)
             self.hub.publish([node.id], "session_revoked", {"session_id": session_id})
         log.info("session %s of node %s revoked", session_id, node.id)
 
     def session_activity(self, node: Node, session_id: str, body: Any) -> None:
         with self.store.transaction():
-            record = sessions.record_activity(node, session_id, body)
+            record = session_issuer.record_activity(node, session_id, body)
             self._save(node)
             self.store.add_record(node.id, "session", self.now_text(), json.dumps(record, separators=(",", ":")))
 
     def secret(self, node: Node, key: str) -> dict[str, Any]:
         entry = node.secrets.get(key)
         if entry is None:
-            raise HTTPError(404, f"node {node.id} has no secret {key!r}")
+            raise DevplaneAPIError(404, f"node {node.id} has no secret {key!r}")
         nonce = os.urandom(12)
         aes_key = node_secret.secrets_key(node.secret, node.kdf)
         if aes_key is None:
-            raise HTTPError(500, f"node {node.id}'s secret is not a usable AES-256 key")
+            raise DevplaneAPIError(500, f"node {node.id}'s secret is not a usable AES-256 key")
         sealed = AESGCM(aes_key).encrypt(nonce, entry["value"].encode("utf-8"), None)
         return {"key": key, "ciphertext": base64.b64encode(sealed).decode(), "nonce": base64.b64encode(nonce).decode(),
                 "version": entry["version"]}

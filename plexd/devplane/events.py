@@ -23,7 +23,7 @@ import nacl.signing
 
 from plexd.base import gojson
 from plexd.controlplane.envelope import sign_event
-from plexd.controlplane.signing import TARGETS_FIELD
+from plexd.controlplane.event_signing import TARGETS_FIELD
 from plexd.devplane.store import Store
 
 log = logging.getLogger(__name__)

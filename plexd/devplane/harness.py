@@ -5,7 +5,7 @@
         ...  # point an agent at dp.url
         dp.restart()  # same db, same port
 
-The server is a separate process (`python -m plexd.devplane.cli serve`), so tests exercise the real thing over
+The server is a separate process (`python -m plexd.devplane.devplane_cli serve`), so tests exercise the real thing over
 real HTTP, can kill it (SIGKILL) mid-stream, and restart it on the same port.
 """
 
@@ -270,7 +270,7 @@ class Devplane:
     # -- lifecycle ----------------------------------------------------------------------------------------------
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "plexd.devplane.cli", "serve", "--listen", self.listen,
+        cmd = [sys.executable, "-m", "plexd.devplane.devplane_cli", "serve", "--listen", self.listen,
                "--db", str(self.db_path), *self.extra_args]
         if self.netns:
             cmd = ["ip", "netns", "exec", self.netns, *cmd]

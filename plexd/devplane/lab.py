@@ -2,7 +2,7 @@
 
 Used by `plexd-devplane demo` and, as a pytest fixture, by the e2e tests. Every node has a veth to the bridge and
 an address on a private test subnet (10.231.X.0/24, X picked free at random), and a private socket directory
-that commands run through `LabNode.wrap()` see as `/run/wireguard` (environment.md §2: `ip netns exec` already
+that commands run through `LabNode.wrap()` see as `/run/wireguard` (docs/test-environment.md §2: `ip netns exec` already
 unshares the mount namespace, so the bind mount never shows on the host). Names are `px<tag>...` and unique per
 lab, so labs can run side by side. The root namespace (the devplane, the tests) reaches the bridge through a veth
 of its own holding the subnet's first address.
@@ -13,9 +13,9 @@ the host's conntrack (and a host FORWARD policy of drop, as Docker sets, would c
 switch namespace nothing of the host's firewall applies to traffic between nodes, and plexd turns the calls off
 there too where the kernel keeps them per namespace (5.3 and later).
 
-Teardown is guaranteed and ordered (environment.md §9): processes first (wireguard-go keeps a deleted namespace
-alive), then the uplink, then the namespaces (the switch's takes the bridge and every bridge-side veth with it),
-then links an older lab left in the root namespace, then files. A kept lab writes a state file so
+Teardown is guaranteed and ordered (docs/test-environment.md §9): processes first (wireguard-go keeps a deleted
+namespace alive), then the uplink, then the namespaces (the switch's takes the bridge and every bridge-side veth with
+it), then links an older lab left in the root namespace, then files. A kept lab writes a state file so
 `Lab.down_from_state()` (`plexd-devplane demo --down`) can remove it later.
 """
 
@@ -244,7 +244,7 @@ class Lab:
 
     def start_stun(self) -> tuple[str, str]:
         """coturn (STUN only) in its own namespace on the bridge, on two addresses (the second lets a node
-        classify its NAT); returns them. environment.md §4 has the command line."""
+        classify its NAT); returns them. docs/test-environment.md §4 has the command line."""
         assert not self.stun_netns, "one STUN server per lab"
         self.stun_netns = f"px{self.tag}s"
         self._save()
@@ -525,7 +525,7 @@ class MeshLab:
         os.makedirs(ddir, exist_ok=True)
         log_path = os.path.join(ddir, "devplane.log")
         with open(log_path, "w") as log:
-            self.lab.spawn([self.python, "-m", "plexd.devplane.cli", "serve", "--listen",
+            self.lab.spawn([self.python, "-m", "plexd.devplane.devplane_cli", "serve", "--listen",
                             f"{self.lab.bridge_address}:0", "--db", os.path.join(ddir, "devplane.db")],
                            stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout

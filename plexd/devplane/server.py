@@ -1,4 +1,4 @@
-"""The agent-facing HTTP API (plexd-protocol.md §1.2) and the SSE stream (§2), as a Starlette app.
+"""The agent-facing HTTP API (docs/protocol.md §1.2) and the SSE stream (§2), as a Starlette app.
 
 Handlers authenticate (Bearer node secret), read and type-check the body (wire.py), and hand over to the
 Deployment. Every error a client can cause is a JSON `{"error": "..."}` with the documented status.
@@ -29,7 +29,7 @@ from plexd.devplane import admin, wire
 from plexd.devplane.admission import StreamAdmission
 from plexd.devplane.deployment import Deployment, cancel_quietly
 from plexd.devplane.events import format_sse, parse_event_id
-from plexd.devplane.wire import HTTPError, bearer, error_response, read_json
+from plexd.devplane.wire import DevplaneAPIError, bearer, error_response, read_json
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _object(body: Any) -> dict[str, Any]:
     if body is None:
         return {}
     if not isinstance(body, dict):
-        raise HTTPError(400, f"body: must be a JSON object, got {wire.kind(body)}")
+        raise DevplaneAPIError(400, f"body: must be a JSON object, got {wire.kind(body)}")
     return {k.lower(): v for k, v in body.items()}
 
 
@@ -84,13 +84,13 @@ async def rotate_key(request: Request) -> Response:
     token = bearer(request)
     caller = dep.by_secret.get(token or "")
     if caller is None:
-        raise HTTPError(401, "invalid node secret")
+        raise DevplaneAPIError(401, "invalid node secret")
     body = _object(await read_json(request, wire.KEY_ROTATE))
     node_id = body.get("node_id") or caller.id
     node = dep.authenticate(token, node_id)
     status = dep.faults.get("rotate_status")
     if status:
-        raise HTTPError(int(status), f"injected fault: key rotation refused with {status}")
+        raise DevplaneAPIError(int(status), f"injected fault: key rotation refused with {status}")
     peers = dep.rotate_node_key(node, body.get("new_public_key") or "")
     await asyncio.sleep(int(dep.faults.get("rotate_answer_after") or 0))  # taken, but the answer is late
     return JSONResponse({"updated_peers": peers})
@@ -112,7 +112,7 @@ async def endpoint(request: Request) -> Response:
     body = _object(await read_json(request, wire.ENDPOINT))
     public = body.get("public_endpoint") or ""
     if public and not wire.is_host_port(public):
-        raise HTTPError(400, f"public_endpoint: {public!r} is not HOST:PORT")
+        raise DevplaneAPIError(400, f"public_endpoint: {public!r} is not HOST:PORT")
     dep = _dep(request)
     dep.store.add_record(node.id, "endpoint", dep.now_text(), wire_json(body))
     if public:
@@ -149,16 +149,16 @@ async def report(request: Request) -> Response:
     dep = _dep(request)
     status = dep.faults.get("report_status")
     if status:  # a control plane that refuses report batches (a 409 on a version it does not accept)
-        raise HTTPError(int(status), f"injected fault: report batch refused with {status}")
+        raise DevplaneAPIError(int(status), f"injected fault: report batch refused with {status}")
     entries = []
     for i, entry in enumerate(body.get("entries") or []):
         entry = _object(entry) if isinstance(entry, dict) else entry  # Go's keys are case-insensitive
         if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) or not entry["key"]:
-            raise HTTPError(400, f"entries[{i}]: must be an object with a key")  # a 500 was retried for ever
+            raise DevplaneAPIError(400, f"entries[{i}]: must be an object with a key")  # a 500 was retried for ever
         entries.append(entry)
     deleted = body.get("deleted") or []
     if not isinstance(deleted, list) or not all(isinstance(k, str) for k in deleted):
-        raise HTTPError(400, "deleted: must be a list of keys")
+        raise DevplaneAPIError(400, "deleted: must be a list of keys")
     dep.record_reports(node, entries, deleted)
     return ok()
 
@@ -184,7 +184,7 @@ def _execution(part: str, schema: Any) -> Any:
         execution_id = request.path_params["execution_id"]
         body_id = body.get("execution_id")
         if body_id and body_id != execution_id:
-            raise HTTPError(400, f"execution_id: {body_id!r} does not match the path's {execution_id!r}")
+            raise DevplaneAPIError(400, f"execution_id: {body_id!r} does not match the path's {execution_id!r}")
         _dep(request).record_execution(node, execution_id, part, body)
         return ok()
 
@@ -206,7 +206,7 @@ def _tunnel(kind: str, schema: Any) -> Any:
 
 
 async def session_activity(request: Request) -> Response:
-    """§1.4: what happened in a session (a command, a Kubernetes request, a TCP phase with its listener)."""
+    """§A1.4: what happened in a session (a command, a Kubernetes request, a TCP phase with its listener)."""
     node = _node(request)
     body = await read_json(request)
     _dep(request).session_activity(node, request.path_params["session_id"], body)
@@ -216,15 +216,15 @@ async def session_activity(request: Request) -> Response:
 async def artifact(request: Request) -> Response:
     dep = _dep(request)
     if dep.by_secret.get(bearer(request) or "") is None:
-        raise HTTPError(401, "invalid node secret")
+        raise DevplaneAPIError(401, "invalid node secret")
     parts = [request.path_params[k] for k in ("version", "os", "arch")]
     for part in parts:
         if not wire.safe_component(part):
-            raise HTTPError(400, f"invalid artifact path component {part!r}")
+            raise DevplaneAPIError(400, f"invalid artifact path component {part!r}")
     root: Path | None = request.app.state.artifacts_dir
     path = root.joinpath(*parts) if root else None
     if path is None or not path.is_file():
-        raise HTTPError(404, f"no artifact plexd/{'/'.join(parts)}")
+        raise DevplaneAPIError(404, f"no artifact plexd/{'/'.join(parts)}")
     return FileResponse(path, media_type="application/octet-stream")
 
 
@@ -253,7 +253,7 @@ async def events(request: Request) -> Response:
     dep = _dep(request)
     retry_after = request.app.state.admission.admit()
     if retry_after is not None:
-        raise HTTPError(503, "too many event streams opening at once; retry later",
+        raise DevplaneAPIError(503, "too many event streams opening at once; retry later",
                         {"Retry-After": str(retry_after)})
     last = request.headers.get("last-event-id")
     after = parse_event_id(last) if last else None
@@ -332,7 +332,7 @@ class FaultMiddleware:
 # -- app --------------------------------------------------------------------------------------------------------
 
 async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPError)
+    assert isinstance(exc, DevplaneAPIError)
     return error_response(exc.status, exc.message, exc.headers)
 
 
@@ -392,7 +392,7 @@ def create_app(
 
     app = Starlette(
         routes=[*ROUTES, admin.mount()],
-        exception_handlers={HTTPError: _http_error, HTTPException: _starlette_error, Exception: _internal_error},
+        exception_handlers={DevplaneAPIError: _http_error, HTTPException: _starlette_error, Exception: _internal_error},
         lifespan=lifespan,
     )
     app.state.deployment = deployment

@@ -72,7 +72,8 @@ class Node:
     # and the key of its secrets are derived from `secret`; "" (nodes that did not offer it, the Go agent):
     # `secret` is both
     kdf: str = ""
-    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)  # session id -> session (plexd.devplane.sessions)
+    # session id -> session (plexd.devplane.session_issuer)
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
     bridge: dict[str, Any] | None = None  # the `bridge` block of a bridge node's state, as the admin set it
 
     @property

@@ -16,12 +16,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from plexd.base import gojson
+from plexd.base.errors import PlexdError
 
 MAX_BODY = 1 << 20  # 1 MiB, compressed and uncompressed, for the agent API
 ADMIN_MAX_BODY = 16 << 20  # admin tests publish 1 MiB events on purpose
 
 
-class HTTPError(Exception):
+class DevplaneAPIError(PlexdError):
     """Turns into `{"error": message}` with `status`."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
@@ -49,31 +50,31 @@ async def read_body(request: Request, limit: int = MAX_BODY) -> bytes:
     if declared is not None:
         try:
             if int(declared) > limit:
-                raise HTTPError(413, f"request body of {declared} bytes is larger than the {limit}-byte limit")
+                raise DevplaneAPIError(413, f"request body of {declared} bytes is larger than the {limit}-byte limit")
         except ValueError:
-            raise HTTPError(400, f"bad Content-Length header {declared!r}") from None
+            raise DevplaneAPIError(400, f"bad Content-Length header {declared!r}") from None
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise HTTPError(413, f"request body is larger than the {limit}-byte limit")
+            raise DevplaneAPIError(413, f"request body is larger than the {limit}-byte limit")
         chunks.append(chunk)
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "").strip().lower()
     if encoding in ("", "identity"):
         return body
     if encoding not in ("gzip", "x-gzip"):
-        raise HTTPError(415, f"unsupported Content-Encoding {encoding!r} (use gzip or none)")
+        raise DevplaneAPIError(415, f"unsupported Content-Encoding {encoding!r} (use gzip or none)")
     inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
     try:
         out = inflater.decompress(body, limit + 1)
     except zlib.error as exc:
-        raise HTTPError(400, f"request body is not valid gzip: {exc}") from None
+        raise DevplaneAPIError(400, f"request body is not valid gzip: {exc}") from None
     if len(out) > limit or inflater.unconsumed_tail:
-        raise HTTPError(413, f"decompressed request body is larger than the {limit}-byte limit")
+        raise DevplaneAPIError(413, f"decompressed request body is larger than the {limit}-byte limit")
     if not inflater.eof:
-        raise HTTPError(400, "request body is not valid gzip: truncated stream")
+        raise DevplaneAPIError(400, "request body is not valid gzip: truncated stream")
     return out
 
 
@@ -84,21 +85,21 @@ async def read_json(request: Request, schema: Any = "any", *, allow_empty: bool 
     if not body.strip():
         if allow_empty:
             return None
-        raise HTTPError(400, "request body is empty; expected JSON")
+        raise DevplaneAPIError(400, "request body is empty; expected JSON")
     try:
         value = json.loads(body, parse_constant=_no_constants)
     except UnicodeDecodeError:
-        raise HTTPError(400, "malformed JSON: body is not UTF-8") from None
+        raise DevplaneAPIError(400, "malformed JSON: body is not UTF-8") from None
     except json.JSONDecodeError as exc:
-        raise HTTPError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise DevplaneAPIError(400, f"malformed JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     except RecursionError:
-        raise HTTPError(400, "malformed JSON: nested too deeply") from None
+        raise DevplaneAPIError(400, "malformed JSON: nested too deeply") from None
     check(value, schema, "")
     return value
 
 
 def _no_constants(name: str) -> Any:
-    raise HTTPError(400, f"malformed JSON: {name} is not a JSON value")
+    raise DevplaneAPIError(400, f"malformed JSON: {name} is not a JSON value")
 
 
 _KINDS = {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
@@ -128,12 +129,12 @@ _SCALARS: dict[str, tuple[Any, str]] = {
 
 
 def check(value: Any, schema: Any, path: str) -> None:
-    """Raise HTTPError(400) naming `path` if `value` does not fit `schema` (null fits everything, like Go)."""
+    """Raise DevplaneAPIError(400) naming `path` if `value` does not fit `schema` (null fits everything, like Go)."""
     if value is None or schema == "any":
         return
     if isinstance(schema, dict):
         if not isinstance(value, dict):
-            raise HTTPError(400, f"{_where(path)}: must be an object, got {kind(value)}")
+            raise DevplaneAPIError(400, f"{_where(path)}: must be an object, got {kind(value)}")
         lowered = {k.lower(): v for k, v in value.items()}
         for key, sub in schema.items():
             if key in lowered:
@@ -143,23 +144,23 @@ def check(value: Any, schema: Any, path: str) -> None:
         tag, elem = schema
         if tag == "list":
             if not isinstance(value, list):
-                raise HTTPError(400, f"{_where(path)}: must be an array, got {kind(value)}")
+                raise DevplaneAPIError(400, f"{_where(path)}: must be an array, got {kind(value)}")
             for i, item in enumerate(value):
                 check(item, elem, f"{path}[{i}]")
         elif tag == "map":
             if not isinstance(value, dict):
-                raise HTTPError(400, f"{_where(path)}: must be an object, got {kind(value)}")
+                raise DevplaneAPIError(400, f"{_where(path)}: must be an object, got {kind(value)}")
             for k, item in value.items():
                 check(item, elem, f"{path}.{k}" if path else k)
         return
     accepts, want = _SCALARS[schema]
     if not accepts(value):
-        raise HTTPError(400, f"{_where(path)}: must be {want}, got {kind(value)} {_short(value)}")
+        raise DevplaneAPIError(400, f"{_where(path)}: must be {want}, got {kind(value)} {_short(value)}")
     if schema == "time":
         try:
             gojson.parse_time(value)
         except ValueError as exc:
-            raise HTTPError(400, f"{_where(path)}: {exc}") from None
+            raise DevplaneAPIError(400, f"{_where(path)}: {exc}") from None
 
 
 def _short(value: Any) -> str:

@@ -1,6 +1,6 @@
 """nftables through libnftables' JSON API (pip-nftables): list the table, apply one atomic transaction.
 
-The domain that converges the table is `plexd.firewall.domain`; the bridge's fast path uses these contexts too.
+The domain that converges the table is `plexd.firewall.firewall_domain`; the bridge's fast path uses these contexts too.
 """
 
 from __future__ import annotations

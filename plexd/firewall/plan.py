@@ -1,7 +1,7 @@
 """The firewall's diff (pure): `diff(want, live) -> [Change]`, and the one nftables transaction that applies them.
 
-Each change is an instruction and a drift-report line, like the mesh's (`plexd.mesh.plan`). A rule that comes from a
-policy is reported with the [C] names `policy_added` / `policy_removed` (detail `policy <id>: ...`, §4.4); the
+Each change is an instruction and a drift-report line, like the mesh's (`plexd.mesh.mesh_plan`). A rule that comes from
+a policy is reported with the [C] names `policy_added` / `policy_removed` (detail `policy <id>: ...`, §4.4); the
 table, the chains, the sets and the chains' own rules have names of ours:
 
     firewall_table_added        the table inet plexd was missing (flushed or deleted): created whole

@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any
 
+from plexd.base.errors import PlexdError
 from plexd.firewall.ruleset import FAMILY, TABLE, Ruleset
 
 JSON = Any
@@ -23,7 +24,7 @@ JSON = Any
 _SAFE = re.compile(r'[ !#-\[\]-~]*')  # printable ASCII but '"' and '\\': what may stand inside "..." as is
 
 
-class Unrenderable(ValueError):
+class Unrenderable(PlexdError):
     """This part of the table has no script form here: apply it as JSON."""
 
 

@@ -1,6 +1,6 @@
 """Every file plexd keeps under data_dir (default /var/lib/plexd), named in one place.
 
-    identity.json              0600  node id, mesh IP, signing key (the Go agent's format, plexd-protocol.md §5.4)
+    identity.json              0600  node id, mesh IP, signing key (the Go agent's format, docs/protocol.md §5.4)
     private_key                0600  WireGuard private key, base64
     private_key.next           0600  a rotation's new key until the control plane took it (plexd.node.key_rotation)
     node_secret_key            0600  the node secret (the bearer and the secrets' key are derived from it, or

@@ -1,5 +1,5 @@
 """The node secret and the two keys derived from it: the bearer token of every call to the control plane, and the
-AES-256-GCM key of the node's secrets (plexd-protocol.md §5.5, §8.5).
+AES-256-GCM key of the node's secrets (docs/protocol.md §5.5, §8.5).
 
 The Go agent uses the one `node_secret_key` string as both: whoever sees the bearer (a proxy log, a control-plane
 access log, a TLS-terminating load balancer) can decrypt every secret of the node. Here the two are derived

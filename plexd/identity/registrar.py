@@ -1,4 +1,4 @@
-"""Registration: find the bootstrap token, register with retries, persist the identity (plexd-protocol.md §5).
+"""Registration: find the bootstrap token, register with retries, persist the identity (docs/protocol.md §5).
 
 Token sources, first non-empty wins (§5.1): ``token.value`` → ``token.file`` (missing file skipped; any other
 read error is fatal) → the environment variable named by ``token.env`` → the metadata service (only when
@@ -14,7 +14,7 @@ and ``token.value`` is taken out of the config file (`plexd.config.edit`) when i
 token does not stay in a file that is usually 0644. A config file holding a token and readable by others is
 warned about before registering.
 
-`Registrar.recover` is the 401 path (PROJECT-DECISIONS.md, Re-registration row): reload the identity from disk;
+`Registrar.recover` is the 401 path (docs/decisions.md, Re-registration): reload the identity from disk;
 re-register with the node secret as bearer, the same public key and an empty token; if that is refused and a
 bootstrap token is available, register afresh. The identity is never deleted on a 401.
 """
@@ -38,14 +38,14 @@ from plexd.base.log import fingerprint
 from plexd.config.settings import Config
 from plexd.controlplane import http11
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
-from plexd.controlplane.errors import (
+from plexd.controlplane.client_errors import (
     AuthError,
     BadResponseError,
     ControlPlaneError,
     PermanentError,
     RetryAfterError,
 )
-from plexd.identity.store import (
+from plexd.identity.identity_store import (
     Identity,
     IdentityStore,
     b64,
@@ -124,14 +124,14 @@ async def _metadata_token(base_url: str) -> str | None:
                                                    {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
                 if status == 200 and text.strip():
                     headers["X-aws-ec2-metadata-token"] = text.strip()
-            except http11.HTTPError:
+            except http11.RequestFailed:
                 pass  # IMDSv1 fallback: ask without a session token
             status, text = await _metadata_get(http, "GET", f"{base}/plexd/bootstrap-token", headers)
             if status != 200:
                 log.info("metadata service has no bootstrap token (HTTP %d)", status)
                 return None
             return text
-    except http11.HTTPError as exc:
+    except http11.RequestFailed as exc:
         log.info("metadata service at %s unavailable: %s", base, exc)
         return None
     except TimeoutError:

@@ -1,4 +1,4 @@
-"""``plexd install`` and ``plexd uninstall [--purge]`` (plexd-protocol.md §11.3–11.4, done more carefully).
+"""``plexd install`` and ``plexd uninstall [--purge]`` (docs/protocol.md §11.3–11.4, done more carefully).
 
 Everything is placed under `root` ("/" on a real machine; a scratch directory in tests), each path with its
 mode. Install creates what is missing and never overwrites an operator's config; uninstall removes what install

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Mapping
 
-from plexd.mesh.plan import (
+from plexd.mesh.mesh_plan import (
     Change,
     Observed,
     PeerAdded,

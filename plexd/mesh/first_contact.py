@@ -6,7 +6,7 @@ other's initiation, which replaces its own handshake state, so both drop the ans
 invalid response message" in wireguard-go's log) and neither has a session until the 5 s retry, sometimes the 15 s
 one. The lab saw it for one pair in four.
 
-So the node whose key sorts higher holds its kick back (`plexd.mesh.plan.device_update`'s `held`) and sends it
+So the node whose key sorts higher holds its kick back (`plexd.mesh.mesh_plan.device_update`'s `held`) and sends it
 `FOLLOW_DELAY` later: by then the leader's initiation has made a session (the kick then only sends a keepalive),
 or it never arrived (a NAT that needs our packet first) and our initiation goes out alone.
 """
@@ -18,7 +18,7 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.plan import Change, PeerAdded, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
+from plexd.mesh.mesh_plan import Change, PeerAdded, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
 from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate
 
 log = logging.getLogger(__name__)

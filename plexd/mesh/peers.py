@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from plexd.base.errors import PlexdError
 from plexd.controlplane.ledger import read_mirror
-from plexd.mesh.plan import normalize_endpoint
+from plexd.mesh.mesh_plan import normalize_endpoint
 from plexd.mesh.wireguard import DeviceConfig, key_fingerprint
 
 if TYPE_CHECKING:

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from plexd.base.errors import PlexdError
+
 _NETLINK_ROUTE = 0
 _CLONE_NEWNET = 0x40000000
 _RTM_NEWLINK, _RTM_DELLINK, _RTM_GETLINK = 16, 17, 18
@@ -115,7 +117,7 @@ class Message:
     body: bytes
 
 
-class RouteDumpError(OSError):
+class RouteDumpError(PlexdError, OSError):
     pass
 
 

@@ -1,7 +1,7 @@
 """Which WireGuard backend this machine uses, decided in one place (the daemon, `reconcile --once`, `peers`).
 
 ``mesh.backend: auto`` picks the kernel module when the kernel has it (loaded, or loaded on request: a server
-freshly booted has not loaded it yet, `plexd.mesh.wireguard.probe`), else the userspace implementation
+freshly booted has not loaded it yet, `plexd.mesh.wireguard.kernel_probe`), else the userspace implementation
 (``mesh.userspace_implementation``, wireguard-go by default), which plexd starts and supervises itself.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plexd.mesh.wireguard.probe import kernel_wireguard_available
+from plexd.mesh.wireguard.kernel_probe import kernel_wireguard_available
 
 if TYPE_CHECKING:
     from plexd.config.settings import Config

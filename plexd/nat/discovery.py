@@ -1,4 +1,4 @@
-"""One NAT discovery: ask the configured servers in order, classify the mapping (plexd-protocol.md §10).
+"""One NAT discovery: ask the configured servers in order, classify the mapping (docs/protocol.md §10).
 
     none       the server saw the machine's own address and port: no NAT between them
     full_cone  two servers saw the same ip:port (the mapping does not depend on the destination)

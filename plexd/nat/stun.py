@@ -1,4 +1,4 @@
-"""The STUN Binding exchange of plexd-protocol.md §10: a 20-byte request, and a bounded parser for the answer.
+"""The STUN Binding exchange of docs/protocol.md §10: a 20-byte request, and a bounded parser for the answer.
 
 Why not aiostun's codec: it cannot send through the raw socket the refresh needs (`plexd.nat.probe`), and it
 cannot say what was wrong with an answer — a wrong magic cookie is read as a classic RFC 3489 message, a wrong

@@ -1,8 +1,8 @@
-"""The daemon's side of the access sessions: what the sessions domain (`plexd.access.domain`) is given to verify
-tokens, report activity and audit, and how `plexd sessions` reads it.
+"""The daemon's side of the access sessions: what the sessions domain (`plexd.access.sessions_domain`) is given to
+verify tokens, report activity and audit, and how `plexd sessions` reads it.
 
     keys            the control plane's signing keys the verifier trusts now (rotations included)
-    report          §1.4 activity into the durable uplink (kind "session_activity"): nothing is lost in an outage
+    report          §A1.4 activity into the durable uplink (kind "session_activity"): nothing is lost in an outage
     record_command  an SSH exec's command-started report, posted now: the command runs only if it was taken
     audit           one line each in the local audit log (data_dir/actions/local-audit.log, 0600), which the
                     telemetry audit stream ships; a token appears there only as its session's id
@@ -16,19 +16,19 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from plexd.access.domain import AccessHooks
 from plexd.access.k8s import ApiServer
+from plexd.access.sessions_domain import AccessHooks
 from plexd.actions.audit import LocalAudit
 from plexd.base import gojson
 from plexd.base.errors import PlexdError
 from plexd.config.settings import Config
-from plexd.controlplane.signing import Verifier
+from plexd.controlplane.event_signing import Verifier
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.node.agent import Agent
 
 log = logging.getLogger(__name__)
 
-SESSION_ACTIVITY = "session_activity"  # the uplink outbox's kind for §1.4 reports
+SESSION_ACTIVITY = "session_activity"  # the uplink outbox's kind for §A1.4 reports
 
 
 def access_hooks(agent: Agent, verifier: Verifier, node_id: Callable[[], str], audit_path: Path,

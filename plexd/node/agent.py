@@ -44,9 +44,9 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.config.settings import Config, insecure_control_plane
 from plexd.controlplane.client import ControlPlaneClient
-from plexd.controlplane.errors import AuthError, ControlPlaneError
+from plexd.controlplane.client_errors import AuthError, ControlPlaneError
+from plexd.identity.identity_store import Identity, IdentityStore
 from plexd.identity.registrar import Registrar
-from plexd.identity.store import Identity, IdentityStore
 from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
 from plexd.system import systemd
@@ -176,7 +176,7 @@ class Agent:
         return capabilities_document(__version__, self.binary_checksum, self.hooks.hooks, self.builtin_actions)
 
     async def authed(self, call: Callable[[], Awaitable[T]]) -> T:
-        """Run a control-plane call; on 401 re-authenticate once (PROJECT-DECISIONS.md) and retry it."""
+        """Run a control-plane call; on 401 re-authenticate once (docs/decisions.md, Re-registration) and retry it."""
         try:
             return await call()
         except AuthError:
@@ -217,8 +217,8 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start stage of the seed: data_dir and hooks.dir trustworthy, data_dir usable, binary checksum, hook
-        scan."""
+        """Start stage of the lifecycle (docs/decisions.md, Lifecycle): data_dir and hooks.dir trustworthy, data_dir
+        usable, binary checksum, hook scan."""
         require_trusted({"data_dir": self.config.data_dir, "hooks.dir": self.config.hooks.dir})
         await asyncio.to_thread(self.store.ensure_writable)
         self.binary_checksum = await asyncio.to_thread(binary_checksum)

@@ -2,7 +2,7 @@
 
     Agent (lifecycle: start → register → supervised services → shutdown)       plexd.node.agent
       └─ assemble(agent) → Node
-           mesh        MeshHandle: Engine (domains from plexd.node.engine) + DesiredStore + mirror + hold
+           mesh        MeshHandle: Engine (domains from plexd.node.domain_list) + DesiredStore + mirror + hold
            verifier    signing key and persisted nonces
            reconciler  GET /state → DesiredStore.replace_from_pull → converge → POST /drift
            handlers    verified events → DesiredStore.edit → converge
@@ -36,14 +36,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from plexd.access.domain import AccessHooks
+from plexd.access.sessions_domain import AccessHooks
+from plexd.actions.action_routes import add_action_routes
 from plexd.actions.audit import LocalAudit
 from plexd.actions.builtins import NodeView
 from plexd.actions.dispatcher import ActionDispatcher
 from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal, Message
 from plexd.actions.outbox import Outbox, deliver
-from plexd.actions.routes import add_action_routes
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
@@ -52,22 +52,22 @@ from plexd.base.log import recent_lines
 from plexd.bridge.status import status_reports
 from plexd.config.settings import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
-from plexd.controlplane.events import EventStream, stream_http_client
+from plexd.controlplane.event_signing import InvalidSigningKeys, Verifier, key_fingerprint
+from plexd.controlplane.event_stream import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import InvalidSigningKeys, Verifier, key_fingerprint
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.engine import Engine
 from plexd.identity import datadir
-from plexd.identity.store import Identity
-from plexd.nat.domain import KIND as NAT_KIND
-from plexd.nat.domain import Endpoint, NatHooks
+from plexd.identity.identity_store import Identity
+from plexd.nat.endpoint_domain import KIND as NAT_KIND
+from plexd.nat.endpoint_domain import Endpoint, NatHooks
+from plexd.nat.nat_service import NatService, PortHandover, disabled_status
 from plexd.nat.servers import parse_server
-from plexd.nat.service import NatService, PortHandover, disabled_status
 from plexd.node.access import SESSION_ACTIVITY, access_hooks, post_session_activity
 from plexd.node.agent import Agent
 from plexd.node.control import add_control_routes, health, live_status
+from plexd.node.domain_list import build_engine, nat_endpoint, sessions, wireguard
 from plexd.node.durable import GroupCommit
-from plexd.node.engine import build_engine, nat_endpoint, sessions, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import (
     MeshHandle,
@@ -83,10 +83,10 @@ from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
 from plexd.node.status_text import utc
 from plexd.node.supervisor import FatalError
+from plexd.nodeapi.local_api import LocalAPI, require_admin
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
-from plexd.nodeapi.server import LocalAPI, require_admin
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers, apply_signing_keys
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo

@@ -216,7 +216,7 @@ def known_secrets(config: Config) -> list[str]:
         except OSError:
             continue
     try:
-        from plexd.identity.store import IdentityStore
+        from plexd.identity.identity_store import IdentityStore
 
         identity = IdentityStore(config.data_dir).load().identity
         if identity is not None:

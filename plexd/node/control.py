@@ -56,13 +56,13 @@ from typing import Any
 from plexd import __version__
 from plexd.base.errors import PlexdError
 from plexd.config.settings import Config
-from plexd.nat.service import disabled_status
+from plexd.nat.nat_service import disabled_status
 from plexd.node.departure import DEREGISTER_PATH
-from plexd.node.engine import nat_endpoint
-from plexd.node.engine import sessions as sessions_domain
+from plexd.node.domain_list import nat_endpoint
+from plexd.node.domain_list import sessions as sessions_domain
 from plexd.node.mesh import MeshHandle
 from plexd.node.parts import Node
-from plexd.nodeapi.server import HTTPError, LocalAPI, Request, Response, require_admin
+from plexd.nodeapi.local_api import LocalAPI, LocalAPIError, Request, Response, require_admin
 from plexd.services.reconciler import Reconciler
 
 STATUS_VERSION = 1
@@ -76,7 +76,7 @@ ROTATE_KEYS_PATH = "/v1/daemon/rotate-keys"
 
 def stored_status(config: Config) -> dict[str, Any]:
     """What the files in data_dir say (no daemon needed)."""
-    from plexd.identity.store import IdentityStore
+    from plexd.identity.identity_store import IdentityStore
 
     loaded = IdentityStore(config.data_dir).load()
     ident = loaded.identity
@@ -182,7 +182,7 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         body = _object(req)
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):
-            raise HTTPError(400, "dry_run must be true or false")
+            raise LocalAPIError(400, "dry_run must be true or false")
         result = await node.reconciler.run_once(dry_run=dry_run, reasons=("plexd reconcile --once",))
         doc = result.to_json()
         doc["errors"] = [result.error] if result.error else []
@@ -198,13 +198,13 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         body = _object(req)
         seconds, reason = body.get("seconds"), body.get("reason", "")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-            raise HTTPError(400, "seconds must be a number")
+            raise LocalAPIError(400, "seconds must be a number")
         if not isinstance(reason, str) or len(reason) > 500:
-            raise HTTPError(400, "reason must be a string of at most 500 characters")
+            raise LocalAPIError(400, "reason must be a string of at most 500 characters")
         try:
             held = node.mesh.hold.set(float(seconds), reason)
         except ValueError as exc:
-            raise HTTPError(400, str(exc)) from None
+            raise LocalAPIError(400, str(exc)) from None
         return Response(200, {"hold": held.to_json()})
 
     async def release(req: Request) -> Response:
@@ -218,13 +218,13 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         flags = {name: body.get(name, False) for name in ("purge", "force")}
         for name, value in flags.items():
             if not isinstance(value, bool):
-                raise HTTPError(400, f"{name} must be true or false")
+                raise LocalAPIError(400, f"{name} must be true or false")
         try:
             leaving = await node.agent.leave(**flags)
         except PlexdError as exc:
-            raise HTTPError(409, str(exc)) from None
+            raise LocalAPIError(409, str(exc)) from None
         if not leaving.deregistered and not flags["force"]:
-            raise HTTPError(502, f"the control plane did not take the deregistration: {leaving.error}")
+            raise LocalAPIError(502, f"the control plane did not take the deregistration: {leaving.error}")
         cfg = node.agent.config
         return Response(200, {"node_id": node.agent.identity.node_id if node.agent.identity else "",
                               "deregistered": leaving.deregistered, "error": leaving.error, "torn_down": True,
@@ -240,7 +240,7 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         except RotationFailed as exc:
             if exc.retrying:
                 node.key_rotation.request("plexd rotate-keys could not finish")
-            raise HTTPError(502, str(exc)) from None
+            raise LocalAPIError(502, str(exc)) from None
 
     api.add("GET", STATUS_PATH, status, admin)
     api.add("POST", ROTATE_KEYS_PATH, rotate_keys, admin)
@@ -255,5 +255,5 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
 def _object(req: Request) -> dict[str, Any]:
     body = req.json()
     if not isinstance(body, dict):
-        raise HTTPError(400, "body must be a JSON object")
+        raise LocalAPIError(400, "body must be a JSON object")
     return body

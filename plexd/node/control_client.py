@@ -19,8 +19,12 @@ from plexd.base.errors import PlexdError
 TIMEOUT = 120.0  # a reconcile cycle may take a while on a large mesh
 
 
-class DaemonNotRunning(Exception):
-    pass
+class DaemonNotRunning(PlexdError):
+    """Nothing listens on the daemon's socket `socket_path`: no daemon runs."""
+
+    def __init__(self, socket_path: str) -> None:
+        super().__init__(f"no plexd daemon is running (nothing listens on {socket_path})")
+        self.socket_path = socket_path
 
 
 class DaemonRefused(PlexdError):

@@ -1,6 +1,6 @@
 """Leaving the mesh: the deregistration marker, taking down what plexd set up, and `--purge`.
 
-A node that deregistered keeps its identity (PROJECT-DECISIONS.md, Restart and rejoin) and writes
+A node that deregistered keeps its identity (docs/decisions.md, Restart and rejoin) and writes
 ``data_dir/deregistered``; its next start re-registers with the node secret first (same key, node id and mesh IP)
 and removes the marker. So a reboot, which deregisters on SIGTERM by default, never orphans the node: it comes back
 as itself when it starts again. Only a purge (or an admin's forget) ends that identity.
@@ -53,7 +53,7 @@ def clear_departed(data_dir: str) -> None:
 async def take_down(config: Any) -> None:
     """Remove what a plexd left on this machine (peers, interface, userspace process, nftables table) when no
     daemon runs: after a stop with shutdown.deregister false, or a crash."""
-    from plexd.node.engine import build_engine, wireguard
+    from plexd.node.domain_list import build_engine, wireguard
 
     engine = build_engine(config)
     device = wireguard(engine)
@@ -147,8 +147,8 @@ def _deregister_alone(config: Any, *, purge: bool, force: bool) -> dict[str, Any
     import asyncio
 
     from plexd.controlplane.client import ControlPlaneClient
-    from plexd.controlplane.errors import ControlPlaneError
-    from plexd.identity.store import IdentityStore
+    from plexd.controlplane.client_errors import ControlPlaneError
+    from plexd.identity.identity_store import IdentityStore
 
     loaded = IdentityStore(config.data_dir).load()
     ident = loaded.identity

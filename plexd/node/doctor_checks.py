@@ -61,7 +61,7 @@ def run_command(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT) -> Ran:
 
 
 def _kernel_wireguard() -> bool:
-    from plexd.mesh.wireguard.probe import kernel_wireguard_available
+    from plexd.mesh.wireguard.kernel_probe import kernel_wireguard_available
 
     return kernel_wireguard_available()
 

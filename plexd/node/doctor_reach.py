@@ -207,7 +207,7 @@ def _through_proxy(url: str, tls: ssl.SSLContext | None, timeout: float, proxy: 
         return Reach(url, "HTTP", f"HTTP through proxy {proxy}: no answer within {timeout * 2:g}s",
                      "check the proxy (HTTPS_PROXY / HTTP_PROXY) and whether it may reach the control plane",
                      address, proxy=proxy)
-    except http11.HTTPError as exc:
+    except http11.RequestFailed as exc:
         return Reach(url, "HTTP", f"HTTP through proxy {proxy}: {exc}",
                      "check the proxy (HTTPS_PROXY / HTTP_PROXY, NO_PROXY) and the control plane behind it",
                      address, proxy=proxy)

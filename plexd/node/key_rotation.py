@@ -1,4 +1,4 @@
-"""WireGuard key rotation (plexd-protocol.md §1.6): a new key pair, swapped on the device, announced, kept.
+"""WireGuard key rotation (docs/protocol.md §1.6): a new key pair, swapped on the device, announced, kept.
 
 Asked for by the heartbeat's ``rotate_keys``, the ``rotate_keys`` event or ``plexd rotate-keys``. One at a time:
 
@@ -28,11 +28,11 @@ from typing import Any
 
 from plexd.base.backoff import Backoff
 from plexd.base.errors import PlexdError
-from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError
-from plexd.identity.store import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
+from plexd.controlplane.client_errors import AuthError, ControlPlaneError, PermanentError
+from plexd.identity.identity_store import NEXT_PRIVATE_KEY_FILE, IdentityStore, b64, generate_private_key, public_key_of
 from plexd.mesh.wireguard import clamp_private_key, key_fingerprint
 from plexd.node.agent import Agent
-from plexd.node.engine import wireguard
+from plexd.node.domain_list import wireguard
 from plexd.node.mesh import MeshHandle
 
 log = logging.getLogger(__name__)

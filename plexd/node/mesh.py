@@ -22,20 +22,20 @@ from typing import Any
 
 from plexd.base.clock import Clock
 from plexd.controlplane.client import PeerEndpoint
+from plexd.controlplane.event_signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
 from plexd.converge.change import Correction
 from plexd.converge.coalesce import Requests
 from plexd.converge.engine import ConvergeResult, Engine
 from plexd.converge.hold import ReconcileHold
-from plexd.identity.store import Identity
-from plexd.node.engine import wireguard
+from plexd.identity.identity_store import Identity
+from plexd.node.domain_list import wireguard
 from plexd.node.protected import ProtectedAddresses
 from plexd.nodeapi import cache as node_cache
 from plexd.state.desired import DesiredState, split_endpoint
+from plexd.state.desired_store import DesiredStore
 from plexd.state.model import SigningKeys, State
 from plexd.state.route_limits import RouteLimits
-from plexd.state.store import DesiredStore
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ class MeshHandle:
 
 @dataclass(frozen=True)
 class PulledState:
-    """A state pull and the desired model's sequence number when it was requested (see `plexd.state.store`)."""
+    """A state pull and the desired model's sequence number when it was requested (see `plexd.state.desired_store`)."""
 
     state: State
     since: int
@@ -378,7 +378,7 @@ def _note_foreign_key(verifier: Verifier | None, keys: SigningKeys | None, noted
 
 
 def trusted_key(verifier: Verifier) -> Callable[[], str | None]:
-    """The signing key `verifier` trusts now, for the key file's domain (`plexd.trust.domain`)."""
+    """The signing key `verifier` trusts now, for the key file's domain (`plexd.trust.signing_key_domain`)."""
     return lambda: verifier.keys.current if verifier.keys is not None else None
 
 

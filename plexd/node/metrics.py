@@ -46,7 +46,7 @@ from plexd import __version__
 from plexd.base.errors import PlexdError
 from plexd.mesh.wireguard import PeerCounters
 from plexd.node.access import SESSION_ACTIVITY
-from plexd.node.engine import wireguard
+from plexd.node.domain_list import wireguard
 from plexd.node.parts import Node
 from plexd.services.reconciler import DRIFT
 

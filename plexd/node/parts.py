@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.actions.dispatcher import ActionDispatcher
-from plexd.controlplane.events import EventStream
-from plexd.controlplane.signing import Verifier
+from plexd.controlplane.event_signing import Verifier
+from plexd.controlplane.event_stream import EventStream
 from plexd.controlplane.uplink import UplinkOutbox
-from plexd.nat.service import NatService
+from plexd.nat.nat_service import NatService
 from plexd.node.agent import Agent
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle
+from plexd.nodeapi.local_api import LocalAPI
 from plexd.nodeapi.reports import ReportStore
-from plexd.nodeapi.server import LocalAPI
 from plexd.nodeapi.sync import ReportSync
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService

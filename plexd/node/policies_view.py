@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from plexd.firewall.nft import FirewallError
-from plexd.node.engine import firewall as firewall_of
+from plexd.node.domain_list import firewall as firewall_of
 from plexd.node.mesh import MeshHandle
 
 

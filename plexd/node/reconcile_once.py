@@ -29,8 +29,8 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     from plexd.base.clock import Clock
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.ledger import read_mirror
-    from plexd.identity.store import IdentityStore, datadir
-    from plexd.node.engine import build_engine, wireguard
+    from plexd.identity.identity_store import IdentityStore, datadir
+    from plexd.node.domain_list import build_engine, wireguard
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
     from plexd.node.protected import ProtectedAddresses
     from plexd.services.reconciler import Reconciler, drift_uplink

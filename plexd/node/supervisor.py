@@ -40,7 +40,8 @@ class FatalError(PlexdError):
 
 
 class InjectedFault(RuntimeError):
-    """Raised inside a service by the test-only fault hook."""
+    """Raised inside a service by the test-only fault hook. Not a `PlexdError`, on purpose: it stands for a bug,
+    so the supervisor logs it as a crash, with its traceback (the path the fault tests exercise)."""
 
 
 @dataclass

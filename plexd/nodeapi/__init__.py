@@ -1,4 +1,4 @@
-"""The local node API (plexd-protocol.md §8): what the control plane knows about this node, for its workloads.
+"""The local node API (docs/protocol.md §8): what the control plane knows about this node, for its workloads.
 
     keys        the rules for keys in paths and file names (no key escapes data_dir/state)
     crypto      secret decryption (AES-256-GCM with the node secret key, §8.5)

@@ -13,11 +13,13 @@ import hashlib
 import re
 from urllib.parse import unquote_to_bytes
 
+from plexd.base.errors import PlexdError
+
 MAX_KEY_BYTES = 255
 _PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 
 
-class BadKey(ValueError):
+class BadKey(PlexdError):
     """A key that cannot be used; the message names why."""
 
 
@@ -45,7 +47,7 @@ def path_key(segment: str) -> str:
     try:
         return unquote_to_bytes(segment).decode("utf-8")
     except UnicodeDecodeError:
-        raise BadKey("key is not valid UTF-8") from None
+        raise BadKey(f"key {segment[:80]!r} is not valid UTF-8 once percent-decoded") from None
 
 
 def file_name(key: str) -> str:

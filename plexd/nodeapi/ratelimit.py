@@ -1,7 +1,7 @@
 """Fair use of the node API: one token bucket per client (a uid on the socket, an address on TCP).
 
 `rate` requests per second are refilled up to `burst`; a request that finds the bucket empty is answered 429 with
-a Retry-After, a quarter second late (plexd.nodeapi.server), so a client flooding on one connection is slowed to a
+a Retry-After, a quarter second late (plexd.nodeapi.local_api), so a client flooding on one connection is slowed to a
 few requests per second and costs the daemon almost nothing (measured: bench/node_api.py --rate-limit default).
 The table holds MAX_CLIENTS buckets at most, kept in the order their clients were last seen: a new client first
 forgets the ones that went quiet long enough to refill, else the one seen longest ago (O(1) either way; rebuilding

@@ -25,6 +25,7 @@ from typing import Any
 
 from plexd.base import gojson
 from plexd.base.atomicfile import fsync_directory, write_atomic
+from plexd.base.errors import PlexdError
 from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, read_json_file
 from plexd.nodeapi.keys import file_name, report_key_problem
 from plexd.state.model import DataEntry
@@ -64,18 +65,18 @@ def compact(value: Any) -> bytes:
 
 MAX_ENTRIES = 1000
 MAX_BYTES = 16 << 20
-MAX_ENTRY_BYTES = 1 << 20  # a PUT body is capped at 1 MiB anyway (plexd.nodeapi.server)
+MAX_ENTRY_BYTES = 1 << 20  # a PUT body is capped at 1 MiB anyway (plexd.nodeapi.local_api)
 
 
-class VersionConflict(Exception):
+class VersionConflict(PlexdError):
     """If-Match did not match the entry's version (or the entry does not exist and If-Match was not 0)."""
 
 
-class StoreFull(Exception):
+class StoreFull(PlexdError):
     """The entry would take the store past its count or byte cap (HTTP 507)."""
 
 
-class EntryTooLarge(Exception):
+class EntryTooLarge(PlexdError):
     """The entry alone is larger than an entry may be (HTTP 413)."""
 
 
@@ -137,7 +138,8 @@ class ReportStore:
         async with self._lock:
             old = self._entries.get(key)
             if if_match is not None and if_match != (old.version if old is not None else 0):
-                raise VersionConflict(key)
+                raise VersionConflict(f"report {key[:100]!r}: If-Match {if_match}, the entry is at version "
+                                      f"{old.version if old is not None else 0}")
             entry = ReportEntry(key, content_type, payload, (old.version + 1) if old is not None else 1,
                                 gojson.format_time(gojson.now_utc()))
             data = compact(entry.to_wire())

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from plexd.base.errors import PlexdError
-from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.nodeapi import crypto
 from plexd.nodeapi.keys import BadKey, path_key, report_key_problem
+from plexd.nodeapi.local_api import LocalAPI, LocalAPIError, Request, Response
 from plexd.nodeapi.reports import EntryTooLarge, ReportStore, StoreFull, VersionConflict
-from plexd.nodeapi.server import HTTPError, LocalAPI, Request, Response
 
 if TYPE_CHECKING:
     from plexd.controlplane.client import SecretResponse
@@ -91,7 +91,7 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
         key = _key(req, "/metadata/")
         meta = node.desired().metadata or {}
         if key not in meta:
-            raise HTTPError(404, "not found")
+            raise LocalAPIError(404, "not found")
         return Response(200, {"key": key, "value": meta[key]})
 
     async def data(req: Request) -> Response:
@@ -102,7 +102,7 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
         key = _key(req, "/data/")
         entry = next((e for e in reversed(node.desired().data) if e.key == key), None)
         if entry is None:
-            raise HTTPError(404, "not found")
+            raise LocalAPIError(404, "not found")
         return Response(200, entry.to_wire())
 
     async def secrets(req: Request) -> Response:
@@ -114,17 +114,17 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             sealed = await node.fetch_secret(key)
         except ControlPlaneError as exc:
             if exc.status == 404:
-                raise HTTPError(404, "not found") from None
+                raise LocalAPIError(404, "not found") from None
             log.warning("secret %r not served: %s", key[:100], exc)
-            raise HTTPError(503, "control plane unavailable") from None
+            raise LocalAPIError(503, "control plane unavailable") from None
         except PlexdError as exc:
             log.warning("secret %r not served: %s", key[:100], exc)
-            raise HTTPError(503, "control plane unavailable") from None
+            raise LocalAPIError(503, "control plane unavailable") from None
         try:
             value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret(), node.node_secret_kdf())
         except crypto.SecretDecryptError:
             log.error("secret %r: the control plane's answer cannot be decrypted with this node's key", key[:100])
-            raise HTTPError(500, "internal error") from None
+            raise LocalAPIError(500, "internal error") from None
         return Response(200, {"key": sealed.key, "value": value, "version": sealed.version})
 
     async def reports(req: Request) -> Response:
@@ -133,7 +133,7 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
     async def report_get(req: Request) -> Response:
         entry = node.reports.get(_report_key(req))
         if entry is None:
-            raise HTTPError(404, "not found")
+            raise LocalAPIError(404, "not found")
         return Response(200, entry.to_wire())
 
     refusals_logged = [-60.0]
@@ -144,31 +144,31 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
         body = _json_object(req)
         content_type = body.get("content_type")
         if not isinstance(content_type, str) or not content_type:
-            raise HTTPError(400, "content_type is required")
+            raise LocalAPIError(400, "content_type is required")
         if "payload" not in body:
-            raise HTTPError(400, "payload must be valid JSON: the body has no payload")
+            raise LocalAPIError(400, "payload must be valid JSON: the body has no payload")
         try:
             entry = await node.reports.put(key, content_type, body["payload"], if_match)
         except VersionConflict:
             current = node.reports.get(key)
             have = f"the entry is at version {current.version}" if current else "the entry does not exist"
-            raise HTTPError(409, f"version conflict: If-Match {if_match}, {have}") from None
+            raise LocalAPIError(409, f"version conflict: If-Match {if_match}, {have}") from None
         except EntryTooLarge as exc:
-            raise HTTPError(413, str(exc)) from None
+            raise LocalAPIError(413, str(exc)) from None
         except UnicodeEncodeError:  # JSON may escape half a surrogate pair; no file can hold it as text
-            raise HTTPError(400, "invalid JSON body: a lone surrogate (a \\ud800-\\udfff escape without its "
+            raise LocalAPIError(400, "invalid JSON body: a lone surrogate (a \\ud800-\\udfff escape without its "
                                  "pair) is not Unicode text") from None
         except StoreFull as exc:
             now = time.monotonic()
             if now - refusals_logged[0] >= 60:  # a workload that keeps trying is one line a minute
                 refusals_logged[0] = now
                 log.warning("report %r refused: %s", key[:100], exc)
-            raise HTTPError(507, str(exc)) from None
+            raise LocalAPIError(507, str(exc)) from None
         return Response(200, entry.to_wire())
 
     async def report_delete(req: Request) -> Response:
         if not await node.reports.delete(_report_key(req)):
-            raise HTTPError(404, "not found")
+            raise LocalAPIError(404, "not found")
         return Response(204)
 
     add("GET", PREFIX, summary)
@@ -188,11 +188,11 @@ def _key(req: Request, under: str) -> str:
     """The key after PREFIX + `under` (one path segment, percent-decoded)."""
     segment = req.path[len(PREFIX + under):]
     if not segment:
-        raise HTTPError(404, "not found")
+        raise LocalAPIError(404, "not found")
     try:
         return path_key(segment)
     except BadKey as exc:
-        raise HTTPError(400, f"invalid key: {exc}") from None
+        raise LocalAPIError(400, f"invalid key: {exc}") from None
 
 
 def _report_key(req: Request) -> str:
@@ -200,10 +200,10 @@ def _report_key(req: Request) -> str:
     try:
         key = path_key(segment)
     except BadKey as exc:
-        raise HTTPError(400, f"invalid report key: {exc}") from None
+        raise LocalAPIError(400, f"invalid report key: {exc}") from None
     problem = report_key_problem(key)
     if problem:
-        raise HTTPError(400, f"invalid report key: {problem}")
+        raise LocalAPIError(400, f"invalid report key: {problem}")
     return key
 
 
@@ -214,7 +214,7 @@ def _if_match(req: Request) -> int | None:
     text = raw.strip()
     if not text.isascii() or not text.isdigit() or len(text) > 18:
         shown = text[:40].encode("ascii", "backslashreplace").decode()
-        raise HTTPError(400, f"If-Match must be an integer (a bare version such as 3, not {shown!r})")
+        raise LocalAPIError(400, f"If-Match must be an integer (a bare version such as 3, not {shown!r})")
     return int(text)
 
 
@@ -224,7 +224,7 @@ def _json_object(req: Request) -> dict[str, Any]:
     try:
         body = boundedjson.loads(req.body, "body")
     except PlexdError as exc:
-        raise HTTPError(400, f"invalid JSON body: {exc}") from None
+        raise LocalAPIError(400, f"invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
-        raise HTTPError(400, "invalid JSON body: must be a JSON object")
+        raise LocalAPIError(400, "invalid JSON body: must be a JSON object")
     return body

@@ -1,4 +1,4 @@
-"""What each verified event does (plexd-protocol.md §2.3): update the desired model, then ask for a converge.
+"""What each verified event does (docs/protocol.md §2.3): update the desired model, then ask for a converge.
 
 Events are hints; the reconciler's state pull is the truth. A handler therefore only edits the desired model
 (`DesiredStore.edit` with a `DesiredState.with_*` change, journaled so that a state pull in flight cannot undo
@@ -19,15 +19,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from plexd.access.sessions import revoked_session_id, setup_event_session
+from plexd.access.session_grants import revoked_session_id, setup_event_session
 from plexd.base.errors import WireFormatError
-from plexd.bridge.sessions import parse_revoked as parse_relay_revoked
-from plexd.bridge.sessions import parse_session as parse_relay_session
+from plexd.bridge.relay_sessions import parse_revoked as parse_relay_revoked
+from plexd.bridge.relay_sessions import parse_session as parse_relay_session
 from plexd.controlplane.envelope import Envelope
-from plexd.controlplane.signing import Verifier, key_fingerprint, persist_signing_key
+from plexd.controlplane.event_signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.state.desired import split_endpoint
+from plexd.state.desired_store import DesiredStore, Edit
 from plexd.state.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
-from plexd.state.store import DesiredStore, Edit
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +99,12 @@ class EventHandlers:
             "signing_key_rotated": self._signing_key_rotated,
             "node_state_updated": self._node_state_updated,
             "node_secrets_updated": self._node_secrets_updated,
-            # Sessions (plexd-access-protocol.md §1.1): the block in the state is the truth. A new one is pulled
+            # Sessions (docs/protocol.md §A1.1): the block in the state is the truth. A new one is pulled
             # with it; a revocation is applied at once (a live shell closes within a second), the pull confirms.
             "session_setup": self._refresh_now,
             "session_revoked": self._session_revoked,
             "ssh_session_setup": self._ssh_session_setup,
-            # Bridge mode's relay (plexd-access-protocol.md §2): deltas on the relay sessions (a node ignores them)
+            # Bridge mode's relay (docs/protocol.md §A2): deltas on the relay sessions (a node ignores them)
             "bridge_config_updated": self._refresh_now,
             "relay_session_assigned": self._relay_session_assigned,
             "relay_session_revoked": self._relay_session_revoked,

@@ -1,4 +1,4 @@
-"""Liveness: ``POST /v1/nodes/{id}/heartbeat`` with real values in the [C] shape (plexd-protocol.md §1.4).
+"""Liveness: ``POST /v1/nodes/{id}/heartbeat`` with real values in the [C] shape (docs/protocol.md §1.4).
 
 The first heartbeat goes out at start, then one per `interval` on a fixed schedule (no drift). The response's
 ``reconcile:true`` asks for a reconcile now; ``rotate_keys:true`` for a WireGuard key rotation

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.base.memo import ByIdentity
-from plexd.mesh.plan import normalize_endpoint
+from plexd.mesh.mesh_plan import normalize_endpoint
 from plexd.mesh.wireguard import DeviceConfig
+from plexd.state.desired_store import DesiredStore
 from plexd.state.model import Peer
-from plexd.state.store import DesiredStore
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.controlplane.uplink import Poster, UplinkOutbox, by_kind
 from plexd.converge.change import Change, Correction
-from plexd.state.store import StalePull
+from plexd.state.desired_store import StalePull
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """A bridge's status published as node-state report entries: `status.bridge`, `status.user-access`,
-`status.ingress` and `status.site-to-site` (plexd-access-protocol.md §2.6), each only when it changed.
+`status.ingress` and `status.site-to-site` (docs/protocol.md §A2.3), each only when it changed.
 
 They go into the node's report store like any report entry, so the report sync carries them upstream through
 its durable queue (and the local node API lists them). Each payload is at most 4 KiB, as the newer contract

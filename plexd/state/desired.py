@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from plexd.access.sessions import Session, Sessions
+from plexd.access.session_grants import Session, Sessions
 from plexd.base.hostname import is_hostname, is_ip
 from plexd.bridge.blocks import Ingress, SiteToSite, UserAccess
-from plexd.bridge.sessions import RelaySessionSet
-from plexd.identity import store as identity
+from plexd.bridge.relay_sessions import RelaySessionSet
+from plexd.identity import identity_store as identity
 from plexd.state import policy, route_limits
 from plexd.state.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
 from plexd.state.route_limits import RouteLimits

@@ -1,4 +1,4 @@
-"""Wire types of the control-plane protocol (plexd-protocol.md §1, §4), parsed with precise errors.
+"""Wire types of the control-plane protocol (docs/protocol.md §1, §4), parsed with precise errors.
 
 Parsing follows Go's lenient decoding where the protocol relies on it (unknown keys ignored, key match
 case-insensitive, ``null`` for a list means empty) but refuses a value of the wrong type, naming the field.
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.access.sessions import Sessions, parse_sessions
+from plexd.access.session_grants import Sessions, parse_sessions
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import GO_ZERO_TIME
 from plexd.base.hostname import is_ip
@@ -27,7 +27,7 @@ from plexd.bridge.blocks import (
     parse_site_to_site,
     parse_user_access,
 )
-from plexd.bridge.sessions import RelaySessionSet
+from plexd.bridge.relay_sessions import RelaySessionSet
 
 KEY_LEN = 32  # WireGuard keys (Curve25519) and the control plane's Ed25519 keys
 
@@ -110,7 +110,7 @@ class Peer:
     endpoint: str = ""
     allowed_ips: tuple[str, ...] = ()
     psk: str = field(default="", repr=False)  # a secret: never in a repr
-    fallback_endpoint: str = ""  # a bridge's relay, for when the direct path shows no handshake (§2.1)
+    fallback_endpoint: str = ""  # a bridge's relay, for when the direct path shows no handshake (§A2.4)
 
     @classmethod
     def from_wire(cls, obj: JSON, path: str = "peer") -> Peer:

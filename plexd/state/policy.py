@@ -1,4 +1,4 @@
-"""The policy engine (pure, plexd-protocol.md §9): which peers this node may see, and which flows it lets in.
+"""The policy engine (pure, docs/protocol.md §9): which peers this node may see, and which flows it lets in.
 
 A rule names its two ends as a node id, `*` (anyone), or a CIDR inside the mesh range ([R]; the Go engine
 matches nothing for a CIDR). `protocol` is tcp, udp, icmp or "" (any); `port` 0 is any port and needs tcp or

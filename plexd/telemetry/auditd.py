@@ -11,7 +11,7 @@ The records of a read are joined by serial, in the order their first record came
 held back until its ``EOE`` or the next read (auditd may be mid-event), and the file position stored with the
 entries stops before it, so a restart neither loses nor repeats an event.
 
-Mapping (plexd-protocol.md §1.14): ``event_type`` is the SYSCALL record's type (else the first record's),
+Mapping (docs/protocol.md §1.14): ``event_type`` is the SYSCALL record's type (else the first record's),
 ``subject`` its uid, gid and pid (-1 when a record lacks one), ``object`` the JSON encoding of the file name
 (the PATH record that is not a parent directory, else ``exe``), ``action`` the syscall's name (x86-64 numbers
 are named; ``log_format=ENRICHED`` names every one), falling back to the record type, ``result`` ``success`` or
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.base import boundedjson
+from plexd.base.errors import PlexdError
 from plexd.base.gojson import format_unix, now_text
 from plexd.telemetry.tail import FileTail, Line, cap_line
 
@@ -53,7 +54,7 @@ SYSCALLS_X86_64 = {
 }
 
 
-class AuditFormatError(ValueError):
+class AuditFormatError(PlexdError):
     pass
 
 

@@ -23,13 +23,15 @@ import socket
 import struct
 import time
 
+from plexd.base.errors import PlexdError
+
 ECHO_REQUEST, ECHO_REPLY = 8, 0
 SOL_RAW, ICMP_FILTER = 255, 1  # <linux/icmp.h>: a mask of the ICMP types (< 32) a raw socket does not get
 ONLY_ECHO_REPLIES = struct.pack("I", ~(1 << ECHO_REPLY) & 0xFFFFFFFF)
 PAYLOAD = b"plexd-latency-probe"
 
 
-class ProbeUnavailable(OSError):
+class ProbeUnavailable(PlexdError, OSError):
     pass
 
 

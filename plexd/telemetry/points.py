@@ -1,4 +1,4 @@
-"""The metrics stream's points (plexd-protocol.md §1.14), written as the JSON texts the queue stores.
+"""The metrics stream's points (docs/protocol.md §1.14), written as the JSON texts the queue stores.
 
 A collection at 1,000 peers is 1,000 tunnel points every 15 s: building a dict per point and encoding it was
 most of the metrics stream's cost on an idle node, so tunnel points are written straight into their text from the

@@ -1,5 +1,5 @@
 """Telemetry for the control plane: three streams, each a collector that queues in a lane of the one uplink
-outbox, which delivers it (plexd-protocol.md §1.14 shapes, §6 intervals, all configurable under ``telemetry``).
+outbox, which delivers it (docs/protocol.md §1.14 shapes, §6 intervals, all configurable under ``telemetry``).
 
     metrics  every collect_interval: system (/proc, statvfs), tunnel per peer on the live device, latency per
              peer (ICMP over the mesh, -1 when unanswered)             → POST /metrics every report_interval

@@ -1,4 +1,4 @@
-"""The ``system`` metrics group (plexd-protocol.md §1.14) from /proc and statvfs: CPU use since the previous
+"""The ``system`` metrics group (docs/protocol.md §1.14) from /proc and statvfs: CPU use since the previous
 sample, memory in use (MemTotal − MemAvailable), the root filesystem, and bytes through every interface but
 loopback (of the network namespace plexd runs in)."""
 

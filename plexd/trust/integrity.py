@@ -1,12 +1,12 @@
 """Integrity of what plexd runs: its own code ("binary" checksum), hook scripts, and the capabilities document.
 
-Binary checksum (DESIGN.md §5): a Python program has no single binary, so the checksum is SHA-256 over the
-installed ``plexd`` package: for every file under the package directory (``__pycache__`` directories and
-``.pyc`` files excluded), one line ``<relative posix path> NUL <hex sha256 of the file>`` followed by ``\\n``,
-lines sorted by path. Running from a single-file zipapp, it is the SHA-256 of that file. Same code, same
-checksum, on every machine. Bare lowercase hex, as the Go agent reports it.
+Binary checksum (docs/decisions.md, Binary checksum): a Python program has no single binary, so the checksum is SHA-256
+over the installed ``plexd`` package: for every file under the package directory (``__pycache__`` directories and
+``.pyc`` files excluded), one line ``<relative posix path> NUL <hex sha256 of the file>`` followed by ``\\n``, lines
+sorted by path. Running from a single-file zipapp, it is the SHA-256 of that file. Same code, same checksum, on every
+machine. Bare lowercase hex, as the Go agent reports it.
 
-Hooks (PROJECT-DECISIONS.md, Hooks row; plexd-protocol.md §7.1): every executable regular file directly in
+Hooks (docs/decisions.md, Hooks; docs/protocol.md §7.1): every executable regular file directly in
 ``hooks.dir``; name = file name; optional sidecar ``<file>.json`` with description, parameters, timeout,
 sandbox (a malformed sidecar is ignored with a warning). A hook must be owned by root and not writable by group
 or other, and the directory itself likewise, otherwise it is refused with a logged reason: whoever can write it

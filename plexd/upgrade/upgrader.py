@@ -44,7 +44,7 @@ from plexd.base.childenv import child_environment
 from plexd.base.children import signal_child
 from plexd.base.errors import PlexdError
 from plexd.controlplane import http11
-from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.trust.integrity import sha256_file, zipapp_of
 from plexd.upgrade import marker as markers
 from plexd.upgrade.launcher import roll_back
@@ -57,7 +57,7 @@ VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+_~-]{0,63}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 RUN_CHECK_TIMEOUT = 30.0
 HEALTH_POLL = 0.5
-# Go's GOARCH names, which the artifact path uses (plexd-protocol.md §1.15).
+# Go's GOARCH names, which the artifact path uses (docs/protocol.md §1.15).
 GOARCH = {"x86_64": "amd64", "aarch64": "arm64", "armv7l": "arm", "armv6l": "arm", "i686": "386", "i386": "386",
           "ppc64le": "ppc64le", "s390x": "s390x", "riscv64": "riscv64"}
 
@@ -119,7 +119,7 @@ class Upgrader:
             out = await self._install(version, checksum, execution_id)
             installed = True
             return out
-        except http11.HTTPError as exc:  # the download broke off (a reset, a stall): nothing installed
+        except http11.RequestFailed as exc:  # the download broke off (a reset, a stall): nothing installed
             why = f"the download broke off: {exc}; nothing installed"
             log.error("upgrade to plexd %s failed: %s", version, why, extra={"execution_id": execution_id})
             return Output(1, "", f"upgrade to plexd {version}: {why}\n")

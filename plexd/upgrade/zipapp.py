@@ -1,10 +1,10 @@
 """Build a release: the plexd package as one zipapp file (``plexd-<version>.pyz``).
 
-Why a zipapp and not a wheel: a wheel must be installed by pip into a venv, which needs an index or every
-dependency at hand, and takes seconds and a network on the node. A zipapp is one file: it is verified by one
-SHA-256 (the "binary" checksum of DESIGN.md §5 is then the file's own), placed beside the running version and
-switched by a symlink, and run by the same Python and the same installed dependencies. The price: a release
-cannot bring new dependencies; a version that needs one is installed with pip (README, Upgrading).
+Why a zipapp and not a wheel: a wheel must be installed by pip into a venv, which needs an index or every dependency at
+hand, and takes seconds and a network on the node. A zipapp is one file: it is verified by one SHA-256 (the "binary"
+checksum, docs/decisions.md, Binary checksum, is then the file's own), placed beside the running version and switched by
+a symlink, and run by the same Python and the same installed dependencies. The price: a release cannot bring new
+dependencies; a version that needs one is installed with pip (README, Upgrading).
 
 The archive is reproducible: files in sorted order, fixed timestamps and modes, no ``__pycache__``. So the same
 checkout gives the same bytes, and so the same checksum, on every machine.

@@ -10,7 +10,7 @@ import sys
 import pytest
 from devplane_helpers import register
 
-CLI = [sys.executable, "-m", "plexd.devplane.cli"]
+CLI = [sys.executable, "-m", "plexd.devplane.devplane_cli"]
 
 
 def run(*args: str, stdin: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -161,7 +161,7 @@ def test_serve_defaults_and_private_files(dp):
     import sqlite3
     import stat
 
-    from plexd.devplane.cli import build_parser
+    from plexd.devplane.devplane_cli import build_parser
 
     args = build_parser().parse_args(["serve"])
     assert (args.keepalive, args.heartbeat_interval, args.listen) == (15.0, 30.0, "127.0.0.1:8080")
@@ -185,7 +185,7 @@ def test_serve_without_the_devplane_extra_names_the_extra_in_one_line(tmp_path):
         "        if name.partition('.')[0] in ('starlette', 'sse_starlette', 'uvicorn'):\n"
         "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
         "sys.meta_path.insert(0, NoExtra())\n"
-        "from plexd.devplane.cli import main\n"
+        "from plexd.devplane.devplane_cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n")
     proc = subprocess.run([sys.executable, "-c", blocker, "serve", "--listen", "127.0.0.1:0", "--db",
                            str(tmp_path / "x.db")], capture_output=True, text=True, timeout=30)

@@ -164,7 +164,7 @@ def test_restart_gives_nodes_a_fresh_heartbeat_window(tmp_path):
 def test_a_used_token_answers_the_same_registration_only_within_the_retry_window(deployment):
     """A spent token plus the public key every peer sees handed out the node's secret for ever."""
     from plexd.devplane.deployment import REGISTER_RETRY_WINDOW
-    from plexd.devplane.wire import HTTPError
+    from plexd.devplane.wire import DevplaneAPIError
 
     dep = deployment
     dep.store.add_token("tok-once", dep.now_text())
@@ -172,27 +172,27 @@ def test_a_used_token_answers_the_same_registration_only_within_the_retry_window
     first = dep.register(body, None)
     assert dep.register(dict(body), None)["node_secret_key"] == first["node_secret_key"]  # a lost answer, again
     dep.clock.advance(REGISTER_RETRY_WINDOW + 1)
-    with pytest.raises(HTTPError) as refused:
+    with pytest.raises(DevplaneAPIError) as refused:
         dep.register(dict(body), None)
     assert refused.value.status == 401 and "already used" in refused.value.message
 
 
 def test_a_key_another_node_holds_is_refused_at_registration_and_rotation(deployment):
-    from plexd.devplane.wire import HTTPError
+    from plexd.devplane.wire import DevplaneAPIError
 
     dep = deployment
     a, b = _register(dep, "key-a"), _register(dep, "key-b")
     dep.store.add_token("tok-thief", dep.now_text())
-    with pytest.raises(HTTPError) as refused:
+    with pytest.raises(DevplaneAPIError) as refused:
         dep.register({"token": "tok-thief", "public_key": a.public_key, "hostname": "thief"}, None)
     assert refused.value.status == 409 and a.id in refused.value.message
-    with pytest.raises(HTTPError) as refused:
+    with pytest.raises(DevplaneAPIError) as refused:
         dep.rotate_node_key(b, a.public_key)
     assert refused.value.status == 409 and b.public_key != a.public_key
 
 
 def test_a_node_removed_while_its_request_was_read_is_not_written_back_to_life(deployment):
-    from plexd.devplane.wire import HTTPError
+    from plexd.devplane.wire import DevplaneAPIError
 
     dep = deployment
     node = _register(dep, "gone")
@@ -200,7 +200,7 @@ def test_a_node_removed_while_its_request_was_read_is_not_written_back_to_life(d
     assert node.removed
     for call in (lambda: dep.heartbeat(node, {}), lambda: dep.set_endpoint(node, "203.0.113.9:51820"),
                  lambda: dep.record_reports(node, [], [])):
-        with pytest.raises(HTTPError) as refused:
+        with pytest.raises(DevplaneAPIError) as refused:
             call()
         assert refused.value.status == 401
     assert node.status != "online" and node.endpoint != "203.0.113.9:51820"

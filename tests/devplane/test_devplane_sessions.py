@@ -1,4 +1,4 @@
-"""Access sessions in the devplane (plexd-access-protocol.md §1): minted by the admin API and CLI, listed in the
+"""Access sessions in the devplane (docs/protocol.md §A1): minted by the admin API and CLI, listed in the
 node's state as the `sessions` block until revoked or expired, announced by `session_setup` / `session_revoked`
 events, and their activity recorded. The token verifies with the node's own checks (plexd.access.token) against
 the deployment's signing key. Real devplane process, real HTTP, the real admin CLI."""
@@ -20,7 +20,7 @@ from nacl.signing import VerifyKey
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.devplane.harness import AdminError
 
-CLI = [sys.executable, "-m", "plexd.devplane.cli"]
+CLI = [sys.executable, "-m", "plexd.devplane.devplane_cli"]
 
 
 def verify(token: str, dp, session: dict, user: str | None = None):

@@ -22,7 +22,7 @@ from waiting import pauses, scaled
 
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode, MeshLab
-from plexd.identity.store import public_key_of
+from plexd.identity.identity_store import public_key_of
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 # The kernel tier's daemons run without telemetry (the host's labs test it): on the VM's emulated CPU its collection
@@ -305,7 +305,7 @@ def pinging_pair(lab: Lab, dp: Devplane, daemons: list[Daemon], workdir: Path, r
     # authenticated packet stops a's "no answer" timer, so a never started over) while b dropped a's packets, for
     # all 30 s (twice in stop 45's full runs: b's received bytes stayed at the handshake's). b sending too sees no
     # answer, and b starts the handshake over. The crossings themselves came from first contact's hold, which did
-    # not hold a peer known before its endpoint (both nodes initiated); fixed in plexd.mesh.plan.device_update.
+    # not hold a peer known before its endpoint (both nodes initiated); fixed in plexd.mesh.mesh_plan.device_update.
     back = subprocess.Popen(b.node.wrap(["ping", "-n", "-q", "-i", "0.2", "-w", str(int(scaled(30))), a.mesh_ip()]),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

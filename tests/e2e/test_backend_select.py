@@ -14,7 +14,7 @@ import pytest
 
 from plexd.config.settings import load
 from plexd.mesh.select import backend_kind
-from plexd.mesh.wireguard.probe import getfamily_request, has_genl_family, kernel_module_loaded
+from plexd.mesh.wireguard.kernel_probe import getfamily_request, has_genl_family, kernel_module_loaded
 
 
 def auto_config(tmp_path: Path):

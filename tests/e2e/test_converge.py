@@ -60,7 +60,7 @@ async def test_drift_is_corrected_and_named(pair) -> None:
                  allowed_ips=("10.100.0.77/32",))
     da = a.desired([b]).with_peer(ghost)
     db = b.desired([a])
-    assert (await b.converger.converge(db)).ok  # responder first (environment.md gotcha)
+    assert (await b.converger.converge(db)).ok  # responder first (docs/test-environment.md §2)
     first = await a.converger.converge(da)
     assert first.ok and ("interface_created", "interface wg0: missing, created") in corrections(first)
     assert {"peer n_2: missing from the device", "peer n_ghost: missing from the device"} <= {

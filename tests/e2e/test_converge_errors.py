@@ -14,10 +14,10 @@ from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.converge.engine import Engine
 from plexd.devplane.lab import Lab
-from plexd.mesh.domain import WireGuardDomain
 from plexd.mesh.links import Links
 from plexd.mesh.wireguard import DeviceUpdate
 from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.mesh.wireguard_domain import WireGuardDomain
 from plexd.state.model import Peer
 
 HOLD_PORT = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\ns.bind(('0.0.0.0', 51820))\n"
@@ -41,7 +41,7 @@ async def pair():
 
 def errors_logged(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.levelno >= logging.ERROR and r.name in ("plexd.converge.engine", "plexd.mesh.domain")]
+            if r.levelno >= logging.ERROR and r.name in ("plexd.converge.engine", "plexd.mesh.wireguard_domain")]
 
 
 async def test_listen_port_refused_is_named_and_the_peers_are_still_configured(pair, caplog) -> None:

@@ -26,7 +26,7 @@ def _lab_namespaces(demo_output: str) -> set[str]:
 def test_demo_forms_a_full_mesh_and_cleans_up():
     # The command's own time limit is well inside the test's: a hung demo is killed (its lab removed by its own
     # teardown) before pytest gives up on the test.
-    proc = subprocess.run([sys.executable, "-m", "plexd.devplane.cli", "demo", "--nodes", "3", "--nat"],
+    proc = subprocess.run([sys.executable, "-m", "plexd.devplane.devplane_cli", "demo", "--nodes", "3", "--nat"],
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
@@ -65,7 +65,7 @@ def test_a_demo_ended_by_sigterm_removes_its_lab():
     part in a session of its own, stayed behind. It ends through the teardown now, as Ctrl-C does."""
     import signal
 
-    proc = subprocess.Popen([sys.executable, "-m", "plexd.devplane.cli", "demo", "--nodes", "3"],
+    proc = subprocess.Popen([sys.executable, "-m", "plexd.devplane.devplane_cli", "demo", "--nodes", "3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = ""
     try:
@@ -89,7 +89,7 @@ def test_a_demo_ended_by_sigterm_removes_its_lab():
 
 @pytest.mark.timeout(240)
 def test_demo_keep_leaves_a_working_lab_and_down_removes_it():
-    cli = [sys.executable, "-m", "plexd.devplane.cli", "demo"]
+    cli = [sys.executable, "-m", "plexd.devplane.devplane_cli", "demo"]
     proc = None
     try:
         proc = subprocess.run([*cli, "--nodes", "2", "--keep"], capture_output=True, text=True, timeout=150)
@@ -113,7 +113,7 @@ def test_demo_keep_leaves_a_working_lab_and_down_removes_it():
 @pytest.mark.timeout(240)
 def test_demo_bridge_joins_two_nodes_behind_symmetric_nats_through_the_relay():
     """With --keep (it was ignored: the bridge scenario returned before it was read), then --down."""
-    cli = [sys.executable, "-m", "plexd.devplane.cli", "demo"]
+    cli = [sys.executable, "-m", "plexd.devplane.devplane_cli", "demo"]
     try:
         proc = subprocess.run([*cli, "--bridge", "--keep"], capture_output=True, text=True, timeout=180)
         out = proc.stdout

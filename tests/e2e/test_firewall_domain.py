@@ -17,9 +17,9 @@ import pytest
 from engine_helpers import converge
 from pyroute2.netns import setns
 
-from plexd.access.sessions import Session, SshTarget, TcpTarget
+from plexd.access.session_grants import Session, SshTarget, TcpTarget
 from plexd.firewall import plan as fwplan
-from plexd.firewall.domain import FirewallDomain
+from plexd.firewall.firewall_domain import FirewallDomain
 from plexd.firewall.ruleset import desired_ruleset
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer, Policy, PolicyRule

@@ -1,5 +1,5 @@
-"""NAT traversal end to end (issue 13), in the coturn lab of environment.md §4: real coturn on two addresses, real
-nft masquerade routers in their own namespaces, real `plexd up` behind them, checked with `wg show`, `ping` and
+"""NAT traversal end to end (issue 13), in the coturn lab of docs/test-environment.md §4: real coturn on two addresses,
+real nft masquerade routers in their own namespaces, real `plexd up` behind them, checked with `wg show`, `ping` and
 what the devplane received.
 
 1. Two nodes, each behind its own router: each discovers its router's address (not its private one), reports it,

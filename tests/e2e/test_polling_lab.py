@@ -1,6 +1,7 @@
-"""The polling fallback end to end (the seed's SSE reconnection, step 5): the real devplane refuses the event
-stream for longer than `sse.polling_after`; the daemon then pulls the full state on the reconcile schedule and a
-change made meanwhile reaches the device through those pulls; when the stream is back, polling stops."""
+"""The polling fallback end to end (docs/decisions.md, Lifecycle: reconnecting the event stream, step 5): the real
+devplane refuses the event stream for longer than `sse.polling_after`; the daemon then pulls the full state on the
+reconcile schedule and a change made meanwhile reaches the device through those pulls; when the stream is back, polling
+stops."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The userspace relay (plexd/bridge) in a namespace lab: real wireguard-go pairs, each end behind its own router
-doing random-port masquerade (`masquerade random,fully-random`, environment.md §10), so no direct path exists and
-the ports the control plane lists are never the ones the relay sees. The relay runs as its own process on the
+doing random-port masquerade (`masquerade random,fully-random`, docs/test-environment.md §10), so no direct path
+exists and the ports the control plane lists are never the ones the relay sees. The relay runs as its own process on the
 public side (`python -m plexd.bridge.standalone`); the ends are set up with `wg set` (no plexd daemon), and their
 public keys are in the sessions (the relay checks wireguard-go's handshakes' mac1 with them). Checked with ping,
 `wg show` and the relay's own counters."""

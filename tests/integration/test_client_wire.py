@@ -1,4 +1,4 @@
-"""Wire tests: every control-plane call's method, path, headers and body, checked against plexd-protocol.md §1.
+"""Wire tests: every control-plane call's method, path, headers and body, checked against docs/protocol.md §1.
 
 A recording HTTP server (agentcore_recorder) on loopback captures what the real client sends over a real socket.
 """
@@ -27,7 +27,7 @@ from plexd.controlplane.client import (
     RegisterRequest,
     parse_retry_after,
 )
-from plexd.controlplane.errors import (
+from plexd.controlplane.client_errors import (
     AuthError,
     BadResponseError,
     ControlPlaneError,

@@ -136,7 +136,7 @@ async def test_a_reregistration_answering_another_signing_key_is_trusted_at_once
     from plexd.controlplane.envelope import parse_envelope, sign_event
     from plexd.identity import datadir
     from plexd.node.mesh import trusted_key
-    from plexd.trust.domain import SigningKeyFile
+    from plexd.trust.signing_key_domain import SigningKeyFile
 
     config = in_process_config(devplane, tmp_path)
     new_key = SigningKey.generate()

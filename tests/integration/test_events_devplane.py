@@ -27,17 +27,17 @@ from waiting import wait_for
 from plexd.base import gojson
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
-from plexd.controlplane.events import EventStream
+from plexd.controlplane.event_signing import NonceStore, Verifier
+from plexd.controlplane.event_stream import EventStream
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import NonceStore, Verifier
 from plexd.devplane.harness import Devplane
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import HeartbeatService, HeartbeatSnapshot, MeshInfo, NatInfo
 from plexd.state.desired import DesiredState
+from plexd.state.desired_store import DesiredStore
 from plexd.state.model import SigningKeys
-from plexd.state.store import DesiredStore
 
-EVENTS_LOG = "plexd.controlplane.events"
+EVENTS_LOG = "plexd.controlplane.event_stream"
 
 
 def wg_public() -> str:
@@ -407,7 +407,7 @@ async def test_heartbeat_401_from_devplane(devplane, node):
 async def test_a_429_with_an_absurd_retry_after_is_capped_not_a_crash(devplane, node, tmp_path, retry_after, caplog):
     """The header crashed the event service with OverflowError: now any value is read (or ignored) and the wait
     is bounded by RETRY_AFTER_MAX; the stream keeps trying and comes back when the fault ends."""
-    from plexd.controlplane.events import RETRY_AFTER_MAX
+    from plexd.controlplane.event_stream import RETRY_AFTER_MAX
 
     devplane.admin.set_faults(events_status=429, retry_after=retry_after)
     c = Consumer(devplane, node, tmp_path)

@@ -260,7 +260,7 @@ def test_any_bytes_from_a_server_give_an_answer_or_an_http_error(data):
         async with RawServer(handle) as server, http11.HTTPClient(read_timeout=2) as client:
             try:
                 await get(client, server.url)
-            except http11.HTTPError:
+            except http11.RequestFailed:
                 pass
 
     asyncio.run(scenario())

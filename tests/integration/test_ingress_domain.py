@@ -19,7 +19,7 @@ from engine_helpers import converge
 from plexd.bridge import ingress_port
 from plexd.bridge.ingress import IngressDomain
 from plexd.config.settings import load
-from plexd.node.engine import build_engine
+from plexd.node.domain_list import build_engine
 from plexd.state.desired import DesiredState
 from plexd.state.model import State
 

@@ -108,7 +108,7 @@ def test_install_refuses_an_entry_point_the_unit_could_not_see(tmp_path):
 
 
 def analyzable_unit(tmp_path: Path) -> Path:
-    """systemd-analyze needs ExecStart to exist here (environment.md §7): the unit as install writes it,
+    """systemd-analyze needs ExecStart to exist here (docs/test-environment.md §7): the unit as install writes it,
     pointed at an executable that does."""
     path = tmp_path / "plexd.service"
     path.write_text(unit_text(shutil.which("true")))

@@ -20,7 +20,7 @@ from nacl.signing import SigningKey
 
 from plexd.access.certificate import load_or_create
 from plexd.access.k8s import ApiServer, K8sSession, activity
-from plexd.access.sessions import K8sTarget, Session
+from plexd.access.session_grants import K8sTarget, Session
 from plexd.access.token import sign_session_token
 
 pytestmark = pytest.mark.timeout(90)
@@ -74,7 +74,7 @@ async def test_the_daemons_sessions_domain_serves_a_kubernetes_session_until_it_
     its hooks and the certificate it keeps in data_dir; gone, and refused, once the block no longer lists it."""
     from engine_helpers import converge
 
-    from plexd.access.domain import AccessHooks, SessionsDomain
+    from plexd.access.sessions_domain import AccessHooks, SessionsDomain
     from plexd.state.desired import DesiredState
 
     standin = ApiServerStandIn(NODE_TOKEN)

@@ -15,7 +15,7 @@ import pytest
 
 from plexd.base.errors import PlexdError
 from plexd.node import control_client
-from plexd.nodeapi.server import ROOT_RESERVE, LocalAPI, Request, Response, require_admin
+from plexd.nodeapi.local_api import ROOT_RESERVE, LocalAPI, Request, Response, require_admin
 
 
 @pytest.fixture

@@ -26,10 +26,10 @@ from process_helpers import run_as
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.devplane.harness import Devplane
 from plexd.nodeapi.keys import MAX_KEY_BYTES
+from plexd.nodeapi.local_api import LocalAPI
 from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
-from plexd.nodeapi.server import LocalAPI
 from plexd.state.desired import DesiredState
 from plexd.state.model import DataEntry, SecretRef
 
@@ -337,15 +337,15 @@ async def test_a_report_with_a_lone_surrogate_is_a_400_naming_it(served):
 @given(header=st.text(max_size=30))
 def test_if_match_header_hypothesis(header):
     """Any If-Match value: a bare integer is a version, anything else is the documented 400 (never a 500)."""
+    from plexd.nodeapi.local_api import LocalAPIError, Request
     from plexd.nodeapi.routes import _if_match
-    from plexd.nodeapi.server import HTTPError, Request
 
     req = Request("PUT", "/v1/state/report/k", {}, {"if-match": header}, b"", None)
     stripped = header.strip()
     if stripped.isascii() and stripped.isdigit() and len(stripped) <= 18:
         assert _if_match(req) == int(stripped)
     else:
-        with pytest.raises(HTTPError) as err:
+        with pytest.raises(LocalAPIError) as err:
             _if_match(req)
         assert err.value.status == 400 and err.value.message.startswith("If-Match must be an integer")
 

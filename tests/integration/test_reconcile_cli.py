@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from plexd.devplane.harness import Devplane
-from plexd.identity.store import Identity, IdentityStore, generate_private_key, public_key_of
+from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key, public_key_of
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

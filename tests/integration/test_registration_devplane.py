@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from plexd.devplane.harness import Devplane
-from plexd.identity.store import IdentityStore
+from plexd.identity.identity_store import IdentityStore
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

@@ -15,8 +15,8 @@ from agentcore_recorder import Recorder, Reply
 from plexd.base.clock import FakeClock
 from plexd.config.settings import load as load_config
 from plexd.controlplane.client import ControlPlaneClient
+from plexd.identity.identity_store import DataDirError, IdentityStore
 from plexd.identity.registrar import BootstrapToken, Registrar, RegistrationError, TokenError
-from plexd.identity.store import DataDirError, IdentityStore
 
 SIGNING = base64.b64encode(b"\x05" * 32).decode()
 
@@ -213,7 +213,7 @@ async def test_unwritable_data_dir_is_detected_before_the_token_is_spent(tmp_pat
     assert rec.requests == []
 
 
-# -- re-registration (PROJECT-DECISIONS.md) -------------------------------------------------------------------------
+# -- re-registration (docs/decisions.md, Re-registration) -----------------------------------------------------
 
 
 async def test_recover_reregisters_with_node_secret_same_key_empty_token(tmp_path, rec, clock):
@@ -346,7 +346,7 @@ async def test_a_second_deregistration_while_one_is_in_progress_is_refused(tmp_p
     # The second caller's failed POST reset the first one's `leaving`: the stop then kept the interface and table
     # the first caller had been told were torn down.
     from plexd.base.errors import PlexdError
-    from plexd.identity.store import Identity
+    from plexd.identity.identity_store import Identity
     from plexd.node.agent import Agent
 
     agent = Agent(make_config(tmp_path, "http://127.0.0.1:9"))

@@ -18,7 +18,7 @@ from engine_helpers import converge
 from nacl.public import PrivateKey
 
 from plexd.base.errors import WireFormatError
-from plexd.bridge.domain import RelayDomain, live_elements
+from plexd.bridge.relay_domain import RelayDomain, live_elements
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer, State
 
@@ -144,7 +144,7 @@ async def test_a_port_in_use_is_an_error_line_and_nothing_else_breaks(ends):
 
 
 def test_a_bad_relay_event_is_refused_with_its_field():
-    from plexd.bridge.sessions import parse_session
+    from plexd.bridge.relay_sessions import parse_session
 
     with pytest.raises(WireFormatError, match="peer_a_endpoint"):
         parse_session({"session_id": "r", "peer_a_id": "a", "peer_a_endpoint": "nowhere", "peer_b_id": "b",

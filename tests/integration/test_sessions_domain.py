@@ -13,8 +13,8 @@ import pytest
 from engine_helpers import converge
 from waiting import wait_for
 
-from plexd.access.domain import AccessHooks, SessionsDomain, kernel_listeners
-from plexd.access.sessions import socket_marks
+from plexd.access.session_grants import socket_marks
+from plexd.access.sessions_domain import AccessHooks, SessionsDomain, kernel_listeners
 from plexd.state.desired import DesiredState
 from plexd.state.model import State
 

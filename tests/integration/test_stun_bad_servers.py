@@ -16,10 +16,10 @@ from collections.abc import Callable
 import pytest
 
 from plexd.nat.discovery import discover
-from plexd.nat.domain import Endpoint
+from plexd.nat.endpoint_domain import Endpoint
+from plexd.nat.nat_service import NatService
 from plexd.nat.probe import BoundTransport
 from plexd.nat.servers import parse_server
-from plexd.nat.service import NatService
 from plexd.nat.stun import HEADER, MAGIC_COOKIE, binding_response
 
 Answer = Callable[[bytes, tuple[str, int]], list[bytes]]
@@ -168,7 +168,7 @@ async def test_silence_means_the_local_endpoint_logs_once_and_backs_off(servers,
 async def test_the_start_hand_over_ends_at_its_deadline_whatever_the_servers_do(servers) -> None:
     """Silent servers at start: the first discovery gives the listen port up at the hand-over deadline (the
     device must get it), names why, and the next attempt uses the other transport."""
-    from plexd.nat.service import PortHandover
+    from plexd.nat.nat_service import PortHandover
 
     silent, _ = await servers(BROKEN["silent"][0])
     port = free_port()

@@ -1,5 +1,5 @@
 """TCP sessions on real loopback sockets: a listener of the session's own forwards to its target only, spliced
-in the kernel; connections are capped; revocation, idleness and expiry end it with the §1.4 reports."""
+in the kernel; connections are capped; revocation, idleness and expiry end it with the §A1.4 reports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 from waiting import wait_for
 
-from plexd.access.sessions import Session, TcpTarget
+from plexd.access.session_grants import Session, TcpTarget
 from plexd.access.tcp import TcpSession
 
 pytestmark = pytest.mark.timeout(60)
@@ -160,7 +160,7 @@ async def test_an_unreachable_target_closes_the_client_and_the_session_stays_up(
 
 
 def test_a_session_of_another_kind_is_refused():
-    from plexd.access.sessions import SshTarget
+    from plexd.access.session_grants import SshTarget
 
     with pytest.raises(ValueError, match="not tcp"):
         TcpSession(Session("s", "ssh", SshTarget("deploy"), time.time() + 60), "127.0.0.1")

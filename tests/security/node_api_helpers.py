@@ -1,5 +1,5 @@
 """Helpers for the node API attacks in tests/security: the daemon's local API as `plexd up` builds it
-(plexd.nodeapi.server with the node API routes of plexd.nodeapi), on a real Unix socket and a real TCP listener,
+(plexd.nodeapi.local_api with the node API routes of plexd.nodeapi), on a real Unix socket and a real TCP listener,
 with a real report store on disk, and plain clients for it. A test module imports the `node_api` fixture."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import tempfile
 
 import pytest
 
+from plexd.nodeapi.local_api import LocalAPI
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
-from plexd.nodeapi.server import LocalAPI
 from plexd.state.desired import DesiredState
 from plexd.state.model import DataEntry, SecretRef
 

@@ -14,7 +14,7 @@ import pytest
 
 from plexd.config import settings as config_mod
 from plexd.devplane.harness import Devplane
-from plexd.identity.store import IdentityStore
+from plexd.identity.identity_store import IdentityStore
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

@@ -23,17 +23,17 @@ from pathlib import Path
 
 import pytest
 
+from plexd.actions.action_routes import ACTIONS_PATH, RUN_PATH, add_action_routes
 from plexd.actions.audit import LocalAudit
 from plexd.actions.builtins import NodeView
 from plexd.actions.dispatcher import ActionDispatcher
 from plexd.actions.hooks import HookSet
 from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
-from plexd.actions.routes import ACTIONS_PATH, RUN_PATH, add_action_routes
 from plexd.config.settings import ActionsConfig
 from plexd.controlplane.client import ControlPlaneClient
-from plexd.controlplane.errors import ControlPlaneError
-from plexd.nodeapi.server import LocalAPI, require_admin
+from plexd.controlplane.client_errors import ControlPlaneError
+from plexd.nodeapi.local_api import LocalAPI, require_admin
 from plexd.trust.integrity import scan_hooks
 
 DEEP = 100_000

@@ -15,7 +15,7 @@ from node_api_helpers import (
     unix_call,
 )
 
-from plexd.nodeapi import server as local_api
+from plexd.nodeapi import local_api
 from plexd.nodeapi.ratelimit import RateLimiter
 
 pytestmark = pytest.mark.root  # the socket's group is a real group (groupadd)

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from nacl.public import PrivateKey
 
 from plexd.devplane.harness import Devplane
-from plexd.identity.store import IdentityStore, node_secret
+from plexd.identity.identity_store import IdentityStore, node_secret
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

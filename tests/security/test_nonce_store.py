@@ -19,9 +19,9 @@ import pytest
 from plexd.base.clock import FakeClock
 from plexd.base.gojson import format_time
 from plexd.controlplane.envelope import Envelope, sign_event
-from plexd.controlplane.events import EventStream
+from plexd.controlplane.event_signing import NONCE_STORE_FULL, NonceStore, Verifier
+from plexd.controlplane.event_stream import EventStream
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import NONCE_STORE_FULL, NonceStore, Verifier
 from plexd.controlplane.sse import SSEEvent
 from plexd.state.model import SigningKeys
 

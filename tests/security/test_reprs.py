@@ -67,7 +67,8 @@ def test_no_dataclass_field_named_for_a_secret_is_in_a_generated_repr():
                 shown.append(name)
     assert not shown, f"secret fields shown by a repr (field(repr=False) or a __repr__ of the class): {shown}"
     # the walk saw the ones this issue is about
-    for expected in ("plexd.identity.store.Identity.private_key", "plexd.identity.store.Identity.node_secret_key",
+    for expected in ("plexd.identity.identity_store.Identity.private_key",
+                     "plexd.identity.identity_store.Identity.node_secret_key",
                      "plexd.config.settings.TokenConfig.value", "plexd.state.model.RegisterResponse.node_secret_key",
                      "plexd.state.model.Peer.psk", "plexd.controlplane.client.RegisterRequest.token",
                      "plexd.devplane.store.Node.secret", "plexd.identity.registrar.BootstrapToken.value"):
@@ -89,9 +90,9 @@ def test_config_secret_leaves_are_out_of_the_repr():
 def test_instances_holding_secrets_never_print_them():
     from plexd.controlplane.client import RegisterRequest
     from plexd.devplane.store import Node
+    from plexd.identity.identity_store import Identity
     from plexd.identity.registrar import BootstrapToken
-    from plexd.identity.store import Identity
-    from plexd.nodeapi.server import Request, Response
+    from plexd.nodeapi.local_api import Request, Response
     from plexd.state.model import Peer, RegisterResponse
 
     key = SENTINEL.encode().ljust(32, b"!")

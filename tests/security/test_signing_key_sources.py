@@ -23,7 +23,7 @@ from lab_daemon import Daemon, wait_until, wg_peers
 from nacl.signing import SigningKey
 
 from plexd.controlplane.envelope import sign_event
-from plexd.controlplane.signing import SIGNING_KEY_FILE
+from plexd.controlplane.event_signing import SIGNING_KEY_FILE
 
 
 def peer_payload(n: int) -> dict:

@@ -43,7 +43,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("devplane/lab.py", "_identity"): "the lab's own state file (test tooling)",
     ("nodeapi/sync.py", "load"): OWN_FILE,
     ("nodeapi/cache.py", "read_json_file"): OWN_FILE,
-    ("identity/store.py", "load"): OWN_FILE,
+    ("identity/identity_store.py", "load"): OWN_FILE,
     ("firewall/ruleset.py", "expr"): "a rule expression plexd itself serialised",
 }
 

@@ -24,8 +24,8 @@ from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
 from plexd.base.backoff import Backoff
 from plexd.config.settings import ActionsConfig
+from plexd.controlplane.client_errors import ControlPlaneError, TransientError
 from plexd.controlplane.envelope import Envelope
-from plexd.controlplane.errors import ControlPlaneError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.trust.integrity import scan_hooks
 
@@ -426,7 +426,7 @@ def test_describe_changes_names_each_change():
 
 
 async def test_verify_names_a_hook_edited_since_the_scan_and_one_never_announced(tmp_path):
-    from plexd.actions.routes import verify_hooks
+    from plexd.actions.action_routes import verify_hooks
 
     h = Harness(tmp_path)
     h.hook("a.sh", "echo a\n")

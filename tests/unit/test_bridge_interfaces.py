@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from plexd.bridge.blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
 from plexd.bridge.fastpath import MARK
 from plexd.bridge.forwarding import FAST_PATH_KEY, Forward, ForwardingLedger
-from plexd.bridge.keys import interface_key
+from plexd.bridge.interface_keys import interface_key
 from plexd.bridge.site_to_site import tunnel_specs
 from plexd.bridge.user_access import access_specs
 from plexd.bridge.wgif import InterfaceSeen, InterfaceSpec, WgInterface

@@ -18,7 +18,7 @@ import pytest
 
 from plexd.base.errors import PlexdError
 from plexd.config import settings
-from plexd.identity.store import Identity, IdentityStore, generate_private_key
+from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key
 from plexd.node import bugreport as br
 from plexd.node.doctor import Report
 from plexd.node.doctor_checks import Ran

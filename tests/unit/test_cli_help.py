@@ -9,7 +9,7 @@ import json
 import pytest
 
 from plexd.cli import main
-from plexd.identity.store import Identity, IdentityStore, generate_private_key
+from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key
 
 
 def help_text(capsys, *argv: str) -> str:

@@ -11,7 +11,7 @@ import sys
 PROBE = """
 import json, sys
 from plexd.config.settings import load
-from plexd.node.engine import build_engine
+from plexd.node.domain_list import build_engine
 import plexd.cli, plexd.node.assembly
 config = load(None, env={"PLEXD_CONFIG": sys.argv[1]}, flags={"mode": sys.argv[2], "data_dir": sys.argv[3]})
 names = [d.name for d in build_engine(config).domains]

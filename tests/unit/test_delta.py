@@ -12,7 +12,7 @@ from nacl.public import PrivateKey
 
 from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.links import LinkState
-from plexd.mesh.plan import (
+from plexd.mesh.mesh_plan import (
     Observed,
     PeerAdded,
     PeerEndpointChanged,

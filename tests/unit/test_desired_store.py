@@ -12,15 +12,15 @@ from nacl.public import PrivateKey
 
 from plexd.base.clock import Clock
 from plexd.controlplane.envelope import parse_envelope, sign_event
-from plexd.controlplane.signing import NonceStore, Verifier
+from plexd.controlplane.event_signing import NonceStore, Verifier
 from plexd.converge.domain import DomainResult
 from plexd.converge.engine import Engine
 from plexd.node.mesh import MeshHandle, PulledState, state_applier, state_fetcher
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.reconciler import Reconciler
 from plexd.state.desired import DesiredState
+from plexd.state.desired_store import DesiredStore, StalePull
 from plexd.state.model import Peer, SigningKeys, State
-from plexd.state.store import DesiredStore, StalePull
 
 SIGNER = nacl.signing.SigningKey.generate()
 

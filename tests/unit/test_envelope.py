@@ -1,4 +1,4 @@
-"""Envelope parsing keeps the raw payload; canonical bytes are Go's re-marshalling (plexd-protocol.md §3)."""
+"""Envelope parsing keeps the raw payload; canonical bytes are Go's re-marshalling (docs/protocol.md §3)."""
 
 import base64
 import json

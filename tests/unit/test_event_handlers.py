@@ -13,11 +13,11 @@ from nacl.public import PrivateKey
 from plexd.base.clock import FakeClock
 from plexd.base.errors import WireFormatError
 from plexd.controlplane.envelope import parse_envelope, sign_event
-from plexd.controlplane.signing import InvalidSigningKeys, NonceStore, Verifier
+from plexd.controlplane.event_signing import InvalidSigningKeys, NonceStore, Verifier
 from plexd.services.event_handlers import EventHandlers
 from plexd.state.desired import DesiredState
+from plexd.state.desired_store import DesiredStore
 from plexd.state.model import SigningKeys, State
-from plexd.state.store import DesiredStore
 
 
 def wgkey() -> str:

@@ -25,8 +25,8 @@ from plexd.base.clock import FakeClock
 from plexd.controlplane import http11
 from plexd.controlplane.client import parse_retry_after
 from plexd.controlplane.envelope import sign_event
-from plexd.controlplane.events import EventStream
-from plexd.controlplane.signing import NonceStore, Verifier
+from plexd.controlplane.event_signing import NonceStore, Verifier
+from plexd.controlplane.event_stream import EventStream
 from plexd.state.model import SigningKeys
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
@@ -519,7 +519,7 @@ async def test_cursor_persisted_dedupe_and_bad_events_skipped(tmp_path, clock, c
 async def test_fleet_synchronising_moments_are_spread(tmp_path, clock):
     """A stream that closes (a control plane restart closes every node's at once) reconnects at a random moment
     within reconnect_spread; a 503 that says Retry-After is retried within 1-1.5x of it. Other failures keep the
-    seed's schedule."""
+    lifecycle's schedule (docs/decisions.md, Lifecycle)."""
     event = sign_event(KEY, "peer_added", "e1", {"id": "n_x"}, issued_at="2025-01-15T10:30:00Z", nonce="s")
     healthy = reply(200, headers={"content-type": "text/event-stream"},
                              content=f"id: e1\ndata: {event}\n\n".encode())
@@ -533,6 +533,6 @@ async def test_fleet_synchronising_moments_are_spread(tmp_path, clock):
         # Retry-After 4, spread by 0..50 % (the backoff's draw: 0.5 here)
         assert await next_sleep(stream, 2) == pytest.approx(4 * 1.25)
         clock.advance(4 * 1.25)
-        assert await next_sleep(stream, 3) == 2  # a bare 503: the seed's backoff (1 s, then 2 s)
+        assert await next_sleep(stream, 3) == 2  # a bare 503: the lifecycle's backoff (1 s, then 2 s)
     finally:
         await stop(task)

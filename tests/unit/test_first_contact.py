@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from plexd.mesh.first_contact import FirstContact, leads
-from plexd.mesh.plan import PeerAdded, PeerKeepaliveChanged, PeerRemoved
+from plexd.mesh.mesh_plan import PeerAdded, PeerKeepaliveChanged, PeerRemoved
 from plexd.mesh.wireguard import DeviceUpdate, PeerConfig, WireGuardError
 from plexd.state.desired import DesiredState
 

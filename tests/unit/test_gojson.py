@@ -1,4 +1,4 @@
-"""Go wire conventions: durations, RFC3339Nano times, HTML-safe compact JSON (plexd-protocol.md §0.2)."""
+"""Go wire conventions: durations, RFC3339Nano times, HTML-safe compact JSON (docs/protocol.md §0.2)."""
 
 from datetime import UTC, datetime, timedelta, timezone
 

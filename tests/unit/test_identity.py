@@ -12,8 +12,7 @@ import pytest
 
 from plexd.base.log import fingerprint
 from plexd.config.settings import load as load_config
-from plexd.identity.registrar import TokenError, refusal_message, resolve_token, validate_token
-from plexd.identity.store import (
+from plexd.identity.identity_store import (
     DataDirError,
     Identity,
     IdentityStore,
@@ -21,6 +20,7 @@ from plexd.identity.store import (
     public_key_of,
     write_atomic,
 )
+from plexd.identity.registrar import TokenError, refusal_message, resolve_token, validate_token
 
 SIGNING = base64.b64encode(b"\x01" * 32).decode()
 
@@ -119,7 +119,7 @@ def test_leftover_temp_files_are_ignored_by_readers_and_removed_by_the_next_save
 def test_a_load_in_the_middle_of_a_save_never_breaks_it(tmp_path, monkeypatch):
     """Another process reading the identity (plexd status, a test) while the daemon saves a new one: the save
     used to fail with ENOENT when the reader removed the temp file it was about to rename."""
-    import plexd.identity.store as identity_module
+    import plexd.identity.identity_store as identity_module
 
     store, reader = IdentityStore(tmp_path), IdentityStore(tmp_path)
     real = identity_module.write_atomic
@@ -293,7 +293,7 @@ def test_resave_with_the_same_key_keeps_identity_json_in_place(tmp_path, monkeyp
     first = ident()
     store.save(first)
     seen: list[bool] = []
-    import plexd.identity.store as mod
+    import plexd.identity.identity_store as mod
 
     real = mod.write_atomic
 

@@ -1,4 +1,5 @@
-"""Binary checksum (DESIGN.md §5), hook discovery with ownership checks, and the capabilities document (§1.8)."""
+"""Binary checksum (docs/decisions.md, Binary checksum), hook discovery with ownership checks, and the capabilities
+document (docs/protocol.md §1.8)."""
 
 from __future__ import annotations
 

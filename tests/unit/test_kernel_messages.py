@@ -224,9 +224,9 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
     import errno
 
     from plexd.converge.engine import Engine
-    from plexd.mesh.domain import WireGuardDomain
     from plexd.mesh.links import Links
     from plexd.mesh.wireguard import genl
+    from plexd.mesh.wireguard_domain import WireGuardDomain
     from plexd.state.desired import DesiredState
 
     desired = DesiredState.initial(interface="pxnokern0", listen_port=51820, mtu=1420, private_key=K[0],

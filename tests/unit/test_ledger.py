@@ -14,8 +14,8 @@ import pytest
 
 from plexd.base.clock import FakeClock
 from plexd.controlplane.envelope import parse_envelope, sign_event
+from plexd.controlplane.event_signing import EventRejected, NonceStore, Verifier
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import EventRejected, NonceStore, Verifier
 from plexd.state.model import SigningKeys
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)

@@ -8,7 +8,7 @@ import socket
 from types import SimpleNamespace
 
 from plexd.config.settings import load
-from plexd.nat.service import disabled_status
+from plexd.nat.nat_service import disabled_status
 from plexd.node.assembly import _build_nat
 from plexd.node.mesh import MeshHandle
 

@@ -9,11 +9,11 @@ touch no machine), a dry run does."""
 from __future__ import annotations
 
 from plexd.controlplane.client import PeerEndpoint
-from plexd.controlplane.errors import PermanentError, TransientError
+from plexd.controlplane.client_errors import PermanentError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, by_kind
 from plexd.converge.engine import Engine
 from plexd.converge.hold import ReconcileHold
-from plexd.nat.domain import KIND, LANE, REPORT_EVERY, Endpoint, NatEndpointDomain, NatHooks
+from plexd.nat.endpoint_domain import KIND, LANE, REPORT_EVERY, Endpoint, NatEndpointDomain, NatHooks
 from plexd.state.desired import DesiredState
 
 DESIRED = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.100.0.1",

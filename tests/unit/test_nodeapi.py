@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexd.base.backoff import Backoff
-from plexd.controlplane.errors import ControlPlaneError, TransientError
+from plexd.controlplane.client_errors import ControlPlaneError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nodeapi import cache, crypto
 from plexd.nodeapi.keys import MAX_KEY_BYTES, file_name, report_key_problem

@@ -14,8 +14,8 @@ from nacl.public import PrivateKey
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
 from plexd.services.paths import DIRECT, PROBING, RELAY, PathSelector
 from plexd.state.desired import DesiredState
+from plexd.state.desired_store import DesiredStore
 from plexd.state.model import Peer
-from plexd.state.store import DesiredStore
 
 
 def key() -> str:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
 from plexd.mesh.links import LinkState
-from plexd.mesh.plan import (
+from plexd.mesh.mesh_plan import (
     ROAMING_WINDOW,
     AddressExtra,
     AddressMissing,
@@ -356,7 +356,7 @@ def test_routes_cover_exactly_the_allowed_ips_with_few_prefixes() -> None:
 def test_a_v4_mapped_endpoint_is_written_as_wireguard_prints_it():
     # Python 3.11 prints ::ffff:1.2.3.4 as ::ffff:102:304, wireguard-go and inet_ntop as ::ffff:1.2.3.4: the endpoint
     # of a peer without a recent handshake was set again, and reported as drift, at every reconcile.
-    from plexd.mesh.plan import normalize_endpoint
+    from plexd.mesh.mesh_plan import normalize_endpoint
 
     assert normalize_endpoint("[::ffff:1.2.3.4]:51820") == "[::ffff:1.2.3.4]:51820"
     assert normalize_endpoint("[::FFFF:102:304]:51820") == "[::ffff:1.2.3.4]:51820"

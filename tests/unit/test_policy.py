@@ -119,7 +119,7 @@ def test_visibility_filters_the_device_but_not_the_model():
     d = d.with_policies([Policy("p", (rule("n_b", "n_a"),))])
     assert set(d.peers) == {"n_b", "n_c"} and set(d.shown_peers) == {"n_b"}
     assert d.shown_peer("n_c") is None
-    from plexd.mesh.plan import target
+    from plexd.mesh.mesh_plan import target
 
     assert set(target(d).peer_ids.values()) == {"n_b"}
 
@@ -225,7 +225,7 @@ async def test_nftables_missing_is_one_clear_error_and_degraded_never_silent(mon
     import sys
 
     from plexd.controlplane.client import HeartbeatRequest
-    from plexd.firewall.domain import FirewallDomain
+    from plexd.firewall.firewall_domain import FirewallDomain
 
     monkeypatch.setitem(sys.modules, "nftables", None)
     fw = FirewallDomain("plexd0")

@@ -222,7 +222,7 @@ async def test_refused_peers_and_routes_are_reported_once_with_the_drift():
 
 
 async def test_a_report_that_can_never_be_delivered_does_not_block_the_next():
-    from plexd.controlplane.errors import PermanentError
+    from plexd.controlplane.client_errors import PermanentError
 
     w = World()
     sent = []

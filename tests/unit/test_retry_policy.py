@@ -14,7 +14,13 @@ import pytest
 from plexd.actions.journal import ActionJournal
 from plexd.actions.outbox import Outbox
 from plexd.base.backoff import Backoff
-from plexd.controlplane.errors import AuthError, ControlPlaneError, PermanentError, RetryAfterError, TransientError
+from plexd.controlplane.client_errors import (
+    AuthError,
+    ControlPlaneError,
+    PermanentError,
+    RetryAfterError,
+    TransientError,
+)
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.sync import ReportSync

@@ -1,4 +1,4 @@
-"""Session tokens: each check of plexd-access-protocol.md §1.2 refuses what it must, in order, naming the reason
+"""Session tokens: each check of docs/protocol.md §A1.2 refuses what it must, in order, naming the reason
 and never the token; and no input whatever makes the verifier raise anything but TokenRefused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Event verification (plexd-protocol.md §3): Go canonical bytes, order of checks, key transition, nonces."""
+"""Event verification (docs/protocol.md §3): Go canonical bytes, order of checks, key transition, nonces."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from plexd.base.clock import FakeClock
 from plexd.controlplane.envelope import parse_envelope, sign_event
-from plexd.controlplane.signing import (
+from plexd.controlplane.event_signing import (
     EventRejected,
     InvalidSigningKeys,
     NonceStore,

@@ -11,7 +11,7 @@ import nacl.signing
 from plexd.converge.engine import Engine
 from plexd.state.desired import DesiredState
 from plexd.state.model import SigningKeys
-from plexd.trust.domain import SigningKeyFile
+from plexd.trust.signing_key_domain import SigningKeyFile
 
 
 def key() -> str:

@@ -1,4 +1,4 @@
-"""SSE frame rules of plexd-protocol.md §2.1, on raw bytes, split at every possible boundary."""
+"""SSE frame rules of docs/protocol.md §2.1, on raw bytes, split at every possible boundary."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nacl.signing import SigningKey
 
-from plexd.access.sessions import Session, SshTarget, TcpTarget
+from plexd.access.session_grants import Session, SshTarget, TcpTarget
 from plexd.access.ssh import SshSessionServer, _ack_at_once
 from plexd.access.ssh_host_key import HOST_KEY_NAME, HostKeyError, fingerprint, load_or_create_host_key
 from plexd.access.ssh_limits import auth_failure_limiter

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from plexd.base.gojson import EncodedJSON
-from plexd.controlplane.errors import PermanentError, TransientError
+from plexd.controlplane.client_errors import PermanentError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.telemetry.logs import JournalLogs, journal_entry, severity
 from plexd.telemetry.queue import TelemetryQueue, lane

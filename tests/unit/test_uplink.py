@@ -9,7 +9,7 @@ import pytest
 
 from plexd.base.backoff import Backoff
 from plexd.base.errors import PlexdError
-from plexd.controlplane.errors import AuthError, PermanentError, RetryAfterError, TransientError
+from plexd.controlplane.client_errors import AuthError, PermanentError, RetryAfterError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, by_kind, retry_verdict
 
 NO_JITTER = dict(base=0.01, cap=0.05, jitter=0.0)

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Iterator
 
 from plexd.mesh.rtnl import attribute, attributes, dump_on, split_messages
 from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate, WireGuardError
-from plexd.mesh.wireguard.probe import getfamily_request
+from plexd.mesh.wireguard.kernel_probe import getfamily_request
 
 NETLINK_GENERIC = 16
 PEERS_PER_MESSAGE = 64  # peers in one SET_DEVICE at most (as `wg` does) ...
@@ -312,7 +312,7 @@ def _send(sock: socket.socket, kind: int, flags: int, body: bytes, seq: int) -> 
 
 
 def family_id(sock: socket.socket) -> int:
-    """The `wireguard` family's id; asking for it by name also loads the module (plexd.mesh.wireguard.probe)."""
+    """The `wireguard` family's id; asking for it by name also loads the module (plexd.mesh.wireguard.kernel_probe)."""
     sock.sendall(getfamily_request("wireguard"))
     for kind, _, body, _ in split_messages(sock.recv(65536)):
         if kind == _NLMSG_ERROR:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plexd.access.sessions import Sessions, service_port, socket_marks
+from plexd.access.session_grants import Sessions, service_port, socket_marks
 from plexd.converge.domain import DomainResult
 from plexd.firewall import plan
 from plexd.firewall.nft import FirewallError, Nftables, UnreadableTable

@@ -138,7 +138,7 @@ class Request:
         try:
             return boundedjson.loads(self.body, "body")
         except PlexdError as exc:
-            raise HTTPError(400, str(exc)) from None
+            raise LocalAPIError(400, str(exc)) from None
 
 
 @dataclass
@@ -160,14 +160,16 @@ class Response:
         return (json.dumps(self.body, separators=(",", ":")) + "\n").encode()
 
 
-class HTTPError(Exception):
+class LocalAPIError(PlexdError):
+    """Raised by a handler: answered with `status` and ``{"error": message}``."""
+
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
 
 
-class _Refused(Exception):
+class _Refused(PlexdError):
     """The request cannot be read to its end (too slow, too large, unauthorized): answer `response` and close.
     `linger`: read what the client still sends for a moment first (never for a stranger on TCP)."""
 
@@ -513,7 +515,7 @@ class LocalAPI:
                             _who(request.cred, request.remote))
                 return Response(403, {"error": refusal})
             return await route.handler(request)
-        except HTTPError as exc:
+        except LocalAPIError as exc:
             return Response(exc.status, {"error": exc.message})
         except Exception:
             log.exception("local API: %s %s failed", request.method, request.path)
@@ -587,7 +589,7 @@ class _Connection(h11.Connection):
     head_request = False
 
 
-class _SlowReader(Exception):
+class _SlowReader(PlexdError):
     """The client did not read its answer in time."""
 
 

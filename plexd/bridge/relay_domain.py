@@ -1,5 +1,5 @@
 """The relay domain (bridge mode): the UDP relay and its kernel fast path, converged to the relay sessions the
-control plane assigns (plexd-access-protocol.md §2).
+control plane assigns (docs/protocol.md §A2).
 
 Desired: `desired.relay`, the sessions of the last listing (a state's `bridge.relay.sessions` or
 `relay_config.sessions`, or the set after a `relay_session_assigned` / `_revoked` event). Each new listing
@@ -31,7 +31,7 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.bridge.fastpath import FAMILY, TABLE, Elements
 from plexd.bridge.relay import Relay
-from plexd.bridge.sessions import RelaySessionSet
+from plexd.bridge.relay_sessions import RelaySessionSet
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.state.desired import DesiredState

@@ -1,7 +1,7 @@
 """The node's public endpoint as the control plane knows it: a domain of the converge engine.
 
 What is converged is the control plane's record of where this node can be reached, to what NAT discovery finds
-(the NAT service's STUN refreshes, `plexd.nat.service`; or the local endpoint while no server has answered):
+(the NAT service's STUN refreshes, `plexd.nat.nat_service`; or the local endpoint while no server has answered):
 
     observed   what discovery found last, what waits in the uplink outbox's ``endpoint`` lane, and what the
                control plane last accepted (and when); all in memory or in the outbox, no I/O
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from plexd.controlplane.client import NatInfo, PeerEndpoint
-from plexd.controlplane.errors import ControlPlaneError
+from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.controlplane.retry import refused_for_good
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.change import Change

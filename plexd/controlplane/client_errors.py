@@ -1,4 +1,4 @@
-"""Typed errors of the control-plane client, classified as plexd-protocol.md §1.1 does it.
+"""Typed errors of the control-plane client, classified as docs/protocol.md §1.1 does it.
 
     ControlPlaneError(PlexdError)        base: `status` (0 for network errors), `message` (short server text)
       ├── TransientError                 network error, 5xx and any unlisted status: retry with backoff

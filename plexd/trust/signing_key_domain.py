@@ -2,7 +2,7 @@
 
 The one domain whose desired value does not come from the desired model: the model's `signing_keys` include what
 an (unsigned) state pull said, and keys change only through a signed `signing_key_rotated` event or a
-registration (`plexd.controlplane.signing.Verifier`). So the domain asks the verifier. The event handler writes
+registration (`plexd.controlplane.event_signing.Verifier`). So the domain asks the verifier. The event handler writes
 the file itself before the event is acknowledged (a crash in between must not lose a rotation); this domain is
 what finds the file deleted, edited or re-moded by hand and puts it back, as a drift line:
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from plexd.controlplane.signing import key_fingerprint, persist_signing_key
+from plexd.controlplane.event_signing import key_fingerprint, persist_signing_key
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.identity import datadir

@@ -1,6 +1,6 @@
 """The signed event stream: ``GET /v1/nodes/{id}/events`` kept open for the life of the daemon (§2).
 
-What the Go agent gets wrong and this engine does not (PROJECT-DECISIONS.md, SSE row):
+What the Go agent gets wrong and this engine does not (docs/decisions.md, SSE):
 - no request timeout on the stream body (Go cuts it every 30 s); an application watchdog ends a stream that has
   been silent for 90 s, and the server's comment pings count as liveness;
 - Last-Event-ID is persisted in ``data_dir/events.db`` (group-committed, see `plexd.controlplane.ledger`), so a
@@ -35,8 +35,8 @@ from plexd.base.errors import PlexdError
 from plexd.controlplane import http11
 from plexd.controlplane.client import _tls_context, parse_retry_after, path_escape
 from plexd.controlplane.envelope import Envelope, parse_envelope
+from plexd.controlplane.event_signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser, valid_event_id
 from plexd.identity import datadir
 
@@ -56,7 +56,7 @@ def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) ->
                              read_timeout=None, write_timeout=10.0)
 
 
-class _Disconnected(Exception):
+class _Disconnected(PlexdError):
     """The stream was open and has ended (EOF, read error or idle watchdog)."""
 
     def __init__(self, why: str, idle: bool = False) -> None:
@@ -64,7 +64,7 @@ class _Disconnected(Exception):
         self.idle = idle
 
 
-class _Refused(Exception):
+class _Refused(PlexdError):
     """The stream could not be opened; `status` is the HTTP status or None for a network error."""
 
     def __init__(self, why: str, status: int | None = None, retry_after: float | None = None) -> None:
@@ -373,7 +373,7 @@ class EventStream:
                 await self._consume(response)
         except (_Refused, _Disconnected):
             raise
-        except http11.HTTPError as exc:
+        except http11.RequestFailed as exc:
             if self.connected.is_set():
                 raise _Disconnected(str(exc)) from None
             raise _Refused(str(exc)) from None

@@ -1,8 +1,8 @@
 """The WireGuard domain: the mesh device, its link, addresses and routes (the engine's first citizen).
 
 Full converge: `observe` resolves peer host names (WireGuard takes IP endpoints only, as `wg` does) and reads the
-device and the link together; `plan` is the pure diff (`plexd.mesh.plan`), less the first handshakes this node leaves
-to the peer (`plexd.mesh.first_contact`); `apply` sends every device change as one transaction (retried piece by
+device and the link together; `plan` is the pure diff (`plexd.mesh.mesh_plan`), less the first handshakes this node
+leaves to the peer (`plexd.mesh.first_contact`); `apply` sends every device change as one transaction (retried piece by
 piece to name a refused peer) and the link changes after it. Events (`apply_delta`) diff only the touched peers
 against the machine as the last apply left it (`_Baseline`): no device read, O(change).
 """
@@ -23,7 +23,7 @@ from plexd.converge.domain import DomainResult
 from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.first_contact import FirstContact
 from plexd.mesh.links import LinkOp, Links
-from plexd.mesh.plan import (
+from plexd.mesh.mesh_plan import (
     InterfaceMissing,
     LinkChange,
     ListenPortWrong,

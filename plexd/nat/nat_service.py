@@ -7,7 +7,7 @@
                logged once per failure streak, with each server and why
     no answer  until a server has answered, the node's endpoint is its local one (type unknown), so a node on a
                public address joins even with every STUN server unreachable
-    report     not here: `current()` is what the NAT domain (`plexd.nat.domain`) converges the control plane's
+    report     not here: `current()` is what the NAT domain (`plexd.nat.endpoint_domain`) converges the control plane's
                record to; when it changes, `on_change` asks the engine for a converge
 
 `status()` is the discovery's part of the `nat` section of `plexd status` (the domain adds what was reported).
@@ -25,7 +25,7 @@ from typing import Any
 from plexd.base.backoff import Backoff
 from plexd.config.settings import NatTraversalConfig
 from plexd.nat.discovery import Discovery, discover
-from plexd.nat.domain import Endpoint
+from plexd.nat.endpoint_domain import Endpoint
 from plexd.nat.probe import BoundTransport, RawTransport, Transport, source_address
 from plexd.nat.servers import StunServer, resolve
 from plexd.nat.stun import Mapped, StunError

@@ -1,5 +1,5 @@
 """The sessions domain: the access proxy's listeners and live sessions, converged to the desired sessions block
-(plexd-access-protocol.md §1).
+(docs/protocol.md §A1).
 
 Desired: `desired.sessions`, the block of the last state pull, with the session events applied on it, and
 persisted with the rest of the model (a revoked session's token stays refused across a restart). Observed: the
@@ -30,7 +30,7 @@ interface only (`plexd.access.serving.mesh_listener`: kernel-enforced, in every 
 session around the firewall), and its socket carries the session's mark (`socket_marks`), which the firewall's
 session rules match: who may connect is the policy's say, from the same block (`plexd.firewall.ruleset`). While
 the policy cannot be enforced at all (nftables unusable), no session is open (`unenforced`: fail closed).
-Activity (§1.4) goes to `hooks.report`, the durable uplink.
+Activity (§A1.4) goes to `hooks.report`, the durable uplink.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Audit, RecordCommand, Report
 from plexd.access.k8s import ApiServer, K8sSession
-from plexd.access.sessions import Session, Sessions, socket_marks
+from plexd.access.session_grants import Session, Sessions, socket_marks
 from plexd.access.ssh_host_key import HostKeyError, load_or_create_host_key
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.tcp import TcpSession
@@ -136,7 +136,7 @@ class AccessHooks:
     """What the sessions need from the daemon, as callables (the uplink is built after the engine)."""
 
     keys: Callable[[], Iterable[VerifyKey]]  # the control plane's signing keys trusted now
-    report: Report  # §1.4 activity, durable
+    report: Report  # §A1.4 activity, durable
     record_command: RecordCommand  # an exec runs only once this returned True
     audit: Audit
     k8s_api: Callable[[], ApiServer | None] = lambda: None

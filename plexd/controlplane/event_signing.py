@@ -1,10 +1,10 @@
-"""Ed25519 verification of signed events, with a bounded, persisted nonce store (plexd-protocol.md §3).
+"""Ed25519 verification of signed events, with a bounded, persisted nonce store (docs/protocol.md §3).
 
 Order of checks, as the Go agent does it: presence → ±5 min window → current key → previous key (only while
 ``now < transition_expires``) → nonce. The nonce is recorded only after a valid signature, so a forged event
 can never burn a nonce that a genuine event will later need.
 
-Better than the Go agent (PROJECT-DECISIONS.md, Verification row): the nonce store is bounded and persisted (in
+Better than the Go agent (docs/decisions.md, Verification): the nonce store is bounded and persisted (in
 ``data_dir/events.db``, see `plexd.controlplane.ledger`), so a replay after a restart is still refused; key updates
 are length-checked (a bad key is refused with a reason instead of crashing the verifier) and persisted to
 ``data_dir/signing_public_key``.
@@ -31,7 +31,7 @@ from plexd.base.errors import PlexdError, WireFormatError
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.ledger import NONCE_TTL_SECONDS, EventLedger
 from plexd.identity import datadir
-from plexd.identity.store import decode_key
+from plexd.identity.identity_store import decode_key
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def load_signing_key(data_dir: Path) -> str | None:
         return None
 
 
-class NonceStoreFull(Exception):
+class NonceStoreFull(PlexdError):
     """The store holds `max_entries` unexpired nonces: the event is refused rather than one of them forgotten."""
 
 

@@ -1,8 +1,8 @@
 """The bridge's own WireGuard keys for the interfaces it serves (user access, site-to-site tunnels).
 
-Generated once and kept (0600, in `data_dir/bridge/`): the Go agent made a new key at every start, so every
-client's and remote site's configuration broke on restart (its D4). The public key is what `plexd status --json`
-and the status reports publish, so the other end can be configured.
+Generated once and kept (0600, in `data_dir/bridge/`): the Go agent made a new key at every start, so every client's and
+remote site's configuration broke on restart (docs/decisions.md, Go defect D4). The public key is what
+`plexd status --json` and the status reports publish, so the other end can be configured.
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ import os
 from pathlib import Path
 
 from plexd.base.atomicfile import write_atomic
-from plexd.identity.store import b64, decode_key, generate_private_key, public_key_of
+from plexd.base.errors import PlexdError
+from plexd.identity.identity_store import b64, decode_key, generate_private_key, public_key_of
 
 
-class BridgeKeyError(OSError):
+class BridgeKeyError(PlexdError, OSError):
     pass
 
 

@@ -1,4 +1,4 @@
-"""The desired `sessions` block (plexd-access-protocol.md §1.1): what access the control plane grants on this node.
+"""The desired `sessions` block (docs/protocol.md §A1.1): what access the control plane grants on this node.
 
 The block is desired state, not a queue: a session is live while it is listed and before its `expires_at`; its
 disappearance is the teardown signal. `[]` means no sessions (tear every one down); `null` or an absent key means

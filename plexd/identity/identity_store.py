@@ -1,4 +1,4 @@
-"""The node's identity in ``data_dir`` (plexd-protocol.md §5.2, §5.4), with the Go agent's file names and formats.
+"""The node's identity in ``data_dir`` (docs/protocol.md §5.2, §5.4), with the Go agent's file names and formats.
 
     identity.json        0600  {"node_id","mesh_ip","signing_public_key"}, 2-space indent, no trailing newline
     private_key          0600  std base64 of the 32-byte clamped X25519 private key, no newline

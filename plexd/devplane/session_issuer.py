@@ -1,4 +1,4 @@
-"""Access sessions in the reference control plane (plexd-access-protocol.md §1): minting, the `sessions` block of
+"""Access sessions in the reference control plane (docs/protocol.md §A1): minting, the `sessions` block of
 a node's state, revocation, and the activity nodes report.
 
 A session is desired state of its node: it is in the block from `create` until it is revoked or its
@@ -15,13 +15,13 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from plexd.access.sessions import impersonation_problem
+from plexd.access.session_grants import impersonation_problem
 from plexd.access.token import sign_session_token
 from plexd.base import gojson
 from plexd.base.hostname import is_hostname, is_ip
 from plexd.devplane import wire
 from plexd.devplane.store import Node
-from plexd.devplane.wire import HTTPError
+from plexd.devplane.wire import DevplaneAPIError
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_PER_NODE = 10  # the Go agent's tunnel.max_sessions: a node would refuse the eleventh
@@ -38,32 +38,32 @@ def target_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
         commands = body.get("allowed_commands")
         if commands is not None and (not isinstance(commands, list)
                                      or not all(isinstance(c, str) and c for c in commands)):
-            raise HTTPError(400, "allowed_commands: must be an array of non-empty strings")
+            raise DevplaneAPIError(400, "allowed_commands: must be an array of non-empty strings")
         return {"user": user, **({"allowed_commands": commands} if commands else {})}
     if kind == "tcp":
         host, port = body.get("host", "127.0.0.1"), body.get("port")
         if not isinstance(host, str) or not host:
-            raise HTTPError(400, "host: must be a non-empty string")
-        if not is_ip(host) and not is_hostname(host):  # what the node accepts (plexd.access.sessions)
-            raise HTTPError(400, f"host: {host[:60]!r} is not an IP address or host name")
+            raise DevplaneAPIError(400, "host: must be a non-empty string")
+        if not is_ip(host) and not is_hostname(host):  # what the node accepts (plexd.access.session_grants)
+            raise DevplaneAPIError(400, f"host: {host[:60]!r} is not an IP address or host name")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise HTTPError(400, f"port: must be an integer 1-65535, got {port!r}")
+            raise DevplaneAPIError(400, f"port: must be an integer 1-65535, got {port!r}")
         return {"host": host, "port": port}
     groups = body.get("groups") or []
     if not isinstance(groups, list) or not all(isinstance(g, str) and g for g in groups):
-        raise HTTPError(400, "groups: must be an array of non-empty strings")
+        raise DevplaneAPIError(400, "groups: must be an array of non-empty strings")
     user = _user(body)
     # Refused here, not only by the node: they go into the API server's request head as they are.
     for field, what, value in [("user", "user", user), *(("groups", "group", g) for g in groups)]:
         if problem := impersonation_problem(what, value):
-            raise HTTPError(400, f"{field}: {problem}")
+            raise DevplaneAPIError(400, f"{field}: {problem}")
     return {"user": user, **({"impersonate_groups": groups} if groups else {})}
 
 
 def _user(body: dict[str, Any]) -> str:
     user = body.get("user")
     if not isinstance(user, str) or not user or any(c in user for c in "/\0") or user in (".", ".."):
-        raise HTTPError(400, "user: must be a user name (no '/', NUL, '.' or '..')")
+        raise DevplaneAPIError(400, "user: must be a user name (no '/', NUL, '.' or '..')")
     return user
 
 
@@ -72,16 +72,16 @@ def create(node: Node, signing_key: Any, now: datetime, body: dict[str, Any]) ->
     | groups, allowed_commands}; returns (the session as the node's state lists it, its token)."""
     kind = body.get("kind")
     if kind not in KINDS:
-        raise HTTPError(400, f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
+        raise DevplaneAPIError(400, f"kind: must be one of {', '.join(KINDS)}, got {kind!r}")
     ttl = body.get("ttl_seconds")
     if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl <= 7 * 86400:
-        raise HTTPError(400, f"ttl_seconds: must be a number of seconds in (0, 604800], got {ttl!r}")
+        raise DevplaneAPIError(400, f"ttl_seconds: must be a number of seconds in (0, 604800], got {ttl!r}")
     idle = body.get("idle_timeout_seconds", 0)
     if isinstance(idle, bool) or not isinstance(idle, int) or idle < 0:
-        raise HTTPError(400, f"idle_timeout_seconds: must be a whole number >= 0, got {idle!r}")
+        raise DevplaneAPIError(400, f"idle_timeout_seconds: must be a whole number >= 0, got {idle!r}")
     live = [s for s in node.sessions.values() if not ended(s, now)]
     if len(live) >= MAX_PER_NODE:
-        raise HTTPError(409, f"node {node.id} already has {len(live)} live sessions (at most {MAX_PER_NODE})")
+        raise DevplaneAPIError(409, f"node {node.id} already has {len(live)} live sessions (at most {MAX_PER_NODE})")
     target = target_of(kind, body)
     sid = "ses_" + secrets.token_hex(8)
     expires = now + timedelta(seconds=float(ttl))
@@ -106,7 +106,7 @@ def ended(session: dict[str, Any], now: datetime) -> bool:
 def revoke(node: Node, session_id: str, now: datetime) -> None:
     session = node.sessions.get(session_id)
     if session is None or session.get("revoked_at"):  # an expired one may still be revoked: its record says so
-        raise HTTPError(404, f"node {node.id} has no session {session_id!r} to revoke")
+        raise DevplaneAPIError(404, f"node {node.id} has no session {session_id!r} to revoke")
     session["revoked_at"] = gojson.format_time(now)
 
 
@@ -135,28 +135,28 @@ def summary(node: Node, session: dict[str, Any], now: datetime) -> dict[str, Any
 
 
 def record_activity(node: Node, session_id: str, body: Any) -> dict[str, Any]:
-    """Check a `POST /v1/nodes/{id}/sessions/{sid}` body (§1.4: exactly one of ssh, k8s, tcp) and note what it
+    """Check a `POST /v1/nodes/{id}/sessions/{sid}` body (§A1.4: exactly one of ssh, k8s, tcp) and note what it
     says about the session (its listener); returns the body to record."""
     session = node.sessions.get(session_id)
     if session is None:
-        raise HTTPError(404, f"node {node.id} has no session {session_id!r}")
+        raise DevplaneAPIError(404, f"node {node.id} has no session {session_id!r}")
     if not isinstance(body, dict):
-        raise HTTPError(400, f"body: must be a JSON object, got {wire.kind(body)}")
+        raise DevplaneAPIError(400, f"body: must be a JSON object, got {wire.kind(body)}")
     members = [k for k in KINDS if body.get(k) is not None]
     if len(members) != 1 or set(body) - set(KINDS):
-        raise HTTPError(400, "body: exactly one of \"ssh\", \"k8s\", \"tcp\" must be set")
+        raise DevplaneAPIError(400, "body: exactly one of \"ssh\", \"k8s\", \"tcp\" must be set")
     activity = body[members[0]]
     if not isinstance(activity, dict):
-        raise HTTPError(400, f"{members[0]}: must be a JSON object, got {wire.kind(activity)}")
+        raise DevplaneAPIError(400, f"{members[0]}: must be a JSON object, got {wire.kind(activity)}")
     command = activity.get("command")
     if command is not None and (not isinstance(command, str) or len(command.encode()) > MAX_COMMAND):
-        raise HTTPError(400, f"{members[0]}.command: must be a string of at most {MAX_COMMAND} bytes")
+        raise DevplaneAPIError(400, f"{members[0]}.command: must be a string of at most {MAX_COMMAND} bytes")
     ended_by = activity.get("terminated_by")
     if ended_by is not None and ended_by not in TERMINATED_BY:
-        raise HTTPError(400, f"{members[0]}.terminated_by: must be one of {', '.join(TERMINATED_BY)}")
+        raise DevplaneAPIError(400, f"{members[0]}.terminated_by: must be one of {', '.join(TERMINATED_BY)}")
     listener = activity.get("listener_endpoint")
     if listener is not None:
         if not isinstance(listener, str) or not wire.is_host_port(listener):
-            raise HTTPError(400, f"{members[0]}.listener_endpoint: must be HOST:PORT, got {listener!r}")
+            raise DevplaneAPIError(400, f"{members[0]}.listener_endpoint: must be HOST:PORT, got {listener!r}")
         session["listener_endpoint"] = listener
     return {"session_id": session_id, **body}

@@ -4,7 +4,7 @@ No I/O here. `observed` is a snapshot of the live machine (WireGuard device + me
 `Change` is both an instruction for the apply step (`device_update()` / `link_ops()`) and a drift-report line
 (`correction_type`, `detail`). Details never contain key material beyond a public-key fingerprint.
 
-Correction types. The peer ones are the Go agent's names (plexd-protocol.md §4.4); the others are ours:
+Correction types. The peer ones are the Go agent's names (docs/protocol.md §4.4); the others are ours:
 
     peer_added            a desired peer was missing from the device
     peer_removed          the device had a peer that is not desired

@@ -1,6 +1,6 @@
 """Relay sessions the control plane assigns: one desired set from the state block or the older events.
 
-Shapes (reference/plexd-access-protocol.md §2): `bridge.relay.sessions` (newer contract), `relay_config.sessions`
+Shapes (docs/protocol.md §A2): `bridge.relay.sessions` (newer contract), `relay_config.sessions`
 (older state) and the `relay_session_assigned` / `relay_session_revoked` event payloads. All become
 `RelaySession`s in one `RelaySessionSet`, capped at 100; the 101st and duplicate ids are refused and reported,
 the others untouched.

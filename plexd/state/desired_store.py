@@ -20,13 +20,14 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from plexd.base.errors import PlexdError
 from plexd.state.desired import DesiredState
 
 Edit = Callable[[DesiredState], DesiredState]
 JOURNAL_SIZE = 1024
 
 
-class StalePull(Exception):
+class StalePull(PlexdError):
     """More events were applied during a pull than the journal can replay: pull again."""
 
 

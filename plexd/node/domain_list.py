@@ -8,16 +8,16 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import cast
 
-from plexd.access.domain import AccessHooks, SessionsDomain
+from plexd.access.sessions_domain import AccessHooks, SessionsDomain
 from plexd.config.settings import Config
 from plexd.converge.engine import Engine
-from plexd.firewall.domain import FirewallDomain
-from plexd.mesh.domain import WireGuardDomain
+from plexd.firewall.firewall_domain import FirewallDomain
 from plexd.mesh.links import Links
 from plexd.mesh.select import wireguard_backend
-from plexd.nat.domain import NatEndpointDomain, NatHooks
+from plexd.mesh.wireguard_domain import WireGuardDomain
+from plexd.nat.endpoint_domain import NatEndpointDomain, NatHooks
 from plexd.nodeapi.cache import NodeStateCache
-from plexd.trust.domain import SigningKeyFile
+from plexd.trust.signing_key_domain import SigningKeyFile
 
 
 def build_engine(config: Config, trusted_key: Callable[[], str | None] = lambda: None,

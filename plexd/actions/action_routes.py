@@ -27,7 +27,7 @@ from plexd.actions import request as rq
 from plexd.actions.dispatcher import LOCAL, ActionDispatcher
 from plexd.actions.request import InvalidRequest
 from plexd.base import boundedjson
-from plexd.nodeapi.server import Authorize, HTTPError, LocalAPI, Request, Response
+from plexd.nodeapi.local_api import Authorize, LocalAPI, LocalAPIError, Request, Response
 from plexd.trust.integrity import RefusedHook, inspect_hook
 
 ACTIONS_PATH = "/v1/daemon/actions"
@@ -78,7 +78,7 @@ def add_action_routes(api: LocalAPI, dispatcher: ActionDispatcher, admin: Author
     async def run(req: Request) -> Response:
         body = req.json()
         if not isinstance(body, dict):
-            raise HTTPError(400, "body must be a JSON object")
+            raise LocalAPIError(400, "body must be a JSON object")
         request = _local_request(dispatcher, body, req)
         caller = {"uid": req.cred.uid, "gid": req.cred.gid, "pid": req.cred.pid} if req.cred else {}
         output: asyncio.Queue[bytes] = asyncio.Queue()
@@ -128,7 +128,7 @@ def _local_request(dispatcher: ActionDispatcher, body: dict[str, Any], req: Requ
         parsed = rq.parse_request({"execution_id": "local", "action": body.get("action"),
                                    "parameters": body.get("parameters"), "timeout": body.get("timeout")})
     except InvalidRequest as exc:
-        raise HTTPError(400, str(exc)) from None
+        raise LocalAPIError(400, str(exc)) from None
     return dispatcher.local_request(parsed.action, parsed.parameters, parsed.timeout, uid)
 
 
