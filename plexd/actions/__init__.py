@@ -6,6 +6,6 @@
     builtins.py    the built-in actions and what they may read of the node
     dispatcher.py  validate → ack → run → result; concurrency, drain on shutdown, the local path
     outbox.py      delivers the outbox to the control plane in order, with jittered backoff
-    hooks.py       the hook set: watched with inotify, re-announced when it changes
-    routes.py      the daemon's socket routes for ``plexd actions`` and ``plexd hooks``
+    hooks.py       the hook set: watched with watchfiles, re-announced when it changes
+    action_routes.py  the daemon's socket routes for ``plexd actions`` and ``plexd hooks``
 """

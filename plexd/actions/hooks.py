@@ -1,4 +1,4 @@
-"""The hook set: scanned at start, watched with inotify (`plexd.base.dirwatch`, debounced), re-scanned in full every
+"""The hook set: scanned at start, watched with watchfiles (`plexd.base.dirwatch`, batched), re-scanned in full every
 ``hooks.reverify`` as well (inotify misses changes on some filesystems), and re-announced to the control plane
 with ``PUT /capabilities`` whenever the set, a checksum, a sidecar or a refusal changes.
 
@@ -50,7 +50,7 @@ class HookSet:
         self.scans = 0
         self.announcements = 0
         self.last_announce_error = ""
-        self._unwatchable = ""  # why inotify failed on the directory, once said
+        self._unwatchable = ""  # why the directory could not be watched, once said
         self._polled: tuple[tuple[Any, ...], ...] | None = None  # the listing last looked at without inotify
         self._polled_at = float("-inf")
 
@@ -124,7 +124,7 @@ class HookSet:
                 continue
             try:
                 watch = DirectoryWatch(self.directory)
-            except OSError as exc:  # no inotify here, or none left: look at the listing on a timer instead
+            except OSError as exc:  # no inotify instance or watch left: look at the listing on a timer instead
                 if str(exc) != self._unwatchable:
                     log.warning("hooks directory %s cannot be watched (%s): looking at it every %.0f s instead",
                                 self.directory, exc, POLL, extra={"component": "hooks"})

@@ -94,6 +94,7 @@ async def test_leftovers_holding_the_pipes_are_killed_after_the_hook_exits(tmp_p
 
 async def test_the_watcher_sees_edits_broken_sidecars_and_a_vanishing_directory(tmp_path, monkeypatch):
     monkeypatch.setattr("plexd.actions.hooks.POLL", 0.1)
+    monkeypatch.setattr("plexd.base.dirwatch.STEP", 0.2)  # the watch looks more often than the daemon's 5 s
     hooks = tmp_path / "hooks"
     hooks.mkdir(mode=0o755)
     hook(hooks, "a.sh", "echo a\n")

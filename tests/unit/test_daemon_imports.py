@@ -1,6 +1,7 @@
 """What the daemon loads decides its resident memory (issue 32: ≤ 50 MiB at 1,000 peers). The HTTP stack it
-replaced (httpx, httpcore, anyio), the hooks watcher it replaced (watchfiles) and, on a node that is not a bridge,
-the bridge's domains must stay out of it. Each case runs in a fresh interpreter: the test process has them all."""
+replaced (httpx, httpcore, certifi) and, on a node that is not a bridge, the bridge's domains must stay out of it
+(anyio comes back with watchfiles, the hooks directory's watch). Each case runs in a fresh interpreter: the test
+process has them all."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ config = load(None, env={"PLEXD_CONFIG": sys.argv[1]}, flags={"mode": sys.argv[2
 names = [d.name for d in build_engine(config).domains]
 print(json.dumps({"domains": names, "modules": sorted(sys.modules)}))
 """
-KEPT_OUT = ("httpx", "httpcore", "anyio", "watchfiles", "certifi")
-BRIDGE_ONLY = ("plexd.bridge.wiring", "plexd.bridge.domain", "plexd.bridge.relay", "plexd.bridge.interfaces",
+KEPT_OUT = ("httpx", "httpcore", "certifi")
+BRIDGE_ONLY = ("plexd.bridge.wiring", "plexd.bridge.relay_domain", "plexd.bridge.relay", "plexd.bridge.interfaces",
                "plexd.bridge.ingress")
 
 
