@@ -8,7 +8,8 @@ still has the checksum of the request and of the last announcement, and is still
 (``integrity_violation``, with ``POST /integrity/violations``), and a slot is free (``max_concurrent_reached``).
 Only then is the execution journaled with its ``accepted`` ack (one transaction) and started; every refusal is
 acked ``rejected`` with its reason and logged once with the detail. Nothing here waits for the control plane:
-acks, results and violations go through the outbox.
+acks, results and violations go through the outbox, and one the journal cannot take (data_dir full or read-only)
+waits in memory until it can (plexd.actions.unwritten).
 
 Timeout: the request's, else the hook's sidecar's, else ``actions.timeout``; never more than 10 minutes.
 """
@@ -32,6 +33,7 @@ from plexd.actions.journal import RUNNING, ActionJournal, Execution, JournalErro
 from plexd.actions.outbox import Outbox
 from plexd.actions.request import ActionRequest, InvalidRequest
 from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
+from plexd.actions.unwritten import UnwrittenJournal
 from plexd.base.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
 from plexd.config.settings import ActionsConfig
 from plexd.controlplane.envelope import Envelope
@@ -82,6 +84,7 @@ class ActionDispatcher:
         self.shutting_down = False
         self.accepted = 0
         self.rejected: dict[str, int] = {}
+        self.unwritten = UnwrittenJournal()  # acks, results and violations the journal could not take yet
 
     # -- entry points -------------------------------------------------------------------------------------------
 
@@ -211,12 +214,16 @@ class ActionDispatcher:
     def _violation(self, path: str, expected: str, actual: str, detail: str) -> None:
         body = {"type": "hook", "path": path, "expected_checksum": expected, "actual_checksum": actual,
                 "detail": detail, "timestamp": format_time(now_utc())}
-        try:
-            self.journal.queue("violation", "", body)
-        except JournalError as exc:
-            log.error("%s; integrity violation not queued: %s", exc, detail)
+        self._write(f"the integrity violation of {path}", lambda: self.journal.queue("violation", "", body))
         log.error("integrity violation: %s: %s", path, detail,
                   extra={"path": path, "expected_checksum": expected, "actual_checksum": actual})
+
+    def _write(self, what: str, write: Callable[[], None]) -> None:
+        """A journal write that must not be lost: kept and made again later when the journal cannot take it."""
+        try:
+            write()
+        except JournalError as exc:
+            self.unwritten.keep(what, write, exc)
 
     def _refuse(self, execution_id: str, action: str, origin: str, exc: InvalidRequest,
                 caller: dict[str, Any] | None = None) -> None:
@@ -224,11 +231,8 @@ class ActionDispatcher:
         log.warning("action %r (execution %s) rejected: %s: %s", action, execution_id, exc.reason, exc,
                     extra={"execution_id": execution_id, "reason": exc.reason})
         if origin == CONTROL_PLANE:
-            try:
-                self.journal.queue("ack", execution_id,
-                                   {"execution_id": execution_id, "status": "rejected", "reason": exc.reason})
-            except JournalError as err:
-                log.error("%s; the rejection of %s is not queued", err, execution_id)
+            ack = {"execution_id": execution_id, "status": "rejected", "reason": exc.reason}
+            self._write(f"the rejection of {execution_id}", lambda: self.journal.queue("ack", execution_id, ack))
         else:
             self.audit.record("refused", execution_id=execution_id, action=action, reason=exc.reason,
                               detail=str(exc), **(caller or {}))
@@ -264,10 +268,8 @@ class ActionDispatcher:
             self._deferred(running, outcome)
             return
         result = result_body(request, outcome)
-        try:
-            self.journal.finish(request.execution_id, outcome.status, result)
-        except JournalError as exc:
-            log.error("%s; the result of execution %s is lost", exc, request.execution_id)
+        self._write(f"the result of execution {request.execution_id}",
+                    lambda: self.journal.finish(request.execution_id, outcome.status, result))
         self.running.pop(request.execution_id, None)
         log.info("action %s (execution %s) finished: %s, %s, after %s", request.action, request.execution_id,
                  outcome.status, outcome.detail, format_duration(outcome.duration),
@@ -373,20 +375,21 @@ class ActionDispatcher:
         """Refuse new work; give running executions `grace` seconds, then cancel them (``cancelled``)."""
         self.shutting_down = True
         tasks = [r.task for r in self.running.values() if r.task is not None]
-        if not tasks:
-            return
-        log.info("waiting up to %s for %d running action(s) to finish", format_duration(grace), len(tasks))
-        _, pending = await asyncio.wait(tasks, timeout=grace)
-        if pending:
-            log.warning("cancelling %d action(s) still running after the drain window", len(pending))
-            for running in list(self.running.values()):
-                running.cancel.set()
-            await asyncio.wait(pending, timeout=self.config.kill_grace + 10)
+        if tasks:
+            log.info("waiting up to %s for %d running action(s) to finish", format_duration(grace), len(tasks))
+            _, pending = await asyncio.wait(tasks, timeout=grace)
+            if pending:
+                log.warning("cancelling %d action(s) still running after the drain window", len(pending))
+                for running in list(self.running.values()):
+                    running.cancel.set()
+                await asyncio.wait(pending, timeout=self.config.kill_grace + 10)
+        await self.unwritten.close()
 
     def status(self) -> dict[str, Any]:
         return {"enabled": self.config.enabled, "max_concurrent": self.config.max_concurrent,
                 "running": [r.to_json() for r in self.running.values()], "accepted": self.accepted,
-                "rejected": dict(self.rejected), "outbox": self.outbox.status(), "hooks": self.hooks.status()}
+                "rejected": dict(self.rejected), "outbox": self.outbox.status(), "hooks": self.hooks.status(),
+                "unwritten": len(self.unwritten)}
 
 
 def result_body(request: ActionRequest, outcome: Outcome) -> dict[str, Any]:

@@ -473,3 +473,40 @@ def test_a_lone_surrogate_anywhere_in_a_request_is_a_named_refusal_not_an_encodi
     with pytest.raises(Exception) as caught:
         parse_request(payload)
     assert type(caught.value).__name__ == refusal and "lone surrogate" in str(caught.value) + repr(caught.value)
+
+
+async def test_a_rejection_and_a_result_the_full_journal_cannot_take_are_written_once_it_can(tmp_path):
+    """Found by `python -m bench chaos` (disk_full): a request refused while data_dir was full was never
+    acknowledged, and a result finished then was lost. The journal's file is made full for real (SQLite's
+    max_page_count: "database or disk is full"); both wait in memory and reach the outbox once it has room."""
+    release = asyncio.Event()
+
+    async def wait(view, params):
+        await release.wait()
+        return Output(0, "done\n")
+
+    h = Harness(tmp_path, builtins={"wait": Builtin("wait", "", (), wait)})
+    h.d.unwritten.retry_every = 0.05
+    await h.event({"execution_id": "e1", "action": "wait"})
+    assert acks(h.messages()) == {"e1": "accepted"}
+
+    db = h.journal.uplink.db
+    db.execute(f"PRAGMA max_page_count = {db.execute('PRAGMA page_count').fetchone()[0]}")
+    filled = 0
+    with pytest.raises(sqlite3.OperationalError, match="database or disk is full"):
+        for filled in range(10_000):  # the rows that fit before the file is full
+            h.journal.uplink.put("filler", {"n": filled}, lane="filler")
+    await h.event({"execution_id": "e2", "action": "no.such.action"})
+    release.set()
+    await asyncio.wait([r.task for r in h.d.running.values() if r.task])
+    assert h.d.status()["unwritten"] == 2 and h.messages() == []
+
+    db.execute("DELETE FROM outbox WHERE lane = 'filler'")  # room again, as when the disk is freed
+    for _ in range(100):
+        if not h.d.status()["unwritten"]:
+            break
+        await asyncio.sleep(0.05)
+    got = h.messages()
+    assert acks(got) == {"e2": "unknown_action"}
+    assert [(eid, body["status"]) for kind, eid, body in got if kind == "result"] == [("e1", "success")]
+    assert h.d.status()["unwritten"] == 0 and filled > 0
