@@ -32,6 +32,7 @@ import contextlib
 import functools
 import json
 import logging
+import random
 import sqlite3
 import threading
 import time
@@ -406,6 +407,18 @@ class UplinkOutbox:
         waiting = [name for _, name in sorted(firsts)]
         return waiting + [name for name, lane in self._lanes.items()
                           if name not in waiting and lane.has_news is not None and lane.has_news()]
+
+    def control_plane_back(self, spread: float = 2.0) -> None:
+        """The control plane answers again (the event stream reconnected): lanes that failed while it was away try
+        again within `spread` seconds rather than at the end of a backoff that grew during the outage (up to a
+        minute: acks and results of actions waited that long after a 30 s outage, `python -m bench chaos`). The
+        spread is random, on top of the stream's own jittered reconnect, so a fleet does not send at once."""
+        now = time.monotonic()
+        for lane in self._lanes.values():
+            if lane.failing:
+                lane.backoff.reset()
+                lane.retry_at = min(lane.retry_at, now + random.uniform(0, spread))
+        self._wake.set()
 
     async def run(self) -> None:
         """The service: deliver each lane when it is due (something queued, its debounce and backoff over), each

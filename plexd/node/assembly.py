@@ -183,10 +183,15 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
                              rotate_keys=rotation.request, refresh_state=reconciler.refresh)
+    def reconnected() -> None:
+        """Whatever happened while we were away is pulled, and what waited to be sent goes now."""
+        reconciler.trigger("event stream (re)connected")
+        uplink.control_plane_back()
+
     stream = EventStream(
         agent.client.base_url, node_id, lambda: agent.client.token, ledger, verifier, handlers.dispatch,
         clock=agent.clock,
-        on_connected=lambda: reconciler.trigger("event stream (re)connected"),
+        on_connected=reconnected,
         on_auth_failure=reauthenticate,
         poll=lambda: reconciler.trigger("polling while the event stream is down"),
         poll_interval=cfg.reconcile.interval,

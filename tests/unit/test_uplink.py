@@ -281,3 +281,27 @@ async def test_the_service_stops_when_cancelled_even_as_an_entry_wakes_it(tmp_pa
         service.cancel()
         done, _ = await asyncio.wait({service}, timeout=2)
         assert service in done, f"the service did not stop (cancelled {settle} steps after the wake-up)"
+
+
+async def test_a_lane_that_failed_through_an_outage_goes_as_soon_as_the_control_plane_is_back(tmp_path):
+    """Found by `python -m bench chaos` (cp_500): after a 30 s outage, action acks waited out a backoff grown to
+    most of a minute. The stream's reconnect (`control_plane_back`) ends that wait."""
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send, backoff=Backoff(base=3600.0, cap=3600.0, jitter=0.0))
+    service = asyncio.create_task(box.run())
+    try:
+        cp.answers = [TransientError("ack", 500, "outage")]
+        box.put("ack", {"n": 1})
+        async with asyncio.timeout(5):
+            while box.status("ack")["last_error"] == "":
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)
+        assert cp.taken == []  # an hour's backoff ahead
+        box.control_plane_back(spread=0.05)
+        async with asyncio.timeout(5):
+            while not cp.taken:
+                await asyncio.sleep(0.005)
+        assert cp.taken == [("ack", {"n": 1})] and box.size() == 0
+    finally:
+        service.cancel()
+        await asyncio.gather(service, return_exceptions=True)
