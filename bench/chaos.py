@@ -14,7 +14,8 @@ holds it, heals it, pauses the workload and then checks:
   * actions: no hook ran twice, and every action the node accepted has exactly one result at the control plane;
   * drift and reports: no drift record arrived twice, and the last report written per key is the one the control
     plane holds;
-  * identity: the node id did not change (nothing re-registered), identity.json and the keys parse;
+  * identity: the node id did not change (nothing re-registered), identity.json parses, and no file in data_dir
+    had to be moved aside as unreadable (the journals, the outbox, the event ledger open without repair);
   * secrets: neither the node secret, the private key, the bootstrap token nor a secret value is in any log.
 
 It prints one line per trial and a table per fault: trials, failures, recovery p50/p99.
@@ -441,6 +442,9 @@ def promises(r: Rig, w: Workload, node_id: str) -> list[str]:
             problems.append(f"node id changed: {node_id} -> {ident['node_id']}")
     except (OSError, ValueError, KeyError) as e:
         problems.append(f"identity.json unreadable: {e}")
+    repaired = sorted(p.name for p in r.data_dir.iterdir() if p.name.endswith((".corrupt", ".unreadable")))
+    if repaired:
+        problems.append(f"data_dir files needed repair (moved aside): {repaired}")
     text = "".join(p.read_text(errors="replace") for p in r.logs if p.exists())
     text += (r.dp.log_path.read_text(errors="replace") if r.dp.log_path.exists() else "")
     for secret in r.secrets():
