@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from plexd.base.errors import PlexdError
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode
+from plexd.identity import node_secret
 from plexd.node.control import STATUS_PATH
 from plexd.node.control_client import DaemonNotRunning, call
 
@@ -140,13 +141,19 @@ class Rig:
         subprocess.run(self.node.wrap_net(list(cmd)), check=False, capture_output=True)
 
     def secrets(self) -> list[str]:
-        ident = json.loads((self.data_dir / "identity.json").read_text())
-        found = [SECRET_VALUE, self.token]
-        found += [v for k, v in ident.items() if "secret" in k and isinstance(v, str) and len(v) >= 16]
-        key_file = self.data_dir / "private.key"
-        if key_file.exists():
-            found.append(key_file.read_text().strip())
-        return [s for s in found if s]
+        """What must never be in a log: the secret value, the bootstrap token, the node secret and the bearer
+        derived from it, the private key."""
+        def read(name: str) -> str:
+            try:
+                return (self.data_dir / name).read_text().strip()
+            except OSError:
+                return ""
+
+        secret = read("node_secret_key")
+        found = [SECRET_VALUE, self.token, secret, read("private_key")]
+        if secret:
+            found.append(node_secret.bearer(secret, read("node_secret_kdf")))
+        return [s for s in found if len(s) >= 16]
 
 
 @contextlib.contextmanager
