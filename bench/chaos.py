@@ -98,10 +98,13 @@ class Rig:
         log = self.workdir / f"plexd-{len(self.logs) + 1}.log"
         self.logs.append(log)
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.workdir / "config.yaml"),
-               "PLEXD_TEST_NO_SYSTEMD": "1", "PYTHONFAULTHANDLER": "1"}
+               "PLEXD_TEST_NO_SYSTEMD": "1", "PYTHONFAULTHANDLER": "1",
+               **{k: v for k, v in os.environ.items() if k.startswith(("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC"))}}
+        # PLEXD_BENCH_TRACEMALLOC=/path/out.snap: plexd under tracemalloc (bench/_traced_daemon.py; SIGUSR1 snapshots)
+        daemon = ([sys.executable, str(Path(__file__).with_name("_traced_daemon.py"))]
+                  if env.get("PLEXD_BENCH_TRACEMALLOC") else [PLEXD, "up"])
         with open(log, "w") as out:
-            self.proc = self.lab.spawn(self.node.wrap([PLEXD, "up"]), env=env, stdout=out,
-                                       stderr=subprocess.STDOUT)
+            self.proc = self.lab.spawn(self.node.wrap(daemon), env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def kill_daemon(self) -> None:
         """SIGKILL of plexd alone (its wireguard-go lives on, as under systemd's KillMode=mixed)."""

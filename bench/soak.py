@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import base64
 import calendar
+import glob
 import json
 import os
 import signal
@@ -42,6 +43,9 @@ from bench.chaos import POLICIES, Rig, rig
 from plexd.node.control_client import call
 
 SAMPLE_EVERY = 10.0
+# PLEXD_BENCH_TRACEMALLOC=/path/out.snap: plexd runs under tracemalloc; snapshots are taken at 2 minutes and at the
+# end (/path/out.snap.TICK), and the summary prints where the memory grew in between
+TRACE = os.environ.get("PLEXD_BENCH_TRACEMALLOC", "")
 LAG_EVERY = 10  # one joining peer in ten is timed to the device
 
 
@@ -142,6 +146,8 @@ async def soak(minutes: float, npeers: int) -> None:
                         await asyncio.to_thread(r.dp.restart)
                 except (httpx.HTTPError, OSError, RuntimeError) as e:
                     print(f"  tick {tick}: {e}", flush=True)
+                if TRACE and tick in (120, int(minutes * 60) - 5):
+                    await asyncio.to_thread(snapshot, r, f"{TRACE}.{tick}")
                 if time.monotonic() >= next_sample:
                     s.sample(t0)
                     next_sample += SAMPLE_EVERY
@@ -152,6 +158,31 @@ async def soak(minutes: float, npeers: int) -> None:
                 await asyncio.sleep(max(0.0, t0 + tick - time.monotonic()))
         await asyncio.sleep(70)  # the last hand drift's reconcile (60 s) reports it
         summary(s, minutes)
+        snaps = sorted((p for p in glob.glob(f"{TRACE}.*") if p.rsplit(".", 1)[1].isdigit()),
+                       key=lambda p: int(p.rsplit(".", 1)[1])) if TRACE else []
+        if len(snaps) >= 2:
+            growth(snaps[0], snaps[-1])
+
+
+def snapshot(r: Rig, path: str) -> None:
+    os.kill(r.proc.pid, signal.SIGUSR1)  # the traced daemon writes PLEXD_BENCH_TRACEMALLOC, then we move it
+    deadline = time.monotonic() + 60
+    while not os.path.exists(TRACE):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the daemon wrote no tracemalloc snapshot")
+        time.sleep(0.2)
+    os.replace(TRACE, path)
+
+
+def growth(first: str, last: str, top: int = 15) -> None:
+    import tracemalloc
+
+    stats = tracemalloc.Snapshot.load(last).compare_to(tracemalloc.Snapshot.load(first), "traceback")
+    print(f"tracemalloc: where plexd's memory grew between {first} and {last}")
+    for stat in stats[:top]:
+        print(f"  {stat.size_diff / 1024:+9.1f} KiB {stat.count_diff:+7d} blocks")
+        for line in stat.traceback.format()[-6:]:
+            print("     " + line)
 
 
 def slope_per_hour(points: list[tuple[float, float]]) -> float:
