@@ -248,6 +248,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     async def send(body: dict[str, Any]) -> dict[str, bool]:
         # No agent.authed here: the heartbeat's own 401 path re-authenticates and the next tick retries.
         resp = await agent.client.heartbeat(node_id(), body)
+        stream.control_plane_answered()  # back: a stream still waiting out its backoff need not
         return {"reconcile": resp.reconcile, "rotate_keys": resp.rotate_keys}
 
     heartbeat = HeartbeatService(node_id, send, snapshot, clock=agent.clock, interval=cfg.heartbeat.interval,

@@ -536,3 +536,30 @@ async def test_fleet_synchronising_moments_are_spread(tmp_path, clock):
         assert await next_sleep(stream, 3) == 2  # a bare 503: the lifecycle's backoff (1 s, then 2 s)
     finally:
         await stop(task)
+
+
+async def test_a_stream_waiting_out_its_backoff_tries_again_soon_once_the_control_plane_answers(tmp_path, clock):
+    """Found by `python -m bench chaos` (cp_500, 30 s): the stream's backoff had grown to 32 s, so actions waited
+    that long after the control plane was back. A heartbeat that goes through (`control_plane_answered`) ends the
+    wait within the spread; without one the stream keeps its backoff, and a connected stream is left alone."""
+    up = {"now": False}
+    server = Server(lambda r, n: server.open_stream() if up["now"] else reply(500))
+    stream, _ = make_stream(tmp_path, clock, server)
+    stream._poll = None  # polling would split the waits into chunks; this test looks at the backoff alone
+    task = await run(stream)
+    try:
+        for i in range(1, 7):
+            delay = await next_sleep(stream, i)
+            if i < 6:
+                clock.advance(delay)
+        assert delay == 32 and len(server.requests) == 6  # the outage grew the wait
+        up["now"] = True
+        stream.control_plane_answered(spread=0.01)  # the spread is real time: the loop's timer, not the clock's
+        await until(lambda: stream.connected.is_set())
+        assert len(server.requests) == 7 and stream.delays[-1] == 32  # tried again with 32 s still to wait
+        stream.control_plane_answered(spread=0.01)
+        await asyncio.sleep(0.05)
+        assert stream.connected.is_set() and len(server.requests) == 7  # a connected stream is left alone
+    finally:
+        server.hang.set()
+        await stop(task)
