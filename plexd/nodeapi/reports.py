@@ -80,6 +80,11 @@ class EntryTooLarge(PlexdError):
     """The entry alone is larger than an entry may be (HTTP 413)."""
 
 
+class StoreUnwritable(PlexdError):
+    """data_dir cannot take the write now: full, read-only, an I/O error (HTTP 507). The entry keeps its last
+    stored version."""
+
+
 class ReportStore:
     def __init__(self, data_dir: str | Path, on_change: Callable[[str], None] | None = None, *,
                  max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES,
@@ -147,7 +152,12 @@ class ReportStore:
             # Queued before the write: a crash between the two must not leave an entry on disk that is never sent
             # (the sync reads the key's entry when it sends, so a write that then fails costs one needless send).
             self.on_change(key)
-            await asyncio.to_thread(self._write, entry, data)
+            try:
+                await asyncio.to_thread(self._write, entry, data)
+            except OSError as exc:  # the bench chaos's disk_full and read_only: this was a 500, "internal error"
+                raise StoreUnwritable(f"report {key[:100]!r} not stored: {exc.strerror or exc} "
+                                      f"(in {self.dir}); the entry keeps version "
+                                      f"{old.version if old is not None else 0}") from None
             self._entries[key] = entry
             self._sizes[key] = len(data)
             # Again, now that the store holds it: a send that came due during the write read the key as it was
@@ -160,7 +170,11 @@ class ReportStore:
             if key not in self._entries:
                 return False
             self.on_change(key)  # before the file goes, as for a write
-            await asyncio.to_thread(self._remove, key)
+            try:
+                await asyncio.to_thread(self._remove, key)
+            except OSError as exc:
+                raise StoreUnwritable(f"report {key[:100]!r} not deleted: {exc.strerror or exc} "
+                                      f"(in {self.dir})") from None
             del self._entries[key]
             self._sizes.pop(key, None)
             self.on_change(key)  # and after, as for a write

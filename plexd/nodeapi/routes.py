@@ -21,14 +21,14 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from plexd.base.errors import PlexdError
 from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.nodeapi import crypto
 from plexd.nodeapi.keys import BadKey, path_key, report_key_problem
 from plexd.nodeapi.local_api import LocalAPI, LocalAPIError, Request, Response
-from plexd.nodeapi.reports import EntryTooLarge, ReportStore, StoreFull, VersionConflict
+from plexd.nodeapi.reports import EntryTooLarge, ReportStore, StoreFull, StoreUnwritable, VersionConflict
 
 if TYPE_CHECKING:
     from plexd.controlplane.client import SecretResponse
@@ -158,17 +158,24 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
         except UnicodeEncodeError:  # JSON may escape half a surrogate pair; no file can hold it as text
             raise LocalAPIError(400, "invalid JSON body: a lone surrogate (a \\ud800-\\udfff escape without its "
                                  "pair) is not Unicode text") from None
-        except StoreFull as exc:
-            now = time.monotonic()
-            if now - refusals_logged[0] >= 60:  # a workload that keeps trying is one line a minute
-                refusals_logged[0] = now
-                log.warning("report %r refused: %s", key[:100], exc)
-            raise LocalAPIError(507, str(exc)) from None
+        except (StoreFull, StoreUnwritable) as exc:
+            refused(key, exc)
         return Response(200, entry.to_wire())
 
+    def refused(key: str, exc: Exception) -> NoReturn:
+        now = time.monotonic()
+        if now - refusals_logged[0] >= 60:  # a workload that keeps trying is one line a minute
+            refusals_logged[0] = now
+            log.warning("report %r refused: %s", key[:100], exc)
+        raise LocalAPIError(507, str(exc)) from None
+
     async def report_delete(req: Request) -> Response:
-        if not await node.reports.delete(_report_key(req)):
-            raise LocalAPIError(404, "not found")
+        key = _report_key(req)
+        try:
+            if not await node.reports.delete(key):
+                raise LocalAPIError(404, "not found")
+        except StoreUnwritable as exc:
+            refused(key, exc)
         return Response(204)
 
     add("GET", PREFIX, summary)

@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import socket
+import subprocess
 
 import pytest
 from node_api_helpers import node_api_fixture  # noqa: F401 - provides the node_api fixture
@@ -92,3 +93,27 @@ async def test_lowered_caps_keep_what_is_on_disk_and_refuse_new_entries(tmp_path
     with pytest.raises(reports_mod.StoreFull, match="5 entries, at most 3"):
         await smaller.put("k9", "text/plain", 9, None)
     assert (await smaller.put("k1", "text/plain", "updated", None)).version == 2  # updates of kept keys go on
+
+
+async def test_a_full_data_dir_is_a_clear_507_and_the_entry_keeps_its_version(node_api):
+    """Found by `python -m bench chaos` (disk_full, read_only): a report PUT the disk could not hold answered 500
+    "internal error". Now 507 with the reason, the entry keeps its last version, and a write goes through once
+    there is room. The data_dir is a real 1 MiB tmpfs, filled."""
+    served = await node_api()
+    data = os.path.join(served.base, "data")
+    os.makedirs(data, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", data], check=True)
+    try:
+        body = json.dumps({"content_type": "text/plain", "payload": "first"}).encode()
+        assert (await asyncio.to_thread(served.call, "PUT", "/v1/state/report/app", body))[0] == 200
+        subprocess.run(["dd", "if=/dev/zero", f"of={data}/filler", "bs=64k"], capture_output=True)
+        body = json.dumps({"content_type": "text/plain", "payload": "second"}).encode()
+        status, doc = await asyncio.to_thread(served.call, "PUT", "/v1/state/report/app", body)
+        assert status == 507 and "not stored: No space left on device" in doc["error"], doc
+        assert doc["error"].endswith("the entry keeps version 1")
+        assert served.reports.get("app").payload == "first" and served.reports.get("app").version == 1
+        os.remove(f"{data}/filler")
+        status, doc = await asyncio.to_thread(served.call, "PUT", "/v1/state/report/app", body)
+        assert status == 200 and doc["version"] == 2
+    finally:
+        subprocess.run(["umount", "-l", data], check=False)
