@@ -80,6 +80,7 @@ class Rig:
     proc: subprocess.Popen | None = None
     node_id: str = ""
     token: str = ""  # the bootstrap token (plexd removes its file once registered)
+    signalled: int | None = None  # the wireguard-go a fault signalled last
     logs: list[Path] = field(default_factory=list)
 
     @property
@@ -299,7 +300,7 @@ async def _plexd_kill(r: Rig) -> None:
 
 
 async def _wg_signal(r: Rig, sig: signal.Signals) -> None:
-    pid = r.wireguard_go()
+    pid = r.signalled = r.wireguard_go()  # the one signalled: plexd may start another before the check looks
     if pid is not None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -374,9 +375,9 @@ def faults(outage: float) -> dict[str, Fault]:
     return {
         "plexd_kill": Fault(_plexd_kill, _nothing, 0.5, lambda r: r.proc is None or r.proc.poll() is not None),
         "wg_kill": Fault(lambda r: _wg_signal(r, signal.SIGKILL), _nothing, 0.5,
-                         lambda r: _state(r.wireguard_go()) in ("", "Z")),
+                         lambda r: r.signalled is not None and _state(r.signalled) in ("", "Z")),
         "wg_stop": Fault(lambda r: _wg_signal(r, signal.SIGSTOP), lambda r: _wg_signal(r, signal.SIGCONT), 5,
-                         lambda r: _state(r.wireguard_go()) == "T"),
+                         lambda r: r.signalled is not None and _state(r.signalled) == "T"),
         "cp_500": Fault(lambda r: _faults(r, all_status=500), _clear, outage, lambda r: _answers(r, 500)),
         "cp_garbage": Fault(lambda r: _faults(r, state_body="{not json"), _clear, outage,
                             lambda r: r.dp.admin.status()["faults"].get("state_body") == "{not json"),
@@ -499,7 +500,7 @@ async def run_trials(trials: int, names: list[str], seed: int, outage: float, re
                 w.running.set()
                 await asyncio.sleep(rng.uniform(0.5, 3.0))
                 await fault.inject(r)
-                present = await asyncio.to_thread(fault.present, r)
+                present = await is_present(fault, r)
                 await asyncio.sleep(fault.hold)
                 await fault.heal(r)
                 healed = time.time()
@@ -524,6 +525,17 @@ async def run_trials(trials: int, names: list[str], seed: int, outage: float, re
                 with contextlib.suppress(asyncio.CancelledError):
                     await t
     return Run(results, w.done)
+
+
+async def is_present(fault: Fault, r: Rig, limit: float = 3.0) -> bool:
+    """Whether the fault took hold within `limit` seconds of its injection: a signal is delivered when its target is
+    next scheduled, so on a busy machine a SIGKILLed or SIGSTOPped process still runs for a moment."""
+    deadline = time.monotonic() + limit * load_factor()
+    while not await asyncio.to_thread(fault.present, r):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def settled_promises(r: Rig, w: Workload, node_id: str, limit: float) -> list[str]:
