@@ -18,8 +18,8 @@ module's plumbing; pyroute2 only creates that device.
                                  (each dump's `netns` may be a socket `session(netns)` opened for several)
     write(messages, netns)       requests in order, in batches of one send each: the errno of each (0: done),
                                  made by route_write, link_set, link_delete, address_write, rule_write
-    open_socket, session, dump_on, split_messages, attributes, attribute: the netlink plumbing, shared with the
-                                 kernel WireGuard device's generic netlink (plexd.mesh.wireguard.genl)
+    open_socket, session, dump_on, write_on, split_messages, attributes, attribute: the netlink plumbing, shared
+                                 with the kernel WireGuard device's generic netlink (plexd.mesh.wireguard.genl)
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def write(messages: Sequence[Message], netns: str | None = None) -> list[int]:
     with open_socket(netns) as sock:
         sock.bind((0, 0))
         for start in range(0, len(messages), _BATCH):
-            out += _write_batch(sock, messages[start:start + _BATCH])
+            out += write_on(sock, messages[start:start + _BATCH])
     return out
 
 
@@ -181,7 +181,8 @@ def _family(version: int) -> int:
     return socket.AF_INET if version == 4 else socket.AF_INET6
 
 
-def _write_batch(sock: socket.socket, messages: Sequence[Message]) -> list[int]:
+def write_on(sock: socket.socket, messages: Sequence[Message]) -> list[int]:
+    """`messages` in one write on a bound socket, then their acknowledgements: the errno of each (0: done)."""
     request = bytearray()
     for seq, m in enumerate(messages, 1):
         request += _HEADER.pack(_HEADER.size + len(m.body), m.kind, _NLM_F_REQUEST | _NLM_F_ACK | m.flags, seq, 0)
@@ -322,11 +323,6 @@ def _dump_once(sock: socket.socket, request_type: int, request: bytes, reply_typ
             interrupted |= bool(flags & _NLM_F_DUMP_INTR)
             if kind == reply_type:
                 items.append(decode(body))
-
-
-def _messages(data: bytes) -> Iterator[tuple[int, int, memoryview]]:
-    for kind, flags, body, _ in split_messages(data):
-        yield kind, flags, body
 
 
 def split_messages(data: bytes) -> Iterator[tuple[int, int, memoryview, int]]:

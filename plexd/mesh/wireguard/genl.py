@@ -30,7 +30,7 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator
 
-from plexd.mesh.rtnl import attribute, attributes, dump_on, split_messages
+from plexd.mesh.rtnl import Message, attribute, attributes, dump_on, split_messages, write_on
 from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate, WireGuardError
 from plexd.mesh.wireguard.kernel_probe import getfamily_request
 
@@ -51,8 +51,6 @@ _NLA_F_NESTED = 0x8000
 _NLA_TYPE_MASK = 0x3FFF
 _CTRL_ATTR_FAMILY_ID = 1
 _NLMSG_ERROR = 2
-_NLM_F_REQUEST, _NLM_F_ACK = 0x1, 0x4
-_HEADER = struct.Struct("=IHHII")  # nlmsghdr: length, type, flags, seq, pid
 _GENL = struct.Struct("=BBH")  # genlmsghdr: cmd, version, reserved
 _U16, _U32, _U64, _I32 = struct.Struct("=H"), struct.Struct("=I"), struct.Struct("=Q"), struct.Struct("=i")
 _PORT = struct.Struct("!H")  # a sockaddr's port: network byte order
@@ -307,10 +305,6 @@ def _code(body: memoryview) -> int:
     return _I32.unpack_from(body)[0] if len(body) >= _I32.size else -errno.EPROTO
 
 
-def _send(sock: socket.socket, kind: int, flags: int, body: bytes, seq: int) -> None:
-    sock.sendall(_HEADER.pack(_HEADER.size + len(body), kind, _NLM_F_REQUEST | flags, seq, 0) + body)
-
-
 def family_id(sock: socket.socket) -> int:
     """The `wireguard` family's id; asking for it by name also loads the module (plexd.mesh.wireguard.kernel_probe)."""
     sock.sendall(getfamily_request("wireguard"))
@@ -342,7 +336,7 @@ def request(sock: socket.socket, family: int, bodies: Iterable[bytes]) -> None:
         return
     second = next(packed, None)
     if second is None:  # one message (an event's delta): no second thread for it
-        _write(sock, family, [first], 1)
+        _write(sock, family, [first])
         return
     outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
     refused: list[Exception] = []  # the sender's: the kernel's refusal, or what else stopped it
@@ -364,7 +358,7 @@ def request(sock: socket.socket, family: int, bodies: Iterable[bytes]) -> None:
 
 def _sender(sock: socket.socket, family: int, outbox: queue.SimpleQueue[bytes | None],
             refused: list[Exception]) -> None:
-    seq, more = 0, True
+    more = True
     while more:
         batch = [outbox.get()]
         while not outbox.empty() and sum(map(len, batch)) < _WRITE_BYTES:
@@ -374,28 +368,16 @@ def _sender(sock: socket.socket, family: int, outbox: queue.SimpleQueue[bytes | 
             batch.pop()
         if batch and not refused:
             try:
-                _write(sock, family, batch, seq + 1)
+                _write(sock, family, batch)
             except Exception as e:  # raised again in the packing thread
                 refused.append(e)
-        seq += len(batch)
 
 
-def _write(sock: socket.socket, family: int, bodies: list[bytes], first: int) -> None:
-    """Messages `first`, `first + 1`, ... in one write, then their acknowledgements."""
-    sock.sendall(b"".join(_HEADER.pack(_HEADER.size + len(body), family, _NLM_F_REQUEST | _NLM_F_ACK, seq, 0) + body
-                          for seq, body in enumerate(bodies, first)))
-    codes: dict[int, int] = {}
-    last = first + len(bodies) - 1
-    while len(codes) < len(bodies):
-        data = sock.recv(1 << 16)
-        if not data:
-            raise OSError(errno.EPROTO, "the acknowledgements ended early")
-        for kind, _, reply, seq in split_messages(data):
-            if kind == _NLMSG_ERROR and first <= seq <= last:
-                codes[seq] = _code(reply)
-    for seq in range(first, last + 1):
-        if codes[seq]:
-            raise OSError(-codes[seq], os.strerror(-codes[seq]))
+def _write(sock: socket.socket, family: int, bodies: list[bytes]) -> None:
+    """The messages in one write, acknowledged: OSError with the kernel's errno for the first one refused."""
+    code = next((c for c in write_on(sock, [Message(family, 0, body) for body in bodies]) if c), 0)
+    if code:
+        raise OSError(code, os.strerror(code))
 
 
 def dump(sock: socket.socket, family: int, body: bytes) -> list[bytes]:
