@@ -47,6 +47,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexd.base.errors import PlexdError
+from plexd.base.procstat import process_stat
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode
 from plexd.identity import node_secret
@@ -349,12 +350,12 @@ async def _writable(r: Rig) -> None:
     subprocess.run(["mount", "-o", "remount,rw", str(r.data_dir)], check=True)
 
 
-def _state(pid: int | None) -> str:
-    """A process's state letter (R, S, T stopped, Z zombie), "" when it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] if pid else ""
-    except OSError:
-        return ""
+def _alive(pid: int) -> bool:
+    return (stat := process_stat(pid)) is not None and stat.alive
+
+
+def _stopped(pid: int) -> bool:
+    return (stat := process_stat(pid)) is not None and stat.state == "T"
 
 
 def _answers(r: Rig, status: int) -> bool:
@@ -375,14 +376,14 @@ def faults(outage: float) -> dict[str, Fault]:
     return {
         "plexd_kill": Fault(_plexd_kill, _nothing, 0.5, lambda r: r.proc is None or r.proc.poll() is not None),
         "wg_kill": Fault(lambda r: _wg_signal(r, signal.SIGKILL), _nothing, 0.5,
-                         lambda r: r.signalled is not None and _state(r.signalled) in ("", "Z")),
+                         lambda r: r.signalled is not None and not _alive(r.signalled)),
         "wg_stop": Fault(lambda r: _wg_signal(r, signal.SIGSTOP), lambda r: _wg_signal(r, signal.SIGCONT), 5,
-                         lambda r: r.signalled is not None and _state(r.signalled) == "T"),
+                         lambda r: r.signalled is not None and _stopped(r.signalled)),
         "cp_500": Fault(lambda r: _faults(r, all_status=500), _clear, outage, lambda r: _answers(r, 500)),
         "cp_garbage": Fault(lambda r: _faults(r, state_body="{not json"), _clear, outage,
                             lambda r: r.dp.admin.status()["faults"].get("state_body") == "{not json"),
         "cp_silent": Fault(lambda r: _dp_signal(r, signal.SIGSTOP), lambda r: _dp_signal(r, signal.SIGCONT), outage,
-                           lambda r: _state(r.dp.proc.pid if r.dp.proc else None) == "T"),
+                           lambda r: r.dp.proc is not None and _stopped(r.dp.proc.pid)),
         "dp_restart": Fault(_dp_kill, _dp_start, 2, lambda r: not r.dp.running),
         "disk_full": Fault(_fill, _unfill, 5, lambda r: statvfs(r).f_bavail * statvfs(r).f_frsize < 64 * 1024),
         "read_only": Fault(_read_only, _writable, 5, lambda r: bool(statvfs(r).f_flag & os.ST_RDONLY)),

@@ -39,6 +39,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench._connected_lab import _cpu
 from bench.chaos import POLICIES, Rig, rig
 from plexd.node.control_client import call
 
@@ -99,15 +100,14 @@ class Soak:
         proc = Path(f"/proc/{pid}")
         try:
             status = dict(line.split(":", 1) for line in (proc / "status").read_text().splitlines() if ":" in line)
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
             fds = len(os.listdir(proc / "fd"))
+            cpu = _cpu(pid)
         except OSError:
             return
         sizes = {p.name: p.stat().st_size for p in self.r.data_dir.iterdir()
                  if p.name.endswith((".db", ".db-wal", ".sqlite", ".sqlite-wal"))}
         self.samples.append(Sample(time.monotonic() - t0, int(status["VmRSS"].split()[0]) / 1024,
-                                   fds, int(status["Threads"]), (int(fields[11]) + int(fields[12]))
-                                   / os.sysconf("SC_CLK_TCK"), sizes))
+                                   fds, int(status["Threads"]), cpu, sizes))
 
 
 async def soak(minutes: float, npeers: int) -> None:
