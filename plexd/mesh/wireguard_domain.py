@@ -46,6 +46,9 @@ from plexd.state.desired import DesiredState, split_endpoint
 log = logging.getLogger(__name__)
 
 RESOLVE_TIMEOUT = 3.0
+# Link writes made only once the device has taken its changes: a route leaves after its peer, never before (a packet
+# for a removed peer's address is dropped by the device, not sent to the default route).
+_AFTER_DEVICE = frozenset({"route_del", "main_route_del"})
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -163,7 +166,17 @@ class WireGuardDomain:
             applied.append(changes[0])
             log.info("%s", changes[0].detail, extra={"interface": desired.interface})
 
-        failed_keys, device_errors = await self._apply_device(self._device_update(desired, changes))
+        # The link's writes that cannot open a path around the tunnel (MTU, up, addresses, rules, new routes) go
+        # beside the device's transaction: the kernel applies one while Python packs the other. A route for a peer
+        # not yet on the device drops its packets, as a route to a removed one does; removals wait for the device.
+        ops = link_ops(changes)
+        alongside = [op for op in ops if op.action not in _AFTER_DEVICE]
+        outcomes = await asyncio.gather(self._apply_device(self._device_update(desired, changes)),
+                                        self.links.apply(alongside), return_exceptions=True)
+        # Raised only once both finished: a failure of one leaves no write of the other still running.
+        if failure := next((o for o in outcomes if isinstance(o, BaseException)), None):
+            raise failure
+        (failed_keys, device_errors), failures = outcomes
         errors.extend(device_errors)
         for c in changes:
             if isinstance(c, InterfaceMissing | UserspaceProcessGone | LinkChange):
@@ -176,7 +189,7 @@ class WireGuardDomain:
             else:
                 applied.append(c)
 
-        failures = await self.links.apply(link_ops(changes))
+        failures += await self.links.apply([op for op in ops if op.action in _AFTER_DEVICE])
         failed_ops: set[LinkOp] = set()
         for op, why in failures:
             msg = f"interface {desired.interface}: {op.action} {op.value if op.value is not None else ''}: {why}"
