@@ -57,6 +57,10 @@ class FakeClock(Clock):
             if not fut.done():
                 fut.set_result(None)
 
+    def step_wall(self, seconds: float) -> None:
+        """Step the wall clock alone, as NTP or `date -s` does: monotonic time and the sleepers do not move."""
+        self._wall += timedelta(seconds=seconds)
+
     @property
     def pending_sleepers(self) -> int:
         return sum(1 for _, _, f in self._sleepers if not f.done())

@@ -252,6 +252,27 @@ class Verifier:
             raise EventRejected("stale", f"issued_at {env.issued_at} is more than 5 minutes old")
         if issued - now > STALENESS_WINDOW:
             raise EventRejected("future", f"issued_at {env.issued_at} is more than 5 minutes in the future")
+        self._check_authentic(env, now)
+        # 7. nonce, only now that the event is known to be genuine and ours
+        try:
+            fresh = self._nonces.add(env.nonce, issued)
+        except NonceStoreFull as exc:
+            raise EventRejected(NONCE_STORE_FULL, f"{exc}: event refused rather than forget one") from None
+        if not fresh:
+            raise EventRejected("duplicate_nonce", f"duplicate nonce {env.nonce!r} (replayed event)")
+
+    def authentic(self, env: Envelope) -> bool:
+        """Whether `env` is signed by a key trusted now and addressed to this node, whatever its time: an event
+        refused only by the window may be held until this node's clock agrees (`plexd.controlplane.clock_hold`)."""
+        if not env.signature or not env.nonce or not env.issued_at:
+            return False
+        try:
+            self._check_authentic(env, self._clock.now())
+        except EventRejected:
+            return False
+        return True
+
+    def _check_authentic(self, env: Envelope, now: datetime) -> None:
         # 3. signature encoding
         try:
             signature = base64.b64decode(env.signature, validate=True)
@@ -269,13 +290,6 @@ class Verifier:
         # 6. for this node: the control plane's signed payload may name the nodes it addressed (the envelope
         # itself cannot: its signed bytes are fixed by the wire format); an event for others is a replay
         self._check_target(env)
-        # 7. nonce, only now that the event is known to be genuine and ours
-        try:
-            fresh = self._nonces.add(env.nonce, issued)
-        except NonceStoreFull as exc:
-            raise EventRejected(NONCE_STORE_FULL, f"{exc}: event refused rather than forget one") from None
-        if not fresh:
-            raise EventRejected("duplicate_nonce", f"duplicate nonce {env.nonce!r} (replayed event)")
 
     def _check_target(self, env: Envelope) -> None:
         if self._node_id is None or TARGETS_FIELD not in env.payload_raw:  # the Go control plane never binds

@@ -34,6 +34,7 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.controlplane import http11
 from plexd.controlplane.client import _tls_context, parse_retry_after, path_escape
+from plexd.controlplane.clock_hold import CLOCK_REASONS, ClockHold
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.event_signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.ledger import EventLedger
@@ -43,6 +44,7 @@ from plexd.identity import datadir
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 90.0
+HELD_RETRY = 5.0  # seconds between tries of the events held for this node's clock
 POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full state
 RETRY_AFTER_MAX = 3600.0
 SEEN_IDS_MAX = 4096
@@ -147,6 +149,9 @@ class EventStream:
         self.polls = 0
         self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
         self._reconnect = asyncio.Event()
+        self._handling = asyncio.Lock()
+        self.clock_hold = ClockHold()
+        self._retrying: asyncio.Task[None] | None = None  # tries the held events again while there are any
 
     def _state_changed(self) -> None:
         self.state_since = self._clock.now().timestamp()
@@ -158,7 +163,9 @@ class EventStream:
         return {"state": state, "since": self.state_since, "last_event_id": self.last_event_id,
                 "last_event_at": self.last_event_at,
                 "last_event_age_seconds": None if self.last_event_at is None else round(now - self.last_event_at, 1),
-                "connects": self.connects, "events_accepted": self.accepted, "events_rejected": self.rejected}
+                "connects": self.connects, "events_accepted": self.accepted, "events_rejected": self.rejected,
+                "events_held_for_clock": len(self.clock_hold),
+                "clock_offset_seconds": None if not self.clock_hold else round(-(self.clock_hold.offset or 0.0))}
 
     # ---------------------------------------------------------------------------------------------------------
     # Cursor
@@ -197,12 +204,17 @@ class EventStream:
 
     async def run(self) -> None:
         """Keep the stream open until cancelled."""
-        async with self._client_factory() as client:
-            while True:
-                delay = await self._attempt(client)
-                if delay > 0:
-                    self.delays.append(delay)
-                    await self._wait(delay)
+        try:
+            async with self._client_factory() as client:
+                while True:
+                    delay = await self._attempt(client)
+                    if delay > 0:
+                        self.delays.append(delay)
+                        await self._wait(delay)
+        finally:
+            if self._retrying is not None:
+                self._retrying.cancel()
+                await asyncio.wait({self._retrying})
 
     async def _attempt(self, client: http11.HTTPClient) -> float:
         """One connection attempt; returns how long to wait before the next one."""
@@ -481,10 +493,24 @@ class EventStream:
             try:
                 self._verifier.verify(env)
             except EventRejected as exc:
+                # Refused now, counted and logged as such; if only the window refused it, it is held until this
+                # node's clock agrees (then handled, and counted as accepted too).
                 self._reject(env.event_id, exc.reason, str(exc), env.event_type)
+                if exc.reason in CLOCK_REASONS and self._verifier.authentic(env):
+                    self.clock_hold.hold(env, len(frame.data), self._clock)
+                    if self._retrying is None or self._retrying.done():
+                        self._retrying = asyncio.create_task(self._retry_while_held(), name="events-held")
                 return
-            self._remember(env.event_id)
             nonce, issued = env.nonce, gojson.parse_time(env.issued_at).timestamp()
+            await self._handle_verified(env)
+        finally:
+            # Advance the cursor even for refused events, so a poison event is never replayed to us in a loop. The
+            # nonce is noted with it, after the handler ran: both are committed once the effect is durable.
+            self._advance_cursor(frame.id, nonce, issued)
+
+    async def _handle_verified(self, env: Envelope) -> None:
+        self._remember(env.event_id)
+        async with self._handling:  # one event at a time: a held one tried again meets the stream's next
             try:
                 await self._dispatch(env)
             except PlexdError as exc:
@@ -497,10 +523,31 @@ class EventStream:
                               extra={"event_id": env.event_id, "reason": "handler_error"})
                 return
             self.accepted += 1
-        finally:
-            # Advance the cursor even for refused events, so a poison event is never replayed to us in a loop. The
-            # nonce is noted with it, after the handler ran: both are committed once the effect is durable.
-            self._advance_cursor(frame.id, nonce, issued)
+
+    async def retry_held(self) -> None:
+        """The events held for this node's clock (`plexd.controlplane.clock_hold`), tried again: each the window
+        now takes goes through every check again and is handled; the rest stay held."""
+        for held in self.clock_hold.take(self._clock):
+            env = held.envelope
+            if env.event_id in self._seen_ids:
+                continue
+            try:
+                self._verifier.verify(env)
+            except EventRejected as exc:
+                if exc.reason in CLOCK_REASONS:
+                    self.clock_hold.put_back(held)
+                else:  # the keys changed, or its nonce was seen meanwhile
+                    self._reject(env.event_id, exc.reason, str(exc), env.event_type)
+                continue
+            log.info("event %s (%s) accepted: this node's clock now agrees with its issued_at %s", env.event_id,
+                     env.event_type, env.issued_at, extra={"event_id": env.event_id})
+            await self._handle_verified(env)
+            self.ledger.note(None, env.nonce, gojson.parse_time(env.issued_at).timestamp())
+
+    async def _retry_while_held(self) -> None:
+        while self.clock_hold:
+            await self._clock.sleep(HELD_RETRY)
+            await self.retry_held()
 
     def _reject(self, event_id: str | None, reason: str, message: str, event_type: str = "") -> None:
         self.rejected += 1
