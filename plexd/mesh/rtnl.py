@@ -185,7 +185,7 @@ def _parsed_network(dst: str) -> tuple[int, int, bytes]:
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
         packed = socket.inet_pton(family, address)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: a NUL in the text
         raise ValueError(f"{dst!r} is not an IP network") from None
     bits = len(packed) * 8
     if not slash:
