@@ -18,6 +18,10 @@ holds it, heals it, pauses the workload and then checks:
     had to be moved aside as unreadable (the journals, the outbox, the event ledger open without repair);
   * secrets: neither the node secret, the private key, the bootstrap token nor a secret value is in any log.
 
+The clock faults (clock_ahead, clock_behind) step plexd's own wall clock by an hour with libfaketime, preloaded into
+plexd alone (its monotonic clock is left alone, as NTP's step leaves it; its children inherit the offset); without
+libfaketime they are left out.
+
 It prints one line per trial and a table per fault: trials, failures, recovery p50/p99.
 """
 
@@ -58,6 +62,8 @@ PLEXD = str(Path(sys.executable).with_name("plexd"))
 RESTART_SEC = 5.0  # the unit's RestartSec
 SETTLE = 20.0  # seconds after convergence for late reports and results to arrive before a trial counts them missing
 SECRET_VALUE = "chaos-secret-value-7f3a9c"  # set as a node secret: must never appear in a log
+# libfaketime (Debian's libfaketime), preloaded into plexd alone so the clock faults can step its wall clock
+FAKETIME = next(Path("/usr/lib").glob("*/faketime/libfaketime.so.1"), None)
 POLICIES = [
     [{"id": "allow-all", "rules": [{"src": "*", "dst": "*", "ports": [], "protocol": "", "action": "allow"}]}],
     [{"id": "allow-ssh", "rules": [{"src": "*", "dst": "*", "ports": [22], "protocol": "tcp", "action": "allow"},
@@ -96,12 +102,22 @@ class Rig:
     def runs_file(self) -> Path:
         return self.workdir / "runs"
 
+    @property
+    def clock_file(self) -> Path:
+        """plexd's wall-clock offset, as libfaketime reads it ("+0", "+1h", "-1h"): the clock faults write it."""
+        return self.workdir / "clock-offset"
+
     def start_daemon(self) -> None:
         log = self.workdir / f"plexd-{len(self.logs) + 1}.log"
         self.logs.append(log)
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.workdir / "config.yaml"),
                "PLEXD_TEST_NO_SYSTEMD": "1", "PYTHONFAULTHANDLER": "1",
                **{k: v for k, v in os.environ.items() if k.startswith(("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC"))}}
+        if FAKETIME is not None:  # plexd's own wall clock, steppable (monotonic time is left alone)
+            if not self.clock_file.exists():
+                self.clock_file.write_text("+0\n")
+            env.update(LD_PRELOAD=str(FAKETIME), FAKETIME_TIMESTAMP_FILE=str(self.clock_file),
+                       FAKETIME_DONT_FAKE_MONOTONIC="1", FAKETIME_CACHE_DURATION="1")
         # PLEXD_BENCH_TRACEMALLOC=/path/out.snap: plexd under tracemalloc (bench/_traced_daemon.py; SIGUSR1 snapshots)
         daemon = ([sys.executable, str(Path(__file__).with_name("_traced_daemon.py"))]
                   if env.get("PLEXD_BENCH_TRACEMALLOC") else [PLEXD, "up"])
@@ -369,10 +385,33 @@ def _in_node_out(r: Rig, *cmd: str) -> str:
     return subprocess.run(r.node.wrap_net(list(cmd)), capture_output=True, text=True).stdout
 
 
+async def _step_clock(r: Rig, offset: str) -> None:
+    r.clock_file.write_text(offset + "\n")
+
+
+def _clock_offset(r: Rig) -> float | None:
+    """plexd's wall clock less the host's, in seconds, read from its status (start time + uptime = its now)."""
+    doc = r.status()
+    if doc is None:
+        return None
+    return doc["daemon"]["started_at"] + doc["daemon"]["uptime_seconds"] - time.time()
+
+
+def _clock_stepped(r: Rig, seconds: float) -> bool:
+    offset = _clock_offset(r)
+    return offset is not None and abs(offset - seconds) < 600
+
+
 def faults(outage: float) -> dict[str, Fault]:
     def statvfs(r: Rig) -> os.statvfs_result:
         return os.statvfs(r.data_dir)
 
+    clock = {} if FAKETIME is None else {
+        "clock_ahead": Fault(lambda r: _step_clock(r, "+1h"), lambda r: _step_clock(r, "+0"), outage,
+                             lambda r: _clock_stepped(r, 3600)),
+        "clock_behind": Fault(lambda r: _step_clock(r, "-1h"), lambda r: _step_clock(r, "+0"), outage,
+                              lambda r: _clock_stepped(r, -3600)),
+    }
     return {
         "plexd_kill": Fault(_plexd_kill, _nothing, 0.5, lambda r: r.proc is None or r.proc.poll() is not None),
         "wg_kill": Fault(lambda r: _wg_signal(r, signal.SIGKILL), _nothing, 0.5,
@@ -391,7 +430,7 @@ def faults(outage: float) -> dict[str, Fault]:
                            lambda r: "plexd" not in _in_node_out(r, "nft", "list", "tables")),
         "link_del": Fault(lambda r: asyncio.to_thread(r.in_node, "ip", "link", "del", "plexd0"), _nothing, 0,
                           lambda r: "plexd0" not in _in_node_out(r, "ip", "-o", "link")),
-    }
+    } | clock
 
 
 # -- the promises -------------------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ cd "$(dirname "$0")/.."
 # systemd provides systemd-analyze (the unit test checks plexd.service offline); netbase gives /etc/services.
 # iperf3: the relay and TCP-session benches; openssh-client and sshpass: the real ssh client the SSH
 # access-session tests and bench log in with. ca-certificates: the trust store the control-plane client verifies
-# with; openssl: the trust-store tests hash a CA into a directory as update-ca-certificates does.
+# with; openssl: the trust-store tests hash a CA into a directory as update-ca-certificates does. libfaketime:
+# the chaos bench and its smoke test step plexd's own wall clock (never the machine's).
 APT_PACKAGES="wireguard-go wireguard-tools nftables libnftables1 iproute2 iputils-ping coturn systemd netbase iperf3
-              openssh-client sshpass ca-certificates openssl"
+              openssh-client sshpass ca-certificates openssl libfaketime"
 
 missing=""
 for p in $APT_PACKAGES; do

@@ -1,7 +1,8 @@
 """The chaos smoke: `python -m bench chaos` (bench/chaos.py), short, in the suite. One connected `plexd up` under
 its running workload (peers joining and leaving, actions, reports, policy changes) meets 20 faults at random
 moments, each kind at least once (plexd and wireguard-go killed or stopped, the control plane failing, silent or
-restarted, data_dir full or read-only, the firewall flushed and the interface deleted by hand), and after each the
+restarted, data_dir full or read-only, the firewall flushed and the interface deleted by hand, plexd's wall clock
+stepped an hour ahead or behind with libfaketime), and after each the
 promises hold: converged again within 10 s of the heal, no action run twice or left without its one result, no
 drift record twice, no report lost, the node id kept, no secret in a log. The long run (200 trials) is the bench's.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 from waiting import LOAD_FACTOR
 
-from bench.chaos import faults, run_trials
+from bench.chaos import FAKETIME, faults, run_trials
 
 pytestmark = pytest.mark.root
 
@@ -20,6 +21,7 @@ TRIALS = 20
 
 @pytest.mark.timeout(int(1200 * LOAD_FACTOR))
 async def test_twenty_faults_at_random_moments_break_no_promise() -> None:
+    assert FAKETIME is not None, "libfaketime is not installed (make setup installs it): no clock faults"
     kinds = list(faults(0))
     run = await run_trials(TRIALS, kinds, seed=20261202, outage=5, recover=10)
     assert len(run.trials) == TRIALS and {t.fault for t in run.trials} == set(kinds)
