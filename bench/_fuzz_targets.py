@@ -8,10 +8,11 @@ is accepted stays within its bounds.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -22,7 +23,7 @@ from plexd.base import boundedjson
 from plexd.base.errors import PlexdError, WireFormatError
 from plexd.controlplane.client import RETRY_AFTER_CAP, _error_message, parse_retry_after
 from plexd.controlplane.envelope import parse_envelope
-from plexd.controlplane.sse import SSEParser, valid_event_id
+from plexd.controlplane.sse import read_events, valid_event_id
 from plexd.node.metrics import bearer_matches
 from plexd.state.desired import DesiredState, split_endpoint
 from plexd.state.model import Peer, RegisterResponse, State
@@ -92,11 +93,16 @@ def check_envelope(text: str) -> None:
 
 
 def check_sse(chunks: list[bytes]) -> None:
-    parser = SSEParser(max_event_bytes=4096)
-    for chunk in chunks:
-        for event in parser.feed(chunk):
+    async def source() -> AsyncIterator[bytes]:
+        for chunk in chunks:
+            yield chunk
+
+    async def read() -> None:
+        async for event in read_events(source(), max_event_bytes=4096):
             assert event.oversize or len(event.data.encode("utf-8", "surrogatepass")) <= 4096 * 4
             assert event.retry is None or 0 <= event.retry < 10**10
+
+    asyncio.run(read())
 
 
 def check_retry_after(value: str) -> None:

@@ -1,6 +1,6 @@
 """Control-plane client: the CPU one request costs the daemon (a 1,000-point metrics batch, a heartbeat).
 
-The real `ControlPlaneClient` (plexd.controlplane.http11, gzip, Go-style JSON) sends to a loopback HTTP/1.1
+The real `ControlPlaneClient` (plexd.controlplane.http_client, gzip, Go-style JSON) sends to a loopback HTTP/1.1
 server in another process that reads each request and answers a small JSON body (a heartbeat's answer), so the
 figure is the client's side alone: what an idle node pays per telemetry batch and heartbeat (issue 32's idle CPU).
 Plain HTTP: a TLS connection adds its encryption on top. CPU is this process's user+system time

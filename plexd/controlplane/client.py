@@ -17,10 +17,10 @@ Errors are the typed exceptions of `plexd.controlplane.client_errors` (transient
 ``Retry-After`` is read as integer seconds or an HTTP-date.
 
 For the SSE stream (events engineer): ``async with cp.open_event_stream(node_id, last_event_id, read_timeout=90)
-as response:`` yields the open, status-checked `plexd.controlplane.http11.Response` (headers ``Accept:
+as response:`` yields the open, status-checked `plexd.controlplane.http_client.Response` (headers ``Accept:
 text/event-stream``, ``Cache-Control: no-cache``, ``Last-Event-ID`` when given). There is no total deadline on the
-body; the optional `read_timeout` raises a "read timed out" `TransportError` after that many idle seconds. Parse it
-with `plexd.controlplane.sse.SSEParser`. A non-2xx status raises the typed error before the body is read.
+body; the optional `read_timeout` raises a "read timed out" `TransportError` after that many idle seconds. Read its
+frames with `plexd.controlplane.sse.read_events`. A non-2xx status raises the typed error before the body is read.
 
 Request bodies with a fixed [C] shape have builders here (`RegisterRequest`, `HeartbeatRequest`, ...); the
 open-ended ones (drift, results, metrics, logs, audit, capabilities) take a ready JSON-able dict/list from the
@@ -45,7 +45,7 @@ from plexd import __version__
 from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import EncodedJSON, format_time, go_marshal
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 from plexd.controlplane.client_errors import (
     AuthError,
     BadResponseError,
@@ -243,7 +243,7 @@ class ControlPlaneClient:
         self.request_timeout = request_timeout
         self._now = now or (lambda: datetime.now(UTC))  # for HTTP-date Retry-After
         self._last_state: _PulledState | None = None  # the last state answer, for conditional pulls
-        self._http = http11.HTTPClient(tls=_tls_context(ca_file, insecure_skip_verify),
+        self._http = http_client.HTTPClient(tls=_tls_context(ca_file, insecure_skip_verify),
                                        connect_timeout=connect_timeout, read_timeout=request_timeout,
                                        write_timeout=request_timeout)
 
@@ -292,7 +292,7 @@ class ControlPlaneClient:
     async def _exchange(
         self, method: str, path: str, body: JSON = None, *, has_body: bool = False, token: str | None = None,
         what: str = "", extra_headers: Mapping[str, str] | None = None, also_ok: Collection[int] = (),
-    ) -> tuple[int, http11.Headers, bytes]:
+    ) -> tuple[int, http_client.Headers, bytes]:
         """`_call`, answering (status, headers, body); a status in `also_ok` (a 304) is an answer, not an error."""
         what = what or f"{method} {path}"
         headers = {**self._headers(token), **(extra_headers or {})}
@@ -314,16 +314,16 @@ class ControlPlaneClient:
         except TimeoutError:
             raise TransientError(f"{what} to {self.base_url}",
                                  message=f"no complete answer within {self.request_timeout:g}s") from None
-        except http11.TransportError as exc:
+        except http_client.TransportError as exc:
             raise TransientError(f"{what} to {self.base_url}", message=str(exc)) from None
-        except http11.DecodingError as exc:
+        except http_client.DecodingError as exc:
             # A body labelled gzip that is not: not a TransportError, and without this it escapes as a traceback.
             raise BadResponseError(what, response.status_code, f"response body cannot be decoded: {exc}") from None
         if not 200 <= response.status_code < 300 and response.status_code not in also_ok:
             raise self._status_error(what, response.status_code, data, response.headers)
         return response.status_code, response.headers, data
 
-    def _status_error(self, what: str, status: int, body: bytes, headers: http11.Headers) -> ControlPlaneError:
+    def _status_error(self, what: str, status: int, body: bytes, headers: http_client.Headers) -> ControlPlaneError:
         message = _error_message(body[:MAX_ERROR_BYTES])
         if status == 401:
             return AuthError(what, status, message)
@@ -453,7 +453,7 @@ class ControlPlaneClient:
                          what="audit batch")
 
     @contextlib.asynccontextmanager
-    async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[http11.Response]:
+    async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[http_client.Response]:
         """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes)."""
         path = f"/v1/artifacts/plexd/{path_escape(version)}/{path_escape(os_name)}/{path_escape(arch)}"
         async with self._stream("GET", path, self._headers(), "artifact download", read_timeout=None) as response:
@@ -489,7 +489,7 @@ class ControlPlaneClient:
     @contextlib.asynccontextmanager
     async def open_event_stream(
         self, node_id: str, last_event_id: str = "", *, read_timeout: float | None = None
-    ) -> AsyncIterator[http11.Response]:
+    ) -> AsyncIterator[http_client.Response]:
         """#2 ``GET /v1/nodes/{id}/events``: yields the open SSE response; see the module docstring."""
         headers = self._headers()
         headers["Accept"] = "text/event-stream"
@@ -502,18 +502,18 @@ class ControlPlaneClient:
 
     @contextlib.asynccontextmanager
     async def _stream(self, method: str, path: str, headers: dict[str, str], what: str,
-                      read_timeout: float | None) -> AsyncIterator[http11.Response]:
+                      read_timeout: float | None) -> AsyncIterator[http_client.Response]:
         """A streamed request with a connect deadline but no total deadline on the body."""
         try:
             response = await self._http.send(method, self.base_url + path, headers=headers, read_timeout=read_timeout)
-        except http11.TransportError as exc:
+        except http_client.TransportError as exc:
             raise TransientError(f"{what} to {self.base_url}", message=str(exc)) from None
         try:
             if not 200 <= response.status_code < 300:
                 try:
                     async with asyncio.timeout(self.request_timeout):
                         body = await _read_capped(response, what, MAX_ERROR_BYTES, truncate=True)
-                except (TimeoutError, http11.RequestFailed, ControlPlaneError):
+                except (TimeoutError, http_client.RequestFailed, ControlPlaneError):
                     body = b""
                 raise self._status_error(what, response.status_code, body, response.headers)
             yield response
@@ -527,10 +527,10 @@ class ControlPlaneClient:
 
 def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext:
     if insecure:
-        return http11.unverified_tls_context()
+        return http_client.unverified_tls_context()
     if not ca_file:
         # the system's trust store, built once and shared by the API client and every event-stream client
-        return http11.default_tls_context()
+        return http_client.default_tls_context()
     try:
         ctx = ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as exc:
@@ -541,13 +541,13 @@ def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext:
     return ctx
 
 
-async def _read_capped(response: http11.Response, what: str, limit: int = MAX_RESPONSE_BYTES, *,
+async def _read_capped(response: http_client.Response, what: str, limit: int = MAX_RESPONSE_BYTES, *,
                        truncate: bool = False) -> bytes:
     """The (decompressed) body, at most `limit` bytes: beyond it, an error, or the first `limit` bytes when
     `truncate` (error bodies only need their start)."""
     try:
         return await response.aread(limit, truncate=truncate)
-    except http11.BodyTooLarge as exc:
+    except http_client.BodyTooLarge as exc:
         raise BadResponseError(what, response.status_code, str(exc)) from None
 
 

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import random
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -32,13 +32,13 @@ from plexd.base import gojson
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 from plexd.controlplane.client import _tls_context, parse_retry_after, path_escape
 from plexd.controlplane.clock_hold import CLOCK_REASONS, ClockHold
 from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.event_signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.ledger import EventLedger
-from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, SSEParser, valid_event_id
+from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, read_events, valid_event_id
 from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
@@ -51,10 +51,10 @@ SEEN_IDS_MAX = 4096
 
 
 
-def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> http11.HTTPClient:
+def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> http_client.HTTPClient:
     """The stream's own HTTP client: same TLS rules as the API client, connect 10 s, and no read/total timeout
     on the body: the idle watchdog decides when a stream is dead."""
-    return http11.HTTPClient(tls=_tls_context(ca_file, insecure_skip_verify), connect_timeout=10.0,
+    return http_client.HTTPClient(tls=_tls_context(ca_file, insecure_skip_verify), connect_timeout=10.0,
                              read_timeout=None, write_timeout=10.0)
 
 
@@ -90,7 +90,7 @@ class EventStream:
         on_auth_failure: Callable[[], Awaitable[None]] | None = None,  # re-register after a 401
         poll: Callable[[], None] | None = None,  # ask for a full state pull while the stream is down
         poll_interval: float = 60.0,
-        client_factory: Callable[[], http11.HTTPClient] = stream_http_client,
+        client_factory: Callable[[], http_client.HTTPClient] = stream_http_client,
         backoff: Backoff | None = None,
         storm_backoff: Backoff | None = None,
         storm_burst: int = 5,
@@ -216,7 +216,7 @@ class EventStream:
                 self._retrying.cancel()
                 await asyncio.wait({self._retrying})
 
-    async def _attempt(self, client: http11.HTTPClient) -> float:
+    async def _attempt(self, client: http_client.HTTPClient) -> float:
         """One connection attempt; returns how long to wait before the next one."""
         try:
             await self._stream_once(client)
@@ -368,12 +368,12 @@ class EventStream:
             headers["Last-Event-ID"] = self.last_event_id
         return headers
 
-    async def _stream_once(self, client: http11.HTTPClient) -> None:
+    async def _stream_once(self, client: http_client.HTTPClient) -> None:
         self.attempts += 1
         headers = await self._headers()
         try:
-            # Not httpx-sse: it overwrites Cache-Control with no-store (the wire says no-cache) and its iterator
-            # swallows the comment pings the watchdog needs; SSEParser reads the raw bytes instead.
+            # Not httpx-sse's `aconnect_sse`: it overwrites Cache-Control with no-store (the wire says no-cache).
+            # Its `EventSource` reads the frames (`read_events`), after the watchdog has seen every byte.
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     # The idle watchdog starts with the stream: until then a server (or a proxy) that takes the
@@ -393,7 +393,7 @@ class EventStream:
                 await self._consume(response)
         except (_Refused, _Disconnected):
             raise
-        except http11.RequestFailed as exc:
+        except http_client.RequestFailed as exc:
             if self.connected.is_set():
                 raise _Disconnected(str(exc)) from None
             raise _Refused(str(exc)) from None
@@ -434,7 +434,7 @@ class EventStream:
 
         asyncio.get_running_loop().call_later(random.uniform(0, spread), now)
 
-    async def _consume(self, response: http11.Response) -> None:
+    async def _consume(self, response: http_client.Response) -> None:
         self._last_activity = self._clock.monotonic()
         self._reconnect.clear()
         reader = asyncio.ensure_future(self._read(response))
@@ -463,12 +463,15 @@ class EventStream:
                 return
             await self._clock.sleep(self._idle_timeout - silent)
 
-    async def _read(self, response: http11.Response) -> None:
-        parser = SSEParser(self._max_event_bytes)
+    async def _read(self, response: http_client.Response) -> None:
+        async for event in read_events(self._noting_activity(response), self._max_event_bytes):
+            await self.handle_frame(event)
+
+    async def _noting_activity(self, response: http_client.Response) -> AsyncIterator[bytes]:
+        """The body's bytes as they come; each arrival, a comment ping included, is life for the idle watchdog."""
         async for chunk in response.aiter_bytes():
             self._last_activity = self._clock.monotonic()
-            for event in parser.feed(chunk):
-                await self.handle_frame(event)
+            yield chunk
 
     # ---------------------------------------------------------------------------------------------------------
     # One event

@@ -36,7 +36,7 @@ from plexd.base.errors import PlexdError
 from plexd.base.gojson import format_duration
 from plexd.base.log import fingerprint
 from plexd.config.settings import Config
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
 from plexd.controlplane.client_errors import (
     AuthError,
@@ -116,7 +116,7 @@ async def _metadata_token(base_url: str) -> str | None:
     means "source unavailable"."""
     base = base_url.rstrip("/")
     try:
-        async with http11.HTTPClient(connect_timeout=METADATA_TIMEOUT, read_timeout=METADATA_TIMEOUT,
+        async with http_client.HTTPClient(connect_timeout=METADATA_TIMEOUT, read_timeout=METADATA_TIMEOUT,
                                      write_timeout=METADATA_TIMEOUT) as http, asyncio.timeout(METADATA_DEADLINE):
             headers = {}
             try:
@@ -124,14 +124,14 @@ async def _metadata_token(base_url: str) -> str | None:
                                                    {"X-aws-ec2-metadata-token-ttl-seconds": "21600"})
                 if status == 200 and text.strip():
                     headers["X-aws-ec2-metadata-token"] = text.strip()
-            except http11.RequestFailed:
+            except http_client.RequestFailed:
                 pass  # IMDSv1 fallback: ask without a session token
             status, text = await _metadata_get(http, "GET", f"{base}/plexd/bootstrap-token", headers)
             if status != 200:
                 log.info("metadata service has no bootstrap token (HTTP %d)", status)
                 return None
             return text
-    except http11.RequestFailed as exc:
+    except http_client.RequestFailed as exc:
         log.info("metadata service at %s unavailable: %s", base, exc)
         return None
     except TimeoutError:
@@ -139,7 +139,8 @@ async def _metadata_token(base_url: str) -> str | None:
         return None
 
 
-async def _metadata_get(http: http11.HTTPClient, method: str, url: str, headers: Mapping[str, str]) -> tuple[int, str]:
+async def _metadata_get(http: http_client.HTTPClient, method: str, url: str,
+                        headers: Mapping[str, str]) -> tuple[int, str]:
     """(status, body text) of one metadata request; the body capped as a token file is."""
     async with http.stream(method, url, headers=headers) as response:
         body = await response.aread(TOKEN_FILE_LIMIT)

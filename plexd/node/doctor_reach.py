@@ -1,7 +1,7 @@
 """`plexd doctor`'s view of the control plane: reach it step by step (DNS, TCP, TLS, HTTP) so a failure names the
 step that failed, and keep its Date header (the clock check) and the address it reached (the MTU check).
 
-The daemon's client (`plexd.controlplane.http11`) says only "cannot connect: ..."; an operator needs to know
+The daemon's client (`plexd.controlplane.http_client`) says only "cannot connect: ..."; an operator needs to know
 whether to look at the resolver, a firewall, a certificate or the server. So the steps are taken here by hand, with
 the same TLS settings the daemon uses, each within what is left of one budget. Through a proxy from the
 environment the direct steps would test the wrong path: the request then goes through the daemon's own client.
@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from plexd import __version__
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 
 PING_PATH = "/v1/ping"
 STEP_TIMEOUT = 3.0  # seconds, each step
@@ -62,7 +62,7 @@ def reach(api_url: str, *, ca_file: str = "", insecure_skip_verify: bool = False
                      "before joining, name it: plexd doctor --api URL ('plexd join --api URL' stores it)")
     parts = urlsplit(api_url)
     host, scheme = parts.hostname or "", parts.scheme.lower()
-    port = parts.port or http11.DEFAULT_PORTS.get(scheme, 443)
+    port = parts.port or http_client.DEFAULT_PORTS.get(scheme, 443)
 
     def left() -> float:
         return max(0.1, min(step_timeout, start + budget - time.monotonic()))
@@ -75,8 +75,8 @@ def reach(api_url: str, *, ca_file: str = "", insecure_skip_verify: bool = False
     tls_kind = "" if tls is None else ("unverified" if insecure_skip_verify else "verified")
     environ = os.environ if env is None else env
     try:
-        proxy = http11.proxy_for(scheme, host, environ)
-    except http11.TransportError as exc:
+        proxy = http_client.proxy_for(scheme, host, environ)
+    except http_client.TransportError as exc:
         return Reach(api_url, "config", str(exc), "use an http:// proxy in HTTPS_PROXY / HTTP_PROXY, or none")
     if proxy is not None:
         done = _through_proxy(api_url, tls, left(), f"{proxy.host}:{proxy.port}", tls_kind)
@@ -165,7 +165,7 @@ def _connect(url: str, infos: list[Any], port: int,
 
 def _ping(url: str, sock: socket.socket, host: str, port: int, address: str, timeout: float, tls_kind: str) -> Reach:
     host_text = f"[{host}]" if ":" in host else host
-    default = http11.DEFAULT_PORTS.get(urlsplit(url).scheme.lower())
+    default = http_client.DEFAULT_PORTS.get(urlsplit(url).scheme.lower())
     authority = host_text if port == default else f"{host_text}:{port}"
     request = (f"GET {PING_PATH} HTTP/1.1\r\nHost: {authority}\r\nUser-Agent: plexd/{__version__} (doctor)\r\n"
                "Accept: application/json\r\nConnection: close\r\n\r\n").encode("latin-1")
@@ -189,7 +189,7 @@ def _ping(url: str, sock: socket.socket, host: str, port: int, address: str, tim
 
 def _through_proxy(url: str, tls: ssl.SSLContext | None, timeout: float, proxy: str, tls_kind: str) -> Reach:
     async def ping() -> tuple[int, str | None, float]:
-        async with http11.HTTPClient(tls=tls, connect_timeout=timeout, read_timeout=timeout,
+        async with http_client.HTTPClient(tls=tls, connect_timeout=timeout, read_timeout=timeout,
                                      write_timeout=timeout) as client:
             sent = time.time()
             async with asyncio.timeout(timeout * 2):
@@ -207,7 +207,7 @@ def _through_proxy(url: str, tls: ssl.SSLContext | None, timeout: float, proxy: 
         return Reach(url, "HTTP", f"HTTP through proxy {proxy}: no answer within {timeout * 2:g}s",
                      "check the proxy (HTTPS_PROXY / HTTP_PROXY) and whether it may reach the control plane",
                      address, proxy=proxy)
-    except http11.RequestFailed as exc:
+    except http_client.RequestFailed as exc:
         return Reach(url, "HTTP", f"HTTP through proxy {proxy}: {exc}",
                      "check the proxy (HTTPS_PROXY / HTTP_PROXY, NO_PROXY) and the control plane behind it",
                      address, proxy=proxy)
@@ -246,9 +246,9 @@ def _with(found: Reach, **changes: Any) -> Reach:
 def _tls_context(ca_file: str, insecure: bool) -> ssl.SSLContext:
     """The TLS settings the daemon's client uses (plexd.controlplane.client), so the check proves the same trust."""
     if insecure:
-        return http11.unverified_tls_context()
+        return http_client.unverified_tls_context()
     if not ca_file:
-        return http11.default_tls_context()
+        return http_client.default_tls_context()
     ctx = ssl.create_default_context(cafile=ca_file)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     return ctx

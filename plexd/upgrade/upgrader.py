@@ -43,7 +43,7 @@ from plexd.actions.builtins import Output, json_output
 from plexd.base.childenv import child_environment
 from plexd.base.children import signal_child
 from plexd.base.errors import PlexdError
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.trust.integrity import sha256_file, zipapp_of
 from plexd.upgrade import marker as markers
@@ -119,7 +119,7 @@ class Upgrader:
             out = await self._install(version, checksum, execution_id)
             installed = True
             return out
-        except http11.RequestFailed as exc:  # the download broke off (a reset, a stall): nothing installed
+        except http_client.RequestFailed as exc:  # the download broke off (a reset, a stall): nothing installed
             why = f"the download broke off: {exc}; nothing installed"
             log.error("upgrade to plexd %s failed: %s", version, why, extra={"execution_id": execution_id})
             return Output(1, "", f"upgrade to plexd {version}: {why}\n")

@@ -18,7 +18,7 @@ from agentcore_recorder import Recorded, Recorder, Reply, self_signed_ca, servin
 
 from plexd import __version__
 from plexd.base.gojson import go_marshal
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 from plexd.controlplane.client import (
     ControlPlaneClient,
     HeartbeatRequest,
@@ -442,7 +442,7 @@ async def test_event_stream_idle_read_timeout(rec):
     rec.route("GET", f"/v1/nodes/{NODE}/events",
               Reply(200, headers={"Content-Type": "text/event-stream"}, chunks=[b": a\n\n", b": b\n\n"], delay=0.6))
     async with ControlPlaneClient(rec.url) as client:
-        with pytest.raises(http11.TransportError, match="read timed out"):
+        with pytest.raises(http_client.TransportError, match="read timed out"):
             async with client.open_event_stream(NODE, read_timeout=0.2) as resp:
                 async for _ in resp.aiter_bytes():
                     pass

@@ -2,7 +2,7 @@
 
 No test sleeps: every wait goes through FakeClock, and the assertions read the delays it was asked for.
 The transport is a scripted client (no socket: the stream's client answers from a script with the real
-`http11.Response`); the real HTTP client and the real devplane are exercised in tests/integration/
+`http_client.Response`); the real HTTP client and the real devplane are exercised in tests/integration/
 test_events_devplane.py and test_client_wire.py.
 """
 
@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import httpx
 import nacl.signing
 import pytest
 
 from plexd.base.backoff import Backoff
 from plexd.base.clock import FakeClock
-from plexd.controlplane import http11
+from plexd.controlplane import http_client
 from plexd.controlplane.client import parse_retry_after
 from plexd.controlplane.envelope import sign_event
 from plexd.controlplane.event_signing import NonceStore, Verifier
@@ -37,32 +38,41 @@ KEY = nacl.signing.SigningKey.generate()
 class Request:
     method: str
     url: str
-    headers: http11.Headers
+    headers: http_client.Headers
 
 
 def reply(status: int, headers: dict[str, str] | None = None,
-          content: bytes | AsyncIterator[bytes] = b"") -> http11.Response:
+          content: bytes | AsyncIterator[bytes] = b"") -> http_client.Response:
     """A scripted answer: `content` is the whole body, or an async iterator of its chunks."""
     async def once() -> AsyncIterator[bytes]:
         if content:
             yield content
     chunks = content if not isinstance(content, bytes) else once()
-    return http11.Response(status, http11.Headers(headers or {}), chunks)
+    return http_client.Response(httpx.Response(status, headers=headers or {}, stream=Chunks(chunks)))
+
+
+class Chunks(httpx.AsyncByteStream):
+    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
+        self._chunks = chunks
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._chunks:
+            yield chunk
 
 
 class Server:
     """A scripted server: `respond(request, attempt_no)` returns a Response or raises."""
 
-    def __init__(self, respond: Callable[[Request, int], http11.Response]) -> None:
+    def __init__(self, respond: Callable[[Request, int], http_client.Response]) -> None:
         self.respond = respond
         self.requests: list[Request] = []
         self.hang = asyncio.Event()  # streams that should stay open wait on this
 
-    def handler(self, request: Request) -> http11.Response:
+    def handler(self, request: Request) -> http_client.Response:
         self.requests.append(request)
         return self.respond(request, len(self.requests))
 
-    def open_stream(self, *chunks: bytes) -> http11.Response:
+    def open_stream(self, *chunks: bytes) -> http_client.Response:
         """200, send `chunks`, then stay open until `hang` is set."""
         async def body():
             for c in chunks:
@@ -72,7 +82,7 @@ class Server:
 
 
 class ScriptedClient:
-    """What the stream needs of `http11.HTTPClient`, answered by a Server."""
+    """What the stream needs of `http_client.HTTPClient`, answered by a Server."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -84,8 +94,8 @@ class ScriptedClient:
         pass
 
     @contextlib.asynccontextmanager
-    async def stream(self, method: str, url: str, *, headers: dict[str, str]) -> AsyncIterator[http11.Response]:
-        answer = self.server.handler(Request(method, url, http11.Headers(headers)))
+    async def stream(self, method: str, url: str, *, headers: dict[str, str]) -> AsyncIterator[http_client.Response]:
+        answer = self.server.handler(Request(method, url, http_client.Headers(headers)))
         yield await answer if asyncio.iscoroutine(answer) else answer  # a coroutine: an answer that takes time
 
 
@@ -198,7 +208,7 @@ async def test_random_jitter_stays_within_25_percent(tmp_path, clock):
 
 async def test_network_errors_back_off_too(tmp_path, clock):
     def respond(r, n):
-        raise http11.TransportError("cannot connect", "connection refused")
+        raise http_client.TransportError("cannot connect", "connection refused")
     stream, calls = make_stream(tmp_path, clock, Server(respond))
     task = await run(stream)
     try:
