@@ -31,7 +31,7 @@ import os
 import re
 import ssl
 import zlib
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from urllib.parse import unquote, urlsplit
 
 import httpcore
@@ -263,17 +263,19 @@ def proxy_for(scheme: str, host: str, env: Mapping[str, str]) -> _Proxy | None:
 # The transport: one httpcore pool per proxy (and one direct), errors named
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, stream: AsyncIterator[bytes] | object) -> None:
-        self._stream = stream
+class Chunks(httpx.AsyncByteStream):
+    """Byte chunks from any async iterable as an httpx body stream; closing it closes its source when it can."""
+
+    def __init__(self, chunks: AsyncIterable[bytes]) -> None:
+        self._chunks = chunks
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:  # type: ignore[attr-defined]
+        async for chunk in self._chunks:
             yield chunk
 
     async def aclose(self) -> None:
-        if hasattr(self._stream, "aclose"):
-            await self._stream.aclose()
+        if (close := getattr(self._chunks, "aclose", None)) is not None:
+            await close()
 
 
 class _Transport(httpx.AsyncBaseTransport):
@@ -303,7 +305,7 @@ class _Transport(httpx.AsyncBaseTransport):
                                headers=request.headers.raw, content=request.stream, extensions=request.extensions)
         with _named_errors(answered=False, proxy=proxy):
             resp = await self._pool(proxy).handle_async_request(req)
-        return httpx.Response(status_code=resp.status, headers=resp.headers, stream=_Body(resp.stream),
+        return httpx.Response(status_code=resp.status, headers=resp.headers, stream=Chunks(resp.stream),
                               extensions=resp.extensions)
 
     async def aclose(self) -> None:

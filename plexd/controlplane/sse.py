@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import httpx
 from httpx_sse import EventSource
 
+from plexd.controlplane.http_client import Chunks
+
 # One event (all its lines) may not exceed 512 KiB. The Go agent dies on a 64 KiB line; legitimate events are a
 # few KiB. An oversize event is skipped, and the reconciler's full-state pull still brings whatever it carried.
 MAX_EVENT_BYTES = 512 * 1024
@@ -52,22 +54,13 @@ async def read_events(chunks: AsyncIterable[bytes], max_event_bytes: int = MAX_E
             if out := bounded.feed(chunk):
                 yield out
 
-    source = httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"}, stream=_Stream(lines()))
+    source = httpx.Response(200, headers={"content-type": "text/event-stream; charset=utf-8"}, stream=Chunks(lines()))
     async for sse in EventSource(source).aiter_sse():
         if sse.event == _OVERSIZE:
             yield SSEEvent(data="", id=sse.id or None, oversize=True)
         elif sse.data:
             retry = sse.retry if sse.retry is not None and 0 <= sse.retry < 10**10 else None
             yield SSEEvent(data=sse.data, id=sse.id or None, event=sse.event or "message", retry=retry)
-
-
-class _Stream(httpx.AsyncByteStream):
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._chunks:
-            yield chunk
 
 
 class _Bounded:

@@ -48,16 +48,7 @@ def reply(status: int, headers: dict[str, str] | None = None,
         if content:
             yield content
     chunks = content if not isinstance(content, bytes) else once()
-    return http_client.Response(httpx.Response(status, headers=headers or {}, stream=Chunks(chunks)))
-
-
-class Chunks(httpx.AsyncByteStream):
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        self._chunks = chunks
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._chunks:
-            yield chunk
+    return http_client.Response(httpx.Response(status, headers=headers or {}, stream=http_client.Chunks(chunks)))
 
 
 class Server:
