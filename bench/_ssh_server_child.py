@@ -17,11 +17,11 @@ import time
 
 from nacl.signing import SigningKey
 
-from plexd.access.session_grants import Session, SshTarget
 from plexd.access.ssh import SshSessionServer
 from plexd.access.ssh_host_key import load_or_create_host_key
 from plexd.access.token import sign_session_token
 from plexd.base.children import watch_children_with_pidfds
+from plexd.state.sessions_block import Session, SshTarget
 
 
 def running(server: SshSessionServer) -> int:

@@ -26,9 +26,9 @@ from dataclasses import replace
 
 from nacl.public import PrivateKey
 
+from plexd.base.wgkeys import b64
 from plexd.converge.engine import Engine
 from plexd.devplane.lab import Lab, LabNode
-from plexd.identity.identity_store import b64
 from plexd.mesh.links import DEFAULT_TABLE, Links
 from plexd.mesh.mesh_plan import device_update, diff
 from plexd.mesh.wireguard import DeviceUpdate

@@ -26,8 +26,8 @@ import statistics
 import sys
 import time
 
-from plexd.access.session_grants import Session, TcpTarget
 from plexd.access.tcp import TcpSession
+from plexd.state.sessions_block import Session, TcpTarget
 
 
 def free_port() -> int:
@@ -67,7 +67,7 @@ async def run(seconds: int, runs: int) -> None:
 # The session in the server's namespace: listens on the mesh IP, forwards to iperf3 on loopback, prints its port.
 _SESSION_CHILD = """
 import asyncio, sys, time
-from plexd.access.session_grants import Session, TcpTarget
+from plexd.state.sessions_block import Session, TcpTarget
 from plexd.access.tcp import TcpSession
 async def main():
     tcp = TcpSession(Session("bench", "tcp", TcpTarget("127.0.0.1", 5201), time.time() + 3600), sys.argv[1])

@@ -47,9 +47,9 @@ from nacl.signing import VerifyKey
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.serving import idle_timeout, mesh_listener, only_from
-from plexd.access.session_grants import K8sTarget, Session, impersonation_problem
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base.errors import PlexdError
+from plexd.state.sessions_block import K8sTarget, Session, impersonation_problem
 
 log = logging.getLogger(__name__)
 

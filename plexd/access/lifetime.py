@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from plexd.access.session_grants import Session
+from plexd.state.sessions_block import Session
 
 
 async def watch_lifetime(session: Session, *, now: Callable[[], float], last_activity: Callable[[], float],

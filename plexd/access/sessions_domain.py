@@ -49,13 +49,13 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Audit, RecordCommand, Report
 from plexd.access.k8s import ApiServer, K8sSession
-from plexd.access.session_grants import Session, Sessions, socket_marks
 from plexd.access.ssh_host_key import HostKeyError, load_or_create_host_key
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.tcp import TcpSession
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.state.desired import DesiredState
+from plexd.state.sessions_block import Session, Sessions, socket_marks
 
 log = logging.getLogger(__name__)
 

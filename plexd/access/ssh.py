@@ -67,7 +67,6 @@ from nacl.signing import VerifyKey
 from plexd.access.activity import Audit, RecordCommand, Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.serving import mesh_listener, only_from
-from plexd.access.session_grants import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import (
@@ -85,6 +84,7 @@ from plexd.base import gojson
 from plexd.base.childenv import child_environment
 from plexd.base.children import children_held, release_reaping
 from plexd.nodeapi.ratelimit import RateLimiter
+from plexd.state.sessions_block import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.system import systemd
 
 log = logging.getLogger(__name__)

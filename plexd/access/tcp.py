@@ -39,9 +39,9 @@ from typing import Any
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
 from plexd.access.serving import accept_forever, idle_timeout, mesh_listener, only_from, stop_serving
-from plexd.access.session_grants import Session, TcpTarget
 from plexd.access.splice import relay
 from plexd.base.hostname import is_ip
+from plexd.state.sessions_block import Session, TcpTarget
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from plexd.bridge.flows import Flow
-from plexd.bridge.relay_sessions import Address
+from plexd.state.relay_block import Address
 
 log = logging.getLogger(__name__)
 

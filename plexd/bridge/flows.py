@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from plexd.bridge import wgheader
-from plexd.bridge.relay_sessions import Address, RelaySession
+from plexd.state.relay_block import Address, RelaySession
 
 # Indices a side keeps (WireGuard uses a new one per handshake, every ~2 min; a few cover rekey overlap).
 INDICES_PER_SIDE = 4

@@ -1,10 +1,10 @@
 """The ingress domain (bridge mode): TCP from outside the mesh to mesh services, by the control plane's rules.
 
-Desired: the state's `bridge.ingress` / `ingress_config` rules (`plexd.bridge.blocks`), each checked here against what
-only this node knows: a target must be a mesh address (inside `policy.mesh_range`), never this machine or anything
-outside the mesh (the Go agent dialed whatever it was given, loopback included: docs/decisions.md, Go defect D8); a
-`terminate` rule's certificate and key must load. Observed: whether each port still listens. The plan, each change also
-its drift line:
+Desired: the state's `bridge.ingress` / `ingress_config` rules (`plexd.state.bridge_blocks`), each checked here
+against what only this node knows: a target must be a mesh address (inside `policy.mesh_range`), never this machine
+or anything outside the mesh (the Go agent dialed whatever it was given, loopback included: docs/decisions.md, Go
+defect D8); a `terminate` rule's certificate and key must load. Observed: whether each port still listens. The plan,
+each change also its drift line:
 
     IngressListening     ingress_listener_started   a port with rules does not listen (first start, or it died)
     IngressStopped       ingress_listener_stopped   a port listens that no rule wants any more
@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from plexd.base.atomicfile import write_atomic
-from plexd.bridge.blocks import Ingress, IngressRule
 from plexd.bridge.ingress_port import IDLE_TIMEOUT, MAX_PER_SOURCE, IngressPort
 from plexd.bridge.once import OnceLog
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
+from plexd.state.bridge_blocks import Ingress, IngressRule
 from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)

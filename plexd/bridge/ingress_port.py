@@ -34,8 +34,8 @@ from typing import Any
 
 from plexd.access.serving import accept_forever, stop_serving
 from plexd.access.splice import relay
-from plexd.bridge.blocks import IngressRule
 from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
+from plexd.state.bridge_blocks import IngressRule
 
 log = logging.getLogger(__name__)
 

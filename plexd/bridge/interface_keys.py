@@ -13,7 +13,7 @@ from pathlib import Path
 
 from plexd.base.atomicfile import write_atomic
 from plexd.base.errors import PlexdError
-from plexd.identity.identity_store import b64, decode_key, generate_private_key, public_key_of
+from plexd.base.wgkeys import b64, decode_key, generate_private_key, public_key_of
 
 
 class BridgeKeyError(PlexdError, OSError):

@@ -28,7 +28,7 @@ from typing import Any
 from plexd.base.clock import Clock
 from plexd.bridge.fastpath import KernelFastPath
 from plexd.bridge.flows import Flow, FlowTable
-from plexd.bridge.relay_sessions import MAX_TTL_SECONDS, RelaySession
+from plexd.state.relay_block import MAX_TTL_SECONDS, RelaySession
 
 log = logging.getLogger(__name__)
 

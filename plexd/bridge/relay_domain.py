@@ -31,10 +31,10 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.bridge.fastpath import FAMILY, TABLE, Elements
 from plexd.bridge.relay import Relay
-from plexd.bridge.relay_sessions import RelaySessionSet
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.state.desired import DesiredState
+from plexd.state.relay_block import RelaySessionSet
 
 log = logging.getLogger(__name__)
 

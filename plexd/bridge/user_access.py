@@ -22,13 +22,13 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Mapping, Sequence
 
-from plexd.bridge.blocks import TUNNEL_PREFIX
 from plexd.bridge.forwarding import Forward
 from plexd.bridge.interface_keys import interface_key
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.wgif import InterfaceSpec
 from plexd.mesh.links import Underlay
 from plexd.mesh.wireguard import PeerConfig
+from plexd.state.bridge_blocks import TUNNEL_PREFIX
 from plexd.state.desired import DesiredState
 
 PART = "user access"

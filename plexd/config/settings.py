@@ -680,14 +680,14 @@ def _check(key: str, value: Any, shown: str, origin: str, f: dataclasses.Field[A
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"{where} is not HOST:PORT (e.g. 127.0.0.1:9100)")
     if rules.get("release_keys"):
-        from plexd.upgrade.signing import key_problem
+        from plexd.base.wgkeys import key_problem
 
         for i, text in enumerate(value):
             problem = key_problem(text)
             if problem:
                 raise ConfigError(f"{where}: entry {i} {text[:60]!r} {problem}")
     if rules.get("stun_servers"):
-        from plexd.nat.servers import parse_server
+        from plexd.config.stun_server import parse_server
 
         for text in value:
             try:

@@ -28,10 +28,10 @@ from plexd.base import gojson
 from plexd.base.atomicfile import write_atomic
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError, WireFormatError
+from plexd.base.wgkeys import decode_key
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.ledger import NONCE_TTL_SECONDS, EventLedger
 from plexd.identity import datadir
-from plexd.identity.identity_store import decode_key
 
 log = logging.getLogger(__name__)
 

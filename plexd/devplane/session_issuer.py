@@ -15,13 +15,13 @@ import secrets
 from datetime import datetime, timedelta
 from typing import Any
 
-from plexd.access.session_grants import impersonation_problem
 from plexd.access.token import sign_session_token
 from plexd.base import gojson
 from plexd.base.hostname import is_hostname, is_ip
 from plexd.devplane import wire
 from plexd.devplane.store import Node
 from plexd.devplane.wire import DevplaneAPIError
+from plexd.state.sessions_block import impersonation_problem
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_PER_NODE = 10  # the Go agent's tunnel.max_sessions: a node would refuse the eleventh
@@ -44,7 +44,7 @@ def target_of(kind: str, body: dict[str, Any]) -> dict[str, Any]:
         host, port = body.get("host", "127.0.0.1"), body.get("port")
         if not isinstance(host, str) or not host:
             raise DevplaneAPIError(400, "host: must be a non-empty string")
-        if not is_ip(host) and not is_hostname(host):  # what the node accepts (plexd.access.session_grants)
+        if not is_ip(host) and not is_hostname(host):  # what the node accepts (plexd.state.sessions_block)
             raise DevplaneAPIError(400, f"host: {host[:60]!r} is not an IP address or host name")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
             raise DevplaneAPIError(400, f"port: must be an integer 1-65535, got {port!r}")

@@ -17,7 +17,6 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from plexd.access.session_grants import Sessions, service_port, socket_marks
 from plexd.converge.domain import DomainResult
 from plexd.firewall import plan
 from plexd.firewall.nft import FirewallError, Nftables, UnreadableTable
@@ -35,6 +34,7 @@ from plexd.firewall.ruleset import (
 )
 from plexd.firewall.script import Unrenderable
 from plexd.state.desired import DesiredState
+from plexd.state.sessions_block import Sessions, service_port, socket_marks
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ covers the chain, the policy and the expression (not the rule's position), and i
 as this one, unchanged.
 
 An access session's listener (docs/protocol.md §A1.3) sits on a port the kernel chose, so its rules match
-the listener's socket mark instead (`plexd.access.session_grants.socket_marks`; the sessions domain marks the socket),
+the listener's socket mark instead (`plexd.state.sessions_block.socket_marks`; the sessions domain marks the socket),
 and they come from the sessions block and the policy alone: the policy's inbound rules for the service the session
 stands for (tcp/22 for SSH, the target port for TCP, tcp/6443 for Kubernetes), in order, allows and denies alike,
 each rewritten to match the session's socket instead of that port. A source the policy would not let reach the

@@ -18,8 +18,6 @@ treated as absent (the caller says so and registers afresh).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import json
 import os
@@ -29,6 +27,7 @@ from pathlib import Path
 from plexd.base.atomicfile import rename_atomic, write_atomic
 from plexd.base.errors import PlexdError
 from plexd.base.hostname import is_ip
+from plexd.base.wgkeys import b64, decode_key, public_key_of
 from plexd.identity import datadir, node_secret
 
 IDENTITY_FILE = datadir.IDENTITY
@@ -42,36 +41,6 @@ IDENTITY_FILES = (PRIVATE_KEY_FILE, NODE_SECRET_FILE, SIGNING_KEY_FILE, IDENTITY
 
 class DataDirError(PlexdError):
     """data_dir cannot be created or written."""
-
-
-def generate_private_key() -> bytes:
-    """32 CSPRNG bytes, clamped as WireGuard does (§5.2)."""
-    key = bytearray(os.urandom(32))
-    key[0] &= 0xF8
-    key[31] &= 0x7F
-    key[31] |= 0x40
-    return bytes(key)
-
-
-def public_key_of(private_key: bytes) -> bytes:
-    from nacl.public import PrivateKey  # lazily: PyNaCl costs start-up time the CLI's read commands don't need
-
-    return bytes(PrivateKey(private_key).public_key)
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def decode_key(text: str, what: str) -> bytes:
-    """Std base64 of exactly 32 bytes, or ValueError naming `what`."""
-    try:
-        raw = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{what} is not valid base64") from None
-    if len(raw) != 32:
-        raise ValueError(f"{what} decodes to {len(raw)} bytes, expected 32")
-    return raw
 
 
 @dataclass(frozen=True)

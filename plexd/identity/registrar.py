@@ -35,6 +35,7 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.base.gojson import format_duration
 from plexd.base.log import fingerprint
+from plexd.base.wgkeys import b64, decode_key, generate_private_key, public_key_of
 from plexd.config.settings import Config
 from plexd.controlplane import http_client
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
@@ -45,15 +46,7 @@ from plexd.controlplane.client_errors import (
     PermanentError,
     RetryAfterError,
 )
-from plexd.identity.identity_store import (
-    Identity,
-    IdentityStore,
-    b64,
-    decode_key,
-    generate_private_key,
-    node_secret,
-    public_key_of,
-)
+from plexd.identity.identity_store import Identity, IdentityStore, node_secret
 
 log = logging.getLogger(__name__)
 

@@ -19,15 +19,15 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from plexd.access.session_grants import revoked_session_id, setup_event_session
 from plexd.base.errors import WireFormatError
-from plexd.bridge.relay_sessions import parse_revoked as parse_relay_revoked
-from plexd.bridge.relay_sessions import parse_session as parse_relay_session
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.event_signing import Verifier, key_fingerprint, persist_signing_key
 from plexd.state.desired import split_endpoint
 from plexd.state.desired_store import DesiredStore, Edit
 from plexd.state.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
+from plexd.state.relay_block import parse_revoked as parse_relay_revoked
+from plexd.state.relay_block import parse_session as parse_relay_session
+from plexd.state.sessions_block import revoked_session_id, setup_event_session
 
 log = logging.getLogger(__name__)
 

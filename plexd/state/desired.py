@@ -20,14 +20,14 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
-from plexd.access.session_grants import Session, Sessions
+from plexd.base import wgkeys
 from plexd.base.hostname import is_hostname, is_ip
-from plexd.bridge.blocks import Ingress, SiteToSite, UserAccess
-from plexd.bridge.relay_sessions import RelaySessionSet
-from plexd.identity import identity_store as identity
 from plexd.state import policy, route_limits
+from plexd.state.bridge_blocks import Ingress, SiteToSite, UserAccess
 from plexd.state.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
+from plexd.state.relay_block import RelaySessionSet
 from plexd.state.route_limits import RouteLimits
+from plexd.state.sessions_block import Session, Sessions
 
 DEFAULT_KEEPALIVE = 25  # seconds; keeps NAT mappings open and makes a new tunnel handshake without traffic
 
@@ -66,7 +66,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 @functools.lru_cache(maxsize=4)  # a new DesiredState per event: the same key must not cost a scalar mult each time
 def public_key_of(private_key: str) -> str:
     """The base64 public key of a base64 private key (the identity's derivation, in base64 at both ends)."""
-    return identity.b64(identity.public_key_of(base64.b64decode(private_key)))
+    return wgkeys.b64(wgkeys.public_key_of(base64.b64decode(private_key)))
 
 
 def canonical_key(key: str) -> str:

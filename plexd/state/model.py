@@ -14,11 +14,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.access.session_grants import Sessions, parse_sessions
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import GO_ZERO_TIME
 from plexd.base.hostname import is_ip
-from plexd.bridge.blocks import (
+from plexd.state.bridge_blocks import (
     Ingress,
     SiteToSite,
     UserAccess,
@@ -27,7 +26,8 @@ from plexd.bridge.blocks import (
     parse_site_to_site,
     parse_user_access,
 )
-from plexd.bridge.relay_sessions import RelaySessionSet
+from plexd.state.relay_block import RelaySessionSet
+from plexd.state.sessions_block import Sessions, parse_sessions
 
 KEY_LEN = 32  # WireGuard keys (Curve25519) and the control plane's Ed25519 keys
 

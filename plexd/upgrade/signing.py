@@ -51,17 +51,6 @@ def manifest(version: str, sha256: str) -> bytes:
     return f"{FORMAT}\nversion={version}\nsha256={sha256}\n".encode()
 
 
-def key_problem(text: str) -> str:
-    """Why `text` is not a base64 Ed25519 public key, or ""."""
-    try:
-        raw = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        return "is not base64"
-    if len(raw) != 32:
-        return f"is {len(raw)} bytes; an Ed25519 public key is 32"
-    return ""
-
-
 def public_key(key: SigningKey) -> str:
     return base64.b64encode(bytes(key.verify_key)).decode()
 

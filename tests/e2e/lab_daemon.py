@@ -20,9 +20,9 @@ import httpx
 from nacl.public import PrivateKey
 from waiting import pauses, scaled
 
+from plexd.base.wgkeys import public_key_of
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode, MeshLab
-from plexd.identity.identity_store import public_key_of
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 # The kernel tier's daemons run without telemetry (the host's labs test it): on the VM's emulated CPU its collection

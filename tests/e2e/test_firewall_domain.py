@@ -17,13 +17,13 @@ import pytest
 from engine_helpers import converge
 from pyroute2.netns import setns
 
-from plexd.access.session_grants import Session, SshTarget, TcpTarget
 from plexd.firewall import plan as fwplan
 from plexd.firewall.firewall_domain import FirewallDomain
 from plexd.firewall.ruleset import desired_ruleset
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer, Policy, PolicyRule
 from plexd.state.policy import compile_policies
+from plexd.state.sessions_block import Session, SshTarget, TcpTarget
 
 KEY = "aGVsbG8gd29ybGQgdGhpcyBpcyBhIHRlc3Qga2V5IQ=="
 

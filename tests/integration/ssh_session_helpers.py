@@ -16,10 +16,10 @@ from typing import Any
 
 from nacl.signing import SigningKey
 
-from plexd.access.session_grants import Session, SshTarget
 from plexd.access.ssh import SshSessionServer
 from plexd.access.ssh_host_key import load_or_create_host_key
 from plexd.access.token import sign_session_token
+from plexd.state.sessions_block import Session, SshTarget
 
 
 @dataclass(frozen=True)

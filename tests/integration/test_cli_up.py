@@ -20,8 +20,9 @@ from agentcore_recorder import Recorder, Reply
 from waiting import scaled, wait_for
 
 from plexd.base.clock import FakeClock
+from plexd.base.wgkeys import generate_private_key
 from plexd.config.settings import load as load_config
-from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key
+from plexd.identity.identity_store import Identity, IdentityStore
 from plexd.node import agent as agent_mod
 from plexd.node import assembly
 from plexd.node.supervisor import FatalError

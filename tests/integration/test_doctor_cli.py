@@ -32,9 +32,10 @@ from pathlib import Path
 import pytest
 from agentcore_recorder import Recorder, Reply, self_signed_ca, serving_tls
 
+from plexd.base.wgkeys import generate_private_key
 from plexd.controlplane.ledger import EventLedger, MirrorChange
 from plexd.devplane.harness import Devplane
-from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key
+from plexd.identity.identity_store import Identity, IdentityStore
 from plexd.nat.stun import binding_response
 from plexd.node.doctor_reach import reach
 

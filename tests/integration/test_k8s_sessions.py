@@ -20,8 +20,8 @@ from nacl.signing import SigningKey
 
 from plexd.access.certificate import load_or_create
 from plexd.access.k8s import ApiServer, K8sSession, activity
-from plexd.access.session_grants import K8sTarget, Session
 from plexd.access.token import sign_session_token
+from plexd.state.sessions_block import K8sTarget, Session
 
 pytestmark = pytest.mark.timeout(90)
 KUBECTL = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")

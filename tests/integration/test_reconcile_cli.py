@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from plexd.base.wgkeys import generate_private_key, public_key_of
 from plexd.devplane.harness import Devplane
-from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key, public_key_of
+from plexd.identity.identity_store import Identity, IdentityStore
 
 PLEXD = str(Path(sys.executable).with_name("plexd"))
 

@@ -144,7 +144,7 @@ async def test_a_port_in_use_is_an_error_line_and_nothing_else_breaks(ends):
 
 
 def test_a_bad_relay_event_is_refused_with_its_field():
-    from plexd.bridge.relay_sessions import parse_session
+    from plexd.state.relay_block import parse_session
 
     with pytest.raises(WireFormatError, match="peer_a_endpoint"):
         parse_session({"session_id": "r", "peer_a_id": "a", "peer_a_endpoint": "nowhere", "peer_b_id": "b",

@@ -13,10 +13,10 @@ import pytest
 from engine_helpers import converge
 from waiting import wait_for
 
-from plexd.access.session_grants import socket_marks
 from plexd.access.sessions_domain import AccessHooks, SessionsDomain, kernel_listeners
 from plexd.state.desired import DesiredState
 from plexd.state.model import State
+from plexd.state.sessions_block import socket_marks
 
 FAR = "2999-01-01T00:00:00Z"
 

@@ -11,8 +11,8 @@ import time
 import pytest
 from waiting import wait_for
 
-from plexd.access.session_grants import Session, TcpTarget
 from plexd.access.tcp import TcpSession
+from plexd.state.sessions_block import Session, TcpTarget
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -160,7 +160,7 @@ async def test_an_unreachable_target_closes_the_client_and_the_session_stays_up(
 
 
 def test_a_session_of_another_kind_is_refused():
-    from plexd.access.session_grants import SshTarget
+    from plexd.state.sessions_block import SshTarget
 
     with pytest.raises(ValueError, match="not tcp"):
         TcpSession(Session("s", "ssh", SshTarget("deploy"), time.time() + 60), "127.0.0.1")

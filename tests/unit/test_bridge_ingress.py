@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexd.bridge.blocks import MAX_INGRESS_RULES, parse_ingress
 from plexd.bridge.ingress import IngressDomain
 from plexd.bridge.sni import record_length, server_name
 from plexd.services.status_reports import MAX_PAYLOAD, StatusReports, bounded
+from plexd.state.bridge_blocks import MAX_INGRESS_RULES, parse_ingress
 from plexd.state.desired import DesiredState
 from plexd.state.model import State
 

@@ -14,7 +14,6 @@ import re
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexd.bridge.blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
 from plexd.bridge.fastpath import MARK
 from plexd.bridge.forwarding import FAST_PATH_KEY, Forward, ForwardingLedger
 from plexd.bridge.interface_keys import interface_key
@@ -25,6 +24,7 @@ from plexd.devplane.store import Node
 from plexd.firewall.ruleset import BridgeGuards, TunnelGuard, desired_ruleset
 from plexd.mesh.links import LinkState, Underlay
 from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.state.bridge_blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer, Policy, PolicyRule, State
 from plexd.state.policy import compile_policies

@@ -23,7 +23,7 @@ from plexd.base.errors import WireFormatError
 from plexd.bridge import wgheader
 from plexd.bridge.flows import INDICES_PER_SIDE, FlowTable
 from plexd.bridge.relay import Relay
-from plexd.bridge.relay_sessions import MAX_SESSIONS, RelaySessionSet, parse_session
+from plexd.state.relay_block import MAX_SESSIONS, RelaySessionSet, parse_session
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
 A_ADDR, B_ADDR, C_ADDR = ("198.51.100.7", 40001), ("203.0.113.9", 51820), ("192.0.2.44", 7000)

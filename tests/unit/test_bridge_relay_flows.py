@@ -18,7 +18,7 @@ from nacl.public import PrivateKey
 from plexd.bridge import wgheader
 from plexd.bridge.flows import INDICES_PER_SIDE, PENDING_PER_SIDE, SESSION_LIFETIME, FlowTable
 from plexd.bridge.relay import Relay
-from plexd.bridge.relay_sessions import parse_session
+from plexd.state.relay_block import parse_session
 
 A_ADDR, B_ADDR = ("198.51.100.7", 40001), ("203.0.113.9", 51820)
 C_ADDR, D_ADDR = ("192.0.2.44", 7000), ("192.0.2.55", 8000)

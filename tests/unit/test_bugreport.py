@@ -17,8 +17,9 @@ import tarfile
 import pytest
 
 from plexd.base.errors import PlexdError
+from plexd.base.wgkeys import generate_private_key
 from plexd.config import settings
-from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key
+from plexd.identity.identity_store import Identity, IdentityStore
 from plexd.node import bugreport as br
 from plexd.node.doctor import Report
 from plexd.node.doctor_checks import Ran

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from plexd.base.wgkeys import generate_private_key
 from plexd.cli import main
-from plexd.identity.identity_store import Identity, IdentityStore, generate_private_key
+from plexd.identity.identity_store import Identity, IdentityStore
 
 
 def help_text(capsys, *argv: str) -> str:

@@ -11,15 +11,9 @@ import subprocess
 import pytest
 
 from plexd.base.log import fingerprint
+from plexd.base.wgkeys import generate_private_key, public_key_of
 from plexd.config.settings import load as load_config
-from plexd.identity.identity_store import (
-    DataDirError,
-    Identity,
-    IdentityStore,
-    generate_private_key,
-    public_key_of,
-    write_atomic,
-)
+from plexd.identity.identity_store import DataDirError, Identity, IdentityStore, write_atomic
 from plexd.identity.registrar import TokenError, refusal_message, resolve_token, validate_token
 
 SIGNING = base64.b64encode(b"\x01" * 32).decode()

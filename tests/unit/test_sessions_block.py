@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from plexd.access.session_grants import (
+from plexd.base.errors import WireFormatError
+from plexd.state.sessions_block import (
     MAX_SESSIONS,
     SshTarget,
     TcpTarget,
@@ -18,7 +19,6 @@ from plexd.access.session_grants import (
     revoked_session_id,
     setup_event_session,
 )
-from plexd.base.errors import WireFormatError
 
 EXPIRES = "2099-11-24T12:30:00Z"  # far ahead: an expired entry holds no slot
 
@@ -124,7 +124,7 @@ def test_the_mirror_keeps_the_sessions_so_a_restart_serves_the_same_ones():
 
 
 def test_socket_marks_are_distinct_stable_and_found_from_the_ids_alone():
-    from plexd.access.session_grants import MARK_BASE, socket_marks
+    from plexd.state.sessions_block import MARK_BASE, socket_marks
 
     ids = [f"ses_{i}" for i in range(2000)]  # far past any block: 16 bits of hash must collide here
     marks = socket_marks(ids)
@@ -136,7 +136,7 @@ def test_socket_marks_are_distinct_stable_and_found_from_the_ids_alone():
 
 
 def test_one_user_cannot_take_every_session_of_the_node():
-    from plexd.access.session_grants import MAX_PER_USER
+    from plexd.state.sessions_block import MAX_PER_USER
 
     block = [ssh(f"ses_{i}") for i in range(MAX_PER_USER + 1)] + [ssh("ses_other", user="ops")]
     parsed = parse_sessions(block)
@@ -147,7 +147,7 @@ def test_one_user_cannot_take_every_session_of_the_node():
 def test_entries_past_their_expiry_hold_no_slot_of_the_node_or_the_user():
     # The control plane may list expired entries until it prunes them: they are never served, so a new session
     # must not be refused for them.
-    from plexd.access.session_grants import MAX_PER_USER, MAX_SESSIONS, Session, TcpTarget
+    from plexd.state.sessions_block import MAX_PER_USER, MAX_SESSIONS, Session, TcpTarget
 
     expired = [{**ssh(f"ses_old{i}"), "expires_at": "2001-01-01T00:00:00Z"} for i in range(MAX_SESSIONS)]
     parsed = parse_sessions([*expired, *(ssh(f"ses_{i}") for i in range(MAX_PER_USER))])
@@ -164,7 +164,7 @@ def test_entries_past_their_expiry_hold_no_slot_of_the_node_or_the_user():
 def test_expired_entries_are_bounded_too():
     # They hold no slot, but each would still get the firewall's session gate: a control plane that never prunes
     # must not grow the ruleset without end.
-    from plexd.access.session_grants import MAX_SESSIONS
+    from plexd.state.sessions_block import MAX_SESSIONS
 
     expired = [{**ssh(f"ses_old{i}"), "expires_at": "2001-01-01T00:00:00Z"} for i in range(MAX_SESSIONS * 3)]
     parsed = parse_sessions([*expired, ssh("ses_live")])
@@ -173,7 +173,7 @@ def test_expired_entries_are_bounded_too():
 
 
 def test_the_event_path_keeps_no_expired_entry_either():
-    from plexd.access.session_grants import Session, TcpTarget
+    from plexd.state.sessions_block import Session, TcpTarget
 
     block = parse_sessions([ssh("ses_live")])
     for i in range(50):  # ssh_session_setup events for sessions already past their expiry

@@ -13,12 +13,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from nacl.signing import SigningKey
 
-from plexd.access.session_grants import Session, SshTarget, TcpTarget
 from plexd.access.ssh import SshSessionServer, _ack_at_once
 from plexd.access.ssh_host_key import HOST_KEY_NAME, HostKeyError, fingerprint, load_or_create_host_key
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import SAFE_PATH, LocalUser, UserRefused, exit_status, login_environment, resolve_user
 from plexd.access.token import sign_session_token
+from plexd.state.sessions_block import Session, SshTarget, TcpTarget
 
 NOW = 1_800_000_000.0
 KEY = SigningKey.generate()

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from plexd.base.errors import WireFormatError
-from plexd.bridge.relay_sessions import Address, parse_endpoint, text_field
+from plexd.state.relay_block import Address, parse_endpoint, text_field
 
 MAX_ACCESS_PEERS = 50
 MAX_TUNNELS = 10
