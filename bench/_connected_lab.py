@@ -55,11 +55,11 @@ class Node:
     async def device_keys(self) -> set[str]:
         """The public keys of the peers on the node's live device (wireguard-go's UAPI, or the kernel's netlink)."""
         if self.backend == "kernel":
-            from plexd.mesh.wireguard.kernel import KernelBackend
+            from plexd.machine.wireguard.kernel import KernelBackend
 
             device = await KernelBackend("plexd0", netns=self.lab_node.netns).observe()
         else:
-            from plexd.mesh.wireguard.uapi import UapiClient
+            from plexd.machine.wireguard.uapi import UapiClient
 
             device = await UapiClient("plexd0", socket_dir=self.lab_node.sock_dir).get()
         return set(device.peers) if device is not None else set()

@@ -29,11 +29,11 @@ from nacl.public import PrivateKey
 from plexd.base.wgkeys import b64
 from plexd.converge.engine import Engine
 from plexd.devplane.lab import Lab, LabNode
-from plexd.mesh.links import DEFAULT_TABLE, Links
+from plexd.machine.links import DEFAULT_TABLE, Links
+from plexd.machine.wireguard import DeviceUpdate
+from plexd.machine.wireguard.kernel import KernelBackend
+from plexd.machine.wireguard.userspace import UserspaceBackend
 from plexd.mesh.mesh_plan import device_update, diff
-from plexd.mesh.wireguard import DeviceUpdate
-from plexd.mesh.wireguard.kernel import KernelBackend
-from plexd.mesh.wireguard.userspace import UserspaceBackend
 from plexd.mesh.wireguard_domain import WireGuardDomain
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer

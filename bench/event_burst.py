@@ -20,7 +20,7 @@ from _connected_lab import connected_node, preload, random_peer
 from _route_watch import RouteWatch
 from event_latency import device_dump
 
-from plexd.mesh.wireguard.uapi import b64_to_hex
+from plexd.machine.wireguard.uapi import b64_to_hex
 
 
 async def measure(n_events: int, n_peers: int) -> tuple[float, float, float]:

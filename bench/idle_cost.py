@@ -28,7 +28,7 @@ import httpx
 from _connected_lab import WITHOUT_TELEMETRY, _cpu, connected_node, preload
 from nacl.public import PrivateKey
 
-from plexd.mesh.wireguard.uapi import UapiClient
+from plexd.machine.wireguard.uapi import UapiClient
 from plexd.node.control import RECONCILE_PATH
 from plexd.node.control_client import call
 

@@ -27,7 +27,7 @@ from plexd.base.gojson import EncodedJSON
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.devplane.harness import Devplane
-from plexd.mesh.wireguard import PeerCounters
+from plexd.machine.wireguard import PeerCounters
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import audit_entry, parse_record
 from plexd.telemetry.points import MetricPoints

@@ -339,7 +339,7 @@ def _add_rotate_keys(sub: Any) -> None:
 
 
 def cmd_rotate_keys(args: argparse.Namespace, config: Config) -> int:
-    from plexd.mesh.wireguard import key_fingerprint
+    from plexd.machine.wireguard import key_fingerprint
     from plexd.node.control import ROTATE_KEYS_PATH
 
     doc = _ask_daemon(config, "POST", ROTATE_KEYS_PATH, {}, otherwise="start it ('systemctl start plexd' or "

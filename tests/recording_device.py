@@ -9,7 +9,7 @@ from plexd.config.settings import Config
 from plexd.config.settings import load as load_config
 from plexd.converge.change import Correction
 from plexd.converge.domain import DomainResult
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.machine.wireguard import DeviceConfig, PeerConfig
 
 
 @dataclass(frozen=True)

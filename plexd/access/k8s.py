@@ -46,9 +46,9 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import idle_timeout, mesh_listener, only_from
 from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base.errors import PlexdError
+from plexd.base.serving import idle_timeout, mesh_listener, only_from
 from plexd.state.sessions_block import K8sTarget, Session, impersonation_problem
 
 log = logging.getLogger(__name__)
@@ -492,7 +492,7 @@ class K8sSession:
 
     def rebind(self, index: int) -> None:
         """The mesh interface was recreated (index `index`): the listener and its connections take what arrives on
-        the new one (`plexd.access.serving.only_from`), keeping the port and the connections. OSError: not done."""
+        the new one (`plexd.base.serving.only_from`), keeping the port and the connections. OSError: not done."""
         for sock in [*self.listening_sockets(), *(s for s in self._sockets.values() if s is not None)]:
             only_from(sock, index)
         self.device_index = index

@@ -26,7 +26,7 @@ or expired session admitting. A session opened while the firewall is held stays 
 admits its mark (the default deny). A device kept as it is until the first state pull (a restart with it up)
 does keep this domain planning only: no session is served from the mirror before the control plane's word.
 Every listener binds the node's mesh IP (port chosen by the kernel) and takes connections arriving on the mesh
-interface only (`plexd.access.serving.mesh_listener`: kernel-enforced, in every policy mode, so nothing reaches a
+interface only (`plexd.base.serving.mesh_listener`: kernel-enforced, in every policy mode, so nothing reaches a
 session around the firewall), and its socket carries the session's mark (`socket_marks`), which the firewall's
 session rules match: who may connect is the policy's say, from the same block (`plexd.firewall.ruleset`). While
 the policy cannot be enforced at all (nftables unusable), no session is open (`unenforced`: fail closed).
@@ -148,7 +148,7 @@ class Listener(Protocol):
     bind_host: str
     port: int
     closed: str | None
-    device_index: int  # the interface the listener takes connections from (`plexd.access.serving.mesh_listener`)
+    device_index: int  # the interface the listener takes connections from (`plexd.base.serving.mesh_listener`)
 
     @property
     def listener_endpoint(self) -> str: ...
@@ -328,7 +328,7 @@ class SessionsDomain:
 
     def _listener(self, session: Session, mesh_ip: str, interface: str, report: Report) -> Listener:
         """A listener on the mesh IP that takes connections arriving on the mesh interface only
-        (`plexd.access.serving.mesh_listener`)."""
+        (`plexd.base.serving.mesh_listener`)."""
         hooks = self.hooks
         if session.kind == "ssh":
             # Lazily: asyncssh is ~20 MiB a node without SSH sessions never needs (plexd's RSS goal is 50 MiB).

@@ -66,7 +66,6 @@ from nacl.signing import VerifyKey
 
 from plexd.access.activity import Audit, RecordCommand, Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import mesh_listener, only_from
 from plexd.access.ssh_host_key import fingerprint
 from plexd.access.ssh_limits import auth_failure_limiter
 from plexd.access.ssh_process import (
@@ -83,7 +82,8 @@ from plexd.access.token import TokenRefused, verify_session_token
 from plexd.base import gojson
 from plexd.base.childenv import child_environment
 from plexd.base.children import children_held, release_reaping
-from plexd.nodeapi.ratelimit import RateLimiter
+from plexd.base.ratelimit import RateLimiter
+from plexd.base.serving import mesh_listener, only_from
 from plexd.state.sessions_block import MAX_COMMAND_BYTES, Session, SshTarget
 from plexd.system import systemd
 
@@ -228,7 +228,7 @@ class SshSessionServer:
 
     def rebind(self, index: int) -> None:
         """The mesh interface was recreated (index `index`): the listener and its connections take what arrives on
-        the new one (`plexd.access.serving.only_from`), keeping the port and the connections. OSError: not done."""
+        the new one (`plexd.base.serving.only_from`), keeping the port and the connections. OSError: not done."""
         conns = [c.conn.get_extra_info("socket") for c in self.connections if getattr(c, "conn", None) is not None]
         for sock in [*self.listening_sockets(), *(s for s in conns if s is not None)]:
             only_from(sock, index)

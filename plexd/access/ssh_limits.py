@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from plexd.nodeapi.ratelimit import RateLimiter
+from plexd.base.ratelimit import RateLimiter
 
 
 def auth_failure_limiter(clock: Callable[[], float] = time.monotonic) -> RateLimiter:

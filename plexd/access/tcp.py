@@ -11,7 +11,7 @@ out nor hold their slots for the session's whole life. While there is room any s
 6 connections to a host, and a WebSocket or a preconnect besides). When all `max_connections` are taken, a
 newcomer from a source holding fewer than `max_per_source` closes the newest connection of the source holding
 the most, if that holds more; else the newcomer is closed at once, counted. Unlike Go (one connection at a time),
-up to `max_connections` run at once. Bytes are spliced in the kernel (`plexd.access.splice`).
+up to `max_connections` run at once. Bytes are spliced in the kernel (`plexd.base.splice`).
 
 The target is resolved once, when the session opens, and every connection dials those addresses: a DNS answer
 that changes later (rebinding) cannot move the session to another host. A host name that resolves to a
@@ -38,9 +38,9 @@ from typing import Any
 
 from plexd.access.activity import Report, emit
 from plexd.access.lifetime import watch_lifetime
-from plexd.access.serving import accept_forever, idle_timeout, mesh_listener, only_from, stop_serving
-from plexd.access.splice import relay
 from plexd.base.hostname import is_ip
+from plexd.base.serving import accept_forever, idle_timeout, mesh_listener, only_from, stop_serving
+from plexd.base.splice import relay
 from plexd.state.sessions_block import Session, TcpTarget
 
 log = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class TcpSession:
 
     def rebind(self, index: int) -> None:
         """The mesh interface was recreated (index `index`): the listener and its connections take what arrives on
-        the new one (`plexd.access.serving.only_from`), keeping the port and the connections. OSError: not done."""
+        the new one (`plexd.base.serving.only_from`), keeping the port and the connections. OSError: not done."""
         for sock in [*self.listening_sockets(), *(client for _, client in self._conns.values())]:
             if sock.fileno() != -1:
                 only_from(sock, index)

@@ -119,7 +119,7 @@ class KernelFastPath:
     """Keeps `inet plexd_relay` equal to the relay's stable flows (apply, sync, remove) through libnftables."""
 
     def __init__(self, relay_ip: str, relay_port: int, nft: Any = None) -> None:
-        from plexd.firewall.nft import Nftables  # the firewall's libnftables wrapper (pip-nftables)
+        from plexd.machine.nft import Nftables  # the firewall's libnftables wrapper (pip-nftables)
 
         if not _ipv4(relay_ip):
             raise ValueError(f"the kernel fast path needs the relay's IPv4 address, not {relay_ip!r}")

@@ -110,7 +110,7 @@ def _limit_key(interface: str, prefixes: Iterable[str]) -> str:
 class ForwardingLedger:
     def __init__(self, data_dir: str | os.PathLike[str], proc: str = PROC, guard: Any = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`guard`: the nftables context (`plexd.firewall.nft.Nftables`) the limits are written through; by default
+        """`guard`: the nftables context (`plexd.machine.nft.Nftables`) the limits are written through; by default
         plexd's own, and none on a stand-in `proc` (a test's: its machine is not this one)."""
         self.path = Path(data_dir) / "bridge" / "forwarding.json"
         self.proc = proc
@@ -118,7 +118,7 @@ class ForwardingLedger:
         self.holders: dict[str, set[str]] = {}  # in memory: rebuilt as the domains apply after a restart
         self.reach: dict[str, dict[str, Forward]] = {}  # interface -> holder -> the limit it asked for
         if guard is None and proc == PROC:
-            from plexd.firewall.nft import Nftables  # libnftables, as the firewall and the relay's fast path
+            from plexd.machine.nft import Nftables  # libnftables, as the firewall and the relay's fast path
 
             guard = Nftables()
         self.guard = guard

@@ -2,7 +2,7 @@
 
 A port serves one rule, or several `tcp` rules told apart by the server name of the client's TLS ClientHello
 (SNI, read with MSG_PEEK so the bytes still go to the target untouched). `tcp` rules splice bytes both ways
-(`plexd.access.splice`); `terminate` rules end TLS here with the rule's certificate and forward plain TCP.
+(`plexd.base.splice`); `terminate` rules end TLS here with the rule's certificate and forward plain TCP.
 
 Bounded: 256 connections per port. A source is an address, but an IPv6 /64 is one source (a host or LAN picks its
 addresses from a whole /64). A connection waits until it forwards its first byte, either way (a silent client, a
@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from plexd.access.serving import accept_forever, stop_serving
-from plexd.access.splice import relay
+from plexd.base.serving import accept_forever, stop_serving
+from plexd.base.splice import relay
 from plexd.bridge.sni import RECORD_HEADER, record_length, server_name
 from plexd.state.bridge_blocks import IngressRule
 

@@ -29,7 +29,7 @@ from plexd.bridge.once import OnceLog
 from plexd.bridge.wgif import InterfaceRemoved, InterfaceSeen, InterfaceSpec, WgInterface
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.mesh.links import Links, Underlay
+from plexd.machine.links import Links, Underlay
 from plexd.state import route_limits
 from plexd.state.desired import DesiredState, endpoint_ip
 

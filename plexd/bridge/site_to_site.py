@@ -27,8 +27,8 @@ from plexd.bridge.interface_keys import interface_key
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.user_access import overlap_reason
 from plexd.bridge.wgif import InterfaceSpec
-from plexd.mesh.links import Underlay
-from plexd.mesh.wireguard import PeerConfig
+from plexd.machine.links import Underlay
+from plexd.machine.wireguard import PeerConfig
 from plexd.state.desired import DesiredState
 
 KEEPALIVE = 25  # a remote gateway behind NAT stays reachable

@@ -26,8 +26,8 @@ from plexd.bridge.forwarding import Forward
 from plexd.bridge.interface_keys import interface_key
 from plexd.bridge.interfaces import RouteGuard, Wanted, clash_reason, own_networks
 from plexd.bridge.wgif import InterfaceSpec
-from plexd.mesh.links import Underlay
-from plexd.mesh.wireguard import PeerConfig
+from plexd.machine.links import Underlay
+from plexd.machine.wireguard import PeerConfig
 from plexd.state.bridge_blocks import TUNNEL_PREFIX
 from plexd.state.desired import DesiredState
 

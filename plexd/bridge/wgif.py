@@ -17,8 +17,8 @@ from typing import ClassVar
 from plexd.base.errors import PlexdError
 from plexd.bridge.forwarding import Forward, ForwardingLedger
 from plexd.converge.change import Change
-from plexd.mesh.links import LinkOp, Links, LinkState
-from plexd.mesh.wireguard import (
+from plexd.machine.links import LinkOp, Links, LinkState
+from plexd.machine.wireguard import (
     DeviceConfig,
     DeviceUpdate,
     PeerConfig,

@@ -19,8 +19,8 @@ from plexd.bridge.user_access import access_specs
 from plexd.bridge.wgif import WgInterface
 from plexd.config.settings import Config
 from plexd.converge.engine import Engine
-from plexd.mesh.links import Links
-from plexd.mesh.select import wireguard_backend
+from plexd.machine.links import Links
+from plexd.machine.wireguard_select import wireguard_backend
 
 __all__ = ["IngressDomain", "RelayDomain", "bridge_heartbeat", "bridge_interfaces", "split_host_port"]
 

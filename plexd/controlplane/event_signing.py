@@ -29,9 +29,9 @@ from plexd.base.atomicfile import write_atomic
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError, WireFormatError
 from plexd.base.wgkeys import decode_key
+from plexd.config import datadir
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.ledger import NONCE_TTL_SECONDS, EventLedger
-from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from plexd.base import gojson
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
+from plexd.config import datadir
 from plexd.controlplane import http_client
 from plexd.controlplane.client import _tls_context, parse_retry_after, path_escape
 from plexd.controlplane.clock_hold import CLOCK_REASONS, ClockHold
@@ -39,7 +40,6 @@ from plexd.controlplane.envelope import Envelope, parse_envelope
 from plexd.controlplane.event_signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, read_events, valid_event_id
-from plexd.identity import datadir
 
 log = logging.getLogger(__name__)
 

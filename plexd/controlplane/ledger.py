@@ -29,7 +29,7 @@ from pathlib import Path
 
 from plexd.base import gojson
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
-from plexd.identity import datadir
+from plexd.config import datadir
 
 log = logging.getLogger(__name__)
 

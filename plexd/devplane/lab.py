@@ -38,7 +38,7 @@ from pathlib import Path
 from plexd.base.atomicfile import write_atomic
 from plexd.base.errors import PlexdError
 from plexd.base.procstat import process_stat
-from plexd.identity import datadir
+from plexd.config import datadir
 
 _BIND_RUN_WIREGUARD = '[ -d /run/wireguard ] || mkdir -p /run/wireguard; mount --bind "$0" /run/wireguard && exec "$@"'
 # Commands that need only the node's network namespace (not its /run/wireguard): entered with nsenter, one process

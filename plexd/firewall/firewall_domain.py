@@ -19,7 +19,6 @@ from typing import Any
 
 from plexd.converge.domain import DomainResult
 from plexd.firewall import plan
-from plexd.firewall.nft import FirewallError, Nftables, UnreadableTable
 from plexd.firewall.ruleset import (
     FAMILY,
     TABLE,
@@ -33,6 +32,7 @@ from plexd.firewall.ruleset import (
     parse_table,
 )
 from plexd.firewall.script import Unrenderable
+from plexd.machine.nft import FirewallError, Nftables, UnreadableTable
 from plexd.state.desired import DesiredState
 from plexd.state.sessions_block import Sessions, service_port, socket_marks
 
@@ -155,7 +155,7 @@ class FirewallDomain:
                             tuple(TunnelGuard(t.interface, t.local_subnets) for t in tunnels))
 
     async def read(self) -> LiveTable | None:
-        objects = await self._run(self.nft.list_table)
+        objects = await self._run(self.nft.list_table, FAMILY, TABLE)
         return None if objects is None else self._unaltered(parse_table(objects))
 
     def _forget_shapes(self, changes: Sequence[plan.FirewallChange]) -> None:

@@ -28,7 +28,8 @@ from plexd.base.atomicfile import rename_atomic, write_atomic
 from plexd.base.errors import PlexdError
 from plexd.base.hostname import is_ip
 from plexd.base.wgkeys import b64, decode_key, public_key_of
-from plexd.identity import datadir, node_secret
+from plexd.config import datadir
+from plexd.identity import node_secret
 
 IDENTITY_FILE = datadir.IDENTITY
 PRIVATE_KEY_FILE = datadir.PRIVATE_KEY

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable, Mapping
 
+from plexd.machine.wireguard import PeerConfig
 from plexd.mesh.mesh_plan import (
     Change,
     Observed,
@@ -36,7 +37,6 @@ from plexd.mesh.mesh_plan import (
     peer_fields,
     rules_for,
 )
-from plexd.mesh.wireguard import PeerConfig
 from plexd.state import route_limits
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer

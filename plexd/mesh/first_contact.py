@@ -18,8 +18,8 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from plexd.base.errors import PlexdError
+from plexd.machine.wireguard import DeviceUpdate, PeerUpdate
 from plexd.mesh.mesh_plan import Change, PeerAdded, PeerKeepaliveChanged, PeerKeyChanged, PeerRemoved
-from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ Rules: a peer's endpoint is left alone while its latest handshake is younger tha
 (it roamed; innernet's rule), and an empty desired endpoint never clears a learned one. Default routes (`/0`) in a
 peer's allowed IPs are not installed (that needs policy routing, as wg-quick does, and would cut the underlay);
 routes cover exactly the union of the peers' allowed IPs with the fewest prefixes (adjacent ones merge). Routes
-live in the mesh table (`plexd.mesh.links`); a rule per address family that has routes sends lookups there. A
+live in the mesh table (`plexd.machine.links`); a rule per address family that has routes sends lookups there. A
 rule no longer needed stays (it costs a lookup in an empty table; taking it away and back would be churn).
 """
 
@@ -41,8 +41,8 @@ from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 from plexd.converge.change import Change
-from plexd.mesh.links import LinkOp, LinkState
-from plexd.mesh.wireguard import (
+from plexd.machine.links import LinkOp, LinkState
+from plexd.machine.wireguard import (
     DeviceConfig,
     DeviceUpdate,
     PeerConfig,

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from plexd.base.errors import PlexdError
 from plexd.controlplane.ledger import read_mirror
+from plexd.machine.wireguard import DeviceConfig, key_fingerprint
 from plexd.mesh.mesh_plan import normalize_endpoint
-from plexd.mesh.wireguard import DeviceConfig, key_fingerprint
 
 if TYPE_CHECKING:
     from plexd.config.settings import Config
@@ -96,7 +96,7 @@ def format_table(peer_rows: list[PeerRow], now: float) -> str:
 
 
 async def observe_device(config: Config) -> DeviceConfig:
-    from plexd.mesh.select import wireguard_backend
+    from plexd.machine.wireguard_select import wireguard_backend
 
     device = await wireguard_backend(config).observe()  # observing never starts a userspace process
     if device is None:

@@ -20,9 +20,10 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
+from plexd.machine.links import LinkOp, Links
+from plexd.machine.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.first_contact import FirstContact
-from plexd.mesh.links import LinkOp, Links
 from plexd.mesh.mesh_plan import (
     InterfaceMissing,
     LinkChange,
@@ -40,7 +41,6 @@ from plexd.mesh.mesh_plan import (
     simulate,
     target,
 )
-from plexd.mesh.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
 from plexd.state.desired import DesiredState, split_endpoint
 
 log = logging.getLogger(__name__)

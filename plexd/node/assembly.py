@@ -49,7 +49,9 @@ from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.base.heap import HeapSettler
 from plexd.base.log import recent_lines
+from plexd.base.ratelimit import RateLimiter
 from plexd.bridge.status import status_reports
+from plexd.config import datadir
 from plexd.config.settings import Config
 from plexd.controlplane.client import ControlPlaneClient, PeerEndpoint
 from plexd.controlplane.event_signing import InvalidSigningKeys, Verifier, key_fingerprint
@@ -57,7 +59,6 @@ from plexd.controlplane.event_stream import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.converge.engine import Engine
-from plexd.identity import datadir
 from plexd.identity.identity_store import Identity
 from plexd.nat.endpoint_domain import KIND as NAT_KIND
 from plexd.nat.endpoint_domain import Endpoint, NatHooks
@@ -84,7 +85,6 @@ from plexd.node.reload import ConfigReloader
 from plexd.node.status_text import utc
 from plexd.node.supervisor import FatalError
 from plexd.nodeapi.local_api import LocalAPI, require_admin
-from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
 from plexd.nodeapi.sync import ReportSync

@@ -205,7 +205,7 @@ def known_secrets(config: Config) -> list[str]:
     found = [config.token.value, os.environ.get(config.token.env, "") if config.token.env else ""]
     files = [config.token.file, config.metrics.token_file, config.node_api.http_token_file,
              config.access.kubernetes.token_file]
-    from plexd.identity import datadir
+    from plexd.config import datadir
 
     files += [os.path.join(config.data_dir, name) for name in (datadir.PRIVATE_KEY, datadir.NEXT_PRIVATE_KEY,
                                                                datadir.NODE_SECRET)]

@@ -18,7 +18,7 @@ from typing import Any
 from plexd.base.atomicfile import write_atomic
 from plexd.base.errors import PlexdError
 from plexd.base.gojson import format_time
-from plexd.identity import datadir
+from plexd.config import datadir
 from plexd.system.steps import StepReport, format_steps
 from plexd.system.systemd import booted, systemctl
 

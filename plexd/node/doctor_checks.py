@@ -61,13 +61,13 @@ def run_command(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT) -> Ran:
 
 
 def _kernel_wireguard() -> bool:
-    from plexd.mesh.wireguard.kernel_probe import kernel_wireguard_available
+    from plexd.machine.wireguard.kernel_probe import kernel_wireguard_available
 
     return kernel_wireguard_available()
 
 
 def _nftables_probe() -> None:
-    from plexd.firewall.nft import Nftables
+    from plexd.machine.nft import Nftables
 
     Nftables().probe()
 

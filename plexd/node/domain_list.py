@@ -12,8 +12,8 @@ from plexd.access.sessions_domain import AccessHooks, SessionsDomain
 from plexd.config.settings import Config
 from plexd.converge.engine import Engine
 from plexd.firewall.firewall_domain import FirewallDomain
-from plexd.mesh.links import Links
-from plexd.mesh.select import wireguard_backend
+from plexd.machine.links import Links
+from plexd.machine.wireguard_select import wireguard_backend
 from plexd.mesh.wireguard_domain import WireGuardDomain
 from plexd.nat.endpoint_domain import NatEndpointDomain, NatHooks
 from plexd.nodeapi.cache import NodeStateCache

@@ -31,7 +31,7 @@ from plexd.base.errors import PlexdError
 from plexd.base.wgkeys import b64, generate_private_key, public_key_of
 from plexd.controlplane.client_errors import AuthError, ControlPlaneError, PermanentError
 from plexd.identity.identity_store import NEXT_PRIVATE_KEY_FILE, IdentityStore
-from plexd.mesh.wireguard import clamp_private_key, key_fingerprint
+from plexd.machine.wireguard import clamp_private_key, key_fingerprint
 from plexd.node.agent import Agent
 from plexd.node.domain_list import wireguard
 from plexd.node.mesh import MeshHandle

@@ -44,7 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from plexd import __version__
 from plexd.base.errors import PlexdError
-from plexd.mesh.wireguard import PeerCounters
+from plexd.machine.wireguard import PeerCounters
 from plexd.node.access import SESSION_ACTIVITY
 from plexd.node.domain_list import wireguard
 from plexd.node.parts import Node

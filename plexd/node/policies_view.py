@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from plexd.firewall.nft import FirewallError
+from plexd.machine.nft import FirewallError
 from plexd.node.domain_list import firewall as firewall_of
 from plexd.node.mesh import MeshHandle
 

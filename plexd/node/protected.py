@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from plexd.base.errors import PlexdError
 from plexd.config.settings import Config
-from plexd.mesh.links import Links, Underlay
+from plexd.machine.links import Links, Underlay
 from plexd.state.route_limits import ALWAYS_GUARDED, Guarded, RouteLimits, address, network
 
 log = logging.getLogger(__name__)

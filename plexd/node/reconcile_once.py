@@ -27,9 +27,10 @@ log = logging.getLogger(__name__)
 async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, Any]:
     from plexd.base.backoff import Backoff
     from plexd.base.clock import Clock
+    from plexd.config import datadir
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.ledger import read_mirror
-    from plexd.identity.identity_store import IdentityStore, datadir
+    from plexd.identity.identity_store import IdentityStore
     from plexd.node.domain_list import build_engine, wireguard
     from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
     from plexd.node.protected import ProtectedAddresses

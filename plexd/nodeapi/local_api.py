@@ -48,7 +48,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 
 from plexd.base.errors import PlexdError
-from plexd.nodeapi.ratelimit import RateLimiter
+from plexd.base.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.base.memo import ByIdentity
+from plexd.machine.wireguard import DeviceConfig
 from plexd.mesh.mesh_plan import normalize_endpoint
-from plexd.mesh.wireguard import DeviceConfig
 from plexd.state.desired_store import DesiredStore
 from plexd.state.model import Peer
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from plexd.base.gojson import GO_ZERO_TIME, format_unix
 from plexd.base.memo import ByIdentity
-from plexd.mesh.wireguard import CounterRow
+from plexd.machine.wireguard import CounterRow
 from plexd.state.model import Peer
 from plexd.telemetry.queue import encode
 

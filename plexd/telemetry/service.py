@@ -26,10 +26,10 @@ from typing import Any
 
 from plexd.base.gojson import EncodedJSON, now_text
 from plexd.base.memo import ByIdentity
+from plexd.config import datadir
 from plexd.config.settings import TelemetryConfig
 from plexd.controlplane.uplink import BatchSend, Entry, NoSender, UplinkOutbox
-from plexd.identity import datadir
-from plexd.mesh.wireguard import CounterRow
+from plexd.machine.wireguard import CounterRow
 from plexd.state.model import Peer
 from plexd.telemetry.auditd import AuditLog, local_action_entry
 from plexd.telemetry.logs import FileLogs, JournalLogs, journald_running

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+from plexd.config import datadir
 from plexd.controlplane.event_signing import key_fingerprint, persist_signing_key
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.identity import datadir
 from plexd.state.desired import DesiredState
 
 FILE_MODE = 0o600

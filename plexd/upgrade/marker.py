@@ -22,7 +22,7 @@ from typing import Any
 from plexd.base import boundedjson
 from plexd.base.atomicfile import write_atomic
 from plexd.base.errors import PlexdError
-from plexd.identity import datadir
+from plexd.config import datadir
 
 log = logging.getLogger(__name__)
 

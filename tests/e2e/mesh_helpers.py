@@ -10,9 +10,9 @@ from nacl.public import PrivateKey
 
 from plexd.converge.engine import Engine
 from plexd.devplane.lab import Lab, LabNode
-from plexd.mesh.links import Links
-from plexd.mesh.wireguard.kernel import KernelBackend
-from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.machine.links import Links
+from plexd.machine.wireguard.kernel import KernelBackend
+from plexd.machine.wireguard.userspace import UserspaceBackend
 from plexd.mesh.wireguard_domain import WireGuardDomain
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from plexd.config.settings import load
-from plexd.mesh.select import backend_kind
-from plexd.mesh.wireguard.kernel_probe import getfamily_request, has_genl_family, kernel_module_loaded
+from plexd.machine.wireguard.kernel_probe import getfamily_request, has_genl_family, kernel_module_loaded
+from plexd.machine.wireguard_select import backend_kind
 
 
 def auto_config(tmp_path: Path):

@@ -33,7 +33,7 @@ from lab_daemon import (
 from waiting import scaled
 
 from plexd.controlplane.ledger import read_mirror
-from plexd.mesh.links import DEFAULT_TABLE
+from plexd.machine.links import DEFAULT_TABLE
 
 
 def test_admin_actions_reach_every_device_through_the_stream(lab_dp):

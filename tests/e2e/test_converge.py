@@ -18,9 +18,9 @@ from mesh_helpers import BACKENDS, keypair, mesh_node, ping
 from waiting import wait_for
 
 from plexd.devplane.lab import Lab
+from plexd.machine.links import DEFAULT_TABLE
+from plexd.machine.wireguard import DeviceUpdate, PeerUpdate, WireGuardError, genl, kernel_module_loaded, userspace
 from plexd.mesh.first_contact import FOLLOW_DELAY
-from plexd.mesh.links import DEFAULT_TABLE
-from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate, WireGuardError, genl, kernel_module_loaded, userspace
 from plexd.state.model import Peer
 
 
@@ -264,7 +264,7 @@ async def test_events_apply_a_delta_without_reading_the_device_and_the_reconcile
 def wg_lines(caplog, node) -> list[tuple[float, str]]:
     """What `node`'s wireguard-go logged (verbose), in order: (when plexd read it, line)."""
     return [(r.created, r.getMessage()) for r in caplog.records
-            if r.name == "plexd.mesh.wireguard.userspace" and getattr(r, "pid", None) == node.backend.pid]
+            if r.name == "plexd.machine.wireguard.userspace" and getattr(r, "pid", None) == node.backend.pid]
 
 
 async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(pair, caplog, monkeypatch) -> None:
@@ -282,7 +282,7 @@ async def test_two_nodes_that_meet_at_once_handshake_once_led_by_the_lower_key(p
         n.backend.env["LOG_LEVEL"] = "verbose"
         assert (await n.converger.converge(n.desired([]))).ok  # both devices up, as for nodes already meshed
     leader, follower = sorted((a, b), key=lambda n: n.public_key)
-    caplog.set_level(logging.INFO, logger="plexd.mesh.wireguard.userspace")
+    caplog.set_level(logging.INFO, logger="plexd.machine.wireguard.userspace")
     for meeting in range(6):  # each meeting is a race without the rule; six make a miss unlikely
         if meeting % 2:
             # The events' path: each knows the other first without an endpoint (its keepalive off on the device),
@@ -347,7 +347,7 @@ async def test_a_new_private_key_sends_its_handshake_initiation_at_once_and_the_
     monkeypatch.setattr(userspace, "OUTPUT_POLL", 0.01)
     monkeypatch.setattr(userspace, "OUTPUT_POLL_QUIET", 0.01)
     a.backend.env["LOG_LEVEL"] = "verbose"
-    caplog.set_level(logging.INFO, logger="plexd.mesh.wireguard.userspace")
+    caplog.set_level(logging.INFO, logger="plexd.machine.wireguard.userspace")
     for n, other in ((a, b), (b, a)):
         assert (await n.converger.converge(n.desired([other]))).ok
     assert await asyncio.to_thread(ping, lab, a, b.mesh_ip)

@@ -14,9 +14,9 @@ from mesh_helpers import keypair, mesh_node, ping
 
 from plexd.converge.engine import Engine
 from plexd.devplane.lab import Lab
-from plexd.mesh.links import Links
-from plexd.mesh.wireguard import DeviceUpdate
-from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.machine.links import Links
+from plexd.machine.wireguard import DeviceUpdate
+from plexd.machine.wireguard.userspace import UserspaceBackend
 from plexd.mesh.wireguard_domain import WireGuardDomain
 from plexd.state.model import Peer
 

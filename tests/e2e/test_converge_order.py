@@ -11,7 +11,7 @@ import pytest
 from mesh_helpers import mesh_node
 
 from plexd.devplane.lab import Lab
-from plexd.mesh.links import DEFAULT_TABLE
+from plexd.machine.links import DEFAULT_TABLE
 
 pytestmark = pytest.mark.root
 

@@ -381,7 +381,7 @@ async def test_after_a_rebuild_the_event_path_never_deletes_by_a_handle_of_the_o
 
 
 async def test_a_failed_correction_of_an_altered_rule_is_retried_not_forgotten(netns, monkeypatch):
-    from plexd.firewall.nft import FirewallError
+    from plexd.machine.nft import FirewallError
 
     ns, pool = netns
     fw = domain_in(pool)

@@ -10,9 +10,9 @@ import pytest
 from mesh_helpers import keypair
 
 from plexd.devplane.lab import Lab
-from plexd.mesh.wireguard import DeviceUpdate, PeerUpdate, UapiError, WireGuardError
-from plexd.mesh.wireguard.uapi import _COUNTER_LINES, hex_to_b64
-from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.machine.wireguard import DeviceUpdate, PeerUpdate, UapiError, WireGuardError
+from plexd.machine.wireguard.uapi import _COUNTER_LINES, hex_to_b64
+from plexd.machine.wireguard.userspace import UserspaceBackend
 
 
 @pytest.fixture

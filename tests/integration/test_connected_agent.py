@@ -133,8 +133,8 @@ async def test_a_reregistration_answering_another_signing_key_is_trusted_at_once
 
     from nacl.signing import SigningKey
 
+    from plexd.config import datadir
     from plexd.controlplane.envelope import parse_envelope, sign_event
-    from plexd.identity import datadir
     from plexd.node.mesh import trusted_key
     from plexd.trust.signing_key_domain import SigningKeyFile
 

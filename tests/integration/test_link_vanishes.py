@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from plexd.mesh.links import Links, LinkState
-from plexd.mesh.rtnl import Link
+from plexd.machine.links import Links, LinkState
+from plexd.machine.rtnl import Link
 
 pytestmark = pytest.mark.root
 

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from nacl.public import PrivateKey
 from process_helpers import run_as
 
+from plexd.base.ratelimit import RateLimiter
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.devplane.harness import Devplane
 from plexd.nodeapi.keys import MAX_KEY_BYTES
 from plexd.nodeapi.local_api import LocalAPI
-from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.routes import NodeApi, add_node_api_routes
 from plexd.state.desired import DesiredState

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from plexd.mesh.links import DEFAULT_TABLE, LinkOp, Links
+from plexd.machine.links import DEFAULT_TABLE, LinkOp, Links
 from plexd.node.protected import ProtectedAddresses, parse_nameservers
 
 pytestmark = pytest.mark.root

@@ -1,6 +1,6 @@
-"""Raw rtnetlink (plexd.mesh.rtnl) against the real kernel: what it decodes from a dump is what pyroute2 decodes of
+"""Raw rtnetlink (plexd.machine.rtnl) against the real kernel: what it decodes from a dump is what pyroute2 decodes of
 the same tables (tables past 255, IPv6, default routes with one gateway and with several, kernel and unicast
-routes), links, addresses and rules; what it writes is what pyroute2 wrote; and the mesh link (plexd.mesh.links)
+routes), links, addresses and rules; what it writes is what pyroute2 wrote; and the mesh link (plexd.machine.links)
 reads and changes its routes, addresses, MTU, state and rules through it."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import subprocess
 import pytest
 from pyroute2 import IPRoute
 
-from plexd.mesh.links import Links
-from plexd.mesh.rtnl import dump_addresses, dump_links, dump_routes, dump_rules, link_names, route_write, write
+from plexd.machine.links import Links
+from plexd.machine.rtnl import dump_addresses, dump_links, dump_routes, dump_rules, link_names, route_write, write
 
 pytestmark = pytest.mark.root
 
@@ -127,7 +127,7 @@ def test_route_writes_in_one_batch_put_routes_as_pyroute2_did_and_name_each_fail
 
 
 async def test_the_mesh_link_writes_routes_in_order_and_reports_only_real_failures(netns):
-    from plexd.mesh.links import LinkOp
+    from plexd.machine.links import LinkOp
 
     links = Links("mesh0", netns=netns, table=TABLE)
     failures = await links.apply([LinkOp("route_add", "10.94.0.1/32"), LinkOp("route_add", "fd03::1/128"),
@@ -142,7 +142,7 @@ async def test_the_mesh_link_writes_routes_in_order_and_reports_only_real_failur
 
 
 async def test_the_mesh_link_sets_its_state_addresses_and_rules_and_goes_with_them(netns):
-    from plexd.mesh.links import LinkOp
+    from plexd.machine.links import LinkOp
 
     _ip(netns, "link", "add", "mesh9", "type", "veth", "peer", "name", "mesh8")
     links = Links("mesh9", netns=netns, table=TABLE, rule_priority=5190)

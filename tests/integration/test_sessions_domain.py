@@ -231,7 +231,7 @@ def test_a_listener_takes_connections_arriving_on_its_mesh_interface_only():
     """`mesh_listener`: a filter on the interface each packet came in on. A program on this machine connecting to
     the mesh address comes in on loopback, not the mesh interface (a veth link here): it does not get through,
     while the same address without the filter answers."""
-    from plexd.access.serving import mesh_listener
+    from plexd.base.serving import mesh_listener
 
     link, address = "pxtmesh0", "10.254.77.1"
     subprocess.run(["ip", "link", "add", link, "type", "veth", "peer", "name", "pxtmesh1"], check=True)

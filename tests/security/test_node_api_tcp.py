@@ -15,8 +15,8 @@ from node_api_helpers import (
     unix_call,
 )
 
+from plexd.base.ratelimit import RateLimiter
 from plexd.nodeapi import local_api
-from plexd.nodeapi.ratelimit import RateLimiter
 
 pytestmark = pytest.mark.root  # the socket's group is a real group (groupadd)
 

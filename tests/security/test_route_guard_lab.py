@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lab_daemon import Daemon, wait_until
 
-from plexd.mesh.links import DEFAULT_RULE_PRIORITY, DEFAULT_TABLE
+from plexd.machine.links import DEFAULT_RULE_PRIORITY, DEFAULT_TABLE
 
 RESOLVER = "198.18.0.53"  # a benchmark-range address: in no LAN of the lab, so only the resolver guard names it
 ROUTED_ELSEWHERE = "198.18.50.0/24"  # the main table routes it via the gateway; a peer may still claim it

@@ -21,7 +21,7 @@ from lab_daemon import PLEXD, Daemon, wait_until, wireguard_go_pids
 
 from plexd.devplane.lab import Lab
 from plexd.install.installer import unit_text
-from plexd.mesh.wireguard.userspace import UserspaceBackend
+from plexd.machine.wireguard.userspace import UserspaceBackend
 from plexd.system import systemd
 
 MAX_SCORE = 2.5  # issue 35; lower is better (the Go agent's unit 7.1, NetBird's 6.9)
@@ -150,7 +150,7 @@ async def test_without_a_usable_systemd_run_wireguard_go_still_starts_and_says_w
     standin.chmod(0o755)
     backend = UserspaceBackend("wg0", socket_dir=node.sock_dir, launch_prefix=node.wrap([]),
                                scope=(str(standin), "--scope", "--"))
-    caplog.set_level(logging.WARNING, "plexd.mesh.wireguard.userspace")
+    caplog.set_level(logging.WARNING, "plexd.machine.wireguard.userspace")
     try:
         assert await backend.ensure_device() is True
         assert await backend.observe() is not None

@@ -22,8 +22,8 @@ from plexd.bridge.user_access import access_specs
 from plexd.bridge.wgif import InterfaceSeen, InterfaceSpec, WgInterface
 from plexd.devplane.store import Node
 from plexd.firewall.ruleset import BridgeGuards, TunnelGuard, desired_ruleset
-from plexd.mesh.links import LinkState, Underlay
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.machine.links import LinkState, Underlay
+from plexd.machine.wireguard import DeviceConfig, PeerConfig
 from plexd.state.bridge_blocks import MAX_ACCESS_PEERS, MAX_TUNNELS, parse_site_to_site, parse_user_access
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer, Policy, PolicyRule, State

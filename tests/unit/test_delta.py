@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
+from plexd.machine.links import LinkState
+from plexd.machine.wireguard import DeviceConfig
 from plexd.mesh.delta import peer_delta, touched_peers
-from plexd.mesh.links import LinkState
 from plexd.mesh.mesh_plan import (
     Observed,
     PeerAdded,
@@ -23,7 +24,6 @@ from plexd.mesh.mesh_plan import (
     diff,
     simulate,
 )
-from plexd.mesh.wireguard import DeviceConfig
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer
 

@@ -95,7 +95,7 @@ def test_the_mirror_keeps_the_bridge_blocks_but_not_the_relays_leases() -> None:
 
 
 def test_wireguard_value_types_never_print_keys():
-    from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate
+    from plexd.machine.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate
 
     secret = "SECRETSECRETSECRETSECRETSECRETSECRETSECRET="
     texts = [repr(DeviceConfig(private_key=secret)), repr(DeviceUpdate(private_key=secret)),

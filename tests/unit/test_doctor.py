@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 
 from plexd.config import settings
-from plexd.firewall.nft import FirewallError
+from plexd.machine.nft import FirewallError
 from plexd.nat.discovery import Discovery
 from plexd.nat.stun import Mapped
 from plexd.node import doctor_checks as c

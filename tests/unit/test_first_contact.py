@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import asyncio
 
+from plexd.machine.wireguard import DeviceUpdate, PeerConfig, WireGuardError
 from plexd.mesh.first_contact import FirstContact, leads
 from plexd.mesh.mesh_plan import PeerAdded, PeerKeepaliveChanged, PeerRemoved
-from plexd.mesh.wireguard import DeviceUpdate, PeerConfig, WireGuardError
 from plexd.state.desired import DesiredState
 
 LOW, MID, HIGH = "A" * 43 + "=", "M" * 43 + "=", "z" * 43 + "="

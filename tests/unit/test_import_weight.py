@@ -1,6 +1,6 @@
 """What the daemon imports decides most of its memory (the code of every module stays resident): a module only
 one configuration needs is imported only in that configuration. pyroute2 (~160 modules) is imported only when the
-kernel WireGuard backend creates its device: the device's netlink is plexd's own (plexd.mesh.wireguard.genl), and a
+kernel WireGuard backend creates its device: the device's netlink is plexd's own (plexd.machine.wireguard.genl), and a
 node on wireguard-go never loads it."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 from dataclasses import replace
 from plexd.config.settings import load
 import plexd.cli, plexd.node.assembly
-from plexd.mesh.select import backend_kind, wireguard_backend
+from plexd.machine.wireguard_select import backend_kind, wireguard_backend
 config = load(env={{}}, flags={{"data_dir": "/nonexistent"}})
 config = replace(config, mesh=replace(config.mesh, backend={backend!r}))
 wireguard_backend(config)

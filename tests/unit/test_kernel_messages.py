@@ -1,4 +1,4 @@
-"""Kernel WireGuard backend: the generic-netlink codec (plexd.mesh.wireguard.genl) held to pyroute2's.
+"""Kernel WireGuard backend: the generic-netlink codec (plexd.machine.wireguard.genl) held to pyroute2's.
 
 The kernel on these machines has no WireGuard module, so the netlink I/O itself runs only in the kernel tier's VM
 (tests/e2e/test_converge.py and the kernel labs). Here pyroute2's own WireGuard message class is the reference:
@@ -24,9 +24,9 @@ from pyroute2.netlink.generic.wireguard import (
     wgmsg,
 )
 
-from plexd.mesh.wireguard import ZERO_KEY, DeviceUpdate, PeerUpdate, WireGuardError, kernel_module_loaded
-from plexd.mesh.wireguard.genl import get_request, parse_device, set_requests
-from plexd.mesh.wireguard.kernel import KernelBackend
+from plexd.machine.wireguard import ZERO_KEY, DeviceUpdate, PeerUpdate, WireGuardError, kernel_module_loaded
+from plexd.machine.wireguard.genl import get_request, parse_device, set_requests
+from plexd.machine.wireguard.kernel import KernelBackend
 
 K = [base64.b64encode(bytes([i]) * 32).decode() for i in range(1, 200)]
 
@@ -224,8 +224,8 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
     import errno
 
     from plexd.converge.engine import Engine
-    from plexd.mesh.links import Links
-    from plexd.mesh.wireguard import genl
+    from plexd.machine.links import Links
+    from plexd.machine.wireguard import genl
     from plexd.mesh.wireguard_domain import WireGuardDomain
     from plexd.state.desired import DesiredState
 
@@ -246,8 +246,8 @@ async def test_no_module_and_no_permission_are_clear_converge_errors(monkeypatch
 def test_both_backends_offer_what_the_engine_and_a_daemonless_deregister_call() -> None:
     """`plexd deregister` with no daemon running closed the backend it took the device down with; the kernel
     backend had no `close` (the systemd tier's first kernel run raised AttributeError there)."""
-    from plexd.mesh.wireguard import WireGuardBackend
-    from plexd.mesh.wireguard.userspace import UserspaceBackend
+    from plexd.machine.wireguard import WireGuardBackend
+    from plexd.machine.wireguard.userspace import UserspaceBackend
 
     assert isinstance(KernelBackend("pxnokern0"), WireGuardBackend)
     assert isinstance(UserspaceBackend("pxnokern0"), WireGuardBackend)

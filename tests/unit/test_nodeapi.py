@@ -16,11 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from plexd.base.backoff import Backoff
+from plexd.base.ratelimit import RateLimiter
 from plexd.controlplane.client_errors import ControlPlaneError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox
 from plexd.nodeapi import cache, crypto
 from plexd.nodeapi.keys import MAX_KEY_BYTES, file_name, report_key_problem
-from plexd.nodeapi.ratelimit import RateLimiter
 from plexd.nodeapi.reports import ReportStore
 from plexd.nodeapi.sync import ReportSync
 from plexd.state.desired import DesiredState
@@ -306,7 +306,7 @@ def test_the_client_table_stays_bounded_and_cheap_under_many_addresses():
     # none had refilled (20,000 addresses: 38 s of the event loop). Now O(1): the one seen longest ago goes.
     import time
 
-    from plexd.nodeapi.ratelimit import MAX_CLIENTS
+    from plexd.base.ratelimit import MAX_CLIENTS
 
     now = [0.0]
     limiter = RateLimiter(rate=0.2, burst=10, clock=lambda: now[0])  # 50 s to refill: nobody refills here
@@ -322,7 +322,7 @@ def test_the_client_table_stays_bounded_and_cheap_under_many_addresses():
 
 
 def test_a_refilled_bucket_is_forgotten_before_a_busy_one():
-    from plexd.nodeapi import ratelimit
+    from plexd.base import ratelimit
 
     now = [0.0]
     limiter = RateLimiter(rate=1, burst=1, clock=lambda: now[0])
@@ -340,7 +340,7 @@ def test_a_refilled_bucket_is_forgotten_before_a_busy_one():
 
 
 def test_blocked_looks_at_a_bucket_without_taking_from_it():
-    from plexd.nodeapi.ratelimit import RateLimiter
+    from plexd.base.ratelimit import RateLimiter
 
     now = [0.0]
     limiter = RateLimiter(rate=0.5, burst=2, clock=lambda: now[0])

@@ -11,7 +11,7 @@ import base64
 import pytest
 from nacl.public import PrivateKey
 
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
+from plexd.machine.wireguard import DeviceConfig, PeerConfig
 from plexd.services.paths import DIRECT, PROBING, RELAY, PathSelector
 from plexd.state.desired import DesiredState
 from plexd.state.desired_store import DesiredStore

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from plexd.controlplane.ledger import EventLedger, MirrorChange
+from plexd.machine.wireguard import DeviceConfig, PeerConfig
 from plexd.mesh.peers import format_table, names_from_mirror, rows
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig
 
 K1, K2 = "A" * 43 + "=", "B" * 43 + "="
 

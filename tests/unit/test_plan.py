@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nacl.public import PrivateKey
 
-from plexd.mesh.links import LinkState
+from plexd.machine.links import LinkState
+from plexd.machine.wireguard import DeviceConfig, PeerConfig, clamp_private_key
 from plexd.mesh.mesh_plan import (
     ROAMING_WINDOW,
     AddressExtra,
@@ -38,7 +39,6 @@ from plexd.mesh.mesh_plan import (
     simulate,
     target,
 )
-from plexd.mesh.wireguard import DeviceConfig, PeerConfig, clamp_private_key
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer
 

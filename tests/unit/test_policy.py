@@ -254,7 +254,7 @@ async def test_nftables_missing_is_one_clear_error_and_degraded_never_silent(mon
         def probe(self) -> None:
             pass
 
-        def list_table(self):
+        def list_table(self, family, name):
             return None  # no table yet: the diff creates it
 
         def run(self, commands) -> None:

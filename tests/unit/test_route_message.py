@@ -1,4 +1,4 @@
-"""The route write's own network parser (plexd.mesh.rtnl, `inet_pton` for speed) reads exactly what
+"""The route write's own network parser (plexd.machine.rtnl, `inet_pton` for speed) reads exactly what
 `ipaddress.ip_network(strict=False)` reads, and refuses what it refuses with a ValueError naming the value."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plexd.mesh.rtnl import _parsed_network, route_write
+from plexd.machine.rtnl import _parsed_network, route_write
 
 
 def _expected(text: str) -> tuple[int, int, bytes] | None:

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from plexd.mesh.wireguard.uapi import UapiClient
+from plexd.machine.wireguard.uapi import UapiClient
 
 
 async def test_cancel_racing_the_connect_is_not_swallowed(tmp_path, monkeypatch):

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from plexd.mesh.wireguard import DeviceUpdate, PeerCounters, PeerUpdate, UapiError, WireGuardError
-from plexd.mesh.wireguard.uapi import (
+from plexd.machine.wireguard import DeviceUpdate, PeerCounters, PeerUpdate, UapiError, WireGuardError
+from plexd.machine.wireguard.uapi import (
     describe_update,
     encode_set,
     hex_to_b64,

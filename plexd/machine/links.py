@@ -1,5 +1,5 @@
 """The mesh interface's link state: addresses, MTU, up/down and routes for peers' allowed IPs (raw rtnetlink,
-plexd.mesh.rtnl).
+plexd.machine.rtnl).
 
 Mesh routes live in a routing table of their own (`mesh.route_table`, default 5182), looked up through one policy
 rule per address family (`mesh.route_rule_priority`) before the main table: plexd never adds, replaces or deletes
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.rtnl import (
+from plexd.machine.rtnl import (
     Address,
     Link,
     Message,

@@ -1,7 +1,7 @@
 """Which WireGuard backend this machine uses, decided in one place (the daemon, `reconcile --once`, `peers`).
 
 ``mesh.backend: auto`` picks the kernel module when the kernel has it (loaded, or loaded on request: a server
-freshly booted has not loaded it yet, `plexd.mesh.wireguard.kernel_probe`), else the userspace implementation
+freshly booted has not loaded it yet, `plexd.machine.wireguard.kernel_probe`), else the userspace implementation
 (``mesh.userspace_implementation``, wireguard-go by default), which plexd starts and supervises itself.
 """
 
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from plexd.mesh.wireguard.kernel_probe import kernel_wireguard_available
+from plexd.machine.wireguard.kernel_probe import kernel_wireguard_available
 
 if TYPE_CHECKING:
     from plexd.config.settings import Config
-    from plexd.mesh.wireguard import WireGuardBackend
+    from plexd.machine.wireguard import WireGuardBackend
 
 
 def backend_kind(config: Config) -> str:
@@ -28,10 +28,10 @@ def wireguard_backend(config: Config, interface: str = "") -> WireGuardBackend:
     Each backend is imported only when chosen; pyroute2 (~160 modules, several MiB) only to create a kernel device."""
     interface = interface or config.mesh.interface
     if backend_kind(config) == "kernel":
-        from plexd.mesh.wireguard.kernel import KernelBackend
+        from plexd.machine.wireguard.kernel import KernelBackend
 
         return KernelBackend(interface)
-    from plexd.mesh.wireguard.userspace import UserspaceBackend
+    from plexd.machine.wireguard.userspace import UserspaceBackend
     from plexd.system.systemd import scope_command
 
     return UserspaceBackend(interface, implementation=config.mesh.userspace_implementation,

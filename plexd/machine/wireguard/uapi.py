@@ -17,7 +17,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from plexd.mesh.wireguard import (
+from plexd.machine.wireguard import (
     ZERO_KEY,
     CounterRow,
     DeviceConfig,

@@ -1,6 +1,6 @@
 """nftables through libnftables' JSON API (pip-nftables): list the table, apply one atomic transaction.
 
-The domain that converges the table is `plexd.firewall.firewall_domain`; the bridge's fast path uses these contexts too.
+The firewall's domain (`plexd.firewall.firewall_domain`) and the bridge's fast path and forwarding guard use it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from plexd.base.errors import PlexdError
-from plexd.firewall.ruleset import FAMILY, TABLE
 
 JSON = Any
 
@@ -53,8 +52,8 @@ class Nftables:
             self._ctx = ctx
         return self._ctx
 
-    def list_table(self, family: str = FAMILY, name: str = TABLE) -> list[JSON] | None:
-        """The table's objects (plexd's own by default), or None when it does not exist."""
+    def list_table(self, family: str, name: str) -> list[JSON] | None:
+        """The table's objects, or None when it does not exist."""
         with self._lock:
             try:
                 rc, out, err = self._context().json_cmd(
@@ -84,7 +83,7 @@ class Nftables:
     def probe(self) -> None:
         """Raise FirewallError naming what is missing when nftables cannot be used here at all."""
         with self._lock:
-            rc, _out, err = self._context().json_cmd({"nftables": [{"list": {"tables": {"family": FAMILY}}}]})
+            rc, _out, err = self._context().json_cmd({"nftables": [{"list": {"tables": {"family": "inet"}}}]})
         if rc != 0:
             raise FirewallError(f"the kernel refuses nftables ({_first_line(err)}); is nf_tables loaded?")
 

@@ -8,7 +8,7 @@ numbers, its destination and its gateways; decoding just those from the raw dump
 1,000 routes. Opening a pyroute2 `IPRoute` alone costs ~1.5 ms (it starts an event loop of its own), which the
 machine's addresses, read before every state pull, paid each time. Writes likewise: pyroute2 spent ~0.5 ms on
 each route a joining peer brings; here a batch of writes is one send and its acknowledgements (~20 µs a route).
-The kernel WireGuard device's generic netlink is packed and read the same way (plexd.mesh.wireguard.genl), on this
+The kernel WireGuard device's generic netlink is packed and read the same way (plexd.machine.wireguard.genl), on this
 module's plumbing; pyroute2 only creates that device.
 
     dump_routes(family, netns)   every route of one address family, all tables: [Route(table, dst, oif, ...)]
@@ -19,7 +19,7 @@ module's plumbing; pyroute2 only creates that device.
     write(messages, netns)       requests in order, in batches of one send each: the errno of each (0: done),
                                  made by route_write, link_set, link_delete, address_write, rule_write
     open_socket, session, dump_on, write_on, split_messages, attributes, attribute: the netlink plumbing, shared
-                                 with the kernel WireGuard device's generic netlink (plexd.mesh.wireguard.genl)
+                                 with the kernel WireGuard device's generic netlink (plexd.machine.wireguard.genl)
 """
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ def dump_on(sock: socket.socket, request_type: int, request: bytes, reply_type: 
 
 
 def open_socket(netns: str | None, protocol: int = _NETLINK_ROUTE) -> socket.socket:
-    """A netlink socket of `protocol` (rtnetlink; generic netlink for plexd.mesh.wireguard.genl) in `netns`."""
+    """A netlink socket of `protocol` (rtnetlink; generic netlink for plexd.machine.wireguard.genl) in `netns`."""
     if netns is None:
         return socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, protocol)
     # A named namespace (tests, benches): this thread enters it for the socket's creation only (the socket stays

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from plexd.base.childenv import child_environment
 from plexd.base.children import signal_child
 from plexd.base.procstat import process_stat
-from plexd.mesh.wireguard import (
+from plexd.machine.wireguard import (
     CounterRow,
     DeviceConfig,
     DeviceUpdate,
@@ -39,7 +39,7 @@ from plexd.mesh.wireguard import (
     WireGuardError,
     check_interface_name,
 )
-from plexd.mesh.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
+from plexd.machine.wireguard.uapi import DEFAULT_SOCKET_DIR, UapiClient, UapiUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,11 +1,11 @@
 """The kernel WireGuard device's generic netlink, raw: SET_DEVICE requests packed and GET_DEVICE dumps read with
-`struct`, on a netlink socket of our own (plexd.mesh.rtnl's plumbing).
+`struct`, on a netlink socket of our own (plexd.machine.rtnl's plumbing).
 
 pyroute2 builds and decodes every attribute as a message object. At 1,000 peers that cost ~240 ms to encode a
 full apply and ~240 ms to decode the dump on the host; on the kernel tier's emulated CPU, a full apply took 7x and
 a 1 % change 6x what `wg syncconf` took on the same kernel device (`python -m bench kernel`). A peer is a handful
 of fixed-size attributes, so packing and reading them directly costs a few milliseconds for the same peers.
-pyroute2 still creates the device (plexd.mesh.wireguard.kernel). tests/unit/test_kernel_messages.py holds this
+pyroute2 still creates the device (plexd.machine.wireguard.kernel). tests/unit/test_kernel_messages.py holds this
 codec to pyroute2's: what one writes, the other reads.
 
     family_id(sock)                       the `wireguard` family's id (WireGuardError: no module)
@@ -30,9 +30,9 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator
 
-from plexd.mesh.rtnl import Message, attribute, attributes, dump_on, split_messages, write_on
-from plexd.mesh.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate, WireGuardError
-from plexd.mesh.wireguard.kernel_probe import getfamily_request
+from plexd.machine.rtnl import Message, attribute, attributes, dump_on, split_messages, write_on
+from plexd.machine.wireguard import DeviceConfig, DeviceUpdate, PeerConfig, PeerUpdate, WireGuardError
+from plexd.machine.wireguard.kernel_probe import getfamily_request
 
 NETLINK_GENERIC = 16
 PEERS_PER_MESSAGE = 64  # peers in one SET_DEVICE at most (as `wg` does) ...
@@ -306,7 +306,7 @@ def _code(body: memoryview) -> int:
 
 
 def family_id(sock: socket.socket) -> int:
-    """The `wireguard` family's id; asking for it by name also loads the module (plexd.mesh.wireguard.kernel_probe)."""
+    """The `wireguard` family's id; asking for it by name also loads the module (`kernel_probe`)."""
     sock.sendall(getfamily_request("wireguard"))
     for kind, _, body, _ in split_messages(sock.recv(65536)):
         if kind == _NLMSG_ERROR:

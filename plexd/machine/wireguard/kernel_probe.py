@@ -8,7 +8,7 @@ the generic-netlink controller for the `wireguard` family answers "is there kern
 when there is, which is what `mesh.backend: auto` needs to pick the kernel backend on every kernel from 5.6.
 
 Raw netlink, a few bytes each way; its request is also how the kernel backend finds the family's id
-(plexd.mesh.wireguard.genl).
+(plexd.machine.wireguard.genl).
 """
 
 from __future__ import annotations

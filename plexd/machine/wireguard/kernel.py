@@ -1,5 +1,5 @@
 """The kernel WireGuard backend: the device's generic netlink (`wireguard` family) packed and read by
-plexd.mesh.wireguard.genl on a socket of its own, and the device created through pyroute2.
+plexd.machine.wireguard.genl on a socket of its own, and the device created through pyroute2.
 
 The codec is pure and unit-tested against pyroute2's (tests/unit/test_kernel_messages.py); the I/O around it
 needs the kernel module, which the kernel tier's VM has (tests/e2e/test_converge.py and the kernel labs).
@@ -12,8 +12,8 @@ import errno
 import socket
 from collections.abc import Mapping
 
-from plexd.mesh import rtnl
-from plexd.mesh.wireguard import (
+from plexd.machine import rtnl
+from plexd.machine.wireguard import (
     CounterRow,
     DeviceConfig,
     DeviceUpdate,
@@ -118,7 +118,7 @@ class KernelBackend:
             return True
 
     async def delete_device(self) -> None:
-        from plexd.mesh.links import Links
+        from plexd.machine.links import Links
 
         await Links(self.interface, self.netns).delete_link()
 

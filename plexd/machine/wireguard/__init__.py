@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol, runtime_checkable
 
 from plexd.base.errors import PlexdError
-from plexd.mesh.wireguard.kernel_probe import kernel_module_loaded as kernel_module_loaded
+from plexd.machine.wireguard.kernel_probe import kernel_module_loaded as kernel_module_loaded
 from plexd.state.model import KEY_LEN
 
 ZERO_KEY = base64.b64encode(bytes(KEY_LEN)).decode()
