@@ -26,6 +26,7 @@ from plexd.state.bridge_blocks import (
     parse_site_to_site,
     parse_user_access,
 )
+from plexd.state.fields import join, kind, text
 from plexd.state.relay_block import RelaySessionSet
 from plexd.state.sessions_block import Sessions, parse_sessions
 
@@ -44,25 +45,8 @@ JSON = Any
 
 def _fields(obj: JSON, path: str) -> dict[str, JSON]:
     if not isinstance(obj, dict):
-        raise WireFormatError(path, f"must be a JSON object, got {_kind(obj)}")
+        raise WireFormatError(path, f"must be a JSON object, got {kind(obj)}")
     return {str(k).lower(): v for k, v in obj.items()}
-
-
-def _kind(value: JSON) -> str:
-    if value is None:
-        return "null"
-    return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
-        type(value), type(value).__name__
-    )
-
-
-def _str(f: dict[str, JSON], key: str, path: str, default: str = "") -> str:
-    value = f.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, str):
-        raise WireFormatError(_join(path, key), f"must be a string, got {_kind(value)}")
-    return value
 
 
 def _int(f: dict[str, JSON], key: str, path: str, default: int = 0) -> int:
@@ -71,9 +55,9 @@ def _int(f: dict[str, JSON], key: str, path: str, default: int = 0) -> int:
         return default
     if (isinstance(value, bool) or not isinstance(value, int | float)
             or (isinstance(value, float) and not math.isfinite(value)) or int(value) != value):
-        raise WireFormatError(_join(path, key), f"must be an integer, got {_kind(value)} {str(value)[:40]}")
+        raise WireFormatError(join(path, key), f"must be an integer, got {kind(value)} {str(value)[:40]}")
     if not -(2**63) <= value < 2**63:  # Go's int64
-        raise WireFormatError(_join(path, key), f"{str(value)[:40]} is out of range")
+        raise WireFormatError(join(path, key), f"{str(value)[:40]} is out of range")
     return int(value)
 
 
@@ -82,7 +66,7 @@ def _list(f: dict[str, JSON], key: str, path: str) -> list[JSON]:
     if value is None:
         return []
     if not isinstance(value, list):
-        raise WireFormatError(_join(path, key), f"must be an array, got {_kind(value)}")
+        raise WireFormatError(join(path, key), f"must be an array, got {kind(value)}")
     return value
 
 
@@ -91,15 +75,11 @@ def _str_map(f: dict[str, JSON], key: str, path: str) -> dict[str, str] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise WireFormatError(_join(path, key), f"must be an object, got {_kind(value)}")
+        raise WireFormatError(join(path, key), f"must be an object, got {kind(value)}")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise WireFormatError(f"{_join(path, key)}.{k}", f"must be a string, got {_kind(v)}")
+            raise WireFormatError(f"{join(path, key)}.{k}", f"must be a string, got {kind(v)}")
     return dict(value)
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
 
 
 @dataclass(frozen=True)
@@ -118,15 +98,15 @@ class Peer:
         ips = _list(f, "allowed_ips", path)
         for i, ip in enumerate(ips):
             if not isinstance(ip, str):
-                raise WireFormatError(f"{path}.allowed_ips[{i}]", f"must be a string, got {_kind(ip)}")
+                raise WireFormatError(f"{path}.allowed_ips[{i}]", f"must be a string, got {kind(ip)}")
         return cls(
-            id=_str(f, "id", path),
-            public_key=_str(f, "public_key", path),
-            mesh_ip=_str(f, "mesh_ip", path),
-            endpoint=_str(f, "endpoint", path),
+            id=text(f, "id", path),
+            public_key=text(f, "public_key", path),
+            mesh_ip=text(f, "mesh_ip", path),
+            endpoint=text(f, "endpoint", path),
             allowed_ips=tuple(ips),
-            psk=_str(f, "psk", path),
-            fallback_endpoint=_str(f, "fallback_endpoint", path),
+            psk=text(f, "psk", path),
+            fallback_endpoint=text(f, "fallback_endpoint", path),
         )
 
     def to_wire(self) -> dict[str, JSON]:
@@ -167,11 +147,11 @@ class PolicyRule:
         try:
             f = _fields(obj, path)
             return cls(
-                src=_str(f, "src", path),
-                dst=_str(f, "dst", path),
+                src=text(f, "src", path),
+                dst=text(f, "dst", path),
                 port=_int(f, "port", path),
-                protocol=_str(f, "protocol", path),
-                action=_str(f, "action", path),
+                protocol=text(f, "protocol", path),
+                action=text(f, "action", path),
             )
         except WireFormatError as e:
             return cls(src="", dst="", problem=str(e), raw=obj)
@@ -194,7 +174,7 @@ class Policy:
     def from_wire(cls, obj: JSON, path: str) -> Policy:
         try:
             f = _fields(obj, path)
-            pid = _str(f, "id", path)
+            pid = text(f, "id", path)
             rules = tuple(
                 PolicyRule.from_wire(r, f"{path}.rules[{i}]") for i, r in enumerate(_list(f, "rules", path))
             )
@@ -219,9 +199,9 @@ class SigningKeys:
     def from_wire(cls, obj: JSON, path: str = "signing_keys") -> SigningKeys:
         f = _fields(obj, path)
         return cls(
-            current=_str(f, "current", path),
-            previous=_str(f, "previous", path),
-            transition_expires=_str(f, "transition_expires", path),
+            current=text(f, "current", path),
+            previous=text(f, "previous", path),
+            transition_expires=text(f, "transition_expires", path),
         )
 
     def to_wire(self) -> dict[str, JSON]:
@@ -245,11 +225,11 @@ class DataEntry:
     def from_wire(cls, obj: JSON, path: str) -> DataEntry:
         f = _fields(obj, path)
         return cls(
-            key=_str(f, "key", path),
-            content_type=_str(f, "content_type", path),
+            key=text(f, "key", path),
+            content_type=text(f, "content_type", path),
             payload=f.get("payload"),
             version=_int(f, "version", path),
-            updated_at=_str(f, "updated_at", path, GO_ZERO_TIME),
+            updated_at=text(f, "updated_at", path, GO_ZERO_TIME),
         )
 
     def to_wire(self) -> dict[str, JSON]:
@@ -265,7 +245,7 @@ class SecretRef:
     @classmethod
     def from_wire(cls, obj: JSON, path: str) -> SecretRef:
         f = _fields(obj, path)
-        return cls(key=_str(f, "key", path), version=_int(f, "version", path))
+        return cls(key=text(f, "key", path), version=_int(f, "version", path))
 
     def to_wire(self) -> dict[str, JSON]:
         return {"key": self.key, "version": self.version}
@@ -296,18 +276,18 @@ class State:
         f = _fields(obj, path or "state")
         keys = f.get("signing_keys")
         return cls(
-            peers=tuple(Peer.from_wire(p, _join(path, f"peers[{i}]")) for i, p in enumerate(_list(f, "peers", path))),
+            peers=tuple(Peer.from_wire(p, join(path, f"peers[{i}]")) for i, p in enumerate(_list(f, "peers", path))),
             policies=tuple(
-                Policy.from_wire(p, _join(path, f"policies[{i}]")) for i, p in enumerate(_list(f, "policies", path))
+                Policy.from_wire(p, join(path, f"policies[{i}]")) for i, p in enumerate(_list(f, "policies", path))
             ),
-            signing_keys=None if keys is None else SigningKeys.from_wire(keys, _join(path, "signing_keys")),
+            signing_keys=None if keys is None else SigningKeys.from_wire(keys, join(path, "signing_keys")),
             metadata=_str_map(f, "metadata", path),
-            data=tuple(DataEntry.from_wire(d, _join(path, f"data[{i}]")) for i, d in enumerate(_list(f, "data", path))),
+            data=tuple(DataEntry.from_wire(d, join(path, f"data[{i}]")) for i, d in enumerate(_list(f, "data", path))),
             secret_refs=tuple(
-                SecretRef.from_wire(s, _join(path, f"secret_refs[{i}]"))
+                SecretRef.from_wire(s, join(path, f"secret_refs[{i}]"))
                 for i, s in enumerate(_list(f, "secret_refs", path))
             ),
-            sessions=parse_sessions(f.get("sessions"), _join(path, "sessions")),
+            sessions=parse_sessions(f.get("sessions"), join(path, "sessions")),
             # A bridge or relay_config block, even null, says what is desired (null: no relay sessions); a state
             # without either (a node, an older control plane) changes nothing.
             relay=RelaySessionSet.from_state(f) if "bridge" in f or "relay_config" in f else None,
@@ -349,12 +329,12 @@ class RegisterResponse:
     def from_wire(cls, obj: JSON) -> RegisterResponse:
         f = _fields(obj, "register response")
         resp = cls(
-            node_id=_str(f, "node_id", ""),
-            mesh_ip=_str(f, "mesh_ip", ""),
-            signing_public_key=_str(f, "signing_public_key", ""),
-            node_secret_key=_str(f, "node_secret_key", ""),
+            node_id=text(f, "node_id", ""),
+            mesh_ip=text(f, "mesh_ip", ""),
+            signing_public_key=text(f, "signing_public_key", ""),
+            node_secret_key=text(f, "node_secret_key", ""),
             peers=tuple(Peer.from_wire(p, f"peers[{i}]") for i, p in enumerate(_list(f, "peers", ""))),
-            node_secret_kdf=_str(f, "node_secret_kdf", ""),
+            node_secret_kdf=text(f, "node_secret_kdf", ""),
         )
         for name in ("node_id", "mesh_ip", "signing_public_key", "node_secret_key"):
             if not getattr(resp, name):

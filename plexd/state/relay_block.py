@@ -22,6 +22,7 @@ from datetime import datetime
 
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import parse_time
+from plexd.state.fields import text
 
 MAX_SESSIONS = 100
 MAX_TTL_SECONDS = 300.0
@@ -75,14 +76,7 @@ def parse_endpoint(text: object, path: str) -> Address:
 
 def text_field(doc: Mapping[str, object], key: str, path: str, *, required: bool = True) -> str:
     """An id or a name from the bridge's blocks: printable ASCII, bounded; "" for an absent optional one."""
-    value = doc.get(key)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or (required and not value):
-        raise WireFormatError(f"{path}.{key}", "must be a non-empty string" if required else "must be a string")
-    if len(value) > MAX_ID_LENGTH or not value.isprintable() or not value.isascii():
-        raise WireFormatError(f"{path}.{key}", f"must be printable ASCII of at most {MAX_ID_LENGTH} characters")
-    return value
+    return text(doc, key, path, required=required, limit=MAX_ID_LENGTH, printable_ascii=True)
 
 
 def public_key_field(doc: Mapping[str, object], key: str, path: str) -> str:

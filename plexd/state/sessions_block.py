@@ -21,6 +21,7 @@ from typing import Any
 from plexd.base import gojson
 from plexd.base.errors import WireFormatError
 from plexd.base.hostname import is_hostname, is_ip
+from plexd.state.fields import text
 
 KINDS = ("ssh", "tcp", "k8s")
 MAX_SESSIONS = 10  # per node, ssh and tcp and k8s together (the Go agent's tunnel.max_sessions)
@@ -127,17 +128,6 @@ def _over_capacity() -> str:
     return f"more than {MAX_SESSIONS} sessions on this node"
 
 
-def _string(obj: dict[str, Any], name: str, path: str, *, limit: int = 256, required: bool = True) -> str:
-    value = obj.get(name)
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str) or not value:
-        raise WireFormatError(f"{path}.{name}", "must be a non-empty string")
-    if len(value) > limit:
-        raise WireFormatError(f"{path}.{name}", f"longer than {limit} characters")
-    return value
-
-
 def login_user(name: str, path: str) -> str:
     if "\0" in name or "/" in name or ".." in name or not _USER.fullmatch(name):
         raise WireFormatError(path, f"{name[:40]!r} is not a login name")
@@ -147,7 +137,7 @@ def login_user(name: str, path: str) -> str:
 def _ssh_target(obj: Any, path: str) -> SshTarget:
     if not isinstance(obj, dict):
         raise WireFormatError(path, "must be an object")
-    user = login_user(_string(obj, "user", path, limit=32), f"{path}.user")
+    user = login_user(text(obj, "user", path, required=True, limit=32), f"{path}.user")
     commands = obj.get("allowed_commands")
     if commands is None:
         return SshTarget(user)
@@ -165,7 +155,7 @@ def _ssh_target(obj: Any, path: str) -> SshTarget:
 def _tcp_target(obj: Any, path: str) -> TcpTarget:
     if not isinstance(obj, dict):
         raise WireFormatError(path, "must be an object")
-    host = _string(obj, "host", path, limit=253)
+    host = text(obj, "host", path, required=True, limit=253)
     if not is_ip(host) and not is_hostname(host):
         raise WireFormatError(f"{path}.host", f"{host[:60]!r} is not an IP address or host name")
     port = obj.get("port")
@@ -192,7 +182,7 @@ def impersonation_problem(what: str, value: str) -> str | None:
 def _k8s_target(obj: Any, path: str) -> K8sTarget:
     if not isinstance(obj, dict):
         raise WireFormatError(path, "must be an object")
-    user = _string(obj, "user", path)
+    user = text(obj, "user", path, required=True, limit=256)
     groups = obj.get("impersonate_groups") or []
     if not isinstance(groups, list) or not all(isinstance(g, str) and g and len(g) <= 256 for g in groups):
         raise WireFormatError(f"{path}.impersonate_groups", "must be an array of non-empty strings")
@@ -211,7 +201,7 @@ def parse_session(obj: Any, path: str) -> Session:
     """One entry of the block. WireFormatError names the field."""
     if not isinstance(obj, dict):
         raise WireFormatError(path, "must be an object")
-    sid = _string(obj, "session_id", path, limit=128)
+    sid = text(obj, "session_id", path, required=True, limit=128)
     if not _SESSION_ID.fullmatch(sid):
         raise WireFormatError(f"{path}.session_id", "is not 1-128 printable ASCII characters")
     jti = obj.get("jti")
@@ -224,7 +214,7 @@ def parse_session(obj: Any, path: str) -> Session:
     if not isinstance(target, dict) or set(target) != {kind}:
         raise WireFormatError(f"{path}.target", f"must hold exactly the {kind!r} member")
     try:
-        expires = gojson.parse_time(_string(obj, "expires_at", path, limit=64)).timestamp()
+        expires = gojson.parse_time(text(obj, "expires_at", path, required=True, limit=64)).timestamp()
     except ValueError as exc:
         raise WireFormatError(f"{path}.expires_at", str(exc)) from None
     idle = obj.get("idle_timeout_seconds") or 0
@@ -284,7 +274,7 @@ def revoked_session_id(payload: Any, path: str = "payload") -> str:
     """The older `session_revoked` event's session id."""
     if not isinstance(payload, dict):
         raise WireFormatError(path, "must be an object")
-    return _string(payload, "session_id", path, limit=128)
+    return text(payload, "session_id", path, required=True, limit=128)
 
 
 # The socket mark of a session's listener, which the firewall's session rules match (the port is the kernel's
