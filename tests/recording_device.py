@@ -1,5 +1,5 @@
 """In-process daemons that need no namespaces: their config, and a stand-in for the WireGuard domain in the real
-engine ("the device" is a dict of peer ids to public keys, and drift is made by editing it)."""
+engine ("the device" is `peers`, a dict of peer ids to public keys, and drift is made by editing it)."""
 
 from __future__ import annotations
 
@@ -22,28 +22,27 @@ class FakeChange:
 
 
 @dataclass
-class RecordingDevice:
-    domain: RecordingDomain
-
-    async def observe(self):
-        return DeviceConfig(peers={k: PeerConfig(public_key=k) for k in self.domain.device.values()})
-
-
-@dataclass
 class RecordingDomain:
     """Stands in for the WireGuard domain in the real engine: "the device" is a dict of peers."""
 
     name = "wireguard"
-    device: dict = field(default_factory=dict)  # peer id -> public key
+    touches_machine = True
+    acts_while_held = False
+    peers: dict = field(default_factory=dict)  # "the device": peer id -> public key
     calls: int = 0
 
-    @property
-    def backend(self):
-        return RecordingDevice(self)
+    async def device(self):
+        return DeviceConfig(peers={k: PeerConfig(public_key=k) for k in self.peers.values()})
+
+    async def counters(self):
+        return {}
+
+    async def counter_rows(self):
+        return []
 
     async def observe(self, desired):
         self.calls += 1
-        return dict(self.device)
+        return dict(self.peers)
 
     def plan(self, desired, observed):
         changes = []
@@ -55,14 +54,14 @@ class RecordingDomain:
         return DomainResult(tuple(changes))
 
     async def apply(self, desired, planned, observed):
-        self.device = {pid: p.public_key for pid, p in desired.peers.items()}
+        self.peers = {pid: p.public_key for pid, p in desired.peers.items()}
         return DomainResult(planned.changes)
 
     async def apply_delta(self, desired, touched):
         return None  # no baseline kept: every event converges in full
 
     async def teardown(self):
-        self.device.clear()
+        self.peers.clear()
 
     def status(self):
         return None

@@ -46,6 +46,8 @@ def wanted(desired: DesiredState) -> list[str]:
 
 class HostsFile:
     name = "hosts_file"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, path: Path) -> None:
         self.path = path

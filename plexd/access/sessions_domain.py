@@ -184,6 +184,7 @@ class _Muted:
 
 class SessionsDomain:
     name = "sessions"
+    touches_machine = True
     acts_while_held = True  # a hold never keeps a revoked session open (see the module's docstring)
 
     def __init__(self, data_dir: str | Path, hooks: AccessHooks, unenforced: Callable[[], str] = lambda: "",

@@ -82,6 +82,8 @@ class IngressSeen:
 
 class IngressDomain:
     name = "ingress"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, data_dir: str, *, host: str = "0.0.0.0", mesh_range: Sequence[str] = (),
                  allowed_sources: Sequence[str] = (), idle_timeout: float = IDLE_TIMEOUT,

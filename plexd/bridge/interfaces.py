@@ -55,6 +55,9 @@ class InterfacesSeen:
 
 
 class InterfacesDomain:
+    touches_machine = True
+    acts_while_held = False
+
     def __init__(self, name: str, part: str, specs: Specs, source: Callable[[DesiredState], object],
                  make_interface: Callable[[str], WgInterface], underlay: Links, ledger: ForwardingLedger,
                  data_dir: str) -> None:

@@ -90,6 +90,8 @@ class RelaySeen:
 
 class RelayDomain:
     name = "relay"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, host: str, port: int, *, fastpath_address: str = "",
                  cp_reachable: Callable[[], bool] = lambda: True, clock: Clock | None = None) -> None:

@@ -44,11 +44,12 @@ class DomainResult:
 
 class Domain(Protocol):
     name: str  # short, stable: logs, errors and `plexd status --json` use it
-    # A domain may set `touches_machine = False` (read with a default of True): what it converges is not this
-    # machine (the NAT domain: what the control plane is told), so an operator's hold, or a device kept as it is
-    # until the first state pull, does not stop it; `dry_run` still does. A domain may set `acts_while_held =
-    # True`: an operator's hold does not stop it (the sessions: a hold must never keep a revoked session open),
+    # False: what it converges is not this machine (the NAT domain: what the control plane is told), so an
+    # operator's hold, or a device kept as it is until the first state pull, does not stop it; a dry run still does.
+    touches_machine: bool
+    # True: an operator's hold does not stop it (the sessions: a hold must never keep a revoked session open),
     # while a device kept until the first state pull still does.
+    acts_while_held: bool
 
     async def observe(self, desired: DesiredState) -> Any:
         """The live state of what this domain owns (`desired` says where to look: an interface, a directory)."""

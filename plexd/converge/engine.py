@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -27,18 +28,34 @@ from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
 
+class Mode(enum.Enum):
+    """What a converge did with the changes it found."""
+
+    APPLIED = "applied"  # applied them
+    DRY_RUN = "dry_run"  # asked to plan only
+    HELD = "held"  # an operator's hold: planned only (domains that act while held, and those that do not touch
+    # the machine, applied theirs, which are counted and not listed)
+    KEPT = "kept"  # the machine is kept as it is until the first state pull: planned only (same exceptions)
+
+
 @dataclass(frozen=True)
 class ConvergeResult:
-    """What one converge did. `changes` lists only what was applied successfully (or planned, when dry_run)."""
+    """What one converge did. `changes` lists only what was applied successfully, or, unless `mode` is APPLIED,
+    what was planned and not applied."""
 
     changes: tuple[Change, ...] = ()
     errors: tuple[str, ...] = ()
     skipped_peers: tuple[tuple[str, str], ...] = ()  # (peer id, reason): invalid peers left out
-    dry_run: bool = False
+    mode: Mode = Mode.APPLIED
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    @property
+    def held_back(self) -> bool:
+        """The machine was left as it is by a hold or a keep (not by a dry run): `changes` are drift not corrected."""
+        return self.mode in (Mode.HELD, Mode.KEPT)
 
     def corrections(self) -> list[Correction]:
         """What this converge changed, one drift-report line each."""
@@ -81,8 +98,8 @@ class Engine:
     async def converge(self, desired: DesiredState, *, dry_run: bool = False,
                        keep_machine: bool = False) -> ConvergeResult:
         """Read, plan and apply every domain; only plan with `dry_run`. While held, or with `keep_machine` (the
-        machine is to stay as it is for now), the domains that touch the machine only plan (the result says
-        dry_run) and the others (`touches_machine = False`: what the control plane is told) still apply; so do,
+        machine is to stay as it is for now), the domains that touch the machine only plan (the result's mode says
+        HELD or KEPT) and the others (`touches_machine = False`: what the control plane is told) still apply; so do,
         while held only, those that say `acts_while_held` (the access sessions: revocations)."""
         async with self._lock:
             return await self._converge(desired, dry_run, keep_machine, held=self.hold.current() is not None)
@@ -92,18 +109,18 @@ class Engine:
         observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
         total = DomainResult()
         for domain, seen in zip(self.domains, observed, strict=True):
-            touches = getattr(domain, "touches_machine", True)
+            touches = domain.touches_machine
             acts = not dry_run and not (keep_machine and touches) and not (
-                held and touches and not getattr(domain, "acts_while_held", False))
+                held and touches and not domain.acts_while_held)
             result = await self._converge_one(domain, desired, seen, not acts)
             if acts and (keep_machine or held):  # done while the machine is kept: counted, not listed as held
                 self._corrected(result.changes)
                 result = DomainResult(errors=result.errors)
             total += result
-        planned_only = dry_run or keep_machine or held
-        if not planned_only:
+        mode = (Mode.DRY_RUN if dry_run else Mode.HELD if held else Mode.KEPT if keep_machine else Mode.APPLIED)
+        if mode is Mode.APPLIED:
             self._corrected(total.changes)
-        result = ConvergeResult(total.changes, total.errors, desired.rejected, planned_only)
+        result = ConvergeResult(total.changes, total.errors, desired.rejected, mode)
         self.last_result = result
         return result
 
@@ -129,7 +146,7 @@ class Engine:
                     for c in delta.changes:
                         log.debug("applied: %s", c.detail)
                     total += delta
-            result = ConvergeResult(total.changes, total.errors, desired.rejected, False)
+            result = ConvergeResult(total.changes, total.errors, desired.rejected)
             self.last_result = result
             return result
 

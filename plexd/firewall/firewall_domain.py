@@ -49,6 +49,8 @@ class TableSeen:
 
 class FirewallDomain:
     name = "firewall"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, interface: str, *, enabled: bool = True, log_denied: bool = False,
                  nft: Nftables | None = None, run_blocking: Callable[..., Any] | None = None,

@@ -21,7 +21,15 @@ from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.machine.links import LinkOp, Links
-from plexd.machine.wireguard import DeviceUpdate, WireGuardBackend, WireGuardError, key_fingerprint
+from plexd.machine.wireguard import (
+    CounterRow,
+    DeviceConfig,
+    DeviceUpdate,
+    PeerCounters,
+    WireGuardBackend,
+    WireGuardError,
+    key_fingerprint,
+)
 from plexd.mesh.delta import peer_delta, touched_peers
 from plexd.mesh.first_contact import FirstContact
 from plexd.mesh.mesh_plan import (
@@ -81,6 +89,8 @@ class _Baseline:
 
 class WireGuardDomain:
     name = "wireguard"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, backend: WireGuardBackend, links: Links, *, clock: Clock | None = None) -> None:
         self.backend = backend
@@ -102,6 +112,23 @@ class WireGuardDomain:
         rules = link.rules if link is not None else await self.links.observe_rules()
         return Observed(device=device, link=link, process_gone=self.backend.process_gone(),
                         peer_names=dict(self._names), rules=rules)
+
+    async def device(self) -> DeviceConfig | None:
+        """The live device alone (None when there is none): for status, metrics and the checks around a converge.
+        The engine's converge reads it with the link through `observe`."""
+        return await self.backend.observe()
+
+    async def counters(self) -> Mapping[str, PeerCounters] | None:
+        """Each peer's last handshake and traffic, for the metrics endpoint (None: no device)."""
+        return await self.backend.counters()
+
+    async def counter_rows(self) -> list[CounterRow] | None:
+        """The same as `counters`, as the device wrote them: the cheapest read there is."""
+        return await self.backend.counter_rows()
+
+    async def close(self) -> None:
+        """Let go of the device without removing it (a userspace process is stopped)."""
+        await self.backend.close()
 
     def believed_peer_count(self) -> int | None:
         """Peers on the device as the last full read saw them plus every change applied since; None when that is

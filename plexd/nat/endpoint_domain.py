@@ -105,6 +105,7 @@ class NatHooks:
 
 class NatEndpointDomain:
     name = "nat"
+    acts_while_held = False
     touches_machine = False  # what it converges is the control plane's record: a hold does not stop it
 
     def __init__(self, hooks: NatHooks) -> None:

@@ -293,7 +293,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
         status = StatusReports(reports, lambda: status_reports(bridge_heartbeat(mesh.engine)), cfg.heartbeat.interval)
         agent.add_service("status_reports", lambda a: status.run())
     # Peers with a bridge's fallback endpoint: direct first, the relay when the direct path shows no handshake.
-    paths = node.paths = PathSelector(mesh.store, wireguard(mesh.engine).backend.observe, mesh.request_converge,
+    paths = node.paths = PathSelector(mesh.store, wireguard(mesh.engine).device, mesh.request_converge,
                                       probe_interval=cfg.mesh.path_probe_interval)
     agent.add_service("paths", lambda a: paths.run())
     if nat is not None:
@@ -424,7 +424,7 @@ def _build_telemetry(node: Node, node_id: Callable[[], str]) -> Telemetry:
 
     async def read_counters() -> Any:
         try:
-            return await wireguard(node.mesh.engine).backend.counter_rows()
+            return await wireguard(node.mesh.engine).counter_rows()
         except PlexdError as exc:
             log.debug("telemetry: cannot read the device: %s", exc)
             return None

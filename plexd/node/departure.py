@@ -58,10 +58,10 @@ async def take_down(config: Any) -> None:
     engine = build_engine(config)
     device = wireguard(engine)
     try:
-        await device.backend.observe()  # adopts a userspace process left behind, so that it is stopped too
+        await device.device()  # adopts a userspace process left behind, so that it is stopped too
         await engine.teardown()
     finally:
-        await device.backend.close()
+        await device.close()
 
 
 def purge_local(config: Any, *, systemd_running: bool | None = None,

@@ -30,6 +30,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.errors import PlexdError
 from plexd.base.wgkeys import b64, generate_private_key, public_key_of
 from plexd.controlplane.client_errors import AuthError, ControlPlaneError, PermanentError
+from plexd.converge.engine import Mode
 from plexd.identity.identity_store import NEXT_PRIVATE_KEY_FILE, IdentityStore
 from plexd.machine.wireguard import clamp_private_key, key_fingerprint
 from plexd.node.agent import Agent
@@ -140,11 +141,11 @@ class KeyRotation:
         judged by them never succeeded, and a resumed one flipped the device between its keys for ever."""
         self.mesh.store.edit(lambda d: d.with_private_key(private_key), why, ())
         result = await self.mesh.converge()
-        if result.dry_run:
+        if result.mode is not Mode.APPLIED:
             log.warning("%s: not applied (corrections are held: plexd reconcile release)", why)
             return False
         try:
-            device = await wireguard(self.mesh.engine).backend.observe()
+            device = await wireguard(self.mesh.engine).device()
         except PlexdError as exc:
             log.warning("%s: the device cannot be read (%s)", why, exc)
             return False

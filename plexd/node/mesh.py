@@ -26,7 +26,7 @@ from plexd.controlplane.event_signing import InvalidSigningKeys, NonceStore, Ver
 from plexd.controlplane.ledger import EventLedger
 from plexd.converge.change import Correction
 from plexd.converge.coalesce import Requests
-from plexd.converge.engine import ConvergeResult, Engine
+from plexd.converge.engine import ConvergeResult, Engine, Mode
 from plexd.converge.hold import ReconcileHold
 from plexd.identity.identity_store import Identity
 from plexd.node.domain_list import wireguard
@@ -221,7 +221,7 @@ class MeshHandle:
             return ConvergeResult()
         model = self.store.value
         result = await self._converge(dry_run)
-        self._fresh = model if not dry_run and not result.dry_run and result.ok else None
+        self._fresh = model if result.mode is Mode.APPLIED and result.ok else None
         return result
 
     def pulled(self) -> None:
@@ -250,7 +250,7 @@ class MeshHandle:
             device = wireguard(self.engine)
         except LookupError:
             return False
-        return await device.backend.observe() is not None
+        return await device.device() is not None
 
     async def apply_events(self) -> ConvergeResult:
         """Apply what events changed in the model: only the touched peers and routes (`Engine.apply_delta`).
@@ -274,7 +274,7 @@ class MeshHandle:
 
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""
-        device = await wireguard(self.engine).backend.observe()
+        device = await wireguard(self.engine).device()
         if device is None:
             return None
         now = time.time()

@@ -190,7 +190,7 @@ class MetricsEndpoint:
 
     async def render(self) -> bytes:
         try:
-            self.collector.counters = await wireguard(self.node.mesh.engine).backend.counters()
+            self.collector.counters = await wireguard(self.node.mesh.engine).counters()
         except PlexdError as exc:  # the other families still come out; the peers' are empty
             log.debug("metrics: cannot read the device: %s", exc)
             self.collector.counters = None

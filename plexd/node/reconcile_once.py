@@ -49,7 +49,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     protected = ProtectedAddresses.from_config(config, wireguard(engine).links)
     mesh = MeshHandle(engine, desired, protected=protected, known=restored)
 
-    if not dry_run and await wireguard(engine).backend.observe() is None:
+    if not dry_run and await wireguard(engine).device() is None:
         raise PlexdError(f"WireGuard interface {config.mesh.interface} is not up; start the daemon with "
                          "'plexd up' (or use --dry-run to see the plan)")
 

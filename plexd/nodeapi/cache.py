@@ -154,6 +154,8 @@ class NodeStateCache:
     """The cache files, converged to the desired model's node state."""
 
     name = "node_cache"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, data_dir: str | Path, *, run_blocking: Callable[..., Any] | None = None) -> None:
         self.data_dir = Path(data_dir)

@@ -241,7 +241,7 @@ class Reconciler(Generic[S]):
                     await self._apply_events()
                 result = await self._converge()
                 drift = corrections_of(result.changes)
-                if result.dry_run:  # held by an operator (or, at start, a live device kept): planned, not applied
+                if result.held_back:  # held by an operator (or, at start, a live device kept): planned, not applied
                     held, drift = ([] if startup else drift), []
                 if startup:
                     if drift:
@@ -268,7 +268,7 @@ class Reconciler(Generic[S]):
                 else:
                     updates = corrections_of(self._apply_state(state))
                     result = await self._converge(dry_run=dry_run)
-                if not dry_run and result.dry_run:
+                if result.held_back:
                     held += corrections_of(result.changes)
                 else:
                     updates += corrections_of(result.changes)

@@ -48,6 +48,8 @@ class KeyFileWrong(Change):
 
 class SigningKeyFile:
     name = "signing_key"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, data_dir: str | Path, trusted: Callable[[], str | None]) -> None:
         self.path = Path(data_dir) / datadir.SIGNING_KEY

@@ -17,6 +17,7 @@ import pytest
 from mesh_helpers import BACKENDS, keypair, mesh_node, ping
 from waiting import wait_for
 
+from plexd.converge.engine import Mode
 from plexd.devplane.lab import Lab
 from plexd.machine.links import DEFAULT_TABLE
 from plexd.machine.wireguard import DeviceUpdate, PeerUpdate, WireGuardError, genl, kernel_module_loaded, userspace
@@ -182,7 +183,7 @@ async def test_invalid_peers_skipped_rest_configured_and_dry_run(pair) -> None:
     bad = Peer(id="n_bad", public_key="AAAA", mesh_ip="10.100.0.9", allowed_ips=("10.100.0.9/32",))
     da = a.desired([b]).with_peer(bad)
     plan = await a.converger.converge(da, dry_run=True)
-    assert plan.dry_run and plan.changes and await a.backend.observe() is None  # nothing applied
+    assert plan.mode is Mode.DRY_RUN and plan.changes and await a.backend.observe() is None  # nothing applied
     r = await a.converger.converge(da)
     assert r.ok and r.skipped_peers == (("n_bad", "public key 'AAAA' is not base64 of 32 bytes"),)
     assert [row[0] for row in a.wg_dump(lab)[1:]] == [b.public_key]

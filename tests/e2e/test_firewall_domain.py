@@ -17,6 +17,7 @@ import pytest
 from engine_helpers import converge
 from pyroute2.netns import setns
 
+from plexd.converge.engine import Mode
 from plexd.firewall import plan as fwplan
 from plexd.firewall.firewall_domain import FirewallDomain
 from plexd.firewall.ruleset import desired_ruleset
@@ -181,7 +182,7 @@ async def test_a_missing_table_the_engine_may_not_restore_yet_is_said_degraded_n
     assert fw.enforcement == "enforced"
     nft(ns, "delete", "table", "inet", "plexd")
     kept = await engine.converge(desired, keep_machine=True)
-    assert kept.dry_run and "plexd" not in nft(ns, "list", "tables")  # planned, not applied
+    assert kept.mode is Mode.KEPT and "plexd" not in nft(ns, "list", "tables")  # planned, not applied
     assert fw.enforcement == "degraded" and "nothing filters the mesh" in fw.reason and "only planned" in fw.reason
     # the access sessions fail closed on this (a table in place but not current would not count)
     assert fw.unenforced == "firewall: table inet plexd missing"
@@ -333,7 +334,7 @@ async def test_a_policy_planned_during_a_hold_is_applied_by_the_next_event_not_s
     assert dports(ns, "input") == [22, 443]
     hold.set(3600, "debugging")
     p2 = model(SSH_ONLY, [peer])
-    assert (await engine.converge(p2)).dry_run and dports(ns, "input") == [22, 443]  # held: planned only
+    assert (await engine.converge(p2)).mode is Mode.HELD and dports(ns, "input") == [22, 443]  # held: planned only
     hold.release()
     moved = p2.with_peer(Peer("n_a", _key(1), "10.100.0.2", "192.0.2.9:51820"))  # a peer event, same address
     result = await engine.apply_delta(moved, ["n_a"])

@@ -71,7 +71,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         token = devplane.admin.create_token()
         other = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
                            json={"token": token, "public_key": wg_public(), "hostname": "px-other"}).json()
-        await wait_for(lambda: other["node_id"] in domain.device, what="the new peer on the device")
+        await wait_for(lambda: other["node_id"] in domain.peers, what="the new peer on the device")
         # heartbeat values are real: the daemon's code checksum, its uptime, the peers it has
         await wait_for(lambda: devplane.admin.heartbeats(node_id)[-1]["mesh"]["peer_count"] == 1,
                        what="a heartbeat counting the new peer")
@@ -82,7 +82,7 @@ async def test_agent_connected_stage_end_to_end(devplane, tmp_path, monkeypatch,
         assert 1 <= gojson.parse_duration(hb["uptime"]) <= connected["agent"].uptime() + 1
 
         # drift: the peer disappears from the "device" behind plexd's back; the reconciler reports it
-        domain.device.pop(other["node_id"])
+        domain.peers.pop(other["node_id"])
         await wait_for(lambda: any(other["node_id"] in corr["detail"] for report in devplane.admin.drift(node_id)
                                    for corr in report["corrections"]), what="a drift report")
         report = devplane.admin.drift(node_id)[-1]

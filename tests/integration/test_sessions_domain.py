@@ -14,6 +14,7 @@ from engine_helpers import converge
 from waiting import wait_for
 
 from plexd.access.sessions_domain import AccessHooks, SessionsDomain, kernel_listeners
+from plexd.converge.engine import Mode
 from plexd.state.desired import DesiredState
 from plexd.state.model import State
 from plexd.state.sessions_block import socket_marks
@@ -191,7 +192,7 @@ async def test_a_device_kept_until_the_first_state_pull_serves_no_session_from_t
 
     engine = Engine([sessions])
     kept = await engine.converge(model(tcp("ses_a", echo)), keep_machine=True)
-    assert kept.dry_run and [c.correction().type for c in kept.changes] == ["session_started"]
+    assert kept.mode is Mode.KEPT and [c.correction().type for c in kept.changes] == ["session_started"]
     assert sessions.status() is None or sessions.status()["live"] == []
     await engine.converge(model(tcp("ses_a", echo)))  # the state arrived
     assert [s["session_id"] for s in sessions.status()["live"]] == ["ses_a"]

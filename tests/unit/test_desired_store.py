@@ -73,6 +73,8 @@ class RecordingDomain:
     """A domain of the real engine that only records the peers of each model it is converged to."""
 
     name = "recording"
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self):
         self.seen: list[set[str]] = []

@@ -12,7 +12,7 @@ import pytest
 from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
-from plexd.converge.engine import Engine
+from plexd.converge.engine import Engine, Mode
 from plexd.state.desired import DesiredState
 from plexd.state.model import Peer
 
@@ -30,6 +30,9 @@ class Set(Change):
 
 class Counter:
     """Owns one number that should equal the number of desired peers."""
+
+    touches_machine = True
+    acts_while_held = False
 
     def __init__(self, name: str, log: list[str], *, value: int = 0) -> None:
         self.name, self.log, self.value = name, log, value
@@ -95,7 +98,7 @@ async def test_dry_run_plans_every_domain_and_applies_none():
     log: list[str] = []
     a = Counter("a", log)
     r = await Engine([a]).converge(model(3), dry_run=True)
-    assert r.dry_run and [c.detail for c in r.changes] == ["a: set to 3"] and a.value == 0
+    assert r.mode is Mode.DRY_RUN and [c.detail for c in r.changes] == ["a: set to 3"] and a.value == 0
     assert "apply a" not in log
 
 
@@ -169,7 +172,7 @@ async def test_while_held_every_converge_and_every_event_only_plans():
     engine.hold.set(60, "debugging by hand")
     held = await engine.converge(model(2))
     event = await engine.apply_delta(model(3), touched=["n_2"])
-    assert held.dry_run and event.dry_run and a.value == 1  # planned, not applied
+    assert held.mode is event.mode is Mode.HELD and a.value == 1  # planned, not applied
     assert [c.detail for c in event.changes] == ["a: set to 3"] and "delta a" not in log
     engine.hold.release()
-    assert not (await engine.converge(model(3))).dry_run and a.value == 3
+    assert (await engine.converge(model(3))).mode is Mode.APPLIED and a.value == 3

@@ -11,7 +11,7 @@ from __future__ import annotations
 from plexd.controlplane.client import PeerEndpoint
 from plexd.controlplane.client_errors import PermanentError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, by_kind
-from plexd.converge.engine import Engine
+from plexd.converge.engine import Engine, Mode
 from plexd.converge.hold import ReconcileHold
 from plexd.nat.endpoint_domain import KIND, LANE, REPORT_EVERY, Endpoint, NatEndpointDomain, NatHooks
 from plexd.state.desired import DesiredState
@@ -167,7 +167,7 @@ async def test_a_hold_keeps_the_machine_but_not_the_reports_and_a_dry_run_sends_
     hold.set(300, "debugging routes")
     held = Engine([w.domain], hold=hold)
     r = await held.converge(DESIRED)
-    assert r.dry_run and r.changes == ()  # nothing listed as "not corrected": the report was made
+    assert r.mode is Mode.HELD and r.changes == ()  # nothing listed as "not corrected": the report was made
     assert len(w.queued()) == 1 and held.corrections["endpoint_reported"] == 1
     w.current = Endpoint("203.0.113.9:51820", "full_cone")
     await held.apply_delta(DESIRED, ())  # an event while held: plans in full, and reports still go

@@ -26,7 +26,7 @@ class Change:
 @dataclass
 class Result:
     changes: list = field(default_factory=list)
-    dry_run: bool = False
+    held_back: bool = False  # as ConvergeResult says of a hold or a keep
 
 
 class World:
@@ -51,7 +51,7 @@ class World:
     async def converge(self, dry_run=False):
         if dry_run:
             self.dry_runs += 1
-            return Result(list(self.next_changes), dry_run=True)
+            return Result(list(self.next_changes))  # a dry run: planned, not held back
         changes, self.next_changes = self.next_changes, []
         return Result(changes)
 
