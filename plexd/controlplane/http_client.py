@@ -298,7 +298,10 @@ class _Transport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
-        proxy = proxy_for(url.scheme, url.host, self.env)
+        try:
+            proxy = proxy_for(url.scheme, url.host, self.env)
+        except ValueError as exc:  # the environment's proxy has a port that is no number
+            raise TransportError("bad request", str(exc)) from None
         req = httpcore.Request(method=request.method,
                                url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
                                                 target=url.raw_path),
@@ -396,8 +399,9 @@ class HTTPClient:
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise TransportError("cannot connect", f"not an http(s) URL: {url!r}")
-            _ = parts.port  # ValueError: a port that is no number
-            proxy_for(parts.scheme, parts.hostname, self._transport.env)  # ValueError: a proxy's port
+            for name, value in headers.items():
+                if problem := _header_problem(name, value):
+                    raise TransportError("bad request", problem)
             # Values as Latin-1 bytes: an ETag the server sent with a byte >= 0x80 goes back as it came.
             wire = [(k.encode("ascii"), v.encode("latin-1")) for k, v in headers.items()
                     if k.lower() not in ("content-length", "connection")]
@@ -408,12 +412,9 @@ class HTTPClient:
                                     extensions={"timeout": timeout.as_dict()})
             if content is None and method in ("POST", "PUT", "PATCH"):
                 request.headers["Content-Length"] = "0"
-            _check_framing(request.headers.raw)
-        except UnicodeError:
-            raise TransportError("bad request", _unframeable(headers)) from None
-        except httpx.InvalidURL as exc:
-            raise TransportError("bad request", str(exc)) from None
-        except ValueError as exc:  # a port that is no number, a header that cannot be framed
+        except UnicodeError:  # a header name that is not ASCII
+            raise TransportError("bad request", "the request could not be framed as HTTP/1.1") from None
+        except httpx.InvalidURL as exc:  # a port that is no number, ...
             raise TransportError("bad request", str(exc)) from None
         return Response(await self._client.send(request, stream=True))
 
@@ -430,13 +431,6 @@ class HTTPClient:
 
 def _authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _check_framing(pairs: list[tuple[bytes, bytes]]) -> None:
-    """h11's own rule, checked before a byte is sent: no CR, LF or NUL in a value, no blanks around it."""
-    for name, value in pairs:
-        if any((c < 0x20 and c != 0x09) or c == 0x7F for c in value) or value != value.strip(b" \t"):
-            raise ValueError(_unframeable({name.decode("latin-1"): value.decode("latin-1")}))
 
 
 _default_contexts: dict[tuple[str, str], ssl.SSLContext] = {}
@@ -482,13 +476,13 @@ def unverified_tls_context() -> ssl.SSLContext:
     return ctx
 
 
-def _unframeable(headers: Mapping[str, str]) -> str:
-    """Which header keeps a request from being framed, by name only (values can be secrets)."""
-    for name, value in headers.items():
-        try:
-            value.encode("latin-1")
-        except UnicodeError:
-            return f"header {name} has a value that is not Latin-1 text"
-        if any((ord(c) < 0x20 and c != "\t") or c == "\x7f" for c in value) or value != value.strip(" \t"):
-            return f"header {name} has a value with a control character or surrounding blanks"
-    return "the request could not be framed as HTTP/1.1"
+def _header_problem(name: str, value: str) -> str:
+    """Why a header cannot be framed (h11's rule, checked before a byte is sent), naming the header only: values
+    can be secrets. "" when it can."""
+    try:
+        value.encode("latin-1")
+    except UnicodeError:
+        return f"header {name} has a value that is not Latin-1 text"
+    if any((ord(c) < 0x20 and c != "\t") or c == "\x7f" for c in value) or value != value.strip(" \t"):
+        return f"header {name} has a value with a control character or surrounding blanks"
+    return ""
