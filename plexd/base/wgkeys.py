@@ -28,10 +28,9 @@ def b64(data: bytes) -> str:
 
 def decode_key(text: str, what: str) -> bytes:
     """Std base64 of exactly 32 bytes, or ValueError naming `what`."""
-    try:
-        raw = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{what} is not valid base64") from None
+    raw = _decoded(text)
+    if raw is None:
+        raise ValueError(f"{what} is not valid base64")
     if len(raw) != 32:
         raise ValueError(f"{what} decodes to {len(raw)} bytes, expected 32")
     return raw
@@ -39,10 +38,16 @@ def decode_key(text: str, what: str) -> bytes:
 
 def key_problem(text: str) -> str:
     """Why `text` is not a base64 Ed25519 public key, or ""."""
-    try:
-        raw = base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
+    raw = _decoded(text)
+    if raw is None:
         return "is not base64"
     if len(raw) != 32:
         return f"is {len(raw)} bytes; an Ed25519 public key is 32"
     return ""
+
+
+def _decoded(text: str) -> bytes | None:
+    try:
+        return base64.b64decode(text.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return None
