@@ -125,7 +125,7 @@ class Response:
             yield piece
 
     async def _raw(self) -> AsyncIterator[bytes]:
-        with _named_errors(answered=True):
+        with _named_errors():
             async for chunk in self._response.aiter_raw():
                 yield chunk
 
@@ -306,7 +306,7 @@ class _Transport(httpx.AsyncBaseTransport):
                                url=httpcore.URL(scheme=url.raw_scheme, host=url.raw_host, port=url.port,
                                                 target=url.raw_path),
                                headers=request.headers.raw, content=request.stream, extensions=request.extensions)
-        with _named_errors(answered=False, proxy=proxy):
+        with _named_errors(proxy):
             resp = await self._pool(proxy).handle_async_request(req)
         return httpx.Response(status_code=resp.status, headers=resp.headers, stream=Chunks(resp.stream),
                               extensions=resp.extensions)
@@ -318,7 +318,7 @@ class _Transport(httpx.AsyncBaseTransport):
 
 
 @contextlib.contextmanager
-def _named_errors(*, answered: bool, proxy: _Proxy | None = None) -> Iterator[None]:
+def _named_errors(proxy: _Proxy | None = None) -> Iterator[None]:
     """httpcore's and httpx's errors as a TransportError whose kind a person reads."""
     try:
         yield
@@ -343,7 +343,7 @@ def _named_errors(*, answered: bool, proxy: _Proxy | None = None) -> Iterator[No
         raise TransportError("bad request", "the request could not be framed as HTTP/1.1") from None
     except (httpcore.RemoteProtocolError, httpx.RemoteProtocolError) as exc:
         detail = str(exc).rstrip(".")
-        if not answered and detail == "Server disconnected without sending a response":
+        if detail == "Server disconnected without sending a response":  # httpcore says it only before an answer
             detail = "server disconnected without sending a response"  # (or before its answer's head was whole)
         raise TransportError("protocol error", detail) from None
     except (httpcore.ReadError, httpx.ReadError) as exc:
