@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from plexd.converge.domain import Domain
-from plexd.converge.engine import ConvergeResult, Engine
+from plexd.converge.engine import ConvergeResult, Engine, Mode
 from plexd.state.desired import DesiredState
 
 
@@ -13,5 +13,5 @@ async def converge(domain: Domain, desired: DesiredState, *, full: bool = True, 
     the events named (`touched`; None: find them)."""
     engine = Engine([domain])
     if full:
-        return await engine.converge(desired, dry_run=dry_run)
+        return await engine.converge(desired, Mode.DRY_RUN if dry_run else Mode.APPLIED)
     return await engine.apply_delta(desired, touched)

@@ -18,8 +18,9 @@ SHOWN_REASONS = 3  # the log names the first few requests of a burst and counts 
 
 
 class Requests:
-    def __init__(self, apply: Callable[[], Awaitable[ConvergeResult]]) -> None:
-        self._apply = apply
+    """Made before what asks and what serves (the NAT service asks, the gate serves)."""
+
+    def __init__(self) -> None:
         self._wanted = asyncio.Event()
         self._reasons: list[str] = []
         self._count = 0
@@ -35,14 +36,14 @@ class Requests:
             self._reasons.append(reason)
         self._wanted.set()
 
-    async def serve(self) -> None:
-        """The service that answers the requests (supervised like every other); runs until cancelled."""
+    async def serve(self, apply: Callable[[], Awaitable[ConvergeResult]]) -> None:
+        """The service that answers the requests with `apply` (supervised like every other); runs until cancelled."""
         while True:
             await self._wanted.wait()
             self._wanted.clear()
             count, reasons = self._count, self._reasons
             self._count, self._reasons = 0, []
             why = ", ".join(reasons) + (f" and {count - len(reasons)} more event(s)" if count > len(reasons) else "")
-            result = await self._apply()
+            result = await apply()
             for err in result.errors:
                 log.warning("converge after %s: %s", why, err)

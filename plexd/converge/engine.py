@@ -4,7 +4,8 @@
 reconcile, `reconcile --once`); `await engine.apply_delta(desired, touched)` applies what events changed, per
 domain without reading the machine where the domain can. Neither raises for what the machine or the control plane
 can cause: failures come back in `ConvergeResult.errors`, the other domains still converge, and the next converge
-tries again (level-triggered).
+tries again (level-triggered). Whether a converge applies, only plans, or holds the machine is not the engine's
+choice: `plexd.converge.gate.Gate` decides it and passes a `Mode`.
 
 Order: the domains apply in the order they are listed (`plexd.node.domain_list.build_engine`): the firewall before
 the WireGuard device, so a new peer meets its rules; teardown runs in the reverse order.
@@ -23,7 +24,6 @@ from typing import Any
 from plexd.base.errors import PlexdError
 from plexd.converge.change import Change, Correction
 from plexd.converge.domain import Domain, DomainResult
-from plexd.converge.hold import ReconcileHold
 from plexd.state.desired import DesiredState
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,13 @@ class _Failed:
 
 
 class Engine:
-    """Runs the domains; one converge (full or delta) at a time; while an operator holds, only plans."""
+    """Runs the domains, one converge (full or delta) at a time, in the mode the gate chose."""
 
-    def __init__(self, domains: Sequence[Domain], hold: ReconcileHold | None = None) -> None:
+    def __init__(self, domains: Sequence[Domain]) -> None:
         names = [d.name for d in domains]
         if len(set(names)) != len(names):
             raise ValueError(f"two domains share a name: {names}")
         self.domains = tuple(domains)
-        self.hold = hold or ReconcileHold()
         self._lock = asyncio.Lock()
         self.last_result: ConvergeResult | None = None
         # every change applied, by type (drift, updates, bring-up alike; the drift alone: Reconciler.drift_corrected)
@@ -95,41 +94,32 @@ class Engine:
                 out[d.name] = dict(s)
         return out
 
-    async def converge(self, desired: DesiredState, *, dry_run: bool = False,
-                       keep_machine: bool = False) -> ConvergeResult:
-        """Read, plan and apply every domain; only plan with `dry_run`. While held, or with `keep_machine` (the
-        machine is to stay as it is for now), the domains that touch the machine only plan (the result's mode says
-        HELD or KEPT) and the others (`touches_machine = False`: what the control plane is told) still apply; so do,
-        while held only, those that say `acts_while_held` (the access sessions: revocations)."""
+    async def converge(self, desired: DesiredState, mode: Mode = Mode.APPLIED) -> ConvergeResult:
+        """Read, plan and apply every domain, as `mode` says (the gate decides it: `plexd.converge.gate`).
+        DRY_RUN only plans. HELD and KEPT: the domains that touch the machine only plan, and the others
+        (`touches_machine = False`: what the control plane is told) still apply; so do, when HELD only, those that
+        say `acts_while_held` (the access sessions: revocations)."""
         async with self._lock:
-            return await self._converge(desired, dry_run, keep_machine, held=self.hold.current() is not None)
-
-    async def _converge(self, desired: DesiredState, dry_run: bool, keep_machine: bool = False, *,
-                        held: bool = False) -> ConvergeResult:
-        observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
-        total = DomainResult()
-        for domain, seen in zip(self.domains, observed, strict=True):
-            touches = domain.touches_machine
-            acts = not dry_run and not (keep_machine and touches) and not (
-                held and touches and not domain.acts_while_held)
-            result = await self._converge_one(domain, desired, seen, not acts)
-            if acts and (keep_machine or held):  # done while the machine is kept: counted, not listed as held
-                self._corrected(result.changes)
-                result = DomainResult(errors=result.errors)
-            total += result
-        mode = (Mode.DRY_RUN if dry_run else Mode.HELD if held else Mode.KEPT if keep_machine else Mode.APPLIED)
-        if mode is Mode.APPLIED:
-            self._corrected(total.changes)
-        result = ConvergeResult(total.changes, total.errors, desired.rejected, mode)
-        self.last_result = result
-        return result
+            observed = await asyncio.gather(*(self._observe(d, desired) for d in self.domains))
+            total = DomainResult()
+            for domain, seen in zip(self.domains, observed, strict=True):
+                acts = mode is Mode.APPLIED or (mode is not Mode.DRY_RUN and not domain.touches_machine) or (
+                    mode is Mode.HELD and domain.acts_while_held)
+                result = await self._converge_one(domain, desired, seen, not acts)
+                if acts and mode is not Mode.APPLIED:  # done while the machine is held: counted, not listed
+                    self._corrected(result.changes)
+                    result = DomainResult(errors=result.errors)
+                total += result
+            if mode is Mode.APPLIED:
+                self._corrected(total.changes)
+            result = ConvergeResult(total.changes, total.errors, desired.rejected, mode)
+            self.last_result = result
+            return result
 
     async def apply_delta(self, desired: DesiredState, touched: Collection[str] | None = None) -> ConvergeResult:
         """Apply what changed in `desired` since the last apply: O(change) in every domain that can; a domain that
-        cannot (no baseline, the delta refused) converges in full, alone. While held, plans in full instead."""
+        cannot (no baseline, the delta refused) converges in full, alone."""
         async with self._lock:
-            if self.hold.current() is not None:
-                return await self._converge(desired, False, held=True)
             total = DomainResult()
             for domain in self.domains:
                 try:

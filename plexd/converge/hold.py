@@ -38,7 +38,11 @@ class ReconcileHold:
     def __init__(self, clock: Clock | None = None) -> None:
         self._clock = clock or Clock()
         self._hold: Hold | None = None
-        self.on_expired: Callable[[], None] | None = None  # what a release does by hand (a reconcile), at expiry
+        self._on_expiry: list[Callable[[], None]] = []
+
+    def on_expiry(self, then: Callable[[], None]) -> None:
+        """`then()` when a hold runs out: what a release does by hand (a reconcile)."""
+        self._on_expiry.append(then)
 
     def set(self, seconds: float, reason: str) -> Hold:
         if not 0 < seconds <= MAX_HOLD:
@@ -58,8 +62,8 @@ class ReconcileHold:
         if self._hold is not None and self._clock.now().timestamp() >= self._hold.until:
             log.info("reconcile hold expired")
             self._hold = None
-            if self.on_expired is not None:
-                self.on_expired()
+            for then in self._on_expiry:
+                then()
         return self._hold
 
 

@@ -106,7 +106,7 @@ async def live_status(node: Node) -> dict[str, Any]:
                      "started_at": round(now - agent.uptime(), 1), "version": __version__,
                      "binary_checksum": agent.binary_checksum}
     rec = node.reconciler
-    hold = node.mesh.hold.current()
+    hold = node.mesh.gate.hold.current()
     doc["event_stream"] = node.stream.status()
     doc["reconcile"] = {"interval_seconds": rec.interval, "cycles": rec.cycles, "failures": rec.failures,
                         "hold": hold.to_json() if hold else None,
@@ -190,7 +190,7 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         if last is not None:
             doc["errors"] += [e for e in last.errors if e not in doc["errors"]]
         doc["ok"] = result.ok and not doc["errors"]
-        hold = node.mesh.hold.current()
+        hold = node.mesh.gate.hold.current()
         doc["hold"] = hold.to_json() if hold else None
         return Response(200, doc)
 
@@ -202,13 +202,13 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         if not isinstance(reason, str) or len(reason) > 500:
             raise LocalAPIError(400, "reason must be a string of at most 500 characters")
         try:
-            held = node.mesh.hold.set(float(seconds), reason)
+            held = node.mesh.gate.hold.set(float(seconds), reason)
         except ValueError as exc:
             raise LocalAPIError(400, str(exc)) from None
         return Response(200, {"hold": held.to_json()})
 
     async def release(req: Request) -> Response:
-        old = node.mesh.hold.release()
+        old = node.mesh.gate.hold.release()
         if old is not None:
             node.reconciler.trigger("reconcile hold released")  # correct what was held, now
         return Response(200, {"released": old is not None})

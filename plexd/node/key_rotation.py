@@ -95,7 +95,7 @@ class KeyRotation:
 
     async def rotate(self) -> dict[str, Any]:
         """One rotation, to the end. Returns what changed; raises RotationFailed with the node on its old key."""
-        await self.mesh.wait_known()  # until the state is applied, converges leave the device alone
+        await self.mesh.gate.wait_known()  # until the state is applied, converges leave the device alone
         async with self._lock:
             identity = self.agent.identity
             assert identity is not None
@@ -140,7 +140,7 @@ class KeyRotation:
         those stay while the node runs (nftables missing, a peer's name that does not resolve), and a rotation
         judged by them never succeeded, and a resumed one flipped the device between its keys for ever."""
         self.mesh.store.edit(lambda d: d.with_private_key(private_key), why, ())
-        result = await self.mesh.converge()
+        result = await self.mesh.gate.converge()
         if result.mode is not Mode.APPLIED:
             log.warning("%s: not applied (corrections are held: plexd reconcile release)", why)
             return False

@@ -2,20 +2,19 @@
 
     events ──edit──▶ DesiredStore ◀──replace_from_pull── reconciler (GET /state)
                           │
-                     MeshHandle.converge() ──▶ Engine.converge (every domain: observe → plan → apply)
-                     MeshHandle.apply_events() ──▶ Engine.apply_delta (what the events touched, no machine read)
+                     Gate.converge() ──▶ Engine.converge (every domain: observe → plan → apply)
+                     Gate.apply_events() ──▶ Engine.apply_delta (what the events touched, no machine read)
                           │
-                     the engine's hold: while an operator holds, converges only plan (drift is reported as held)
+                     the gate decides full or delta, and whether to apply, only plan (dry run, an operator's
+                     hold: drift reported as held) or keep a live device until the first pull (plexd.converge.gate)
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from plexd.controlplane.event_signing import InvalidSigningKeys, NonceStore, Ver
 from plexd.controlplane.ledger import EventLedger
 from plexd.converge.change import Correction
 from plexd.converge.coalesce import Requests
-from plexd.converge.engine import ConvergeResult, Engine, Mode
+from plexd.converge.engine import ConvergeResult, Engine
+from plexd.converge.gate import Gate
 from plexd.converge.hold import ReconcileHold
 from plexd.identity.identity_store import Identity
 from plexd.node.domain_list import wireguard
@@ -40,67 +40,60 @@ from plexd.state.route_limits import RouteLimits
 log = logging.getLogger(__name__)
 
 class MeshHandle:
-    """Holds the desired model and converges the machine to it through the engine; one per daemon."""
+    """Holds the desired model, and what is specific to the mesh around its converges (the gate's `Guard`): the
+    protected addresses, refused peers and rules noted once, endpoints from the exchange. One per daemon; every
+    converge goes through its `gate` (`plexd.converge.gate.Gate`)."""
 
-    def __init__(self, engine: Engine, desired: DesiredState,
-                 protected: ProtectedAddresses | None = None, known: bool = True) -> None:
+    def __init__(self, engine: Engine, desired: DesiredState | DesiredStore,
+                 protected: ProtectedAddresses | None = None, known: bool = True, *,
+                 requests: Requests | None = None, hold: ReconcileHold | None = None,
+                 before_first: Callable[[], Awaitable[None]] | None = None,
+                 persist: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self.store = DesiredStore(desired)  # its on_changed is the group commit's (set by the assembly)
-        # False until the first state pull: a device already up (left by the last plexd) is kept as it is rather
-        # than converged to a mirror that may be older than it; without a device the mirror brings it up.
-        self._known = asyncio.Event()
-        self.on_timed: Callable[[str, float], None] | None = None  # (full | events, seconds): the metrics
-        self.known = known
-        # Set by the assembly: write the mirror now (after a state pull), not at the end of the group window.
-        self.persist: Callable[[], None] | None = None
-        self._told_unknown = False
+        self.store = desired if isinstance(desired, DesiredStore) else DesiredStore(desired)
+        self.gate = Gate(engine, self.store, self, requests=requests or Requests(), hold=hold or ReconcileHold(),
+                         known=known, before_first=before_first)
+        self._persist = persist  # write the mirror now (after a state pull), not at the end of the group window
+        self._told_kept = False
         self.protected = protected
         self._limits_known = protected is None
         self._refusals_seen: set[tuple[str, ...]] = set()
         self._refusals_new: list[Correction] = []
         self._policy_noted: object = None  # the compiled policy `_note_policy` last went through
-        self._requests = Requests(self.apply_events)  # events ask for an apply; bursts coalesce
-        # One apply at a time, and the model read once the turn has come: an apply that waited behind a reconcile
-        # must not then apply the model as it was before that reconcile's state pull.
-        self._lock = asyncio.Lock()
-        self.busy_since: float | None = None  # monotonic start of the converge holding the lock
-        self._fresh: DesiredState | None = None  # the model the last full converge left the machine matching
-        # Awaited once, before the first converge: the NAT discovery's hand-over of the listen port at start.
-        self.before_first_converge: Callable[[], Awaitable[None]] | None = None
-        self._pull_changed_nothing = False
-
-    @property
-    def hold(self) -> ReconcileHold:
-        """The engine's: `plexd reconcile hold` sets it, status shows it."""
-        return self.engine.hold
-
-    @property
-    def known(self) -> bool:
-        """Whether the control plane's state has been applied (until then an existing device is left alone)."""
-        return self._known.is_set()
-
-    @known.setter
-    def known(self, value: bool) -> None:
-        if value:
-            self._known.set()
-        else:
-            self._known.clear()
-
-    async def wait_known(self) -> None:
-        await self._known.wait()
 
     def request_converge(self, reason: str) -> None:
         """An event changed the desired model: apply it soon, without making the event stream wait (coalesced:
         `plexd.converge.coalesce`)."""
-        self._requests.request(reason)
+        self.gate.requests.request(reason)
+
+    # -- the gate's guard ---------------------------------------------------------------------------------------
 
     @property
-    def pending_requests(self) -> int:
-        return self._requests.pending
+    def ready_for_delta(self) -> bool:
+        return self._limits_known
 
-    async def converge_requested(self) -> None:
-        """The service that serves `request_converge` (supervised like every other)."""
-        await self._requests.serve()
+    async def before_full(self) -> None:
+        if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
+            limits = await self.route_limits()
+            self.store.replace(self.store.value.with_route_limits(limits))
+        self.after_apply(self.store.value)
+
+    def after_apply(self, desired: DesiredState) -> None:
+        self._note_refusals(desired)
+        self._note_policy(desired)
+
+    async def machine_left_up(self) -> bool:
+        try:
+            device = wireguard(self.engine)
+        except LookupError:
+            return False
+        if await device.device() is None:
+            return False
+        if not self._told_kept:
+            self._told_kept = True
+            log.info("the WireGuard device %s is already up: keeping it as it is until the control plane's "
+                     "state arrives", self.store.value.interface)
+        return True
 
     async def route_limits(self) -> RouteLimits:
         """Re-read the protected addresses (before every state pull)."""
@@ -148,25 +141,15 @@ class MeshHandle:
                 log.info("%s", printable(str(unknown), 300), extra={"policy": printable(unknown.policy_id)})
 
     def set_peer_endpoints(self, endpoints: Iterable[PeerEndpoint], why: str = "endpoint exchange") -> int:
-        """Peers' endpoints from the control plane (the NAT endpoint exchange): each peer looked up by id, only
-        its endpoint changed, applied through the converge engine like an event. An endpoint that is not
-        HOST:PORT is refused and the peer keeps the one it has. Returns how many changed."""
-        changed = 0
-        for pe in endpoints:
-            peer = self.store.value.peers.get(pe.peer_id)
-            if peer is None or not pe.endpoint or peer.endpoint == pe.endpoint:
-                continue
-            try:
-                split_endpoint(pe.endpoint)
-            except ValueError as exc:
-                log.warning("%s: endpoint of peer %s refused: %s", why, printable(pe.peer_id), printable(str(exc)))
-                continue
-            self.store.edit(lambda d, pid=pe.peer_id, ep=pe.endpoint: d.with_peer_endpoint(pid, ep), why,
-                            (pe.peer_id,))
-            changed += 1
-        if changed:
-            self.request_converge(why)
-        return changed
+        return set_peer_endpoints(self.store, self.gate.requests, endpoints, why)
+
+    def pulled(self) -> None:
+        """A state pull replaced the model: the machine may now be converged to it, and the mirror is written now
+        rather than at the end of the group window."""
+        self.gate.mark_known()
+        self.gate.pulled()
+        if self._persist is not None:
+            self._persist()
 
     def take_refusals(self) -> list[Correction]:
         """Refusals not reported yet (the reconciler adds them to its drift report)."""
@@ -185,93 +168,6 @@ class MeshHandle:
             return "disabled", firewall["reason"]
         return firewall["enforcement"], firewall["reason"]
 
-    async def converge(self, *, dry_run: bool = False) -> ConvergeResult:
-        """Converge the machine; while held (or before the first pull, with a device up) only plan."""
-        async with self._lock:
-            with self._timed("full"):
-                return await self._converge_locked(dry_run)
-
-    @contextlib.contextmanager
-    def _timed(self, kind: str) -> Iterator[None]:
-        self.busy_since = start = time.monotonic()
-        try:
-            yield
-        finally:
-            self.busy_since = None
-            if self.on_timed is not None:
-                self.on_timed(kind, time.monotonic() - start)
-
-    def stuck_for(self) -> float:
-        """How long the converge now running has been at it (0 when none runs): the watchdog's other half."""
-        return time.monotonic() - self.busy_since if self.busy_since is not None else 0.0
-
-    async def _converge_locked(self, dry_run: bool) -> ConvergeResult:
-        if self.before_first_converge is not None:
-            wait, self.before_first_converge = self.before_first_converge, None
-            await wait()
-        if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
-            limits = await self.route_limits()
-            self.store.replace(self.store.value.with_route_limits(limits))
-        self._note_refusals(self.store.value)
-        self._note_policy(self.store.value)
-        skip, self._pull_changed_nothing = self._pull_changed_nothing, False
-        if skip and not dry_run and self._fresh == self.store.value and self.hold.current() is None:
-            # The drift phase of this reconcile read the machine and converged it to this very model, and the
-            # state pull changed nothing: reading the machine again would only cost.
-            return ConvergeResult()
-        model = self.store.value
-        result = await self._converge(dry_run)
-        self._fresh = model if result.mode is Mode.APPLIED and result.ok else None
-        return result
-
-    def pulled(self) -> None:
-        """A state pull was applied (`state_applier`): if it left the model as the last full converge had it,
-        the converge that follows it has nothing to do."""
-        self._pull_changed_nothing = self._fresh is not None and self._fresh == self.store.value
-
-    async def _converge(self, dry_run: bool) -> ConvergeResult:
-        if not self.known and not dry_run and await self._device_up():
-            if not self._told_unknown:
-                self._told_unknown = True
-                log.info("the WireGuard device %s is already up: keeping it as it is until the control plane's "
-                         "state arrives", self.store.value.interface)
-            return await self.engine.converge(self.store.value, keep_machine=True)
-        # While held the engine only plans (the result says dry_run); the reconciler shows what it did not correct.
-        return await self.engine.converge(self.store.value, dry_run=dry_run)
-
-    async def plan(self, model: DesiredState) -> ConvergeResult:
-        """What converging to `model` would change, the daemon's own model untouched (a dry run's pull)."""
-        async with self._lock:
-            with self._timed("full"):
-                return await self.engine.converge(model, dry_run=True)
-
-    async def _device_up(self) -> bool:
-        try:
-            device = wireguard(self.engine)
-        except LookupError:
-            return False
-        return await device.device() is not None
-
-    async def apply_events(self) -> ConvergeResult:
-        """Apply what events changed in the model: only the touched peers and routes (`Engine.apply_delta`).
-        While held, or before the first state pull, this plans in full like any converge."""
-        async with self._lock:
-            # A refresh's pull went through `pulled()`, but this apply does not read the machine: the next full
-            # converge must not take the pull as one whose changes a full converge already made.
-            self._pull_changed_nothing = False
-            with self._timed("events"):
-                # Held: plan in full, and leave the touched peers for the apply after the hold (taken now, they
-                # were lost: the next event's delta moved the baseline past them and a removed peer stayed).
-                if not self._limits_known or not self.known or self.hold.current() is not None:
-                    return await self._converge_locked(False)
-                touched = self.store.take_touched()
-                desired = self.store.value
-                result = await self.engine.apply_delta(desired, touched)
-                # After the change is live: noting skipped rules walks every rule of a new policy (~2 ms at 1,000)
-                self._note_refusals(desired)
-                self._note_policy(desired)
-                return result
-
     async def peers_on_device(self) -> tuple[int, int] | None:
         """(peers on the live device, peers with a handshake in the last 3 minutes); None without a device."""
         device = await wireguard(self.engine).device()
@@ -280,6 +176,28 @@ class MeshHandle:
         now = time.time()
         recent = sum(1 for p in device.peers.values() if p.last_handshake and now - p.last_handshake < 180)
         return len(device.peers), recent
+
+
+def set_peer_endpoints(store: DesiredStore, requests: Requests, endpoints: Iterable[PeerEndpoint],
+                       why: str = "endpoint exchange") -> int:
+    """Peers' endpoints from the control plane (the NAT endpoint exchange): each peer looked up by id, only its
+    endpoint changed, applied through the converge engine like an event. An endpoint that is not HOST:PORT is
+    refused and the peer keeps the one it has. Returns how many changed."""
+    changed = 0
+    for pe in endpoints:
+        peer = store.value.peers.get(pe.peer_id)
+        if peer is None or not pe.endpoint or peer.endpoint == pe.endpoint:
+            continue
+        try:
+            split_endpoint(pe.endpoint)
+        except ValueError as exc:
+            log.warning("%s: endpoint of peer %s refused: %s", why, printable(pe.peer_id), printable(str(exc)))
+            continue
+        store.edit(lambda d, pid=pe.peer_id, ep=pe.endpoint: d.with_peer_endpoint(pid, ep), why, (pe.peer_id,))
+        changed += 1
+    if changed:
+        requests.request(why)
+    return changed
 
 
 @dataclass(frozen=True)
@@ -291,62 +209,58 @@ class PulledState:
     limits: RouteLimits | None = None  # the protected addresses read just before the pull
 
 
-def state_fetcher(mesh: MeshHandle, fetch: Callable[[], Awaitable[State]]) -> Callable[[], Awaitable[PulledState]]:
-    async def fetch_state() -> PulledState:
-        limits = await mesh.route_limits()
-        since = mesh.store.mark()  # before the request: any event applied from now on is replayed on top
-        return PulledState(await fetch(), since, limits)
-
-    return fetch_state
-
-
-def state_planner(mesh: MeshHandle) -> Callable[[PulledState], Awaitable[ConvergeResult]]:
-    """`plan_state` for the reconciler: the pulled state on a copy of the model, planned, nothing kept."""
-    async def plan(pulled: PulledState) -> ConvergeResult:
-        model = mesh.store.value
-        if pulled.limits is not None:
-            model = replace(model, route_limits=pulled.limits)
-        return await mesh.plan(model.with_state(pulled.state))
-
-    return plan
-
-
-def state_applier(mesh: MeshHandle, verifier: Verifier | None) -> Callable[[PulledState], list[Correction]]:
-    """`apply_state` for the reconciler: replace the desired model (replaying the events applied while the pull
-    was in flight).
+class StatePull:
+    """The reconciler's state source (`plexd.services.reconciler.StateSource`): GET /state, applied to the
+    mesh's model (replaying the events applied while the pull was in flight) or planned on a copy of it.
 
     The state's `signing_keys` are never installed: the state body is not signed, so a key in it is only as good
     as the channel it came over. Keys change only through a signed `signing_key_rotated` event (signed with a key
     the node already trusts) or the registration response. A state that names a key this node does not trust is
     logged once per key (a rotation event this node missed, or someone slipping a key in)."""
-    noted: set[str] = set()
-    last: list[Any] = [None, None, None]  # the state object, route limits and model the last pull left
 
-    def apply(pulled: PulledState) -> list[Correction]:
-        state = pulled.state
-        if state is last[0] and pulled.limits == last[1] and mesh.store.value is last[2]:
+    def __init__(self, mesh: MeshHandle, fetch: Callable[[], Awaitable[State]], verifier: Verifier | None) -> None:
+        self._mesh = mesh
+        self._fetch = fetch
+        self._verifier = verifier  # None: a dry run's, which installs nothing
+        self._noted: set[str] = set()
+        self._last: tuple[Any, Any, Any] = (None, None, None)  # the state, route limits and model the last pull left
+
+    async def fetch(self) -> PulledState:
+        limits = await self._mesh.route_limits()
+        since = self._mesh.store.mark()  # before the request: any event applied from now on is replayed on top
+        return PulledState(await self._fetch(), since, limits)
+
+    async def plan(self, pulled: PulledState) -> ConvergeResult:
+        """The pulled state on a copy of the model, planned, nothing kept."""
+        model = self._mesh.store.value
+        if pulled.limits is not None:
+            model = replace(model, route_limits=pulled.limits)
+        return await self._mesh.gate.plan(model.with_state(pulled.state))
+
+    def take_refusals(self) -> list[Correction]:
+        return self._mesh.take_refusals()
+
+    def apply(self, pulled: PulledState) -> list[Correction]:
+        mesh, state = self._mesh, pulled.state
+        last_state, last_limits, last_model = self._last
+        if state is last_state and pulled.limits == last_limits and mesh.store.value is last_model:
             # The client handed back the state it parsed last time (304, or the same bytes) and no event came
             # since: the model is what that pull made it. An idle reconcile rebuilds nothing (peers, route limits).
-            mesh.pulled()
+            mesh.gate.pulled()
             return []
-        _note_foreign_key(verifier, state.signing_keys, noted)
-        _note_bridge_block(state, mesh.engine, noted)
+        _note_foreign_key(self._verifier, state.signing_keys, self._noted)
+        _note_bridge_block(state, mesh.engine, self._noted)
 
         def rebuild(d: DesiredState) -> DesiredState:
             return (replace(d, route_limits=pulled.limits) if pulled.limits is not None else d).with_state(state)
 
         replayed = mesh.store.replace_from_pull(rebuild, pulled.since)  # StalePull: pull again
-        last[:] = [state, pulled.limits, mesh.store.value]
-        mesh.known = True
+        self._last = (state, pulled.limits, mesh.store.value)
         mesh.pulled()
-        if mesh.persist is not None:
-            mesh.persist()
         if replayed:
             log.info("state pull applied with %d event(s) that arrived during it replayed on top: %s",
                      len(replayed), ", ".join(replayed))
         return []
-
-    return apply
 
 
 BRIDGE_PARTS = ("relay", "user_access", "site_to_site", "ingress")

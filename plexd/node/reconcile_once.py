@@ -31,10 +31,11 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     from plexd.controlplane.client import ControlPlaneClient
     from plexd.controlplane.ledger import read_mirror
     from plexd.identity.identity_store import IdentityStore
-    from plexd.node.domain_list import build_engine, wireguard
-    from plexd.node.mesh import MeshHandle, build_verifier, initial_desired, state_applier, state_fetcher, trusted_key
-    from plexd.node.protected import ProtectedAddresses
+    from plexd.node.builders import build_mesh
+    from plexd.node.domain_list import wireguard
+    from plexd.node.mesh import StatePull, build_verifier, initial_desired
     from plexd.services.reconciler import Reconciler, drift_uplink
+    from plexd.state.desired_store import DesiredStore
 
     loaded = IdentityStore(config.data_dir).load()
     if loaded.identity is None:
@@ -44,10 +45,9 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
     # Drift is measured against the daemon's last desired state (its mirror); without one there is nothing to
     # hold the machine to, so only the pulled state is applied.
     verifier = build_verifier(config.data_dir, Clock(), ident.signing_public_key)
-    engine = build_engine(config, trusted_key(verifier))
     desired, restored = initial_desired(config, ident, read_mirror(config.data_dir))
-    protected = ProtectedAddresses.from_config(config, wireguard(engine).links)
-    mesh = MeshHandle(engine, desired, protected=protected, known=restored)
+    mesh = build_mesh(config, DesiredStore(desired), verifier=verifier, known=restored)
+    engine = mesh.engine
 
     if not dry_run and await wireguard(engine).device() is None:
         raise PlexdError(f"WireGuard interface {config.mesh.interface} is not up; start the daemon with "
@@ -58,11 +58,10 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
             await client.report_drift(ident.node_id, report)
 
         # A dry run changes nothing local: no signing key installed or persisted.
-        apply = state_applier(mesh, None if dry_run else verifier)
-        fetch = state_fetcher(mesh, lambda: client.fetch_state(ident.node_id))
+        pull = StatePull(mesh, lambda: client.fetch_state(ident.node_id), None if dry_run else verifier)
         # The daemon's outbox file: a report the control plane cannot take now is sent by the next `plexd up`.
         uplink = None if dry_run else drift_uplink(Path(config.data_dir) / datadir.UPLINK_DB, post, Backoff())
-        reconciler = Reconciler(fetch, apply, mesh.converge, post, refusals=mesh.take_refusals, outbox=uplink)
+        reconciler = Reconciler(pull, mesh.gate, post, outbox=uplink)
         try:
             result = await reconciler.run_once(dry_run=dry_run, drift_phase=restored)
         finally:

@@ -69,56 +69,69 @@ class CycleResult:
 
 
 class Outcome(Protocol):
-    """What a converge returns (`plexd.converge.engine.ConvergeResult`): the changes it made (or only planned, when
-    `dry_run` — also when an operator holds the reconciler)."""
+    """What a converge returns (`plexd.converge.engine.ConvergeResult`): the changes it made, or only planned when
+    `held_back` (an operator's hold, or a live device kept until the first pull) or in a dry run."""
 
     @property
     def changes(self) -> Sequence[Change]: ...
 
     @property
-    def dry_run(self) -> bool: ...
+    def held_back(self) -> bool: ...
 
 
-class Converge(Protocol):
-    def __call__(self, *, dry_run: bool = False) -> Awaitable[Outcome]: ...
+S = TypeVar("S")  # what a state source's fetch returns and its apply takes (plexd.node.mesh.PulledState)
+
+
+class StateSource(Protocol[S]):
+    """Where the desired state comes from and goes (`plexd.node.mesh.StatePull`)."""
+
+    async def fetch(self) -> S:
+        """Pull the state (GET /state)."""
+        ...
+
+    def apply(self, pulled: S) -> Iterable[Correction] | None:
+        """Replace the desired model with the pulled state; may report changes of its own."""
+        ...
+
+    async def plan(self, pulled: S) -> Outcome:
+        """The pulled state planned on a model of its own (a dry run): nothing kept."""
+        ...
+
+    def take_refusals(self) -> list[Correction]:
+        """Peers, routes and rules the control plane asked for and the node refused, not reported yet."""
+        ...
+
+
+class Converger(Protocol):
+    """What converges the machine (`plexd.converge.gate.Gate`)."""
+
+    async def converge(self, *, dry_run: bool = False) -> Outcome: ...
+
+    async def apply_events(self) -> Outcome:
+        """The event path: what events changed in the model, applied."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Event applies requested and not yet served."""
+        ...
 
 
 def corrections_of(changes: Iterable[Change | Correction] | None) -> list[Correction]:
     return [c if isinstance(c, Correction) else c.correction() for c in changes or ()]
 
 
-S = TypeVar("S")  # what fetch_state returns and apply_state takes (plexd.node.mesh.PulledState)
-
-
 class Reconciler(Generic[S]):
-    def __init__(
-        self,
-        fetch_state: Callable[[], Awaitable[S]],
-        apply_state: Callable[[S], Iterable[Correction] | None],  # replaces the desired model; may report changes
-        converge: Converge,
-        post_drift: Callable[[dict[str, Any]], Awaitable[None]],
-        *,
-        clock: Clock | None = None,
-        interval: float = 60.0,
-        refusals: Callable[[], list[Correction]] | None = None,  # peers/routes refused since the last report
-        outbox: UplinkOutbox | None = None,  # the daemon's durable one; None: one in memory around post_drift
-        apply_events: Converge | None = None,  # the event path, for refresh(); None: refresh() is trigger()
-        events_pending: Callable[[], int] = lambda: 0,  # event applies requested and not yet served
-        # A dry run's plan of the pulled state on a model of its own; None: apply_state, then a dry converge
-        plan_state: Callable[[S], Awaitable[Any]] | None = None,
-    ) -> None:
-        self._fetch_state = fetch_state
-        self._apply_state = apply_state
-        self._converge = converge
-        self._post_drift = post_drift
-        self._refusals = refusals
+    def __init__(self, source: StateSource[S], gate: Converger,
+                 post_drift: Callable[[dict[str, Any]], Awaitable[None]], *, clock: Clock | None = None,
+                 interval: float = 60.0, outbox: UplinkOutbox | None = None) -> None:
+        """`outbox`: the daemon's durable one; None: one in memory around `post_drift`."""
+        self._source = source
+        self._gate = gate
         self._clock = clock or Clock()
         self.interval = max(1.0, interval)
         self._wake = asyncio.Event()
         self._reasons: list[str] = []
-        self._apply_events = apply_events
-        self._events_pending = events_pending
-        self._plan_state = plan_state
         self._refresh_reasons: list[str] = []
         self.refreshes = 0
         self._lock = asyncio.Lock()
@@ -138,9 +151,6 @@ class Reconciler(Generic[S]):
 
     def refresh(self, reason: str) -> None:
         """Ask for the state to be pulled and applied through the event path (coalesced like `trigger`)."""
-        if self._apply_events is None:
-            self.trigger(reason)
-            return
         self._refresh_reasons.append(reason)
         self._wake.set()
 
@@ -182,14 +192,13 @@ class Reconciler(Generic[S]):
     async def refresh_once(self, reasons: tuple[str, ...]) -> None:
         """The light cycle: pull, replace the model, apply through the event path. Never reports drift (it reads
         nothing of the machine); whatever goes wrong asks for a full cycle instead."""
-        assert self._apply_events is not None
         why = ", ".join(reasons)
         async with self._lock:
             self.refreshes += 1
             try:
-                state = await self._fetch_state()
-                updates = corrections_of(self._apply_state(state))
-                result = await self._apply_events()
+                state = await self._source.fetch()
+                updates = corrections_of(self._source.apply(state))
+                result = await self._gate.apply_events()
                 updates += corrections_of(result.changes)
             except StalePull as exc:
                 log.warning("state refresh (%s) overtaken by events, reconciling: %s", why, exc)
@@ -233,13 +242,13 @@ class Reconciler(Generic[S]):
         error = ""
         if not skip_phase1:
             try:
-                if not startup and self._apply_events is not None and self._events_pending():
+                if not startup and self._gate.pending:
                     # Events edited into the model but not applied yet (their apply is queued behind this cycle)
                     # are the control plane's news, not drift: apply them on their own path first. Only then: a
                     # domain without a delta of its own converges in full on that path, and would repair drift
                     # without it being reported.
-                    await self._apply_events()
-                result = await self._converge()
+                    await self._gate.apply_events()
+                result = await self._gate.converge()
                 drift = corrections_of(result.changes)
                 if result.held_back:  # held by an operator (or, at start, a live device kept): planned, not applied
                     held, drift = ([] if startup else drift), []
@@ -255,19 +264,19 @@ class Reconciler(Generic[S]):
             self.started.set()
         updates: list[Correction] = []
         try:
-            state = await self._fetch_state()
+            state = await self._source.fetch()
         except Exception as exc:
             log.warning("reconcile (%s): fetching the state failed: %s", why, exc)
             error = error or f"fetching the state failed: {exc}"
         else:
             try:
-                if dry_run and self._plan_state is not None:
+                if dry_run:
                     # Not applied to the daemon's model: the next cycle would take the pulled changes, never
                     # converged, for drift, and report them
-                    result = await self._plan_state(state)
+                    result = await self._source.plan(state)
                 else:
-                    updates = corrections_of(self._apply_state(state))
-                    result = await self._converge(dry_run=dry_run)
+                    updates = corrections_of(self._source.apply(state))
+                    result = await self._gate.converge()
                 if result.held_back:
                     held += corrections_of(result.changes)
                 else:
@@ -286,7 +295,7 @@ class Reconciler(Generic[S]):
             return CycleResult(ok=not error, corrections=updates, error=error, reasons=reasons, dry_run=True)
         # What the control plane asked for and we refused (a route into the tunnel, a stolen mesh address) is
         # reported with the drift: it is the control plane's to fix.
-        refused = self._refusals() if self._refusals is not None else []
+        refused = self._source.take_refusals()
         out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons, held=held,
                           refused=refused)
         if held:

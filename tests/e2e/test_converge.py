@@ -182,7 +182,7 @@ async def test_invalid_peers_skipped_rest_configured_and_dry_run(pair) -> None:
     lab, a, b = pair
     bad = Peer(id="n_bad", public_key="AAAA", mesh_ip="10.100.0.9", allowed_ips=("10.100.0.9/32",))
     da = a.desired([b]).with_peer(bad)
-    plan = await a.converger.converge(da, dry_run=True)
+    plan = await a.converger.converge(da, Mode.DRY_RUN)
     assert plan.mode is Mode.DRY_RUN and plan.changes and await a.backend.observe() is None  # nothing applied
     r = await a.converger.converge(da)
     assert r.ok and r.skipped_peers == (("n_bad", "public key 'AAAA' is not base64 of 32 bytes"),)

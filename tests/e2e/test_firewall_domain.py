@@ -181,7 +181,7 @@ async def test_a_missing_table_the_engine_may_not_restore_yet_is_said_degraded_n
     await engine.converge(desired)
     assert fw.enforcement == "enforced"
     nft(ns, "delete", "table", "inet", "plexd")
-    kept = await engine.converge(desired, keep_machine=True)
+    kept = await engine.converge(desired, Mode.KEPT)
     assert kept.mode is Mode.KEPT and "plexd" not in nft(ns, "list", "tables")  # planned, not applied
     assert fw.enforcement == "degraded" and "nothing filters the mesh" in fw.reason and "only planned" in fw.reason
     # the access sessions fail closed on this (a table in place but not current would not count)
@@ -322,20 +322,17 @@ async def test_a_policy_planned_during_a_hold_is_applied_by_the_next_event_not_s
     # The hold plans P2 without applying it; the event path must compare with what the table holds (P1), not with
     # what was last planned, or P2's revoked port stays open until the next full reconcile.
     from plexd.converge.engine import Engine
-    from plexd.converge.hold import ReconcileHold
 
     ns, pool = netns
-    hold = ReconcileHold()
-    engine = Engine([domain_in(pool)], hold)
+    engine = Engine([domain_in(pool)])
     peer = Peer("n_a", _key(1), "10.100.0.2")
     p1 = (Policy("ssh", (PolicyRule("n_a", "n_self", 22, "tcp", "allow"),
                          PolicyRule("n_a", "n_self", 443, "tcp", "allow"))),)
     await engine.converge(model(p1, [peer]))
     assert dports(ns, "input") == [22, 443]
-    hold.set(3600, "debugging")
     p2 = model(SSH_ONLY, [peer])
-    assert (await engine.converge(p2)).mode is Mode.HELD and dports(ns, "input") == [22, 443]  # held: planned only
-    hold.release()
+    # while held (the gate's decision: plexd.converge.gate)
+    assert (await engine.converge(p2, Mode.HELD)).mode is Mode.HELD and dports(ns, "input") == [22, 443]
     moved = p2.with_peer(Peer("n_a", _key(1), "10.100.0.2", "192.0.2.9:51820"))  # a peer event, same address
     result = await engine.apply_delta(moved, ["n_a"])
     assert not result.errors and dports(ns, "input") == [22]
@@ -412,20 +409,16 @@ async def test_a_failed_correction_of_an_altered_rule_is_retried_not_forgotten(n
 
 async def test_a_table_flushed_during_a_hold_is_not_called_enforced_by_the_next_event(netns):
     from plexd.converge.engine import Engine
-    from plexd.converge.hold import ReconcileHold
 
     ns, pool = netns
-    hold = ReconcileHold()
     fw = domain_in(pool)
-    engine = Engine([fw], hold)
+    engine = Engine([fw])
     peer = Peer("n_a", _key(1), "10.100.0.2")
     desired = model(SSH_ONLY, [peer])
     await engine.converge(desired)
-    hold.set(3600, "debugging")
     nft(ns, "flush", "ruleset")
-    await engine.converge(desired)
+    await engine.converge(desired, Mode.HELD)  # while held (the gate's decision: plexd.converge.gate)
     assert fw.enforcement == "degraded"
-    hold.release()
     moved = desired.with_peer(Peer("n_a", _key(1), "10.100.0.2", "192.0.2.9:51820"))  # no set changes
     await engine.apply_delta(moved, ["n_a"])
     assert "plexd" in nft(ns, "list", "tables") and fw.enforcement == "enforced"

@@ -142,14 +142,16 @@ async def test_a_changed_entry_replaces_its_listener_and_a_later_expiry_reopens_
 async def test_a_hold_does_not_keep_a_revoked_session_admitting(sessions, echo):
     from plexd.converge.engine import Engine
     from plexd.converge.hold import ReconcileHold
+    from plexd.node.mesh import MeshHandle
 
     hold = ReconcileHold()
-    engine = Engine([sessions], hold)
-    await engine.converge(model(tcp("ses_a", echo)))
+    mesh = MeshHandle(Engine([sessions]), model(tcp("ses_a", echo)), hold=hold)
+    await mesh.gate.converge()
     endpoint = sessions.status()["live"][0]["listener_endpoint"]
     assert sessions.granted("ses_a")
     hold.set(3600, "debugging the firewall")
-    await engine.apply_delta(model(), None)  # revoked by an event while held
+    mesh.store.replace(model())  # revoked by an event while held
+    await mesh.gate.apply_events()
     assert not sessions.granted("ses_a") and sessions.status()["live"] == []
     with pytest.raises(OSError):
         await roundtrip(endpoint)
@@ -191,7 +193,7 @@ async def test_a_device_kept_until_the_first_state_pull_serves_no_session_from_t
     from plexd.converge.engine import Engine
 
     engine = Engine([sessions])
-    kept = await engine.converge(model(tcp("ses_a", echo)), keep_machine=True)
+    kept = await engine.converge(model(tcp("ses_a", echo)), Mode.KEPT)
     assert kept.mode is Mode.KEPT and [c.correction().type for c in kept.changes] == ["session_started"]
     assert sessions.status() is None or sessions.status()["live"] == []
     await engine.converge(model(tcp("ses_a", echo)))  # the state arrived

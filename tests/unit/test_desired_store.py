@@ -15,7 +15,7 @@ from plexd.controlplane.envelope import parse_envelope, sign_event
 from plexd.controlplane.event_signing import NonceStore, Verifier
 from plexd.converge.domain import DomainResult
 from plexd.converge.engine import Engine
-from plexd.node.mesh import MeshHandle, PulledState, state_applier, state_fetcher
+from plexd.node.mesh import MeshHandle, PulledState, StatePull
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.reconciler import Reconciler
 from plexd.state.desired import DesiredState
@@ -128,8 +128,7 @@ async def test_event_applied_while_the_reconcile_waits_for_get_state_survives_th
         await answer.wait()
         return State(peers=(existing,))
 
-    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None), mesh.converge,
-                            lambda report: None)
+    reconciler = Reconciler(StatePull(mesh, get_state, None), mesh.gate, lambda report: None)
     cycle = asyncio.ensure_future(reconciler.run_once(reasons=("event stream (re)connected",)))
     await asyncio.wait_for(asked.wait(), 5)
     env = parse_envelope(sign_event(SIGNER, "peer_added", "evt_new", {
@@ -152,7 +151,7 @@ async def test_a_burst_of_events_coalesces_into_few_converges_that_see_every_cha
 
     domain = SlowDomain()
     mesh = MeshHandle(Engine([domain]), initial())
-    service = asyncio.create_task(mesh.converge_requested())
+    service = asyncio.create_task(mesh.gate.serve_requests())
     first = peer(2)
     mesh.store.edit(lambda d: d.with_peer(first), "e0")
     mesh.request_converge("e0")
@@ -182,8 +181,7 @@ async def test_a_reconcile_whose_pull_changes_nothing_reads_the_machine_once():
     async def get_state():
         return state
 
-    reconciler = Reconciler(state_fetcher(mesh, get_state), state_applier(mesh, None), mesh.converge,
-                            lambda report: None)
+    reconciler = Reconciler(StatePull(mesh, get_state, None), mesh.gate, lambda report: None)
     assert (await reconciler.run_once(reasons=("interval",))).ok
     assert len(domain.seen) == 2  # the first cycle: nothing was converged to this model yet
     assert (await reconciler.run_once(reasons=("interval",))).ok
@@ -212,11 +210,11 @@ async def test_an_apply_waiting_behind_a_reconcile_applies_the_model_after_its_p
 
     domain = SlowDomain()
     mesh = MeshHandle(Engine([domain]), initial())
-    reconcile = asyncio.create_task(mesh.converge())
+    reconcile = asyncio.create_task(mesh.gate.converge())
     await asyncio.sleep(0)  # the reconcile's converge holds the turn
     since = mesh.store.mark()
     mesh.store.edit(lambda d: d.with_peer(peer(5)), "event", ("n_5",))
-    event_apply = asyncio.create_task(mesh.apply_events())
+    event_apply = asyncio.create_task(mesh.gate.apply_events())
     await asyncio.sleep(0)
     mesh.store.replace_from_pull(lambda d: d.with_peer(peer(9)), since)  # the reconcile's pull lands meanwhile
     domain.release.set()
@@ -243,16 +241,20 @@ async def test_peer_endpoints_from_the_exchange_change_only_endpoints_and_refuse
     assert peers["n_2"].endpoint == "198.51.100.5:51820" and peers["n_2"].public_key == p2.public_key
     assert peers["n_3"] == before and "n_unknown" not in peers and not mesh.store.value.rejected
     assert "endpoint of peer n_3 refused" in caplog.text
-    assert mesh.pending_requests == 1  # one converge asked for
+    assert mesh.gate.pending == 1  # one converge asked for
     replayed = mesh.store.replace_from_pull(lambda d: d.with_state(State(peers=(p2, p3))), since)
     assert replayed == ["endpoint exchange"] and mesh.store.value.peers["n_2"].endpoint == "198.51.100.5:51820"
+
+
+async def no_fetch() -> State:
+    raise AssertionError("this test applies pulls it made itself")
 
 
 def test_the_same_pulled_state_with_no_event_since_rebuilds_nothing():
     """The client hands back the state it parsed last time when nothing changed (304 or the same bytes): the model
     is kept as it is, not rebuilt; after an event, or with another state, the pull is applied as always."""
     mesh = MeshHandle(Engine([RecordingDomain()]), initial())
-    apply = state_applier(mesh, None)
+    apply = StatePull(mesh, no_fetch, None).apply
     state = State(peers=(peer(2),))
     apply(PulledState(state, mesh.store.mark()))
     model = mesh.store.value

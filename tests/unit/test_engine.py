@@ -11,9 +11,13 @@ import pytest
 
 from plexd.base.errors import PlexdError
 from plexd.converge.change import Change
+from plexd.converge.coalesce import Requests
 from plexd.converge.domain import DomainResult
 from plexd.converge.engine import Engine, Mode
+from plexd.converge.gate import Gate
+from plexd.converge.hold import ReconcileHold
 from plexd.state.desired import DesiredState
+from plexd.state.desired_store import DesiredStore
 from plexd.state.model import Peer
 
 
@@ -97,7 +101,7 @@ async def test_domains_are_observed_then_applied_in_list_order_and_corrections_c
 async def test_dry_run_plans_every_domain_and_applies_none():
     log: list[str] = []
     a = Counter("a", log)
-    r = await Engine([a]).converge(model(3), dry_run=True)
+    r = await Engine([a]).converge(model(3), Mode.DRY_RUN)
     assert r.mode is Mode.DRY_RUN and [c.detail for c in r.changes] == ["a: set to 3"] and a.value == 0
     assert "apply a" not in log
 
@@ -164,15 +168,78 @@ def test_two_domains_with_one_name_are_refused():
         Engine([Counter("a", []), Counter("a", [])])
 
 
+class Guard:
+    """The gate's guard (plexd.node.mesh in the daemon): whether a device was left up, and what it was told."""
+
+    def __init__(self, *, left_up: bool = False, ready: bool = True) -> None:
+        self.left_up, self.ready_for_delta = left_up, ready
+        self.calls: list[str] = []
+
+    async def before_full(self) -> None:
+        self.calls.append("before_full")
+        self.ready_for_delta = True  # what the mesh does: the protected addresses are read now
+
+    def after_apply(self, desired) -> None:
+        self.calls.append("after_apply")
+
+    async def machine_left_up(self) -> bool:
+        return self.left_up
+
+
+def gate(domains, desired, guard=None, *, known=True) -> Gate:
+    return Gate(Engine(domains), DesiredStore(desired), guard or Guard(), requests=Requests(), hold=ReconcileHold(),
+                known=known)
+
+
 async def test_while_held_every_converge_and_every_event_only_plans():
     log: list[str] = []
     a = Counter("a", log)
-    engine = Engine([a])
-    await engine.converge(model(1))
-    engine.hold.set(60, "debugging by hand")
-    held = await engine.converge(model(2))
-    event = await engine.apply_delta(model(3), touched=["n_2"])
+    g = gate([a], model(1))
+    await g.converge()
+    g.hold.set(60, "debugging by hand")
+    g.store.replace(model(2))
+    held = await g.converge()
+    g.store.edit(lambda d: model(3), "an event", ["n_2"])
+    event = await g.apply_events()
     assert held.mode is event.mode is Mode.HELD and a.value == 1  # planned, not applied
     assert [c.detail for c in event.changes] == ["a: set to 3"] and "delta a" not in log
-    engine.hold.release()
-    assert (await engine.converge(model(3))).mode is Mode.APPLIED and a.value == 3
+    g.hold.release()
+    assert (await g.converge()).mode is Mode.APPLIED and a.value == 3
+
+
+async def test_the_gate_applies_events_as_a_delta_once_it_may():
+    log: list[str] = []
+    a = Counter("a", log)
+    guard = Guard(ready=False)
+    g = gate([a], model(1), guard)
+    first = await g.apply_events()  # the protected addresses not read yet: in full
+    assert first.mode is Mode.APPLIED and log == ["observe a", "apply a"] and guard.calls == ["before_full"]
+    g.store.edit(lambda d: model(2), "an event", ["n_1"])
+    second = await g.apply_events()
+    assert log[-1] == "delta a" and a.value == 2 and guard.calls[-1] == "after_apply"
+    assert [c.detail for c in second.changes] == ["a: set to 2"]
+
+
+async def test_a_device_left_up_is_kept_until_the_first_pull_and_a_dry_run_only_plans():
+    log: list[str] = []
+    a = Counter("a", log)
+    g = gate([a], model(2), Guard(left_up=True), known=False)
+    kept = await g.converge()
+    assert kept.mode is Mode.KEPT and kept.held_back and a.value == 0
+    assert (await g.converge(dry_run=True)).mode is Mode.DRY_RUN and a.value == 0
+    g.mark_known()  # the first state pull was applied
+    assert (await g.converge()).mode is Mode.APPLIED and a.value == 2
+
+
+async def test_a_pull_that_changed_nothing_after_a_full_converge_reads_nothing_again():
+    log: list[str] = []
+    a = Counter("a", log)
+    g = gate([a], model(2))
+    await g.converge()
+    g.pulled()  # the model is still the one the converge left
+    skipped = await g.converge()
+    assert skipped.mode is Mode.APPLIED and skipped.changes == () and log == ["observe a", "apply a"]
+    g.store.replace(model(3))
+    g.pulled()
+    await g.converge()
+    assert a.value == 3 and log[-2:] == ["observe a", "apply a"]

@@ -185,10 +185,13 @@ async def test_invalid_peer_is_kept_out_by_the_model(h):
 def test_a_state_pull_never_changes_the_signing_keys(h, tmp_path, caplog):
     """The state body is unsigned: a key in it is logged (once) and ignored; keys change only through a signed
     signing_key_rotated event or a registration (tests/security/test_signing_key_sources.py attacks it)."""
-    from plexd.node.mesh import MeshHandle, PulledState, state_applier
+    from plexd.node.mesh import MeshHandle, PulledState, StatePull
     from plexd.state.model import State
 
-    applier = state_applier(MeshHandle(None, h.desired), h.verifier)
+    async def fetch() -> State:
+        raise AssertionError("the test applies its own pulls")
+
+    applier = StatePull(MeshHandle(None, h.desired), fetch, h.verifier).apply  # type: ignore[arg-type]
 
     def apply(state):
         return applier(PulledState(state, since=0))

@@ -14,6 +14,7 @@ from plexd.controlplane.uplink import UplinkOutbox, by_kind
 from plexd.converge.engine import Engine, Mode
 from plexd.converge.hold import ReconcileHold
 from plexd.nat.endpoint_domain import KIND, LANE, REPORT_EVERY, Endpoint, NatEndpointDomain, NatHooks
+from plexd.node.mesh import MeshHandle
 from plexd.state.desired import DesiredState
 
 DESIRED = DesiredState.initial(interface="plexd0", listen_port=51820, mtu=1420, private_key="", mesh_ip="10.100.0.1",
@@ -162,14 +163,14 @@ async def test_a_refusal_is_shown_and_not_asked_again_every_reconcile(tmp_path):
 async def test_a_hold_keeps_the_machine_but_not_the_reports_and_a_dry_run_sends_nothing(tmp_path):
     w = World(tmp_path)
     w.current = Endpoint("203.0.113.7:51820", "full_cone")
-    assert (await w.engine.converge(DESIRED, dry_run=True)).changes != () and w.queued() == []
+    assert (await w.engine.converge(DESIRED, Mode.DRY_RUN)).changes != () and w.queued() == []
     hold = ReconcileHold()
     hold.set(300, "debugging routes")
-    held = Engine([w.domain], hold=hold)
-    r = await held.converge(DESIRED)
+    held = MeshHandle(Engine([w.domain]), DESIRED, hold=hold)
+    r = await held.gate.converge()
     assert r.mode is Mode.HELD and r.changes == ()  # nothing listed as "not corrected": the report was made
-    assert len(w.queued()) == 1 and held.corrections["endpoint_reported"] == 1
+    assert len(w.queued()) == 1 and held.engine.corrections["endpoint_reported"] == 1
     w.current = Endpoint("203.0.113.9:51820", "full_cone")
-    await held.apply_delta(DESIRED, ())  # an event while held: plans in full, and reports still go
+    await held.gate.apply_events()  # an event while held: plans in full, and reports still go
     assert w.queued() == [{"public_endpoint": "203.0.113.9:51820", "nat_type": "full_cone"}]
     w.uplink.close()

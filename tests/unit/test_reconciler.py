@@ -61,9 +61,46 @@ class World:
         self.drift.append(report)
 
 
+class Parts:
+    """The reconciler's state source and converger (`StateSource`, `Converger`), from the test's functions."""
+
+    def __init__(self, fetch, apply, converge, *, refusals=None, apply_events=None, events_pending=lambda: 0):
+        self._fetch, self._apply, self.converge_fn = fetch, apply, converge
+        self._refusals, self._apply_events, self._events_pending = refusals, apply_events, events_pending
+
+    async def fetch(self):
+        return await self._fetch()
+
+    def apply(self, pulled):
+        return self._apply(pulled)
+
+    async def plan(self, pulled):  # the pulled state applied, then a dry converge
+        self._apply(pulled)
+        return await self.converge_fn(dry_run=True)
+
+    def take_refusals(self):
+        return self._refusals() if self._refusals is not None else []
+
+    async def converge(self, *, dry_run=False):
+        return await self.converge_fn(dry_run=dry_run)
+
+    async def apply_events(self):
+        assert self._apply_events is not None, "this test gave no event path"
+        return await self._apply_events()
+
+    @property
+    def pending(self):
+        return self._events_pending()
+
+
+def make(fetch, apply, converge, post, *, clock=None, interval=60, **parts):
+    both = Parts(fetch, apply, converge, **parts)
+    return Reconciler(both, both, post, clock=clock, interval=interval)
+
+
 def reconciler(world, clock=None, interval=60):
     clock = clock or FakeClock(NOW)
-    return Reconciler(world.fetch, world.apply, world.converge, world.post, clock=clock, interval=interval), clock
+    return make(world.fetch, world.apply, world.converge, world.post, clock=clock, interval=interval), clock
 
 
 async def spin(n=30):
@@ -94,7 +131,7 @@ async def test_changes_from_the_new_state_are_updates_not_drift():
         w.calls = getattr(w, "calls", 0) + 1
         return Result([Change("peer_updated", "peer n_x: endpoint drifted")] if w.calls % 2 else
                       [Change("peer_added", "peer n_new: missing from the device")])
-    r = Reconciler(w.fetch, lambda s: [Correction("signing_keys_updated", "signing keys rotated")], converge,
+    r = make(w.fetch, lambda s: [Correction("signing_keys_updated", "signing keys rotated")], converge,
                    w.post, clock=FakeClock(NOW))
     res = await r.run_once()
     assert [c.type for c in res.corrections] == ["peer_updated"]
@@ -196,7 +233,7 @@ async def test_trigger_during_a_cycle_causes_one_more():
         w.fetches += 1
         await gate.wait()
         return {}
-    r = Reconciler(slow_fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW))
+    r = make(slow_fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW))
     task = asyncio.create_task(r.run())
     try:
         await spin()
@@ -212,7 +249,7 @@ async def test_trigger_during_a_cycle_causes_one_more():
 async def test_refused_peers_and_routes_are_reported_once_with_the_drift():
     w = World()
     pending = [[Correction("allowed_ip_rejected", "peer n_x: 0.0.0.0/0 a default route")], []]
-    r = Reconciler(w.fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW), refusals=lambda: pending.pop(0))
+    r = make(w.fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW), refusals=lambda: pending.pop(0))
     res = await r.run_once()
     assert res.refused == [Correction("allowed_ip_rejected", "peer n_x: 0.0.0.0/0 a default route")]
     assert w.drift[0]["corrections"] == [{"type": "allowed_ip_rejected",
@@ -234,7 +271,7 @@ async def test_a_report_that_can_never_be_delivered_does_not_block_the_next():
             raise outcome
         sent.append(report)
 
-    r = Reconciler(w.fetch, w.apply, w.converge, post, clock=FakeClock(NOW))
+    r = make(w.fetch, w.apply, w.converge, post, clock=FakeClock(NOW))
     w.next_changes = [Change("peer_added", "peer n_a: missing")]
     first = await r.run_once()
     assert first.report is not None and not first.reported  # dropped, with an error logged
@@ -251,7 +288,7 @@ async def test_a_refresh_pulls_and_applies_through_the_event_path_without_readin
         deltas.append(w.applied[-1])
         return Result([Change("policy_added", "policy p: rule missing")])
 
-    r = Reconciler(w.fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW), apply_events=apply_events)
+    r = make(w.fetch, w.apply, w.converge, w.post, clock=FakeClock(NOW), apply_events=apply_events)
     converges = []
     real = w.converge
 
@@ -259,7 +296,7 @@ async def test_a_refresh_pulls_and_applies_through_the_event_path_without_readin
         converges.append(dry_run)
         return await real(dry_run)
 
-    r._converge = counted
+    r._gate.converge_fn = counted
     task = asyncio.create_task(r.run())
     try:
         await spin()
@@ -300,7 +337,7 @@ async def test_events_in_the_model_not_yet_applied_are_applied_as_events_not_rep
         order.append("converge")
         return Result(list(pending))  # without the event path first, the event's peer would be found missing
 
-    r = Reconciler(w.fetch, w.apply, converge, w.post, clock=FakeClock(NOW), apply_events=apply_events,
+    r = make(w.fetch, w.apply, converge, w.post, clock=FakeClock(NOW), apply_events=apply_events,
                    events_pending=lambda: len(pending))
     res = await r.run_once(reasons=("event stream (re)connected",))
     assert res.corrections == [] and w.drift == []
