@@ -133,7 +133,7 @@ class ListenerRestarted(Change):
 
 @dataclass
 class AccessHooks:
-    """What the sessions need from the daemon, as callables (the uplink is built after the engine)."""
+    """What the sessions need from the daemon, as callables (built by plexd.node.access)."""
 
     keys: Callable[[], Iterable[VerifyKey]]  # the control plane's signing keys trusted now
     report: Report  # §A1.4 activity, durable

@@ -35,7 +35,7 @@ from plexd.actions.request import ActionRequest, InvalidRequest
 from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
 from plexd.actions.unwritten import UnwrittenJournal
 from plexd.base.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
-from plexd.config.settings import ActionsConfig
+from plexd.config.settings import ActionsConfig, Config
 from plexd.controlplane.envelope import Envelope
 from plexd.trust.integrity import Hook, HookImage, HookUnusable, RefusedHook, image_hook, inspect_hook
 
@@ -72,7 +72,7 @@ class ActionDispatcher:
     def __init__(self, config: ActionsConfig, journal: ActionJournal, outbox: Outbox, hooks: HookSet,
                  view: NodeView, node_id: Callable[[], str], audit: LocalAudit, *,
                  builtins: dict[str, Builtin] | None = None) -> None:
-        self.config = config  # replaced by service.reload_config
+        self.config = config  # replaced by a reload (`reconfigure`)
         self.journal = journal
         self.outbox = outbox
         self.hooks = hooks
@@ -384,6 +384,10 @@ class ActionDispatcher:
                     running.cancel.set()
                 await asyncio.wait(pending, timeout=self.config.kill_grace + 10)
         await self.unwritten.close()
+
+    def reconfigure(self, running: Config) -> None:
+        """A reload's new actions.* settings, read per request from now on."""
+        self.config = running.actions
 
     def status(self) -> dict[str, Any]:
         return {"enabled": self.config.enabled, "max_concurrent": self.config.max_concurrent,

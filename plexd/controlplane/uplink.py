@@ -612,13 +612,25 @@ def _like(backoff: Backoff) -> Backoff:
     return Backoff(base=backoff.base, cap=backoff.cap, factor=backoff.factor, jitter=backoff.jitter)
 
 
-def by_kind(senders: dict[str, Poster]) -> Send:
-    """One `send` for an outbox that carries several kinds of report, each posted its own way."""
+class Senders:
+    """The `send` of an outbox that carries several kinds of report, each posted its own way. A kind whose sender
+    is made after the outbox (the NAT endpoint's: the engine's domain) is added with `add`."""
 
-    async def send(kind: str, body: dict[str, Any]) -> None:
-        post = senders.get(kind)
+    def __init__(self, senders: dict[str, Poster]) -> None:
+        self._senders = dict(senders)
+
+    def add(self, kind: str, post: Poster) -> None:
+        if kind in self._senders:
+            raise ValueError(f"the uplink already has a sender for {kind!r}")
+        self._senders[kind] = post
+
+    async def __call__(self, kind: str, body: dict[str, Any]) -> None:
+        post = self._senders.get(kind)
         if post is None:
             raise NoSender(kind)  # left queued for a process that sends it
         await post(body)
 
-    return send
+
+def by_kind(senders: dict[str, Poster]) -> Senders:
+    """One `send` for an outbox that carries several kinds of report, each posted its own way."""
+    return Senders(senders)

@@ -93,8 +93,9 @@ Report = Callable[[str, str], Awaitable[list[PeerEndpoint]]]
 
 @dataclass(frozen=True)
 class NatHooks:
-    """What the domain needs from the daemon, as callables: the NAT service, the uplink outbox and the mesh are
-    built after the engine."""
+    """What the domain needs from the daemon, as callables (built by plexd.node.builders.nat_hooks): what discovery
+    found, the uplink outbox (asked at each use: a test swaps it for a new one, as a restart would), PUT /endpoint,
+    and the answer's peers into the desired model."""
 
     current: Callable[[], Endpoint | None]  # what discovery found (the NAT service)
     uplink: Callable[[], UplinkOutbox | None]

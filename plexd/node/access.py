@@ -32,12 +32,12 @@ SESSION_ACTIVITY = "session_activity"  # the uplink outbox's kind for §A1.4 rep
 
 
 def access_hooks(agent: Agent, verifier: Verifier, node_id: Callable[[], str], audit_path: Path,
-                 uplink: Callable[[], UplinkOutbox]) -> AccessHooks:
-    """`uplink` is asked at each report: the outbox is built after the engine that holds the sessions."""
+                 uplink: UplinkOutbox) -> AccessHooks:
+    """What the access sessions need from the daemon: activity goes by the uplink's lane."""
     audit_log = LocalAudit(audit_path)
 
     def report(session_id: str, activity: dict[str, Any]) -> None:
-        uplink().put(SESSION_ACTIVITY, {"session_id": session_id, "activity": activity})
+        uplink.put(SESSION_ACTIVITY, {"session_id": session_id, "activity": activity})
 
     async def record_command(session_id: str, command: str) -> bool:
         body = {"ssh": {"command": command, "started_at": gojson.format_unix(time.time())}}

@@ -19,8 +19,7 @@ set), ``agent.clock``, ``agent.store``, ``agent.binary_checksum``, ``agent.hooks
 
 A service that raises is restarted by the supervisor with backoff; the daemon and its tunnels keep running. Only
 a `FatalError` ends `plexd up` (exit status 1, one clear line). READY=1 goes to systemd (``NOTIFY_SOCKET``) once
-the services run and `agent.ready` (set by the assembly: the first converge, from data_dir when offline) is
-done; STATUS= lines follow `agent.status_line()` (plexd.system.systemd).
+the services run and the node's `ready()` (the first converge, from data_dir when offline) returned; STATUS= lines follow `agent.status_line()` (plexd.system.systemd).
 
 A node that deregistered (and so kept its identity) rejoins first thing on its next start: it re-registers with
 its node secret, as the same node (plexd.node.departure).
@@ -36,7 +35,7 @@ import math
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from plexd import __version__
 from plexd.actions.builtins import builtin_capabilities
@@ -69,6 +68,26 @@ REGISTER_ANSWER_WAIT = 15.0  # at a stop, how long an in-flight register request
 FINISH_GRACE = 0.2  # ...and, once it is answered, to save what it brought (a retry's backoff is 0.75 s at least)
 
 
+class Assembled(Protocol):
+    """What the lifecycle asks of the node the assembly built (`plexd.node.parts.Node`)."""
+
+    async def ready(self) -> None:
+        """Returns once the node may say READY=1 (its first converge was tried)."""
+        ...
+
+    def describe(self) -> str:
+        """The running node's STATUS= line."""
+        ...
+
+    def reload_config(self) -> Any:
+        """What SIGHUP does."""
+        ...
+
+    def adopt_identity(self, identity: Identity) -> None:
+        """An identity a re-authentication brought (its signing key, its node id)."""
+        ...
+
+
 @dataclass
 class Leaving:
     """A deregistration asked over the socket (`plexd deregister`): already posted (or forced) before the stop."""
@@ -99,16 +118,11 @@ class Agent:
         self.hooks = HookScan()
         self.builtin_actions: list[dict[str, Any]] = []
         self.supervisor = Supervisor(self.stop_event, clock=self.clock, faults=FaultPlan.from_env())
-        self.node: Any = None  # what the assembler built (plexd.node.assembly.Node)
+        self.node: Assembled | None = None  # what the assembler built (plexd.node.parts.Node)
         self._started_at = self.clock.monotonic()
         self._services: list[tuple[str, Service, bool]] = []
         self._shutdown_steps: list[tuple[str, str, ShutdownStep]] = []
         self._recovery: asyncio.Task[Identity] | None = None  # the one re-authentication in flight
-        self.ready: Callable[[], Awaitable[Any]] | None = None  # set by the assembly: READY=1 after it
-        self.describe: Callable[[], str] | None = None  # set by the assembly: the running node's STATUS= line
-        self.reload_config: Callable[[], Any] | None = None  # set by the assembly: what SIGHUP does
-        # set by the assembly: told of an identity a re-authentication brought (its signing key, its node id)
-        self.adopt_identity: Callable[[Identity], None] | None = None
         self.phase = "starting"
         self.leaving: Leaving | None = None
         self.restarting = ""  # why this stop is a restart (an upgrade): the tunnels stay up, `run` returns 75
@@ -152,8 +166,8 @@ class Agent:
 
     def status_line(self) -> str:
         """What systemd shows as the unit's status."""
-        if self.phase == "running" and self.describe is not None:
-            return self.describe()
+        if self.phase == "running" and self.node is not None:
+            return self.node.describe()
         return self.phase
 
     @property
@@ -203,8 +217,8 @@ class Agent:
         before = self.identity
         self.identity = await self.registrar.recover(self.identity)
         departure.clear_departed(self.config.data_dir)  # re-registered: a deregistration before it is over
-        if self.adopt_identity is not None and self.identity != before:
-            self.adopt_identity(self.identity)
+        if self.node is not None and self.identity != before:
+            self.node.adopt_identity(self.identity)
         return self.identity
 
     async def announce_capabilities(self, *, rescan: bool = True) -> None:
@@ -302,8 +316,8 @@ class Agent:
                     task.cancel()
 
     async def _announce_ready(self) -> None:
-        if self.ready is not None:
-            await self.ready()
+        if self.node is not None:
+            await self.node.ready()
         self.phase = "running"
         notify("READY=1", f"STATUS={self.status_line()}")
         log.info("ready", extra={"node_id": self.identity.node_id if self.identity else ""})
@@ -469,13 +483,13 @@ def _on_stop(sig: signal.Signals, agent: Agent) -> None:
 
 
 def _on_reload(sig: signal.Signals, agent: Agent) -> None:
-    if agent.reload_config is None:
+    if agent.node is None:
         log.info("received SIGHUP before the daemon was running; nothing to reload yet")
         return
     log.info("received SIGHUP, reloading the config")
     notify("RELOADING=1")
     try:
-        agent.reload_config()
+        agent.node.reload_config()
     finally:
         notify("READY=1")
 

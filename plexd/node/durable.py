@@ -14,23 +14,25 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from plexd.controlplane.ledger import Batch, EventLedger, MirrorChange
 from plexd.mesh.delta import touched_peers
 from plexd.state.desired import DesiredState
+from plexd.state.desired_store import DesiredStore
 
 log = logging.getLogger(__name__)
+
+MIRROR = "mirror"  # the reader name of the mirror in the store's touched-peer sets
 
 
 class GroupCommit:
     """One writer at a time, always the newest model and notes: a write never overtakes a later one."""
 
-    def __init__(self, ledger: EventLedger, delay: float = 1.0,
-                 touched: Callable[[], set[str] | None] = lambda: None) -> None:
+    def __init__(self, ledger: EventLedger, store: DesiredStore | None = None, delay: float = 1.0) -> None:
+        """`store`: the desired model whose changes are mirrored (None: the ledger's notes alone)."""
         self.ledger = ledger
-        self._take_touched = touched  # the peer ids changed since the last take (None: unknown, scan)
+        self._store = store
         self._scan_next = False  # a write failed: the ids it took are lost, so the next write scans
         self.delay = delay
         self._desired: DesiredState | None = None
@@ -40,6 +42,8 @@ class GroupCommit:
         self._written: DesiredState | None = None  # the model of the last successful write (writer only)
         self._written_head = ""
         ledger.on_pending = self._soon
+        if store is not None:
+            store.subscribe(self.desired_changed)
 
     def desired_changed(self, desired: DesiredState) -> None:
         self._desired = desired
@@ -73,7 +77,8 @@ class GroupCommit:
         """The model, the ledger notes and the changed peer ids as of this instant (on the loop: no event is
         half-way between them)."""
         desired, self._desired = self._desired, None
-        touched = self._take_touched()
+        # the peer ids changed since the last take (None: unknown, scan)
+        touched = self._store.take_touched(MIRROR) if self._store is not None else None
         if self._scan_next:
             touched, self._scan_next = None, False
         return desired, self.ledger.take(), touched

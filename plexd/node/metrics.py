@@ -44,6 +44,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from plexd import __version__
 from plexd.base.errors import PlexdError
+from plexd.converge.gate import Gate
 from plexd.machine.wireguard import PeerCounters
 from plexd.node.access import SESSION_ACTIVITY
 from plexd.node.domain_list import wireguard
@@ -82,7 +83,7 @@ class NodeCollector:
         rec = node.reconciler
         yield _counter("plexd_reconcile_cycles", "reconcile cycles run", rec.cycles)
         yield _counter("plexd_reconcile_failures", "reconcile cycles that failed", rec.failures)
-        held = node.mesh.hold.current() is not None
+        held = node.mesh.gate.hold.current() is not None
         yield _gauge("plexd_reconcile_held", "1 while corrections are on hold", int(held))
         corrections = CounterMetricFamily("plexd_corrections", "drift corrected by the converge, by type",
                                           labels=["type"])
@@ -170,8 +171,7 @@ def read_metrics_token(path: str) -> str:
 
 
 class MetricsEndpoint:
-    def __init__(self, node: Node, listen: str, *, token_file: str = "", max_connections: int = 8) -> None:
-        self.node = node
+    def __init__(self, listen: str, gate: Gate, *, token_file: str = "", max_connections: int = 8) -> None:
         self.token_file = token_file
         self.max_connections = max_connections
         self._token: bytes | None = None
@@ -181,25 +181,29 @@ class MetricsEndpoint:
         host, _, port = listen.rpartition(":")
         self.host, self.port = host.strip("[]"), int(port)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = NodeCollector(node)
-        self.registry.register(self.collector)
+        self.collector: NodeCollector | None = None  # the node's families, registered by `serve`
         self.durations = Histogram("plexd_converge_duration_seconds", "how long converges take", ["kind"],
                                    registry=self.registry, buckets=DURATION_BUCKETS)
-        node.mesh.on_timed = lambda kind, seconds: self.durations.labels(kind).observe(seconds)
+        gate.on_timed(lambda kind, seconds: self.durations.labels(kind).observe(seconds))
         self.scrapes = 0
 
     async def render(self) -> bytes:
-        try:
-            self.collector.counters = await wireguard(self.node.mesh.engine).counters()
-        except PlexdError as exc:  # the other families still come out; the peers' are empty
-            log.debug("metrics: cannot read the device: %s", exc)
-            self.collector.counters = None
+        if self.collector is not None:
+            try:
+                self.collector.counters = await wireguard(self.collector.node.mesh.engine).counters()
+            except PlexdError as exc:  # the other families still come out; the peers' are empty
+                log.debug("metrics: cannot read the device: %s", exc)
+                self.collector.counters = None
         self.scrapes += 1
         return generate_latest(self.registry)
 
-    async def serve(self) -> None:
-        """The service: listen until cancelled. A port that cannot be bound fails the service (restarted with
-        backoff by the supervisor, and named in the log and `plexd status`)."""
+    async def serve(self, node: Node | None = None) -> None:
+        """The service: listen until cancelled, serving `node`'s families (None: only the converge durations). A
+        port that cannot be bound fails the service (restarted with backoff by the supervisor, and named in the log
+        and `plexd status`)."""
+        if node is not None and self.collector is None:
+            self.collector = NodeCollector(node)
+            self.registry.register(self.collector)
         if self.token_file:  # read at each start: a new token takes a restart of the service
             self._token = read_metrics_token(self.token_file).encode()
         try:

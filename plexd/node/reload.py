@@ -33,6 +33,11 @@ LIVE_PREFIXES = ("log_level", "actions.", "shutdown.")
 class ConfigReloader:
     running: Config  # what the daemon runs with: the start config, its live parts replaced at each reload
     apply: Callable[[Config], None]  # installs the running config once its live parts were replaced
+    also: list[Callable[[Config], None]] = dataclasses.field(default_factory=list)  # parts built after the reloader
+
+    def subscribe(self, apply: Callable[[Config], None]) -> None:
+        """`apply(running)` after each reload that changed a live part, after `apply`."""
+        self.also.append(apply)
 
     def reload(self) -> dict[str, Any]:
         old = self.running
@@ -49,6 +54,8 @@ class ConfigReloader:
             self.running = dataclasses.replace(old, log_level=new.log_level, actions=new.actions,
                                                shutdown=new.shutdown)
             self.apply(self.running)
+            for then in self.also:
+                then(self.running)
         log.info("config reloaded from %s: %d applied, %d need a restart", old.config_file or "(no file)",
                  len(live), len(later), extra={"applied": live, "restart_needed": later})
         return {"config_file": old.config_file, "error": "", "applied": live, "restart_needed": later}

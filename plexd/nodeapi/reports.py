@@ -3,7 +3,7 @@
 Each entry is one file, data_dir/state/report/<file>.json (`keys.file_name`), written atomically (0600) before the
 request is answered, so a 200 means the entry survives a crash. The version is the node's: 1 for a new entry,
 +1 for every update; `If-Match` (a bare integer) makes a write conditional on it, and `0` means "only if new".
-Every change is handed to `on_change` (the sync queue), which carries it upstream.
+Every change is handed to its subscribers (the sync queue), which carries it upstream.
 
 The store is bounded, so a workload cannot fill the disk or the daemon's memory: at most `max_entries` entries,
 `max_bytes` in all and `max_entry_bytes` each (sizes are those of the files). A PUT past a cap is refused with
@@ -90,11 +90,19 @@ class ReportStore:
                  max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES,
                  max_entry_bytes: int = MAX_ENTRY_BYTES) -> None:
         self.dir = Path(data_dir) / STATE_DIR / REPORT_DIR
-        self.on_change = on_change or (lambda key: None)
+        self._on_change = [on_change] if on_change is not None else []
         self.max_entries, self.max_bytes, self.max_entry_bytes = max_entries, max_bytes, max_entry_bytes
         self._entries: dict[str, ReportEntry] = {}
         self._sizes: dict[str, int] = {}  # key -> bytes of its file
         self._lock = asyncio.Lock()  # version check and write are one step, whatever else arrives meanwhile
+
+    def subscribe(self, changed: Callable[[str], None]) -> None:
+        """`changed(key)` for every entry written or deleted, before its file is (the sync's queue)."""
+        self._on_change.append(changed)
+
+    def _changed(self, key: str) -> None:
+        for changed in self._on_change:
+            changed(key)
 
     def load(self) -> int:
         """Read every entry from disk (at start). A file that cannot be used is left where it is, with a warning:
@@ -151,7 +159,7 @@ class ReportStore:
             self._check_caps(key, len(data))
             # Queued before the write: a crash between the two must not leave an entry on disk that is never sent
             # (the sync reads the key's entry when it sends, so a write that then fails costs one needless send).
-            self.on_change(key)
+            self._changed(key)
             try:
                 await asyncio.to_thread(self._write, entry, data)
             except OSError as exc:  # the bench chaos's disk_full and read_only: this was a 500, "internal error"
@@ -162,14 +170,14 @@ class ReportStore:
             self._sizes[key] = len(data)
             # Again, now that the store holds it: a send that came due during the write read the key as it was
             # before (a new key as deleted), and its acknowledgement took the first row with it.
-            self.on_change(key)
+            self._changed(key)
         return entry
 
     async def delete(self, key: str) -> bool:
         async with self._lock:
             if key not in self._entries:
                 return False
-            self.on_change(key)  # before the file goes, as for a write
+            self._changed(key)  # before the file goes, as for a write
             try:
                 await asyncio.to_thread(self._remove, key)
             except OSError as exc:
@@ -177,7 +185,7 @@ class ReportStore:
                                       f"(in {self.dir})") from None
             del self._entries[key]
             self._sizes.pop(key, None)
-            self.on_change(key)  # and after, as for a write
+            self._changed(key)  # and after, as for a write
         return True
 
     def _check_caps(self, key: str, size: int) -> None:

@@ -71,7 +71,7 @@ class ReportSync:
         return self.pending
 
     def changed(self, key: str) -> None:
-        """A report entry was written or deleted (ReportStore.on_change): its key is queued, once. A key the outbox
+        """A report entry was written or deleted (ReportStore.subscribe): its key is queued, once. A key the outbox
         cannot take now (disk full, the daemon closing) is kept here and queued with the next change."""
         self._unqueued.add(key)
         try:

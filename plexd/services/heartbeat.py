@@ -45,6 +45,17 @@ def http_status(exc: BaseException) -> int | None:
     return value if isinstance(value, int) else None
 
 
+class FailureStreak:
+    """Heartbeats failed since the last accepted one: made before the heartbeat, for the parts built before it
+    that ask whether the control plane answers (a bridge's relay keeps its sessions through an outage)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def reachable(self) -> bool:
+        return self.count == 0
+
+
 class HeartbeatService:
     def __init__(
         self,
@@ -59,6 +70,7 @@ class HeartbeatService:
         on_auth_failure: Callable[[], Awaitable[None]] | None = None,
         uptime: Callable[[], float] | None = None,  # seconds since the daemon started; default: since this service
         refresh: Callable[[], Awaitable[None]] | None = None,  # read live values (the device) before a snapshot
+        streak: FailureStreak | None = None,  # shared with what asks whether the control plane answers now
     ) -> None:
         self._node_id = node_id if callable(node_id) else (lambda: node_id)
         self._send = send
@@ -71,12 +83,20 @@ class HeartbeatService:
         self._started = self._clock.monotonic()
         self._uptime = uptime or (lambda: self._clock.monotonic() - self._started)
         self._refresh = refresh
-        self.consecutive_failures = 0
+        self.streak = streak or FailureStreak()
         self.failures = 0  # in all, for the metrics
         self.sent = 0
         self._warned = False
         self.last_at: float | None = None  # unix time of the last attempt
         self.last_error = ""  # "" when the last attempt was accepted
+
+    @property
+    def consecutive_failures(self) -> int:
+        return self.streak.count
+
+    @consecutive_failures.setter
+    def consecutive_failures(self, value: int) -> None:
+        self.streak.count = value
 
     @property
     def node_id(self) -> str:

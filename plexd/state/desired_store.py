@@ -42,12 +42,16 @@ class DesiredStore:
     def __init__(self, initial: DesiredState, on_changed: Callable[[DesiredState], None] | None = None,
                  journal_size: int = JOURNAL_SIZE) -> None:
         self._value = initial
-        self.on_changed = on_changed  # e.g. the mirror's group commit
+        self._listeners = [on_changed] if on_changed is not None else []  # e.g. the mirror's group commit
         self._seq = 0
         self._journal: deque[Journaled] = deque(maxlen=journal_size)
         # Per reader (the apply, the mirror): peer ids the edits since its last `take_touched()` changed; None:
         # unknown (a pull or a replace), scan.
         self._touched: dict[str, set[str] | None] = {}
+
+    def subscribe(self, listener: Callable[[DesiredState], None]) -> None:
+        """`listener(model)` after every change of the model."""
+        self._listeners.append(listener)
 
     @property
     def value(self) -> DesiredState:
@@ -62,8 +66,8 @@ class DesiredStore:
 
     def _set(self, value: DesiredState) -> None:
         self._value = value
-        if self.on_changed is not None:
-            self.on_changed(value)
+        for listener in self._listeners:
+            listener(value)
 
     def edit(self, change: Edit, label: str = "", peers: Iterable[str] | None = None) -> DesiredState:
         """Apply an event's change now, and journal it for any pull in flight. `peers`: the ids of the peers the

@@ -90,7 +90,6 @@ class Upgrader:
         self.data_dir = agent.config.data_dir
         self.releases = Releases(self.config.dir)
         self.healthy = healthy  # None when healthy, else what is still missing
-        self.finish: Finish | None = None  # the action dispatcher's finish_deferred, set by the assembly
         self.installing = ""  # the version being installed
         # The upgrade this start belongs to, read once: its execution's result is ours to send (see `run`).
         self.found = markers.read(self.data_dir)
@@ -247,22 +246,23 @@ class Upgrader:
 
     # -- outcome (the next daemon) ----------------------------------------------------------------------------
 
-    async def run(self) -> None:
-        """Settle the upgrade this start belongs to, if any (a service that ends when that is done)."""
+    async def run(self, finish: Finish | None = None) -> None:
+        """Settle the upgrade this start belongs to, if any (a service that ends when that is done); its execution's
+        result goes through `finish` (the action dispatcher's `finish_deferred`)."""
         marker = self.found
         if marker is None:
             return
         own = self.agent.binary_checksum
         if marker.state != markers.ROLLED_BACK and own == marker.to_checksum:
-            await self._prove(marker)
+            await self._prove(marker, finish)
             return
         if marker.state != markers.ROLLED_BACK:  # the launcher never started the new release
             roll_back(self.agent.config, self.releases, marker,
                       f"plexd {marker.to_version} was installed but this start runs {own[:12]} instead")
             marker = markers.read(self.data_dir) or marker.with_state(markers.ROLLED_BACK)
-        self._report(marker, healthy=False)
+        self._report(marker, finish, healthy=False)
 
-    async def _prove(self, marker: markers.UpgradeMarker) -> None:
+    async def _prove(self, marker: markers.UpgradeMarker, finish: Finish | None) -> None:
         deadline = marker.deadline or time.time() + self.config.health_deadline
         missing = self.healthy()
         while missing is not None and time.time() < deadline:
@@ -270,14 +270,14 @@ class Upgrader:
                 return  # stopping: the marker stays, the next start settles it
             missing = self.healthy()
         if missing is None:
-            self._report(marker, healthy=True)
+            self._report(marker, finish, healthy=True)
             return
         reason = f"plexd {marker.to_version} was not healthy by its deadline: {missing}"
         markers.write(self.data_dir, marker.with_state(markers.STARTED, reason))
         log.error("%s; restarting to roll back to plexd %s", reason, marker.from_version)
         self.agent.restart(f"rolling back the upgrade to plexd {marker.to_version}")
 
-    def _report(self, marker: markers.UpgradeMarker, *, healthy: bool) -> None:
+    def _report(self, marker: markers.UpgradeMarker, finish: Finish | None, *, healthy: bool) -> None:
         status = "upgraded" if healthy else "rolled back"
         doc = {"status": status, "from_version": marker.from_version, "to_version": marker.to_version,
                "binary_checksum": self.agent.binary_checksum, "release": str(zipapp_of() or "installed package")}
@@ -289,9 +289,9 @@ class Upgrader:
             reason = marker.reason or "unknown"
             self.last = {**doc, "reason": reason, "at": time.time()}
             stderr = f"{reason}; rolled back to plexd {marker.from_version}\n"
-        if self.finish is not None and marker.execution_id:
+        if finish is not None and marker.execution_id:
             output = json_output(doc, 0 if healthy else 1)
-            self.finish(marker.execution_id, output.exit_code, output.stdout, stderr, status)
+            finish(marker.execution_id, output.exit_code, output.stdout, stderr, status)
         markers.remove(self.data_dir)
 
     def status(self) -> dict[str, Any]:

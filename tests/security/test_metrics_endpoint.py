@@ -21,7 +21,7 @@ TOKEN = "s3cret-metrics-token"
 
 class Endpoint(MetricsEndpoint):
     def __init__(self, **kw) -> None:
-        super().__init__(SimpleNamespace(mesh=SimpleNamespace(on_timed=None)), "127.0.0.1:0", **kw)
+        super().__init__("127.0.0.1:0", SimpleNamespace(on_timed=lambda observer: None), **kw)
         self.rendered = 0
 
     async def render(self) -> bytes:

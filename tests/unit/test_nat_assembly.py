@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from types import SimpleNamespace
 
 from plexd.config.settings import load
+from plexd.converge.coalesce import Requests
 from plexd.nat.nat_service import disabled_status
-from plexd.node.assembly import _build_nat
-from plexd.node.mesh import MeshHandle
+from plexd.node.builders import build_nat
 
 
 def config(tmp_path, port: int, **env: str):
@@ -30,9 +29,7 @@ async def test_disabled_or_without_servers_there_is_no_nat_service(tmp_path) -> 
                       "nat_traversal.enabled is false"),
                      ({}, "no nat_traversal.stun_servers configured")):
         cfg = config(tmp_path, port, **env)
-        mesh = MeshHandle(None, None)  # type: ignore[arg-type]  # only its hooks are read here
-        assert _build_nat(SimpleNamespace(config=cfg), mesh) is None  # type: ignore[arg-type]
-        assert mesh.before_first_converge is None
+        assert build_nat(cfg, Requests()) is None
         assert disabled_status(cfg.nat_traversal) == {"enabled": False, "reason": why}
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind(("0.0.0.0", port))  # nothing holds the listen port
@@ -41,9 +38,10 @@ async def test_disabled_or_without_servers_there_is_no_nat_service(tmp_path) -> 
 async def test_enabled_binds_the_listen_port_until_the_first_discovery_lets_it_go(tmp_path) -> None:
     port = free_port()
     cfg = config(tmp_path, port, PLEXD_NAT_TRAVERSAL_STUN_SERVERS="192.0.2.1,192.0.2.2:3479")
-    mesh = MeshHandle(None, None)  # type: ignore[arg-type]
-    nat = _build_nat(SimpleNamespace(config=cfg), mesh)  # type: ignore[arg-type]
-    assert nat is not None and [str(s) for s in nat.servers] == ["192.0.2.1:3478", "192.0.2.2:3479"]
+    built = build_nat(cfg, Requests())
+    assert built is not None and built.handover is not None
+    nat = built.service
+    assert [str(s) for s in nat.servers] == ["192.0.2.1:3478", "192.0.2.2:3479"]
     assert disabled_status(cfg.nat_traversal) is None
     assert nat.current() is None and nat.status()["public_endpoint"] == ""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -52,8 +50,7 @@ async def test_enabled_binds_the_listen_port_until_the_first_discovery_lets_it_g
             raise AssertionError("the listen port should be held for the first discovery")
         except OSError:
             pass
-    assert mesh.before_first_converge is not None
-    nat._handover.release()  # what the first discovery does when it is done (or the 3 s deadline)
-    await asyncio.wait_for(mesh.before_first_converge(), 1)
+    built.handover.release()  # what the first discovery does when it is done (or the 3 s deadline)
+    await asyncio.wait_for(built.handover.released(), 1)  # what the gate awaits before its first converge
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("0.0.0.0", port))  # the device can have it now

@@ -242,7 +242,7 @@ async def test_changes_coalesce_per_key_and_survive_a_restart(tmp_path):
     up = Upstream()
     store = ReportStore(tmp_path)
     sync = report_sync(store, up, tmp_path)
-    store.on_change = sync.changed
+    store.subscribe(sync.changed)
     for i in range(5):
         await store.put("a", "text/plain", f"v{i}", None)
     await store.put("b", "text/plain", "x", None)
@@ -273,7 +273,7 @@ async def test_a_failed_send_is_retried_and_a_409_drops_the_batch(tmp_path, capl
     up = Upstream()
     store = ReportStore(tmp_path)
     sync = report_sync(store, up, tmp_path)
-    store.on_change = sync.changed
+    store.subscribe(sync.changed)
     await store.put("a", "text/plain", "1", None)
     up.fail = TransientError("report sync", 503, "down")
     await run_until(sync, lambda: "503" in sync.status()["last_error"])
@@ -369,7 +369,7 @@ async def test_a_change_is_queued_again_once_the_store_holds_it(tmp_path):
     and its acknowledgement took the only row with it."""
     seen: list[tuple[str, object]] = []
     store = ReportStore(tmp_path)
-    store.on_change = lambda key: seen.append((key, store.get(key).version if store.get(key) else None))
+    store.subscribe(lambda key: seen.append((key, store.get(key).version if store.get(key) else None)))
     await store.put("k", "text/plain", "v1", None)
     assert seen[-1] == ("k", 1)  # the last word is the entry as stored
     await store.put("k", "text/plain", "v2", None)

@@ -81,7 +81,7 @@ async def reports(tmp_path, error) -> tuple[bool, float]:
     store = ReportStore(tmp_path)
     uplink = UplinkOutbox(tmp_path / "uplink.db", send)
     sync = ReportSync(store, send, uplink, backoff=Backoff(**FAST))
-    store.on_change = sync.changed
+    store.subscribe(sync.changed)
     await store.put("a", "text/plain", "1", None)
     before = time.monotonic()
     await uplink.deliver()
