@@ -19,7 +19,8 @@ set), ``agent.clock``, ``agent.store``, ``agent.binary_checksum``, ``agent.hooks
 
 A service that raises is restarted by the supervisor with backoff; the daemon and its tunnels keep running. Only
 a `FatalError` ends `plexd up` (exit status 1, one clear line). READY=1 goes to systemd (``NOTIFY_SOCKET``) once
-the services run and the node's `ready()` (the first converge, from data_dir when offline) returned; STATUS= lines follow `agent.status_line()` (plexd.system.systemd).
+the services run and the node's `ready()` (the first converge, from data_dir when offline) returned; STATUS= lines
+follow `agent.status_line()` (plexd.system.systemd).
 
 A node that deregistered (and so kept its identity) rejoins first thing on its next start: it re-registers with
 its node secret, as the same node (plexd.node.departure).

@@ -117,17 +117,11 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     whole: Slot[Node] = Slot("node")  # the node.status built-in action reads the node that holds the dispatcher
     actions = b.build_actions(agent, node_id, uplink, local_api, handlers, upgrader,
                               b.node_view(agent, mesh, stream, reconciler, upgrader, lambda: live_status(whole.get())))
-    metrics = None
-    if cfg.metrics.enabled:
-        from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
-
-        metrics = MetricsEndpoint(cfg.metrics.listen, mesh.gate, token_file=cfg.metrics.token_file,
-                                  max_connections=cfg.metrics.max_connections)
     node = whole.fill(Node(
         agent, mesh, bookkeeping, verifier, uplink, reconciler, handlers, stream, heartbeat, rotation, paths,
         local_api, reports, report_sync, upgrader, actions.dispatcher, actions.journal, actions.outbox,
         actions.hooks, actions.reloader, b.build_telemetry(agent, node_id, mesh, uplink),
-        nat.service if nat is not None else None, metrics))
+        nat.service if nat is not None else None, b.build_metrics(cfg, mesh)))
     add_control_routes(local_api, node)
     add_services(node)
     add_shutdown_steps(node, own_mesh)

@@ -46,6 +46,7 @@ from plexd.node.control import health
 from plexd.node.domain_list import build_engine, nat_endpoint, wireguard
 from plexd.node.key_rotation import KeyRotation
 from plexd.node.mesh import MeshHandle, StatePull, initial_desired, set_peer_endpoints, trusted_key
+from plexd.node.parts import Scraped
 from plexd.node.protected import ProtectedAddresses
 from plexd.node.reload import ConfigReloader
 from plexd.nodeapi.local_api import LocalAPI, require_admin
@@ -405,6 +406,16 @@ def build_telemetry(agent: Agent, node_id: Callable[[], str], mesh: MeshHandle, 
                      read_counters=read_counters, desired_peers=lambda: mesh.get_desired().peers,
                      local_audit=str(Path(cfg.data_dir) / datadir.LOCAL_AUDIT),
                      older_queues=telemetry_db_paths(cfg.telemetry, cfg.data_dir))
+
+
+def build_metrics(cfg: Config, mesh: MeshHandle) -> Scraped | None:
+    """The local Prometheus endpoint, when config metrics.enabled (it serves the node's families once built)."""
+    if not cfg.metrics.enabled:
+        return None
+    from plexd.node.metrics import MetricsEndpoint  # lazily: prometheus_client only when asked for
+
+    return MetricsEndpoint(cfg.metrics.listen, mesh.gate, token_file=cfg.metrics.token_file,
+                           max_connections=cfg.metrics.max_connections)
 
 
 def node_view(agent: Agent, mesh: MeshHandle, stream: EventStream, reconciler: Reconciler[Any], upgrader: Upgrader,

@@ -130,24 +130,25 @@ async def live_status(node: Node) -> dict[str, Any]:
     reported = nat_endpoint(node.mesh.engine)  # what the control plane was told: the domain (discovery: the service)
     doc["nat"] = ({**node.nat.status(), **(reported.status() if reported is not None else {})} if node.nat is not None
                   else disabled_status(agent.config.nat_traversal))
-    api = node.local_api
-    doc["node_api"] = {"socket": api.socket_path,
-                       "tcp": "{}:{}".format(*api.tcp_address) if api.tcp_address else None,
-                       "reports": len(node.reports) if node.reports is not None else 0,
-                       "report_bytes": node.reports.total_bytes if node.reports is not None else 0,
-                       "rate_limited": api.rate_limit.refused,
-                       "tcp_refused": api.tcp_refused,
-                       "report_sync": node.report_sync.status() if node.report_sync is not None else None}
+    doc["node_api"] = _node_api_status(node)
     doc["key_rotation"] = node.key_rotation.status()
     m = node.metrics
     doc["metrics"] = None if m is None else {"listen": f"{m.host}:{m.port}", "scrapes": m.scrapes}
-    doc["upgrade"] = node.upgrader.status() if node.upgrader is not None else None
-    doc["actions"] = node.actions.status() if node.actions is not None else None
-    doc["telemetry"] = node.telemetry.status() if node.telemetry is not None else None
-    doc["paths"] = node.paths.status() if node.paths is not None else {}  # peer id -> direct/relay/probing
+    doc["upgrade"] = node.upgrader.status()
+    doc["actions"] = node.actions.status()
+    doc["telemetry"] = node.telemetry.status()
+    doc["paths"] = node.paths.status()  # peer id -> direct/relay/probing
     doc["domains"] = node.mesh.engine.status()  # each piece of machine state: the firewall, sessions, relay...
     doc["services"] = agent.supervisor.to_json()
     return doc
+
+
+def _node_api_status(node: Node) -> dict[str, Any]:
+    api = node.local_api
+    return {"socket": api.socket_path, "tcp": "{}:{}".format(*api.tcp_address) if api.tcp_address else None,
+            "reports": len(node.reports), "report_bytes": node.reports.total_bytes,
+            "rate_limited": api.rate_limit.refused, "tcp_refused": api.tcp_refused,
+            "report_sync": node.report_sync.status()}
 
 
 def health(reconciler: Reconciler[Any], mesh: MeshHandle) -> tuple[str, str]:

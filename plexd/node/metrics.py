@@ -106,22 +106,18 @@ class NodeCollector:
         depth = GaugeMetricFamily("plexd_queue_depth", "entries waiting to be sent", labels=["queue"])
         dropped = CounterMetricFamily("plexd_queue_dropped", "entries dropped because a queue was full",
                                       labels=["queue"])
-        if self.node.actions is not None:
-            outbox = self.node.actions.outbox.status()
-            depth.add_metric(["actions_outbox"], outbox["pending"])
-            dropped.add_metric(["actions_outbox"], outbox["dropped_full"])
-        if self.node.report_sync is not None:
-            sync = self.node.report_sync.status()
-            depth.add_metric(["node_api_reports"], sync["pending"])
-            dropped.add_metric(["node_api_reports"], sync["dropped"])
-        if self.node.uplink is not None:
-            for label, lane in (("drift_reports", DRIFT), ("session_reports", SESSION_ACTIVITY)):
-                depth.add_metric([label], self.node.uplink.size(lane))
-                dropped.add_metric([label], self.node.uplink.counter("dropped_full", lane))
-        if self.node.telemetry is not None:
-            for stream, status in self.node.telemetry.status().items():
-                depth.add_metric([f"telemetry_{stream}"], status["pending"])
-                dropped.add_metric([f"telemetry_{stream}"], status["dropped"])
+        outbox = self.node.action_outbox.status()
+        depth.add_metric(["actions_outbox"], outbox["pending"])
+        dropped.add_metric(["actions_outbox"], outbox["dropped_full"])
+        sync = self.node.report_sync.status()
+        depth.add_metric(["node_api_reports"], sync["pending"])
+        dropped.add_metric(["node_api_reports"], sync["dropped"])
+        for label, lane in (("drift_reports", DRIFT), ("session_reports", SESSION_ACTIVITY)):
+            depth.add_metric([label], self.node.uplink.size(lane))
+            dropped.add_metric([label], self.node.uplink.counter("dropped_full", lane))
+        for stream, status in self.node.telemetry.status().items():
+            depth.add_metric([f"telemetry_{stream}"], status["pending"])
+            dropped.add_metric([f"telemetry_{stream}"], status["dropped"])
         yield depth
         yield dropped
 
@@ -137,7 +133,7 @@ class NodeCollector:
             rx.add_metric(label, peer.rx)
             tx.add_metric(label, peer.tx)
         yield from (age, rx, tx)
-        if self.node.paths is not None and self.node.paths.paths:
+        if self.node.paths.paths:
             relayed = GaugeMetricFamily("plexd_peer_relayed", "1 while the peer is reached through a bridge's relay",
                                         labels=["peer"])
             switches = CounterMetricFamily("plexd_peer_path_switches", "switches between direct and relay",

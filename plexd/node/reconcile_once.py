@@ -20,6 +20,8 @@ from plexd.base.errors import PlexdError
 
 if TYPE_CHECKING:
     from plexd.config.settings import Config
+    from plexd.converge.engine import ConvergeResult
+    from plexd.services.reconciler import CycleResult
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,16 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
             if uplink is not None:
                 uplink.close()
     # The device belongs to the daemon: never stop or close a process this command did not start.
-    doc = result.to_json()
-    doc["errors"] = [result.error] if result.error else []
-    if engine.last_result is not None:
-        doc["errors"] += list(engine.last_result.errors)
-    doc["ok"] = result.ok and not doc["errors"]
+    return _outcome(result, engine.last_result)
+
+
+def _outcome(cycle: CycleResult, last: ConvergeResult | None) -> dict[str, Any]:
+    """The cycle as the daemon's socket answers it, with the engine's own errors."""
+    doc = cycle.to_json()
+    doc["errors"] = [cycle.error] if cycle.error else []
+    if last is not None:
+        doc["errors"] += list(last.errors)
+    doc["ok"] = cycle.ok and not doc["errors"]
     doc["hold"] = None
     doc["by_daemon"] = False
     return doc

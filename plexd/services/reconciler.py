@@ -235,88 +235,97 @@ class Reconciler(Generic[S]):
         reports the whole mesh as drift; this does not. A dry run only plans (no phase 1, nothing applied).
         """
         self.cycles += 1
-        dry_run = not apply
         why = ", ".join(reasons)
-        drift: list[Correction] = []
-        held: list[Correction] = []
-        error = ""
-        if not skip_phase1:
-            try:
-                if not startup and self._gate.pending:
-                    # Events edited into the model but not applied yet (their apply is queued behind this cycle)
-                    # are the control plane's news, not drift: apply them on their own path first. Only then: a
-                    # domain without a delta of its own converges in full on that path, and would repair drift
-                    # without it being reported.
-                    await self._gate.apply_events()
-                result = await self._gate.converge()
-                drift = corrections_of(result.changes)
-                if result.held_back:  # held by an operator (or, at start, a live device kept): planned, not applied
-                    held, drift = ([] if startup else drift), []
-                if startup:
-                    if drift:
-                        log.info("brought the mesh up from the stored state: %s",
-                                 "; ".join(f"{c.type}: {c.detail}" for c in drift))
-                    drift = []
-            except Exception as exc:
-                log.exception("reconcile (%s): converge failed", why)
-                error = f"converge failed: {exc}"
+        drift, held, error = (await self._drift_phase(startup, why)) if not skip_phase1 else ([], [], "")
         if startup:
             self.started.set()
-        updates: list[Correction] = []
+        updates, held_now, pull_error = await self._pull_phase(not apply, why)
+        error = error or pull_error
+        if error:
+            self.failures += 1
+        if not apply:  # the plan: everything that would change
+            return CycleResult(ok=not error, corrections=updates, error=error, reasons=reasons, dry_run=True)
+        # What the control plane asked for and we refused (a route into the tunnel, a stolen mesh address) is
+        # reported with the drift: it is the control plane's to fix.
+        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons,
+                          held=held + held_now, refused=self._source.take_refusals())
+        self._log(out, why)
+        await self._report(out)
+        return out
+
+    async def _drift_phase(self, startup: bool, why: str) -> tuple[list[Correction], list[Correction], str]:
+        """Phase 1: (drift corrected, drift held, error)."""
+        try:
+            if not startup and self._gate.pending:
+                # Events edited into the model but not applied yet (their apply is queued behind this cycle) are
+                # the control plane's news, not drift: apply them on their own path first. Only then: a domain
+                # without a delta of its own converges in full on that path, and would repair drift without it
+                # being reported.
+                await self._gate.apply_events()
+            result = await self._gate.converge()
+        except Exception as exc:
+            log.exception("reconcile (%s): converge failed", why)
+            return [], [], f"converge failed: {exc}"
+        drift = corrections_of(result.changes)
+        if startup:  # bringing the mesh up (or, with a live device kept, planning it) is not drift
+            if drift and not result.held_back:
+                log.info("brought the mesh up from the stored state: %s",
+                         "; ".join(f"{c.type}: {c.detail}" for c in drift))
+            return [], [], ""
+        if result.held_back:  # held by an operator: planned, not applied
+            return [], drift, ""
+        return drift, [], ""
+
+    async def _pull_phase(self, dry_run: bool, why: str) -> tuple[list[Correction], list[Correction], str]:
+        """Phase 2: (updates applied or, in a dry run, planned; updates held; error)."""
         try:
             state = await self._source.fetch()
         except Exception as exc:
             log.warning("reconcile (%s): fetching the state failed: %s", why, exc)
-            error = error or f"fetching the state failed: {exc}"
-        else:
-            try:
-                if dry_run:
-                    # Not applied to the daemon's model: the next cycle would take the pulled changes, never
-                    # converged, for drift, and report them
-                    result = await self._source.plan(state)
-                else:
-                    updates = corrections_of(self._source.apply(state))
-                    result = await self._gate.converge()
-                if result.held_back:
-                    held += corrections_of(result.changes)
-                else:
-                    updates += corrections_of(result.changes)
-            except StalePull as exc:
-                # Not applied (that would undo events); the model stays the events' own. Pull again at once.
-                log.warning("reconcile (%s): state pull overtaken by events, pulling again: %s", why, exc)
-                self.trigger("state pull overtaken by events")
-                error = error or f"state pull overtaken by events: {exc}"
-            except Exception as exc:
-                log.exception("reconcile (%s): converge failed", why)
-                error = error or f"converge failed: {exc}"
-        if error:
-            self.failures += 1
-        if dry_run:  # the plan: everything that would change
-            return CycleResult(ok=not error, corrections=updates, error=error, reasons=reasons, dry_run=True)
-        # What the control plane asked for and we refused (a route into the tunnel, a stolen mesh address) is
-        # reported with the drift: it is the control plane's to fix.
-        refused = self._source.take_refusals()
-        out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons, held=held,
-                          refused=refused)
-        if held:
-            log.warning("reconcile (%s) held: %d item(s) not corrected: %s", why, len(held),
-                        "; ".join(str(c) for c in held))
-        if updates:
-            log.info("reconcile (%s) applied %d update(s) from the state: %s", why, len(updates),
-                     "; ".join(f"{c.type}: {c.detail}" for c in updates))
-        if drift:
-            log.warning("reconcile (%s) corrected %d drift(s): %s", why, len(drift),
-                        "; ".join(f"{c.type}: {c.detail}" for c in drift))
-            self.drift_corrected.update(c.type for c in drift)
+            return [], [], f"fetching the state failed: {exc}"
+        updates: list[Correction] = []
+        try:
+            if dry_run:
+                # Not applied to the daemon's model: the next cycle would take the pulled changes, never
+                # converged, for drift, and report them
+                result = await self._source.plan(state)
+            else:
+                updates = corrections_of(self._source.apply(state))
+                result = await self._gate.converge()
+        except StalePull as exc:
+            # Not applied (that would undo events); the model stays the events' own. Pull again at once.
+            log.warning("reconcile (%s): state pull overtaken by events, pulling again: %s", why, exc)
+            self.trigger("state pull overtaken by events")
+            return [], [], f"state pull overtaken by events: {exc}"
+        except Exception as exc:
+            log.exception("reconcile (%s): converge failed", why)
+            return updates, [], f"converge failed: {exc}"
+        if result.held_back:
+            return updates, corrections_of(result.changes), ""
+        return updates + corrections_of(result.changes), [], ""
+
+    def _log(self, out: CycleResult, why: str) -> None:
+        if out.held:
+            log.warning("reconcile (%s) held: %d item(s) not corrected: %s", why, len(out.held),
+                        "; ".join(str(c) for c in out.held))
+        if out.updates:
+            log.info("reconcile (%s) applied %d update(s) from the state: %s", why, len(out.updates),
+                     "; ".join(f"{c.type}: {c.detail}" for c in out.updates))
+        if out.corrections:
+            log.warning("reconcile (%s) corrected %d drift(s): %s", why, len(out.corrections),
+                        "; ".join(f"{c.type}: {c.detail}" for c in out.corrections))
+            self.drift_corrected.update(c.type for c in out.corrections)
+
+    async def _report(self, out: CycleResult) -> None:
+        """Drift and refusals, through the uplink's drift lane (on disk before it is sent)."""
         seq: int | None = None
-        if drift or refused:
+        if out.corrections or out.refused:
             out.report = {
                 # Go marshals time.Now() in the local zone here; any RFC 3339 zone is valid on the wire.
                 "timestamp": gojson.format_time(self._clock.now().astimezone()),
-                "corrections": [c.to_wire() for c in [*drift, *refused]],
+                "corrections": [c.to_wire() for c in [*out.corrections, *out.refused]],
             }
             seq = self._outbox.put(DRIFT, out.report)
-        if not error or drift or refused:
+        if not out.error or out.corrections or out.refused:
             taken = await self._outbox.deliver(DRIFT)  # its own lane: the others go on their own schedule
             out.reported = seq is not None and seq in taken
-        return out
