@@ -1,7 +1,7 @@
-"""`plexd reconcile hold`: corrections paused for a bounded window, kept by the engine.
+"""`plexd reconcile hold`: corrections paused for a bounded window, kept by the converge gate.
 
-While a hold lasts, every converge only plans (its result is a dry run), whoever asks: the periodic reconcile,
-`reconcile --once` through the daemon, an event. The reconciler reports what it did not correct as held. Not
+While a hold lasts, every converge only plans (the gate passes `Mode.HELD`), whoever asks: the periodic
+reconcile, `reconcile --once` through the daemon, an event. The reconciler reports what it did not correct as held. Not
 persisted: a restart ends it.
 """
 

@@ -80,7 +80,8 @@ WATCHDOG_STUCK = 0.5  # of WatchdogSec: a converge running longer than this with
 
 
 def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
-    """Every part, in dependency order; `mesh`: a test's own (a recording engine, say) instead of the machine's."""
+    """Every part, in dependency order. `mesh`: a test's own (a recording engine, say) instead of the machine's; it
+    brings its own `persist` and NAT hand-over, if it wants them (`MeshHandle`'s keyword arguments)."""
     cfg, data_dir, node_id = agent.config, Path(agent.config.data_dir), b.node_id_of(agent)
     assert agent.identity is not None
     own_mesh = mesh is None
@@ -101,8 +102,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
             persist=bookkeeping.persist_now)
     else:
         bookkeeping = GroupCommit(ledger, mesh.store, b.commit_delay())
-    if (nat_domain := nat_endpoint(mesh.engine)) is not None:
-        senders.add(NAT_KIND, nat_domain.deliver)
+    nat_domain = nat_endpoint(mesh.engine)
+    senders.add(NAT_KIND, nat_domain.deliver if nat_domain is not None else b.drop_endpoint_report)
     reconciler = b.build_reconciler(agent, mesh, verifier, uplink, node_id)
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,

@@ -105,6 +105,11 @@ def build_uplink(agent: Agent, node_id: Callable[[], str]) -> tuple[UplinkOutbox
     return uplink, senders
 
 
+async def drop_endpoint_report(body: dict[str, Any]) -> None:
+    """A queued endpoint report with NAT traversal off since it was queued: stale by the time it could be sent."""
+    log.info("a queued endpoint report was dropped unsent: NAT traversal is off")
+
+
 # -- the mesh ----------------------------------------------------------------------------------------------------
 
 

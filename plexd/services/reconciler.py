@@ -2,10 +2,11 @@
 
 Level-triggered, like a Kubernetes controller: the first cycle runs at start, then one every `interval`, plus
 triggers (stream reconnect, heartbeat ``reconcile:true``, ``policy_updated``) that are coalesced — any number of
-triggers during a cycle cause exactly one more cycle. Each cycle: `converge()` against the desired model we
-already had (what it corrects is drift) → `fetch_state()` → `apply_state(state)` (replaces the desired model; may
-return changes of its own, e.g. new signing keys) → `converge()` again (updates, not drift) → ``POST /drift`` only
-when drift was corrected. `converge` returns a result whose ``.changes`` carry ``.correction_type`` and
+triggers during a cycle cause exactly one more cycle. Each cycle: `gate.converge()` against the desired model we
+already had (what it corrects is drift) → `source.fetch()` → `source.apply(pulled)` (replaces the desired model;
+may return changes of its own) → `gate.converge()` again (updates, not drift) → ``POST /drift`` only when drift
+was corrected. The two parts are typed: a `StateSource` (`plexd.node.mesh.StatePull`) and a `Converger` (the
+converge gate, `plexd.converge.gate.Gate`); a converge's ``.changes`` carry ``.correction_type`` and
 ``.detail``. The first cycle after start only brings the machine up: what it corrects is not drift. A drift
 report goes through the uplink outbox (`plexd.controlplane.uplink`): in the daemon it is on disk before it is
 sent, so one the control plane could not take is delivered once it is back, after a restart too; each cycle
