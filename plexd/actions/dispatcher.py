@@ -34,6 +34,7 @@ from plexd.actions.outbox import Outbox
 from plexd.actions.request import ActionRequest, InvalidRequest
 from plexd.actions.runner import Capture, OnOutput, Outcome, run_process
 from plexd.actions.unwritten import UnwrittenJournal
+from plexd.base.failpoint import failpoint
 from plexd.base.gojson import format_duration, format_time, format_unix, now_utc, parse_duration
 from plexd.config.settings import ActionsConfig, Config
 from plexd.controlplane.envelope import Envelope
@@ -267,6 +268,7 @@ class ActionDispatcher:
         if outcome.deferred:
             self._deferred(running, outcome)
             return
+        failpoint("action.finished")
         result = result_body(request, outcome)
         self._write(f"the result of execution {request.execution_id}",
                     lambda: self.journal.finish(request.execution_id, outcome.status, result))

@@ -33,6 +33,7 @@ from __future__ import annotations
 IDENTITY = "identity.json"
 PRIVATE_KEY = "private_key"
 NEXT_PRIVATE_KEY = "private_key.next"
+REGISTERING_KEY = "private_key.registering"  # the key of a registration whose answer is not saved yet
 NODE_SECRET = "node_secret_key"
 NODE_SECRET_KDF = "node_secret_kdf"
 SIGNING_KEY = "signing_public_key"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from plexd.base.errors import PlexdError
+from plexd.base.failpoint import failpoint
 from plexd.converge.change import Change, Correction
 from plexd.converge.domain import Domain, DomainResult
 from plexd.state.desired import DesiredState
@@ -106,6 +107,8 @@ class Engine:
                 acts = mode is Mode.APPLIED or (mode is not Mode.DRY_RUN and not domain.touches_machine) or (
                     mode is Mode.HELD and domain.acts_while_held)
                 result = await self._converge_one(domain, desired, seen, not acts)
+                if acts:
+                    failpoint("converge.between_domains")
                 if acts and mode is not Mode.APPLIED:  # done while the machine is held: counted, not listed
                     self._corrected(result.changes)
                     result = DomainResult(errors=result.errors)

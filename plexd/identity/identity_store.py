@@ -19,6 +19,8 @@ treated as absent (the caller says so and registers afresh).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 from dataclasses import dataclass
@@ -34,6 +36,7 @@ from plexd.identity import node_secret
 IDENTITY_FILE = datadir.IDENTITY
 PRIVATE_KEY_FILE = datadir.PRIVATE_KEY
 NEXT_PRIVATE_KEY_FILE = datadir.NEXT_PRIVATE_KEY
+REGISTERING_KEY_FILE = datadir.REGISTERING_KEY
 NODE_SECRET_FILE = datadir.NODE_SECRET
 NODE_SECRET_KDF_FILE = datadir.NODE_SECRET_KDF
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
@@ -214,6 +217,7 @@ class IdentityStore:
                     self._save_kdf(identity.node_secret_kdf)
                 write_atomic(self.path(name), contents[name].encode())
                 written.append(name)
+            self.drop_registering_key()  # saved: the registration it was kept for is over
         except OSError as exc:
             self._remove_temp_files()
             why = f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} (errno {exc.errno})"
@@ -244,6 +248,32 @@ class IdentityStore:
         decode_key(key_b64, "signing key")
         write_atomic(self.path(SIGNING_KEY_FILE), key_b64.encode())
 
+    # -- a registration in flight (plexd.identity.registrar) ---------------------------------------------------
+
+    def registering_key(self, token: str) -> bytes | None:
+        """The key a registration with `token` was sent with, when plexd died before saving the answer (the token
+        is spent then: only the same token with the same key gets that identity again). None for another token,
+        or when there is none; an unreadable one is dropped."""
+        if not self.path(REGISTERING_KEY_FILE).exists():
+            return None
+        try:
+            doc = json.loads(self._read(REGISTERING_KEY_FILE))
+            if not hmac.compare_digest(str(doc["token_sha256"]), _token_hash(token)):
+                return None
+            return decode_key(str(doc["private_key"]), REGISTERING_KEY_FILE)
+        except (ValueError, KeyError, TypeError):  # damaged: never the node's key, a fresh one is made
+            self.drop_registering_key()
+            return None
+
+    def write_registering_key(self, private_key: bytes, token: str) -> None:
+        """Before a fresh registration is sent: the key, and which token it goes with (a hash, never the token)."""
+        doc = {"private_key": b64(private_key), "token_sha256": _token_hash(token)}
+        write_atomic(self.path(REGISTERING_KEY_FILE), json.dumps(doc).encode())
+
+    def drop_registering_key(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.path(REGISTERING_KEY_FILE).unlink()
+
     # -- key rotation (plexd.node.key_rotation) ---------------------------------------------------------------
 
     def next_private_key(self) -> bytes | None:
@@ -273,6 +303,7 @@ class IdentityStore:
 
     def remove(self) -> None:
         self.drop_next_private_key()
+        self.drop_registering_key()
         with contextlib.suppress(FileNotFoundError):
             self.path(NODE_SECRET_KDF_FILE).unlink()
         for name in IDENTITY_FILES:
@@ -283,16 +314,18 @@ class IdentityStore:
         """Leftovers of a save interrupted by a crash are never valid: drop them."""
         with contextlib.suppress(OSError):
             for entry in self.data_dir.iterdir():
-                if entry.name.startswith(".tmp-") and entry.name[5:] in (*IDENTITY_FILES, NEXT_PRIVATE_KEY_FILE):
+                if entry.name.startswith(".tmp-") and entry.name[5:] in (*IDENTITY_FILES, NEXT_PRIVATE_KEY_FILE,
+                                                                          REGISTERING_KEY_FILE):
                     entry.unlink()
 
 
 # What only plexd puts in data_dir: one of them there, and the directory is plexd's (also with a damaged identity,
 # which a fresh registration replaces).
 _PLEXD_NAMES = frozenset({
-    datadir.IDENTITY, datadir.PRIVATE_KEY, datadir.NEXT_PRIVATE_KEY, datadir.NODE_SECRET, datadir.NODE_SECRET_KDF,
-    datadir.SIGNING_KEY, datadir.EVENT_LEDGER, datadir.UPLINK_DB, datadir.ACTIONS_DB, datadir.TELEMETRY_DB,
-    datadir.DEPARTED, datadir.UPGRADE, datadir.NONCES, datadir.LAST_EVENT_ID, "state", "bridge", "actions"})
+    datadir.IDENTITY, datadir.PRIVATE_KEY, datadir.NEXT_PRIVATE_KEY, datadir.REGISTERING_KEY, datadir.NODE_SECRET,
+    datadir.NODE_SECRET_KDF, datadir.SIGNING_KEY, datadir.EVENT_LEDGER, datadir.UPLINK_DB, datadir.ACTIONS_DB,
+    datadir.TELEMETRY_DB, datadir.DEPARTED, datadir.UPGRADE, datadir.NONCES, datadir.LAST_EVENT_ID, "state",
+    "bridge", "actions"})
 
 
 def _foreign_entries(d: Path, show: int = 3) -> list[str]:
@@ -308,3 +341,7 @@ def _foreign_entries(d: Path, show: int = 3) -> list[str]:
     except OSError:  # absent (to be created) or unreadable (the write probe says why)
         return []
     return sorted(names)[:show] + (["..."] if len(names) > show else [])
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()

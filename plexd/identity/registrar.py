@@ -33,6 +33,7 @@ from typing import Any
 from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
+from plexd.base.failpoint import failpoint
 from plexd.base.gojson import format_duration
 from plexd.base.log import fingerprint
 from plexd.base.wgkeys import b64, decode_key, generate_private_key, public_key_of
@@ -274,7 +275,11 @@ class Registrar:
         """A fresh registration with `token` (a new keypair unless `private_key` is given)."""
         self.config.require_api()
         self.store.ensure_writable()  # before the token is spent
-        private_key = private_key or generate_private_key()
+        # The key is on disk before the token is spent: plexd killed between the answer and its save asks again
+        # with the same token and key, and a control plane that repeats a registration answers with the same
+        # identity (the devplane does; a new key would find the token spent).
+        private_key = private_key or self.store.registering_key(token.value) or generate_private_key()
+        self.store.write_registering_key(private_key, token.value)
         request = RegisterRequest(
             token=token.value,
             public_key=b64(public_key_of(private_key)),
@@ -410,6 +415,7 @@ class Registrar:
                 await self.clock.sleep(delay)
         identity = Identity(node_id=resp.node_id, mesh_ip=resp.mesh_ip, signing_public_key=resp.signing_public_key,
                             node_secret_key=resp.node_secret_key, private_key=private_key, node_secret_kdf=kdf)
+        failpoint("register.answered")
         self.store.save(identity)
         self.client.set_token(identity.bearer)
         node_secret.note_mode(kdf)

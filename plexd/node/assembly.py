@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from plexd.base import failpoint
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
 from plexd.base.heap import HeapSettler
@@ -289,6 +290,7 @@ async def run(config: Config, *, clock: Clock | None = None, stop_event: asyncio
     """``plexd up``: the lifecycle with this assembly."""
     from plexd.node import agent as lifecycle
 
+    failpoint.check()  # a test's PLEXD_TEST_FAILPOINTS that names no point: refused, not a test of nothing
     if config.node_api.http_enabled:
         read_http_token(config)  # refuse to start at once, before registering, with one clear line
     switch_interval = sys.getswitchinterval()

@@ -28,6 +28,7 @@ from typing import Any
 
 from plexd.base.backoff import Backoff
 from plexd.base.errors import PlexdError
+from plexd.base.failpoint import failpoint
 from plexd.base.wgkeys import b64, generate_private_key, public_key_of
 from plexd.controlplane.client_errors import AuthError, ControlPlaneError, PermanentError
 from plexd.converge.engine import Mode
@@ -120,6 +121,7 @@ class KeyRotation:
                     self.store.drop_next_private_key()
                     raise self._failed(str(exc), retrying=False) from None
                 raise self._failed(f"{exc}; the new key is kept for the next try", retrying=True) from None
+            failpoint("rotation.announced")
             self.store.commit_next_private_key()
             self.agent.identity = replace(identity, private_key=new)
             self.mesh.store.edit(lambda d: d.with_peers_updated(peers), "key rotation", [p.id for p in peers])

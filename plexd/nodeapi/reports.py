@@ -26,6 +26,7 @@ from typing import Any
 from plexd.base import gojson
 from plexd.base.atomicfile import fsync_directory, write_atomic
 from plexd.base.errors import PlexdError
+from plexd.base.failpoint import failpoint
 from plexd.nodeapi.cache import DIR_MODE, FILE_MODE, STATE_DIR, read_json_file
 from plexd.nodeapi.keys import file_name, report_key_problem
 from plexd.state.model import DataEntry
@@ -160,6 +161,7 @@ class ReportStore:
             # Queued before the write: a crash between the two must not leave an entry on disk that is never sent
             # (the sync reads the key's entry when it sends, so a write that then fails costs one needless send).
             self._changed(key)
+            failpoint("report.queued")
             try:
                 await asyncio.to_thread(self._write, entry, data)
             except OSError as exc:  # the bench chaos's disk_full and read_only: this was a 500, "internal error"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import stat
@@ -324,3 +325,24 @@ def test_a_rotation_key_is_kept_apart_until_committed_by_a_rename(tmp_path, capl
     (tmp_path / "private_key.next").write_text("not a key")
     assert store.next_private_key() is None and not (tmp_path / "private_key.next").exists()
     assert "private_key.next is not valid base64; removing it" in caplog.text
+
+
+def test_a_registration_in_flight_keeps_its_key_for_that_token_alone_until_the_answer_is_saved(tmp_path):
+    # plexd killed between the control plane's answer and the save asks again with the same token and key
+    # (tests/e2e/test_failpoints_lab.py kills it there); another token gets a fresh key.
+    store = IdentityStore(tmp_path / "data")
+    store.ensure_writable()
+    key = generate_private_key()
+    store.write_registering_key(key, "tok-1")
+    pending = tmp_path / "data" / "private_key.registering"
+    assert mode(pending) == 0o600 and "tok-1" not in pending.read_text()  # the token's hash, never the token
+    assert store.registering_key("tok-1") == key and store.registering_key("tok-2") is None
+    store.save(ident(private_key=key))
+    assert not pending.exists() and store.registering_key("tok-1") is None
+
+
+@pytest.mark.parametrize("damage", ["not json", "[]", '{"private_key": "short", "token_sha256": "%s"}'])
+def test_a_damaged_registering_key_is_dropped_not_used(tmp_path, damage):
+    store = IdentityStore(tmp_path)
+    (tmp_path / "private_key.registering").write_text(damage.replace("%s", hashlib.sha256(b"tok").hexdigest()))
+    assert store.registering_key("tok") is None and not (tmp_path / "private_key.registering").exists()
