@@ -27,6 +27,7 @@ POINTS = {
     "action.finished": "an action ran to its end and its result is not journaled yet",
     "report.queued": "a node-API report entry is queued for the control plane; its file is not written yet",
     "mirror.commit": "the desired-state mirror and the event cursor are about to be committed",
+    "upgrade.switched": "an upgrade switched the current release and has not restarted into it yet",
 }
 
 

@@ -43,6 +43,7 @@ from plexd.actions.builtins import Output, json_output
 from plexd.base.childenv import child_environment
 from plexd.base.children import signal_child
 from plexd.base.errors import PlexdError
+from plexd.base.failpoint import failpoint
 from plexd.controlplane import http_client
 from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.trust.integrity import sha256_file, zipapp_of
@@ -171,6 +172,7 @@ class Upgrader:
             markers.remove(self.data_dir)
             raise
         self.releases.prune({path, *([previous] if previous else [])})
+        failpoint("upgrade.switched")
         log.info("installed plexd %s (%s); restarting into it with the interface and peers up", version, path.name,
                  extra={"execution_id": execution_id, "checksum": checksum})
         asyncio.get_running_loop().call_soon(self.agent.restart, f"upgrade to plexd {version}")

@@ -151,3 +151,29 @@ def test_mirror_commit__the_journals_open_without_repair(lab_dp):
     wait_until(lambda: second_key in wg_peers(lab, d.node), 30, "a peer added by event after the restart", daemons)
     logged = d.logged()
     assert errors(d) == [] and "repair" not in logged and "unreadable" not in logged
+
+
+@pytest.mark.parametrize("lab_dp", [1], indirect=True)
+def test_upgrade_switched__the_next_start_runs_the_new_release_and_reports_it_once(lab_dp, tmp_path):
+    from test_actions_lab import finished
+    from test_upgrade_lab import RELEASE_KEY, put_signed
+
+    from plexd.upgrade import signing, zipapp
+
+    lab, dp, daemons, workdir = lab_dp
+    config = (f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s, "
+              f"release_keys: ['{signing.public_key(RELEASE_KEY)}']}}\n")
+    d = armed(lab_dp, "upgrade.switched", config)
+    wait_until(lambda: '"msg": "ready"' in d.logged(), 60, "the daemon", daemons)
+    node_id = d.node_id()
+    zipapp.build(tmp_path / "next.pyz", version="0.1.1-lab")
+    put_signed(dp, "0.1.1-lab", tmp_path / "next.pyz")
+    execution_id = dp.admin.start_upgrade(node_id, "0.1.1-lab")["execution_id"]
+    killed_at(d, "upgrade.switched", daemons)
+    # Started again as a supervisor would: the launcher runs the release the upgrade switched to, which proves
+    # itself healthy and reports the upgrade, once, as the action's result.
+    restarted(d, daemons)
+    result = finished(dp, node_id, execution_id, daemons, timeout=60)["result"]
+    assert result["status"] == "success" and json.loads(result["stdout"])["to_version"] == "0.1.1-lab", result
+    assert d.status()["daemon"]["version"] == "0.1.1-lab" and not (d.dir / "data" / "upgrade.json").exists()
+    assert len([e for e in dp.admin.executions(node_id) if e["execution_id"] == execution_id]) == 1

@@ -39,7 +39,7 @@ def test_without_the_variable_nothing_happens():
     code = "from plexd.base.failpoint import failpoint, POINTS\nfor p in POINTS: failpoint(p)\nprint('alive')"
     env = {k: v for k, v in os.environ.items() if k != ENV}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30)
-    assert run.returncode == 0 and run.stdout.strip() == "alive" and len(POINTS) == 6
+    assert run.returncode == 0 and run.stdout.strip() == "alive" and len(POINTS) == 7
 
 
 def test_plexd_up_refuses_a_point_that_does_not_exist(monkeypatch):
