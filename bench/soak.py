@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._connected_lab import _cpu
 from bench.chaos import POLICIES, Rig, rig
+from plexd.node.control import STATUS_PATH
 from plexd.node.control_client import call
 
 SAMPLE_EVERY = 10.0
@@ -58,6 +59,7 @@ class Sample:
     threads: int
     cpu_s: float
     sqlite: dict[str, int]
+    malloc: dict[str, float] | None = None  # glibc's own count (plexd status, daemon.malloc_mib), once a minute
 
 
 @dataclass
@@ -106,8 +108,14 @@ class Soak:
             return
         sizes = {p.name: p.stat().st_size for p in self.r.data_dir.iterdir()
                  if p.name.endswith((".db", ".db-wal", ".sqlite", ".sqlite-wal"))}
+        malloc = None
+        if len(self.samples) % 6 == 0:
+            try:
+                malloc = call(self.r.api_socket, "GET", STATUS_PATH, timeout=5)["daemon"].get("malloc_mib")
+            except Exception:  # a restart in progress: the next minute's sample
+                malloc = None
         self.samples.append(Sample(time.monotonic() - t0, int(status["VmRSS"].split()[0]) / 1024,
-                                   fds, int(status["Threads"]), cpu, sizes))
+                                   fds, int(status["Threads"]), cpu, sizes, malloc))
 
 
 async def soak(minutes: float, npeers: int) -> None:
@@ -205,6 +213,14 @@ def summary(s: Soak, minutes: float) -> None:
     print(f"== soak: {minutes:g} min, {len(s.samples)} samples, {s.joined} joins")
     print(f"RSS: first {first.rss_mib:.1f} MiB, last {last.rss_mib:.1f}, max {max(x.rss_mib for x in s.samples):.1f};"
           f" slope after {after / 60:g} min {slope_per_hour(settled):+.2f} MiB/hour (goal <= 1)")
+    heap = [(x.t, x.malloc) for x in s.samples if x.t >= after and x.malloc]
+    if heap:  # where RSS growth is: glibc's blocks in use (a leak) or free in its heaps (fragmentation)
+        def line(k: str) -> str:
+            trend = slope_per_hour([(t, m[k]) for t, m in heap])
+            return f"{k} {heap[0][1][k]:.1f} -> {heap[-1][1][k]:.1f} ({trend:+.2f}/hour)"
+
+        print("glibc malloc (MiB), after the settle: "
+              + ", ".join(line(k) for k in ("in_use", "free", "heap", "mapped")))
     for name, values in (("fds", [x.fds for x in s.samples]), ("threads", [x.threads for x in s.samples])):
         print(f"{name}: first {values[0]}, last {values[-1]}, max {max(values)}")
     print("SQLite: " + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in sorted(last.sqlite.items())))

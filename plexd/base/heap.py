@@ -40,6 +40,11 @@ ARENAS = 1
 TRIM_EVERY = 30.0  # seconds between trims at the most (a burst of events settles many times a second)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
 class _Glibc:
     """glibc's malloc knobs, when the C library is glibc (each call a no-op elsewhere)."""
 
@@ -47,6 +52,9 @@ class _Glibc:
         libc = ctypes.CDLL(None)
         self._mallopt = getattr(libc, "mallopt", None)
         self._trim = getattr(libc, "malloc_trim", None)
+        self._mallinfo2 = getattr(libc, "mallinfo2", None)
+        if self._mallinfo2 is not None:
+            self._mallinfo2.argtypes, self._mallinfo2.restype = [], _MallInfo2
         if self._mallopt is not None:
             self._mallopt.argtypes, self._mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
         if self._trim is not None:
@@ -60,6 +68,16 @@ class _Glibc:
                 "GLIBC_TUNABLES", ""):
             return False
         return bool(self._mallopt(M_ARENA_MAX, ARENAS)) & bool(self._mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+    def stats(self) -> dict[str, float] | None:
+        """glibc's own count (mallinfo2), in MiB: what its heaps hold in use and free, and what it mapped for large
+        blocks. In use growing is a leak; free growing is fragmentation. None without glibc 2.33 or later."""
+        if self._mallinfo2 is None:
+            return None
+        info = self._mallinfo2()
+        mib = 1 / (1 << 20)
+        return {"heap": round(info.arena * mib, 2), "in_use": round(info.uordblks * mib, 2),
+                "free": round(info.fordblks * mib, 2), "mapped": round(info.hblkhd * mib, 2)}
 
     def give_back(self) -> bool:
         """Return the free pages of every heap to the system (True when any was)."""
