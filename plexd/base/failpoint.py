@@ -6,8 +6,9 @@
 
 A kill at a chosen moment is what a random one (`bench chaos`, fault plexd_kill) reaches only by luck: the moment
 between an answer and the write that keeps it. Production never sets the variable; then `failpoint()` is one set
-lookup. A name that is not in `POINTS` is refused at the start with one line, so a typo never passes as a test of
-nothing. tests/e2e/test_failpoints_lab.py kills the daemon at every point and checks what its promises say.
+lookup. A name that is not in `POINTS` is refused by `plexd up` with one line, so a typo never passes as a test of
+nothing (other commands pass the points they reach, and ignore a bad name). Counts start again in a process that
+re-executes itself. tests/e2e/test_failpoints_lab.py kills the daemon at every point and checks what its promises say.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ POINTS = {
     "rotation.announced": "the control plane took a rotated key; the node has not committed it yet",
     "action.finished": "an action ran to its end and its result is not journaled yet",
     "report.queued": "a node-API report entry is queued for the control plane; its file is not written yet",
-    "mirror.commit": "the desired-state mirror and the event cursor are about to be committed",
+    "mirror.commit": "the mirror and the event cursor are written in their transaction, not committed yet",
     "upgrade.switched": "an upgrade switched the current release and has not restarted into it yet",
 }
 
@@ -42,7 +43,7 @@ def parse(text: str) -> dict[str, int]:
         name, _, count = item.partition(":")
         if name not in POINTS:
             raise BadFailpoint(f"{ENV}: no failpoint {name!r}; the points: {', '.join(sorted(POINTS))}")
-        if count and not (count.isdigit() and int(count) > 0):
+        if count and not (count.isascii() and count.isdecimal() and int(count) > 0):
             raise BadFailpoint(f"{ENV}: {item!r}: the count after ':' is a positive whole number")
         armed[name] = int(count or 1)
     return armed

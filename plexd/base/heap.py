@@ -70,14 +70,17 @@ class _Glibc:
         return bool(self._mallopt(M_ARENA_MAX, ARENAS)) & bool(self._mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))
 
     def stats(self) -> dict[str, float] | None:
-        """glibc's own count (mallinfo2), in MiB: what its heaps hold in use and free, and what it mapped for large
-        blocks. In use growing is a leak; free growing is fragmentation. None without glibc 2.33 or later."""
+        """glibc's own count (mallinfo2), in MiB: what its heaps hold in use and free (of which `top` could go back
+        to the system at once), and what it mapped for large blocks. In use growing is a leak (blocks in a thread's
+        cache count as in use); free minus top growing is fragmentation. It walks the free lists holding the heap's
+        lock: for a status now and then, not a hot path. None without glibc 2.33 or later."""
         if self._mallinfo2 is None:
             return None
         info = self._mallinfo2()
         mib = 1 / (1 << 20)
         return {"heap": round(info.arena * mib, 2), "in_use": round(info.uordblks * mib, 2),
-                "free": round(info.fordblks * mib, 2), "mapped": round(info.hblkhd * mib, 2)}
+                "free": round(info.fordblks * mib, 2), "top": round(info.keepcost * mib, 2),
+                "mapped": round(info.hblkhd * mib, 2)}
 
     def give_back(self) -> bool:
         """Return the free pages of every heap to the system (True when any was)."""

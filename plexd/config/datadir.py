@@ -3,6 +3,8 @@
     identity.json              0600  node id, mesh IP, signing key (the Go agent's format, docs/protocol.md §5.4)
     private_key                0600  WireGuard private key, base64
     private_key.next           0600  a rotation's new key until the control plane took it (plexd.node.key_rotation)
+    private_key.registering    0600  a fresh registration's key and the SHA-256 of its token, from before the token
+                                     is spent until the answer is saved (an hour at most: plexd.identity.registrar)
     node_secret_key            0600  the node secret (the bearer and the secrets' key are derived from it, or
                                      are it in compatibility mode: plexd.identity.node_secret)
     node_secret_kdf            0600  how they are derived ("hkdf-sha256"); absent: compatibility mode

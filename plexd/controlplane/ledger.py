@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from plexd.base import gojson
+from plexd.base.failpoint import failpoint
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
 from plexd.config import datadir
 
@@ -200,6 +201,7 @@ class EventLedger:
                 # expired nonces only: an unexpired one is never dropped (the nonce store caps their number by
                 # refusing events instead), so a committed event cannot be replayed after a restart
                 self._db.execute("DELETE FROM nonces WHERE issued_at < ?", (now - NONCE_TTL_SECONDS,))
+                failpoint("mirror.commit")  # every statement run, the COMMIT not yet
             self.commits += 1
             return True
         except sqlite3.Error as exc:

@@ -4,6 +4,8 @@
     private_key          0600  std base64 of the 32-byte clamped X25519 private key, no newline
     private_key.next     0600  the same, for a key rotation not yet taken by the control plane (renamed over
                                private_key when it is: plexd.node.key_rotation)
+    private_key.registering  0600  {"private_key","token_sha256","written_at"}: a fresh registration's key, from
+                               before its token is spent until the answer is saved (plexd adds; an hour at most)
     node_secret_key      0600  the raw node secret string from the register response
     node_secret_kdf      0600  "hkdf-sha256" when the control plane took the derivation (plexd.identity.node_secret);
                                absent: compatibility mode (the node secret is bearer and AES key, as in Go)
@@ -23,6 +25,7 @@ import hashlib
 import hmac
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +40,7 @@ IDENTITY_FILE = datadir.IDENTITY
 PRIVATE_KEY_FILE = datadir.PRIVATE_KEY
 NEXT_PRIVATE_KEY_FILE = datadir.NEXT_PRIVATE_KEY
 REGISTERING_KEY_FILE = datadir.REGISTERING_KEY
+REGISTERING_KEY_TTL = 3600.0  # seconds a registration's key is kept for the same token after plexd died
 NODE_SECRET_FILE = datadir.NODE_SECRET
 NODE_SECRET_KDF_FILE = datadir.NODE_SECRET_KDF
 SIGNING_KEY_FILE = datadir.SIGNING_KEY
@@ -217,7 +221,6 @@ class IdentityStore:
                     self._save_kdf(identity.node_secret_kdf)
                 write_atomic(self.path(name), contents[name].encode())
                 written.append(name)
-            self.drop_registering_key()  # saved: the registration it was kept for is over
         except OSError as exc:
             self._remove_temp_files()
             why = f"cannot save the identity in {self.data_dir}: {exc.strerror or exc} (errno {exc.errno})"
@@ -229,6 +232,8 @@ class IdentityStore:
                 with contextlib.suppress(OSError):
                     self.path(name).unlink()
             raise DataDirError(f"{why}; nothing was kept") from None
+        with contextlib.suppress(OSError):  # saved: the registration it was kept for is over
+            self.drop_registering_key()
 
     def _save_kdf(self, kdf: str) -> None:
         if kdf:
@@ -250,29 +255,46 @@ class IdentityStore:
 
     # -- a registration in flight (plexd.identity.registrar) ---------------------------------------------------
 
-    def registering_key(self, token: str) -> bytes | None:
+    def registering_key(self, token: str, now: float | None = None) -> bytes | None:
         """The key a registration with `token` was sent with, when plexd died before saving the answer (the token
         is spent then: only the same token with the same key gets that identity again). None for another token,
-        or when there is none; an unreadable one is dropped."""
+        for one older than REGISTERING_KEY_TTL (a control plane repeats an answer for a while only; a machine
+        imaged after a failed registration must not hand one key to all its clones), or when there is none; an
+        unreadable or expired one is dropped."""
         if not self.path(REGISTERING_KEY_FILE).exists():
             return None
         try:
             doc = json.loads(self._read(REGISTERING_KEY_FILE))
+            age = (time.time() if now is None else now) - float(doc["written_at"])
+            if not 0 <= age <= REGISTERING_KEY_TTL:
+                raise ValueError(f"{REGISTERING_KEY_FILE} is {age:.0f} s old")
             if not hmac.compare_digest(str(doc["token_sha256"]), _token_hash(token)):
                 return None
             return decode_key(str(doc["private_key"]), REGISTERING_KEY_FILE)
-        except (ValueError, KeyError, TypeError):  # damaged: never the node's key, a fresh one is made
+        except (ValueError, KeyError, TypeError):  # damaged or stale: never the node's key, a fresh one is made
             self.drop_registering_key()
             return None
 
     def write_registering_key(self, private_key: bytes, token: str) -> None:
         """Before a fresh registration is sent: the key, and which token it goes with (a hash, never the token)."""
-        doc = {"private_key": b64(private_key), "token_sha256": _token_hash(token)}
-        write_atomic(self.path(REGISTERING_KEY_FILE), json.dumps(doc).encode())
+        doc = {"private_key": b64(private_key), "token_sha256": _token_hash(token), "written_at": time.time()}
+        try:
+            write_atomic(self.path(REGISTERING_KEY_FILE), json.dumps(doc).encode())
+        except OSError as exc:
+            raise DataDirError(f"cannot write {self.path(REGISTERING_KEY_FILE)} before registering: "
+                               f"{exc.strerror or exc}; the token was not sent") from None
 
     def drop_registering_key(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
+        """Forget the registration in flight (saved, refused for good, or stale). A file that cannot be removed
+        is said, not raised: a fresh key is made whenever this one does not fit."""
+        try:
             self.path(REGISTERING_KEY_FILE).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            import logging
+
+            logging.getLogger(__name__).warning("cannot remove %s: %s", REGISTERING_KEY_FILE, exc.strerror or exc)
 
     # -- key rotation (plexd.node.key_rotation) ---------------------------------------------------------------
 

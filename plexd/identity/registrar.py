@@ -276,8 +276,9 @@ class Registrar:
         self.config.require_api()
         self.store.ensure_writable()  # before the token is spent
         # The key is on disk before the token is spent: plexd killed between the answer and its save asks again
-        # with the same token and key, and a control plane that repeats a registration answers with the same
-        # identity (the devplane does; a new key would find the token spent).
+        # with the same token and key. A control plane that repeats a registration for the same token and key
+        # answers with the same identity (the devplane does, for 5 minutes; the protocol does not require it: a
+        # plexd extension, docs/protocol.md), where a new key would find the token spent.
         private_key = private_key or self.store.registering_key(token.value) or generate_private_key()
         self.store.write_registering_key(private_key, token.value)
         request = RegisterRequest(
@@ -294,7 +295,12 @@ class Registrar:
         in_config_file = token.source == "config" and self.config.source_of("token.value").startswith("file ")
         if in_config_file:
             self._warn_if_readable(self.config.config_file)
-        identity = await self._post(request, bearer=token.value, private_key=private_key, reregister=False)
+        try:
+            identity = await self._post(request, bearer=token.value, private_key=private_key, reregister=False)
+        except RegistrationError as exc:
+            if exc.status in _FATAL:  # refused for good: the next try, with this token or another, gets a new key
+                self.store.drop_registering_key()
+            raise
         if token.source == "file":
             try:
                 os.unlink(token.where)

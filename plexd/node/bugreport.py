@@ -215,6 +215,11 @@ def known_secrets(config: Config) -> list[str]:
                 found.append(f.read(64 * 1024).strip())
         except OSError:
             continue
+    try:  # a registration in flight keeps its key in JSON
+        with open(os.path.join(config.data_dir, datadir.REGISTERING_KEY), encoding="utf-8") as f:
+            found.append(str(json.load(f).get("private_key", "")))
+    except (OSError, ValueError, AttributeError):
+        pass
     try:
         from plexd.identity.identity_store import IdentityStore
 

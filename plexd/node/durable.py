@@ -16,7 +16,6 @@ import logging
 import time
 from dataclasses import replace
 
-from plexd.base.failpoint import failpoint
 from plexd.controlplane.ledger import Batch, EventLedger, MirrorChange
 from plexd.mesh.delta import touched_peers
 from plexd.state.desired import DesiredState
@@ -109,7 +108,6 @@ class GroupCommit:
         if mirror is not None and not mirror.full and not mirror.upserts and not mirror.deletes and (
                 mirror.head == self._written_head):
             mirror = None  # a state pull that changed nothing: nothing to write
-        failpoint("mirror.commit")
         if not self.ledger.write(batch, time.time(), mirror):
             return False
         if desired is not None:

@@ -4,7 +4,8 @@ A random kill (`bench chaos`, plexd_kill) lands between an answer and the write 
 land there every time. Each test arms one point through PLEXD_TEST_FAILPOINTS, makes the daemon reach it, checks
 that it died there (the failpoint's line, status -9), starts it again without the point and checks the promise:
 the node keeps its one identity, converges, finishes the key rotation it began, reports an action that was cut
-short once and never runs it again, loses no acknowledged report, and opens its journals without repair.
+short once and never runs it again, invents no report its writer was not told was stored, opens its journals
+without repair, and finishes an upgrade it had switched to.
 """
 
 from __future__ import annotations
@@ -61,7 +62,11 @@ def test_register_answered__the_same_identity_is_asked_for_again(lab_dp):
     # The token is spent and the answer lost; the key it was sent with is on disk (0600), the token is not.
     pending = data / "private_key.registering"
     assert not (data / "identity.json").exists() and stat.S_IMODE(pending.stat().st_mode) == 0o600
-    assert "token" not in json.loads(pending.read_text()) and len(dp.admin.nodes()) == 1
+    doc = json.loads(pending.read_text())
+    assert sorted(doc) == ["private_key", "token_sha256", "written_at"] and len(doc["token_sha256"]) == 64
+    token = (d.dir / "token").read_text().strip()  # still there: it is deleted once the identity is saved
+    assert token and token not in pending.read_text()
+    assert len(dp.admin.nodes()) == 1
     restarted(d, daemons)
     [node] = dp.admin.nodes()
     assert d.node_id() == node["id"] and not pending.exists()
@@ -74,6 +79,7 @@ def test_converge_between_domains__the_next_start_converges_all_of_them(lab_dp):
     _, ghost_key = register_ghost(dp, "ghost")
     d = armed(lab_dp, "converge.between_domains")  # the first domain of the first converge: the firewall
     killed_at(d, "converge.between_domains", daemons)
+    assert ghost_key not in wg_peers(lab, d.node)  # the kill split the converge: the device was not reached
     restarted(d, daemons)
     wait_until(lambda: ghost_key in wg_peers(lab, d.node), 30, "the ghost on the device", daemons)
     assert "table inet plexd" in lab.exec(d.node, ["nft", "list", "tables"]).stdout
@@ -113,7 +119,8 @@ def test_action_finished__its_result_is_reported_once_and_it_is_not_run_again(la
     wait_until(lambda: result() is not None, 30, "the result of the execution cut short", daemons)
     assert result()["status"] == "error" and "not run again" in result()["stderr"], result()
     assert d.logged().count(f"action system.info (execution {execution_id}) finished") == 0
-    assert len([e for e in dp.admin.executions(node_id) if e["execution_id"] == execution_id]) == 1
+    [done] = [e for e in dp.admin.executions(node_id) if e["execution_id"] == execution_id]
+    assert len(done["results"]) == 1, done["results"]  # every result the devplane was sent
 
 
 @pytest.mark.parametrize("lab_dp", [1], indirect=True)
@@ -176,4 +183,5 @@ def test_upgrade_switched__the_next_start_runs_the_new_release_and_reports_it_on
     result = finished(dp, node_id, execution_id, daemons, timeout=60)["result"]
     assert result["status"] == "success" and json.loads(result["stdout"])["to_version"] == "0.1.1-lab", result
     assert d.status()["daemon"]["version"] == "0.1.1-lab" and not (d.dir / "data" / "upgrade.json").exists()
-    assert len([e for e in dp.admin.executions(node_id) if e["execution_id"] == execution_id]) == 1
+    [done] = [e for e in dp.admin.executions(node_id) if e["execution_id"] == execution_id]
+    assert len(done["results"]) == 1, done["results"]

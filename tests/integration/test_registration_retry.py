@@ -131,6 +131,24 @@ async def test_refusals_stop_at_once(tmp_path, rec, clock, status, phrase):
     assert len(rec.requests) == 1 and clock.sleeps == []
     assert (tmp_path / "token").read_text() == "tok"  # the token file is kept when registration failed
     assert not (tmp_path / "data" / "identity.json").exists()
+    # refused for good: the key it was sent with is not kept for the next try (with this token or another)
+    assert not (tmp_path / "data" / "private_key.registering").exists()
+
+
+async def test_an_answer_lost_is_asked_for_again_with_the_same_key(tmp_path, rec, clock):
+    # The first try times out after the control plane took it (its answer lost); plexd is started again (a new
+    # Registrar) and asks with the same token: the same public key goes, so the control plane can repeat its answer.
+    rec.route("POST", "/v1/register", Reply(503, "maintenance"))
+    (tmp_path / "token").write_text("tok")
+    config = make_config(tmp_path, rec.url, PLEXD_REGISTRATION_MAX_WAIT="2s")
+    async with ControlPlaneClient(rec.url) as client:
+        with pytest.raises(RegistrationError):
+            await drive(clock, asyncio.create_task(Registrar(config, client, clock=clock, env={}).ensure_registered()))
+        rec.route("POST", "/v1/register", Reply(201, ok_body()))
+        identity, _ = await Registrar(config, client, clock=clock, env={}).ensure_registered()
+    sent = {r.json["public_key"] for r in rec.requests}
+    assert sent == {identity.public_key}  # one key for every try with this token
+    assert not (tmp_path / "data" / "private_key.registering").exists()  # saved: forgotten
 
 
 async def test_token_file_deleted_after_success_and_capabilities_sent(tmp_path, rec, clock):

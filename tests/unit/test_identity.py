@@ -341,6 +341,18 @@ def test_a_registration_in_flight_keeps_its_key_for_that_token_alone_until_the_a
     assert not pending.exists() and store.registering_key("tok-1") is None
 
 
+def test_a_registering_key_older_than_its_ttl_is_dropped(tmp_path):
+    import time
+
+    from plexd.identity.identity_store import REGISTERING_KEY_TTL
+
+    store = IdentityStore(tmp_path)
+    store.write_registering_key(generate_private_key(), "tok")
+    assert store.registering_key("tok", now=time.time() + REGISTERING_KEY_TTL / 2) is not None
+    assert store.registering_key("tok", now=time.time() + REGISTERING_KEY_TTL + 60) is None
+    assert not (tmp_path / "private_key.registering").exists()
+
+
 @pytest.mark.parametrize("damage", ["not json", "[]", '{"private_key": "short", "token_sha256": "%s"}'])
 def test_a_damaged_registering_key_is_dropped_not_used(tmp_path, damage):
     store = IdentityStore(tmp_path)
