@@ -29,8 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from plexd.base import boundedjson
 from plexd.base.atomicfile import rename_atomic, write_atomic
-from plexd.base.errors import PlexdError
+from plexd.base.errors import PlexdError, WireFormatError
 from plexd.base.hostname import is_ip
 from plexd.base.wgkeys import b64, decode_key, public_key_of
 from plexd.config import datadir
@@ -264,14 +265,14 @@ class IdentityStore:
         if not self.path(REGISTERING_KEY_FILE).exists():
             return None
         try:
-            doc = json.loads(self._read(REGISTERING_KEY_FILE))
+            doc = boundedjson.loads(self._read(REGISTERING_KEY_FILE), REGISTERING_KEY_FILE)
             age = (time.time() if now is None else now) - float(doc["written_at"])
             if not 0 <= age <= REGISTERING_KEY_TTL:
                 raise ValueError(f"{REGISTERING_KEY_FILE} is {age:.0f} s old")
             if not hmac.compare_digest(str(doc["token_sha256"]), _token_hash(token)):
                 return None
             return decode_key(str(doc["private_key"]), REGISTERING_KEY_FILE)
-        except (ValueError, KeyError, TypeError):  # damaged or stale: never the node's key, a fresh one is made
+        except (ValueError, KeyError, TypeError, WireFormatError):  # damaged or stale: a fresh key is made
             self.drop_registering_key()
             return None
 

@@ -217,8 +217,8 @@ def known_secrets(config: Config) -> list[str]:
             continue
     try:  # a registration in flight keeps its key in JSON
         with open(os.path.join(config.data_dir, datadir.REGISTERING_KEY), encoding="utf-8") as f:
-            found.append(str(json.load(f).get("private_key", "")))
-    except (OSError, ValueError, AttributeError):
+            found.append(str(boundedjson.loads(f.read(64 * 1024)).get("private_key", "")))
+    except (OSError, ValueError, AttributeError, PlexdError):
         pass
     try:
         from plexd.identity.identity_store import IdentityStore

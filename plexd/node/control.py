@@ -165,38 +165,56 @@ def health(reconciler: Reconciler[Any], mesh: MeshHandle) -> tuple[str, str]:
 
 
 def add_control_routes(api: LocalAPI, node: Node) -> None:
+    """The daemon's own routes on its socket (plexd status, reconcile, hold, rotate-keys, deregister): admin only."""
     admin = require_admin(node.agent.config.node_api.admin_group)
+    routes = ControlRoutes(node)
+    for method, path, handler in (
+        ("GET", STATUS_PATH, routes.status),
+        ("POST", ROTATE_KEYS_PATH, routes.rotate_keys),
+        ("POST", DEREGISTER_PATH, routes.deregister),
+        ("GET", POLICIES_PATH, routes.policies),
+        ("GET", SESSIONS_PATH, routes.sessions),
+        ("POST", RECONCILE_PATH, routes.reconcile),
+        ("POST", HOLD_PATH, routes.hold),
+        ("DELETE", HOLD_PATH, routes.release),
+    ):
+        api.add(method, path, handler, admin)
 
-    async def status(req: Request) -> Response:
-        return Response(200, await live_status(node))
 
-    async def policies(req: Request) -> Response:
+class ControlRoutes:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    async def status(self, req: Request) -> Response:
+        return Response(200, await live_status(self.node))
+
+    async def policies(self, req: Request) -> Response:
         from plexd.node.policies_view import policies_document
 
-        return Response(200, await policies_document(node.mesh))
+        return Response(200, await policies_document(self.node.mesh))
 
-    async def sessions(req: Request) -> Response:
-        domain = sessions_domain(node.mesh.engine)
+    async def sessions(self, req: Request) -> Response:
+        domain = sessions_domain(self.node.mesh.engine)
         doc = domain.status() if domain is not None else None
         return Response(200, {"enabled": domain is not None, **(doc or {"live": [], "ended": {}, "refused": []})})
 
-    async def reconcile(req: Request) -> Response:
+    async def reconcile(self, req: Request) -> Response:
         body = _object(req)
         dry_run = body.get("dry_run", False)
         if not isinstance(dry_run, bool):
             raise LocalAPIError(400, "dry_run must be true or false")
-        result = await node.reconciler.run_once(dry_run=dry_run, reasons=("plexd reconcile --once",))
+        result = await self.node.reconciler.run_once(dry_run=dry_run, reasons=("plexd reconcile --once",))
         doc = result.to_json()
         doc["errors"] = [result.error] if result.error else []
-        last = node.mesh.engine.last_result
+        last = self.node.mesh.engine.last_result
         if last is not None:
             doc["errors"] += [e for e in last.errors if e not in doc["errors"]]
         doc["ok"] = result.ok and not doc["errors"]
-        hold = node.mesh.gate.hold.current()
+        hold = self.node.mesh.gate.hold.current()
         doc["hold"] = hold.to_json() if hold else None
         return Response(200, doc)
 
-    async def hold(req: Request) -> Response:
+    async def hold(self, req: Request) -> Response:
         body = _object(req)
         seconds, reason = body.get("seconds"), body.get("reason", "")
         if isinstance(seconds, bool) or not isinstance(seconds, int | float):
@@ -204,54 +222,45 @@ def add_control_routes(api: LocalAPI, node: Node) -> None:
         if not isinstance(reason, str) or len(reason) > 500:
             raise LocalAPIError(400, "reason must be a string of at most 500 characters")
         try:
-            held = node.mesh.gate.hold.set(float(seconds), reason)
+            held = self.node.mesh.gate.hold.set(float(seconds), reason)
         except ValueError as exc:
             raise LocalAPIError(400, str(exc)) from None
         return Response(200, {"hold": held.to_json()})
 
-    async def release(req: Request) -> Response:
-        old = node.mesh.gate.hold.release()
+    async def release(self, req: Request) -> Response:
+        old = self.node.mesh.gate.hold.release()
         if old is not None:
-            node.reconciler.trigger("reconcile hold released")  # correct what was held, now
+            self.node.reconciler.trigger("reconcile hold released")  # correct what was held, now
         return Response(200, {"released": old is not None})
 
-    async def deregister(req: Request) -> Response:
+    async def deregister(self, req: Request) -> Response:
         body = _object(req)
         flags = {name: body.get(name, False) for name in ("purge", "force")}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise LocalAPIError(400, f"{name} must be true or false")
         try:
-            leaving = await node.agent.leave(**flags)
+            leaving = await self.node.agent.leave(**flags)
         except PlexdError as exc:
             raise LocalAPIError(409, str(exc)) from None
         if not leaving.deregistered and not flags["force"]:
             raise LocalAPIError(502, f"the control plane did not take the deregistration: {leaving.error}")
-        cfg = node.agent.config
-        return Response(200, {"node_id": node.agent.identity.node_id if node.agent.identity else "",
+        cfg = self.node.agent.config
+        return Response(200, {"node_id": self.node.agent.identity.node_id if self.node.agent.identity else "",
                               "deregistered": leaving.deregistered, "error": leaving.error, "torn_down": True,
                               # what `--purge` removes: the daemon's own, whatever the command's config says
                               "paths": {"data_dir": str(cfg.data_dir), "token_file": cfg.token.file,
                                         "telemetry_queue_dir": cfg.telemetry.queue_dir}})
 
-    async def rotate_keys(req: Request) -> Response:
+    async def rotate_keys(self, req: Request) -> Response:
         from plexd.node.key_rotation import RotationFailed
 
         try:
-            return Response(200, await node.key_rotation.rotate())
+            return Response(200, await self.node.key_rotation.rotate())
         except RotationFailed as exc:
             if exc.retrying:
-                node.key_rotation.request("plexd rotate-keys could not finish")
+                self.node.key_rotation.request("plexd rotate-keys could not finish")
             raise LocalAPIError(502, str(exc)) from None
-
-    api.add("GET", STATUS_PATH, status, admin)
-    api.add("POST", ROTATE_KEYS_PATH, rotate_keys, admin)
-    api.add("POST", DEREGISTER_PATH, deregister, admin)
-    api.add("GET", POLICIES_PATH, policies, admin)
-    api.add("GET", SESSIONS_PATH, sessions, admin)
-    api.add("POST", RECONCILE_PATH, reconcile, admin)
-    api.add("POST", HOLD_PATH, hold, admin)
-    api.add("DELETE", HOLD_PATH, release, admin)
 
 
 def _object(req: Request) -> dict[str, Any]:

@@ -67,51 +67,72 @@ def secret_access(group: str) -> Callable[[Request], str | None]:
 
 
 def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
-    def add(method: str, path: str, handler: Any, **kw: Any) -> None:
-        api.add(method, path, handler, tcp=True, **kw)
+    routes = NodeApiRoutes(node)
+    access = routes.access
+    for method, path, handler, gated in (
+        ("GET", PREFIX, routes.summary, False),
+        ("GET", PREFIX + "/metadata", routes.metadata, False),
+        ("GET", PREFIX + "/metadata/", routes.metadata_key, False),
+        ("GET", PREFIX + "/data", routes.data, False),
+        ("GET", PREFIX + "/data/", routes.data_key, False),
+        ("GET", PREFIX + "/secrets", routes.secrets, True),
+        ("GET", PREFIX + "/secrets/", routes.secret_key, True),
+        ("GET", PREFIX + "/report", routes.reports, False),
+        ("GET", PREFIX + "/report/", routes.report_get, False),
+        ("PUT", PREFIX + "/report/", routes.report_put, False),
+        ("DELETE", PREFIX + "/report/", routes.report_delete, False),
+    ):
+        api.add(method, path, handler, tcp=True, **({"authorize": access} if gated else {}))
 
-    access = secret_access(node.secrets_group)
 
-    async def summary(req: Request) -> Response:
-        d = node.desired()
+class NodeApiRoutes:
+    """The node API's handlers (§8): metadata, data, secrets (gated by the secrets group) and reports."""
+
+    def __init__(self, node: NodeApi) -> None:
+        self.node = node
+        self.access = secret_access(node.secrets_group)
+        self._refused_logged = -60.0
+
+    async def summary(self, req: Request) -> Response:
+        d = self.node.desired()
         # The secret index is secret too (§8.1 gates the list): callers outside the secrets group get none of it.
         # An empty list, not a missing key, keeps the Go agent's shape for clients that expect the field.
-        secret_keys = [r.to_wire() for r in d.secret_refs] if access(req) is None else []
+        secret_keys = [r.to_wire() for r in d.secret_refs] if self.access(req) is None else []
         return Response(200, {
             "metadata": d.metadata,
             "data_keys": [{"key": e.key, "version": e.version, "content_type": e.content_type} for e in d.data],
             "secret_keys": secret_keys,
-            "report_keys": node.reports.index(),
+            "report_keys": self.node.reports.index(),
         })
 
-    async def metadata(req: Request) -> Response:
-        return Response(200, node.desired().metadata)
+    async def metadata(self, req: Request) -> Response:
+        return Response(200, self.node.desired().metadata)
 
-    async def metadata_key(req: Request) -> Response:
+    async def metadata_key(self, req: Request) -> Response:
         key = _key(req, "/metadata/")
-        meta = node.desired().metadata or {}
+        meta = self.node.desired().metadata or {}
         if key not in meta:
             raise LocalAPIError(404, "not found")
         return Response(200, {"key": key, "value": meta[key]})
 
-    async def data(req: Request) -> Response:
+    async def data(self, req: Request) -> Response:
         return Response(200, [{"key": e.key, "version": e.version, "content_type": e.content_type}
-                              for e in node.desired().data])
+                              for e in self.node.desired().data])
 
-    async def data_key(req: Request) -> Response:
+    async def data_key(self, req: Request) -> Response:
         key = _key(req, "/data/")
-        entry = next((e for e in reversed(node.desired().data) if e.key == key), None)
+        entry = next((e for e in reversed(self.node.desired().data) if e.key == key), None)
         if entry is None:
             raise LocalAPIError(404, "not found")
         return Response(200, entry.to_wire())
 
-    async def secrets(req: Request) -> Response:
-        return Response(200, [r.to_wire() for r in node.desired().secret_refs])
+    async def secrets(self, req: Request) -> Response:
+        return Response(200, [r.to_wire() for r in self.node.desired().secret_refs])
 
-    async def secret_key(req: Request) -> Response:
+    async def secret_key(self, req: Request) -> Response:
         key = _key(req, "/secrets/")
         try:
-            sealed = await node.fetch_secret(key)
+            sealed = await self.node.fetch_secret(key)
         except ControlPlaneError as exc:
             if exc.status == 404:
                 raise LocalAPIError(404, "not found") from None
@@ -121,24 +142,24 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             log.warning("secret %r not served: %s", key[:100], exc)
             raise LocalAPIError(503, "control plane unavailable") from None
         try:
-            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, node.node_secret(), node.node_secret_kdf())
+            value = crypto.decrypt(sealed.ciphertext, sealed.nonce, self.node.node_secret(),
+                                   self.node.node_secret_kdf())
         except crypto.SecretDecryptError:
             log.error("secret %r: the control plane's answer cannot be decrypted with this node's key", key[:100])
             raise LocalAPIError(500, "internal error") from None
         return Response(200, {"key": sealed.key, "value": value, "version": sealed.version})
 
-    async def reports(req: Request) -> Response:
-        return Response(200, node.reports.index())
+    async def reports(self, req: Request) -> Response:
+        return Response(200, self.node.reports.index())
 
-    async def report_get(req: Request) -> Response:
-        entry = node.reports.get(_report_key(req))
+    async def report_get(self, req: Request) -> Response:
+        entry = self.node.reports.get(_report_key(req))
         if entry is None:
             raise LocalAPIError(404, "not found")
         return Response(200, entry.to_wire())
 
-    refusals_logged = [-60.0]
 
-    async def report_put(req: Request) -> Response:
+    async def report_put(self, req: Request) -> Response:
         key = _report_key(req)
         if_match = _if_match(req)
         body = _json_object(req)
@@ -148,9 +169,9 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
         if "payload" not in body:
             raise LocalAPIError(400, "payload must be valid JSON: the body has no payload")
         try:
-            entry = await node.reports.put(key, content_type, body["payload"], if_match)
+            entry = await self.node.reports.put(key, content_type, body["payload"], if_match)
         except VersionConflict:
-            current = node.reports.get(key)
+            current = self.node.reports.get(key)
             have = f"the entry is at version {current.version}" if current else "the entry does not exist"
             raise LocalAPIError(409, f"version conflict: If-Match {if_match}, {have}") from None
         except EntryTooLarge as exc:
@@ -159,36 +180,24 @@ def add_node_api_routes(api: LocalAPI, node: NodeApi) -> None:
             raise LocalAPIError(400, "invalid JSON body: a lone surrogate (a \\ud800-\\udfff escape without its "
                                  "pair) is not Unicode text") from None
         except (StoreFull, StoreUnwritable) as exc:
-            refused(key, exc)
+            self._refused(key, exc)
         return Response(200, entry.to_wire())
 
-    def refused(key: str, exc: Exception) -> NoReturn:
+    def _refused(self, key: str, exc: Exception) -> NoReturn:
         now = time.monotonic()
-        if now - refusals_logged[0] >= 60:  # a workload that keeps trying is one line a minute
-            refusals_logged[0] = now
+        if now - self._refused_logged >= 60:  # a workload that keeps trying is one line a minute
+            self._refused_logged = now
             log.warning("report %r refused: %s", key[:100], exc)
         raise LocalAPIError(507, str(exc)) from None
 
-    async def report_delete(req: Request) -> Response:
+    async def report_delete(self, req: Request) -> Response:
         key = _report_key(req)
         try:
-            if not await node.reports.delete(key):
+            if not await self.node.reports.delete(key):
                 raise LocalAPIError(404, "not found")
         except StoreUnwritable as exc:
-            refused(key, exc)
+            self._refused(key, exc)
         return Response(204)
-
-    add("GET", PREFIX, summary)
-    add("GET", PREFIX + "/metadata", metadata)
-    add("GET", PREFIX + "/metadata/", metadata_key)
-    add("GET", PREFIX + "/data", data)
-    add("GET", PREFIX + "/data/", data_key)
-    add("GET", PREFIX + "/secrets", secrets, authorize=access)
-    add("GET", PREFIX + "/secrets/", secret_key, authorize=access)
-    add("GET", PREFIX + "/report", reports)
-    add("GET", PREFIX + "/report/", report_get)
-    add("PUT", PREFIX + "/report/", report_put)
-    add("DELETE", PREFIX + "/report/", report_delete)
 
 
 def _key(req: Request, under: str) -> str:
