@@ -20,7 +20,8 @@ holds it, heals it, pauses the workload and then checks:
 
 The clock faults (clock_ahead, clock_behind) step plexd's own wall clock by an hour with libfaketime, preloaded into
 plexd alone (its monotonic clock is left alone, as NTP's step leaves it; its children inherit the offset); without
-libfaketime they are left out.
+libfaketime they are left out. plexd_kill_at kills plexd at a named point rather than a random moment: it starts
+plexd again with the next of KILL_POINTS armed (plexd/base/failpoint.py) and lets it reach it.
 
 It prints one line per trial and a table per fault: trials, failures, recovery p50/p99.
 """
@@ -51,6 +52,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plexd.base.errors import PlexdError
+from plexd.base.failpoint import ENV as FAILPOINTS_ENV
 from plexd.base.procstat import process_stat
 from plexd.devplane.harness import Devplane
 from plexd.devplane.lab import Lab, LabNode
@@ -89,6 +91,8 @@ class Rig:
     token: str = ""  # the bootstrap token (plexd removes its file once registered)
     signalled: int | None = None  # the wireguard-go a fault signalled last
     logs: list[Path] = field(default_factory=list)
+    kills_at: int = 0  # plexd_kill_at faults so far: each takes the next of KILL_POINTS
+    killed_at: Path | None = None  # the log of the run plexd_kill_at armed last
 
     @property
     def data_dir(self) -> Path:
@@ -107,12 +111,15 @@ class Rig:
         """plexd's wall-clock offset, as libfaketime reads it ("+0", "+1h", "-1h"): the clock faults write it."""
         return self.workdir / "clock-offset"
 
-    def start_daemon(self) -> None:
+    def start_daemon(self, failpoint: str = "") -> None:
+        """plexd up; `failpoint`: armed in this run alone (plexd/base/failpoint.py)."""
         log = self.workdir / f"plexd-{len(self.logs) + 1}.log"
         self.logs.append(log)
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.workdir / "config.yaml"),
                "PLEXD_TEST_NO_SYSTEMD": "1", "PYTHONFAULTHANDLER": "1",
                **{k: v for k, v in os.environ.items() if k.startswith(("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC"))}}
+        if failpoint:
+            env[FAILPOINTS_ENV] = failpoint
         if FAKETIME is not None:  # plexd's own wall clock, steppable (monotonic time is left alone)
             if not self.clock_file.exists():
                 self.clock_file.write_text("+0\n")
@@ -316,6 +323,29 @@ async def _plexd_kill(r: Rig) -> None:
     r.kill_daemon()  # `supervise` starts it again, as systemd would
 
 
+# The failpoints this workload reaches within seconds of a start. The registration's, the rotation's and the
+# upgrade's need flows it does not run: tests/e2e/test_failpoints_lab.py kills plexd at those.
+KILL_POINTS = ("converge.between_domains", "mirror.commit", "report.queued", "action.finished")
+
+
+async def _plexd_kill_at(r: Rig) -> None:
+    """SIGKILL at a named point, not at a random moment: plexd is started again with the next of KILL_POINTS
+    armed, and left to reach it (`supervise` then starts it as after any kill)."""
+    point = KILL_POINTS[r.kills_at % len(KILL_POINTS)]
+    r.kills_at += 1
+    r.kill_daemon()
+    r.start_daemon(failpoint=point)
+    armed, log = r.proc, r.logs[-1]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and armed is not None and armed.poll() is None:
+        await asyncio.sleep(0.1)
+    r.killed_at = log
+
+
+def _died_at_point(r: Rig) -> bool:
+    return r.killed_at is not None and "plexd: failpoint " in r.killed_at.read_text(errors="replace")
+
+
 async def _wg_signal(r: Rig, sig: signal.Signals) -> None:
     pid = r.signalled = r.wireguard_go()  # the one signalled: plexd may start another before the check looks
     if pid is not None:
@@ -414,6 +444,7 @@ def faults(outage: float) -> dict[str, Fault]:
     }
     return {
         "plexd_kill": Fault(_plexd_kill, _nothing, 0.5, lambda r: r.proc is None or r.proc.poll() is not None),
+        "plexd_kill_at": Fault(_plexd_kill_at, _nothing, 0.5, _died_at_point),
         "wg_kill": Fault(lambda r: _wg_signal(r, signal.SIGKILL), _nothing, 0.5,
                          lambda r: r.signalled is not None and not _alive(r.signalled)),
         "wg_stop": Fault(lambda r: _wg_signal(r, signal.SIGSTOP), lambda r: _wg_signal(r, signal.SIGCONT), 5,

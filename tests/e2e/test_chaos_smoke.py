@@ -1,6 +1,7 @@
 """The chaos smoke: `python -m bench chaos` (bench/chaos.py), short, in the suite. One connected `plexd up` under
 its running workload (peers joining and leaving, actions, reports, policy changes) meets 20 faults at random
-moments, each kind at least once (plexd and wireguard-go killed or stopped, the control plane failing, silent or
+moments, each kind at least once (plexd killed at a random moment and at a named point, wireguard-go killed or
+stopped, the control plane failing, silent or
 restarted, data_dir full or read-only, the firewall flushed and the interface deleted by hand, plexd's wall clock
 stepped an hour ahead or behind with libfaketime), and after each the
 promises hold: converged again within 10 s of the heal, no action run twice or left without its one result, no
