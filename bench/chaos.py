@@ -80,6 +80,10 @@ def load_factor() -> float:
 # -- the node under test ----------------------------------------------------------------------------------------
 
 
+# A bench's knobs for plexd: tracemalloc snapshots, Python's allocator, the collector's full-collection period
+PASSED_ON = ("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC", "PLEXD_TEST_GC_")
+
+
 @dataclass
 class Rig:
     lab: Lab
@@ -117,7 +121,7 @@ class Rig:
         self.logs.append(log)
         env = {"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(self.workdir / "config.yaml"),
                "PLEXD_TEST_NO_SYSTEMD": "1", "PYTHONFAULTHANDLER": "1",
-               **{k: v for k, v in os.environ.items() if k.startswith(("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC"))}}
+               **{k: v for k, v in os.environ.items() if k.startswith(PASSED_ON)}}
         if failpoint:
             env[FAILPOINTS_ENV] = failpoint
         if FAKETIME is not None:  # plexd's own wall clock, steppable (monotonic time is left alone)

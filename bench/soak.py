@@ -118,7 +118,8 @@ class Soak:
         except Exception:  # a restart in progress: the next minute's sample
             return
         if self.samples:
-            self.samples[-1].malloc = doc["daemon"].get("malloc_mib")
+            self.samples[-1].malloc = {**(doc["daemon"].get("malloc_mib") or {}),
+                                       "frozen": (doc["daemon"].get("gc") or {}).get("frozen", 0)}
 
 
 async def soak(minutes: float, npeers: int) -> None:
@@ -218,7 +219,7 @@ def summary(s: Soak, minutes: float) -> None:
     print(f"== soak: {minutes:g} min, {len(s.samples)} samples, {s.joined} joins")
     print(f"RSS: first {first.rss_mib:.1f} MiB, last {last.rss_mib:.1f}, max {max(x.rss_mib for x in s.samples):.1f};"
           f" slope after {after / 60:g} min {slope_per_hour(settled):+.2f} MiB/hour (goal <= 1)")
-    heap = [(x.t, x.malloc) for x in s.samples if x.t >= after and x.malloc]
+    heap = [(x.t, x.malloc) for x in s.samples if x.t >= after and x.malloc and "in_use" in x.malloc]
     if heap:  # where RSS growth is: glibc's blocks in use (a leak) or free in its heaps (fragmentation)
         def line(k: str) -> str:
             trend = slope_per_hour([(t, m[k]) for t, m in heap])
@@ -226,6 +227,8 @@ def summary(s: Soak, minutes: float) -> None:
 
         print("glibc malloc (MiB), after the settle: "
               + ", ".join(line(k) for k in ("in_use", "free", "heap", "mapped")))
+        print(f"objects frozen by the collector (collected as cycles only at a full collection): "
+              f"{heap[0][1]['frozen']:.0f} -> {heap[-1][1]['frozen']:.0f}")
     for name, values in (("fds", [x.fds for x in s.samples]), ("threads", [x.threads for x in s.samples])):
         print(f"{name}: first {values[0]}, last {values[-1]}, max {max(values)}")
     print("SQLite: " + ", ".join(f"{k} {v / 1024:.0f} KiB" for k, v in sorted(last.sqlite.items())))

@@ -31,6 +31,7 @@ from typing import Any
 
 FREEZE_AFTER = 4  # young (generation 1) collections between freezes; Python goes full after 10 at the most
 FULL_EVERY = 3600.0  # seconds between collections of the whole heap
+FULL_EVERY_ENV = "PLEXD_TEST_GC_FULL_EVERY"  # a bench's knob (bench/soak.py): seconds, in place of FULL_EVERY
 M_MMAP_THRESHOLD, M_ARENA_MAX = -3, -8  # <malloc.h>
 MMAP_THRESHOLD = 128 << 10  # glibc's initial value, kept: it otherwise rises to the largest block freed so far
 # One heap for every thread: the per-thread heaps held mostly freed memory (~9 MiB at 1,000 peers). Threads that
@@ -90,13 +91,27 @@ class _Glibc:
 glibc = _Glibc()
 
 
+def _full_every() -> float:
+    try:
+        return float(os.environ.get(FULL_EVERY_ENV, FULL_EVERY))
+    except ValueError:
+        return FULL_EVERY
+
+
+def gc_stats() -> dict[str, int]:
+    """What the collector holds: objects frozen (not collected as cycles until the next full collection) and
+    the collections of each generation so far. Cheap: no walk of the heap."""
+    collections = {f"collections_{i}": gen["collections"] for i, gen in enumerate(gc.get_stats())}
+    return {"frozen": gc.get_freeze_count(), **collections}
+
+
 class HeapSettler:
     """Installed for the daemon's lifetime (a context manager): freezes what survived young collections."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, freeze_after: int = FREEZE_AFTER,
-                 full_every: float = FULL_EVERY) -> None:
+                 full_every: float | None = None) -> None:
         self._loop = loop
-        self.freeze_after, self.full_every = freeze_after, full_every
+        self.freeze_after, self.full_every = freeze_after, full_every if full_every is not None else _full_every()
         self._young = 0
         self._scheduled = False
         self._full_at = time.monotonic()

@@ -55,7 +55,7 @@ from typing import Any
 
 from plexd import __version__
 from plexd.base.errors import PlexdError
-from plexd.base.heap import glibc
+from plexd.base.heap import gc_stats, glibc
 from plexd.config.settings import Config
 from plexd.nat.nat_service import disabled_status
 from plexd.node.departure import DEREGISTER_PATH
@@ -105,7 +105,8 @@ async def live_status(node: Node) -> dict[str, Any]:
     now = agent.clock.now().timestamp()
     doc["daemon"] = {"running": True, "pid": os.getpid(), "uptime_seconds": round(agent.uptime(), 1),
                      "started_at": round(now - agent.uptime(), 1), "version": __version__,
-                     "binary_checksum": agent.binary_checksum, "malloc_mib": glibc.stats()}
+                     "binary_checksum": agent.binary_checksum, "malloc_mib": glibc.stats(),
+                     "gc": gc_stats()}
     rec = node.reconciler
     hold = node.mesh.gate.hold.current()
     doc["event_stream"] = node.stream.status()
