@@ -94,13 +94,19 @@ def commit_delay() -> float:
 # -- what the control plane has not taken yet ------------------------------------------------------------------
 
 
-def build_uplink(agent: Agent, node_id: Callable[[], str]) -> tuple[UplinkOutbox, Senders]:
-    """The one outbox (data_dir/uplink.db), a lane per stream. The NAT endpoint's lane is added with its domain."""
+def drift_poster(agent: Agent, node_id: Callable[[], str]) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """POST /drift for one report (the uplink's drift lane sends with it)."""
 
     async def post_drift(report: dict[str, Any]) -> None:
         await agent.authed(lambda: agent.client.report_drift(node_id(), report))
 
-    senders = Senders({DRIFT: post_drift, SESSION_ACTIVITY: post_session_activity(agent, node_id)})
+    return post_drift
+
+
+def build_uplink(agent: Agent, node_id: Callable[[], str]) -> tuple[UplinkOutbox, Senders]:
+    """The one outbox (data_dir/uplink.db), a lane per stream. The NAT endpoint's lane is added with its domain."""
+
+    senders = Senders({DRIFT: drift_poster(agent, node_id), SESSION_ACTIVITY: post_session_activity(agent, node_id)})
     uplink = UplinkOutbox(Path(agent.config.data_dir) / datadir.UPLINK_DB, senders, backoff=backoff(agent.config))
     return uplink, senders
 
@@ -185,11 +191,8 @@ def build_reconciler(agent: Agent, mesh: MeshHandle, verifier: Verifier, uplink:
                      node_id: Callable[[], str]) -> Reconciler[Any]:
     """GET /state → the model → converge → POST /drift, through the uplink's drift lane."""
 
-    async def post_drift(report: dict[str, Any]) -> None:
-        await agent.authed(lambda: agent.client.report_drift(node_id(), report))
-
     pull = StatePull(mesh, lambda: agent.authed(lambda: agent.client.fetch_state(node_id())), verifier)
-    reconciler: Reconciler[Any] = Reconciler(pull, mesh.gate, post_drift, clock=agent.clock,
+    reconciler: Reconciler[Any] = Reconciler(pull, mesh.gate, drift_poster(agent, node_id), clock=agent.clock,
                                              interval=agent.config.reconcile.interval, outbox=uplink)
     # A hold that runs out corrects what it held, as a release does (plexd.node.control)
     mesh.gate.hold.on_expiry(lambda: reconciler.trigger("reconcile hold expired"))
