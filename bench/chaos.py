@@ -391,7 +391,7 @@ async def _unfill(r: Rig) -> None:
 async def _read_only(r: Rig) -> None:
     """data_dir read-only. A mount with files open for writing (SQLite's) cannot be made read-only (EBUSY), as a
     file system's errors=remount-ro forces: so plexd is killed and the mount made read-only; `supervise` starts
-    plexd on it (which refuses to run there, and is started again until the heal makes it writable)."""
+    plexd on it, which waits there until the heal makes it writable."""
     r.kill_daemon()
     subprocess.run(["mount", "-o", "remount,ro", str(r.data_dir)], check=True)
 
@@ -487,8 +487,8 @@ def converged(r: Rig, since: float) -> str:
         return "the daemon does not answer"
     if doc["event_stream"]["state"] != "connected":
         return f"event stream {doc['event_stream']['state']}"
-    last = doc["reconcile"]["last"]
-    if last is None or last["at"] < since or not last["ok"]:
+    last = doc["reconcile"]["last"]  # its age, not its `at`: plexd's wall clock may be the fault
+    if last is None or time.time() - last["age_seconds"] < since or not last["ok"]:
         return "no successful reconcile since the heal"
     if doc["policy"]["enforcement"] != "enforced":
         return f"policy {doc['policy']['enforcement']}: {doc['policy']['reason']}"

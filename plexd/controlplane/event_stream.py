@@ -44,7 +44,9 @@ from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, read_events, valid
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT = 90.0
-HELD_RETRY = 5.0  # seconds between tries of the events held for this node's clock
+# Seconds between tries of the events held for this node's clock: a signature check each, and only while the clock
+# is wrong; short, so a corrected clock lets them through at once (a fresh event the window takes does too).
+HELD_RETRY = 1.0
 POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full state
 RETRY_AFTER_MAX = 3600.0
 SEEN_IDS_MAX = 4096
@@ -89,6 +91,7 @@ class EventStream:
         on_connected: Callable[[], None] | None = None,  # e.g. trigger a reconcile (must not block)
         on_auth_failure: Callable[[], Awaitable[None]] | None = None,  # re-register after a 401
         poll: Callable[[], None] | None = None,  # ask for a full state pull while the stream is down
+        on_clock_agrees: Callable[[], None] | None = None,  # the held events went through: pull the state too
         poll_interval: float = 60.0,
         client_factory: Callable[[], http_client.HTTPClient] = stream_http_client,
         backoff: Backoff | None = None,
@@ -112,6 +115,7 @@ class EventStream:
         self._on_connected = on_connected
         self._on_auth_failure = on_auth_failure
         self._poll = poll
+        self._on_clock_agrees = on_clock_agrees
         self.poll_interval = poll_interval
         self._client_factory = client_factory
         self.backoff = backoff or Backoff()
@@ -505,6 +509,8 @@ class EventStream:
                         self._retrying = asyncio.create_task(self._retry_while_held(), name="events-held")
                 return
             nonce, issued = env.nonce, gojson.parse_time(env.issued_at).timestamp()
+            if self.clock_hold:  # the window took this one: the clock agrees again, so the older held ones go first
+                await self.retry_held()
             await self._handle_verified(env)
         finally:
             # Advance the cursor even for refused events, so a poison event is never replayed to us in a loop. The
@@ -529,7 +535,9 @@ class EventStream:
 
     async def retry_held(self) -> None:
         """The events held for this node's clock (`plexd.controlplane.clock_hold`), tried again: each the window
-        now takes goes through every check again and is handled; the rest stay held."""
+        now takes goes through every check again and is handled; the rest stay held. When the last one goes, the
+        clock agrees again: `on_clock_agrees` asks for a state pull, for whatever the hold dropped or never saw."""
+        was_held = bool(self.clock_hold)
         for held in self.clock_hold.take(self._clock):
             env = held.envelope
             if env.event_id in self._seen_ids:
@@ -546,6 +554,8 @@ class EventStream:
                      env.event_type, env.issued_at, extra={"event_id": env.event_id})
             await self._handle_verified(env)
             self.ledger.note(None, env.nonce, gojson.parse_time(env.issued_at).timestamp())
+        if was_held and not self.clock_hold and self._on_clock_agrees is not None:
+            self._on_clock_agrees()
 
     async def _retry_while_held(self) -> None:
         while self.clock_hold:

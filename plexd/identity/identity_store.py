@@ -49,7 +49,11 @@ IDENTITY_FILES = (PRIVATE_KEY_FILE, NODE_SECRET_FILE, SIGNING_KEY_FILE, IDENTITY
 
 
 class DataDirError(PlexdError):
-    """data_dir cannot be created or written."""
+    """data_dir cannot be created or written; `errno` is the file system's answer when it gave one."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
 
 
 @dataclass(frozen=True)
@@ -122,8 +126,8 @@ class IdentityStore:
         except OSError as exc:
             raise DataDirError(
                 f"data_dir {d} is not writable: {exc.strerror or exc} (errno {exc.errno}); "
-                "fix its permissions or point data_dir (--data-dir, PLEXD_DATA_DIR) at a writable directory"
-            ) from None
+                "fix its permissions or point data_dir (--data-dir, PLEXD_DATA_DIR) at a writable directory",
+                exc.errno) from None
 
     # -- load ----------------------------------------------------------------------------------------------------
 

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import functools
 import logging
 import math
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +47,7 @@ from plexd.base.errors import PlexdError
 from plexd.config.settings import Config, insecure_control_plane
 from plexd.controlplane.client import ControlPlaneClient
 from plexd.controlplane.client_errors import AuthError, ControlPlaneError
-from plexd.identity.identity_store import Identity, IdentityStore
+from plexd.identity.identity_store import DataDirError, Identity, IdentityStore
 from plexd.identity.registrar import Registrar
 from plexd.node import departure
 from plexd.node.supervisor import FaultPlan, Supervisor
@@ -66,6 +68,12 @@ DEREGISTER_TIMEOUT = 10.0
 STOP_BUDGET = 34.0  # SIGTERM to exit, whatever the control plane does (the issue asks 35 s; the unit allows 40)
 TEARDOWN_RESERVE = 1.5  # kept for removing the interface and the table after the deregistration
 REGISTER_ANSWER_WAIT = 15.0  # at a stop, how long an in-flight register request may still take to be answered
+# File system faults that heal without anyone changing plexd's configuration (remounted read-only after an I/O
+# error, a full disk, a quota): plexd waits them out at its start, rather than exiting into systemd's restart loop,
+# whose start limit (5 starts in 2 minutes) would leave it down for good once the disk is back. Any other failure
+# (permissions, a file where the directory should be) is a mistake to fix: plexd exits naming it.
+DATA_DIR_FAULTS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT})
+DATA_DIR_RETRY = 1.0  # seconds between two tries of data_dir while it cannot be written
 FINISH_GRACE = 0.2  # ...and, once it is answered, to save what it brought (a retry's backoff is 0.75 s at least)
 
 
@@ -235,7 +243,8 @@ class Agent:
         """Start stage of the lifecycle (docs/decisions.md, Lifecycle): data_dir and hooks.dir trustworthy, data_dir
         usable, binary checksum, hook scan."""
         require_trusted({"data_dir": self.config.data_dir, "hooks.dir": self.config.hooks.dir})
-        await asyncio.to_thread(self.store.ensure_writable)
+        if not await self._until_data_dir_writable():
+            return  # told to stop while waiting for it
         self.binary_checksum = await asyncio.to_thread(binary_checksum)
         self.hooks = await asyncio.to_thread(scan_hooks, self.config.hooks.dir)
         self.builtin_actions = builtin_capabilities()
@@ -246,6 +255,31 @@ class Agent:
         if insecure:  # allowed by api.allow_insecure, never silently: a line at every start
             log.warning("INSECURE control plane connection (api.allow_insecure): %s; anyone on the path can read "
                         "the node secret and forge the state; use https:// with verification outside labs", insecure)
+
+    async def _until_data_dir_writable(self) -> bool:
+        """True once data_dir is proven writable. While a file system fault (`DATA_DIR_FAULTS`) keeps it from that,
+        plexd waits, says so once (log, systemd's STATUS=), and tries again until it heals; False if told to stop."""
+        waiting_since: float | None = None
+        while True:
+            try:
+                await asyncio.to_thread(self.store.ensure_writable)
+            except DataDirError as exc:
+                if exc.errno not in DATA_DIR_FAULTS:
+                    raise
+                if waiting_since is None:
+                    waiting_since = self.clock.monotonic()
+                    log.error("data_dir %s is not writable (%s, errno %d): waiting for it, tried every %.0f s (a "
+                              "file system read-only or full heals without a restart of plexd)", self.config.data_dir,
+                              os.strerror(exc.errno), exc.errno, DATA_DIR_RETRY)
+                    notify(f"STATUS=waiting for data_dir {self.config.data_dir} to become writable")
+                await self.until_stopped(self.clock.sleep(DATA_DIR_RETRY))
+                if self.stop_event.is_set():
+                    return False
+                continue
+            if waiting_since is not None:
+                log.info("data_dir %s is writable again, after %.0f s", self.config.data_dir,
+                         self.clock.monotonic() - waiting_since)
+            return True
 
     async def register(self) -> Identity:
         self._set_phase("registering")
@@ -426,6 +460,9 @@ class Agent:
 
     async def _run(self, assemble: Assemble, pinging: asyncio.Task[None]) -> int:
         await self.start()
+        if self.stop_event.is_set():
+            log.info("stopped before starting")
+            return 0
         # A stop while the register request is on the wire waits for its answer: the control plane spends the
         # one-time token when it answers, and an answer thrown away leaves a spent token and no identity.
         registered = await self.until_stopped(self.register(), finish_while=lambda: self.registrar.posting,

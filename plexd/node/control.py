@@ -19,7 +19,8 @@ Status document (``"version": 1``; fields are only ever added, under a new versi
     event_stream   state (connected | polling | offline), since, last_event_id, last_event_at,
                    last_event_age_seconds, connects, events_accepted, events_rejected
     reconcile      interval_seconds, cycles, failures, hold (null or until/since/reason/remaining_seconds),
-                   last (null or at/reasons/ok/dry_run/error/corrections/updates/held/drift_reported)
+                   last (null or at/age_seconds/reasons/ok/dry_run/error/corrections/updates/held/
+                   drift_reported)
     heartbeat      last_at, ok, error, consecutive_failures, sent, interval_seconds
     peers          desired, rejected, on_device, recent_handshake (a handshake in the last 3 minutes),
                    hidden_by_policy
@@ -112,7 +113,7 @@ async def live_status(node: Node) -> dict[str, Any]:
     doc["event_stream"] = node.stream.status()
     doc["reconcile"] = {"interval_seconds": rec.interval, "cycles": rec.cycles, "failures": rec.failures,
                         "hold": hold.to_json() if hold else None,
-                        "last": rec.last.to_json() if rec.last is not None else None}
+                        "last": rec.last.to_json(agent.clock.monotonic()) if rec.last is not None else None}
     doc["heartbeat"] = node.heartbeat.status()
     desired = node.mesh.get_desired()
     try:

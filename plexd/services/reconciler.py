@@ -60,9 +60,12 @@ class CycleResult:
     held: list[Correction] = field(default_factory=list)  # not corrected: an operator holds the reconciler
     refused: list[Correction] = field(default_factory=list)  # asked for by the control plane, refused (reported)
     at: float = 0.0  # unix time the cycle ended
+    ended: float = 0.0  # monotonic time the cycle ended: its age holds across a step of the wall clock
 
-    def to_json(self) -> dict[str, Any]:
-        return {"at": self.at, "reasons": list(self.reasons), "ok": self.ok, "dry_run": self.dry_run,
+    def to_json(self, now: float | None = None) -> dict[str, Any]:
+        """`now` (monotonic) adds `age_seconds`: how long ago the cycle ended, true whatever the wall clock did."""
+        age = {} if now is None else {"age_seconds": round(max(0.0, now - self.ended), 1)}
+        return {"at": self.at, **age, "reasons": list(self.reasons), "ok": self.ok, "dry_run": self.dry_run,
                 "error": self.error, "corrections": [c.to_wire() for c in self.corrections],
                 "updates": [c.to_wire() for c in self.updates], "held": [c.to_wire() for c in self.held],
                 "refused": [c.to_wire() for c in self.refused],
@@ -219,7 +222,7 @@ class Reconciler(Generic[S]):
         `drift_phase=False` skips phase 1, for a caller that has no earlier desired model to hold the machine to."""
         async with self._lock:
             result = await self._cycle(dry_run or not drift_phase, reasons, startup, apply=not dry_run)
-        result.at = self._clock.now().timestamp()
+        result.at, result.ended = self._clock.now().timestamp(), self._clock.monotonic()
         self.last = result
         return result
 

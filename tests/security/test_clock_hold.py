@@ -68,6 +68,35 @@ async def test_the_stream_tries_the_held_events_again_by_itself(tmp_path, clock)
     node.ledger.close(clock.now().timestamp())
 
 
+async def test_a_fresh_event_the_window_takes_lets_the_held_ones_go_first_and_asks_for_a_pull(tmp_path, clock):
+    """Once the clock is corrected, the first event the window takes proves it: the held events, older, are
+    handled before it (not up to HELD_RETRY later, after it), and the reconciler is asked to pull the state once,
+    for anything the hold dropped."""
+    pulls: list[str] = []
+    node = Node(tmp_path, clock, on_clock_agrees=lambda: pulls.append("pull"))
+    clock.step_wall(-HOUR)
+    assert not await node.deliver(frame(1, NOW))
+    assert not await node.deliver(frame(2, NOW))
+    assert pulls == []  # still held: nothing agrees yet
+    clock.step_wall(HOUR)
+    assert await node.deliver(frame(3, clock.now()))
+    assert node.applied == ["evt_1", "evt_2", "evt_3"]
+    assert pulls == ["pull"] and len(node.stream.clock_hold) == 0
+    assert await node.deliver(frame(4, clock.now()))  # nothing held any more: no second pull
+    assert pulls == ["pull"]
+    node.ledger.close(clock.now().timestamp())
+
+
+async def test_no_pull_is_asked_while_the_clock_still_disagrees(tmp_path, clock):
+    pulls: list[str] = []
+    node = Node(tmp_path, clock, on_clock_agrees=lambda: pulls.append("pull"))
+    clock.step_wall(HOUR)
+    await node.deliver(frame(1, NOW))
+    await node.stream.retry_held()
+    assert pulls == [] and len(node.stream.clock_hold) == 1
+    node.ledger.close(clock.now().timestamp())
+
+
 async def test_a_forgery_is_not_held(tmp_path, clock):
     node = Node(tmp_path, clock)
     clock.step_wall(HOUR)

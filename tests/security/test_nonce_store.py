@@ -40,12 +40,13 @@ def frame(n: int, issued: datetime) -> SSEEvent:
 class Node:
     """The event path of one daemon over `events.db` in `data_dir`: what it applied, what it refused."""
 
-    def __init__(self, data_dir, clock: FakeClock) -> None:
+    def __init__(self, data_dir, clock: FakeClock, on_clock_agrees=None) -> None:
         self.applied: list[str] = []
         self.ledger = EventLedger(data_dir / "events.db", max_nonces=CAP)
         self.nonces = NonceStore(clock, self.ledger, max_entries=CAP)
         self.stream = EventStream("http://cp.invalid", "n_1", lambda: "t", self.ledger,
-                                  Verifier(KEYS, self.nonces, clock), self._apply, clock=clock)
+                                  Verifier(KEYS, self.nonces, clock), self._apply, clock=clock,
+                                  on_clock_agrees=on_clock_agrees)
 
     async def _apply(self, env: Envelope) -> None:
         self.applied.append(env.event_id)
