@@ -80,8 +80,9 @@ def load_factor() -> float:
 # -- the node under test ----------------------------------------------------------------------------------------
 
 
-# A bench's knobs for plexd: tracemalloc snapshots, Python's allocator, the collector's full-collection period
-PASSED_ON = ("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC", "PLEXD_TEST_GC_")
+# A bench's knobs for plexd: tracemalloc snapshots, Python's and glibc's allocators, the collector's full-collection
+# period
+PASSED_ON = ("PLEXD_BENCH_TRACEMALLOC", "PYTHONMALLOC", "PLEXD_TEST_GC_", "MALLOC_ARENA_MAX")
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Rig:
     logs: list[Path] = field(default_factory=list)
     kills_at: int = 0  # plexd_kill_at faults so far: each takes the next of KILL_POINTS
     killed_at: Path | None = None  # the log of the run plexd_kill_at armed last
+    steppable_clock: bool = True  # plexd runs under libfaketime (the clock faults); the soak's does not
 
     @property
     def data_dir(self) -> Path:
@@ -124,7 +126,7 @@ class Rig:
                **{k: v for k, v in os.environ.items() if k.startswith(PASSED_ON)}}
         if failpoint:
             env[FAILPOINTS_ENV] = failpoint
-        if FAKETIME is not None:  # plexd's own wall clock, steppable (monotonic time is left alone)
+        if FAKETIME is not None and self.steppable_clock:  # plexd's own wall clock (monotonic time is left alone)
             if not self.clock_file.exists():
                 self.clock_file.write_text("+0\n")
             env.update(LD_PRELOAD=str(FAKETIME), FAKETIME_TIMESTAMP_FILE=str(self.clock_file),
@@ -189,7 +191,8 @@ class Rig:
 
 
 @contextlib.contextmanager
-def rig(reconcile: str = "5s", heartbeat: str = "5s", data_size: str = "32m") -> Iterator[Rig]:
+def rig(reconcile: str = "5s", heartbeat: str = "5s", data_size: str = "32m",
+        steppable_clock: bool = True) -> Iterator[Rig]:
     """The node under test, registered. `data_size`: its data_dir's tmpfs."""
     lab = Lab().up(1)
     workdir = Path(tempfile.mkdtemp(prefix="plexd-chaos-"))
@@ -217,7 +220,8 @@ def rig(reconcile: str = "5s", heartbeat: str = "5s", data_size: str = "32m") ->
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: {heartbeat}}}\n"
             "shutdown: {deregister: false}\n"
             f"node_api: {{socket_path: {workdir / 'api.sock'}}}\nlog_level: info\n")
-        r = Rig(lab, lab.nodes[0], dp, workdir, token=(workdir / "token").read_text().strip())
+        r = Rig(lab, lab.nodes[0], dp, workdir, token=(workdir / "token").read_text().strip(),
+                steppable_clock=steppable_clock)
         r.start_daemon()
         deadline = time.monotonic() + 60 * load_factor()
         while not (workdir / "data" / "identity.json").exists():
@@ -390,14 +394,21 @@ async def _unfill(r: Rig) -> None:
 
 async def _read_only(r: Rig) -> None:
     """data_dir read-only. A mount with files open for writing (SQLite's) cannot be made read-only (EBUSY), as a
-    file system's errors=remount-ro forces: so plexd is killed and the mount made read-only; `supervise` starts
-    plexd on it, which waits there until the heal makes it writable."""
+    file system's errors=remount-ro forces: so plexd is killed, the mount made read-only and plexd started again
+    at once on it (no await in between, so `supervise` never sees it gone), where it waits until the heal makes
+    data_dir writable. What is measured is plexd's wait on the file system, not the unit's RestartSec."""
     r.kill_daemon()
     subprocess.run(["mount", "-o", "remount,ro", str(r.data_dir)], check=True)
+    r.start_daemon()
 
 
 async def _writable(r: Rig) -> None:
     subprocess.run(["mount", "-o", "remount,rw", str(r.data_dir)], check=True)
+    if r.proc is not None and r.proc.poll() is None:
+        # plexd runs under `ip netns exec`, in a mount namespace of its own copied while data_dir was read-only:
+        # that copy keeps the mount's own read-only flag until it is remounted there too (one namespace on a server)
+        subprocess.run(["nsenter", "-t", str(r.proc.pid), "-m", "mount", "-o", "remount,rw", str(r.data_dir)],
+                       check=False, capture_output=True)
 
 
 def _alive(pid: int) -> bool:

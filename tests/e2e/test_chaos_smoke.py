@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 from waiting import LOAD_FACTOR
 
-from bench.chaos import FAKETIME, faults, run_trials
+from bench.chaos import FAKETIME, faults, run_trials, table
 
 pytestmark = pytest.mark.root
 
@@ -27,7 +27,7 @@ async def test_twenty_faults_at_random_moments_break_no_promise() -> None:
     run = await run_trials(TRIALS, kinds, seed=20261202, outage=5, recover=10)
     assert len(run.trials) == TRIALS and {t.fault for t in run.trials} == set(kinds)
     failed = [f"{t.fault}: {'; '.join(t.problems)}" for t in run.trials if t.problems]
-    assert failed == [], "\n".join(failed)
+    assert failed == [], "\n".join(failed) + "\n" + table(run.trials)
     # the workload really ran between the faults: peers joined, reports, actions and policies went through
     assert run.workload["peer"] >= TRIALS and run.workload["report"] >= TRIALS, run.workload
     assert run.workload["action"] >= 5 and run.workload["policy"] >= 2, run.workload
