@@ -214,10 +214,22 @@ async def read_only_dir(tmp_path):
         await umount.wait()
 
 
-async def start_up(env: Env) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
+@pytest.fixture
+async def up_on_read_only(tmp_path, rec, read_only_dir):
+    """`plexd up` started with its data_dir on the read-only mount (and a bootstrap token); killed at the end."""
+    env = Env(tmp_path, rec.url)
+    env.data = read_only_dir
+    env.write_config()
+    env.token.write_text("tok")
+    proc = await asyncio.create_subprocess_exec(
         PLEXD, "up", env={"PATH": os.environ["PATH"], "PLEXD_CONFIG": str(env.config)},
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
+    try:
+        yield env, proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
 
 
 async def until_line(proc: asyncio.subprocess.Process, fragment: str, seconds: float = 30) -> str:
@@ -228,49 +240,32 @@ async def until_line(proc: asyncio.subprocess.Process, fragment: str, seconds: f
     raise AssertionError(f"plexd up ended without logging {fragment!r}")
 
 
-async def test_up_waits_out_a_read_only_data_dir_and_goes_on_once_it_is_writable(tmp_path, rec, read_only_dir):
+async def test_up_waits_out_a_read_only_data_dir_and_goes_on_once_it_is_writable(rec, read_only_dir,
+                                                                                  up_on_read_only):
     """A file system remounted read-only (or full) heals without anyone touching plexd: `plexd up` waits for it
     instead of exiting into systemd's restart loop, whose start limit would leave it down for good. Once the mount
     is writable it goes on: here to register, which the control plane refuses, so no interface is made."""
     rec.route("POST", "/v1/register", Reply(401, '{"error": "token refused"}'))
-    env = Env(tmp_path, rec.url)
-    env.data = read_only_dir
-    env.write_config()
-    env.token.write_text("tok")
-    proc = await start_up(env)
-    try:
-        line = await until_line(proc, "is not writable")
-        assert "Read-only file system, errno 30): waiting for it" in line
-        await asyncio.sleep(2.5)  # a few tries of data_dir go by: still waiting, nothing sent, the token kept
-        assert proc.returncode is None and rec.requests == [] and env.token.exists()
-        remount = await asyncio.create_subprocess_exec("mount", "-o", "remount,rw", str(read_only_dir))
-        assert await remount.wait() == 0
-        assert "is writable again" in await until_line(proc, "writable again")
-        async with asyncio.timeout(30):
-            rc = await proc.wait()
-        assert rc != 0 and [r.path for r in rec.requests] == ["/v1/register"]
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+    env, proc = up_on_read_only
+    line = await until_line(proc, "is not writable")
+    assert "Read-only file system, errno 30): waiting for it" in line
+    await asyncio.sleep(2.5)  # a few tries of data_dir go by: still waiting, nothing sent, the token kept
+    assert proc.returncode is None and rec.requests == [] and env.token.exists()
+    remount = await asyncio.create_subprocess_exec("mount", "-o", "remount,rw", str(read_only_dir))
+    assert await remount.wait() == 0
+    assert "is writable again" in await until_line(proc, "writable again")
+    async with asyncio.timeout(30):
+        rc = await proc.wait()
+    assert rc != 0 and [r.path for r in rec.requests] == ["/v1/register"]
 
 
-async def test_up_stopped_while_it_waits_for_data_dir_exits_cleanly(tmp_path, rec, read_only_dir):
-    env = Env(tmp_path, rec.url)
-    env.data = read_only_dir
-    env.write_config()
-    env.token.write_text("tok")
-    proc = await start_up(env)
-    try:
-        await until_line(proc, "is not writable")
-        proc.terminate()
-        async with asyncio.timeout(10):
-            assert await proc.wait() == 0
-        assert rec.requests == [] and env.token.exists()
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+async def test_up_stopped_while_it_waits_for_data_dir_exits_cleanly(rec, up_on_read_only):
+    env, proc = up_on_read_only
+    await until_line(proc, "is not writable")
+    proc.terminate()
+    async with asyncio.timeout(10):
+        assert await proc.wait() == 0
+    assert rec.requests == [] and env.token.exists()
 
 
 async def test_no_api_configured(tmp_path):
