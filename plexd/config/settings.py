@@ -113,6 +113,10 @@ class ApiConfig:
     # Plain http:// or tls.insecure_skip_verify: anyone on the path could read the node secret and forge the
     # state. Refused unless this is set (labs, the devplane demo); a warning at every start when it is used.
     allow_insecure: bool = _f(False)
+    # Which control-plane contract to speak (docs/platform-dialect.md): "spec" (docs/protocol.md, the Go agent at
+    # 4386c4b), "platform" (the platform's current contract), or "auto": found at registration and remembered in
+    # the identity.
+    dialect: str = _f("auto", choices=("auto", "spec", "platform"))
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,10 @@ class RegistrationConfig:
     hostname: str = _f("")
     metadata: dict[str, str] = field(default_factory=dict, metadata={"kind": "map"})
     max_wait: float = _f(300.0, "duration", min=1)
+    # The platform contract only: the project the node joins (a UUID; empty: read from the bootstrap token) and the
+    # platform resource it registers as (empty: the hostname).
+    project_id: str = _f("")
+    resource_handle: str = _f("")
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ class _Tls(Protocol):
 class _Api(Protocol):
     url: str
     tls: _Tls
+    dialect: str
 
 
 class HasApi(Protocol):
@@ -236,8 +237,12 @@ class ControlPlaneClient:
         request_timeout: float = REQUEST_TIMEOUT,
         connect_timeout: float = CONNECT_TIMEOUT,
         now: Any = None,
+        dialect: str = "spec",
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        # The contract spoken (plexd.controlplane.dialect): "spec" or "platform"; "auto" until the registration
+        # or the stored identity settles it. Only the wire layer looks at it.
+        self.dialect = dialect
         self._token = token
         self.user_agent = user_agent
         self.request_timeout = request_timeout
@@ -252,7 +257,8 @@ class ControlPlaneClient:
         """A client for ``config.api`` (URL and TLS settings). Callers that need a URL check `require_api` first;
         without one, calls fail as unreachable rather than at construction."""
         return cls(config.api.url or "http://unconfigured.invalid", token=token, ca_file=config.api.tls.ca_file,
-                   insecure_skip_verify=config.api.tls.insecure_skip_verify)
+                   insecure_skip_verify=config.api.tls.insecure_skip_verify,
+                   dialect=getattr(config.api, "dialect", "spec"))
 
     # -- lifecycle and auth -------------------------------------------------------------------------------------
 
