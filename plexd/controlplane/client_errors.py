@@ -22,11 +22,15 @@ _MESSAGE_LIMIT = 300
 class ControlPlaneError(PlexdError):
     """A call to the control plane failed. `str(err)` is one operator-facing line."""
 
-    def __init__(self, what: str, status: int = 0, message: str = "") -> None:
+    def __init__(self, what: str, status: int = 0, message: str = "", code: str = "") -> None:
         self.status = status
         self.message = _short(message)
         self.what = what
+        # The platform contract's machine-readable reason (plexd.controlplane.problem); "" from a spec server.
+        self.code = code
         detail = f"HTTP {status}" if status else "no response"
+        if code:
+            detail += f" {code}"
         if self.message:
             detail += f": {self.message}"
         super().__init__(f"{what} failed ({detail})")
@@ -48,9 +52,10 @@ class RetryAfterError(ControlPlaneError):
     """429, or a 503 with Retry-After: the server asked us to slow down. `retry_after` is seconds, or None when it
     gave no usable hint."""
 
-    def __init__(self, what: str, status: int = 429, message: str = "", retry_after: float | None = None) -> None:
+    def __init__(self, what: str, status: int = 429, message: str = "", retry_after: float | None = None,
+                 code: str = "") -> None:
         self.retry_after = retry_after
-        super().__init__(what, status, message)
+        super().__init__(what, status, message, code)
 
 
 class PermanentError(ControlPlaneError):

@@ -1,6 +1,7 @@
 """The node's identity in ``data_dir`` (docs/protocol.md §5.2, §5.4), with the Go agent's file names and formats.
 
-    identity.json        0600  {"node_id","mesh_ip","signing_public_key"}, 2-space indent, no trailing newline
+    identity.json        0600  {"node_id","mesh_ip","signing_public_key"}, 2-space indent, no trailing newline; a
+                               node of the platform contract adds "dialect", "signing_key_id", "domain_mesh_cidr"
     private_key          0600  std base64 of the 32-byte clamped X25519 private key, no newline
     private_key.next     0600  the same, for a key rotation not yet taken by the control plane (renamed over
                                private_key when it is: plexd.node.key_rotation)
@@ -64,10 +65,20 @@ class Identity:
     node_secret_key: str
     private_key: bytes
     node_secret_kdf: str = ""  # plexd.identity.node_secret: "" (compatibility mode) or "hkdf-sha256"
+    # The contract the node registered with (plexd.controlplane.dialect): "spec" or "platform". The platform's
+    # registration also names the signing key and the mesh's whole range.
+    dialect: str = "spec"
+    signing_key_id: str = ""
+    domain_mesh_cidr: str = ""
 
     @property
     def bearer(self) -> str:
-        """The Authorization bearer for the control plane: the node secret, or derived from it."""
+        """The Authorization bearer for the control plane: the node secret, derived from it, or (platform) the
+        envelope of the node id and the NSK."""
+        if self.dialect == "platform":
+            from plexd.controlplane.platform_envelope import bearer
+
+            return bearer(self.node_id, self.node_secret_key)
         return node_secret.bearer(self.node_secret_key, self.node_secret_kdf)
 
     @property
@@ -163,7 +174,16 @@ class IdentityStore:
             kdf = self._kdf()
         except (OSError, ValueError) as exc:
             return IdentityLoad(None, str(exc))
-        return IdentityLoad(Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key, kdf))
+        extra = {}
+        for name in ("dialect", "signing_key_id", "domain_mesh_cidr"):
+            value = doc.get(name, "")
+            if not isinstance(value, str):
+                return IdentityLoad(None, f"{IDENTITY_FILE}: {name} must be a string")
+            extra[name] = value.strip()
+        extra["dialect"] = extra["dialect"] or "spec"  # written before there were two, or by the Go agent
+        if extra["dialect"] not in ("spec", "platform"):
+            return IdentityLoad(None, f"{IDENTITY_FILE}: dialect {extra['dialect'][:40]!r} is not spec or platform")
+        return IdentityLoad(Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key, kdf, **extra))
 
     def _kdf(self) -> str:
         try:
@@ -207,6 +227,9 @@ class IdentityStore:
         self._remove_temp_files()  # a save interrupted by a crash left them; readers never look at them
         doc = {"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
                "signing_public_key": identity.signing_public_key}
+        if identity.dialect != "spec":  # the Go agent's file for a spec node, as before
+            doc.update(dialect=identity.dialect, signing_key_id=identity.signing_key_id,
+                       domain_mesh_cidr=identity.domain_mesh_cidr)
         contents = {
             PRIVATE_KEY_FILE: identity.private_key_b64,
             NODE_SECRET_FILE: identity.node_secret_key,
