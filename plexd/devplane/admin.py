@@ -23,9 +23,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plexd.base import gojson
 from plexd.base.log import fingerprint
-from plexd.devplane import session_issuer, wire
+from plexd.devplane import platform_executions, platform_tokens, session_issuer, wire
 from plexd.devplane.deployment import Deployment, valid_public_key
 from plexd.devplane.events import event_id
+from plexd.devplane.platform_events import key_id
 from plexd.devplane.store import Node
 from plexd.devplane.wire import DevplaneAPIError, read_json
 from plexd.trust.integrity import sha256_file
@@ -46,7 +47,11 @@ FAULT_KEYS = {"events_status": "int", "retry_after": "str", "close_after_events"
               "rotate_answer_after": "int",  # ... takes the new key, then answers N seconds later (a crash test)
               # send every node every other node, whatever the policies (a control plane that leaves peer
               # visibility to the agents): the node's own visibility filter is then all that hides a peer
-              "ignore_visibility": "bool"}
+              "ignore_visibility": "bool",
+              # the platform dialect's descoped surfaces, each a 501 with the code plexd keys its fallback on
+              "events_not_provisioned": "bool",  # GET .../events: signed_event_bus_not_provisioned (pull only)
+              "reports_not_provisioned": "bool",  # PUT/DELETE .../state/reports/{key}: reports_not_provisioned
+              "ingest_not_provisioned": "bool"}  # metrics, logs, audit: observability_ingest_not_provisioned
 
 
 PREFIX = "/admin"
@@ -117,11 +122,43 @@ def _str(body: dict[str, Any], key: str, *, required: bool = True) -> str:
 # -- tokens and nodes -------------------------------------------------------------------------------------------
 
 async def create_token(request: Request) -> Response:
+    """A one-time bootstrap token; optional body `{kind: node|bridge, ttl_seconds}`. The platform dialect's tokens
+    are `psb_dev_<project>_<kind>_<random>` and the answer names the project; a bridge token only ever meets
+    `kind_mismatch` at /v1/register (bridges enrol elsewhere on the platform)."""
     dep = _dep(request)
-    token = "plx_enroll_" + secrets.token_hex(16)
-    dep.store.add_token(token, dep.now_text())
+    body = _obj(await read_json(request, {"kind": "str", "ttl_seconds": "num"}, allow_empty=True) or {})
+    kind = _str(body, "kind", required=False) or "node"
+    if kind not in platform_tokens.KINDS or (kind != "node" and dep.dialect != "platform"):
+        raise DevplaneAPIError(400, f"kind: {kind!r} (node, or bridge in the platform dialect)")
+    ttl = body.get("ttl_seconds")
+    if ttl is not None and ttl <= 0:
+        raise DevplaneAPIError(400, f"ttl_seconds: must be positive, got {ttl!r}")
+    answer: dict[str, Any] = {}
+    if dep.dialect == "platform":
+        project = platform_tokens.project_id(dep.store)
+        token = platform_tokens.new_token(project, kind)
+        answer.update(project_id=project, kind=kind)
+    else:
+        token = "plx_enroll_" + secrets.token_hex(16)
+    with dep.store.transaction():
+        dep.store.add_token(token, dep.now_text())
+        if ttl is not None:
+            expires = dep.clock.now().timestamp() + float(ttl)
+            dep.store.limit_token(token, expires_at=expires)
+            answer["expires_at"] = gojson.format_unix(expires)
     log.info("bootstrap token created", extra={"token": fingerprint(token)})
-    return JSONResponse({"token": token}, status_code=201)
+    return JSONResponse({"token": token, **answer}, status_code=201)
+
+
+async def revoke_token(request: Request) -> Response:
+    """A token nobody may register with any more (a used one stays used)."""
+    dep = _dep(request)
+    token = request.path_params["token"]
+    if dep.store.token_status(token) == "unknown":
+        raise DevplaneAPIError(404, "unknown bootstrap token")
+    dep.store.limit_token(token, revoked_at=dep.now_text())
+    log.info("bootstrap token revoked", extra={"token": fingerprint(token)})
+    return JSONResponse({})
 
 
 async def list_tokens(request: Request) -> Response:
@@ -349,8 +386,30 @@ async def request_action(request: Request) -> Response:
         raise DevplaneAPIError(400, f"parameters: must be an object, got {wire.kind(parameters)}")
     timeout = _str(body, "timeout", required=False) or None
     checksum = _str(body, "checksum", required=False) or None
-    execution_id = dep.request_action(node, action, parameters, timeout, checksum)
+    # the platform dialect's builtin|hook; without it, hook when the node declared a hook of that name
+    action_type = _str(body, "type", required=False) or None
+    execution_id = dep.request_action(node, action, parameters, timeout, checksum, action_type)
     return JSONResponse({"execution_id": execution_id}, status_code=201)
+
+
+async def arm_key_rotation(request: Request) -> Response:
+    """Ask a node for a new mesh key (`rotate_keys` in its heartbeats; the platform dialect also sends the event
+    and keeps asking until the node completes it at /v1/keys/rotate)."""
+    dep = _dep(request)
+    node = dep.node(request.path_params["node_id"])
+    dep.arm_key_rotation(node)
+    return JSONResponse(node.flags)
+
+
+async def execution_output(request: Request) -> Response:
+    """What a platform-dialect execution delivered with its terminal callback: the inline output decoded, or the
+    object uploaded to the devplane (404 when there is none)."""
+    dep = _dep(request)
+    node = _any_node(dep, request.path_params["node_id"])
+    data = platform_executions.output_bytes(dep, node.id, request.path_params["execution_id"])
+    if data is None:
+        raise DevplaneAPIError(404, "no output delivered for that execution")
+    return Response(data, media_type="application/octet-stream")
 
 
 async def resend_action(request: Request) -> Response:
@@ -529,7 +588,7 @@ async def set_faults(request: Request) -> Response:
         wire.check(value, want, key)
     dep.faults = {k: v for k, v in body.items() if v not in (None, False, 0, "")}
     log.warning("faults injected: %s", dep.faults)
-    if dep.faults.get("events_status") or dep.faults.get("all_status"):
+    if dep.faults.get("events_status") or dep.faults.get("all_status") or dep.faults.get("events_not_provisioned"):
         # A refused event stream is no stream: the ones open now end too (their reconnects meet the fault).
         for node_id in list(dep.hub.subscribers):
             dep.hub.close_streams(node_id)
@@ -545,15 +604,21 @@ async def clear_faults(request: Request) -> Response:
 async def status(request: Request) -> Response:
     dep = _dep(request)
     live = list(dep.live_nodes())
-    return JSONResponse({
+    platform = dep.dialect == "platform"
+    keys = dep.signer.keys(dep.clock.now())
+    doc = {
         "nodes": len(live),
         "by_status": {s: sum(1 for n in live if n.status == s) for s in ("online", "unreachable", "offline")},
         "streams": dep.hub.stream_count(),
-        "last_event_id": event_id(dep.hub.seq) if dep.hub.seq else "",
-        "signing_keys": dep.signer.keys(dep.clock.now()),
+        # the platform's SSE ids are the bare sequence numbers
+        "last_event_id": (str(dep.hub.seq) if platform else event_id(dep.hub.seq)) if dep.hub.seq else "",
+        "signing_keys": {**keys, "key_id": key_id(keys["current"])} if platform else keys,
         "heartbeat_interval": gojson.format_duration(dep.heartbeat_interval),
         "faults": dep.faults,
-    })
+    }
+    if platform:
+        doc.update(dialect="platform", project_id=platform_tokens.project_id(dep.store))
+    return JSONResponse(doc)
 
 
 def mount() -> Mount:
@@ -568,6 +633,7 @@ def routes() -> list[Route]:
         Route("/v1/status", status, methods=["GET"]),
         Route("/v1/tokens", create_token, methods=["POST"]),
         Route("/v1/tokens", list_tokens, methods=["GET"]),
+        Route("/v1/tokens/{token}", revoke_token, methods=["DELETE"]),
         Route("/v1/nodes", list_nodes, methods=["GET"]),
         Route(node, show_node, methods=["GET"]),
         Route(node, forget_node, methods=["DELETE"]),
@@ -579,8 +645,10 @@ def routes() -> list[Route]:
         Route(node + "/endpoint", set_endpoint, methods=["PUT"]),
         Route(node + "/public-key", set_public_key, methods=["PUT"]),
         Route(node + "/heartbeat-flags", set_heartbeat_flags, methods=["PUT"]),
+        Route(node + "/keys/rotate", arm_key_rotation, methods=["POST"]),
         Route(node + "/actions", request_action, methods=["POST"]),
         Route(node + "/actions/{execution_id}/resend", resend_action, methods=["POST"]),
+        Route(node + "/executions/{execution_id}/output", execution_output, methods=["GET"]),
         Route(node + "/upgrade", start_upgrade, methods=["POST"]),
         Route("/v1/artifacts/{version}/{os}/{arch}", put_artifact, methods=["PUT"]),
         Route(node + "/events", publish_event, methods=["POST"]),

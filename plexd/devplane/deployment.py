@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,9 +21,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from plexd.base import gojson
 from plexd.base.clock import Clock
+from plexd.base.errors import ConfigError
 from plexd.base.log import fingerprint
-from plexd.devplane import session_issuer
+from plexd.devplane import platform_executions, session_issuer
 from plexd.devplane.events import EventHub, Signer
+from plexd.devplane.platform_events import PlatformHub
 from plexd.devplane.store import Node, Store
 from plexd.devplane.wire import DevplaneAPIError
 from plexd.identity import node_secret
@@ -77,15 +79,21 @@ class Deployment:
         heartbeat_interval: float = 30.0,
         ip_cooldown: float = 3600.0,
         replay_window: float = 300.0,
+        dialect: str = "spec",
     ) -> None:
         self.store = store
+        # The node-facing contract (docs/platform-dialect.md): "spec" (docs/protocol.md) or "platform". The model
+        # is the same; the platform's events are told its way (platform_events) and its routes translate at the
+        # edge (platform_routes).
+        self.dialect = settle_dialect(store, dialect)
         self.clock = clock or Clock()
         self.heartbeat_interval = heartbeat_interval
         self.ip_cooldown = ip_cooldown
         self.replay_window = replay_window
         self.signer = Signer(store)
         self.nodes: dict[str, Node] = {n.id: n for n in store.load_nodes()}
-        self.hub = EventHub(store, self.signer, lambda node_id: self.nodes[node_id].num, clock_now=self.clock.now)
+        hub = PlatformHub if self.dialect == "platform" else EventHub
+        self.hub = hub(store, self.signer, lambda node_id: self.nodes[node_id].num, clock_now=self.clock.now)
         self.by_secret: dict[str, Node] = {n.bearer: n for n in self.nodes.values() if not n.removed}
         # A node that deregistered itself keeps its secret (for re-registration only) and its mesh IP until it is
         # purged or an admin forgets it, so it rejoins as the same node (docs/decisions.md, Restart and rejoin).
@@ -265,48 +273,61 @@ class Deployment:
             # client timeout on a busy machine) and the node retries. It gets the same identity, not a spent token.
             earlier = self.nodes.get(self.store.token_node(token) or "")
             if (earlier is not None and not earlier.removed and earlier.public_key == public_key
-                    and self._within_retry_window(earlier)):
+                    and self.within_retry_window(earlier)):
                 log.info("registration repeated with the same token and key; same answer",
                          extra={"node_id": earlier.id, "token": fingerprint(token)})
                 return self._register_response(earlier)
             raise DevplaneAPIError(401, "bootstrap token already used; create a new one")
         if status == "unknown":
             raise DevplaneAPIError(401, "unknown bootstrap token")
+        refusal = self.store.token_refusal(token, self.clock.now().timestamp())
+        if refusal:
+            raise DevplaneAPIError(401, f"bootstrap token {refusal}; create a new one")
         if not hostname:
             raise DevplaneAPIError(400, "hostname: must not be empty")
         if any(n.hostname == hostname for n in self.live_nodes()):
             raise DevplaneAPIError(409, f"hostname {hostname!r} is already registered")
-        self._refuse_taken_key(public_key, None)
-        node = Node(
-            id="n_" + secrets.token_hex(6),
-            hostname=hostname,
-            public_key=public_key,
-            mesh_ip=self._allocate_ip(),
-            secret=secrets.token_urlsafe(24),  # 32 ASCII chars: its raw bytes are the AES-256 key (§5.5)
+        self.refuse_taken_key(public_key, None)
+        node = self.new_node(
+            "n_" + secrets.token_hex(6), hostname, public_key,
+            secrets.token_urlsafe(24),  # 32 ASCII chars: its raw bytes are the AES-256 key (§5.5)
             # The node offered separate keys for bearer and secrets (plexd.identity.node_secret): take them.
             kdf=node_secret.HKDF_SHA256 if body.get(node_secret.FIELD) == node_secret.HKDF_SHA256 else "",
-            registered_at=self.now_text(),
             metadata=dict(body.get("metadata") or {}),
             capabilities=body.get("capabilities"),
-            last_seen=self.clock.now().timestamp(),
-            num=self._next_num,
         )
+        if not self.enroll(node, token):
+            raise DevplaneAPIError(401, "bootstrap token already used; create a new one")
+        log.info("node registered", extra={"node_id": node.id, "hostname": hostname, "mesh_ip": node.mesh_ip,
+                                           "token": fingerprint(token)})
+        return self._register_response(node)
+
+    def new_node(self, node_id: str, hostname: str, public_key: str, secret: str, **more: Any) -> Node:
+        """A node with the next mesh IP and number, not yet known to anyone: `enroll` commits it."""
+        node = Node(id=node_id, hostname=hostname, public_key=public_key, mesh_ip=self._allocate_ip(), secret=secret,
+                    registered_at=self.now_text(), last_seen=self.clock.now().timestamp(), num=self._next_num,
+                    **more)
         self._next_num += 1
+        return node
+
+    def enroll(self, node: Node, token: str, also: Callable[[], None] | None = None) -> bool:
+        """Commit a new node and spend its token (and do `also`) in one transaction, telling its watchers; False
+        when the token was spent meanwhile (nothing is written)."""
         with self.store.transaction():
             if not self.store.use_token(token, node.id, node.registered_at):
-                raise DevplaneAPIError(401, "bootstrap token already used; create a new one")
+                return False
             self._save(node)
+            if also is not None:
+                also()
             self.hub.publish(self.watchers(node), "peer_added", node.peer())
         # Known in memory only once the transaction is committed: a failure above leaves no half-registered node
         # (its retry would be told "hostname already registered")
         self.nodes[node.id] = node
         self.by_secret[node.bearer] = node
         self.used_ips.add(node.mesh_ip)
-        log.info("node registered", extra={"node_id": node.id, "hostname": hostname, "mesh_ip": node.mesh_ip,
-                                           "token": fingerprint(token)})
-        return self._register_response(node)
+        return True
 
-    def _within_retry_window(self, node: Node) -> bool:
+    def within_retry_window(self, node: Node) -> bool:
         """A used token answers the same registration again only this long after it was used (the Go agent
         retries for at most 5 minutes): a spent token and a public key every peer sees must not hand out the
         node's secret for ever."""
@@ -316,7 +337,7 @@ class Deployment:
             return False
         return self.clock.now().timestamp() - used <= REGISTER_RETRY_WINDOW
 
-    def _refuse_taken_key(self, public_key: str, owner: Node | None) -> None:
+    def refuse_taken_key(self, public_key: str, owner: Node | None) -> None:
         """Two peers with one WireGuard key: a control plane must never serve that."""
         taken = next((n for n in self.nodes.values() if n.public_key == public_key and n is not owner
                       and (not n.removed or _rejoinable(n))), None)
@@ -391,16 +412,21 @@ class Deployment:
         if node.removed:
             raise DevplaneAPIError(401, f"node {node.id} is no longer registered")
 
-    def heartbeat(self, node: Node, body: dict[str, Any]) -> dict[str, bool]:
+    def heartbeat(self, node: Node, body: dict[str, Any], *, nat_type: str | None = None,
+                  sticky: tuple[str, ...] = ()) -> dict[str, bool]:
+        """Record a heartbeat; the answer's flags are one-shot except those in `sticky` (the platform repeats
+        `rotate_keys` until the rotation is done). `nat_type` defaults to the spec body's `nat.type`."""
         self._still_here(node)
-        nat = body.get("nat") or {}
+        if nat_type is None:
+            nat = body.get("nat") or {}
+            nat_type = nat.get("type") if isinstance(nat, dict) else None
         with self.store.transaction():
             self._mark_seen(node)
             node.last_heartbeat = body
-            if isinstance(nat, dict) and nat.get("type"):
-                node.nat_type = nat["type"]
-            flags = {"reconcile": bool(node.flags.pop("reconcile", False)),
-                     "rotate_keys": bool(node.flags.pop("rotate_keys", False))}
+            if nat_type:
+                node.nat_type = nat_type
+            flags = {flag: bool(node.flags.get(flag, False) if flag in sticky else node.flags.pop(flag, False))
+                     for flag in ("reconcile", "rotate_keys")}
             self._save(node)
             self.store.add_record(node.id, "heartbeat", self.now_text(), json.dumps(body))
         return flags
@@ -464,12 +490,21 @@ class Deployment:
             raise DevplaneAPIError(400, "new_public_key: must be the standard base64 encoding of 32 bytes "
                                         "(44 characters)")
         self._still_here(node)
-        self._refuse_taken_key(new_public_key, node)
+        self.refuse_taken_key(new_public_key, node)
         with self.store.transaction():
             node.public_key = new_public_key
             self._save(node)
             self.hub.publish(self.watchers(node), "peer_key_rotated", node.peer())
         return [p.peer() for p in self.visible_peers(node)]
+
+    def arm_key_rotation(self, node: Node) -> None:
+        """Ask the node for a new mesh key: its next heartbeat answers `rotate_keys` (the platform dialect repeats
+        it until the node completes the rotation, and tells an open stream at once)."""
+        with self.store.transaction():
+            node.flags["rotate_keys"] = True
+            self._save(node)
+            if self.dialect == "platform":
+                self.hub.publish([node.id], "rotate_keys", {"node_id": node.id})
 
     # -- state (§4.1) and secrets (§8.5) ------------------------------------------------------------------------
 
@@ -611,9 +646,12 @@ class Deployment:
         return version
 
     def request_action(self, node: Node, action: str, parameters: dict[str, Any], timeout: str | None,
-                       checksum: str | None) -> str:
+                       checksum: str | None, action_type: str | None = None) -> str:
         """Publish an action_request. Without a checksum, a hook's is taken from the node's last capabilities
-        (as a real control plane would: it asks for the hook it was told about)."""
+        (as a real control plane would: it asks for the hook it was told about). The platform dialect queues it
+        in the node's `executions` block instead (platform_executions; `action_type` builtin or hook)."""
+        if self.dialect == "platform":
+            return platform_executions.queue(self, node, action, parameters, timeout, action_type)
         execution_id = "exec_" + secrets.token_hex(8)
         if not checksum:
             checksum = announced_checksum(node.capabilities, action)
@@ -632,6 +670,8 @@ class Deployment:
     def resend_action(self, node: Node, execution_id: str) -> str:
         """Publish an execution's action_request again, as a new event (a control plane retrying): the node must
         refuse it as a duplicate, never run it twice. Returns the new event id."""
+        if self.dialect == "platform":
+            return platform_executions.resend(self, node, execution_id)
         doc = self.store.execution(node.id, execution_id)
         if doc is None or doc.get("requested_at") is None:
             raise KeyError(execution_id)
@@ -683,6 +723,23 @@ def announced_checksum(capabilities: Any, action: str) -> str:
         if isinstance(hook, dict) and hook.get("name") == action:
             return str(hook.get("checksum") or "")
     return ""
+
+
+DIALECTS = ("spec", "platform")
+
+
+def settle_dialect(store: Store, dialect: str) -> str:
+    """The dialect a database serves is the one it was made with: node ids, tokens and secrets differ between the
+    two. A file from before dialects existed is a spec one once it holds nodes."""
+    if dialect not in DIALECTS:
+        raise ConfigError(f"dialect {dialect!r}: must be one of {', '.join(DIALECTS)}")
+    made = store.get_meta("dialect")
+    if made is None:
+        made = "spec" if store.load_nodes() else dialect
+        store.set_meta("dialect", made)
+    if made != dialect:
+        raise ConfigError(f"database {store.path} serves the {made} dialect, not {dialect}; use a new --db path")
+    return dialect
 
 
 def _rejoinable(node: Node) -> bool:

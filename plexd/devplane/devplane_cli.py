@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a stream opened without Last-Event-ID first gets the events of this window (default 5m)")
     serve.add_argument("--artifacts-dir", help="directory served at /v1/artifacts/plexd/VERSION/OS/ARCH "
                                                "(default <db>.artifacts)")
+    serve.add_argument("--dialect", default="spec", choices=["spec", "platform"],
+                       help="the contract the node API speaks: spec (docs/protocol.md) or platform "
+                            "(docs/platform-dialect.md); a database serves the one it was made with (default spec)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.set_defaults(func=cmd_serve)
 
@@ -80,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve(ServeOptions(listen=args.listen, db=args.db, admin_token_file=args.admin_token_file,
                        heartbeat_interval=args.heartbeat_interval, keepalive=args.keepalive,
                        ip_cooldown=args.ip_cooldown, replay_window=args.replay_window,
-                       artifacts_dir=args.artifacts_dir))
+                       artifacts_dir=args.artifacts_dir, dialect=args.dialect))
     return 0
 
 

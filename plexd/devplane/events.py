@@ -157,7 +157,7 @@ class EventHub:
         seq = self.seq
         eid = event_id(seq)
         if payload_raw is not None:
-            payload_raw = _one_line(payload_raw)
+            payload_raw = one_line(payload_raw)
         if raw_data is not None:
             data = raw_data
         elif raw_frame is not None:
@@ -172,7 +172,7 @@ class EventHub:
                 forged = signature
                 if signature == "forge":
                     forged = base64.b64encode(os.urandom(64)).decode()
-                data = _replace_signature(data, forged)
+                data = replace_signature(data, forged)
             data = split_long_lines(data)
         self.store.add_event(seq, event_type, data, time.time(), [self.node_num(t) for t in targets])
         event = StreamEvent(seq, event_type, data)
@@ -254,7 +254,7 @@ def split_long_lines(data: str, limit: int = MAX_LINE) -> str:
     return "\n".join(lines)
 
 
-def _one_line(raw: str) -> str:
+def one_line(raw: str) -> str:
     """Keep caller-supplied payload text on one SSE line without changing what it means or its signature.
 
     Newlines can only be whitespace between tokens (JSON forbids them raw inside strings), and U+2028/U+2029
@@ -265,7 +265,7 @@ def _one_line(raw: str) -> str:
             .replace("\u2029", "\\u2029"))
 
 
-def _replace_signature(envelope: str, signature: str) -> str:
+def replace_signature(envelope: str, signature: str) -> str:
     head, sep, _ = envelope.rpartition(',"signature":"')
     return head + sep + signature + '"}'
 

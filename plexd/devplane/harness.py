@@ -71,8 +71,22 @@ class AdminClient:
     def status(self) -> dict[str, Any]:
         return self._call("GET", "/status")
 
-    def create_token(self) -> str:
-        return self._call("POST", "/tokens")["token"]
+    def create_token(self, kind: str | None = None, ttl_seconds: float | None = None) -> str:
+        """A one-time bootstrap token (`kind` "bridge": a platform-dialect bridge token; `ttl_seconds`: it
+        expires)."""
+        return self.create_token_info(kind, ttl_seconds)["token"]
+
+    def create_token_info(self, kind: str | None = None, ttl_seconds: float | None = None) -> dict[str, Any]:
+        """The whole answer: {token[, project_id, kind (platform dialect)][, expires_at]}."""
+        body = {k: v for k, v in (("kind", kind), ("ttl_seconds", ttl_seconds)) if v is not None}
+        return self._call("POST", "/tokens", body or None)
+
+    def revoke_token(self, token: str) -> None:
+        self._call("DELETE", f"/tokens/{_q(token)}")
+
+    def project_id(self) -> str:
+        """The platform dialect's project (what a node puts in registration.project_id)."""
+        return self.status()["project_id"]
 
     def tokens(self) -> list[dict[str, Any]]:
         return self._call("GET", "/tokens")
@@ -115,9 +129,18 @@ class AdminClient:
                    {"reconcile": reconcile, "rotate_keys": rotate_keys})
 
     def request_action(self, node_id: str, action: str, parameters: dict[str, Any] | None = None,
-                       timeout: str | None = None, checksum: str | None = None) -> str:
+                       timeout: str | None = None, checksum: str | None = None,
+                       action_type: str | None = None) -> str:
+        """An action for the node; in the platform dialect an execution in its state (`action_type` builtin or
+        hook, guessed from its declared hooks when not given)."""
         body = {"action": action, "parameters": parameters or {}, "timeout": timeout, "checksum": checksum}
+        if action_type:
+            body["type"] = action_type
         return self._call("POST", f"/nodes/{_q(node_id)}/actions", body)["execution_id"]
+
+    def request_key_rotation(self, node_id: str) -> None:
+        """Ask the node for a new mesh key (the platform dialect keeps asking, and sends `rotate_keys`)."""
+        self._call("POST", f"/nodes/{_q(node_id)}/keys/rotate", {})
 
     def put_artifact(self, version: str, data: bytes, *, os_name: str = "linux", arch: str | None = None,
                      signature: bytes | None = None) -> dict:
@@ -205,6 +228,31 @@ class AdminClient:
     def executions(self, node_id: str) -> list[dict[str, Any]]:
         return self.records(node_id, "executions")
 
+    def execution(self, node_id: str, execution_id: str) -> dict[str, Any]:
+        found = [e for e in self.executions(node_id) if e["execution_id"] == execution_id]
+        if not found:
+            raise AdminError(404, f"node {node_id} has no execution {execution_id}")
+        return found[0]
+
+    def execution_callbacks(self, node_id: str, execution_id: str) -> list[dict[str, Any]]:
+        """Platform dialect: every callback the node posted for the execution, in order, each
+        {received_at, body, http_status, code} (refused ones too, with their status and code)."""
+        return self.execution(node_id, execution_id)["callbacks"]
+
+    def execution_output(self, node_id: str, execution_id: str) -> bytes:
+        """Platform dialect: the output the terminal callback delivered (inline, or uploaded over the ceiling)."""
+        try:
+            resp = self.http.get(f"/nodes/{_q(node_id)}/executions/{_q(execution_id)}/output")
+        except httpx.HTTPError as exc:
+            raise PlexdError(f"devplane at {self.url} unreachable: {exc}") from None
+        if resp.status_code >= 300:
+            raise AdminError(resp.status_code, resp.text)
+        return resp.content
+
+    def capabilities(self, node_id: str) -> list[dict[str, Any]]:
+        """Every capability manifest the node sent, oldest first."""
+        return self.records(node_id, "capabilities")
+
     def report_entries(self, node_id: str) -> list[dict[str, Any]]:
         """The node's current report entries (its batches folded), sorted by key."""
         return self._call("GET", f"/nodes/{_q(node_id)}/report-entries")
@@ -222,6 +270,7 @@ class AdminClient:
         return self.records(node_id, "audit")
 
     def integrity(self, node_id: str) -> list[dict[str, Any]]:
+        """The violation reports (platform dialect: each body is {"violations": [...]})."""
         return self.records(node_id, "integrity")
 
     def heartbeats(self, node_id: str) -> list[dict[str, Any]]:
@@ -244,12 +293,12 @@ class Devplane:
     """A `plexd-devplane serve` child process on `listen` (port 0 = any), its db in `tmp_dir`.
 
     `netns` runs it inside that network namespace (`ip netns exec`). `extra_args` go to `serve`, e.g.
-    `["--heartbeat-interval", "1s", "--keepalive", "1s"]`.
+    `["--heartbeat-interval", "1s", "--keepalive", "1s"]`. `dialect="platform"` serves the platform contract.
     """
 
     def __init__(self, tmp_dir: str | os.PathLike[str], listen: str = "127.0.0.1:0", netns: str | None = None,
                  extra_args: list[str] | tuple[str, ...] = (), *, heartbeat_interval: str | None = None,
-                 keepalive: str | None = None, start_timeout: float = 20.0) -> None:
+                 keepalive: str | None = None, start_timeout: float = 20.0, dialect: str = "spec") -> None:
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.db_path = self.dir / "devplane.db"
@@ -261,6 +310,9 @@ class Devplane:
             self.extra_args += ["--heartbeat-interval", heartbeat_interval]
         if keepalive:
             self.extra_args += ["--keepalive", keepalive]
+        self.dialect = dialect  # the node API's contract: "spec" or "platform" (docs/devplane.md)
+        if dialect != "spec":
+            self.extra_args += ["--dialect", dialect]
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""

@@ -37,6 +37,7 @@ class ServeOptions:
     ip_cooldown: float = 3600.0
     replay_window: float = 300.0
     artifacts_dir: str | None = None
+    dialect: str = "spec"  # the node-facing contract: "spec" (docs/protocol.md) or "platform"
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -105,7 +106,7 @@ def serve(opts: ServeOptions) -> None:
     try:
         admin_token = load_admin_token(db_path, opts.admin_token_file)
         deployment = Deployment(store, heartbeat_interval=opts.heartbeat_interval, ip_cooldown=opts.ip_cooldown,
-                                replay_window=opts.replay_window)
+                                replay_window=opts.replay_window, dialect=opts.dialect)
         artifacts = Path(opts.artifacts_dir) if opts.artifacts_dir else db_path.with_name(db_path.name + ".artifacts")
         app = create_app(deployment, admin_token=admin_token, keepalive=opts.keepalive, artifacts_dir=artifacts)
         sock = bind(host, port)

@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from sse_starlette.event import ServerSentEvent
-from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -25,10 +23,13 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from plexd.devplane import admin, wire
+from plexd.devplane import admin, platform_routes, wire
 from plexd.devplane.admission import StreamAdmission
 from plexd.devplane.deployment import Deployment, cancel_quietly
 from plexd.devplane.events import format_sse, parse_event_id
+from plexd.devplane.platform_state import Reachability
+from plexd.devplane.platform_wire import problem_response
+from plexd.devplane.sse_stream import event_stream
 from plexd.devplane.wire import DevplaneAPIError, bearer, error_response, read_json
 
 log = logging.getLogger(__name__)
@@ -234,20 +235,6 @@ async def ping(request: Request) -> Response:
 
 # -- SSE (§2) ---------------------------------------------------------------------------------------------------
 
-class _Stream:
-    """The SSE response plus the subscriber's cleanup, which must run however the response ends."""
-
-    def __init__(self, response: Response, cleanup: Any) -> None:
-        self.response = response
-        self.cleanup = cleanup
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await self.response(scope, receive, send)
-        finally:
-            self.cleanup()
-
-
 async def events(request: Request) -> Response:
     node = _node(request)
     dep = _dep(request)
@@ -259,45 +246,9 @@ async def events(request: Request) -> Response:
     after = parse_event_id(last) if last else None
     if last and after is None:
         log.info("ignoring unknown Last-Event-ID %r", last[:64], extra={"node_id": node.id})
-    sub = dep.hub.subscribe(node.id)
-    backlog = dep.hub.backlog(node.id, after, dep.replay_window)
-    current = dep.hub.seq
-    faults = dict(dep.faults)
-    close_after = int(faults.get("close_after_events") or 0)
-    silent = bool(faults.get("silent"))
-
-    async def stream() -> AsyncIterator[bytes]:
-        if silent:  # accept, then say nothing at all (for the agent's idle watchdog)
-            await asyncio.Event().wait()
-        sent = 0
-        last_seq = min(after or 0, current)  # a cursor from the future (e.g. an older db) must not hide new events
-        for event in backlog:
-            last_seq = event.seq
-            yield format_sse(event)
-            sent += 1
-            if close_after and sent >= close_after:
-                return
-        while True:
-            event = await sub.queue.get()
-            if event is None:
-                return
-            if event.seq <= last_seq:
-                continue
-            last_seq = event.seq
-            yield format_sse(event)
-            sent += 1
-            if close_after and sent >= close_after:
-                return
-
-    keepalive = request.app.state.keepalive
-    response = EventSourceResponse(
-        stream(),
-        ping=0 if silent else keepalive,
-        sep="\n",
-        ping_message_factory=lambda: ServerSentEvent(comment="keepalive", sep="\n"),
-        headers={"Cache-Control": "no-cache"},
-    )
-    return _Stream(response, lambda: dep.hub.unsubscribe(sub))  # type: ignore[return-value]
+    return event_stream(dep, node.id, after, lambda: dep.hub.backlog(node.id, after, dep.replay_window),
+                        keepalive=request.app.state.keepalive, render=format_sse, keepalive_comment="keepalive",
+                        headers={"Cache-Control": "no-cache"})
 
 
 # -- faults -----------------------------------------------------------------------------------------------------
@@ -323,29 +274,45 @@ class FaultMiddleware:
                 headers = {}
                 if int(status) == 429 and faults.get("retry_after"):
                     headers["Retry-After"] = str(faults["retry_after"])
-                response = error_response(int(status), f"injected fault: status {status}", headers)
+                code = _FAULT_CODES.get(int(status), "") if _EVENTS_PATH.match(scope["path"]) else ""
+                response = render_error(self.deployment, scope["path"], int(status),
+                                        f"injected fault: status {status}", headers, code)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+# What the platform's event route says with these statuses (plexd keys its delivery mode on the code).
+_FAULT_CODES = {501: "signed_event_bus_not_provisioned", 503: "event_stream_unavailable"}
+
+
+def render_error(dep: Deployment, path: str, status: int, message: str, headers: dict[str, str] | None = None,
+                 code: str = "") -> Response:
+    """An error as the dialect says it: the platform's node API answers problem+json, everything else (the spec
+    dialect, the admin API in both) `{"error": message}`."""
+    if dep.dialect == "platform" and not path.startswith(admin.PREFIX + "/"):
+        return problem_response(status, code, message, path, headers)
+    return error_response(status, message, headers)
 
 
 # -- app --------------------------------------------------------------------------------------------------------
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, DevplaneAPIError)
-    return error_response(exc.status, exc.message, exc.headers)
+    return render_error(_dep(request), request.url.path, exc.status, exc.message, exc.headers,
+                        getattr(exc, "code", ""))
 
 
 async def _starlette_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = {404: f"no such endpoint: {request.method} {request.url.path}",
                405: f"method {request.method} not allowed on {request.url.path}"}.get(exc.status_code, exc.detail)
-    return error_response(exc.status_code, message, exc.headers)
+    return render_error(_dep(request), request.url.path, exc.status_code, message, exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, "internal error (see the devplane log)")
+    return render_error(_dep(request), request.url.path, 500, "internal error (see the devplane log)")
 
 
 NODE = "/v1/nodes/{node_id}"
@@ -390,8 +357,9 @@ def create_app(
         finally:
             await cancel_quietly(task)
 
+    node_api = platform_routes.ROUTES if deployment.dialect == "platform" else ROUTES
     app = Starlette(
-        routes=[*ROUTES, admin.mount()],
+        routes=[*node_api, admin.mount()],
         exception_handlers={DevplaneAPIError: _http_error, HTTPException: _starlette_error, Exception: _internal_error},
         lifespan=lifespan,
     )
@@ -400,6 +368,7 @@ def create_app(
     app.state.keepalive = keepalive
     app.state.artifacts_dir = artifacts_dir
     app.state.admission = StreamAdmission(lambda: len(deployment.nodes))
+    app.state.reachability = Reachability()  # the platform dialect's verdicts and when they changed
     app.add_middleware(FaultMiddleware, deployment=deployment)
     return app
 

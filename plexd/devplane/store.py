@@ -21,6 +21,8 @@ from plexd.identity import node_secret
 
 SCHEMA_VERSION = 2
 
+# token_limits, register_nonces and uploads came later and only add to version 2 (nothing older changed): CREATE
+# IF NOT EXISTS puts them into an older file at its next open.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens (
@@ -36,6 +38,13 @@ CREATE TABLE IF NOT EXISTS records (
 CREATE INDEX IF NOT EXISTS records_by_node ON records (node_id, kind, id);
 CREATE TABLE IF NOT EXISTS executions (
     node_id TEXT NOT NULL, execution_id TEXT NOT NULL, doc TEXT NOT NULL, PRIMARY KEY (node_id, execution_id));
+CREATE TABLE IF NOT EXISTS token_limits (token TEXT PRIMARY KEY, expires_at REAL, revoked_at TEXT);
+CREATE TABLE IF NOT EXISTS register_nonces (
+    project_id TEXT NOT NULL, nonce TEXT NOT NULL, node_id TEXT NOT NULL, used_at TEXT NOT NULL,
+    PRIMARY KEY (project_id, nonce));
+CREATE TABLE IF NOT EXISTS uploads (
+    token TEXT PRIMARY KEY, node_id TEXT NOT NULL, execution_id TEXT NOT NULL, declared INTEGER NOT NULL,
+    sha256 TEXT, data BLOB);
 """
 
 RECORDS_KEPT_PER_KIND = 1000  # per node and kind; older rows are pruned so a chatty node cannot fill the disk
@@ -190,6 +199,23 @@ class Store:
                               (used_at, node_id, token))
         return cur.rowcount == 1
 
+    def limit_token(self, token: str, *, expires_at: float | None = None, revoked_at: str | None = None) -> None:
+        """An expiry (epoch seconds) or a revocation for a token; what is not given stays as it was."""
+        self.db.execute("INSERT INTO token_limits(token, expires_at, revoked_at) VALUES(?, ?, ?) ON CONFLICT(token) "
+                        "DO UPDATE SET expires_at=COALESCE(excluded.expires_at, expires_at), "
+                        "revoked_at=COALESCE(excluded.revoked_at, revoked_at)", (token, expires_at, revoked_at))
+
+    def token_refusal(self, token: str, now: float) -> str | None:
+        """'revoked' or 'expired' when an admin limited the token and the limit applies now, else None."""
+        row = self.db.execute("SELECT expires_at, revoked_at FROM token_limits WHERE token=?", (token,)).fetchone()
+        if row is None:
+            return None
+        if row[1] is not None:
+            return "revoked"
+        if row[0] is not None and now >= row[0]:
+            return "expired"
+        return None
+
     def tokens(self) -> list[dict[str, Any]]:
         rows = self.db.execute("SELECT token, created_at, used_at, node_id FROM tokens ORDER BY created_at")
         return [{"token": r[0], "created_at": r[1], "used_at": r[2], "node_id": r[3]} for r in rows]
@@ -266,6 +292,44 @@ class Store:
         """(received_at, body) oldest first."""
         return self.db.execute("SELECT received_at, body FROM records WHERE node_id=? AND kind=? ORDER BY id",
                                (node_id, kind)).fetchall()
+
+    def last_record_time(self, node_id: str, kind: str) -> str | None:
+        """When the newest record of `kind` from the node was received."""
+        row = self.db.execute("SELECT received_at FROM records WHERE node_id=? AND kind=? ORDER BY id DESC LIMIT 1",
+                              (node_id, kind)).fetchone()
+        return row[0] if row else None
+
+    # -- registration nonces (the platform contract) ------------------------------------------------------------
+
+    def nonce_node(self, project_id: str, nonce: str) -> str | None:
+        """The node a successful registration with this (project, nonce) created, or None."""
+        row = self.db.execute("SELECT node_id FROM register_nonces WHERE project_id=? AND nonce=?",
+                              (project_id, nonce)).fetchone()
+        return row[0] if row else None
+
+    def record_nonce(self, project_id: str, nonce: str, node_id: str, used_at: str) -> None:
+        self.db.execute("INSERT INTO register_nonces(project_id, nonce, node_id, used_at) VALUES(?, ?, ?, ?) "
+                        "ON CONFLICT(project_id, nonce) DO NOTHING", (project_id, nonce, node_id, used_at))
+
+    # -- over-ceiling execution output (the platform contract) --------------------------------------------------
+
+    def add_upload(self, token: str, node_id: str, execution_id: str, declared: int) -> None:
+        self.db.execute("INSERT INTO uploads(token, node_id, execution_id, declared) VALUES(?, ?, ?, ?)",
+                        (token, node_id, execution_id, declared))
+
+    def upload(self, token: str) -> dict[str, Any] | None:
+        row = self.db.execute("SELECT node_id, execution_id, declared, sha256, data FROM uploads WHERE token=?",
+                              (token,)).fetchone()
+        if row is None:
+            return None
+        return {"token": token, "node_id": row[0], "execution_id": row[1], "declared": row[2], "sha256": row[3],
+                "data": row[4]}
+
+    def finish_upload(self, token: str, sha256: str, data: bytes) -> bool:
+        """Store the uploaded bytes once; False when they were already there."""
+        cur = self.db.execute("UPDATE uploads SET sha256=?, data=? WHERE token=? AND data IS NULL",
+                              (sha256, data, token))
+        return cur.rowcount == 1
 
     # -- executions ---------------------------------------------------------------------------------------------
 
