@@ -37,3 +37,19 @@ def readers():
     yield open_reader
     for r in opened:
         r.close()
+
+
+@pytest.fixture(scope="module")
+def platform_dp(tmp_path_factory: pytest.TempPathFactory):
+    """One devplane speaking the platform dialect per test module."""
+    with Devplane(tmp_path_factory.mktemp("devplane"), keepalive="1s", dialect="platform") as plane:
+        yield plane
+
+
+@pytest.fixture
+def fresh_platform_dp(tmp_path):
+    plane = Devplane(tmp_path / "devplane", keepalive="1s", dialect="platform")
+    try:
+        yield plane.start()
+    finally:
+        plane.stop()
