@@ -16,7 +16,7 @@ from plexd.base import boundedjson
 from plexd.base.errors import ConfigError
 
 RECORD_COMMANDS = ("drift", "executions", "reports", "metrics", "logs", "audit", "integrity", "heartbeats",
-                   "endpoints", "tunnels", "session-activity")
+                   "endpoints", "tunnels", "session-activity", "capabilities")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,8 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     leaf(cmds, "status", do_status, "deployment summary: nodes by status, open streams, signing keys, faults")
 
     g = group("token", "bootstrap tokens")
-    leaf(g, "create", do_token_create, "create a one-time bootstrap token and print it")
+    p = leaf(g, "create", do_token_create, "create a one-time bootstrap token and print it")
+    p.add_argument("--kind", choices=("node", "bridge"), help="platform dialect: a bridge token (default node)")
+    p.add_argument("--ttl", help="Go duration after which the token expires (default: never)")
     leaf(g, "list", do_token_list, "list tokens (abbreviated) and who used them")
+    leaf(g, "revoke", do_token_revoke, "make a token unusable (a used one stays used)").add_argument("token")
 
     p = leaf(cmds, "nodes", do_nodes, "list nodes with their status")
     p.add_argument("--all", action="store_true", help="include deregistered/forgotten nodes")
@@ -111,6 +114,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--reconcile", action="store_true")
     p.add_argument("--rotate-keys", action="store_true")
 
+    g = group("keys", "a node's mesh key")
+    leaf(g, "rotate", do_keys_rotate, "ask a node for a new mesh key (platform dialect: until it completes the "
+         "rotation, with a rotate_keys event)").add_argument("node_id")
+
     g = group("action", "actions (hooks and built-ins) on nodes")
     p = leaf(g, "request", do_action_request, "send an action_request; prints the execution id")
     p.add_argument("node_id")
@@ -118,6 +125,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--timeout", help="Go duration, e.g. 30s")
     p.add_argument("--checksum", help="hex SHA-256 of the hook (default: the one the node announced)")
+    p.add_argument("--type", choices=("builtin", "hook"),
+                   help="platform dialect: the execution's type (default: hook if the node declared one so named)")
     p = leaf(g, "resend", do_action_resend, "publish an execution's request again (the node must not re-run it)")
     p.add_argument("node_id")
     p.add_argument("execution_id")
@@ -269,7 +278,9 @@ def do_status(c: Any, args: argparse.Namespace) -> Any:
     keys = s["signing_keys"]
     lines = [f"nodes: {s['nodes']} ({', '.join(f'{k} {v}' for k, v in s['by_status'].items())})",
              f"open event streams: {s['streams']}", f"last event: {s['last_event_id'] or '-'}",
-             f"signing key: {keys['current']}"]
+             f"signing key: {keys['current']}" + (f" ({keys['key_id']})" if keys.get("key_id") else "")]
+    if s.get("dialect"):
+        lines[:0] = [f"dialect: {s['dialect']} (project {s['project_id']})"]
     if keys.get("previous"):
         lines.append(f"previous key: {keys['previous']} (until {keys['transition_expires']})")
     lines.append(f"faults: {json.dumps(s['faults']) if s['faults'] else 'none'}")
@@ -277,8 +288,19 @@ def do_status(c: Any, args: argparse.Namespace) -> Any:
 
 
 def do_token_create(c: Any, args: argparse.Namespace) -> Any:
-    token = c.create_token()
-    return {"token": token}, token
+    ttl = _seconds(args.ttl, "--ttl") if args.ttl else None
+    info = c.create_token_info(args.kind, ttl)
+    return info, info["token"]
+
+
+def do_token_revoke(c: Any, args: argparse.Namespace) -> Any:
+    c.revoke_token(args.token)
+    return {"revoked": True}, "token revoked"
+
+
+def do_keys_rotate(c: Any, args: argparse.Namespace) -> Any:
+    c.request_key_rotation(args.node_id)
+    return {"rotate_keys": True}, f"{args.node_id} is asked for a new mesh key"
 
 
 def do_token_list(c: Any, args: argparse.Namespace) -> Any:
@@ -330,7 +352,8 @@ def do_bridge_set(c: Any, args: argparse.Namespace) -> Any:
 
 def do_bridge_show(c: Any, args: argparse.Namespace) -> Any:
     node = c.node(args.node_id)
-    reports = {e["key"]: e["payload"] for e in c.report_entries(args.node_id) if e["key"].startswith("status.")}
+    reports = {e["key"]: e.get("payload", e.get("value")) for e in c.report_entries(args.node_id)
+               if e["key"].startswith("status.")}
     doc = {"bridge": node.get("bridge"), "status": reports}
     return doc, json.dumps(doc, indent=2)
 
@@ -363,8 +386,13 @@ def do_secret_set(c: Any, args: argparse.Namespace) -> Any:
 
 def do_report_list(c: Any, args: argparse.Namespace) -> Any:
     entries = c.report_entries(args.node_id)
-    lines = [f"{e.get('key', '?')}  v{e.get('version', '?')}  {e.get('content_type', '?')}  {e.get('updated_at', '?')}"
-             for e in entries]  # what a node sent: any of it may be missing
+    def line(e: dict[str, Any]) -> str:  # what a node sent: any of it may be missing
+        if "value" in e:  # the platform dialect's entries: a key and an opaque value
+            return f"{e.get('key', '?')}  {str(e['value'])[:80]}"
+        return (f"{e.get('key', '?')}  v{e.get('version', '?')}  {e.get('content_type', '?')}  "
+                f"{e.get('updated_at', '?')}")
+
+    lines = [line(e) for e in entries]
     return entries, "\n".join(lines) or f"no report entries from {args.node_id}"
 
 
@@ -372,7 +400,7 @@ def do_report_get(c: Any, args: argparse.Namespace) -> Any:
     entry = next((e for e in c.report_entries(args.node_id) if e["key"] == args.key), None)
     if entry is None:
         raise ConfigError(f"node {args.node_id} has no report entry {args.key!r}")
-    payload = entry["payload"]
+    payload = entry["payload"] if "payload" in entry else entry.get("value")  # the platform's entries hold a value
     return entry, payload if isinstance(payload, str) else json.dumps(payload, indent=2, ensure_ascii=False)
 
 
@@ -390,7 +418,7 @@ def do_flags_set(c: Any, args: argparse.Namespace) -> Any:
 
 def do_action_request(c: Any, args: argparse.Namespace) -> Any:
     eid = c.request_action(args.node_id, args.action, _pairs(args.param, "--param"), timeout=args.timeout,
-                           checksum=args.checksum)
+                           checksum=args.checksum, action_type=args.type)
     return {"execution_id": eid}, eid
 
 
@@ -458,6 +486,9 @@ def do_faults_clear(c: Any, args: argparse.Namespace) -> Any:
 def do_records(c: Any, args: argparse.Namespace) -> Any:
     kind = args.admin_command
     items = c.records(args.node_id, kind)
+    if kind == "executions" and any("callbacks" in e for e in items):  # the platform dialect's executions
+        rows = [[e["execution_id"], e["action"], e["type"], e["status"], str(e.get("exit_code", "-"))] for e in items]
+        return items, table(rows, ["EXECUTION", "ACTION", "TYPE", "STATUS", "EXIT"])
     if kind == "executions":
         rows = [[e["execution_id"], e["action"] or "-", (e["ack"] or {}).get("status", "-"),
                  (e["result"] or {}).get("status", "-"), str((e["result"] or {}).get("exit_code", "-"))]

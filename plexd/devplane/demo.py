@@ -16,6 +16,9 @@ and the nodes find each other through NAT discovery alone; a table shows what ea
 With `--bridge`: a node in bridge mode on the public side and two nodes behind port-randomising (symmetric) NAT
 routers, which no direct path can join: they move to the bridge's relay by themselves (`fallback_endpoint`) and
 ping each other through it; `plexd peers` shows the path and the relay what it learned.
+
+`--dialect platform` runs the devplane and every node on the platform's contract (docs/platform-dialect.md)
+instead of docs/protocol.md; the scenarios are the same.
 """
 
 from __future__ import annotations
@@ -216,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupted)
     lab = Lab(state_file=DEFAULT_STATE_FILE if args.keep else None)
-    mesh = MeshLab(lab)
+    mesh = MeshLab(lab, dialect=getattr(args, "dialect", "spec"))
     keep = False
     try:
         nat = getattr(args, "nat", False)

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="put every node behind its own NAT router; they find each other over STUN (coturn)")
     demo.add_argument("--bridge", action="store_true",
                       help="a bridge and two nodes behind symmetric NATs, which reach each other through its relay")
+    demo.add_argument("--dialect", default="spec", choices=["spec", "platform"],
+                      help="the contract the devplane and the nodes speak (default spec)")
     demo.add_argument("--keep", action="store_true", help="leave the lab running (remove it later with --down)")
     demo.add_argument("--down", action="store_true", help="remove a lab left by --keep")
     demo.set_defaults(func=cmd_demo)

@@ -503,10 +503,12 @@ class MeshLab:
 
     LISTEN_PORT = 51820
 
-    def __init__(self, lab: Lab, *, reconcile: str = "60s", heartbeat: str = "5s", plexd: str | None = None) -> None:
+    def __init__(self, lab: Lab, *, reconcile: str = "60s", heartbeat: str = "5s", plexd: str | None = None,
+                 dialect: str = "spec") -> None:
         import sys
 
         self.lab = lab
+        self.dialect = dialect  # the contract the devplane and every node speak: "spec" or "platform"
         self.reconcile = reconcile
         self.heartbeat = heartbeat
         self.plexd = plexd or os.path.join(os.path.dirname(sys.executable), "plexd")
@@ -526,7 +528,8 @@ class MeshLab:
         log_path = os.path.join(ddir, "devplane.log")
         with open(log_path, "w") as log:
             self.lab.spawn([self.python, "-m", "plexd.devplane.devplane_cli", "serve", "--listen",
-                            f"{self.lab.bridge_address}:0", "--db", os.path.join(ddir, "devplane.db")],
+                            f"{self.lab.bridge_address}:0", "--db", os.path.join(ddir, "devplane.db"),
+                            *(["--dialect", self.dialect] if self.dialect != "spec" else [])],
                            stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -590,7 +593,9 @@ class MeshLab:
             f.write(self.admin.create_token())
         config = os.path.join(ndir, "config.yaml")
         with open(config, "w") as f:
-            f.write(f"api: {{url: {self.url}, allow_insecure: true}}\ndata_dir: {ndir}/data\ntoken: {{file: {token}}}\n"
+            dialect = ", dialect: platform" if self.dialect == "platform" else ""
+            f.write(f"api: {{url: {self.url}, allow_insecure: true{dialect}}}\ndata_dir: {ndir}/data\n"
+                    f"token: {{file: {token}}}\n"
                     f"hooks: {{dir: {ndir}/hooks}}\n"
                     f"mesh: {{interface: plexd0, backend: {backend}, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"
                     f"reconcile: {{interval: {self.reconcile}}}\nheartbeat: {{interval: {self.heartbeat}}}\n"

@@ -13,8 +13,12 @@ from lab_daemon import lab_with_devplane
 
 @pytest.fixture
 def lab_dp(tmp_path, request):
-    """Lab nodes (3, or as many as `indirect` parametrization asks) and a devplane on the lab bridge."""
-    with lab_with_devplane(tmp_path, getattr(request, "param", 3)) as parts:
+    """Lab nodes and a devplane on the lab bridge. `indirect` parametrization may ask for a number of nodes (3 by
+    default) or a dict `{"nodes": N, "dialect": "platform"}` (the devplane and the daemons speak the platform
+    contract)."""
+    param = getattr(request, "param", 3)
+    options = param if isinstance(param, dict) else {"nodes": param}
+    with lab_with_devplane(tmp_path, options.get("nodes", 3), options.get("dialect", "spec")) as parts:
         yield parts
 
 

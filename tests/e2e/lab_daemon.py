@@ -44,8 +44,9 @@ class Daemon:
         api = node_api if "socket_path" in node_api else f"socket_path: {self.dir / 'api.sock'}"
         self.api_socket = Path(re.search(r"socket_path:\s*([^,}\s]+)", api).group(1))
         self.config = self.dir / "config.yaml"
+        dialect = ", dialect: platform" if dp.dialect == "platform" else ""  # the contract the devplane speaks
         self.config.write_text(
-            f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
+            f"api: {{url: {dp.url}, allow_insecure: true{dialect}}}\n"  # the devplane serves plain HTTP
             f"data_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: {backend}}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"
@@ -361,14 +362,16 @@ def mesh_lab(nodes: int, **mesh_kwargs: str) -> Iterator[tuple[Lab, MeshLab]]:
 
 
 @contextlib.contextmanager
-def lab_with_devplane(tmp_path: Path, nodes: int) -> Iterator[tuple[Lab, Devplane, list[Daemon], Path]]:
-    """`nodes` lab nodes and a devplane on the lab bridge; every daemon the test appends to the list is stopped,
-    the devplane too, and the lab is taken down and checked for leftovers, whatever happened."""
+def lab_with_devplane(tmp_path: Path, nodes: int,
+                      dialect: str = "spec") -> Iterator[tuple[Lab, Devplane, list[Daemon], Path]]:
+    """`nodes` lab nodes and a devplane on the lab bridge speaking `dialect` ("spec" or "platform"; the daemons
+    are configured to match); every daemon the test appends to the list is stopped, the devplane too, and the lab
+    is taken down and checked for leftovers, whatever happened."""
     lab = Lab().up(nodes)
     dp = None
     daemons: list[Daemon] = []
     try:
-        dp = Devplane(tmp_path / "dp", listen=f"{lab.bridge_address}:0", keepalive="5s")
+        dp = Devplane(tmp_path / "dp", listen=f"{lab.bridge_address}:0", keepalive="5s", dialect=dialect)
         dp.start()
         yield lab, dp, daemons, tmp_path
     finally:
