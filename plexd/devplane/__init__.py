@@ -14,6 +14,10 @@ Modules:
   wire.py        size-limited, gzip-aware body reading; Go-like type checks naming the bad field
   harness.py     `Devplane` (a real server process for tests and the demo) and its `AdminClient`
   admin_cli.py   `plexd-devplane admin ...`;  demo.py: `plexd-devplane demo`
+  sse_stream.py  one node's open event stream (backlog, live events, keepalives), for either dialect
+  platform_*.py  `serve --dialect platform` (docs/platform-dialect.md): the same Deployment told the platform's
+                 way; routes (handlers), bodies and wire (checks, problem+json), state and policy (the 8-block
+                 snapshot), executions, events (per-node signed envelopes), register, rotation, tokens
 
 Behaviour worth knowing:
   - Event ids are `evt_<seq>` with one global sequence; `Last-Event-ID` replays everything after it (also after

@@ -1,7 +1,9 @@
 """The agent-facing HTTP API (docs/protocol.md §1.2) and the SSE stream (§2), as a Starlette app.
 
 Handlers authenticate (Bearer node secret), read and type-check the body (wire.py), and hand over to the
-Deployment. Every error a client can cause is a JSON `{"error": "..."}` with the documented status.
+Deployment. Every error a client can cause is a JSON `{"error": "..."}` with the documented status. A deployment
+of the platform dialect gets platform_routes instead, whose errors (and this app's 404s, 405s and injected
+faults) are problem+json; the admin API is the same in both.
 """
 
 from __future__ import annotations
