@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from plexd.base import boundedjson
 from plexd.devplane.platform_wire import Problem, uuid7
 from plexd.devplane.store import Node
 from plexd.devplane.wire import DevplaneAPIError
@@ -22,7 +23,7 @@ KID_PREFIX = "did:web:devplane.invalid#psk-"
 
 def last_rotation(dep: Any, node: Node) -> dict[str, Any] | None:
     raw = dep.store.get_meta(_META + node.id)
-    return json.loads(raw) if raw else None
+    return boundedjson.parse(raw) if raw else None
 
 
 def complete(dep: Any, node: Node, new_key: str) -> dict[str, Any]:

@@ -231,9 +231,7 @@ async def session_activity(request: Request) -> Response:
     body = await _json(request, 64 * KB, "payload_too_large", "malformed_session_activity")
     try:
         _dep(request).session_activity(node, request.path_params["session_id"], body)
-    except Problem:
-        raise
-    except DevplaneAPIError as exc:
+    except DevplaneAPIError as exc:  # session_issuer's refusals, given the platform's codes
         raise Problem(exc.status, "session_not_found" if exc.status == 404 else "malformed_session_activity",
                       exc.message) from None
     return Response(status_code=204)

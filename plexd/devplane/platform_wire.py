@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import os
 import time
 import uuid
@@ -22,6 +21,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from plexd.base import boundedjson
+from plexd.base.errors import WireFormatError
 from plexd.devplane.wire import DevplaneAPIError
 
 MEDIA_TYPE = "application/problem+json"
@@ -69,20 +70,12 @@ async def read_raw(request: Request, limit: int, too_large: str) -> bytes:
     return b"".join(chunks)
 
 
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
 def parse_json(raw: bytes, code: str, status: int = 400) -> Any:
-    """JSON text as Go's decoder reads it (no NaN or Infinity), or a problem with `code`."""
+    """JSON text as Go's decoder reads it (no NaN or Infinity; nesting bounded), or a problem with `code`."""
     try:
-        return json.loads(raw, parse_constant=_no_constants)
-    except UnicodeDecodeError:
-        raise Problem(status, code, "body is not UTF-8") from None
-    except json.JSONDecodeError as exc:
-        raise Problem(status, code, f"body is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
-    except (ValueError, RecursionError) as exc:
-        raise Problem(status, code, f"body is not JSON: {exc}") from None
+        return boundedjson.loads(raw, "body")
+    except WireFormatError as exc:
+        raise Problem(status, code, str(exc)) from None
 
 
 def strict_object(value: Any, known: Iterable[str], code: str, what: str = "body") -> dict[str, Any]:
