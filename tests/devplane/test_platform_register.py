@@ -176,3 +176,25 @@ def test_a_database_serves_the_dialect_it_was_made_with(fresh_platform_dp, tmp_p
     spec = Devplane(fresh_platform_dp.dir)  # the same --db, now asked for the spec dialect
     with pytest.raises(RuntimeError, match="serves the platform dialect"):
         spec.start()
+
+
+def test_token_limits_hold_for_the_spec_dialect_too_which_is_otherwise_unchanged(dp):
+    """The admin's token expiry and revocation are dialect-agnostic; nothing of the platform shows in spec mode."""
+    admin = dp.admin
+    assert "dialect" not in admin.status() and "project_id" not in admin.status()
+    info = admin.create_token_info()
+    assert set(info) == {"token"} and info["token"].startswith("plx_enroll_")
+    revoked = admin.create_token()
+    admin.revoke_token(revoked)
+    body = {"token": revoked, "public_key": new_key(), "hostname": f"spec-{uuid.uuid4().hex[:6]}"}
+    resp = httpx.post(f"{dp.url}/v1/register", json=body, timeout=10)
+    assert resp.status_code == 401 and "revoked" in resp.json()["error"]
+    expired = admin.create_token(ttl_seconds=0.1)
+    time.sleep(0.3)
+    resp = httpx.post(f"{dp.url}/v1/register", json={**body, "token": expired}, timeout=10)
+    assert resp.status_code == 401 and "expired" in resp.json()["error"]
+    with pytest.raises(AdminError) as err:
+        admin.create_token("bridge")
+    assert err.value.status == 400
+    resp = httpx.get(f"{dp.url}/v1/health", timeout=10)
+    assert resp.status_code == 404 and resp.headers["content-type"] == "application/json" and "error" in resp.json()
