@@ -76,6 +76,36 @@ def decode_public_key(key_b64: str, what: str) -> VerifyKey:
         raise InvalidSigningKeys(str(exc)) from None
 
 
+def check_window(issued_at: str, now: datetime) -> datetime:
+    """The issued_at of an event, when present and within 5 minutes of `now` either way (exactly 5 minutes is
+    still accepted); EventRejected otherwise. Both dialects' window."""
+    if not issued_at or gojson.canonical_time(issued_at) == gojson.GO_ZERO_TIME:
+        raise EventRejected("missing_issued_at", "event has no issued_at")
+    issued = gojson.parse_time(issued_at)
+    if now - issued > STALENESS_WINDOW:
+        raise EventRejected("stale", f"issued_at {issued_at} is more than 5 minutes old")
+    if issued - now > STALENESS_WINDOW:
+        raise EventRejected("future", f"issued_at {issued_at} is more than 5 minutes in the future")
+    return issued
+
+
+def decode_signature(signature_b64: str) -> bytes:
+    try:
+        return base64.b64decode(signature_b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise EventRejected("bad_signature_encoding", "signature is not valid standard base64") from None
+
+
+def signed_by(key: VerifyKey | None, message: bytes, signature: bytes) -> bool:
+    if key is None:
+        return False
+    try:
+        key.verify(message, signature)
+    except (BadSignatureError, ValueError, TypeError):
+        return False
+    return True
+
+
 def persist_signing_key(data_dir: Path, key_b64: str) -> None:
     """Write the current signing key to ``data_dir/signing_public_key`` (raw base64, no newline, 0600)."""
     decode_public_key(key_b64, "current")  # never persist a key we could not use
@@ -199,14 +229,24 @@ class Verifier:
     def keys(self) -> SigningKeysLike | None:
         return self._keys
 
+    @property
+    def clock(self) -> Clock:
+        return self._clock
+
     def trusted_keys(self) -> list[VerifyKey]:
         """The keys that sign for the control plane now: the current one, and the previous one while the
         transition lasts (session tokens are checked against these, as events are)."""
-        out = [self._current] if self._current is not None else []
-        if self._previous is not None and self._transition_expires is not None and (
-                self._clock.now() < self._transition_expires):
-            out.append(self._previous)
-        return out
+        return [key for key in (self._current, self.previous_key(self._clock.now())) if key is not None]
+
+    @property
+    def current_key(self) -> VerifyKey | None:
+        return self._current
+
+    def previous_key(self, now: datetime) -> VerifyKey | None:
+        """The previous key, while its transition lasts (`now < transition_expires`); None after it."""
+        if self._transition_expires is not None and now < self._transition_expires:
+            return self._previous
+        return None
 
     def set_keys(self, keys: SigningKeysLike) -> bool:
         """Replace the keys after checking them all; raise InvalidSigningKeys and keep the old ones otherwise.
@@ -243,15 +283,9 @@ class Verifier:
             raise EventRejected("missing_signature", "event has no signature")
         if not env.nonce:
             raise EventRejected("missing_nonce", "event has no nonce")
-        if not env.issued_at or gojson.canonical_time(env.issued_at) == gojson.GO_ZERO_TIME:
-            raise EventRejected("missing_issued_at", "event has no issued_at")
-        # 2. staleness window, both directions; exactly 5 minutes is still accepted
-        issued = gojson.parse_time(env.issued_at)
+        # 2. issued_at, and the staleness window both ways
         now = self._clock.now()
-        if now - issued > STALENESS_WINDOW:
-            raise EventRejected("stale", f"issued_at {env.issued_at} is more than 5 minutes old")
-        if issued - now > STALENESS_WINDOW:
-            raise EventRejected("future", f"issued_at {env.issued_at} is more than 5 minutes in the future")
+        issued = check_window(env.issued_at, now)
         self._check_authentic(env, now)
         # 7. nonce, only now that the event is known to be genuine and ours
         try:
@@ -274,19 +308,14 @@ class Verifier:
 
     def _check_authentic(self, env: Envelope, now: datetime) -> None:
         # 3. signature encoding
-        try:
-            signature = base64.b64decode(env.signature, validate=True)
-        except (binascii.Error, ValueError):
-            raise EventRejected("bad_signature_encoding", "signature is not valid standard base64") from None
+        signature = decode_signature(env.signature)
         if self._current is None:
             raise EventRejected("no_signing_key", "no signing key is known yet")
         # 4./5. current key, then previous key while the transition lasts
         message = env.canonical_bytes()
-        if not self._verify_with(self._current, message, signature):
-            in_transition = self._previous is not None and self._transition_expires is not None and (
-                now < self._transition_expires)
-            if not (in_transition and self._verify_with(self._previous, message, signature)):
-                raise EventRejected("bad_signature", "signature verification failed")
+        if not (signed_by(self._current, message, signature)
+                or signed_by(self.previous_key(now), message, signature)):
+            raise EventRejected("bad_signature", "signature verification failed")
         # 6. for this node: the control plane's signed payload may name the nodes it addressed (the envelope
         # itself cannot: its signed bytes are fixed by the wire format); an event for others is a replay
         self._check_target(env)
@@ -310,12 +339,11 @@ class Verifier:
             raise EventRejected("wrong_node", f"event is addressed to {shown or 'no node'}, not to this node "
                                               f"{own} (replayed from another node's stream?)")
 
-    @staticmethod
-    def _verify_with(key: VerifyKey | None, message: bytes, signature: bytes) -> bool:
-        if key is None:
-            return False
-        try:
-            key.verify(message, signature)
-        except (BadSignatureError, ValueError, TypeError):
-            return False
-        return True
+
+def install_signing_keys(verifier: Verifier, data_dir: Path | None, keys: SigningKeysLike) -> bool:
+    """Length-check and install new signing keys, persisting the current one before the event that brought them
+    is acknowledged (a crash in between must not lose a rotation). Raises InvalidSigningKeys."""
+    changed = verifier.set_keys(keys)
+    if changed and data_dir is not None:
+        persist_signing_key(Path(data_dir), keys.current)
+    return changed
