@@ -30,6 +30,10 @@ MAX_BYTES = 4 * 1024 * 1024
 HOLD_FOR = 15 * 60.0  # seconds: longer than a step corrected by hand, short enough not to act on old news
 
 
+def _name(env: Envelope) -> str:
+    return env.nonce or env.event_id
+
+
 @dataclass(frozen=True)
 class Held:
     envelope: Envelope
@@ -39,7 +43,7 @@ class Held:
 
 class ClockHold:
     def __init__(self) -> None:
-        self._held: OrderedDict[str, Held] = OrderedDict()  # by nonce, oldest first
+        self._held: OrderedDict[str, Held] = OrderedDict()  # by nonce (or id), oldest first
         self._bytes = 0
         self.offset: float | None = None  # seconds the last held event's issued_at was from this node's clock
 
@@ -47,15 +51,16 @@ class ClockHold:
         return len(self._held)
 
     def hold(self, env: Envelope, size: int, clock: Clock) -> None:
-        """Keep an authentic event the window refused (its nonce names it: the same event twice is held once)."""
-        if env.nonce in self._held:
+        """Keep an authentic event the window refused (its nonce names it, or its id in a dialect without nonces:
+        the same event twice is held once)."""
+        if _name(env) in self._held:
             return
         self.offset = (gojson.parse_time(env.issued_at) - clock.now()).total_seconds()
         if not self._held:
             log.warning("this node's clock is %+.0f s from the control plane's (event %s issued_at %s): events "
                         "are held until the clock agrees; check NTP (timedatectl)", -self.offset, env.event_id,
                         env.issued_at)
-        self._held[env.nonce] = Held(env, clock.monotonic(), size)
+        self._held[_name(env)] = Held(env, clock.monotonic(), size)
         self._bytes += size
         while len(self._held) > MAX_EVENTS or self._bytes > MAX_BYTES:
             self._drop_oldest("the hold is full")
@@ -72,7 +77,7 @@ class ClockHold:
 
     def put_back(self, held: Held) -> None:
         """An event `take` gave that the window still refuses: held again, with its first `since`."""
-        self._held[held.envelope.nonce] = held
+        self._held[_name(held.envelope)] = held
         self._bytes += held.size
 
     def _drop_oldest(self, why: str) -> None:

@@ -20,7 +20,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from plexd.base import boundedjson, gojson
 from plexd.base.errors import WireFormatError
@@ -41,6 +41,17 @@ class PlatformEnvelope:
     issued_at: str  # as received; "" when absent
     payload_raw: str  # raw JSON text of the payload, "null" when absent
     signature: str
+    # No nonce in this dialect: the ±5 minute window and the id bound a replay. "" under the spec envelope's name,
+    # for what reads either envelope (the event stream, its clock hold, the ledger).
+    nonce: ClassVar[str] = ""
+
+    @property
+    def event_id(self) -> str:
+        return self.id
+
+    @property
+    def event_type(self) -> str:
+        return self.type
 
     def payload(self) -> Any:
         value, error = self._parsed
