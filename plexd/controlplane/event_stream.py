@@ -12,6 +12,14 @@ What the Go agent gets wrong and this engine does not (docs/decisions.md, SSE):
 Every successful (re)connect calls `on_connected` (the reconciler trigger: whatever happened while we were away is
 picked up from the full state). After 5 minutes without a working stream, `poll()` is called every
 `poll_interval` until the stream is back.
+
+Both dialects go through the same engine; what differs per dialect (parsing, verification, what the handlers are
+given, the cursor's form) is `plexd.controlplane.event_dialects`, chosen by `dialect()` at each frame and each
+connection. The platform contract adds two answers of its own (docs/platform-dialect.md, delivery modes):
+- ``501 signed_event_bus_not_provisioned``: pull-only at once, no backoff and no polling by the stream (the
+  reconciler's periodic pull is the channel); the stream is probed again every `reprobe_interval`;
+- ``400`` while a cursor was sent: the cursor is dropped and the stream opened again at once, from now.
+`status()` names the delivery mode: streaming, pull_only or degraded_polling.
 """
 
 from __future__ import annotations
@@ -36,9 +44,11 @@ from plexd.config import datadir
 from plexd.controlplane import http_client
 from plexd.controlplane.client import _tls_context, parse_retry_after, path_escape
 from plexd.controlplane.clock_hold import CLOCK_REASONS, ClockHold
-from plexd.controlplane.envelope import Envelope, parse_envelope
+from plexd.controlplane.envelope import Envelope
+from plexd.controlplane.event_dialects import PlatformEvents, SignedEvents, SpecEvents, platform_events
 from plexd.controlplane.event_signing import NONCE_STORE_FULL, EventRejected, Verifier
 from plexd.controlplane.ledger import EventLedger
+from plexd.controlplane.problem import parse_problem
 from plexd.controlplane.sse import MAX_EVENT_BYTES, SSEEvent, read_events, valid_event_id
 
 log = logging.getLogger(__name__)
@@ -50,7 +60,9 @@ HELD_RETRY = 1.0
 POLLING_AFTER = 300.0  # seconds of continuous failure before polling the full state
 RETRY_AFTER_MAX = 3600.0
 SEEN_IDS_MAX = 4096
-
+REPROBE_INTERVAL = 600.0  # pull-only: seconds between two tries of the stream (the platform's 10 minutes)
+NOT_PROVISIONED = "signed_event_bus_not_provisioned"  # the platform's 501: no event stream, pull the state
+MAX_PROBLEM_BYTES = 4096  # of a refusal's body, for its problem+json code (its first 200 bytes are logged)
 
 
 def stream_http_client(ca_file: str = "", insecure_skip_verify: bool = False) -> http_client.HTTPClient:
@@ -71,10 +83,12 @@ class _Disconnected(PlexdError):
 class _Refused(PlexdError):
     """The stream could not be opened; `status` is the HTTP status or None for a network error."""
 
-    def __init__(self, why: str, status: int | None = None, retry_after: float | None = None) -> None:
+    def __init__(self, why: str, status: int | None = None, retry_after: float | None = None,
+                 code: str = "") -> None:
         super().__init__(why)
         self.status = status
         self.retry_after = retry_after
+        self.code = code  # the problem+json code (platform dialect), "" when none
 
 
 class EventStream:
@@ -103,13 +117,18 @@ class EventStream:
         max_event_bytes: int = MAX_EVENT_BYTES,
         reconnect_spread: float = 0.0,
         rand: Callable[[], float] = random.random,
+        dialect: str | Callable[[], str] = "spec",  # a provider: the registration settles it ("auto" is spec's)
+        platform: PlatformEvents | None = None,  # the platform dialect's key ids (none known without it)
+        reprobe_interval: float = REPROBE_INTERVAL,
     ) -> None:
         self._api = api.rstrip("/")
         self._node_id = node_id if callable(node_id) else (lambda: node_id)
         self._token = token_provider
         self.ledger = (bookkeeping if isinstance(bookkeeping, EventLedger)
                        else EventLedger(Path(bookkeeping) / datadir.EVENT_LEDGER))
-        self._verifier = verifier
+        self._dialect = dialect if callable(dialect) else (lambda: dialect)
+        self._spec = SpecEvents(verifier)
+        self._platform = platform or platform_events(verifier)
         self._dispatch = dispatch
         self._clock = clock or Clock()
         self._on_connected = on_connected
@@ -138,7 +157,9 @@ class EventStream:
         self._conn_frames = 0
         self._failing_since: float | None = None
         self._last_activity = 0.0
-        self.polling = False
+        self.polling = False  # degraded: the stream asks for a state pull every poll_interval
+        self.pull_only = False  # the platform has no event bus: the reconciler's pulls are the channel
+        self.reprobe_interval = reprobe_interval
         self._next_poll = 0.0
         self.state_since = 0.0  # unix time connected/polling/offline last changed
         self._state_changed()
@@ -161,15 +182,25 @@ class EventStream:
         self.state_since = self._clock.now().timestamp()
 
     def status(self) -> dict[str, Any]:
-        """For `plexd status`: connected / polling / offline, since when, the last event."""
-        state = "connected" if self.connected.is_set() else "polling" if self.polling else "offline"
+        """For `plexd status`: connected / polling / offline, since when, the delivery mode, the last event."""
+        state = "connected" if self.connected.is_set() else "polling" if self.polling or self.pull_only else "offline"
         now = self._clock.now().timestamp()
-        return {"state": state, "since": self.state_since, "last_event_id": self.last_event_id,
+        return {"state": state, "since": self.state_since, "delivery_mode": self.delivery_mode,
+                "dialect": self._events().name, "last_event_id": self.last_event_id,
                 "last_event_at": self.last_event_at,
                 "last_event_age_seconds": None if self.last_event_at is None else round(now - self.last_event_at, 1),
                 "connects": self.connects, "events_accepted": self.accepted, "events_rejected": self.rejected,
                 "events_held_for_clock": len(self.clock_hold),
                 "clock_offset_seconds": None if not self.clock_hold else round(-(self.clock_hold.offset or 0.0))}
+
+    @property
+    def delivery_mode(self) -> str:
+        """streaming (connected, or trying to), pull_only (no event bus) or degraded_polling (no working stream
+        for `polling_after`: polling the state meanwhile)."""
+        return "pull_only" if self.pull_only else "degraded_polling" if self.polling else "streaming"
+
+    def _events(self) -> SignedEvents:
+        return self._platform if self._dialect() == self._platform.name else self._spec
 
     # ---------------------------------------------------------------------------------------------------------
     # Cursor
@@ -192,9 +223,10 @@ class EventStream:
         return text or None
 
     def _advance_cursor(self, event_id: str | None, nonce: str | None = None, issued_at: float = 0.0) -> None:
-        if event_id is not None and event_id != self.last_event_id and not valid_event_id(event_id):
-            log.warning("event id %r is not usable as a replay cursor (1-128 printable ASCII characters); "
-                        "the cursor stays at %s", event_id[:40], self.last_event_id or "nothing")
+        events = self._events()
+        if event_id is not None and event_id != self.last_event_id and not events.usable_cursor(event_id):
+            log.warning("event id %r is not usable as a replay cursor (%s); the cursor stays at %s", event_id[:40],
+                        events.cursor_rule, self.last_event_id or "nothing")
             event_id = None
         if event_id == self.last_event_id:
             event_id = None
@@ -289,6 +321,9 @@ class EventStream:
         log.warning("%s; polling the full state every %s s until the stream is back", why, self.poll_interval)
 
     async def _refused(self, exc: _Refused) -> float:
+        if self._events() is self._platform and (delay := self._platform_refusal(exc)) is not None:
+            return delay
+        self._leave_pull_only(f"the event stream answered: {exc}")
         status = exc.status
         if status == 401:
             log.warning("event stream refused with 401; re-authenticating the node")
@@ -315,6 +350,41 @@ class EventStream:
         delay = min(self.backoff.after_hint(hint), RETRY_AFTER_MAX)
         log.warning("event stream unavailable (%s); retrying in %.1f s", exc, delay)
         return delay
+
+    def _platform_refusal(self, exc: _Refused) -> float | None:
+        """The platform contract's own answers: the delay before the next try, or None for those answered as the
+        spec's are."""
+        if exc.status == 501 and exc.code == NOT_PROVISIONED:
+            return self._enter_pull_only()
+        if self.pull_only and exc.status is None:  # the control plane is away: still nothing to stream from
+            delay = self.backoff.jittered(self.reprobe_interval)
+            log.info("event stream probe failed (%s); still pull-only, probing again in %.0f s", exc, delay)
+            return delay
+        if exc.status == 400 and self.last_event_id:
+            log.warning("event stream refused the cursor %s (%s); resuming from now", self.last_event_id, exc)
+            self.last_event_id = None  # the next accepted event's id replaces it in the ledger too
+            return 0.0
+        return None
+
+    def _enter_pull_only(self) -> float:
+        """No backoff and no polling here: the reconciler's periodic pull brings the state; the stream is only
+        probed again, at a spread moment of every `reprobe_interval`."""
+        if not self.pull_only:
+            log.warning("the control plane has no signed event bus (501 %s): pull-only, the reconciler's state "
+                        "pull is the channel; probing the event stream every %.0f s", NOT_PROVISIONED,
+                        self.reprobe_interval)
+            self.pull_only = True
+            self.polling = False
+            self._state_changed()
+        self._failing_since = None
+        self.backoff.reset()
+        return self.backoff.jittered(self.reprobe_interval)
+
+    def _leave_pull_only(self, why: str) -> None:
+        if self.pull_only:
+            self.pull_only = False
+            self._state_changed()
+            log.info("leaving pull-only: %s", why)
 
     async def _wait(self, delay: float) -> None:
         """Sleep `delay` seconds, polling the full state on schedule meanwhile when in polling mode."""
@@ -368,6 +438,10 @@ class EventStream:
         }
         if token:
             headers["Authorization"] = f"Bearer {token}"
+        if self.last_event_id and not self._events().usable_cursor(self.last_event_id):
+            log.info("the stored event cursor %r is not one this control plane takes; resuming from now",
+                     self.last_event_id[:40])
+            self.last_event_id = None
         if self.last_event_id:
             headers["Last-Event-ID"] = self.last_event_id
         return headers
@@ -385,12 +459,7 @@ class EventStream:
                     async with asyncio.timeout(self._idle_timeout):
                         response = await stack.enter_async_context(client.stream("GET", self.url, headers=headers))
                         if not response.is_success:
-                            body = (await response.aread(200, truncate=True)).decode("utf-8", errors="replace").strip()
-                            raise _Refused(
-                                f"HTTP {response.status_code}{': ' + body if body else ''}",
-                                response.status_code,
-                                parse_retry_after(response.headers.get("retry-after"), datetime.now(UTC)),
-                            )
+                            raise await self._refusal(response)
                 except TimeoutError:
                     raise _Refused(f"no answer within {self._idle_timeout:g} s") from None
                 await self._connected_ok()
@@ -402,6 +471,14 @@ class EventStream:
                 raise _Disconnected(str(exc)) from None
             raise _Refused(str(exc)) from None
 
+    async def _refusal(self, response: http_client.Response) -> _Refused:
+        platform = self._events() is self._platform
+        raw = await response.aread(MAX_PROBLEM_BYTES if platform else 200, truncate=True)
+        body = raw[:200].decode("utf-8", errors="replace").strip()
+        code = parse_problem(response.headers.get("content-type", ""), raw).code if platform else ""
+        return _Refused(f"HTTP {response.status_code}{': ' + body if body else ''}", response.status_code,
+                        parse_retry_after(response.headers.get("retry-after"), datetime.now(UTC)), code)
+
     async def _connected_ok(self) -> None:
         self.connects += 1
         self._conn_started = self._clock.monotonic()
@@ -411,6 +488,7 @@ class EventStream:
         if self.polling:
             self.polling = False
             log.info("event stream is back; leaving polling mode")
+        self._leave_pull_only("the event stream is back")
         self.connected.set()
         self._state_changed()
         log.info("event stream connected (resuming after %s)", self.last_event_id or "nothing")
@@ -428,8 +506,8 @@ class EventStream:
         """Another request to the control plane (a heartbeat) just went through: a stream waiting out its backoff
         tries again within a random `spread` seconds instead. After a 30 s outage the backoff had grown to half a
         minute, and actions, which arrive only by the stream, waited that long (`python -m bench chaos`, cp_500).
-        Nothing changes for a connected stream, or one not waiting."""
-        if not self._backing_off or self.connected.is_set():
+        Nothing changes for a connected stream, or one not waiting, or a pull-only one (the answer is the 501)."""
+        if not self._backing_off or self.connected.is_set() or self.pull_only:
             return
 
         def now() -> None:
@@ -483,13 +561,14 @@ class EventStream:
     async def handle_frame(self, frame: SSEEvent) -> None:
         """Parse, dedupe, verify and dispatch one SSE block. Never raises: a bad event is logged and skipped."""
         self._conn_frames += 1
+        events = self._events()
         nonce, issued = None, 0.0
         try:
             if frame.oversize:
                 self._reject(frame.id, "oversize", f"event larger than {self._max_event_bytes} bytes, skipped")
                 return
             try:
-                env = parse_envelope(frame.data)
+                env = events.parse(frame.data)
             except PlexdError as exc:
                 self._reject(frame.id, "malformed", f"malformed envelope: {exc}")
                 return
@@ -498,12 +577,12 @@ class EventStream:
                          extra={"event_id": env.event_id, "reason": "duplicate_event_id"})
                 return
             try:
-                self._verifier.verify(env)
+                events.verify(env)
             except EventRejected as exc:
                 # Refused now, counted and logged as such; if only the window refused it, it is held until this
                 # node's clock agrees (then handled, and counted as accepted too).
                 self._reject(env.event_id, exc.reason, str(exc), env.event_type)
-                if exc.reason in CLOCK_REASONS and self._verifier.authentic(env):
+                if exc.reason in CLOCK_REASONS and events.authentic(env):
                     self.clock_hold.hold(env, len(frame.data), self._clock)
                     if self._retrying is None or self._retrying.done():
                         self._retrying = asyncio.create_task(self._retry_while_held(), name="events-held")
@@ -517,11 +596,14 @@ class EventStream:
             # nonce is noted with it, after the handler ran: both are committed once the effect is durable.
             self._advance_cursor(frame.id, nonce, issued)
 
-    async def _handle_verified(self, env: Envelope) -> None:
+    async def _handle_verified(self, env: Any) -> None:
+        """A verified envelope (of either dialect) handled: what the handlers understand of it, dispatched."""
         self._remember(env.event_id)
         async with self._handling:  # one event at a time: a held one tried again meets the stream's next
             try:
-                await self._dispatch(env)
+                handled = self._events().to_handlers(env)
+                if handled is not None:
+                    await self._dispatch(handled)
             except PlexdError as exc:
                 self._reject(env.event_id, "bad_payload", str(exc), env.event_type)
                 return
@@ -538,12 +620,13 @@ class EventStream:
         now takes goes through every check again and is handled; the rest stay held. When the last one goes, the
         clock agrees again: `on_clock_agrees` asks for a state pull, for whatever the hold dropped or never saw."""
         was_held = bool(self.clock_hold)
+        events = self._events()
         for held in self.clock_hold.take(self._clock):
             env = held.envelope
             if env.event_id in self._seen_ids:
                 continue
             try:
-                self._verifier.verify(env)
+                events.verify(env)
             except EventRejected as exc:
                 if exc.reason in CLOCK_REASONS:
                     self.clock_hold.put_back(held)

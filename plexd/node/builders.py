@@ -31,6 +31,7 @@ from plexd.base.slot import Slot
 from plexd.config import datadir
 from plexd.config.settings import Config
 from plexd.controlplane.client import PeerEndpoint
+from plexd.controlplane.event_dialects import platform_events
 from plexd.controlplane.event_signing import Verifier
 from plexd.controlplane.event_stream import EventStream, stream_http_client
 from plexd.controlplane.ledger import EventLedger
@@ -208,6 +209,11 @@ def build_stream(agent: Agent, node_id: Callable[[], str], ledger: EventLedger, 
         reconciler.trigger("event stream (re)connected")
         uplink.control_plane_back()
 
+    def registered_key() -> tuple[str, str]:
+        """The signing key the registration named, and its id (the platform's events name their key)."""
+        identity = agent.identity
+        return (identity.signing_public_key, identity.signing_key_id) if identity is not None else ("", "")
+
     return EventStream(
         agent.client.base_url, node_id, lambda: agent.client.token, ledger, verifier, handlers.dispatch,
         clock=agent.clock,
@@ -222,6 +228,8 @@ def build_stream(agent: Agent, node_id: Callable[[], str], ledger: EventLedger, 
         polling_after=cfg.sse.polling_after,
         reconnect_spread=cfg.sse.reconnect_spread,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
+        dialect=lambda: agent.client.dialect,  # settled by the registration, before the stream starts
+        platform=platform_events(verifier, cfg.data_dir, registered_key),
     )
 
 

@@ -50,7 +50,13 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
     last = (f", last event {ev['last_event_id']} {_ago(ev['last_event_at'], now)}" if ev["last_event_id"]
             else ", no event yet")
     lines.append(f"event stream:   {ev['state']} since {_ago(ev['since'], now)}{last}")
-    if ev["state"] != "connected":
+    mode = ev.get("delivery_mode")
+    if mode:
+        lines.append(f"delivery mode:  {mode}")
+    if mode == "pull_only":
+        lines.append("connection:     the control plane has no signed event bus: the state is pulled every "
+                     "reconcile interval, and the stream tried again every 10 minutes")
+    elif ev["state"] != "connected":
         lines.append(f"connection:     offline since {utc(ev['since'])} ({_ago(ev['since'], now)}): running "
                      "from the state in data_dir and retrying")
     rec = doc["reconcile"]

@@ -10,6 +10,9 @@ a rejected event.
 
 Event types owned by other subsystems (``action_request``, tunnels, bridge, access, ingress, site-to-site) are
 routed to a handler registered with `register()`; until one exists they are logged as unsupported.
+
+These are the spec's events: the platform dialect's arrive already turned into them by the wire layer
+(`plexd.controlplane.event_dialects`: a pull, or ``rotate_keys``), so nothing here knows which was spoken.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from plexd.base.errors import WireFormatError
 from plexd.controlplane.envelope import Envelope
-from plexd.controlplane.event_signing import Verifier, key_fingerprint, persist_signing_key
+from plexd.controlplane.event_signing import Verifier, install_signing_keys, key_fingerprint
 from plexd.state.desired import split_endpoint
 from plexd.state.desired_store import DesiredStore, Edit
 from plexd.state.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
@@ -65,10 +68,7 @@ def _peer(env: Envelope) -> Peer:
 
 def apply_signing_keys(verifier: Verifier, data_dir: Path | None, keys: SigningKeys) -> bool:
     """Length-check and install new signing keys, persisting the current one. Raises InvalidSigningKeys."""
-    changed = verifier.set_keys(keys)
-    if changed and data_dir is not None:
-        persist_signing_key(Path(data_dir), keys.current)
-    return changed
+    return install_signing_keys(verifier, data_dir, keys)
 
 
 class EventHandlers:
