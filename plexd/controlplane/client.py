@@ -33,19 +33,20 @@ import asyncio
 import contextlib
 import gzip
 import hashlib
+import logging
 import re
 import ssl
 from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Protocol
-from urllib.parse import quote
 
 from plexd import __version__
 from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import EncodedJSON, format_time, go_marshal
-from plexd.controlplane import http_client
+from plexd.controlplane import http_client, platform_calls
+from plexd.controlplane.answers import HeartbeatResponse, PeerEndpoint, SecretResponse, path_escape
 from plexd.controlplane.client_errors import (
     AuthError,
     BadResponseError,
@@ -54,6 +55,7 @@ from plexd.controlplane.client_errors import (
     RetryAfterError,
     TransientError,
 )
+from plexd.controlplane.problem import parse_problem
 from plexd.state.model import Peer, RegisterResponse, State
 from plexd.state.model import _fields as _object  # Go's lenient decoding: case-insensitive keys
 
@@ -74,6 +76,8 @@ class HasApi(Protocol):
 
     api: _Api
 
+log = logging.getLogger(__name__)
+
 GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
 # Not Go's default 6: on the JSON plexd sends (a minute of metrics at 1,000 peers is ~1 MiB) level 1 takes half
 # the CPU for ~11 % more bytes, and the body is still a twentieth of its size. Any gzip reader takes either.
@@ -86,11 +90,6 @@ REQUEST_TIMEOUT = 30.0
 
 JSON = Any
 Batch = Sequence[Mapping[str, JSON]] | EncodedJSON  # telemetry entries, or the JSON array the queue already holds
-
-
-def path_escape(value: str) -> str:
-    """Escape one path segment like Go's url.PathEscape: everything but unreserved characters, ``/`` included."""
-    return quote(value, safe="")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -109,6 +108,11 @@ class RegisterRequest:
     # The key derivation the node offers (plexd.identity.node_secret); omitted when empty. A Go control plane
     # ignores it.
     node_secret_kdf: str = ""
+    # The platform contract's fields (not sent to a spec control plane): the project and resource the node joins
+    # as, and the registration's nonce, the same on every retry of this one registration.
+    project_id: str = ""
+    resource_handle: str = ""
+    nonce: str = field(default_factory=lambda: platform_calls.new_nonce())
 
     def to_wire(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {"token": self.token, "public_key": self.public_key, "hostname": self.hostname}
@@ -177,26 +181,6 @@ class HeartbeatRequest:
         return out
 
 
-@dataclass(frozen=True)
-class HeartbeatResponse:
-    reconcile: bool = False
-    rotate_keys: bool = False
-
-
-@dataclass(frozen=True)
-class PeerEndpoint:
-    peer_id: str
-    endpoint: str
-
-
-@dataclass(frozen=True)
-class SecretResponse:
-    key: str
-    ciphertext: str
-    nonce: str
-    version: int
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The client
 
@@ -212,6 +196,9 @@ def _parse_body(what: str, data: bytes) -> JSON:
         return boundedjson.loads(data)
     except WireFormatError as exc:
         raise BadResponseError(what, 200, f"response is not JSON we can read: {exc}") from None
+
+
+SPEC, PLATFORM = "spec", "platform"
 
 
 MAX_ETAG = 256  # an ETag is an opaque short string; a longer one is not sent back
@@ -243,6 +230,9 @@ class ControlPlaneClient:
         # The contract spoken (plexd.controlplane.dialect): "spec" or "platform"; "auto" until the registration
         # or the stored identity settles it. Only the wire layer looks at it.
         self.dialect = dialect
+        self._published: dict[str, str] = {}  # platform: the status reports as last sent (key → value)
+        self._reachability = platform_calls.Reachability()
+        self._guessed = False  # the dialect is auto's guess, not yet confirmed by an answer
         self._token = token
         self.user_agent = user_agent
         self.request_timeout = request_timeout
@@ -274,6 +264,18 @@ class ControlPlaneClient:
     @property
     def token(self) -> str:
         return self._token
+
+    @property
+    def platform(self) -> bool:
+        return self.dialect == PLATFORM
+
+    def guess_dialect(self, bootstrap_token: str) -> str:
+        """With ``api.dialect: auto``, the contract to register with, from the bootstrap token's form: the
+        platform's tokens are ``psb_<env>_<project>_<kind>_<random>``. The answer has the last word (`register`)."""
+        if self.dialect not in (SPEC, PLATFORM):
+            self.dialect = PLATFORM if platform_calls.project_from_token(bootstrap_token) else SPEC
+            self._guessed = True
+        return self.dialect
 
     def set_token(self, token: str) -> None:
         """Switch the bearer: the bootstrap token before registration, the node secret after it."""
@@ -330,14 +332,24 @@ class ControlPlaneClient:
         return response.status_code, response.headers, data
 
     def _status_error(self, what: str, status: int, body: bytes, headers: http_client.Headers) -> ControlPlaneError:
-        message = _error_message(body[:MAX_ERROR_BYTES])
+        problem = parse_problem(headers.get("Content-Type", ""), body[:MAX_ERROR_BYTES], headers)
+        message = problem.message or _error_message(body[:MAX_ERROR_BYTES])
+        if problem.correlation_id:
+            message += f" (correlation id {problem.correlation_id})"
+        error = self._classified(what, status, message, headers, problem.code)
+        error.problem = problem.is_problem
+        return error
+
+    def _classified(self, what: str, status: int, message: str, headers: http_client.Headers,
+                    code: str) -> ControlPlaneError:
         if status == 401:
-            return AuthError(what, status, message)
+            return AuthError(what, status, message, code)
         if status == 429 or (status == 503 and "Retry-After" in headers):  # a server shedding load says when
-            return RetryAfterError(what, status, message, parse_retry_after(headers.get("Retry-After"), self._now()))
+            return RetryAfterError(what, status, message, parse_retry_after(headers.get("Retry-After"), self._now()),
+                                   code)
         if status in (403, 404):
-            return PermanentError(what, status, message)
-        return TransientError(what, status, message)
+            return PermanentError(what, status, message, code)
+        return TransientError(what, status, message, code)
 
     async def _json(self, method: str, path: str, body: JSON = None, *, has_body: bool = False,
                     token: str | None = None, what: str = "") -> JSON:
@@ -349,13 +361,38 @@ class ControlPlaneClient:
     async def register(self, request: RegisterRequest, *, token: str | None = None) -> RegisterResponse:
         """#1 ``POST /v1/register``. The bearer is `token` if given (the bootstrap token, or the node secret for a
         re-registration), else the client's current token."""
+        self.guess_dialect(request.token)
+        try:
+            answer = await self._register(request, token)
+        except ControlPlaneError as exc:
+            # A refusal says which contract the server speaks (the platform's errors are problem+json) and
+            # spends no token in either: a wrong guess is asked again, once, in the other dialect.
+            answered_in = PLATFORM if exc.problem else SPEC
+            if not (self._guessed and 400 <= exc.status < 500 and exc.status != 429 and answered_in != self.dialect):
+                raise
+            log.info("the control plane answered the registration in the %s contract; registering with it",
+                     answered_in, extra={"dialect": answered_in})
+            self.dialect = answered_in
+            answer = await self._register(request, token)
+        finally:
+            self._guessed = False
+        return answer
+
+    async def _register(self, request: RegisterRequest, token: str | None) -> RegisterResponse:
         what = "registration (POST /v1/register)"
+        if self.platform:
+            return await platform_calls.register(self, request, request.token)
         doc = await self._json("POST", "/v1/register", request.to_wire(), has_body=True, token=token, what=what)
+        if isinstance(doc, dict) and "nsk" in doc and "node_secret_key" not in doc:
+            raise PermanentError(what, 200, "the answer is the platform contract's (nsk, no node_secret_key); "
+                                            "set api.dialect: platform")
         return _typed(what, RegisterResponse.from_wire, doc)
 
     async def heartbeat(self, node_id: str, request: HeartbeatRequest | Mapping[str, JSON]) -> HeartbeatResponse:
         """#3 ``POST /v1/nodes/{id}/heartbeat``."""
         body = request.to_wire() if isinstance(request, HeartbeatRequest) else dict(request)
+        if self.platform:
+            return await platform_calls.heartbeat(self, node_id, body, self._published)
         what = "heartbeat"
         doc = await self._json("POST", f"/v1/nodes/{path_escape(node_id)}/heartbeat", body, has_body=True, what=what)
         f = _typed(what, _object, doc, "response")
@@ -368,11 +405,17 @@ class ControlPlaneClient:
         """#4 ``POST /v1/nodes/{id}/deregister`` with no body (and so no Content-Type). `purge` adds
         ``?purge=true``, which tells a control plane that knows it (ours) that the node will not come back with
         its secret; the Go control plane ignores the query."""
+        if self.platform:
+            log.info("the platform contract has no deregistration call: the node is removed locally only; remove "
+                     "it in the platform too")
+            return
         query = "?purge=true" if purge else ""
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/deregister{query}", what="deregister")
 
     async def rotate_keys(self, node_id: str, new_public_key: str) -> list[Peer]:
         """#5 ``POST /v1/keys/rotate`` → the updated peers."""
+        if self.platform:
+            return await platform_calls.rotate_keys(self, new_public_key)
         what = "key rotation (POST /v1/keys/rotate)"
         doc = await self._json("POST", "/v1/keys/rotate", {"node_id": node_id, "new_public_key": new_public_key},
                                has_body=True, what=what)
@@ -380,11 +423,16 @@ class ControlPlaneClient:
 
     async def put_capabilities(self, node_id: str, capabilities: Mapping[str, JSON]) -> None:
         """#6 ``PUT /v1/nodes/{id}/capabilities`` (body from `plexd.trust.integrity.capabilities_document`)."""
+        if self.platform:
+            return await platform_calls.put_capabilities(self, node_id, capabilities)
         await self._call("PUT", f"/v1/nodes/{path_escape(node_id)}/capabilities", dict(capabilities),
                          has_body=True, what="capabilities announcement")
 
     async def report_endpoint(self, node_id: str, public_endpoint: str, nat_type: str) -> list[PeerEndpoint]:
         """#7 ``PUT /v1/nodes/{id}/endpoint`` → the NAT-discovered endpoints of peers."""
+        if self.platform:  # the platform answers a receipt: peers' endpoints come in the state
+            await platform_calls.report_endpoint(self, node_id, public_endpoint, nat_type)
+            return []
         what = "endpoint report"
         doc = await self._json("PUT", f"/v1/nodes/{path_escape(node_id)}/endpoint",
                                {"public_endpoint": public_endpoint, "nat_type": nat_type}, has_body=True, what=what)
@@ -405,24 +453,33 @@ class ControlPlaneClient:
         digest = hashlib.sha256(data).digest()
         if last is not None and last.digest == digest:
             return last.state
-        state = _typed(what, State.from_wire, _parse_body(what, data))
+        doc = _parse_body(what, data)
+        if self.platform:
+            self._reachability.note(doc)
+        state = _typed(what, platform_calls.parse_state if self.platform else State.from_wire, doc)
         etag = headers.get("ETag", "")
         self._last_state = _PulledState(path, etag if len(etag) <= MAX_ETAG else "", digest, state)
         return state
 
     async def report_drift(self, node_id: str, report: Mapping[str, JSON]) -> None:
         """#9 ``POST /v1/nodes/{id}/drift``: ``{"timestamp": ..., "corrections": [{"type","detail"}...]}``."""
+        if self.platform:  # the platform has no drift report: the corrections are in the node's log and status
+            return
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/drift", dict(report), has_body=True,
                          what="drift report")
 
     async def fetch_secret(self, node_id: str, key: str) -> SecretResponse:
         """#10 ``GET /v1/nodes/{id}/secrets/{key}``."""
+        if self.platform:
+            return await platform_calls.fetch_secret(self, node_id, key)
         what = f"secret fetch ({key})"
         doc = await self._json("GET", f"/v1/nodes/{path_escape(node_id)}/secrets/{path_escape(key)}", what=what)
         return _typed(what, _secret, doc)
 
     async def sync_reports(self, node_id: str, entries: Sequence[Mapping[str, JSON]], deleted: Sequence[str]) -> None:
         """#11 ``POST /v1/nodes/{id}/report``: both keys always present, ``null`` when empty (§1.12)."""
+        if self.platform:
+            return await platform_calls.sync_reports(self, node_id, entries, deleted)
         body = {"entries": [dict(e) for e in entries] or None, "deleted": list(deleted) or None}
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/report", body, has_body=True,
                          what="report sync")
@@ -461,12 +518,17 @@ class ControlPlaneClient:
     @contextlib.asynccontextmanager
     async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[http_client.Response]:
         """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes)."""
+        if self.platform:
+            raise PermanentError("artifact download", 0, "the platform contract serves no plexd artifacts: "
+                                 "upgrade the package instead")
         path = f"/v1/artifacts/plexd/{path_escape(version)}/{path_escape(os_name)}/{path_escape(arch)}"
         async with self._stream("GET", path, self._headers(), "artifact download", read_timeout=None) as response:
             yield response
 
     async def tunnel_ready(self, node_id: str, session_id: str, listen_addr: str, timestamp: datetime) -> None:
         """#18 ``POST .../tunnels/{sid}/ready``."""
+        if self.platform:  # the platform learns a session's state from the session activity reports
+            return
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/tunnels/{path_escape(session_id)}/ready",
                          {"listen_addr": listen_addr, "timestamp": format_time(timestamp)}, has_body=True,
                          what="tunnel ready report")
@@ -474,6 +536,8 @@ class ControlPlaneClient:
     async def tunnel_closed(self, node_id: str, session_id: str, reason: str, duration: str,
                             timestamp: datetime) -> None:
         """#19 ``POST .../tunnels/{sid}/closed``: reason ``revoked|expired|shutdown``, duration a Go string."""
+        if self.platform:
+            return
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/tunnels/{path_escape(session_id)}/closed",
                          {"reason": reason, "duration": duration, "timestamp": format_time(timestamp)},
                          has_body=True, what="tunnel closed report")
@@ -483,13 +547,20 @@ class ControlPlaneClient:
         timestamp: datetime,
     ) -> None:
         """#20 ``POST /v1/nodes/{id}/integrity/violations``; `kind` is ``hook`` or ``binary``, timestamp in UTC."""
+        if self.platform:
+            return await platform_calls.report_integrity_violation(
+                self, node_id, kind=kind, path=path, expected_checksum=expected_checksum,
+                actual_checksum=actual_checksum)
         body = {"type": kind, "path": path, "expected_checksum": expected_checksum,
                 "actual_checksum": actual_checksum, "detail": detail, "timestamp": format_time(timestamp)}
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/integrity/violations", body, has_body=True,
                          what="integrity violation report")
 
     async def ping(self) -> None:
-        """#21 ``GET /v1/ping``: a cheap reachability check."""
+        """#21 ``GET /v1/ping`` (platform: ``GET /v1/health``): a cheap reachability check."""
+        if self.platform:
+            await self._call("GET", "/v1/health", token="", what="health check")
+            return
         await self._call("GET", "/v1/ping", what="ping")
 
     @contextlib.asynccontextmanager

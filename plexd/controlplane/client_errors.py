@@ -28,6 +28,7 @@ class ControlPlaneError(PlexdError):
         self.what = what
         # The platform contract's machine-readable reason (plexd.controlplane.problem); "" from a spec server.
         self.code = code
+        self.problem = False  # the answer was problem+json: the platform contract answered
         detail = f"HTTP {status}" if status else "no response"
         if code:
             detail += f" {code}"

@@ -22,6 +22,7 @@ class Problem:
     code: str = ""
     message: str = ""
     correlation_id: str = ""
+    is_problem: bool = False  # the body was application/problem+json (the platform contract's errors)
 
 
 def _printable(value: object, limit: int) -> str:
@@ -36,9 +37,10 @@ def parse_problem(content_type: str, body: bytes, headers: Mapping[str, str] | N
     try:
         doc = boundedjson.parse(body.decode("utf-8", errors="replace"))
     except ValueError:
-        return Problem(correlation_id=header_id)
+        return Problem(correlation_id=header_id, is_problem=True)
     if not isinstance(doc, dict):
-        return Problem(correlation_id=header_id)
+        return Problem(correlation_id=header_id, is_problem=True)
     message = next((doc[k] for k in ("detail", "title") if isinstance(doc.get(k), str) and doc[k]), "")
     return Problem(code=_printable(doc.get("code"), MAX_CODE), message=message,
-                   correlation_id=_printable(doc.get("correlation_id"), MAX_CORRELATION_ID) or header_id)
+                   correlation_id=_printable(doc.get("correlation_id"), MAX_CORRELATION_ID) or header_id,
+                   is_problem=True)

@@ -47,6 +47,7 @@ from plexd.controlplane.client_errors import (
     PermanentError,
     RetryAfterError,
 )
+from plexd.controlplane.platform_calls import project_from_token
 from plexd.identity.identity_store import Identity, IdentityStore, node_secret
 
 log = logging.getLogger(__name__)
@@ -203,10 +204,17 @@ def refusal_message(status: int, server_message: str, *, api: str, hostname: str
     if status == 409:
         return (f"a node named {hostname!r} is already registered (HTTP 409){said}; set registration.hostname "
                 "to another name or deregister the old node")
+    if status in (0, 200) and server_message:  # refused by plexd itself: the answer is the other contract's
+        return f"registration stopped: {server_message}"
     return f"registration refused (HTTP {status}){said}"
 
 
-_FATAL = (400, 401, 403, 404, 409)
+_FATAL = (400, 401, 403, 404, 409, 422)
+
+
+def _said(exc: ControlPlaneError) -> str:
+    """The server's reason, with the platform contract's error code when it sent one."""
+    return f"{exc.code}: {exc.message}" if exc.code and exc.message else exc.code or exc.message
 
 
 class Registrar:
@@ -245,8 +253,9 @@ class Registrar:
         """The node's identity and whether it was registered just now. Reuses a valid identity on disk."""
         loaded = self.store.load()
         if loaded.identity is not None:
+            self._adopt_dialect(loaded.identity)
             self.client.set_token(loaded.identity.bearer)
-            node_secret.note_mode(loaded.identity.node_secret_kdf)
+            self._note_secret_mode(loaded.identity)
             log.info("using the stored identity", extra={"node_id": loaded.identity.node_id,
                                                           "mesh_ip": loaded.identity.mesh_ip})
             return loaded.identity, False
@@ -259,6 +268,21 @@ class Registrar:
                    if loaded.problem else "")
             raise TokenError(why + no_token_message(self.config))
         return await self.register(token), True
+
+    def _adopt_dialect(self, identity: Identity) -> None:
+        """A registered node speaks the contract it registered with; a config naming the other is overruled, and
+        says so (switching contracts takes a new registration)."""
+        configured = self.config.api.dialect
+        if configured not in ("auto", identity.dialect):
+            log.warning("api.dialect is %s, but this node registered with the %s contract and keeps speaking it; "
+                        "deregister and register again to switch", configured, identity.dialect,
+                        extra={"component": "identity"})
+        self.client.dialect = identity.dialect
+
+    @staticmethod
+    def _note_secret_mode(identity: Identity) -> None:
+        if identity.bearer == identity.node_secret_key:  # the secret itself is the bearer: say so once
+            node_secret.note_mode(identity.node_secret_kdf)
 
     async def find_token(
         self, *, token_file: str | None = None, token_env: str | None = None, prompt: Callable[[], str] | None = None
@@ -288,7 +312,12 @@ class Registrar:
             metadata=self.config.registration.metadata or None,
             capabilities=self._capabilities(),
             node_secret_kdf=node_secret.HKDF_SHA256,
+            project_id=self.config.registration.project_id or project_from_token(token.value),
+            resource_handle=self.config.registration.resource_handle or self.hostname(),
         )
+        if self.client.guess_dialect(token.value) == "platform" and not request.project_id:
+            raise RegistrationError("the platform contract needs the project to register in: set "
+                                    "registration.project_id (the bootstrap token does not name one)")
         log.info("registering with the control plane", extra={"api": self.client.base_url,
                                                                "token": fingerprint(token.value),
                                                                "token_source": token.source})
@@ -355,6 +384,7 @@ class Registrar:
             loaded.identity.node_secret_key != current.node_secret_key or loaded.identity.node_id != current.node_id
         ):
             log.info("identity on disk changed; using it", extra={"node_id": loaded.identity.node_id})
+            self._adopt_dialect(loaded.identity)
             self.client.set_token(loaded.identity.bearer)
             return loaded.identity
         base = loaded.identity or current
@@ -394,14 +424,14 @@ class Registrar:
                 # Checked before saving (the Go agent saves first, and then every restart fails).
                 raise RegistrationError(f"the control plane at {api} sent an unusable identity: {exc}") from None
             except (AuthError, PermanentError) as exc:
-                raise RegistrationError(refusal_message(exc.status, exc.message, api=api, hostname=request.hostname,
+                raise RegistrationError(refusal_message(exc.status, _said(exc), api=api, hostname=request.hostname,
                                                         reregister=reregister), exc.status) from None
             except RetryAfterError as exc:
                 delay = backoff.after_hint(exc.retry_after)
                 last: ControlPlaneError = exc
             except ControlPlaneError as exc:
                 if exc.status in _FATAL and not isinstance(exc, BadResponseError):
-                    raise RegistrationError(refusal_message(exc.status, exc.message, api=api,
+                    raise RegistrationError(refusal_message(exc.status, _said(exc), api=api,
                                                             hostname=request.hostname, reregister=reregister),
                                             exc.status) from None
                 delay = backoff.next_delay()
@@ -420,11 +450,13 @@ class Registrar:
             else:
                 await self.clock.sleep(delay)
         identity = Identity(node_id=resp.node_id, mesh_ip=resp.mesh_ip, signing_public_key=resp.signing_public_key,
-                            node_secret_key=resp.node_secret_key, private_key=private_key, node_secret_kdf=kdf)
+                            node_secret_key=resp.node_secret_key, private_key=private_key, node_secret_kdf=kdf,
+                            dialect=self.client.dialect, signing_key_id=resp.signing_key_id,
+                            domain_mesh_cidr=resp.domain_mesh_cidr)
         failpoint("register.answered")
         self.store.save(identity)
         self.client.set_token(identity.bearer)
-        node_secret.note_mode(kdf)
+        self._note_secret_mode(identity)
         log.info("registered", extra={"node_id": identity.node_id, "mesh_ip": identity.mesh_ip,
                                       "node_secret": fingerprint(identity.node_secret_key)})
         return identity

@@ -321,7 +321,7 @@ def initial_desired(config: Any, identity: Identity, mirror: dict | None) -> tup
     initial = DesiredState.initial(interface=config.mesh.interface, listen_port=config.mesh.listen_port,
                                    mtu=config.mesh.mtu, private_key=private_key, mesh_ip=identity.mesh_ip,
                                    node_id=identity.node_id, enforce_policy=config.policy.enabled,
-                                   mesh_range=tuple(config.policy.mesh_range))
+                                   mesh_range=mesh_range(config, identity))
     mirrored = _from_mirror(mirror, private_key)
     if mirrored is None or mirrored.mesh_ip != initial.mesh_ip:
         # No mirror (a data_dir the Go agent left, or a lost events.db): the node API's cache files still say
@@ -332,6 +332,15 @@ def initial_desired(config: Any, identity: Identity, mirror: dict | None) -> tup
     return replace(mirrored, interface=initial.interface, listen_port=initial.listen_port, mtu=initial.mtu,
                    node_id=initial.node_id, enforce_policy=initial.enforce_policy,
                    mesh_range=initial.mesh_range), True
+
+
+def mesh_range(config: Any, identity: Identity) -> tuple[str, ...]:
+    """The ranges policy CIDRs must fall in: the config's, or (when it says nothing) the range the control plane
+    named at registration."""
+    source_of = getattr(config, "source_of", lambda key: "default")
+    if identity.domain_mesh_cidr and source_of("policy.mesh_range") == "default":
+        return (identity.domain_mesh_cidr,)
+    return tuple(config.policy.mesh_range)
 
 
 def _from_mirror(doc: dict | None, private_key: str) -> DesiredState | None:

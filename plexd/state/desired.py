@@ -289,6 +289,7 @@ class DesiredState:
     node_id: str = ""
     enforce_policy: bool = False
     mesh_range: tuple[str, ...] = policy.DEFAULT_MESH_RANGE
+    peers_by_policy: bool = True  # False: the control plane lists exactly the visible peers (State.peers_by_policy)
 
     @classmethod
     def initial(cls, *, interface: str, listen_port: int, mtu: int, private_key: str, mesh_ip: str,
@@ -310,14 +311,14 @@ class DesiredState:
         """The peer as it goes on the device: accepted, (when enforcing) allowed by some rule, and on its
         fallback endpoint while it is relayed."""
         peer = self.peers.get(peer_id)
-        if peer is None or not self.enforce_policy or self.compiled_policy.sees(peer):
+        if peer is None or not self.enforce_policy or not self.peers_by_policy or self.compiled_policy.sees(peer):
             return self._on_path(peer) if peer is not None and peer_id in self.relayed else peer
         return None
 
     @cached_property
     def shown_peers(self) -> Mapping[str, Peer]:
         """Every peer that goes on the device (peer visibility, §9.2), relayed ones on their fallback endpoint."""
-        if not self.enforce_policy:
+        if not self.enforce_policy or not self.peers_by_policy:
             shown: Mapping[str, Peer] = self.peers
         else:
             sees = self.compiled_policy.sees
@@ -479,6 +480,7 @@ class DesiredState:
                       user_access=self.user_access if state.user_access is None else state.user_access,
                       site_to_site=self.site_to_site if state.site_to_site is None else state.site_to_site,
                       ingress=self.ingress if state.ingress is None else state.ingress,
+                      peers_by_policy=state.peers_by_policy,
                       bridge_blocks=_mirrored_blocks(self.bridge_blocks, state.extra))
         return new._with_peers(state.peers, {}, ())
 
@@ -573,7 +575,8 @@ class DesiredState:
             "persistent_keepalive": self.persistent_keepalive,
             "state": State(peers=tuple(self.peers.values()), policies=self.policies, signing_keys=self.signing_keys,
                            metadata=self.metadata, data=self.data, secret_refs=self.secret_refs,
-                           sessions=self.sessions, extra=dict(self.bridge_blocks)).to_wire(),
+                           sessions=self.sessions, peers_by_policy=self.peers_by_policy,
+                           extra=dict(self.bridge_blocks)).to_wire(),
         }
 
     @classmethod

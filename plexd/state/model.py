@@ -266,6 +266,10 @@ class State:
     user_access: UserAccess | None = None  # a bridge's access interface; None: no block in this state
     site_to_site: SiteToSite | None = None  # a bridge's tunnels; None: no block in this state
     ingress: Ingress | None = None  # a bridge's ingress rules; None: no block in this state
+    # Whether the policies decide which peers go on the device (§9.2). A control plane that lists exactly the peers
+    # a node may see says "peer_visibility": "all" (the platform contract's snapshot means that), and the policies
+    # then only filter traffic.
+    peers_by_policy: bool = True
     extra: dict[str, JSON] = field(default_factory=dict)
 
     _EXTRA_KEYS = ("bridge", "bridge_config", "relay_config", "user_access_config", "ingress_config",
@@ -294,6 +298,7 @@ class State:
             user_access=parse_user_access(f) if has_block(f, "user_access_config") else None,
             site_to_site=parse_site_to_site(f) if has_block(f, "site_to_site_config") else None,
             ingress=parse_ingress(f) if has_block(f, "ingress_config") else None,
+            peers_by_policy=_peer_visibility(f, path),
             extra={k: f[k] for k in cls._EXTRA_KEYS if k in f},  # a null block too: it says "none desired"
         )
 
@@ -310,8 +315,22 @@ class State:
             out["metadata"] = self.metadata
         if self.sessions is not None:
             out["sessions"] = self.sessions.to_wire()
+        if not self.peers_by_policy:
+            out[PEER_VISIBILITY] = "all"
         out.update(self.extra)
         return out
+
+
+PEER_VISIBILITY = "peer_visibility"
+
+
+def _peer_visibility(f: dict[str, JSON], path: str) -> bool:
+    value = f.get(PEER_VISIBILITY)
+    if value is None or value == "policy":
+        return True
+    if value == "all":
+        return False
+    raise WireFormatError(join(path, PEER_VISIBILITY), f"must be \"policy\" or \"all\", got {str(value)[:40]!r}")
 
 
 @dataclass(frozen=True)
@@ -324,6 +343,9 @@ class RegisterResponse:
     # Not in the Go control plane's answer: "hkdf-sha256" when the control plane took the derivation the node
     # offered (plexd.identity.node_secret); checked by the registrar before anything is saved.
     node_secret_kdf: str = ""
+    # The platform contract's answer also names the signing key and the mesh's whole range.
+    signing_key_id: str = ""
+    domain_mesh_cidr: str = ""
 
     @classmethod
     def from_wire(cls, obj: JSON) -> RegisterResponse:
