@@ -190,7 +190,7 @@ def _parsed_network(dst: str) -> tuple[int, int, bytes]:
     bits = len(packed) * 8
     if not slash:
         return family, bits, packed
-    if not length.isdigit() or int(length) > bits:  # isdigit: no sign, no spaces, as ipaddress takes it
+    if not (length.isascii() and length.isdigit()) or int(length) > bits:  # no sign, no spaces, no "¹"
         raise ValueError(f"{dst!r} is not an IP network: bad prefix length {length!r}")
     prefixlen = int(length)
     host = bits - prefixlen
