@@ -593,8 +593,8 @@ class MeshLab:
             f.write(self.admin.create_token())
         config = os.path.join(ndir, "config.yaml")
         with open(config, "w") as f:
-            dialect = ", dialect: platform" if self.dialect == "platform" else ""
-            f.write(f"api: {{url: {self.url}, allow_insecure: true{dialect}}}\ndata_dir: {ndir}/data\n"
+            # No api.dialect: the node finds the contract itself (auto), from its token and the devplane's answer.
+            f.write(f"api: {{url: {self.url}, allow_insecure: true}}\ndata_dir: {ndir}/data\n"
                     f"token: {{file: {token}}}\n"
                     f"hooks: {{dir: {ndir}/hooks}}\n"
                     f"mesh: {{interface: plexd0, backend: {backend}, listen_port: {self.LISTEN_PORT}{mesh_extra}}}\n"

@@ -44,9 +44,9 @@ class Daemon:
         api = node_api if "socket_path" in node_api else f"socket_path: {self.dir / 'api.sock'}"
         self.api_socket = Path(re.search(r"socket_path:\s*([^,}\s]+)", api).group(1))
         self.config = self.dir / "config.yaml"
-        dialect = ", dialect: platform" if dp.dialect == "platform" else ""  # the contract the devplane speaks
+        # No api.dialect: every lab node finds the contract itself (auto), from its token and the devplane's answer.
         self.config.write_text(
-            f"api: {{url: {dp.url}, allow_insecure: true{dialect}}}\n"  # the devplane serves plain HTTP
+            f"api: {{url: {dp.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
             f"data_dir: {self.dir / 'data'}\ntoken: {{file: {self.dir / 'token'}}}\n"
             f"hooks: {{dir: {self.dir / 'hooks'}}}\nmesh: {{interface: plexd0, backend: {backend}}}\n"
             f"reconcile: {{interval: {reconcile}}}\nheartbeat: {{interval: 2s}}\n"

@@ -12,6 +12,7 @@ import base64
 import ipaddress
 import json
 import subprocess
+from pathlib import Path
 
 import httpx
 import pytest
@@ -24,9 +25,10 @@ from plexd.devplane.lab import MeshLab
 RECONCILE_S = 3
 
 
-@pytest.fixture
-def mesh():
-    with mesh_lab(3, reconcile=f"{RECONCILE_S}s", heartbeat="2s") as both:
+@pytest.fixture(params=["spec", "platform"])
+def mesh(request):
+    """Each test once per contract: the nodes find which one the devplane speaks themselves (api.dialect: auto)."""
+    with mesh_lab(3, reconcile=f"{RECONCILE_S}s", heartbeat="2s", dialect=request.param) as both:
         yield both
 
 
@@ -43,6 +45,9 @@ def test_three_nodes_ping_each_other_and_list_exactly_the_others(mesh) -> None:
         m.start_node(node)
     m.wait(lambda: all(d.node_id for d in m.daemons), 30, "registration")
     m.wait(m.full_handshake_matrix, 30, "a handshake between every pair")
+    for node in lab.nodes:  # api.dialect: auto found the devplane's contract, and the identity remembers it
+        identity = json.loads(Path(lab.workdir, node.name, "data", "identity.json").read_text())
+        assert identity.get("dialect", "spec") == m.dialect, identity
 
     names = keys_of(m)
     assert len(names) == 3
