@@ -269,6 +269,12 @@ class ControlPlaneClient:
     def platform(self) -> bool:
         return self.dialect == PLATFORM
 
+    @property
+    def registration_carries_capabilities(self) -> bool:
+        """Whether the register request announced the capabilities (the platform's has no such field: they are
+        announced with ``PUT /capabilities`` after it)."""
+        return not self.platform
+
     def guess_dialect(self, bootstrap_token: str) -> str:
         """With ``api.dialect: auto``, the contract to register with, from the bootstrap token's form: the
         platform's tokens are ``psb_<env>_<project>_<kind>_<random>``. The answer has the last word (`register`)."""

@@ -387,10 +387,11 @@ def build_actions(agent: Agent, node_id: Callable[[], str], uplink: UplinkOutbox
         await agent.announce_capabilities(rescan=False)
 
     hooks = HookSet(cfg.hooks.dir, journal, agent.hooks, publish, reverify=cfg.hooks.reverify, backoff=backoff(cfg))
-    if agent.registered_now:
-        hooks.mark_announced(agent.hooks)  # the registration carried them
+    if agent.registered_now and agent.client.registration_carries_capabilities:
+        hooks.mark_announced(agent.hooks)
     else:
-        # A reused identity announces, since the code or the hooks may have changed while plexd was stopped.
+        # A reused identity announces, since the code or the hooks may have changed while plexd was stopped; so
+        # does a registration that could not carry them.
         hooks.request_announce(agent.hooks)
     reloader = ConfigReloader(cfg, functools.partial(setattr, agent, "config"))  # shutdown.* is read at the stop
     dispatcher = ActionDispatcher(cfg.actions, journal, outbox, hooks, view(reloader), node_id,
