@@ -82,6 +82,7 @@ GZIP_THRESHOLD = 1024  # bytes; larger request bodies are gzipped (§1.1)
 # Not Go's default 6: on the JSON plexd sends (a minute of metrics at 1,000 peers is ~1 MiB) level 1 takes half
 # the CPU for ~11 % more bytes, and the body is still a twentieth of its size. Any gzip reader takes either.
 GZIP_LEVEL = 1
+INGEST_ROUTES = ("/metrics", "/logs", "/audit")  # the only platform routes that take a gzipped body
 _SURROGATE = re.compile("[\ud800-\udfff]")
 MAX_RESPONSE_BYTES = 10 * 1024 * 1024  # decompressed response cap (§1.1)
 MAX_ERROR_BYTES = 4096  # the Go agent keeps the first 4 KiB of an error body
@@ -314,7 +315,8 @@ class ControlPlaneClient:
         if has_body:
             content = _utf8(go_marshal(body))
             headers["Content-Type"] = "application/json"
-            if len(content) > GZIP_THRESHOLD:
+            # The platform reads raw bytes everywhere but its three ingest routes (docs/platform-dialect.md).
+            if len(content) > GZIP_THRESHOLD and (not self.platform or path.endswith(INGEST_ROUTES)):
                 content = gzip.compress(content, compresslevel=GZIP_LEVEL)
                 headers["Content-Encoding"] = "gzip"
         url = self.base_url + path

@@ -354,3 +354,56 @@ def test_deregister_purge_through_the_daemon_removes_the_daemons_own_data_dir(tm
         if proc.poll() is None:
             stop(proc)
     assert not node.data.exists() and not elsewhere.exists()
+
+
+# -- the platform contract, and choosing it (api.dialect: auto) -------------------------------------------------
+
+@pytest.fixture
+def platform_dp(tmp_path):
+    with Devplane(tmp_path / "platform-devplane", dialect="platform") as plane:
+        yield plane
+
+
+def test_auto_registers_with_a_platform_control_plane_and_keeps_the_nsk_secret(tmp_path, platform_dp):
+    node = Node(tmp_path / "a", platform_dp, "px-platform")
+    token = platform_dp.admin.create_token()
+    node.token.write_text(token)
+    r = node.run("join")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads((node.data / "identity.json").read_text())
+    assert doc["dialect"] == "platform" and doc["signing_key_id"] and doc["domain_mesh_cidr"]
+    ident = node.identity()
+    assert ident.bearer.startswith("nsk_plexd_") and mode(node.data / "node_secret_key") == 0o600
+    assert ident.node_secret_key not in r.stdout + r.stderr and token not in r.stdout + r.stderr
+    (listed,) = platform_dp.admin.nodes()
+    assert (listed["id"], listed["hostname"]) == (ident.node_id, "px-platform")  # the hostname is the handle
+    assert not node.token.exists()
+
+    # the token is spent: a second node with it is refused, and the line names the platform's reason
+    other = Node(tmp_path / "b", platform_dp, "px-platform-b")
+    other.token.write_text(token)
+    r = other.run("join")
+    assert r.returncode == 1 and "token_consumed" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    assert other.identity() is None and other.token.exists()
+
+
+def test_a_wrong_guess_is_corrected_by_the_answer_and_saves_nothing(tmp_path, dp, platform_dp):
+    # A token of the platform's form given to a spec control plane: the spec control plane's refusal (not
+    # problem+json) says which contract it speaks; asked again in it, the unknown token is refused as such.
+    node = Node(tmp_path / "a", dp, "px-guess")
+    node.token.write_text("psb_dev_aebagbafaydqqbrhibbsa3kqaq_node_" + "a" * 26)
+    r = node.run("join")
+    assert r.returncode == 1 and "bootstrap token refused (HTTP 401)" in r.stderr, r.stderr
+    assert node.identity() is None and not (node.data / "identity.json").exists() and node.token.exists()
+
+    # A node told to speak spec to a platform control plane: one line naming what was refused, nothing saved.
+    told = Node(tmp_path / "b", platform_dp, "px-told")
+    told.config.write_text(told.config.read_text().replace("allow_insecure: true", "allow_insecure: true, "
+                                                                                 "dialect: spec"))
+    told.token.write_text(platform_dp.admin.create_token())
+    r = told.run("join")
+    # (the spec request is gzipped, which the platform does not read: refused as malformed either way)
+    assert r.returncode == 1 and "rejected the registration request" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and "correlation id" in r.stderr
+    assert told.identity() is None and told.token.exists()
+    assert platform_dp.admin.nodes() == []
