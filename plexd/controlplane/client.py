@@ -313,8 +313,8 @@ class ControlPlaneClient:
         headers = {**self._headers(token), **(extra_headers or {})}
         content: bytes | None = None
         if has_body:
-            content = _utf8(go_marshal(body))
-            headers["Content-Type"] = "application/json"
+            content = body if isinstance(body, bytes) else _utf8(go_marshal(body))  # bytes: sent as they are
+            headers.setdefault("Content-Type", "application/json")
             # The platform reads raw bytes everywhere but its three ingest routes (docs/platform-dialect.md).
             if len(content) > GZIP_THRESHOLD and (not self.platform or path.endswith(INGEST_ROUTES)):
                 content = gzip.compress(content, compresslevel=GZIP_LEVEL)
@@ -510,16 +510,22 @@ class ControlPlaneClient:
 
     async def send_metrics(self, node_id: str, points: Batch) -> None:
         """#14 ``POST /v1/nodes/{id}/metrics``: a JSON array."""
+        if self.platform:
+            return await platform_calls.ingest(self, node_id, "metrics", points)
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/metrics", _array(points), has_body=True,
                          what="metrics batch")
 
     async def send_logs(self, node_id: str, entries: Batch) -> None:
         """#15 ``POST /v1/nodes/{id}/logs``: a JSON array."""
+        if self.platform:
+            return await platform_calls.ingest(self, node_id, "logs", entries)
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/logs", _array(entries), has_body=True,
                          what="logs batch")
 
     async def send_audit(self, node_id: str, entries: Batch) -> None:
         """#16 ``POST /v1/nodes/{id}/audit``: a JSON array."""
+        if self.platform:
+            return await platform_calls.ingest(self, node_id, "audit", entries)
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/audit", _array(entries), has_body=True,
                          what="audit batch")
 

@@ -297,3 +297,24 @@ async def fetch_secret(client: ControlPlaneClient, node_id: str, key: str) -> Se
     return SecretResponse(key=key, ciphertext=base64.b64encode(data[NONCE_BYTES:]).decode("ascii"),
                           nonce=base64.b64encode(data[:NONCE_BYTES]).decode("ascii"),
                           version=int(version) if version.isdigit() and len(version) < 19 else 0)
+
+
+# -- telemetry -----------------------------------------------------------------------------------------------------
+
+async def ingest(client: ControlPlaneClient, node_id: str, stream: str, batch: Any) -> None:
+    """One batch of metrics (a JSON array of samples) or logs/audit (NDJSON) in the platform's shapes; a batch with
+    nothing the platform can take is not sent."""
+    from plexd.controlplane import platform_telemetry as shapes
+
+    headers = {"X-Plexsphere-Sent-At": format_time(datetime.now(UTC))}
+    if stream == "metrics":
+        samples = shapes.metric_samples(batch)
+        if samples:
+            await client._exchange("POST", f"{_node(node_id)}/metrics", samples, has_body=True,
+                                   what="metrics batch", extra_headers=headers)
+        return
+    lines = shapes.log_lines(batch) if stream == "logs" else shapes.audit_events(batch)
+    if lines:
+        await client._exchange("POST", f"{_node(node_id)}/{stream}", shapes.ndjson(lines),
+                               has_body=True, what=f"{stream} batch",
+                               extra_headers={**headers, "Content-Type": "application/x-ndjson"})
