@@ -60,6 +60,7 @@ class Sample:
     cpu_s: float
     sqlite: dict[str, int]
     malloc: dict[str, float] | None = None  # glibc's own count (plexd status, daemon.malloc_mib), once a minute
+    rss_parts: dict[str, float] = field(default_factory=dict)  # RssAnon, RssFile, RssShmem (MiB): what grows
 
 
 @dataclass
@@ -108,8 +109,9 @@ class Soak:
             return
         sizes = {p.name: p.stat().st_size for p in self.r.data_dir.iterdir()
                  if p.name.endswith((".db", ".db-wal", ".sqlite", ".sqlite-wal"))}
+        parts = {k: int(status[k].split()[0]) / 1024 for k in ("RssAnon", "RssFile", "RssShmem") if k in status}
         self.samples.append(Sample(time.monotonic() - t0, int(status["VmRSS"].split()[0]) / 1024,
-                                   fds, int(status["Threads"]), cpu, sizes))
+                                   fds, int(status["Threads"]), cpu, sizes, rss_parts=parts))
 
     async def sample_heap(self) -> None:
         """glibc's count, once a minute, off the loop (the lag probes keep their timing)."""
@@ -220,6 +222,11 @@ def summary(s: Soak, minutes: float) -> None:
     print(f"== soak: {minutes:g} min, {len(s.samples)} samples, {s.joined} joins")
     print(f"RSS: first {first.rss_mib:.1f} MiB, last {last.rss_mib:.1f}, max {max(x.rss_mib for x in s.samples):.1f};"
           f" slope after {after / 60:g} min {slope_per_hour(settled):+.2f} MiB/hour (goal <= 1)")
+    parts = [x for x in s.samples if x.t >= after and x.rss_parts]
+    if parts:  # anonymous memory (heaps, Python's arenas) or file pages mapped (libraries, SQLite's shared memory)
+        print("RSS by kind (MiB), after the settle: " + ", ".join(
+            f"{k} {parts[0].rss_parts[k]:.1f} -> {parts[-1].rss_parts[k]:.1f} "
+            f"({slope_per_hour([(x.t, x.rss_parts[k]) for x in parts]):+.2f}/hour)" for k in parts[0].rss_parts))
     heap = [(x.t, x.malloc) for x in s.samples if x.t >= after and x.malloc and "in_use" in x.malloc]
     if heap:  # where RSS growth is: glibc's blocks in use (a leak) or free in its heaps (fragmentation)
         def line(k: str) -> str:

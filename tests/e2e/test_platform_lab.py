@@ -15,7 +15,18 @@ import json
 import sys
 
 import pytest
-from lab_daemon import connects, ping_count, publish_endpoints, start_mesh, wait_until, wg_peers
+from lab_daemon import (
+    assert_rotated,
+    connects,
+    own_key,
+    ping_count,
+    ping_during,
+    pinging_pair,
+    publish_endpoints,
+    start_mesh,
+    wait_until,
+    wg_peers,
+)
 
 from plexd.devplane.demo import LISTENER as LISTEN
 
@@ -101,3 +112,30 @@ def test_a_platform_mesh_registers_pings_enforces_policy_and_serves_node_state(l
     logged = a.logged()  # the restarted daemon's log
     assert "using the stored identity" in logged and "registering with the control plane" not in logged
     assert SECRET not in logged
+
+
+@pytest.mark.parametrize("lab_dp", [{"nodes": 2, "dialect": "platform"}], indirect=True)
+def test_a_platform_key_rotation_keeps_the_pair_pinging_and_deregister_is_local(lab_dp):
+    lab, dp, daemons, tmp_path = lab_dp
+    a, b = pinging_pair(lab, dp, daemons, tmp_path, reconcile="1h")
+    old = dp.admin.node(a.node_id())["public_key"]
+    assert own_key(lab, a) == old
+
+    # The platform asks (a rotate_keys event, and the heartbeat's flag until it is done); the answer is a receipt,
+    # and b learns the new key from its next state pull, which the platform's event asks for.
+    _, missing, sent = ping_during(lab, a.node, b.mesh_ip(), 40,
+                                   lambda: dp.admin.request_key_rotation(a.node_id()) or wait_until(
+                                       lambda: dp.admin.node(a.node_id())["public_key"] != old, 15,
+                                       "the rotation", daemons))
+    print(f"platform rotation under ping: {missing} of {sent} lost")
+    assert sent == 40 and missing <= 2
+    new = assert_rotated(lab, dp, a, b, old, daemons)
+    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
+    text = a.logged()
+    assert "rotated the WireGuard key" in text and old not in text and new not in text
+
+    # The platform has no deregistration call: plexd deregister leaves the mesh locally and says so.
+    out = a.cli("deregister", check=False)
+    assert out.returncode == 0, out.stderr
+    assert "locally" in (out.stdout + out.stderr + a.logged()), out
+    assert dp.admin.node(a.node_id())["public_key"] == new  # the platform still knows it
