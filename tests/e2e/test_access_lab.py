@@ -66,7 +66,7 @@ def session_rules(lab, node) -> list[dict]:
     return [r for r in rules if any("socket" in json.dumps(e) for e in r["expr"])]
 
 
-@pytest.mark.parametrize("lab_dp", [3], indirect=True)
+@pytest.mark.parametrize("lab_dp", [3, {"nodes": 3, "dialect": "platform"}], indirect=True, ids=["spec", "platform"])
 def test_ssh_and_tcp_sessions_over_the_mesh(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
     start_mesh(lab, dp, daemons, tmp_path, reconcile="10m")
