@@ -105,6 +105,27 @@ def top_level_spans(text: str) -> dict[str, tuple[int, int]]:
     return spans
 
 
+def top_level_string(data: str, spans: dict[str, tuple[int, int]], name: str) -> str:
+    """The string at `name` of an envelope cut into `spans` (`top_level_spans`): "" when absent or null, a
+    WireFormatError naming the field when it is not a bounded, encodable string. The caller ran
+    boundedjson.check_depth on the whole text."""
+    if name not in spans:
+        return ""
+    start, end = spans[name]
+    value = json.loads(data[start:end])
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise WireFormatError(name, f"must be a string, got {type(value).__name__}")
+    if len(value) > MAX_FIELD:
+        raise WireFormatError(name, f"longer than {MAX_FIELD} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise WireFormatError(name, "not valid UTF-8 (a lone surrogate escape)") from None
+    return value
+
+
 def parse_envelope(data: str) -> Envelope:
     """Parse an SSE ``data`` payload into an Envelope. Raises WireFormatError naming what is wrong."""
     boundedjson.check_depth(data, "envelope")
@@ -114,21 +135,7 @@ def parse_envelope(data: str) -> Envelope:
         raise WireFormatError("", f"invalid JSON: {exc}") from None
 
     def string_field(name: str) -> str:
-        if name not in spans:
-            return ""
-        start, end = spans[name]
-        value = json.loads(data[start:end])
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise WireFormatError(name, f"must be a string, got {type(value).__name__}")
-        if len(value) > MAX_FIELD:
-            raise WireFormatError(name, f"longer than {MAX_FIELD} characters")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise WireFormatError(name, "not valid UTF-8 (a lone surrogate escape)") from None
-        return value
+        return top_level_string(data, spans, name)
 
     event_type = string_field("event_type")
     event_id = string_field("event_id")

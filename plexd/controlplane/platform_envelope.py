@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import json
 import re
 import uuid
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from typing import Any, ClassVar
 
 from plexd.base import boundedjson, gojson
 from plexd.base.errors import WireFormatError
-from plexd.controlplane.envelope import MAX_FIELD, top_level_spans
+from plexd.controlplane.envelope import top_level_spans, top_level_string
 from plexd.controlplane.sse import valid_event_id
 
 _EVENT_TYPE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
@@ -93,21 +92,7 @@ def parse_envelope(data: str) -> PlatformEnvelope:
         raise WireFormatError("", f"invalid JSON: {exc}") from None
 
     def string_field(name: str) -> str:
-        if name not in spans:
-            return ""
-        start, end = spans[name]
-        value = json.loads(data[start:end])
-        if value is None:
-            return ""
-        if not isinstance(value, str):
-            raise WireFormatError(name, f"must be a string, got {type(value).__name__}")
-        if len(value) > MAX_FIELD:
-            raise WireFormatError(name, f"longer than {MAX_FIELD} characters")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise WireFormatError(name, "not valid UTF-8 (a lone surrogate escape)") from None
-        return value
+        return top_level_string(data, spans, name)
 
     event_id, event_type = string_field("id"), string_field("type")
     if not event_id:
