@@ -95,6 +95,8 @@ def stored_status(config: Config) -> dict[str, Any]:
         "daemon": {"running": False},
         "node": {"registered": ident is not None, "node_id": ident.node_id if ident else "",
                  "mesh_ip": ident.mesh_ip if ident else "", "control_plane": config.api.url,
+                 # the contract spoken: the identity's once registered, else what api.dialect says
+                 "dialect": ident.dialect if ident else config.api.dialect,
                  "data_dir": config.data_dir, "interface": config.mesh.interface,
                  "identity_problem": loaded.problem},
     }

@@ -32,7 +32,8 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
         lines.append(f"registered:     no (stored identity unusable: {node['identity_problem']}; run 'plexd join')")
     else:
         lines.append("registered:     no (run 'plexd join')")
-    lines += [f"control plane:  {node.get('control_plane') or '(not configured)'}",
+    dialect = f" ({node['dialect']} contract)" if node.get("dialect") else ""
+    lines += [f"control plane:  {node.get('control_plane') or '(not configured)'}{dialect}",
               f"data dir:       {node.get('data_dir', '')}"]
     daemon = doc.get("daemon", {})
     if not daemon.get("running"):

@@ -53,6 +53,7 @@ def test_a_platform_mesh_registers_pings_enforces_policy_and_serves_node_state(l
         identity = json.loads((d.dir / "data" / "identity.json").read_text())
         assert identity["dialect"] == "platform" and identity["signing_key_id"] and identity["domain_mesh_cidr"]
         assert (d.dir / "data" / "node_secret_key").stat().st_mode & 0o777 == 0o600
+    assert "(platform contract)" in a.cli("status").stdout
 
     # Heartbeats and capabilities in the platform's flat shapes; the status blocks as state reports.
     a_id = a.node_id()
