@@ -121,6 +121,16 @@ def capabilities(body: Any) -> dict[str, Any]:
     return body
 
 
+MANIFEST_FIELDS = ("binary_checksum", "binary_version", "declared_hooks", "ssh_host_key_fingerprint")
+
+
+def capability_changes(previous: Any, body: dict[str, Any]) -> list[str]:
+    """The manifest fields that differ from the node's last manifest, sorted (the platform's `fields_changed`; all
+    the sent ones on a first manifest)."""
+    before = previous if isinstance(previous, dict) else {}
+    return [name for name in MANIFEST_FIELDS if before.get(name) != body.get(name)]
+
+
 # -- integrity violations (§11) ----------------------------------------------------------------------------------
 
 INTEGRITY = "malformed_integrity_violations_request"

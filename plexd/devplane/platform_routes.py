@@ -171,11 +171,14 @@ async def capabilities(request: Request) -> Response:
     body = platform_bodies.capabilities(await _json(request, 32 * KB, "capabilities_body_too_large",
                                                     platform_bodies.CAPABILITIES))
     dep = _dep(request)
+    changed = platform_bodies.capability_changes(node.capabilities, body)
     with dep.store.transaction():
         node.capabilities = body
         dep.store.save_node(node)
         dep.store.add_record(node.id, "capabilities", dep.now_text(), _compact(body))
-    return Response(status_code=204)
+    # The platform's answer: what changed since the last manifest, the host key's change broken out.
+    return JSONResponse({"accepted_at": dep.now_text(), "fields_changed": changed,
+                         "host_key_changed": "ssh_host_key_fingerprint" in changed})
 
 
 async def integrity_violations(request: Request) -> Response:

@@ -43,7 +43,7 @@ def test_a_hook_the_node_declared_is_a_hook(platform_dp):
     node = register(platform_dp)
     resp = node.put("capabilities", {"binary_version": "1", "binary_checksum": digest(),
                                      "declared_hooks": [{"name": "backup", "checksum": digest()}]})
-    assert resp.status_code == 204
+    assert resp.status_code == 200
     eid = platform_dp.admin.request_action(node.id, "backup")
     assert next(e for e in node.state()["executions"] if e["execution_id"] == eid)["type"] == "hook"
 

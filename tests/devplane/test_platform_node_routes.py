@@ -28,10 +28,16 @@ def test_capabilities_are_kept(platform_dp, node):
                 "ssh_host_key_fingerprint": "SHA256:6QGz1Q4iE2zG5p2N3oRZb8ZsT4nKqJgY3oZmP8eFvWk",
                 "declared_hooks": [{"name": "post-install", "checksum": digest()}]}
     resp = node.put("capabilities", manifest)
-    assert resp.status_code == 204 and resp.content == b""
+    assert resp.status_code == 200
+    assert resp.json()["fields_changed"] == sorted(manifest) and resp.json()["host_key_changed"] is True
     assert platform_dp.admin.capabilities(node.id)[-1] == manifest
     assert platform_dp.admin.node(node.id)["capabilities"] == manifest
-    assert node.put("capabilities", {"binary_version": "1", "binary_checksum": digest()}).status_code == 204
+    again = node.put("capabilities", manifest).json()
+    assert again["fields_changed"] == [] and again["host_key_changed"] is False  # an idempotent PUT: no diff
+    changed = node.put("capabilities", {"binary_version": "1", "binary_checksum": manifest["binary_checksum"]})
+    assert changed.status_code == 200
+    assert changed.json()["fields_changed"] == ["binary_version", "declared_hooks", "ssh_host_key_fingerprint"]
+    assert changed.json()["host_key_changed"] is True  # out of the set state counts too
 
 
 @pytest.mark.parametrize("change,code", [
