@@ -1,4 +1,5 @@
-"""The one reader of a text field in the control plane's JSON documents, and how the model names a bad one."""
+"""The readers of the control plane's JSON documents the model shares (an object's fields, a text field), and how
+it names a bad one."""
 
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ def kind(value: Any) -> str:
     return {bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}.get(
         type(value), type(value).__name__
     )
+
+
+def object_fields(obj: Any, path: str) -> dict[str, Any]:
+    """A JSON object's fields under lower-cased keys: Go's decoder matches keys case-insensitively."""
+    if not isinstance(obj, dict):
+        raise WireFormatError(path, f"must be a JSON object, got {kind(obj)}")
+    return {str(k).lower(): v for k, v in obj.items()}
 
 
 def join(path: str, key: str) -> str:

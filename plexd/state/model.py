@@ -17,6 +17,7 @@ from typing import Any
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import GO_ZERO_TIME
 from plexd.base.hostname import is_ip
+from plexd.state.action_request import ActionRequest
 from plexd.state.bridge_blocks import (
     Ingress,
     SiteToSite,
@@ -27,6 +28,7 @@ from plexd.state.bridge_blocks import (
     parse_user_access,
 )
 from plexd.state.fields import join, kind, text
+from plexd.state.fields import object_fields as _fields  # where the model's readers import it from
 from plexd.state.relay_block import RelaySessionSet
 from plexd.state.sessions_block import Sessions, parse_sessions
 
@@ -41,12 +43,6 @@ def is_valid_key(key: str) -> bool:
         return False
 
 JSON = Any
-
-
-def _fields(obj: JSON, path: str) -> dict[str, JSON]:
-    if not isinstance(obj, dict):
-        raise WireFormatError(path, f"must be a JSON object, got {kind(obj)}")
-    return {str(k).lower(): v for k, v in obj.items()}
 
 
 def _int(f: dict[str, JSON], key: str, path: str, default: int = 0) -> int:
@@ -270,6 +266,9 @@ class State:
     # a node may see says "peer_visibility": "all" (the platform contract's snapshot means that), and the policies
     # then only filter traffic.
     peers_by_policy: bool = True
+    # Actions the state asks for (the platform contract's executions block; the spec's come as events): offered to
+    # the action dispatcher on every pull, never part of the desired model.
+    action_requests: tuple[ActionRequest, ...] = ()
     extra: dict[str, JSON] = field(default_factory=dict)
 
     _EXTRA_KEYS = ("bridge", "bridge_config", "relay_config", "user_access_config", "ingress_config",
