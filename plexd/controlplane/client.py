@@ -45,7 +45,7 @@ from plexd import __version__
 from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import EncodedJSON, format_time, go_marshal
-from plexd.controlplane import http_client, platform_calls
+from plexd.controlplane import http_client, platform_actions, platform_calls
 from plexd.controlplane.answers import HeartbeatResponse, PeerEndpoint, SecretResponse, path_escape
 from plexd.controlplane.client_errors import (
     AuthError,
@@ -233,6 +233,7 @@ class ControlPlaneClient:
         self.dialect = dialect
         self._published: dict[str, str] = {}  # platform: the status reports as last sent (key → value)
         self._reachability = platform_calls.Reachability()
+        self._executions = platform_actions.Statuses()  # platform: each listed execution's status
         self._guessed = False  # the dialect is auto's guess, not yet confirmed by an answer
         self._token = token
         self.user_agent = user_agent
@@ -464,6 +465,7 @@ class ControlPlaneClient:
         doc = _parse_body(what, data)
         if self.platform:
             self._reachability.note(doc)
+            self._executions.note(doc)
         state = _typed(what, platform_calls.parse_state if self.platform else State.from_wire, doc)
         etag = headers.get("ETag", "")
         self._last_state = _PulledState(path, etag if len(etag) <= MAX_ETAG else "", digest, state)
@@ -494,12 +496,17 @@ class ControlPlaneClient:
 
     async def ack_execution(self, node_id: str, execution_id: str, status: str, reason: str = "") -> None:
         """#12 ``POST .../executions/{eid}/ack``: status ``accepted`` or ``rejected``; reason always present."""
+        if self.platform:
+            return await platform_actions.acknowledge(self, node_id, execution_id, status, reason,
+                                                       self._executions.of(execution_id))
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/executions/{path_escape(execution_id)}/ack",
                          {"execution_id": execution_id, "status": status, "reason": reason}, has_body=True,
                          what="execution ack")
 
     async def report_result(self, node_id: str, execution_id: str, result: Mapping[str, JSON]) -> None:
         """#13 ``POST .../executions/{eid}/result`` (body shape §1.13, built by the action dispatcher)."""
+        if self.platform:
+            return await platform_actions.report_result(self, node_id, execution_id, result)
         await self._call("POST", f"/v1/nodes/{path_escape(node_id)}/executions/{path_escape(execution_id)}/result",
                          dict(result), has_body=True, what="execution result")
 

@@ -15,8 +15,8 @@ State). What each becomes:
 - ``state`` ``{metadata[], data[], reports[]}``: metadata and data for the node API; a data value is an opaque
   string. ``reports`` (the node's own, echoed) and the ``reports`` block are not desired state.
 - ``sessions`` and ``bridge``: already in the shapes the model reads.
-- ``executions``: the actions to run (`plexd.controlplane.platform_executions`); ``reachability``: a diagnostic the
-  client logs when it changes.
+- ``executions``: the actions to run, as `State.action_requests` (`plexd.controlplane.platform_actions`);
+  ``reachability``: a diagnostic the client logs when it changes.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import GO_ZERO_TIME
+from plexd.controlplane.platform_actions import action_requests
 from plexd.state.fields import join, kind
 from plexd.state.model import PEER_VISIBILITY, DataEntry, Policy, PolicyRule, State, _fields
 
@@ -56,7 +57,8 @@ def state_from_snapshot(doc: Any) -> State:
     if "bridge" in f:
         translated["bridge"] = f["bridge"]
     state = State.from_wire(translated)
-    return replace(state, policies=_policies(f.get("policy")), data=() if block is None else _data(block))
+    return replace(state, policies=_policies(f.get("policy")), data=() if block is None else _data(block),
+                   action_requests=action_requests(f.get("executions")))
 
 
 def reachability(doc: Any) -> str:
