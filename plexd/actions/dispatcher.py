@@ -1,4 +1,5 @@
-"""Validate → acknowledge → run → report, for ``action_request`` events and local runs alike.
+"""Validate → acknowledge → run → report, for ``action_request`` events, actions a pulled state lists, and local
+runs alike.
 
 Checks, in order (docs/protocol.md §7.4 as settled in docs/decisions.md, Actions): the request is well-formed
 (``invalid_request``), actions are enabled (``actions_disabled``), plexd is not shutting down (``shutting_down``),
@@ -11,17 +12,26 @@ acked ``rejected`` with its reason and logged once with the detail. Nothing here
 acks, results and violations go through the outbox, and one the journal cannot take (data_dir full or read-only)
 waits in memory until it can (plexd.actions.unwritten).
 
-Timeout: the request's, else the hook's sidecar's, else ``actions.timeout``; never more than 10 minutes.
+Timeout: the request's, else the hook's sidecar's, else ``actions.timeout``; never more than 10 minutes, and
+never past the request's ``expires_at``.
+
+A state can list actions too (the platform contract's executions, `State.action_requests`): the control plane
+lists each until it has the result, so `offer` sees it on every pull. The journal is what makes that one run and
+one answer: an execution it knows (running, finished, refused) is not looked at again, a refusal is journaled with
+its ack, and a refusal for now (busy, shutting down) is not answered at all, since the next pull offers it again.
+One that has lapsed is left for the control plane to time out, and one the control plane holds as started that
+this node has no record of was lost to an earlier run of the agent: reported failed once, never run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +54,7 @@ log = logging.getLogger(__name__)
 
 MAX_TIMEOUT = 600.0
 CONTROL_PLANE, LOCAL = "control_plane", "local"
+LOST = "execution lost to an agent restart"  # the control plane holds it as started; this node never ran it
 
 
 @dataclass
@@ -103,9 +114,27 @@ class ActionDispatcher:
         except InvalidRequest:
             pass  # acked, logged and counted in submit
 
+    async def offer(self, requests: Sequence[ActionRequest]) -> None:
+        """The actions a pulled state lists (see the module's docstring); returns once each is started or
+        answered. Never waits for the hook or the control plane."""
+        for request in requests:
+            if request.execution_id in self.running or self.journal.known(request.execution_id) is not None:
+                continue  # running, or answered already: what it has to say goes out through the outbox
+            if request.expires_at is not None and request.expires_at <= time.time():
+                continue
+            if request.reported_started:
+                self._lost(request)
+            elif request.problem:
+                self._refuse(request.execution_id, request.action, CONTROL_PLANE, InvalidRequest(request.problem),
+                             pulled=True)
+            else:
+                with contextlib.suppress(InvalidRequest):  # answered, or left for the next pull, in submit
+                    await self.submit(request, CONTROL_PLANE, pulled=True)
+
     async def submit(self, request: ActionRequest, origin: str, *, on_output: OnOutput | None = None,
-                     caller: dict[str, Any] | None = None) -> Running:
-        """Admit and start `request`; raise InvalidRequest (after acking and logging it) when it is refused."""
+                     caller: dict[str, Any] | None = None, pulled: bool = False) -> Running:
+        """Admit and start `request`; raise InvalidRequest (after acking and logging it) when it is refused.
+        `pulled`: offered by a pulled state, which lists it again (`offer`)."""
         target: Builtin | VerifiedHook | None = None
         try:
             target = await self._admit(request, origin)
@@ -117,11 +146,11 @@ class ActionDispatcher:
                 self.journal.accept(request.execution_id, request.action, origin, request.to_json(),
                                     ack if origin == CONTROL_PLANE else None)
             except JournalError as exc:
-                raise InvalidRequest(f"cannot journal the execution ({exc}); not run") from None
+                raise InvalidRequest(f"cannot journal the execution ({exc}); not run", for_now=True) from None
         except InvalidRequest as exc:
             if isinstance(target, VerifiedHook):
                 target.image.close()
-            self._refuse(request.execution_id, request.action, origin, exc, caller)
+            self._refuse(request.execution_id, request.action, origin, exc, caller, pulled=pulled)
             raise
         self.accepted += 1
         running = Running(request, origin, time.monotonic(), caller=caller or {})
@@ -149,15 +178,18 @@ class ActionDispatcher:
         if self.shutting_down:
             raise InvalidRequest("plexd is shutting down", rq.SHUTTING_DOWN)
         self._check_duplicate(request.execution_id)
-        builtin = self.builtins.get(request.action)
+        if request.kind not in ("", rq.BUILTIN, rq.HOOK):
+            raise InvalidRequest(f"action type {request.kind!r}: neither builtin nor hook", rq.UNSUPPORTED_TYPE)
+        builtin = self.builtins.get(request.action) if request.kind != rq.HOOK else None
         if builtin is not None:
             rq.check_declared(request.parameters, builtin.parameters)
             return builtin
-        hook = self.hooks.find(request.action)
+        hook = self.hooks.find(request.action) if request.kind != rq.BUILTIN else None
         if hook is None:
             refused = next((r for r in self.hooks.current.refused if r.name == request.action), None)
+            what = {rq.BUILTIN: "built-in action", rq.HOOK: "hook"}.get(request.kind, "built-in action or hook")
             why = f"hook {request.action!r} is refused: {refused.reason}" if refused else (
-                f"no built-in action or hook named {request.action!r}")
+                f"no {what} named {request.action!r}")
             raise InvalidRequest(why, rq.UNKNOWN_ACTION)
         rq.check_declared(request.parameters, hook.parameters)
         return await self._verify(request, origin, hook)
@@ -185,7 +217,7 @@ class ActionDispatcher:
         """The hook as it is on disk now: still safe, and with the checksum the request (or, for a local run, the
         last scan) and the last announcement name. Else a violation is reported and the request refused. The
         checksum compared is that of the image that will be executed (`plexd.trust.integrity.image_hook`)."""
-        if origin == CONTROL_PLANE and not request.checksum:
+        if origin == CONTROL_PLANE and not request.checksum and not request.checksum_announced:
             raise InvalidRequest(f"checksum: missing; hook {hook.name!r} runs only against the SHA-256 it was "
                                  "announced with")
         found = await asyncio.to_thread(inspect_hook, self.hooks.directory, hook.name)
@@ -227,13 +259,26 @@ class ActionDispatcher:
             self.unwritten.keep(what, write, exc)
 
     def _refuse(self, execution_id: str, action: str, origin: str, exc: InvalidRequest,
-                caller: dict[str, Any] | None = None) -> None:
+                caller: dict[str, Any] | None = None, *, pulled: bool = False) -> None:
+        """Log, count and answer a refusal. `pulled` (listed again by every pull until answered): answered once,
+        journaled with the answer; not answered when refused for now, as the next pull offers it again."""
+        if pulled and exc.for_now:
+            log.info("action %r (execution %s) not started now: %s: %s; the next state pull offers it again", action,
+                     execution_id, exc.reason, exc, extra={"execution_id": execution_id, "reason": exc.reason})
+            return
         self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
         log.warning("action %r (execution %s) rejected: %s: %s", action, execution_id, exc.reason, exc,
                     extra={"execution_id": execution_id, "reason": exc.reason})
         if origin == CONTROL_PLANE:
             ack = {"execution_id": execution_id, "status": "rejected", "reason": exc.reason}
-            self._write(f"the rejection of {execution_id}", lambda: self.journal.queue("ack", execution_id, ack))
+
+            def write() -> None:
+                if pulled:
+                    self.journal.settle(execution_id, action, origin, {}, "rejected", "ack", ack)
+                else:
+                    self.journal.queue("ack", execution_id, ack)
+
+            self._write(f"the rejection of {execution_id}", write)
         else:
             self.audit.record("refused", execution_id=execution_id, action=action, reason=exc.reason,
                               detail=str(exc), **(caller or {}))
@@ -244,7 +289,10 @@ class ActionDispatcher:
         timeout = request.timeout
         if timeout is None and isinstance(target, VerifiedHook) and target.hook.timeout:
             timeout = parse_duration(target.hook.timeout)  # validated when the sidecar was read
-        return min(timeout or self.config.timeout, MAX_TIMEOUT)
+        timeout = min(timeout or self.config.timeout, MAX_TIMEOUT)
+        if request.expires_at is not None:  # the control plane gives up on it then
+            timeout = min(timeout, max(0.0, request.expires_at - time.time()))
+        return timeout
 
     async def _execute(self, running: Running, target: Builtin | VerifiedHook, on_output: OnOutput | None) -> None:
         request = running.request
@@ -324,6 +372,14 @@ class ActionDispatcher:
             running.done.set_result({**result_body(request, outcome), "signal": 0})
 
     # -- start and stop -----------------------------------------------------------------------------------------
+
+    def _lost(self, request: ActionRequest) -> None:
+        body = result_body(request, Outcome(rq.ERROR, 1, "", LOST + "\n", 0.0, detail="lost"))
+        self._write(f"the loss of execution {request.execution_id}", lambda: self.journal.settle(
+            request.execution_id, request.action, CONTROL_PLANE, request.to_json(), rq.ERROR, "result", body))
+        log.warning("action %s (execution %s): the control plane holds it as started, and this node has no record of "
+                    "it: reported as lost, not run", request.action, request.execution_id,
+                    extra={"execution_id": request.execution_id})
 
     def finish_deferred(self, execution_id: str, exit_code: int, stdout: str, stderr: str, detail: str) -> None:
         """Report the outcome of an execution a built-in deferred (`Output.deferred`), maybe after a restart."""

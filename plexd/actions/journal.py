@@ -118,6 +118,22 @@ class ActionJournal:
                              (FINISHED, now, status, execution_id))
             self._queue("result", execution_id, result)
 
+    def settle(self, execution_id: str, action: str, origin: str, request: dict[str, Any], status: str, kind: str,
+               body: dict[str, Any]) -> bool:
+        """Journal an execution answered without being run here (refused, or lost before this node ran it) as
+        finished, with its one message (`kind`: ack or result), in one transaction; so a control plane that lists it
+        again gets no second answer. False, and nothing queued, when it is journaled already."""
+        now = time.time()
+        with self._transaction():
+            cur = self._db.execute("INSERT OR IGNORE INTO executions(execution_id, action, origin, state, accepted_at, "
+                                   "finished_at, status, request) VALUES(?,?,?,?,?,?,?,?)",
+                                   (execution_id, action, origin, FINISHED, now, now, status,
+                                    json.dumps(request, separators=(",", ":"))))
+            if cur.rowcount != 1:
+                return False
+            self._queue(kind, execution_id, body)
+        return True
+
     def interrupted(self) -> list[Execution]:
         """Executions a crash cut short (running in the journal while no daemon runs them)."""
         rows = self._db.execute("SELECT * FROM executions WHERE state=? ORDER BY accepted_at", (RUNNING,))

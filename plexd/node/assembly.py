@@ -117,7 +117,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     b.add_node_api(agent, local_api, mesh, reports, node_id)
     upgrader = Upgrader(agent, lambda: upgrade_health(reconciler, heartbeat))
     whole: Slot[Node] = Slot("node")  # the node.status built-in action reads the node that holds the dispatcher
-    actions = b.build_actions(agent, node_id, uplink, local_api, handlers, upgrader,
+    actions = b.build_actions(agent, node_id, uplink, local_api, handlers, reconciler, upgrader,
                               b.node_view(agent, mesh, stream, reconciler, upgrader, lambda: live_status(whole.get())))
     node = whole.fill(Node(
         agent, mesh, bookkeeping, verifier, uplink, reconciler, handlers, stream, heartbeat, rotation, paths,

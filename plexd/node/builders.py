@@ -371,9 +371,10 @@ class ActionParts:
 
 
 def build_actions(agent: Agent, node_id: Callable[[], str], uplink: UplinkOutbox, local_api: LocalAPI,
-                  handlers: EventHandlers, upgrader: Upgrader, view: Callable[[ConfigReloader], NodeView]
-                  ) -> ActionParts:
-    """The action dispatcher with its journal and outbox, the watched hook set, and their socket routes."""
+                  handlers: EventHandlers, reconciler: Reconciler[Any], upgrader: Upgrader,
+                  view: Callable[[ConfigReloader], NodeView]) -> ActionParts:
+    """The action dispatcher with its journal and outbox, the watched hook set, and their socket routes. It takes
+    the actions of ``action_request`` events and of every state the reconciler pulls."""
     cfg = agent.config
     journal = ActionJournal(uplink, adopt=Path(cfg.data_dir) / datadir.ACTIONS_DB)
 
@@ -401,6 +402,7 @@ def build_actions(agent: Agent, node_id: Callable[[], str], uplink: UplinkOutbox
     pending = upgrader.found
     dispatcher.recover(keep=frozenset({pending.execution_id} if pending else ()))
     handlers.register("action_request", dispatcher.handle_event)
+    reconciler.on_pull(lambda pulled: dispatcher.offer(pulled.state.action_requests))
     add_action_routes(local_api, dispatcher, require_admin(cfg.node_api.admin_group))
     return ActionParts(dispatcher, journal, outbox, hooks, reloader)
 

@@ -16,6 +16,9 @@ tries what is queued again, and the outbox's own service retries on its backoff 
 (``policy_updated``): pull the state and apply it like events (`apply_events`: each domain diffs against what
 its last apply left, no machine read, no drift phase). A full cycle pending at the same time covers it; a pull
 that fails or is overtaken by events turns into a full cycle.
+
+Both hand each pulled state, before it is applied, to whoever asked with `on_pull` (not a dry run's): the action
+dispatcher takes the actions a state lists there, on every pull, whether or not the state applies.
 """
 
 from __future__ import annotations
@@ -147,6 +150,18 @@ class Reconciler(Generic[S]):
         self.cycles = 0
         self.failures = 0
         self.last: CycleResult | None = None
+        self._takers: list[Callable[[S], Awaitable[None]]] = []
+
+    def on_pull(self, take: Callable[[S], Awaitable[None]]) -> None:
+        """`take(pulled)` for every state pulled to be applied, before it is; what it raises is logged."""
+        self._takers.append(take)
+
+    async def _hand_out(self, pulled: S, why: str) -> None:
+        for take in self._takers:
+            try:
+                await take(pulled)
+            except Exception:
+                log.exception("reconcile (%s): handing out the pulled state failed", why)
 
     def trigger(self, reason: str = "triggered") -> None:
         """Ask for a cycle as soon as possible; coalesced with any other pending trigger."""
@@ -201,6 +216,7 @@ class Reconciler(Generic[S]):
             self.refreshes += 1
             try:
                 state = await self._source.fetch()
+                await self._hand_out(state, why)
                 updates = corrections_of(self._source.apply(state))
                 result = await self._gate.apply_events()
                 updates += corrections_of(result.changes)
@@ -287,6 +303,8 @@ class Reconciler(Generic[S]):
         except Exception as exc:
             log.warning("reconcile (%s): fetching the state failed: %s", why, exc)
             return [], [], f"fetching the state failed: {exc}"
+        if not dry_run:
+            await self._hand_out(state, why)
         updates: list[Correction] = []
         try:
             if dry_run:
