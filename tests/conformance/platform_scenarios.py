@@ -4,7 +4,6 @@ send nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,11 +21,6 @@ REGISTER_ANSWER = load("platform")["register"].answer["json"]
 PROJECT_ID = "0190a8b8-a0c0-7a0a-8a0a-a0a0a0a0a0a0"
 BOOTSTRAP_TOKEN = "psb_prod_agikrofayb5avcqkucqkbifaua_node_abcdefghijklmnopqrstuvwxyz"
 NOW = datetime(2026, 7, 19, 19, 32, 35, tzinfo=UTC)
-# The platform's execution callback is being added to the client (plexd/controlplane/platform_actions.py); until
-# it is there, ack_execution and report_result post the spec's .../ack and .../result, which the platform lacks.
-NO_EXECUTION_CALLBACK = "" if importlib.util.find_spec("plexd.controlplane.platform_actions") else (
-    "the client has no platform execution callback: ack_execution and report_result post the spec's .../ack and "
-    ".../result")
 
 
 def hooks(count: int) -> list[Hook]:
@@ -94,7 +88,9 @@ SCENARIOS = [
              lambda cp, node: heartbeat(cp, node, NatInfo("203.0.113.7:51820", "none"),
                                         bridge={"enabled": True, "relay_enabled": False}), result=True),
     Scenario("state", "pull", lambda cp, node: cp.fetch_state(node), result=True),
-    Scenario("execution_callback", "ack then result", execution, known_defect=NO_EXECUTION_CALLBACK),
+    Scenario("execution_callback", "ack, started, then the result", execution),
+    Scenario("execution_callback", "refused", lambda cp, node: cp.ack_execution(
+        node, "0190a8b8-a0c0-7a0a-8a0a-a0a0a0a0a0d2", "rejected", "unknown_action")),
     Scenario("capabilities", "two hooks", lambda cp, node: capabilities(cp, node, 2)),
     Scenario("capabilities", "no hooks", lambda cp, node: capabilities(cp, node, 0)),
     Scenario("capabilities", "sixteen hooks (over 1 KiB)", lambda cp, node: capabilities(cp, node, 16)),
