@@ -1,12 +1,14 @@
 """Hooks and actions in a real `plexd up` (real wireguard-go in a lab namespace) against the real devplane: an
-admin-requested hook runs once with its parameters and its output reaches the devplane; replays of the same
-execution — live and after a restart — are refused; a hook edited after its announcement is refused with an
-integrity report and never runs; a timeout kills the whole process group; the concurrency limit holds; results
-made while the devplane is down arrive after it returns; `plexd actions run --local` streams, checks its caller
-and works offline; SIGTERM drains a running hook and delivers its result."""
+admin-requested hook runs once with its parameters and its output reaches the devplane, in both contracts (in the
+platform's, as an execution in the node's state: tests/e2e/test_platform_actions_lab.py has more); replays of the
+same execution — live and after a restart — are refused (spec) or find it settled (platform); a hook edited after
+its announcement is refused with an integrity report and never runs; a timeout kills the whole process group; the
+concurrency limit holds; results made while the devplane is down arrive after it returns; `plexd actions run
+--local` streams, checks its caller and works offline; SIGTERM drains a running hook and delivers its result."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -39,6 +41,11 @@ def workspace(lab, tmp_path: Path) -> tuple[Path, Path]:
 
 
 def announced(dp, node_id: str) -> dict[str, str]:
+    """The hooks the node last announced, name → hex SHA-256 (the platform's manifest has them in base64)."""
+    if dp.dialect == "platform":
+        manifests = dp.admin.capabilities(node_id)
+        hooks = (manifests[-1].get("declared_hooks") or []) if manifests else []
+        return {h["name"]: base64.b64decode(h["checksum"]).hex() for h in hooks}
     caps = dp.admin.node(node_id).get("capabilities") or {}
     return {h["name"]: h["checksum"] for h in caps.get("hooks") or []}
 
@@ -53,6 +60,36 @@ def finished(dp, node_id: str, execution_id: str, daemons, timeout: float = 30) 
     return execution(dp, node_id, execution_id)
 
 
+TERMINAL = ("succeeded", "failed", "cancelled", "timeout")
+
+
+def settled(dp, node_id: str, execution_id: str, daemons) -> dict:
+    """Platform: the execution once its terminal callback landed."""
+    wait_until(lambda: dp.admin.execution(node_id, execution_id)["status"] in TERMINAL, 30,
+               f"the result of {execution_id}", daemons)
+    return dp.admin.execution(node_id, execution_id)
+
+
+def outcome(dp, node_id: str, execution_id: str, daemons) -> dict:
+    """Once reported, in either contract: the status (the spec's names), exit code and output (stdout, then
+    stderr: the platform has one output)."""
+    if dp.dialect == "platform":
+        ex = settled(dp, node_id, execution_id, daemons)
+        return {"status": {"succeeded": "success"}.get(ex["status"], ex["status"]), "exit_code": ex["exit_code"],
+                "output": dp.admin.execution_output(node_id, execution_id).decode()}
+    result = finished(dp, node_id, execution_id, daemons)["result"]
+    return {"status": result["status"], "exit_code": result["exit_code"], "output": result["stdout"] + result["stderr"]}
+
+
+def refusal(dp, node_id: str, execution_id: str, daemons) -> str:
+    """Why the node refused it: the spec's rejected ack's reason, the platform's failed callback's error."""
+    if dp.dialect == "platform":
+        return settled(dp, node_id, execution_id, daemons)["error"]
+    wait_until(lambda: execution(dp, node_id, execution_id).get("ack") is not None, 20, f"ack {execution_id}",
+               daemons)
+    return execution(dp, node_id, execution_id)["ack"]["reason"]
+
+
 def start(lab, dp, daemons, tmp_path, extra: str = "", node_api: str = "") -> Daemon:
     shutdown = "" if "shutdown:" in extra else "shutdown: {deregister: false}\n"
     d = Daemon(lab, lab.nodes[0], dp, tmp_path, "1h", node_api=node_api, extra_config=shutdown + extra)
@@ -62,9 +99,11 @@ def start(lab, dp, daemons, tmp_path, extra: str = "", node_api: str = "") -> Da
     return d
 
 
-@pytest.mark.parametrize("lab_dp", [1], indirect=True)
+@pytest.mark.parametrize("lab_dp", [{"nodes": 1, "dialect": "spec"}, {"nodes": 1, "dialect": "platform"}],
+                         indirect=True, ids=["spec", "platform"])
 def test_hook_runs_once_and_replays_are_refused_live_and_after_a_restart(lab_dp):
     lab, dp, daemons, tmp_path = lab_dp
+    spec = dp.dialect == "spec"
     work, hooks = workspace(lab, tmp_path)
     # $0 is the sealed copy's /proc/self/fd/N: a file beside the hook is found through PLEXD_HOOKS_DIR
     (hooks / "lib").mkdir(mode=0o755, parents=True)
@@ -79,48 +118,65 @@ def test_hook_runs_once_and_replays_are_refused_live_and_after_a_restart(lab_dp)
     d = start(lab, dp, daemons, tmp_path)
     node_id = d.node_id()
     wait_until(lambda: "record.sh" in announced(dp, node_id), 20, "the hook announced", daemons)
-    caps = dp.admin.node(node_id)["capabilities"]
-    assert {b["name"] for b in caps["builtin_actions"]} >= {"system.info", "health.check", "diagnostics.ping_peer",
-                                                            "diagnostics.collect", "mesh.reconnect", "config.dump",
-                                                            "service.reload_config"}
+    if spec:  # the platform's manifest names hooks only
+        caps = dp.admin.node(node_id)["capabilities"]
+        assert {b["name"] for b in caps["builtin_actions"]} >= {
+            "system.info", "health.check", "diagnostics.ping_peer", "diagnostics.collect", "mesh.reconnect",
+            "config.dump", "service.reload_config"}
 
     eid = dp.admin.request_action(node_id, "record.sh", {"target": "/srv", "dry-run": True})
-    ex = finished(dp, node_id, eid, daemons)
-    assert ex["ack"] == {"execution_id": eid, "status": "accepted", "reason": ""}
-    result = ex["result"]
-    assert result["status"] == "failed" and result["exit_code"] == 3
-    assert result["stdout"] == f"target=/srv node={node_id}\n" and result["stderr"] == "to stderr\n"
-    assert result["duration"].endswith("s") and result["finished_at"].endswith("Z")
-    assert result["triggered_by"]["type"] == "control_plane"
+    got = outcome(dp, node_id, eid, daemons)
+    assert (got["status"], got["exit_code"]) == ("failed", 3)
+    assert got["output"] == f"target=/srv node={node_id}\nto stderr\n"
     assert (work / "runs").read_text() == f"{eid} /srv true\n"
+    if spec:
+        ex = execution(dp, node_id, eid)
+        assert ex["ack"] == {"execution_id": eid, "status": "accepted", "reason": ""}
+        result = ex["result"]
+        assert result["stdout"] == f"target=/srv node={node_id}\n" and result["stderr"] == "to stderr\n"
+        assert result["duration"].endswith("s") and result["finished_at"].endswith("Z")
+        assert result["triggered_by"]["type"] == "control_plane"
+    else:
+        assert [(c["body"]["status"], c["http_status"]) for c in dp.admin.execution_callbacks(node_id, eid)] == [
+            ("ack", 200), ("started", 200), ("failed", 200)]
+        assert dp.admin.execution(node_id, eid)["error"] == "exit status 3"
 
-    # the same request again, as a new event: refused, not run
-    dp.admin.resend_action(node_id, eid)
-    wait_until(lambda: len(execution(dp, node_id, eid).get("acks", [])) == 2, 20, "the replay's ack", daemons)
-    assert execution(dp, node_id, eid)["acks"][1] == {"execution_id": eid, "status": "rejected",
-                                                      "reason": "duplicate_execution_id"}
+    # the same request again, as a new event, live and after a restart: spec refuses it as a duplicate; the
+    # platform's event is a pull, which no longer lists it
+    def replayed(times: int) -> None:
+        pulls = d.logged().count("policy_updated, pulling the state")  # what the platform's events become
+        dp.admin.resend_action(node_id, eid)
+        if spec:
+            wait_until(lambda: len(execution(dp, node_id, eid).get("acks", [])) == times + 1, 20, "the replay's ack",
+                       daemons)
+            assert execution(dp, node_id, eid)["acks"][times] == {
+                "execution_id": eid, "status": "rejected", "reason": "duplicate_execution_id"}
+            assert len(execution(dp, node_id, eid)["results"]) == 1
+        else:
+            wait_until(lambda: d.logged().count("policy_updated, pulling the state") > pulls, 20,
+                       "the replay's pull", daemons)
+            assert len(dp.admin.execution_callbacks(node_id, eid)) == 3
+
+    replayed(1)
     d.restart()
     wait_until(lambda: d.status().get("event_stream", {}).get("state") == "connected", 30, "the restarted stream",
                daemons)
-    dp.admin.resend_action(node_id, eid)
-    wait_until(lambda: len(execution(dp, node_id, eid).get("acks", [])) == 3, 20, "the replay's ack", daemons)
-    assert execution(dp, node_id, eid)["acks"][2]["reason"] == "duplicate_execution_id"
-    assert len(execution(dp, node_id, eid)["results"]) == 1
+    replayed(2)
     assert (work / "runs").read_text() == f"{eid} /srv true\n"
-    assert "never run twice" in (d.dir / "plexd.log").read_text() + d.logged()
+    if spec:
+        assert "never run twice" in (d.dir / "plexd.log").read_text() + d.logged()
 
-    # bad requests: each rejected with its reason, the stream keeps flowing
+    # bad requests: each refused with its reason, the stream keeps flowing
     bad = {"object-param": ("record.sh", {"target": {"a": 1}}, "invalid_request"),
            "missing-param": ("record.sh", {}, "invalid_request"),
            "unknown": ("no-such-hook", {}, "unknown_action"),
            "traversal": ("../record.sh", {}, "invalid_request")}
     ids = {k: dp.admin.request_action(node_id, a, p) for k, (a, p, _) in bad.items()}
     for key, (_, _, reason) in bad.items():
-        wait_until(lambda k=key: execution(dp, node_id, ids[k]).get("ack") is not None, 20, f"ack {key}", daemons)
-        assert execution(dp, node_id, ids[key])["ack"]["reason"] == reason, key
+        assert refusal(dp, node_id, ids[key], daemons) == reason, key
     dp.admin.publish_event(node_id, "action_request", {"action": "record.sh"})  # no execution id: no ack possible
     eid2 = dp.admin.request_action(node_id, "system.info")
-    info = json.loads(finished(dp, node_id, eid2, daemons)["result"]["stdout"])
+    info = json.loads(outcome(dp, node_id, eid2, daemons)["output"])
     assert info["node_id"] == node_id and info["plexd_version"]
     assert (work / "runs").read_text().count("\n") == 1
 
