@@ -68,15 +68,16 @@ PROBES: dict[str, Callable[[Any], Request]] = {
                                        "body": {"value": '{"status":"healthy"}'}},
     "DeleteNodeStateReport": lambda env: {"path_parameters": {"id": env.node.id, "key": "app-health"}},
     "FetchNodeSecret": secret,
-    "PutNodeEndpoint": node_call(body={"endpoint": "203.0.113.7:51820", "nat_type": "full_cone",
-                                       "reported_at": gojson.now_text()}),
+    # Times are taken when the probe runs, not at collection (minutes earlier in a long run: clock skew).
+    "PutNodeEndpoint": lambda env: node_call(body={"endpoint": "203.0.113.7:51820", "nat_type": "full_cone",
+                                                   "reported_at": gojson.now_text()})(env),
     "PostNodeSessionCallback": session,
-    "PostNodeMetrics": node_call(headers=sent_now(), body=[
-        {"group": "node_resources", "name": "cpu_usage_percent", "value": 1.5, "timestamp": gojson.now_text()}]),
-    "PostNodeLogs": node_call(headers=sent_now(), body=[
-        {"severity": "info", "message": "started", "timestamp": gojson.now_text()}]),
-    "PostNodeAudit": node_call(headers=sent_now(), body=[
-        {"source": "auditd", "action": "open", "outcome": "failure", "timestamp": gojson.now_text()}]),
+    "PostNodeMetrics": lambda env: node_call(headers=sent_now(), body=[
+        {"group": "node_resources", "name": "cpu_usage_percent", "value": 1.5, "timestamp": gojson.now_text()}])(env),
+    "PostNodeLogs": lambda env: node_call(headers=sent_now(), body=[
+        {"severity": "info", "message": "started", "timestamp": gojson.now_text()}])(env),
+    "PostNodeAudit": lambda env: node_call(headers=sent_now(), body=[
+        {"source": "auditd", "action": "open", "outcome": "failure", "timestamp": gojson.now_text()}])(env),
     "PostKeysRotate": rotation,
     "GetHealth": lambda env: {"anonymous": True},
     "GetVersion": lambda env: {"anonymous": True},
