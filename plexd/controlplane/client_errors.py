@@ -6,6 +6,7 @@
       ├── AuthError                      401: the bearer is not (or no longer) accepted
       ├── RetryAfterError                429: wait `retry_after` seconds (None when the server gave no hint)
       └── PermanentError                 403 and 404: stop, retrying will not help
+            └── AlreadySettled           the control plane is past it already (nothing lost by dropping it)
 
 Registration also treats 400 and 409 as fatal; it reads `.status` for that (they arrive as TransientError, the
 generic class of §1.1).
@@ -66,3 +67,8 @@ class PermanentError(ControlPlaneError):
 def _short(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= _MESSAGE_LIMIT else text[: _MESSAGE_LIMIT - 1] + "…"
+
+
+class AlreadySettled(PermanentError):
+    """The control plane is past what this report says (an execution it already has the outcome of): dropping the
+    report loses nothing, so it is said at info level."""

@@ -35,7 +35,7 @@ from plexd.base.errors import PlexdError, WireFormatError
 from plexd.base.gojson import parse_time
 from plexd.controlplane import http_client
 from plexd.controlplane.answers import path_escape
-from plexd.controlplane.client_errors import ControlPlaneError, PermanentError
+from plexd.controlplane.client_errors import AlreadySettled, ControlPlaneError, PermanentError
 from plexd.state.action_request import (
     CANCELLED,
     FAILED,
@@ -57,7 +57,8 @@ PENDING, ACK, STARTED = "pending", "ack", "started"  # what the block may say of
 INLINE_CAP = 16 * 1024  # decoded bytes of inline output
 MAX_ERROR_TEXT = 1024
 INVALID_TRANSITION = "invalid_state_transition"
-SETTLED = frozenset({"nsk_node_mismatch", INVALID_TRANSITION, "execution_already_terminal"})
+NSK_NODE_MISMATCH = "nsk_node_mismatch"  # a refusal: this node may not report on it (an error, not a settle)
+SETTLED = frozenset({NSK_NODE_MISMATCH, INVALID_TRANSITION, "execution_already_terminal"})
 TERMINAL = {SUCCESS: "succeeded", CANCELLED: "cancelled"}  # every other outcome is "failed"
 
 
@@ -217,8 +218,9 @@ async def _post(client: ControlPlaneClient, node_id: str, execution_id: str, bod
     except ControlPlaneError as exc:
         if exc.code not in SETTLED:
             raise
-        raise PermanentError(what, exc.status, f"execution {execution_id} is settled on the control plane: "
-                                               f"{exc.message}", exc.code) from None
+        settled = AlreadySettled if exc.code != NSK_NODE_MISMATCH else PermanentError
+        raise settled(what, exc.status, f"execution {execution_id} is settled on the control plane: {exc.message}",
+                      exc.code) from None
 
 
 class UploadFailed(PlexdError):

@@ -45,7 +45,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import wait_event
 from plexd.base.errors import PlexdError
 from plexd.base.sqlitefile import connect_private, immediate, open_or_start_empty
-from plexd.controlplane.client_errors import ControlPlaneError
+from plexd.controlplane.client_errors import AlreadySettled, ControlPlaneError
 from plexd.controlplane.retry import Verdict, retry_verdict
 
 log = logging.getLogger(__name__)
@@ -367,7 +367,11 @@ class UplinkOutbox:
                 if verdict.retry:
                     self._failed(name, lane, what, verdict)
                     return taken
-                log.error("%s report dropped: the control plane refused it for good (%s)", what, verdict.reason)
+                if isinstance(exc, AlreadySettled):
+                    log.info("%s report dropped: the control plane has it settled already (%s)", what, verdict.reason)
+                else:
+                    log.error("%s report dropped: the control plane refused it for good (%s)", what,
+                              verdict.reason)
                 self._remove(name, entries, "refused")
                 continue
             except Exception:  # a bug in building the request: never let one entry block the lane

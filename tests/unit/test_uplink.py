@@ -9,7 +9,7 @@ import pytest
 
 from plexd.base.backoff import Backoff
 from plexd.base.errors import PlexdError
-from plexd.controlplane.client_errors import AuthError, PermanentError, RetryAfterError, TransientError
+from plexd.controlplane.client_errors import AlreadySettled, AuthError, PermanentError, RetryAfterError, TransientError
 from plexd.controlplane.uplink import UplinkOutbox, by_kind, retry_verdict
 
 NO_JITTER = dict(base=0.01, cap=0.05, jitter=0.0)
@@ -72,6 +72,17 @@ async def test_a_refused_entry_is_dropped_counted_and_does_not_block_the_next(tm
     cp.answers = [PermanentError("drift", 404, "no such node")]
     assert await box.deliver() == [second]
     assert box.status()["refused"] == 1 and "refused it for good" in caplog.text
+
+
+async def test_a_report_the_control_plane_has_settled_already_is_dropped_quietly(tmp_path, caplog):
+    cp = ControlPlane()
+    box = UplinkOutbox(tmp_path / "uplink.db", cp.send)
+    box.put("actions", {"n": 1})
+    cp.answers = [AlreadySettled("execution started callback", 409, "settled", "execution_already_terminal")]
+    with caplog.at_level("INFO"):
+        assert await box.deliver() == []
+    assert box.size() == 0 and "has it settled already" in caplog.text
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 async def test_what_was_queued_survives_a_restart_and_is_delivered_once(tmp_path):
