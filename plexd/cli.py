@@ -102,7 +102,8 @@ def cmd_join(args: argparse.Namespace, config: Config) -> int:
     sources = {"token_file": args.token_file, "token_env": args.token_env, "prompt": prompt}
 
     async def join() -> Any:
-        async with ControlPlaneClient.for_config(config) as client:
+        dialect = loaded.identity.dialect if loaded.identity else ""
+        async with ControlPlaneClient.for_config(config, dialect=dialect) as client:
             registrar = Registrar(config, client, capabilities=_join_capabilities(config),
                                   wait_retry=_show_retry(config.api.url, sys.stderr))
             if loaded.identity is None:

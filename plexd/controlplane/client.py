@@ -114,6 +114,9 @@ class RegisterRequest:
     project_id: str = ""
     resource_handle: str = ""
     nonce: str = field(default_factory=lambda: platform_calls.new_nonce())
+    # A re-registration: the identity it confirms. The platform has no re-registration; an authenticated call
+    # answered confirms the identity as it is.
+    confirms: RegisterResponse | None = field(default=None, repr=False)
 
     def to_wire(self) -> dict[str, JSON]:
         out: dict[str, JSON] = {"token": self.token, "public_key": self.public_key, "hostname": self.hostname}
@@ -245,12 +248,12 @@ class ControlPlaneClient:
                                        write_timeout=request_timeout)
 
     @classmethod
-    def for_config(cls, config: HasApi, *, token: str = "") -> ControlPlaneClient:
+    def for_config(cls, config: HasApi, *, token: str = "", dialect: str = "") -> ControlPlaneClient:
         """A client for ``config.api`` (URL and TLS settings). Callers that need a URL check `require_api` first;
         without one, calls fail as unreachable rather than at construction."""
         return cls(config.api.url or "http://unconfigured.invalid", token=token, ca_file=config.api.tls.ca_file,
                    insecure_skip_verify=config.api.tls.insecure_skip_verify,
-                   dialect=getattr(config.api, "dialect", "spec"))
+                   dialect=dialect or getattr(config.api, "dialect", "spec"))  # a registered node's: its identity's
 
     # -- lifecycle and auth -------------------------------------------------------------------------------------
 
@@ -277,10 +280,14 @@ class ControlPlaneClient:
         announced with ``PUT /capabilities`` after it)."""
         return not self.platform
 
+    def adopt_dialect(self, dialect: str) -> None:
+        """Speak the contract a registered node registered with (its identity's)."""
+        self.dialect, self._guessed = dialect, False
+
     def guess_dialect(self, bootstrap_token: str) -> str:
         """With ``api.dialect: auto``, the contract to register with, from the bootstrap token's form: the
         platform's tokens are ``psb_<env>_<project>_<kind>_<random>``. The answer has the last word (`register`)."""
-        if self.dialect not in (SPEC, PLATFORM):
+        if self.dialect not in (SPEC, PLATFORM) or self._guessed:
             self.dialect = PLATFORM if platform_calls.project_from_token(bootstrap_token) else SPEC
             self._guessed = True
         return self.dialect
@@ -375,22 +382,24 @@ class ControlPlaneClient:
             answer = await self._register(request, token)
         except ControlPlaneError as exc:
             # A refusal says which contract the server speaks (the platform's errors are problem+json) and
-            # spends no token in either: a wrong guess is asked again, once, in the other dialect.
+            # spends no token in either: a wrong guess is asked again, once, in the other dialect. Nothing heard
+            # (the network, a 5xx, a 429) confirms nothing: the retry guesses again.
+            answered = 400 <= exc.status < 500 and exc.status != 429
             answered_in = PLATFORM if exc.problem else SPEC
-            if not (self._guessed and 400 <= exc.status < 500 and exc.status != 429 and answered_in != self.dialect):
+            if not (self._guessed and answered and answered_in != self.dialect):
+                self._guessed = self._guessed and not answered
                 raise
             log.info("the control plane answered the registration in the %s contract; registering with it",
                      answered_in, extra={"dialect": answered_in})
-            self.dialect = answered_in
-            answer = await self._register(request, token)
-        finally:
-            self._guessed = False
+            self.adopt_dialect(answered_in)
+            return await self._register(request, token)
+        self._guessed = False
         return answer
 
     async def _register(self, request: RegisterRequest, token: str | None) -> RegisterResponse:
         what = "registration (POST /v1/register)"
         if self.platform:
-            return await platform_calls.register(self, request, request.token)
+            return await platform_calls.register(self, request, request.token, token)
         doc = await self._json("POST", "/v1/register", request.to_wire(), has_body=True, token=token, what=what)
         if isinstance(doc, dict) and "nsk" in doc and "node_secret_key" not in doc:
             raise PermanentError(what, 200, "the answer is the platform contract's (nsk, no node_secret_key); "

@@ -184,7 +184,14 @@ def _error(result: Mapping[str, JSON]) -> str:
 async def _output(client: ControlPlaneClient, node_id: str, execution_id: str, data: bytes) -> dict[str, JSON]:
     if len(data) <= INLINE_CAP:
         return {"inline": _b64(data)}
-    answer = await _post(client, node_id, execution_id, {"status": STARTED, "declared_output_bytes": len(data)})
+    try:
+        answer = await _post(client, node_id, execution_id, {"status": STARTED, "declared_output_bytes": len(data)})
+    except AlreadySettled:
+        raise
+    except ControlPlaneError as exc:  # a control plane that takes no declared output still gets the result
+        log.warning("execution %s: its output (%d bytes) could not be declared (%s); the first %d bytes go inline",
+                    execution_id, len(data), exc, INLINE_CAP, extra={"execution_id": execution_id})
+        return {"inline": _b64(data[:INLINE_CAP])}
     try:
         object_key = await _upload(client, answer.get("output_upload_url") if isinstance(answer, dict) else None,
                                    data)

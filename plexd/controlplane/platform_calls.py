@@ -40,6 +40,7 @@ class ControlPlaneClient(Protocol):
 
 
 class RegisterRequest(Protocol):
+    confirms: RegisterResponse | None
     project_id: str
     resource_handle: str
     nonce: str
@@ -107,11 +108,17 @@ def register_answer(doc: JSON) -> RegisterResponse:
                             domain_mesh_cidr=cidr)
 
 
-async def register(client: ControlPlaneClient, request: RegisterRequest, token: str) -> RegisterResponse:
+async def register(client: ControlPlaneClient, request: RegisterRequest, token: str,
+                   bearer: str | None = None) -> RegisterResponse:
     what = "registration (POST /v1/register)"
     if not token:
-        # The platform has no re-registration with the node secret: a node it no longer knows needs a new token.
-        raise PermanentError(what, 401, "the platform contract has no re-registration with the node secret")
+        # The platform has no re-registration with the node secret: the node's own state, pulled with its bearer,
+        # confirms the identity (a 401 says the platform no longer knows it: a new token is needed).
+        if request.confirms is None:
+            raise PermanentError(what, 401, "the platform contract has no re-registration with the node secret")
+        await client._call("GET", f"{_node(request.confirms.node_id)}/state", token=bearer,
+                           what="identity confirmation (GET state)")
+        return request.confirms
     if not request.project_id:
         raise PermanentError(what, 0, "the platform contract needs the project to register in: set "
                                       "registration.project_id (the bootstrap token does not name one)")
@@ -172,7 +179,11 @@ async def heartbeat(client: ControlPlaneClient, node_id: str, spec: Mapping[str,
             continue
         text = go_marshal(value)
         if published.get(key) != text:
-            await put_report(client, node_id, key, text)
+            try:
+                await put_report(client, node_id, key, text)
+            except ControlPlaneError as exc:  # the beat was taken: its answer counts; this key goes next beat
+                log.warning("status report %s not published: %s", key, exc)
+                continue
             published[key] = text
     return HeartbeatResponse(reconcile=bool(f.get("reconcile")), rotate_keys=bool(f.get("rotate_keys")))
 

@@ -183,7 +183,12 @@ class IdentityStore:
         extra["dialect"] = extra["dialect"] or "spec"  # written before there were two, or by the Go agent
         if extra["dialect"] not in ("spec", "platform"):
             return IdentityLoad(None, f"{IDENTITY_FILE}: dialect {extra['dialect'][:40]!r} is not spec or platform")
-        return IdentityLoad(Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key, kdf, **extra))
+        identity = Identity(node_id.strip(), mesh_ip.strip(), signing, secret, private_key, kdf, **extra)
+        try:
+            identity.bearer  # noqa: B018 (the platform's is built from the node id and the NSK: both must be usable)
+        except ValueError as exc:
+            return IdentityLoad(None, f"{IDENTITY_FILE}: {exc}")
+        return IdentityLoad(identity)
 
     def _kdf(self) -> str:
         try:

@@ -49,6 +49,7 @@ from plexd.controlplane.client_errors import (
 )
 from plexd.controlplane.platform_calls import project_from_token
 from plexd.identity.identity_store import Identity, IdentityStore, node_secret
+from plexd.state.model import RegisterResponse
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ class Registrar:
             log.warning("api.dialect is %s, but this node registered with the %s contract and keeps speaking it; "
                         "deregister and register again to switch", configured, identity.dialect,
                         extra={"component": "identity"})
-        self.client.dialect = identity.dialect
+        self.client.adopt_dialect(identity.dialect)
 
     @staticmethod
     def _note_secret_mode(identity: Identity) -> None:
@@ -315,9 +316,6 @@ class Registrar:
             project_id=self.config.registration.project_id or project_from_token(token.value),
             resource_handle=self.config.registration.resource_handle or self.hostname(),
         )
-        if self.client.guess_dialect(token.value) == "platform" and not request.project_id:
-            raise RegistrationError("the platform contract needs the project to register in: set "
-                                    "registration.project_id (the bootstrap token does not name one)")
         log.info("registering with the control plane", extra={"api": self.client.base_url,
                                                                "token": fingerprint(token.value),
                                                                "token_source": token.source})
@@ -368,7 +366,14 @@ class Registrar:
         self.store.ensure_writable()
         request = RegisterRequest(token="", public_key=identity.public_key, hostname=self.hostname(),
                                   metadata=self.config.registration.metadata or None,
-                                  capabilities=self._capabilities(), node_secret_kdf=node_secret.HKDF_SHA256)
+                                  capabilities=self._capabilities(), node_secret_kdf=node_secret.HKDF_SHA256,
+                                  confirms=RegisterResponse(
+                                      node_id=identity.node_id, mesh_ip=identity.mesh_ip,
+                                      signing_public_key=identity.signing_public_key,
+                                      node_secret_key=identity.node_secret_key,
+                                      node_secret_kdf=identity.node_secret_kdf,
+                                      signing_key_id=identity.signing_key_id,
+                                      domain_mesh_cidr=identity.domain_mesh_cidr))
         log.info("re-registering with the stored identity", extra={"node_id": identity.node_id})
         return await self._post(request, bearer=identity.bearer, private_key=identity.private_key,
                                 reregister=True)
@@ -388,6 +393,8 @@ class Registrar:
             self.client.set_token(loaded.identity.bearer)
             return loaded.identity
         base = loaded.identity or current
+        if base is not None:
+            self._adopt_dialect(base)
         refused: RegistrationError | None = None
         if base is not None:
             try:

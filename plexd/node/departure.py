@@ -164,7 +164,7 @@ def _deregister_alone(config: Any, *, purge: bool, force: bool) -> dict[str, Any
         config.require_api()
 
         async def post() -> None:
-            async with ControlPlaneClient.for_config(config, token=ident.bearer) as client:
+            async with ControlPlaneClient.for_config(config, token=ident.bearer, dialect=ident.dialect) as client:
                 await client.deregister(ident.node_id, purge=purge)
 
         try:

@@ -55,7 +55,7 @@ async def reconcile_standalone(config: Config, *, dry_run: bool) -> dict[str, An
         raise PlexdError(f"WireGuard interface {config.mesh.interface} is not up; start the daemon with "
                          "'plexd up' (or use --dry-run to see the plan)")
 
-    async with ControlPlaneClient.for_config(config, token=ident.bearer) as client:
+    async with ControlPlaneClient.for_config(config, token=ident.bearer, dialect=ident.dialect) as client:
         async def post(report: dict[str, Any]) -> None:
             await client.report_drift(ident.node_id, report)
 

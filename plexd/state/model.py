@@ -262,9 +262,8 @@ class State:
     user_access: UserAccess | None = None  # a bridge's access interface; None: no block in this state
     site_to_site: SiteToSite | None = None  # a bridge's tunnels; None: no block in this state
     ingress: Ingress | None = None  # a bridge's ingress rules; None: no block in this state
-    # Whether the policies decide which peers go on the device (§9.2). A control plane that lists exactly the peers
-    # a node may see says "peer_visibility": "all" (the platform contract's snapshot means that), and the policies
-    # then only filter traffic.
+    # Whether the policies decide which peers go on the device (§9.2). The platform contract's snapshot lists
+    # exactly the peers a node may see: its translation says so, and the policies then only filter traffic.
     peers_by_policy: bool = True
     # Actions the state asks for (the platform contract's executions block; the spec's come as events): offered to
     # the action dispatcher on every pull, never part of the desired model.
@@ -297,7 +296,7 @@ class State:
             user_access=parse_user_access(f) if has_block(f, "user_access_config") else None,
             site_to_site=parse_site_to_site(f) if has_block(f, "site_to_site_config") else None,
             ingress=parse_ingress(f) if has_block(f, "ingress_config") else None,
-            peers_by_policy=_peer_visibility(f, path),
+            peers_by_policy=f.get(PEER_VISIBILITY) != "all",
             extra={k: f[k] for k in cls._EXTRA_KEYS if k in f},  # a null block too: it says "none desired"
         )
 
@@ -320,16 +319,9 @@ class State:
         return out
 
 
-PEER_VISIBILITY = "peer_visibility"
+# Set by the wire layer's platform translation and kept in the mirror; a name no control plane sends.
+PEER_VISIBILITY = "plexd:peer_visibility"
 
-
-def _peer_visibility(f: dict[str, JSON], path: str) -> bool:
-    value = f.get(PEER_VISIBILITY)
-    if value is None or value == "policy":
-        return True
-    if value == "all":
-        return False
-    raise WireFormatError(join(path, PEER_VISIBILITY), f"must be \"policy\" or \"all\", got {str(value)[:40]!r}")
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ gzipped, and the calls the platform does not have making no request at all."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import uuid
 from datetime import UTC, datetime
 
 import pytest
@@ -14,7 +16,11 @@ import pytest
 from plexd.base.gojson import EncodedJSON, now_text
 from plexd.base.wgkeys import b64, generate_private_key, public_key_of
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
+from plexd.controlplane.client_errors import AuthError, TransientError
 from plexd.devplane.harness import Devplane
+from plexd.state.model import RegisterResponse
+
+KEY_B64 = base64.b64encode(bytes(range(32))).decode()
 
 
 @pytest.fixture
@@ -99,3 +105,44 @@ def test_reports_status_blocks_capabilities_and_the_calls_the_platform_lacks(pla
                                                                      "declared_hooks"}
     assert len(platform_dp.admin.heartbeats(node)) == 3
     assert platform_dp.admin.drift(node) == [] and platform_dp.admin.tunnels(node) == []
+
+
+async def test_a_5xx_confirms_no_guess_and_a_refusal_after_it_still_switches():
+    """The registrar retries a 503; the retry must still be free to take the refusal's word for the dialect."""
+    from agentcore_recorder import Recorder, Reply
+
+    spec_refusal = Reply(401, b'{"error":"unknown token"}')
+    async with Recorder() as cp:
+        cp.route("POST", "/v1/register", Reply(503, b"busy", {"Content-Type": "text/plain"}), spec_refusal)
+        client = ControlPlaneClient(cp.url, dialect="auto")
+        request = RegisterRequest(token="psb_dev_aebagbafaydqqbrhibbsa3kqaq_node_" + "a" * 26, public_key=KEY_B64,
+                                  hostname="h", project_id=str(uuid.uuid4()), resource_handle="h")
+        with pytest.raises(TransientError):
+            await client.register(request)
+        with pytest.raises(AuthError):  # refused in the spec contract: asked again in it, refused as such
+            await client.register(request)
+        await client.aclose()
+    bodies = [r.json for r in cp.requests]
+    assert ["bootstrap_token" in b for b in bodies] == [True, True, False]  # platform, platform again, spec
+    assert bodies[0]["nonce"] == bodies[1]["nonce"] and bodies[2]["token"] == request.token
+    assert client.dialect == "spec"
+
+
+def test_a_registered_platform_node_is_confirmed_by_its_own_state_and_a_status_report_failure_spares_the_beat(
+        platform_dp):
+    client, node = registered(platform_dp)
+    answer = RegisterResponse(node_id=node, mesh_ip="10.100.0.9", signing_public_key=KEY_B64,
+                              node_secret_key="x", signing_key_id="k", domain_mesh_cidr="10.100.0.0/16")
+    request = RegisterRequest(token="", public_key=KEY_B64, hostname="px-c", confirms=answer)
+    platform_dp.admin.set_faults(reports_not_provisioned=True)
+
+    async def calls():
+        confirmed = await client.register(request, token=client.token)
+        beat = await client.heartbeat(node, {"node_id": node, "timestamp": now_text(), "binary_checksum": "cd" * 32,
+                                             "mesh": {"interface": "plexd0", "peer_count": 1, "listen_port": 1}})
+        await client.aclose()
+        return confirmed, beat
+
+    confirmed, beat = asyncio.run(calls())
+    assert confirmed is answer and beat.reconcile is False
+    assert len(platform_dp.admin.heartbeats(node)) == 1

@@ -132,3 +132,20 @@ def test_heartbeat_and_capabilities_bodies_are_the_flat_shapes():
                                                        {"name": "bad", "checksum": "not a digest"}]})
     assert set(caps) == {"binary_version", "binary_checksum", "declared_hooks"}
     assert caps["declared_hooks"] == [{"name": "ok", "checksum": caps["binary_checksum"]}]
+
+
+def test_a_platform_identity_whose_bearer_cannot_be_built_is_unusable_not_a_crash(tmp_path):
+    import json as _json
+
+    from plexd.identity.identity_store import Identity, IdentityStore
+
+    store = IdentityStore(tmp_path)
+    nsk = base64.b64encode(bytes(32)).decode()
+    store.save(Identity("not-a-uuid", "10.99.0.5", KEY, nsk, bytes(range(32)), dialect="platform",
+                        signing_key_id="k", domain_mesh_cidr="10.99.0.0/16"))
+    loaded = store.load()
+    assert loaded.identity is None and "is not a UUID" in loaded.problem and nsk not in loaded.problem
+    doc = _json.loads((tmp_path / "identity.json").read_text())
+    doc["node_id"] = str(uuid.uuid4())
+    (tmp_path / "identity.json").write_text(_json.dumps(doc))
+    assert store.load().identity.bearer.startswith("nsk_plexd_")
