@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexd.base.memo import ByIdentity
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.state.policy import CompiledPolicy, Rule, Selector
 
 FAMILY = "inet"
@@ -252,6 +253,7 @@ def desired_ruleset(compiled: CompiledPolicy, interface: str, addresses: Mapping
     return Ruleset(chains, sets)
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def node_set(node: str, address: str) -> SetSpec:
     """The set of one node a rule names: its address ("" while the node is unknown: an empty set). Cached, as
@@ -334,6 +336,7 @@ def _serialised(expr: list[JSON]) -> str:
     return json.dumps(expr, sort_keys=True, separators=(",", ":"))
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 14)
 def _spec(chain: str, expr_json: str, label: str, policy_id: str, origin: str, copy: int,
           rule_index: int = -1) -> RuleSpec:
@@ -388,6 +391,7 @@ def _session_rules(gate: SessionGate, inbound: tuple[Rule, ...], interface: str,
     return out
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 14)
 def _rule_expr(interface: str, src: Selector, dst: Selector | None, protocol: str, port: int, action: str,
                family: int) -> str:
@@ -447,6 +451,7 @@ def _with_right(match: JSON, right: JSON) -> JSON:
     return {"match": {**match["match"], "right": right}}
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def _family(address: str) -> int:
     """Cached, as `_normal`: every event asks again for every node a rule names (1,000 parses were ~25 ms)."""
@@ -456,11 +461,13 @@ def _family(address: str) -> int:
         return 4
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def _normal(address: str) -> str:
     return str(ipaddress.ip_address(address))
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 12)
 def _printable(text: str) -> str:
     return "".join(c if c.isprintable() and c.isascii() and c not in "\"\\" else "?" for c in text)

@@ -17,6 +17,7 @@ import re
 from typing import Any
 
 from plexd.base.errors import PlexdError
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.firewall.ruleset import FAMILY, TABLE, Ruleset
 
 JSON = Any
@@ -44,6 +45,7 @@ def table_script(want: Ruleset, rebuilt: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 14)
 def expr_text(expr_json: str) -> str:
     """One rule's expression list in nft syntax (cached: rules repeat across applies)."""

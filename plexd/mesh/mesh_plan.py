@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.converge.change import Change
 from plexd.machine.links import LinkOp, LinkState
 from plexd.machine.wireguard import (
@@ -93,6 +94,7 @@ class Target:
         return frozenset(4 if ":" not in r else 6 for r in self.routes)
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def normalize_endpoint(endpoint: str) -> str:
     """Render an IP endpoint the way WireGuard prints it (`1.2.3.4:5`, `[fd00::1]:5`); host names unchanged."""
@@ -108,6 +110,7 @@ def normalize_endpoint(endpoint: str) -> str:
     return f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def _cidr(text: str) -> str:
     return str(ipaddress.ip_network(text, strict=False))
@@ -136,6 +139,7 @@ def _routes(networks: frozenset[str], exclude: frozenset[str]) -> frozenset[str]
     return frozenset(out)
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 17)
 def peer_config(peer: Peer, keepalive: int) -> PeerConfig:
     """One desired peer in device terms. Cached per (immutable) peer, so a converge costs per peer a hash

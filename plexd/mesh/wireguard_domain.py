@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from plexd.base.clock import Clock
 from plexd.base.errors import PlexdError
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.converge.change import Change
 from plexd.converge.domain import DomainResult
 from plexd.machine.links import LinkOp, Links
@@ -59,6 +60,7 @@ RESOLVE_TIMEOUT = 3.0
 _AFTER_DEVICE = frozenset({"route_del", "main_route_del"})
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def _is_ip_endpoint(endpoint: str) -> bool:
     try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from plexd.base import mesh_caches
 from plexd.base.clock import Clock
 from plexd.controlplane.client import PeerEndpoint
 from plexd.controlplane.event_signing import InvalidSigningKeys, NonceStore, Verifier, key_fingerprint, load_signing_key
@@ -38,6 +39,12 @@ from plexd.state.model import SigningKeys, State
 from plexd.state.route_limits import RouteLimits
 
 log = logging.getLogger(__name__)
+
+def _trim_caches(desired: DesiredState) -> None:
+    """The converge's memo caches kept to what the mesh holds now (`plexd.base.mesh_caches`)."""
+    mesh_caches.trim(lambda: len(desired.peers) + sum(len(p.allowed_ips) for p in desired.peers.values())
+                     + 2 * sum(len(p.rules) for p in desired.policies))  # a rule is in two chains
+
 
 class MeshHandle:
     """Holds the desired model, and what is specific to the mesh around its converges (the gate's `Guard`): the
@@ -60,6 +67,7 @@ class MeshHandle:
         self._refusals_seen: set[tuple[str, ...]] = set()
         self._refusals_new: list[Correction] = []
         self._policy_noted: object = None  # the compiled policy `_note_policy` last went through
+        self.store.subscribe(_trim_caches)
 
     def request_converge(self, reason: str) -> None:
         """An event changed the desired model: apply it soon, without making the event stream wait (coalesced:

@@ -22,6 +22,7 @@ from typing import Any
 
 from plexd.base import wgkeys
 from plexd.base.hostname import is_hostname, is_ip
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.state import policy, route_limits
 from plexd.state.bridge_blocks import Ingress, SiteToSite, UserAccess
 from plexd.state.model import DataEntry, Peer, Policy, SecretRef, SigningKeys, State, is_valid_key
@@ -118,6 +119,7 @@ def validate_peer(peer: Peer, own_public_key: str = "") -> str | None:
     return None
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def endpoint_ip(endpoint: str) -> route_limits.IPAddress | None:
     """The address of an `ip:port` endpoint (a scope dropped), None when it has none or is not one."""
@@ -145,6 +147,7 @@ def _endpoint_ips(peer: Peer) -> tuple[route_limits.IPAddress, ...]:
     return _addresses_of(peer.endpoint, peer.fallback_endpoint)
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def _addresses_of(endpoint: str, fallback: str) -> tuple[route_limits.IPAddress, ...]:
     ips = (endpoint_ip(endpoint), endpoint_ip(fallback))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from plexd.base.memo import ByIdentity
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.state.model import Peer, Policy, PolicyRule
 
 ANY = "*"
@@ -156,6 +157,7 @@ def mesh_address(peer: Peer) -> IPAddress | None:
     return _address(peer.mesh_ip)
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def _address(text: str) -> IPAddress | None:
     try:

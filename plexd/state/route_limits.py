@@ -25,6 +25,8 @@ import ipaddress
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from plexd.base.mesh_caches import bounded_by_mesh
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -83,6 +85,7 @@ class RouteLimits:
         return int(2 ** BITS[version] * self.max_route_percent / 100)
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def address(text: str) -> IPAddress | None:
     try:
@@ -91,6 +94,7 @@ def address(text: str) -> IPAddress | None:
         return None
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def network(text: str) -> IPNetwork | None:
     try:

@@ -24,6 +24,7 @@ import struct
 import time
 
 from plexd.base.errors import PlexdError
+from plexd.base.mesh_caches import bounded_by_mesh
 
 ECHO_REQUEST, ECHO_REPLY = 8, 0
 SOL_RAW, ICMP_FILTER = 255, 1  # <linux/icmp.h>: a mask of the ICMP types (< 32) a raw socket does not get
@@ -111,6 +112,7 @@ async def round_trips(targets: dict[str, str], timeout: float) -> dict[str, int]
     return results
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=4096)  # the same few dozen mesh addresses at every collection
 def _is_v4(ip: str) -> bool:
     try:

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from plexd.base.mesh_caches import bounded_by_mesh
 from plexd.machine.wireguard import (
     ZERO_KEY,
     CounterRow,
@@ -44,6 +45,7 @@ class UapiUnavailable(WireGuardError):
     """No process is listening on the UAPI socket (the device does not exist or its process died)."""
 
 
+@bounded_by_mesh
 @functools.lru_cache(maxsize=1 << 16)
 def normalize_cidr(cidr: str) -> str:
     """`10.0.0.5/24` → `10.0.0.0/24`; a bare address gets its full prefix. Raises ValueError when invalid."""
