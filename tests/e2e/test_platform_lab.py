@@ -104,6 +104,12 @@ def test_a_platform_mesh_registers_pings_enforces_policy_and_serves_node_state(l
     assert json.loads(node_state(a, "get", "data", "app/config")["payload"]) == {"log_level": "info"}
     dp.admin.set_secret(a_id, "db-password", SECRET)
     assert node_state(a, "get", "secret", "db-password")["value"] == SECRET
+    # A workload's report through the node API goes up as one state report per key.
+    payload = tmp_path / "payload.json"
+    payload.write_text(json.dumps({"status": "healthy"}))
+    node_state(a, "report", "put", "app-health", "--file", str(payload))
+    wait_until(lambda: any(e["key"] == "app-health" and json.loads(e["value"]) == {"status": "healthy"}
+                           for e in dp.admin.report_entries(a_id)), 20, "the workload's report upstream", daemons)
 
     # A restart: the stored identity says platform, so no guessing again; the node is back on the mesh.
     assert "registering with the control plane" in a.logged()
