@@ -26,14 +26,10 @@ MAX_FIELD = 4096  # issued_at, nonce, signature: a few dozen characters on the w
 _WS = " \t\n\r"
 
 
-@dataclass(frozen=True)
-class Envelope:
-    event_type: str
-    event_id: str
-    issued_at: str  # as received; "" when absent
-    nonce: str
-    payload_raw: str  # raw JSON text of the payload, "null" when absent
-    signature: str
+class PayloadText:
+    """An envelope's payload kept as the raw text it came as (what the signature covers), parsed once on demand."""
+
+    payload_raw: str
 
     def payload(self) -> Any:
         """The parsed payload (parsed once: the verifier's target check and the handler both ask)."""
@@ -48,6 +44,16 @@ class Envelope:
             return boundedjson.loads(self.payload_raw, "payload"), None
         except WireFormatError as e:
             return None, e
+
+
+@dataclass(frozen=True)
+class Envelope(PayloadText):
+    event_type: str
+    event_id: str
+    issued_at: str  # as received; "" when absent
+    nonce: str
+    payload_raw: str  # raw JSON text of the payload, "null" when absent
+    signature: str
 
     def canonical_bytes(self) -> bytes:
         return canonical_bytes(self.event_type, self.event_id, self.issued_at, self.nonce, self.payload_raw)

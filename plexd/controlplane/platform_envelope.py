@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import re
 import uuid
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from typing import Any, ClassVar
 
 from plexd.base import boundedjson, gojson
 from plexd.base.errors import WireFormatError
-from plexd.controlplane.envelope import top_level_spans, top_level_string
+from plexd.controlplane.envelope import PayloadText, top_level_spans, top_level_string
 from plexd.controlplane.sse import valid_event_id
 
 _EVENT_TYPE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
@@ -32,7 +31,7 @@ NSK_BYTES = 32
 
 
 @dataclass(frozen=True)
-class PlatformEnvelope:
+class PlatformEnvelope(PayloadText):
     id: str
     type: str
     scope: str
@@ -51,19 +50,6 @@ class PlatformEnvelope:
     @property
     def event_type(self) -> str:
         return self.type
-
-    def payload(self) -> Any:
-        value, error = self._parsed
-        if error is not None:
-            raise error
-        return value
-
-    @functools.cached_property
-    def _parsed(self) -> tuple[Any, WireFormatError | None]:
-        try:
-            return boundedjson.loads(self.payload_raw, "payload"), None
-        except WireFormatError as e:
-            return None, e
 
     def canonical_bytes(self) -> bytes:
         return canonical_bytes(self.id, self.type, self.scope, self.key_id, self.issued_at, self.payload_raw)
