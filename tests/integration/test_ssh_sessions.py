@@ -469,8 +469,10 @@ async def test_output_after_the_client_went_is_dropped_and_the_real_exit_status_
 
     monkeypatch.setattr(ssh, "HANGUP_GRACE", 10.0)
     async with Harness(account.name, key_dir) as h:
+        # `wait` returns at once when a trapped signal comes (a `while sleep 0.1` loop forks ten times a second,
+        # which a loaded machine makes slow, and the trap waits for each child): the trap runs, not the SIGKILL
         client = await h.open_ssh(h.token(), "trap 'echo bye; echo more >&2; exit 0' HUP; echo ready; "
-                                             "while :; do sleep 0.1; done")
+                                             "sleep 300 & wait")
         assert client.stdout is not None
         await read_until(client.stdout, b"ready")
         client.kill()
