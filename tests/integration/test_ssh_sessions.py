@@ -465,9 +465,12 @@ async def test_output_after_the_client_went_is_dropped_and_the_real_exit_status_
                                                                                          monkeypatch):
     # The trap must run within the hang-up grace: on a loaded CI machine bash once took more than its 2 s to get
     # to it (exit 137, the SIGKILL that follows). What is tested here is the status reported, not the grace's length.
-    from plexd.access import ssh
+    import ssh_session_helpers
 
-    monkeypatch.setattr(ssh, "HANGUP_GRACE", 10.0)
+    # The grace the server's own module reads: a test elsewhere in the worker that imports plexd afresh leaves
+    # `plexd.access.ssh` in sys.modules a different module from the one the harness's server was built from.
+    server_module = ssh_session_helpers.SshSessionServer.start.__globals__
+    monkeypatch.setitem(server_module, "HANGUP_GRACE", 10.0)
     async with Harness(account.name, key_dir) as h:
         # `wait` returns at once when a trapped signal comes (a `while sleep 0.1` loop forks ten times a second,
         # which a loaded machine makes slow, and the trap waits for each child): the trap runs, not the SIGKILL
