@@ -132,6 +132,17 @@ def top_level_string(data: str, spans: dict[str, tuple[int, int]], name: str) ->
     return value
 
 
+def issued_at_field(data: str, spans: dict[str, tuple[int, int]]) -> str:
+    """An envelope's ``issued_at`` as sent ("" when absent), or a WireFormatError when it is not RFC 3339."""
+    issued_at = top_level_string(data, spans, "issued_at")
+    if issued_at:
+        try:
+            gojson.canonical_time(issued_at)
+        except ValueError as exc:
+            raise WireFormatError("issued_at", str(exc)) from None
+    return issued_at
+
+
 def parse_envelope(data: str) -> Envelope:
     """Parse an SSE ``data`` payload into an Envelope. Raises WireFormatError naming what is wrong."""
     boundedjson.check_depth(data, "envelope")
@@ -153,12 +164,7 @@ def parse_envelope(data: str) -> Envelope:
         raise WireFormatError("event_id", "missing")
     if not valid_event_id(event_id):
         raise WireFormatError("event_id", f"{event_id[:40]!r} is not 1-128 printable ASCII characters")
-    issued_at = string_field("issued_at")
-    if issued_at:
-        try:
-            gojson.canonical_time(issued_at)
-        except ValueError as exc:
-            raise WireFormatError("issued_at", str(exc)) from None
+    issued_at = issued_at_field(data, spans)
     if "payload" in spans:
         start, end = spans["payload"]
         payload_raw = data[start:end]

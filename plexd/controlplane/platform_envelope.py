@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 
 from plexd.base import boundedjson, gojson
 from plexd.base.errors import WireFormatError
-from plexd.controlplane.envelope import PayloadText, top_level_spans, top_level_string
+from plexd.controlplane.envelope import PayloadText, issued_at_field, top_level_spans, top_level_string
 from plexd.controlplane.sse import valid_event_id
 
 _EVENT_TYPE = re.compile(r"[a-z][a-z0-9_.]{0,63}")
@@ -89,12 +89,7 @@ def parse_envelope(data: str) -> PlatformEnvelope:
         raise WireFormatError("type", "missing")
     if not _EVENT_TYPE.fullmatch(event_type):
         raise WireFormatError("type", f"{event_type[:40]!r} is not a lower-case event name (a-z, 0-9, _, .)")
-    issued_at = string_field("issued_at")
-    if issued_at:
-        try:
-            gojson.canonical_time(issued_at)
-        except ValueError as exc:
-            raise WireFormatError("issued_at", str(exc)) from None
+    issued_at = issued_at_field(data, spans)
     payload_raw = data[slice(*spans["payload"])] if "payload" in spans else "null"
     return PlatformEnvelope(id=event_id, type=event_type, scope=string_field("scope"),
                             key_id=string_field("key_id"), issued_at=issued_at, payload_raw=payload_raw,
