@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from plexd.controlplane import envelope, platform_envelope
 from plexd.controlplane.envelope import Envelope
-from plexd.controlplane.event_signing import Verifier
+from plexd.controlplane.event_signing import EventRejected, Verifier
 from plexd.controlplane.platform_envelope import PlatformEnvelope
 from plexd.controlplane.platform_signing import KeyIds, PlatformVerifier
 from plexd.controlplane.sse import valid_event_id
@@ -33,6 +33,7 @@ ASKING_FOR_A_PULL = frozenset({
     "session_revoked",
 })
 MAX_SEQUENCE_DIGITS = 20  # the platform's cursor is a uint64 sequence
+NODE_SCOPE = "node:"  # an envelope's scope naming one node: `node:<node id>`
 
 
 class SignedEvents(Protocol):
@@ -78,10 +79,19 @@ class PlatformEvents:
     name = "platform"
     cursor_rule = "the frame's decimal sequence number"
 
-    def __init__(self, verifier: PlatformVerifier) -> None:
+    def __init__(self, verifier: PlatformVerifier, node_id: Callable[[], str] = lambda: "") -> None:
         self.verifier = verifier
-        self.verify = verifier.verify
         self.authentic = verifier.authentic
+        self._node_id = node_id
+
+    def verify(self, env: PlatformEnvelope) -> None:
+        """Authentic and fresh (the verifier), and addressed to this node: an envelope scoped to another node
+        (`node:<id>`) is refused, whoever signed it, as the spec dialect refuses another node's target. Other
+        scopes (none, the project's) are the stream's own."""
+        self.verifier.verify(env)
+        own = self._node_id()
+        if env.scope.startswith(NODE_SCOPE) and own and env.scope != NODE_SCOPE + own:
+            raise EventRejected("wrong_scope", f"event is scoped to {env.scope[:80]!r}, not to this node")
 
     @staticmethod
     def parse(data: str) -> PlatformEnvelope:
@@ -107,10 +117,12 @@ class PlatformEvents:
 
 
 def platform_events(verifier: Verifier, data_dir: Path | str | None = None,
-                    registered: Callable[[], tuple[str, str]] | None = None) -> PlatformEvents:
+                    registered: Callable[[], tuple[str, str]] | None = None,
+                    node_id: Callable[[], str] = lambda: "") -> PlatformEvents:
     """The platform dialect over `verifier`'s keys; `registered` gives the registration's (public key, key id),
-    `data_dir` keeps the rotated keys and their ids."""
-    return PlatformEvents(PlatformVerifier(verifier, KeyIds(data_dir, registered), data_dir))
+    `data_dir` keeps the rotated keys and their ids, `node_id` the node's own id (events scoped to another are
+    refused)."""
+    return PlatformEvents(PlatformVerifier(verifier, KeyIds(data_dir, registered), data_dir), node_id)
 
 
 def _as_spec(env: PlatformEnvelope, event_type: str) -> Envelope:

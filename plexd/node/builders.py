@@ -229,7 +229,7 @@ def build_stream(agent: Agent, node_id: Callable[[], str], ledger: EventLedger, 
         reconnect_spread=cfg.sse.reconnect_spread,
         client_factory=lambda: stream_http_client(cfg.api.tls.ca_file, cfg.api.tls.insecure_skip_verify),
         dialect=lambda: agent.client.dialect,  # settled by the registration, before the stream starts
-        platform=platform_events(verifier, cfg.data_dir, registered_key),
+        platform=platform_events(verifier, cfg.data_dir, registered_key, node_id),
     )
 
 

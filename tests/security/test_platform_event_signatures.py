@@ -45,9 +45,9 @@ def public(key: nacl.signing.SigningKey) -> str:
 
 
 def frame(seq: int, event_type: str = "node_state_updated", payload=None, *, key=OLD, key_id=OLD_ID,
-          issued: datetime = NOW, event_id: str | None = None) -> SSEEvent:
+          issued: datetime = NOW, event_id: str | None = None, scope: str = "node:n_1") -> SSEEvent:
     data = sign_event(key, event_id or f"evt-{seq}", event_type, {"revision": seq} if payload is None else payload,
-                      key_id=key_id, scope="node:n_1", issued_at=format_time(issued))
+                      key_id=key_id, scope=scope, issued_at=format_time(issued))
     return SSEEvent(data=data, id=str(seq), event=event_type)
 
 
@@ -76,7 +76,8 @@ class Node:
                                  rotate_keys=self.rotations.append, refresh_state=self.refreshes.append)
         self.stream = EventStream("http://cp.invalid", "n_1", lambda: "t", self.ledger, self.verifier,
                                   handlers.dispatch, clock=clock, dialect="platform",
-                                  platform=platform_events(self.verifier, data_dir, lambda: (public(OLD), OLD_ID)))
+                                  platform=platform_events(self.verifier, data_dir, lambda: (public(OLD), OLD_ID),
+                                                           lambda: "n_1"))
 
     async def deliver(self, f: SSEEvent) -> bool:
         """True when the event was accepted."""
@@ -130,6 +131,16 @@ async def test_forgeries_and_unknown_keys_are_refused_and_the_stream_goes_on(nod
     assert f"event evt-1 (node_state_updated) rejected [{reason}]" in caplog.text
     assert await node.deliver(frame(2))  # the next genuine event
     assert node.refreshes == [PULL] and node.stream.last_event_id == "2"
+
+
+async def test_an_event_scoped_to_another_node_is_refused_though_genuinely_signed(node, caplog):
+    # The spec dialect refuses another node's target; a platform envelope names its node in its scope
+    assert not await node.deliver(frame(1, scope="node:n_2"))
+    assert node.rejected("wrong_scope") == 1 and node.refreshes == []
+    assert "scoped to 'node:n_2', not to this node" in caplog.text
+    for seq, scope in ((2, "node:n_1"), (3, ""), (4, "project:p_1")):  # its own, none, the project's: the stream's
+        assert await node.deliver(frame(seq, scope=scope)), scope
+    assert node.refreshes == [PULL] * 3
 
 
 def _tampered(f: SSEEvent, old: str, new: str) -> SSEEvent:
