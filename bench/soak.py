@@ -45,8 +45,9 @@ from plexd.node.control import STATUS_PATH
 from plexd.node.control_client import call
 
 SAMPLE_EVERY = 10.0
-# PLEXD_BENCH_TRACEMALLOC=/path/out.snap: plexd runs under tracemalloc; snapshots are taken at 2 minutes and at the
-# end (/path/out.snap.TICK), and the summary prints where the memory grew in between
+# PLEXD_BENCH_TRACEMALLOC=/path/out.snap: plexd runs under tracemalloc; snapshots are taken when the settle ends (10
+# minutes, or half the run if shorter) and at the end (/path/out.snap.TICK), and the summary prints where the memory
+# grew in between: the window the RSS slope is measured over
 TRACE = os.environ.get("PLEXD_BENCH_TRACEMALLOC", "")
 LAG_EVERY = 10  # one joining peer in ten is timed to the device
 
@@ -161,7 +162,7 @@ async def soak(minutes: float, npeers: int) -> None:
                         await asyncio.to_thread(r.dp.restart)
                 except (httpx.HTTPError, OSError, RuntimeError) as e:
                     print(f"  tick {tick}: {e}", flush=True)
-                if TRACE and tick in (120, int(minutes * 60) - 5):
+                if TRACE and tick in (int(min(600, minutes * 30)), int(minutes * 60) - 5):
                     await asyncio.to_thread(snapshot, r, f"{TRACE}.{tick}")
                 if time.monotonic() >= next_sample:
                     s.sample(t0)
