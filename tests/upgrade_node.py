@@ -21,9 +21,10 @@ class Agent(SimpleNamespace):
         self.restarts.append(reason)
 
 
-def upgrade_node(devplane, secret: str, tmp_path: Path, release_keys: Iterable[str],
+def upgrade_node(devplane, secret: str, tmp_path: Path, release_keys: Iterable[str], dialect: str = "spec",
                  **upgrade: object) -> tuple[Upgrader, Agent]:
-    """An Upgrader for a node whose config pins `release_keys`; `upgrade` adds upgrade.* settings."""
+    """An Upgrader for a node whose config pins `release_keys`, speaking `dialect`; `upgrade` adds upgrade.*
+    settings."""
     path = tmp_path / "config.yaml"
     path.write_text(
         f"api: {{url: {devplane.url}, allow_insecure: true}}\n"  # the devplane serves plain HTTP
@@ -32,8 +33,8 @@ def upgrade_node(devplane, secret: str, tmp_path: Path, release_keys: Iterable[s
         + "".join(f", {k}: {v}" for k, v in upgrade.items()) + "}\n")
     (tmp_path / "data").mkdir(mode=0o700, exist_ok=True)
     cfg = config_mod.load(str(path), flags={})
-    agent = Agent(config=cfg, client=ControlPlaneClient(devplane.url, token=secret), binary_checksum="a" * 64,
-                  restarts=[])
+    agent = Agent(config=cfg, client=ControlPlaneClient.for_config(cfg, token=secret, dialect=dialect),
+                  binary_checksum="a" * 64, restarts=[])
     return Upgrader(agent, healthy=lambda: None), agent
 
 

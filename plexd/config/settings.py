@@ -47,7 +47,8 @@ README (docs/decisions.md, Config)::
     metrics: {enabled: false, listen: "127.0.0.1:9586",   # Prometheus text format at GET /metrics
               token_file: "", max_connections: 8}       # token_file: bearer auth, needed off loopback
     upgrade: {dir: /opt/plexd/releases, health_deadline: 60s, max_size: 67108864,   # service.upgrade
-              release_keys: [], allow_downgrade: false}   # Ed25519 release keys (base64); see README
+              release_keys: [], allow_downgrade: false,   # Ed25519 release keys (base64); see README
+              release_url: ""}   # platform contract: where releases are published (.../v{version}/plexd-linux-{arch})
     telemetry:                            # reported upstream through an on-disk queue (plexd.telemetry)
       queue_dir: ""                       # where an older version kept telemetry.db (taken over into uplink.db)
       metrics: {enabled: true, collect_interval: 15s, report_interval: 60s, batch_size: 1000,
@@ -352,6 +353,10 @@ class UpgradeConfig:
     release_keys: tuple[str, ...] = _f((), "list", release_keys=True)
     # A downgrade also needs the action's allow_downgrade: the operator and the control plane must both agree.
     allow_downgrade: bool = _f(False)
+    # The platform contract serves no releases to nodes: a platform node fetches one from this release page's
+    # layout, {release_url}/v{version}/plexd-linux-{arch} and its .sig (plexd.controlplane.release_store). Empty:
+    # a platform node refuses upgrades, naming this setting. The spec dialect's control plane serves its own.
+    release_url: str = _f("", "url")
 
 
 @dataclass(frozen=True)

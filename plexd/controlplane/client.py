@@ -45,7 +45,7 @@ from plexd import __version__
 from plexd.base import boundedjson
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import EncodedJSON, format_time, go_marshal
-from plexd.controlplane import http_client, platform_actions, platform_calls
+from plexd.controlplane import http_client, platform_actions, platform_calls, release_store
 from plexd.controlplane.answers import HeartbeatResponse, PeerEndpoint, SecretResponse, path_escape
 from plexd.controlplane.client_errors import (
     AuthError,
@@ -229,8 +229,10 @@ class ControlPlaneClient:
         connect_timeout: float = CONNECT_TIMEOUT,
         now: Any = None,
         dialect: str = "spec",
+        release_url: str = "",
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.release_url = release_url  # platform: where releases are published (upgrade.release_url)
         # The contract spoken (plexd.controlplane.dialect): "spec" or "platform"; "auto" until the registration
         # or the stored identity settles it. Only the wire layer looks at it.
         self.dialect = dialect
@@ -253,7 +255,8 @@ class ControlPlaneClient:
         without one, calls fail as unreachable rather than at construction."""
         return cls(config.api.url or "http://unconfigured.invalid", token=token, ca_file=config.api.tls.ca_file,
                    insecure_skip_verify=config.api.tls.insecure_skip_verify,
-                   dialect=dialect or getattr(config.api, "dialect", "spec"))  # a registered node's: its identity's
+                   dialect=dialect or getattr(config.api, "dialect", "spec"),  # a registered node's: its identity's
+                   release_url=getattr(getattr(config, "upgrade", None), "release_url", ""))
 
     # -- lifecycle and auth -------------------------------------------------------------------------------------
 
@@ -547,10 +550,13 @@ class ControlPlaneClient:
 
     @contextlib.asynccontextmanager
     async def open_artifact(self, version: str, os_name: str, arch: str) -> AsyncIterator[http_client.Response]:
-        """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes)."""
-        if self.platform:
-            raise PermanentError("artifact download", 0, "the platform contract serves no plexd artifacts: "
-                                 "upgrade the package instead")
+        """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes). The
+        platform serves none: the release comes from `release_url` (plexd.controlplane.release_store)."""
+        if self.platform:  # the platform's nodes fetch releases where they are published, not from it
+            async with release_store.open_release(self._http, self.release_url, self.user_agent, version, os_name,
+                                                  arch) as response:
+                yield response
+            return
         path = f"/v1/artifacts/plexd/{path_escape(version)}/{path_escape(os_name)}/{path_escape(arch)}"
         async with self._stream("GET", path, self._headers(), "artifact download", read_timeout=None) as response:
             yield response

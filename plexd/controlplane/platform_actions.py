@@ -26,6 +26,7 @@ import asyncio
 import base64
 import hashlib
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
@@ -106,12 +107,32 @@ def _request(entry: Any, path: str) -> ActionRequest | None:
     extra = {"kind": kind[:64] if isinstance(kind, str) else "" if kind is None else "?",
              "expires_at": _unix(f.get("expires_at")), "reported_started": status == STARTED,
              "checksum_announced": True}
-    payload = {"execution_id": execution_id, "action": f.get("action"), "parameters": f.get("parameters")}
+    payload = {"execution_id": execution_id, "action": f.get("action"),
+               "parameters": _as_spec_parameters(f.get("action"), f.get("parameters"))}
     try:
         return replace(parse_request(payload), **extra)
     except InvalidRequest as exc:
         action = action_of(payload)
         return ActionRequest(execution_id, "" if name_problem(action) else action, problem=str(exc), **extra)
+
+
+UPGRADE = "service.upgrade"
+_RELEASE_TAG = re.compile(r"v(?=[0-9])")  # the platform names releases by tag (v1.4.2); plexd by version (1.4.2)
+_CHECKSUM_PREFIX = "sha256:"
+
+
+def _as_spec_parameters(action: Any, parameters: Any) -> Any:
+    """`service.upgrade`'s parameters as the platform may word them, in the spec's words: a version may be its
+    release tag (``v1.4.2``: the store's path adds the ``v`` back) and a checksum may carry ``sha256:``."""
+    if action != UPGRADE or not isinstance(parameters, dict):
+        return parameters
+    out = dict(parameters)
+    version, checksum = out.get("version"), out.get("checksum")
+    if isinstance(version, str) and _RELEASE_TAG.match(version):
+        out["version"] = version[1:]
+    if isinstance(checksum, str) and checksum[:len(_CHECKSUM_PREFIX)].lower() == _CHECKSUM_PREFIX:
+        out["checksum"] = checksum[len(_CHECKSUM_PREFIX):]
+    return out
 
 
 def _unix(value: Any) -> float:

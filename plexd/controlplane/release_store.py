@@ -1,0 +1,59 @@
+"""Where a platform-dialect node fetches a plexd release for `service.upgrade`.
+
+The platform contract serves no artifacts to nodes: its agents download a release from where it is published (a
+GitHub release page, for the Go agent) and check it against the checksum the execution names. plexd does the
+same from `upgrade.release_url`, laid out as a release page is::
+
+    {release_url}/v{version}/plexd-{os}-{arch}        the release (a zipapp: plexd.upgrade.zipapp)
+    {release_url}/v{version}/plexd-{os}-{arch}.sig    its signature (plexd.upgrade.signing)
+
+The signature is plexd's own, under the keys pinned in `upgrade.release_keys`, as in the spec dialect; the Go
+agent's Sigstore bundle (`.sigstore.json`, pinned to its own release workflow) is not read. The store is not the
+control plane, so nothing of the node's is sent to it: no bearer, only the User-Agent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from urllib.parse import quote, urlsplit
+
+from plexd.controlplane import http_client
+from plexd.controlplane.client_errors import PermanentError, TransientError
+
+WHAT = "release download"
+
+
+def asset_url(release_url: str, version: str, os_name: str, arch: str) -> str:
+    """The release's (or, with arch ending in ``.sig``, its signature's) address under `release_url`."""
+    def part(text: str) -> str:
+        return quote(text, safe="")
+
+    return f"{release_url.rstrip('/')}/v{part(version)}/plexd-{part(os_name)}-{part(arch)}"
+
+
+@contextlib.asynccontextmanager
+async def open_release(http: http_client.HTTPClient, release_url: str, user_agent: str, version: str, os_name: str,
+                       arch: str) -> AsyncIterator[http_client.Response]:
+    """The streamed release file; PermanentError when there is no store or it has no such file, TransientError
+    when it cannot be reached or fails (5xx)."""
+    if not release_url:
+        raise PermanentError(WHAT, 0, "the platform contract serves no plexd releases to nodes, and "
+                                      "upgrade.release_url is empty: set it to where plexd releases are published")
+    url = asset_url(release_url, version, os_name, arch)
+    host = urlsplit(url).netloc
+    try:
+        response = await http.send("GET", url, headers={"User-Agent": user_agent}, read_timeout=None)
+    except http_client.TransportError as exc:
+        raise TransientError(f"{WHAT} from {host}", message=str(exc)) from None
+    try:
+        status = response.status_code
+        if status == 404:
+            raise PermanentError(WHAT, status, f"{url} does not exist")
+        if status >= 500 or status == 429:
+            raise TransientError(WHAT, status, f"{url}")
+        if not 200 <= status < 300:
+            raise PermanentError(WHAT, status, f"{url}")
+        yield response
+    finally:
+        await response.aclose()
