@@ -541,6 +541,8 @@ async def start_upgrade(request: Request) -> Response:
                             f"({len(files)} found); give arch or checksum")
         checksum = sha256_file(files[0])
     params: dict[str, Any] = {"version": version, "checksum": checksum}
+    if dep.dialect == "platform":  # as the platform words them: the release's tag, a typed digest
+        params = {"version": f"v{version}", "checksum": f"sha256:{checksum}"}
     allow_downgrade = body.get("allow_downgrade", False)
     if not isinstance(allow_downgrade, bool):
         raise DevplaneAPIError(400, f"allow_downgrade: must be a boolean, got {wire.kind(allow_downgrade)}")

@@ -23,13 +23,20 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Route
 
 from plexd import __version__
 from plexd.base import gojson
 from plexd.controlplane.platform_envelope import parse_bearer
-from plexd.devplane import platform_bodies, platform_executions, platform_register, platform_rotation, platform_state
+from plexd.devplane import (
+    platform_bodies,
+    platform_executions,
+    platform_register,
+    platform_rotation,
+    platform_state,
+    wire,
+)
 from plexd.devplane.deployment import Deployment
 from plexd.devplane.platform_events import API_VERSION, format_sse
 from plexd.devplane.platform_wire import Problem, canonical_uuid, parse_json, read_raw
@@ -352,6 +359,20 @@ async def version(request: Request) -> Response:
     return JSONResponse(_BUILD)
 
 
+async def release(request: Request) -> Response:
+    """The release page the platform's nodes download from (upgrade.release_url = this devplane's /releases):
+    ``/releases/v{version}/plexd-{os}-{arch}[.sig]``, the files the admin API stored, public as a release page is.
+    Not part of the platform's API: GitHub's place, in the lab."""
+    tag, asset = request.path_params["tag"], request.path_params["asset"]
+    os_name, _, arch = asset.removeprefix("plexd-").partition("-")
+    parts = [tag.removeprefix("v"), os_name, arch]
+    root: Path | None = request.app.state.artifacts_dir
+    if not (tag.startswith("v") and asset.startswith("plexd-") and all(map(wire.safe_component, parts))) \
+            or root is None or not root.joinpath(*parts).is_file():
+        return Response(status_code=404)  # as a release page answers: no body worth reading
+    return FileResponse(root.joinpath(*parts), media_type="application/octet-stream")
+
+
 def _compact(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
 
@@ -377,4 +398,5 @@ ROUTES = [
     Route(NODE + "/audit", _ingest("audit"), methods=["POST"]),
     Route("/v1/health", health, methods=["GET"]),
     Route("/v1/version", version, methods=["GET"]),
+    Route("/releases/{tag}/{asset}", release, methods=["GET"]),
 ]

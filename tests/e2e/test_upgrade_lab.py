@@ -23,7 +23,7 @@ import time
 import pytest
 from lab_daemon import Daemon, ping_count, ping_during, pinging_pair, wait_until, wireguard_go_pids
 from nacl.signing import SigningKey
-from test_actions_lab import execution, finished
+from test_actions_lab import TERMINAL, execution, finished, outcome
 
 from plexd.upgrade import signing, zipapp
 
@@ -164,3 +164,39 @@ def test_upgrade_refuses_a_bad_checksum_installs_a_good_release_under_ping_and_r
     finally:
         for pid in relaunched:
             stop_pid(pid)
+
+
+@pytest.mark.parametrize("lab_dp", [{"nodes": 2, "dialect": "platform"}], indirect=True)
+def test_a_platform_node_upgrades_from_its_release_page_under_ping(lab_dp, tmp_path):
+    # The platform serves no releases to nodes: node a fetches one from upgrade.release_url (the devplane's release
+    # page, GitHub's place), reads the execution as the platform words it (a release tag, a typed digest), and the
+    # new release sends the terminal callback once healthy, after the restart.
+    lab, dp, daemons, workdir = lab_dp
+    a_config = (f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s, "
+                f"release_keys: ['{signing.public_key(RELEASE_KEY)}'], release_url: '{dp.url}/releases'}}\n")
+    a, b = pinging_pair(lab, dp, daemons, workdir, reconcile="1h", a_config=a_config)
+    a_id = a.node_id()
+    before = a.status()["daemon"]
+    good_sum = zipapp.build(tmp_path / "good.pyz", version="0.1.4-lab")
+    assert put_signed(dp, "0.1.4-lab", tmp_path / "good.pyz") == good_sum
+
+    eid = dp.admin.start_upgrade(a_id, "0.1.4-lab", checksum="0" * 64)["execution_id"]
+    assert dp.admin.execution(a_id, eid)["parameters"] == {"version": "v0.1.4-lab", "checksum": "sha256:" + "0" * 64}
+    refused = outcome(dp, a_id, eid, daemons)
+    assert refused["status"] == "failed" and "release signature refused" in refused["output"], refused
+    assert releases(a) == [] and a.status()["daemon"]["pid"] == before["pid"]
+
+    def upgrade():
+        eid = dp.admin.start_upgrade(a_id, "0.1.4-lab")["execution_id"]
+        wait_until(lambda: dp.admin.execution(a_id, eid)["status"] in TERMINAL, 60, f"the result of {eid}", daemons)
+        return outcome(dp, a_id, eid, daemons)
+
+    result, missing, sent = ping_during(lab, a.node, b.mesh_ip(), 120, upgrade)
+    print(f"platform upgrade under ping: {missing} of {sent} lost")
+    assert result["status"] == "success" and result["exit_code"] == 0, result
+    doc = json.loads(result["output"])
+    assert doc["status"] == "upgraded" and doc["to_version"] == "0.1.4-lab" and doc["binary_checksum"] == good_sum
+    assert sent == 120 and missing <= 1
+    now = a.status()["daemon"]
+    assert now["version"] == "0.1.4-lab" and now["binary_checksum"] == good_sum and now["pid"] == before["pid"]
+    assert os.readlink(a.dir / "releases" / "current") == f"plexd-0.1.4-lab-{good_sum[:12]}.pyz"
