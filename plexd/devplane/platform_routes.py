@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import hashlib
 import hmac
 import json
 import os
@@ -120,11 +119,7 @@ async def heartbeat(request: Request) -> Response:
 async def state(request: Request) -> Response:
     """The snapshot with an ETag of its bytes: asked again with `If-None-Match` and unchanged, a 304."""
     node = authenticate(request)
-    body = JSONResponse(platform_state.snapshot(_dep(request), node, request.app.state.reachability)).body
-    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers={"ETag": etag})
-    return Response(body, media_type="application/json", headers={"ETag": etag})
+    return wire.etagged_json(request, platform_state.snapshot(_dep(request), node, request.app.state.reachability))
 
 
 async def events(request: Request) -> Response:
@@ -197,12 +192,17 @@ async def integrity_violations(request: Request) -> Response:
     return JSONResponse({"accepted_at": dep.now_text(), "violation_count": len(violations)})
 
 
-async def put_report(request: Request) -> Response:
+def _report_route(request: Request) -> tuple[Node, Deployment, str]:
+    """A report route's node, deployment and key, after its refusals (the fault knobs)."""
     node = authenticate(request)
     dep = _dep(request)
     _refuse_if(dep, "reports_not_provisioned", "reports_not_provisioned", "node-authored reports")
     _injected(dep, "report_status", "reports_not_provisioned")
-    key = request.path_params["key"]
+    return node, dep, request.path_params["key"]
+
+
+async def put_report(request: Request) -> Response:
+    node, dep, key = _report_route(request)
     body = await _json(request, 16 * KB, "payload_too_large", "invalid_report")
     entry = platform_bodies.report(key, body)
     dep.record_reports(node, [entry], [])
@@ -210,11 +210,7 @@ async def put_report(request: Request) -> Response:
 
 
 async def delete_report(request: Request) -> Response:
-    node = authenticate(request)
-    dep = _dep(request)
-    _refuse_if(dep, "reports_not_provisioned", "reports_not_provisioned", "node-authored reports")
-    _injected(dep, "report_status", "reports_not_provisioned")
-    key = request.path_params["key"]
+    node, dep, key = _report_route(request)
     if key not in node.reports:
         raise Problem(404, "report_not_found", f"node {node.id} has no report {key[:140]!r}")
     dep.record_reports(node, [], [key])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import re
@@ -126,14 +125,9 @@ async def endpoint(request: Request) -> Response:
 # -- state, secrets, reports ------------------------------------------------------------------------------------
 
 async def state(request: Request) -> Response:
-    """The node's state, with an ETag of its bytes: a node asking again with `If-None-Match` and nothing changed
-    gets a 304 and parses nothing (the Go control plane has no ETag; plexd works either way)."""
+    """The node's state, with an ETag of its bytes (`wire.etagged_json`)."""
     node = _node(request)
-    body = JSONResponse(_dep(request).state(node)).body
-    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers={"ETag": etag})
-    return Response(body, media_type="application/json", headers={"ETag": etag})
+    return wire.etagged_json(request, _dep(request).state(node))
 
 
 async def secret(request: Request) -> Response:

@@ -7,13 +7,14 @@ fails with a 400 that names the field, exactly where Go's decoder would fail the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import zlib
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from plexd.base import gojson
 from plexd.base.errors import PlexdError
@@ -222,3 +223,13 @@ def is_host_port(text: str) -> bool:
 def safe_component(part: str) -> bool:
     """A path component that stays in its directory: no separator, not . or .."""
     return bool(_SAFE_COMPONENT.match(part)) and part not in (".", "..")
+
+
+def etagged_json(request: Request, doc: Any) -> Response:
+    """`doc` as JSON with an ETag of its bytes: asked again with `If-None-Match` and unchanged, a 304 (a node
+    parses nothing; the Go control plane has no ETag, and plexd works either way)."""
+    body = JSONResponse(doc).body
+    etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+    if request.headers.get("if-none-match") == etag:
+        return Response(status_code=304, headers={"ETag": etag})
+    return Response(body, media_type="application/json", headers={"ETag": etag})
