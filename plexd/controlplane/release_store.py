@@ -9,19 +9,25 @@ same from `upgrade.release_url`, laid out as a release page is::
 
 The signature is plexd's own, under the keys pinned in `upgrade.release_keys`, as in the spec dialect; the Go
 agent's Sigstore bundle (`.sigstore.json`, pinned to its own release workflow) is not read. The store is not the
-control plane, so nothing of the node's is sent to it: no bearer, only the User-Agent.
+control plane, so nothing of the node's is sent to it: no bearer, only the User-Agent; its redirects are followed
+(a release page hands files out from an object store).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urljoin, urlsplit
 
 from plexd.controlplane import http_client
 from plexd.controlplane.client_errors import PermanentError, TransientError
 
 WHAT = "release download"
+# A release page hands the file out from elsewhere (GitHub: a 302 to its object store). Followed, unlike the
+# control plane's redirects: nothing of the node's goes with them, and the signature and checksum vouch for what
+# comes back wherever it came from.
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
+MAX_REDIRECTS = 5
 
 
 def asset_url(release_url: str, version: str, os_name: str, arch: str) -> str:
@@ -41,11 +47,20 @@ async def open_release(http: http_client.HTTPClient, release_url: str, user_agen
         raise PermanentError(WHAT, 0, "the platform contract serves no plexd releases to nodes, and "
                                       "upgrade.release_url is empty: set it to where plexd releases are published")
     url = asset_url(release_url, version, os_name, arch)
-    host = urlsplit(url).netloc
-    try:
-        response = await http.send("GET", url, headers={"User-Agent": user_agent}, read_timeout=None)
-    except http_client.TransportError as exc:
-        raise TransientError(f"{WHAT} from {host}", message=str(exc)) from None
+    for _ in range(MAX_REDIRECTS + 1):
+        try:
+            response = await http.send("GET", url, headers={"User-Agent": user_agent}, read_timeout=None)
+        except http_client.TransportError as exc:
+            raise TransientError(f"{WHAT} from {urlsplit(url).netloc}", message=str(exc)) from None
+        location = response.headers.get("location", "") if response.status_code in REDIRECTS else ""
+        if not location:
+            break
+        await response.aclose()
+        url = urljoin(url, location)
+        if urlsplit(url).scheme not in ("http", "https"):
+            raise PermanentError(WHAT, 0, f"redirected to {url[:200]!r}, which is not an http(s) address")
+    else:
+        raise PermanentError(WHAT, 0, f"more than {MAX_REDIRECTS} redirects from {release_url}")
     try:
         status = response.status_code
         if status == 404:

@@ -94,16 +94,23 @@ async def test_a_checksum_other_than_the_signed_one_is_refused_before_the_releas
 
 
 class Recording(http.server.ThreadingHTTPServer):
-    """A release page on loopback that serves the release and records what each request carried."""
+    """A release page on loopback that serves the release, or redirects to where it is (`moved`, as GitHub sends
+    its assets to an object store), and records what each request carried."""
 
-    def __init__(self, files: dict[str, bytes]) -> None:
-        self.files, self.seen = files, []
+    def __init__(self, files: dict[str, bytes], moved: dict[str, str] | None = None) -> None:
+        self.files, self.moved, self.seen = files, moved or {}, []
         super().__init__(("127.0.0.1", 0), _Handler)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.server.seen.append((self.path, dict(self.headers)))
+        if self.path in self.server.moved:
+            self.send_response(302)
+            self.send_header("Location", self.server.moved[self.path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         body = self.server.files.get(self.path)
         self.send_response(200 if body is not None else 404)
         self.send_header("Content-Length", str(len(body or b"")))
@@ -119,7 +126,8 @@ async def test_the_release_page_is_sent_nothing_of_the_node(release, tmp_path):
     # would send. Paths as a GitHub release page lays them out.
     data, signature = release
     asset = f"/v{VERSION}/plexd-linux-{goarch()}"
-    server = Recording({asset: data, asset + ".sig": signature})
+    stored = "/objects/release-asset?signed=1"
+    server = Recording({stored: data, asset + ".sig": signature}, moved={asset: stored})
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         up, _ = node(tmp_path, "http://127.0.0.1:9", f"http://127.0.0.1:{server.server_port}/")
@@ -128,10 +136,28 @@ async def test_the_release_page_is_sent_nothing_of_the_node(release, tmp_path):
         server.shutdown()
         server.server_close()
     assert out.exit_code == 0, out
-    assert [path for path, _ in server.seen] == [asset + ".sig", asset]
+    assert [path for path, _ in server.seen] == [asset + ".sig", asset, stored]  # the redirect followed
     for _, headers in server.seen:
         assert {k.lower() for k in headers} <= {"host", "user-agent", "accept", "accept-encoding", "connection"}, \
             headers
+
+
+@pytest.mark.parametrize(("moved", "why"), [
+    ({"/a": "/a"}, "more than 5 redirects"),
+    ({"/a": "file:///etc/passwd"}, "redirected to 'file:///etc/passwd', which is not an http(s) address"),
+], ids=["a loop", "another scheme"])
+async def test_a_redirect_that_leads_nowhere_usable_is_refused(tmp_path, moved, why):
+    asset = f"/v{VERSION}/plexd-linux-{goarch()}.sig"
+    server = Recording({}, moved={asset: "/a", **moved})
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        up, agent = node(tmp_path, "http://127.0.0.1:9", f"http://127.0.0.1:{server.server_port}")
+        out = await up.install(VERSION, "ab" * 32, "exec_platform")
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert out.exit_code == 1 and why in out.stderr, out
+    assert left_behind(tmp_path) == [] and agent.restarts == []
 
 
 def test_the_platforms_wording_of_an_upgrade_is_read_as_plexds():
