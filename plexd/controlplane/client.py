@@ -233,6 +233,8 @@ class ControlPlaneClient:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.release_url = release_url  # platform: where releases are published (upgrade.release_url)
+        self._releases: http_client.HTTPClient | None = None  # platform: the release store's, made on first use
+        self._connect_timeout = connect_timeout
         # The contract spoken (plexd.controlplane.dialect): "spec" or "platform"; "auto" until the registration
         # or the stored identity settles it. Only the wire layer looks at it.
         self.dialect = dialect
@@ -268,6 +270,21 @@ class ControlPlaneClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._releases is not None:
+            await self._releases.aclose()
+
+    def _release_http(self) -> http_client.HTTPClient:
+        """The release store's client (platform): the system's trust store, whatever CA the control plane has."""
+        if self._releases is None:
+            self._releases = http_client.HTTPClient(tls=http_client.default_tls_context(),
+                                                    connect_timeout=self._connect_timeout,
+                                                    read_timeout=self.request_timeout,
+                                                    write_timeout=self.request_timeout)
+        return self._releases
+
+    def artifacts_problem(self) -> str:
+        """Why no release can be fetched at all ("" when one may be): a platform node with no release store."""
+        return release_store.MISSING if self.platform and not self.release_url else ""
 
     @property
     def token(self) -> str:
@@ -553,8 +570,8 @@ class ControlPlaneClient:
         """#17 ``GET /v1/artifacts/plexd/{version}/{os}/{arch}``: yields the streamed response (raw bytes). The
         platform serves none: the release comes from `release_url` (plexd.controlplane.release_store)."""
         if self.platform:  # the platform's nodes fetch releases where they are published, not from it
-            async with release_store.open_release(self._http, self.release_url, self.user_agent, version, os_name,
-                                                  arch) as response:
+            async with release_store.open_release(self._release_http(), self.release_url, self.user_agent, version,
+                                                  os_name, arch) as response:
                 yield response
             return
         path = f"/v1/artifacts/plexd/{path_escape(version)}/{path_escape(os_name)}/{path_escape(arch)}"

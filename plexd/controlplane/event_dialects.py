@@ -11,6 +11,7 @@ pulls the state and applies it through the engine) but for `rotate_keys` (the Wi
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -90,7 +91,7 @@ class PlatformEvents:
         scopes (none, the project's) are the stream's own."""
         self.verifier.verify(env)
         own = self._node_id()
-        if env.scope.startswith(NODE_SCOPE) and own and env.scope != NODE_SCOPE + own:
+        if env.scope.startswith(NODE_SCOPE) and own and not _same_node(env.scope[len(NODE_SCOPE):], own):
             raise EventRejected("wrong_scope", f"event is scoped to {env.scope[:80]!r}, not to this node")
 
     @staticmethod
@@ -123,6 +124,15 @@ def platform_events(verifier: Verifier, data_dir: Path | str | None = None,
     `data_dir` keeps the rotated keys and their ids, `node_id` the node's own id (events scoped to another are
     refused)."""
     return PlatformEvents(PlatformVerifier(verifier, KeyIds(data_dir, registered), data_dir), node_id)
+
+
+def _same_node(named: str, own: str) -> bool:
+    """Whether a scope's node id is this node's: as UUIDs where both are (the platform's ids; any spelling uuid
+    reads, as the bearer does), else as text."""
+    try:
+        return uuid.UUID(named) == uuid.UUID(own)
+    except ValueError:
+        return named == own
 
 
 def _as_spec(env: PlatformEnvelope, event_type: str) -> Envelope:

@@ -128,7 +128,7 @@ class EventStream:
                        else EventLedger(Path(bookkeeping) / datadir.EVENT_LEDGER))
         self._dialect = dialect if callable(dialect) else (lambda: dialect)
         self._spec = SpecEvents(verifier)
-        self._platform = platform or platform_events(verifier)
+        self._platform = platform or platform_events(verifier, node_id=self._node_id)
         self._dispatch = dispatch
         self._clock = clock or Clock()
         self._on_connected = on_connected

@@ -117,7 +117,7 @@ def _request(entry: Any, path: str) -> ActionRequest | None:
 
 
 UPGRADE = "service.upgrade"
-_RELEASE_TAG = re.compile(r"v(?=[0-9])")  # the platform names releases by tag (v1.4.2); plexd by version (1.4.2)
+_RELEASE_TAG = re.compile(r"[vV](?=[0-9])")  # the platform names releases by tag (v1.4.2); plexd by version (1.4.2)
 _CHECKSUM_PREFIX = "sha256:"
 
 

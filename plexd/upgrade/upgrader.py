@@ -45,7 +45,7 @@ from plexd.base.children import signal_child
 from plexd.base.errors import PlexdError
 from plexd.base.failpoint import failpoint
 from plexd.controlplane import http_client
-from plexd.controlplane.client_errors import ControlPlaneError
+from plexd.controlplane.client_errors import ControlPlaneError, TransientError
 from plexd.trust.integrity import sha256_file, zipapp_of
 from plexd.upgrade import marker as markers
 from plexd.upgrade.launcher import roll_back
@@ -135,6 +135,8 @@ class Upgrader:
 
     def _policy_problem(self, version: str, allow_downgrade: bool) -> str:
         """Why this node will not take `version` whatever the artifact is, or ""."""
+        if problem := self.agent.client.artifacts_problem():
+            return problem
         if not self.config.release_keys:
             return ("upgrade.release_keys is empty: this node trusts no release key, so it installs no release "
                     "(pin the publisher's public key in the config)")
@@ -198,6 +200,9 @@ class Upgrader:
         arch, cap = goarch(), self.config.max_size
         try:
             signature = await self._signature(version, checksum, arch)
+        except TransientError as exc:  # unreachable for now: not a refusal of the release
+            raise UpgradeRefused(f"cannot fetch the signature of plexd/{version}/linux/{arch} now: {exc}; "
+                                 "nothing installed") from None
         except ControlPlaneError as exc:
             raise SignatureError(f"no signature for plexd/{version}/linux/{arch}: {exc}") from None
         digest, size = hashlib.sha256(), 0

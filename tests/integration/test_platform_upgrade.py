@@ -17,10 +17,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from agentcore_recorder import Recorder, self_signed_ca, serving_tls
 from nacl.signing import SigningKey
 from upgrade_node import left_behind, upgrade_node
 
+from plexd.controlplane.client import ControlPlaneClient
+from plexd.controlplane.client_errors import ControlPlaneError
 from plexd.controlplane.platform_actions import action_requests
+from plexd.controlplane.release_store import asset_url, shown
 from plexd.devplane.harness import Devplane
 from plexd.upgrade import signing, zipapp
 from plexd.upgrade.upgrader import goarch
@@ -160,6 +164,29 @@ async def test_a_redirect_that_leads_nowhere_usable_is_refused(tmp_path, moved, 
     assert left_behind(tmp_path) == [] and agent.restarts == []
 
 
+def test_a_release_page_address_keeps_its_query_and_messages_show_no_query_or_credentials():
+    url = asset_url("https://releases.example/plexd/?token=s3cret", "1.4.2", "linux", "amd64.sig")
+    assert url == "https://releases.example/plexd/v1.4.2/plexd-linux-amd64.sig?token=s3cret"
+    assert shown("https://user:pw@objects.example/a/b?X-Amz-Signature=abc") == "https://objects.example/a/b"
+
+
+async def test_the_release_page_is_checked_against_the_system_store_not_the_control_planes_ca(tmp_path):
+    # The control plane's private CA (api.tls.ca_file) trusts only itself: applied to a public release page it
+    # would fail every TLS check. Shown the other way round: a server only that CA vouches for is trusted as the
+    # control plane and refused as a release page.
+    cert, key = self_signed_ca(tmp_path)
+    async with Recorder(ssl_context=serving_tls(cert, key)) as server:
+        client = ControlPlaneClient(server.url, ca_file=str(cert), dialect="platform", release_url=server.url)
+        try:
+            await client.ping()
+            with pytest.raises(ControlPlaneError, match=r"(?i)certificate"):
+                async with client.open_artifact(VERSION, "linux", "amd64"):
+                    pass
+        finally:
+            await client.aclose()
+        assert [r.path for r in server.requests] == ["/v1/health"]
+
+
 def test_the_platforms_wording_of_an_upgrade_is_read_as_plexds():
     # The platform names a release by its tag and may type its digest; the built-in takes a version and hex
     block = [{"execution_id": "e1", "action": "service.upgrade", "type": "builtin", "status": "pending",
@@ -168,10 +195,14 @@ def test_the_platforms_wording_of_an_upgrade_is_read_as_plexds():
              {"execution_id": "e2", "action": "service.upgrade", "type": "builtin", "status": "pending",
               "parameters": {"version": "1.4.2-rc.1", "checksum": "cd" * 32},
               "requested_at": "2026-12-03T10:00:00Z", "expires_at": "2099-01-01T00:00:00Z"},
+             {"execution_id": "e4", "action": "service.upgrade", "type": "builtin", "status": "pending",
+              "parameters": {"version": "V1.4.2", "checksum": "SHA256:" + "ef" * 32},
+              "requested_at": "2026-12-03T10:00:00Z", "expires_at": "2099-01-01T00:00:00Z"},
              {"execution_id": "e3", "action": "shell.run", "type": "hook", "status": "pending",
               "parameters": {"version": "v2"}, "requested_at": "2026-12-03T10:00:00Z",
               "expires_at": "2099-01-01T00:00:00Z"}]
-    first, second, other = action_requests(block)
+    first, second, upper, other = action_requests(block)
     assert dict(first.parameters) == {"version": "1.4.2", "checksum": "ab" * 32}
     assert dict(second.parameters) == {"version": "1.4.2-rc.1", "checksum": "cd" * 32}
+    assert dict(upper.parameters) == {"version": "1.4.2", "checksum": "ef" * 32}
     assert dict(other.parameters) == {"version": "v2"}  # only service.upgrade's parameters are its to read

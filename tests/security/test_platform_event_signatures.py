@@ -24,7 +24,7 @@ from plexd.base.clock import FakeClock
 from plexd.base.errors import WireFormatError
 from plexd.base.gojson import format_time
 from plexd.controlplane.event_dialects import ASKING_FOR_A_PULL, PULL, platform_events
-from plexd.controlplane.event_signing import NonceStore, Verifier, load_signing_key
+from plexd.controlplane.event_signing import EventRejected, NonceStore, Verifier, load_signing_key
 from plexd.controlplane.event_stream import EventStream
 from plexd.controlplane.ledger import EventLedger
 from plexd.controlplane.platform_envelope import parse_envelope, sign_event
@@ -141,6 +141,15 @@ async def test_an_event_scoped_to_another_node_is_refused_though_genuinely_signe
     for seq, scope in ((2, "node:n_1"), (3, ""), (4, "project:p_1")):  # its own, none, the project's: the stream's
         assert await node.deliver(frame(seq, scope=scope)), scope
     assert node.refreshes == [PULL] * 3
+
+
+def test_a_scope_names_this_node_in_any_spelling_of_its_uuid(node, tmp_path):
+    own = "0190f3a2-7c4b-7d1e-9a2b-3c4d5e6f7a8b"
+    events = platform_events(node.verifier, tmp_path, lambda: (public(OLD), OLD_ID), lambda: own)
+    for scope in (f"node:{own}", f"node:{own.upper()}", "node:{" + own + "}", "node:" + own.replace("-", "")):
+        events.verify(parse_envelope(frame(1, scope=scope).data))  # raises when refused
+    with pytest.raises(EventRejected, match="not to this node"):
+        events.verify(parse_envelope(frame(1, scope="node:0190f3a2-7c4b-7d1e-9a2b-3c4d5e6f7a8c").data))
 
 
 def _tampered(f: SSEEvent, old: str, new: str) -> SSEEvent:
