@@ -81,6 +81,7 @@ class MeshHandle:
         return self._limits_known
 
     async def before_full(self) -> None:
+        mesh_caches.full_converge_begins()
         if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
