@@ -6,10 +6,9 @@ under churn, where peers come and go with new keys and addresses, each filled at
 one peer a second, the soak's RSS grew ~14 MiB an hour in entries for peers long gone (tracemalloc named them).
 
 A cache registered here is emptied once it outgrows its working set by a quarter plus SLACK entries. Its working
-set is what it held when a full converge began, after the full converge that followed its last emptying had
-filled it with what the mesh needed (`full_converge_begins`). Until that is measured (at the start, or for a cache
-emptied and not yet refilled by a full converge) the live mesh stands in: its peers, their routes and the rules in
-each chain. What is still live is computed again on its next use.
+set is what it holds right after the first full converge since it was last emptied (`full_converge_done`): what
+the mesh needed then. Until that is measured (at the start, or once emptied) the live mesh stands in: its peers,
+their routes and the rules in each chain. What is still live is computed again on its next use.
 """
 
 from __future__ import annotations
@@ -23,26 +22,24 @@ GROWTH = 1.25  # ... and its measured working set may grow by this much first
 F = TypeVar("F", bound=Callable[..., Any])
 _caches: list[Any] = []
 _working: dict[int, int] = {}  # id(cache) -> its working set, as measured
-_emptied: set[int] = set()  # emptied (or new) since the last full converge began
-_refilled: set[int] = set()  # emptied before the last full converge began: that converge refilled them
+_unmeasured: set[int] = set()  # new or emptied since the last full converge: measured after the next one
 _bound = SLACK  # the live mesh's bound as last counted: counted again only once a cache outgrows it
 
 
 def bounded_by_mesh(cache: F) -> F:
     """Register an `lru_cache`-wrapped function whose keys are peers, addresses, endpoints or rules."""
     _caches.append(cache)
-    _emptied.add(id(cache))  # empty: the first full converges measure what it needs
+    _unmeasured.add(id(cache))
     return cache
 
 
-def full_converge_begins() -> None:
-    """A full converge is about to read the machine: the caches the previous one refilled hold the mesh's working
-    set now (and what events added since: little), measured here."""
-    global _refilled, _emptied
+def full_converge_done() -> None:
+    """A full converge read the machine and planned every domain: the caches emptied before it hold what the mesh
+    needs now, measured here."""
     for cache in _caches:
-        if id(cache) in _refilled:
+        if id(cache) in _unmeasured:
             _working[id(cache)] = cache.cache_info().currsize
-    _refilled, _emptied = _emptied, set()
+    _unmeasured.clear()
 
 
 def trim(live: Callable[[], int]) -> int:
@@ -60,6 +57,7 @@ def trim(live: Callable[[], int]) -> int:
         elif size <= _bound or size <= (_bound := live() + SLACK):
             continue
         cache.cache_clear()
-        _emptied.add(id(cache))
+        _working.pop(id(cache), None)  # measured again after the next full converge; the live mesh until then
+        _unmeasured.add(id(cache))
         emptied += 1
     return emptied

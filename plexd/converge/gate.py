@@ -47,6 +47,10 @@ class Guard(Protocol):
         """After an event's apply went live: note what it refused."""
         ...
 
+    def after_full(self) -> None:
+        """After a full converge that ran (not one skipped): the machine was read and every domain planned."""
+        ...
+
     async def machine_left_up(self) -> bool:
         """Whether a device the last plexd left is up (then it is kept until the first state pull)."""
         ...
@@ -164,6 +168,7 @@ class Gate:
         kept = not dry_run and not self.known and await self._guard.machine_left_up()
         result = await self.engine.converge(model, self.mode(dry_run=dry_run, device_kept=kept))
         self._fresh = model if result.mode is Mode.APPLIED and result.ok else None
+        self._guard.after_full()
         return result
 
     @contextlib.contextmanager

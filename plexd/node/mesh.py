@@ -81,7 +81,6 @@ class MeshHandle:
         return self._limits_known
 
     async def before_full(self) -> None:
-        mesh_caches.full_converge_begins()
         if not self._limits_known:  # the first converge (from the mirror) already protects the underlay
             limits = await self.route_limits()
             self.store.replace(self.store.value.with_route_limits(limits))
@@ -90,6 +89,9 @@ class MeshHandle:
     def after_apply(self, desired: DesiredState) -> None:
         self._note_refusals(desired)
         self._note_policy(desired)
+
+    def after_full(self) -> None:
+        mesh_caches.full_converge_done()
 
     async def machine_left_up(self) -> bool:
         try:

@@ -182,6 +182,9 @@ class Guard:
     def after_apply(self, desired) -> None:
         self.calls.append("after_apply")
 
+    def after_full(self) -> None:
+        self.calls.append("after_full")
+
     async def machine_left_up(self) -> bool:
         return self.left_up
 
@@ -213,7 +216,8 @@ async def test_the_gate_applies_events_as_a_delta_once_it_may():
     guard = Guard(ready=False)
     g = gate([a], model(1), guard)
     first = await g.apply_events()  # the protected addresses not read yet: in full
-    assert first.mode is Mode.APPLIED and log == ["observe a", "apply a"] and guard.calls == ["before_full"]
+    assert first.mode is Mode.APPLIED and log == ["observe a", "apply a"]
+    assert guard.calls == ["before_full", "after_full"]
     g.store.edit(lambda d: model(2), "an event", ["n_1"])
     second = await g.apply_events()
     assert log[-1] == "delta a" and a.value == 2 and guard.calls[-1] == "after_apply"
