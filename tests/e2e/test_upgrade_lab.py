@@ -85,13 +85,20 @@ def stop_pid(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def upgrading_pair(lab_dp, upgrade_extra: str = ""):
+    """Node a, pinning RELEASE_KEY with a 10 s health deadline (and `upgrade_extra`), pinging b: (lab, dp,
+    daemons, a, b)."""
+    lab, dp, daemons, workdir = lab_dp
+    a_config = (f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s, "
+                f"release_keys: ['{signing.public_key(RELEASE_KEY)}']{upgrade_extra}}}\n")
+    a, b = pinging_pair(lab, dp, daemons, workdir, reconcile="1h", a_config=a_config)
+    return lab, dp, daemons, a, b
+
+
 @pytest.mark.parametrize("lab_dp", [2], indirect=True)
 def test_upgrade_refuses_a_bad_checksum_installs_a_good_release_under_ping_and_rolls_back_a_broken_one(
         lab_dp, tmp_path):
-    lab, dp, daemons, workdir = lab_dp
-    a_config = (f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s, "
-                f"release_keys: ['{signing.public_key(RELEASE_KEY)}']}}\n")
-    a, b = pinging_pair(lab, dp, daemons, workdir, reconcile="1h", a_config=a_config)
+    lab, dp, daemons, a, b = upgrading_pair(lab_dp)
     a_id = a.node_id()
     before = a.status()["daemon"]
     good_sum = zipapp.build(tmp_path / "good.pyz", version="0.1.1-lab")
@@ -171,10 +178,7 @@ def test_a_platform_node_upgrades_from_its_release_page_under_ping(lab_dp, tmp_p
     # The platform serves no releases to nodes: node a fetches one from upgrade.release_url (the devplane's release
     # page, GitHub's place), reads the execution as the platform words it (a release tag, a typed digest), and the
     # new release sends the terminal callback once healthy, after the restart.
-    lab, dp, daemons, workdir = lab_dp
-    a_config = (f"upgrade: {{dir: {workdir / lab.nodes[0].name / 'releases'}, health_deadline: 10s, "
-                f"release_keys: ['{signing.public_key(RELEASE_KEY)}'], release_url: '{dp.url}/releases'}}\n")
-    a, b = pinging_pair(lab, dp, daemons, workdir, reconcile="1h", a_config=a_config)
+    lab, dp, daemons, a, b = upgrading_pair(lab_dp, f", release_url: '{lab_dp[1].url}/releases'")
     a_id = a.node_id()
     before = a.status()["daemon"]
     good_sum = zipapp.build(tmp_path / "good.pyz", version="0.1.4-lab")
