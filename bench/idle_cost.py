@@ -58,6 +58,12 @@ class IdleRun:
     rss_parts: list[tuple[str, float]]  # MiB per mapping, largest first
     reconcile_cpu: float | None  # CPU seconds of one reconcile cycle (after the window); None: not measured
     settled: bool  # the warm-up ended with the daemon quiet (False: it was still busy when the warm-up gave up)
+    requests: dict[str, int]  # the node's requests to the control plane in the window, by route
+
+    def requests_per_hour(self) -> list[tuple[str, float]]:
+        """The window's requests scaled to an hour, most first."""
+        scale = 3600 / self.seconds
+        return sorted(((route, n * scale) for route, n in self.requests.items()), key=lambda kv: -kv[1])
 
     @property
     def per_minute(self) -> float:
@@ -116,9 +122,11 @@ async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extr
             await asyncio.sleep(0.2)
         settled = await settle(node)
         wg_pid = wireguard_go_pid(node.lab_node.netns)
+        node.dp.admin.clear_requests()
         plexd0, wg0, t0 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
         await asyncio.sleep(seconds)
         plexd1, wg1, t1 = node.cpu_seconds(), _cpu(wg_pid) if wg_pid else 0.0, time.monotonic()
+        requests = node.dp.admin.requests().get(node.node_id, {})
         still = len((await uapi.get()).peers)  # the window was idle only if no peer came or went
         heartbeats = len(node.dp.admin.heartbeats(node.node_id))
         rss, rss_parts = node.rss_mib(), node.rss_by_mapping()
@@ -132,7 +140,7 @@ async def idle_run(peers: int, seconds: float, *, via_events: bool = False, extr
             except Exception as exc:  # an extra figure: its failure must not cost the window's
                 print(f"  (reconcile cycles not measured: {exc})")
     return IdleRun(t1 - t0, plexd1 - plexd0, wg1 - wg0, rss, still, heartbeats, snap, str(workdir), rss_parts,
-                   per_cycle, settled)
+                   per_cycle, settled, requests)
 
 
 async def main() -> None:
@@ -159,6 +167,11 @@ async def main() -> None:
     print("  RSS by mapping (MiB): " + ", ".join(f"{name} {mib:.1f}" for name, mib in run.rss_parts))
     if not run.settled:
         print("  WARNING: the daemon was still busy when the warm-up gave up: the window may hold the join burst")
+    per_hour = run.requests_per_hour()
+    print(f"  requests to the control plane: {sum(n for _, n in per_hour):.0f} per hour   (goal <= 150; the window's "
+          "count scaled to an hour)")
+    for route, n in per_hour:
+        print(f"    {n:7.0f}  {route}")
     if run.reconcile_cpu is not None:
         print(f"  one reconcile cycle: {run.reconcile_cpu * 1000:.1f} ms CPU   (after the window: 20 cycles back to "
               "back through the daemon's socket, unchanged state; the state pull and the socket request included)")

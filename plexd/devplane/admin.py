@@ -623,6 +623,16 @@ async def status(request: Request) -> Response:
     return JSONResponse(doc)
 
 
+async def requests(request: Request) -> Response:
+    """The agent API's requests since the devplane started (or since the last DELETE), by node and route."""
+    return JSONResponse(_dep(request).requests.by_node())
+
+
+async def clear_requests(request: Request) -> Response:
+    _dep(request).requests.clear()
+    return JSONResponse({})
+
+
 def mount() -> Mount:
     """The admin API: its routes behind the admin-token guard."""
     return Mount(PREFIX, routes=routes(), middleware=[Middleware(AdminTokenGuard)])
@@ -665,4 +675,6 @@ def routes() -> list[Route]:
         Route(node + "/{kind}", node_records, methods=["GET"]),
         Route("/v1/faults", set_faults, methods=["PUT"]),
         Route("/v1/faults", clear_faults, methods=["DELETE"]),
+        Route("/v1/requests", requests, methods=["GET"]),
+        Route("/v1/requests", clear_requests, methods=["DELETE"]),
     ]

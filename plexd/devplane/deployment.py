@@ -26,6 +26,7 @@ from plexd.base.log import fingerprint
 from plexd.devplane import platform_executions, session_issuer
 from plexd.devplane.events import EventHub, Signer
 from plexd.devplane.platform_events import PlatformHub
+from plexd.devplane.request_tally import RequestTally
 from plexd.devplane.store import Node, Store
 from plexd.devplane.wire import DevplaneAPIError
 from plexd.identity import node_secret
@@ -114,6 +115,7 @@ class Deployment:
             store.set_meta("policies", json.dumps(self.policies))
         self._compile_rules()
         self.faults: dict[str, Any] = {}
+        self.requests = RequestTally()  # the agent API's requests, by node and route
 
     # -- helpers ------------------------------------------------------------------------------------------------
 

@@ -123,6 +123,13 @@ class AdminClient:
         """Change a node's WireGuard key as the control plane (sends `peer_key_rotated` to its peers)."""
         self._call("PUT", f"/nodes/{_q(node_id)}/public-key", {"public_key": public_key})
 
+    def requests(self) -> dict[str, dict[str, int]]:
+        """The agent API's requests by node id and route template (`POST /v1/nodes/{node_id}/heartbeat`)."""
+        return self._call("GET", "/requests")
+
+    def clear_requests(self) -> None:
+        self._call("DELETE", "/requests")
+
     def request_heartbeat_flags(self, node_id: str, *, reconcile: bool = False, rotate_keys: bool = False) -> None:
         """One-shot flags returned in the node's next heartbeat response."""
         self._call("PUT", f"/nodes/{_q(node_id)}/heartbeat-flags",

@@ -258,6 +258,7 @@ class FaultMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            self.deployment.requests.count(scope["app"].router.routes, scope)
             faults = self.deployment.faults
             status = faults.get("all_status")
             if not status and _EVENTS_PATH.match(scope["path"]):
