@@ -22,7 +22,8 @@ README (docs/decisions.md, Config)::
     token: {value: "", file: /etc/plexd/bootstrap-token, env: PLEXD_BOOTSTRAP_TOKEN, use_metadata: false,
             metadata_url: "http://169.254.169.254"}
     registration: {hostname: "", metadata: {}, max_wait: 5m}
-    reconcile: {interval: 60s}
+    reconcile: {interval: 60s,            # the live machine diffed against the desired state
+                pull_interval: 10m}       # the longest a connected event stream stands in for the state pull
     heartbeat: {interval: 30s}
     sse: {backoff_base: 1s, backoff_max: 60s, jitter: 0.25, idle_timeout: 90s, polling_after: 5m,
           reconnect_spread: 5s}
@@ -171,6 +172,7 @@ class ReconcileConfig:
     """Periodic full-state reconcile."""
 
     interval: float = _f(60.0, "duration", min=1)
+    pull_interval: float = _f(600.0, "duration", min=1)
 
 
 @dataclass(frozen=True)

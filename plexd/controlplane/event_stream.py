@@ -194,6 +194,13 @@ class EventStream:
                 "clock_offset_seconds": None if not self.clock_hold else round(-(self.clock_hold.offset or 0.0))}
 
     @property
+    def continuity(self) -> tuple[int, int] | None:
+        """None while not connected; else a value that changes whenever an event may have been missed (a new
+        connection, an event refused or skipped): a state pulled while it holds is still the control plane's,
+        with the events since (`plexd.services.pull_freshness`)."""
+        return (self.connects, self.rejected) if self.connected.is_set() else None
+
+    @property
     def delivery_mode(self) -> str:
         """streaming (connected, or trying to), pull_only (no event bus) or degraded_polling (no working stream
         for `polling_after`: polling the state meanwhile)."""

@@ -67,6 +67,7 @@ from plexd.node.supervisor import FatalError
 from plexd.nodeapi.local_api import LocalAPI
 from plexd.services.event_handlers import EventHandlers
 from plexd.services.heartbeat import FailureStreak, HeartbeatService
+from plexd.services.pull_freshness import PullFreshness
 from plexd.services.reconciler import Reconciler
 from plexd.services.status_reports import StatusReports
 from plexd.system.systemd import Watchdog, watchdog_interval
@@ -110,6 +111,8 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
                              rotate_keys=rotation.request, refresh_state=reconciler.refresh)
     stream = b.build_stream(agent, node_id, ledger, verifier, handlers, reconciler, uplink)
+    # An interval cycle skips the state pull while this stream has carried every event since the last one
+    reconciler.freshness = PullFreshness(lambda: stream.continuity, agent.clock, cfg.reconcile.pull_interval)
     paths = b.build_paths(cfg, mesh)
     heartbeat = b.build_heartbeat(agent, node_id, mesh, reconciler, stream, rotation, paths, streak)
     local_api = b.build_local_api(cfg)

@@ -19,6 +19,10 @@ that fails or is overtaken by events turns into a full cycle.
 
 Both hand each pulled state, before it is applied, to whoever asked with `on_pull` (not a dry run's): the action
 dispatcher takes the actions a state lists there, on every pull, whether or not the state applies.
+
+A cycle on its interval skips the pull while the event stream has kept the model current
+(`plexd.services.pull_freshness`): phase 1 still diffs the live machine, and the control plane is spared a
+request a minute. Every triggered cycle pulls.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.controlplane.uplink import Poster, UplinkOutbox, by_kind
 from plexd.converge.change import Change, Correction
+from plexd.services.pull_freshness import AlwaysPull, PullFreshness
 from plexd.state.desired_store import StalePull
 
 log = logging.getLogger(__name__)
@@ -64,6 +69,7 @@ class CycleResult:
     refused: list[Correction] = field(default_factory=list)  # asked for by the control plane, refused (reported)
     at: float = 0.0  # unix time the cycle ended
     ended: float = 0.0  # monotonic time the cycle ended: its age holds across a step of the wall clock
+    pulled: bool = True  # the state was pulled (False: the event stream had kept the model current)
 
     def to_json(self, now: float | None = None) -> dict[str, Any]:
         """`now` (monotonic) adds `age_seconds`: how long ago the cycle ended, true whatever the wall clock did."""
@@ -72,7 +78,7 @@ class CycleResult:
                 "error": self.error, "corrections": [c.to_wire() for c in self.corrections],
                 "updates": [c.to_wire() for c in self.updates], "held": [c.to_wire() for c in self.held],
                 "refused": [c.to_wire() for c in self.refused],
-                "drift_reported": self.reported}
+                "drift_reported": self.reported, "state_pulled": self.pulled}
 
 
 class Outcome(Protocol):
@@ -131,8 +137,10 @@ def corrections_of(changes: Iterable[Change | Correction] | None) -> list[Correc
 class Reconciler(Generic[S]):
     def __init__(self, source: StateSource[S], gate: Converger,
                  post_drift: Callable[[dict[str, Any]], Awaitable[None]], *, clock: Clock | None = None,
-                 interval: float = 60.0, outbox: UplinkOutbox | None = None) -> None:
-        """`outbox`: the daemon's durable one; None: one in memory around `post_drift`."""
+                 interval: float = 60.0, outbox: UplinkOutbox | None = None,
+                 freshness: PullFreshness | AlwaysPull | None = None) -> None:
+        """`outbox`: the daemon's durable one; None: one in memory around `post_drift`. `freshness`: when an
+        interval cycle may skip the pull; None: never."""
         self._source = source
         self._gate = gate
         self._clock = clock or Clock()
@@ -143,6 +151,8 @@ class Reconciler(Generic[S]):
         self.refreshes = 0
         self._lock = asyncio.Lock()
         self._outbox = outbox if outbox is not None else UplinkOutbox(None, lambda kind, body: post_drift(body))
+        self.freshness = freshness or AlwaysPull()
+        self.pulls_skipped = 0
         self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
         # Drift corrected (what the drift reports name), by type: not the start's bring-up, the control plane's
         # updates or the event path's changes, which the engine's own count of applied changes includes
@@ -215,11 +225,13 @@ class Reconciler(Generic[S]):
         async with self._lock:
             self.refreshes += 1
             try:
+                mark = self.freshness.mark()
                 state = await self._source.fetch()
                 await self._hand_out(state, why)
                 updates = corrections_of(self._source.apply(state))
                 result = await self._gate.apply_events()
                 updates += corrections_of(result.changes)
+                self.freshness.pulled(mark)
             except StalePull as exc:
                 log.warning("state refresh (%s) overtaken by events, reconciling: %s", why, exc)
                 self.trigger("state pull overtaken by events")
@@ -259,7 +271,12 @@ class Reconciler(Generic[S]):
         drift, held, error = (await self._drift_phase(startup, why)) if not skip_phase1 else ([], [], "")
         if startup:
             self.started.set()
-        updates, held_now, pull_error = await self._pull_phase(not apply, why)
+        pull = not apply or reasons != ("interval",) or bool(self.freshness.due())
+        if pull:
+            updates, held_now, pull_error = await self._pull_phase(not apply, why)
+        else:
+            updates, held_now, pull_error = [], [], ""
+            self.pulls_skipped += 1
         error = error or pull_error
         if error:
             self.failures += 1
@@ -268,7 +285,7 @@ class Reconciler(Generic[S]):
         # What the control plane asked for and we refused (a route into the tunnel, a stolen mesh address) is
         # reported with the drift: it is the control plane's to fix.
         out = CycleResult(ok=not error, corrections=drift, updates=updates, error=error, reasons=reasons,
-                          held=held + held_now, refused=self._source.take_refusals())
+                          held=held + held_now, refused=self._source.take_refusals(), pulled=pull)
         self._log(out, why)
         await self._report(out)
         return out
@@ -298,6 +315,7 @@ class Reconciler(Generic[S]):
 
     async def _pull_phase(self, dry_run: bool, why: str) -> tuple[list[Correction], list[Correction], str]:
         """Phase 2: (updates applied or, in a dry run, planned; updates held; error)."""
+        mark = self.freshness.mark()
         try:
             state = await self._source.fetch()
         except Exception as exc:
@@ -322,6 +340,8 @@ class Reconciler(Generic[S]):
         except Exception as exc:
             log.exception("reconcile (%s): converge failed", why)
             return updates, [], f"converge failed: {exc}"
+        if not dry_run:
+            self.freshness.pulled(mark)
         if result.held_back:
             return updates, corrections_of(result.changes), ""
         return updates + corrections_of(result.changes), [], ""

@@ -212,3 +212,64 @@ async def test_a_dry_run_through_the_daemon_leaves_its_model_alone(devplane, tmp
     finally:
         stop.set()
         assert await asyncio.wait_for(run, 30) == 0
+
+
+async def test_a_connected_node_lets_its_event_stream_stand_in_for_the_state_pull(devplane, tmp_path):
+    """The reconcile (every second here) diffs the machine every cycle but asks the control plane for the state
+    only when the stream may have missed something: counted at the devplane, by route."""
+    config = in_process_config(devplane, tmp_path)
+    built = {}
+
+    def install(agent):
+        built["domain"] = RecordingDomain()
+        built["c"] = assembly.assemble(agent, mesh=MeshHandle(Engine([built["domain"]]), initial_desired(agent)))
+        return built["c"]
+
+    def state_pulls() -> int:
+        return devplane.admin.requests().get(node_id, {}).get("GET /v1/nodes/{node_id}/state", 0)
+
+    async def cycles(n: int) -> None:
+        start = c.reconciler.cycles
+        await wait_for(lambda: c.reconciler.cycles >= start + n, what=f"{n} reconcile cycles")
+
+    stop = asyncio.Event()
+    run = asyncio.create_task(assembly.run(config, stop_event=stop, assemble=install))
+    try:
+        await wait_for(lambda: "c" in built and built["c"].stream.connected.is_set(), what="stream")
+        c = built["c"]
+        node_id = devplane.admin.nodes()[0]["id"]
+        await wait_for(lambda: c.reconciler.last is not None and not c.reconciler.last.pulled,
+                       what="an interval cycle that skipped the pull")
+        devplane.admin.clear_requests()
+        await cycles(4)
+        assert state_pulls() == 0 and c.reconciler.last.ok
+        assert devplane.admin.requests()[node_id]["POST /v1/nodes/{node_id}/heartbeat"] >= 2  # the node is there
+
+        # drift is still found at every cycle's pace, without a pull
+        token = devplane.admin.create_token()
+        other = httpx.post(f"{devplane.url}/v1/register", headers={"Authorization": f"Bearer {token}"},
+                           json={"token": token, "public_key": wg_public(), "hostname": "px-drift"}).json()
+        await wait_for(lambda: other["node_id"] in built["domain"].peers, what="the new peer, by its event")
+        built["domain"].peers.pop(other["node_id"])
+        await wait_for(lambda: any(other["node_id"] in corr["detail"] for report in devplane.admin.drift(node_id)
+                                   for corr in report["corrections"]), what="the drift report")
+        assert state_pulls() == 0
+
+        # an event the node refused: its change is not in the model, so the next cycle pulls
+        devplane.admin.publish_event(node_id, "peer_removed", {"id": other["node_id"]}, signature="forge")
+        await wait_for(lambda: state_pulls() == 1, what="a pull after the refused event")
+        await cycles(3)
+        assert state_pulls() == 1
+
+        # no stream: every cycle pulls, as the polling fallback always did
+        devplane.admin.set_faults(events_status=503)
+        await wait_for(lambda: not c.stream.connected.is_set(), what="the stream to drop")
+        pulled = state_pulls()
+        await cycles(3)
+        assert state_pulls() >= pulled + 3
+        devplane.admin.clear_faults()
+        await wait_for(lambda: c.stream.connected.is_set(), timeout=30, what="the stream back")
+        assert other["node_id"] in c.mesh.store.value.peers  # the forged removal never took
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(run, 30) == 0

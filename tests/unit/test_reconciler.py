@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from plexd.base import gojson
 from plexd.base.clock import FakeClock
 from plexd.converge.change import Correction
+from plexd.services.pull_freshness import PullFreshness
 from plexd.services.reconciler import Reconciler
 
 NOW = datetime(2025, 1, 15, 10, 30, tzinfo=UTC)
@@ -349,3 +350,99 @@ async def test_events_in_the_model_not_yet_applied_are_applied_as_events_not_rep
     pending.append(Change("peer_added", "peer n_new: missing from the device"))
     start = await r.run_once(reasons=("start",), startup=True)  # at start there is no event path yet
     assert order[-2:] == ["converge", "converge"] and start.corrections == []
+
+
+# -- the pull skipped while the event stream keeps the model current ------------------------------------------------
+
+
+class Stream:
+    """What PullFreshness reads of the event stream: its continuity (None while not connected)."""
+
+    def __init__(self):
+        self.connected, self.connects, self.rejected = True, 1, 0
+
+    def continuity(self):
+        return (self.connects, self.rejected) if self.connected else None
+
+
+def leaning_on(stream, w, pull_interval=600):
+    r, clock = reconciler(w, interval=60)
+    r.freshness = PullFreshness(stream.continuity, clock, pull_interval)
+    return r, clock
+
+
+async def interval_cycle(r, clock):
+    clock.advance(60)
+    await spin()
+    return r.last
+
+
+async def test_an_interval_cycle_skips_the_pull_while_the_stream_carried_every_event():
+    w, s = World(), Stream()
+    r, clock = leaning_on(s, w)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        assert w.fetches == 1  # the start pulls
+        w.next_changes = [Change("peer_removed", "peer n_z")]  # someone removed a peer from the device
+        last = await interval_cycle(r, clock)
+        # the machine is still diffed (the drift is corrected and reported) but the state is not pulled
+        assert w.fetches == 1 and last.reasons == ("interval",) and not last.pulled and last.ok
+        assert [d["corrections"] for d in w.drift] == [[{"type": "peer_removed", "detail": "peer n_z"}]]
+        assert last.to_json()["state_pulled"] is False and r.pulls_skipped == 1
+        r.trigger("heartbeat asked for a reconcile")  # a cycle with a reason of its own always pulls
+        await spin()
+        assert w.fetches == 2 and r.last.pulled
+    finally:
+        task.cancel()
+
+
+async def test_a_reconnect_a_refused_event_or_a_lost_stream_makes_the_next_interval_cycle_pull():
+    w, s = World(), Stream()
+    r, clock = leaning_on(s, w)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        await interval_cycle(r, clock)
+        assert w.fetches == 1
+        s.rejected += 1  # an event refused: its change is not in the model
+        assert (await interval_cycle(r, clock)).pulled and w.fetches == 2
+        assert not (await interval_cycle(r, clock)).pulled and w.fetches == 2
+        s.connects += 1  # a new connection (the stream's own trigger is not sent here)
+        assert (await interval_cycle(r, clock)).pulled and w.fetches == 3
+        s.connected = False  # polling: every cycle pulls
+        for expected in (4, 5):
+            assert (await interval_cycle(r, clock)).pulled and w.fetches == expected
+    finally:
+        task.cancel()
+
+
+async def test_the_pull_interval_bounds_how_long_the_stream_stands_in_and_a_failed_pull_counts_for_nothing():
+    w, s = World(), Stream()
+    r, clock = leaning_on(s, w, pull_interval=180)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        pulled = [(await interval_cycle(r, clock)).pulled for _ in range(6)]
+        assert pulled == [False, False, True, False, False, True]  # at 180 s, 360 s
+        w.fail_fetch = True
+        s.rejected += 1
+        assert not (await interval_cycle(r, clock)).ok  # the pull failed ...
+        w.fail_fetch = False
+        assert (await interval_cycle(r, clock)).pulled  # ... so the next cycle pulls again
+    finally:
+        task.cancel()
+
+
+def test_without_a_connected_stream_the_freshness_is_always_due():
+    s, clock = Stream(), FakeClock(NOW)
+    f = PullFreshness(s.continuity, clock, 600)
+    assert f.due() == "no state pulled yet"
+    s.connected = False
+    f.pulled(f.mark())  # a pull while the stream was down
+    s.connected = True
+    assert f.due() == "the event stream may have missed an event since the last pull"
+    f.pulled(f.mark())
+    assert f.due() == ""
+    clock.advance(600)
+    assert f.due() == "the last pull is older than reconcile.pull_interval"
