@@ -287,12 +287,12 @@ class TelemetryMetricsConfig:
 
     enabled: bool = _f(True)
     # A point per peer per collection: at 1,000 peers, every 15 s and reported every minute (the Go agent's
-    # timings) made ~250 POSTs an hour, twice what the rest of an idle node sends. A minute's resolution,
-    # reported every 5 minutes, is ~18 POSTs an hour at 1,000 peers and 12 below ~700 (`bench idle_cost`).
+    # timings) made 240 POSTs an hour, twice what the rest of an idle node sends. A minute's resolution, reported
+    # every 5 minutes, is 24 POSTs an hour at 1,000 peers (a POST holds ~3,500 points) and 12 below ~600.
     collect_interval: float = _f(60.0, "duration", min=0.1)
     report_interval: float = _f(300.0, "duration", min=0.1)
     # The Go agent sends 100 per POST and keeps 200: one collection with 100 peers (201 points) overflows it.
-    # 4,000 sends 5 minutes of a 700-peer node in one request; a POST also stops at 1 MiB (plexd.telemetry.queue).
+    # A POST stops at 4,000 points or 1 MiB (plexd.telemetry.queue), whichever comes first.
     batch_size: int = _f(4000, min=1, max=10_000)
     queue_max_bytes: int = _f(32 << 20, min=1 << 12, max=1 << 34)  # the oldest entries go first past this
     latency_timeout: float = _f(2.0, "duration", min=0.05, max=30)

@@ -17,6 +17,8 @@ from plexd.base.gojson import EncodedJSON, now_text
 from plexd.base.wgkeys import b64, generate_private_key, public_key_of
 from plexd.controlplane.client import ControlPlaneClient, RegisterRequest
 from plexd.controlplane.client_errors import AuthError, TransientError
+from plexd.controlplane.platform_calls import split_bodies
+from plexd.controlplane.platform_telemetry import metric_samples
 from plexd.devplane.harness import Devplane
 from plexd.state.model import RegisterResponse
 
@@ -146,3 +148,36 @@ def test_a_registered_platform_node_is_confirmed_by_its_own_state_and_a_status_r
     confirmed, beat = asyncio.run(calls())
     assert confirmed is answer and beat.reconcile is False
     assert len(platform_dp.admin.heartbeats(node)) == 1
+
+
+def test_a_metrics_batch_past_the_platforms_body_limit_goes_out_split_and_whole(platform_dp):
+    """A 1 MiB batch of tunnel points (what the queue sends at most) is ~2 MiB of platform samples: one body would
+    be refused (413) and the batch dropped. It goes as several bodies under 1 MiB, every sample in one of them."""
+    client, node = registered(platform_dp)
+    stamp = now_text()
+    peers = [str(uuid.uuid4()) for _ in range(1000)]
+    points = [{"timestamp": stamp, "group": "tunnel", "peer_id": p,
+               "data": {"peer_id": p, "rx_bytes": 10 + i, "tx_bytes": 20, "handshake_succeeded": True,
+                        "handshake_stale": False, "last_handshake_time": stamp}}
+              for _ in range(3) for i, p in enumerate(peers)]
+    batch = EncodedJSON(json.dumps(points, separators=(",", ":")))
+    assert len(batch.text) < 1 << 20 < len(json.dumps(metric_samples(batch), separators=(",", ":")))
+    before = platform_dp.admin.requests().get(node, {}).get("POST /v1/nodes/{node_id}/metrics", 0)
+
+    async def send() -> None:
+        await client.send_metrics(node, batch)
+        await client.aclose()
+
+    asyncio.run(send())
+    samples = platform_dp.admin.metrics(node)
+    assert len(samples) == len(metric_samples(batch)) == 4 * 3000  # 4 numbers per tunnel point
+    assert sorted(s["value"] for s in samples if s["name"] == "rx_bytes") == sorted(10 + i for _ in range(3)
+                                                                                   for i in range(1000))
+    assert platform_dp.admin.requests()[node]["POST /v1/nodes/{node_id}/metrics"] - before >= 2
+
+
+def test_bodies_are_split_at_the_limit_and_an_oversize_item_goes_alone():
+    items = [b"a" * 4, b"b" * 4, b"c" * 20, b"d" * 4]
+    assert split_bodies(items, b"[", b",", b"]", limit=12) == [b"[aaaa,bbbb]", b"[" + b"c" * 20 + b"]", b"[dddd]"]
+    assert split_bodies([], b"[", b",", b"]") == []
+    assert b"".join(split_bodies([b"x\n"] * 10, b"", b"", b"", limit=4)) == b"x\n" * 10
