@@ -97,6 +97,9 @@ class ActionDispatcher:
         self.accepted = 0
         self.rejected: dict[str, int] = {}
         self.unwritten = UnwrittenJournal()  # acks, results and violations the journal could not take yet
+        # A listed action put off for now waits for the next pull to offer it again: that pull must come (the
+        # reconciler otherwise skips pulls while the event stream is connected)
+        self.put_off: Callable[[str], None] = lambda reason: None
 
     # -- entry points -------------------------------------------------------------------------------------------
 
@@ -265,6 +268,7 @@ class ActionDispatcher:
         if pulled and exc.for_now:
             log.info("action %r (execution %s) not started now: %s: %s; the next state pull offers it again", action,
                      execution_id, exc.reason, exc, extra={"execution_id": execution_id, "reason": exc.reason})
+            self.put_off(f"action {execution_id} put off: {exc.reason}")
             return
         self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
         log.warning("action %r (execution %s) rejected: %s: %s", action, execution_id, exc.reason, exc,

@@ -109,7 +109,7 @@ def assemble(agent: Agent, *, mesh: MeshHandle | None = None) -> Node:
     reconciler = b.build_reconciler(agent, mesh, verifier, uplink, node_id)
     rotation = KeyRotation(agent, mesh)
     handlers = EventHandlers(mesh.store, mesh.request_converge, reconciler.trigger, verifier, data_dir,
-                             rotate_keys=rotation.request, refresh_state=reconciler.refresh)
+                             rotate_keys=rotation.request, refresh_state=reconciler.refresh, stale=reconciler.stale)
     stream = b.build_stream(agent, node_id, ledger, verifier, handlers, reconciler, uplink)
     # An interval cycle skips the state pull while this stream has carried every event since the last one
     reconciler.freshness = PullFreshness(lambda: stream.continuity, agent.clock, cfg.reconcile.pull_interval)

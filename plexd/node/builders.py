@@ -403,6 +403,7 @@ def build_actions(agent: Agent, node_id: Callable[[], str], uplink: UplinkOutbox
     dispatcher.recover(keep=frozenset({pending.execution_id} if pending else ()))
     handlers.register("action_request", dispatcher.handle_event)
     reconciler.on_pull(lambda pulled: dispatcher.offer(pulled.state.action_requests))
+    dispatcher.put_off = reconciler.stale
     add_action_routes(local_api, dispatcher, require_admin(cfg.node_api.admin_group))
     return ActionParts(dispatcher, journal, outbox, hooks, reloader)
 

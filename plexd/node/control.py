@@ -113,7 +113,11 @@ async def live_status(node: Node) -> dict[str, Any]:
     rec = node.reconciler
     hold = node.mesh.gate.hold.current()
     doc["event_stream"] = node.stream.status()
+    now = agent.clock.monotonic()
     doc["reconcile"] = {"interval_seconds": rec.interval, "cycles": rec.cycles, "failures": rec.failures,
+                        # the state pull: skipped while the event stream kept the model current (pull_freshness)
+                        "pulls_skipped": rec.pulls_skipped, "pull_due": rec.freshness.due() or None,
+                        "last_pull_age_seconds": None if rec.pulled_at is None else round(now - rec.pulled_at, 1),
                         "hold": hold.to_json() if hold else None,
                         "last": rec.last.to_json(agent.clock.monotonic()) if rec.last is not None else None}
     doc["heartbeat"] = node.heartbeat.status()

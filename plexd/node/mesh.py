@@ -107,7 +107,7 @@ class MeshHandle:
         return True
 
     async def route_limits(self) -> RouteLimits:
-        """Re-read the protected addresses (before every state pull)."""
+        """Re-read the protected addresses (before every state pull, and in a reconcile that skips it)."""
         if self.protected is None:
             return self.store.value.route_limits
         limits = await self.protected.refresh()
@@ -250,6 +250,16 @@ class StatePull:
 
     def take_refusals(self) -> list[Correction]:
         return self._mesh.take_refusals()
+
+    async def between_pulls(self) -> bool:
+        """The protected addresses read again (a new LAN, gateway, resolver or control-plane address must not
+        wait for the next pull to be guarded); True when the model took new ones."""
+        limits = await self._mesh.route_limits()
+        store = self._mesh.store
+        if limits == store.value.route_limits:
+            return False
+        store.edit(lambda d: d.with_route_limits(limits), "protected addresses read again")
+        return True
 
     def apply(self, pulled: PulledState) -> list[Correction]:
         mesh, state = self._mesh, pulled.state

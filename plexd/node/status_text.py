@@ -75,6 +75,9 @@ def format_status(doc: dict[str, Any], now: float | None = None) -> str:
                      f"{len(r['held'])} held")
         lines += [f"                  corrected {c['type']}: {c['detail']}" for c in r["corrections"]]
         lines += [f"                  held {c['type']}: {c['detail']}" for c in r["held"]]
+    if rec.get("last_pull_age_seconds") is not None:
+        due = f"; the next cycle pulls: {rec['pull_due']}" if rec.get("pull_due") else ""
+        lines.append(f"last state pull: {rec['last_pull_age_seconds']:.0f}s ago{due}")
     hb = doc["heartbeat"]
     hb_state = "none yet" if hb["ok"] is None else "ok" if hb["ok"] else f"failing ({hb['error']})"
     lines.append(f"heartbeat:      {hb_state}, last {_ago(hb['last_at'], now)}")

@@ -17,6 +17,7 @@ These are the spec's events: the platform dialect's arrive already turned into t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Any
 from plexd.base.errors import WireFormatError
 from plexd.controlplane.envelope import Envelope
 from plexd.controlplane.event_signing import Verifier, install_signing_keys, key_fingerprint
-from plexd.state.desired import split_endpoint
+from plexd.state.desired import DesiredState, split_endpoint
 from plexd.state.desired_store import DesiredStore, Edit
 from plexd.state.model import DataEntry, Peer, SecretRef, SigningKeys, _fields  # _fields: Go's case-insensitive keys
 from plexd.state.relay_block import parse_revoked as parse_relay_revoked
@@ -81,12 +82,14 @@ class EventHandlers:
         data_dir: Path | str | None = None,
         rotate_keys: Callable[[str], None] | None = None,  # start a WireGuard key rotation; the argument says why
         refresh_state: Callable[[str], None] | None = None,  # pull the state, apply it as events (coalesced)
+        stale: Callable[[str], None] | None = None,  # an event's change did not reach the model: pull at the next cycle
     ) -> None:
         self._desired = desired
         self._rotate = rotate_keys
         self._converge = request_converge
         self._reconcile = trigger_reconcile
         self._refresh = refresh_state or trigger_reconcile
+        self._stale = stale or (lambda reason: None)
         self._verifier = verifier
         self._data_dir = Path(data_dir) if data_dir is not None else None
         self._handlers: dict[str, Handler] = {
@@ -130,9 +133,11 @@ class EventHandlers:
         elif env.event_type in OWNED_ELSEWHERE:
             log.info("event %s (%s) ignored: not supported by this plexd yet", env.event_id, env.event_type,
                      extra={"event_id": env.event_id, "event_type": env.event_type})
+            self._stale(f"event {env.event_type} ignored")
         else:
             log.debug("event %s has unknown type %r; ignored", env.event_id, env.event_type,
                       extra={"event_id": env.event_id, "event_type": env.event_type})
+            self._stale(f"event of unknown type {env.event_type!r}")  # whatever it said, the state has it
 
     async def _update(self, env: Envelope, change: Edit, peers: tuple[str, ...] = ()) -> None:
         """Edit the model (`peers`: the ids the change touches, so the apply needs no scan) and ask for an apply."""
@@ -144,7 +149,16 @@ class EventHandlers:
         if not peer.public_key:
             raise WireFormatError("payload.public_key", "missing")
         log.info("event %s: %s %s", env.event_id, env.event_type, peer.id)
-        await self._update(env, lambda d: d.with_peer(peer), (peer.id,))
+
+        def upsert(d: DesiredState) -> DesiredState:
+            # A bridge's relay for the pair (`fallback_endpoint`) is the state's to say, per receiving node; a peer
+            # event that does not speak of it keeps the one the last pull gave.
+            had = d.peers.get(peer.id)
+            if had is not None and had.fallback_endpoint and "fallback_endpoint" not in _payload_object(env):
+                return d.with_peer(dataclasses.replace(peer, fallback_endpoint=had.fallback_endpoint))
+            return d.with_peer(peer)
+
+        await self._update(env, upsert, (peer.id,))
 
     async def _peer_removed(self, env: Envelope) -> None:
         peer_id = _field(_payload_object(env), "peer_id", "id")
@@ -159,6 +173,8 @@ class EventHandlers:
             split_endpoint(endpoint)
         except ValueError as exc:
             raise WireFormatError("payload.endpoint", str(exc)) from None
+        if peer_id not in self._desired.value.peers:  # nothing to change here: the state may know the peer
+            self._stale(f"peer_endpoint_changed for {peer_id}, a peer the model does not have")
         log.info("event %s: peer %s endpoint → %s", env.event_id, peer_id, endpoint)
         await self._update(env, lambda d: d.with_peer_endpoint(peer_id, endpoint), (peer_id,))
 

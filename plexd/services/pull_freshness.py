@@ -4,11 +4,13 @@ A cycle on its interval diffs the live machine against the desired model every `
 found at the same pace as ever); the pull (`GET /state`) is what an idle node would otherwise send the control
 plane 60 times an hour. It is skipped only while one connection of the event stream has carried, without a gap,
 every event since the last pull: a state pulled after the stream connected, plus every event after it, is the
-control plane's state. Anything that could have lost an event makes the next cycle pull again:
+control plane's state. Anything that could have lost a change makes the next cycle pull again:
 
 - the stream is not connected (polling, or a pull-only platform): every cycle pulls, as before;
-- a new connection since the pull (whatever was published between the two is in the replay or not);
-- an event refused or skipped since the pull (its change is not in the model);
+- a new connection, or another node id, since the pull;
+- an event refused, skipped, held for the clock, or accepted without its whole effect (`EventStream.gaps`);
+- someone asked for a pull (`invalidate`: a trigger, an event that only says "pull", an action put off until the
+  state offers it again), until a pull that started after the asking succeeds: a failed one leaves it due;
 - the last pull is older than `reconcile.pull_interval` (a control plane that changed the state without an event).
 
 Every cycle that has a reason of its own (a trigger: the stream's reconnect, a heartbeat's ``reconcile:true``,
@@ -25,9 +27,10 @@ from plexd.base.clock import Clock
 
 @dataclass(frozen=True)
 class Mark:
-    """Taken just before a pull: the stream's continuity then, and when."""
+    """Taken just before a pull: the stream's continuity then, the asking generation, and when."""
 
     continuity: Hashable | None
+    generation: int
     at: float  # monotonic
 
 
@@ -38,20 +41,27 @@ class PullFreshness:
         self._continuity = continuity
         self._clock = clock
         self.max_age = max_age
+        self._generation = 0
         self._last: Mark | None = None
 
     def mark(self) -> Mark:
-        return Mark(self._continuity(), self._clock.monotonic())
+        return Mark(self._continuity(), self._generation, self._clock.monotonic())
 
     def pulled(self, mark: Mark) -> None:
         """A pull that started at `mark` was applied."""
         self._last = mark
+
+    def invalidate(self) -> None:
+        """The next interval cycle pulls, unless a pull that starts after this call succeeds first."""
+        self._generation += 1
 
     def due(self) -> str:
         """Why an interval cycle must pull now; "" when the model is known current without it."""
         last = self._last
         if last is None:
             return "no state pulled yet"
+        if last.generation != self._generation:
+            return "a pull was asked for since the last one"
         now = self._continuity()
         if now is None:
             return "the event stream is not connected"
@@ -66,9 +76,12 @@ class AlwaysPull:
     """No event stream to lean on (tests, `plexd reconcile --once`): every cycle pulls."""
 
     def mark(self) -> Mark:
-        return Mark(None, 0.0)
+        return Mark(None, 0, 0.0)
 
     def pulled(self, mark: Mark) -> None:
+        pass
+
+    def invalidate(self) -> None:
         pass
 
     def due(self) -> str:

@@ -40,7 +40,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.controlplane.uplink import Poster, UplinkOutbox, by_kind
 from plexd.converge.change import Change, Correction
-from plexd.services.pull_freshness import AlwaysPull, PullFreshness
+from plexd.services.pull_freshness import AlwaysPull, Mark, PullFreshness
 from plexd.state.desired_store import StalePull
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,11 @@ class StateSource(Protocol[S]):
         """Peers, routes and rules the control plane asked for and the node refused, not reported yet."""
         ...
 
+    async def between_pulls(self) -> bool:
+        """In a cycle that skips the pull: what the model takes from this machine read again; True when the model
+        changed."""
+        ...
+
 
 class Converger(Protocol):
     """What converges the machine (`plexd.converge.gate.Gate`)."""
@@ -153,6 +158,7 @@ class Reconciler(Generic[S]):
         self._outbox = outbox if outbox is not None else UplinkOutbox(None, lambda kind, body: post_drift(body))
         self.freshness = freshness or AlwaysPull()
         self.pulls_skipped = 0
+        self.pulled_at: float | None = None  # monotonic: when the last pull that was applied ended
         self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
         # Drift corrected (what the drift reports name), by type: not the start's bring-up, the control plane's
         # updates or the event path's changes, which the engine's own count of applied changes includes
@@ -175,13 +181,25 @@ class Reconciler(Generic[S]):
 
     def trigger(self, reason: str = "triggered") -> None:
         """Ask for a cycle as soon as possible; coalesced with any other pending trigger."""
+        self.freshness.invalidate()  # if that cycle's pull fails, the next one pulls
         self._reasons.append(reason)
         self._wake.set()
 
     def refresh(self, reason: str) -> None:
         """Ask for the state to be pulled and applied through the event path (coalesced like `trigger`)."""
+        self.freshness.invalidate()
         self._refresh_reasons.append(reason)
         self._wake.set()
+
+    def stale(self, reason: str) -> None:
+        """The model may lack something the control plane has (`reason`): the next cycle pulls, even on its
+        interval with the event stream connected."""
+        log.debug("the next reconcile pulls the state: %s", reason)
+        self.freshness.invalidate()
+
+    def _pulled(self, mark: Mark) -> None:
+        self.freshness.pulled(mark)
+        self.pulled_at = self._clock.monotonic()
 
     async def run(self) -> None:
         """First cycle now, then every interval or on trigger, until cancelled."""
@@ -231,7 +249,7 @@ class Reconciler(Generic[S]):
                 updates = corrections_of(self._source.apply(state))
                 result = await self._gate.apply_events()
                 updates += corrections_of(result.changes)
-                self.freshness.pulled(mark)
+                self._pulled(mark)
             except StalePull as exc:
                 log.warning("state refresh (%s) overtaken by events, reconciling: %s", why, exc)
                 self.trigger("state pull overtaken by events")
@@ -275,8 +293,8 @@ class Reconciler(Generic[S]):
         if pull:
             updates, held_now, pull_error = await self._pull_phase(not apply, why)
         else:
-            updates, held_now, pull_error = [], [], ""
             self.pulls_skipped += 1
+            updates, held_now, pull_error = await self._local_phase(why)
         error = error or pull_error
         if error:
             self.failures += 1
@@ -341,10 +359,23 @@ class Reconciler(Generic[S]):
             log.exception("reconcile (%s): converge failed", why)
             return updates, [], f"converge failed: {exc}"
         if not dry_run:
-            self.freshness.pulled(mark)
+            self._pulled(mark)
         if result.held_back:
             return updates, corrections_of(result.changes), ""
         return updates + corrections_of(result.changes), [], ""
+
+    async def _local_phase(self, why: str) -> tuple[list[Correction], list[Correction], str]:
+        """Phase 2 without a pull: what the node reads of its own machine for the model (the route guard's
+        protected addresses, which each pull reads too) brought up to date, and converged when it changed."""
+        try:
+            if not await self._source.between_pulls():
+                return [], [], ""
+            result = await self._gate.converge()
+        except Exception as exc:
+            log.exception("reconcile (%s): converge failed", why)
+            return [], [], f"converge failed: {exc}"
+        changes = corrections_of(result.changes)
+        return ([], changes, "") if result.held_back else (changes, [], "")
 
     def _log(self, out: CycleResult, why: str) -> None:
         if out.held:

@@ -66,6 +66,8 @@ def test_routes_that_would_hijack_the_node_are_refused_and_reported(lab_dp):
                   "allowed_ips": [f"10.100.201.{i + 1}/32", *prefixes], "psk": ""}
                  for i, (pid, prefixes) in enumerate(asks.items())]
         dp.admin.set_faults(state_body=json.dumps({"peers": peers, "policies": dp.admin.policies()}))
+        # a state changed without an event: a connected node pulls it when asked (or within reconcile.pull_interval)
+        dp.admin.request_heartbeat_flags(node_id, reconcile=True)
         refused = {(pid, p) for pid, ps in asks.items() if pid != "n_fine" for p in ps}
 
         def reported() -> dict[tuple[str, str], str]:

@@ -56,6 +56,8 @@ def test_a_signing_key_slipped_into_a_state_pull_is_never_trusted(lab_dp):
     slipped = base64.b64encode(bytes(attacker.verify_key)).decode()
     dp.admin.set_faults(state_body=json.dumps({"peers": [], "policies": dp.admin.policies(),
                                                "signing_keys": {"current": slipped}}))
+    # a state changed without an event: a connected node pulls it when asked (or within reconcile.pull_interval)
+    dp.admin.request_heartbeat_flags(a.node_id(), reconcile=True)
     wait_until(lambda: "which this node does not trust" in a.logged(), 20, "the slipped key noticed", daemons)
     dp.admin.clear_faults()
 

@@ -17,7 +17,7 @@ from plexd.controlplane.event_signing import InvalidSigningKeys, NonceStore, Ver
 from plexd.services.event_handlers import EventHandlers
 from plexd.state.desired import DesiredState
 from plexd.state.desired_store import DesiredStore
-from plexd.state.model import SigningKeys, State
+from plexd.state.model import Peer, SigningKeys, State
 
 
 def wgkey() -> str:
@@ -43,9 +43,10 @@ class Harness:
                                  NonceStore(clock), clock)
         self.rotations = []
         self.refreshes = []
+        self.stale = []  # why the next reconcile must pull (an event whose change did not reach the model)
         self.handlers = EventHandlers(self.store, self.converges.append, self.reconciles.append, self.verifier,
                                       tmp_path, rotate_keys=self.rotations.append,
-                                      refresh_state=self.refreshes.append)
+                                      refresh_state=self.refreshes.append, stale=self.stale.append)
 
     @property
     def desired(self):
@@ -137,6 +138,8 @@ async def test_unsupported_and_unknown_types(h, caplog):
     await h.handlers.dispatch(env("from_the_future", {}, event_id="evt_u"))
     assert "event evt_a (action_request) ignored: not supported" in caplog.text
     assert any(r.levelno == logging.DEBUG and "evt_u" in r.getMessage() for r in caplog.records)
+    # whatever they said is in the state: the next reconcile pulls it
+    assert h.stale == ["event action_request ignored", "event of unknown type 'from_the_future'"]
     seen = []
     async def handler(e):
         seen.append(e.event_id)
@@ -222,3 +225,24 @@ async def test_relay_events_are_deltas_on_the_relay_sessions_and_a_bridge_change
     assert h.desired is before
     await h.handlers.dispatch(env("bridge_config_updated", {}))
     assert h.refreshes == ["bridge_config_updated"]  # only a pull, as in Go: the block is the truth
+
+
+async def test_an_event_that_cannot_take_effect_makes_the_next_reconcile_pull(h):
+    """An endpoint for a peer the model lacks (refused earlier, or its peer_added missed) changes nothing here: the
+    state may have the peer, so the next cycle pulls instead of trusting the stream."""
+    await h.handlers.dispatch(env("peer_endpoint_changed", {"id": "n_ghost", "endpoint": "192.0.2.9:51820"}))
+    assert "n_ghost" not in h.desired.peers
+    assert h.stale == ["peer_endpoint_changed for n_ghost, a peer the model does not have"]
+
+
+async def test_a_peer_event_keeps_the_relay_fallback_the_state_gave(h):
+    """`fallback_endpoint` is the state's to say, per receiving node; peer events do not carry it. A key rotation
+    must not drop a relayed pair's fallback until the next pull."""
+    key = wgkey()
+    peer = {"id": "n_a", "public_key": key, "mesh_ip": "10.100.0.2", "endpoint": "192.0.2.1:51820",
+            "allowed_ips": ["10.100.0.2/32"]}
+    h.store.replace(h.desired.with_peer(Peer.from_wire({**peer, "fallback_endpoint": "192.0.2.50:51821"}, "p")))
+    await h.handlers.dispatch(env("peer_key_rotated", {**peer, "public_key": wgkey()}))
+    assert h.desired.peers["n_a"].fallback_endpoint == "192.0.2.50:51821"
+    await h.handlers.dispatch(env("peer_added", {**peer, "fallback_endpoint": ""}, event_id="evt_2"))
+    assert h.desired.peers["n_a"].fallback_endpoint == ""  # an event that does speak of it is taken at its word

@@ -50,6 +50,7 @@ class World:
         self.applied.append(state)
 
     async def converge(self, dry_run=False):
+        self.converges = getattr(self, "converges", 0) + 1
         if dry_run:
             self.dry_runs += 1
             return Result(list(self.next_changes))  # a dry run: planned, not held back
@@ -81,6 +82,10 @@ class Parts:
 
     def take_refusals(self):
         return self._refusals() if self._refusals is not None else []
+
+    async def between_pulls(self):  # what the model reads of the machine between pulls changed (when set)
+        changed, self.local_change = getattr(self, "local_change", False), False
+        return changed
 
     async def converge(self, *, dry_run=False):
         return await self.converge_fn(dry_run=dry_run)
@@ -425,13 +430,62 @@ async def test_the_pull_interval_bounds_how_long_the_stream_stands_in_and_a_fail
         await spin()
         pulled = [(await interval_cycle(r, clock)).pulled for _ in range(6)]
         assert pulled == [False, False, True, False, False, True]  # at 180 s, 360 s
-        w.fail_fetch = True
-        s.rejected += 1
-        assert not (await interval_cycle(r, clock)).ok  # the pull failed ...
-        w.fail_fetch = False
-        assert (await interval_cycle(r, clock)).pulled  # ... so the next cycle pulls again
     finally:
         task.cancel()
+
+
+async def test_an_asked_for_pull_that_fails_leaves_the_next_interval_cycle_pulling():
+    """policy_updated asks for a refresh; GET /state fails once: the change is still to be pulled, so the cycles
+    after it pull until one succeeds (and the stream, connected all along, does not stand in for it)."""
+    w, s = World(), Stream()
+    r, clock = leaning_on(s, w)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        assert not (await interval_cycle(r, clock)).pulled
+        w.fail_fetch = True
+        r.refresh("policy_updated")
+        await spin()
+        # the refresh failed and asked for a full cycle, which failed too
+        assert w.fetches == 3 and r.refreshes == 1 and not r.last.ok and r.last.pulled
+        assert (await interval_cycle(r, clock)).pulled and not r.last.ok  # still failing: still pulling
+        w.fail_fetch = False
+        assert (await interval_cycle(r, clock)).pulled and r.last.ok
+        assert not (await interval_cycle(r, clock)).pulled  # and only then does the stream stand in again
+        r.stale("an action put off until the state offers it again")
+        assert (await interval_cycle(r, clock)).pulled
+    finally:
+        task.cancel()
+
+
+async def test_a_cycle_that_skips_the_pull_still_takes_what_the_machine_says_for_the_model():
+    """The route guard's protected addresses are read at every pull; between pulls they are read again, and a change
+    is converged in the same cycle (an update, not drift)."""
+    w, s = World(), Stream()
+    r, clock = leaning_on(s, w)
+    task = asyncio.create_task(r.run())
+    try:
+        await spin()
+        before = w.converges
+        assert not (await interval_cycle(r, clock)).pulled
+        assert w.converges == before + 1  # phase 1 only: nothing new read
+        r._source.local_change = True
+        last = await interval_cycle(r, clock)
+        assert not last.pulled and last.ok and w.fetches == 1
+        assert w.converges == before + 3  # phase 1, then the model's new limits converged
+    finally:
+        task.cancel()
+
+
+def test_an_invalidation_only_counts_pulls_that_started_after_it():
+    s, clock = Stream(), FakeClock(NOW)
+    f = PullFreshness(s.continuity, clock, 600)
+    mark = f.mark()  # a pull starts ...
+    f.invalidate()  # ... a refresh is asked for while it is in flight ...
+    f.pulled(mark)  # ... and the pull lands: it may predate the change the refresh is about
+    assert f.due() == "a pull was asked for since the last one"
+    f.pulled(f.mark())
+    assert f.due() == ""
 
 
 def test_without_a_connected_stream_the_freshness_is_always_due():
