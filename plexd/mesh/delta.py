@@ -20,6 +20,7 @@ changed are touched too.
 from __future__ import annotations
 
 import ipaddress
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from plexd.machine.wireguard import PeerConfig
@@ -144,8 +145,8 @@ def _still_routed_inside(net: Net, desired: DesiredState, own: frozenset[str]) -
         pid = routed.get(prefix)
         return pid is not None and desired.shown_peer(pid) is not None
 
-    for plen in range(net.prefixlen, 0, -1):  # not /0: a default route is never installed
-        if held(net.supernet(new_prefix=plen)):
+    for plen in desired.routed_lengths(net.version):  # not /0: a default route is never installed
+        if 0 < plen <= net.prefixlen and held(net.supernet(new_prefix=plen)):
             return None
     if net.prefixlen == net.max_prefixlen:
         return []
@@ -167,13 +168,20 @@ class _RouteSet:
     """The interface's routes, changed one prefix at a time, remembering what to add and remove in the end."""
 
     def __init__(self, live: Iterable[str]) -> None:
-        self._nets = {_net(r) for r in live}
+        self._nets: set[Net] = set()
+        self._lengths: Counter[tuple[int, int]] = Counter()  # (IP version, prefix length) -> routes of it
+        for r in live:
+            self._put(_net(r))
         self._added: set[Net] = set()
         self._removed: set[Net] = set()
 
+    def _put(self, net: Net) -> None:
+        self._nets.add(net)
+        self._lengths[net.version, net.prefixlen] += 1
+
     def _add(self, net: Net) -> None:
         if net not in self._nets:
-            self._nets.add(net)
+            self._put(net)
             if net in self._removed:
                 self._removed.discard(net)
             else:
@@ -182,13 +190,18 @@ class _RouteSet:
     def _discard(self, net: Net) -> None:
         if net in self._nets:
             self._nets.discard(net)
+            self._lengths[net.version, net.prefixlen] -= 1
             if net in self._added:
                 self._added.discard(net)
             else:
                 self._removed.add(net)
 
     def _covering(self, net: Net) -> Net | None:
-        for plen in range(net.prefixlen, -1, -1):
+        """The route that holds `net` (itself or a wider one): only the lengths some route has are tried (the
+        usual interface has /32s and a few wider prefixes; trying all 33 lengths was most of an event's apply)."""
+        lengths = sorted((p for (v, p), n in self._lengths.items() if n > 0 and v == net.version
+                          and p <= net.prefixlen), reverse=True)
+        for plen in lengths:
             candidate = net.supernet(new_prefix=plen)
             if candidate in self._nets:
                 return candidate

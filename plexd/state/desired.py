@@ -522,6 +522,11 @@ class DesiredState:
         """Every prefix routed to an accepted peer (its allowed IPs, else its mesh address) -> that peer's id."""
         return self._route_index.routed
 
+    def routed_lengths(self, version: int) -> list[int]:
+        """The prefix lengths `routed_prefixes` holds for this IP version, longest first: a prefix around an
+        address can only be one of these, so a look-up tries a few lengths instead of every one."""
+        return sorted((length for v, length in self._route_index.lengths if v == version), reverse=True)
+
     def with_route_limits(self, limits: RouteLimits) -> DesiredState:
         """New limits (the control plane's address or the underlay changed): every peer is checked again."""
         if limits == self.route_limits:
