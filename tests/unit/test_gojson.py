@@ -1,5 +1,6 @@
 """Go wire conventions: durations, RFC3339Nano times, HTML-safe compact JSON (docs/protocol.md §0.2)."""
 
+import json
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
@@ -77,3 +78,28 @@ def test_go_marshal_escapes_like_go():
 def test_go_compact_keeps_order_and_string_contents():
     raw = '{ "z" : [1, 2 ,{"y": "a b\\" <"}],\n "a":null }'
     assert gojson.go_compact(raw) == '{"z":[1,2,{"y":"a b\\" \\u003c"}],"a":null}'
+
+
+def _compact_by_walk(raw: str) -> str:
+    """The definition: drop whitespace outside strings, HTML-escape inside them, one character at a time."""
+    out, in_string, escaped = [], False, False
+    for ch in raw:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+            out.append(gojson._HTML_ESCAPES.get(ch, ch))
+        elif ch not in " \t\n\r":
+            in_string = ch == '"'
+            out.append(ch)
+    return "".join(out)
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(alphabet=st.sampled_from('ab <>&"\\ \n\u2028é')),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8)
+
+
+@given(_json_values, st.sampled_from([None, 0, 2]), st.sampled_from([(",", ":"), (", ", ": ")]), st.booleans())
+def test_go_compact_is_the_walk_whatever_the_spacing(value, indent, separators, ascii_only):
+    raw = json.dumps(value, indent=indent, separators=separators, ensure_ascii=ascii_only)
+    assert gojson.go_compact(raw) == _compact_by_walk(raw)
