@@ -95,6 +95,8 @@ class Rig:
     node_id: str = ""
     token: str = ""  # the bootstrap token (plexd removes its file once registered)
     signalled: int | None = None  # the wireguard-go a fault signalled last
+    # What a by-hand fault's own command saw right after it (plexd may repair it before anyone else looks)
+    gone_right_after: bool = False
     logs: list[Path] = field(default_factory=list)
     kills_at: int = 0  # plexd_kill_at faults so far: each takes the next of KILL_POINTS
     killed_at: Path | None = None  # the log of the run plexd_kill_at armed last
@@ -170,9 +172,6 @@ class Rig:
             except OSError:
                 continue
         return None
-
-    def in_node(self, *cmd: str) -> None:
-        subprocess.run(self.node.wrap_net(list(cmd)), check=False, capture_output=True)
 
     def secrets(self) -> list[str]:
         """What must never be in a log: the secret value, the bootstrap token, the node secret and the bearer
@@ -430,6 +429,13 @@ def _in_node_out(r: Rig, *cmd: str) -> str:
     return subprocess.run(r.node.wrap_net(list(cmd)), capture_output=True, text=True).stdout
 
 
+async def _by_hand(r: Rig, change: str, look: str, gone: str) -> None:
+    """`change` in the node's namespace, then `look` in the same shell: whether `gone` was gone right after. The
+    daemon repairs these within milliseconds when it sees them, so a look from here a moment later can miss it."""
+    out = await asyncio.to_thread(_in_node_out, r, "sh", "-c", f"{change} && {look}")
+    r.gone_right_after = gone not in out
+
+
 async def _step_clock(r: Rig, offset: str) -> None:
     r.clock_file.write_text(offset + "\n")
 
@@ -472,10 +478,10 @@ def faults(outage: float) -> dict[str, Fault]:
         "dp_restart": Fault(_dp_kill, _dp_start, 2, lambda r: not r.dp.running),
         "disk_full": Fault(_fill, _unfill, 5, lambda r: statvfs(r).f_bavail * statvfs(r).f_frsize < 64 * 1024),
         "read_only": Fault(_read_only, _writable, 5, lambda r: bool(statvfs(r).f_flag & os.ST_RDONLY)),
-        "nft_flush": Fault(lambda r: asyncio.to_thread(r.in_node, "nft", "flush", "ruleset"), _nothing, 0,
-                           lambda r: "plexd" not in _in_node_out(r, "nft", "list", "tables")),
-        "link_del": Fault(lambda r: asyncio.to_thread(r.in_node, "ip", "link", "del", "plexd0"), _nothing, 0,
-                          lambda r: "plexd0" not in _in_node_out(r, "ip", "-o", "link")),
+        "nft_flush": Fault(lambda r: _by_hand(r, "nft flush ruleset", "nft list tables", "plexd"), _nothing, 0,
+                           lambda r: r.gone_right_after),
+        "link_del": Fault(lambda r: _by_hand(r, "ip link del plexd0", "ip -o link", "plexd0"), _nothing, 0,
+                          lambda r: r.gone_right_after),
     } | clock
 
 
