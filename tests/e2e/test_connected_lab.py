@@ -270,7 +270,10 @@ def test_each_service_crashes_once_and_comes_back_while_the_tunnel_pings(lab_dp)
     wait_until(lambda: len(dp.admin.heartbeats(a_id)) > beats_before + 2, 15, "heartbeats after the fault",
                daemons)
     assert doc["event_stream"]["state"] == "connected"
-    assert ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3
+    # the tunnel carries traffic now (the continuous ping above already bounds what was lost meanwhile); one echo of
+    # three was lost once on a CI machine running the VM tiers beside it, so three in a row is waited for
+    wait_until(lambda: ping_count(lab, a.node, b.mesh_ip(), 3, 0.2) == 3, scaled(15), "three echoes in a row",
+               daemons)
     assert "mesh interface" not in log  # never torn down
 
 
