@@ -171,9 +171,7 @@ class EventStream:
         self.accepted = 0
         self.rejected = 0
         self.rejected_by_reason: collections.Counter[str] = collections.Counter()
-        # Events whose change may not be in the model as the control plane meant it: refused, skipped, failed in
-        # their handler, or held for the clock and accepted late (after a pull that may be newer than them)
-        self.gaps = 0
+        self.accepted_late = 0  # held for the clock, accepted later (after a pull that may be newer than them)
         self.polls = 0
         self.delays: deque[float] = deque(maxlen=256)  # recent waits between attempts
         self._reconnect = asyncio.Event()
@@ -195,6 +193,12 @@ class EventStream:
                 "connects": self.connects, "events_accepted": self.accepted, "events_rejected": self.rejected,
                 "events_held_for_clock": len(self.clock_hold),
                 "clock_offset_seconds": None if not self.clock_hold else round(-(self.clock_hold.offset or 0.0))}
+
+    @property
+    def gaps(self) -> int:
+        """Events whose change may not be in the model as the control plane meant it: refused, skipped, failed in
+        their handler, or accepted late from the clock hold (old news, maybe older than the last pull)."""
+        return self.rejected + self.accepted_late
 
     @property
     def continuity(self) -> tuple[str, int, int] | None:
@@ -619,7 +623,6 @@ class EventStream:
                 return
             except Exception:
                 self.rejected += 1
-                self.gaps += 1
                 self.rejected_by_reason["handler_error"] += 1
                 log.exception("event %s (%s): handler failed", env.event_id, env.event_type,
                               extra={"event_id": env.event_id, "reason": "handler_error"})
@@ -646,7 +649,7 @@ class EventStream:
                 continue
             log.info("event %s (%s) accepted: this node's clock now agrees with its issued_at %s", env.event_id,
                      env.event_type, env.issued_at, extra={"event_id": env.event_id})
-            self.gaps += 1  # old news, maybe older than the last pull: the next cycle pulls
+            self.accepted_late += 1
             await self._handle_verified(env)
             self.ledger.note(None, env.nonce, gojson.parse_time(env.issued_at).timestamp())
         if was_held and not self.clock_hold and self._on_clock_agrees is not None:
@@ -659,7 +662,6 @@ class EventStream:
 
     def _reject(self, event_id: str | None, reason: str, message: str, event_type: str = "") -> None:
         self.rejected += 1
-        self.gaps += 1
         self.rejected_by_reason[reason] += 1
         kind = f" ({event_type})" if event_type else ""
         if reason == NONCE_STORE_FULL:  # a flood: the nonce store logs one line a minute for all of them

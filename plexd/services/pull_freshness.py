@@ -72,17 +72,6 @@ class PullFreshness:
         return ""
 
 
-class AlwaysPull:
-    """No event stream to lean on (tests, `plexd reconcile --once`): every cycle pulls."""
-
-    def mark(self) -> Mark:
-        return Mark(None, 0, 0.0)
-
-    def pulled(self, mark: Mark) -> None:
-        pass
-
-    def invalidate(self) -> None:
-        pass
-
-    def due(self) -> str:
-        return "always"
+def always_pull(clock: Clock) -> PullFreshness:
+    """No event stream to lean on (tests, `plexd reconcile --once`): never connected, so every cycle pulls."""
+    return PullFreshness(lambda: None, clock, 0.0)

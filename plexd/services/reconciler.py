@@ -40,7 +40,7 @@ from plexd.base.backoff import Backoff
 from plexd.base.clock import Clock
 from plexd.controlplane.uplink import Poster, UplinkOutbox, by_kind
 from plexd.converge.change import Change, Correction
-from plexd.services.pull_freshness import AlwaysPull, Mark, PullFreshness
+from plexd.services.pull_freshness import Mark, always_pull
 from plexd.state.desired_store import StalePull
 
 log = logging.getLogger(__name__)
@@ -142,10 +142,9 @@ def corrections_of(changes: Iterable[Change | Correction] | None) -> list[Correc
 class Reconciler(Generic[S]):
     def __init__(self, source: StateSource[S], gate: Converger,
                  post_drift: Callable[[dict[str, Any]], Awaitable[None]], *, clock: Clock | None = None,
-                 interval: float = 60.0, outbox: UplinkOutbox | None = None,
-                 freshness: PullFreshness | AlwaysPull | None = None) -> None:
-        """`outbox`: the daemon's durable one; None: one in memory around `post_drift`. `freshness`: when an
-        interval cycle may skip the pull; None: never."""
+                 interval: float = 60.0, outbox: UplinkOutbox | None = None) -> None:
+        """`outbox`: the daemon's durable one; None: one in memory around `post_drift`. `freshness` (set by the
+        daemon's assembly, beside its event stream): when an interval cycle may skip the pull; until then, never."""
         self._source = source
         self._gate = gate
         self._clock = clock or Clock()
@@ -156,7 +155,7 @@ class Reconciler(Generic[S]):
         self.refreshes = 0
         self._lock = asyncio.Lock()
         self._outbox = outbox if outbox is not None else UplinkOutbox(None, lambda kind, body: post_drift(body))
-        self.freshness = freshness or AlwaysPull()
+        self.freshness = always_pull(self._clock)
         self.pulls_skipped = 0
         self.pulled_at: float | None = None  # monotonic: when the last pull that was applied ended
         self.started = asyncio.Event()  # the start's converge from the stored state was tried: READY=1 may go
